@@ -1,0 +1,397 @@
+//! Configuration: the worker's settings (`idemflow.toml`) and its pipelines (`pipelines/*.toml`).
+//!
+//! Settings are read with figment: the TOML file, then environment variables `IDEMFLOW_<SECTION>__<KEY>` (for
+//! example `IDEMFLOW_DATABASE__URL`, `IDEMFLOW_KAFKA__BOOTSTRAP_SERVERS`). Only the known top-level sections are
+//! taken from the environment; any other `IDEMFLOW_*` variable (orchestrators inject some, such as
+//! `IDEMFLOW_PORT` for a service named idemflow) is reported as a warning and ignored, never a failure.
+
+pub mod pipeline;
+
+pub use pipeline::{BatchSettings, Binding, Meta, OnConflict, Pipeline, PipelineError, SinkSpec, TombstonePolicy, ValueSource};
+
+use figment::providers::{Format as _, Toml};
+use figment::Figment;
+use serde::Deserialize;
+use std::collections::BTreeMap;
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// Top-level sections that may be set from the environment.
+const SECTIONS: [&str; 6] = ["database", "kafka", "metrics", "log", "pipelines", "shutdown"];
+
+/// The worker's settings, from `idemflow.toml` and the environment.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Settings {
+    /// Directory of pipeline files (`*.toml`); a relative path is taken from the settings file's directory.
+    #[serde(default = "default_pipelines")]
+    pub pipelines: PathBuf,
+    /// Postgres.
+    pub database: DatabaseSettings,
+    /// Kafka.
+    pub kafka: KafkaSettings,
+    /// The `/metrics` endpoint.
+    #[serde(default)]
+    pub metrics: MetricsSettings,
+    /// Logging.
+    #[serde(default)]
+    pub log: LogSettings,
+    /// Graceful shutdown.
+    #[serde(default)]
+    pub shutdown: ShutdownSettings,
+}
+
+fn default_pipelines() -> PathBuf {
+    PathBuf::from("pipelines")
+}
+
+/// `[database]`.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DatabaseSettings {
+    /// A libpq-style URL, `postgres://user:password@host:port/dbname`. Never printed: `Debug` redacts it.
+    pub url: DatabaseUrl,
+    /// Size of the connection pool. Each pipeline holds at most one connection at a time (its batch
+    /// transaction), so pipelines + 1 is enough; 1 works too, pipelines then take turns.
+    #[serde(default = "default_max_connections")]
+    pub max_connections: u32,
+    /// How long to wait for a pooled connection before the attempt counts as failed and is retried.
+    #[serde(default = "default_acquire_timeout", with = "humantime_serde")]
+    pub acquire_timeout: Duration,
+}
+
+fn default_max_connections() -> u32 {
+    8
+}
+
+fn default_acquire_timeout() -> Duration {
+    Duration::from_secs(10)
+}
+
+/// A database URL whose `Debug` and `Display` hide the password.
+#[derive(Clone, Deserialize)]
+#[serde(transparent)]
+pub struct DatabaseUrl(String);
+
+impl DatabaseUrl {
+    /// The URL itself, to connect with. Do not log it.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl From<String> for DatabaseUrl {
+    fn from(url: String) -> Self {
+        DatabaseUrl(url)
+    }
+}
+
+impl fmt::Display for DatabaseUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // postgres://user:secret@host/db -> postgres://user:***@host/db
+        let url = &self.0;
+        match (url.find("://"), url.rfind('@')) {
+            (Some(scheme), Some(at)) if at > scheme => {
+                let userinfo = &url[scheme + 3..at];
+                let user = userinfo.split(':').next().unwrap_or_default();
+                let hidden = if userinfo.contains(':') { ":***" } else { "" };
+                write!(f, "{}{user}{hidden}{}", &url[..scheme + 3], &url[at..])
+            }
+            _ if url.contains("password") => f.write_str("(a URL with a password parameter, hidden)"),
+            _ => f.write_str(url),
+        }
+    }
+}
+
+impl fmt::Debug for DatabaseUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "DatabaseUrl({self})")
+    }
+}
+
+/// `[kafka]`.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KafkaSettings {
+    /// `host:port[,host:port...]`.
+    pub bootstrap_servers: String,
+    /// librdkafka properties passed through as they are (see librdkafka's CONFIGURATION.md), for example
+    /// `"session.timeout.ms" = "6000"` or `"security.protocol" = "ssl"`. Values may be strings, numbers or
+    /// booleans. The worker owns `group.id`, `enable.auto.commit` and `enable.auto.offset.store`.
+    #[serde(default)]
+    pub properties: BTreeMap<String, PropertyValue>,
+}
+
+/// A librdkafka property value as written in TOML.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(untagged)]
+pub enum PropertyValue {
+    /// `"6000"`.
+    Text(String),
+    /// `6000`.
+    Integer(i64),
+    /// `true`.
+    Bool(bool),
+    /// `0.5`.
+    Float(f64),
+}
+
+impl fmt::Display for PropertyValue {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            PropertyValue::Text(s) => f.write_str(s),
+            PropertyValue::Integer(i) => write!(f, "{i}"),
+            PropertyValue::Bool(b) => write!(f, "{b}"),
+            PropertyValue::Float(x) => write!(f, "{x}"),
+        }
+    }
+}
+
+/// `[metrics]`.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MetricsSettings {
+    /// Address of the HTTP endpoint serving `/metrics`, `/healthz` and `/readyz` (default `127.0.0.1:9464`).
+    #[serde(default = "default_listen")]
+    pub listen: SocketAddr,
+}
+
+fn default_listen() -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], 9464))
+}
+
+impl Default for MetricsSettings {
+    fn default() -> Self {
+        MetricsSettings { listen: default_listen() }
+    }
+}
+
+/// `[log]`.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LogSettings {
+    /// `pretty` (for people) or `json` (one object per line, for log shippers).
+    #[serde(default)]
+    pub format: LogFormat,
+    /// A tracing filter directive such as `info` or `idemflow=debug,rdkafka=warn`; `RUST_LOG` overrides it.
+    #[serde(default = "default_level")]
+    pub level: String,
+}
+
+fn default_level() -> String {
+    "info".to_owned()
+}
+
+impl Default for LogSettings {
+    fn default() -> Self {
+        LogSettings { format: LogFormat::default(), level: default_level() }
+    }
+}
+
+/// Log output format.
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    /// Human-readable lines.
+    #[default]
+    Pretty,
+    /// JSON lines.
+    Json,
+}
+
+/// `[shutdown]`.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ShutdownSettings {
+    /// How long a graceful shutdown may take (finishing the batch in flight, committing offsets, leaving the
+    /// group) before the worker exits anyway with status 1. Default 30s.
+    #[serde(default = "default_shutdown_timeout", with = "humantime_serde")]
+    pub timeout: Duration,
+}
+
+fn default_shutdown_timeout() -> Duration {
+    Duration::from_secs(30)
+}
+
+impl Default for ShutdownSettings {
+    fn default() -> Self {
+        ShutdownSettings { timeout: default_shutdown_timeout() }
+    }
+}
+
+/// Settings as loaded, with what was noticed on the way.
+#[derive(Debug)]
+pub struct Loaded {
+    /// The settings, with `pipelines` resolved against the settings file's directory.
+    pub settings: Settings,
+    /// Warnings to log once logging is up (ignored environment variables).
+    pub warnings: Vec<String>,
+}
+
+/// Why the settings could not be loaded.
+#[derive(Debug, thiserror::Error)]
+#[error("{file}: {message}")]
+pub struct SettingsError {
+    /// The settings file.
+    pub file: String,
+    /// What is wrong, with the key path when figment knows it.
+    pub message: String,
+}
+
+/// Loads settings from `file` and the process environment.
+pub fn load_settings(file: &Path) -> Result<Loaded, SettingsError> {
+    load_settings_from(file, std::env::vars())
+}
+
+/// Loads settings from `file` and the given environment (a seam for tests).
+pub fn load_settings_from(
+    file: &Path,
+    env: impl IntoIterator<Item = (String, String)>,
+) -> Result<Loaded, SettingsError> {
+    let err = |message: String| SettingsError { file: file.display().to_string(), message };
+    if !file.is_file() {
+        return Err(err("no such file (pass --config PATH)".to_owned()));
+    }
+    let mut warnings = Vec::new();
+    let mut known = Vec::new();
+    for (name, value) in env {
+        let Some(rest) = name.strip_prefix("IDEMFLOW_") else { continue };
+        let section = rest.split("__").next().unwrap_or_default().to_ascii_lowercase();
+        if SECTIONS.contains(&section.as_str()) {
+            known.push((name, value));
+        } else {
+            warnings.push(format!("ignoring environment variable {name}: {section:?} is not a settings section"));
+        }
+    }
+    // The same nesting as figment's `Env::prefixed("IDEMFLOW_").split("__")`, over the given variables only.
+    let figment = known.into_iter().fold(Figment::new().merge(Toml::file_exact(file)), |f, (name, value)| {
+        let key = name["IDEMFLOW_".len()..].to_ascii_lowercase().replace("__", ".");
+        f.merge(figment::providers::Serialized::default(&key, parse_env_value(&value)))
+    });
+    let mut settings: Settings = figment.extract().map_err(|e| {
+        err(e.into_iter().map(|e| e.to_string()).collect::<Vec<_>>().join("; "))
+    })?;
+    if settings.pipelines.is_relative() {
+        let base = file.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        settings.pipelines = base.join(&settings.pipelines);
+    }
+    if settings.database.max_connections == 0 {
+        return Err(err("database.max_connections must be at least 1".to_owned()));
+    }
+    Ok(Loaded { settings, warnings })
+}
+
+/// Environment values are strings; numbers and booleans are typed the way figment's `Env` types them.
+fn parse_env_value(value: &str) -> figment::value::Value {
+    value.parse::<figment::value::Value>().unwrap_or_else(|_| figment::value::Value::from(value.to_owned()))
+}
+
+/// Loads and validates every `*.toml` file in `dir`, sorted by name. Returns all errors of all files at once.
+pub fn load_pipelines(dir: &Path) -> Result<Vec<Pipeline>, Vec<PipelineError>> {
+    let entries = match std::fs::read_dir(dir) {
+        Ok(entries) => entries,
+        Err(e) => {
+            return Err(vec![PipelineError {
+                file: dir.display().to_string(),
+                pipeline: String::new(),
+                field: String::new(),
+                message: format!("cannot read the pipelines directory: {e}"),
+            }])
+        }
+    };
+    let mut files: Vec<PathBuf> = entries
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "toml") && p.is_file())
+        .collect();
+    files.sort();
+    let mut pipelines = Vec::new();
+    let mut errors = Vec::new();
+    for file in &files {
+        match pipeline::load_file(file) {
+            Ok(p) => pipelines.push(p),
+            Err(mut e) => errors.append(&mut e),
+        }
+    }
+    if files.is_empty() {
+        errors.push(PipelineError {
+            file: dir.display().to_string(),
+            pipeline: String::new(),
+            field: String::new(),
+            message: "no pipeline files (*.toml) in the pipelines directory".to_owned(),
+        });
+    }
+    let mut seen: Vec<(&str, &str, &Path)> = Vec::new();
+    for p in &pipelines {
+        for (name, group, file) in &seen {
+            if *name == p.name {
+                errors.push(dup_error(p, "name", format!("{name:?} is also the name in {}", file.display())));
+            } else if *group == p.group_id {
+                errors.push(dup_error(p, "group_id", format!("{group:?} is also used by {}", file.display())));
+            }
+        }
+        seen.push((&p.name, &p.group_id, &p.file));
+    }
+    if errors.is_empty() {
+        Ok(pipelines)
+    } else {
+        Err(errors)
+    }
+}
+
+fn dup_error(p: &Pipeline, field: &str, message: String) -> PipelineError {
+    PipelineError { file: p.file.display().to_string(), pipeline: p.name.clone(), field: field.to_owned(), message }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn write(dir: &Path, text: &str) -> PathBuf {
+        let file = dir.join("idemflow.toml");
+        std::fs::write(&file, text).unwrap();
+        file
+    }
+
+    const MINIMAL: &str = "[database]\nurl = \"postgres://u:secret@h/db\"\n[kafka]\nbootstrap_servers = \"k:9092\"\n";
+
+    #[test]
+    fn env_overrides_known_sections_and_warns_on_others() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = write(dir.path(), MINIMAL);
+        let env = [
+            ("IDEMFLOW_DATABASE__MAX_CONNECTIONS", "3"),
+            ("IDEMFLOW_KAFKA__BOOTSTRAP_SERVERS", "other:9092"),
+            ("IDEMFLOW_PORT", "tcp://10.0.0.1:9464"),
+            ("UNRELATED", "x"),
+        ]
+        .map(|(k, v)| (k.to_owned(), v.to_owned()));
+        let loaded = load_settings_from(&file, env).unwrap();
+        assert_eq!(loaded.settings.database.max_connections, 3);
+        assert_eq!(loaded.settings.kafka.bootstrap_servers, "other:9092");
+        assert_eq!(loaded.settings.pipelines, dir.path().join("pipelines"));
+        assert_eq!(loaded.warnings.len(), 1, "{:?}", loaded.warnings);
+        assert!(loaded.warnings[0].contains("IDEMFLOW_PORT"));
+    }
+
+    #[test]
+    fn secrets_are_never_printed() {
+        let dir = tempfile::tempdir().unwrap();
+        let loaded = load_settings_from(&write(dir.path(), MINIMAL), []).unwrap();
+        let shown = format!("{:?}", loaded.settings);
+        assert!(!shown.contains("secret"), "{shown}");
+        assert!(shown.contains("postgres://u:***@h/db"), "{shown}");
+    }
+
+    #[test]
+    fn unknown_keys_and_bad_values_name_the_file_and_key() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = write(dir.path(), &format!("{MINIMAL}[metrics]\nlisten = \"nowhere\"\n"));
+        let e = load_settings_from(&file, []).unwrap_err().to_string();
+        assert!(e.contains("idemflow.toml") && e.contains("metrics.listen"), "{e}");
+        let file = write(dir.path(), &format!("{MINIMAL}[log]\nformt = \"json\"\n"));
+        let e = load_settings_from(&file, []).unwrap_err().to_string();
+        assert!(e.contains("formt"), "{e}");
+    }
+}

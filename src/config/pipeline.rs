@@ -1,0 +1,548 @@
+//! `pipelines/<name>.toml`: one pipeline per file, raw TOML validated into a [`Pipeline`].
+//!
+//! Every problem found in a file is reported, not just the first, and each names the file, the pipeline and the
+//! field: `pipelines/payments.toml: pipeline "payments": key.field: "/order//id" has an empty segment ...`.
+
+use crate::decode::{Decoder, Format};
+use crate::field::FieldPath;
+use crate::key::{KeySource, KeySpec};
+use crate::sink::template::{self, Statement};
+use serde::Deserialize;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// Default `batch.max_records`.
+pub const DEFAULT_MAX_RECORDS: usize = 500;
+/// Default `batch.max_wait`.
+pub const DEFAULT_MAX_WAIT: Duration = Duration::from_millis(20);
+/// Default `max_payload_bytes`: 4 MiB (Kafka's own default record limit is about 1 MiB).
+pub const DEFAULT_MAX_PAYLOAD_BYTES: usize = 4 << 20;
+
+/// One validated pipeline: topics in, side effect out.
+#[derive(Clone, Debug)]
+pub struct Pipeline {
+    /// The pipeline's name: `[a-z0-9_-]`, 1 to 63 characters; the file stem unless `name` is set. Used as the
+    /// `pipeline` column of the dedup store and the `pipeline` label of every metric.
+    pub name: String,
+    /// The file it was read from.
+    pub file: PathBuf,
+    /// Topics to consume.
+    pub topics: Vec<String>,
+    /// Kafka consumer group (default `idemflow-<name>`).
+    pub group_id: String,
+    /// How payloads are decoded.
+    pub decoder: Decoder,
+    /// Where the business key comes from.
+    pub key: KeySpec,
+    /// What happens to a null value (a tombstone).
+    pub tombstones: TombstonePolicy,
+    /// The side effect.
+    pub sink: SinkSpec,
+    /// Batch bounds.
+    pub batch: BatchSettings,
+}
+
+/// What the worker does with a record whose value is null (a tombstone on a compacted topic).
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum TombstonePolicy {
+    /// Skip it and count it in `idemflow_tombstones_skipped_total`; it writes no dedup row.
+    #[default]
+    Skip,
+    /// Send it to the dead letters with reason `tombstone`.
+    DeadLetter,
+}
+
+/// How many records a batch may hold and how long the worker waits to fill it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BatchSettings {
+    /// At most this many records per batch (and per transaction), at least 1.
+    pub max_records: usize,
+    /// After the first record of a batch arrives, wait at most this long for more.
+    pub max_wait: Duration,
+}
+
+/// The side effect of a pipeline.
+#[derive(Clone, Debug)]
+pub enum SinkSpec {
+    /// A generated set-based `INSERT` of all new records of a batch in one statement.
+    Table {
+        /// The target table as written (`payments` or `schema.payments`).
+        table: String,
+        /// Target columns and the values that fill them.
+        columns: Vec<Binding>,
+        /// What a conflict with an existing business row does.
+        on_conflict: OnConflict,
+        /// Conflict target for `on_conflict = "update"`; `None`: the table's primary key.
+        conflict_columns: Option<Vec<String>>,
+    },
+    /// Statements with named parameters, run for each new record, in order, inside the batch transaction.
+    Sql {
+        /// The statements, parameters already located.
+        statements: Vec<Statement>,
+        /// The value of each named parameter.
+        params: Vec<Binding>,
+    },
+}
+
+/// `on_conflict` of the table form.
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum OnConflict {
+    /// A conflicting business row is an error for that record (dead-lettered as `side_effect_rejected`).
+    #[default]
+    Error,
+    /// A conflicting business row is left as it is.
+    Nothing,
+    /// A conflicting business row is updated with the new values (`ON CONFLICT (...) DO UPDATE`).
+    Update,
+}
+
+/// A named value bound into the side effect: a column of the table form or a parameter of the SQL form.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Binding {
+    /// Column or parameter name.
+    pub name: String,
+    /// Where the value comes from.
+    pub source: ValueSource,
+    /// Text used when the value is missing or null.
+    pub default: Option<String>,
+    /// Whether a missing or null value binds NULL (`true`) or dead-letters the record as `param_missing`.
+    pub optional: bool,
+}
+
+/// Where a bound value comes from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ValueSource {
+    /// A field of the payload.
+    Field(FieldPath),
+    /// The Kafka record key (UTF-8).
+    RecordKey,
+    /// A Kafka header's value (UTF-8; the last header with this name).
+    Header(String),
+    /// Something about the record rather than in it.
+    Meta(Meta),
+}
+
+/// Record metadata that can be bound.
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum Meta {
+    /// The topic name.
+    Topic,
+    /// The partition number.
+    Partition,
+    /// The record's offset.
+    Offset,
+    /// The record timestamp as RFC 3339 UTC text with milliseconds (bind it to `timestamptz`).
+    Timestamp,
+    /// The business key's canonical text.
+    BusinessKey,
+}
+
+/// A problem with one pipeline file.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("{file}: pipeline {pipeline:?}: {field}{sep}{message}", sep = if field.is_empty() { "" } else { ": " })]
+pub struct PipelineError {
+    /// The file, as given.
+    pub file: String,
+    /// The pipeline's name (the file stem when the name itself is unreadable).
+    pub pipeline: String,
+    /// The field, as a TOML path such as `key.field` or `sink.params.amount`; empty for a whole-file error.
+    pub field: String,
+    /// What is wrong.
+    pub message: String,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawPipeline {
+    name: Option<String>,
+    topics: Vec<String>,
+    group_id: Option<String>,
+    #[serde(default)]
+    format: Format,
+    max_payload_bytes: Option<usize>,
+    #[serde(default)]
+    tombstones: TombstonePolicy,
+    key: RawKey,
+    sink: RawSink,
+    #[serde(default)]
+    batch: RawBatch,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawKey {
+    field: Option<String>,
+    fields: Option<Vec<String>>,
+    record_key: Option<bool>,
+    header: Option<String>,
+    #[serde(default)]
+    allow_empty: bool,
+    max_bytes: Option<usize>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawSink {
+    table: Option<String>,
+    columns: Option<BTreeMap<String, toml::Value>>,
+    on_conflict: Option<OnConflict>,
+    conflict_columns: Option<Vec<String>>,
+    sql: Option<RawSql>,
+    params: Option<BTreeMap<String, toml::Value>>,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum RawSql {
+    One(String),
+    Many(Vec<String>),
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawBatch {
+    max_records: Option<usize>,
+    #[serde(default, with = "humantime_serde")]
+    max_wait: Option<Duration>,
+}
+
+/// Collects the errors of one file.
+struct Errors<'a> {
+    file: &'a str,
+    pipeline: String,
+    list: Vec<PipelineError>,
+}
+
+impl Errors<'_> {
+    fn push(&mut self, field: &str, message: impl Into<String>) {
+        self.list.push(PipelineError {
+            file: self.file.to_owned(),
+            pipeline: self.pipeline.clone(),
+            field: field.to_owned(),
+            message: message.into(),
+        });
+    }
+}
+
+/// Reads and validates one pipeline file. Returns every problem found in it.
+pub fn load_file(path: &Path) -> Result<Pipeline, Vec<PipelineError>> {
+    let file = path.display().to_string();
+    let stem = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+    let mut errors = Errors { file: &file, pipeline: stem.clone(), list: Vec::new() };
+    let text = match std::fs::read_to_string(path) {
+        Ok(text) => text,
+        Err(e) => {
+            errors.push("", format!("cannot read the file: {e}"));
+            return Err(errors.list);
+        }
+    };
+    let raw: RawPipeline = match toml::from_str(&text) {
+        Ok(raw) => raw,
+        Err(e) => {
+            errors.push("", e.to_string().trim_end().replace('\n', "\n    "));
+            return Err(errors.list);
+        }
+    };
+    let pipeline = validate(raw, path, &stem, &mut errors);
+    if errors.list.is_empty() {
+        Ok(pipeline.expect("no errors means a pipeline"))
+    } else {
+        Err(errors.list)
+    }
+}
+
+fn valid_name(name: &str) -> bool {
+    (1..=63).contains(&name.len())
+        && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'-')
+}
+
+fn validate(raw: RawPipeline, path: &Path, stem: &str, e: &mut Errors<'_>) -> Option<Pipeline> {
+    let name = raw.name.clone().unwrap_or_else(|| stem.to_owned());
+    e.pipeline = name.clone();
+    if !valid_name(&name) {
+        let field = if raw.name.is_some() { "name" } else { "(file stem)" };
+        e.push(field, format!("{name:?} must be 1 to 63 characters of a-z, 0-9, '_' or '-'"));
+    }
+    if raw.topics.is_empty() {
+        e.push("topics", "at least one topic is required");
+    }
+    for (i, t) in raw.topics.iter().enumerate() {
+        if t.is_empty() || t.len() > 249 || !t.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b)) {
+            e.push(&format!("topics[{i}]"), format!("{t:?} is not a valid Kafka topic name"));
+        }
+    }
+    let group_id = raw.group_id.clone().unwrap_or_else(|| format!("idemflow-{name}"));
+    if group_id.is_empty() {
+        e.push("group_id", "must not be empty");
+    }
+    let max_payload_bytes = raw.max_payload_bytes.unwrap_or(DEFAULT_MAX_PAYLOAD_BYTES);
+    if max_payload_bytes == 0 {
+        e.push("max_payload_bytes", "must be at least 1");
+    }
+    let key = validate_key(&raw.key, e);
+    let sink = validate_sink(raw.sink, e);
+    let max_records = raw.batch.max_records.unwrap_or(DEFAULT_MAX_RECORDS);
+    if max_records == 0 {
+        e.push("batch.max_records", "must be at least 1");
+    }
+    let max_wait = raw.batch.max_wait.unwrap_or(DEFAULT_MAX_WAIT);
+    Some(Pipeline {
+        name,
+        file: path.to_owned(),
+        topics: raw.topics,
+        group_id,
+        decoder: Decoder::new(raw.format, max_payload_bytes),
+        key: key?,
+        tombstones: raw.tombstones,
+        sink: sink?,
+        batch: BatchSettings { max_records, max_wait },
+    })
+}
+
+fn path_or_error(text: &str, field: &str, e: &mut Errors<'_>) -> Option<FieldPath> {
+    FieldPath::parse(text).map_err(|err| e.push(field, format!("{text:?}: {err}"))).ok()
+}
+
+fn validate_key(raw: &RawKey, e: &mut Errors<'_>) -> Option<KeySpec> {
+    let given = [raw.field.is_some(), raw.fields.is_some(), raw.record_key == Some(true), raw.header.is_some()];
+    if given.iter().filter(|g| **g).count() != 1 {
+        e.push("key", "set exactly one of field, fields, record_key = true, header");
+        return None;
+    }
+    if raw.max_bytes == Some(0) {
+        e.push("key.max_bytes", "must be at least 1");
+    }
+    let source = if let Some(f) = &raw.field {
+        KeySource::Field(path_or_error(f, "key.field", e)?)
+    } else if let Some(fs) = &raw.fields {
+        if fs.is_empty() {
+            e.push("key.fields", "list at least one field");
+            return None;
+        }
+        let paths: Vec<_> =
+            fs.iter().enumerate().map(|(i, f)| path_or_error(f, &format!("key.fields[{i}]"), e)).collect();
+        KeySource::Fields(paths.into_iter().collect::<Option<_>>()?)
+    } else if raw.record_key == Some(true) {
+        KeySource::RecordKey
+    } else {
+        let h = raw.header.clone().unwrap_or_default();
+        if h.is_empty() {
+            e.push("key.header", "must name a header");
+        }
+        KeySource::Header(h)
+    };
+    Some(KeySpec { source, allow_empty: raw.allow_empty, max_bytes: raw.max_bytes })
+}
+
+fn validate_sink(raw: RawSink, e: &mut Errors<'_>) -> Option<SinkSpec> {
+    match (&raw.table, &raw.sql) {
+        (Some(_), Some(_)) | (None, None) => {
+            e.push("sink", "set exactly one of table (with [sink.columns]) or sql (with [sink.params])");
+            return None;
+        }
+        _ => {}
+    }
+    if let Some(table) = raw.table {
+        if raw.params.is_some() {
+            e.push("sink.params", "belongs to the sql form; the table form uses [sink.columns]");
+        }
+        if table.split('.').count() > 2 || table.split('.').any(str::is_empty) {
+            e.push("sink.table", format!("{table:?} must be `table` or `schema.table`"));
+        }
+        let on_conflict = raw.on_conflict.unwrap_or_default();
+        if raw.conflict_columns.is_some() && on_conflict != OnConflict::Update {
+            e.push("sink.conflict_columns", "only applies with on_conflict = \"update\"");
+        }
+        let columns = raw.columns.unwrap_or_default();
+        if columns.is_empty() {
+            e.push("sink.columns", "map at least one column to a value");
+        }
+        let columns = bindings(columns, "sink.columns", e);
+        return Some(SinkSpec::Table { table, columns: columns?, on_conflict, conflict_columns: raw.conflict_columns });
+    }
+    for (set, field) in [
+        (raw.columns.is_some(), "sink.columns"),
+        (raw.on_conflict.is_some(), "sink.on_conflict"),
+        (raw.conflict_columns.is_some(), "sink.conflict_columns"),
+    ] {
+        if set {
+            e.push(field, "belongs to the table form; the sql form uses [sink.params]");
+        }
+    }
+    let texts = match raw.sql.expect("checked above") {
+        RawSql::One(s) => vec![s],
+        RawSql::Many(v) => v,
+    };
+    let mut statements = Vec::new();
+    for (i, text) in texts.iter().enumerate() {
+        let field = if texts.len() == 1 { "sink.sql".to_owned() } else { format!("sink.sql[{i}]") };
+        match template::parse(text) {
+            Ok(parsed) => statements.extend(parsed),
+            Err(err) => e.push(&field, err.to_string()),
+        }
+    }
+    if statements.is_empty() && e.list.is_empty() {
+        e.push("sink.sql", "holds no statement");
+    }
+    let raw_params = raw.params.unwrap_or_default();
+    let mut used: Vec<&str> = statements.iter().flat_map(|s| s.params.iter().map(String::as_str)).collect();
+    used.sort_unstable();
+    used.dedup();
+    for name in &used {
+        if !raw_params.contains_key(*name) {
+            e.push("sink.params", format!(":{name} is used in sink.sql but has no entry in [sink.params]"));
+        }
+    }
+    for name in raw_params.keys() {
+        if used.binary_search(&name.as_str()).is_err() {
+            e.push(&format!("sink.params.{name}"), format!("is not used in sink.sql (no :{name} there)"));
+        }
+    }
+    let params = bindings(raw_params, "sink.params", e)?;
+    Some(SinkSpec::Sql { statements, params })
+}
+
+fn bindings(raw: BTreeMap<String, toml::Value>, table: &str, e: &mut Errors<'_>) -> Option<Vec<Binding>> {
+    let list: Vec<_> = raw.into_iter().map(|(name, v)| binding(&name, v, &format!("{table}.{name}"), e)).collect();
+    list.into_iter().collect()
+}
+
+fn binding(name: &str, value: toml::Value, field: &str, e: &mut Errors<'_>) -> Option<Binding> {
+    let plain = |source| Binding { name: name.to_owned(), source, default: None, optional: false };
+    let table = match value {
+        toml::Value::String(path) => return path_or_error(&path, field, e).map(|p| plain(ValueSource::Field(p))),
+        toml::Value::Table(table) => table,
+        other => {
+            e.push(field, format!("expected a field path or a table, found {}", other.type_str()));
+            return None;
+        }
+    };
+    let mut source = None;
+    let mut count = 0;
+    let mut default = None;
+    let mut optional = false;
+    for (k, v) in table {
+        let sub = format!("{field}.{k}");
+        match (k.as_str(), v) {
+            ("field", toml::Value::String(p)) => {
+                count += 1;
+                source = path_or_error(&p, &sub, e).map(ValueSource::Field);
+            }
+            ("record_key", toml::Value::Boolean(true)) => {
+                count += 1;
+                source = Some(ValueSource::RecordKey);
+            }
+            ("header", toml::Value::String(h)) if !h.is_empty() => {
+                count += 1;
+                source = Some(ValueSource::Header(h));
+            }
+            ("meta", toml::Value::String(m)) => {
+                count += 1;
+                match Meta::deserialize(toml::Value::String(m.clone())) {
+                    Ok(meta) => source = Some(ValueSource::Meta(meta)),
+                    Err(_) => e.push(
+                        &sub,
+                        format!("{m:?} is not one of topic, partition, offset, timestamp, business_key"),
+                    ),
+                }
+            }
+            ("default", v) => match v {
+                toml::Value::String(s) => default = Some(s),
+                toml::Value::Integer(i) => default = Some(i.to_string()),
+                toml::Value::Float(f) => default = Some(f.to_string()),
+                toml::Value::Boolean(b) => default = Some(b.to_string()),
+                other => e.push(&sub, format!("expected a string, number or boolean, found {}", other.type_str())),
+            },
+            ("optional", toml::Value::Boolean(b)) => optional = b,
+            (k @ ("field" | "record_key" | "header" | "meta" | "optional"), v) => {
+                e.push(&sub, format!("unexpected value {v} for {k}"));
+            }
+            (k, _) => e.push(
+                &sub,
+                format!("unknown key {k:?}; expected field, record_key, header or meta, with default or optional"),
+            ),
+        }
+    }
+    if count != 1 {
+        e.push(field, "set exactly one of field, record_key = true, header, meta");
+        return None;
+    }
+    Some(Binding { default, optional, ..plain(source?) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn load(text: &str) -> Result<Pipeline, Vec<PipelineError>> {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("payments.toml");
+        std::fs::write(&path, text).unwrap();
+        load_file(&path)
+    }
+
+    #[test]
+    fn reports_every_error_with_file_pipeline_and_field() {
+        let errs = load(
+            r#"
+topics = []
+[key]
+field = "/order//id"
+[sink]
+sql = "UPDATE accounts SET balance = balance - :amount WHERE id = :account"
+[sink.params]
+amount = "/order/amount"
+unused = "/x"
+"#,
+        )
+        .unwrap_err();
+        let text: Vec<String> = errs.iter().map(ToString::to_string).collect();
+        assert!(text.iter().all(|t| t.contains("payments.toml: pipeline \"payments\": ")), "{text:#?}");
+        assert!(text.iter().any(|t| t.contains("topics: at least one topic")), "{text:#?}");
+        assert!(text.iter().any(|t| t.contains("key.field: \"/order//id\"")), "{text:#?}");
+        assert!(text.iter().any(|t| t.contains(":account is used in sink.sql")), "{text:#?}");
+        assert!(text.iter().any(|t| t.contains("sink.params.unused: is not used")), "{text:#?}");
+    }
+
+    #[test]
+    fn unknown_fields_are_errors() {
+        let errs = load("topics = [\"a\"]\nbogus = 1\n[key]\nfield = \"id\"\n[sink]\ntable = \"t\"\n").unwrap_err();
+        assert!(errs[0].message.contains("unknown field `bogus`"), "{errs:?}");
+    }
+
+    #[test]
+    fn bindings_in_every_form() {
+        let p = load(
+            r#"
+topics = ["orders"]
+[key]
+fields = ["/order/id", "order.line"]
+[sink]
+table = "payments"
+on_conflict = "nothing"
+[sink.columns]
+order_id = "/order/id"
+currency = { field = "/order/currency", default = "USD" }
+note = { field = "/order/note", optional = true }
+source_topic = { meta = "topic" }
+rk = { record_key = true }
+msg = { header = "message-id" }
+"#,
+        )
+        .unwrap();
+        assert_eq!(p.group_id, "idemflow-payments");
+        assert_eq!(p.batch, BatchSettings { max_records: 500, max_wait: Duration::from_millis(20) });
+        let SinkSpec::Table { columns, on_conflict, .. } = &p.sink else { panic!("table form") };
+        assert_eq!(*on_conflict, OnConflict::Nothing);
+        let by_name = |n: &str| columns.iter().find(|b| b.name == n).unwrap().clone();
+        assert_eq!(by_name("currency").default.as_deref(), Some("USD"));
+        assert!(by_name("note").optional);
+        assert_eq!(by_name("source_topic").source, ValueSource::Meta(Meta::Topic));
+        assert_eq!(by_name("rk").source, ValueSource::RecordKey);
+        assert_eq!(by_name("msg").source, ValueSource::Header("message-id".into()));
+    }
+}

@@ -1,0 +1,204 @@
+//! The business key of a record: where it comes from, its canonical text, and the digest the dedup store indexes.
+//!
+//! # Canonical text
+//!
+//! - A JSON string gives its contents; a JSON number gives its digits exactly as written. So the string `"123"`
+//!   and the number `123` are the *same* key, while `1.0` and `1`, or `1e2` and `100`, are different keys (no
+//!   numeric normalisation, no float round trip: `9007199254740993` stays itself).
+//! - Booleans, objects and arrays are not keys (`key_invalid`). Missing, `null` and (unless `allow_empty`) empty
+//!   keys are `key_missing`: a NULL key would give no protection at all, since Postgres treats NULLs as distinct.
+//! - A composite key (`fields = [...]`) is the JSON array of its parts' canonical texts, e.g. `["o-1","3"]`.
+//! - The Kafka record key and a header value must be UTF-8.
+//! - U+0000 is rejected everywhere (`key_invalid`), as it is for bound values: Postgres text cannot store it.
+//!
+//! The dedup store's unique index holds the SHA-256 digest of the canonical text (32 bytes), so keys of any length
+//! fit the btree entry limit; comparison is exact, byte for byte, with no Unicode normalisation.
+
+use crate::field::FieldPath;
+use crate::record::Record;
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+
+/// Where a pipeline takes its business key from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum KeySource {
+    /// One field of the payload.
+    Field(FieldPath),
+    /// Several fields of the payload, together (a composite key).
+    Fields(Vec<FieldPath>),
+    /// The Kafka record key.
+    RecordKey,
+    /// The value of a Kafka header (the last one with this name).
+    Header(String),
+}
+
+/// Where the key comes from plus the rules it must satisfy.
+#[derive(Clone, Debug)]
+pub struct KeySpec {
+    /// The source of the key.
+    pub source: KeySource,
+    /// Whether the empty string is a valid key (default: no, `key_missing`).
+    pub allow_empty: bool,
+    /// Longest key accepted, in bytes of canonical text; longer keys are `key_invalid`. `None`: no limit.
+    pub max_bytes: Option<usize>,
+}
+
+/// A record's business key: canonical text and its SHA-256 digest.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BusinessKey {
+    /// The canonical text (see the module documentation).
+    pub text: String,
+    /// SHA-256 of `text`'s UTF-8 bytes.
+    pub digest: [u8; 32],
+}
+
+impl BusinessKey {
+    /// A key from its canonical text.
+    pub fn new(text: String) -> Self {
+        let digest = Sha256::digest(text.as_bytes()).into();
+        BusinessKey { text, digest }
+    }
+}
+
+/// Why no key could be taken from a record. Each sends the record to the dead letters.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum KeyError {
+    /// The key is absent, null, or empty (when empty keys are not allowed).
+    #[error("business key {what}")]
+    Missing {
+        /// What was found, e.g. `/order/id is null`.
+        what: String,
+    },
+    /// The key is present but cannot be used.
+    #[error("business key {why}")]
+    Invalid {
+        /// Why, e.g. `/order/id is an object`.
+        why: String,
+    },
+}
+
+impl KeySpec {
+    /// Takes the business key from a record and its decoded payload.
+    pub fn extract(&self, record: &Record, doc: &Value) -> Result<BusinessKey, KeyError> {
+        let text = match &self.source {
+            KeySource::Field(path) => self.part(path, doc)?,
+            KeySource::Fields(paths) => {
+                let parts = paths.iter().map(|p| self.part(p, doc)).collect::<Result<Vec<_>, _>>()?;
+                serde_json::to_string(&parts).expect("a list of strings serialises")
+            }
+            KeySource::RecordKey => self.bytes("record key", record.key.as_deref())?,
+            KeySource::Header(name) => {
+                let what = format!("header {name:?}");
+                self.bytes(&what, record.header(name).flatten())?
+            }
+        };
+        if let Some(max) = self.max_bytes {
+            if text.len() > max {
+                return Err(KeyError::Invalid { why: format!("is {} bytes, over max_bytes = {max}", text.len()) });
+            }
+        }
+        Ok(BusinessKey::new(text))
+    }
+
+    fn part(&self, path: &FieldPath, doc: &Value) -> Result<String, KeyError> {
+        let text = match path.lookup(doc) {
+            None => return Err(KeyError::Missing { what: format!("{path} is missing") }),
+            Some(Value::Null) => return Err(KeyError::Missing { what: format!("{path} is null") }),
+            Some(Value::String(s)) => s.clone(),
+            Some(Value::Number(n)) => n.to_string(),
+            Some(other) => {
+                let kind = match other {
+                    Value::Bool(_) => "a boolean",
+                    Value::Array(_) => "an array",
+                    _ => "an object",
+                };
+                return Err(KeyError::Invalid { why: format!("{path} is {kind}, not a string or number") });
+            }
+        };
+        self.check_text(&path.to_string(), text)
+    }
+
+    fn bytes(&self, what: &str, bytes: Option<&[u8]>) -> Result<String, KeyError> {
+        let bytes = bytes.ok_or_else(|| KeyError::Missing { what: format!("({what}) is missing") })?;
+        let text = std::str::from_utf8(bytes)
+            .map_err(|e| KeyError::Invalid { why: format!("({what}) is not UTF-8: {e}") })?;
+        self.check_text(what, text.to_owned())
+    }
+
+    fn check_text(&self, what: &str, text: String) -> Result<String, KeyError> {
+        if text.is_empty() && !self.allow_empty {
+            return Err(KeyError::Missing { what: format!("{what} is empty") });
+        }
+        if text.contains('\0') {
+            return Err(KeyError::Invalid { why: format!("{what} contains U+0000, which Postgres text cannot store") });
+        }
+        Ok(text)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::record::Position;
+    use serde_json::json;
+
+    fn record() -> Record {
+        Record {
+            position: Position { topic: "t".into(), partition: 0, offset: 0 },
+            timestamp_ms: None,
+            key: Some(b"rk-1".to_vec()),
+            headers: vec![("message-id".into(), Some(b"m-1".to_vec())), ("message-id".into(), Some(b"m-2".to_vec()))],
+            payload: None,
+        }
+    }
+
+    fn spec(source: KeySource) -> KeySpec {
+        KeySpec { source, allow_empty: false, max_bytes: None }
+    }
+
+    fn field(p: &str) -> KeySource {
+        KeySource::Field(FieldPath::parse(p).unwrap())
+    }
+
+    #[test]
+    fn number_keys_keep_their_digits_and_equal_their_string_form() {
+        let doc: Value = serde_json::from_str(r#"{"id": 9007199254740993, "s": "9007199254740993"}"#).unwrap();
+        let n = spec(field("/id")).extract(&record(), &doc).unwrap();
+        let s = spec(field("/s")).extract(&record(), &doc).unwrap();
+        assert_eq!(n.text, "9007199254740993");
+        assert_eq!(n, s);
+    }
+
+    #[test]
+    fn missing_null_empty_and_invalid() {
+        let doc = json!({"order": {"id": null, "e": "", "o": {}, "z": "a\u{0}b"}});
+        let r = record();
+        assert!(matches!(spec(field("/order/x")).extract(&r, &doc), Err(KeyError::Missing { .. })));
+        assert!(matches!(spec(field("/order/id")).extract(&r, &doc), Err(KeyError::Missing { .. })));
+        assert!(matches!(spec(field("/order/e")).extract(&r, &doc), Err(KeyError::Missing { .. })));
+        let allow = KeySpec { allow_empty: true, ..spec(field("/order/e")) };
+        assert_eq!(allow.extract(&r, &doc).unwrap().text, "");
+        assert!(matches!(spec(field("/order/o")).extract(&r, &doc), Err(KeyError::Invalid { .. })));
+        assert!(matches!(spec(field("/order/z")).extract(&r, &doc), Err(KeyError::Invalid { .. })));
+    }
+
+    #[test]
+    fn composite_record_key_and_header() {
+        let doc = json!({"a": "x", "b": 2});
+        let paths = vec![FieldPath::parse("/a").unwrap(), FieldPath::parse("b").unwrap()];
+        assert_eq!(spec(KeySource::Fields(paths)).extract(&record(), &doc).unwrap().text, r#"["x","2"]"#);
+        assert_eq!(spec(KeySource::RecordKey).extract(&record(), &doc).unwrap().text, "rk-1");
+        let h = spec(KeySource::Header("message-id".into())).extract(&record(), &doc).unwrap();
+        assert_eq!(h.text, "m-2");
+        let mut no_key = record();
+        no_key.key = None;
+        assert!(matches!(spec(KeySource::RecordKey).extract(&no_key, &doc), Err(KeyError::Missing { .. })));
+    }
+
+    #[test]
+    fn max_bytes_limit() {
+        let doc = json!({"id": "x".repeat(10)});
+        let s = KeySpec { max_bytes: Some(9), ..spec(field("/id")) };
+        assert!(matches!(s.extract(&record(), &doc), Err(KeyError::Invalid { .. })));
+    }
+}

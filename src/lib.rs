@@ -1,0 +1,62 @@
+//! idemflow: exactly-once *effects* from at-least-once Kafka delivery.
+//!
+//! # Layout
+//!
+//! Data flows one way, and each step is one module:
+//!
+//! ```text
+//! source -> decode -> key -> sink transaction -> offset commit
+//! ```
+//!
+//! - [`config`]: worker settings (`idemflow.toml`, figment) and pipelines (`pipelines/*.toml`), raw TOML turned
+//!   into validated [`config::Pipeline`] values; every error names the file, the pipeline and the field.
+//! - [`source`]: the Kafka consumer of one pipeline: batches of records, partition ownership across rebalances.
+//! - [`record`]: one consumed Kafka record, owned, with its position.
+//! - [`field`]: field paths (RFC 6901 JSON Pointers, or the dotted form) and how a JSON value becomes text.
+//! - [`decode`]: payload bytes to a JSON document, with the size limit checked before parsing.
+//! - [`key`]: the business key of a record and its SHA-256 digest.
+//! - [`prepare`]: one record through decode, key and parameter extraction, into what the sink needs.
+//! - [`sink`]: the batch transaction: dedup claim, side effect, dead letters; failure classification.
+//! - [`offsets`]: the next offset of each partition after a batch (the only place that adds 1) and its commit.
+//! - [`metrics`]: every Prometheus metric; [`http`]: `/metrics`, `/healthz`, `/readyz`.
+//! - [`worker`]: runs every pipeline until shutdown; [`shutdown`]: the signal that stops it.
+//! - [`db`]: the connection pool and the embedded migrations; [`telemetry`]: logging.
+//!
+//! # Why a crash can neither lose a record nor apply it twice
+//!
+//! For every batch, one Postgres transaction inserts one dedup row per business key
+//! (`INSERT ... ON CONFLICT DO NOTHING RETURNING`, on the primary key `(pipeline, key_digest)`), runs the side
+//! effect only for the keys that insert returned, writes the dead letters, and commits. Only after the commit are
+//! the Kafka offsets committed, and an offset is only ever committed for records whose outcome is durable.
+//!
+//! - Crash before or inside the transaction: Postgres rolls it back; nothing was applied and no offset was
+//!   committed, so the records are delivered again and applied then.
+//! - Crash between the database commit and the offset commit: the records come back, their dedup rows exist, the
+//!   claim returns nothing for them, and the side effect does not run again. They are counted as `redelivered`.
+//! - A connection lost during `COMMIT` (outcome unknown): the batch is retried on a new connection. Whichever way
+//!   the first commit went, the dedup rows decide: applied once.
+//! - Rebalance: records buffered for a revoked partition are dropped before processing, and an offset is committed
+//!   only for partitions this consumer still owns. The new owner may receive records whose effects are already
+//!   durable; the dedup rows skip them.
+//! - Two workers with the same key at once: the unique constraint makes the second `INSERT` wait for the first
+//!   transaction; if it commits, the second claims nothing; if it rolls back, the second claims the key.
+//!
+//! The dedup row and the effect are in the same transaction, so "marked as seen" and "applied" are one fact: there
+//! is no window in which a key is claimed but its effect is lost. No cache in memory ever claims a key.
+//! The Kafka offset commit is therefore only an optimisation that bounds how much is replayed.
+
+pub mod config;
+pub mod db;
+pub mod decode;
+pub mod field;
+pub mod http;
+pub mod key;
+pub mod metrics;
+pub mod offsets;
+pub mod prepare;
+pub mod record;
+pub mod shutdown;
+pub mod sink;
+pub mod source;
+pub mod telemetry;
+pub mod worker;

@@ -1,0 +1,356 @@
+//! Every Prometheus metric idemflow exports, in one place.
+//!
+//! Names follow Prometheus conventions: `idemflow_` prefix, base units, `_total` for counters, `_seconds` for
+//! durations. Label values come only from closed sets (pipeline names from the config, reasons and results from
+//! enums); never a business key, an offset or error text. Every `(pipeline, reason)` series is created at start-up
+//! with value 0, so dashboards show 0 rather than "no data". Counters of a batch move only after its transaction
+//! committed.
+
+use prometheus::{
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
+    TextEncoder,
+};
+use std::time::Duration;
+
+/// Why a duplicate was skipped. Label `reason` of `idemflow_duplicates_skipped_total`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DuplicateReason {
+    /// The dedup row has the same topic, partition and offset: the broker delivered the same record again
+    /// (restart before the offset commit, rebalance, lost acknowledgement).
+    Redelivered,
+    /// Same business key, same payload fingerprint, another offset: the operation was published again
+    /// (a producer retry).
+    Republished,
+    /// Same business key, different payload: logged as a warning with both positions.
+    PayloadMismatch,
+}
+
+impl DuplicateReason {
+    /// Every reason, for pre-initialising series.
+    pub const ALL: [DuplicateReason; 3] =
+        [DuplicateReason::Redelivered, DuplicateReason::Republished, DuplicateReason::PayloadMismatch];
+
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DuplicateReason::Redelivered => "redelivered",
+            DuplicateReason::Republished => "republished",
+            DuplicateReason::PayloadMismatch => "payload_mismatch",
+        }
+    }
+}
+
+/// Why a record went to the dead letters. Label `reason` of `idemflow_dead_letters_total` and the `reason` column
+/// of `idemflow.dead_letters`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DeadLetterReason {
+    /// The payload is not valid for the pipeline's format (including empty, too deeply nested, invalid UTF-8).
+    DecodeFailed,
+    /// The payload is larger than `max_payload_bytes`; it was not parsed.
+    PayloadTooLarge,
+    /// The business key is missing, null or empty.
+    KeyMissing,
+    /// The business key is present but unusable (wrong type, not UTF-8, U+0000, over `key.max_bytes`).
+    KeyInvalid,
+    /// A required side-effect value is missing or null.
+    ParamMissing,
+    /// A side-effect value cannot be bound (U+0000).
+    ParamInvalid,
+    /// The side effect raised a data or constraint error (SQLSTATE class 22, 23, ...) for this record.
+    SideEffectRejected,
+    /// The value is null and the pipeline dead-letters tombstones.
+    Tombstone,
+}
+
+impl DeadLetterReason {
+    /// Every reason, for pre-initialising series.
+    pub const ALL: [DeadLetterReason; 8] = [
+        DeadLetterReason::DecodeFailed,
+        DeadLetterReason::PayloadTooLarge,
+        DeadLetterReason::KeyMissing,
+        DeadLetterReason::KeyInvalid,
+        DeadLetterReason::ParamMissing,
+        DeadLetterReason::ParamInvalid,
+        DeadLetterReason::SideEffectRejected,
+        DeadLetterReason::Tombstone,
+    ];
+
+    /// The label value and the stored reason.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DeadLetterReason::DecodeFailed => "decode_failed",
+            DeadLetterReason::PayloadTooLarge => "payload_too_large",
+            DeadLetterReason::KeyMissing => "key_missing",
+            DeadLetterReason::KeyInvalid => "key_invalid",
+            DeadLetterReason::ParamMissing => "param_missing",
+            DeadLetterReason::ParamInvalid => "param_invalid",
+            DeadLetterReason::SideEffectRejected => "side_effect_rejected",
+            DeadLetterReason::Tombstone => "tombstone",
+        }
+    }
+}
+
+/// Why a batch was retried. Label `cause` of `idemflow_db_retries_total`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RetryCause {
+    /// The connection failed or was lost (SQLSTATE class 08, I/O errors, a lost `COMMIT`).
+    Connection,
+    /// Serialization failure or deadlock (40001, 40P01).
+    Conflict,
+    /// The server is shutting down, starting, or out of resources (57P0x, 53xxx, 55P03, 58xxx).
+    Unavailable,
+    /// No pooled connection within `database.acquire_timeout`.
+    PoolTimeout,
+}
+
+impl RetryCause {
+    const ALL: [RetryCause; 4] =
+        [RetryCause::Connection, RetryCause::Conflict, RetryCause::Unavailable, RetryCause::PoolTimeout];
+
+    fn as_str(self) -> &'static str {
+        match self {
+            RetryCause::Connection => "connection",
+            RetryCause::Conflict => "conflict",
+            RetryCause::Unavailable => "unavailable",
+            RetryCause::PoolTimeout => "pool_timeout",
+        }
+    }
+}
+
+/// Result of an offset commit. Label `result` of `idemflow_offset_commits_total`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CommitResult {
+    /// The broker accepted it.
+    Ok,
+    /// It failed; the dedup rows absorb the redelivery this causes.
+    Error,
+    /// Not sent: the partition is no longer owned by this consumer.
+    SkippedNotOwned,
+}
+
+impl CommitResult {
+    const ALL: [CommitResult; 3] = [CommitResult::Ok, CommitResult::Error, CommitResult::SkippedNotOwned];
+
+    fn as_str(self) -> &'static str {
+        match self {
+            CommitResult::Ok => "ok",
+            CommitResult::Error => "error",
+            CommitResult::SkippedNotOwned => "skipped_not_owned",
+        }
+    }
+}
+
+/// Rebalance events. Label `event` of `idemflow_rebalances_total`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RebalanceEvent {
+    /// Partitions assigned to this consumer.
+    Assign,
+    /// Partitions taken away.
+    Revoke,
+    /// The rebalance failed.
+    Error,
+}
+
+impl RebalanceEvent {
+    const ALL: [RebalanceEvent; 3] = [RebalanceEvent::Assign, RebalanceEvent::Revoke, RebalanceEvent::Error];
+
+    fn as_str(self) -> &'static str {
+        match self {
+            RebalanceEvent::Assign => "assign",
+            RebalanceEvent::Revoke => "revoke",
+            RebalanceEvent::Error => "error",
+        }
+    }
+}
+
+/// The registry and every metric family.
+#[derive(Clone)]
+pub struct Metrics {
+    registry: Registry,
+    records_received: IntCounterVec,
+    records_applied: IntCounterVec,
+    duplicates_skipped: IntCounterVec,
+    dead_letters: IntCounterVec,
+    tombstones_skipped: IntCounterVec,
+    batch_duration: HistogramVec,
+    batch_records: HistogramVec,
+    db_retries: IntCounterVec,
+    offset_commits: IntCounterVec,
+    rebalances: IntCounterVec,
+    pipeline_up: IntGaugeVec,
+}
+
+fn counter(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
+    let c = IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric");
+    registry.register(Box::new(c.clone())).expect("registered once");
+    c
+}
+
+fn histogram(registry: &Registry, name: &str, help: &str, buckets: Vec<f64>) -> HistogramVec {
+    let h = HistogramVec::new(HistogramOpts::new(name, help).buckets(buckets), &["pipeline"]).expect("valid metric");
+    registry.register(Box::new(h.clone())).expect("registered once");
+    h
+}
+
+impl Metrics {
+    /// Creates every metric family and `idemflow_build_info`.
+    pub fn new() -> Self {
+        let r = Registry::new();
+        let build_info = IntGaugeVec::new(
+            Opts::new("idemflow_build_info", "Always 1; the version label says which idemflow is running."),
+            &["version"],
+        )
+        .expect("valid metric");
+        r.register(Box::new(build_info.clone())).expect("registered once");
+        build_info.with_label_values(&[env!("CARGO_PKG_VERSION")]).set(1);
+        let pipeline_up = IntGaugeVec::new(
+            Opts::new("idemflow_pipeline_up", "1 while the pipeline runs, 0 once it stopped on a fatal error."),
+            &["pipeline"],
+        )
+        .expect("valid metric");
+        r.register(Box::new(pipeline_up.clone())).expect("registered once");
+        Metrics {
+            records_received: counter(&r, "idemflow_records_received_total", "Records consumed and processed by a committed batch.", &["pipeline"]),
+            records_applied: counter(&r, "idemflow_records_applied_total", "Records whose business key was new and whose side effect committed.", &["pipeline"]),
+            duplicates_skipped: counter(&r, "idemflow_duplicates_skipped_total", "Records skipped because their business key was already applied, by reason.", &["pipeline", "reason"]),
+            dead_letters: counter(&r, "idemflow_dead_letters_total", "Records written to the dead letters, by reason.", &["pipeline", "reason"]),
+            tombstones_skipped: counter(&r, "idemflow_tombstones_skipped_total", "Records with a null value skipped without effect.", &["pipeline"]),
+            batch_duration: histogram(&r, "idemflow_batch_duration_seconds", "Time from a batch's first database statement to its commit, retries included.",
+                vec![0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]),
+            batch_records: histogram(&r, "idemflow_batch_records", "Records per committed batch.",
+                vec![1.0, 2.0, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0, 2500.0, 5000.0]),
+            db_retries: counter(&r, "idemflow_db_retries_total", "Batch attempts that failed with a retryable database error, by cause.", &["pipeline", "cause"]),
+            offset_commits: counter(&r, "idemflow_offset_commits_total", "Kafka offset commits, by result.", &["pipeline", "result"]),
+            rebalances: counter(&r, "idemflow_rebalances_total", "Consumer group rebalance events, by event.", &["pipeline", "event"]),
+            pipeline_up,
+            registry: r,
+        }
+    }
+
+    /// The handle one pipeline uses, with every one of its series initialised to 0.
+    pub fn pipeline(&self, name: &str) -> PipelineMetrics {
+        let p = name;
+        for reason in DuplicateReason::ALL {
+            self.duplicates_skipped.with_label_values(&[p, reason.as_str()]);
+        }
+        for reason in DeadLetterReason::ALL {
+            self.dead_letters.with_label_values(&[p, reason.as_str()]);
+        }
+        for cause in RetryCause::ALL {
+            self.db_retries.with_label_values(&[p, cause.as_str()]);
+        }
+        for result in CommitResult::ALL {
+            self.offset_commits.with_label_values(&[p, result.as_str()]);
+        }
+        for event in RebalanceEvent::ALL {
+            self.rebalances.with_label_values(&[p, event.as_str()]);
+        }
+        self.pipeline_up.with_label_values(&[p]).set(1);
+        PipelineMetrics {
+            name: name.to_owned(),
+            metrics: self.clone(),
+            received: self.records_received.with_label_values(&[p]),
+            applied: self.records_applied.with_label_values(&[p]),
+            tombstones: self.tombstones_skipped.with_label_values(&[p]),
+            batch_duration: self.batch_duration.with_label_values(&[p]),
+            batch_records: self.batch_records.with_label_values(&[p]),
+            up: self.pipeline_up.with_label_values(&[p]),
+        }
+    }
+
+    /// The text exposition format (version 0.0.4) of every metric.
+    pub fn render(&self) -> Vec<u8> {
+        let mut out = Vec::new();
+        TextEncoder::new().encode(&self.registry.gather(), &mut out).expect("encoding to a Vec");
+        out
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// What one committed batch did, counted at once.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct BatchCounts {
+    /// Records in the batch.
+    pub received: u64,
+    /// Records applied.
+    pub applied: u64,
+    /// Tombstones skipped.
+    pub tombstones: u64,
+    /// Duplicates by reason, in [`DuplicateReason::ALL`] order.
+    pub duplicates: [u64; 3],
+    /// Dead letters by reason, in [`DeadLetterReason::ALL`] order.
+    pub dead_letters: [u64; 8],
+}
+
+impl BatchCounts {
+    /// Counts one duplicate.
+    pub fn duplicate(&mut self, reason: DuplicateReason) {
+        let i = DuplicateReason::ALL.iter().position(|r| *r == reason).expect("in ALL");
+        self.duplicates[i] += 1;
+    }
+
+    /// Counts one dead letter.
+    pub fn dead_letter(&mut self, reason: DeadLetterReason) {
+        let i = DeadLetterReason::ALL.iter().position(|r| *r == reason).expect("in ALL");
+        self.dead_letters[i] += 1;
+    }
+}
+
+/// One pipeline's metrics, label values resolved once.
+#[derive(Clone)]
+pub struct PipelineMetrics {
+    name: String,
+    metrics: Metrics,
+    received: IntCounter,
+    applied: IntCounter,
+    tombstones: IntCounter,
+    batch_duration: Histogram,
+    batch_records: Histogram,
+    up: IntGauge,
+}
+
+impl PipelineMetrics {
+    /// Records a committed batch: its counts and its duration (first statement to commit, retries included).
+    pub fn batch_committed(&self, counts: &BatchCounts, duration: Duration) {
+        self.received.inc_by(counts.received);
+        self.applied.inc_by(counts.applied);
+        self.tombstones.inc_by(counts.tombstones);
+        for (reason, n) in DuplicateReason::ALL.iter().zip(counts.duplicates) {
+            if n > 0 {
+                self.metrics.duplicates_skipped.with_label_values(&[&self.name, reason.as_str()]).inc_by(n);
+            }
+        }
+        for (reason, n) in DeadLetterReason::ALL.iter().zip(counts.dead_letters) {
+            if n > 0 {
+                self.metrics.dead_letters.with_label_values(&[&self.name, reason.as_str()]).inc_by(n);
+            }
+        }
+        self.batch_duration.observe(duration.as_secs_f64());
+        self.batch_records.observe(counts.received as f64);
+    }
+
+    /// Counts one failed, retryable batch attempt.
+    pub fn retry(&self, cause: RetryCause) {
+        self.metrics.db_retries.with_label_values(&[&self.name, cause.as_str()]).inc();
+    }
+
+    /// Counts one offset commit outcome.
+    pub fn offset_commit(&self, result: CommitResult) {
+        self.metrics.offset_commits.with_label_values(&[&self.name, result.as_str()]).inc();
+    }
+
+    /// Counts one rebalance event.
+    pub fn rebalance(&self, event: RebalanceEvent) {
+        self.metrics.rebalances.with_label_values(&[&self.name, event.as_str()]).inc();
+    }
+
+    /// Marks the pipeline stopped on a fatal error.
+    pub fn set_fatal(&self) {
+        self.up.set(0);
+    }
+}

@@ -1,0 +1,159 @@
+//! One record through decode, business key and value extraction: everything the sink needs, computed before the
+//! transaction opens, so a bad record is classified without touching the database.
+
+use crate::config::{Binding, Meta, Pipeline, TombstonePolicy, ValueSource};
+use crate::decode::{DecodeError, Decoder};
+use crate::field::{self, Render};
+use crate::key::{BusinessKey, KeyError, KeySpec};
+use crate::metrics::DeadLetterReason;
+use crate::record::Record;
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+use std::time::{Duration, SystemTime};
+
+/// What the sink does with one record.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Prepared {
+    /// Claim the key; if new, apply the side effect with these values.
+    Apply(Apply),
+    /// Write to the dead letters.
+    DeadLetter(DeadLetter),
+    /// A tombstone skipped by policy: no dedup row, no effect.
+    Tombstone,
+}
+
+/// A record ready to claim and apply.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Apply {
+    /// The business key.
+    pub key: BusinessKey,
+    /// SHA-256 of the raw payload bytes: equal for a producer retry, different for another payload.
+    pub fingerprint: [u8; 32],
+    /// One value per binding of the sink, in binding order; `None` binds SQL NULL.
+    pub values: Vec<Option<String>>,
+}
+
+/// A record that cannot be applied.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeadLetter {
+    /// Why, from a closed set.
+    pub reason: DeadLetterReason,
+    /// The error text, for people.
+    pub error: String,
+}
+
+impl DeadLetter {
+    fn new(reason: DeadLetterReason, error: impl ToString) -> Prepared {
+        Prepared::DeadLetter(DeadLetter { reason, error: error.to_string() })
+    }
+}
+
+/// Prepares the records of one pipeline.
+#[derive(Clone, Debug)]
+pub struct Preparer {
+    decoder: Decoder,
+    key: KeySpec,
+    tombstones: TombstonePolicy,
+    bindings: Vec<(Binding, Render)>,
+}
+
+impl Preparer {
+    /// A preparer for `pipeline`, whose sink binds `bindings` in this order, each rendered as given (JSON text for
+    /// `json`/`jsonb` targets).
+    pub fn new(pipeline: &Pipeline, bindings: Vec<(Binding, Render)>) -> Self {
+        Preparer { decoder: pipeline.decoder.clone(), key: pipeline.key.clone(), tombstones: pipeline.tombstones, bindings }
+    }
+
+    /// Decodes the record, takes its key and values. Never fails: failures are dead letters.
+    pub fn prepare(&self, record: &Record) -> Prepared {
+        let Some(payload) = record.payload.as_deref() else {
+            return match self.tombstones {
+                TombstonePolicy::Skip => Prepared::Tombstone,
+                TombstonePolicy::DeadLetter => DeadLetter::new(DeadLetterReason::Tombstone, "the record value is null"),
+            };
+        };
+        let doc = match self.decoder.decode(payload) {
+            Ok(doc) => doc,
+            Err(e @ DecodeError::TooLarge { .. }) => return DeadLetter::new(DeadLetterReason::PayloadTooLarge, e),
+            Err(e) => return DeadLetter::new(DeadLetterReason::DecodeFailed, e),
+        };
+        let key = match self.key.extract(record, &doc) {
+            Ok(key) => key,
+            Err(e @ KeyError::Missing { .. }) => return DeadLetter::new(DeadLetterReason::KeyMissing, e),
+            Err(e @ KeyError::Invalid { .. }) => return DeadLetter::new(DeadLetterReason::KeyInvalid, e),
+        };
+        let mut values = Vec::with_capacity(self.bindings.len());
+        for (binding, render) in &self.bindings {
+            match value(binding, *render, record, &doc, &key) {
+                Ok(v) => values.push(v),
+                Err(dead) => return dead,
+            }
+        }
+        Prepared::Apply(Apply { key, fingerprint: Sha256::digest(payload).into(), values })
+    }
+}
+
+fn value(
+    binding: &Binding,
+    render: Render,
+    record: &Record,
+    doc: &Value,
+    key: &BusinessKey,
+) -> Result<Option<String>, Prepared> {
+    let invalid = |e: &dyn std::fmt::Display| {
+        DeadLetter::new(DeadLetterReason::ParamInvalid, format!("{}: {e}", binding.name))
+    };
+    let utf8 = |bytes: Option<&[u8]>| -> Result<Option<String>, Prepared> {
+        bytes
+            .map(|b| match std::str::from_utf8(b) {
+                Ok(s) if s.contains('\0') => Err(invalid(&field::ValueError::Nul)),
+                Ok(s) if render == Render::Json => Ok(Value::String(s.to_owned()).to_string()),
+                Ok(s) => Ok(s.to_owned()),
+                Err(e) => Err(invalid(&format!("not UTF-8: {e}"))),
+            })
+            .transpose()
+    };
+    let found: Option<String> = match &binding.source {
+        ValueSource::Field(path) => match path.lookup(doc) {
+            None | Some(Value::Null) => None,
+            Some(v) => Some(field::render(v, render).map_err(|e| invalid(&e))?),
+        },
+        ValueSource::RecordKey => utf8(record.key.as_deref())?,
+        ValueSource::Header(name) => utf8(record.header(name).flatten())?,
+        ValueSource::Meta(meta) => {
+            let text = match meta {
+                Meta::Topic => Some(record.position.topic.to_string()),
+                Meta::Partition => Some(record.position.partition.to_string()),
+                Meta::Offset => Some(record.position.offset.to_string()),
+                Meta::Timestamp => record.timestamp_ms.and_then(|ms| u64::try_from(ms).ok()).map(|ms| {
+                    humantime::format_rfc3339_millis(SystemTime::UNIX_EPOCH + Duration::from_millis(ms)).to_string()
+                }),
+                Meta::BusinessKey => Some(key.text.clone()),
+            };
+            match (text, render) {
+                (Some(t), Render::Json) => Some(Value::String(t).to_string()),
+                (t, _) => t,
+            }
+        }
+    };
+    match found {
+        Some(v) => Ok(Some(v)),
+        None => match &binding.default {
+            Some(d) => Ok(Some(d.clone())),
+            None if binding.optional => Ok(None),
+            None => Err(DeadLetter::new(
+                DeadLetterReason::ParamMissing,
+                format!("required value {} ({}) is missing or null", binding.name, describe(&binding.source)),
+            )),
+        },
+    }
+}
+
+fn describe(source: &ValueSource) -> String {
+    match source {
+        ValueSource::Field(p) => p.to_string(),
+        ValueSource::RecordKey => "the record key".to_owned(),
+        ValueSource::Header(h) => format!("header {h:?}"),
+        ValueSource::Meta(m) => format!("{m:?}"),
+    }
+}

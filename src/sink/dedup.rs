@@ -1,0 +1,104 @@
+//! The dedup store: claiming business keys and classifying duplicates.
+//!
+//! The claim is insert-then-check: one multi-row `INSERT ... ON CONFLICT DO NOTHING RETURNING` over the primary
+//! key `(pipeline, key_digest)`. The rows it returns are the keys that were new; the side effect runs for those
+//! only. A key already present is never an error (a unique violation would abort the Postgres transaction), and
+//! no key is ever checked before it is inserted. When another transaction holds an uncommitted row for the same
+//! key, Postgres makes this `INSERT` wait for it (PostgreSQL docs, "INSERT ... ON CONFLICT"), so two workers can
+//! never both claim a key.
+
+use crate::key::BusinessKey;
+use crate::metrics::DuplicateReason;
+use crate::record::Position;
+use sqlx::PgConnection;
+use std::collections::HashSet;
+
+/// A key claim for one record.
+pub struct Claim<'a> {
+    /// The key.
+    pub key: &'a BusinessKey,
+    /// Where the record is.
+    pub position: &'a Position,
+    /// SHA-256 of its payload.
+    pub fingerprint: &'a [u8; 32],
+}
+
+/// The dedup row that was already there for a key.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Existing {
+    /// Where the applied record was.
+    pub position: Position,
+    /// Its payload fingerprint.
+    pub fingerprint: Vec<u8>,
+}
+
+/// Classifies a record against the dedup row of its key (see [`DuplicateReason`]).
+pub fn classify(existing: &Existing, position: &Position, fingerprint: &[u8; 32]) -> DuplicateReason {
+    if existing.position == *position {
+        DuplicateReason::Redelivered
+    } else if existing.fingerprint == fingerprint {
+        DuplicateReason::Republished
+    } else {
+        DuplicateReason::PayloadMismatch
+    }
+}
+
+const CLAIM: &str = r#"
+INSERT INTO idemflow.dedup (pipeline, key_digest, business_key, topic, partition, "offset", fingerprint)
+SELECT $1, u.key_digest, u.business_key, u.topic, u.partition, u."offset", u.fingerprint
+FROM unnest($2::bytea[], $3::text[], $4::text[], $5::int4[], $6::int8[], $7::bytea[])
+     AS u(key_digest, business_key, topic, partition, "offset", fingerprint)
+ON CONFLICT (pipeline, key_digest) DO NOTHING
+RETURNING key_digest"#;
+
+const EXISTING: &str = r#"
+SELECT key_digest, topic, partition, "offset", fingerprint
+FROM idemflow.dedup
+WHERE pipeline = $1 AND key_digest = ANY($2::bytea[])"#;
+
+/// Claims distinct keys in one statement. Returns the digests that were new.
+pub async fn claim(
+    conn: &mut PgConnection,
+    pipeline: &str,
+    claims: &[Claim<'_>],
+) -> Result<HashSet<[u8; 32]>, sqlx::Error> {
+    let n = claims.len();
+    let (mut digests, mut keys, mut topics) = (Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n));
+    let (mut partitions, mut offsets, mut prints) = (Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n));
+    for c in claims {
+        digests.push(&c.key.digest[..]);
+        keys.push(c.key.text.as_str());
+        topics.push(&*c.position.topic);
+        partitions.push(c.position.partition);
+        offsets.push(c.position.offset);
+        prints.push(&c.fingerprint[..]);
+    }
+    let rows: Vec<Vec<u8>> = sqlx::query_scalar(CLAIM)
+        .bind(pipeline)
+        .bind(&digests)
+        .bind(&keys)
+        .bind(&topics)
+        .bind(&partitions)
+        .bind(&offsets)
+        .bind(&prints)
+        .fetch_all(&mut *conn)
+        .await?;
+    Ok(rows.into_iter().filter_map(|d| d.try_into().ok()).collect())
+}
+
+/// Reads the dedup rows of keys that the claim did not return.
+pub async fn existing(
+    conn: &mut PgConnection,
+    pipeline: &str,
+    digests: &[&[u8]],
+) -> Result<Vec<([u8; 32], Existing)>, sqlx::Error> {
+    let rows: Vec<(Vec<u8>, String, i32, i64, Vec<u8>)> =
+        sqlx::query_as(EXISTING).bind(pipeline).bind(digests).fetch_all(&mut *conn).await?;
+    Ok(rows
+        .into_iter()
+        .filter_map(|(digest, topic, partition, offset, fingerprint)| {
+            let digest: [u8; 32] = digest.try_into().ok()?;
+            Some((digest, Existing { position: Position { topic: topic.into(), partition, offset }, fingerprint }))
+        })
+        .collect())
+}

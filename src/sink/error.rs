@@ -1,0 +1,104 @@
+//! Every database failure is classified once, here, and the code path follows the class.
+//!
+//! | failure | disposition |
+//! |---|---|
+//! | SQLSTATE class 08 (connection), I/O errors, a connection lost during `COMMIT` | retry the batch |
+//! | 40001 serialization failure, 40P01 deadlock | retry the batch |
+//! | 57P01/57P02/57P03 (admin shutdown, crash shutdown, cannot connect now), class 53 (insufficient resources, 53300 too many connections), 55P03 (lock not available), class 58 (system error) | retry the batch |
+//! | pool acquire timeout | retry the batch |
+//! | class 22 (data exception), 23 (integrity constraint), 21 (cardinality), P0 (raised by PL/pgSQL), 2F, 39, 44, raised by one record's side effect | dead-letter that record (`side_effect_rejected`), the rest of the batch commits |
+//! | class 42 (syntax error or access rule violation: the configured SQL or table is wrong), 0A, 3F, 28, and anything else | fatal: the pipeline stops |
+//!
+//! SQLSTATE classes are PostgreSQL's (Appendix A, "PostgreSQL Error Codes").
+
+use crate::metrics::RetryCause;
+
+/// What to do about a failure.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Disposition {
+    /// Roll back and retry the whole batch after a backoff.
+    Retry(RetryCause),
+    /// The record being applied is at fault: isolate it and dead-letter it.
+    Record,
+    /// Stop the pipeline.
+    Fatal,
+}
+
+/// A database failure with its disposition.
+#[derive(Debug, thiserror::Error)]
+#[error("{context}: {source}")]
+pub struct SinkError {
+    /// What was being done, e.g. `claiming business keys`.
+    pub context: &'static str,
+    /// The error from sqlx.
+    #[source]
+    pub source: sqlx::Error,
+}
+
+impl SinkError {
+    /// Wraps `source` with what was being done.
+    pub fn new(context: &'static str, source: sqlx::Error) -> Self {
+        SinkError { context, source }
+    }
+
+    /// The SQLSTATE, when Postgres sent one.
+    pub fn sqlstate(&self) -> Option<String> {
+        match &self.source {
+            sqlx::Error::Database(db) => db.code().map(|c| c.into_owned()),
+            _ => None,
+        }
+    }
+
+    /// How to handle it.
+    pub fn disposition(&self) -> Disposition {
+        classify(&self.source)
+    }
+}
+
+/// Classifies a sqlx error (see the module table).
+pub fn classify(error: &sqlx::Error) -> Disposition {
+    use Disposition::*;
+    match error {
+        sqlx::Error::Database(db) => match db.code() {
+            Some(code) => classify_sqlstate(&code),
+            None => Fatal,
+        },
+        sqlx::Error::Io(_) | sqlx::Error::Tls(_) | sqlx::Error::Protocol(_) | sqlx::Error::WorkerCrashed => {
+            Retry(RetryCause::Connection)
+        }
+        sqlx::Error::PoolTimedOut => Retry(RetryCause::PoolTimeout),
+        sqlx::Error::PoolClosed => Fatal,
+        _ => Fatal,
+    }
+}
+
+/// Classifies a SQLSTATE (see the module table).
+pub fn classify_sqlstate(code: &str) -> Disposition {
+    use Disposition::*;
+    let class = code.get(..2).unwrap_or_default();
+    match (class, code) {
+        ("08", _) => Retry(RetryCause::Connection),
+        (_, "40001" | "40P01") => Retry(RetryCause::Conflict),
+        (_, "57P01" | "57P02" | "57P03" | "55P03") | ("53" | "58", _) => Retry(RetryCause::Unavailable),
+        ("22" | "23" | "21" | "P0" | "2F" | "39" | "44", _) => Record,
+        _ => Fatal,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sqlstate_table() {
+        assert_eq!(classify_sqlstate("08006"), Disposition::Retry(RetryCause::Connection));
+        assert_eq!(classify_sqlstate("40P01"), Disposition::Retry(RetryCause::Conflict));
+        assert_eq!(classify_sqlstate("57P01"), Disposition::Retry(RetryCause::Unavailable));
+        assert_eq!(classify_sqlstate("53300"), Disposition::Retry(RetryCause::Unavailable));
+        assert_eq!(classify_sqlstate("22P02"), Disposition::Record);
+        assert_eq!(classify_sqlstate("23505"), Disposition::Record);
+        assert_eq!(classify_sqlstate("42P01"), Disposition::Fatal);
+        assert_eq!(classify_sqlstate("42703"), Disposition::Fatal);
+        assert_eq!(classify(&sqlx::Error::PoolTimedOut), Disposition::Retry(RetryCause::PoolTimeout));
+    }
+}

@@ -1,0 +1,233 @@
+//! SQL with named parameters (`:order_id`), as written in `sink.sql`.
+//!
+//! The scanner follows PostgreSQL's lexical rules closely enough to find parameters only where they are
+//! parameters: not inside `'string'`, `E'escaped\' string'`, `"identifier"`, `$tag$dollar quoted$tag$` text,
+//! `-- comments` or `/* nested */ comments`, and not in a `::type` cast. A `;` outside those ends a statement, so one
+//! string may hold several statements. Positional parameters (`$1`) are refused: values are named.
+//!
+//! Each statement becomes a list of SQL text pieces and parameter slots that [`super::side_effect`] later renders
+//! with typed positional parameters.
+
+/// A piece of a statement.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Part {
+    /// SQL text, copied as written.
+    Sql(String),
+    /// A parameter: index into [`Statement::params`].
+    Param(usize),
+}
+
+/// One statement with its named parameters located.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Statement {
+    /// Text and parameter slots in order.
+    pub parts: Vec<Part>,
+    /// Distinct parameter names in order of first use.
+    pub params: Vec<String>,
+}
+
+impl Statement {
+    fn new() -> Self {
+        Statement { parts: Vec::new(), params: Vec::new() }
+    }
+
+    /// The statement with every parameter slot replaced by `placeholder(n)`.
+    pub fn render(&self, placeholder: impl Fn(usize) -> String) -> String {
+        self.parts
+            .iter()
+            .map(|p| match p {
+                Part::Sql(s) => s.clone(),
+                Part::Param(n) => placeholder(*n),
+            })
+            .collect()
+    }
+
+    fn push_sql(&mut self, text: &str) {
+        if !text.is_empty() {
+            self.parts.push(Part::Sql(text.to_owned()));
+        }
+    }
+}
+
+/// Why a `sink.sql` text was refused.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum TemplateError {
+    /// A quote, identifier, dollar-quoted string or block comment is not closed.
+    #[error("unterminated {what} starting at byte {at}")]
+    Unterminated {
+        /// What was left open.
+        what: &'static str,
+        /// Byte offset where it starts.
+        at: usize,
+    },
+    /// `$1`-style parameters are not supported.
+    #[error("positional parameter at byte {at}: name every value instead (`:amount`) and map it in [sink.params]")]
+    Positional {
+        /// Byte offset.
+        at: usize,
+    },
+}
+
+/// Splits `sql` into statements and locates their named parameters.
+pub fn parse(sql: &str) -> Result<Vec<Statement>, TemplateError> {
+    let b = sql.as_bytes();
+    let mut statements = Vec::new();
+    let mut current = Statement::new();
+    let mut i = 0;
+    // `copied` is the start of the source text not yet copied into `current`.
+    let mut copied = 0;
+    let is_ident_start = |c: u8| c.is_ascii_alphabetic() || c == b'_' || c >= 0x80;
+    let is_ident = |c: u8| c.is_ascii_alphanumeric() || c == b'_' || c >= 0x80;
+    while i < b.len() {
+        match b[i] {
+            b'\'' => {
+                let escapes = i > 0 && (b[i - 1] == b'e' || b[i - 1] == b'E') && (i < 2 || !is_ident(b[i - 2]));
+                i = skip_quoted(b, i, b'\'', escapes).ok_or(TemplateError::Unterminated { what: "string", at: i })?;
+            }
+            b'"' => {
+                i = skip_quoted(b, i, b'"', false)
+                    .ok_or(TemplateError::Unterminated { what: "quoted identifier", at: i })?;
+            }
+            b'-' if b.get(i + 1) == Some(&b'-') => {
+                i = sql[i..].find('\n').map_or(b.len(), |n| i + n + 1);
+            }
+            b'/' if b.get(i + 1) == Some(&b'*') => {
+                let start = i;
+                let mut depth = 0usize;
+                loop {
+                    if i + 1 >= b.len() {
+                        return Err(TemplateError::Unterminated { what: "comment", at: start });
+                    }
+                    if b[i] == b'/' && b[i + 1] == b'*' {
+                        depth += 1;
+                        i += 2;
+                    } else if b[i] == b'*' && b[i + 1] == b'/' {
+                        depth -= 1;
+                        i += 2;
+                        if depth == 0 {
+                            break;
+                        }
+                    } else {
+                        i += 1;
+                    }
+                }
+            }
+            b'$' => {
+                if b.get(i + 1).is_some_and(u8::is_ascii_digit) && (i == 0 || !is_ident(b[i - 1])) {
+                    return Err(TemplateError::Positional { at: i });
+                }
+                // A dollar quote: $$ or $tag$, where a tag is an identifier without `$`.
+                let tag_end = (i + 1..b.len()).find(|&j| !is_ident(b[j])).unwrap_or(b.len());
+                let starts_quote = b.get(tag_end) == Some(&b'$')
+                    && (tag_end == i + 1 || is_ident_start(b[i + 1]))
+                    && (i == 0 || !is_ident(b[i - 1]));
+                if starts_quote {
+                    let tag = &sql[i..=tag_end];
+                    let body = tag_end + 1;
+                    let close = sql[body..]
+                        .find(tag)
+                        .ok_or(TemplateError::Unterminated { what: "dollar-quoted string", at: i })?;
+                    i = body + close + tag.len();
+                } else {
+                    i += 1;
+                }
+            }
+            b':' if b.get(i + 1) == Some(&b':') => i += 2,
+            b':' if b.get(i + 1).is_some_and(|&c| is_ident_start(c)) => {
+                let end = (i + 1..b.len()).find(|&j| !is_ident(b[j])).unwrap_or(b.len());
+                let name = &sql[i + 1..end];
+                let n = match current.params.iter().position(|p| p == name) {
+                    Some(n) => n,
+                    None => {
+                        current.params.push(name.to_owned());
+                        current.params.len() - 1
+                    }
+                };
+                current.push_sql(&sql[copied..i]);
+                current.parts.push(Part::Param(n));
+                copied = end;
+                i = end;
+            }
+            b';' => {
+                current.push_sql(&sql[copied..i]);
+                copied = i + 1;
+                i += 1;
+                push_statement(&mut statements, std::mem::replace(&mut current, Statement::new()));
+            }
+            _ => i += 1,
+        }
+    }
+    current.push_sql(&sql[copied..]);
+    push_statement(&mut statements, current);
+    Ok(statements)
+}
+
+/// Keeps a statement unless it is only white space, trimming white space at both ends.
+fn push_statement(statements: &mut Vec<Statement>, mut statement: Statement) {
+    if let Some(Part::Sql(first)) = statement.parts.first_mut() {
+        *first = first.trim_start().to_owned();
+    }
+    if let Some(Part::Sql(last)) = statement.parts.last_mut() {
+        *last = last.trim_end().to_owned();
+    }
+    statement.parts.retain(|p| !matches!(p, Part::Sql(s) if s.is_empty()));
+    if !statement.parts.is_empty() {
+        statements.push(statement);
+    }
+}
+
+/// Returns the index just past the closing quote of a quoted run starting at `start`, where a doubled quote is an
+/// escaped quote and, with `backslash`, `\x` escapes any character.
+fn skip_quoted(b: &[u8], start: usize, quote: u8, backslash: bool) -> Option<usize> {
+    let mut i = start + 1;
+    while i < b.len() {
+        if backslash && b[i] == b'\\' {
+            i += 2;
+            continue;
+        }
+        if b[i] == quote {
+            if b.get(i + 1) == Some(&quote) {
+                i += 2;
+                continue;
+            }
+            return Some(i + 1);
+        }
+        i += 1;
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rendered(sql: &str) -> Vec<(String, Vec<String>)> {
+        parse(sql)
+            .unwrap()
+            .into_iter()
+            .map(|s| (s.render(|n| format!("${}", n + 1)), s.params))
+            .collect()
+    }
+
+    #[test]
+    fn finds_parameters_only_where_they_are_parameters() {
+        let got = rendered(
+            "UPDATE a SET b = b - :amount, note = ':not' || E'\\':no' || \"c:x\" || $$ :no $$ || $t$ :no $t$ \
+             -- :comment\n /* :c /* nested */ */ WHERE id = :id::text AND x = :amount; SELECT '{json}'::jsonb, :id",
+        );
+        assert_eq!(got.len(), 2);
+        assert_eq!(got[0].1, vec!["amount", "id"]);
+        assert!(got[0].0.starts_with("UPDATE a SET b = b - $1, note = ':not'"), "{}", got[0].0);
+        assert!(got[0].0.ends_with("WHERE id = $2::text AND x = $1"), "{}", got[0].0);
+        assert_eq!(got[1], ("SELECT '{json}'::jsonb, $1".to_owned(), vec!["id".to_owned()]));
+    }
+
+    #[test]
+    fn refuses_positional_and_unterminated() {
+        assert_eq!(parse("SELECT $1"), Err(TemplateError::Positional { at: 7 }));
+        assert!(matches!(parse("SELECT 'x"), Err(TemplateError::Unterminated { what: "string", .. })));
+        assert!(matches!(parse("SELECT $a$ x"), Err(TemplateError::Unterminated { .. })));
+        assert!(matches!(parse("SELECT /* x"), Err(TemplateError::Unterminated { what: "comment", .. })));
+        assert_eq!(parse(" ; ;").unwrap(), vec![]);
+    }
+}

@@ -1,0 +1,256 @@
+//! The batch transaction.
+//!
+//! Fast path, one transaction:
+//! 1. claim the distinct keys of the batch in one statement;
+//! 2. read the dedup rows of keys that were not new (only when there are some) and classify those duplicates;
+//! 3. run the side effect for the new keys (one statement in the table form);
+//! 4. write the dead letters; 5. `COMMIT`.
+//!
+//! If the side effect raises an error that belongs to one record (see [`super::error`]), the transaction is
+//! rolled back and the batch is redone record by record in a new one, each record inside a savepoint, so the
+//! offending record is dead-lettered and the rest of the batch still commits. The slow path classifies
+//! duplicates exactly as the fast path does, so a record's outcome never depends on how batches were cut.
+
+use super::dead_letter;
+use super::dedup::{self, Claim, Existing};
+use super::error::{Disposition, SinkError};
+use super::side_effect::SideEffect;
+use crate::key::BusinessKey;
+use crate::metrics::{BatchCounts, DeadLetterReason, DuplicateReason};
+use crate::prepare::{Apply, Prepared};
+use crate::record::{Position, Record};
+use sqlx::{Connection, PgConnection, PgPool};
+use std::collections::{HashMap, HashSet};
+
+/// The sink of one pipeline.
+#[derive(Clone, Debug)]
+pub struct Sink {
+    pipeline: String,
+    pool: PgPool,
+    side_effect: SideEffect,
+}
+
+/// What a committed batch did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct BatchOutcome {
+    /// Counts for the metrics.
+    pub counts: BatchCounts,
+}
+
+/// The fate of one record inside an attempt, before commit.
+enum Fate {
+    Applied,
+    Duplicate(DuplicateReason),
+    DeadLetter(DeadLetterReason, String),
+    Tombstone,
+}
+
+impl Sink {
+    /// A sink writing to `pool` for `pipeline`.
+    pub fn new(pipeline: String, pool: PgPool, side_effect: SideEffect) -> Self {
+        Sink { pipeline, pool, side_effect }
+    }
+
+    /// Runs one batch in one transaction. `prepared[i]` belongs to `records[i]`.
+    ///
+    /// Errors: a [`SinkError`] whose [`SinkError::disposition`] is `Retry` (roll back, back off, call again with
+    /// the same batch: the dedup rows make that safe even when a lost `COMMIT` had in fact committed) or `Fatal`.
+    pub async fn apply(&self, records: &[Record], prepared: &[Prepared]) -> Result<BatchOutcome, SinkError> {
+        let mut tx = self.pool.begin().await.map_err(|e| SinkError::new("opening the batch transaction", e))?;
+        let fates = match self.fast_path(&mut tx, records, prepared).await {
+            Ok(fates) => fates,
+            Err(e) if e.disposition() == Disposition::Record => {
+                tracing::debug!(error = %e, "a record's side effect failed; redoing the batch record by record");
+                tx.rollback().await.map_err(|e| SinkError::new("rolling back", e))?;
+                tx = self.pool.begin().await.map_err(|e| SinkError::new("opening the batch transaction", e))?;
+                self.slow_path(&mut tx, records, prepared).await?
+            }
+            Err(e) => return Err(e),
+        };
+        let mut counts = BatchCounts { received: records.len() as u64, ..BatchCounts::default() };
+        for (record, fate) in records.iter().zip(&fates) {
+            match fate {
+                Fate::Applied => counts.applied += 1,
+                Fate::Duplicate(reason) => counts.duplicate(*reason),
+                Fate::Tombstone => counts.tombstones += 1,
+                Fate::DeadLetter(reason, error) => {
+                    let written = dead_letter::write(&mut tx, &self.pipeline, record, *reason, error)
+                        .await
+                        .map_err(|e| SinkError::new("writing a dead letter", e))?;
+                    if written {
+                        tracing::warn!(
+                            pipeline = %self.pipeline, topic = %record.position.topic,
+                            partition = record.position.partition, offset = record.position.offset,
+                            reason = reason.as_str(), error = %error, "record dead-lettered"
+                        );
+                        counts.dead_letter(*reason);
+                    }
+                }
+            }
+        }
+        tx.commit().await.map_err(|e| SinkError::new("committing the batch", e))?;
+        Ok(BatchOutcome { counts })
+    }
+
+    async fn fast_path(
+        &self,
+        conn: &mut PgConnection,
+        records: &[Record],
+        prepared: &[Prepared],
+    ) -> Result<Vec<Fate>, SinkError> {
+        // The first occurrence of each key in the batch is the one that claims it.
+        let mut first: HashMap<[u8; 32], usize> = HashMap::new();
+        let mut claims = Vec::new();
+        for (i, p) in prepared.iter().enumerate() {
+            if let Prepared::Apply(a) = p {
+                first.entry(a.key.digest).or_insert_with(|| {
+                    claims.push(Claim { key: &a.key, position: &records[i].position, fingerprint: &a.fingerprint });
+                    i
+                });
+            }
+        }
+        let new = if claims.is_empty() {
+            HashSet::new()
+        } else {
+            dedup::claim(conn, &self.pipeline, &claims).await.map_err(|e| SinkError::new("claiming business keys", e))?
+        };
+        let old: Vec<&[u8]> = claims.iter().map(|c| &c.key.digest[..]).filter(|d| !new.contains(*d)).collect();
+        let stored: HashMap<[u8; 32], Existing> = if old.is_empty() {
+            HashMap::new()
+        } else {
+            dedup::existing(conn, &self.pipeline, &old)
+                .await
+                .map_err(|e| SinkError::new("reading dedup rows", e))?
+                .into_iter()
+                .collect()
+        };
+        let mut fates = Vec::with_capacity(prepared.len());
+        let mut to_apply: Vec<&Apply> = Vec::new();
+        for (i, p) in prepared.iter().enumerate() {
+            let fate = match p {
+                Prepared::Tombstone => Fate::Tombstone,
+                Prepared::DeadLetter(d) => Fate::DeadLetter(d.reason, d.error.clone()),
+                Prepared::Apply(a) => {
+                    let f = first[&a.key.digest];
+                    if i == f && new.contains(&a.key.digest) {
+                        to_apply.push(a);
+                        Fate::Applied
+                    } else {
+                        // Against the stored row when the key existed before this batch, otherwise against the
+                        // first occurrence in this batch (the row this batch is writing): the same answer the
+                        // record would get in a later batch.
+                        let against = match stored.get(&a.key.digest) {
+                            Some(e) => e.clone(),
+                            None if i != f => occurrence(&records[f], &prepared[f]),
+                            None => {
+                                tracing::warn!(pipeline = %self.pipeline, position = %records[i].position,
+                                    "the dedup row of a conflicting key vanished (purged concurrently?)");
+                                occurrence(&records[i], p)
+                            }
+                        };
+                        Fate::Duplicate(self.duplicate(&a.key, &against, &records[i].position, &a.fingerprint))
+                    }
+                }
+            };
+            fates.push(fate);
+        }
+        self.side_effect
+            .apply_all(conn, &to_apply)
+            .await
+            .map_err(|e| SinkError::new("applying the side effect", e))?;
+        Ok(fates)
+    }
+
+    async fn slow_path(
+        &self,
+        tx: &mut PgConnection,
+        records: &[Record],
+        prepared: &[Prepared],
+    ) -> Result<Vec<Fate>, SinkError> {
+        let mut fates = Vec::with_capacity(prepared.len());
+        for (record, p) in records.iter().zip(prepared) {
+            let a = match p {
+                Prepared::Tombstone => {
+                    fates.push(Fate::Tombstone);
+                    continue;
+                }
+                Prepared::DeadLetter(d) => {
+                    fates.push(Fate::DeadLetter(d.reason, d.error.clone()));
+                    continue;
+                }
+                Prepared::Apply(a) => a,
+            };
+            let mut sp = tx.begin().await.map_err(|e| SinkError::new("opening a savepoint", e))?;
+            let claim = [Claim { key: &a.key, position: &record.position, fingerprint: &a.fingerprint }];
+            let new = match dedup::claim(&mut sp, &self.pipeline, &claim).await {
+                Ok(new) => !new.is_empty(),
+                Err(e) => match super::error::classify(&e) {
+                    Disposition::Record => {
+                        sp.rollback().await.map_err(|e| SinkError::new("rolling back a savepoint", e))?;
+                        fates.push(Fate::DeadLetter(DeadLetterReason::KeyInvalid, describe(&e)));
+                        continue;
+                    }
+                    _ => return Err(SinkError::new("claiming a business key", e)),
+                },
+            };
+            if !new {
+                let stored = dedup::existing(&mut sp, &self.pipeline, &[&a.key.digest[..]])
+                    .await
+                    .map_err(|e| SinkError::new("reading a dedup row", e))?;
+                let against = stored.into_iter().next().map_or_else(|| occurrence(record, p), |(_, e)| e);
+                sp.commit().await.map_err(|e| SinkError::new("releasing a savepoint", e))?;
+                fates.push(Fate::Duplicate(self.duplicate(&a.key, &against, &record.position, &a.fingerprint)));
+                continue;
+            }
+            match self.side_effect.apply_one(&mut sp, a).await {
+                Ok(()) => {
+                    sp.commit().await.map_err(|e| SinkError::new("releasing a savepoint", e))?;
+                    fates.push(Fate::Applied);
+                }
+                Err(e) if super::error::classify(&e) == Disposition::Record => {
+                    sp.rollback().await.map_err(|e| SinkError::new("rolling back a savepoint", e))?;
+                    fates.push(Fate::DeadLetter(DeadLetterReason::SideEffectRejected, describe(&e)));
+                }
+                Err(e) => return Err(SinkError::new("applying the side effect", e)),
+            }
+        }
+        Ok(fates)
+    }
+
+    fn duplicate(
+        &self,
+        key: &BusinessKey,
+        against: &Existing,
+        position: &Position,
+        fingerprint: &[u8; 32],
+    ) -> DuplicateReason {
+        let reason = dedup::classify(against, position, fingerprint);
+        if reason == DuplicateReason::PayloadMismatch {
+            let shown: String = key.text.chars().take(200).collect();
+            tracing::warn!(
+                pipeline = %self.pipeline, business_key = %shown, applied = %against.position, skipped = %position,
+                "payload_mismatch: a record reuses an applied business key with a different payload; skipped"
+            );
+        }
+        reason
+    }
+}
+
+fn occurrence(record: &Record, prepared: &Prepared) -> Existing {
+    let fingerprint = match prepared {
+        Prepared::Apply(a) => a.fingerprint.to_vec(),
+        _ => Vec::new(),
+    };
+    Existing { position: record.position.clone(), fingerprint }
+}
+
+/// An error's text with its SQLSTATE, for the dead letters.
+fn describe(e: &sqlx::Error) -> String {
+    match e {
+        sqlx::Error::Database(db) => match db.code() {
+            Some(code) => format!("SQLSTATE {code}: {}", db.message()),
+            None => db.message().to_owned(),
+        },
+        other => other.to_string(),
+    }
+}

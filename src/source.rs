@@ -1,0 +1,313 @@
+//! The Kafka source of one pipeline: a consumer-group member that hands out batches and commits offsets.
+//!
+//! Offsets are never committed automatically (`enable.auto.commit=false`): [`Source::commit`] is called only after
+//! a batch's transaction committed. Ownership of partitions is tracked across rebalances:
+//!
+//! - rebalance callbacks run inside the consumer's poll, that is inside [`Source::next_batch`], never while a batch
+//!   is in its transaction; a partition therefore cannot change hands between a batch's database commit and its
+//!   offset commit in this process;
+//! - on revoke, the positions that are durable for the revoked partitions are committed synchronously before the
+//!   partitions go (librdkafka allows commits from the rebalance callback), and records already buffered for them
+//!   are dropped, so the new owner starts from durable work only;
+//! - an offset is committed only for partitions still owned; a late one is skipped, logged and counted
+//!   (`idemflow_offset_commits_total{result="skipped_not_owned"}`), so a stale commit can never move a group's
+//!   position backwards or past unprocessed records.
+//!
+//! Records of a partition are handed out in offset order and batches are processed one at a time, so
+//! per-partition order is preserved.
+
+use crate::config::{BatchSettings, KafkaSettings, Pipeline};
+use crate::metrics::{CommitResult, PipelineMetrics, RebalanceEvent};
+use crate::offsets::NextOffsets;
+use crate::record::Record;
+use crate::shutdown::Shutdown;
+use rdkafka::config::{ClientConfig, RDKafkaLogLevel};
+use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer};
+use rdkafka::error::{KafkaError, KafkaResult};
+use rdkafka::{ClientContext, Offset, TopicPartitionList};
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+use tokio::time::Instant;
+
+/// Properties the worker sets itself; a value for them in `[kafka.properties]` is ignored with a warning.
+const OWNED: [&str; 3] = ["group.id", "enable.auto.commit", "enable.auto.offset.store"];
+
+type Tp = (Arc<str>, i32);
+
+#[derive(Default)]
+struct Ownership {
+    assigned: HashSet<Tp>,
+    /// Revoked since the batch collector last looked.
+    revoked: Vec<Tp>,
+    /// Per owned partition, the next offset whose predecessors are all durable in Postgres.
+    durable: HashMap<Tp, i64>,
+}
+
+/// The consumer context: rebalance and commit callbacks, and librdkafka's log lines into tracing.
+pub struct SourceContext {
+    pipeline: String,
+    state: Arc<Mutex<Ownership>>,
+    metrics: PipelineMetrics,
+}
+
+fn tp_of(topic: &str, partition: i32) -> Tp {
+    (Arc::from(topic), partition)
+}
+
+impl ClientContext for SourceContext {
+    fn log(&self, level: RDKafkaLogLevel, fac: &str, log_message: &str) {
+        let p = &self.pipeline;
+        match level {
+            RDKafkaLogLevel::Emerg | RDKafkaLogLevel::Alert | RDKafkaLogLevel::Critical | RDKafkaLogLevel::Error => {
+                tracing::error!(pipeline = %p, facility = fac, "librdkafka: {log_message}")
+            }
+            RDKafkaLogLevel::Warning => tracing::warn!(pipeline = %p, facility = fac, "librdkafka: {log_message}"),
+            RDKafkaLogLevel::Notice | RDKafkaLogLevel::Info => {
+                tracing::info!(pipeline = %p, facility = fac, "librdkafka: {log_message}")
+            }
+            RDKafkaLogLevel::Debug => tracing::debug!(pipeline = %p, facility = fac, "librdkafka: {log_message}"),
+        }
+    }
+
+    fn error(&self, error: KafkaError, reason: &str) {
+        tracing::warn!(pipeline = %self.pipeline, %error, "kafka client error: {reason}");
+    }
+}
+
+impl ConsumerContext for SourceContext {
+    fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        match rebalance {
+            Rebalance::Revoke(tpl) => {
+                self.metrics.rebalance(RebalanceEvent::Revoke);
+                let mut commit = TopicPartitionList::new();
+                {
+                    let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+                    for e in tpl.elements() {
+                        let tp = tp_of(e.topic(), e.partition());
+                        if let Some(next) = st.durable.remove(&tp) {
+                            let _ = commit.add_partition_offset(e.topic(), e.partition(), Offset::Offset(next));
+                        }
+                        st.assigned.remove(&tp);
+                        st.revoked.push(tp);
+                    }
+                }
+                tracing::info!(pipeline = %self.pipeline, partitions = %describe(tpl), "partitions revoked");
+                if commit.count() > 0 {
+                    // The outcome is counted by commit_callback.
+                    if let Err(e) = consumer.commit(&commit, CommitMode::Sync) {
+                        tracing::warn!(pipeline = %self.pipeline, error = %e, "offset commit on revoke failed; \
+                            the new owner will skip the redelivered records as duplicates");
+                    }
+                }
+            }
+            Rebalance::Assign(_) => {}
+            Rebalance::Error(e) => {
+                self.metrics.rebalance(RebalanceEvent::Error);
+                tracing::warn!(pipeline = %self.pipeline, error = %e, "rebalance error");
+            }
+        }
+    }
+
+    fn post_rebalance(&self, _consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        if let Rebalance::Assign(tpl) = rebalance {
+            self.metrics.rebalance(RebalanceEvent::Assign);
+            let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+            for e in tpl.elements() {
+                st.assigned.insert(tp_of(e.topic(), e.partition()));
+            }
+            drop(st);
+            tracing::info!(pipeline = %self.pipeline, partitions = %describe(tpl), "partitions assigned");
+        }
+    }
+
+    fn commit_callback(&self, result: KafkaResult<()>, offsets: &TopicPartitionList) {
+        match result {
+            Ok(()) => self.metrics.offset_commit(CommitResult::Ok),
+            Err(e) => {
+                self.metrics.offset_commit(CommitResult::Error);
+                tracing::warn!(pipeline = %self.pipeline, error = %e, offsets = %describe(offsets),
+                    "offset commit failed; the records will be redelivered and skipped as duplicates");
+            }
+        }
+    }
+}
+
+fn describe(tpl: &TopicPartitionList) -> String {
+    let parts: Vec<String> = tpl
+        .elements()
+        .iter()
+        .map(|e| match e.offset() {
+            Offset::Offset(o) => format!("{}/{}@{o}", e.topic(), e.partition()),
+            _ => format!("{}/{}", e.topic(), e.partition()),
+        })
+        .collect();
+    parts.join(",")
+}
+
+/// One shared `Arc<str>` per topic name, so records do not each allocate their topic.
+fn intern(topics: &mut HashMap<String, Arc<str>>, name: &str) -> Arc<str> {
+    if let Some(t) = topics.get(name) {
+        return t.clone();
+    }
+    let t: Arc<str> = Arc::from(name);
+    topics.insert(name.to_owned(), t.clone());
+    t
+}
+
+/// One pipeline's consumer.
+pub struct Source {
+    consumer: StreamConsumer<SourceContext>,
+    state: Arc<Mutex<Ownership>>,
+    topics: HashMap<String, Arc<str>>,
+    pipeline: String,
+    metrics: PipelineMetrics,
+}
+
+impl Source {
+    /// Creates the consumer and subscribes to the pipeline's topics.
+    ///
+    /// The worker sets `group.id`, `enable.auto.commit=false` and `enable.auto.offset.store=false`, and defaults
+    /// `auto.offset.reset=earliest` (a new group starts from the beginning of each partition) and `client.id`;
+    /// every other librdkafka property comes from `[kafka.properties]`.
+    pub fn new(kafka: &KafkaSettings, pipeline: &Pipeline, metrics: PipelineMetrics) -> KafkaResult<Self> {
+        let mut config = ClientConfig::new();
+        config
+            .set("bootstrap.servers", &kafka.bootstrap_servers)
+            .set("auto.offset.reset", "earliest")
+            .set("client.id", format!("idemflow-{}", pipeline.name));
+        for (k, v) in &kafka.properties {
+            if OWNED.contains(&k.as_str()) {
+                tracing::warn!(pipeline = %pipeline.name, property = %k, "ignoring a Kafka property the worker sets itself");
+            } else {
+                config.set(k, v.to_string());
+            }
+        }
+        config
+            .set("group.id", &pipeline.group_id)
+            .set("enable.auto.commit", "false")
+            .set("enable.auto.offset.store", "false");
+        let state = Arc::new(Mutex::new(Ownership::default()));
+        let context = SourceContext { pipeline: pipeline.name.clone(), state: state.clone(), metrics: metrics.clone() };
+        let consumer: StreamConsumer<SourceContext> = config.create_with_context(context)?;
+        let topics: Vec<&str> = pipeline.topics.iter().map(String::as_str).collect();
+        consumer.subscribe(&topics)?;
+        Ok(Source {
+            consumer,
+            state,
+            topics: pipeline.topics.iter().map(|t| (t.clone(), Arc::from(t.as_str()))).collect(),
+            pipeline: pipeline.name.clone(),
+            metrics,
+        })
+    }
+
+    /// Waits for the next batch: at least one record, then up to `max_records`, for at most `max_wait` after the
+    /// first. Returns `None` once `shutdown` is triggered while waiting for a first record; a batch being filled
+    /// when shutdown comes is returned as it is, to be finished.
+    pub async fn next_batch(&mut self, settings: BatchSettings, shutdown: &mut Shutdown) -> Option<Vec<Record>> {
+        let mut batch: Vec<Record> = Vec::new();
+        let mut deadline: Option<Instant> = None;
+        while batch.len() < settings.max_records {
+            let received = match deadline {
+                None => tokio::select! {
+                    m = self.consumer.recv() => m,
+                    _ = shutdown.wait() => return None,
+                },
+                Some(at) => tokio::select! {
+                    m = tokio::time::timeout_at(at, self.consumer.recv()) => match m {
+                        Ok(m) => m,
+                        Err(_) => break,
+                    },
+                    _ = shutdown.wait() => break,
+                },
+            };
+            self.drop_revoked(&mut batch);
+            match received {
+                Ok(message) => {
+                    let topic = intern(&mut self.topics, rdkafka::Message::topic(&message));
+                    batch.push(Record::from_message(&message, topic));
+                    deadline.get_or_insert_with(|| Instant::now() + settings.max_wait);
+                }
+                Err(e) => {
+                    tracing::warn!(pipeline = %self.pipeline, error = %e, "consume error; retrying");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
+            if batch.is_empty() {
+                deadline = None;
+            }
+        }
+        self.drop_revoked(&mut batch);
+        Some(batch)
+    }
+
+    /// Drops buffered records of partitions revoked since the last look: the partition's next owner (maybe this
+    /// consumer again, from the committed offset) will receive them.
+    fn drop_revoked(&self, batch: &mut Vec<Record>) {
+        let revoked: HashSet<Tp> = {
+            let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+            if st.revoked.is_empty() {
+                return;
+            }
+            st.revoked.drain(..).collect()
+        };
+        let before = batch.len();
+        batch.retain(|r| !revoked.contains(&(r.position.topic.clone(), r.position.partition)));
+        if batch.len() != before {
+            tracing::info!(pipeline = %self.pipeline, dropped = before - batch.len(),
+                "dropped buffered records of revoked partitions before processing");
+        }
+    }
+
+    /// Commits `next` (asynchronously; the outcome is counted by the commit callback), for owned partitions only.
+    pub fn commit(&self, next: &NextOffsets) {
+        let tpl = self.owned_list(next);
+        if tpl.count() > 0 {
+            if let Err(e) = self.consumer.commit(&tpl, CommitMode::Async) {
+                self.metrics.offset_commit(CommitResult::Error);
+                tracing::warn!(pipeline = %self.pipeline, error = %e, "offset commit failed");
+            }
+        }
+    }
+
+    fn owned_list(&self, next: &NextOffsets) -> TopicPartitionList {
+        let mut tpl = TopicPartitionList::new();
+        let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        for ((topic, partition), offset) in &next.0 {
+            let tp = (topic.clone(), *partition);
+            if st.assigned.contains(&tp) {
+                let _ = tpl.add_partition_offset(topic, *partition, Offset::Offset(*offset));
+                st.durable.insert(tp, *offset);
+            } else {
+                self.metrics.offset_commit(CommitResult::SkippedNotOwned);
+                tracing::warn!(pipeline = %self.pipeline, topic = %topic, partition, offset,
+                    "not committing the offset of a partition no longer owned");
+            }
+        }
+        tpl
+    }
+
+    /// Commits every durable position synchronously, then leaves the group (closing the consumer).
+    pub fn close(self) {
+        let tpl = {
+            let st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+            let mut tpl = TopicPartitionList::new();
+            for ((topic, partition), offset) in &st.durable {
+                let _ = tpl.add_partition_offset(topic, *partition, Offset::Offset(*offset));
+            }
+            tpl
+        };
+        let consumer = self.consumer;
+        tokio::task::block_in_place(|| {
+            if tpl.count() > 0 {
+                match consumer.commit(&tpl, CommitMode::Sync) {
+                    Ok(()) => tracing::info!(pipeline = %self.pipeline, offsets = %describe(&tpl), "offsets committed"),
+                    Err(e) => tracing::warn!(pipeline = %self.pipeline, error = %e, "final offset commit failed"),
+                }
+            }
+            consumer.unsubscribe();
+            drop(consumer);
+        });
+        tracing::info!(pipeline = %self.pipeline, "left the consumer group");
+    }
+}
