@@ -1,0 +1,5 @@
+//! Integration tests against a real PostgreSQL server and librdkafka's mock cluster.
+
+mod support;
+
+mod e2e;

@@ -1,0 +1,149 @@
+//! librdkafka's mock cluster: real Kafka protocol on localhost ports, so the worker binary in another process can
+//! consume from it. Owned by a producer created with `test.mock.num.brokers`.
+
+use rdkafka::config::ClientConfig;
+use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{BaseRecord, DefaultProducerContext, Producer, ThreadedProducer};
+use rdkafka::{Offset, TopicPartitionList};
+use std::time::Duration;
+
+/// A mock cluster and a producer into it.
+pub struct Kafka {
+    producer: ThreadedProducer<DefaultProducerContext>,
+    bootstrap: String,
+}
+
+/// One record to produce.
+#[derive(Clone, Debug, Default)]
+pub struct Out {
+    /// Partition.
+    pub partition: i32,
+    /// Record key.
+    pub key: Option<Vec<u8>>,
+    /// Headers.
+    pub headers: Vec<(String, Vec<u8>)>,
+    /// Value; `None` is a tombstone.
+    pub value: Option<Vec<u8>>,
+}
+
+impl Out {
+    /// A JSON value on `partition`.
+    pub fn json(partition: i32, value: impl Into<String>) -> Out {
+        Out { partition, value: Some(value.into().into_bytes()), ..Out::default() }
+    }
+}
+
+impl Kafka {
+    /// A one-broker mock cluster with fast group joins.
+    pub fn new() -> Kafka {
+        let producer: ThreadedProducer<DefaultProducerContext> = ClientConfig::new()
+            .set("test.mock.num.brokers", "1")
+            .set("linger.ms", "0")
+            .set("enable.idempotence", "false")
+            .create()
+            .expect("a mock cluster");
+        let bootstrap = producer.client().mock_cluster().expect("the producer owns a mock cluster").bootstrap_servers();
+        unsafe {
+            let raw = rdkafka::bindings::rd_kafka_handle_mock_cluster(producer.client().native_ptr());
+            rdkafka::bindings::rd_kafka_mock_group_initial_rebalance_delay_ms(raw, 0);
+        }
+        Kafka { producer, bootstrap }
+    }
+
+    /// `host:port` of the cluster.
+    pub fn bootstrap(&self) -> &str {
+        &self.bootstrap
+    }
+
+    /// Creates a topic.
+    pub fn create_topic(&self, topic: &str, partitions: i32) {
+        let mock = self.producer.client().mock_cluster().expect("mock cluster");
+        mock.create_topic(topic, partitions, 1).expect("creating a topic");
+    }
+
+    /// Produces records in order and waits until all are acknowledged.
+    pub fn produce(&self, topic: &str, records: &[Out]) {
+        for r in records {
+            let mut headers = OwnedHeaders::new();
+            for (k, v) in &r.headers {
+                headers = headers.insert(Header { key: k, value: Some(v) });
+            }
+            let mut rec: BaseRecord<'_, [u8], [u8]> = BaseRecord::to(topic).partition(r.partition).headers(headers);
+            if let Some(k) = &r.key {
+                rec = rec.key(k);
+            }
+            if let Some(v) = &r.value {
+                rec = rec.payload(v);
+            }
+            let mut rec = rec;
+            loop {
+                match self.producer.send(rec) {
+                    Ok(()) => break,
+                    Err((e, back)) => {
+                        assert!(matches!(e, rdkafka::error::KafkaError::MessageProduction(rdkafka::types::RDKafkaErrorCode::QueueFull)), "{e}");
+                        std::thread::sleep(Duration::from_millis(5));
+                        rec = back;
+                    }
+                }
+            }
+        }
+        self.producer.flush(Duration::from_secs(30)).expect("flushing");
+    }
+
+    fn group_consumer(&self, group: &str) -> BaseConsumer {
+        ClientConfig::new()
+            .set("bootstrap.servers", &self.bootstrap)
+            .set("group.id", group)
+            .set("enable.auto.commit", "false")
+            .create()
+            .expect("a consumer")
+    }
+
+    /// The group's committed offsets of `topic`'s partitions `0..partitions` (-1 where none).
+    pub fn committed(&self, group: &str, topic: &str, partitions: i32) -> Vec<i64> {
+        let c = self.group_consumer(group);
+        let mut tpl = TopicPartitionList::new();
+        for p in 0..partitions {
+            tpl.add_partition(topic, p);
+        }
+        let got = c.committed_offsets(tpl, Duration::from_secs(10)).expect("committed offsets");
+        (0..partitions)
+            .map(|p| match got.find_partition(topic, p).map(|e| e.offset()) {
+                Some(Offset::Offset(o)) => o,
+                _ => -1,
+            })
+            .collect()
+    }
+
+    /// Sets the group's committed offset (the group must have no active members), as an operator would with
+    /// `kafka-consumer-groups --reset-offsets`. The mock cluster only accepts commits from a group member, so this
+    /// joins the group, commits, and leaves.
+    pub fn set_committed(&self, group: &str, topic: &str, partition: i32, offset: i64) {
+        let c: BaseConsumer = ClientConfig::new()
+            .set("bootstrap.servers", &self.bootstrap)
+            .set("group.id", group)
+            .set("enable.auto.commit", "false")
+            .set("session.timeout.ms", "6000")
+            .create()
+            .expect("a consumer");
+        c.subscribe(&[topic]).unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while c.assignment().map(|a| a.count()).unwrap_or(0) == 0 {
+            assert!(std::time::Instant::now() < deadline, "never got an assignment in group {group}");
+            let _ = c.poll(Duration::from_millis(100));
+        }
+        let mut tpl = TopicPartitionList::new();
+        tpl.add_partition_offset(topic, partition, Offset::Offset(offset)).unwrap();
+        c.commit(&tpl, CommitMode::Sync).expect("committing offsets");
+        c.unsubscribe();
+    }
+
+    /// The high watermark (next offset) of each partition.
+    pub fn end_offsets(&self, topic: &str, partitions: i32) -> Vec<i64> {
+        let c = self.group_consumer("watermarks");
+        (0..partitions)
+            .map(|p| c.fetch_watermarks(topic, p, Duration::from_secs(10)).expect("watermarks").1)
+            .collect()
+    }
+}

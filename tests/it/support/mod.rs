@@ -1,0 +1,246 @@
+//! Test support: a real Postgres, the Kafka mock cluster, and the worker (as the built binary or in-process).
+
+pub mod kafka;
+pub mod postgres;
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+pub use kafka::{Kafka, Out};
+pub use postgres::TestDb;
+
+/// A port that was free a moment ago.
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// A name no other test in any process uses.
+pub fn unique() -> String {
+    static N: AtomicU64 = AtomicU64::new(0);
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().subsec_nanos();
+    format!("{}_{}_{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed), nanos)
+}
+
+/// The project's root (where `pipelines/` and `idemflow.toml` live).
+pub fn project_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// A settings file and pipelines in a temporary directory.
+pub struct Setup {
+    /// The directory (removed on drop).
+    pub dir: tempfile::TempDir,
+    /// `idemflow.toml` in it.
+    pub config: PathBuf,
+    /// Where the worker serves `/metrics`.
+    pub metrics: SocketAddr,
+}
+
+/// Kafka client properties that make the mock cluster's group protocol fast in tests.
+pub const TEST_KAFKA_PROPERTIES: &str = r#"
+"session.timeout.ms" = "6000"
+"heartbeat.interval.ms" = "500"
+"topic.metadata.refresh.interval.ms" = "1000"
+"#;
+
+impl Setup {
+    /// Writes `idemflow.toml` for `db` and `kafka`, and each `(file name, text)` into `pipelines/`.
+    pub fn new(db: &TestDb, kafka: &Kafka, pipelines: &[(&str, &str)]) -> Setup {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir(dir.path().join("pipelines")).unwrap();
+        for (name, text) in pipelines {
+            std::fs::write(dir.path().join("pipelines").join(name), text).unwrap();
+        }
+        let metrics = SocketAddr::from(([127, 0, 0, 1], free_port()));
+        let config = dir.path().join("idemflow.toml");
+        std::fs::write(
+            &config,
+            format!(
+                "[database]\nurl = \"{}\"\nmax_connections = 4\n[kafka]\nbootstrap_servers = \"{}\"\n\
+                 [kafka.properties]{TEST_KAFKA_PROPERTIES}\n[metrics]\nlisten = \"{metrics}\"\n[log]\nlevel = \"info\"\n\
+                 [shutdown]\ntimeout = \"20s\"\n",
+                db.url,
+                kafka.bootstrap()
+            ),
+        )
+        .unwrap();
+        Setup { dir, config, metrics }
+    }
+
+    /// The file the binary worker logs to.
+    pub fn log(&self) -> PathBuf {
+        self.dir.path().join("worker.log")
+    }
+}
+
+/// The built `idemflow` binary, as a separate process.
+pub struct BinWorker {
+    child: Option<Child>,
+    /// Its `/metrics` address.
+    pub metrics: SocketAddr,
+    log: PathBuf,
+}
+
+/// Runs `idemflow <args...>` to completion and returns (status, stdout, stderr).
+pub fn idemflow(args: &[&str], cwd: &Path) -> (ExitStatus, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_idemflow")).args(args).current_dir(cwd).output().unwrap();
+    (out.status, String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+impl BinWorker {
+    /// Starts `idemflow run --config <setup>`, appending its log to the setup's log file.
+    pub fn start(setup: &Setup) -> BinWorker {
+        let log = setup.log();
+        let file = std::fs::OpenOptions::new().create(true).append(true).open(&log).unwrap();
+        let child = Command::new(env!("CARGO_BIN_EXE_idemflow"))
+            .args(["run", "--config"])
+            .arg(&setup.config)
+            .env_remove("RUST_LOG")
+            .stdout(Stdio::null())
+            .stderr(file)
+            .spawn()
+            .unwrap();
+        BinWorker { child: Some(child), metrics: setup.metrics, log }
+    }
+
+    /// Sends SIGTERM and waits (at most 30 s) for the exit status.
+    pub fn sigterm(&mut self) -> ExitStatus {
+        let mut child = self.child.take().expect("running");
+        Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                return status;
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                panic!("the worker did not exit within 30 s of SIGTERM; log:\n{}", self.log_text());
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// SIGKILLs the worker.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// The worker's log so far.
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Scrapes `/metrics` (empty when not up yet).
+    pub fn scrape(&self) -> String {
+        http_get(self.metrics, "/metrics").map(|(_, body)| body).unwrap_or_default()
+    }
+}
+
+impl Drop for BinWorker {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// A minimal HTTP/1.0 GET: (status, body).
+pub fn http_get(addr: SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
+    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
+    s.set_read_timeout(Some(Duration::from_secs(5)))?;
+    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n")?;
+    let mut text = String::new();
+    s.read_to_string(&mut text)?;
+    let status = text.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    let body = text.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default();
+    Ok((status, body))
+}
+
+/// The value of one sample in Prometheus text format, `labels` matched exactly as `name{a="x",b="y"}` in any
+/// order; 0 when absent.
+pub fn metric(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
+    for line in text.lines().filter(|l| !l.starts_with('#')) {
+        let Some((series, value)) = line.rsplit_once(' ') else { continue };
+        let (n, l) = match series.split_once('{') {
+            Some((n, rest)) => (n, rest.trim_end_matches('}')),
+            None => (series, ""),
+        };
+        if n != name {
+            continue;
+        }
+        let mut have: Vec<&str> = l.split(',').filter(|s| !s.is_empty()).collect();
+        let mut want: Vec<String> = labels.iter().map(|(k, v)| format!("{k}=\"{v}\"")).collect();
+        have.sort_unstable();
+        want.sort_unstable();
+        if have == want {
+            return value.parse().unwrap();
+        }
+    }
+    0.0
+}
+
+/// Polls `check` every 100 ms until it returns true; panics with `what` after `timeout`.
+pub async fn wait_until<F, Fut>(timeout: Duration, what: &str, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + timeout;
+    while !check().await {
+        assert!(Instant::now() < deadline, "timed out after {timeout:?} waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// The worker in this process: faster to start and stop than the binary, same code path.
+pub struct InProc {
+    trigger: idemflow::shutdown::Trigger,
+    handle: tokio::task::JoinHandle<Vec<idemflow::worker::PipelineFailure>>,
+    /// Its metrics.
+    pub metrics: idemflow::metrics::Metrics,
+}
+
+impl InProc {
+    /// Loads the setup's settings and pipelines, prepares them and runs the worker.
+    pub async fn start(setup: &Setup) -> InProc {
+        let settings = idemflow::config::load_settings_from(&setup.config, []).unwrap().settings;
+        let pipelines = idemflow::config::load_pipelines(&settings.pipelines).unwrap();
+        let pool = idemflow::db::pool(&settings.database).unwrap();
+        let ready = idemflow::worker::prepare(&pool, &pipelines).await.unwrap();
+        let metrics = idemflow::metrics::Metrics::new();
+        let health = idemflow::http::Health::default();
+        let (trigger, stop) = idemflow::shutdown::channel();
+        let m = metrics.clone();
+        let handle = tokio::spawn(async move { idemflow::worker::run(&settings, ready, &m, &health, stop).await });
+        InProc { trigger, handle, metrics }
+    }
+
+    /// The metric value (see [`metric`]).
+    pub fn metric(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
+        metric(&String::from_utf8(self.metrics.render()).unwrap(), name, labels)
+    }
+
+    /// Waits until the pipeline has received `n` records (committed batches).
+    pub async fn wait_received(&self, pipeline: &str, n: u64) {
+        wait_until(Duration::from_secs(60), &format!("{pipeline} to receive {n} records"), || async {
+            self.metric("idemflow_records_received_total", &[("pipeline", pipeline)]) as u64 >= n
+        })
+        .await;
+    }
+
+    /// Shuts down and returns the pipeline failures.
+    pub async fn stop(self) -> Vec<idemflow::worker::PipelineFailure> {
+        self.trigger.trigger();
+        self.handle.await.unwrap()
+    }
+
+    /// Whether the worker ended by itself (every pipeline failed).
+    pub fn finished(&self) -> bool {
+        self.handle.is_finished()
+    }
+}
