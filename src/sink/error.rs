@@ -6,7 +6,7 @@
 //! | 40001 serialization failure, 40P01 deadlock | retry the batch |
 //! | 57P01/57P02/57P03 (admin shutdown, crash shutdown, cannot connect now), class 53 (insufficient resources, 53300 too many connections), 55P03 (lock not available), class 58 (system error) | retry the batch |
 //! | pool acquire timeout | retry the batch |
-//! | class 22 (data exception), 23 (integrity constraint), 21 (cardinality), P0 (raised by PL/pgSQL), 2F, 39, 44, raised by one record's side effect | dead-letter that record (`side_effect_rejected`), the rest of the batch commits |
+//! | class 22 (data exception), 23 (integrity constraint), 21 (cardinality), 54 (program limit exceeded, e.g. a business index row too large), P0 (raised by PL/pgSQL), 2F, 39, 44, raised by one record's side effect | dead-letter that record (`side_effect_rejected`), the rest of the batch commits |
 //! | class 42 (syntax error or access rule violation: the configured SQL or table is wrong), 0A, 3F, 28, and anything else | fatal: the pipeline stops |
 //!
 //! SQLSTATE classes are PostgreSQL's (Appendix A, "PostgreSQL Error Codes").
@@ -80,7 +80,7 @@ pub fn classify_sqlstate(code: &str) -> Disposition {
         ("08", _) => Retry(RetryCause::Connection),
         (_, "40001" | "40P01") => Retry(RetryCause::Conflict),
         (_, "57P01" | "57P02" | "57P03" | "55P03") | ("53" | "58", _) => Retry(RetryCause::Unavailable),
-        ("22" | "23" | "21" | "P0" | "2F" | "39" | "44", _) => Record,
+        ("22" | "23" | "21" | "54" | "P0" | "2F" | "39" | "44", _) => Record,
         _ => Fatal,
     }
 }
@@ -97,6 +97,7 @@ mod tests {
         assert_eq!(classify_sqlstate("53300"), Disposition::Retry(RetryCause::Unavailable));
         assert_eq!(classify_sqlstate("22P02"), Disposition::Record);
         assert_eq!(classify_sqlstate("23505"), Disposition::Record);
+        assert_eq!(classify_sqlstate("54000"), Disposition::Record);
         assert_eq!(classify_sqlstate("42P01"), Disposition::Fatal);
         assert_eq!(classify_sqlstate("42703"), Disposition::Fatal);
         assert_eq!(classify(&sqlx::Error::PoolTimedOut), Disposition::Retry(RetryCause::PoolTimeout));

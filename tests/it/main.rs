@@ -3,3 +3,4 @@
 mod support;
 
 mod e2e;
+mod semantics;

@@ -208,6 +208,7 @@ pub struct InProc {
 impl InProc {
     /// Loads the setup's settings and pipelines, prepares them and runs the worker.
     pub async fn start(setup: &Setup) -> InProc {
+        let _ = tracing_subscriber::fmt().with_env_filter("info,librdkafka=warn").with_test_writer().try_init();
         let settings = idemflow::config::load_settings_from(&setup.config, []).unwrap().settings;
         let pipelines = idemflow::config::load_pipelines(&settings.pipelines).unwrap();
         let pool = idemflow::db::pool(&settings.database).unwrap();

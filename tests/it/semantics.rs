@@ -1,0 +1,259 @@
+//! The dedup and side-effect semantics, with the worker in this process (same code path as the binary).
+
+use crate::support::*;
+use std::time::Duration;
+
+// No index on order_id: a 5,000-character key would exceed a btree entry in the business table itself.
+const PAYMENTS_TABLE: &str = "CREATE TABLE payments (order_id text NOT NULL, amount numeric NOT NULL CHECK (amount > 0), \
+    paid_at timestamptz, currency text, meta jsonb, big bigint, source text);";
+
+fn table_pipeline(topic: &str, extra: &str) -> String {
+    format!(
+        r#"topics = ["{topic}"]
+{extra}
+[key]
+field = "/order/id"
+[sink]
+table = "payments"
+[sink.columns]
+order_id = "/order/id"
+amount = "/order/amount"
+paid_at = {{ field = "/paid_at", optional = true }}
+currency = {{ field = "/order/currency", optional = true }}
+meta = {{ field = "/order/meta", optional = true }}
+big = {{ field = "/order/big", optional = true }}
+source = {{ meta = "topic" }}
+"#
+    )
+}
+
+fn rand_text(len: usize, seed: u64) -> String {
+    // A small xorshift: high-entropy text that does not compress, without a dependency.
+    let mut x = seed | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            char::from(b'!' + (x % 90) as u8)
+        })
+        .collect()
+}
+
+fn json_string(s: &str) -> String {
+    serde_json::to_string(s).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn table_form_binds_exact_values_and_dedups_keys_of_any_length() {
+    let db = TestDb::new(PAYMENTS_TABLE).await;
+    let kafka = Kafka::new();
+    kafka.create_topic("orders", 1);
+    let setup = Setup::new(&db, &kafka, &[("payments.toml", &table_pipeline("orders", ""))]);
+    let keys = [
+        json_string(&rand_text(300, 1)),
+        json_string(&rand_text(5000, 2)),
+        json_string(&"a".repeat(5000)),
+        json_string("ключ-🙂-\u{2028}"),
+        "9007199254740993".to_owned(),
+    ];
+    let mut records: Vec<Out> = keys
+        .iter()
+        .map(|k| {
+            Out::json(0, format!(
+                r#"{{"order":{{"id":{k},"amount":"100.000000000000000001","currency":"EUR","big":9007199254740993,"meta":{{"a":[1,2.50,{{"b":null}}]}}}},"paid_at":"2026-11-29T23:30:00-05:00"}}"#
+            ))
+        })
+        .collect();
+    records.extend(records.clone());
+    records.push(Out::json(0, r#"{"order":{"id":"o-1","amount":"1"}}"#));
+    kafka.produce("orders", &records);
+
+    let worker = InProc::start(&setup).await;
+    worker.wait_received("payments", records.len() as u64).await;
+    let p = |reason| worker.metric("idemflow_duplicates_skipped_total", &[("pipeline", "payments"), ("reason", reason)]);
+    assert_eq!(worker.metric("idemflow_records_applied_total", &[("pipeline", "payments")]), 6.0);
+    assert_eq!(p("republished"), 5.0);
+    assert_eq!(p("payload_mismatch"), 0.0);
+    assert!(worker.stop().await.is_empty());
+
+    assert_eq!(db.scalar::<i64>("SELECT count(*) FROM payments").await, 6);
+    assert_eq!(db.scalar::<i64>("SELECT count(*) FROM payments WHERE length(order_id) = 5000").await, 2);
+    assert_eq!(db.scalar::<String>("SELECT order_id FROM payments WHERE big IS NOT NULL AND order_id LIKE 'ключ%'").await, "ключ-🙂-\u{2028}");
+    assert_eq!(db.scalar::<i64>("SELECT count(*) FROM payments WHERE order_id = '9007199254740993'").await, 1);
+    assert_eq!(db.scalar::<String>("SELECT amount::text FROM payments WHERE order_id = '9007199254740993'").await, "100.000000000000000001");
+    assert_eq!(db.scalar::<i64>("SELECT big FROM payments WHERE order_id = '9007199254740993'").await, 9007199254740993);
+    assert!(db.scalar::<bool>("SELECT paid_at = '2026-11-30T04:30:00Z' FROM payments WHERE order_id = '9007199254740993'").await);
+    assert_eq!(db.scalar::<String>("SELECT (meta->'a'->1)::text FROM payments WHERE order_id = '9007199254740993'").await, "2.50");
+    assert_eq!(db.scalar::<String>("SELECT source FROM payments WHERE order_id = 'o-1'").await, "orders");
+    assert!(db.scalar::<bool>("SELECT meta IS NULL AND currency IS NULL FROM payments WHERE order_id = 'o-1'").await);
+    assert_eq!(db.scalar::<i64>("SELECT count(*) FROM idemflow.dedup WHERE octet_length(key_digest) = 32").await, 6);
+}
+
+/// Duplicates of every kind, inside one batch and across batches: the counters must not depend on how the
+/// stream was cut into batches.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn classification_is_the_same_whatever_the_batch_boundaries() {
+    let db = TestDb::new(PAYMENTS_TABLE).await;
+    let kafka = Kafka::new();
+    kafka.create_topic("orders", 2);
+    let batched = table_pipeline("orders", "").replace("table = \"payments\"", "table = \"payments\"\non_conflict = \"nothing\"");
+    let single = format!("{batched}\n[batch]\nmax_records = 1\n");
+    let big = format!("{batched}\n[batch]\nmax_records = 5000\nmax_wait = \"300ms\"\n");
+    let setup = Setup::new(&db, &kafka, &[("batched.toml", &batched), ("single.toml", &single), ("big.toml", &big)]);
+    let rec = |p: i32, id: &str, amount: &str| Out::json(p, format!(r#"{{"order":{{"id":"{id}","amount":"{amount}"}}}}"#));
+    let mut records = Vec::new();
+    for i in 0..200 {
+        records.push(rec(i % 2, &format!("o-{i}"), "1.00"));
+    }
+    for i in 0..40 {
+        records.push(rec(i % 2, &format!("o-{i}"), "1.00")); // republished, same partition
+    }
+    for i in 40..60 {
+        records.push(rec((i + 1) % 2, &format!("o-{i}"), "1.00")); // republished to the other partition
+    }
+    for i in 60..70 {
+        records.push(rec(i % 2, &format!("o-{i}"), "2.00")); // payload mismatch
+    }
+    for i in 60..65 {
+        records.push(rec(i % 2, &format!("o-{i}"), "2.00")); // same as the mismatch: still a mismatch against o-i
+    }
+    kafka.produce("orders", &records);
+    let worker = InProc::start(&setup).await;
+    for p in ["batched", "single", "big"] {
+        worker.wait_received(p, records.len() as u64).await;
+    }
+    for p in ["batched", "single", "big"] {
+        let m = |reason| worker.metric("idemflow_duplicates_skipped_total", &[("pipeline", p), ("reason", reason)]);
+        assert_eq!(worker.metric("idemflow_records_applied_total", &[("pipeline", p)]), 200.0, "{p}");
+        assert_eq!(m("republished"), 60.0, "{p}");
+        assert_eq!(m("payload_mismatch"), 15.0, "{p}");
+        assert_eq!(m("redelivered"), 0.0, "{p}");
+    }
+    assert!(worker.stop().await.is_empty());
+    for p in ["batched", "single", "big"] {
+        let q = format!("SELECT count(*) FROM idemflow.dedup WHERE pipeline = '{p}'");
+        assert_eq!(db.scalar::<i64>(&q).await, 200);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_records_are_dead_lettered_and_the_rest_of_the_batch_commits() {
+    let db = TestDb::new(PAYMENTS_TABLE).await;
+    let kafka = Kafka::new();
+    kafka.create_topic("orders", 1);
+    let setup = Setup::new(&db, &kafka, &[("payments.toml", &table_pipeline("orders", "max_payload_bytes = 4096"))]);
+    let records = vec![
+        Out::json(0, r#"{"order":{"id":"o-1","amount":"1"}}"#),
+        Out::json(0, "not json"),                                           // decode_failed
+        Out::json(0, ""),                                                   // decode_failed (empty value)
+        Out { partition: 0, key: Some(b"o-x".to_vec()), ..Out::default() }, // tombstone: skipped
+        Out::json(0, format!(r#"{{"pad":"{}"}}"#, "x".repeat(5000))),       // payload_too_large
+        Out::json(0, r#"{"order":{}}"#),                                    // key_missing
+        Out::json(0, r#"{"order":{"id":null}}"#),                           // key_missing
+        Out::json(0, r#"{"order":{"id":""}}"#),                             // key_missing
+        Out::json(0, r#"{"order":{"id":{"x":1}}}"#),                        // key_invalid
+        Out::json(0, r#"{"order":{"id":"A\u0000B","amount":"1"}}"#),        // key_invalid (U+0000)
+        Out::json(0, r#"{"order":{"id":"o-2"}}"#),                          // param_missing (amount)
+        Out::json(0, r#"{"order":{"id":"o-3","amount":"-5"}}"#),            // side_effect_rejected (CHECK)
+        Out::json(0, r#"{"order":{"id":"o-4","amount":{"value":"5.00"}}}"#), // side_effect_rejected (22P02)
+        Out::json(0, r#"{"order":{"id":"o-5","amount":"5"}}"#),
+        Out::json(0, format!(r#"{{"order":{{"id":"o-6","amount":"6","meta":{}}}}}"#, "[".repeat(200) + &"]".repeat(200))),
+    ];
+    kafka.produce("orders", &records);
+    let worker = InProc::start(&setup).await;
+    worker.wait_received("payments", records.len() as u64).await;
+    let dl = |reason| worker.metric("idemflow_dead_letters_total", &[("pipeline", "payments"), ("reason", reason)]);
+    assert_eq!(dl("decode_failed"), 3.0, "not json, empty, 200 levels deep");
+    assert_eq!(dl("payload_too_large"), 1.0);
+    assert_eq!(dl("key_missing"), 3.0);
+    assert_eq!(dl("key_invalid"), 2.0);
+    assert_eq!(dl("param_missing"), 1.0);
+    assert_eq!(dl("side_effect_rejected"), 2.0);
+    assert_eq!(worker.metric("idemflow_tombstones_skipped_total", &[("pipeline", "payments")]), 1.0);
+    assert_eq!(worker.metric("idemflow_records_applied_total", &[("pipeline", "payments")]), 2.0);
+    assert!(worker.stop().await.is_empty());
+
+    assert_eq!(db.scalar::<String>("SELECT string_agg(order_id, ',' ORDER BY order_id) FROM payments").await, "o-1,o-5");
+    assert_eq!(db.scalar::<i64>("SELECT count(*) FROM idemflow.dead_letters").await, 12);
+    assert_eq!(db.scalar::<i64>("SELECT count(*) FROM idemflow.dedup").await, 2, "dead letters write no dedup row");
+    let err: String = db.scalar("SELECT error FROM idemflow.dead_letters WHERE reason = 'side_effect_rejected' AND convert_from(payload, 'UTF8') LIKE '%value%'").await;
+    assert!(err.contains("SQLSTATE 22P02"), "{err}");
+    let err: String = db.scalar("SELECT error FROM idemflow.dead_letters WHERE reason = 'param_missing'").await;
+    assert!(err.contains("amount") && err.contains("/order/amount"), "{err}");
+    assert_eq!(db.scalar::<Vec<u8>>("SELECT payload FROM idemflow.dead_letters WHERE \"offset\" = 1").await, b"not json");
+    assert_eq!(kafka.committed("idemflow-payments", "orders", 1), vec![records.len() as i64]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn record_key_and_header_keys() {
+    let db = TestDb::new("CREATE TABLE seen (k text, h text, body jsonb);").await;
+    let kafka = Kafka::new();
+    kafka.create_topic("events", 1);
+    let by_record_key = r#"topics = ["events"]
+[key]
+record_key = true
+[sink]
+table = "seen"
+on_conflict = "nothing"
+[sink.columns]
+k = { record_key = true }
+h = { header = "message-id", optional = true }
+body = { field = "/body" }
+"#;
+    let by_header = by_record_key.replace("record_key = true\n[sink]", "header = \"message-id\"\n[sink]");
+    let setup = Setup::new(&db, &kafka, &[("by-key.toml", by_record_key), ("by-header.toml", &by_header)]);
+    let rec = |key: &str, mid: &str, body: &str| Out {
+        partition: 0,
+        key: Some(key.as_bytes().to_vec()),
+        headers: vec![("message-id".into(), mid.as_bytes().to_vec())],
+        value: Some(format!(r#"{{"body":"{body}"}}"#).into_bytes()),
+    };
+    // Same record key twice with different message ids, and one message id reused under another key.
+    let records = vec![rec("k1", "m1", "a"), rec("k1", "m2", "a"), rec("k2", "m1", "b"), rec("k3", "m3", "c")];
+    kafka.produce("events", &records);
+    let worker = InProc::start(&setup).await;
+    worker.wait_received("by-key", 4).await;
+    worker.wait_received("by-header", 4).await;
+    let applied = |p| worker.metric("idemflow_records_applied_total", &[("pipeline", p)]);
+    assert_eq!(applied("by-key"), 3.0);
+    assert_eq!(applied("by-header"), 3.0);
+    let mismatch = |p| worker.metric("idemflow_duplicates_skipped_total", &[("pipeline", p), ("reason", "payload_mismatch")]);
+    assert_eq!(mismatch("by-header"), 1.0, "m1 reused with another body");
+    assert!(worker.stop().await.is_empty());
+    assert_eq!(db.scalar::<String>("SELECT body::text FROM seen WHERE k = 'k1' LIMIT 1").await, "\"a\"");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fatal_sql_error_stops_only_its_pipeline() {
+    let db = TestDb::new(&format!("{PAYMENTS_TABLE} CREATE TABLE doomed (order_id text);")).await;
+    let kafka = Kafka::new();
+    kafka.create_topic("orders", 1);
+    let doomed = r#"topics = ["orders"]
+[key]
+field = "/order/id"
+[sink]
+sql = "INSERT INTO doomed (order_id) VALUES (:id)"
+[sink.params]
+id = "/order/id"
+"#;
+    let setup = Setup::new(&db, &kafka, &[("payments.toml", &table_pipeline("orders", "")), ("doomed.toml", doomed)]);
+    let worker = InProc::start(&setup).await;
+    // The table vanishes after start-up: SQLSTATE 42P01, a configuration problem, not a record problem.
+    sqlx::query("DROP TABLE doomed").execute(&db.pool).await.unwrap();
+    kafka.produce("orders", &[Out::json(0, r#"{"order":{"id":"o-1","amount":"1"}}"#)]);
+    worker.wait_received("payments", 1).await;
+    wait_until(Duration::from_secs(30), "the doomed pipeline to stop", || async {
+        worker.metric("idemflow_pipeline_up", &[("pipeline", "doomed")]) == 0.0
+    })
+    .await;
+    assert_eq!(worker.metric("idemflow_pipeline_up", &[("pipeline", "payments")]), 1.0);
+    assert_eq!(worker.metric("idemflow_dead_letters_total", &[("pipeline", "doomed"), ("reason", "side_effect_rejected")]), 0.0);
+    kafka.produce("orders", &[Out::json(0, r#"{"order":{"id":"o-2","amount":"2"}}"#)]);
+    worker.wait_received("payments", 2).await;
+    let failures = worker.stop().await;
+    assert_eq!(failures.len(), 1);
+    assert!(failures[0].to_string().contains("doomed"), "{}", failures[0]);
+    assert_eq!(db.scalar::<i64>("SELECT count(*) FROM payments").await, 2);
+    assert_eq!(kafka.committed("idemflow-doomed", "orders", 1), vec![-1], "nothing of the failed batch is committed");
+}
