@@ -16,6 +16,21 @@ pub fn pool(settings: &DatabaseSettings) -> Result<PgPool, sqlx::Error> {
         .connect_lazy(settings.url.expose())
 }
 
+/// Connects once, directly, to tell whether the database is reachable, with the server's or the network's own
+/// reason when it is not (a pool would only say it timed out). The error never contains the password.
+pub async fn ping(settings: &DatabaseSettings) -> Result<(), String> {
+    use sqlx::Connection as _;
+    let attempt = sqlx::PgConnection::connect(settings.url.expose());
+    match tokio::time::timeout(settings.acquire_timeout, attempt).await {
+        Ok(Ok(conn)) => {
+            let _ = conn.close().await;
+            Ok(())
+        }
+        Ok(Err(e)) => Err(format!("cannot connect to {}: {e}", settings.url)),
+        Err(_) => Err(format!("cannot connect to {}: no answer within {:?}", settings.url, settings.acquire_timeout)),
+    }
+}
+
 /// Whether the idemflow schema is migrated to the latest version this binary knows.
 ///
 /// Errors: the database is unreachable, or the schema is missing or older (`run idemflow migrate`).

@@ -60,10 +60,28 @@ fn report(errors: &[PipelineError]) -> anyhow::Error {
     anyhow::anyhow!("{} problem(s) in the pipelines", errors.len())
 }
 
+/// At start-up the database may not be up yet (a compose file starts everything at once): wait for it, with
+/// exponential backoff, saying why on every attempt.
+async fn wait_for_database(settings: &Settings) {
+    use backon::BackoffBuilder;
+    let mut backoff = backon::ExponentialBuilder::default()
+        .with_min_delay(std::time::Duration::from_millis(200))
+        .with_max_delay(std::time::Duration::from_secs(10))
+        .with_jitter()
+        .without_max_times()
+        .build();
+    while let Err(why) = db::ping(&settings.database).await {
+        let delay = backoff.next().unwrap_or(std::time::Duration::from_secs(10));
+        tracing::warn!(retry_in = ?delay, "database: {why}");
+        tokio::time::sleep(delay).await;
+    }
+}
+
 async fn dispatch(command: Command) -> anyhow::Result<()> {
     match command {
         Command::Migrate(a) => {
             let settings = load(&a.config)?;
+            db::ping(&settings.database).await.map_err(|why| anyhow::anyhow!("{}: database: {why}", a.config.display()))?;
             let pool = db::pool(&settings.database)?;
             db::MIGRATOR.run(&pool).await.context("applying migrations")?;
             println!("idemflow schema is up to date");
@@ -72,6 +90,7 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
         Command::Check(a) => {
             let settings = load(&a.config)?;
             let pipelines = config::load_pipelines(&settings.pipelines).map_err(|e| report(&e))?;
+            db::ping(&settings.database).await.map_err(|why| anyhow::anyhow!("{}: database: {why}", a.config.display()))?;
             let pool = db::pool(&settings.database)?;
             if let Err(why) = db::check_schema(&pool).await {
                 bail!("{}: database: {why}", a.config.display());
@@ -86,6 +105,7 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
         Command::Run(a) => {
             let settings = load(&a.config)?;
             let pipelines = config::load_pipelines(&settings.pipelines).map_err(|e| report(&e))?;
+            wait_for_database(&settings).await;
             let pool = db::pool(&settings.database)?;
             if let Err(why) = db::check_schema(&pool).await {
                 bail!("{}: database: {why}", a.config.display());

@@ -304,7 +304,7 @@ fn validate(raw: RawPipeline, path: &Path, stem: &str, e: &mut Errors<'_>) -> Op
 }
 
 fn path_or_error(text: &str, field: &str, e: &mut Errors<'_>) -> Option<FieldPath> {
-    FieldPath::parse(text).map_err(|err| e.push(field, format!("{text:?}: {err}"))).ok()
+    FieldPath::parse(text).map_err(|err| e.push(field, format!("{text:?} {err}"))).ok()
 }
 
 fn validate_key(raw: &RawKey, e: &mut Errors<'_>) -> Option<KeySpec> {

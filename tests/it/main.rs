@@ -3,4 +3,5 @@
 mod support;
 
 mod e2e;
+mod cli;
 mod semantics;

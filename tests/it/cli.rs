@@ -1,0 +1,72 @@
+//! The command line as a user meets it: `migrate`, `check`, bad configuration, and every shipped pipeline.
+
+use crate::support::*;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_then_check_every_shipped_pipeline() {
+    let db = TestDb::new(&std::fs::read_to_string(project_root().join("pipelines/payments.sql")).unwrap()).await;
+    sqlx::raw_sql("DROP SCHEMA idemflow CASCADE; DROP TABLE _sqlx_migrations;").execute(&db.pool).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("idemflow.toml");
+    let shipped = project_root().join("pipelines");
+    std::fs::write(
+        &config,
+        format!(
+            "pipelines = \"{}\"\n[database]\nurl = \"{}\"\n[kafka]\nbootstrap_servers = \"127.0.0.1:1\"\n",
+            shipped.display(),
+            db.url
+        ),
+    )
+    .unwrap();
+    let cfg = config.to_str().unwrap();
+
+    let (status, out, err) = idemflow(&["check", "--config", cfg], dir.path());
+    assert!(!status.success());
+    assert!(err.contains("idemflow migrate"), "check must say how to fix a missing schema: {out}{err}");
+
+    let (status, out, err) = idemflow(&["migrate", "--config", cfg], dir.path());
+    assert!(status.success(), "{out}{err}");
+    let (status, out, err) = idemflow(&["migrate", "--config", cfg], dir.path());
+    assert!(status.success(), "migrate is idempotent: {out}{err}");
+
+    let (status, out, err) = idemflow(&["check", "--config", cfg], dir.path());
+    assert!(status.success(), "{out}{err}");
+    let files = std::fs::read_dir(&shipped).unwrap().filter(|e| e.as_ref().unwrap().path().extension().is_some_and(|x| x == "toml")).count();
+    assert!(files >= 1);
+    assert_eq!(out.matches(": ok,").count(), files, "every shipped pipeline checks: {out}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_configuration_names_file_pipeline_and_field() {
+    let db = TestDb::new("CREATE TABLE payments (order_id text, amount numeric);").await;
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir(dir.path().join("pipelines")).unwrap();
+    std::fs::write(
+        dir.path().join("idemflow.toml"),
+        format!("[database]\nurl = \"{}\"\n[kafka]\nbootstrap_servers = \"127.0.0.1:1\"\n", db.url),
+    )
+    .unwrap();
+    let write = |name: &str, text: &str| std::fs::write(dir.path().join("pipelines").join(name), text).unwrap();
+    write("a.toml", "topics = [\"orders\"]\n[key]\nfield = \"/order//id\"\n[sink]\ntable = \"payments\"\n[sink.columns]\norder_id = \"/order/id\"\n");
+    write("b.toml", "topics = [\"orders\"]\n[key]\nfield = \"/id\"\nheader = \"h\"\n[sink]\nsql = \"SELECT :x\"\n");
+    let (status, out, err) = idemflow(&["check", "--config", "idemflow.toml"], dir.path());
+    assert!(!status.success(), "{out}{err}");
+    assert!(err.contains("a.toml: pipeline \"a\": key.field: \"/order//id\""), "{err}");
+    assert!(err.contains("b.toml: pipeline \"b\": key: set exactly one of"), "{err}");
+    assert!(err.contains("b.toml: pipeline \"b\": sink.params: :x is used in sink.sql"), "{err}");
+
+    // Valid TOML, but the database disagrees: a missing column and a wrong statement.
+    write("a.toml", "topics = [\"orders\"]\n[key]\nfield = \"/order/id\"\n[sink]\ntable = \"payments\"\n[sink.columns]\nnope = \"/order/id\"\n");
+    write("b.toml", "topics = [\"orders\"]\n[key]\nfield = \"/id\"\n[sink]\nsql = \"UPDATE nowhere SET x = :x\"\n[sink.params]\nx = \"/x\"\n");
+    let (status, out, err) = idemflow(&["check", "--config", "idemflow.toml"], dir.path());
+    assert!(!status.success(), "{out}{err}");
+    assert!(err.contains("a.toml: pipeline \"a\": sink.columns.nope: table payments has no column \"nope\""), "{err}");
+    assert!(err.contains("b.toml: pipeline \"b\": sink.sql: ") && err.contains("nowhere"), "{err}");
+    assert!(!err.contains(&db.url), "the database URL (with its password) is never printed: {err}");
+
+    // An unknown key in the settings file.
+    std::fs::write(dir.path().join("idemflow.toml"), "[database]\nurl = \"x\"\nmax_conections = 3\n[kafka]\nbootstrap_servers = \"k\"\n").unwrap();
+    let (status, _, err) = idemflow(&["check", "--config", "idemflow.toml"], dir.path());
+    assert!(!status.success());
+    assert!(err.contains("idemflow.toml") && err.contains("max_conections"), "{err}");
+}
