@@ -86,9 +86,9 @@ impl KeySpec {
                 let parts = paths.iter().map(|p| self.part(p, doc)).collect::<Result<Vec<_>, _>>()?;
                 serde_json::to_string(&parts).expect("a list of strings serialises")
             }
-            KeySource::RecordKey => self.bytes("record key", record.key.as_deref())?,
+            KeySource::RecordKey => self.bytes("(the record key)", record.key.as_deref())?,
             KeySource::Header(name) => {
-                let what = format!("header {name:?}");
+                let what = format!("(header {name:?})");
                 self.bytes(&what, record.header(name).flatten())?
             }
         };
@@ -119,9 +119,9 @@ impl KeySpec {
     }
 
     fn bytes(&self, what: &str, bytes: Option<&[u8]>) -> Result<String, KeyError> {
-        let bytes = bytes.ok_or_else(|| KeyError::Missing { what: format!("({what}) is missing") })?;
+        let bytes = bytes.ok_or_else(|| KeyError::Missing { what: format!("{what} is missing") })?;
         let text = std::str::from_utf8(bytes)
-            .map_err(|e| KeyError::Invalid { why: format!("({what}) is not UTF-8: {e}") })?;
+            .map_err(|e| KeyError::Invalid { why: format!("{what} is not UTF-8: {e}") })?;
         self.check_text(what, text.to_owned())
     }
 

@@ -17,6 +17,7 @@
 //! - [`key`]: the business key of a record and its SHA-256 digest.
 //! - [`prepare`]: one record through decode, key and parameter extraction, into what the sink needs.
 //! - [`sink`]: the batch transaction: dedup claim, side effect, dead letters; failure classification.
+//! - [`dead_letter_topic`]: the optional Kafka topic that also receives every dead letter.
 //! - [`offsets`]: the next offset of each partition after a batch (the only place that adds 1) and its commit.
 //! - [`metrics`]: every Prometheus metric; [`http`]: `/metrics`, `/healthz`, `/readyz`.
 //! - [`worker`]: runs every pipeline until shutdown; [`shutdown`]: the signal that stops it.
@@ -46,6 +47,7 @@
 //! The Kafka offset commit is therefore only an optimisation that bounds how much is replayed.
 
 pub mod config;
+pub mod dead_letter_topic;
 pub mod db;
 pub mod decode;
 pub mod field;

@@ -139,6 +139,10 @@ fn value(
     match found {
         Some(v) => Ok(Some(v)),
         None => match &binding.default {
+            // For json/jsonb targets a default is JSON text when it parses as JSON, otherwise a JSON string.
+            Some(d) if render == Render::Json && serde_json::from_str::<Value>(d).is_err() => {
+                Ok(Some(Value::String(d.clone()).to_string()))
+            }
             Some(d) => Ok(Some(d.clone())),
             None if binding.optional => Ok(None),
             None => Err(DeadLetter::new(

@@ -93,18 +93,29 @@ impl ConsumerContext for SourceContext {
                     }
                 }
                 tracing::info!(pipeline = %self.pipeline, partitions = %describe(tpl), "partitions revoked");
-                if commit.count() > 0 {
-                    // The outcome is counted by commit_callback.
-                    if let Err(e) = consumer.commit(&commit, CommitMode::Sync) {
-                        tracing::warn!(pipeline = %self.pipeline, error = %e, "offset commit on revoke failed; \
-                            the new owner will skip the redelivered records as duplicates");
+                if commit.count() > 0 && consumer.assignment_lost() {
+                    tracing::info!(pipeline = %self.pipeline, "assignment lost (session expired): not committing");
+                } else if commit.count() > 0 {
+                    match consumer.commit(&commit, CommitMode::Sync) {
+                        Ok(()) => self.metrics.offset_commit(CommitResult::Ok),
+                        Err(e) => {
+                            self.metrics.offset_commit(CommitResult::Error);
+                            tracing::warn!(pipeline = %self.pipeline, error = %e, "offset commit on revoke failed; \
+                                the new owner will skip the redelivered records as duplicates");
+                        }
                     }
                 }
             }
             Rebalance::Assign(_) => {}
             Rebalance::Error(e) => {
+                // rdkafka unassigns everything after a failed rebalance: treat it as losing every partition.
                 self.metrics.rebalance(RebalanceEvent::Error);
-                tracing::warn!(pipeline = %self.pipeline, error = %e, "rebalance error");
+                let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+                let lost: Vec<Tp> = st.assigned.drain().collect();
+                st.durable.clear();
+                st.revoked.extend(lost);
+                drop(st);
+                tracing::warn!(pipeline = %self.pipeline, error = %e, "rebalance error: every partition counts as lost");
             }
         }
     }
@@ -121,16 +132,6 @@ impl ConsumerContext for SourceContext {
         }
     }
 
-    fn commit_callback(&self, result: KafkaResult<()>, offsets: &TopicPartitionList) {
-        match result {
-            Ok(()) => self.metrics.offset_commit(CommitResult::Ok),
-            Err(e) => {
-                self.metrics.offset_commit(CommitResult::Error);
-                tracing::warn!(pipeline = %self.pipeline, error = %e, offsets = %describe(offsets),
-                    "offset commit failed; the records will be redelivered and skipped as duplicates");
-            }
-        }
-    }
 }
 
 fn describe(tpl: &TopicPartitionList) -> String {
@@ -155,9 +156,31 @@ fn intern(topics: &mut HashMap<String, Arc<str>>, name: &str) -> Arc<str> {
     t
 }
 
+/// Drops buffered records (of the batch being filled and of the stash) of partitions revoked since the last look:
+/// the partition's next owner (maybe this consumer again, from the committed offset) will receive them.
+fn drop_revoked(state: &Mutex<Ownership>, pipeline: &str, batch: &mut Vec<Record>, stash: &mut Vec<Record>) {
+    let revoked: HashSet<Tp> = {
+        let mut st = state.lock().unwrap_or_else(PoisonError::into_inner);
+        if st.revoked.is_empty() {
+            return;
+        }
+        st.revoked.drain(..).collect()
+    };
+    let before = batch.len() + stash.len();
+    let owned = |r: &Record| !revoked.contains(&(r.position.topic.clone(), r.position.partition));
+    batch.retain(owned);
+    stash.retain(owned);
+    if batch.len() + stash.len() != before {
+        tracing::info!(pipeline = %pipeline, dropped = before - batch.len() - stash.len(),
+            "dropped buffered records of revoked partitions before processing");
+    }
+}
+
 /// One pipeline's consumer.
 pub struct Source {
     consumer: StreamConsumer<SourceContext>,
+    /// Records received while a batch was being retried, handed out first by the next batch.
+    stash: Vec<Record>,
     state: Arc<Mutex<Ownership>>,
     topics: HashMap<String, Arc<str>>,
     pipeline: String,
@@ -194,6 +217,7 @@ impl Source {
         consumer.subscribe(&topics)?;
         Ok(Source {
             consumer,
+            stash: Vec::new(),
             state,
             topics: pipeline.topics.iter().map(|t| (t.clone(), Arc::from(t.as_str()))).collect(),
             pipeline: pipeline.name.clone(),
@@ -207,6 +231,12 @@ impl Source {
     pub async fn next_batch(&mut self, settings: BatchSettings, shutdown: &mut Shutdown) -> Option<Vec<Record>> {
         let mut batch: Vec<Record> = Vec::new();
         let mut deadline: Option<Instant> = None;
+        drop_revoked(&self.state, &self.pipeline, &mut batch, &mut self.stash);
+        if !self.stash.is_empty() {
+            let take = self.stash.len().min(settings.max_records);
+            batch.extend(self.stash.drain(..take));
+            deadline = Some(Instant::now() + settings.max_wait);
+        }
         while batch.len() < settings.max_records {
             let received = match deadline {
                 None => tokio::select! {
@@ -221,7 +251,7 @@ impl Source {
                     _ = shutdown.wait() => break,
                 },
             };
-            self.drop_revoked(&mut batch);
+            drop_revoked(&self.state, &self.pipeline, &mut batch, &mut self.stash);
             match received {
                 Ok(message) => {
                     let topic = intern(&mut self.topics, rdkafka::Message::topic(&message));
@@ -237,35 +267,62 @@ impl Source {
                 deadline = None;
             }
         }
-        self.drop_revoked(&mut batch);
+        drop_revoked(&self.state, &self.pipeline, &mut batch, &mut self.stash);
         Some(batch)
     }
 
-    /// Drops buffered records of partitions revoked since the last look: the partition's next owner (maybe this
-    /// consumer again, from the committed offset) will receive them.
-    fn drop_revoked(&self, batch: &mut Vec<Record>) {
-        let revoked: HashSet<Tp> = {
-            let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
-            if st.revoked.is_empty() {
-                return;
-            }
-            st.revoked.drain(..).collect()
-        };
-        let before = batch.len();
-        batch.retain(|r| !revoked.contains(&(r.position.topic.clone(), r.position.partition)));
-        if batch.len() != before {
-            tracing::info!(pipeline = %self.pipeline, dropped = before - batch.len(),
-                "dropped buffered records of revoked partitions before processing");
+    /// Waits `delay` before a retry without leaving the consumer group: consumption of the owned partitions is
+    /// paused and the consumer keeps polling, so rebalance callbacks are served and `max.poll.interval.ms` is not
+    /// exceeded. Records of `batch` whose partition is revoked meanwhile are dropped (their next owner gets them);
+    /// records that still arrive are kept for the next batch. Returns `false` if shutdown came first.
+    pub async fn pause_for(&mut self, delay: Duration, batch: &mut Vec<Record>, shutdown: &mut Shutdown) -> bool {
+        let paused = self.consumer.assignment().unwrap_or_default();
+        if let Err(e) = self.consumer.pause(&paused) {
+            tracing::debug!(pipeline = %self.pipeline, error = %e, "pausing partitions failed");
         }
+        let deadline = Instant::now() + delay;
+        let mut stopped = false;
+        loop {
+            tokio::select! {
+                m = tokio::time::timeout_at(deadline, self.consumer.recv()) => match m {
+                    Err(_) => break,
+                    Ok(Ok(message)) => {
+                        drop_revoked(&self.state, &self.pipeline, batch, &mut self.stash);
+                        let topic = intern(&mut self.topics, rdkafka::Message::topic(&message));
+                        self.stash.push(Record::from_message(&message, topic));
+                    }
+                    Ok(Err(e)) => {
+                        drop_revoked(&self.state, &self.pipeline, batch, &mut self.stash);
+                        tracing::debug!(pipeline = %self.pipeline, error = %e, "consume error while paused");
+                    }
+                },
+                _ = shutdown.wait() => {
+                    stopped = true;
+                    break;
+                }
+            }
+        }
+        drop_revoked(&self.state, &self.pipeline, batch, &mut self.stash);
+        let owned = self.consumer.assignment().unwrap_or_default();
+        if let Err(e) = self.consumer.resume(&owned) {
+            tracing::debug!(pipeline = %self.pipeline, error = %e, "resuming partitions failed");
+        }
+        !stopped
     }
 
-    /// Commits `next` (asynchronously; the outcome is counted by the commit callback), for owned partitions only.
+    /// Commits `next` for the partitions still owned, synchronously, and counts the outcome. A failure is logged
+    /// and counted, never fatal: the records are redelivered and skipped as duplicates.
     pub fn commit(&self, next: &NextOffsets) {
         let tpl = self.owned_list(next);
-        if tpl.count() > 0 {
-            if let Err(e) = self.consumer.commit(&tpl, CommitMode::Async) {
+        if tpl.count() == 0 {
+            return;
+        }
+        match tokio::task::block_in_place(|| self.consumer.commit(&tpl, CommitMode::Sync)) {
+            Ok(()) => self.metrics.offset_commit(CommitResult::Ok),
+            Err(e) => {
                 self.metrics.offset_commit(CommitResult::Error);
-                tracing::warn!(pipeline = %self.pipeline, error = %e, "offset commit failed");
+                tracing::warn!(pipeline = %self.pipeline, error = %e, offsets = %describe(&tpl),
+                    "offset commit failed; the records will be redelivered and skipped as duplicates");
             }
         }
     }

@@ -1,7 +1,9 @@
 //! Runs every pipeline: source -> prepare (decode, key, values) -> sink transaction -> offset commit, batch after
 //! batch, until shutdown.
 
-use crate::config::{Pipeline, PipelineError, Settings};
+use crate::config::{DeadLetterSettings, Pipeline, PipelineError, Settings};
+use crate::dead_letter_topic::DeadLetterTopic;
+use crate::metrics::BatchCounts;
 use crate::http::Health;
 use crate::metrics::{Metrics, PipelineMetrics};
 use crate::offsets::NextOffsets;
@@ -9,10 +11,11 @@ use crate::prepare::{Prepared, Preparer};
 use crate::record::Record;
 use crate::shutdown::Shutdown;
 use crate::sink::side_effect::SideEffect;
-use crate::sink::{BatchOutcome, Disposition, Sink, SinkError};
+use crate::sink::{Disposition, Sink, SinkError};
 use crate::source::Source;
 use backon::{BackoffBuilder, ExponentialBuilder};
 use sqlx::PgPool;
+use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 use tracing::Instrument;
 
@@ -128,11 +131,22 @@ async fn run_pipeline(
     mut shutdown: Shutdown,
 ) -> Result<(), PipelineFailure> {
     let name = r.pipeline.name.clone();
-    let mut source = Source::new(kafka, &r.pipeline, metrics.clone())
-        .map_err(|source| PipelineFailure::Consumer { pipeline: name.clone(), source })?;
+    let consumer_error = |source| PipelineFailure::Consumer { pipeline: name.clone(), source };
+    let mut source = Source::new(kafka, &r.pipeline, metrics.clone()).map_err(consumer_error)?;
+    let dead_letter_topic = match &r.pipeline.dead_letters.topic {
+        Some(topic) => Some(DeadLetterTopic::new(kafka, &name, topic).map_err(consumer_error)?),
+        None => None,
+    };
     tracing::info!(pipeline = %name, topics = ?r.pipeline.topics, group_id = %r.pipeline.group_id, "pipeline started");
+    let mut step = Step {
+        ready: &r,
+        metrics: &metrics,
+        health: &health,
+        window: DeadLetterWindow::new(r.pipeline.dead_letters.clone()),
+        dead_letter_topic: dead_letter_topic.as_ref(),
+    };
     let mut outcome = Ok(());
-    while let Some(batch) = source.next_batch(r.pipeline.batch, &mut shutdown).await {
+    while let Some(mut batch) = source.next_batch(r.pipeline.batch, &mut shutdown).await {
         if batch.is_empty() {
             continue;
         }
@@ -140,10 +154,10 @@ async fn run_pipeline(
             "batch", pipeline = %name, records = batch.len(),
             first = %batch[0].position, last = %batch[batch.len() - 1].position
         );
-        let done = process(&r, &batch, &metrics, &health, &mut shutdown).instrument(span).await;
+        let done = step.process(&mut source, &mut batch, &mut shutdown).instrument(span).await;
         match done {
             Ok(true) => source.commit(&NextOffsets::after(&batch)),
-            Ok(false) => break, // shutdown while retrying: the batch rolled back; it will be redelivered
+            Ok(false) => break, // shutdown while retrying: nothing of this batch is committed; it will be redelivered
             Err(e) => {
                 outcome = Err(PipelineFailure::Fatal { pipeline: name.clone(), source: e });
                 break;
@@ -154,47 +168,129 @@ async fn run_pipeline(
     outcome
 }
 
-/// Prepares and applies one batch, retrying retryable failures with exponential backoff and jitter. Returns
-/// `Ok(false)` when shutdown came while waiting to retry.
-async fn process(
-    r: &Ready,
-    batch: &[Record],
-    metrics: &PipelineMetrics,
-    health: &Health,
-    shutdown: &mut Shutdown,
-) -> Result<bool, SinkError> {
-    let prepared: Vec<Prepared> = batch.iter().map(|rec| r.preparer.prepare(rec)).collect();
-    let started = Instant::now();
-    let mut backoff = ExponentialBuilder::default()
-        .with_min_delay(Duration::from_millis(100))
-        .with_max_delay(Duration::from_secs(30))
-        .with_jitter()
-        .without_max_times()
-        .build();
-    loop {
-        match r.sink.apply(batch, &prepared).await {
-            Ok(BatchOutcome { counts }) => {
-                health.database(true);
-                metrics.batch_committed(&counts, started.elapsed());
-                tracing::debug!(
-                    applied = counts.applied, duplicates = counts.duplicates.iter().sum::<u64>(),
-                    dead_letters = counts.dead_letters.iter().sum::<u64>(), "batch committed"
-                );
-                return Ok(true);
+/// The dead letters of the most recent records, for the `[dead_letters] max_ratio` guard. Whole batches are
+/// kept while they fit in `window` records (the newest batch always counts).
+struct DeadLetterWindow {
+    settings: DeadLetterSettings,
+    batches: VecDeque<(u64, u64)>,
+}
+
+impl DeadLetterWindow {
+    fn new(settings: DeadLetterSettings) -> Self {
+        DeadLetterWindow { settings, batches: VecDeque::new() }
+    }
+
+    fn totals(&self, newest: (u64, u64)) -> (u64, u64) {
+        let mut total = newest;
+        for (records, dead) in self.batches.iter().rev() {
+            if total.0 + records > self.settings.window {
+                break;
             }
-            Err(e) => match e.disposition() {
-                Disposition::Retry(cause) => {
-                    health.database(false);
-                    metrics.retry(cause);
-                    let delay = backoff.next().unwrap_or(Duration::from_secs(30));
-                    tracing::warn!(error = %e, retry_in = ?delay, "batch rolled back; retrying (nothing is dead-lettered for this)");
-                    tokio::select! {
-                        _ = tokio::time::sleep(delay) => {}
-                        _ = shutdown.wait() => return Ok(false),
-                    }
-                }
-                Disposition::Record | Disposition::Fatal => return Err(e),
-            },
+            total = (total.0 + records, total.1 + dead);
+        }
+        total
+    }
+
+    /// Refuses a batch that would take the ratio over the limit.
+    fn check(&self, counts: &BatchCounts) -> Result<(), SinkError> {
+        let (records, dead_letters) = self.totals((counts.received, counts.dead_letters.iter().sum()));
+        let over = records >= self.settings.min_records
+            && records > 0
+            && dead_letters as f64 > self.settings.max_ratio * records as f64;
+        if over && self.settings.max_ratio < 1.0 {
+            return Err(SinkError::DeadLetterRatio { dead_letters, records, max_ratio: self.settings.max_ratio });
+        }
+        Ok(())
+    }
+
+    fn record(&mut self, counts: &BatchCounts) {
+        let newest = (counts.received, counts.dead_letters.iter().sum());
+        self.batches.push_back(newest);
+        while self.batches.iter().map(|b| b.0).sum::<u64>() > self.settings.window && self.batches.len() > 1 {
+            self.batches.pop_front();
         }
     }
+}
+
+/// What one pipeline needs to process a batch.
+struct Step<'a> {
+    ready: &'a Ready,
+    metrics: &'a PipelineMetrics,
+    health: &'a Health,
+    window: DeadLetterWindow,
+    dead_letter_topic: Option<&'a DeadLetterTopic>,
+}
+
+impl Step<'_> {
+    /// Prepares and applies one batch, retrying retryable failures with exponential backoff and jitter while
+    /// consumption is paused. Returns `Ok(false)` when shutdown came while waiting to retry (nothing of the batch
+    /// is committed to Kafka then).
+    async fn process(
+        &mut self,
+        source: &mut Source,
+        batch: &mut Vec<Record>,
+        shutdown: &mut Shutdown,
+    ) -> Result<bool, SinkError> {
+        let r = self.ready;
+        let mut prepared: Vec<Prepared> = batch.iter().map(|rec| r.preparer.prepare(rec)).collect();
+        let started = Instant::now();
+        let mut backoff = retry_backoff();
+        let outcome = loop {
+            if batch.is_empty() {
+                return Ok(true);
+            }
+            let window = &self.window;
+            match r.sink.apply(batch, &prepared, |counts| window.check(counts)).await {
+                Ok(outcome) => break outcome,
+                Err(e) => match e.disposition() {
+                    Disposition::Retry(cause) => {
+                        self.health.database(false);
+                        self.metrics.retry(cause);
+                        let delay = backoff.next().unwrap_or(MAX_RETRY_DELAY);
+                        tracing::warn!(error = %e, retry_in = ?delay,
+                            "batch rolled back; retrying with consumption paused (nothing is dead-lettered for this)");
+                        let before = batch.len();
+                        if !source.pause_for(delay, batch, shutdown).await {
+                            return Ok(false);
+                        }
+                        if batch.len() != before {
+                            prepared = batch.iter().map(|rec| r.preparer.prepare(rec)).collect();
+                        }
+                    }
+                    Disposition::Record | Disposition::Fatal => return Err(e),
+                },
+            }
+        };
+        self.health.database(true);
+        self.window.record(&outcome.counts);
+        self.metrics.batch_committed(&outcome.counts, started.elapsed());
+        let c = &outcome.counts;
+        tracing::debug!(
+            applied = c.applied, duplicates = c.duplicates.iter().sum::<u64>(),
+            dead_letters = c.dead_letters.iter().sum::<u64>(), "batch committed"
+        );
+        if let (Some(topic), false) = (self.dead_letter_topic, outcome.dead_letters.is_empty()) {
+            let mut backoff = retry_backoff();
+            while let Err(e) = topic.publish(batch, &outcome.dead_letters).await {
+                let delay = backoff.next().unwrap_or(MAX_RETRY_DELAY);
+                tracing::warn!(error = %e, retry_in = ?delay, "producing to the dead-letter topic failed; offsets wait");
+                let mut keep = batch.clone();
+                if !source.pause_for(delay, &mut keep, shutdown).await {
+                    return Ok(false);
+                }
+            }
+        }
+        Ok(true)
+    }
+}
+
+const MAX_RETRY_DELAY: Duration = Duration::from_secs(30);
+
+fn retry_backoff() -> impl Iterator<Item = Duration> {
+    ExponentialBuilder::default()
+        .with_min_delay(Duration::from_millis(100))
+        .with_max_delay(MAX_RETRY_DELAY)
+        .with_jitter()
+        .without_max_times()
+        .build()
 }

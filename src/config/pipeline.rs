@@ -41,6 +41,29 @@ pub struct Pipeline {
     pub sink: SinkSpec,
     /// Batch bounds.
     pub batch: BatchSettings,
+    /// Dead-letter limits and the optional dead-letter topic.
+    pub dead_letters: DeadLetterSettings,
+}
+
+/// `[dead_letters]`: the guard against dead-lettering a whole stream, and the optional dead-letter topic.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DeadLetterSettings {
+    /// Stop the pipeline (fatal) rather than commit a batch that takes the share of dead letters among the last
+    /// `window` records above this (0 to 1; default 0.5). 1 disables the guard.
+    pub max_ratio: f64,
+    /// How many recent records the ratio is taken over (default 1000).
+    pub window: u64,
+    /// The guard acts only once the window holds at least this many records (default 100).
+    pub min_records: u64,
+    /// Also produce every dead letter to this Kafka topic, with provenance headers, before the batch's offsets
+    /// are committed. `None` (the default): the `idemflow.dead_letters` table only.
+    pub topic: Option<String>,
+}
+
+impl Default for DeadLetterSettings {
+    fn default() -> Self {
+        DeadLetterSettings { max_ratio: 0.5, window: 1000, min_records: 100, topic: None }
+    }
 }
 
 /// What the worker does with a record whose value is null (a tombstone on a compacted topic).
@@ -170,6 +193,17 @@ struct RawPipeline {
     sink: RawSink,
     #[serde(default)]
     batch: RawBatch,
+    #[serde(default)]
+    dead_letters: RawDeadLetters,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawDeadLetters {
+    max_ratio: Option<f64>,
+    window: Option<u64>,
+    min_records: Option<u64>,
+    topic: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -290,6 +324,24 @@ fn validate(raw: RawPipeline, path: &Path, stem: &str, e: &mut Errors<'_>) -> Op
         e.push("batch.max_records", "must be at least 1");
     }
     let max_wait = raw.batch.max_wait.unwrap_or(DEFAULT_MAX_WAIT);
+    let d = DeadLetterSettings::default();
+    let dead_letters = DeadLetterSettings {
+        max_ratio: raw.dead_letters.max_ratio.unwrap_or(d.max_ratio),
+        window: raw.dead_letters.window.unwrap_or(d.window),
+        min_records: raw.dead_letters.min_records.unwrap_or(d.min_records),
+        topic: raw.dead_letters.topic,
+    };
+    if !(0.0..=1.0).contains(&dead_letters.max_ratio) {
+        e.push("dead_letters.max_ratio", format!("{} is not between 0 and 1", dead_letters.max_ratio));
+    }
+    if dead_letters.window == 0 {
+        e.push("dead_letters.window", "must be at least 1");
+    }
+    if let Some(t) = &dead_letters.topic {
+        if raw.topics.contains(t) {
+            e.push("dead_letters.topic", format!("{t:?} is also a source topic: dead letters would be consumed again"));
+        }
+    }
     Some(Pipeline {
         name,
         file: path.to_owned(),
@@ -300,6 +352,7 @@ fn validate(raw: RawPipeline, path: &Path, stem: &str, e: &mut Errors<'_>) -> Op
         tombstones: raw.tombstones,
         sink: sink?,
         batch: BatchSettings { max_records, max_wait },
+        dead_letters,
     })
 }
 
@@ -381,7 +434,13 @@ fn validate_sink(raw: RawSink, e: &mut Errors<'_>) -> Option<SinkSpec> {
     for (i, text) in texts.iter().enumerate() {
         let field = if texts.len() == 1 { "sink.sql".to_owned() } else { format!("sink.sql[{i}]") };
         match template::parse(text) {
-            Ok(parsed) => statements.extend(parsed),
+            Ok(parsed) => {
+                let several = parsed.len() > 1;
+                statements.extend(parsed.into_iter().enumerate().map(|(n, mut s)| {
+                    s.origin = if several { format!("{field} (statement {})", n + 1) } else { field.clone() };
+                    s
+                }))
+            }
             Err(err) => e.push(&field, err.to_string()),
         }
     }

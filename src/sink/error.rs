@@ -4,7 +4,7 @@
 //! |---|---|
 //! | SQLSTATE class 08 (connection), I/O errors, a connection lost during `COMMIT` | retry the batch |
 //! | 40001 serialization failure, 40P01 deadlock | retry the batch |
-//! | 57P01/57P02/57P03 (admin shutdown, crash shutdown, cannot connect now), class 53 (insufficient resources, 53300 too many connections), 55P03 (lock not available), class 58 (system error) | retry the batch |
+//! | 57P01/57P02/57P03 (admin shutdown, crash shutdown, cannot connect now), 57014 (statement cancelled or timed out), class 53 (insufficient resources, 53300 too many connections), 55P03 (lock not available), 25006 (read-only transaction: a failover to a standby), class 58 (system error) | retry the batch |
 //! | pool acquire timeout | retry the batch |
 //! | class 22 (data exception), 23 (integrity constraint), 21 (cardinality), 54 (program limit exceeded, e.g. a business index row too large), P0 (raised by PL/pgSQL), 2F, 39, 44, raised by one record's side effect | dead-letter that record (`side_effect_rejected`), the rest of the batch commits |
 //! | class 42 (syntax error or access rule violation: the configured SQL or table is wrong), 0A, 3F, 28, and anything else | fatal: the pipeline stops |
@@ -24,34 +24,46 @@ pub enum Disposition {
     Fatal,
 }
 
-/// A database failure with its disposition.
+/// Why a batch did not commit.
 #[derive(Debug, thiserror::Error)]
-#[error("{context}: {source}")]
-pub struct SinkError {
-    /// What was being done, e.g. `claiming business keys`.
-    pub context: &'static str,
-    /// The error from sqlx.
-    #[source]
-    pub source: sqlx::Error,
+pub enum SinkError {
+    /// A database failure, with what was being done.
+    #[error("{context}: {source}")]
+    Database {
+        /// What was being done, e.g. `claiming business keys`.
+        context: &'static str,
+        /// The error from sqlx.
+        #[source]
+        source: sqlx::Error,
+    },
+    /// The batch would have taken the dead-letter ratio over its limit; it was rolled back.
+    #[error(
+        "{dead_letters} of the last {records} records would go to the dead letters, over dead_letters.max_ratio = \
+         {max_ratio}; stopping the pipeline instead (a bad deploy or a changed payload format?). The batch was rolled \
+         back, nothing was committed; fix the cause and restart"
+    )]
+    DeadLetterRatio {
+        /// Dead letters in the window, this batch included.
+        dead_letters: u64,
+        /// Records in the window, this batch included.
+        records: u64,
+        /// The configured limit.
+        max_ratio: f64,
+    },
 }
 
 impl SinkError {
-    /// Wraps `source` with what was being done.
+    /// Wraps a database error with what was being done.
     pub fn new(context: &'static str, source: sqlx::Error) -> Self {
-        SinkError { context, source }
-    }
-
-    /// The SQLSTATE, when Postgres sent one.
-    pub fn sqlstate(&self) -> Option<String> {
-        match &self.source {
-            sqlx::Error::Database(db) => db.code().map(|c| c.into_owned()),
-            _ => None,
-        }
+        SinkError::Database { context, source }
     }
 
     /// How to handle it.
     pub fn disposition(&self) -> Disposition {
-        classify(&self.source)
+        match self {
+            SinkError::Database { source, .. } => classify(source),
+            SinkError::DeadLetterRatio { .. } => Disposition::Fatal,
+        }
     }
 }
 
@@ -79,7 +91,7 @@ pub fn classify_sqlstate(code: &str) -> Disposition {
     match (class, code) {
         ("08", _) => Retry(RetryCause::Connection),
         (_, "40001" | "40P01") => Retry(RetryCause::Conflict),
-        (_, "57P01" | "57P02" | "57P03" | "55P03") | ("53" | "58", _) => Retry(RetryCause::Unavailable),
+        (_, "57P01" | "57P02" | "57P03" | "57014" | "55P03" | "25006") | ("53" | "58", _) => Retry(RetryCause::Unavailable),
         ("22" | "23" | "21" | "54" | "P0" | "2F" | "39" | "44", _) => Record,
         _ => Fatal,
     }

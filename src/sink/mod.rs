@@ -16,4 +16,4 @@ pub mod template;
 pub mod transaction;
 
 pub use error::{Disposition, SinkError};
-pub use transaction::{BatchOutcome, Sink};
+pub use transaction::{BatchOutcome, DeadLettered, Sink};

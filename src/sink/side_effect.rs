@@ -1,7 +1,9 @@
 //! The side effect: what a new record does to the business tables.
 //!
 //! Values arrive as text and are cast by Postgres to the type of their target (looked up once, at start-up, from
-//! the catalog or from the statement's inferred parameter types). Text input is exact for every type: `numeric`
+//! the catalog or from the statement's inferred parameter types, without type modifiers: an explicit cast to
+//! `varchar(5)` or `char(5)` would silently truncate, while the assignment to the column checks the length and
+//! fails instead). Text input is exact for every type: `numeric`
 //! keeps every digit, `timestamptz` keeps the offset's meaning, `jsonb` takes nested objects. Payload values are
 //! only ever bound as parameters, never spliced into SQL.
 //!
@@ -150,7 +152,7 @@ async fn prepare_table(
         return Err(prepare_error("sink.table", format!("table {table:?} does not exist (or is not visible on the search_path)")));
     };
     let catalog: Vec<(String, String, bool)> = sqlx::query_as(
-        "SELECT a.attname::text, format_type(a.atttypid, NULL), coalesce(a.attnum = ANY(i.indkey), false)
+        "SELECT a.attname::text, format_type(a.atttypid, -1), coalesce(a.attnum = ANY(i.indkey), false)
          FROM pg_attribute a
          LEFT JOIN pg_index i ON i.indrelid = a.attrelid AND i.indisprimary
          WHERE a.attrelid = $1::int8::oid AND a.attnum > 0 AND NOT a.attisdropped ORDER BY a.attnum",
@@ -169,6 +171,13 @@ async fn prepare_table(
                     format!("sink.columns.{}", b.name),
                     format!("table {qualified} has no column {:?} (its columns: {})", b.name, names.join(", ")),
                 ));
+            }
+        }
+    }
+    if let Some(cols) = conflict_columns {
+        for c in cols {
+            if !catalog.iter().any(|(name, _, _)| name == c) {
+                return Err(prepare_error("sink.conflict_columns", format!("table {qualified} has no column {c:?}")));
             }
         }
     }
@@ -216,8 +225,8 @@ async fn prepare_sql(
 ) -> Result<(SideEffect, Vec<(Binding, Render)>), PrepareError> {
     let mut renders = vec![Render::Text; params.len()];
     let mut prepared = Vec::new();
-    for (i, statement) in statements.iter().enumerate() {
-        let field = if statements.len() == 1 { "sink.sql".to_owned() } else { format!("sink.sql[{i}]") };
+    for statement in statements {
+        let field = statement.origin.clone();
         let plain = statement.render(|n| format!("${}", n + 1));
         let described = conn.prepare(&plain).await.map_err(|e| prepare_error(&field, format!("{e}\n  {plain}")))?;
         let oids: Vec<i64> = match described.parameters() {
@@ -226,7 +235,7 @@ async fn prepare_sql(
         };
         let mut type_names = Vec::with_capacity(oids.len());
         for oid in oids {
-            let name: String = sqlx::query_scalar("SELECT format_type($1::int8::oid, NULL)")
+            let name: String = sqlx::query_scalar("SELECT format_type($1::int8::oid, -1)")
                 .bind(oid)
                 .fetch_one(&mut *conn)
                 .await

@@ -24,11 +24,15 @@ pub struct Statement {
     pub parts: Vec<Part>,
     /// Distinct parameter names in order of first use.
     pub params: Vec<String>,
+    /// Where it was written, for error messages, such as `sink.sql[1]` or `sink.sql (statement 2)`.
+    pub origin: String,
+    /// Whether it holds anything but white space and comments.
+    has_code: bool,
 }
 
 impl Statement {
     fn new() -> Self {
-        Statement { parts: Vec::new(), params: Vec::new() }
+        Statement { parts: Vec::new(), params: Vec::new(), origin: String::new(), has_code: false }
     }
 
     /// The statement with every parameter slot replaced by `placeholder(n)`.
@@ -79,6 +83,10 @@ pub fn parse(sql: &str) -> Result<Vec<Statement>, TemplateError> {
     let is_ident_start = |c: u8| c.is_ascii_alphabetic() || c == b'_' || c >= 0x80;
     let is_ident = |c: u8| c.is_ascii_alphanumeric() || c == b'_' || c >= 0x80;
     while i < b.len() {
+        let comment = matches!((b[i], b.get(i + 1)), (b'-', Some(b'-')) | (b'/', Some(b'*')));
+        if !comment && b[i] != b';' && !b[i].is_ascii_whitespace() {
+            current.has_code = true;
+        }
         match b[i] {
             b'\'' => {
                 let escapes = i > 0 && (b[i - 1] == b'e' || b[i - 1] == b'E') && (i < 2 || !is_ident(b[i - 2]));
@@ -133,7 +141,8 @@ pub fn parse(sql: &str) -> Result<Vec<Statement>, TemplateError> {
                 }
             }
             b':' if b.get(i + 1) == Some(&b':') => i += 2,
-            b':' if b.get(i + 1).is_some_and(|&c| is_ident_start(c)) => {
+            // After an identifier or a number, `:` is an array slice bound (`a[lo:hi]`), not a parameter.
+            b':' if b.get(i + 1).is_some_and(|&c| is_ident_start(c)) && (i == 0 || !is_ident(b[i - 1])) => {
                 let end = (i + 1..b.len()).find(|&j| !is_ident(b[j])).unwrap_or(b.len());
                 let name = &sql[i + 1..end];
                 let n = match current.params.iter().position(|p| p == name) {
@@ -164,6 +173,9 @@ pub fn parse(sql: &str) -> Result<Vec<Statement>, TemplateError> {
 
 /// Keeps a statement unless it is only white space, trimming white space at both ends.
 fn push_statement(statements: &mut Vec<Statement>, mut statement: Statement) {
+    if !statement.has_code {
+        return;
+    }
     if let Some(Part::Sql(first)) = statement.parts.first_mut() {
         *first = first.trim_start().to_owned();
     }
@@ -229,5 +241,12 @@ mod tests {
         assert!(matches!(parse("SELECT $a$ x"), Err(TemplateError::Unterminated { .. })));
         assert!(matches!(parse("SELECT /* x"), Err(TemplateError::Unterminated { what: "comment", .. })));
         assert_eq!(parse(" ; ;").unwrap(), vec![]);
+        assert_eq!(parse("SELECT 1; -- trailing note\n /* and this */").unwrap().len(), 1);
+    }
+
+    #[test]
+    fn array_slices_are_not_parameters() {
+        let got = rendered("SELECT a[lo:hi], a[1:2], b[:n] FROM t WHERE c = :c");
+        assert_eq!(got[0].1, vec!["n", "c"]);
     }
 }

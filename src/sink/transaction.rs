@@ -35,6 +35,22 @@ pub struct Sink {
 pub struct BatchOutcome {
     /// Counts for the metrics.
     pub counts: BatchCounts,
+    /// Every dead-lettered record of the batch: index into the batch, reason, error text, and whether its row was
+    /// new (`false`: the same position was dead-lettered before, this is a redelivery).
+    pub dead_letters: Vec<DeadLettered>,
+}
+
+/// One dead-lettered record of a committed batch.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeadLettered {
+    /// Index of the record in the batch.
+    pub index: usize,
+    /// Why.
+    pub reason: DeadLetterReason,
+    /// The error text.
+    pub error: String,
+    /// Whether this position was dead-lettered for the first time.
+    pub new: bool,
 }
 
 /// The fate of one record inside an attempt, before commit.
@@ -51,45 +67,70 @@ impl Sink {
         Sink { pipeline, pool, side_effect }
     }
 
-    /// Runs one batch in one transaction. `prepared[i]` belongs to `records[i]`.
+    /// Runs one batch in one transaction. `prepared[i]` belongs to `records[i]`. `guard` sees the batch's counts
+    /// just before `COMMIT` and may refuse them (the dead-letter ratio limit), which rolls the batch back.
     ///
     /// Errors: a [`SinkError`] whose [`SinkError::disposition`] is `Retry` (roll back, back off, call again with
     /// the same batch: the dedup rows make that safe even when a lost `COMMIT` had in fact committed) or `Fatal`.
-    pub async fn apply(&self, records: &[Record], prepared: &[Prepared]) -> Result<BatchOutcome, SinkError> {
-        let mut tx = self.pool.begin().await.map_err(|e| SinkError::new("opening the batch transaction", e))?;
+    pub async fn apply(
+        &self,
+        records: &[Record],
+        prepared: &[Prepared],
+        guard: impl Fn(&BatchCounts) -> Result<(), SinkError>,
+    ) -> Result<BatchOutcome, SinkError> {
+        let mut tx = self.begin().await?;
         let fates = match self.fast_path(&mut tx, records, prepared).await {
             Ok(fates) => fates,
             Err(e) if e.disposition() == Disposition::Record => {
                 tracing::debug!(error = %e, "a record's side effect failed; redoing the batch record by record");
                 tx.rollback().await.map_err(|e| SinkError::new("rolling back", e))?;
-                tx = self.pool.begin().await.map_err(|e| SinkError::new("opening the batch transaction", e))?;
+                tx = self.begin().await?;
                 self.slow_path(&mut tx, records, prepared).await?
             }
             Err(e) => return Err(e),
         };
         let mut counts = BatchCounts { received: records.len() as u64, ..BatchCounts::default() };
-        for (record, fate) in records.iter().zip(&fates) {
+        let mut dead_letters = Vec::new();
+        for (index, (record, fate)) in records.iter().zip(fates).enumerate() {
             match fate {
                 Fate::Applied => counts.applied += 1,
-                Fate::Duplicate(reason) => counts.duplicate(*reason),
+                Fate::Duplicate(reason) => counts.duplicate(reason),
                 Fate::Tombstone => counts.tombstones += 1,
                 Fate::DeadLetter(reason, error) => {
-                    let written = dead_letter::write(&mut tx, &self.pipeline, record, *reason, error)
+                    let new = dead_letter::write(&mut tx, &self.pipeline, record, reason, &error)
                         .await
                         .map_err(|e| SinkError::new("writing a dead letter", e))?;
-                    if written {
-                        tracing::warn!(
-                            pipeline = %self.pipeline, topic = %record.position.topic,
-                            partition = record.position.partition, offset = record.position.offset,
-                            reason = reason.as_str(), error = %error, "record dead-lettered"
-                        );
-                        counts.dead_letter(*reason);
+                    if new {
+                        counts.dead_letter(reason);
                     }
+                    dead_letters.push(DeadLettered { index, reason, error, new });
                 }
             }
         }
+        if let Err(refused) = guard(&counts) {
+            tx.rollback().await.map_err(|e| SinkError::new("rolling back", e))?;
+            return Err(refused);
+        }
         tx.commit().await.map_err(|e| SinkError::new("committing the batch", e))?;
-        Ok(BatchOutcome { counts })
+        for d in dead_letters.iter().filter(|d| d.new) {
+            let p = &records[d.index].position;
+            tracing::warn!(
+                pipeline = %self.pipeline, topic = %p.topic, partition = p.partition, offset = p.offset,
+                reason = d.reason.as_str(), error = %d.error, "record dead-lettered"
+            );
+        }
+        Ok(BatchOutcome { counts, dead_letters })
+    }
+
+    /// Opens a batch transaction. Deferred constraints are checked at each statement, not at `COMMIT`, so that a
+    /// record violating one is isolated by the slow path like any other constraint error.
+    async fn begin(&self) -> Result<sqlx::Transaction<'static, sqlx::Postgres>, SinkError> {
+        let mut tx = self.pool.begin().await.map_err(|e| SinkError::new("opening the batch transaction", e))?;
+        sqlx::query("SET CONSTRAINTS ALL IMMEDIATE")
+            .execute(&mut *tx)
+            .await
+            .map_err(|e| SinkError::new("opening the batch transaction", e))?;
+        Ok(tx)
     }
 
     async fn fast_path(

@@ -3,5 +3,6 @@
 mod support;
 
 mod e2e;
+mod cases;
 mod cli;
 mod semantics;

@@ -41,6 +41,7 @@ impl Kafka {
             .set("test.mock.num.brokers", "1")
             .set("linger.ms", "0")
             .set("enable.idempotence", "false")
+            .set("message.max.bytes", "10000000")
             .create()
             .expect("a mock cluster");
         let bootstrap = producer.client().mock_cluster().expect("the producer owns a mock cluster").bootstrap_servers();
@@ -54,6 +55,11 @@ impl Kafka {
     /// `host:port` of the cluster.
     pub fn bootstrap(&self) -> &str {
         &self.bootstrap
+    }
+
+    /// The mock cluster, for fault injection (broker ids start at 1).
+    pub fn mock(&self) -> rdkafka::mocking::MockCluster<'_, DefaultProducerContext> {
+        self.producer.client().mock_cluster().expect("mock cluster")
     }
 
     /// Creates a topic.

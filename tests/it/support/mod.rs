@@ -50,6 +50,11 @@ pub const TEST_KAFKA_PROPERTIES: &str = r#"
 impl Setup {
     /// Writes `idemflow.toml` for `db` and `kafka`, and each `(file name, text)` into `pipelines/`.
     pub fn new(db: &TestDb, kafka: &Kafka, pipelines: &[(&str, &str)]) -> Setup {
+        Self::with(db, kafka, pipelines, "", "")
+    }
+
+    /// The same, with more `[kafka.properties]` lines and more settings (`extra`, TOML appended at the end).
+    pub fn with(db: &TestDb, kafka: &Kafka, pipelines: &[(&str, &str)], properties: &str, extra: &str) -> Setup {
         let dir = tempfile::tempdir().unwrap();
         std::fs::create_dir(dir.path().join("pipelines")).unwrap();
         for (name, text) in pipelines {
@@ -60,11 +65,12 @@ impl Setup {
         std::fs::write(
             &config,
             format!(
-                "[database]\nurl = \"{}\"\nmax_connections = 4\n[kafka]\nbootstrap_servers = \"{}\"\n\
-                 [kafka.properties]{TEST_KAFKA_PROPERTIES}\n[metrics]\nlisten = \"{metrics}\"\n[log]\nlevel = \"info\"\n\
-                 [shutdown]\ntimeout = \"20s\"\n",
+                "[database]\nurl = \"{}\"\nmax_connections = 4\nacquire_timeout = \"2s\"\n[kafka]\nbootstrap_servers = \"{}\"\n\
+                 [kafka.properties]{}\n[metrics]\nlisten = \"{metrics}\"\n[log]\nlevel = \"info\"\n\
+                 [shutdown]\ntimeout = \"20s\"\n{extra}\n",
                 db.url,
-                kafka.bootstrap()
+                kafka.bootstrap(),
+                merge_properties(TEST_KAFKA_PROPERTIES, properties),
             ),
         )
         .unwrap();
@@ -195,6 +201,15 @@ where
         assert!(Instant::now() < deadline, "timed out after {timeout:?} waiting for {what}");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+/// `base` property lines with those of `more` replacing lines of the same name.
+fn merge_properties(base: &str, more: &str) -> String {
+    let name = |l: &str| l.split('=').next().unwrap_or_default().trim().to_owned();
+    let more_names: Vec<String> = more.lines().filter(|l| l.contains('=')).map(name).collect();
+    let mut out: Vec<&str> = base.lines().filter(|l| !l.contains('=') || !more_names.contains(&name(l))).collect();
+    out.extend(more.lines());
+    out.join("\n")
 }
 
 /// The worker in this process: faster to start and stop than the binary, same code path.

@@ -51,46 +51,91 @@ fn run(mut c: Command, what: &str) {
     assert!(out.status.success(), "{what} failed: {}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
 }
 
-fn start_throwaway() -> String {
-    let bin = pg_bin();
-    let root = is_root();
-    let dir = tempfile::Builder::new().prefix("idemflow-pg-").tempdir().expect("a temp dir").keep();
-    let port = super::free_port();
-    let pw = dir.join("pw");
-    std::fs::write(&pw, "postgres\n").unwrap();
-    if root {
-        run(
-            {
-                let mut c = Command::new("chown");
-                c.args(["-R", "postgres:postgres"]).arg(&dir);
-                c
-            },
-            "chown",
+/// A PostgreSQL cluster of this test process: started from the local binaries, stoppable and restartable (for
+/// outage tests), stopped and removed when dropped or when the process exits.
+pub struct Cluster {
+    bin: PathBuf,
+    dir: PathBuf,
+    root: bool,
+    port: u16,
+}
+
+impl Cluster {
+    /// initdb + start.
+    pub fn start() -> Cluster {
+        let bin = pg_bin();
+        let root = is_root();
+        let dir = tempfile::Builder::new().prefix("idemflow-pg-").tempdir().expect("a temp dir").keep();
+        let port = super::free_port();
+        let pw = dir.join("pw");
+        std::fs::write(&pw, "postgres\n").unwrap();
+        if root {
+            let mut c = Command::new("chown");
+            c.args(["-R", "postgres:postgres"]).arg(&dir);
+            run(c, "chown");
+        }
+        let mut initdb = as_owner(&bin.join("initdb"), root);
+        initdb.arg("-D").arg(dir.join("data")).args(["-U", "postgres", "--auth=scram-sha-256", "-E", "UTF8", "--locale=C.UTF-8", "--no-sync"]);
+        initdb.arg(format!("--pwfile={}", pw.display()));
+        run(initdb, "initdb");
+        let cluster = Cluster { bin, dir, root, port };
+        cluster.pg_ctl("start");
+        // Stop the cluster and remove it when this test process exits, whichever way it exits.
+        let owner = if root { "runuser -u postgres -- " } else { "" };
+        let script = format!(
+            "while kill -0 {pid} 2>/dev/null; do sleep 0.5; done; {owner}{pg_ctl} -D {dir}/data -m immediate stop >/dev/null 2>&1; rm -rf {dir}",
+            pid = std::process::id(),
+            pg_ctl = cluster.bin.join("pg_ctl").display(),
+            dir = cluster.dir.display(),
         );
+        Command::new("sh").arg("-c").arg(script).spawn().expect("starting the cluster reaper");
+        cluster
     }
-    let data = dir.join("data");
-    let mut initdb = as_owner(&bin.join("initdb"), root);
-    initdb.arg("-D").arg(&data).args(["-U", "postgres", "--auth=scram-sha-256", "-E", "UTF8", "--locale=C.UTF-8", "--no-sync"]);
-    initdb.arg(format!("--pwfile={}", pw.display()));
-    run(initdb, "initdb");
-    let mut start = as_owner(&bin.join("pg_ctl"), root);
-    start.arg("-D").arg(&data).arg("-l").arg(dir.join("server.log")).args(["-w", "-o"]).arg(format!(
-        "-c listen_addresses=127.0.0.1 -p {port} -k {} -c fsync=off -c max_connections=200",
-        dir.display()
-    ));
-    start.arg("start");
-    run(start, "pg_ctl start");
-    // Stop the cluster and remove it when this test process exits, whichever way it exits.
-    let owner = if root { "runuser -u postgres -- " } else { "" };
-    let script = format!(
-        "while kill -0 {pid} 2>/dev/null; do sleep 0.5; done; {owner}{pg_ctl} -D {data} -m immediate stop >/dev/null 2>&1; rm -rf {dir}",
-        pid = std::process::id(),
-        pg_ctl = bin.join("pg_ctl").display(),
-        data = data.display(),
-        dir = dir.display(),
-    );
-    Command::new("sh").arg("-c").arg(script).spawn().expect("starting the cluster reaper");
-    format!("postgres://postgres:postgres@127.0.0.1:{port}/postgres")
+
+    fn pg_ctl(&self, action: &str) {
+        let mut c = as_owner(&self.bin.join("pg_ctl"), self.root);
+        c.arg("-D").arg(self.dir.join("data")).arg("-l").arg(self.dir.join("server.log")).args(["-w", "-m", "fast"]);
+        if action != "stop" {
+            c.arg("-o").arg(format!(
+                "-c listen_addresses=127.0.0.1 -p {} -k {} -c fsync=off -c max_connections=300",
+                self.port,
+                self.dir.display()
+            ));
+        }
+        c.arg(action);
+        run(c, &format!("pg_ctl {action}"));
+    }
+
+    /// The admin URL.
+    pub fn url(&self) -> String {
+        format!("postgres://postgres:postgres@127.0.0.1:{}/postgres", self.port)
+    }
+
+    /// Stops the server (fast shutdown: connections are terminated).
+    pub fn stop(&self) {
+        self.pg_ctl("stop");
+    }
+
+    /// Starts it again on the same port.
+    pub fn start_again(&self) {
+        self.pg_ctl("start");
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        let mut c = as_owner(&self.bin.join("pg_ctl"), self.root);
+        c.arg("-D").arg(self.dir.join("data")).args(["-m", "immediate", "stop"]);
+        let _ = c.output();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn start_throwaway() -> String {
+    let cluster = Cluster::start();
+    let url = cluster.url();
+    std::mem::forget(cluster); // lives as long as the process; the reaper stops it
+    url
 }
 
 /// A fresh database on the test server, with the idemflow schema migrated.
@@ -102,9 +147,13 @@ pub struct TestDb {
 }
 
 impl TestDb {
-    /// Creates the database, migrates it, and runs `setup` SQL (business tables).
+    /// Creates the database on the shared test server, migrates it, and runs `setup` SQL (business tables).
     pub async fn new(setup: &str) -> TestDb {
-        let admin = server_url();
+        Self::on(server_url(), setup).await
+    }
+
+    /// The same on the server at `admin` (for example a [`Cluster`] of the test's own).
+    pub async fn on(admin: &str, setup: &str) -> TestDb {
         let name = format!("t_{}", super::unique());
         let mut conn: sqlx::PgConnection = sqlx::Connection::connect(admin).await.expect("connecting to the test server");
         sqlx::Executor::execute(&mut conn, format!("CREATE DATABASE {name}").as_str()).await.unwrap();
