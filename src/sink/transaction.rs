@@ -102,6 +102,9 @@ impl Sink {
                         .map_err(|e| SinkError::new("writing a dead letter", e))?;
                     if new {
                         counts.dead_letter(reason);
+                    } else {
+                        // This very record (same topic, partition, offset) was dead-lettered before.
+                        counts.duplicate(DuplicateReason::Redelivered);
                     }
                     dead_letters.push(DeadLettered { index, reason, error, new });
                 }

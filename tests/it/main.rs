@@ -3,6 +3,7 @@
 mod support;
 
 mod e2e;
+mod failures;
 mod cases;
 mod cli;
 mod semantics;

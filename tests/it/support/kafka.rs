@@ -126,6 +126,11 @@ impl Kafka {
     /// `kafka-consumer-groups --reset-offsets`. The mock cluster only accepts commits from a group member, so this
     /// joins the group, commits, and leaves.
     pub fn set_committed(&self, group: &str, topic: &str, partition: i32, offset: i64) {
+        self.set_committed_all(group, topic, &[(partition, offset)]);
+    }
+
+    /// [`Kafka::set_committed`] for several partitions at once.
+    pub fn set_committed_all(&self, group: &str, topic: &str, offsets: &[(i32, i64)]) {
         let c: BaseConsumer = ClientConfig::new()
             .set("bootstrap.servers", &self.bootstrap)
             .set("group.id", group)
@@ -140,7 +145,9 @@ impl Kafka {
             let _ = c.poll(Duration::from_millis(100));
         }
         let mut tpl = TopicPartitionList::new();
-        tpl.add_partition_offset(topic, partition, Offset::Offset(offset)).unwrap();
+        for (partition, offset) in offsets {
+            tpl.add_partition_offset(topic, *partition, Offset::Offset(*offset)).unwrap();
+        }
         c.commit(&tpl, CommitMode::Sync).expect("committing offsets");
         c.unsubscribe();
     }

@@ -255,8 +255,4 @@ impl InProc {
         self.handle.await.unwrap()
     }
 
-    /// Whether the worker ended by itself (every pipeline failed).
-    pub fn finished(&self) -> bool {
-        self.handle.is_finished()
-    }
 }

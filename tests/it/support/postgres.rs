@@ -88,7 +88,14 @@ impl Cluster {
             pg_ctl = cluster.bin.join("pg_ctl").display(),
             dir = cluster.dir.display(),
         );
-        Command::new("sh").arg("-c").arg(script).spawn().expect("starting the cluster reaper");
+        Command::new("sh")
+            .arg("-c")
+            .arg(script)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("starting the cluster reaper");
         cluster
     }
 

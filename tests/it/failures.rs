@@ -1,0 +1,410 @@
+//! Breaking things for real: SIGKILL, Postgres restarts and terminated backends, broker faults, group members
+//! coming and going, the dead-letter guard and the dead-letter topic.
+
+use crate::support::*;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::message::{Headers, Message};
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+/// A stream of payment deductions with every kind of duplicate, for the shipped `payments` pipeline.
+struct Payments {
+    records: Vec<Out>,
+    distinct: usize,
+    republished: usize,
+    mismatched: usize,
+    poison: usize,
+    /// Sum of the amounts of first occurrences, in cents.
+    expected_cents: i64,
+}
+
+fn amount_cents(i: usize) -> i64 {
+    ((i % 1000 + 1) * 100 + i % 100) as i64
+}
+
+fn payment(i: usize, cents: i64) -> String {
+    format!(
+        r#"{{"order":{{"id":"ORDERID_{i}","account":"ACC-{}","amount":"{}.{:02}","currency":"USD"}},"paid_at":"2026-11-29T10:00:00Z"}}"#,
+        i % 100,
+        cents / 100,
+        cents % 100
+    )
+}
+
+/// `distinct` operations over `partitions`; then 2% republished (same bytes, same partition), 1% with another
+/// amount, and poison records, interleaved after their originals. With `cross_partition`, republished copies go
+/// to another partition.
+fn payments(distinct: usize, partitions: i32, cross_partition: bool) -> Payments {
+    let mut records = Vec::new();
+    let (mut republished, mut mismatched, mut poison) = (0, 0, 0);
+    let part = |i: usize| (i % partitions as usize) as i32;
+    for i in 0..distinct {
+        records.push(Out::json(part(i), payment(i, amount_cents(i))));
+        if i >= 100 && i % 50 == 0 {
+            let j = i - 100; // a retry of an earlier operation, later in the stream
+            let p = if cross_partition { (part(j) + 1) % partitions } else { part(j) };
+            records.push(Out::json(p, payment(j, amount_cents(j))));
+            republished += 1;
+        }
+        if i >= 100 && i % 100 == 7 {
+            let j = i - 50;
+            records.push(Out::json(part(j), payment(j, amount_cents(j) + 1)));
+            mismatched += 1;
+        }
+        if i % 500 == 3 {
+            records.push(Out::json(part(i), format!("{{\"order\": poison {i}")));
+            poison += 1;
+        }
+    }
+    let expected_cents = (0..distinct).map(amount_cents).sum();
+    Payments { records, distinct, republished, mismatched, poison, expected_cents }
+}
+
+const ACCOUNTS: &str = "INSERT INTO accounts SELECT 'ACC-' || g, 0 FROM generate_series(0, 99) g;";
+
+async fn payments_db(admin: Option<&str>) -> TestDb {
+    let sql = std::fs::read_to_string(project_root().join("pipelines/payments.sql")).unwrap() + ACCOUNTS;
+    match admin {
+        Some(url) => TestDb::on(url, &sql).await,
+        None => TestDb::new(&sql).await,
+    }
+}
+
+fn shipped() -> String {
+    std::fs::read_to_string(project_root().join("pipelines/payments.toml")).unwrap()
+}
+
+/// Every operation applied once, amounts exact, every poison record dead-lettered once.
+async fn assert_exactly_once(db: &TestDb, s: &Payments) {
+    assert_eq!(db.scalar::<i64>("SELECT count(*) FROM payments").await, s.distinct as i64);
+    assert_eq!(db.scalar::<i64>("SELECT count(DISTINCT order_id) FROM payments").await, s.distinct as i64);
+    let expected = format!("{}.{:02}", s.expected_cents / 100, s.expected_cents % 100);
+    assert_eq!(db.scalar::<String>("SELECT sum(amount)::text FROM payments").await, expected);
+    assert_eq!(db.scalar::<String>("SELECT (-sum(balance))::text FROM accounts").await, expected, "each deduction once");
+    assert_eq!(db.scalar::<i64>("SELECT count(*) FROM idemflow.dedup").await, s.distinct as i64);
+    assert_eq!(db.scalar::<i64>("SELECT count(*) FROM idemflow.dead_letters").await, s.poison as i64);
+}
+
+async fn wait_all_durable(db: &TestDb, kafka: &Kafka, group: &str, topic: &str, partitions: i32, s: &Payments) {
+    let end = kafka.end_offsets(topic, partitions);
+    wait_until(Duration::from_secs(240), "every record durable and every offset committed", || async {
+        db.scalar::<i64>("SELECT count(*) FROM idemflow.dedup").await == s.distinct as i64
+            && db.scalar::<i64>("SELECT count(*) FROM idemflow.dead_letters").await == s.poison as i64
+            && kafka.committed(group, topic, partitions) == end
+    })
+    .await;
+}
+
+fn sum_metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(name) && (l.as_bytes().get(name.len()) == Some(&b'{') || l.as_bytes().get(name.len()) == Some(&b' ')))
+        .filter_map(|l| l.rsplit_once(' ').and_then(|(_, v)| v.parse::<f64>().ok()))
+        .sum()
+}
+
+/// received = applied + duplicates + dead letters + tombstones, in any scrape.
+fn assert_counters_add_up(m: &str) {
+    let received = sum_metric(m, "idemflow_records_received_total");
+    let parts = sum_metric(m, "idemflow_records_applied_total")
+        + sum_metric(m, "idemflow_duplicates_skipped_total")
+        + sum_metric(m, "idemflow_dead_letters_total")
+        + sum_metric(m, "idemflow_tombstones_skipped_total");
+    assert_eq!(received, parts, "counters do not add up:\n{m}");
+}
+
+struct Rng(u64);
+
+impl Rng {
+    fn below(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0 % n
+    }
+}
+
+/// The crash test: 100,000+ records with injected duplicates of every kind; the worker process is SIGKILLed at
+/// random moments while it works, 20 times, and restarted each time. At the end every operation is applied exactly
+/// once, nothing is missing, and, after a full rewind, the duplicate counters equal the injected duplicates.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crash_test_sigkill_at_random_moments() {
+    let db = payments_db(None).await;
+    let kafka = Kafka::new();
+    const PARTITIONS: i32 = 8;
+    kafka.create_topic("payments", PARTITIONS);
+    let s = payments(96_900, PARTITIONS, false);
+    assert!(s.records.len() >= 100_000, "{}", s.records.len());
+    kafka.produce("payments", &s.records);
+    let props = "\"session.timeout.ms\" = \"3000\"\n\"heartbeat.interval.ms\" = \"300\"";
+    let setup = Setup::with(&db, &kafka, &[("payments.toml", &shipped())], props, "");
+    let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64 | 1;
+    let mut rng = Rng(seed);
+    let mut kills = 0;
+    let mut applied_before_kills = 0.0;
+    while kills < 20 {
+        let w = BinWorker::start(&setup);
+        // Kill only once the worker is applying batches: first progress, then a random moment.
+        let start = Instant::now();
+        let progressed = loop {
+            let m = w.scrape();
+            if metric(&m, "idemflow_records_received_total", &[("pipeline", "payments")]) > 0.0 {
+                break true;
+            }
+            if start.elapsed() > Duration::from_secs(30) {
+                break false;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        assert!(progressed, "the worker made no progress within 30 s; log:\n{}", w.log_text());
+        tokio::time::sleep(Duration::from_millis(rng.below(1500))).await;
+        let m = w.scrape();
+        if !m.is_empty() {
+            assert_counters_add_up(&m);
+            applied_before_kills += metric(&m, "idemflow_records_applied_total", &[("pipeline", "payments")]);
+        }
+        let mut w = w;
+        w.kill();
+        kills += 1;
+    }
+    let mut w = BinWorker::start(&setup);
+    wait_all_durable(&db, &kafka, "idemflow-payments", "payments", PARTITIONS, &s).await;
+    let last = w.scrape();
+    assert_counters_add_up(&last);
+    assert!(w.sigterm().success(), "{}", w.log_text());
+    assert_exactly_once(&db, &s).await;
+
+    // Rewind everything and replay: nothing is applied, and every duplicate is counted by its injected kind.
+    let zero: Vec<(i32, i64)> = (0..PARTITIONS).map(|p| (p, 0)).collect();
+    kafka.set_committed_all("idemflow-payments", "payments", &zero);
+    let mut w = BinWorker::start(&setup);
+    let total = s.records.len() as f64;
+    wait_until(Duration::from_secs(240), "the full replay", || async {
+        metric(&w.scrape(), "idemflow_records_received_total", &[("pipeline", "payments")]) >= total
+    })
+    .await;
+    let m = w.scrape();
+    let dup = |r| metric(&m, "idemflow_duplicates_skipped_total", &[("pipeline", "payments"), ("reason", r)]);
+    assert_eq!(metric(&m, "idemflow_records_applied_total", &[("pipeline", "payments")]), 0.0);
+    assert_eq!(dup("redelivered"), (s.distinct + s.poison) as f64);
+    assert_eq!(dup("republished"), s.republished as f64);
+    assert_eq!(dup("payload_mismatch"), s.mismatched as f64);
+    assert_counters_add_up(&m);
+    assert!(w.sigterm().success());
+    assert_exactly_once(&db, &s).await;
+    println!(
+        "crash test (seed {seed}): {kills} SIGKILLs, {} records, {} applied exactly once ({} counted applied \
+         before kills), injected: {} republished, {} payload_mismatch, {} poison; last run counted: {last_line}; \
+         replay counted redelivered {}, republished {}, payload_mismatch {}; dead letters {}",
+        s.records.len(),
+        s.distinct,
+        applied_before_kills,
+        s.republished,
+        s.mismatched,
+        s.poison,
+        dup("redelivered"),
+        dup("republished"),
+        dup("payload_mismatch"),
+        s.poison,
+        last_line = ["redelivered", "republished", "payload_mismatch"]
+            .iter()
+            .map(|r| format!("{r}={}", metric(&last, "idemflow_duplicates_skipped_total", &[("pipeline", "payments"), ("reason", r)])))
+            .collect::<Vec<_>>()
+            .join(" "),
+    );
+}
+
+/// Postgres is restarted in the middle of a run: no loss, no double effect, no dead letters from the outage.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_restart_mid_run() {
+    let cluster = postgres::Cluster::start();
+    let db = payments_db(Some(&cluster.url())).await;
+    let kafka = Kafka::new();
+    kafka.create_topic("payments", 4);
+    let s = payments(15_000, 4, false);
+    kafka.produce("payments", &s.records);
+    let setup = Setup::new(&db, &kafka, &[("payments.toml", &shipped())]);
+    let w = InProc::start(&setup).await;
+    w.wait_received("payments", 2_000).await;
+    cluster.stop();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    cluster.start_again();
+    let db = TestDb { pool: sqlx::PgPool::connect(&db.url).await.unwrap(), url: db.url.clone() };
+    wait_all_durable(&db, &kafka, "idemflow-payments", "payments", 4, &s).await;
+    let retries: f64 = ["connection", "unavailable", "pool_timeout"]
+        .iter()
+        .map(|c| w.metric("idemflow_db_retries_total", &[("pipeline", "payments"), ("cause", c)]))
+        .sum();
+    assert!(retries >= 1.0, "the outage must have been retried");
+    assert_counters_add_up(&String::from_utf8(w.metrics.render()).unwrap());
+    assert!(w.stop().await.is_empty());
+    assert_exactly_once(&db, &s).await;
+}
+
+/// The worker's backends are terminated (`pg_terminate_backend`) again and again mid-run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn backends_terminated_mid_run() {
+    let db = payments_db(None).await;
+    let kafka = Kafka::new();
+    kafka.create_topic("payments", 4);
+    let s = payments(15_000, 4, false);
+    kafka.produce("payments", &s.records);
+    let setup = Setup::new(&db, &kafka, &[("payments.toml", &shipped())]);
+    let w = InProc::start(&setup).await;
+    w.wait_received("payments", 1_000).await;
+    let mut terminated = 0;
+    for _ in 0..8 {
+        let n: i64 = sqlx::query_scalar(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity \
+             WHERE datname = current_database() AND pid <> pg_backend_pid() AND application_name <> 'keep'",
+        )
+        .fetch_one(&db.pool)
+        .await
+        .unwrap_or(0);
+        terminated += n;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    assert!(terminated > 0);
+    let db = TestDb { pool: sqlx::PgPool::connect(&db.url).await.unwrap(), url: db.url.clone() };
+    wait_all_durable(&db, &kafka, "idemflow-payments", "payments", 4, &s).await;
+    assert_counters_add_up(&String::from_utf8(w.metrics.render()).unwrap());
+    assert!(w.stop().await.is_empty());
+    assert_exactly_once(&db, &s).await;
+}
+
+/// Broker faults from the mock cluster: fetch and offset-commit request errors, injected latency, the broker down
+/// and up again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn broker_faults() {
+    use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
+    let db = payments_db(None).await;
+    let kafka = Kafka::new();
+    kafka.create_topic("payments", 4);
+    let s = payments(10_000, 4, false);
+    let setup = Setup::new(&db, &kafka, &[("payments.toml", &shipped())]);
+    let (first, rest) = s.records.split_at(3_000);
+    kafka.produce("payments", first);
+    let w = InProc::start(&setup).await;
+    w.wait_received("payments", 500).await;
+    let mock = kafka.mock();
+    mock.request_errors(RDKafkaApiKey::Fetch, &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_NOT_LEADER_FOR_PARTITION; 5]);
+    mock.request_errors(RDKafkaApiKey::OffsetCommit, &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_REBALANCE_IN_PROGRESS; 3]);
+    mock.broker_round_trip_time(1, Duration::from_millis(150)).unwrap();
+    kafka.produce("payments", &rest[..3_000]);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    mock.broker_down(1).unwrap();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    mock.broker_up(1).unwrap();
+    mock.broker_round_trip_time(1, Duration::ZERO).unwrap();
+    kafka.produce("payments", &rest[3_000..]);
+    wait_all_durable(&db, &kafka, "idemflow-payments", "payments", 4, &s).await;
+    assert_counters_add_up(&String::from_utf8(w.metrics.render()).unwrap());
+    assert!(w.metric("idemflow_offset_commits_total", &[("pipeline", "payments"), ("result", "error")]) >= 1.0);
+    assert!(w.stop().await.is_empty());
+    assert_exactly_once(&db, &s).await;
+}
+
+/// Three worker processes in one consumer group, joining, being killed and leaving mid-stream, with the same
+/// operations republished to other partitions (so two members can hold the same key at once).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn group_members_join_and_leave_mid_stream() {
+    let db = payments_db(None).await;
+    let kafka = Kafka::new();
+    kafka.create_topic("payments", 6);
+    let s = payments(30_000, 6, true);
+    kafka.produce("payments", &s.records);
+    let props = "\"session.timeout.ms\" = \"3000\"\n\"heartbeat.interval.ms\" = \"300\"";
+    let setup = Setup::with(&db, &kafka, &[("payments.toml", &shipped())], props, "");
+    let setups: Vec<Setup> = (0..3).map(|_| Setup::with(&db, &kafka, &[("payments.toml", &shipped())], props, "")).collect();
+    let received = |w: &BinWorker| metric(&w.scrape(), "idemflow_records_received_total", &[("pipeline", "payments")]);
+    let mut a = BinWorker::start(&setup);
+    wait_until(Duration::from_secs(30), "A to start", || async { received(&a) > 0.0 }).await;
+    let mut b = BinWorker::start(&setups[0]);
+    let mut c = BinWorker::start(&setups[1]);
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    b.kill(); // a member dies
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(a.sigterm().success(), "{}", a.log_text()); // a member leaves cleanly
+    let b2 = BinWorker::start(&setups[2]); // and one joins
+    wait_all_durable(&db, &kafka, "idemflow-payments", "payments", 6, &s).await;
+    for w in [&b2, &c] {
+        assert_counters_add_up(&w.scrape());
+    }
+    assert!(c.sigterm().success(), "{}", c.log_text());
+    drop(b2);
+    assert_exactly_once(&db, &s).await;
+}
+
+/// A bad deploy: every record is undecodable. The pipeline stops once the dead-letter share of the window goes
+/// over the limit, rather than dead-lettering the whole stream; the offending batch is not committed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letter_ratio_guard_stops_the_pipeline() {
+    let db = payments_db(None).await;
+    let kafka = Kafka::new();
+    kafka.create_topic("payments", 1);
+    let p = shipped().replace("[batch]\nmax_records = 500", "[dead_letters]\nmax_ratio = 0.2\nwindow = 200\nmin_records = 50\n\n[batch]\nmax_records = 20");
+    let setup = Setup::new(&db, &kafka, &[("payments.toml", &p)]);
+    let mut records: Vec<Out> = (0..100).map(|i| Out::json(0, payment(i, 100))).collect();
+    records.extend((0..400).map(|i| Out::json(0, format!("<xml>{i}</xml>"))));
+    kafka.produce("payments", &records);
+    let w = InProc::start(&setup).await;
+    wait_until(Duration::from_secs(30), "the pipeline to stop", || async {
+        String::from_utf8(w.metrics.render()).unwrap().contains("idemflow_pipeline_up{pipeline=\"payments\"} 0")
+    })
+    .await;
+    let failures = w.stop().await;
+    assert_eq!(failures.len(), 1);
+    assert!(failures[0].to_string().contains("max_ratio"), "{}", failures[0]);
+    let dead = db.scalar::<i64>("SELECT count(*) FROM idemflow.dead_letters").await;
+    assert!(dead > 0 && dead <= 60, "only the records before the limit was crossed are dead-lettered: {dead}");
+    assert_eq!(db.scalar::<i64>("SELECT count(*) FROM payments").await, 100);
+    let committed = kafka.committed("idemflow-payments", "payments", 1)[0];
+    assert_eq!(committed, 100 + dead, "the refused batch is not committed");
+}
+
+/// With `[dead_letters] topic`, every dead letter is also produced to Kafka with provenance headers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_are_produced_to_the_dead_letter_topic() {
+    let db = payments_db(None).await;
+    let kafka = Kafka::new();
+    kafka.create_topic("payments", 1);
+    kafka.create_topic("payments.dlq", 1);
+    let p = shipped().replace("[batch]", "[dead_letters]\ntopic = \"payments.dlq\"\n\n[batch]");
+    let setup = Setup::new(&db, &kafka, &[("payments.toml", &p)]);
+    kafka.produce(
+        "payments",
+        &[
+            Out::json(0, payment(1, 100)),
+            Out { partition: 0, key: Some(b"k-2".to_vec()), value: Some(b"not json".to_vec()), ..Out::default() },
+            Out::json(0, r#"{"order":{"id":"ORDERID_3","account":"NOPE","amount":"1.00"}}"#),
+        ],
+    );
+    let w = InProc::start(&setup).await;
+    w.wait_received("payments", 3).await;
+    assert!(w.stop().await.is_empty());
+    let c: BaseConsumer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", kafka.bootstrap())
+        .set("group.id", "dlq-reader")
+        .set("auto.offset.reset", "earliest")
+        .create()
+        .unwrap();
+    c.subscribe(&["payments.dlq"]).unwrap();
+    let mut got: Vec<(Option<Vec<u8>>, HashMap<String, String>)> = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while got.len() < 2 && Instant::now() < deadline {
+        if let Some(Ok(m)) = c.poll(Duration::from_millis(200)) {
+            let headers = m
+                .headers()
+                .map(|h| h.iter().map(|h| (h.key.to_owned(), String::from_utf8_lossy(h.value.unwrap_or_default()).into_owned())).collect())
+                .unwrap_or_default();
+            got.push((m.payload().map(<[u8]>::to_vec), headers));
+        }
+    }
+    assert_eq!(got.len(), 2);
+    assert_eq!(got[0].0.as_deref(), Some(&b"not json"[..]));
+    assert_eq!(got[0].1["idemflow.reason"], "decode_failed");
+    assert_eq!(got[0].1["idemflow.topic"], "payments");
+    assert_eq!(got[0].1["idemflow.offset"], "1");
+    assert_eq!(got[1].1["idemflow.reason"], "side_effect_rejected");
+    assert!(got[1].1["idemflow.error"].contains("SQLSTATE 23503"), "{:?}", got[1].1);
+    assert_eq!(kafka.committed("idemflow-payments", "payments", 1), vec![3]);
+}
