@@ -132,16 +132,18 @@ async fn crash_test_sigkill_at_random_moments() {
     let kafka = Kafka::new();
     const PARTITIONS: i32 = 8;
     kafka.create_topic("payments", PARTITIONS);
-    let s = payments(96_900, PARTITIONS, false);
-    assert!(s.records.len() >= 100_000, "{}", s.records.len());
+    let distinct = std::env::var("IDEMFLOW_CRASH_OPERATIONS").ok().and_then(|v| v.parse().ok()).unwrap_or(97_000);
+    let s = payments(distinct, PARTITIONS, false);
+    assert!(s.records.len() >= 100_000 || distinct != 97_000, "{}", s.records.len());
     kafka.produce("payments", &s.records);
-    let props = "\"session.timeout.ms\" = \"3000\"\n\"heartbeat.interval.ms\" = \"300\"";
+    let props = "\"session.timeout.ms\" = \"1500\"\n\"heartbeat.interval.ms\" = \"200\"";
     let setup = Setup::with(&db, &kafka, &[("payments.toml", &shipped())], props, "");
     let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64 | 1;
     let mut rng = Rng(seed);
     let mut kills = 0;
     let mut applied_before_kills = 0.0;
-    while kills < 20 {
+    let target: usize = std::env::var("IDEMFLOW_CRASH_KILLS").ok().and_then(|v| v.parse().ok()).unwrap_or(20);
+    while kills < target {
         let w = BinWorker::start(&setup);
         // Kill only once the worker is applying batches: first progress, then a random moment.
         let start = Instant::now();
@@ -165,23 +167,30 @@ async fn crash_test_sigkill_at_random_moments() {
         let mut w = w;
         w.kill();
         kills += 1;
+        eprintln!("kill {kills} after {:?}: applied so far {applied_before_kills}", start.elapsed());
     }
     let mut w = BinWorker::start(&setup);
+    let started = Instant::now();
     wait_all_durable(&db, &kafka, "idemflow-payments", "payments", PARTITIONS, &s).await;
+    eprintln!("final run took {:?}", started.elapsed());
     let last = w.scrape();
     assert_counters_add_up(&last);
     assert!(w.sigterm().success(), "{}", w.log_text());
     assert_exactly_once(&db, &s).await;
 
-    // Rewind everything and replay: nothing is applied, and every duplicate is counted by its injected kind.
-    let zero: Vec<(i32, i64)> = (0..PARTITIONS).map(|p| (p, 0)).collect();
-    kafka.set_committed_all("idemflow-payments", "payments", &zero);
-    let mut w = BinWorker::start(&setup);
+    // Replay everything (a new consumer group of the same pipeline starts at the earliest offsets): nothing is
+    // applied, and every duplicate is counted by its injected kind.
+    let replay = shipped().replace("topics = [\"payments\"]", "topics = [\"payments\"]\ngroup_id = \"payments-replay\"");
+    let replay_setup = Setup::with(&db, &kafka, &[("payments.toml", &replay)], props, "");
+    let mut w = BinWorker::start(&replay_setup);
     let total = s.records.len() as f64;
-    wait_until(Duration::from_secs(240), "the full replay", || async {
+    let replay = wait_until(Duration::from_secs(240), "the full replay", || async {
         metric(&w.scrape(), "idemflow_records_received_total", &[("pipeline", "payments")]) >= total
-    })
-    .await;
+    });
+    if tokio::time::timeout(Duration::from_secs(240), replay).await.is_err() {
+        panic!("replay incomplete: {}\nlog tail:\n{}", w.scrape().lines().filter(|l| l.contains("received") || l.contains("commits")).collect::<Vec<_>>().join("\n"),
+            w.log_text().lines().rev().take(15).collect::<Vec<_>>().join("\n"));
+    }
     let m = w.scrape();
     let dup = |r| metric(&m, "idemflow_duplicates_skipped_total", &[("pipeline", "payments"), ("reason", r)]);
     assert_eq!(metric(&m, "idemflow_records_applied_total", &[("pipeline", "payments")]), 0.0);

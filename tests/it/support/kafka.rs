@@ -149,7 +149,7 @@ impl Kafka {
             tpl.add_partition_offset(topic, *partition, Offset::Offset(*offset)).unwrap();
         }
         c.commit(&tpl, CommitMode::Sync).expect("committing offsets");
-        c.unsubscribe();
+        // Dropping the consumer closes it and leaves the group.
     }
 
     /// The high watermark (next offset) of each partition.
