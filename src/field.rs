@@ -22,6 +22,9 @@ pub enum FieldPathError {
     /// A JSON Pointer with `~` not followed by `0` or `1` (RFC 6901 section 3).
     #[error("is not a valid JSON Pointer (RFC 6901): `~` must be followed by `0` or `1`")]
     BadEscape,
+    /// A dotted path with a `/` in it, such as `order/id`: a JSON Pointer missing its leading `/`.
+    #[error("looks like a JSON Pointer without its leading `/`; write \"/{0}\" (or the dotted form)")]
+    MissingSlash(String),
     /// A path with an empty member name, such as `/order//id` or `order..id`: almost always a typo.
     #[error("has an empty segment; write a member name between each pair of separators")]
     EmptySegment,
@@ -37,6 +40,8 @@ impl FieldPath {
             rest.split('/')
                 .map(|raw| unescape(raw).ok_or(FieldPathError::BadEscape))
                 .collect::<Result<_, _>>()?
+        } else if text.contains('/') {
+            return Err(FieldPathError::MissingSlash(text.to_owned()));
         } else {
             text.split('.').map(str::to_owned).collect()
         };
@@ -166,6 +171,7 @@ mod tests {
         assert_eq!(FieldPath::parse("/order//id"), Err(FieldPathError::EmptySegment));
         assert_eq!(FieldPath::parse("order..id"), Err(FieldPathError::EmptySegment));
         assert_eq!(FieldPath::parse(""), Err(FieldPathError::Empty));
+        assert_eq!(FieldPath::parse("order/id"), Err(FieldPathError::MissingSlash("order/id".into())));
     }
 
     #[test]

@@ -22,6 +22,7 @@
 //! - [`metrics`]: every Prometheus metric; [`http`]: `/metrics`, `/healthz`, `/readyz`.
 //! - [`worker`]: runs every pipeline until shutdown; [`shutdown`]: the signal that stops it.
 //! - [`db`]: the connection pool and the embedded migrations; [`telemetry`]: logging.
+//! - [`demo`]: `idemflow demo`, the whole job on an embedded broker and a throwaway Postgres.
 //!
 //! # Why a crash can neither lose a record nor apply it twice
 //!
@@ -50,6 +51,7 @@ pub mod config;
 pub mod dead_letter_topic;
 pub mod db;
 pub mod decode;
+pub mod demo;
 pub mod field;
 pub mod http;
 pub mod key;

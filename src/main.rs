@@ -23,6 +23,28 @@ enum Command {
     Check(ConfigArg),
     /// Run the worker until SIGTERM or SIGINT.
     Run(ConfigArg),
+    /// See the whole job on this machine: an embedded Kafka broker, a throwaway PostgreSQL, a stream of payments
+    /// with duplicates of every kind, and a summary that checks each payment took effect exactly once.
+    Demo(DemoArgs),
+}
+
+#[derive(clap::Args)]
+struct DemoArgs {
+    /// How many records to produce.
+    #[arg(long, default_value_t = 100_000)]
+    records: usize,
+    /// Use this PostgreSQL server (a new database is created on it) instead of a throwaway cluster.
+    #[arg(long, env = "DATABASE_URL")]
+    database_url: Option<String>,
+    /// The pipeline to run; its tables are in the `.sql` file beside it.
+    #[arg(long, default_value = "pipelines/payments.toml")]
+    pipeline: PathBuf,
+    /// Where to serve /metrics while the demo runs.
+    #[arg(long, default_value = "127.0.0.1:9464")]
+    metrics_listen: std::net::SocketAddr,
+    /// Keep the worker and /metrics up after the summary, until Ctrl-C.
+    #[arg(long)]
+    keep_running: bool,
 }
 
 #[derive(clap::Args)]
@@ -79,17 +101,37 @@ async fn wait_for_database(settings: &Settings) {
 
 async fn dispatch(command: Command) -> anyhow::Result<()> {
     match command {
+        Command::Demo(a) => {
+            telemetry::init(&config::LogSettings { level: "error".into(), ..Default::default() });
+            let options = idemflow::demo::DemoOptions {
+                records: a.records,
+                database_url: a.database_url,
+                pipeline: a.pipeline,
+                metrics_listen: a.metrics_listen,
+                keep_running: a.keep_running,
+            };
+            if idemflow::demo::run(options).await? {
+                Ok(())
+            } else {
+                bail!("the exactly-once check failed")
+            }
+        }
         Command::Migrate(a) => {
             let settings = load(&a.config)?;
             db::ping(&settings.database).await.map_err(|why| anyhow::anyhow!("{}: database: {why}", a.config.display()))?;
             let pool = db::pool(&settings.database)?;
             db::MIGRATOR.run(&pool).await.context("applying migrations")?;
-            println!("idemflow schema is up to date");
+            let latest = db::MIGRATOR.iter().map(|m| m.version).max().unwrap_or_default();
+            println!("idemflow schema at version {latest} (migrations recorded in _sqlx_migrations)");
             Ok(())
         }
         Command::Check(a) => {
             let settings = load(&a.config)?;
             let pipelines = config::load_pipelines(&settings.pipelines).map_err(|e| report(&e))?;
+            for p in &pipelines {
+                idemflow::source::check_properties(&settings.kafka, p)
+                    .map_err(|e| anyhow::anyhow!("{}: kafka.properties: {e}", a.config.display()))?;
+            }
             db::ping(&settings.database).await.map_err(|why| anyhow::anyhow!("{}: database: {why}", a.config.display()))?;
             let pool = db::pool(&settings.database)?;
             if let Err(why) = db::check_schema(&pool).await {
@@ -105,18 +147,14 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
         Command::Run(a) => {
             let settings = load(&a.config)?;
             let pipelines = config::load_pipelines(&settings.pipelines).map_err(|e| report(&e))?;
-            wait_for_database(&settings).await;
-            let pool = db::pool(&settings.database)?;
-            if let Err(why) = db::check_schema(&pool).await {
-                bail!("{}: database: {why}", a.config.display());
-            }
-            let ready = worker::prepare(&pool, &pipelines).await.map_err(|e| report(&e))?;
+            // Serve /healthz from the start: the process is alive while it waits for the database.
             let metrics = metrics::Metrics::new();
             let health = http::Health::default();
+            health.database(false);
             let server = http::serve(settings.metrics.listen, metrics.clone(), health.clone())
                 .with_context(|| format!("binding metrics.listen = {}", settings.metrics.listen))?;
             tracing::info!(address = %server.addr(), "serving /metrics, /healthz and /readyz");
-            let (trigger, stop) = shutdown::channel();
+            let (trigger, mut stop) = shutdown::channel();
             let timeout = settings.shutdown.timeout;
             tokio::spawn(async move {
                 shutdown::signals().await;
@@ -125,6 +163,19 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
                 eprintln!("shutdown took longer than shutdown.timeout = {timeout:?}; exiting");
                 std::process::exit(1);
             });
+            tokio::select! {
+                _ = wait_for_database(&settings) => {}
+                _ = stop.wait() => {
+                    tracing::info!("stopped before the database was reachable");
+                    return Ok(());
+                }
+            }
+            health.database(true);
+            let pool = db::pool(&settings.database)?;
+            if let Err(why) = db::check_schema(&pool).await {
+                bail!("{}: database: {why}", a.config.display());
+            }
+            let ready = worker::prepare(&pool, &pipelines).await.map_err(|e| report(&e))?;
             let failures = worker::run(&settings, ready, &metrics, &health, stop).await;
             pool.close().await;
             if failures.is_empty() {

@@ -146,6 +146,33 @@ fn describe(tpl: &TopicPartitionList) -> String {
     parts.join(",")
 }
 
+/// The consumer's librdkafka configuration (see [`Source::new`]).
+fn consumer_config(kafka: &KafkaSettings, pipeline: &Pipeline) -> ClientConfig {
+    let mut config = ClientConfig::new();
+    config
+        .set("bootstrap.servers", &kafka.bootstrap_servers)
+        .set("auto.offset.reset", "earliest")
+        .set("client.id", format!("idemflow-{}", pipeline.name));
+    for (k, v) in &kafka.properties {
+        if OWNED.contains(&k.as_str()) {
+            tracing::warn!(pipeline = %pipeline.name, property = %k, "ignoring a Kafka property the worker sets itself");
+        } else {
+            config.set(k, v.to_string());
+        }
+    }
+    config
+        .set("group.id", &pipeline.group_id)
+        .set("enable.auto.commit", "false")
+        .set("enable.auto.offset.store", "false");
+    config
+}
+
+/// Checks that librdkafka accepts the consumer configuration of `pipeline` (unknown properties, bad values),
+/// without connecting.
+pub fn check_properties(kafka: &KafkaSettings, pipeline: &Pipeline) -> KafkaResult<()> {
+    consumer_config(kafka, pipeline).create_native_config().map(drop)
+}
+
 /// One shared `Arc<str>` per topic name, so records do not each allocate their topic.
 fn intern(topics: &mut HashMap<String, Arc<str>>, name: &str) -> Arc<str> {
     if let Some(t) = topics.get(name) {
@@ -181,6 +208,8 @@ pub struct Source {
     consumer: StreamConsumer<SourceContext>,
     /// Records received while a batch was being retried, handed out first by the next batch.
     stash: Vec<Record>,
+    /// Consume errors in a row, for backing off.
+    consume_errors: u32,
     state: Arc<Mutex<Ownership>>,
     topics: HashMap<String, Arc<str>>,
     pipeline: String,
@@ -194,22 +223,7 @@ impl Source {
     /// `auto.offset.reset=earliest` (a new group starts from the beginning of each partition) and `client.id`;
     /// every other librdkafka property comes from `[kafka.properties]`.
     pub fn new(kafka: &KafkaSettings, pipeline: &Pipeline, metrics: PipelineMetrics) -> KafkaResult<Self> {
-        let mut config = ClientConfig::new();
-        config
-            .set("bootstrap.servers", &kafka.bootstrap_servers)
-            .set("auto.offset.reset", "earliest")
-            .set("client.id", format!("idemflow-{}", pipeline.name));
-        for (k, v) in &kafka.properties {
-            if OWNED.contains(&k.as_str()) {
-                tracing::warn!(pipeline = %pipeline.name, property = %k, "ignoring a Kafka property the worker sets itself");
-            } else {
-                config.set(k, v.to_string());
-            }
-        }
-        config
-            .set("group.id", &pipeline.group_id)
-            .set("enable.auto.commit", "false")
-            .set("enable.auto.offset.store", "false");
+        let config = consumer_config(kafka, pipeline);
         let state = Arc::new(Mutex::new(Ownership::default()));
         let context = SourceContext { pipeline: pipeline.name.clone(), state: state.clone(), metrics: metrics.clone() };
         let consumer: StreamConsumer<SourceContext> = config.create_with_context(context)?;
@@ -218,6 +232,7 @@ impl Source {
         Ok(Source {
             consumer,
             stash: Vec::new(),
+            consume_errors: 0,
             state,
             topics: pipeline.topics.iter().map(|t| (t.clone(), Arc::from(t.as_str()))).collect(),
             pipeline: pipeline.name.clone(),
@@ -254,13 +269,17 @@ impl Source {
             drop_revoked(&self.state, &self.pipeline, &mut batch, &mut self.stash);
             match received {
                 Ok(message) => {
+                    self.consume_errors = 0;
                     let topic = intern(&mut self.topics, rdkafka::Message::topic(&message));
                     batch.push(Record::from_message(&message, topic));
                     deadline.get_or_insert_with(|| Instant::now() + settings.max_wait);
                 }
                 Err(e) => {
-                    tracing::warn!(pipeline = %self.pipeline, error = %e, "consume error; retrying");
-                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    // Repeated errors (an unreachable broker) back off up to 5 s and are logged once per step.
+                    self.consume_errors += 1;
+                    let delay = Duration::from_millis(100 * (1u64 << self.consume_errors.min(6))).min(Duration::from_secs(5));
+                    tracing::warn!(pipeline = %self.pipeline, error = %e, retry_in = ?delay, "consume error");
+                    tokio::time::sleep(delay).await;
                 }
             }
             if batch.is_empty() {

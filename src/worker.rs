@@ -86,6 +86,15 @@ pub enum PipelineFailure {
     },
 }
 
+/// Fault injection, for the demo and for tests: what a crash would do, at a chosen moment.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Faults {
+    /// End each pipeline abruptly right after its Nth batch committed in Postgres and before that batch's offsets
+    /// are committed to Kafka, as a crash at that point would: the consumer is closed without committing them, so
+    /// the batch is redelivered to whoever owns its partitions next.
+    pub crash_after_commits: Option<u64>,
+}
+
 /// Runs all pipelines until `shutdown`, each in its own task. A pipeline that fails fatally stops alone (its
 /// `idemflow_pipeline_up` goes to 0 and `/readyz` fails); the others go on. Returns the failures, if any.
 pub async fn run(
@@ -95,6 +104,18 @@ pub async fn run(
     health: &Health,
     shutdown: Shutdown,
 ) -> Vec<PipelineFailure> {
+    run_with_faults(settings, ready, metrics, health, shutdown, Faults::default()).await
+}
+
+/// [`run`], with injected faults.
+pub async fn run_with_faults(
+    settings: &Settings,
+    ready: Vec<Ready>,
+    metrics: &Metrics,
+    health: &Health,
+    shutdown: Shutdown,
+    faults: Faults,
+) -> Vec<PipelineFailure> {
     let mut tasks = tokio::task::JoinSet::new();
     for r in ready {
         let kafka = settings.kafka.clone();
@@ -103,7 +124,7 @@ pub async fn run(
         let shutdown = shutdown.clone();
         tasks.spawn(async move {
             let name = r.pipeline.name.clone();
-            let result = run_pipeline(&kafka, r, pm.clone(), health.clone(), shutdown).await;
+            let result = run_pipeline(&kafka, r, pm.clone(), health.clone(), shutdown, faults).await;
             if let Err(e) = &result {
                 pm.set_fatal();
                 health.pipeline_fatal();
@@ -129,8 +150,10 @@ async fn run_pipeline(
     metrics: PipelineMetrics,
     health: Health,
     mut shutdown: Shutdown,
+    faults: Faults,
 ) -> Result<(), PipelineFailure> {
     let name = r.pipeline.name.clone();
+    let mut commits = 0u64;
     let consumer_error = |source| PipelineFailure::Consumer { pipeline: name.clone(), source };
     let mut source = Source::new(kafka, &r.pipeline, metrics.clone()).map_err(consumer_error)?;
     let dead_letter_topic = match &r.pipeline.dead_letters.topic {
@@ -156,7 +179,15 @@ async fn run_pipeline(
         );
         let done = step.process(&mut source, &mut batch, &mut shutdown).instrument(span).await;
         match done {
-            Ok(true) => source.commit(&NextOffsets::after(&batch)),
+            Ok(true) => {
+                commits += 1;
+                if faults.crash_after_commits == Some(commits) {
+                    tracing::warn!(pipeline = %name, "injected crash: stopping after the database commit, before the offset commit");
+                    drop(source); // closes the consumer without committing this batch's offsets
+                    return Ok(());
+                }
+                source.commit(&NextOffsets::after(&batch))
+            }
             Ok(false) => break, // shutdown while retrying: nothing of this batch is committed; it will be redelivered
             Err(e) => {
                 outcome = Err(PipelineFailure::Fatal { pipeline: name.clone(), source: e });

@@ -251,10 +251,13 @@ pub fn load_settings_from(
     env: impl IntoIterator<Item = (String, String)>,
 ) -> Result<Loaded, SettingsError> {
     let err = |message: String| SettingsError { file: file.display().to_string(), message };
-    if !file.is_file() {
-        return Err(err("no such file (pass --config PATH)".to_owned()));
-    }
     let mut warnings = Vec::new();
+    let base = if file.is_file() {
+        Figment::new().merge(Toml::file_exact(file))
+    } else {
+        warnings.push(format!("no settings file at {}: using IDEMFLOW_* environment variables only", file.display()));
+        Figment::new()
+    };
     let mut known = Vec::new();
     for (name, value) in env {
         let Some(rest) = name.strip_prefix("IDEMFLOW_") else { continue };
@@ -266,14 +269,18 @@ pub fn load_settings_from(
         }
     }
     // The same nesting as figment's `Env::prefixed("IDEMFLOW_").split("__")`, over the given variables only.
-    let figment = known.into_iter().fold(Figment::new().merge(Toml::file_exact(file)), |f, (name, value)| {
+    let figment = known.into_iter().fold(base, |f, (name, value)| {
         let key = name["IDEMFLOW_".len()..].to_ascii_lowercase().replace("__", ".");
         f.merge(figment::providers::Serialized::default(&key, parse_env_value(&value)))
     });
     let mut settings: Settings = figment.extract().map_err(|e| {
-        err(e.into_iter().map(|e| e.to_string()).collect::<Vec<_>>().join("; "))
+        let text = e.into_iter().map(|e| e.to_string()).collect::<Vec<_>>().join("; ");
+        err(text.replace("key \"default.", "key \"").replace("missing field `database`", "missing [database] (or IDEMFLOW_DATABASE__URL)").replace("missing field `kafka`", "missing [kafka] (or IDEMFLOW_KAFKA__BOOTSTRAP_SERVERS)"))
     })?;
-    if settings.pipelines.is_relative() {
+    if let Err(e) = tracing_subscriber::EnvFilter::try_new(&settings.log.level) {
+        return Err(err(format!("log.level: {:?} is not a tracing filter (e.g. \"info\" or \"info,idemflow=debug\"): {e}", settings.log.level)));
+    }
+    if settings.pipelines.is_relative() && file.is_file() {
         let base = file.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
         settings.pipelines = base.join(&settings.pipelines);
     }

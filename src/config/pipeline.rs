@@ -165,8 +165,7 @@ pub enum Meta {
 }
 
 /// A problem with one pipeline file.
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
-#[error("{file}: pipeline {pipeline:?}: {field}{sep}{message}", sep = if field.is_empty() { "" } else { ": " })]
+#[derive(Debug, PartialEq, Eq)]
 pub struct PipelineError {
     /// The file, as given.
     pub file: String,
@@ -177,6 +176,21 @@ pub struct PipelineError {
     /// What is wrong.
     pub message: String,
 }
+
+impl std::fmt::Display for PipelineError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: ", self.file)?;
+        if !self.pipeline.is_empty() {
+            write!(f, "pipeline {:?}: ", self.pipeline)?;
+        }
+        if !self.field.is_empty() {
+            write!(f, "{}: ", self.field)?;
+        }
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for PipelineError {}
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -529,6 +543,9 @@ fn binding(name: &str, value: toml::Value, field: &str, e: &mut Errors<'_>) -> O
     if count != 1 {
         e.push(field, "set exactly one of field, record_key = true, header, meta");
         return None;
+    }
+    if default.is_some() && optional {
+        e.push(field, "set default or optional = true, not both (a default already makes the value optional)");
     }
     Some(Binding { default, optional, ..plain(source?) })
 }

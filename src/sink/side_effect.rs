@@ -151,6 +151,20 @@ async fn prepare_table(
     let Some((oid, qualified)) = found else {
         return Err(prepare_error("sink.table", format!("table {table:?} does not exist (or is not visible on the search_path)")));
     };
+    let required: Vec<String> = sqlx::query_scalar(
+        "SELECT attname::text FROM pg_attribute WHERE attrelid = $1::int8::oid AND attnum > 0 AND NOT attisdropped \
+         AND attnotnull AND NOT atthasdef AND attidentity = '' AND attgenerated = ''",
+    )
+    .bind(oid)
+    .fetch_all(&mut *conn)
+    .await
+    .map_err(|e| prepare_error("sink.table", e.to_string()))?;
+    if let Some(missing) = required.iter().find(|c| !columns.iter().any(|b| &b.name == *c)) {
+        return Err(prepare_error(
+            "sink.columns",
+            format!("table {qualified}'s column {missing:?} is NOT NULL without a default: map it to a value"),
+        ));
+    }
     let catalog: Vec<(String, String, bool)> = sqlx::query_as(
         "SELECT a.attname::text, format_type(a.atttypid, -1), coalesce(a.attnum = ANY(i.indkey), false)
          FROM pg_attribute a
@@ -228,7 +242,8 @@ async fn prepare_sql(
     for statement in statements {
         let field = statement.origin.clone();
         let plain = statement.render(|n| format!("${}", n + 1));
-        let described = conn.prepare(&plain).await.map_err(|e| prepare_error(&field, format!("{e}\n  {plain}")))?;
+        let written = statement.render(|n| format!(":{}", statement.params[n]));
+        let described = conn.prepare(&plain).await.map_err(|e| prepare_error(&field, format!("{e}\n  in: {written}")))?;
         let oids: Vec<i64> = match described.parameters() {
             Some(Either::Left(types)) => types.iter().map(|t| t.oid().map_or(25, |o| i64::from(o.0))).collect(),
             _ => vec![25; statement.params.len()],
@@ -253,7 +268,7 @@ async fn prepare_sql(
             }
         }
         let sql = statement.render(|n| format!("CAST(${}::text AS {})", n + 1, type_names[n]));
-        conn.prepare(&sql).await.map_err(|e| prepare_error(&field, format!("{e}\n  {sql}")))?;
+        conn.prepare(&sql).await.map_err(|e| prepare_error(&field, format!("{e}\n  in: {written}")))?;
         prepared.push(PreparedStatement { sql, slots });
     }
     Ok((SideEffect::Sql(prepared), params.iter().cloned().zip(renders).collect()))

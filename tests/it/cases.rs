@@ -381,7 +381,7 @@ currency = { field = "/order/currency", default = "EUR" }
 /// Postgres is down nothing is dead-lettered; the worker retries with backoff and applies the record afterwards.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn case_c18_poison_pill() {
-    let cluster = postgres::Cluster::start();
+    let cluster = postgres::Cluster::start().unwrap();
     let db = TestDb::on(&cluster.url(), TABLE).await;
     let kafka = Kafka::new();
     kafka.create_topic("orders", 1);
@@ -393,7 +393,7 @@ async fn case_c18_poison_pill() {
     assert_eq!(kafka.committed("idemflow-payments", "orders", 1), vec![2]);
 
     db.pool.close().await;
-    cluster.stop();
+    cluster.stop().unwrap();
     kafka.produce("orders", &[Out::json(0, order("o-3", "3"))]);
     wait_until(Duration::from_secs(30), "retries while Postgres is down", || async {
         ["connection", "pool_timeout", "unavailable"].iter().map(|c| w.metric("idemflow_db_retries_total", &[("pipeline", "payments"), ("cause", c)])).sum::<f64>() >= 2.0
@@ -405,7 +405,7 @@ async fn case_c18_poison_pill() {
         .map(|r| w.metric("idemflow_dead_letters_total", &[("pipeline", "payments"), ("reason", r)]))
         .sum();
     assert_eq!(dead_total, 1.0, "an outage dead-letters nothing");
-    cluster.start_again();
+    cluster.start_again().unwrap();
     w.wait_received("payments", 3).await;
     assert!(w.stop().await.is_empty());
     let db = TestDb { pool: sqlx::PgPool::connect(&db.url).await.unwrap(), url: db.url.clone() };

@@ -225,7 +225,7 @@ async fn crash_test_sigkill_at_random_moments() {
 /// Postgres is restarted in the middle of a run: no loss, no double effect, no dead letters from the outage.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_restart_mid_run() {
-    let cluster = postgres::Cluster::start();
+    let cluster = postgres::Cluster::start().unwrap();
     let db = payments_db(Some(&cluster.url())).await;
     let kafka = Kafka::new();
     kafka.create_topic("payments", 4);
@@ -234,9 +234,9 @@ async fn postgres_restart_mid_run() {
     let setup = Setup::new(&db, &kafka, &[("payments.toml", &shipped())]);
     let w = InProc::start(&setup).await;
     w.wait_received("payments", 2_000).await;
-    cluster.stop();
+    cluster.stop().unwrap();
     tokio::time::sleep(Duration::from_secs(2)).await;
-    cluster.start_again();
+    cluster.start_again().unwrap();
     let db = TestDb { pool: sqlx::PgPool::connect(&db.url).await.unwrap(), url: db.url.clone() };
     wait_all_durable(&db, &kafka, "idemflow-payments", "payments", 4, &s).await;
     let retries: f64 = ["connection", "unavailable", "pool_timeout"]

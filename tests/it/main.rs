@@ -6,4 +6,5 @@ mod e2e;
 mod failures;
 mod cases;
 mod cli;
+mod demo;
 mod semantics;

@@ -1,17 +1,16 @@
 //! librdkafka's mock cluster: real Kafka protocol on localhost ports, so the worker binary in another process can
-//! consume from it. Owned by a producer created with `test.mock.num.brokers`.
+//! consume from it (idemflow's embedded broker, `idemflow::demo::kafka`).
 
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
 use rdkafka::message::{Header, OwnedHeaders};
-use rdkafka::producer::{BaseRecord, DefaultProducerContext, Producer, ThreadedProducer};
+use rdkafka::producer::BaseRecord;
 use rdkafka::{Offset, TopicPartitionList};
 use std::time::Duration;
 
-/// A mock cluster and a producer into it.
+/// A mock cluster and a producer into it: the demo's embedded broker.
 pub struct Kafka {
-    producer: ThreadedProducer<DefaultProducerContext>,
-    bootstrap: String,
+    inner: idemflow::demo::kafka::EmbeddedKafka,
 }
 
 /// One record to produce.
@@ -37,35 +36,22 @@ impl Out {
 impl Kafka {
     /// A one-broker mock cluster with fast group joins.
     pub fn new() -> Kafka {
-        let producer: ThreadedProducer<DefaultProducerContext> = ClientConfig::new()
-            .set("test.mock.num.brokers", "1")
-            .set("linger.ms", "0")
-            .set("enable.idempotence", "false")
-            .set("message.max.bytes", "10000000")
-            .create()
-            .expect("a mock cluster");
-        let bootstrap = producer.client().mock_cluster().expect("the producer owns a mock cluster").bootstrap_servers();
-        unsafe {
-            let raw = rdkafka::bindings::rd_kafka_handle_mock_cluster(producer.client().native_ptr());
-            rdkafka::bindings::rd_kafka_mock_group_initial_rebalance_delay_ms(raw, 0);
-        }
-        Kafka { producer, bootstrap }
+        Kafka { inner: idemflow::demo::kafka::EmbeddedKafka::start().expect("a mock cluster") }
     }
 
     /// `host:port` of the cluster.
     pub fn bootstrap(&self) -> &str {
-        &self.bootstrap
+        self.inner.bootstrap_servers()
     }
 
     /// The mock cluster, for fault injection (broker ids start at 1).
-    pub fn mock(&self) -> rdkafka::mocking::MockCluster<'_, DefaultProducerContext> {
-        self.producer.client().mock_cluster().expect("mock cluster")
+    pub fn mock(&self) -> rdkafka::mocking::MockCluster<'_, rdkafka::producer::DefaultProducerContext> {
+        self.inner.mock()
     }
 
     /// Creates a topic.
     pub fn create_topic(&self, topic: &str, partitions: i32) {
-        let mock = self.producer.client().mock_cluster().expect("mock cluster");
-        mock.create_topic(topic, partitions, 1).expect("creating a topic");
+        self.inner.create_topic(topic, partitions).expect("creating a topic");
     }
 
     /// Produces records in order and waits until all are acknowledged.
@@ -82,24 +68,14 @@ impl Kafka {
             if let Some(v) = &r.value {
                 rec = rec.payload(v);
             }
-            let mut rec = rec;
-            loop {
-                match self.producer.send(rec) {
-                    Ok(()) => break,
-                    Err((e, back)) => {
-                        assert!(matches!(e, rdkafka::error::KafkaError::MessageProduction(rdkafka::types::RDKafkaErrorCode::QueueFull)), "{e}");
-                        std::thread::sleep(Duration::from_millis(5));
-                        rec = back;
-                    }
-                }
-            }
+            self.inner.send(rec).expect("producing");
         }
-        self.producer.flush(Duration::from_secs(30)).expect("flushing");
+        self.inner.flush().expect("flushing");
     }
 
     fn group_consumer(&self, group: &str) -> BaseConsumer {
         ClientConfig::new()
-            .set("bootstrap.servers", &self.bootstrap)
+            .set("bootstrap.servers", self.bootstrap())
             .set("group.id", group)
             .set("enable.auto.commit", "false")
             .create()
@@ -132,7 +108,7 @@ impl Kafka {
     /// [`Kafka::set_committed`] for several partitions at once.
     pub fn set_committed_all(&self, group: &str, topic: &str, offsets: &[(i32, i64)]) {
         let c: BaseConsumer = ClientConfig::new()
-            .set("bootstrap.servers", &self.bootstrap)
+            .set("bootstrap.servers", self.bootstrap())
             .set("group.id", group)
             .set("enable.auto.commit", "false")
             .set("session.timeout.ms", "6000")

@@ -1,0 +1,68 @@
+//! An embedded Kafka broker: librdkafka's mock cluster (`rdkafka::mocking`), which speaks the real Kafka protocol
+//! on loopback ports, so consumers anywhere on this machine can use it. It keeps at most about 5 MiB per
+//! partition (older data is dropped), so streams are spread over enough partitions.
+
+use rdkafka::config::ClientConfig;
+use rdkafka::error::KafkaError;
+use rdkafka::mocking::MockCluster;
+use rdkafka::producer::{BaseRecord, DefaultProducerContext, Producer, ThreadedProducer};
+use std::time::Duration;
+
+/// A mock cluster, owned by a producer into it.
+pub struct EmbeddedKafka {
+    producer: ThreadedProducer<DefaultProducerContext>,
+    bootstrap: String,
+}
+
+impl EmbeddedKafka {
+    /// A one-broker cluster whose consumer groups form without the usual initial rebalance delay.
+    pub fn start() -> Result<EmbeddedKafka, KafkaError> {
+        let producer: ThreadedProducer<DefaultProducerContext> = ClientConfig::new()
+            .set("test.mock.num.brokers", "1")
+            .set("linger.ms", "5")
+            .set("message.max.bytes", "10000000")
+            .create()?;
+        let bootstrap = producer.client().mock_cluster().expect("a mock cluster owned by its producer").bootstrap_servers();
+        // SAFETY: the handle belongs to the producer's client, which lives as long as `self`.
+        unsafe {
+            let raw = rdkafka::bindings::rd_kafka_handle_mock_cluster(producer.client().native_ptr());
+            rdkafka::bindings::rd_kafka_mock_group_initial_rebalance_delay_ms(raw, 0);
+        }
+        Ok(EmbeddedKafka { producer, bootstrap })
+    }
+
+    /// `host:port` of the broker.
+    pub fn bootstrap_servers(&self) -> &str {
+        &self.bootstrap
+    }
+
+    /// The mock cluster, for topics and fault injection (broker ids start at 1).
+    pub fn mock(&self) -> MockCluster<'_, DefaultProducerContext> {
+        self.producer.client().mock_cluster().expect("a mock cluster owned by its producer")
+    }
+
+    /// Creates a topic with `partitions` partitions.
+    pub fn create_topic(&self, topic: &str, partitions: i32) -> Result<(), KafkaError> {
+        self.mock().create_topic(topic, partitions, 1)
+    }
+
+    /// Queues one record (waiting while the local queue is full); [`EmbeddedKafka::flush`] waits for delivery.
+    pub fn send(&self, record: BaseRecord<'_, [u8], [u8]>) -> Result<(), KafkaError> {
+        let mut record = record;
+        loop {
+            match self.producer.send(record) {
+                Ok(()) => return Ok(()),
+                Err((KafkaError::MessageProduction(rdkafka::types::RDKafkaErrorCode::QueueFull), back)) => {
+                    std::thread::sleep(Duration::from_millis(2));
+                    record = back;
+                }
+                Err((e, _)) => return Err(e),
+            }
+        }
+    }
+
+    /// Waits until every queued record is acknowledged.
+    pub fn flush(&self) -> Result<(), KafkaError> {
+        self.producer.flush(Duration::from_secs(60))
+    }
+}

@@ -1,0 +1,375 @@
+//! `idemflow demo`: the whole job on one machine, with nothing to set up.
+//!
+//! An embedded Kafka broker ([`kafka`]) and a throwaway PostgreSQL cluster ([`postgres`], or a server given with
+//! `--database-url`) carry a stream of payment deductions through the shipped `pipelines/payments.toml`, on the
+//! real worker code path ([`crate::worker`]). Duplicates happen the three ways they happen in production:
+//!
+//! - producer retries: an operation is sent again after its first send, landing at a new offset;
+//! - redelivery: a worker stops abruptly after a batch's database commit and before its offset commit
+//!   ([`crate::worker::Faults`]), and is restarted;
+//! - a consumer-group rebalance: a second worker joins mid-stream and later leaves.
+//!
+//! Plus a few records reusing an order id with another amount, and a few poison records. At the end a summary, and
+//! the check that matters: one business row per distinct operation, and the total deducted equals the expected
+//! total.
+
+pub mod kafka;
+pub mod postgres;
+
+use crate::config::{
+    self, DatabaseSettings, KafkaSettings, LogSettings, MetricsSettings, PropertyValue, Settings, ShutdownSettings,
+};
+use crate::http::{self, Health};
+use crate::metrics::Metrics;
+use crate::shutdown::{self, Shutdown};
+use crate::worker::{self, Faults, PipelineFailure};
+use anyhow::{bail, Context as _};
+use rdkafka::producer::BaseRecord;
+use sqlx::{Connection, Executor, PgConnection};
+use std::collections::BTreeMap;
+use std::io::IsTerminal;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+use tokio::task::JoinHandle;
+
+/// The shipped pipeline and its tables, built in for when the demo runs outside the source tree.
+const SHIPPED_PIPELINE: &str = include_str!("../../pipelines/payments.toml");
+const SHIPPED_TABLES: &str = include_str!("../../pipelines/payments.sql");
+const TOPIC: &str = "payments";
+const ACCOUNTS: usize = 100;
+/// Each account starts with this balance, in cents.
+const OPENING_BALANCE_CENTS: i64 = 1_000_000_00;
+
+/// Options of `idemflow demo`.
+#[derive(Clone, Debug)]
+pub struct DemoOptions {
+    /// How many records to produce (default 100,000).
+    pub records: usize,
+    /// A PostgreSQL server to use (a new database is created on it); `None`: a throwaway cluster.
+    pub database_url: Option<String>,
+    /// The pipeline file (default `pipelines/payments.toml`; its `.sql` sibling holds the tables).
+    pub pipeline: PathBuf,
+    /// Where `/metrics` is served during the run.
+    pub metrics_listen: SocketAddr,
+    /// Keep the worker and `/metrics` up after the summary, until Ctrl-C.
+    pub keep_running: bool,
+}
+
+/// The stream the demo produces, and what the outcome must be.
+struct Stream {
+    records: Vec<(i32, Vec<u8>)>,
+    distinct: u64,
+    retries: u64,
+    mismatches: u64,
+    poison: u64,
+    expected_cents: i64,
+}
+
+/// A small deterministic generator (xorshift64), so every run produces the same stream.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+}
+
+fn payment(order: u64, account: u64, cents: i64) -> Vec<u8> {
+    format!(
+        r#"{{"order":{{"id":"ORDERID_{order}","account":"ACC-{account}","amount":"{}.{:02}","currency":"USD"}},"paid_at":"2026-11-29T10:00:00+01:00"}}"#,
+        cents / 100,
+        cents % 100
+    )
+    .into_bytes()
+}
+
+fn stream(records: usize, partitions: i32) -> Stream {
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let mut s = Stream { records: Vec::with_capacity(records), distinct: 0, retries: 0, mismatches: 0, poison: 0, expected_cents: 0 };
+    let mut sent: Vec<(u64, u64, i64)> = Vec::new();
+    while s.records.len() < records {
+        let roll = rng.next() % 1000;
+        let partition_of = |order: u64| (order % partitions as u64) as i32;
+        if roll < 20 && !sent.is_empty() {
+            // A producer retry: the same operation again, a little later.
+            let (order, account, cents) = sent[sent.len() - 1 - (rng.next() as usize % sent.len().min(50))];
+            s.records.push((partition_of(order), payment(order, account, cents)));
+            s.retries += 1;
+        } else if roll < 23 && !sent.is_empty() {
+            // The same order id with another amount: a bug upstream, caught as payload_mismatch.
+            let (order, account, cents) = sent[rng.next() as usize % sent.len()];
+            s.records.push((partition_of(order), payment(order, account, cents + 1)));
+            s.mismatches += 1;
+        } else if roll < 24 {
+            let order = 100 + s.distinct;
+            s.records.push((partition_of(order), format!("{{\"order\": {{\"id\": \"ORDERID_{order}\"").into_bytes()));
+            s.poison += 1;
+        } else {
+            let order = 100 + s.distinct;
+            let account = rng.next() % ACCOUNTS as u64;
+            let cents = 100 + (rng.next() % 50_000) as i64;
+            s.records.push((partition_of(order), payment(order, account, cents)));
+            sent.push((order, account, cents));
+            s.distinct += 1;
+            s.expected_cents += cents;
+        }
+    }
+    s
+}
+
+fn money(cents: i64) -> String {
+    format!("{}.{:02}", cents / 100, cents % 100)
+}
+
+/// One in-process worker of the demo.
+struct DemoWorker {
+    trigger: shutdown::Trigger,
+    handle: JoinHandle<Vec<PipelineFailure>>,
+}
+
+async fn start_worker(settings: &Settings, pool: &sqlx::PgPool, metrics: &Metrics, health: &Health, faults: Faults) -> anyhow::Result<DemoWorker> {
+    let pipelines = config::load_pipelines(&settings.pipelines).map_err(|e| anyhow::anyhow!("{}", e.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n")))?;
+    let ready = worker::prepare(pool, &pipelines).await.map_err(|e| anyhow::anyhow!("{}", e.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n")))?;
+    let (trigger, stop): (shutdown::Trigger, Shutdown) = shutdown::channel();
+    let (settings, metrics, health) = (settings.clone(), metrics.clone(), health.clone());
+    let handle = tokio::spawn(async move { worker::run_with_faults(&settings, ready, &metrics, &health, stop, faults).await });
+    Ok(DemoWorker { trigger, handle })
+}
+
+impl DemoWorker {
+    async fn stop(self) -> anyhow::Result<()> {
+        self.trigger.trigger();
+        let failures = self.handle.await?;
+        if let Some(f) = failures.first() {
+            bail!("{f}");
+        }
+        Ok(())
+    }
+}
+
+struct Progress {
+    bar: Option<indicatif::ProgressBar>,
+    last_line: Instant,
+}
+
+impl Progress {
+    fn new(total: u64) -> Self {
+        let bar = std::io::stderr().is_terminal().then(|| {
+            let bar = indicatif::ProgressBar::new(total);
+            bar.set_style(
+                indicatif::ProgressStyle::with_template("{bar:30} {pos:>7}/{len:7} consumed  {msg}  [{elapsed}]")
+                    .expect("a valid template"),
+            );
+            bar
+        });
+        Progress { bar, last_line: Instant::now() }
+    }
+
+    fn update(&mut self, consumed: u64, applied: u64, duplicates: u64, event: Option<&str>) {
+        let msg = format!("applied {applied}  duplicates {duplicates}");
+        match &self.bar {
+            Some(bar) => {
+                bar.set_position(consumed);
+                bar.set_message(msg);
+                if let Some(e) = event {
+                    bar.println(e);
+                }
+            }
+            None => {
+                if let Some(e) = event {
+                    eprintln!("{e}");
+                }
+                if self.last_line.elapsed() >= Duration::from_secs(2) {
+                    eprintln!("consumed {consumed}  {msg}");
+                    self.last_line = Instant::now();
+                }
+            }
+        }
+    }
+
+    fn finish(&self) {
+        if let Some(bar) = &self.bar {
+            bar.finish();
+        }
+    }
+}
+
+fn counter(metrics: &Metrics, name: &str, reason: Option<&str>) -> u64 {
+    let text = String::from_utf8(metrics.render()).unwrap_or_default();
+    text.lines()
+        .filter(|l| l.starts_with(name) && l.contains("pipeline=\"payments\""))
+        .filter(|l| reason.is_none_or(|r| l.contains(&format!("reason=\"{r}\""))))
+        .filter_map(|l| l.rsplit_once(' ').and_then(|(_, v)| v.parse::<f64>().ok()))
+        .sum::<f64>() as u64
+}
+
+/// Runs the demo; `Ok(true)` when the final check passed.
+pub async fn run(options: DemoOptions) -> anyhow::Result<bool> {
+    let (pipeline_text, tables_sql, source) = if options.pipeline.is_file() {
+        let sql_path = options.pipeline.with_extension("sql");
+        let sql = std::fs::read_to_string(&sql_path).with_context(|| format!("reading {}", sql_path.display()))?;
+        (std::fs::read_to_string(&options.pipeline)?, sql, options.pipeline.display().to_string())
+    } else {
+        (SHIPPED_PIPELINE.to_owned(), SHIPPED_TABLES.to_owned(), "the built-in copy of pipelines/payments.toml".to_owned())
+    };
+    eprintln!("idemflow demo: {} records through {source}", options.records);
+
+    // Postgres: a throwaway cluster, or a new database on the given server.
+    let throwaway;
+    let admin_url = match &options.database_url {
+        Some(url) => url.clone(),
+        None => {
+            eprintln!("starting a throwaway PostgreSQL cluster from the local server binaries...");
+            throwaway = postgres::Throwaway::start()?;
+            throwaway.url()
+        }
+    };
+    let database = format!("idemflow_demo_{}", std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_secs());
+    let mut admin = PgConnection::connect(&admin_url).await.context("connecting to PostgreSQL")?;
+    admin.execute(format!("CREATE DATABASE {database}").as_str()).await?;
+    let base = admin_url.rsplit_once('/').map_or(admin_url.as_str(), |(b, _)| b);
+    let url = format!("{base}/{database}");
+    eprintln!("database {database} created");
+
+    // Kafka: the embedded broker, with enough partitions for the mock's per-partition limit.
+    let kafka = kafka::EmbeddedKafka::start()?;
+    let partitions = ((options.records * 200) / (3 << 20) + 1).max(4) as i32;
+    kafka.create_topic(TOPIC, partitions)?;
+    eprintln!("embedded Kafka broker on {} (topic {TOPIC}, {partitions} partitions)", kafka.bootstrap_servers());
+
+    // Workspace: settings and the pipeline, as a user would have them.
+    let dir = tempfile::Builder::new().prefix("idemflow-demo-").tempdir()?;
+    std::fs::create_dir(dir.path().join("pipelines"))?;
+    std::fs::write(dir.path().join("pipelines/payments.toml"), &pipeline_text)?;
+    let mut properties = BTreeMap::new();
+    properties.insert("session.timeout.ms".to_owned(), PropertyValue::Text("3000".into()));
+    properties.insert("heartbeat.interval.ms".to_owned(), PropertyValue::Text("300".into()));
+    let settings = Settings {
+        pipelines: dir.path().join("pipelines"),
+        database: DatabaseSettings { url: url.clone().into(), max_connections: 4, acquire_timeout: Duration::from_secs(10) },
+        kafka: KafkaSettings { bootstrap_servers: kafka.bootstrap_servers().to_owned(), properties },
+        metrics: MetricsSettings { listen: options.metrics_listen },
+        log: LogSettings::default(),
+        shutdown: ShutdownSettings::default(),
+    };
+    let pool = crate::db::pool(&settings.database)?;
+    crate::db::MIGRATOR.run(&pool).await?;
+    sqlx::raw_sql(&tables_sql).execute(&pool).await.context("creating the business tables")?;
+    sqlx::query("INSERT INTO accounts SELECT 'ACC-' || g, $1::numeric / 100 FROM generate_series(0, $2 - 1) g")
+        .bind(OPENING_BALANCE_CENTS)
+        .bind(ACCOUNTS as i32)
+        .execute(&pool)
+        .await?;
+
+    let s = stream(options.records, partitions);
+    for (partition, value) in &s.records {
+        kafka.send(BaseRecord::<[u8], [u8]>::to(TOPIC).partition(*partition).payload(value))?;
+    }
+    kafka.flush()?;
+    eprintln!(
+        "produced {} records: {} operations, {} producer retries, {} reused order ids, {} poison records",
+        s.records.len(), s.distinct, s.retries, s.mismatches, s.poison
+    );
+
+    let metrics = Metrics::new();
+    let health = Health::default();
+    let server = http::serve(options.metrics_listen, metrics.clone(), health.clone())
+        .with_context(|| format!("serving /metrics on {}", options.metrics_listen))?;
+    eprintln!("metrics on http://{}/metrics", server.addr());
+
+    // The script: A crashes after a database commit and is restarted; B joins and later leaves.
+    let total = s.records.len() as u64;
+    let batches_before_crash = (total / 5 / 500).max(1);
+    let mut progress = Progress::new(total);
+    let mut a = start_worker(&settings, &pool, &metrics, &health, Faults { crash_after_commits: Some(batches_before_crash) }).await?;
+    let mut b: Option<DemoWorker> = None;
+    let (mut crashed, mut joined, mut left) = (false, false, false);
+    let deadline = Instant::now() + Duration::from_secs(30 * 60);
+    loop {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let consumed = counter(&metrics, "idemflow_records_received_total", None);
+        let applied = counter(&metrics, "idemflow_records_applied_total", None);
+        let duplicates = counter(&metrics, "idemflow_duplicates_skipped_total", None);
+        let mut event = None;
+        if !crashed && a.handle.is_finished() {
+            crashed = true;
+            a = start_worker(&settings, &pool, &metrics, &health, Faults::default()).await?;
+            event = Some("worker A stopped abruptly after a database commit, before its offset commit; restarted".to_owned());
+        } else if crashed && !joined && consumed >= total * 2 / 5 {
+            joined = true;
+            b = Some(start_worker(&settings, &pool, &metrics, &health, Faults::default()).await?);
+            event = Some("worker B joined the consumer group: rebalance".to_owned());
+        } else if joined && !left && consumed >= total * 7 / 10 {
+            left = true;
+            if let Some(w) = b.take() {
+                w.stop().await?;
+            }
+            event = Some("worker B left the consumer group: rebalance".to_owned());
+        }
+        progress.update(consumed, applied, duplicates, event.as_deref());
+        let done: (i64, i64) = sqlx::query_as(
+            "SELECT (SELECT count(*) FROM idemflow.dedup WHERE pipeline = 'payments'), \
+                    (SELECT count(*) FROM idemflow.dead_letters WHERE pipeline = 'payments')",
+        )
+        .fetch_one(&pool)
+        .await?;
+        if left && done == (s.distinct as i64, s.poison as i64) && consumed >= total {
+            break;
+        }
+        if Instant::now() > deadline {
+            bail!("the demo did not finish within 30 minutes");
+        }
+    }
+    progress.finish();
+
+    // The summary, from the metrics and the business tables.
+    let expected = money(s.expected_cents);
+    let (rows, distinct_rows, deducted, total_ok): (i64, i64, String, bool) = sqlx::query_as(
+        "WITH d AS (SELECT $1::numeric * $2 / 100 - sum(balance) AS deducted FROM accounts) \
+         SELECT (SELECT count(*) FROM payments), (SELECT count(DISTINCT order_id) FROM payments), \
+                d.deducted::numeric(20,2)::text, d.deducted = $3::numeric FROM d",
+    )
+    .bind(OPENING_BALANCE_CENTS)
+    .bind(ACCOUNTS as i64)
+    .bind(&expected)
+    .fetch_one(&pool)
+    .await?;
+    let line = |label: &str, n: u64| println!("  {label:<44} {n:>10}");
+    println!();
+    println!("idemflow demo summary");
+    line("records produced", total);
+    line("distinct operations", s.distinct);
+    line("applied (business effects)", counter(&metrics, "idemflow_records_applied_total", None));
+    println!("  duplicates skipped");
+    line("  republished (producer retries)", counter(&metrics, "idemflow_duplicates_skipped_total", Some("republished")));
+    line("  redelivered (crash, rebalance)", counter(&metrics, "idemflow_duplicates_skipped_total", Some("redelivered")));
+    line("  payload_mismatch (order id reused)", counter(&metrics, "idemflow_duplicates_skipped_total", Some("payload_mismatch")));
+    println!("  dead letters");
+    for reason in crate::metrics::DeadLetterReason::ALL {
+        let n = counter(&metrics, "idemflow_dead_letters_total", Some(reason.as_str()));
+        if n > 0 {
+            line(&format!("  {}", reason.as_str()), n);
+        }
+    }
+    let rows_ok = rows == s.distinct as i64 && distinct_rows == rows;
+    println!();
+    println!("  check: business rows {rows} == distinct operations {}: {}", s.distinct, if rows_ok { "ok" } else { "FAILED" });
+    println!("  check: total deducted {deducted} == expected {expected}: {}", if total_ok { "ok" } else { "FAILED" });
+    println!(
+        "  injected: {} producer retries, {} reused order ids, {} poison records (a redelivered retry counts again)",
+        s.retries, s.mismatches, s.poison
+    );
+
+    if options.keep_running {
+        eprintln!("\nkeeping the worker and http://{}/metrics up; Ctrl-C to stop", server.addr());
+        shutdown::signals().await;
+    }
+    a.stop().await?;
+    pool.close().await;
+    drop(admin);
+    Ok(rows_ok && total_ok)
+}

@@ -1,0 +1,164 @@
+//! A throwaway PostgreSQL cluster from the local server binaries (Debian's `postgresql` package): initdb into a
+//! temporary directory, start on a free loopback port, stop and remove on drop. As root, initdb refuses to run,
+//! so the server runs as the `postgres` user. A watcher process stops and removes the cluster if this process dies
+//! without dropping it.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+/// Why a throwaway cluster could not be started.
+#[derive(Debug, thiserror::Error)]
+pub enum ThrowawayError {
+    /// No server binaries.
+    #[error(
+        "no PostgreSQL server binaries under /usr/lib/postgresql/*/bin: install them with \
+         `apt-get update && apt-get install -y postgresql`, or pass --database-url to use a server you run"
+    )]
+    NoBinaries,
+    /// A command failed.
+    #[error("{command} failed: {output}")]
+    Command {
+        /// The command.
+        command: String,
+        /// What it printed.
+        output: String,
+    },
+    /// A file-system step failed.
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// A running throwaway cluster. Stopped and deleted on drop.
+pub struct Throwaway {
+    bin: PathBuf,
+    dir: PathBuf,
+    root: bool,
+    port: u16,
+}
+
+fn pg_bin() -> Result<PathBuf, ThrowawayError> {
+    let mut found: Vec<(u32, PathBuf)> = std::fs::read_dir("/usr/lib/postgresql")
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .filter_map(|e| {
+                    let version = e.file_name().to_str()?.parse().ok()?;
+                    let bin = e.path().join("bin");
+                    bin.join("initdb").exists().then_some((version, bin))
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    found.sort();
+    found.pop().map(|(_, bin)| bin).ok_or(ThrowawayError::NoBinaries)
+}
+
+fn is_root() -> bool {
+    Command::new("id").arg("-u").output().map(|o| o.stdout.starts_with(b"0\n")).unwrap_or(false)
+}
+
+fn run(mut command: Command) -> Result<(), ThrowawayError> {
+    let out = command.stdin(Stdio::null()).output()?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(ThrowawayError::Command {
+            command: format!("{command:?}"),
+            output: format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)),
+        })
+    }
+}
+
+impl Throwaway {
+    /// initdb and start. User `postgres`, password `postgres`, scram-sha-256, UTF8, fsync off (throwaway).
+    pub fn start() -> Result<Throwaway, ThrowawayError> {
+        let bin = pg_bin()?;
+        let root = is_root();
+        let dir = tempfile::Builder::new().prefix("idemflow-pg-").tempdir()?.keep();
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+        let pw = dir.join("pw");
+        std::fs::write(&pw, "postgres\n")?;
+        if root {
+            let mut c = Command::new("chown");
+            c.args(["-R", "postgres:postgres"]).arg(&dir);
+            run(c)?;
+        }
+        let cluster = Throwaway { bin, dir, root, port };
+        let mut initdb = cluster.as_owner("initdb");
+        initdb.arg("-D").arg(cluster.dir.join("data"));
+        initdb.args(["-U", "postgres", "--auth=scram-sha-256", "-E", "UTF8", "--locale=C.UTF-8", "--no-sync"]);
+        initdb.arg(format!("--pwfile={}", pw.display()));
+        run(initdb)?;
+        cluster.pg_ctl("start")?;
+        let owner = if root { "runuser -u postgres -- " } else { "" };
+        let watcher = format!(
+            "while kill -0 {pid} 2>/dev/null; do sleep 0.5; done; {owner}{pg_ctl} -D {dir}/data -m immediate stop >/dev/null 2>&1; rm -rf {dir}",
+            pid = std::process::id(),
+            pg_ctl = cluster.bin.join("pg_ctl").display(),
+            dir = cluster.dir.display(),
+        );
+        Command::new("sh")
+            .arg("-c")
+            .arg(watcher)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()?;
+        Ok(cluster)
+    }
+
+    fn as_owner(&self, program: &str) -> Command {
+        let path = self.bin.join(program);
+        if self.root {
+            let mut c = Command::new("runuser");
+            c.args(["-u", "postgres", "--"]).arg(path);
+            c
+        } else {
+            Command::new(path)
+        }
+    }
+
+    fn pg_ctl(&self, action: &str) -> Result<(), ThrowawayError> {
+        let mut c = self.as_owner("pg_ctl");
+        c.arg("-D").arg(self.dir.join("data")).arg("-l").arg(self.dir.join("server.log")).arg("-w");
+        if action == "stop" {
+            c.args(["-m", "fast"]);
+        } else {
+            c.arg("-o").arg(format!(
+                "-c listen_addresses=127.0.0.1 -p {} -k {} -c fsync=off -c max_connections=300",
+                self.port,
+                self.dir.display()
+            ));
+        }
+        c.arg(action);
+        run(c)
+    }
+
+    /// The admin URL (database `postgres`).
+    pub fn url(&self) -> String {
+        format!("postgres://postgres:postgres@127.0.0.1:{}/postgres", self.port)
+    }
+
+    /// The cluster's directory (data and server.log).
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Stops the server (fast shutdown: sessions are terminated). For outage tests.
+    pub fn stop(&self) -> Result<(), ThrowawayError> {
+        self.pg_ctl("stop")
+    }
+
+    /// Starts it again on the same port.
+    pub fn start_again(&self) -> Result<(), ThrowawayError> {
+        self.pg_ctl("start")
+    }
+}
+
+impl Drop for Throwaway {
+    fn drop(&mut self) {
+        let mut c = self.as_owner("pg_ctl");
+        c.arg("-D").arg(self.dir.join("data")).args(["-m", "immediate", "stop"]);
+        let _ = c.stdin(Stdio::null()).output();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
