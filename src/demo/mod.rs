@@ -324,6 +324,12 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<bool> {
             bail!("the demo did not finish within 30 minutes");
         }
     }
+    progress.update(
+        counter(&metrics, "idemflow_records_received_total", None),
+        counter(&metrics, "idemflow_records_applied_total", None),
+        counter(&metrics, "idemflow_duplicates_skipped_total", None),
+        None,
+    );
     progress.finish();
 
     // The summary, from the metrics and the business tables.
