@@ -174,6 +174,8 @@ pub struct Metrics {
     tombstones_skipped: IntCounterVec,
     batch_duration: HistogramVec,
     batch_records: HistogramVec,
+    end_to_end_latency: HistogramVec,
+    consumer_lag: IntGaugeVec,
     db_retries: IntCounterVec,
     offset_commits: IntCounterVec,
     rebalances: IntCounterVec,
@@ -219,6 +221,17 @@ impl Metrics {
                 vec![0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]),
             batch_records: histogram(&r, "idemflow_batch_records", "Records per committed batch.",
                 vec![1.0, 2.0, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0, 2500.0, 5000.0]),
+            end_to_end_latency: histogram(&r, "idemflow_end_to_end_latency_seconds", "Time from a record's Kafka timestamp to the commit of its batch.",
+                vec![0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0]),
+            consumer_lag: {
+                let g = IntGaugeVec::new(
+                    Opts::new("idemflow_consumer_lag_records", "Records behind the partition's high watermark after the last committed batch."),
+                    &["pipeline", "topic", "partition"],
+                )
+                .expect("valid metric");
+                r.register(Box::new(g.clone())).expect("registered once");
+                g
+            },
             db_retries: counter(&r, "idemflow_db_retries_total", "Batch attempts that failed with a retryable database error, by cause.", &["pipeline", "cause"]),
             offset_commits: counter(&r, "idemflow_offset_commits_total", "Kafka offset commits, by result.", &["pipeline", "result"]),
             rebalances: counter(&r, "idemflow_rebalances_total", "Consumer group rebalance events, by event.", &["pipeline", "event"]),
@@ -254,6 +267,7 @@ impl Metrics {
             tombstones: self.tombstones_skipped.with_label_values(&[p]),
             batch_duration: self.batch_duration.with_label_values(&[p]),
             batch_records: self.batch_records.with_label_values(&[p]),
+            end_to_end_latency: self.end_to_end_latency.with_label_values(&[p]),
             up: self.pipeline_up.with_label_values(&[p]),
         }
     }
@@ -311,6 +325,7 @@ pub struct PipelineMetrics {
     tombstones: IntCounter,
     batch_duration: Histogram,
     batch_records: Histogram,
+    end_to_end_latency: Histogram,
     up: IntGauge,
 }
 
@@ -332,6 +347,30 @@ impl PipelineMetrics {
         }
         self.batch_duration.observe(duration.as_secs_f64());
         self.batch_records.observe(counts.received as f64);
+    }
+
+    /// Observes the end-to-end latency of committed records: `now` minus each record timestamp (milliseconds since
+    /// the Unix epoch). Timestamps in the future (clock skew) count as 0.
+    pub fn end_to_end(&self, timestamps_ms: impl Iterator<Item = i64>) {
+        let now_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_millis() as i64)
+            .unwrap_or_default();
+        for ts in timestamps_ms {
+            self.end_to_end_latency.observe((now_ms - ts).max(0) as f64 / 1000.0);
+        }
+    }
+
+    /// Sets the lag of one owned partition, in records.
+    pub fn lag(&self, topic: &str, partition: i32, records: i64) {
+        let p = partition.to_string();
+        self.metrics.consumer_lag.with_label_values(&[&self.name, topic, &p]).set(records);
+    }
+
+    /// Drops the lag series of a partition no longer owned.
+    pub fn forget_lag(&self, topic: &str, partition: i32) {
+        let p = partition.to_string();
+        let _ = self.metrics.consumer_lag.remove_label_values(&[&self.name, topic, &p]);
     }
 
     /// Counts one failed, retryable batch attempt.

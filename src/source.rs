@@ -90,6 +90,7 @@ impl ConsumerContext for SourceContext {
                         }
                         st.assigned.remove(&tp);
                         st.revoked.push(tp);
+                        self.metrics.forget_lag(e.topic(), e.partition());
                     }
                 }
                 tracing::info!(pipeline = %self.pipeline, partitions = %describe(tpl), "partitions revoked");
@@ -336,6 +337,12 @@ impl Source {
         if tpl.count() == 0 {
             return;
         }
+        // Lag from the high watermarks librdkafka already knows from its fetches (no request).
+        for e in tpl.elements() {
+            if let (Some(high), Offset::Offset(next)) = (self.cached_high_watermark(e.topic(), e.partition()), e.offset()) {
+                self.metrics.lag(e.topic(), e.partition(), (high - next).max(0));
+            }
+        }
         match tokio::task::block_in_place(|| self.consumer.commit(&tpl, CommitMode::Sync)) {
             Ok(()) => self.metrics.offset_commit(CommitResult::Ok),
             Err(e) => {
@@ -344,6 +351,24 @@ impl Source {
                     "offset commit failed; the records will be redelivered and skipped as duplicates");
             }
         }
+    }
+
+    /// The high watermark librdkafka last saw in a fetch response (`rd_kafka_get_watermark_offsets`: local, no
+    /// request). `None` before the first fetch.
+    fn cached_high_watermark(&self, topic: &str, partition: i32) -> Option<i64> {
+        let topic = std::ffi::CString::new(topic).ok()?;
+        let (mut low, mut high) = (-1i64, -1i64);
+        // SAFETY: the client pointer is valid while `self.consumer` lives; the out-pointers are to locals.
+        let err = unsafe {
+            rdkafka::bindings::rd_kafka_get_watermark_offsets(
+                self.consumer.client().native_ptr(),
+                topic.as_ptr(),
+                partition,
+                &mut low,
+                &mut high,
+            )
+        };
+        (err == rdkafka::bindings::rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR_NO_ERROR && high >= 0).then_some(high)
     }
 
     fn owned_list(&self, next: &NextOffsets) -> TopicPartitionList {

@@ -295,6 +295,7 @@ impl Step<'_> {
         self.health.database(true);
         self.window.record(&outcome.counts);
         self.metrics.batch_committed(&outcome.counts, started.elapsed());
+        self.metrics.end_to_end(batch.iter().filter_map(|r| r.timestamp_ms));
         let c = &outcome.counts;
         tracing::debug!(
             applied = c.applied, duplicates = c.duplicates.iter().sum::<u64>(),

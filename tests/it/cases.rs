@@ -189,18 +189,6 @@ async fn case_c06_side_effect_fails_after_claim() {
     assert_eq!(db.scalar::<i64>("SELECT count(*) FROM idemflow.dead_letters").await, 0);
 }
 
-fn random_text(len: usize, seed: u64) -> String {
-    let mut x = seed | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            char::from(b'a' + (x % 26) as u8)
-        })
-        .collect()
-}
-
 /// c09: keys longer than a btree entry allows (300 and 5,000 random characters, 5,000 copies of "a"), each twice,
 /// then o-1: each key deduplicated exactly, o-1 applied.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -8,8 +8,8 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 /// A stream of payment deductions with every kind of duplicate, for the shipped `payments` pipeline.
-struct Payments {
-    records: Vec<Out>,
+pub(crate) struct Payments {
+    pub(crate) records: Vec<Out>,
     distinct: usize,
     republished: usize,
     mismatched: usize,
@@ -34,7 +34,7 @@ fn payment(i: usize, cents: i64) -> String {
 /// `distinct` operations over `partitions`; then 2% republished (same bytes, same partition), 1% with another
 /// amount, and poison records, interleaved after their originals. With `cross_partition`, republished copies go
 /// to another partition.
-fn payments(distinct: usize, partitions: i32, cross_partition: bool) -> Payments {
+pub(crate) fn payments(distinct: usize, partitions: i32, cross_partition: bool) -> Payments {
     let mut records = Vec::new();
     let (mut republished, mut mismatched, mut poison) = (0, 0, 0);
     let part = |i: usize| (i % partitions as usize) as i32;
@@ -62,7 +62,7 @@ fn payments(distinct: usize, partitions: i32, cross_partition: bool) -> Payments
 
 const ACCOUNTS: &str = "INSERT INTO accounts SELECT 'ACC-' || g, 0 FROM generate_series(0, 99) g;";
 
-async fn payments_db(admin: Option<&str>) -> TestDb {
+pub(crate) async fn payments_db(admin: Option<&str>) -> TestDb {
     let sql = std::fs::read_to_string(project_root().join("pipelines/payments.sql")).unwrap() + ACCOUNTS;
     match admin {
         Some(url) => TestDb::on(url, &sql).await,
@@ -70,7 +70,7 @@ async fn payments_db(admin: Option<&str>) -> TestDb {
     }
 }
 
-fn shipped() -> String {
+pub(crate) fn shipped() -> String {
     std::fs::read_to_string(project_root().join("pipelines/payments.toml")).unwrap()
 }
 

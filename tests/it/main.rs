@@ -4,6 +4,7 @@ mod support;
 
 mod e2e;
 mod failures;
+mod monitoring;
 mod cases;
 mod cli;
 mod demo;

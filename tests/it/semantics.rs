@@ -27,19 +27,6 @@ source = {{ meta = "topic" }}
     )
 }
 
-fn rand_text(len: usize, seed: u64) -> String {
-    // A small xorshift: high-entropy text that does not compress, without a dependency.
-    let mut x = seed | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            char::from(b'!' + (x % 90) as u8)
-        })
-        .collect()
-}
-
 fn json_string(s: &str) -> String {
     serde_json::to_string(s).unwrap()
 }
@@ -51,8 +38,8 @@ async fn table_form_binds_exact_values_and_dedups_keys_of_any_length() {
     kafka.create_topic("orders", 1);
     let setup = Setup::new(&db, &kafka, &[("payments.toml", &table_pipeline("orders", ""))]);
     let keys = [
-        json_string(&rand_text(300, 1)),
-        json_string(&rand_text(5000, 2)),
+        json_string(&random_text(300, 1)),
+        json_string(&random_text(5000, 2)),
         json_string(&"a".repeat(5000)),
         json_string("ключ-🙂-\u{2028}"),
         "9007199254740993".to_owned(),

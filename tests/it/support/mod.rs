@@ -25,6 +25,19 @@ pub fn unique() -> String {
     format!("{}_{}_{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed), nanos)
 }
 
+/// `len` pseudo-random letters from `seed` (xorshift64): high-entropy text that does not compress.
+pub fn random_text(len: usize, seed: u64) -> String {
+    let mut x = seed | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            char::from(b'a' + (x % 26) as u8)
+        })
+        .collect()
+}
+
 /// The project's root (where `pipelines/` and `idemflow.toml` live).
 pub fn project_root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
