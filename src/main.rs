@@ -26,6 +26,21 @@ enum Command {
     /// See the whole job on this machine: an embedded Kafka broker, a throwaway PostgreSQL, a stream of payments
     /// with duplicates of every kind, and a summary that checks each payment took effect exactly once.
     Demo(DemoArgs),
+    /// Send the demo's stream of payments (with duplicates) to a real Kafka, continuously (for docker-compose).
+    DemoProducer(DemoProducerArgs),
+}
+
+#[derive(clap::Args)]
+struct DemoProducerArgs {
+    /// Kafka bootstrap servers.
+    #[arg(long, env = "IDEMFLOW_KAFKA__BOOTSTRAP_SERVERS")]
+    bootstrap_servers: String,
+    /// The topic.
+    #[arg(long, default_value = "payments")]
+    topic: String,
+    /// Records per second.
+    #[arg(long, default_value_t = 200)]
+    rate: u32,
 }
 
 #[derive(clap::Args)]
@@ -101,6 +116,7 @@ async fn wait_for_database(settings: &Settings) {
 
 async fn dispatch(command: Command) -> anyhow::Result<()> {
     match command {
+        Command::DemoProducer(a) => idemflow::demo::produce_forever(&a.bootstrap_servers, &a.topic, a.rate).await,
         Command::Demo(a) => {
             telemetry::init(&config::LogSettings { level: "error".into(), ..Default::default() });
             let options = idemflow::demo::DemoOptions {

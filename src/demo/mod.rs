@@ -88,7 +88,12 @@ fn payment(order: u64, account: u64, cents: i64) -> Vec<u8> {
 }
 
 fn stream(records: usize, partitions: i32) -> Stream {
-    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    stream_from(records, partitions, 100, 0x9e37_79b9_7f4a_7c15)
+}
+
+/// `records` records whose new operations use order ids from `first_order` on.
+fn stream_from(records: usize, partitions: i32, first_order: u64, seed: u64) -> Stream {
+    let mut rng = Rng(seed | 1);
     let mut s = Stream { records: Vec::with_capacity(records), distinct: 0, retries: 0, mismatches: 0, poison: 0, expected_cents: 0 };
     let mut sent: Vec<(u64, u64, i64)> = Vec::new();
     while s.records.len() < records {
@@ -105,11 +110,11 @@ fn stream(records: usize, partitions: i32) -> Stream {
             s.records.push((partition_of(order), payment(order, account, cents + 1)));
             s.mismatches += 1;
         } else if roll < 24 {
-            let order = 100 + s.distinct;
+            let order = first_order + s.distinct;
             s.records.push((partition_of(order), format!("{{\"order\": {{\"id\": \"ORDERID_{order}\"").into_bytes()));
             s.poison += 1;
         } else {
-            let order = 100 + s.distinct;
+            let order = first_order + s.distinct;
             let account = rng.next() % ACCOUNTS as u64;
             let cents = 100 + (rng.next() % 50_000) as i64;
             s.records.push((partition_of(order), payment(order, account, cents)));
@@ -378,4 +383,60 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<bool> {
     pool.close().await;
     drop(admin);
     Ok(rows_ok && total_ok)
+}
+
+/// `idemflow demo-producer`: sends the demo's stream of payment deductions (with producer retries, reused order ids
+/// and poison records) to a real Kafka, `rate` records per second, until stopped. Used by docker-compose.yml so the
+/// dashboards show live duplicate rates. Partitions are chosen by the record key (the order id), as a producer
+/// keyed by order would.
+pub async fn produce_forever(bootstrap_servers: &str, topic: &str, rate: u32) -> anyhow::Result<()> {
+    use rdkafka::producer::{FutureProducer, FutureRecord};
+    let producer: FutureProducer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", bootstrap_servers)
+        .set("acks", "all")
+        .set("linger.ms", "20")
+        .create()?;
+    let mut stop = {
+        let (trigger, stop) = shutdown::channel();
+        tokio::spawn(async move {
+            shutdown::signals().await;
+            trigger.trigger();
+        });
+        stop
+    };
+    let rate = rate.max(1) as usize;
+    let mut round = 0u64;
+    let mut sent = 0u64;
+    loop {
+        let s = stream_from(rate, 1, 100 + round * 10_000_000, round.wrapping_mul(0x9e37_79b9) ^ 0x5eed);
+        let started = Instant::now();
+        let keys: Vec<String> = s
+            .records
+            .iter()
+            .map(|(_, value)| {
+                let text = String::from_utf8_lossy(value);
+                let id = text.split("\"id\":\"").nth(1).or_else(|| text.split("\"id\": \"").nth(1)).unwrap_or_default();
+                id.split('"').next().unwrap_or_default().to_owned()
+            })
+            .collect();
+        let mut pending = Vec::with_capacity(s.records.len());
+        for ((_, value), key) in s.records.iter().zip(&keys) {
+            let record = FutureRecord::to(topic).key(key.as_bytes()).payload(value.as_slice());
+            pending.push(producer.send(record, Duration::from_secs(30)));
+        }
+        for p in pending {
+            if let Err((e, _)) = p.await {
+                eprintln!("demo-producer: delivery failed: {e}");
+            }
+        }
+        sent += s.records.len() as u64;
+        round += 1;
+        if round % 10 == 0 {
+            eprintln!("demo-producer: {sent} records sent to {topic}");
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_secs(1).saturating_sub(started.elapsed())) => {}
+            _ = stop.wait() => return Ok(()),
+        }
+    }
 }

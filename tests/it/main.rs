@@ -8,4 +8,5 @@ mod monitoring;
 mod cases;
 mod cli;
 mod demo;
+mod deploy;
 mod semantics;
