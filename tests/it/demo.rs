@@ -27,3 +27,43 @@ fn demo_summary_checks_exactly_once() {
     assert!(number("decode_failed") > 0);
     assert!(stdout.contains("check: business rows") && stdout.matches(": ok").count() == 2, "{stdout}");
 }
+
+#[test]
+fn demo_producer_sends_keyed_payments_with_duplicates() {
+    use rdkafka::consumer::{BaseConsumer, Consumer};
+    use rdkafka::Message;
+    let kafka = Kafka::new();
+    kafka.create_topic("payments", 3);
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_idemflow"))
+        .args(["demo-producer", "--bootstrap-servers", kafka.bootstrap(), "--rate", "300"])
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while kafka.end_offsets("payments", 3).iter().sum::<i64>() < 600 && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+    std::process::Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap();
+    assert!(child.wait().unwrap().success());
+    let c: BaseConsumer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", kafka.bootstrap())
+        .set("group.id", "reader")
+        .set("auto.offset.reset", "earliest")
+        .create()
+        .unwrap();
+    c.subscribe(&["payments"]).unwrap();
+    let mut ids = std::collections::HashMap::<Vec<u8>, usize>::new();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let total: i64 = kafka.end_offsets("payments", 3).iter().sum();
+    let mut seen = 0;
+    while seen < total && std::time::Instant::now() < deadline {
+        if let Some(Ok(m)) = c.poll(std::time::Duration::from_millis(200)) {
+            seen += 1;
+            *ids.entry(m.key().unwrap_or_default().to_vec()).or_default() += 1;
+        }
+    }
+    assert!(total >= 600, "the producer keeps sending, round after round: {total}");
+    assert_eq!(seen, total);
+    assert!(ids.values().any(|n| *n > 1), "some operations are sent more than once");
+    assert!(ids.keys().all(|k| k.starts_with(b"ORDERID_")), "records are keyed by order id");
+}
