@@ -121,10 +121,7 @@ async fn case_c02_stale_offset_after_revoke() {
 /// come back and is skipped as `redelivered`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn case_c03_clean_restart() {
-    let db = TestDb::new(TABLE).await;
-    let kafka = Kafka::new();
-    kafka.create_topic("orders", 1);
-    let setup = Setup::new(&db, &kafka, &[("payments.toml", &pipeline("", INSERT))]);
+    let (db, kafka, setup) = fixture(TABLE, "orders", 1, &[("payments.toml", &pipeline("", INSERT))]).await;
     kafka.produce("orders", &["o-1", "o-2", "o-3"].map(|id| Out::json(0, order(id, "1"))));
     let mut w = BinWorker::start(&setup);
     wait_scrape(&w, "three records", |m| received(m) >= 3.0).await;
@@ -160,10 +157,7 @@ async fn case_c03_clean_restart() {
 /// waits on a lock). The attempt rolls back both; the retry applies o-9 once; no duplicate is counted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn case_c06_side_effect_fails_after_claim() {
-    let db = TestDb::new(TABLE).await;
-    let kafka = Kafka::new();
-    kafka.create_topic("orders", 1);
-    let setup = Setup::new(&db, &kafka, &[("payments.toml", &pipeline("", INSERT))]);
+    let (db, kafka, setup) = fixture(TABLE, "orders", 1, &[("payments.toml", &pipeline("", INSERT))]).await;
     let w = InProc::start(&setup).await;
     let mut lock = db.pool.begin().await.unwrap();
     sqlx::query("LOCK TABLE payments IN ACCESS EXCLUSIVE MODE").execute(&mut *lock).await.unwrap();
@@ -193,10 +187,7 @@ async fn case_c06_side_effect_fails_after_claim() {
 /// then o-1: each key deduplicated exactly, o-1 applied.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn case_c09_long_keys() {
-    let db = TestDb::new(TABLE).await;
-    let kafka = Kafka::new();
-    kafka.create_topic("orders", 1);
-    let setup = Setup::new(&db, &kafka, &[("payments.toml", &pipeline("", INSERT))]);
+    let (db, kafka, setup) = fixture(TABLE, "orders", 1, &[("payments.toml", &pipeline("", INSERT))]).await;
     let keys = [random_text(300, 7), random_text(5000, 8), "a".repeat(5000)];
     let mut records: Vec<Out> = keys.iter().map(|k| Out::json(0, order(k, "1"))).collect();
     records.extend(records.clone());
@@ -228,10 +219,7 @@ async fn case_c09_long_keys() {
 /// c10: U+0000 in a key, a lone surrogate in a value: one rule for keys and values, no retry loop, o-3 applied.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn case_c10_nul_and_bad_unicode() {
-    let db = TestDb::new(TABLE).await;
-    let kafka = Kafka::new();
-    kafka.create_topic("orders", 1);
-    let setup = Setup::new(&db, &kafka, &[("payments.toml", &pipeline("", INSERT))]);
+    let (db, kafka, setup) = fixture(TABLE, "orders", 1, &[("payments.toml", &pipeline("", INSERT))]).await;
     kafka.produce(
         "orders",
         &[
@@ -255,10 +243,7 @@ async fn case_c10_nul_and_bad_unicode() {
 /// c11: missing, null and empty keys go to the dead letters as `key_missing`; no NULL reaches the dedup table.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn case_c11_missing_null_empty_key() {
-    let db = TestDb::new(TABLE).await;
-    let kafka = Kafka::new();
-    kafka.create_topic("orders", 1);
-    let setup = Setup::new(&db, &kafka, &[("payments.toml", &pipeline("", INSERT))]);
+    let (db, kafka, setup) = fixture(TABLE, "orders", 1, &[("payments.toml", &pipeline("", INSERT))]).await;
     let bodies = [r#"{"order":{}}"#, r#"{"order":{}}"#, r#"{"order":{"id":null}}"#, r#"{"order":{"id":null}}"#, r#"{"order":{"id":""}}"#, r#"{"order":{"id":""}}"#];
     kafka.produce("orders", &bodies.map(|b| Out::json(0, b)));
     let w = InProc::start(&setup).await;
@@ -275,10 +260,7 @@ async fn case_c11_missing_null_empty_key() {
 /// at most about 5 MiB per partition.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn case_c14_deep_nesting_and_huge_payloads() {
-    let db = TestDb::new(TABLE).await;
-    let kafka = Kafka::new();
-    kafka.create_topic("orders", 1);
-    let setup = Setup::new(&db, &kafka, &[("payments.toml", &pipeline("max_payload_bytes = 1048576", INSERT))]);
+    let (db, kafka, setup) = fixture(TABLE, "orders", 1, &[("payments.toml", &pipeline("max_payload_bytes = 1048576", INSERT))]).await;
     let deep = format!(r#"{{"order":{{"id":"o-1","amount":"1","meta":{}1{}}}}}"#, "[".repeat(200), "]".repeat(200));
     let huge = format!("{}{}", "[".repeat(1_500_000), "]".repeat(1_500_000));
     kafka.produce("orders", &[Out::json(0, deep), Out::json(0, huge), Out::json(0, order("o-2", "2"))]);
@@ -294,10 +276,7 @@ async fn case_c14_deep_nesting_and_huge_payloads() {
 /// the offsets move past all three.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn case_c16_tombstones_and_empty_values() {
-    let db = TestDb::new(TABLE).await;
-    let kafka = Kafka::new();
-    kafka.create_topic("orders", 1);
-    let setup = Setup::new(&db, &kafka, &[("payments.toml", &pipeline("", INSERT))]);
+    let (db, kafka, setup) = fixture(TABLE, "orders", 1, &[("payments.toml", &pipeline("", INSERT))]).await;
     kafka.produce(
         "orders",
         &[
@@ -316,10 +295,7 @@ async fn case_c16_tombstones_and_empty_values() {
     assert_eq!(kafka.committed("idemflow-payments", "orders", 1), vec![3]);
 
     // Configured to dead-letter tombstones instead.
-    let db = TestDb::new(TABLE).await;
-    let kafka = Kafka::new();
-    kafka.create_topic("orders", 1);
-    let setup = Setup::new(&db, &kafka, &[("payments.toml", &pipeline("tombstones = \"dead_letter\"", INSERT))]);
+    let (_db, kafka, setup) = fixture(TABLE, "orders", 1, &[("payments.toml", &pipeline("tombstones = \"dead_letter\"", INSERT))]).await;
     kafka.produce("orders", &[Out { partition: 0, key: Some(b"o-1".to_vec()), ..Out::default() }]);
     let w = InProc::start(&setup).await;
     w.wait_received("payments", 1).await;

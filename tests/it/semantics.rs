@@ -33,10 +33,7 @@ fn json_string(s: &str) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn table_form_binds_exact_values_and_dedups_keys_of_any_length() {
-    let db = TestDb::new(PAYMENTS_TABLE).await;
-    let kafka = Kafka::new();
-    kafka.create_topic("orders", 1);
-    let setup = Setup::new(&db, &kafka, &[("payments.toml", &table_pipeline("orders", ""))]);
+    let (db, kafka, setup) = fixture(PAYMENTS_TABLE, "orders", 1, &[("payments.toml", &table_pipeline("orders", ""))]).await;
     let keys = [
         json_string(&random_text(300, 1)),
         json_string(&random_text(5000, 2)),
@@ -126,10 +123,7 @@ async fn classification_is_the_same_whatever_the_batch_boundaries() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_records_are_dead_lettered_and_the_rest_of_the_batch_commits() {
-    let db = TestDb::new(PAYMENTS_TABLE).await;
-    let kafka = Kafka::new();
-    kafka.create_topic("orders", 1);
-    let setup = Setup::new(&db, &kafka, &[("payments.toml", &table_pipeline("orders", "max_payload_bytes = 4096"))]);
+    let (db, kafka, setup) = fixture(PAYMENTS_TABLE, "orders", 1, &[("payments.toml", &table_pipeline("orders", "max_payload_bytes = 4096"))]).await;
     let records = vec![
         Out::json(0, r#"{"order":{"id":"o-1","amount":"1"}}"#),
         Out::json(0, "not json"),                                           // decode_failed

@@ -43,6 +43,16 @@ pub fn project_root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
+/// The usual start of a test: a fresh database with `setup_sql`, a mock cluster with `topic`, and the settings
+/// with `pipelines`.
+pub async fn fixture(setup_sql: &str, topic: &str, partitions: i32, pipelines: &[(&str, &str)]) -> (TestDb, Kafka, Setup) {
+    let db = TestDb::new(setup_sql).await;
+    let kafka = Kafka::new();
+    kafka.create_topic(topic, partitions);
+    let setup = Setup::new(&db, &kafka, pipelines);
+    (db, kafka, setup)
+}
+
 /// A settings file and pipelines in a temporary directory.
 pub struct Setup {
     /// The directory (removed on drop).
