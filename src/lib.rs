@@ -19,6 +19,7 @@
 //! - [`sink`]: the batch transaction: dedup claim, side effect, dead letters; failure classification.
 //! - [`dead_letter_topic`]: the optional Kafka topic that also receives every dead letter.
 //! - [`offsets`]: the next offset of each partition after a batch (the only place that adds 1) and its commit.
+//! - [`retention`]: purging dedup rows older than the pipeline's retention, in bounded batches.
 //! - [`metrics`]: every Prometheus metric; [`http`]: `/metrics`, `/healthz`, `/readyz`.
 //! - [`worker`]: runs every pipeline until shutdown; [`shutdown`]: the signal that stops it.
 //! - [`db`]: the connection pool and the embedded migrations; [`telemetry`]: logging.
@@ -59,6 +60,7 @@ pub mod metrics;
 pub mod offsets;
 pub mod prepare;
 pub mod record;
+pub mod retention;
 pub mod shutdown;
 pub mod sink;
 pub mod source;

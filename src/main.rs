@@ -23,6 +23,8 @@ enum Command {
     Check(ConfigArg),
     /// Run the worker until SIGTERM or SIGINT.
     Run(ConfigArg),
+    /// Run one retention pass by hand: delete each pipeline's dedup rows older than its [dedup] retention.
+    Purge(PurgeArgs),
     /// See the whole job on this machine: an embedded Kafka broker, a throwaway PostgreSQL, a stream of payments
     /// with duplicates of every kind, and a summary that checks each payment took effect exactly once.
     Demo(DemoArgs),
@@ -41,6 +43,16 @@ struct DemoProducerArgs {
     /// Records per second.
     #[arg(long, default_value_t = 200)]
     rate: u32,
+}
+
+#[derive(clap::Args)]
+struct PurgeArgs {
+    /// The settings file.
+    #[arg(long, short, default_value = "idemflow.toml")]
+    config: PathBuf,
+    /// Only this pipeline.
+    #[arg(long)]
+    pipeline: Option<String>,
 }
 
 #[derive(clap::Args)]
@@ -116,6 +128,29 @@ async fn wait_for_database(settings: &Settings) {
 
 async fn dispatch(command: Command) -> anyhow::Result<()> {
     match command {
+        Command::Purge(a) => {
+            let settings = load(&a.config)?;
+            let pipelines = config::load_pipelines(&settings.pipelines).map_err(|e| report(&e))?;
+            if let Some(name) = &a.pipeline {
+                if !pipelines.iter().any(|p| &p.name == name) {
+                    bail!("no pipeline named {name:?} in {}", settings.pipelines.display());
+                }
+            }
+            db::ping(&settings.database).await.map_err(|why| anyhow::anyhow!("{}: database: {why}", a.config.display()))?;
+            let pool = db::pool(&settings.database)?;
+            for p in pipelines.iter().filter(|p| a.pipeline.as_ref().is_none_or(|n| *n == p.name)) {
+                let o = idemflow::retention::purge(&pool, &p.name, p.dedup.retention, p.dedup.purge_batch).await?;
+                if o.skipped_locked {
+                    println!("pipeline {:?}: skipped, another process is purging it", p.name);
+                } else {
+                    println!(
+                        "pipeline {:?}: purged {} dedup rows older than {} in {} batch(es)",
+                        p.name, o.purged, humantime::format_duration(p.dedup.retention), o.batches
+                    );
+                }
+            }
+            Ok(())
+        }
         Command::DemoProducer(a) => idemflow::demo::produce_forever(&a.bootstrap_servers, &a.topic, a.rate).await,
         Command::Demo(a) => {
             telemetry::init(&config::LogSettings { level: "error".into(), ..Default::default() });

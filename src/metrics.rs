@@ -176,6 +176,7 @@ pub struct Metrics {
     batch_records: HistogramVec,
     end_to_end_latency: HistogramVec,
     consumer_lag: IntGaugeVec,
+    dedup_rows_purged: IntCounterVec,
     db_retries: IntCounterVec,
     offset_commits: IntCounterVec,
     rebalances: IntCounterVec,
@@ -232,6 +233,7 @@ impl Metrics {
                 r.register(Box::new(g.clone())).expect("registered once");
                 g
             },
+            dedup_rows_purged: counter(&r, "idemflow_dedup_rows_purged_total", "Dedup rows deleted by retention.", &["pipeline"]),
             db_retries: counter(&r, "idemflow_db_retries_total", "Batch attempts that failed with a retryable database error, by cause.", &["pipeline", "cause"]),
             offset_commits: counter(&r, "idemflow_offset_commits_total", "Kafka offset commits, by result.", &["pipeline", "result"]),
             rebalances: counter(&r, "idemflow_rebalances_total", "Consumer group rebalance events, by event.", &["pipeline", "event"]),
@@ -259,6 +261,7 @@ impl Metrics {
             self.rebalances.with_label_values(&[p, event.as_str()]);
         }
         self.pipeline_up.with_label_values(&[p]).set(1);
+        self.dedup_rows_purged.with_label_values(&[p]);
         PipelineMetrics {
             name: name.to_owned(),
             metrics: self.clone(),
@@ -371,6 +374,11 @@ impl PipelineMetrics {
     pub fn forget_lag(&self, topic: &str, partition: i32) {
         let p = partition.to_string();
         let _ = self.metrics.consumer_lag.remove_label_values(&[&self.name, topic, &p]);
+    }
+
+    /// Counts dedup rows deleted by retention.
+    pub fn purged(&self, rows: u64) {
+        self.metrics.dedup_rows_purged.with_label_values(&[&self.name]).inc_by(rows);
     }
 
     /// Counts one failed, retryable batch attempt.

@@ -28,6 +28,8 @@ pub struct Ready {
     pub preparer: Preparer,
     /// Its sink.
     pub sink: Sink,
+    /// The pool (for retention).
+    pub pool: PgPool,
 }
 
 /// Checks every pipeline's side effect against the database (tables, columns, statements and their parameter
@@ -54,6 +56,7 @@ pub async fn prepare(pool: &PgPool, pipelines: &[Pipeline]) -> Result<Vec<Ready>
                 pipeline: p.clone(),
                 preparer: Preparer::new(p, bindings),
                 sink: Sink::new(p.name.clone(), pool.clone(), side_effect),
+                pool: pool.clone(),
             }),
             Err(e) => errors.push(error(e.field, e.message)),
         }
@@ -124,7 +127,12 @@ pub async fn run_with_faults(
         let shutdown = shutdown.clone();
         tasks.spawn(async move {
             let name = r.pipeline.name.clone();
-            let result = run_pipeline(&kafka, r, pm.clone(), health.clone(), shutdown, faults).await;
+            // Retention runs beside the pipeline and ends with it.
+            let purge = purge_loop(r.pool.clone(), name.clone(), r.pipeline.dedup, pm.clone());
+            let result = tokio::select! {
+                result = run_pipeline(&kafka, r, pm.clone(), health.clone(), shutdown, faults) => result,
+                never = purge => match never {},
+            };
             if let Err(e) = &result {
                 pm.set_fatal();
                 health.pipeline_fatal();
@@ -142,6 +150,28 @@ pub async fn run_with_faults(
         }
     }
     failures
+}
+
+/// Purges the pipeline's expired dedup rows every `purge_interval`, forever (it is dropped when its pipeline
+/// ends). Failures are logged and the next pass tries again.
+async fn purge_loop(
+    pool: PgPool,
+    pipeline: String,
+    dedup: crate::config::DedupSettings,
+    metrics: PipelineMetrics,
+) -> std::convert::Infallible {
+    loop {
+        tokio::time::sleep(dedup.purge_interval).await;
+        match crate::retention::purge(&pool, &pipeline, dedup.retention, dedup.purge_batch).await {
+            Ok(o) => {
+                metrics.purged(o.purged);
+                if o.purged > 0 {
+                    tracing::info!(pipeline = %pipeline, purged = o.purged, batches = o.batches, "expired dedup rows purged");
+                }
+            }
+            Err(e) => tracing::warn!(pipeline = %pipeline, error = %e, "purging expired dedup rows failed; retrying next interval"),
+        }
+    }
 }
 
 async fn run_pipeline(

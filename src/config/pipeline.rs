@@ -43,6 +43,30 @@ pub struct Pipeline {
     pub batch: BatchSettings,
     /// Dead-letter limits and the optional dead-letter topic.
     pub dead_letters: DeadLetterSettings,
+    /// Retention of the pipeline's dedup rows.
+    pub dedup: DedupSettings,
+}
+
+/// `[dedup]`: how long dedup rows are kept, and how they are purged.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DedupSettings {
+    /// Dedup rows older than this are deleted (default 7 days). A record redelivered after its row was purged is
+    /// applied again, so this must cover the longest redelivery window (the topic's `retention.ms`).
+    pub retention: Duration,
+    /// How often the worker runs a purge pass (default 1 minute).
+    pub purge_interval: Duration,
+    /// Rows deleted per purge transaction (default 5000).
+    pub purge_batch: u32,
+}
+
+impl Default for DedupSettings {
+    fn default() -> Self {
+        DedupSettings {
+            retention: Duration::from_secs(7 * 24 * 3600),
+            purge_interval: Duration::from_secs(60),
+            purge_batch: 5000,
+        }
+    }
 }
 
 /// `[dead_letters]`: the guard against dead-lettering a whole stream, and the optional dead-letter topic.
@@ -209,6 +233,18 @@ struct RawPipeline {
     batch: RawBatch,
     #[serde(default)]
     dead_letters: RawDeadLetters,
+    #[serde(default)]
+    dedup: RawDedup,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawDedup {
+    #[serde(default, with = "humantime_serde")]
+    retention: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    purge_interval: Option<Duration>,
+    purge_batch: Option<u32>,
 }
 
 #[derive(Deserialize, Default)]
@@ -356,6 +392,21 @@ fn validate(raw: RawPipeline, path: &Path, stem: &str, e: &mut Errors<'_>) -> Op
             e.push("dead_letters.topic", format!("{t:?} is also a source topic: dead letters would be consumed again"));
         }
     }
+    let dd = DedupSettings::default();
+    let dedup = DedupSettings {
+        retention: raw.dedup.retention.unwrap_or(dd.retention),
+        purge_interval: raw.dedup.purge_interval.unwrap_or(dd.purge_interval),
+        purge_batch: raw.dedup.purge_batch.unwrap_or(dd.purge_batch),
+    };
+    if dedup.retention.is_zero() {
+        e.push("dedup.retention", "must be longer than 0");
+    }
+    if dedup.purge_interval.is_zero() {
+        e.push("dedup.purge_interval", "must be longer than 0");
+    }
+    if dedup.purge_batch == 0 {
+        e.push("dedup.purge_batch", "must be at least 1");
+    }
     Some(Pipeline {
         name,
         file: path.to_owned(),
@@ -367,6 +418,7 @@ fn validate(raw: RawPipeline, path: &Path, stem: &str, e: &mut Errors<'_>) -> Op
         sink: sink?,
         batch: BatchSettings { max_records, max_wait },
         dead_letters,
+        dedup,
     })
 }
 

@@ -9,4 +9,5 @@ mod cases;
 mod cli;
 mod demo;
 mod deploy;
+mod retention;
 mod semantics;
