@@ -109,6 +109,34 @@ fn report(errors: &[PipelineError]) -> anyhow::Error {
     anyhow::anyhow!("{} problem(s) in the pipelines", errors.len())
 }
 
+/// Compares a pipeline's dedup retention with its topics' `retention.ms`: one line per topic.
+async fn retention_report(settings: &Settings, p: &config::Pipeline) -> Vec<String> {
+    let read = tokio::time::timeout(
+        std::time::Duration::from_secs(8),
+        idemflow::source::topic_retention_ms(&settings.kafka, &p.topics),
+    )
+    .await;
+    match read {
+        Ok(Ok(topics)) => topics
+            .into_iter()
+            .map(|(topic, ms)| match ms {
+                Some(ms) => idemflow::retention::window_warning(&p.name, &topic, ms, p.dedup.retention)
+                    .map(|w| format!("warning: {w}"))
+                    .unwrap_or_else(|| format!("pipeline {:?}: topic {topic:?}: dedup retention covers the topic's retention", p.name)),
+                None => format!("warning: pipeline {:?}: topic {topic:?}: the broker did not return retention.ms", p.name),
+            })
+            .collect(),
+        Ok(Err(e)) => vec![format!(
+            "warning: pipeline {:?}: could not read the topics' retention.ms to compare with [dedup] retention: {e}",
+            p.name
+        )],
+        Err(_) => vec![format!(
+            "warning: pipeline {:?}: could not read the topics' retention.ms (no answer from Kafka in 8 s)",
+            p.name
+        )],
+    }
+}
+
 /// At start-up the database may not be up yet (a compose file starts everything at once): wait for it, with
 /// exponential backoff, saying why on every attempt.
 async fn wait_for_database(settings: &Settings) {
@@ -193,6 +221,11 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
                 let p = &r.pipeline;
                 println!("pipeline {:?} ({}): ok, topics {:?}, group {:?}", p.name, p.file.display(), p.topics, p.group_id);
             }
+            for p in &pipelines {
+                for line in retention_report(&settings, p).await {
+                    println!("{line}");
+                }
+            }
             Ok(())
         }
         Command::Run(a) => {
@@ -227,6 +260,17 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
                 bail!("{}: database: {why}", a.config.display());
             }
             let ready = worker::prepare(&pool, &pipelines).await.map_err(|e| report(&e))?;
+            for p in pipelines.clone() {
+                let settings = settings.clone();
+                tokio::spawn(async move {
+                    for line in retention_report(&settings, &p).await {
+                        match line.strip_prefix("warning: ") {
+                            Some(w) => tracing::warn!("{w}"),
+                            None => tracing::info!("{line}"),
+                        }
+                    }
+                });
+            }
             let failures = worker::run(&settings, ready, &metrics, &health, stop).await;
             pool.close().await;
             if failures.is_empty() {

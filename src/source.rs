@@ -412,3 +412,32 @@ impl Source {
         tracing::info!(pipeline = %self.pipeline, "left the consumer group");
     }
 }
+
+/// Each topic's `retention.ms` (Kafka topic config; `-1` means forever), read with the admin API's
+/// DescribeConfigs. `None` for a topic whose value the broker did not return.
+///
+/// Errors: the broker is unreachable or does not support DescribeConfigs (librdkafka's mock cluster does not).
+pub async fn topic_retention_ms(kafka: &KafkaSettings, topics: &[String]) -> KafkaResult<Vec<(String, Option<i64>)>> {
+    use rdkafka::admin::{AdminClient, AdminOptions, ResourceSpecifier};
+    use rdkafka::client::DefaultClientContext;
+    let mut config = ClientConfig::new();
+    config.set("bootstrap.servers", &kafka.bootstrap_servers);
+    for (k, v) in &kafka.properties {
+        if k.starts_with("security.") || k.starts_with("sasl.") || k.starts_with("ssl.") {
+            config.set(k, v.to_string());
+        }
+    }
+    let admin: AdminClient<DefaultClientContext> = config.create()?;
+    let specs: Vec<ResourceSpecifier<'_>> = topics.iter().map(|t| ResourceSpecifier::Topic(t)).collect();
+    let options = AdminOptions::new().request_timeout(Some(Duration::from_secs(5)));
+    let results = admin.describe_configs(&specs, &options).await?;
+    let mut out = Vec::new();
+    for (topic, result) in topics.iter().zip(results) {
+        let value = result
+            .ok()
+            .and_then(|r| r.get("retention.ms").and_then(|e| e.value.clone()))
+            .and_then(|v| v.parse::<i64>().ok());
+        out.push((topic.clone(), value));
+    }
+    Ok(out)
+}

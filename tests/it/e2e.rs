@@ -63,6 +63,8 @@ async fn binary_applies_each_payment_once_counts_duplicates_and_commits_offsets(
     let (status, out, err) = idemflow(&["check", "--config", setup.config.to_str().unwrap()], setup.dir.path());
     assert!(status.success(), "check failed: {out}{err}");
     assert!(out.contains("pipeline \"payments\""), "{out}");
+    // The mock cluster does not implement DescribeConfigs: check says it could not compare the retentions.
+    assert!(out.contains("retention.ms"), "check compares [dedup] retention with the topics' retention: {out}");
 
     let mut worker = BinWorker::start(&setup);
     let p = [("pipeline", "payments")];
