@@ -23,6 +23,8 @@ enum Command {
     Check(ConfigArg),
     /// Run the worker until SIGTERM or SIGINT.
     Run(ConfigArg),
+    /// Was this business key applied? When, from which record, and how many duplicates of it were skipped since.
+    Explain(ExplainArgs),
     /// Run one retention pass by hand: delete each pipeline's dedup rows older than its [dedup] retention.
     Purge(PurgeArgs),
     /// See the whole job on this machine: an embedded Kafka broker, a throwaway PostgreSQL, a stream of payments
@@ -43,6 +45,19 @@ struct DemoProducerArgs {
     /// Records per second.
     #[arg(long, default_value_t = 200)]
     rate: u32,
+}
+
+#[derive(clap::Args)]
+struct ExplainArgs {
+    /// The settings file.
+    #[arg(long, short, default_value = "idemflow.toml")]
+    config: PathBuf,
+    /// The pipeline.
+    #[arg(long)]
+    pipeline: String,
+    /// The business key's canonical text (a composite key as its JSON array, e.g. '["o-1","3"]').
+    #[arg(long)]
+    key: String,
 }
 
 #[derive(clap::Args)]
@@ -156,6 +171,34 @@ async fn wait_for_database(settings: &Settings) {
 
 async fn dispatch(command: Command) -> anyhow::Result<()> {
     match command {
+        Command::Explain(a) => {
+            let settings = load(&a.config)?;
+            let pipelines = config::load_pipelines(&settings.pipelines).map_err(|e| report(&e))?;
+            let Some(p) = pipelines.iter().find(|p| p.name == a.pipeline) else {
+                bail!("no pipeline named {:?} in {}", a.pipeline, settings.pipelines.display());
+            };
+            db::ping(&settings.database).await.map_err(|why| anyhow::anyhow!("{}: database: {why}", a.config.display()))?;
+            let mut conn = db::pool(&settings.database)?.acquire().await?;
+            let key = idemflow::key::BusinessKey::new(a.key.clone());
+            println!("pipeline {:?}, business key {:?}", p.name, a.key);
+            match idemflow::sink::dedup::explain(&mut conn, &p.name, &key).await? {
+                Some(e) => {
+                    println!("  applied at         {}", e.applied_at);
+                    println!("  from               {}/{}@{}", e.topic, e.partition, e.offset);
+                    println!("  payload sha256     {}", e.fingerprint);
+                    match e.last_duplicate_at {
+                        Some(at) => println!("  duplicates skipped {} since (the last at {at})", e.duplicates),
+                        None => println!("  duplicates skipped 0 since"),
+                    }
+                }
+                None => println!(
+                    "  not in the dedup store: never applied, dead-lettered (see idemflow.dead_letters), or purged after \
+                     [dedup] retention = {}",
+                    humantime::format_duration(p.dedup.retention)
+                ),
+            }
+            Ok(())
+        }
         Command::Purge(a) => {
             let settings = load(&a.config)?;
             let pipelines = config::load_pipelines(&settings.pipelines).map_err(|e| report(&e))?;

@@ -102,3 +102,59 @@ pub async fn existing(
         })
         .collect())
 }
+
+const COUNT_DUPLICATES: &str = r#"
+UPDATE idemflow.dedup AS d
+SET duplicates = d.duplicates + u.n, last_duplicate_at = now()
+FROM unnest($2::bytea[], $3::int8[]) AS u(key_digest, n)
+WHERE d.pipeline = $1 AND d.key_digest = u.key_digest"#;
+
+/// Adds skipped duplicates to their keys' dedup rows (`duplicates`, `last_duplicate_at`), one statement for a
+/// batch. Keys whose row is not there (a duplicate of a dead-lettered record) are left alone.
+pub async fn count_duplicates(
+    conn: &mut PgConnection,
+    pipeline: &str,
+    counts: &[([u8; 32], i64)],
+) -> Result<(), sqlx::Error> {
+    if counts.is_empty() {
+        return Ok(());
+    }
+    let digests: Vec<&[u8]> = counts.iter().map(|(d, _)| &d[..]).collect();
+    let ns: Vec<i64> = counts.iter().map(|(_, n)| *n).collect();
+    sqlx::query(COUNT_DUPLICATES).bind(pipeline).bind(&digests).bind(&ns).execute(&mut *conn).await?;
+    Ok(())
+}
+
+/// What the dedup store knows of one business key (`idemflow explain`).
+#[derive(Clone, Debug, PartialEq, Eq, sqlx::FromRow)]
+pub struct Explained {
+    /// The key's canonical text.
+    pub business_key: String,
+    /// When it was applied (the batch transaction's start).
+    pub applied_at: String,
+    /// Where the applied record was.
+    pub topic: String,
+    /// Its partition.
+    pub partition: i32,
+    /// Its offset.
+    pub offset: i64,
+    /// SHA-256 of its payload, hex.
+    pub fingerprint: String,
+    /// Duplicates of it skipped since.
+    pub duplicates: i64,
+    /// When the last one was skipped.
+    pub last_duplicate_at: Option<String>,
+}
+
+/// Looks a business key up by its canonical text.
+pub async fn explain(conn: &mut PgConnection, pipeline: &str, key: &crate::key::BusinessKey) -> Result<Option<Explained>, sqlx::Error> {
+    sqlx::query_as(
+        r#"SELECT business_key, applied_at::text AS applied_at, topic, partition, "offset", encode(fingerprint, 'hex') AS fingerprint,
+                  duplicates, last_duplicate_at::text AS last_duplicate_at
+           FROM idemflow.dedup WHERE pipeline = $1 AND key_digest = $2"#,
+    )
+    .bind(pipeline)
+    .bind(&key.digest[..])
+    .fetch_optional(&mut *conn)
+    .await
+}

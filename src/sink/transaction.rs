@@ -89,6 +89,16 @@ impl Sink {
             }
             Err(e) => return Err(e),
         };
+        let mut per_key: HashMap<[u8; 32], i64> = HashMap::new();
+        for (p, fate) in prepared.iter().zip(&fates) {
+            if let (Prepared::Apply(a), Fate::Duplicate(_)) = (p, fate) {
+                *per_key.entry(a.key.digest).or_default() += 1;
+            }
+        }
+        let per_key: Vec<([u8; 32], i64)> = per_key.into_iter().collect();
+        dedup::count_duplicates(&mut tx, &self.pipeline, &per_key)
+            .await
+            .map_err(|e| SinkError::new("counting duplicates", e))?;
         let mut counts = BatchCounts { received: records.len() as u64, ..BatchCounts::default() };
         let mut dead_letters = Vec::new();
         for (index, (record, fate)) in records.iter().zip(fates).enumerate() {

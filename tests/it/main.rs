@@ -9,5 +9,6 @@ mod cases;
 mod cli;
 mod demo;
 mod deploy;
+mod operator;
 mod retention;
 mod semantics;
