@@ -25,6 +25,9 @@ enum Command {
     Run(ConfigArg),
     /// Was this business key applied? When, from which record, and how many duplicates of it were skipped since.
     Explain(ExplainArgs),
+    /// Inspect dead letters and replay them once the cause is fixed.
+    #[command(subcommand)]
+    DeadLetters(DeadLettersCommand),
     /// Run one retention pass by hand: delete each pipeline's dedup rows older than its [dedup] retention.
     Purge(PurgeArgs),
     /// See the whole job on this machine: an embedded Kafka broker, a throwaway PostgreSQL, a stream of payments
@@ -45,6 +48,49 @@ struct DemoProducerArgs {
     /// Records per second.
     #[arg(long, default_value_t = 200)]
     rate: u32,
+}
+
+#[derive(Subcommand)]
+enum DeadLettersCommand {
+    /// The newest dead letters: id, pipeline, position, reason, time, error.
+    List {
+        /// The settings file.
+        #[arg(long, short, default_value = "idemflow.toml")]
+        config: PathBuf,
+        /// Only this pipeline.
+        #[arg(long)]
+        pipeline: Option<String>,
+        /// How many.
+        #[arg(long, default_value_t = 50)]
+        limit: i64,
+    },
+    /// One dead letter in full: key, headers, payload (as text when it is UTF-8, else hex), error.
+    Show {
+        /// The settings file.
+        #[arg(long, short, default_value = "idemflow.toml")]
+        config: PathBuf,
+        /// Its id.
+        id: i64,
+    },
+    /// Apply a dead letter through the pipeline's transactional path; its row is removed in the same transaction
+    /// (if it fails again, it is dead-lettered again with the new error).
+    Replay {
+        /// The settings file.
+        #[arg(long, short, default_value = "idemflow.toml")]
+        config: PathBuf,
+        /// Its id.
+        id: i64,
+        /// Replace the stored payload with this file's bytes (a fixed record).
+        #[arg(long)]
+        payload: Option<PathBuf>,
+    },
+}
+
+fn printable(bytes: &[u8]) -> String {
+    match std::str::from_utf8(bytes) {
+        Ok(s) => s.to_owned(),
+        Err(_) => format!("0x{}", bytes.iter().map(|b| format!("{b:02x}")).collect::<String>()),
+    }
 }
 
 #[derive(clap::Args)]
@@ -124,6 +170,78 @@ fn report(errors: &[PipelineError]) -> anyhow::Error {
     anyhow::anyhow!("{} problem(s) in the pipelines", errors.len())
 }
 
+async fn dead_letters(cmd: DeadLettersCommand) -> anyhow::Result<()> {
+    use idemflow::sink::dead_letter;
+    let config = match &cmd {
+        DeadLettersCommand::List { config, .. } | DeadLettersCommand::Show { config, .. } | DeadLettersCommand::Replay { config, .. } => config.clone(),
+    };
+    let settings = load(&config)?;
+    db::ping(&settings.database).await.map_err(|why| anyhow::anyhow!("{}: database: {why}", config.display()))?;
+    let pool = db::pool(&settings.database)?;
+    let mut conn = pool.acquire().await?;
+    match cmd {
+        DeadLettersCommand::List { pipeline, limit, .. } => {
+            let rows = dead_letter::list(&mut conn, pipeline.as_deref(), limit).await?;
+            println!("{:>8}  {:<16} {:<28} {:<22} {:<32} error", "id", "pipeline", "position", "reason", "created_at");
+            for d in &rows {
+                let error: String = d.error.chars().take(100).collect();
+                let position = format!("{}/{}@{}", d.topic, d.partition, d.offset);
+                println!("{:>8}  {:<16} {:<28} {:<22} {:<32} {error}", d.id, d.pipeline, position, d.reason, d.created_at);
+            }
+            println!("{} dead letter(s)", rows.len());
+            Ok(())
+        }
+        DeadLettersCommand::Show { id, .. } => {
+            let Some(d) = dead_letter::get(&mut conn, id).await? else { bail!("no dead letter with id {id}") };
+            println!("id          {}", d.id);
+            println!("pipeline    {}", d.pipeline);
+            println!("position    {}/{}@{}", d.topic, d.partition, d.offset);
+            println!("reason      {}", d.reason);
+            println!("error       {}", d.error);
+            println!("created_at  {}", d.created_at);
+            println!("key         {}", d.record_key.as_deref().map_or("(none)".to_owned(), printable));
+            for (k, v) in d.header_names.iter().zip(&d.header_values) {
+                println!("header      {k}: {}", v.as_deref().map_or("(null)".to_owned(), printable));
+            }
+            println!("payload     {}", d.payload.as_deref().map_or("(null: a tombstone)".to_owned(), printable));
+            Ok(())
+        }
+        DeadLettersCommand::Replay { id, payload, .. } => {
+            let Some(d) = dead_letter::get(&mut conn, id).await? else { bail!("no dead letter with id {id}") };
+            drop(conn);
+            let pipelines = config::load_pipelines(&settings.pipelines).map_err(|e| report(&e))?;
+            let Some(p) = pipelines.into_iter().find(|p| p.name == d.pipeline) else {
+                bail!("dead letter {id} belongs to pipeline {:?}, which is not configured in {}", d.pipeline, settings.pipelines.display());
+            };
+            let ready = worker::prepare(&pool, std::slice::from_ref(&p)).await.map_err(|e| report(&e))?;
+            let r = &ready[0];
+            let mut record = d.record();
+            if let Some(file) = payload {
+                record.payload = Some(std::fs::read(&file).with_context(|| format!("reading {}", file.display()))?);
+            }
+            let prepared = r.preparer.prepare(&record);
+            let outcome = r
+                .sink
+                .apply_replaying(std::slice::from_ref(&record), std::slice::from_ref(&prepared), |_| Ok(()), &[id])
+                .await?;
+            let c = &outcome.counts;
+            if c.applied == 1 {
+                println!("dead letter {id}: applied; its row is removed");
+            } else if c.duplicates.iter().sum::<u64>() == 1 {
+                println!("dead letter {id}: its business key was applied already (a duplicate); its row is removed");
+            } else if let Some(again) = outcome.dead_letters.first() {
+                println!("dead letter {id}: failed again ({}: {}); kept as a new dead letter", again.reason.as_str(), again.error);
+                pool.close().await;
+                bail!("replay failed");
+            } else {
+                println!("dead letter {id}: skipped (a tombstone); its row is removed");
+            }
+            pool.close().await;
+            Ok(())
+        }
+    }
+}
+
 /// Compares a pipeline's dedup retention with its topics' `retention.ms`: one line per topic.
 async fn retention_report(settings: &Settings, p: &config::Pipeline) -> Vec<String> {
     let read = tokio::time::timeout(
@@ -199,6 +317,7 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
             }
             Ok(())
         }
+        Command::DeadLetters(cmd) => dead_letters(cmd).await,
         Command::Purge(a) => {
             let settings = load(&a.config)?;
             let pipelines = config::load_pipelines(&settings.pipelines).map_err(|e| report(&e))?;

@@ -39,3 +39,76 @@ pub async fn write(
         .await?;
     Ok(done.rows_affected() == 1)
 }
+
+/// Deletes dead letters of `pipeline` by id (their replay is under way in the same transaction).
+pub async fn delete(conn: &mut PgConnection, pipeline: &str, ids: &[i64]) -> Result<u64, sqlx::Error> {
+    let done = sqlx::query("DELETE FROM idemflow.dead_letters WHERE pipeline = $1 AND id = ANY($2)")
+        .bind(pipeline)
+        .bind(ids)
+        .execute(&mut *conn)
+        .await?;
+    Ok(done.rows_affected())
+}
+
+/// One stored dead letter.
+#[derive(Clone, Debug, sqlx::FromRow)]
+pub struct Stored {
+    /// Its id.
+    pub id: i64,
+    /// The pipeline.
+    pub pipeline: String,
+    /// Where the record was.
+    pub topic: String,
+    /// Its partition.
+    pub partition: i32,
+    /// Its offset.
+    pub offset: i64,
+    /// The record key.
+    pub record_key: Option<Vec<u8>>,
+    /// Header names.
+    pub header_names: Vec<String>,
+    /// Header values.
+    pub header_values: Vec<Option<Vec<u8>>>,
+    /// The raw value.
+    pub payload: Option<Vec<u8>>,
+    /// Why (a closed set, see `DeadLetterReason`).
+    pub reason: String,
+    /// The error text.
+    pub error: String,
+    /// When it was written.
+    pub created_at: String,
+}
+
+const SELECT: &str = r#"SELECT id, pipeline, topic, partition, "offset", record_key, header_names, header_values, payload,
+    reason, error, created_at::text AS created_at FROM idemflow.dead_letters"#;
+
+/// The newest dead letters, optionally of one pipeline.
+pub async fn list(conn: &mut PgConnection, pipeline: Option<&str>, limit: i64) -> Result<Vec<Stored>, sqlx::Error> {
+    sqlx::query_as(&format!("{SELECT} WHERE $1::text IS NULL OR pipeline = $1 ORDER BY id DESC LIMIT $2"))
+        .bind(pipeline)
+        .bind(limit)
+        .fetch_all(&mut *conn)
+        .await
+}
+
+/// One dead letter by id.
+pub async fn get(conn: &mut PgConnection, id: i64) -> Result<Option<Stored>, sqlx::Error> {
+    sqlx::query_as(&format!("{SELECT} WHERE id = $1")).bind(id).fetch_optional(&mut *conn).await
+}
+
+impl Stored {
+    /// The record as it was consumed (its timestamp is not kept).
+    pub fn record(&self) -> Record {
+        Record {
+            position: crate::record::Position {
+                topic: self.topic.as_str().into(),
+                partition: self.partition,
+                offset: self.offset,
+            },
+            timestamp_ms: None,
+            key: self.record_key.clone(),
+            headers: self.header_names.iter().cloned().zip(self.header_values.iter().cloned()).collect(),
+            payload: self.payload.clone(),
+        }
+    }
+}

@@ -78,13 +78,35 @@ impl Sink {
         prepared: &[Prepared],
         guard: impl Fn(&BatchCounts) -> Result<(), SinkError>,
     ) -> Result<BatchOutcome, SinkError> {
+        self.apply_replaying(records, prepared, guard, &[]).await
+    }
+
+    async fn begin_replaying(&self, replaying: &[i64]) -> Result<sqlx::Transaction<'static, sqlx::Postgres>, SinkError> {
         let mut tx = self.begin().await?;
+        if !replaying.is_empty() {
+            dead_letter::delete(&mut tx, &self.pipeline, replaying)
+                .await
+                .map_err(|e| SinkError::new("removing replayed dead letters", e))?;
+        }
+        Ok(tx)
+    }
+
+    /// [`Sink::apply`] for dead letters being replayed: the dead-letter rows `replaying` are deleted in the same
+    /// transaction, before the batch runs (a record that fails again is dead-lettered again, with its new error).
+    pub async fn apply_replaying(
+        &self,
+        records: &[Record],
+        prepared: &[Prepared],
+        guard: impl Fn(&BatchCounts) -> Result<(), SinkError>,
+        replaying: &[i64],
+    ) -> Result<BatchOutcome, SinkError> {
+        let mut tx = self.begin_replaying(replaying).await?;
         let fates = match self.fast_path(&mut tx, records, prepared).await {
             Ok(fates) => fates,
             Err(e) if e.disposition() == Disposition::Record => {
                 tracing::debug!(error = %e, "a record's side effect failed; redoing the batch record by record");
                 tx.rollback().await.map_err(|e| SinkError::new("rolling back", e))?;
-                tx = self.begin().await?;
+                tx = self.begin_replaying(replaying).await?;
                 self.slow_path(&mut tx, records, prepared).await?
             }
             Err(e) => return Err(e),

@@ -32,3 +32,65 @@ async fn explain_tells_when_and_from_where_a_key_was_applied_and_its_duplicates(
     let (status, _, err) = idemflow(&["explain", "--config", cfg, "--pipeline", "nope", "--key", "o-1"], setup.dir.path());
     assert!(!status.success() && err.contains("no pipeline named \"nope\""), "{err}");
 }
+
+/// A payment for an unknown account is dead-lettered (foreign key); the operator lists and shows it, fixes the
+/// cause (creates the account), and replays it: applied once, its dead-letter row removed in the same transaction.
+/// A bad payload replayed with a fixed one is applied too; replaying something still broken keeps it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_list_show_and_replay() {
+    let tables = std::fs::read_to_string(project_root().join("pipelines/payments.sql")).unwrap()
+        + "INSERT INTO accounts VALUES ('ACC-1', 100);";
+    let shipped = std::fs::read_to_string(project_root().join("pipelines/payments.toml")).unwrap();
+    let (db, kafka, setup) = fixture(&tables, "payments", 1, &[("payments.toml", &shipped)]).await;
+    kafka.produce(
+        "payments",
+        &[
+            Out { partition: 0, key: Some(b"k-1".to_vec()), headers: vec![("trace".into(), b"t-1".to_vec())],
+                  value: Some(br#"{"order":{"id":"o-1","account":"ACC-2","amount":"10.00"}}"#.to_vec()) },
+            Out::json(0, "{not json"),
+            Out::json(0, r#"{"order":{"id":"o-3","account":"ACC-1","amount":"1.00"}}"#),
+        ],
+    );
+    let w = InProc::start(&setup).await;
+    w.wait_received("payments", 3).await;
+    assert!(w.stop().await.is_empty());
+    let cfg = setup.config.to_str().unwrap();
+    let cwd = setup.dir.path();
+
+    let (status, out, err) = idemflow(&["dead-letters", "list", "--config", cfg], cwd);
+    assert!(status.success(), "{out}{err}");
+    assert!(out.contains("payments/0@0") && out.contains("side_effect_rejected") && out.contains("decode_failed"), "{out}");
+    assert!(out.contains("2 dead letter(s)"), "{out}");
+    let fk_id: i64 = db.scalar("SELECT id FROM idemflow.dead_letters WHERE \"offset\" = 0").await;
+    let bad_id: i64 = db.scalar("SELECT id FROM idemflow.dead_letters WHERE \"offset\" = 1").await;
+
+    let (status, out, _) = idemflow(&["dead-letters", "show", "--config", cfg, &fk_id.to_string()], cwd);
+    assert!(status.success());
+    assert!(out.contains("SQLSTATE 23503") && out.contains("key         k-1") && out.contains("header      trace: t-1"), "{out}");
+    assert!(out.contains(r#""account":"ACC-2""#), "{out}");
+
+    // Replaying before the fix fails again and keeps the dead letter.
+    let (status, out, _) = idemflow(&["dead-letters", "replay", "--config", cfg, &fk_id.to_string()], cwd);
+    assert!(!status.success() && out.contains("failed again"), "{out}");
+    assert_eq!(db.scalar::<i64>("SELECT count(*) FROM idemflow.dead_letters WHERE \"offset\" = 0").await, 1);
+    let fk_id: i64 = db.scalar("SELECT id FROM idemflow.dead_letters WHERE \"offset\" = 0").await;
+
+    // Fix the cause, replay: applied once, row gone.
+    sqlx::query("INSERT INTO accounts VALUES ('ACC-2', 50)").execute(&db.pool).await.unwrap();
+    let (status, out, err) = idemflow(&["dead-letters", "replay", "--config", cfg, &fk_id.to_string()], cwd);
+    assert!(status.success(), "{out}{err}");
+    assert!(out.contains("applied"), "{out}");
+    assert_eq!(db.scalar::<String>("SELECT balance::text FROM accounts WHERE account_id = 'ACC-2'").await, "40.00");
+    let (_, out, _) = idemflow(&["dead-letters", "replay", "--config", cfg, &fk_id.to_string()], cwd);
+    assert!(out.is_empty() || !out.contains("applied"), "the row is gone: {out}");
+    assert_eq!(db.scalar::<String>("SELECT balance::text FROM accounts WHERE account_id = 'ACC-2'").await, "40.00");
+
+    // A broken payload replayed with a fixed one.
+    let fixed = cwd.join("fixed.json");
+    std::fs::write(&fixed, r#"{"order":{"id":"o-2","account":"ACC-1","amount":"2.00"}}"#).unwrap();
+    let (status, out, err) = idemflow(&["dead-letters", "replay", "--config", cfg, &bad_id.to_string(), "--payload", fixed.to_str().unwrap()], cwd);
+    assert!(status.success(), "{out}{err}");
+    assert_eq!(db.scalar::<i64>("SELECT count(*) FROM idemflow.dead_letters").await, 0);
+    assert_eq!(db.scalar::<String>("SELECT string_agg(order_id, ',' ORDER BY order_id) FROM payments").await, "o-1,o-2,o-3");
+    assert_eq!(db.scalar::<String>("SELECT balance::text FROM accounts WHERE account_id = 'ACC-1'").await, "97.00");
+}
