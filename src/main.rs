@@ -433,7 +433,13 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
                     }
                 });
             }
-            let failures = worker::run(&settings, ready, &metrics, &health, stop).await;
+            let failures = worker::run(&settings, ready, &metrics, &health, stop.clone()).await;
+            if !failures.is_empty() && !stop.is_triggered() {
+                // Every pipeline stopped on a fatal error: keep /metrics and /readyz up (pipeline_up 0, not ready)
+                // so monitoring sees why, rather than exiting into a restart loop. Exit 1 on SIGTERM/SIGINT.
+                tracing::error!("every pipeline has stopped on a fatal error; serving /metrics until stopped");
+                stop.wait().await;
+            }
             pool.close().await;
             if failures.is_empty() {
                 tracing::info!("stopped cleanly");

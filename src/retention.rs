@@ -2,7 +2,8 @@
 //!
 //! Each batch is one short transaction that first takes a transaction-scoped advisory lock for the pipeline
 //! (`pg_try_advisory_xact_lock`, PostgreSQL docs "Advisory Locks"): when another replica holds it, this one skips
-//! the pass, so only one replica purges a pipeline at a time and nobody waits. A batch deletes at most
+//! the rest of its pass (without scanning: the lock is a one-time filter), so at any moment one replica deletes a
+//! pipeline's rows and nobody waits. A batch deletes at most
 //! `purge_batch` rows, oldest first, found through the `(pipeline, applied_at)` index and locked with
 //! `FOR UPDATE SKIP LOCKED`, so no long lock is held and no giant `DELETE` runs.
 //!
@@ -18,8 +19,8 @@ const LOCK_CLASS: i32 = 0x1de_f10;
 const PURGE: &str = r#"
 WITH lock AS (SELECT pg_try_advisory_xact_lock($1, hashtext($2)) AS held),
 victims AS (
-    SELECT d.ctid FROM idemflow.dedup d, lock
-    WHERE lock.held AND d.pipeline = $2 AND d.applied_at < now() - make_interval(secs => $3)
+    SELECT d.ctid FROM idemflow.dedup d
+    WHERE (SELECT held FROM lock) AND d.pipeline = $2 AND d.applied_at < now() - make_interval(secs => $3)
     ORDER BY d.applied_at
     LIMIT $4
     FOR UPDATE OF d SKIP LOCKED

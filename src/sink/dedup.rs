@@ -119,8 +119,11 @@ pub async fn count_duplicates(
     if counts.is_empty() {
         return Ok(());
     }
-    let digests: Vec<&[u8]> = counts.iter().map(|(d, _)| &d[..]).collect();
-    let ns: Vec<i64> = counts.iter().map(|(_, n)| *n).collect();
+    // Rows are updated in digest order, so two workers updating the same keys cannot deadlock.
+    let mut sorted: Vec<&([u8; 32], i64)> = counts.iter().collect();
+    sorted.sort_unstable_by_key(|(d, _)| *d);
+    let digests: Vec<&[u8]> = sorted.iter().map(|(d, _)| &d[..]).collect();
+    let ns: Vec<i64> = sorted.iter().map(|(_, n)| *n).collect();
     sqlx::query(COUNT_DUPLICATES).bind(pipeline).bind(&digests).bind(&ns).execute(&mut *conn).await?;
     Ok(())
 }
