@@ -42,8 +42,8 @@ pub struct DeadLetter {
     pub error: String,
 }
 
-impl DeadLetter {
-    fn new(reason: DeadLetterReason, error: impl ToString) -> Prepared {
+impl Prepared {
+    fn dead(reason: DeadLetterReason, error: impl ToString) -> Prepared {
         Prepared::DeadLetter(DeadLetter { reason, error: error.to_string() })
     }
 }
@@ -69,18 +69,18 @@ impl Preparer {
         let Some(payload) = record.payload.as_deref() else {
             return match self.tombstones {
                 TombstonePolicy::Skip => Prepared::Tombstone,
-                TombstonePolicy::DeadLetter => DeadLetter::new(DeadLetterReason::Tombstone, "the record value is null"),
+                TombstonePolicy::DeadLetter => Prepared::dead(DeadLetterReason::Tombstone, "the record value is null"),
             };
         };
         let doc = match self.decoder.decode(payload) {
             Ok(doc) => doc,
-            Err(e @ DecodeError::TooLarge { .. }) => return DeadLetter::new(DeadLetterReason::PayloadTooLarge, e),
-            Err(e) => return DeadLetter::new(DeadLetterReason::DecodeFailed, e),
+            Err(e @ DecodeError::TooLarge { .. }) => return Prepared::dead(DeadLetterReason::PayloadTooLarge, e),
+            Err(e) => return Prepared::dead(DeadLetterReason::DecodeFailed, e),
         };
         let key = match self.key.extract(record, &doc) {
             Ok(key) => key,
-            Err(e @ KeyError::Missing { .. }) => return DeadLetter::new(DeadLetterReason::KeyMissing, e),
-            Err(e @ KeyError::Invalid { .. }) => return DeadLetter::new(DeadLetterReason::KeyInvalid, e),
+            Err(e @ KeyError::Missing { .. }) => return Prepared::dead(DeadLetterReason::KeyMissing, e),
+            Err(e @ KeyError::Invalid { .. }) => return Prepared::dead(DeadLetterReason::KeyInvalid, e),
         };
         let mut values = Vec::with_capacity(self.bindings.len());
         for (binding, render) in &self.bindings {
@@ -101,7 +101,7 @@ fn value(
     key: &BusinessKey,
 ) -> Result<Option<String>, Prepared> {
     let invalid = |e: &dyn std::fmt::Display| {
-        DeadLetter::new(DeadLetterReason::ParamInvalid, format!("{}: {e}", binding.name))
+        Prepared::dead(DeadLetterReason::ParamInvalid, format!("{}: {e}", binding.name))
     };
     let utf8 = |bytes: Option<&[u8]>| -> Result<Option<String>, Prepared> {
         bytes
@@ -145,7 +145,7 @@ fn value(
             }
             Some(d) => Ok(Some(d.clone())),
             None if binding.optional => Ok(None),
-            None => Err(DeadLetter::new(
+            None => Err(Prepared::dead(
                 DeadLetterReason::ParamMissing,
                 format!("required value {} ({}) is missing or null", binding.name, describe(&binding.source)),
             )),

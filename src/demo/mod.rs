@@ -39,7 +39,7 @@ const SHIPPED_TABLES: &str = include_str!("../../pipelines/payments.sql");
 const TOPIC: &str = "payments";
 const ACCOUNTS: usize = 100;
 /// Each account starts with this balance, in cents.
-const OPENING_BALANCE_CENTS: i64 = 1_000_000_00;
+const OPENING_BALANCE_CENTS: i64 = 100_000_000;
 
 /// Options of `idemflow demo`.
 #[derive(Clone, Debug)]
@@ -431,7 +431,7 @@ pub async fn produce_forever(bootstrap_servers: &str, topic: &str, rate: u32) ->
         }
         sent += s.records.len() as u64;
         round += 1;
-        if round % 10 == 0 {
+        if round.is_multiple_of(10) {
             eprintln!("demo-producer: {sent} records sent to {topic}");
         }
         tokio::select! {

@@ -92,7 +92,8 @@ pub async fn existing(
     pipeline: &str,
     digests: &[&[u8]],
 ) -> Result<Vec<([u8; 32], Existing)>, sqlx::Error> {
-    let rows: Vec<(Vec<u8>, String, i32, i64, Vec<u8>)> =
+    type Row = (Vec<u8>, String, i32, i64, Vec<u8>);
+    let rows: Vec<Row> =
         sqlx::query_as(EXISTING).bind(pipeline).bind(digests).fetch_all(&mut *conn).await?;
     Ok(rows
         .into_iter()

@@ -397,7 +397,8 @@ async fn dead_letters_are_produced_to_the_dead_letter_topic() {
         .create()
         .unwrap();
     c.subscribe(&["payments.dlq"]).unwrap();
-    let mut got: Vec<(Option<Vec<u8>>, HashMap<String, String>)> = Vec::new();
+    type Received = (Option<Vec<u8>>, HashMap<String, String>);
+    let mut got: Vec<Received> = Vec::new();
     let deadline = Instant::now() + Duration::from_secs(30);
     while got.len() < 2 && Instant::now() < deadline {
         if let Some(Ok(m)) = c.poll(Duration::from_millis(200)) {
