@@ -176,7 +176,7 @@ async fn dead_letters(cmd: DeadLettersCommand) -> anyhow::Result<()> {
         DeadLettersCommand::List { config, .. } | DeadLettersCommand::Show { config, .. } | DeadLettersCommand::Replay { config, .. } => config.clone(),
     };
     let settings = load(&config)?;
-    db::ping(&settings.database).await.map_err(|why| anyhow::anyhow!("{}: database: {why}", config.display()))?;
+    reachable(&settings, &config).await?;
     let pool = db::pool(&settings.database)?;
     let mut conn = pool.acquire().await?;
     match cmd {
@@ -270,16 +270,23 @@ async fn retention_report(settings: &Settings, p: &config::Pipeline) -> Vec<Stri
     }
 }
 
+/// One direct connection attempt, reported against the settings file.
+async fn reachable(settings: &Settings, config: &std::path::Path) -> anyhow::Result<()> {
+    db::ping(&settings.database).await.map_err(|why| anyhow::anyhow!("{}: database: {why}", config.display()))
+}
+
+/// The pipeline named `name`, or an error saying where pipelines were looked for.
+fn named<'p>(pipelines: &'p [config::Pipeline], name: &str, settings: &Settings) -> anyhow::Result<&'p config::Pipeline> {
+    pipelines
+        .iter()
+        .find(|p| p.name == name)
+        .ok_or_else(|| anyhow::anyhow!("no pipeline named {name:?} in {}", settings.pipelines.display()))
+}
+
 /// At start-up the database may not be up yet (a compose file starts everything at once): wait for it, with
 /// exponential backoff, saying why on every attempt.
 async fn wait_for_database(settings: &Settings) {
-    use backon::BackoffBuilder;
-    let mut backoff = backon::ExponentialBuilder::default()
-        .with_min_delay(std::time::Duration::from_millis(200))
-        .with_max_delay(std::time::Duration::from_secs(10))
-        .with_jitter()
-        .without_max_times()
-        .build();
+    let mut backoff = worker::backoff(std::time::Duration::from_millis(200), std::time::Duration::from_secs(10));
     while let Err(why) = db::ping(&settings.database).await {
         let delay = backoff.next().unwrap_or(std::time::Duration::from_secs(10));
         tracing::warn!(retry_in = ?delay, "database: {why}");
@@ -292,10 +299,8 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
         Command::Explain(a) => {
             let settings = load(&a.config)?;
             let pipelines = config::load_pipelines(&settings.pipelines).map_err(|e| report(&e))?;
-            let Some(p) = pipelines.iter().find(|p| p.name == a.pipeline) else {
-                bail!("no pipeline named {:?} in {}", a.pipeline, settings.pipelines.display());
-            };
-            db::ping(&settings.database).await.map_err(|why| anyhow::anyhow!("{}: database: {why}", a.config.display()))?;
+            let p = named(&pipelines, &a.pipeline, &settings)?;
+            reachable(&settings, &a.config).await?;
             let mut conn = db::pool(&settings.database)?.acquire().await?;
             let key = idemflow::key::BusinessKey::new(a.key.clone());
             println!("pipeline {:?}, business key {:?}", p.name, a.key);
@@ -322,11 +327,9 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
             let settings = load(&a.config)?;
             let pipelines = config::load_pipelines(&settings.pipelines).map_err(|e| report(&e))?;
             if let Some(name) = &a.pipeline {
-                if !pipelines.iter().any(|p| &p.name == name) {
-                    bail!("no pipeline named {name:?} in {}", settings.pipelines.display());
-                }
+                named(&pipelines, name, &settings)?;
             }
-            db::ping(&settings.database).await.map_err(|why| anyhow::anyhow!("{}: database: {why}", a.config.display()))?;
+            reachable(&settings, &a.config).await?;
             let pool = db::pool(&settings.database)?;
             for p in pipelines.iter().filter(|p| a.pipeline.as_ref().is_none_or(|n| *n == p.name)) {
                 let o = idemflow::retention::purge(&pool, &p.name, p.dedup.retention, p.dedup.purge_batch).await?;
@@ -359,7 +362,7 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
         }
         Command::Migrate(a) => {
             let settings = load(&a.config)?;
-            db::ping(&settings.database).await.map_err(|why| anyhow::anyhow!("{}: database: {why}", a.config.display()))?;
+            reachable(&settings, &a.config).await?;
             let pool = db::pool(&settings.database)?;
             db::MIGRATOR.run(&pool).await.context("applying migrations")?;
             let latest = db::MIGRATOR.iter().map(|m| m.version).max().unwrap_or_default();
@@ -373,7 +376,7 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
                 idemflow::source::check_properties(&settings.kafka, p)
                     .map_err(|e| anyhow::anyhow!("{}: kafka.properties: {e}", a.config.display()))?;
             }
-            db::ping(&settings.database).await.map_err(|why| anyhow::anyhow!("{}: database: {why}", a.config.display()))?;
+            reachable(&settings, &a.config).await?;
             let pool = db::pool(&settings.database)?;
             if let Err(why) = db::check_schema(&pool).await {
                 bail!("{}: database: {why}", a.config.display());

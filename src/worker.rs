@@ -349,10 +349,10 @@ impl Step<'_> {
 const MAX_RETRY_DELAY: Duration = Duration::from_secs(30);
 
 fn retry_backoff() -> impl Iterator<Item = Duration> {
-    ExponentialBuilder::default()
-        .with_min_delay(Duration::from_millis(100))
-        .with_max_delay(MAX_RETRY_DELAY)
-        .with_jitter()
-        .without_max_times()
-        .build()
+    backoff(Duration::from_millis(100), MAX_RETRY_DELAY)
+}
+
+/// Exponential delays with jitter from `min` doubling up to `max`, without end (the backon crate).
+pub fn backoff(min: Duration, max: Duration) -> impl Iterator<Item = Duration> {
+    ExponentialBuilder::default().with_min_delay(min).with_max_delay(max).with_jitter().without_max_times().build()
 }

@@ -136,13 +136,16 @@ struct DemoWorker {
     handle: JoinHandle<Vec<PipelineFailure>>,
 }
 
-async fn start_worker(settings: &Settings, pool: &sqlx::PgPool, metrics: &Metrics, health: &Health, faults: Faults) -> anyhow::Result<DemoWorker> {
-    let pipelines = config::load_pipelines(&settings.pipelines).map_err(|e| anyhow::anyhow!("{}", e.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n")))?;
-    let ready = worker::prepare(pool, &pipelines).await.map_err(|e| anyhow::anyhow!("{}", e.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n")))?;
+fn lines(errors: &[config::PipelineError]) -> anyhow::Error {
+    anyhow::anyhow!("{}", errors.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n"))
+}
+
+/// Starts one worker on the pipelines `ready` (prepared once for all the demo's workers).
+fn start_worker(settings: &Settings, ready: &[worker::Ready], metrics: &Metrics, health: &Health, faults: Faults) -> DemoWorker {
     let (trigger, stop): (shutdown::Trigger, Shutdown) = shutdown::channel();
-    let (settings, metrics, health) = (settings.clone(), metrics.clone(), health.clone());
+    let (settings, ready, metrics, health) = (settings.clone(), ready.to_vec(), metrics.clone(), health.clone());
     let handle = tokio::spawn(async move { worker::run_with_faults(&settings, ready, &metrics, &health, stop, faults).await });
-    Ok(DemoWorker { trigger, handle })
+    DemoWorker { trigger, handle }
 }
 
 impl DemoWorker {
@@ -290,7 +293,9 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<bool> {
     let total = s.records.len() as u64;
     let batches_before_crash = (total / 5 / 500).max(1);
     let mut progress = Progress::new(total);
-    let mut a = start_worker(&settings, &pool, &metrics, &health, Faults { crash_after_commits: Some(batches_before_crash) }).await?;
+    let pipelines = config::load_pipelines(&settings.pipelines).map_err(|e| lines(&e))?;
+    let ready = worker::prepare(&pool, &pipelines).await.map_err(|e| lines(&e))?;
+    let mut a = start_worker(&settings, &ready, &metrics, &health, Faults { crash_after_commits: Some(batches_before_crash) });
     let mut b: Option<DemoWorker> = None;
     let (mut crashed, mut joined, mut left) = (false, false, false);
     let deadline = Instant::now() + Duration::from_secs(30 * 60);
@@ -302,11 +307,11 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<bool> {
         let mut event = None;
         if !crashed && a.handle.is_finished() {
             crashed = true;
-            a = start_worker(&settings, &pool, &metrics, &health, Faults::default()).await?;
+            a = start_worker(&settings, &ready, &metrics, &health, Faults::default());
             event = Some("worker A stopped abruptly after a database commit, before its offset commit; restarted".to_owned());
         } else if crashed && !joined && consumed >= total * 2 / 5 {
             joined = true;
-            b = Some(start_worker(&settings, &pool, &metrics, &health, Faults::default()).await?);
+            b = Some(start_worker(&settings, &ready, &metrics, &health, Faults::default()));
             event = Some("worker B joined the consumer group: rebalance".to_owned());
         } else if joined && !left && consumed >= total * 7 / 10 {
             left = true;
