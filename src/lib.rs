@@ -18,8 +18,10 @@
 //! - [`prepare`]: one record through decode, key and parameter extraction, into what the sink needs.
 //! - [`sink`]: the batch transaction: dedup claim, side effect, dead letters; failure classification.
 //! - [`dead_letter_topic`]: the optional Kafka topic that also receives every dead letter.
-//! - [`offsets`]: the next offset of each partition after a batch (the only place that adds 1) and its commit.
+//! - [`offsets`]: the next offset of each partition after a batch (the only place that adds 1), and the fenced
+//!   positions stored in Postgres with `[offsets] store = "database"`.
 //! - [`retention`]: purging dedup rows older than the pipeline's retention, in bounded batches.
+//! - [`rewind`]: moving a stopped pipeline's group back to replay its topics (`idemflow rewind`).
 //! - [`metrics`]: every Prometheus metric; [`http`]: `/metrics`, `/healthz`, `/readyz`.
 //! - [`worker`]: runs every pipeline until shutdown; [`shutdown`]: the signal that stops it.
 //! - [`db`]: the connection pool and the embedded migrations; [`telemetry`]: logging.
@@ -61,6 +63,7 @@ pub mod offsets;
 pub mod prepare;
 pub mod record;
 pub mod retention;
+pub mod rewind;
 pub mod shutdown;
 pub mod sink;
 pub mod source;

@@ -28,6 +28,9 @@ enum Command {
     /// Inspect dead letters and replay them once the cause is fixed.
     #[command(subcommand)]
     DeadLetters(DeadLettersCommand),
+    /// Move a pipeline's consumer group back (with its workers stopped) so its topics are consumed again; the
+    /// dedup store skips every record already applied.
+    Rewind(RewindArgs),
     /// Run one retention pass by hand: delete each pipeline's dedup rows older than its [dedup] retention.
     Purge(PurgeArgs),
     /// See the whole job on this machine: an embedded Kafka broker, a throwaway PostgreSQL, a stream of payments
@@ -104,6 +107,25 @@ struct ExplainArgs {
     /// The business key's canonical text (a composite key as its JSON array, e.g. '["o-1","3"]').
     #[arg(long)]
     key: String,
+}
+
+#[derive(clap::Args)]
+struct RewindArgs {
+    /// The settings file.
+    #[arg(long, short, default_value = "idemflow.toml")]
+    config: PathBuf,
+    /// The pipeline.
+    #[arg(long)]
+    pipeline: String,
+    /// `earliest`, or an RFC 3339 timestamp (the first record at or after it), e.g. 2026-11-29T08:00:00Z.
+    #[arg(long)]
+    to: idemflow::rewind::Target,
+    /// Print the plan and change nothing.
+    #[arg(long)]
+    dry_run: bool,
+    /// How long to wait for each Kafka request and for the group's assignment.
+    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+    timeout: std::time::Duration,
 }
 
 #[derive(clap::Args)]
@@ -242,6 +264,51 @@ async fn dead_letters(cmd: DeadLettersCommand) -> anyhow::Result<()> {
     }
 }
 
+async fn rewind(a: RewindArgs) -> anyhow::Result<()> {
+    use idemflow::config::OffsetStore;
+    use idemflow::rewind;
+    let settings = load(&a.config)?;
+    let pipelines = config::load_pipelines(&settings.pipelines).map_err(|e| report(&e))?;
+    let p = named(&pipelines, &a.pipeline, &settings)?.clone();
+    let stored = p.offsets == OffsetStore::Database;
+    let pool = if stored {
+        reachable(&settings, &a.config).await?;
+        Some(db::pool(&settings.database)?)
+    } else {
+        None
+    };
+    let (kafka, pp) = (settings.kafka.clone(), p.clone());
+    let moves = tokio::task::spawn_blocking(move || rewind::plan(&kafka, &pp, a.to, a.timeout)).await??;
+    println!("pipeline {:?}, consumer group {:?}{}", p.name, p.group_id, if stored { ", stored positions too" } else { "" });
+    println!("{:<32} {:>12} {:>12} {:>12} {:>12}", "partition", "from", "to", "end", "replayed");
+    for m in &moves {
+        let from = m.from.map_or("-".to_owned(), |o| o.to_string());
+        let tp = format!("{}/{}", m.topic, m.partition);
+        println!("{tp:<32} {from:>12} {:>12} {:>12} {:>12}", m.to, m.end, m.replayed());
+    }
+    let total: i64 = moves.iter().map(rewind::Move::replayed).sum();
+    if a.dry_run {
+        println!("dry run: nothing changed; {total} record(s) would be consumed again");
+        return Ok(());
+    }
+    let runtime = tokio::runtime::Handle::current();
+    let (kafka, pp, mv) = (settings.kafka.clone(), p.clone(), moves.clone());
+    tokio::task::spawn_blocking(move || {
+        rewind::apply(&kafka, &pp, &mv, a.timeout, || match &pool {
+            Some(pool) => {
+                let positions: Vec<(String, i32, i64)> = mv.iter().map(|m| (m.topic.clone(), m.partition, m.to)).collect();
+                runtime.block_on(idemflow::offsets::reset(pool, &pp.name, &positions)).map(drop).map_err(|e| e.to_string())
+            }
+            None => Ok(()),
+        })
+    })
+    .await??;
+    println!(
+        "rewound: {total} record(s) will be consumed again when the workers start; those already applied are skipped          as duplicates (idemflow_duplicates_skipped_total)"
+    );
+    Ok(())
+}
+
 /// Compares a pipeline's dedup retention with its topics' `retention.ms`: one line per topic.
 async fn retention_report(settings: &Settings, p: &config::Pipeline) -> Vec<String> {
     let read = tokio::time::timeout(
@@ -323,6 +390,7 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
             Ok(())
         }
         Command::DeadLetters(cmd) => dead_letters(cmd).await,
+        Command::Rewind(a) => rewind(a).await,
         Command::Purge(a) => {
             let settings = load(&a.config)?;
             let pipelines = config::load_pipelines(&settings.pipelines).map_err(|e| report(&e))?;

@@ -126,16 +126,20 @@ pub enum CommitResult {
     Error,
     /// Not sent: the partition is no longer owned by this consumer.
     SkippedNotOwned,
+    /// `[offsets] store = "database"`: the stored position was claimed by another worker; the batch rolled back.
+    Fenced,
 }
 
 impl CommitResult {
-    const ALL: [CommitResult; 3] = [CommitResult::Ok, CommitResult::Error, CommitResult::SkippedNotOwned];
+    const ALL: [CommitResult; 4] =
+        [CommitResult::Ok, CommitResult::Error, CommitResult::SkippedNotOwned, CommitResult::Fenced];
 
     fn as_str(self) -> &'static str {
         match self {
             CommitResult::Ok => "ok",
             CommitResult::Error => "error",
             CommitResult::SkippedNotOwned => "skipped_not_owned",
+            CommitResult::Fenced => "fenced",
         }
     }
 }

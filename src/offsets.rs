@@ -1,10 +1,19 @@
-//! Kafka offsets after a batch.
+//! Consumed positions: what to commit after a batch, and the positions stored in Postgres.
 //!
 //! Kafka's committed offset is the offset of the *next* record to consume (Kafka protocol, OffsetCommit; the
 //! Java client's `commitSync` documentation). So after a batch, each partition's commit is the highest offset
 //! processed in it plus one. This module is the only place that adds that one.
+//!
+//! With `[offsets] store = "database"` the same positions are also written to `idemflow.offsets` inside the
+//! batch's transaction ([`advance`]), so the position and the effects commit or roll back together. Ownership
+//! is fenced with an epoch per partition: a worker assigned a partition increments the epoch ([`claim`]) and
+//! its batches update the row only while the epoch is still theirs. The claim's `UPDATE` waits for the row
+//! lock of a previous owner's batch still in flight (Postgres row locking, "Explicit Locking" in its manual),
+//! so the new owner starts exactly where the last committed batch ended, and a batch of the previous owner
+//! that comes after the claim finds the epoch changed and rolls back whole ([`advance`] reports it fenced).
 
 use crate::record::Record;
+use sqlx::{PgConnection, PgPool};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -24,6 +33,119 @@ impl NextOffsets {
         }
         NextOffsets(next)
     }
+}
+
+/// A partition's stored position after [`claim`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Claimed {
+    /// Topic.
+    pub topic: String,
+    /// Partition.
+    pub partition: i32,
+    /// The offset of the next record to consume; `None` if no batch of this pipeline has stored one yet (the
+    /// consumer group's committed offset, or `auto.offset.reset`, applies then).
+    pub next_offset: Option<i64>,
+    /// The epoch the claimant now holds; its batches must present it to [`advance`].
+    pub epoch: i64,
+}
+
+/// Takes ownership of `partitions` for `pipeline` in one statement: increments each one's epoch (creating the
+/// row at epoch 1) and returns the stored positions. `owner` is recorded for operators (host and process).
+///
+/// Errors: any database error (the caller retries).
+pub async fn claim(pool: &PgPool, pipeline: &str, owner: &str, partitions: &[(String, i32)]) -> sqlx::Result<Vec<Claimed>> {
+    let (topics, parts): (Vec<&str>, Vec<i32>) = partitions.iter().map(|(t, p)| (t.as_str(), *p)).unzip();
+    let rows: Vec<(String, i32, Option<i64>, i64)> = sqlx::query_as(
+        r#"
+INSERT INTO idemflow.offsets AS o (pipeline, topic, partition, owner_epoch, owner, claimed_at)
+SELECT $1, u.topic, u.partition, 1, $2, now() FROM unnest($3::text[], $4::int4[]) AS u(topic, partition)
+ON CONFLICT (pipeline, topic, partition)
+DO UPDATE SET owner_epoch = o.owner_epoch + 1, owner = excluded.owner, claimed_at = excluded.claimed_at
+RETURNING topic, partition, next_offset, owner_epoch"#,
+    )
+    .bind(pipeline)
+    .bind(owner)
+    .bind(&topics)
+    .bind(&parts)
+    .fetch_all(pool)
+    .await?;
+    Ok(rows.into_iter().map(|(topic, partition, next_offset, epoch)| Claimed { topic, partition, next_offset, epoch }).collect())
+}
+
+/// The positions a batch stores, with the epoch its worker holds for each partition.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Positions(pub Vec<(Arc<str>, i32, i64, i64)>);
+
+impl Positions {
+    /// `(topic, partition, next offset, epoch)` for each partition of `next`, with its epoch from `epoch_of`.
+    /// A partition without one gets epoch -1, which no row holds, so [`advance`] reports it fenced.
+    pub fn new(next: &NextOffsets, epoch_of: impl Fn(&Arc<str>, i32) -> Option<i64>) -> Self {
+        Positions(next.0.iter().map(|((t, p), o)| (t.clone(), *p, *o, epoch_of(t, *p).unwrap_or(-1))).collect())
+    }
+}
+
+/// Stores `positions` inside the batch's transaction, in one statement, for the partitions whose epoch is
+/// still the one presented. Returns the partitions that were fenced (another worker claimed them since, or a
+/// rewind reset them); the caller must then roll the whole transaction back.
+///
+/// Errors: any database error.
+pub async fn advance(conn: &mut PgConnection, pipeline: &str, positions: &Positions) -> sqlx::Result<Vec<(String, i32)>> {
+    if positions.0.is_empty() {
+        return Ok(Vec::new());
+    }
+    let mut topics = Vec::with_capacity(positions.0.len());
+    let (mut parts, mut next, mut epochs) = (Vec::new(), Vec::new(), Vec::new());
+    for (t, p, o, e) in &positions.0 {
+        topics.push(&**t);
+        parts.push(*p);
+        next.push(*o);
+        epochs.push(*e);
+    }
+    let updated: Vec<(String, i32)> = sqlx::query_as(
+        r#"
+UPDATE idemflow.offsets AS o SET next_offset = u.next_offset, updated_at = now()
+FROM unnest($2::text[], $3::int4[], $4::int8[], $5::int8[]) AS u(topic, partition, next_offset, epoch)
+WHERE o.pipeline = $1 AND o.topic = u.topic AND o.partition = u.partition AND o.owner_epoch = u.epoch
+RETURNING o.topic, o.partition"#,
+    )
+    .bind(pipeline)
+    .bind(&topics)
+    .bind(&parts)
+    .bind(&next)
+    .bind(&epochs)
+    .fetch_all(&mut *conn)
+    .await?;
+    Ok(positions
+        .0
+        .iter()
+        .filter(|(t, p, _, _)| !updated.iter().any(|(ut, up)| ut == &**t && up == p))
+        .map(|(t, p, _, _)| (t.to_string(), *p))
+        .collect())
+}
+
+/// Sets the stored positions of `pipeline` (for `idemflow rewind`) and increments their epochs, so a worker
+/// still holding one of these partitions is fenced. Returns how many rows were written.
+///
+/// Errors: any database error.
+pub async fn reset(pool: &PgPool, pipeline: &str, positions: &[(String, i32, i64)]) -> sqlx::Result<u64> {
+    let topics: Vec<&str> = positions.iter().map(|p| p.0.as_str()).collect();
+    let parts: Vec<i32> = positions.iter().map(|p| p.1).collect();
+    let next: Vec<i64> = positions.iter().map(|p| p.2).collect();
+    let done = sqlx::query(
+        r#"
+INSERT INTO idemflow.offsets AS o (pipeline, topic, partition, next_offset, owner_epoch, owner, updated_at)
+SELECT $1, u.topic, u.partition, u.next_offset, 1, 'idemflow rewind', now()
+FROM unnest($2::text[], $3::int4[], $4::int8[]) AS u(topic, partition, next_offset)
+ON CONFLICT (pipeline, topic, partition) DO UPDATE SET next_offset = excluded.next_offset,
+    owner_epoch = o.owner_epoch + 1, owner = excluded.owner, updated_at = excluded.updated_at"#,
+    )
+    .bind(pipeline)
+    .bind(&topics)
+    .bind(&parts)
+    .bind(&next)
+    .execute(pool)
+    .await?;
+    Ok(done.rows_affected())
 }
 
 #[cfg(test)]

@@ -22,10 +22,14 @@ use crate::offsets::NextOffsets;
 use crate::record::Record;
 use crate::shutdown::Shutdown;
 use rdkafka::config::{ClientConfig, RDKafkaLogLevel};
-use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer};
+use crate::offsets::{self, Positions};
+use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, RebalanceProtocol, StreamConsumer};
+use rdkafka::types::RDKafkaRespErr;
+use sqlx::PgPool;
 use rdkafka::error::{KafkaError, KafkaResult};
 use rdkafka::{ClientContext, Offset, TopicPartitionList};
 use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 use tokio::time::Instant;
@@ -42,6 +46,22 @@ struct Ownership {
     revoked: Vec<Tp>,
     /// Per owned partition, the next offset whose predecessors are all durable in Postgres.
     durable: HashMap<Tp, i64>,
+    /// `[offsets] store = "database"`: per owned partition, the owner epoch this worker claimed.
+    epochs: HashMap<Tp, i64>,
+    /// Consumption is paused for a retry ([`Source::pause_for`]).
+    paused: bool,
+}
+
+/// What the source needs to start partitions from their stored positions (`[offsets] store = "database"`).
+pub struct StoredStart {
+    /// The pool of the dedup store.
+    pub pool: PgPool,
+    /// Recorded as the owner of claimed partitions (for operators): `host/pid` by default.
+    pub owner: String,
+    /// The runtime the worker runs on (the rebalance callback blocks on the claim).
+    pub runtime: tokio::runtime::Handle,
+    /// Ends the claim's retries.
+    pub shutdown: Shutdown,
 }
 
 /// The consumer context: rebalance and commit callbacks, and librdkafka's log lines into tracing.
@@ -49,6 +69,9 @@ pub struct SourceContext {
     pipeline: String,
     state: Arc<Mutex<Ownership>>,
     metrics: PipelineMetrics,
+    stored: Option<StoredStart>,
+    /// Set by [`Source::close`]: the consumer is leaving the group.
+    closing: AtomicBool,
 }
 
 fn tp_of(topic: &str, partition: i32) -> Tp {
@@ -76,63 +99,147 @@ impl ClientContext for SourceContext {
 }
 
 impl ConsumerContext for SourceContext {
-    fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
-        match rebalance {
-            Rebalance::Revoke(tpl) => {
-                self.metrics.rebalance(RebalanceEvent::Revoke);
-                let mut commit = TopicPartitionList::new();
-                {
-                    let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
-                    for e in tpl.elements() {
-                        let tp = tp_of(e.topic(), e.partition());
-                        if let Some(next) = st.durable.remove(&tp) {
-                            let _ = commit.add_partition_offset(e.topic(), e.partition(), Offset::Offset(next));
-                        }
-                        st.assigned.remove(&tp);
-                        st.revoked.push(tp);
-                        self.metrics.forget_lag(e.topic(), e.partition());
+    /// librdkafka's rebalance callback (it runs inside the consumer's poll). Replaces rdkafka's default only to
+    /// set each assigned partition's starting offset from the stored positions (`[offsets] store = "database"`)
+    /// before assigning; otherwise it does what the default does.
+    fn rebalance(&self, consumer: &BaseConsumer<Self>, err: RDKafkaRespErr, tpl: &mut TopicPartitionList) {
+        let cooperative = matches!(consumer.rebalance_protocol(), RebalanceProtocol::Cooperative);
+        let result = match err {
+            RDKafkaRespErr::RD_KAFKA_RESP_ERR__ASSIGN_PARTITIONS if self.closing.load(Ordering::SeqCst) => {
+                // Leaving the group: take nothing (librdkafka can abort when an assignment is still starting
+                // while the consumer terminates).
+                tracing::info!(pipeline = %self.pipeline, partitions = %describe(tpl), "closing: not taking the assigned partitions");
+                consumer.unassign()
+            }
+            RDKafkaRespErr::RD_KAFKA_RESP_ERR__ASSIGN_PARTITIONS => {
+                if let Some(stored) = &self.stored {
+                    if !self.start_from_stored(stored, tpl) {
+                        *tpl = TopicPartitionList::new(); // shutting down: take nothing
                     }
                 }
-                tracing::info!(pipeline = %self.pipeline, partitions = %describe(tpl), "partitions revoked");
-                if commit.count() > 0 && consumer.assignment_lost() {
-                    tracing::info!(pipeline = %self.pipeline, "assignment lost (session expired): not committing");
-                } else if commit.count() > 0 {
-                    match consumer.commit(&commit, CommitMode::Sync) {
-                        Ok(()) => self.metrics.offset_commit(CommitResult::Ok),
-                        Err(e) => {
-                            self.metrics.offset_commit(CommitResult::Error);
-                            tracing::warn!(pipeline = %self.pipeline, error = %e, "offset commit on revoke failed; \
-                                the new owner will skip the redelivered records as duplicates");
-                        }
-                    }
+                let r = if cooperative { consumer.incremental_assign(tpl) } else { consumer.assign(tpl) };
+                self.assigned(consumer, tpl);
+                r
+            }
+            RDKafkaRespErr::RD_KAFKA_RESP_ERR__REVOKE_PARTITIONS => {
+                self.revoked(consumer, tpl);
+                if cooperative {
+                    consumer.incremental_unassign(tpl)
+                } else {
+                    consumer.unassign()
                 }
             }
-            Rebalance::Assign(_) => {}
-            Rebalance::Error(e) => {
-                // rdkafka unassigns everything after a failed rebalance: treat it as losing every partition.
-                self.metrics.rebalance(RebalanceEvent::Error);
-                let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
-                let lost: Vec<Tp> = st.assigned.drain().collect();
-                st.durable.clear();
-                st.revoked.extend(lost);
-                drop(st);
-                tracing::warn!(pipeline = %self.pipeline, error = %e, "rebalance error: every partition counts as lost");
+            other => {
+                self.rebalance_error(KafkaError::Rebalance(other.into()));
+                consumer.unassign()
             }
+        };
+        if let Err(e) = result {
+            tracing::warn!(pipeline = %self.pipeline, error = %e, "applying the rebalance failed");
         }
     }
+}
 
-    fn post_rebalance(&self, _consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
-        if let Rebalance::Assign(tpl) = rebalance {
-            self.metrics.rebalance(RebalanceEvent::Assign);
+impl SourceContext {
+    fn revoked(&self, consumer: &BaseConsumer<Self>, tpl: &TopicPartitionList) {
+        self.metrics.rebalance(RebalanceEvent::Revoke);
+        let mut commit = TopicPartitionList::new();
+        {
             let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
             for e in tpl.elements() {
-                st.assigned.insert(tp_of(e.topic(), e.partition()));
+                let tp = tp_of(e.topic(), e.partition());
+                if let Some(next) = st.durable.remove(&tp) {
+                    let _ = commit.add_partition_offset(e.topic(), e.partition(), Offset::Offset(next));
+                }
+                st.assigned.remove(&tp);
+                st.epochs.remove(&tp);
+                st.revoked.push(tp);
+                self.metrics.forget_lag(e.topic(), e.partition());
             }
-            drop(st);
-            tracing::info!(pipeline = %self.pipeline, partitions = %describe(tpl), "partitions assigned");
+        }
+        tracing::info!(pipeline = %self.pipeline, partitions = %describe(tpl), "partitions revoked");
+        if self.closing.load(Ordering::SeqCst) {
+            // Source::close committed the durable positions just before leaving; a commit from the callback
+            // while the consumer terminates can abort librdkafka (rd_kafka_cgrp_terminated's assertion).
+        } else if commit.count() > 0 && consumer.assignment_lost() {
+            tracing::info!(pipeline = %self.pipeline, "assignment lost (session expired): not committing");
+        } else if commit.count() > 0 {
+            match consumer.commit(&commit, CommitMode::Sync) {
+                Ok(()) => self.metrics.offset_commit(CommitResult::Ok),
+                Err(e) => {
+                    self.metrics.offset_commit(CommitResult::Error);
+                    tracing::warn!(pipeline = %self.pipeline, error = %e, "offset commit on revoke failed; \
+                        the new owner will skip the redelivered records as duplicates");
+                }
+            }
         }
     }
 
+    fn rebalance_error(&self, e: KafkaError) {
+        // rdkafka unassigns everything after a failed rebalance: treat it as losing every partition.
+        self.metrics.rebalance(RebalanceEvent::Error);
+        let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        let lost: Vec<Tp> = st.assigned.drain().collect();
+        st.durable.clear();
+        st.epochs.clear();
+        st.revoked.extend(lost);
+        drop(st);
+        tracing::warn!(pipeline = %self.pipeline, error = %e, "rebalance error: every partition counts as lost");
+    }
+
+    fn assigned(&self, consumer: &BaseConsumer<Self>, tpl: &TopicPartitionList) {
+        self.metrics.rebalance(RebalanceEvent::Assign);
+        let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        for e in tpl.elements() {
+            st.assigned.insert(tp_of(e.topic(), e.partition()));
+        }
+        let paused = st.paused;
+        drop(st);
+        // librdkafka keeps a partition's pause flag across a revoke and a new assignment (librdkafka issue
+        // #1849): set it explicitly, or a partition paused before a rebalance would never be fetched again.
+        let r = if paused { consumer.pause(tpl) } else { consumer.resume(tpl) };
+        if let Err(e) = r {
+            tracing::debug!(pipeline = %self.pipeline, error = %e, "setting the pause state of assigned partitions failed");
+        }
+        tracing::info!(pipeline = %self.pipeline, partitions = %describe(tpl), "partitions assigned");
+    }
+
+    /// Claims the assigned partitions' stored positions ([`offsets::claim`]) and sets them as the starting
+    /// offsets in `tpl`. Retries while the database is unreachable (the partitions wait for it); returns `false`
+    /// if shutdown came first.
+    fn start_from_stored(&self, stored: &StoredStart, tpl: &mut TopicPartitionList) -> bool {
+        let partitions: Vec<(String, i32)> =
+            tpl.elements().iter().map(|e| (e.topic().to_owned(), e.partition())).collect();
+        if partitions.is_empty() {
+            return true;
+        }
+        let mut delays = crate::worker::backoff(Duration::from_millis(100), Duration::from_secs(10));
+        let claimed = loop {
+            let attempt = tokio::task::block_in_place(|| {
+                stored.runtime.block_on(offsets::claim(&stored.pool, &self.pipeline, &stored.owner, &partitions))
+            });
+            match attempt {
+                Ok(claimed) => break claimed,
+                Err(e) => {
+                    if stored.shutdown.is_triggered() {
+                        return false;
+                    }
+                    let delay = delays.next().unwrap_or(Duration::from_secs(10));
+                    tracing::warn!(pipeline = %self.pipeline, error = %e, retry_in = ?delay,
+                        "cannot read the stored positions of the assigned partitions; retrying");
+                    std::thread::sleep(delay);
+                }
+            }
+        };
+        let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        for c in claimed {
+            if let Some(next) = c.next_offset {
+                let _ = tpl.set_partition_offset(&c.topic, c.partition, Offset::Offset(next));
+            }
+            st.epochs.insert(tp_of(&c.topic, c.partition), c.epoch);
+        }
+        true
+    }
 }
 
 fn describe(tpl: &TopicPartitionList) -> String {
@@ -148,7 +255,7 @@ fn describe(tpl: &TopicPartitionList) -> String {
 }
 
 /// The consumer's librdkafka configuration (see [`Source::new`]).
-fn consumer_config(kafka: &KafkaSettings, pipeline: &Pipeline) -> ClientConfig {
+pub(crate) fn consumer_config(kafka: &KafkaSettings, pipeline: &Pipeline) -> ClientConfig {
     let mut config = ClientConfig::new();
     config
         .set("bootstrap.servers", &kafka.bootstrap_servers)
@@ -204,6 +311,9 @@ fn drop_revoked(state: &Mutex<Ownership>, pipeline: &str, batch: &mut Vec<Record
     }
 }
 
+/// How long the source waits, idle, before retrying a failed offset commit.
+const RECOMMIT_AFTER: Duration = Duration::from_secs(1);
+
 /// One pipeline's consumer.
 pub struct Source {
     consumer: StreamConsumer<SourceContext>,
@@ -211,6 +321,8 @@ pub struct Source {
     stash: Vec<Record>,
     /// Consume errors in a row, for backing off.
     consume_errors: u32,
+    /// The last offset commit failed: retried while idle.
+    commit_failed: bool,
     state: Arc<Mutex<Ownership>>,
     topics: HashMap<String, Arc<str>>,
     pipeline: String,
@@ -223,10 +335,26 @@ impl Source {
     /// The worker sets `group.id`, `enable.auto.commit=false` and `enable.auto.offset.store=false`, and defaults
     /// `auto.offset.reset=earliest` (a new group starts from the beginning of each partition) and `client.id`;
     /// every other librdkafka property comes from `[kafka.properties]`.
-    pub fn new(kafka: &KafkaSettings, pipeline: &Pipeline, metrics: PipelineMetrics) -> KafkaResult<Self> {
+    ///
+    /// With `stored` (`[offsets] store = "database"`), each assigned partition starts from its position stored in
+    /// `idemflow.offsets`, claimed under a new owner epoch (see [`crate::offsets`]); a partition with no stored
+    /// position starts from the group's committed offset.
+    pub fn new(
+        kafka: &KafkaSettings,
+        pipeline: &Pipeline,
+        metrics: PipelineMetrics,
+        stored: Option<StoredStart>,
+    ) -> KafkaResult<Self> {
         let config = consumer_config(kafka, pipeline);
         let state = Arc::new(Mutex::new(Ownership::default()));
-        let context = SourceContext { pipeline: pipeline.name.clone(), state: state.clone(), metrics: metrics.clone() };
+        let context =
+            SourceContext {
+            pipeline: pipeline.name.clone(),
+            state: state.clone(),
+            metrics: metrics.clone(),
+            stored,
+            closing: AtomicBool::new(false),
+        };
         let consumer: StreamConsumer<SourceContext> = config.create_with_context(context)?;
         let topics: Vec<&str> = pipeline.topics.iter().map(String::as_str).collect();
         consumer.subscribe(&topics)?;
@@ -234,6 +362,7 @@ impl Source {
             consumer,
             stash: Vec::new(),
             consume_errors: 0,
+            commit_failed: false,
             state,
             topics: pipeline.topics.iter().map(|t| (t.clone(), Arc::from(t.as_str()))).collect(),
             pipeline: pipeline.name.clone(),
@@ -258,6 +387,12 @@ impl Source {
                 None => tokio::select! {
                     m = self.consumer.recv() => m,
                     _ = shutdown.wait() => return None,
+                    // While idle, retry a failed offset commit, so the group's position (and the lag) does not
+                    // stay behind until the next record arrives.
+                    _ = tokio::time::sleep(RECOMMIT_AFTER), if self.commit_failed => {
+                        self.recommit();
+                        continue;
+                    }
                 },
                 Some(at) => tokio::select! {
                     m = tokio::time::timeout_at(at, self.consumer.recv()) => match m {
@@ -296,6 +431,7 @@ impl Source {
     /// exceeded. Records of `batch` whose partition is revoked meanwhile are dropped (their next owner gets them);
     /// records that still arrive are kept for the next batch. Returns `false` if shutdown came first.
     pub async fn pause_for(&mut self, delay: Duration, batch: &mut Vec<Record>, shutdown: &mut Shutdown) -> bool {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner).paused = true;
         let paused = self.consumer.assignment().unwrap_or_default();
         if let Err(e) = self.consumer.pause(&paused) {
             tracing::debug!(pipeline = %self.pipeline, error = %e, "pausing partitions failed");
@@ -323,6 +459,7 @@ impl Source {
             }
         }
         drop_revoked(&self.state, &self.pipeline, batch, &mut self.stash);
+        self.state.lock().unwrap_or_else(PoisonError::into_inner).paused = false;
         let owned = self.consumer.assignment().unwrap_or_default();
         if let Err(e) = self.consumer.resume(&owned) {
             tracing::debug!(pipeline = %self.pipeline, error = %e, "resuming partitions failed");
@@ -330,9 +467,43 @@ impl Source {
         !stopped
     }
 
+    /// The positions to store in the batch's transaction after `next`, with this worker's epochs; `None` unless
+    /// `[offsets] store = "database"`.
+    pub fn positions(&self, next: &NextOffsets) -> Option<Positions> {
+        self.consumer.context().stored.as_ref()?;
+        let st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        Some(Positions::new(next, |t, p| st.epochs.get(&(t.clone(), p)).copied()))
+    }
+
+    /// Gives up partitions whose stored positions another worker has claimed (a fenced batch): they count as
+    /// revoked (buffered records are dropped, no offset is committed for them) and consumption of them is paused
+    /// until the group assigns them again.
+    /// Their records are removed from `batch` too.
+    pub fn lose(&mut self, partitions: &[(String, i32)], batch: &mut Vec<Record>) {
+        let mut pause = TopicPartitionList::new();
+        {
+            let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+            for (t, p) in partitions {
+                let tp = tp_of(t, *p);
+                st.assigned.remove(&tp);
+                st.epochs.remove(&tp);
+                st.durable.remove(&tp);
+                st.revoked.push(tp);
+                pause.add_partition(t, *p);
+                self.metrics.offset_commit(CommitResult::Fenced);
+            }
+        }
+        tracing::warn!(pipeline = %self.pipeline, partitions = %describe(&pause),
+            "fenced: another worker claimed these partitions; dropping their records");
+        if let Err(e) = self.consumer.pause(&pause) {
+            tracing::debug!(pipeline = %self.pipeline, error = %e, "pausing fenced partitions failed");
+        }
+        drop_revoked(&self.state, &self.pipeline, batch, &mut self.stash);
+    }
+
     /// Commits `next` for the partitions still owned, synchronously, and counts the outcome. A failure is logged
     /// and counted, never fatal: the records are redelivered and skipped as duplicates.
-    pub fn commit(&self, next: &NextOffsets) {
+    pub fn commit(&mut self, next: &NextOffsets) {
         let tpl = self.owned_list(next);
         if tpl.count() == 0 {
             return;
@@ -343,14 +514,42 @@ impl Source {
                 self.metrics.lag(e.topic(), e.partition(), (high - next).max(0));
             }
         }
-        match tokio::task::block_in_place(|| self.consumer.commit(&tpl, CommitMode::Sync)) {
-            Ok(()) => self.metrics.offset_commit(CommitResult::Ok),
+        self.commit_list(&tpl);
+    }
+
+    fn commit_list(&mut self, tpl: &TopicPartitionList) {
+        match tokio::task::block_in_place(|| self.consumer.commit(tpl, CommitMode::Sync)) {
+            Ok(()) => {
+                self.metrics.offset_commit(CommitResult::Ok);
+                self.commit_failed = false;
+            }
             Err(e) => {
                 self.metrics.offset_commit(CommitResult::Error);
-                tracing::warn!(pipeline = %self.pipeline, error = %e, offsets = %describe(&tpl),
-                    "offset commit failed; the records will be redelivered and skipped as duplicates");
+                self.commit_failed = true;
+                tracing::warn!(pipeline = %self.pipeline, error = %e, offsets = %describe(tpl),
+                    "offset commit failed (retried when idle); unless it succeeds, the records will be redelivered \
+                     and skipped as duplicates");
             }
         }
+    }
+
+    /// Commits every durable position of the partitions still owned again, after a failed commit.
+    fn recommit(&mut self) {
+        let tpl = self.durable_list();
+        if tpl.count() == 0 {
+            self.commit_failed = false;
+            return;
+        }
+        self.commit_list(&tpl);
+    }
+
+    fn durable_list(&self) -> TopicPartitionList {
+        let st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut tpl = TopicPartitionList::new();
+        for ((topic, partition), offset) in &st.durable {
+            let _ = tpl.add_partition_offset(topic, *partition, Offset::Offset(*offset));
+        }
+        tpl
     }
 
     /// The high watermark librdkafka last saw in a fetch response (`rd_kafka_get_watermark_offsets`: local, no
@@ -390,15 +589,9 @@ impl Source {
 
     /// Commits every durable position synchronously, then leaves the group (closing the consumer).
     pub fn close(self) {
-        let tpl = {
-            let st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
-            let mut tpl = TopicPartitionList::new();
-            for ((topic, partition), offset) in &st.durable {
-                let _ = tpl.add_partition_offset(topic, *partition, Offset::Offset(*offset));
-            }
-            tpl
-        };
+        let tpl = self.durable_list();
         let consumer = self.consumer;
+        consumer.context().closing.store(true, Ordering::SeqCst);
         tokio::task::block_in_place(|| {
             if tpl.count() > 0 {
                 match consumer.commit(&tpl, CommitMode::Sync) {

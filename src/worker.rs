@@ -12,7 +12,8 @@ use crate::record::Record;
 use crate::shutdown::Shutdown;
 use crate::sink::side_effect::SideEffect;
 use crate::sink::{Disposition, Sink, SinkError};
-use crate::source::Source;
+use crate::source::{Source, StoredStart};
+use crate::config::OffsetStore;
 use backon::{BackoffBuilder, ExponentialBuilder};
 use sqlx::PgPool;
 use std::collections::VecDeque;
@@ -185,7 +186,13 @@ async fn run_pipeline(
     let name = r.pipeline.name.clone();
     let mut commits = 0u64;
     let consumer_error = |source| PipelineFailure::Consumer { pipeline: name.clone(), source };
-    let mut source = Source::new(kafka, &r.pipeline, metrics.clone()).map_err(consumer_error)?;
+    let stored = (r.pipeline.offsets == OffsetStore::Database).then(|| StoredStart {
+        pool: r.pool.clone(),
+        owner: owner(),
+        runtime: tokio::runtime::Handle::current(),
+        shutdown: shutdown.clone(),
+    });
+    let mut source = Source::new(kafka, &r.pipeline, metrics.clone(), stored).map_err(consumer_error)?;
     let dead_letter_topic = match &r.pipeline.dead_letters.topic {
         Some(topic) => Some(DeadLetterTopic::new(kafka, &name, topic).map_err(consumer_error)?),
         None => None,
@@ -301,7 +308,8 @@ impl Step<'_> {
                 return Ok(true);
             }
             let window = &self.window;
-            match r.sink.apply(batch, &prepared, |counts| window.check(counts)).await {
+            let positions = source.positions(&NextOffsets::after(batch));
+            match r.sink.apply(batch, &prepared, positions.as_ref(), |counts| window.check(counts)).await {
                 Ok(outcome) => break outcome,
                 Err(e) => match e.disposition() {
                     Disposition::Retry(cause) => {
@@ -315,6 +323,12 @@ impl Step<'_> {
                             return Ok(false);
                         }
                         if batch.len() != before {
+                            prepared = batch.iter().map(|rec| r.preparer.prepare(rec)).collect();
+                        }
+                    }
+                    Disposition::Fenced => {
+                        if let SinkError::Fenced { partitions } = &e {
+                            source.lose(partitions, batch);
                             prepared = batch.iter().map(|rec| r.preparer.prepare(rec)).collect();
                         }
                     }
@@ -344,6 +358,13 @@ impl Step<'_> {
         }
         Ok(true)
     }
+}
+
+/// Who claims partitions, as recorded in `idemflow.offsets.owner`: `$HOSTNAME/pid` (the container name under
+/// Docker and Kubernetes).
+fn owner() -> String {
+    let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "unknown-host".to_owned());
+    format!("{host}/{}", std::process::id())
 }
 
 const MAX_RETRY_DELAY: Duration = Duration::from_secs(30);

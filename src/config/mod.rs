@@ -7,7 +7,7 @@
 
 pub mod pipeline;
 
-pub use pipeline::{BatchSettings, Binding, DeadLetterSettings, DedupSettings, Meta, OnConflict, Pipeline, PipelineError, SinkSpec, TombstonePolicy, ValueSource};
+pub use pipeline::{BatchSettings, Binding, DeadLetterSettings, DedupSettings, Meta, OffsetStore, OnConflict, Pipeline, PipelineError, SinkSpec, TombstonePolicy, ValueSource};
 
 use figment::providers::{Format as _, Toml};
 use figment::Figment;

@@ -45,6 +45,23 @@ pub struct Pipeline {
     pub dead_letters: DeadLetterSettings,
     /// Retention of the pipeline's dedup rows.
     pub dedup: DedupSettings,
+    /// Where the consumed position of each partition is kept.
+    pub offsets: OffsetStore,
+}
+
+/// `[offsets] store`: where a pipeline keeps the consumed position of each partition.
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum OffsetStore {
+    /// The consumer group's committed offsets in Kafka, committed after each batch's transaction. A crash between
+    /// the two redelivers that batch, and its records are skipped as `redelivered` duplicates.
+    #[default]
+    Kafka,
+    /// The `idemflow.offsets` table, written in each batch's transaction and fenced by an owner epoch; on
+    /// assignment the worker starts each partition from its stored position, so a crash or a rebalance
+    /// redelivers nothing. The Kafka commit is still made afterwards, for lag monitoring and as the fallback
+    /// for partitions with no stored position yet.
+    Database,
 }
 
 /// `[dedup]`: how long dedup rows are kept, and how they are purged.
@@ -235,6 +252,15 @@ struct RawPipeline {
     dead_letters: RawDeadLetters,
     #[serde(default)]
     dedup: RawDedup,
+    #[serde(default)]
+    offsets: RawOffsets,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawOffsets {
+    #[serde(default)]
+    store: OffsetStore,
 }
 
 #[derive(Deserialize, Default)]
@@ -419,6 +445,7 @@ fn validate(raw: RawPipeline, path: &Path, stem: &str, e: &mut Errors<'_>) -> Op
         batch: BatchSettings { max_records, max_wait },
         dead_letters,
         dedup,
+        offsets: raw.offsets.store,
     })
 }
 

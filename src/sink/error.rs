@@ -22,6 +22,8 @@ pub enum Disposition {
     Record,
     /// Stop the pipeline.
     Fatal,
+    /// Some partitions of the batch belong to another worker now: drop their records and redo the rest.
+    Fenced,
 }
 
 /// Why a batch did not commit.
@@ -37,6 +39,13 @@ pub enum SinkError {
         source: sqlx::Error,
     },
     /// The batch would have taken the dead-letter ratio over its limit; it was rolled back.
+    /// `[offsets] store = "database"`: the stored positions of these partitions were claimed by another worker
+    /// (or reset by a rewind) since this worker was assigned them. The batch was rolled back.
+    #[error("fenced: partitions {partitions:?} were claimed by another worker; the batch was rolled back")]
+    Fenced {
+        /// `(topic, partition)` of each fenced partition.
+        partitions: Vec<(String, i32)>,
+    },
     #[error(
         "{dead_letters} of the last {records} records would go to the dead letters, over dead_letters.max_ratio = \
          {max_ratio}; stopping the pipeline instead (a bad deploy or a changed payload format?). The batch was rolled \
@@ -63,6 +72,7 @@ impl SinkError {
         match self {
             SinkError::Database { source, .. } => classify(source),
             SinkError::DeadLetterRatio { .. } => Disposition::Fatal,
+            SinkError::Fenced { .. } => Disposition::Fenced,
         }
     }
 }

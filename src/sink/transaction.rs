@@ -1,6 +1,8 @@
 //! The batch transaction.
 //!
 //! Fast path, one transaction:
+//! 0. with `[offsets] store = "database"`, store the batch's positions, fenced by the owner epoch
+//!    ([`crate::offsets::advance`]);
 //! 1. claim the distinct keys of the batch in one statement;
 //! 2. read the dedup rows of keys that were not new (only when there are some) and classify those duplicates;
 //! 3. run the side effect for the new keys (one statement in the table form);
@@ -17,6 +19,7 @@ use super::error::{Disposition, SinkError};
 use super::side_effect::SideEffect;
 use crate::key::BusinessKey;
 use crate::metrics::{BatchCounts, DeadLetterReason, DuplicateReason};
+use crate::offsets::{self, Positions};
 use crate::prepare::{Apply, Prepared};
 use crate::record::{Position, Record};
 use sqlx::{Connection, PgConnection, PgPool};
@@ -67,22 +70,39 @@ impl Sink {
         Sink { pipeline, pool, side_effect }
     }
 
-    /// Runs one batch in one transaction. `prepared[i]` belongs to `records[i]`. `guard` sees the batch's counts
-    /// just before `COMMIT` and may refuse them (the dead-letter ratio limit), which rolls the batch back.
+    /// Runs one batch in one transaction. `prepared[i]` belongs to `records[i]`. `positions`, with
+    /// `[offsets] store = "database"`, are stored in the same transaction (first, so a fenced batch stops early).
+    /// `guard` sees the batch's counts just before `COMMIT` and may refuse them (the dead-letter ratio limit),
+    /// which rolls the batch back.
     ///
     /// Errors: a [`SinkError`] whose [`SinkError::disposition`] is `Retry` (roll back, back off, call again with
-    /// the same batch: the dedup rows make that safe even when a lost `COMMIT` had in fact committed) or `Fatal`.
+    /// the same batch: the dedup rows make that safe even when a lost `COMMIT` had in fact committed), `Fenced`
+    /// (drop the records of the partitions named, call again with the rest) or `Fatal`.
     pub async fn apply(
         &self,
         records: &[Record],
         prepared: &[Prepared],
+        positions: Option<&Positions>,
         guard: impl Fn(&BatchCounts) -> Result<(), SinkError>,
     ) -> Result<BatchOutcome, SinkError> {
-        self.apply_replaying(records, prepared, guard, &[]).await
+        self.run(records, prepared, positions, guard, &[]).await
     }
 
-    async fn begin_replaying(&self, replaying: &[i64]) -> Result<sqlx::Transaction<'static, sqlx::Postgres>, SinkError> {
+    async fn begin_replaying(
+        &self,
+        replaying: &[i64],
+        positions: Option<&Positions>,
+    ) -> Result<sqlx::Transaction<'static, sqlx::Postgres>, SinkError> {
         let mut tx = self.begin().await?;
+        if let Some(positions) = positions {
+            let fenced = offsets::advance(&mut tx, &self.pipeline, positions)
+                .await
+                .map_err(|e| SinkError::new("storing consumed positions", e))?;
+            if !fenced.is_empty() {
+                tx.rollback().await.map_err(|e| SinkError::new("rolling back", e))?;
+                return Err(SinkError::Fenced { partitions: fenced });
+            }
+        }
         if !replaying.is_empty() {
             dead_letter::delete(&mut tx, &self.pipeline, replaying)
                 .await
@@ -100,13 +120,24 @@ impl Sink {
         guard: impl Fn(&BatchCounts) -> Result<(), SinkError>,
         replaying: &[i64],
     ) -> Result<BatchOutcome, SinkError> {
-        let mut tx = self.begin_replaying(replaying).await?;
+        self.run(records, prepared, None, guard, replaying).await
+    }
+
+    async fn run(
+        &self,
+        records: &[Record],
+        prepared: &[Prepared],
+        positions: Option<&Positions>,
+        guard: impl Fn(&BatchCounts) -> Result<(), SinkError>,
+        replaying: &[i64],
+    ) -> Result<BatchOutcome, SinkError> {
+        let mut tx = self.begin_replaying(replaying, positions).await?;
         let fates = match self.fast_path(&mut tx, records, prepared).await {
             Ok(fates) => fates,
             Err(e) if e.disposition() == Disposition::Record => {
                 tracing::debug!(error = %e, "a record's side effect failed; redoing the batch record by record");
                 tx.rollback().await.map_err(|e| SinkError::new("rolling back", e))?;
-                tx = self.begin_replaying(replaying).await?;
+                tx = self.begin_replaying(replaying, positions).await?;
                 self.slow_path(&mut tx, records, prepared).await?
             }
             Err(e) => return Err(e),

@@ -10,10 +10,10 @@ use std::time::{Duration, Instant};
 /// A stream of payment deductions with every kind of duplicate, for the shipped `payments` pipeline.
 pub(crate) struct Payments {
     pub(crate) records: Vec<Out>,
-    distinct: usize,
-    republished: usize,
-    mismatched: usize,
-    poison: usize,
+    pub(crate) distinct: usize,
+    pub(crate) republished: usize,
+    pub(crate) mismatched: usize,
+    pub(crate) poison: usize,
     /// Sum of the amounts of first occurrences, in cents.
     expected_cents: i64,
 }
@@ -75,7 +75,7 @@ pub(crate) fn shipped() -> String {
 }
 
 /// Every operation applied once, amounts exact, every poison record dead-lettered once.
-async fn assert_exactly_once(db: &TestDb, s: &Payments) {
+pub(crate) async fn assert_exactly_once(db: &TestDb, s: &Payments) {
     assert_eq!(db.scalar::<i64>("SELECT count(*) FROM payments").await, s.distinct as i64);
     assert_eq!(db.scalar::<i64>("SELECT count(DISTINCT order_id) FROM payments").await, s.distinct as i64);
     let expected = format!("{}.{:02}", s.expected_cents / 100, s.expected_cents % 100);
@@ -85,14 +85,53 @@ async fn assert_exactly_once(db: &TestDb, s: &Payments) {
     assert_eq!(db.scalar::<i64>("SELECT count(*) FROM idemflow.dead_letters").await, s.poison as i64);
 }
 
-async fn wait_all_durable(db: &TestDb, kafka: &Kafka, group: &str, topic: &str, partitions: i32, s: &Payments) {
+pub(crate) async fn wait_all_durable(db: &TestDb, kafka: &Kafka, group: &str, topic: &str, partitions: i32, s: &Payments) {
+    wait_all_durable_or_report(db, kafka, group, topic, partitions, s, &[]).await
+}
+
+/// [`wait_all_durable`], showing the state and the tail of each worker's log if it times out.
+pub(crate) async fn wait_all_durable_or_report(
+    db: &TestDb,
+    kafka: &Kafka,
+    group: &str,
+    topic: &str,
+    partitions: i32,
+    s: &Payments,
+    workers: &[&BinWorker],
+) {
     let end = kafka.end_offsets(topic, partitions);
-    wait_until(Duration::from_secs(240), "every record durable and every offset committed", || async {
+    let done = || async {
         db.scalar::<i64>("SELECT count(*) FROM idemflow.dedup").await == s.distinct as i64
             && db.scalar::<i64>("SELECT count(*) FROM idemflow.dead_letters").await == s.poison as i64
             && kafka.committed(group, topic, partitions) == end
-    })
-    .await;
+    };
+    let deadline = Instant::now() + Duration::from_secs(240);
+    while !done().await {
+        if Instant::now() > deadline {
+            let tails: Vec<String> = workers
+                .iter()
+                .map(|w| w.log_text().lines().rev().filter(|l| !l.contains("payload_mismatch") && !l.contains("dead-lettered")).take(40).collect::<Vec<_>>().join("\n"))
+                .collect();
+            let activity: Vec<(i32, Option<String>, Option<String>, Option<String>, Option<String>)> = sqlx::query_as(
+                "SELECT pid, state, wait_event_type, wait_event, left(query, 80) FROM pg_stat_activity \
+                 WHERE datname = current_database() AND pid <> pg_backend_pid()",
+            )
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+            panic!(
+                "timed out waiting for every record durable and every offset committed: dedup rows {} of {}, dead \
+                 letters {} of {}, committed {:?}, end {end:?}\nbackends: {activity:#?}\n{}",
+                db.scalar::<i64>("SELECT count(*) FROM idemflow.dedup").await,
+                s.distinct,
+                db.scalar::<i64>("SELECT count(*) FROM idemflow.dead_letters").await,
+                s.poison,
+                kafka.committed(group, topic, partitions),
+                tails.join("\n=====\n")
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 fn sum_metric(text: &str, name: &str) -> f64 {
@@ -103,7 +142,7 @@ fn sum_metric(text: &str, name: &str) -> f64 {
 }
 
 /// received = applied + duplicates + dead letters + tombstones, in any scrape.
-fn assert_counters_add_up(m: &str) {
+pub(crate) fn assert_counters_add_up(m: &str) {
     let received = sum_metric(m, "idemflow_records_received_total");
     let parts = sum_metric(m, "idemflow_records_applied_total")
         + sum_metric(m, "idemflow_duplicates_skipped_total")
@@ -112,10 +151,10 @@ fn assert_counters_add_up(m: &str) {
     assert_eq!(received, parts, "counters do not add up:\n{m}");
 }
 
-struct Rng(u64);
+pub(crate) struct Rng(pub(crate) u64);
 
 impl Rng {
-    fn below(&mut self, n: u64) -> u64 {
+    pub(crate) fn below(&mut self, n: u64) -> u64 {
         self.0 ^= self.0 << 13;
         self.0 ^= self.0 >> 7;
         self.0 ^= self.0 << 17;

@@ -9,6 +9,8 @@ mod cases;
 mod cli;
 mod demo;
 mod deploy;
+mod offsets;
 mod operator;
 mod retention;
+mod scaleout;
 mod semantics;

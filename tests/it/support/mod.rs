@@ -246,6 +246,11 @@ pub struct InProc {
 impl InProc {
     /// Loads the setup's settings and pipelines, prepares them and runs the worker.
     pub async fn start(setup: &Setup) -> InProc {
+        Self::start_with_faults(setup, idemflow::worker::Faults::default()).await
+    }
+
+    /// [`InProc::start`], with injected faults.
+    pub async fn start_with_faults(setup: &Setup, faults: idemflow::worker::Faults) -> InProc {
         let _ = tracing_subscriber::fmt().with_env_filter("info,librdkafka=warn").with_test_writer().try_init();
         let settings = idemflow::config::load_settings_from(&setup.config, []).unwrap().settings;
         let pipelines = idemflow::config::load_pipelines(&settings.pipelines).unwrap();
@@ -255,7 +260,7 @@ impl InProc {
         let health = idemflow::http::Health::default();
         let (trigger, stop) = idemflow::shutdown::channel();
         let m = metrics.clone();
-        let handle = tokio::spawn(async move { idemflow::worker::run(&settings, ready, &m, &health, stop).await });
+        let handle = tokio::spawn(async move { idemflow::worker::run_with_faults(&settings, ready, &m, &health, stop, faults).await });
         InProc { trigger, handle, metrics }
     }
 
@@ -270,6 +275,13 @@ impl InProc {
             self.metric("idemflow_records_received_total", &[("pipeline", pipeline)]) as u64 >= n
         })
         .await;
+    }
+
+    /// Waits until every pipeline has ended by itself (an injected crash, a fatal error) and returns the failures.
+    pub async fn stop_when_pipelines_end(self) -> Vec<idemflow::worker::PipelineFailure> {
+        let failures = self.handle.await.unwrap();
+        drop(self.trigger);
+        failures
     }
 
     /// Shuts down and returns the pipeline failures.

@@ -1,0 +1,261 @@
+//! Consumed positions: `[offsets] store = "database"` (no redelivery after a crash, fencing of a worker that lost
+//! its partitions) and `idemflow rewind`.
+
+use crate::failures::{assert_exactly_once, payments, payments_db, shipped, wait_all_durable, Payments, Rng};
+use crate::support::*;
+use idemflow::offsets;
+use std::time::Duration;
+
+const TOPIC: &str = "payments";
+const GROUP: &str = "idemflow-payments";
+const FAST_GROUP: &str = "\"session.timeout.ms\" = \"1500\"\n\"heartbeat.interval.ms\" = \"200\"";
+
+fn stored_positions() -> String {
+    shipped() + "\n[offsets]\nstore = \"database\"\n"
+}
+
+fn dup(m: &str, reason: &str) -> f64 {
+    metric(m, "idemflow_duplicates_skipped_total", &[("pipeline", "payments"), ("reason", reason)])
+}
+
+/// The injected duplicates (republished and payload_mismatch) of `s`: what the dedup rows' `duplicates` column
+/// must add up to when nothing was redelivered.
+fn injected(s: &Payments) -> i64 {
+    (s.republished + s.mismatched) as i64
+}
+
+/// A crash right after a batch's database commit and before its offset commit (injected, deterministic): with
+/// the Kafka store the batch comes back and is skipped as `redelivered`; with the database store nothing comes
+/// back, because the position committed with the batch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_between_the_commits_redelivers_nothing_with_the_database_store() {
+    for (store, pipeline) in [("kafka", shipped()), ("database", stored_positions())] {
+        let db = payments_db(None).await;
+        let kafka = Kafka::new();
+        kafka.create_topic(TOPIC, 2);
+        let s = payments(3_000, 2, false);
+        kafka.produce(TOPIC, &s.records);
+        let pipeline = pipeline.replace("max_records = 500", "max_records = 200");
+        let setup = Setup::with(&db, &kafka, &[("payments.toml", &pipeline)], FAST_GROUP, "");
+        let crash = idemflow::worker::Faults { crash_after_commits: Some(3) };
+        let w = InProc::start_with_faults(&setup, crash).await;
+        let stopped = tokio::time::timeout(Duration::from_secs(60), w.stop_when_pipelines_end()).await;
+        let crashed = stopped.expect("the injected crash ends the pipeline");
+        assert!(crashed.is_empty(), "{crashed:?}");
+        let applied_before = db.scalar::<i64>("SELECT count(*) FROM idemflow.dedup").await;
+        assert!(applied_before > 0);
+
+        let w = InProc::start(&setup).await;
+        wait_all_durable(&db, &kafka, GROUP, TOPIC, 2, &s).await;
+        let m = String::from_utf8(w.metrics.render()).unwrap();
+        assert!(w.stop().await.is_empty());
+        assert_exactly_once(&db, &s).await;
+        let redelivered = dup(&m, "redelivered");
+        let stored_duplicates = db.scalar::<i64>("SELECT coalesce(sum(duplicates), 0)::int8 FROM idemflow.dedup").await;
+        match store {
+            "kafka" => {
+                assert!(redelivered > 0.0, "the uncommitted batch is redelivered with the Kafka store");
+                assert!(stored_duplicates > injected(&s));
+            }
+            _ => {
+                assert_eq!(redelivered, 0.0, "nothing is redelivered with the database store");
+                assert_eq!(stored_duplicates, injected(&s), "only the injected duplicates were ever skipped");
+                let end = kafka.end_offsets(TOPIC, 2);
+                let stored: Vec<i64> = sqlx::query_scalar(
+                    "SELECT next_offset FROM idemflow.offsets WHERE pipeline = 'payments' ORDER BY partition",
+                )
+                .fetch_all(&db.pool)
+                .await
+                .unwrap();
+                assert_eq!(stored, end, "the stored positions are the end of each partition");
+            }
+        }
+        eprintln!("store {store}: redelivered {redelivered} after the crash; {applied_before} keys applied before it");
+    }
+}
+
+/// Two workers with the database store, SIGKILLed at random moments (five times) and restarted while they work:
+/// every operation applied once, and no record was ever redelivered (the dedup rows' duplicate counts add up to
+/// exactly the injected duplicates).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkills_with_the_database_store_redeliver_nothing() {
+    const PARTITIONS: i32 = 4;
+    let db = payments_db(None).await;
+    let kafka = Kafka::new();
+    kafka.create_topic(TOPIC, PARTITIONS);
+    let s = payments(20_000, PARTITIONS, true);
+    kafka.produce(TOPIC, &s.records);
+    let pipeline = stored_positions().replace("max_records = 500", "max_records = 100");
+    let setups: Vec<Setup> =
+        (0..2).map(|_| Setup::with(&db, &kafka, &[("payments.toml", &pipeline)], FAST_GROUP, "")).collect();
+    let mut workers: Vec<BinWorker> = setups.iter().map(BinWorker::start).collect();
+    let mut rng = Rng(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64 | 1);
+    let dedup_rows = || async { db.scalar::<i64>("SELECT count(*) FROM idemflow.dedup").await };
+    for kill in 0..5 {
+        let before = dedup_rows().await;
+        wait_until(Duration::from_secs(60), "progress before the next kill", || async { dedup_rows().await > before }).await;
+        tokio::time::sleep(Duration::from_millis(rng.below(800))).await;
+        let i = kill % 2;
+        workers[i].kill();
+        eprintln!("kill {}: worker {i} at {} dedup rows", kill + 1, dedup_rows().await);
+        workers[i] = BinWorker::start(&setups[i]);
+    }
+    let durable = wait_all_durable(&db, &kafka, GROUP, TOPIC, PARTITIONS, &s);
+    if tokio::time::timeout(Duration::from_secs(200), durable).await.is_err() {
+        let rows: Vec<(i32, Option<i64>, i64, Option<String>)> = sqlx::query_as(
+            "SELECT partition, next_offset, owner_epoch, owner FROM idemflow.offsets ORDER BY partition",
+        )
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+        let tails: Vec<String> =
+            workers.iter().map(|w| w.log_text().lines().rev().take(40).collect::<Vec<_>>().join("\n")).collect();
+        panic!(
+            "stalled: stored {rows:?}, end {:?}, committed {:?}\n{}",
+            kafka.end_offsets(TOPIC, PARTITIONS),
+            kafka.committed(GROUP, TOPIC, PARTITIONS),
+            tails.join("\n=====\n")
+        );
+    }
+    for w in &mut workers {
+        let status = w.sigterm();
+        assert!(status.success(), "{status:?}: {}", w.log_text().lines().rev().take(40).collect::<Vec<_>>().join("\n"));
+    }
+    assert_exactly_once(&db, &s).await;
+    let stored_duplicates = db.scalar::<i64>("SELECT coalesce(sum(duplicates), 0)::int8 FROM idemflow.dedup").await;
+    assert_eq!(stored_duplicates, injected(&s), "a record was redelivered");
+    let stored: Vec<i64> =
+        sqlx::query_scalar("SELECT next_offset FROM idemflow.offsets WHERE pipeline = 'payments' ORDER BY partition")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(stored, kafka.end_offsets(TOPIC, PARTITIONS));
+}
+
+/// Fencing: a worker that lost a partition can neither overwrite the new owner's position nor move it
+/// backwards, and its batch rolls back whole; a new owner's claim waits for the old owner's batch in flight and
+/// starts exactly after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_that_lost_its_partition_is_fenced() {
+    let db = payments_db(None).await;
+    let pool = &db.pool;
+    let p0 = [(TOPIC.to_owned(), 0)];
+    let a = offsets::claim(pool, "payments", "worker-a", &p0).await.unwrap();
+    assert_eq!((a[0].next_offset, a[0].epoch), (None, 1));
+    let positions = |next: i64, epoch: i64| offsets::Positions(vec![(TOPIC.into(), 0, next, epoch)]);
+
+    // A stores 100 in a batch transaction that is still open when B is assigned the partition.
+    let mut tx = pool.begin().await.unwrap();
+    assert!(offsets::advance(&mut tx, "payments", &positions(100, 1)).await.unwrap().is_empty());
+    let claim_b = tokio::spawn({
+        let pool = pool.clone();
+        let p0 = p0.clone();
+        async move { offsets::claim(&pool, "payments", "worker-b", &p0).await.unwrap() }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!claim_b.is_finished(), "B's claim waits for A's batch in flight");
+    tx.commit().await.unwrap();
+    let b = claim_b.await.unwrap();
+    assert_eq!((b[0].next_offset, b[0].epoch), (Some(100), 2), "B starts right after A's committed batch");
+
+    // A, not yet told it lost the partition, tries its next batch: fenced, and it rolls back whole.
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query("INSERT INTO accounts VALUES ('ZOMBIE', 0)").execute(&mut *tx).await.unwrap();
+    let fenced = offsets::advance(&mut tx, "payments", &positions(150, 1)).await.unwrap();
+    assert_eq!(fenced, vec![(TOPIC.to_owned(), 0)]);
+    tx.rollback().await.unwrap();
+    // Nor can it move the position backwards.
+    let mut tx = pool.begin().await.unwrap();
+    assert_eq!(offsets::advance(&mut tx, "payments", &positions(50, 1)).await.unwrap().len(), 1);
+    tx.commit().await.unwrap();
+    assert_eq!(db.scalar::<i64>("SELECT next_offset FROM idemflow.offsets WHERE partition = 0").await, 100);
+    // B's batches go through.
+    let mut tx = pool.begin().await.unwrap();
+    assert!(offsets::advance(&mut tx, "payments", &positions(130, 2)).await.unwrap().is_empty());
+    tx.commit().await.unwrap();
+    assert_eq!(db.scalar::<i64>("SELECT next_offset FROM idemflow.offsets WHERE partition = 0").await, 130);
+    assert_eq!(db.scalar::<String>("SELECT owner FROM idemflow.offsets WHERE partition = 0").await, "worker-b");
+
+    // Through the sink: a fenced batch applies nothing at all.
+    let setup_kafka = Kafka::new();
+    let setup = Setup::new(&db, &setup_kafka, &[("payments.toml", &stored_positions())]);
+    let settings = idemflow::config::load_settings_from(&setup.config, []).unwrap().settings;
+    let pipelines = idemflow::config::load_pipelines(&settings.pipelines).unwrap();
+    let ready = idemflow::worker::prepare(pool, &pipelines).await.unwrap();
+    let r = &ready[0];
+    let record = idemflow::record::Record {
+        position: idemflow::record::Position { topic: TOPIC.into(), partition: 0, offset: 130 },
+        timestamp_ms: None,
+        key: None,
+        headers: vec![],
+        payload: Some(br#"{"order":{"id":"Z-1","account":"ACC-1","amount":"1.00"}}"#.to_vec()),
+    };
+    let prepared = r.preparer.prepare(&record);
+    let stale = positions(131, 1);
+    let e = r.sink.apply(std::slice::from_ref(&record), std::slice::from_ref(&prepared), Some(&stale), |_| Ok(())).await;
+    assert!(matches!(e, Err(idemflow::sink::SinkError::Fenced { .. })), "{e:?}");
+    assert_eq!(db.scalar::<i64>("SELECT count(*) FROM payments").await, 0);
+    assert_eq!(db.scalar::<i64>("SELECT count(*) FROM idemflow.dedup").await, 0);
+    let current = positions(131, 2);
+    let done = r.sink.apply(std::slice::from_ref(&record), std::slice::from_ref(&prepared), Some(&current), |_| Ok(())).await;
+    assert_eq!(done.unwrap().counts.applied, 1);
+    assert_eq!(db.scalar::<i64>("SELECT next_offset FROM idemflow.offsets WHERE partition = 0").await, 131);
+}
+
+/// `idemflow rewind --to earliest` with the workers stopped: the next run consumes everything again, applies
+/// nothing, and counts every replayed record as a duplicate of its kind. With a worker running, the rewind is
+/// refused and changes nothing. Both offset stores.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rewind_to_earliest_replays_without_effects() {
+    for (store, pipeline) in [("kafka", shipped()), ("database", stored_positions())] {
+        const PARTITIONS: i32 = 3;
+        let db = payments_db(None).await;
+        let kafka = Kafka::new();
+        kafka.create_topic(TOPIC, PARTITIONS);
+        let s = payments(2_000, PARTITIONS, true);
+        kafka.produce(TOPIC, &s.records);
+        let setup = Setup::with(&db, &kafka, &[("payments.toml", &pipeline)], FAST_GROUP, "");
+        let config = setup.config.to_str().unwrap().to_owned();
+        let rewind = |extra: &[&str]| {
+            let mut args = vec!["rewind", "--config", &config, "--pipeline", "payments", "--to", "earliest"];
+            args.extend_from_slice(extra);
+            idemflow(&args, setup.dir.path())
+        };
+
+        let mut w = BinWorker::start(&setup);
+        wait_all_durable(&db, &kafka, GROUP, TOPIC, PARTITIONS, &s).await;
+        let end = kafka.end_offsets(TOPIC, PARTITIONS);
+        // Refused while a worker holds partitions.
+        let (status, out, err) = rewind(&[]);
+        assert!(!status.success(), "{out}{err}");
+        assert!(err.contains("has other active members") && err.contains("stop every worker"), "{err}");
+        assert!(w.sigterm().success(), "{}", w.log_text());
+        assert_eq!(kafka.committed(GROUP, TOPIC, PARTITIONS), end, "the refused rewind changed nothing");
+
+        let (status, out, err) = rewind(&["--dry-run"]);
+        assert!(status.success(), "{out}{err}");
+        let total = s.records.len();
+        assert!(out.contains(&format!("dry run: nothing changed; {total} record(s) would be consumed again")), "{out}");
+        assert_eq!(kafka.committed(GROUP, TOPIC, PARTITIONS), end);
+
+        let (status, out, err) = rewind(&[]);
+        assert!(status.success(), "{out}{err}");
+        assert!(out.contains(&format!("rewound: {total} record(s)")), "{out}");
+        assert_eq!(kafka.committed(GROUP, TOPIC, PARTITIONS), vec![0; PARTITIONS as usize]);
+
+        let mut w = BinWorker::start(&setup);
+        wait_until(Duration::from_secs(90), "the replay", || async {
+            metric(&w.scrape(), "idemflow_records_received_total", &[("pipeline", "payments")]) >= total as f64
+        })
+        .await;
+        let m = w.scrape();
+        assert!(w.sigterm().success(), "{}", w.log_text());
+        assert_eq!(metric(&m, "idemflow_records_applied_total", &[("pipeline", "payments")]), 0.0, "store {store}");
+        assert_eq!(dup(&m, "redelivered"), (s.distinct + s.poison) as f64, "store {store}");
+        assert_eq!(dup(&m, "republished"), s.republished as f64);
+        assert_eq!(dup(&m, "payload_mismatch"), s.mismatched as f64);
+        assert_eq!(metric(&m, "idemflow_records_received_total", &[("pipeline", "payments")]), total as f64);
+        assert_exactly_once(&db, &s).await;
+        assert_eq!(kafka.committed(GROUP, TOPIC, PARTITIONS), end);
+    }
+}
