@@ -304,7 +304,7 @@ async fn rewind(a: RewindArgs) -> anyhow::Result<()> {
     })
     .await??;
     println!(
-        "rewound: {total} record(s) will be consumed again when the workers start; those already applied are skipped          as duplicates (idemflow_duplicates_skipped_total)"
+        "rewound: {total} record(s) will be consumed again when the workers start; those already applied are skipped as duplicates (idemflow_duplicates_skipped_total)"
     );
     Ok(())
 }

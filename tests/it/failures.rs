@@ -112,7 +112,8 @@ pub(crate) async fn wait_all_durable_or_report(
                 .iter()
                 .map(|w| w.log_text().lines().rev().filter(|l| !l.contains("payload_mismatch") && !l.contains("dead-lettered")).take(40).collect::<Vec<_>>().join("\n"))
                 .collect();
-            let activity: Vec<(i32, Option<String>, Option<String>, Option<String>, Option<String>)> = sqlx::query_as(
+            type Backend = (i32, Option<String>, Option<String>, Option<String>, Option<String>);
+            let activity: Vec<Backend> = sqlx::query_as(
                 "SELECT pid, state, wait_event_type, wait_event, left(query, 80) FROM pg_stat_activity \
                  WHERE datname = current_database() AND pid <> pg_backend_pid()",
             )

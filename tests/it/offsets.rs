@@ -241,6 +241,7 @@ async fn rewind_to_earliest_replays_without_effects() {
         let (status, out, err) = rewind(&[]);
         assert!(status.success(), "{out}{err}");
         assert!(out.contains(&format!("rewound: {total} record(s)")), "{out}");
+        println!("{out}");
         assert_eq!(kafka.committed(GROUP, TOPIC, PARTITIONS), vec![0; PARTITIONS as usize]);
 
         let mut w = BinWorker::start(&setup);
