@@ -21,6 +21,7 @@
 //! - [`offsets`]: the next offset of each partition after a batch (the only place that adds 1), and the fenced
 //!   positions stored in Postgres with `[offsets] store = "database"`.
 //! - [`retention`]: purging dedup rows older than the pipeline's retention, in bounded batches.
+//! - [`bench`]: `idemflow bench`, the benchmark against its baselines.
 //! - [`rewind`]: moving a stopped pipeline's group back to replay its topics (`idemflow rewind`).
 //! - [`metrics`]: every Prometheus metric; [`http`]: `/metrics`, `/healthz`, `/readyz`.
 //! - [`worker`]: runs every pipeline until shutdown; [`shutdown`]: the signal that stops it.
@@ -50,6 +51,7 @@
 //! is no window in which a key is claimed but its effect is lost. No cache in memory ever claims a key.
 //! The Kafka offset commit is therefore only an optimisation that bounds how much is replayed.
 
+pub mod bench;
 pub mod config;
 pub mod dead_letter_topic;
 pub mod db;

@@ -36,6 +36,9 @@ enum Command {
     /// See the whole job on this machine: an embedded Kafka broker, a throwaway PostgreSQL, a stream of payments
     /// with duplicates of every kind, and a summary that checks each payment took effect exactly once.
     Demo(DemoArgs),
+    /// Measure throughput, CPU, memory and latency against the baselines (one record per transaction, a raw COPY,
+    /// a consume-only pass), side by side in one run, on an embedded broker and a throwaway PostgreSQL.
+    Bench(BenchArgs),
     /// Send the demo's stream of payments (with duplicates) to a real Kafka, continuously (for docker-compose).
     DemoProducer(DemoProducerArgs),
 }
@@ -155,6 +158,31 @@ struct DemoArgs {
     /// Keep the worker and /metrics up after the summary, until Ctrl-C.
     #[arg(long)]
     keep_running: bool,
+}
+
+#[derive(clap::Args)]
+struct BenchArgs {
+    /// Records in the stream (about 200 bytes of JSON each, 2% duplicates).
+    #[arg(long, default_value_t = 1_000_000)]
+    records: usize,
+    /// Records for run (2), one transaction per record (the per-message pattern).
+    #[arg(long, default_value_t = 20_000)]
+    single_records: usize,
+    /// Records for run (6), the per-record SQL form.
+    #[arg(long, default_value_t = 200_000)]
+    sql_records: usize,
+    /// Dedup keys preloaded for run (4).
+    #[arg(long, default_value_t = 10_000_000)]
+    preload: u64,
+    /// Use this PostgreSQL server (databases bench_1.. are created on it) instead of a throwaway cluster.
+    #[arg(long)]
+    database_url: Option<String>,
+    /// Where to write the Markdown table.
+    #[arg(long, default_value = "target/bench/bench.md")]
+    markdown: PathBuf,
+    /// Where to write the JSON.
+    #[arg(long, default_value = "target/bench/bench.json")]
+    json: PathBuf,
 }
 
 #[derive(clap::Args)]
@@ -410,6 +438,22 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
                     );
                 }
             }
+            Ok(())
+        }
+        Command::Bench(a) => {
+            telemetry::init(&config::LogSettings { level: "warn".into(), ..Default::default() });
+            let options = idemflow::bench::BenchOptions {
+                records: a.records,
+                single_records: a.single_records,
+                sql_records: a.sql_records,
+                preload: a.preload,
+                database_url: a.database_url,
+                markdown: a.markdown.clone(),
+                json: a.json.clone(),
+            };
+            let report = idemflow::bench::run(options).await?;
+            println!("{}", idemflow::bench::markdown(&report));
+            println!("written to {} and {}", a.markdown.display(), a.json.display());
             Ok(())
         }
         Command::DemoProducer(a) => idemflow::demo::produce_forever(&a.bootstrap_servers, &a.topic, a.rate).await,

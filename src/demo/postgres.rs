@@ -34,6 +34,7 @@ pub struct Throwaway {
     dir: PathBuf,
     root: bool,
     port: u16,
+    durable: bool,
 }
 
 fn pg_bin() -> Result<PathBuf, ThrowawayError> {
@@ -71,6 +72,16 @@ fn run(mut command: Command) -> Result<(), ThrowawayError> {
 impl Throwaway {
     /// initdb and start. User `postgres`, password `postgres`, scram-sha-256, UTF8, fsync off (throwaway).
     pub fn start() -> Result<Throwaway, ThrowawayError> {
+        Self::start_with(false)
+    }
+
+    /// [`Throwaway::start`] with durability on (fsync, synchronous_commit, full_page_writes: the server's
+    /// defaults), 1 GB of shared buffers and room for WAL between checkpoints, for benchmarks.
+    pub fn start_durable() -> Result<Throwaway, ThrowawayError> {
+        Self::start_with(true)
+    }
+
+    fn start_with(durable: bool) -> Result<Throwaway, ThrowawayError> {
         let bin = pg_bin()?;
         let root = is_root();
         let dir = tempfile::Builder::new().prefix("idemflow-pg-").tempdir()?.keep();
@@ -82,7 +93,7 @@ impl Throwaway {
             c.args(["-R", "postgres:postgres"]).arg(&dir);
             run(c)?;
         }
-        let cluster = Throwaway { bin, dir, root, port };
+        let cluster = Throwaway { bin, dir, root, port, durable };
         let mut initdb = cluster.as_owner("initdb");
         initdb.arg("-D").arg(cluster.dir.join("data"));
         initdb.args(["-U", "postgres", "--auth=scram-sha-256", "-E", "UTF8", "--locale=C.UTF-8", "--no-sync"]);
@@ -123,8 +134,13 @@ impl Throwaway {
         if action == "stop" {
             c.args(["-m", "fast"]);
         } else {
+            let durability = if self.durable {
+                "-c fsync=on -c synchronous_commit=on -c shared_buffers=1GB -c max_wal_size=8GB"
+            } else {
+                "-c fsync=off"
+            };
             c.arg("-o").arg(format!(
-                "-c listen_addresses=127.0.0.1 -p {} -k {} -c fsync=off -c max_connections=300",
+                "-c listen_addresses=127.0.0.1 -p {} -k {} {durability} -c max_connections=300",
                 self.port,
                 self.dir.display()
             ));

@@ -1,0 +1,652 @@
+//! `idemflow bench`: idemflow's throughput, cost and scaling against its baselines, side by side in one run.
+//!
+//! One stream of N records (about 200 bytes of JSON each, 2% duplicates: republished copies and reused keys with
+//! another payload) is produced into the embedded Kafka broker before any timing starts, spread over enough
+//! partitions for the mock cluster to keep it all. Then, one after another, each on a fresh database:
+//!
+//! 1. the worker with its default batching, table-form side effect;
+//! 2. the worker with one record per transaction (`max_records = 1`), over a prefix of the stream;
+//! 3. the ceiling: `COPY` of the same dedup rows and business rows into the same indexed tables, no Kafka;
+//! 4. the worker as in (1) with `--preload` dedup keys already in the store;
+//! 5. the broker's ceiling: a consume-only pass (decode and key extraction, no database);
+//! 6. the worker with the per-record SQL form of the same side effect, over a prefix of the stream.
+//!
+//! The workers run as child processes (`idemflow run`), so their CPU time and peak RSS come from `wait4`'s
+//! rusage of that process alone. Throughput is taken between the first and the last record received (so start-up
+//! and group join are left out); CPU and RSS cover the whole process. Latencies are quantiles of the worker's
+//! own histograms, interpolated within buckets as Prometheus' `histogram_quantile` does.
+
+use crate::demo::kafka::EmbeddedKafka;
+use crate::demo::postgres::Throwaway;
+use crate::key::BusinessKey;
+use anyhow::{bail, Context as _};
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::producer::BaseRecord;
+use rdkafka::ClientConfig;
+use serde::Serialize;
+use sha2::{Digest, Sha256};
+use sqlx::{Connection, Executor, PgConnection};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+const TOPIC: &str = "bench";
+const PIPELINE: &str = "orders";
+
+/// What `idemflow bench` runs.
+#[derive(Clone, Debug)]
+pub struct BenchOptions {
+    /// Records in the stream (default 1,000,000).
+    pub records: usize,
+    /// Records for run (2), one per transaction.
+    pub single_records: usize,
+    /// Records for run (6), the per-record SQL form.
+    pub sql_records: usize,
+    /// Dedup keys preloaded for run (4).
+    pub preload: u64,
+    /// Use this PostgreSQL server instead of a throwaway cluster (its settings are reported as they are).
+    pub database_url: Option<String>,
+    /// Where the Markdown table goes.
+    pub markdown: PathBuf,
+    /// Where the JSON goes.
+    pub json: PathBuf,
+}
+
+/// One run's figures.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct RunResult {
+    /// `(1)`..`(6)`.
+    pub id: String,
+    /// What ran.
+    pub name: String,
+    /// Records processed in the timed window.
+    pub records: u64,
+    /// Seconds of the timed window.
+    pub seconds: f64,
+    /// Records per second.
+    pub records_per_second: f64,
+    /// Worker CPU (user + system) per record received, microseconds; `None` when no worker process ran.
+    pub cpu_us_per_record: Option<f64>,
+    /// Peak resident set of the worker process, MiB.
+    pub peak_rss_mib: Option<f64>,
+    /// Batch duration p50 / p99, milliseconds.
+    pub batch_p50_ms: Option<f64>,
+    /// Batch duration p99, milliseconds.
+    pub batch_p99_ms: Option<f64>,
+    /// End-to-end latency p50, milliseconds (from the record's timestamp: the stream was produced before the
+    /// run, so this is dominated by the time records waited in the backlog).
+    pub e2e_p50_ms: Option<f64>,
+    /// End-to-end latency p99, milliseconds.
+    pub e2e_p99_ms: Option<f64>,
+    /// Notes (duplicates counted, preload time...).
+    pub note: String,
+}
+
+/// The whole report.
+#[derive(Clone, Debug, Serialize)]
+pub struct Report {
+    /// Machine and settings.
+    pub environment: Vec<(String, String)>,
+    /// Each run.
+    pub runs: Vec<RunResult>,
+    /// Named ratios with their targets.
+    pub ratios: Vec<(String, f64, String)>,
+}
+
+/// The stream: records (partition, payload) and how many distinct keys it has.
+struct Stream {
+    records: Vec<(i32, Vec<u8>)>,
+    /// First occurrence of each key: (index into records).
+    firsts: Vec<usize>,
+    republished: u64,
+    mismatched: u64,
+}
+
+fn order(id: u64, cents: u64, account: u64) -> Vec<u8> {
+    let mut s = format!(
+        r#"{{"order":{{"id":"ORD-{id:010}","account":"ACC-{account:05}","amount":"{}.{:02}","currency":"EUR","channel":"web","note":"#,
+        cents / 100,
+        cents % 100
+    );
+    s.push_str(r#""standard delivery, leave at the door""#);
+    s.push_str(r#"},"created_at":"2026-11-29T10:00:00Z"}"#);
+    s.into_bytes()
+}
+
+fn stream(records: usize, partitions: i32) -> Stream {
+    let mut x: u64 = 0x2545_f491_4f6c_dd1d;
+    let mut next = move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    let mut s = Stream { records: Vec::with_capacity(records), firsts: Vec::new(), republished: 0, mismatched: 0 };
+    let mut sent: Vec<(u64, u64, u64)> = Vec::new();
+    while s.records.len() < records {
+        let roll = next() % 1000;
+        let part = |id: u64| (id % partitions as u64) as i32;
+        if roll < 15 && !sent.is_empty() {
+            let (id, cents, account) = sent[sent.len() - 1 - (next() as usize % sent.len().min(1000))];
+            s.records.push((part(id), order(id, cents, account)));
+            s.republished += 1;
+        } else if roll < 20 && !sent.is_empty() {
+            let (id, cents, account) = sent[next() as usize % sent.len()];
+            s.records.push((part(id), order(id, cents + 1, account)));
+            s.mismatched += 1;
+        } else {
+            let id = sent.len() as u64;
+            let (cents, account) = (100 + next() % 100_000, next() % 10_000);
+            s.firsts.push(s.records.len());
+            s.records.push((part(id), order(id, cents, account)));
+            sent.push((id, cents, account));
+        }
+    }
+    s
+}
+
+const TABLE_SQL: &str = "CREATE TABLE orders (order_id text PRIMARY KEY, account_id text NOT NULL, amount numeric NOT NULL, \
+     currency text NOT NULL, created_at timestamptz NOT NULL)";
+
+fn table_pipeline(max_records: Option<usize>) -> String {
+    let batch = max_records.map(|n| format!("\n[batch]\nmax_records = {n}\n")).unwrap_or_default();
+    format!(
+        r#"name = "{PIPELINE}"
+topics = ["{TOPIC}"]
+[key]
+field = "/order/id"
+[sink]
+table = "orders"
+[sink.columns]
+order_id = "/order/id"
+account_id = "/order/account"
+amount = "/order/amount"
+currency = "/order/currency"
+created_at = "/created_at"
+{batch}"#
+    )
+}
+
+fn sql_pipeline() -> String {
+    format!(
+        r#"name = "{PIPELINE}"
+topics = ["{TOPIC}"]
+[key]
+field = "/order/id"
+[sink]
+sql = "INSERT INTO orders (order_id, account_id, amount, currency, created_at) VALUES (:order_id, :account_id, :amount, :currency, :created_at)"
+[sink.params]
+order_id = "/order/id"
+account_id = "/order/account"
+amount = "/order/amount"
+currency = "/order/currency"
+created_at = "/created_at"
+"#
+    )
+}
+
+/// A database for one run: created on the server, migrated, with the business table.
+async fn fresh_database(admin_url: &str, name: &str) -> anyhow::Result<String> {
+    let mut admin = PgConnection::connect(admin_url).await.context("connecting to PostgreSQL")?;
+    admin.execute(format!("DROP DATABASE IF EXISTS {name}").as_str()).await?;
+    admin.execute(format!("CREATE DATABASE {name}").as_str()).await?;
+    let base = admin_url.rsplit_once('/').map_or(admin_url, |(b, _)| b);
+    let url = format!("{base}/{name}");
+    let mut conn = PgConnection::connect(&url).await?;
+    crate::db::MIGRATOR.run(&mut conn).await?;
+    conn.execute(TABLE_SQL).await?;
+    Ok(url)
+}
+
+/// The `le` buckets of a histogram in a Prometheus text scrape, interpolated at quantile `q` (as
+/// `histogram_quantile` does). `None` without observations.
+pub fn histogram_quantile(scrape: &str, name: &str, q: f64) -> Option<f64> {
+    let prefix = format!("{name}_bucket{{");
+    let mut buckets: Vec<(f64, f64)> = scrape
+        .lines()
+        .filter(|l| l.starts_with(&prefix))
+        .filter_map(|l| {
+            let le = l.split("le=\"").nth(1)?.split('"').next()?;
+            let le = if le == "+Inf" { f64::INFINITY } else { le.parse().ok()? };
+            let count = l.rsplit_once(' ')?.1.parse().ok()?;
+            Some((le, count))
+        })
+        .collect();
+    buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let total = buckets.last()?.1;
+    if total <= 0.0 {
+        return None;
+    }
+    let rank = q * total;
+    let mut prev = (0.0, 0.0);
+    for &(le, count) in &buckets {
+        if count >= rank {
+            if le.is_infinite() {
+                return Some(prev.0);
+            }
+            let within = if count > prev.1 { (rank - prev.1) / (count - prev.1) } else { 1.0 };
+            return Some(prev.0 + (le - prev.0) * within);
+        }
+        prev = (le, count);
+    }
+    None
+}
+
+fn sample(scrape: &str, name: &str) -> f64 {
+    scrape
+        .lines()
+        .filter(|l| l.starts_with(name) && matches!(l.as_bytes().get(name.len()), Some(b'{') | Some(b' ')))
+        .filter_map(|l| l.rsplit_once(' ').and_then(|(_, v)| v.parse::<f64>().ok()))
+        .sum()
+}
+
+fn scrape(addr: std::net::SocketAddr) -> String {
+    use std::io::{Read, Write};
+    let Ok(mut s) = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(1)) else { return String::new() };
+    let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
+    let _ = write!(s, "GET /metrics HTTP/1.0\r\nHost: {addr}\r\n\r\n");
+    let mut text = String::new();
+    let _ = s.read_to_string(&mut text);
+    text.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default()
+}
+
+/// Runs `idemflow run` as a child process on `pipeline` against `url` until it has received `target` records;
+/// returns the figures.
+async fn worker_run(
+    id: &str,
+    name: &str,
+    kafka: &EmbeddedKafka,
+    url: &str,
+    pipeline: &str,
+    group: &str,
+    target: u64,
+) -> anyhow::Result<RunResult> {
+    let dir = tempfile::Builder::new().prefix("idemflow-bench-").tempdir()?;
+    std::fs::create_dir(dir.path().join("pipelines"))?;
+    std::fs::write(dir.path().join("pipelines/orders.toml"), pipeline.replace("topics =", &format!("group_id = \"{group}\"\ntopics =")))?;
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse()?;
+    std::fs::write(
+        dir.path().join("idemflow.toml"),
+        format!(
+            "pipelines = \"pipelines\"\n[database]\nurl = \"{url}\"\nmax_connections = 4\n[kafka]\nbootstrap_servers = \"{}\"\n\
+             [kafka.properties]\n\"session.timeout.ms\" = \"6000\"\n[metrics]\nlisten = \"{addr}\"\n[log]\nlevel = \"warn\"\n",
+            kafka.bootstrap_servers()
+        ),
+    )?;
+    let exe = std::env::current_exe()?;
+    let log = std::fs::File::create(dir.path().join("worker.log"))?;
+    let child = std::process::Command::new(exe)
+        .args(["run", "--config"])
+        .arg(dir.path().join("idemflow.toml"))
+        .env_remove("RUST_LOG")
+        .stdout(std::process::Stdio::null())
+        .stderr(log)
+        .spawn()
+        .context("starting the worker")?;
+    let pid = child.id() as libc::pid_t;
+    let received = |m: &str| sample(m, "idemflow_records_received_total");
+    let started = Instant::now();
+    let mut first: Option<(Instant, f64)> = None;
+    let last_scrape = loop {
+        tokio::time::sleep(Duration::from_millis(25)).await;
+        let m = scrape(addr);
+        let n = received(&m);
+        if n > 0.0 && first.is_none() {
+            first = Some((Instant::now(), n));
+        }
+        if n >= target as f64 {
+            break m;
+        }
+        if started.elapsed() > Duration::from_secs(1800) {
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+            bail!("{id}: the worker received {n} of {target} records in 30 minutes; log: {}", dir.path().join("worker.log").display());
+        }
+        if started.elapsed() > Duration::from_secs(60) && first.is_none() {
+            let log = std::fs::read_to_string(dir.path().join("worker.log")).unwrap_or_default();
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+            bail!("{id}: the worker received nothing in 60 s; its log:\n{log}");
+        }
+    };
+    let end = Instant::now();
+    let (t0, n0) = first.unwrap_or((started, 0.0));
+    let total = received(&last_scrape);
+    // SAFETY: plain syscalls on our own child's pid; `usage` is a zeroed out-parameter.
+    let usage = unsafe {
+        libc::kill(pid, libc::SIGTERM);
+        let mut status = 0;
+        let mut usage: libc::rusage = std::mem::zeroed();
+        libc::wait4(pid, &mut status, 0, &mut usage);
+        usage
+    };
+    drop(child);
+    let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
+    let cpu = secs(usage.ru_utime) + secs(usage.ru_stime);
+    let window = end.duration_since(t0).as_secs_f64().max(1e-9);
+    let processed = total - n0;
+    let ms = |v: Option<f64>| v.map(|s| s * 1000.0);
+    let dup = sample(&last_scrape, "idemflow_duplicates_skipped_total");
+    Ok(RunResult {
+        id: id.into(),
+        name: name.into(),
+        records: processed as u64,
+        seconds: window,
+        records_per_second: processed / window,
+        cpu_us_per_record: Some(cpu * 1e6 / total.max(1.0)),
+        peak_rss_mib: Some(usage.ru_maxrss as f64 / 1024.0),
+        batch_p50_ms: ms(histogram_quantile(&last_scrape, "idemflow_batch_duration_seconds", 0.5)),
+        batch_p99_ms: ms(histogram_quantile(&last_scrape, "idemflow_batch_duration_seconds", 0.99)),
+        e2e_p50_ms: ms(histogram_quantile(&last_scrape, "idemflow_end_to_end_latency_seconds", 0.5)),
+        e2e_p99_ms: ms(histogram_quantile(&last_scrape, "idemflow_end_to_end_latency_seconds", 0.99)),
+        note: format!(
+            "{total} received, {} applied, {dup} duplicates skipped; CPU {cpu:.2} s",
+            sample(&last_scrape, "idemflow_records_applied_total")
+        ),
+    })
+}
+
+/// Run (3): the same dedup rows and business rows, loaded with `COPY` into the same indexed tables in one
+/// transaction.
+async fn copy_ceiling(url: &str, s: &Stream, total: usize) -> anyhow::Result<RunResult> {
+    let mut dedup = String::with_capacity(s.firsts.len() * 200);
+    let mut orders = String::with_capacity(s.firsts.len() * 120);
+    let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
+    for &i in &s.firsts {
+        let (partition, payload) = &s.records[i];
+        let doc: serde_json::Value = serde_json::from_slice(payload)?;
+        let o = &doc["order"];
+        let id = o["id"].as_str().unwrap_or_default();
+        let key = BusinessKey::new(id.to_owned());
+        let fingerprint: [u8; 32] = Sha256::digest(payload).into();
+        dedup.push_str(&format!(
+            "{PIPELINE}\t\\\\x{}\t{id}\t{TOPIC}\t{partition}\t{i}\t\\\\x{}\n",
+            hex(&key.digest),
+            hex(&fingerprint)
+        ));
+        orders.push_str(&format!(
+            "{id}\t{}\t{}\t{}\t{}\n",
+            o["account"].as_str().unwrap_or_default(),
+            o["amount"].as_str().unwrap_or_default(),
+            o["currency"].as_str().unwrap_or_default(),
+            doc["created_at"].as_str().unwrap_or_default()
+        ));
+    }
+    let mut conn = PgConnection::connect(url).await?;
+    let started = Instant::now();
+    let mut tx = conn.begin().await?;
+    let mut copy = tx
+        .copy_in_raw(r#"COPY idemflow.dedup (pipeline, key_digest, business_key, topic, partition, "offset", fingerprint) FROM STDIN"#)
+        .await?;
+    copy.send(dedup.as_bytes()).await?;
+    copy.finish().await?;
+    let mut copy = tx.copy_in_raw("COPY orders (order_id, account_id, amount, currency, created_at) FROM STDIN").await?;
+    copy.send(orders.as_bytes()).await?;
+    copy.finish().await?;
+    tx.commit().await?;
+    let secs = started.elapsed().as_secs_f64();
+    Ok(RunResult {
+        id: "(3)".into(),
+        name: "ceiling: COPY of the same dedup and business rows, no Kafka".into(),
+        records: total as u64,
+        seconds: secs,
+        records_per_second: total as f64 / secs,
+        note: format!("{} dedup rows and {} business rows for {total} records", s.firsts.len(), s.firsts.len()),
+        ..RunResult::default()
+    })
+}
+
+/// Run (5): consume the whole topic, decode and extract each key; no database.
+async fn consume_only(kafka: &EmbeddedKafka, url: &str, total: usize) -> anyhow::Result<RunResult> {
+    let dir = tempfile::Builder::new().prefix("idemflow-bench-").tempdir()?;
+    let file = dir.path().join("orders.toml");
+    std::fs::write(&file, table_pipeline(None))?;
+    let pipeline = crate::config::pipeline::load_file(&file).map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    let pool = sqlx::postgres::PgPoolOptions::new().max_connections(1).connect(url).await?;
+    let ready = crate::worker::prepare(&pool, std::slice::from_ref(&pipeline)).await.map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    let preparer = ready[0].preparer.clone();
+    pool.close().await;
+    let bootstrap = kafka.bootstrap_servers().to_owned();
+    tokio::task::spawn_blocking(move || -> anyhow::Result<RunResult> {
+        let consumer: BaseConsumer = ClientConfig::new()
+            .set("bootstrap.servers", &bootstrap)
+            .set("group.id", "bench-consume-only")
+            .set("enable.auto.commit", "false")
+            .set("auto.offset.reset", "earliest")
+            .create()?;
+        consumer.subscribe(&[TOPIC])?;
+        let topic: std::sync::Arc<str> = std::sync::Arc::from(TOPIC);
+        let mut n = 0usize;
+        let mut applied = 0usize;
+        let mut t0 = None;
+        let deadline = Instant::now() + Duration::from_secs(600);
+        while n < total {
+            if Instant::now() > deadline {
+                bail!("(5): consumed {n} of {total} records in 10 minutes");
+            }
+            match consumer.poll(Duration::from_millis(100)) {
+                Some(Ok(m)) => {
+                    t0.get_or_insert_with(Instant::now);
+                    let record = crate::record::Record::from_message(&m, topic.clone());
+                    if matches!(preparer.prepare(&record), crate::prepare::Prepared::Apply(_)) {
+                        applied += 1;
+                    }
+                    n += 1;
+                }
+                Some(Err(e)) => tracing::debug!(error = %e, "consume error"),
+                None => {}
+            }
+        }
+        let secs = t0.map_or(0.0, |t| t.elapsed().as_secs_f64()).max(1e-9);
+        Ok(RunResult {
+            id: "(5)".into(),
+            name: "ceiling: consume-only pass (decode and key extraction, no database)".into(),
+            records: n as u64,
+            seconds: secs,
+            records_per_second: n as f64 / secs,
+            note: format!("{applied} records prepared for applying"),
+            ..RunResult::default()
+        })
+    })
+    .await?
+}
+
+async fn environment(admin_url: &str, throwaway: bool, o: &BenchOptions, partitions: i32) -> anyhow::Result<Vec<(String, String)>> {
+    let mut conn = PgConnection::connect(admin_url).await?;
+    let mut env = Vec::new();
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .unwrap_or_default()
+        .lines()
+        .find(|l| l.starts_with("model name"))
+        .and_then(|l| l.split_once(':').map(|(_, v)| v.trim().to_owned()))
+        .unwrap_or_else(|| "unknown".into());
+    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0);
+    let mem = std::fs::read_to_string("/proc/meminfo")
+        .unwrap_or_default()
+        .lines()
+        .next()
+        .map(|l| l.split_whitespace().nth(1).and_then(|k| k.parse::<u64>().ok()).unwrap_or(0) / 1024 / 1024)
+        .unwrap_or(0);
+    env.push(("machine".into(), format!("{cores} cores ({cpu}), {mem} GiB RAM")));
+    let version: String = sqlx::query_scalar("SELECT version()").fetch_one(&mut conn).await?;
+    env.push(("postgres".into(), format!("{version}{}", if throwaway { " (throwaway cluster on local disk)" } else { "" })));
+    for setting in ["synchronous_commit", "fsync", "full_page_writes", "wal_level", "shared_buffers", "max_wal_size"] {
+        let value: String = sqlx::query_scalar(&format!("SHOW {setting}")).fetch_one(&mut conn).await?;
+        env.push((setting.into(), value));
+    }
+    env.push(("kafka".into(), format!("librdkafka {} mock cluster, 1 broker, {partitions} partitions", rdkafka::util::get_rdkafka_version().1)));
+    env.push((
+        "stream".into(),
+        format!("{} records; runs (2) and (6) over the first {} and {}; (4) with {} dedup keys preloaded", o.records, o.single_records.min(o.records), o.sql_records.min(o.records), o.preload),
+    ));
+    env.push(("idemflow".into(), format!("{} (release build: {})", env!("CARGO_PKG_VERSION"), !cfg!(debug_assertions))));
+    Ok(env)
+}
+
+/// Runs the benchmark and writes the Markdown table and the JSON.
+pub async fn run(o: BenchOptions) -> anyhow::Result<Report> {
+    if cfg!(debug_assertions) {
+        eprintln!("warning: this is a debug build; run `cargo run --release -- bench` for meaningful figures");
+    }
+    let throwaway;
+    let admin_url = match &o.database_url {
+        Some(url) => url.clone(),
+        None => {
+            eprintln!("starting a throwaway PostgreSQL cluster (fsync on, synchronous_commit on)...");
+            throwaway = Throwaway::start_durable()?;
+            throwaway.url()
+        }
+    };
+    let kafka = EmbeddedKafka::start()?;
+    // About 200 bytes a record; the mock keeps about 5 MiB per partition: stay under 2 MiB.
+    let partitions = ((o.records * 230) / (2 << 20) + 1).max(4) as i32;
+    kafka.create_topic(TOPIC, partitions)?;
+    let env = environment(&admin_url, o.database_url.is_none(), &o, partitions).await?;
+    for (k, v) in &env {
+        eprintln!("{k}: {v}");
+    }
+    let s = stream(o.records, partitions);
+    let started = Instant::now();
+    for (partition, value) in &s.records {
+        kafka.send(BaseRecord::<[u8], [u8]>::to(TOPIC).partition(*partition).payload(value))?;
+    }
+    kafka.flush()?;
+    let avg = s.records.iter().map(|r| r.1.len()).sum::<usize>() / s.records.len().max(1);
+    eprintln!(
+        "produced {} records ({avg} bytes on average; {} distinct keys, {} republished, {} payload mismatches) in {:.1} s",
+        s.records.len(), s.firsts.len(), s.republished, s.mismatched, started.elapsed().as_secs_f64()
+    );
+    let total = s.records.len() as u64;
+    let mut runs = Vec::new();
+    let report_run = |r: &RunResult| eprintln!("{} {}: {:.0} records/s ({})", r.id, r.name, r.records_per_second, r.note);
+
+    let url = fresh_database(&admin_url, "bench_1").await?;
+    let r1 = worker_run("(1)", "idemflow, default batching (table form)", &kafka, &url, &table_pipeline(None), "bench-1", total).await?;
+    report_run(&r1);
+    runs.push(r1);
+
+    let single = o.single_records.min(o.records) as u64;
+    let url = fresh_database(&admin_url, "bench_2").await?;
+    let r2 = worker_run("(2)", "idemflow, one record per transaction (max_records = 1)", &kafka, &url, &table_pipeline(Some(1)), "bench-2", single).await?;
+    report_run(&r2);
+    runs.push(r2);
+
+    let url = fresh_database(&admin_url, "bench_3").await?;
+    let r3 = copy_ceiling(&url, &s, s.records.len()).await?;
+    report_run(&r3);
+    runs.push(r3);
+
+    let url = fresh_database(&admin_url, "bench_4").await?;
+    let preload_started = Instant::now();
+    {
+        let mut conn = PgConnection::connect(&url).await?;
+        eprintln!("(4) preloading {} dedup keys...", o.preload);
+        sqlx::query(
+            r#"INSERT INTO idemflow.dedup (pipeline, key_digest, business_key, topic, partition, "offset", fingerprint)
+               SELECT $1, sha256(convert_to('PRE-' || g, 'UTF8')), 'PRE-' || g, 'preload', 0, g, sha256(convert_to(g::text, 'UTF8'))
+               FROM generate_series(1, $2::int8) g"#,
+        )
+        .bind(PIPELINE)
+        .bind(o.preload as i64)
+        .execute(&mut conn)
+        .await?;
+        conn.execute("VACUUM ANALYZE idemflow.dedup").await?;
+    }
+    let preload_secs = preload_started.elapsed().as_secs_f64();
+    let mut r4 = worker_run("(4)", "idemflow, default batching, dedup store preloaded", &kafka, &url, &table_pipeline(None), "bench-4", total).await?;
+    r4.note = format!("{} preloaded keys (in {preload_secs:.0} s); {}", o.preload, r4.note);
+    report_run(&r4);
+    runs.push(r4);
+
+    let url = fresh_database(&admin_url, "bench_5").await?;
+    let r5 = consume_only(&kafka, &url, s.records.len()).await?;
+    report_run(&r5);
+    runs.push(r5);
+
+    let sql = o.sql_records.min(o.records) as u64;
+    let url = fresh_database(&admin_url, "bench_6").await?;
+    let r6 = worker_run("(6)", "idemflow, default batching, per-record SQL form", &kafka, &url, &sql_pipeline(), "bench-6", sql).await?;
+    report_run(&r6);
+    runs.push(r6);
+
+    let rate = |i: usize| runs[i].records_per_second;
+    let ratios = vec![
+        ("(1) / min((3), (5))".to_owned(), rate(0) / rate(2).min(rate(4)), ">= 0.60".to_owned()),
+        ("(1) / (2)".to_owned(), rate(0) / rate(1), ">= 50".to_owned()),
+        ("(4) / (1)".to_owned(), rate(3) / rate(0), ">= 0.80".to_owned()),
+        ("(6) / (1)".to_owned(), rate(5) / rate(0), "(measured)".to_owned()),
+    ];
+    let report = Report { environment: env, runs, ratios };
+    write_outputs(&report, &o.markdown, &o.json)?;
+    Ok(report)
+}
+
+fn opt(v: Option<f64>, digits: usize) -> String {
+    v.map_or("-".to_owned(), |v| format!("{v:.digits$}"))
+}
+
+/// The report as Markdown: settings, the runs table and the ratios.
+pub fn markdown(r: &Report) -> String {
+    let mut md = String::from("| setting | value |\n|---|---|\n");
+    for (k, v) in &r.environment {
+        md.push_str(&format!("| {k} | {v} |\n"));
+    }
+    md.push_str(
+        "\n| run | what | records | seconds | records/s | worker CPU µs/record | peak RSS MiB | batch p50 / p99 ms | end-to-end p50 / p99 ms | notes |\n\
+         |---|---|---:|---:|---:|---:|---:|---:|---:|---|\n",
+    );
+    for x in &r.runs {
+        md.push_str(&format!(
+            "| {} | {} | {} | {:.2} | {:.0} | {} | {} | {} / {} | {} / {} | {} |\n",
+            x.id,
+            x.name,
+            x.records,
+            x.seconds,
+            x.records_per_second,
+            opt(x.cpu_us_per_record, 2),
+            opt(x.peak_rss_mib, 1),
+            opt(x.batch_p50_ms, 1),
+            opt(x.batch_p99_ms, 1),
+            opt(x.e2e_p50_ms, 0),
+            opt(x.e2e_p99_ms, 0),
+            x.note
+        ));
+    }
+    md.push_str("\n| ratio | measured | target |\n|---|---:|---|\n");
+    for (name, value, target) in &r.ratios {
+        md.push_str(&format!("| {name} | {value:.2} | {target} |\n"));
+    }
+    md
+}
+
+fn write_outputs(r: &Report, md_path: &Path, json_path: &Path) -> anyhow::Result<()> {
+    for p in [md_path, json_path] {
+        if let Some(dir) = p.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir)?;
+        }
+    }
+    std::fs::write(md_path, markdown(r))?;
+    std::fs::write(json_path, serde_json::to_string_pretty(r)?)?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quantiles_interpolate_within_buckets() {
+        let m = "x_bucket{pipeline=\"p\",le=\"0.1\"} 50\nx_bucket{pipeline=\"p\",le=\"0.2\"} 100\nx_bucket{pipeline=\"p\",le=\"+Inf\"} 100\n";
+        assert_eq!(histogram_quantile(m, "x", 0.5), Some(0.1));
+        assert!((histogram_quantile(m, "x", 0.75).unwrap() - 0.15).abs() < 1e-9);
+        assert_eq!(histogram_quantile("", "x", 0.5), None);
+    }
+
+    #[test]
+    fn the_stream_has_two_percent_duplicates_of_about_200_bytes() {
+        let s = stream(100_000, 8);
+        let dup = (s.republished + s.mismatched) as f64 / s.records.len() as f64;
+        assert!((0.015..0.025).contains(&dup), "{dup}");
+        let avg = s.records.iter().map(|r| r.1.len()).sum::<usize>() / s.records.len();
+        assert!((180..=230).contains(&avg), "{avg}");
+        assert_eq!(s.firsts.len() as u64 + s.republished + s.mismatched, 100_000);
+    }
+}
