@@ -11,8 +11,8 @@
 //! 5. the broker's ceiling: a consume-only pass (decode and key extraction, no database);
 //! 6. the worker with the per-record SQL form of the same side effect, over a prefix of the stream.
 //!
-//! The workers run as child processes (`idemflow run`), so their CPU time and peak RSS come from `wait4`'s
-//! rusage of that process alone. Throughput is taken between the first and the last record received (so start-up
+//! The workers run as child processes (`idemflow run`), so their CPU time comes from `wait4`'s rusage of that
+//! process alone, and their peak RSS from its `/proc/<pid>/status` `VmHWM`, read just before it is stopped. Throughput is taken between the first and the last record received (so start-up
 //! and group join are left out); CPU and RSS cover the whole process. Latencies are quantiles of the worker's
 //! own histograms, interpolated within buckets as Prometheus' `histogram_quantile` does.
 
@@ -49,6 +49,10 @@ pub struct BenchOptions {
     pub markdown: PathBuf,
     /// Where the JSON goes.
     pub json: PathBuf,
+    /// Only these runs (1..=6); all when empty (ratios need all).
+    pub only: Vec<u8>,
+    /// Run each worker under `perf record -g` (output `perf-<run>.data` in the current directory).
+    pub perf: bool,
 }
 
 /// One run's figures.
@@ -251,15 +255,17 @@ fn scrape(addr: std::net::SocketAddr) -> String {
 
 /// Runs `idemflow run` as a child process on `pipeline` against `url` until it has received `target` records;
 /// returns the figures.
-async fn worker_run(
-    id: &str,
-    name: &str,
-    kafka: &EmbeddedKafka,
-    url: &str,
-    pipeline: &str,
-    group: &str,
+/// One worker run: its label, the pipeline it runs, its consumer group, and how many records it takes.
+struct WorkerRun<'a> {
+    id: &'a str,
+    name: &'a str,
+    pipeline: String,
+    group: &'a str,
     target: u64,
-) -> anyhow::Result<RunResult> {
+}
+
+async fn worker_run(run: WorkerRun<'_>, kafka: &EmbeddedKafka, url: &str, perf: bool) -> anyhow::Result<RunResult> {
+    let WorkerRun { id, name, ref pipeline, group, target } = run;
     let dir = tempfile::Builder::new().prefix("idemflow-bench-").tempdir()?;
     std::fs::create_dir(dir.path().join("pipelines"))?;
     std::fs::write(dir.path().join("pipelines/orders.toml"), pipeline.replace("topics =", &format!("group_id = \"{group}\"\ntopics =")))?;
@@ -274,7 +280,7 @@ async fn worker_run(
         ),
     )?;
     let exe = std::env::current_exe()?;
-    let log = std::fs::File::create(dir.path().join("worker.log"))?;
+    let log = std::fs::File::create(std::env::var("BENCH_LOG").map(PathBuf::from).unwrap_or_else(|_| dir.path().join("worker.log")))?;
     let child = std::process::Command::new(exe)
         .args(["run", "--config"])
         .arg(dir.path().join("idemflow.toml"))
@@ -284,6 +290,19 @@ async fn worker_run(
         .spawn()
         .context("starting the worker")?;
     let pid = child.id() as libc::pid_t;
+    let profiler = if perf {
+        let out = format!("perf-{}.data", id.trim_matches(|c| c == '(' || c == ')'));
+        Some(
+            std::process::Command::new("perf")
+                .args(["record", "-g", "-F", "499", "-o", &out, "-p", &pid.to_string()])
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null())
+                .spawn()
+                .context("starting perf")?,
+        )
+    } else {
+        None
+    };
     let received = |m: &str| sample(m, "idemflow_records_received_total");
     let started = Instant::now();
     let mut first: Option<(Instant, f64)> = None;
@@ -308,8 +327,24 @@ async fn worker_run(
         }
     };
     let end = Instant::now();
-    let (t0, n0) = first.unwrap_or((started, 0.0));
+    if let Some(mut p) = profiler {
+        // SAFETY: a signal to our own child.
+        unsafe { libc::kill(p.id() as libc::pid_t, libc::SIGINT) };
+        let _ = p.wait();
+    }
+    let (mut t0, mut n0) = first.unwrap_or((started, 0.0));
+    let mut short = "";
+    if received(&last_scrape) - n0 <= 0.0 {
+        // Everything arrived before the first scrape saw anything: time it from the start of the process.
+        (t0, n0) = (started, 0.0);
+        short = " (run shorter than a scrape: timed from process start)";
+    }
     let total = received(&last_scrape);
+    // The peak RSS of the worker's own address space (VmHWM; reset by exec). wait4's ru_maxrss would not do: Linux
+    // carries the high-water mark of the forked copy of this (large) process across exec.
+    let peak_kib = std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| s.lines().find(|l| l.starts_with("VmHWM:")).and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok()));
     // SAFETY: plain syscalls on our own child's pid; `usage` is a zeroed out-parameter.
     let usage = unsafe {
         libc::kill(pid, libc::SIGTERM);
@@ -332,13 +367,13 @@ async fn worker_run(
         seconds: window,
         records_per_second: processed / window,
         cpu_us_per_record: Some(cpu * 1e6 / total.max(1.0)),
-        peak_rss_mib: Some(usage.ru_maxrss as f64 / 1024.0),
+        peak_rss_mib: peak_kib.map(|k| k / 1024.0),
         batch_p50_ms: ms(histogram_quantile(&last_scrape, "idemflow_batch_duration_seconds", 0.5)),
         batch_p99_ms: ms(histogram_quantile(&last_scrape, "idemflow_batch_duration_seconds", 0.99)),
         e2e_p50_ms: ms(histogram_quantile(&last_scrape, "idemflow_end_to_end_latency_seconds", 0.5)),
         e2e_p99_ms: ms(histogram_quantile(&last_scrape, "idemflow_end_to_end_latency_seconds", 0.99)),
         note: format!(
-            "{total} received, {} applied, {dup} duplicates skipped; CPU {cpu:.2} s",
+            "{total} received, {} applied, {dup} duplicates skipped; CPU {cpu:.2} s{short}",
             sample(&last_scrape, "idemflow_records_applied_total")
         ),
     })
@@ -518,22 +553,32 @@ pub async fn run(o: BenchOptions) -> anyhow::Result<Report> {
     let mut runs = Vec::new();
     let report_run = |r: &RunResult| eprintln!("{} {}: {:.0} records/s ({})", r.id, r.name, r.records_per_second, r.note);
 
-    let url = fresh_database(&admin_url, "bench_1").await?;
-    let r1 = worker_run("(1)", "idemflow, default batching (table form)", &kafka, &url, &table_pipeline(None), "bench-1", total).await?;
-    report_run(&r1);
-    runs.push(r1);
+    let want = |n: u8| o.only.is_empty() || o.only.contains(&n);
+    let perf = o.perf;
 
-    let single = o.single_records.min(o.records) as u64;
-    let url = fresh_database(&admin_url, "bench_2").await?;
-    let r2 = worker_run("(2)", "idemflow, one record per transaction (max_records = 1)", &kafka, &url, &table_pipeline(Some(1)), "bench-2", single).await?;
-    report_run(&r2);
-    runs.push(r2);
+    if want(1) {
+        let url = fresh_database(&admin_url, "bench_1").await?;
+        let r1 = worker_run(WorkerRun { id: "(1)", name: "idemflow, default batching (table form)", pipeline: table_pipeline(None), group: "bench-1", target: total }, &kafka, &url, perf).await?;
+        report_run(&r1);
+        runs.push(r1);
+    }
 
-    let url = fresh_database(&admin_url, "bench_3").await?;
-    let r3 = copy_ceiling(&url, &s, s.records.len()).await?;
-    report_run(&r3);
-    runs.push(r3);
+    if want(2) {
+        let single = o.single_records.min(o.records) as u64;
+        let url = fresh_database(&admin_url, "bench_2").await?;
+        let r2 = worker_run(WorkerRun { id: "(2)", name: "idemflow, one record per transaction (max_records = 1)", pipeline: table_pipeline(Some(1)), group: "bench-2", target: single }, &kafka, &url, perf).await?;
+        report_run(&r2);
+        runs.push(r2);
+    }
 
+    if want(3) {
+        let url = fresh_database(&admin_url, "bench_3").await?;
+        let r3 = copy_ceiling(&url, &s, s.records.len()).await?;
+        report_run(&r3);
+        runs.push(r3);
+    }
+
+    if want(4) {
     let url = fresh_database(&admin_url, "bench_4").await?;
     let preload_started = Instant::now();
     {
@@ -551,22 +596,32 @@ pub async fn run(o: BenchOptions) -> anyhow::Result<Report> {
         conn.execute("VACUUM ANALYZE idemflow.dedup").await?;
     }
     let preload_secs = preload_started.elapsed().as_secs_f64();
-    let mut r4 = worker_run("(4)", "idemflow, default batching, dedup store preloaded", &kafka, &url, &table_pipeline(None), "bench-4", total).await?;
+    let mut r4 = worker_run(WorkerRun { id: "(4)", name: "idemflow, default batching, dedup store preloaded", pipeline: table_pipeline(None), group: "bench-4", target: total }, &kafka, &url, perf).await?;
     r4.note = format!("{} preloaded keys (in {preload_secs:.0} s); {}", o.preload, r4.note);
     report_run(&r4);
     runs.push(r4);
+    }
 
-    let url = fresh_database(&admin_url, "bench_5").await?;
-    let r5 = consume_only(&kafka, &url, s.records.len()).await?;
-    report_run(&r5);
-    runs.push(r5);
+    if want(5) {
+        let url = fresh_database(&admin_url, "bench_5").await?;
+        let r5 = consume_only(&kafka, &url, s.records.len()).await?;
+        report_run(&r5);
+        runs.push(r5);
+    }
 
-    let sql = o.sql_records.min(o.records) as u64;
-    let url = fresh_database(&admin_url, "bench_6").await?;
-    let r6 = worker_run("(6)", "idemflow, default batching, per-record SQL form", &kafka, &url, &sql_pipeline(), "bench-6", sql).await?;
-    report_run(&r6);
-    runs.push(r6);
+    if want(6) {
+        let sql = o.sql_records.min(o.records) as u64;
+        let url = fresh_database(&admin_url, "bench_6").await?;
+        let r6 = worker_run(WorkerRun { id: "(6)", name: "idemflow, default batching, per-record SQL form", pipeline: sql_pipeline(), group: "bench-6", target: sql }, &kafka, &url, perf).await?;
+        report_run(&r6);
+        runs.push(r6);
+    }
 
+    if runs.len() < 6 {
+        let report = Report { environment: env, runs, ratios: Vec::new() };
+        write_outputs(&report, &o.markdown, &o.json)?;
+        return Ok(report);
+    }
     let rate = |i: usize| runs[i].records_per_second;
     let ratios = vec![
         ("(1) / min((3), (5))".to_owned(), rate(0) / rate(2).min(rate(4)), ">= 0.60".to_owned()),

@@ -183,6 +183,12 @@ struct BenchArgs {
     /// Where to write the JSON.
     #[arg(long, default_value = "target/bench/bench.json")]
     json: PathBuf,
+    /// Only these runs, e.g. `--only 1,5` (the ratios need all six).
+    #[arg(long, value_delimiter = ',')]
+    only: Vec<u8>,
+    /// Profile each worker run with `perf record -g` (writes perf-N.data here; CPU figures then include perf).
+    #[arg(long)]
+    perf: bool,
 }
 
 #[derive(clap::Args)]
@@ -450,6 +456,8 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
                 database_url: a.database_url,
                 markdown: a.markdown.clone(),
                 json: a.json.clone(),
+                only: a.only,
+                perf: a.perf,
             };
             let report = idemflow::bench::run(options).await?;
             println!("{}", idemflow::bench::markdown(&report));

@@ -260,7 +260,16 @@ pub(crate) fn consumer_config(kafka: &KafkaSettings, pipeline: &Pipeline) -> Cli
     config
         .set("bootstrap.servers", &kafka.bootstrap_servers)
         .set("auto.offset.reset", "earliest")
-        .set("client.id", format!("idemflow-{}", pipeline.name));
+        .set("client.id", format!("idemflow-{}", pipeline.name))
+        // Prefetch a few batches, not the whole backlog: librdkafka's defaults (100,000 messages per partition,
+        // 64 MiB) make a worker that starts behind a large backlog hold hundreds of MiB of records it will not
+        // process for minutes, and spend CPU fetching them.
+        .set("queued.min.messages", (4 * pipeline.batch.max_records).clamp(1000, 100_000).to_string())
+        .set("queued.max.messages.kbytes", "16384")
+        .set("fetch.max.bytes", "8388608")
+        // When a partition's prefetch reaches those bounds librdkafka postpones its next fetch by this much
+        // (default 1 s): with bounds of a few batches that stalled the worker about once a second.
+        .set("fetch.queue.backoff.ms", "20");
     for (k, v) in &kafka.properties {
         if OWNED.contains(&k.as_str()) {
             tracing::warn!(pipeline = %pipeline.name, property = %k, "ignoring a Kafka property the worker sets itself");
@@ -333,8 +342,10 @@ impl Source {
     /// Creates the consumer and subscribes to the pipeline's topics.
     ///
     /// The worker sets `group.id`, `enable.auto.commit=false` and `enable.auto.offset.store=false`, and defaults
-    /// `auto.offset.reset=earliest` (a new group starts from the beginning of each partition) and `client.id`;
-    /// every other librdkafka property comes from `[kafka.properties]`.
+    /// `auto.offset.reset=earliest` (a new group starts from the beginning of each partition), `client.id`,
+    /// `queued.min.messages` (4 batches, at least 1000) and `queued.max.messages.kbytes=16384`, `fetch.max.bytes=8388608` and `fetch.queue.backoff.ms=20` (prefetch
+    /// bounds);
+    /// every other librdkafka property comes from `[kafka.properties]`, which also overrides these defaults.
     ///
     /// With `stored` (`[offsets] store = "database"`), each assigned partition starts from its position stored in
     /// `idemflow.offsets`, claimed under a new owner epoch (see [`crate::offsets`]); a partition with no stored

@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 /// Default `batch.max_records`.
-pub const DEFAULT_MAX_RECORDS: usize = 500;
+pub const DEFAULT_MAX_RECORDS: usize = 2000;
 /// Default `batch.max_wait`.
 pub const DEFAULT_MAX_WAIT: Duration = Duration::from_millis(20);
 /// Default `max_payload_bytes`: 4 MiB (Kafka's own default record limit is about 1 MiB).
@@ -690,7 +690,7 @@ msg = { header = "message-id" }
         )
         .unwrap();
         assert_eq!(p.group_id, "idemflow-payments");
-        assert_eq!(p.batch, BatchSettings { max_records: 500, max_wait: Duration::from_millis(20) });
+        assert_eq!(p.batch, BatchSettings { max_records: DEFAULT_MAX_RECORDS, max_wait: Duration::from_millis(20) });
         let SinkSpec::Table { columns, on_conflict, .. } = &p.sink else { panic!("table form") };
         assert_eq!(*on_conflict, OnConflict::Nothing);
         let by_name = |n: &str| columns.iter().find(|b| b.name == n).unwrap().clone();

@@ -2,6 +2,7 @@
 
 mod support;
 
+mod bench;
 mod e2e;
 mod failures;
 mod monitoring;

@@ -1,0 +1,46 @@
+//! `idemflow bench` end to end, small: every run happens and the figures are written as Markdown and JSON. (The
+//! figures themselves are measurements, never asserted: see docs/benchmarks.md.)
+
+use crate::support::*;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bench_runs_every_baseline_and_writes_markdown_and_json() {
+    let dir = tempfile::tempdir().unwrap();
+    let (md, json) = (dir.path().join("bench.md"), dir.path().join("bench.json"));
+    let args: Vec<String> = [
+        "bench", "--records", "4000", "--single-records", "200", "--sql-records", "1000", "--preload", "20000",
+        "--database-url", postgres::server_url(), "--markdown", md.to_str().unwrap(), "--json", json.to_str().unwrap(),
+    ]
+    .map(String::from)
+    .into();
+    let cwd = dir.path().to_owned();
+    let (status, out, err) = tokio::task::spawn_blocking(move || {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        idemflow(&args, &cwd)
+    })
+    .await
+    .unwrap();
+    assert!(status.success(), "{out}\n{err}");
+    let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let runs = report["runs"].as_array().unwrap();
+    let ids: Vec<&str> = runs.iter().map(|r| r["id"].as_str().unwrap()).collect();
+    assert_eq!(ids, ["(1)", "(2)", "(3)", "(4)", "(5)", "(6)"]);
+    for r in runs {
+        assert!(r["records_per_second"].as_f64().unwrap() > 0.0, "{r}");
+        assert!(r["records"].as_u64().unwrap() > 0, "{r}");
+    }
+    for worker_run in [0, 1, 3, 5] {
+        let r = &runs[worker_run];
+        assert!(r["cpu_us_per_record"].as_f64().unwrap() > 0.0, "{r}");
+        assert!(r["peak_rss_mib"].as_f64().unwrap() > 1.0, "{r}");
+        assert!(r["batch_p50_ms"].as_f64().is_some(), "{r}");
+    }
+    assert!(runs[3]["note"].as_str().unwrap().starts_with("20000 preloaded keys"), "{}", runs[3]);
+    let ratios: Vec<&str> = report["ratios"].as_array().unwrap().iter().map(|r| r[0].as_str().unwrap()).collect();
+    assert_eq!(ratios, ["(1) / min((3), (5))", "(1) / (2)", "(4) / (1)", "(6) / (1)"]);
+    let settings = report["environment"].to_string();
+    assert!(settings.contains("synchronous_commit") && settings.contains("fsync"), "{settings}");
+    let table = std::fs::read_to_string(&md).unwrap();
+    assert!(table.contains("| (1) | idemflow, default batching (table form) |"), "{table}");
+    assert!(out.contains("| ratio | measured | target |"), "{out}");
+}
