@@ -280,7 +280,7 @@ async fn worker_run(run: WorkerRun<'_>, kafka: &EmbeddedKafka, url: &str, perf: 
         ),
     )?;
     let exe = std::env::current_exe()?;
-    let log = std::fs::File::create(std::env::var("BENCH_LOG").map(PathBuf::from).unwrap_or_else(|_| dir.path().join("worker.log")))?;
+    let log = std::fs::File::create(dir.path().join("worker.log"))?;
     let child = std::process::Command::new(exe)
         .args(["run", "--config"])
         .arg(dir.path().join("idemflow.toml"))
@@ -298,6 +298,10 @@ async fn worker_run(run: WorkerRun<'_>, kafka: &EmbeddedKafka, url: &str, perf: 
                 .stdout(std::process::Stdio::null())
                 .stderr(std::process::Stdio::null())
                 .spawn()
+                .inspect_err(|_| {
+                    // SAFETY: a signal to our own child.
+                    unsafe { libc::kill(pid, libc::SIGKILL) };
+                })
                 .context("starting perf")?,
         )
     } else {
@@ -317,8 +321,9 @@ async fn worker_run(run: WorkerRun<'_>, kafka: &EmbeddedKafka, url: &str, perf: 
             break m;
         }
         if started.elapsed() > Duration::from_secs(1800) {
+            let log = std::fs::read_to_string(dir.path().join("worker.log")).unwrap_or_default();
             unsafe { libc::kill(pid, libc::SIGKILL) };
-            bail!("{id}: the worker received {n} of {target} records in 30 minutes; log: {}", dir.path().join("worker.log").display());
+            bail!("{id}: the worker received {n} of {target} records in 30 minutes; its log:\n{log}");
         }
         if started.elapsed() > Duration::from_secs(60) && first.is_none() {
             let log = std::fs::read_to_string(dir.path().join("worker.log")).unwrap_or_default();

@@ -312,7 +312,17 @@ async fn rewind(a: RewindArgs) -> anyhow::Result<()> {
         None
     };
     let (kafka, pp) = (settings.kafka.clone(), p.clone());
-    let moves = tokio::task::spawn_blocking(move || rewind::plan(&kafka, &pp, a.to, a.timeout)).await??;
+    let mut moves = tokio::task::spawn_blocking(move || rewind::plan(&kafka, &pp, a.to, a.timeout)).await??;
+    if let Some(pool) = &pool {
+        // With stored positions, those are where the pipeline is: plan from them.
+        let stored = idemflow::offsets::stored(pool, &p.name).await?;
+        for m in &mut moves {
+            if let Some((_, _, Some(next))) = stored.iter().find(|(t, part, _)| *t == m.topic && *part == m.partition) {
+                m.from = Some(*next);
+                *m = m.clone().backwards_only();
+            }
+        }
+    }
     println!("pipeline {:?}, consumer group {:?}{}", p.name, p.group_id, if stored { ", stored positions too" } else { "" });
     println!("{:<32} {:>12} {:>12} {:>12} {:>12}", "partition", "from", "to", "end", "replayed");
     for m in &moves {

@@ -55,6 +55,10 @@ pub struct Claimed {
 /// Errors: any database error (the caller retries).
 pub async fn claim(pool: &PgPool, pipeline: &str, owner: &str, partitions: &[(String, i32)]) -> sqlx::Result<Vec<Claimed>> {
     let (topics, parts): (Vec<&str>, Vec<i32>) = partitions.iter().map(|(t, p)| (t.as_str(), *p)).unzip();
+    let mut tx = pool.begin().await?;
+    // A previous owner frozen inside a batch would hold the row lock for as long as it is frozen: fail after a
+    // while (the caller retries) rather than wait without end.
+    sqlx::query("SET LOCAL lock_timeout = '5s'").execute(&mut *tx).await?;
     let rows: Vec<(String, i32, Option<i64>, i64)> = sqlx::query_as(
         r#"
 INSERT INTO idemflow.offsets AS o (pipeline, topic, partition, owner_epoch, owner, claimed_at)
@@ -67,8 +71,9 @@ RETURNING topic, partition, next_offset, owner_epoch"#,
     .bind(owner)
     .bind(&topics)
     .bind(&parts)
-    .fetch_all(pool)
+    .fetch_all(&mut *tx)
     .await?;
+    tx.commit().await?;
     Ok(rows.into_iter().map(|(topic, partition, next_offset, epoch)| Claimed { topic, partition, next_offset, epoch }).collect())
 }
 
@@ -121,6 +126,16 @@ RETURNING o.topic, o.partition"#,
         .filter(|(t, p, _, _)| !updated.iter().any(|(ut, up)| ut == &**t && up == p))
         .map(|(t, p, _, _)| (t.to_string(), *p))
         .collect())
+}
+
+/// The stored positions of `pipeline`: `(topic, partition, next offset)`.
+///
+/// Errors: any database error.
+pub async fn stored(pool: &PgPool, pipeline: &str) -> sqlx::Result<Vec<(String, i32, Option<i64>)>> {
+    sqlx::query_as("SELECT topic, partition, next_offset FROM idemflow.offsets WHERE pipeline = $1")
+        .bind(pipeline)
+        .fetch_all(pool)
+        .await
 }
 
 /// Sets the stored positions of `pipeline` (for `idemflow rewind`) and increments their epochs, so a worker

@@ -6,7 +6,9 @@
 //! a broker's group coordinator, rejects an `OffsetCommit` from a client that is not a member of an existing
 //! group). This command joins the group, and goes on only if the group coordinator assigns it *every* partition
 //! of the pipeline's topics: a partition held by another member means a worker is still running, and the rewind
-//! is refused. It then commits the new offsets and leaves the group.
+//! is refused. (A member holding no partition, a standby replica, is not seen; it would start from the new
+//! offsets when it gets partitions.) It then commits the new offsets and leaves the group. A partition is never
+//! moved forward: that would skip records never processed.
 //!
 //! With `[offsets] store = "database"`, the stored positions are rewound too ([`crate::offsets::reset`]), which
 //! also fences any worker that still holds them.
@@ -57,6 +59,15 @@ pub struct Move {
 }
 
 impl Move {
+    /// The move, never forward: a target past where the group is (a timestamp after its position) would skip
+    /// records never processed, so such a partition stays where it is.
+    pub fn backwards_only(mut self) -> Self {
+        if let Some(from) = self.from {
+            self.to = self.to.min(from);
+        }
+        self
+    }
+
     /// How many records will be consumed again (from `to` to where the group was, or to the end).
     pub fn replayed(&self) -> i64 {
         (self.from.unwrap_or(self.end).min(self.end) - self.to).max(0)
@@ -155,7 +166,7 @@ pub fn plan(kafka_settings: &KafkaSettings, pipeline: &Pipeline, target: Target,
             Some(Offset::Offset(o)) => Some(o),
             _ => None,
         };
-        moves.push(Move { topic: topic.to_owned(), partition, from, to, end: high });
+        moves.push(Move { topic: topic.to_owned(), partition, from, to, end: high }.backwards_only());
     }
     Ok(moves)
 }
@@ -193,7 +204,9 @@ pub fn apply(
                 return Err(RewindError::NoAssignment { group: pipeline.group_id.clone(), timeout });
             }
         };
-        if assigned < moves.len() {
+        let mine = consumer.assignment().unwrap_or_default();
+        let all_mine = moves.iter().all(|m| mine.find_partition(&m.topic, m.partition).is_some());
+        if !all_mine {
             return Err(RewindError::GroupActive {
                 group: pipeline.group_id.clone(),
                 pipeline: pipeline.name.clone(),
@@ -206,7 +219,9 @@ pub fn apply(
         for m in moves {
             let _ = tpl.add_partition_offset(&m.topic, m.partition, Offset::Offset(m.to));
         }
-        consumer.commit(&tpl, CommitMode::Sync).map_err(kafka("committing the new offsets"))
+        consumer.commit(&tpl, CommitMode::Sync).map_err(kafka(
+            "committing the new offsets (the database side, if any, was already rewound: run the rewind again)",
+        ))
     })();
     consumer.unsubscribe();
     drop(consumer); // closes the consumer: it leaves the group
@@ -232,5 +247,8 @@ mod tests {
         assert_eq!(m(Some(100), 0, 120).replayed(), 100);
         assert_eq!(m(None, 0, 120).replayed(), 120);
         assert_eq!(m(Some(100), 150, 160).replayed(), 0);
+        assert_eq!(m(Some(100), 150, 160).backwards_only().to, 100, "never forward");
+        assert_eq!(m(Some(100), 20, 160).backwards_only().to, 20);
+        assert_eq!(m(None, 150, 160).backwards_only().to, 150);
     }
 }

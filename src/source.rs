@@ -50,6 +50,8 @@ struct Ownership {
     epochs: HashMap<Tp, i64>,
     /// Consumption is paused for a retry ([`Source::pause_for`]).
     paused: bool,
+    /// Partitions given up after a fenced batch ([`Source::lose`]): kept paused until assigned again.
+    fenced: HashSet<Tp>,
 }
 
 /// What the source needs to start partitions from their stored positions (`[offsets] store = "database"`).
@@ -114,11 +116,16 @@ impl ConsumerContext for SourceContext {
             RDKafkaRespErr::RD_KAFKA_RESP_ERR__ASSIGN_PARTITIONS => {
                 if let Some(stored) = &self.stored {
                     if !self.start_from_stored(stored, tpl) {
-                        *tpl = TopicPartitionList::new(); // shutting down: take nothing
+                        // Shutting down before the positions could be read: take nothing. (`tpl` belongs to the
+                        // rebalance event and must not be replaced: librdkafka frees it afterwards.)
+                        let none = TopicPartitionList::new();
+                        return self.report(if cooperative { Ok(()) } else { consumer.assign(&none) });
                     }
                 }
                 let r = if cooperative { consumer.incremental_assign(tpl) } else { consumer.assign(tpl) };
-                self.assigned(consumer, tpl);
+                if r.is_ok() {
+                    self.assigned(consumer, tpl);
+                }
                 r
             }
             RDKafkaRespErr::RD_KAFKA_RESP_ERR__REVOKE_PARTITIONS => {
@@ -134,13 +141,17 @@ impl ConsumerContext for SourceContext {
                 consumer.unassign()
             }
         };
-        if let Err(e) = result {
-            tracing::warn!(pipeline = %self.pipeline, error = %e, "applying the rebalance failed");
-        }
+        self.report(result);
     }
 }
 
 impl SourceContext {
+    fn report(&self, result: KafkaResult<()>) {
+        if let Err(e) = result {
+            tracing::warn!(pipeline = %self.pipeline, error = %e, "applying the rebalance failed");
+        }
+    }
+
     fn revoked(&self, consumer: &BaseConsumer<Self>, tpl: &TopicPartitionList) {
         self.metrics.rebalance(RebalanceEvent::Revoke);
         let mut commit = TopicPartitionList::new();
@@ -191,7 +202,9 @@ impl SourceContext {
         self.metrics.rebalance(RebalanceEvent::Assign);
         let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         for e in tpl.elements() {
-            st.assigned.insert(tp_of(e.topic(), e.partition()));
+            let tp = tp_of(e.topic(), e.partition());
+            st.fenced.remove(&tp);
+            st.assigned.insert(tp);
         }
         let paused = st.paused;
         drop(st);
@@ -214,23 +227,26 @@ impl SourceContext {
             return true;
         }
         let mut delays = crate::worker::backoff(Duration::from_millis(100), Duration::from_secs(10));
-        let claimed = loop {
-            let attempt = tokio::task::block_in_place(|| {
-                stored.runtime.block_on(offsets::claim(&stored.pool, &self.pipeline, &stored.owner, &partitions))
-            });
-            match attempt {
-                Ok(claimed) => break claimed,
-                Err(e) => {
-                    if stored.shutdown.is_triggered() {
-                        return false;
+        let claimed = tokio::task::block_in_place(|| {
+            stored.runtime.block_on(async {
+                loop {
+                    match offsets::claim(&stored.pool, &self.pipeline, &stored.owner, &partitions).await {
+                        Ok(claimed) => return Some(claimed),
+                        Err(e) => {
+                            let delay = delays.next().unwrap_or(Duration::from_secs(10));
+                            tracing::warn!(pipeline = %self.pipeline, error = %e, retry_in = ?delay,
+                                "cannot claim the stored positions of the assigned partitions; retrying");
+                            let mut shutdown = stored.shutdown.clone();
+                            tokio::select! {
+                                _ = tokio::time::sleep(delay) => {}
+                                _ = shutdown.wait() => return None,
+                            }
+                        }
                     }
-                    let delay = delays.next().unwrap_or(Duration::from_secs(10));
-                    tracing::warn!(pipeline = %self.pipeline, error = %e, retry_in = ?delay,
-                        "cannot read the stored positions of the assigned partitions; retrying");
-                    std::thread::sleep(delay);
                 }
-            }
-        };
+            })
+        });
+        let Some(claimed) = claimed else { return false };
         let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         for c in claimed {
             if let Some(next) = c.next_offset {
@@ -470,8 +486,17 @@ impl Source {
             }
         }
         drop_revoked(&self.state, &self.pipeline, batch, &mut self.stash);
-        self.state.lock().unwrap_or_else(PoisonError::into_inner).paused = false;
-        let owned = self.consumer.assignment().unwrap_or_default();
+        let fenced = {
+            let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+            st.paused = false;
+            st.fenced.clone()
+        };
+        let mut owned = TopicPartitionList::new();
+        for e in self.consumer.assignment().unwrap_or_default().elements() {
+            if !fenced.contains(&tp_of(e.topic(), e.partition())) {
+                owned.add_partition(e.topic(), e.partition());
+            }
+        }
         if let Err(e) = self.consumer.resume(&owned) {
             tracing::debug!(pipeline = %self.pipeline, error = %e, "resuming partitions failed");
         }
@@ -487,8 +512,10 @@ impl Source {
     }
 
     /// Gives up partitions whose stored positions another worker has claimed (a fenced batch): they count as
-    /// revoked (buffered records are dropped, no offset is committed for them) and consumption of them is paused
-    /// until the group assigns them again.
+    /// revoked (buffered records are dropped, no offset is committed for them) and consumption of them stays
+    /// paused (retries do not resume them) until the group assigns them to this worker again, which claims them
+    /// anew. (Under a cooperative assignor a partition that does not move is not assigned again: it stays paused
+    /// until the next rebalance that moves it.)
     /// Their records are removed from `batch` too.
     pub fn lose(&mut self, partitions: &[(String, i32)], batch: &mut Vec<Record>) {
         let mut pause = TopicPartitionList::new();
@@ -499,7 +526,8 @@ impl Source {
                 st.assigned.remove(&tp);
                 st.epochs.remove(&tp);
                 st.durable.remove(&tp);
-                st.revoked.push(tp);
+                st.revoked.push(tp.clone());
+                st.fenced.insert(tp);
                 pause.add_partition(t, *p);
                 self.metrics.offset_commit(CommitResult::Fenced);
             }
@@ -598,24 +626,43 @@ impl Source {
         tpl
     }
 
-    /// Commits every durable position synchronously, then leaves the group (closing the consumer).
+    /// Drops the consumer without committing anything (an injected crash): no callback commits while it closes.
+    pub fn abandon(self) {
+        self.consumer.context().closing.store(true, Ordering::SeqCst);
+        tokio::task::block_in_place(|| drop(self.consumer));
+    }
+
+    /// Commits every durable position synchronously, then leaves the group (closing the consumer). Leaving waits
+    /// at most [`LEAVE_TIMEOUT`]: librdkafka's close can wait for a rebalance that other members are slow to
+    /// complete (one that was just killed, for instance); past that the coordinator expires this member's session
+    /// instead.
     pub fn close(self) {
         let tpl = self.durable_list();
         let consumer = self.consumer;
+        let pipeline = self.pipeline;
         consumer.context().closing.store(true, Ordering::SeqCst);
-        tokio::task::block_in_place(|| {
-            if tpl.count() > 0 {
-                match consumer.commit(&tpl, CommitMode::Sync) {
-                    Ok(()) => tracing::info!(pipeline = %self.pipeline, offsets = %describe(&tpl), "offsets committed"),
-                    Err(e) => tracing::warn!(pipeline = %self.pipeline, error = %e, "final offset commit failed"),
-                }
+        if tpl.count() > 0 {
+            match tokio::task::block_in_place(|| consumer.commit(&tpl, CommitMode::Sync)) {
+                Ok(()) => tracing::info!(pipeline = %pipeline, offsets = %describe(&tpl), "offsets committed"),
+                Err(e) => tracing::warn!(pipeline = %pipeline, error = %e, "final offset commit failed"),
             }
+        }
+        let (left, leaving) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
             consumer.unsubscribe();
             drop(consumer);
+            let _ = left.send(());
         });
-        tracing::info!(pipeline = %self.pipeline, "left the consumer group");
+        match tokio::task::block_in_place(|| leaving.recv_timeout(LEAVE_TIMEOUT)) {
+            Ok(()) => tracing::info!(pipeline = %pipeline, "left the consumer group"),
+            Err(_) => tracing::warn!(pipeline = %pipeline, timeout = ?LEAVE_TIMEOUT,
+                "leaving the consumer group did not finish in time; the coordinator will expire this member's session"),
+        }
     }
 }
+
+/// How long [`Source::close`] waits for the consumer to leave its group.
+pub const LEAVE_TIMEOUT: Duration = Duration::from_secs(8);
 
 /// Each topic's `retention.ms` (Kafka topic config; `-1` means forever), read with the admin API's
 /// DescribeConfigs. `None` for a topic whose value the broker did not return.

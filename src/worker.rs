@@ -220,7 +220,7 @@ async fn run_pipeline(
                 commits += 1;
                 if faults.crash_after_commits == Some(commits) {
                     tracing::warn!(pipeline = %name, "injected crash: stopping after the database commit, before the offset commit");
-                    drop(source); // closes the consumer without committing this batch's offsets
+                    source.abandon(); // closes the consumer without committing this batch's offsets
                     return Ok(());
                 }
                 source.commit(&NextOffsets::after(&batch))

@@ -418,6 +418,13 @@ fn validate(raw: RawPipeline, path: &Path, stem: &str, e: &mut Errors<'_>) -> Op
             e.push("dead_letters.topic", format!("{t:?} is also a source topic: dead letters would be consumed again"));
         }
     }
+    if raw.offsets.store == OffsetStore::Database && dead_letters.topic.is_some() {
+        e.push(
+            "offsets.store",
+            "\"database\" cannot be combined with dead_letters.topic: a position stored with its batch is not \
+             replayed after a crash, so a dead letter not yet produced to the topic would never be",
+        );
+    }
     let dd = DedupSettings::default();
     let dedup = DedupSettings {
         retention: raw.dedup.retention.unwrap_or(dd.retention),
@@ -638,6 +645,20 @@ mod tests {
         let path = dir.path().join("payments.toml");
         std::fs::write(&path, text).unwrap();
         load_file(&path)
+    }
+
+    #[test]
+    fn offsets_store() {
+        let base = "topics = [\"t\"]\n[key]\nfield = \"/id\"\n[sink]\ntable = \"x\"\n[sink.columns]\nid = \"/id\"\n";
+        assert_eq!(load(base).unwrap().offsets, OffsetStore::Kafka);
+        let stored = format!("{base}[offsets]\nstore = \"database\"\n");
+        assert_eq!(load(&stored).unwrap().offsets, OffsetStore::Database);
+        let errs = load(&format!("{stored}[dead_letters]\ntopic = \"dlq\"\n")).unwrap_err();
+        assert_eq!(errs.len(), 1);
+        assert_eq!(errs[0].field, "offsets.store");
+        assert!(errs[0].message.contains("cannot be combined with dead_letters.topic"), "{}", errs[0]);
+        let errs = load(&format!("{base}[offsets]\nstore = \"zookeeper\"\n")).unwrap_err();
+        assert!(errs[0].to_string().contains("zookeeper"), "{}", errs[0]);
     }
 
     #[test]

@@ -38,7 +38,6 @@ pub enum SinkError {
         #[source]
         source: sqlx::Error,
     },
-    /// The batch would have taken the dead-letter ratio over its limit; it was rolled back.
     /// `[offsets] store = "database"`: the stored positions of these partitions were claimed by another worker
     /// (or reset by a rewind) since this worker was assigned them. The batch was rolled back.
     #[error("fenced: partitions {partitions:?} were claimed by another worker; the batch was rolled back")]
@@ -46,6 +45,7 @@ pub enum SinkError {
         /// `(topic, partition)` of each fenced partition.
         partitions: Vec<(String, i32)>,
     },
+    /// The batch would have taken the dead-letter ratio over its limit; it was rolled back.
     #[error(
         "{dead_letters} of the last {records} records would go to the dead letters, over dead_letters.max_ratio = \
          {max_ratio}; stopping the pipeline instead (a bad deploy or a changed payload format?). The batch was rolled \

@@ -218,7 +218,7 @@ impl Sink {
         }
         // Claim in digest order: two workers claiming overlapping keys (the same operation on two partitions) then
         // take the unique index's locks in the same order and wait for each other instead of deadlocking.
-        claims.sort_unstable_by(|a, b| a.key.digest.cmp(&b.key.digest));
+        claims.sort_unstable_by_key(|c| c.key.digest);
         let new = if claims.is_empty() {
             HashSet::new()
         } else {
