@@ -521,6 +521,24 @@ async fn environment(admin_url: &str, throwaway: bool, o: &BenchOptions, partiti
     Ok(env)
 }
 
+/// Preloads `keys` dedup rows of other keys for the pipeline (run (4)); returns the seconds it took.
+async fn preload(url: &str, keys: u64) -> anyhow::Result<f64> {
+    let started = Instant::now();
+    let mut conn = PgConnection::connect(url).await?;
+    eprintln!("(4) preloading {keys} dedup keys...");
+    sqlx::query(
+        r#"INSERT INTO idemflow.dedup (pipeline, key_digest, business_key, topic, partition, "offset", fingerprint)
+           SELECT $1, sha256(convert_to('PRE-' || g, 'UTF8')), 'PRE-' || g, 'preload', 0, g, sha256(convert_to(g::text, 'UTF8'))
+           FROM generate_series(1, $2::int8) g"#,
+    )
+    .bind(PIPELINE)
+    .bind(keys as i64)
+    .execute(&mut conn)
+    .await?;
+    conn.execute("VACUUM ANALYZE idemflow.dedup").await?;
+    Ok(started.elapsed().as_secs_f64())
+}
+
 /// Runs the benchmark and writes the Markdown table and the JSON.
 pub async fn run(o: BenchOptions) -> anyhow::Result<Report> {
     if cfg!(debug_assertions) {
@@ -561,65 +579,37 @@ pub async fn run(o: BenchOptions) -> anyhow::Result<Report> {
     let want = |n: u8| o.only.is_empty() || o.only.contains(&n);
     let perf = o.perf;
 
-    if want(1) {
-        let url = fresh_database(&admin_url, "bench_1").await?;
-        let r1 = worker_run(WorkerRun { id: "(1)", name: "idemflow, default batching (table form)", pipeline: table_pipeline(None), group: "bench-1", target: total }, &kafka, &url, perf).await?;
-        report_run(&r1);
-        runs.push(r1);
-    }
-
-    if want(2) {
-        let single = o.single_records.min(o.records) as u64;
-        let url = fresh_database(&admin_url, "bench_2").await?;
-        let r2 = worker_run(WorkerRun { id: "(2)", name: "idemflow, one record per transaction (max_records = 1)", pipeline: table_pipeline(Some(1)), group: "bench-2", target: single }, &kafka, &url, perf).await?;
-        report_run(&r2);
-        runs.push(r2);
-    }
-
-    if want(3) {
-        let url = fresh_database(&admin_url, "bench_3").await?;
-        let r3 = copy_ceiling(&url, &s, s.records.len()).await?;
-        report_run(&r3);
-        runs.push(r3);
-    }
-
-    if want(4) {
-    let url = fresh_database(&admin_url, "bench_4").await?;
-    let preload_started = Instant::now();
-    {
-        let mut conn = PgConnection::connect(&url).await?;
-        eprintln!("(4) preloading {} dedup keys...", o.preload);
-        sqlx::query(
-            r#"INSERT INTO idemflow.dedup (pipeline, key_digest, business_key, topic, partition, "offset", fingerprint)
-               SELECT $1, sha256(convert_to('PRE-' || g, 'UTF8')), 'PRE-' || g, 'preload', 0, g, sha256(convert_to(g::text, 'UTF8'))
-               FROM generate_series(1, $2::int8) g"#,
-        )
-        .bind(PIPELINE)
-        .bind(o.preload as i64)
-        .execute(&mut conn)
-        .await?;
-        conn.execute("VACUUM ANALYZE idemflow.dedup").await?;
-    }
-    let preload_secs = preload_started.elapsed().as_secs_f64();
-    let mut r4 = worker_run(WorkerRun { id: "(4)", name: "idemflow, default batching, dedup store preloaded", pipeline: table_pipeline(None), group: "bench-4", target: total }, &kafka, &url, perf).await?;
-    r4.note = format!("{} preloaded keys (in {preload_secs:.0} s); {}", o.preload, r4.note);
-    report_run(&r4);
-    runs.push(r4);
-    }
-
-    if want(5) {
-        let url = fresh_database(&admin_url, "bench_5").await?;
-        let r5 = consume_only(&kafka, &url, s.records.len()).await?;
-        report_run(&r5);
-        runs.push(r5);
-    }
-
-    if want(6) {
-        let sql = o.sql_records.min(o.records) as u64;
-        let url = fresh_database(&admin_url, "bench_6").await?;
-        let r6 = worker_run(WorkerRun { id: "(6)", name: "idemflow, default batching, per-record SQL form", pipeline: sql_pipeline(), group: "bench-6", target: sql }, &kafka, &url, perf).await?;
-        report_run(&r6);
-        runs.push(r6);
+    for n in 1..=6u8 {
+        if !want(n) {
+            continue;
+        }
+        let url = fresh_database(&admin_url, &format!("bench_{n}")).await?;
+        let group = format!("bench-{n}");
+        let worker = |id, name, pipeline, target| WorkerRun { id, name, pipeline, group: &group, target };
+        let r = match n {
+            1 => worker_run(worker("(1)", "idemflow, default batching (table form)", table_pipeline(None), total), &kafka, &url, perf).await?,
+            2 => {
+                let single = o.single_records.min(o.records) as u64;
+                let name = "idemflow, one record per transaction (max_records = 1)";
+                worker_run(worker("(2)", name, table_pipeline(Some(1)), single), &kafka, &url, perf).await?
+            }
+            3 => copy_ceiling(&url, &s, s.records.len()).await?,
+            4 => {
+                let preload_secs = preload(&url, o.preload).await?;
+                let name = "idemflow, default batching, dedup store preloaded";
+                let mut r = worker_run(worker("(4)", name, table_pipeline(None), total), &kafka, &url, perf).await?;
+                r.note = format!("{} preloaded keys (in {preload_secs:.0} s); {}", o.preload, r.note);
+                r
+            }
+            5 => consume_only(&kafka, &url, s.records.len()).await?,
+            _ => {
+                let sql = o.sql_records.min(o.records) as u64;
+                let name = "idemflow, default batching, per-record SQL form";
+                worker_run(worker("(6)", name, sql_pipeline(), sql), &kafka, &url, perf).await?
+            }
+        };
+        report_run(&r);
+        runs.push(r);
     }
 
     if runs.len() < 6 {
