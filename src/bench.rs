@@ -151,41 +151,32 @@ fn stream(records: usize, partitions: i32) -> Stream {
 const TABLE_SQL: &str = "CREATE TABLE orders (order_id text PRIMARY KEY, account_id text NOT NULL, amount numeric NOT NULL, \
      currency text NOT NULL, created_at timestamptz NOT NULL)";
 
-fn table_pipeline(max_records: Option<usize>) -> String {
-    let batch = max_records.map(|n| format!("\n[batch]\nmax_records = {n}\n")).unwrap_or_default();
-    format!(
-        r#"name = "{PIPELINE}"
-topics = ["{TOPIC}"]
-[key]
-field = "/order/id"
-[sink]
-table = "orders"
-[sink.columns]
-order_id = "/order/id"
-account_id = "/order/account"
-amount = "/order/amount"
-currency = "/order/currency"
-created_at = "/created_at"
-{batch}"#
-    )
+/// The business columns and where their values come from, for both forms of the side effect.
+const COLUMNS: [(&str, &str); 5] = [
+    ("order_id", "/order/id"),
+    ("account_id", "/order/account"),
+    ("amount", "/order/amount"),
+    ("currency", "/order/currency"),
+    ("created_at", "/created_at"),
+];
+
+fn pipeline_text(sink: &str, mapping: &str, batch: &str) -> String {
+    let lines: String = COLUMNS.iter().map(|(c, path)| format!("{c} = \"{path}\"\n")).collect();
+    format!("name = \"{PIPELINE}\"\ntopics = [\"{TOPIC}\"]\n[key]\nfield = \"/order/id\"\n[sink]\n{sink}\n[{mapping}]\n{lines}{batch}")
 }
 
+/// The table form (one set-based `INSERT` per batch), with an optional `batch.max_records`.
+fn table_pipeline(max_records: Option<usize>) -> String {
+    let batch = max_records.map(|n| format!("[batch]\nmax_records = {n}\n")).unwrap_or_default();
+    pipeline_text("table = \"orders\"", "sink.columns", &batch)
+}
+
+/// The SQL form of the same side effect: one `INSERT` statement per new record.
 fn sql_pipeline() -> String {
-    format!(
-        r#"name = "{PIPELINE}"
-topics = ["{TOPIC}"]
-[key]
-field = "/order/id"
-[sink]
-sql = "INSERT INTO orders (order_id, account_id, amount, currency, created_at) VALUES (:order_id, :account_id, :amount, :currency, :created_at)"
-[sink.params]
-order_id = "/order/id"
-account_id = "/order/account"
-amount = "/order/amount"
-currency = "/order/currency"
-created_at = "/created_at"
-"#
-    )
+    let columns: Vec<&str> = COLUMNS.iter().map(|(c, _)| *c).collect();
+    let params: Vec<String> = columns.iter().map(|c| format!(":{c}")).collect();
+    let sql = format!("INSERT INTO orders ({}) VALUES ({})", columns.join(", "), params.join(", "));
+    pipeline_text(&format!("sql = \"{sql}\""), "sink.params", "")
 }
 
 /// A database for one run: created on the server, migrated, with the business table.
