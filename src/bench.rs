@@ -1,6 +1,6 @@
 //! `idemflow bench`: idemflow's throughput, cost and scaling against its baselines, side by side in one run.
 //!
-//! One stream of N records (about 200 bytes of JSON each, 2% duplicates: republished copies and reused keys with
+//! One stream of N records (about 190 bytes of JSON each, 2% duplicates: republished copies and reused keys with
 //! another payload) is produced into the embedded Kafka broker before any timing starts, spread over enough
 //! partitions for the mock cluster to keep it all. Then, one after another, each on a fresh database:
 //!
@@ -589,7 +589,7 @@ pub async fn run(o: BenchOptions) -> anyhow::Result<Report> {
                 let preload_secs = preload(&url, o.preload).await?;
                 let name = "idemflow, default batching, dedup store preloaded";
                 let mut r = worker_run(worker("(4)", name, table_pipeline(None), total), &kafka, &url, perf).await?;
-                r.note = format!("{} preloaded keys (in {preload_secs:.0} s); {}", o.preload, r.note);
+                r.note = format!("{} preloaded keys (in {preload_secs:.1} s); {}", o.preload, r.note);
                 r
             }
             5 => consume_only(&kafka, &url, s.records.len()).await?,

@@ -162,7 +162,7 @@ struct DemoArgs {
 
 #[derive(clap::Args)]
 struct BenchArgs {
-    /// Records in the stream (about 200 bytes of JSON each, 2% duplicates).
+    /// Records in the stream (about 190 bytes of JSON each, 2% duplicates).
     #[arg(long, default_value_t = 1_000_000)]
     records: usize,
     /// Records for run (2), one transaction per record (the per-message pattern).
