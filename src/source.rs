@@ -54,6 +54,18 @@ struct Ownership {
     fenced: HashSet<Tp>,
 }
 
+impl Ownership {
+    /// Forgets a partition this consumer no longer owns (revoked, or fenced) and queues it for dropping its
+    /// buffered records; returns its durable position, if it had one.
+    fn give_up(&mut self, tp: Tp) -> Option<i64> {
+        self.assigned.remove(&tp);
+        self.epochs.remove(&tp);
+        let durable = self.durable.remove(&tp);
+        self.revoked.push(tp);
+        durable
+    }
+}
+
 /// What the source needs to start partitions from their stored positions (`[offsets] store = "database"`).
 pub struct StoredStart {
     /// The pool of the dedup store.
@@ -158,13 +170,9 @@ impl SourceContext {
         {
             let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
             for e in tpl.elements() {
-                let tp = tp_of(e.topic(), e.partition());
-                if let Some(next) = st.durable.remove(&tp) {
+                if let Some(next) = st.give_up(tp_of(e.topic(), e.partition())) {
                     let _ = commit.add_partition_offset(e.topic(), e.partition(), Offset::Offset(next));
                 }
-                st.assigned.remove(&tp);
-                st.epochs.remove(&tp);
-                st.revoked.push(tp);
                 self.metrics.forget_lag(e.topic(), e.partition());
             }
         }
@@ -523,10 +531,7 @@ impl Source {
             let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
             for (t, p) in partitions {
                 let tp = tp_of(t, *p);
-                st.assigned.remove(&tp);
-                st.epochs.remove(&tp);
-                st.durable.remove(&tp);
-                st.revoked.push(tp.clone());
+                st.give_up(tp.clone());
                 st.fenced.insert(tp);
                 pause.add_partition(t, *p);
                 self.metrics.offset_commit(CommitResult::Fenced);

@@ -155,6 +155,11 @@ pub(crate) fn assert_counters_add_up(m: &str) {
 pub(crate) struct Rng(pub(crate) u64);
 
 impl Rng {
+    /// Seeded from the clock: each run kills at other moments.
+    pub(crate) fn from_clock() -> Rng {
+        Rng(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64 | 1)
+    }
+
     pub(crate) fn below(&mut self, n: u64) -> u64 {
         self.0 ^= self.0 << 13;
         self.0 ^= self.0 >> 7;

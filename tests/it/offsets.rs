@@ -18,6 +18,14 @@ fn dup(m: &str, reason: &str) -> f64 {
     metric(m, "idemflow_duplicates_skipped_total", &[("pipeline", "payments"), ("reason", reason)])
 }
 
+/// The stored next offset of each partition of the `payments` pipeline, in partition order.
+async fn stored_next_offsets(db: &TestDb) -> Vec<i64> {
+    sqlx::query_scalar("SELECT next_offset FROM idemflow.offsets WHERE pipeline = 'payments' ORDER BY partition")
+        .fetch_all(&db.pool)
+        .await
+        .unwrap()
+}
+
 /// The injected duplicates (republished and payload_mismatch) of `s`: what the dedup rows' `duplicates` column
 /// must add up to when nothing was redelivered.
 fn injected(s: &Payments) -> i64 {
@@ -61,13 +69,7 @@ async fn a_crash_between_the_commits_redelivers_nothing_with_the_database_store(
                 assert_eq!(redelivered, 0.0, "nothing is redelivered with the database store");
                 assert_eq!(stored_duplicates, injected(&s), "only the injected duplicates were ever skipped");
                 let end = kafka.end_offsets(TOPIC, 2);
-                let stored: Vec<i64> = sqlx::query_scalar(
-                    "SELECT next_offset FROM idemflow.offsets WHERE pipeline = 'payments' ORDER BY partition",
-                )
-                .fetch_all(&db.pool)
-                .await
-                .unwrap();
-                assert_eq!(stored, end, "the stored positions are the end of each partition");
+                assert_eq!(stored_next_offsets(&db).await, end, "the stored positions are the end of each partition");
             }
         }
         eprintln!("store {store}: redelivered {redelivered} after the crash; {applied_before} keys applied before it");
@@ -89,7 +91,7 @@ async fn sigkills_with_the_database_store_redeliver_nothing() {
     let setups: Vec<Setup> =
         (0..2).map(|_| Setup::with(&db, &kafka, &[("payments.toml", &pipeline)], FAST_GROUP, "")).collect();
     let mut workers: Vec<BinWorker> = setups.iter().map(BinWorker::start).collect();
-    let mut rng = Rng(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64 | 1);
+    let mut rng = Rng::from_clock();
     let dedup_rows = || async { db.scalar::<i64>("SELECT count(*) FROM idemflow.dedup").await };
     for kill in 0..5 {
         let before = dedup_rows().await;
@@ -124,12 +126,7 @@ async fn sigkills_with_the_database_store_redeliver_nothing() {
     assert_exactly_once(&db, &s).await;
     let stored_duplicates = db.scalar::<i64>("SELECT coalesce(sum(duplicates), 0)::int8 FROM idemflow.dedup").await;
     assert_eq!(stored_duplicates, injected(&s), "a record was redelivered");
-    let stored: Vec<i64> =
-        sqlx::query_scalar("SELECT next_offset FROM idemflow.offsets WHERE pipeline = 'payments' ORDER BY partition")
-            .fetch_all(&db.pool)
-            .await
-            .unwrap();
-    assert_eq!(stored, kafka.end_offsets(TOPIC, PARTITIONS));
+    assert_eq!(stored_next_offsets(&db).await, kafka.end_offsets(TOPIC, PARTITIONS));
 }
 
 /// Fencing: a worker that lost a partition can neither overwrite the new owner's position nor move it

@@ -20,7 +20,7 @@ async fn three_workers_killed_and_restarted_while_the_stream_flows() {
     let setups: Vec<Setup> =
         (0..3).map(|_| Setup::with(&db, &kafka, &[("payments.toml", &pipeline)], props, "")).collect();
     let mut workers: Vec<BinWorker> = setups.iter().map(BinWorker::start).collect();
-    let mut rng = Rng(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64 | 1);
+    let mut rng = Rng::from_clock();
     let dedup_rows = || async { db.scalar::<i64>("SELECT count(*) FROM idemflow.dedup").await };
     let parts = s.records.chunks(s.records.len().div_ceil(6));
     for (i, part) in parts.enumerate() {
