@@ -1,26 +1,53 @@
 //! The Postgres connection pool and idemflow's embedded migrations (`migrations/`).
 
 use crate::config::DatabaseSettings;
-use sqlx::postgres::PgPoolOptions;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::ConnectOptions as _;
+use std::sync::atomic::{AtomicBool, Ordering};
 use sqlx::PgPool;
 
 /// The migrations in `migrations/`, embedded in the binary. They create the `idemflow` schema: the dedup store
 /// and the dead letters. sqlx records applied versions in `_sqlx_migrations`.
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!();
 
+static PERSISTENT: AtomicBool = AtomicBool::new(true);
+
+/// Whether queries use named prepared statements (`[database] prepared_statements`, set by [`pool`] for the
+/// whole process). Every query of idemflow's passes this to sqlx's `persistent`.
+pub fn persistent() -> bool {
+    PERSISTENT.load(Ordering::Relaxed)
+}
+
+/// The connect options for `settings`: with `prepared_statements = false` (a transaction-pooling proxy), no
+/// statement cache and no `extra_float_digits` startup parameter (PgBouncer refuses unknown ones).
+///
+/// Errors: the URL does not parse.
+pub fn connect_options(settings: &DatabaseSettings) -> Result<PgConnectOptions, sqlx::Error> {
+    let options: PgConnectOptions = settings.url.expose().parse()?;
+    Ok(if settings.prepared_statements {
+        options
+    } else {
+        options.statement_cache_capacity(0).extra_float_digits(None)
+    }
+    // Lock waits (a claim waiting for another worker's batch) are not slow statements worth a warning.
+    .log_slow_statements(log::LevelFilter::Debug, std::time::Duration::from_secs(1)))
+}
+
 /// A pool that connects on first use, so the worker can start before the database is up.
 pub fn pool(settings: &DatabaseSettings) -> Result<PgPool, sqlx::Error> {
-    PgPoolOptions::new()
+    PERSISTENT.store(settings.prepared_statements, Ordering::Relaxed);
+    Ok(PgPoolOptions::new()
         .max_connections(settings.max_connections)
         .acquire_timeout(settings.acquire_timeout)
-        .connect_lazy(settings.url.expose())
+        .connect_lazy_with(connect_options(settings)?))
 }
 
 /// Connects once, directly, to tell whether the database is reachable, with the server's or the network's own
 /// reason when it is not (a pool would only say it timed out). The error never contains the password.
 pub async fn ping(settings: &DatabaseSettings) -> Result<(), String> {
     use sqlx::Connection as _;
-    let attempt = sqlx::PgConnection::connect(settings.url.expose());
+    let options = connect_options(settings).map_err(|e| format!("cannot connect to {}: {e}", settings.url))?;
+    let attempt = sqlx::PgConnection::connect_with(&options);
     match tokio::time::timeout(settings.acquire_timeout, attempt).await {
         Ok(Ok(conn)) => {
             let _ = conn.close().await;
@@ -36,11 +63,12 @@ pub async fn ping(settings: &DatabaseSettings) -> Result<(), String> {
 /// Errors: the database is unreachable, or the schema is missing or older (`run idemflow migrate`).
 pub async fn check_schema(pool: &PgPool) -> Result<(), String> {
     let latest = MIGRATOR.iter().map(|m| m.version).max().unwrap_or_default();
-    let applied: Option<i64> = sqlx::query_scalar(
-        "SELECT max(version) FROM _sqlx_migrations WHERE success AND to_regclass('idemflow.dedup') IS NOT NULL",
+    let applied: Option<i64> = sqlx::Executor::fetch_one(
+        pool,
+        sqlx::raw_sql("SELECT max(version) FROM _sqlx_migrations WHERE success AND to_regclass('idemflow.dedup') IS NOT NULL"),
     )
-    .fetch_one(pool)
     .await
+    .and_then(|row| sqlx::Row::try_get(&row, 0))
     .map_err(|e| match &e {
         sqlx::Error::Database(db) if db.code().as_deref() == Some("42P01") => {
             "the idemflow schema is missing: run `idemflow migrate --config ...` first".to_owned()

@@ -100,14 +100,26 @@ impl fmt::Display for FieldPath {
     }
 }
 
-/// How a JSON value is rendered into the text that Postgres then casts to the target type.
+/// How a JSON value is rendered into the text that Postgres then casts to the target type. Chosen per target
+/// from the catalog (see [`crate::sink::side_effect`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Render {
-    /// For every type but `json`/`jsonb`: a string gives its contents, a number its digits exactly as written
-    /// (never through a float), a boolean `true`/`false`, and an object or array its JSON text.
+    /// For scalar types but `json`/`jsonb`: a string gives its contents, a number its exact decimal value
+    /// ([`plain_decimal`]: never through a float, exponent notation written out), a boolean `true`/`false`, and an
+    /// object or array its JSON text.
     Text,
     /// For `json` and `jsonb` targets: the JSON text of the value, whatever its kind (a string stays quoted).
     Json,
+    /// For `timestamptz` targets: as [`Render::Text`]; in addition a string without a UTC offset is refused when
+    /// the pipeline says `naive_timestamps = "dead_letter"` (see [`has_utc_offset`]).
+    Zoned,
+    /// For array targets (`text[]`, `int[]`, `jsonb[]`, ...): a JSON array becomes a PostgreSQL array literal
+    /// (`{"a","b"}`, nested arrays as more dimensions, `null` as `NULL`); a string is taken as an array literal
+    /// already written. `json` says whether elements are `json`/`jsonb` (rendered as JSON text).
+    Array {
+        /// Elements are `json` or `jsonb`.
+        json: bool,
+    },
 }
 
 /// Why a value cannot be bound.
@@ -116,22 +128,188 @@ pub enum ValueError {
     /// Postgres `text` cannot hold U+0000, and `jsonb` rejects the `\u0000` escape.
     #[error("contains the NUL character U+0000, which Postgres text and jsonb cannot store")]
     Nul,
+    /// A value for an array column that is neither a JSON array nor a string.
+    #[error("is {0}, not an array (the target column is an array)")]
+    NotAnArray(&'static str),
+    /// A value without a UTC offset for a `timestamptz` target, under `naive_timestamps = "dead_letter"`.
+    #[error("{0:?} has no UTC offset (naive_timestamps = \"dead_letter\"): write it with Z or +hh:mm")]
+    Naive(String),
 }
 
 /// Renders a present, non-null JSON value as text for binding. JSON `null` is SQL NULL and never reaches here.
+/// `refuse_naive`: a [`Render::Zoned`] value must carry a UTC offset.
 ///
-/// Errors: [`ValueError::Nul`] when the value, or any string inside it, contains U+0000; the same rule applies to
-/// business keys (see [`crate::key`]).
-pub fn render(value: &Value, render: Render) -> Result<String, ValueError> {
+/// Errors: [`ValueError::Nul`] when the value, or any string inside it, contains U+0000 (the same rule applies to
+/// business keys, see [`crate::key`]); [`ValueError::NotAnArray`] for an array target given an object, number or
+/// boolean; [`ValueError::Naive`].
+pub fn render(value: &Value, render: Render, refuse_naive: bool) -> Result<String, ValueError> {
     if contains_nul(value) {
         return Err(ValueError::Nul);
     }
     Ok(match (value, render) {
-        (Value::String(s), Render::Text) => s.clone(),
-        (Value::Number(n), _) => n.to_string(),
+        (Value::String(s), Render::Zoned) if refuse_naive && !has_utc_offset(s) => {
+            return Err(ValueError::Naive(s.chars().take(64).collect()))
+        }
+        (Value::String(s), Render::Text | Render::Zoned | Render::Array { .. }) => s.clone(),
+        (Value::Array(items), Render::Array { json }) => {
+            let mut out = String::new();
+            array_literal(items, json, &mut out);
+            out
+        }
+        (other, Render::Array { .. }) => return Err(ValueError::NotAnArray(kind(other))),
+        (Value::Number(n), _) => plain_decimal(&n.to_string()),
         (Value::Bool(b), _) => b.to_string(),
         _ => value.to_string(),
     })
+}
+
+/// The kind of a JSON value, for messages: `"an object"`, `"a number"`, ...
+pub fn kind(value: &Value) -> &'static str {
+    match value {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+/// A PostgreSQL array literal (PostgreSQL docs, "Arrays", 8.15.6 "Array Input and Output Syntax"): every element
+/// double-quoted with `\` and `"` escaped, so no element text can change the structure; `null` unquoted as `NULL`;
+/// nested JSON arrays as nested braces (PostgreSQL refuses ragged ones, and the record is dead-lettered).
+fn array_literal(items: &[Value], json: bool, out: &mut String) {
+    out.push('{');
+    for (i, item) in items.iter().enumerate() {
+        if i > 0 {
+            out.push(',');
+        }
+        match item {
+            Value::Null => out.push_str("NULL"),
+            Value::Array(inner) if !json => array_literal(inner, json, out),
+            other => {
+                let text = match other {
+                    Value::String(s) if !json => s.clone(),
+                    Value::Number(n) if !json => plain_decimal(&n.to_string()),
+                    _ => other.to_string(),
+                };
+                out.push('"');
+                for c in text.chars() {
+                    if c == '"' || c == '\\' {
+                        out.push('\\');
+                    }
+                    out.push(c);
+                }
+                out.push('"');
+            }
+        }
+    }
+    out.push('}');
+}
+
+/// Whether a timestamp text ends with a UTC offset or zone: `Z`, `+hh`, `+hh:mm`, `+hhmm` (ISO 8601, RFC 3339)
+/// after a time of day, or a zone name or abbreviation after a space (`... 10:00 America/New_York`, `... UTC`),
+/// as PostgreSQL's timestamptz input accepts. A date alone or a time without any of these is naive.
+pub fn has_utc_offset(text: &str) -> bool {
+    let t = text.trim();
+    let b = t.as_bytes();
+    // The last time-of-day colon: everything after its minutes is the zone, if any.
+    let Some(colon) = t.find(':') else { return false };
+    let mut i = colon + 1;
+    // minutes, seconds, fraction
+    while i < b.len() && (b[i].is_ascii_digit() || b[i] == b':' || b[i] == b'.') {
+        i += 1;
+    }
+    let zone = t[i..].trim_start();
+    if zone.is_empty() {
+        return false;
+    }
+    if zone.eq_ignore_ascii_case("z") {
+        return true;
+    }
+    if let Some(rest) = zone.strip_prefix(['+', '-']) {
+        let digits: String = rest.chars().filter(|c| *c != ':').collect();
+        return matches!(digits.len(), 2 | 4 | 6) && digits.bytes().all(|c| c.is_ascii_digit());
+    }
+    // A zone name (`UTC`, `EST`, `America/New_York`), optionally followed by more (PostgreSQL checks it).
+    zone.starts_with(|c: char| c.is_ascii_alphabetic())
+}
+
+/// The largest number of digits a number is written out to by [`plain_decimal`] and [`canonical_decimal`]: a
+/// number with a larger exponent (`1e1000000`) is left as written by the former and refused by the latter.
+pub const MAX_DECIMAL_DIGITS: usize = 1000;
+
+/// Splits a JSON number (RFC 8259 section 6: `-? int frac? exp?`) into sign, all its digits, and where the decimal
+/// point falls among them. `None` for text that is not a JSON number or whose exponent does not fit.
+fn decompose(text: &str) -> Option<(bool, String, i64)> {
+    let (negative, rest) = match text.strip_prefix('-') {
+        Some(r) => (true, r),
+        None => (false, text),
+    };
+    let (mantissa, exponent) = match rest.find(['e', 'E']) {
+        Some(at) => (&rest[..at], rest[at + 1..].parse::<i64>().ok()?),
+        None => (rest, 0),
+    };
+    let (int, frac) = mantissa.split_once('.').unwrap_or((mantissa, ""));
+    if int.is_empty() || !int.bytes().all(|c| c.is_ascii_digit()) || !frac.bytes().all(|c| c.is_ascii_digit()) {
+        return None;
+    }
+    let point = (int.len() as i64).checked_add(exponent)?;
+    Some((negative, format!("{int}{frac}"), point))
+}
+
+/// Writes digits with the decimal point at `point` (which may lie outside them) as a plain decimal.
+fn place_point(negative: bool, digits: &str, point: i64) -> Option<String> {
+    let len = digits.len() as i64;
+    let width = point.max(len).max(1) - point.min(0);
+    if width > MAX_DECIMAL_DIGITS as i64 {
+        return None;
+    }
+    let mut out = String::with_capacity(width as usize + 2);
+    if negative {
+        out.push('-');
+    }
+    if point <= 0 {
+        out.push_str("0.");
+        out.extend(std::iter::repeat_n('0', (-point) as usize));
+        out.push_str(digits);
+    } else if point >= len {
+        out.push_str(digits);
+        out.extend(std::iter::repeat_n('0', (point - len) as usize));
+    } else {
+        out.push_str(&digits[..point as usize]);
+        out.push('.');
+        out.push_str(&digits[point as usize..]);
+    }
+    Some(out)
+}
+
+/// A JSON number's text as a plain decimal with the same value, digit for digit, for binding: exponent notation
+/// is written out (`1e2` gives `100`, `1.5E-3` gives `0.0015`, `2.50e1` gives `25.0`); a number without an
+/// exponent is returned exactly as written (`2.50` stays `2.50`, so `numeric` keeps its scale). No float is
+/// involved. A number that would take more than [`MAX_DECIMAL_DIGITS`] digits is returned as written.
+pub fn plain_decimal(text: &str) -> String {
+    if !text.contains(['e', 'E']) {
+        return text.to_owned();
+    }
+    decompose(text).and_then(|(neg, digits, point)| place_point(neg, &digits, point)).unwrap_or_else(|| text.to_owned())
+}
+
+/// The canonical decimal text of a JSON number, so that numbers equal in value are equal texts: written out
+/// without exponent, without leading zeros, without trailing zeros after the point (and without the point when
+/// nothing follows it), and `0` for every zero (`-0`, `0.00`). `100`, `100.0`, `1e2` and `1.00E+2` all give
+/// `100`; `-0.50` gives `-0.5`. `None` when it would take more than [`MAX_DECIMAL_DIGITS`] digits or the text is
+/// not a JSON number.
+pub fn canonical_decimal(text: &str) -> Option<String> {
+    let (negative, digits, point) = decompose(text)?;
+    // Drop leading zeros (moving the point with them) and trailing zeros (which never change the value).
+    let lead = digits.len() - digits.trim_start_matches('0').len();
+    let digits = digits[lead..].trim_end_matches('0');
+    if digits.is_empty() {
+        return Some("0".to_owned());
+    }
+    let point = point - lead as i64;
+    place_point(negative, digits, point)
 }
 
 fn contains_nul(value: &Value) -> bool {
@@ -177,16 +355,72 @@ mod tests {
     #[test]
     fn numbers_keep_their_digits() {
         let doc: Value = serde_json::from_str(r#"{"n": 9007199254740993, "d": 100.000000000000000001}"#).unwrap();
-        assert_eq!(render(&doc["n"], Render::Text).unwrap(), "9007199254740993");
-        assert_eq!(render(&doc["d"], Render::Text).unwrap(), "100.000000000000000001");
+        assert_eq!(render(&doc["n"], Render::Text, false).unwrap(), "9007199254740993");
+        assert_eq!(render(&doc["d"], Render::Text, false).unwrap(), "100.000000000000000001");
     }
 
     #[test]
     fn json_targets_get_json_text() {
         let doc = json!({"s": "x", "o": {"a": [1, "b"]}});
-        assert_eq!(render(&doc["s"], Render::Json).unwrap(), "\"x\"");
-        assert_eq!(render(&doc["s"], Render::Text).unwrap(), "x");
-        assert_eq!(render(&doc["o"], Render::Text).unwrap(), r#"{"a":[1,"b"]}"#);
-        assert_eq!(render(&json!({"a": "x\u{0}"}), Render::Json), Err(ValueError::Nul));
+        assert_eq!(render(&doc["s"], Render::Json, false).unwrap(), "\"x\"");
+        assert_eq!(render(&doc["s"], Render::Text, false).unwrap(), "x");
+        assert_eq!(render(&doc["o"], Render::Text, false).unwrap(), r#"{"a":[1,"b"]}"#);
+        assert_eq!(render(&json!({"a": "x\u{0}"}), Render::Json, false), Err(ValueError::Nul));
+    }
+
+    #[test]
+    fn exponent_numbers_are_written_out_exactly() {
+        for (written, plain) in [
+            ("1e2", "100"), ("1E+2", "100"), ("1.5e-3", "0.0015"), ("2.50e1", "25.0"), ("-1e0", "-1"),
+            ("2.50", "2.50"), ("100", "100"), ("9007199254740993e0", "9007199254740993"), ("1e1000000", "1e1000000"),
+        ] {
+            assert_eq!(plain_decimal(written), plain, "{written}");
+        }
+        let doc: Value = serde_json::from_str(r#"{"a": 1e2, "b": 12.5E-1}"#).unwrap();
+        assert_eq!(render(&doc["a"], Render::Text, false).unwrap(), "100");
+        assert_eq!(render(&doc["b"], Render::Text, false).unwrap(), "1.25");
+    }
+
+    #[test]
+    fn canonical_decimals_are_equal_for_equal_numbers() {
+        for same in ["100", "100.0", "1e2", "1.00E+2", "0100", "10000e-2", "0.1e3"] {
+            assert_eq!(canonical_decimal(same).as_deref(), Some("100"), "{same}");
+        }
+        assert_eq!(canonical_decimal("-0.50").as_deref(), Some("-0.5"));
+        assert_eq!(canonical_decimal("-0").as_deref(), Some("0"));
+        assert_eq!(canonical_decimal("0.000e5").as_deref(), Some("0"));
+        assert_eq!(canonical_decimal("1e-3").as_deref(), Some("0.001"));
+        assert_eq!(canonical_decimal("9007199254740993").as_deref(), Some("9007199254740993"));
+        assert_eq!(canonical_decimal("1e1000000"), None);
+        assert_eq!(canonical_decimal("1e99999999999999999999"), None);
+    }
+
+    #[test]
+    fn arrays_become_postgres_array_literals() {
+        let doc = json!({"tags": ["a", "b,c", "q\"uote", "back\\slash", null, "NULL", ""], "qty": [1, 2.5, 1e2],
+                         "grid": [[1, 2], [3, 4]], "docs": [{"a": 1}, "s", null], "o": {"a": 1}});
+        let text = Render::Array { json: false };
+        assert_eq!(
+            render(&doc["tags"], text, false).unwrap(),
+            r#"{"a","b,c","q\"uote","back\\slash",NULL,"NULL",""}"#
+        );
+        assert_eq!(render(&doc["qty"], text, false).unwrap(), r#"{"1","2.5","100"}"#);
+        assert_eq!(render(&doc["grid"], text, false).unwrap(), r#"{{"1","2"},{"3","4"}}"#);
+        assert_eq!(render(&doc["docs"], Render::Array { json: true }, false).unwrap(), r#"{"{\"a\":1}","\"s\"",NULL}"#);
+        assert_eq!(render(&json!("{x,y}"), text, false).unwrap(), "{x,y}");
+        assert_eq!(render(&doc["o"], text, false), Err(ValueError::NotAnArray("an object")));
+    }
+
+    #[test]
+    fn utc_offsets() {
+        for zoned in ["2026-11-29T10:00:00+01:00", "2026-11-29T10:00:00Z", "2026-11-29 10:00:00.5-0500",
+                      "2026-11-29T10:00:00+01", "2026-11-29 10:00 America/New_York", "2026-11-29 10:00:00 UTC"] {
+            assert!(has_utc_offset(zoned), "{zoned}");
+        }
+        for naive in ["2024-03-10T02:30:00", "2024-03-10", "2024-03-10 02:30:00.123", "2024-03-10T02:30:00+1"] {
+            assert!(!has_utc_offset(naive), "{naive}");
+        }
+        assert!(matches!(render(&json!("2024-03-10T02:30:00"), Render::Zoned, true), Err(ValueError::Naive(_))));
+        assert_eq!(render(&json!("2024-03-10T02:30:00"), Render::Zoned, false).unwrap(), "2024-03-10T02:30:00");
     }
 }

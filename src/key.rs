@@ -2,9 +2,11 @@
 //!
 //! # Canonical text
 //!
-//! - A JSON string gives its contents; a JSON number gives its digits exactly as written. So the string `"123"`
-//!   and the number `123` are the *same* key, while `1.0` and `1`, or `1e2` and `100`, are different keys (no
-//!   numeric normalisation, no float round trip: `9007199254740993` stays itself).
+//! - A JSON string gives its contents, exactly. A JSON number gives its canonical decimal text
+//!   ([`crate::field::canonical_decimal`]): numbers equal in value give the same key, so `100`, `100.0`, `1e2` and
+//!   `1.00E+2` are all the key `100`, and the string `"100"` is that key too. The form is exact (no float on the
+//!   way: `9007199254740993` stays itself, `0.1` stays `0.1`). Strings are never normalised: `"100.0"` and `"1e2"`
+//!   as strings are keys of their own. A number needing more than 1000 digits written out is `key_invalid`.
 //! - Booleans, objects and arrays are not keys (`key_invalid`). Missing, `null` and (unless `allow_empty`) empty
 //!   keys are `key_missing`: a NULL key would give no protection at all, since Postgres treats NULLs as distinct.
 //! - A composite key (`fields = [...]`) is the JSON array of its parts' canonical texts, e.g. `["o-1","3"]`.
@@ -105,7 +107,9 @@ impl KeySpec {
             None => return Err(KeyError::Missing { what: format!("{path} is missing") }),
             Some(Value::Null) => return Err(KeyError::Missing { what: format!("{path} is null") }),
             Some(Value::String(s)) => s.clone(),
-            Some(Value::Number(n)) => n.to_string(),
+            Some(Value::Number(n)) => crate::field::canonical_decimal(&n.to_string()).ok_or_else(|| KeyError::Invalid {
+                why: format!("{path} is a number with more than {} digits written out", crate::field::MAX_DECIMAL_DIGITS),
+            })?,
             Some(other) => {
                 let kind = match other {
                     Value::Bool(_) => "a boolean",
@@ -167,6 +171,20 @@ mod tests {
         let s = spec(field("/s")).extract(&record(), &doc).unwrap();
         assert_eq!(n.text, "9007199254740993");
         assert_eq!(n, s);
+    }
+
+    #[test]
+    fn equal_numbers_are_one_key() {
+        let doc: Value =
+            serde_json::from_str(r#"{"a": 100, "b": "100", "c": 100.0, "d": 1e2, "e": 1.00E+2, "f": "1e2", "g": 1e999999}"#)
+                .unwrap();
+        let key = |p: &str| spec(field(p)).extract(&record(), &doc);
+        for p in ["/b", "/c", "/d", "/e"] {
+            assert_eq!(key(p).unwrap(), key("/a").unwrap(), "{p}");
+        }
+        assert_eq!(key("/a").unwrap().text, "100");
+        assert_ne!(key("/f").unwrap(), key("/a").unwrap(), "strings are taken as written");
+        assert!(matches!(key("/g"), Err(KeyError::Invalid { .. })));
     }
 
     #[test]

@@ -58,7 +58,7 @@ pub async fn claim(pool: &PgPool, pipeline: &str, owner: &str, partitions: &[(St
     let mut tx = pool.begin().await?;
     // A previous owner frozen inside a batch would hold the row lock for as long as it is frozen: fail after a
     // while (the caller retries) rather than wait without end.
-    sqlx::query("SET LOCAL lock_timeout = '5s'").execute(&mut *tx).await?;
+    sqlx::query("SET LOCAL lock_timeout = '5s'").persistent(crate::db::persistent()).execute(&mut *tx).await?;
     let rows: Vec<(String, i32, Option<i64>, i64)> = sqlx::query_as(
         r#"
 INSERT INTO idemflow.offsets AS o (pipeline, topic, partition, owner_epoch, owner, claimed_at)
@@ -71,6 +71,7 @@ RETURNING topic, partition, next_offset, owner_epoch"#,
     .bind(owner)
     .bind(&topics)
     .bind(&parts)
+    .persistent(crate::db::persistent())
     .fetch_all(&mut *tx)
     .await?;
     tx.commit().await?;
@@ -118,6 +119,7 @@ RETURNING o.topic, o.partition"#,
     .bind(&parts)
     .bind(&next)
     .bind(&epochs)
+    .persistent(crate::db::persistent())
     .fetch_all(&mut *conn)
     .await?;
     Ok(positions
@@ -132,10 +134,15 @@ RETURNING o.topic, o.partition"#,
 ///
 /// Errors: any database error.
 pub async fn stored(pool: &PgPool, pipeline: &str) -> sqlx::Result<Vec<(String, i32, Option<i64>)>> {
-    sqlx::query_as("SELECT topic, partition, next_offset FROM idemflow.offsets WHERE pipeline = $1")
+    // In a transaction, as every access is (`[database] prepared_statements = false` behind PgBouncer).
+    let mut tx = pool.begin().await?;
+    let rows = sqlx::query_as("SELECT topic, partition, next_offset FROM idemflow.offsets WHERE pipeline = $1")
         .bind(pipeline)
-        .fetch_all(pool)
-        .await
+        .persistent(crate::db::persistent())
+        .fetch_all(&mut *tx)
+        .await?;
+    tx.commit().await?;
+    Ok(rows)
 }
 
 /// Sets the stored positions of `pipeline` (for `idemflow rewind`) and increments their epochs, so a worker
@@ -146,6 +153,7 @@ pub async fn reset(pool: &PgPool, pipeline: &str, positions: &[(String, i32, i64
     let topics: Vec<&str> = positions.iter().map(|p| p.0.as_str()).collect();
     let parts: Vec<i32> = positions.iter().map(|p| p.1).collect();
     let next: Vec<i64> = positions.iter().map(|p| p.2).collect();
+    let mut tx = pool.begin().await?;
     let done = sqlx::query(
         r#"
 INSERT INTO idemflow.offsets AS o (pipeline, topic, partition, next_offset, owner_epoch, owner, updated_at)
@@ -158,8 +166,10 @@ ON CONFLICT (pipeline, topic, partition) DO UPDATE SET next_offset = excluded.ne
     .bind(&topics)
     .bind(&parts)
     .bind(&next)
-    .execute(pool)
+    .persistent(crate::db::persistent())
+    .execute(&mut *tx)
     .await?;
+    tx.commit().await?;
     Ok(done.rows_affected())
 }
 
@@ -184,4 +194,61 @@ mod tests {
         let got: Vec<_> = n.0.iter().map(|((t, p), o)| (t.to_string(), *p, *o)).collect();
         assert_eq!(got, vec![("a".into(), 0, 8), ("a".into(), 1, 3), ("b".into(), 0, 1)]);
     }
+}
+
+/// Per partition, one past the highest offset this pipeline had processed before the batch (`idemflow.processed`).
+/// A record below its partition's mark was processed before: it is a redelivery.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Processed(pub std::collections::HashMap<(Arc<str>, i32), i64>);
+
+impl Processed {
+    /// Whether the record at `position` was processed by an earlier batch.
+    pub fn before(&self, position: &crate::record::Position) -> bool {
+        self.0.get(&(position.topic.clone(), position.partition)).is_some_and(|next| position.offset < *next)
+    }
+}
+
+const PROCESSED: &str = r#"
+WITH batch AS (
+    SELECT * FROM unnest($2::text[], $3::int4[], $4::int8[]) AS u(topic, partition, next_offset)
+), before AS (
+    SELECT p.topic, p.partition, p.next_offset FROM idemflow.processed p
+    JOIN batch b ON p.pipeline = $1 AND p.topic = b.topic AND p.partition = b.partition
+), raised AS (
+    INSERT INTO idemflow.processed AS p (pipeline, topic, partition, next_offset)
+    SELECT $1, topic, partition, next_offset FROM batch ORDER BY topic, partition
+    ON CONFLICT (pipeline, topic, partition) DO UPDATE
+    SET next_offset = greatest(p.next_offset, EXCLUDED.next_offset), updated_at = now()
+)
+SELECT topic, partition, next_offset FROM before"#;
+
+/// Raises the processed marks of the batch's partitions to `next` (never lowers them) and returns the marks as
+/// they were before, in one statement inside the batch transaction (a data-modifying CTE's sibling reads the
+/// snapshot from before the update: PostgreSQL docs, "Data-Modifying Statements in WITH").
+///
+/// Errors: the database's.
+pub async fn processed(conn: &mut PgConnection, pipeline: &str, next: &NextOffsets) -> sqlx::Result<Processed> {
+    let mut topics = Vec::with_capacity(next.0.len());
+    let mut partitions = Vec::with_capacity(next.0.len());
+    let mut offsets = Vec::with_capacity(next.0.len());
+    for ((t, p), o) in &next.0 {
+        topics.push(&**t);
+        partitions.push(*p);
+        offsets.push(*o);
+    }
+    let rows: Vec<(String, i32, i64)> = sqlx::query_as(PROCESSED)
+        .bind(pipeline)
+        .bind(&topics)
+        .bind(&partitions)
+        .bind(&offsets)
+        .persistent(crate::db::persistent())
+        .fetch_all(&mut *conn)
+        .await?;
+    let mut marks = std::collections::HashMap::new();
+    for (topic, partition, mark) in rows {
+        if let Some(((t, _), _)) = next.0.iter().find(|((t, p), _)| **t == *topic && *p == partition) {
+            marks.insert((t.clone(), partition), mark);
+        }
+    }
+    Ok(Processed(marks))
 }

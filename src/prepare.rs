@@ -55,13 +55,20 @@ pub struct Preparer {
     key: KeySpec,
     tombstones: TombstonePolicy,
     bindings: Vec<(Binding, Render)>,
+    refuse_naive: bool,
 }
 
 impl Preparer {
-    /// A preparer for `pipeline`, whose sink binds `bindings` in this order, each rendered as given (JSON text for
-    /// `json`/`jsonb` targets).
+    /// A preparer for `pipeline`, whose sink binds `bindings` in this order, each rendered as given (from the
+    /// target's type: JSON text for `json`/`jsonb`, array literals for arrays, see [`Render`]).
     pub fn new(pipeline: &Pipeline, bindings: Vec<(Binding, Render)>) -> Self {
-        Preparer { decoder: pipeline.decoder.clone(), key: pipeline.key.clone(), tombstones: pipeline.tombstones, bindings }
+        Preparer {
+            decoder: pipeline.decoder.clone(),
+            key: pipeline.key.clone(),
+            tombstones: pipeline.tombstones,
+            bindings,
+            refuse_naive: pipeline.time.naive == crate::config::NaiveTimestamps::DeadLetter,
+        }
     }
 
     /// Decodes the record, takes its key and values. Never fails: failures are dead letters.
@@ -84,7 +91,7 @@ impl Preparer {
         };
         let mut values = Vec::with_capacity(self.bindings.len());
         for (binding, render) in &self.bindings {
-            match value(binding, *render, record, &doc, &key) {
+            match value(binding, *render, self.refuse_naive, record, &doc, &key) {
                 Ok(v) => values.push(v),
                 Err(dead) => return dead,
             }
@@ -96,6 +103,7 @@ impl Preparer {
 fn value(
     binding: &Binding,
     render: Render,
+    refuse_naive: bool,
     record: &Record,
     doc: &Value,
     key: &BusinessKey,
@@ -108,7 +116,7 @@ fn value(
             .map(|b| match std::str::from_utf8(b) {
                 Ok(s) if s.contains('\0') => Err(invalid(&field::ValueError::Nul)),
                 Ok(s) if render == Render::Json => Ok(Value::String(s.to_owned()).to_string()),
-                Ok(s) => Ok(s.to_owned()),
+                Ok(s) => field::render(&Value::String(s.to_owned()), render, refuse_naive).map_err(|e| invalid(&e)),
                 Err(e) => Err(invalid(&format!("not UTF-8: {e}"))),
             })
             .transpose()
@@ -116,7 +124,7 @@ fn value(
     let found: Option<String> = match &binding.source {
         ValueSource::Field(path) => match path.lookup(doc) {
             None | Some(Value::Null) => None,
-            Some(v) => Some(field::render(v, render).map_err(|e| invalid(&e))?),
+            Some(v) => Some(field::render(v, render, refuse_naive).map_err(|e| invalid(&e))?),
         },
         ValueSource::RecordKey => utf8(record.key.as_deref())?,
         ValueSource::Header(name) => utf8(record.header(name).flatten())?,

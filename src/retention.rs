@@ -51,6 +51,7 @@ pub async fn purge(pool: &PgPool, pipeline: &str, retention: Duration, batch: u3
             .bind(pipeline)
             .bind(retention.as_secs_f64())
             .bind(i64::from(batch))
+            .persistent(crate::db::persistent())
             .fetch_one(&mut *tx)
             .await?;
         tx.commit().await?;

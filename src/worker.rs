@@ -34,38 +34,43 @@ pub struct Ready {
 }
 
 /// Checks every pipeline's side effect against the database (tables, columns, statements and their parameter
-/// types) and builds what runs it. Returns all problems at once.
+/// types) and builds what runs it. Returns all problems at once, of every pipeline.
 pub async fn prepare(pool: &PgPool, pipelines: &[Pipeline]) -> Result<Vec<Ready>, Vec<PipelineError>> {
     let mut ready = Vec::new();
     let mut errors = Vec::new();
     for p in pipelines {
-        let error = |field: String, message: String| PipelineError {
-            file: p.file.display().to_string(),
-            pipeline: p.name.clone(),
-            field,
-            message,
-        };
-        let mut conn = match pool.acquire().await {
-            Ok(conn) => conn,
-            Err(e) => {
-                errors.push(error("database".into(), format!("cannot connect: {e}")));
-                continue;
-            }
-        };
-        match SideEffect::prepare(&mut conn, &p.sink).await {
-            Ok((side_effect, bindings)) => ready.push(Ready {
-                pipeline: p.clone(),
-                preparer: Preparer::new(p, bindings),
-                sink: Sink::new(p.name.clone(), pool.clone(), side_effect),
-                pool: pool.clone(),
-            }),
-            Err(e) => errors.push(error(e.field, e.message)),
+        match Ready::prepare(pool, p).await {
+            Ok(r) => ready.push(r),
+            Err(e) => errors.push(e),
         }
     }
     if errors.is_empty() {
         Ok(ready)
     } else {
         Err(errors)
+    }
+}
+
+impl Ready {
+    /// Checks one pipeline's side effect against the database and builds what runs it.
+    ///
+    /// Errors: the problem, naming the pipeline's file and field (`database` when it cannot connect).
+    pub async fn prepare(pool: &PgPool, p: &Pipeline) -> Result<Ready, PipelineError> {
+        let error = |field: String, message: String| PipelineError {
+            file: p.file.display().to_string(),
+            pipeline: p.name.clone(),
+            field,
+            message,
+        };
+        let mut conn = pool.acquire().await.map_err(|e| error("database".into(), format!("cannot connect: {e}")))?;
+        let (side_effect, bindings) =
+            SideEffect::prepare(&mut conn, &p.sink, &p.time).await.map_err(|e| error(e.field, e.message))?;
+        Ok(Ready {
+            pipeline: p.clone(),
+            preparer: Preparer::new(p, bindings),
+            sink: Sink::new(p.name.clone(), pool.clone(), side_effect),
+            pool: pool.clone(),
+        })
     }
 }
 
@@ -199,7 +204,7 @@ async fn run_pipeline(
     };
     tracing::info!(pipeline = %name, topics = ?r.pipeline.topics, group_id = %r.pipeline.group_id, "pipeline started");
     let mut step = Step {
-        ready: &r,
+        ready: r.clone(),
         metrics: &metrics,
         health: &health,
         window: DeadLetterWindow::new(r.pipeline.dead_letters.clone()),
@@ -282,7 +287,8 @@ impl DeadLetterWindow {
 
 /// What one pipeline needs to process a batch.
 struct Step<'a> {
-    ready: &'a Ready,
+    /// The pipeline, rebuilt when its side effect's schema changes.
+    ready: Ready,
     metrics: &'a PipelineMetrics,
     health: &'a Health,
     window: DeadLetterWindow,
@@ -299,8 +305,7 @@ impl Step<'_> {
         batch: &mut Vec<Record>,
         shutdown: &mut Shutdown,
     ) -> Result<bool, SinkError> {
-        let r = self.ready;
-        let mut prepared: Vec<Prepared> = batch.iter().map(|rec| r.preparer.prepare(rec)).collect();
+        let mut prepared: Vec<Prepared> = batch.iter().map(|rec| self.ready.preparer.prepare(rec)).collect();
         let started = Instant::now();
         let mut backoff = retry_backoff();
         let outcome = loop {
@@ -308,6 +313,7 @@ impl Step<'_> {
                 return Ok(true);
             }
             let window = &self.window;
+            let r = &self.ready;
             let positions = source.positions(&NextOffsets::after(batch));
             match r.sink.apply(batch, &prepared, positions.as_ref(), |counts| window.check(counts)).await {
                 Ok(outcome) => break outcome,
@@ -323,13 +329,33 @@ impl Step<'_> {
                             return Ok(false);
                         }
                         if batch.len() != before {
-                            prepared = batch.iter().map(|rec| r.preparer.prepare(rec)).collect();
+                            prepared = batch.iter().map(|rec| self.ready.preparer.prepare(rec)).collect();
                         }
                     }
                     Disposition::Fenced => {
                         if let SinkError::Fenced { partitions } = &e {
                             source.lose(partitions, batch);
-                            prepared = batch.iter().map(|rec| r.preparer.prepare(rec)).collect();
+                            prepared = batch.iter().map(|rec| self.ready.preparer.prepare(rec)).collect();
+                        }
+                    }
+                    Disposition::Rebuild => {
+                        // Rebuild the statements from the schema as it is now and prepare the records again: no
+                        // value is ever bound through a stale type. A database error while rebuilding is retried
+                        // like any other; a schema the pipeline can no longer run on stops it.
+                        match Ready::prepare(&r.pool, &r.pipeline).await {
+                            Ok(rebuilt) => {
+                                tracing::warn!("the side effect's tables or statements changed: statements rebuilt");
+                                self.ready = rebuilt;
+                                prepared = batch.iter().map(|rec| self.ready.preparer.prepare(rec)).collect();
+                            }
+                            Err(problem) if problem.field == "database" => {
+                                let delay = backoff.next().unwrap_or(MAX_RETRY_DELAY);
+                                tracing::warn!(error = %problem, retry_in = ?delay, "rebuilding the side effect failed; retrying");
+                                if !source.pause_for(delay, batch, shutdown).await {
+                                    return Ok(false);
+                                }
+                            }
+                            Err(problem) => return Err(SinkError::Schema(problem.to_string())),
                         }
                     }
                     Disposition::Record | Disposition::Fatal => return Err(e),

@@ -7,7 +7,7 @@
 
 pub mod pipeline;
 
-pub use pipeline::{BatchSettings, Binding, DeadLetterSettings, DedupSettings, Meta, OffsetStore, OnConflict, Pipeline, PipelineError, SinkSpec, TombstonePolicy, ValueSource};
+pub use pipeline::{BatchSettings, Binding, DeadLetterSettings, DedupSettings, Meta, OffsetStore, OnConflict, Pipeline, PipelineError, SinkSpec, NaiveTimestamps, TimeSettings, TombstonePolicy, ValueSource};
 
 use figment::providers::{Format as _, Toml};
 use figment::Figment;
@@ -60,6 +60,18 @@ pub struct DatabaseSettings {
     /// How long to wait for a pooled connection before the attempt counts as failed and is retried.
     #[serde(default = "default_acquire_timeout", with = "humantime_serde")]
     pub acquire_timeout: Duration,
+    /// Whether statements are prepared once per connection and reused (named prepared statements, the
+    /// default), or parsed for each execution (unnamed statements). Set `false` when connecting through a
+    /// transaction-pooling proxy that hands each transaction a different server session, such as PgBouncer with
+    /// `pool_mode = transaction` before version 1.21: named statements then collide (`prepared statement
+    /// "sqlx_s_1" already exists`). With `false`, every database access runs inside a transaction and the
+    /// `extra_float_digits` startup parameter is not sent.
+    #[serde(default = "default_true")]
+    pub prepared_statements: bool,
+}
+
+fn default_true() -> bool {
+    true
 }
 
 fn default_max_connections() -> u32 {

@@ -47,6 +47,39 @@ pub struct Pipeline {
     pub dedup: DedupSettings,
     /// Where the consumed position of each partition is kept.
     pub offsets: OffsetStore,
+    /// How timestamps without a UTC offset are read (`[sink] time_zone`, `naive_timestamps`).
+    pub time: TimeSettings,
+}
+
+/// `[sink] time_zone` and `naive_timestamps`: how time values meet `timestamptz` and `timestamp` targets.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TimeSettings {
+    /// The IANA time zone (as PostgreSQL's `TimeZone` setting names it: `UTC`, `Europe/Berlin`) in which a value
+    /// without a UTC offset is read for a `timestamptz` target, and into which a value with an offset is converted
+    /// for a `timestamp` (without time zone) target. Default `UTC`. Set for each batch with `SET LOCAL TIME ZONE`,
+    /// so the database's or the role's own setting plays no part.
+    pub zone: String,
+    /// What a value without a UTC offset for a `timestamptz` target does.
+    pub naive: NaiveTimestamps,
+}
+
+impl Default for TimeSettings {
+    fn default() -> Self {
+        TimeSettings { zone: "UTC".to_owned(), naive: NaiveTimestamps::default() }
+    }
+}
+
+/// `[sink] naive_timestamps`: what a value without a UTC offset (`2024-03-10T02:30:00`) does when its target is
+/// `timestamptz`.
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum NaiveTimestamps {
+    /// It is read in `time_zone` (default UTC). In a zone with daylight saving time, a local time in the spring
+    /// gap or the autumn overlap is resolved as PostgreSQL resolves it.
+    #[default]
+    TimeZone,
+    /// The record is dead-lettered (`param_invalid`): the producer must say which instant it means.
+    DeadLetter,
 }
 
 /// `[offsets] store`: where a pipeline keeps the consumed position of each partition.
@@ -303,6 +336,8 @@ struct RawSink {
     conflict_columns: Option<Vec<String>>,
     sql: Option<RawSql>,
     params: Option<BTreeMap<String, toml::Value>>,
+    time_zone: Option<String>,
+    naive_timestamps: Option<NaiveTimestamps>,
 }
 
 #[derive(Deserialize)]
@@ -394,6 +429,14 @@ fn validate(raw: RawPipeline, path: &Path, stem: &str, e: &mut Errors<'_>) -> Op
         e.push("max_payload_bytes", "must be at least 1");
     }
     let key = validate_key(&raw.key, e);
+    let time = TimeSettings {
+        zone: raw.sink.time_zone.clone().unwrap_or_else(|| TimeSettings::default().zone),
+        naive: raw.sink.naive_timestamps.unwrap_or_default(),
+    };
+    let zone_chars = |c: char| c.is_ascii_alphanumeric() || "_/+-:.".contains(c);
+    if time.zone.is_empty() || time.zone.len() > 64 || !time.zone.chars().all(zone_chars) {
+        e.push("sink.time_zone", format!("{:?} is not a time zone name (like \"UTC\" or \"America/New_York\")", time.zone));
+    }
     let sink = validate_sink(raw.sink, e);
     let max_records = raw.batch.max_records.unwrap_or(DEFAULT_MAX_RECORDS);
     if max_records == 0 {
@@ -453,6 +496,7 @@ fn validate(raw: RawPipeline, path: &Path, stem: &str, e: &mut Errors<'_>) -> Op
         dead_letters,
         dedup,
         offsets: raw.offsets.store,
+        time,
     })
 }
 

@@ -258,7 +258,7 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<bool> {
     properties.insert("heartbeat.interval.ms".to_owned(), PropertyValue::Text("300".into()));
     let settings = Settings {
         pipelines: dir.path().join("pipelines"),
-        database: DatabaseSettings { url: url.clone().into(), max_connections: 4, acquire_timeout: Duration::from_secs(10) },
+        database: DatabaseSettings { url: url.clone().into(), max_connections: 4, acquire_timeout: Duration::from_secs(10), prepared_statements: true },
         kafka: KafkaSettings { bootstrap_servers: kafka.bootstrap_servers().to_owned(), properties },
         metrics: MetricsSettings { listen: options.metrics_listen },
         log: LogSettings::default(),

@@ -35,6 +35,7 @@ pub async fn write(
         .bind(record.payload.as_deref())
         .bind(reason.as_str())
         .bind(&error)
+        .persistent(crate::db::persistent())
         .execute(&mut *conn)
         .await?;
     Ok(done.rows_affected() == 1)
@@ -45,6 +46,7 @@ pub async fn delete(conn: &mut PgConnection, pipeline: &str, ids: &[i64]) -> Res
     let done = sqlx::query("DELETE FROM idemflow.dead_letters WHERE pipeline = $1 AND id = ANY($2)")
         .bind(pipeline)
         .bind(ids)
+        .persistent(crate::db::persistent())
         .execute(&mut *conn)
         .await?;
     Ok(done.rows_affected())
@@ -87,13 +89,14 @@ pub async fn list(conn: &mut PgConnection, pipeline: Option<&str>, limit: i64) -
     sqlx::query_as(&format!("{SELECT} WHERE $1::text IS NULL OR pipeline = $1 ORDER BY id DESC LIMIT $2"))
         .bind(pipeline)
         .bind(limit)
+        .persistent(crate::db::persistent())
         .fetch_all(&mut *conn)
         .await
 }
 
 /// One dead letter by id.
 pub async fn get(conn: &mut PgConnection, id: i64) -> Result<Option<Stored>, sqlx::Error> {
-    sqlx::query_as(&format!("{SELECT} WHERE id = $1")).bind(id).fetch_optional(&mut *conn).await
+    sqlx::query_as(&format!("{SELECT} WHERE id = $1")).bind(id).persistent(crate::db::persistent()).fetch_optional(&mut *conn).await
 }
 
 impl Stored {

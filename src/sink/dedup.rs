@@ -81,6 +81,7 @@ pub async fn claim(
         .bind(&partitions)
         .bind(&offsets)
         .bind(&prints)
+        .persistent(crate::db::persistent())
         .fetch_all(&mut *conn)
         .await?;
     Ok(rows.into_iter().filter_map(|d| d.try_into().ok()).collect())
@@ -94,7 +95,7 @@ pub async fn existing(
 ) -> Result<Vec<([u8; 32], Existing)>, sqlx::Error> {
     type Row = (Vec<u8>, String, i32, i64, Vec<u8>);
     let rows: Vec<Row> =
-        sqlx::query_as(EXISTING).bind(pipeline).bind(digests).fetch_all(&mut *conn).await?;
+        sqlx::query_as(EXISTING).bind(pipeline).bind(digests).persistent(crate::db::persistent()).fetch_all(&mut *conn).await?;
     Ok(rows
         .into_iter()
         .filter_map(|(digest, topic, partition, offset, fingerprint)| {
@@ -125,7 +126,7 @@ pub async fn count_duplicates(
     sorted.sort_unstable_by_key(|(d, _)| *d);
     let digests: Vec<&[u8]> = sorted.iter().map(|(d, _)| &d[..]).collect();
     let ns: Vec<i64> = sorted.iter().map(|(_, n)| *n).collect();
-    sqlx::query(COUNT_DUPLICATES).bind(pipeline).bind(&digests).bind(&ns).execute(&mut *conn).await?;
+    sqlx::query(COUNT_DUPLICATES).bind(pipeline).bind(&digests).bind(&ns).persistent(crate::db::persistent()).execute(&mut *conn).await?;
     Ok(())
 }
 
@@ -159,6 +160,7 @@ pub async fn explain(conn: &mut PgConnection, pipeline: &str, key: &crate::key::
     )
     .bind(pipeline)
     .bind(&key.digest[..])
+    .persistent(crate::db::persistent())
     .fetch_optional(&mut *conn)
     .await
 }

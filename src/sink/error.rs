@@ -24,6 +24,8 @@ pub enum Disposition {
     Fatal,
     /// Some partitions of the batch belong to another worker now: drop their records and redo the rest.
     Fenced,
+    /// The side effect's schema changed: build its statements again, prepare the records again, redo the batch.
+    Rebuild,
 }
 
 /// Why a batch did not commit.
@@ -45,6 +47,15 @@ pub enum SinkError {
         /// `(topic, partition)` of each fenced partition.
         partitions: Vec<(String, i32)>,
     },
+    /// A table or statement of the side effect changed (a column's type, NOT NULL, a default, a parameter's
+    /// inferred type, the table itself) since the statements were built; the batch was rolled back before
+    /// writing anything.
+    #[error("the side effect's schema changed since its statements were built; the batch was rolled back")]
+    SchemaChanged,
+    /// After a schema change, the side effect no longer fits the database (a mapped column was dropped, a type
+    /// idemflow cannot bind): the pipeline stops.
+    #[error("the side effect no longer fits the database after a schema change: {0}")]
+    Schema(String),
     /// The batch would have taken the dead-letter ratio over its limit; it was rolled back.
     #[error(
         "{dead_letters} of the last {records} records would go to the dead letters, over dead_letters.max_ratio = \
@@ -73,6 +84,8 @@ impl SinkError {
             SinkError::Database { source, .. } => classify(source),
             SinkError::DeadLetterRatio { .. } => Disposition::Fatal,
             SinkError::Fenced { .. } => Disposition::Fenced,
+            SinkError::SchemaChanged => Disposition::Rebuild,
+            SinkError::Schema(_) => Disposition::Fatal,
         }
     }
 }

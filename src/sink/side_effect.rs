@@ -1,33 +1,79 @@
 //! The side effect: what a new record does to the business tables.
 //!
-//! Values arrive as text and are cast by Postgres to the type of their target (looked up once, at start-up, from
-//! the catalog or from the statement's inferred parameter types, without type modifiers: an explicit cast to
-//! `varchar(5)` or `char(5)` would silently truncate, while the assignment to the column checks the length and
-//! fails instead). Text input is exact for every type: `numeric`
-//! keeps every digit, `timestamptz` keeps the offset's meaning, `jsonb` takes nested objects. Payload values are
-//! only ever bound as parameters, never spliced into SQL.
+//! Values arrive as text and are cast by Postgres to the type of their target, read from the catalog (the table
+//! form) or from the statement's inferred parameter types (the SQL form), without type modifiers: an explicit
+//! cast to `varchar(5)` or `char(5)` would silently truncate, while the assignment to the column checks the length
+//! and fails instead. Text input is exact for every type: `numeric` keeps every digit, `timestamptz` keeps the
+//! offset's meaning, `jsonb` takes nested objects, arrays take PostgreSQL array literals built from JSON arrays.
+//! Payload values are only ever bound as parameters, never spliced into SQL.
 //!
 //! - Table form: `INSERT INTO t (c1, c2) SELECT CAST(u.c0 AS type1), ... FROM unnest($1::text[], ...)`, one
 //!   statement for all new records of a batch.
 //! - SQL form: the configured statements with each `:name` replaced by `CAST($n::text AS type)`, run for each new
 //!   record in batch order, as prepared statements (sqlx caches them per connection).
+//!
+//! # Never through a stale type
+//!
+//! The types are read when the pipeline starts, and the schema may change while it runs (`ALTER TABLE ... ALTER
+//! COLUMN ... TYPE`). Each batch transaction therefore starts with [`SideEffect::begin`], one round trip that
+//! first takes the locks the side effect's statements take anyway (`LOCK TABLE ... IN ROW EXCLUSIVE MODE` for the
+//! table form; for the SQL form, `PREPARE` of each statement, whose parse analysis takes the same locks as its
+//! execution), so no schema change can commit until the batch does, and then reads the schema again: the table's
+//! identity, columns, types, NOT NULL, defaults and primary key, or each statement's inferred parameter types.
+//! When that differs from what the statements were built from, the batch rolls back with
+//! [`super::SinkError::SchemaChanged`] and the worker rebuilds the statements and prepares the records again,
+//! before anything was written (PostgreSQL docs, "Explicit Locking": locks are held until the transaction ends).
+//!
+//! # Time zones
+//!
+//! The same round trip sets `SET LOCAL TIME ZONE` to the pipeline's `time_zone` (default `UTC`): a value without a
+//! UTC offset for a `timestamptz` target is read in that zone (or dead-lettered, with `naive_timestamps =
+//! "dead_letter"`), and a value with an offset for a `timestamp` (without time zone) target is converted to that
+//! zone's local time instead of having its offset dropped, which is what PostgreSQL's own cast does.
 
 use super::template::Statement;
-use crate::config::{Binding, OnConflict, SinkSpec};
+use crate::config::{Binding, OnConflict, SinkSpec, TimeSettings};
 use crate::field::Render;
 use crate::prepare::Apply;
-use sqlx::{Either, Executor, PgConnection, Statement as _};
+use sqlx::{Connection, Executor, PgConnection, Row};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// The side effect of one pipeline, checked against the database.
 #[derive(Clone, Debug)]
-pub enum SideEffect {
-    /// One set-based `INSERT` per batch.
-    Table {
-        /// The generated statement; parameter `n` is the text array of column `n`.
-        sql: String,
-        /// Number of columns.
-        columns: usize,
-    },
+pub struct SideEffect {
+    form: Form,
+    /// Run first in every batch transaction: constraints immediate and the time zone.
+    settings: String,
+    /// Then this, which takes the locks and reads the schema.
+    probe: Probe,
+    /// What the probe returned when the statements were built.
+    schema: String,
+}
+
+/// How a batch reads the schema its statements depend on.
+#[derive(Clone, Debug)]
+enum Probe {
+    /// `LOCK TABLE` and the catalog query (the table form).
+    Table(String),
+    /// A `PREPARE` of each statement as written, with untyped parameters (the SQL form).
+    Statements(Vec<String>),
+}
+
+impl Probe {
+    /// The probe's SQL; server-side statement names are new at each call.
+    fn sql(&self) -> String {
+        match self {
+            Probe::Table(sql) => sql.clone(),
+            Probe::Statements(plain) => plain.iter().map(|s| prepare_probe(s)).collect(),
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+enum Form {
+    /// One set-based `INSERT` per batch: the generated statement, whose parameter `n` is the text array of
+    /// column `n`, and the number of columns.
+    Table { sql: String, columns: usize },
     /// Statements run per record.
     Sql(Vec<PreparedStatement>),
 }
@@ -49,10 +95,19 @@ pub struct PrepareError {
     pub field: String,
     /// What is wrong, with Postgres's own message where it gave one.
     pub message: String,
+    /// The database could not be asked (connection, pool): worth retrying, not a configuration error.
+    pub unavailable: bool,
 }
 
 fn prepare_error(field: impl Into<String>, message: impl Into<String>) -> PrepareError {
-    PrepareError { field: field.into(), message: message.into() }
+    PrepareError { field: field.into(), message: message.into(), unavailable: false }
+}
+
+/// A database error met while preparing: a configuration error unless the database itself was unavailable.
+fn db_error(field: impl Into<String>, e: sqlx::Error, context: &str) -> PrepareError {
+    let unavailable = matches!(super::error::classify(&e), super::Disposition::Retry(_));
+    let message = if context.is_empty() { e.to_string() } else { format!("{e}\n  in: {context}") };
+    PrepareError { field: field.into(), message, unavailable }
 }
 
 /// Double-quotes an identifier (PostgreSQL docs, "Identifiers and Key Words").
@@ -60,26 +115,169 @@ pub fn quote_ident(name: &str) -> String {
     format!("\"{}\"", name.replace('"', "\"\""))
 }
 
+/// Single-quotes a string constant (PostgreSQL docs, "String Constants"; `standard_conforming_strings` is on,
+/// the default since PostgreSQL 9.1, so a backslash is an ordinary character).
+pub fn quote_literal(text: &str) -> String {
+    format!("'{}'", text.replace('\'', "''"))
+}
+
+/// Names of the server-side statements `PREPARE`d to probe parameter types: unique per process and call, so one
+/// left behind by a failed probe on a session (PgBouncer may hand that session to another client) never collides.
+fn probe_name() -> String {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    format!("idemflow_probe_{}_{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed))
+}
+
+/// How a value meets its target type: how it is rendered in the worker and how SQL casts it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Target {
+    /// Cast from text as is.
+    Plain(Render),
+    /// `timestamp` (without time zone): a value with a UTC offset is converted to the pipeline's time zone.
+    LocalTimestamp,
+}
+
+impl Target {
+    fn render(self) -> Render {
+        match self {
+            Target::Plain(r) => r,
+            Target::LocalTimestamp => Render::Text,
+        }
+    }
+
+    /// The SQL that turns text `x` into the target type named `type_name`.
+    fn cast(self, x: &str, type_name: &str) -> String {
+        match self {
+            Target::Plain(_) => format!("CAST({x} AS {type_name})"),
+            // A time of day followed by Z, an offset or a zone name: see crate::field::has_utc_offset.
+            Target::LocalTimestamp => format!(
+                "CAST(CASE WHEN {x} ~ ':[0-9]{{2}}(:[0-9]{{2}}([.][0-9]+)?)?\\s*([zZ]|[+-][0-9]{{2}}(:?[0-9]{{2}}){{0,2}}|[A-Za-z][A-Za-z0-9_/+-]*)\\s*$' \
+                 THEN CAST(CAST({x} AS timestamptz) AS timestamp) ELSE CAST({x} AS timestamp) END AS {type_name})"
+            ),
+        }
+    }
+}
+
+/// The type of a target, as the catalog describes it.
+struct TargetType {
+    /// `format_type`, without modifiers: `numeric`, `text[]`, `timestamp with time zone`.
+    name: String,
+    target: Result<Target, String>,
+}
+
+const JSON: i64 = 114;
+const JSONB: i64 = 3802;
+const TIMESTAMP: i64 = 1114;
+const TIMESTAMPTZ: i64 = 1184;
+
+/// Reads how each type OID is bound: domains are looked through to their base type; composites, arrays of
+/// composites and pseudo-types are refused with a reason.
+async fn target_types(conn: &mut PgConnection, oids: &[i64]) -> Result<Vec<TargetType>, sqlx::Error> {
+    type Row = (i64, String, i64, String, String, i64, String);
+    let rows: Vec<Row> = sqlx::query_as(
+        "SELECT u.oid::int8, format_type(u.oid::oid, NULL), b.oid::int8, b.typtype::text, b.typcategory::text,
+                coalesce(eb.oid::int8, 0), coalesce(eb.typtype::text, '')
+         FROM unnest($1::int8[]) AS u(oid)
+         JOIN pg_type t ON t.oid = u.oid::oid
+         JOIN pg_type b ON b.oid = CASE WHEN t.typtype = 'd' THEN t.typbasetype ELSE t.oid END
+         LEFT JOIN pg_type e ON e.oid = b.typelem AND b.typcategory = 'A'
+         LEFT JOIN pg_type eb ON eb.oid = CASE WHEN e.typtype = 'd' THEN e.typbasetype ELSE e.oid END",
+    )
+    .bind(oids)
+    .persistent(crate::db::persistent())
+    .fetch_all(&mut *conn)
+    .await?;
+    Ok(oids
+        .iter()
+        .map(|oid| {
+            let Some((_, name, base, typtype, category, elem, elem_typtype)) = rows.iter().find(|r| r.0 == *oid) else {
+                return TargetType { name: format!("type {oid}"), target: Err(format!("type {oid} does not exist")) };
+            };
+            let target = match (*base, typtype.as_str(), category.as_str()) {
+                (JSON | JSONB, _, _) => Ok(Target::Plain(Render::Json)),
+                (TIMESTAMPTZ, _, _) => Ok(Target::Plain(Render::Zoned)),
+                (TIMESTAMP, _, _) => Ok(Target::LocalTimestamp),
+                (_, _, "A") if elem_typtype == "c" => Err(format!(
+                    "{name} is an array of a composite type, which idemflow cannot bind: use a jsonb column"
+                )),
+                (_, _, "A") => Ok(Target::Plain(Render::Array { json: matches!(*elem, JSON | JSONB) })),
+                (_, "c", _) => Err(format!(
+                    "{name} is a composite type, which idemflow cannot bind: map its fields to columns, or use jsonb"
+                )),
+                (_, "p", _) => Err(format!("{name} is a pseudo-type: cast the parameter to a real type in the SQL")),
+                // Ranges and multiranges take their text form (`[1,5)`), as do enums and every base type.
+                _ => Ok(Target::Plain(Render::Text)),
+            };
+            TargetType { name: name.clone(), target }
+        })
+        .collect())
+}
+
+/// Runs `sql` (statements separated by `;`, simple query protocol, one round trip) and returns the text of the
+/// first column of every row it returned, one line each.
+async fn probe(conn: &mut PgConnection, sql: &str) -> Result<String, sqlx::Error> {
+    // Through `Executor` (a boxed future): `RawSql::fetch_all`'s own async signature makes callers' futures
+    // fail the `Send` check.
+    let rows = conn.fetch_all(sqlx::raw_sql(sql)).await?;
+    let mut out = Vec::with_capacity(rows.len());
+    for row in rows {
+        out.push(row.try_get::<Option<String>, _>(0)?.unwrap_or_default());
+    }
+    Ok(out.join("\n"))
+}
+
+/// `SET CONSTRAINTS ALL IMMEDIATE` (deferred constraints are checked at each statement, not at `COMMIT`, so a
+/// record violating one is isolated by the slow path like any other constraint error) and the time zone.
+fn settings_sql(time: &TimeSettings) -> String {
+    format!("SET CONSTRAINTS ALL IMMEDIATE; SET LOCAL TIME ZONE {}; ", quote_literal(&time.zone))
+}
+
 impl SideEffect {
-    /// Checks the sink against the database and builds its statements. Returns the side effect and its bindings
-    /// in value order, each with how its values are rendered.
+    /// Checks the sink against the database and builds its statements, inside a transaction that is rolled back.
+    /// Returns the side effect and its bindings in value order, each with how its values are rendered.
+    ///
+    /// Errors: a [`PrepareError`] naming the field at fault (a missing table or column, a type idemflow cannot
+    /// bind, SQL that does not parse, an unknown time zone), or with `unavailable` set when the database could
+    /// not be asked.
     pub async fn prepare(
         conn: &mut PgConnection,
         spec: &SinkSpec,
+        time: &TimeSettings,
     ) -> Result<(SideEffect, Vec<(Binding, Render)>), PrepareError> {
-        match spec {
+        let mut tx = conn.begin().await.map_err(|e| db_error("database", e, ""))?;
+        let zone = format!("SET LOCAL TIME ZONE {}", quote_literal(&time.zone));
+        (&mut *tx).execute(sqlx::raw_sql(&zone)).await.map_err(|e| db_error("sink.time_zone", e, ""))?;
+        let prepared = match spec {
             SinkSpec::Table { table, columns, on_conflict, conflict_columns } => {
-                prepare_table(conn, table, columns, *on_conflict, conflict_columns.as_deref()).await
+                prepare_table(&mut tx, table, columns, *on_conflict, conflict_columns.as_deref()).await
             }
-            SinkSpec::Sql { statements, params } => prepare_sql(conn, statements, params).await,
+            SinkSpec::Sql { statements, params } => prepare_sql(&mut tx, statements, params).await,
+        };
+        let (form, schema_probe, bindings) = prepared?;
+        let probe_sql = schema_probe.sql();
+        let schema = probe(&mut tx, &probe_sql).await.map_err(|e| db_error("sink", e, &probe_sql))?;
+        let _ = tx.rollback().await;
+        Ok((SideEffect { form, settings: settings_sql(time), probe: schema_probe, schema }, bindings))
+    }
+
+    /// Starts a batch in the open transaction `conn`: sets constraints immediate and the time zone, locks the
+    /// side effect's tables against schema changes and checks that the schema is still the one the statements
+    /// were built from. Returns `false` when it changed: roll back and prepare again.
+    ///
+    /// Errors: the database's (a dropped table is SQLSTATE 42P01, fatal).
+    pub async fn begin(&self, conn: &mut PgConnection) -> Result<bool, sqlx::Error> {
+        let schema = probe(conn, &format!("{}{}", self.settings, self.probe.sql())).await?;
+        if schema != self.schema {
+            tracing::info!(built_for = %self.schema, now = %schema, "the side effect's schema changed");
         }
+        Ok(schema == self.schema)
     }
 
     /// Applies the side effect for all `rows` (the fast path).
     pub async fn apply_all(&self, conn: &mut PgConnection, rows: &[&Apply]) -> Result<(), sqlx::Error> {
-        match self {
-            SideEffect::Table { sql, columns } => insert_rows(conn, sql, *columns, rows).await,
-            SideEffect::Sql(statements) => {
+        match &self.form {
+            Form::Table { sql, columns } => insert_rows(conn, sql, *columns, rows).await,
+            Form::Sql(statements) => {
                 for row in rows {
                     run_statements(conn, statements, row).await?;
                 }
@@ -90,9 +288,9 @@ impl SideEffect {
 
     /// Applies the side effect for one record (the slow path).
     pub async fn apply_one(&self, conn: &mut PgConnection, row: &Apply) -> Result<(), sqlx::Error> {
-        match self {
-            SideEffect::Table { sql, columns } => insert_rows(conn, sql, *columns, &[row]).await,
-            SideEffect::Sql(statements) => run_statements(conn, statements, row).await,
+        match &self.form {
+            Form::Table { sql, columns } => insert_rows(conn, sql, *columns, &[row]).await,
+            Form::Sql(statements) => run_statements(conn, statements, row).await,
         }
     }
 }
@@ -102,7 +300,7 @@ async fn insert_rows(conn: &mut PgConnection, sql: &str, columns: usize, rows: &
     if rows.is_empty() {
         return Ok(());
     }
-    let mut query = sqlx::query(sql);
+    let mut query = sqlx::query(sql).persistent(crate::db::persistent());
     for c in 0..columns {
         let column: Vec<Option<&str>> = rows.iter().map(|r| r.values[c].as_deref()).collect();
         query = query.bind(column);
@@ -118,7 +316,7 @@ async fn run_statements(
     row: &Apply,
 ) -> Result<(), sqlx::Error> {
     for statement in statements {
-        let mut query = sqlx::query(&statement.sql);
+        let mut query = sqlx::query(&statement.sql).persistent(crate::db::persistent());
         for &slot in &statement.slots {
             query = query.bind(row.values[slot].as_deref());
         }
@@ -127,12 +325,25 @@ async fn run_statements(
     Ok(())
 }
 
-fn render_for(type_name: &str) -> Render {
-    if matches!(type_name, "json" | "jsonb") {
-        Render::Json
-    } else {
-        Render::Text
-    }
+/// SQL that checks `sql` parses (a server-side `PREPARE`, then `DEALLOCATE`) and returns its parameter types as
+/// an OID array text (`{23,1184}`); inside a transaction its parse analysis keeps the statement's locks.
+fn prepare_probe(sql: &str) -> String {
+    let name = probe_name();
+    format!(
+        "PREPARE {name} AS {sql}; \
+         SELECT parameter_types::oid[]::text FROM pg_prepared_statements WHERE name = {}; DEALLOCATE {name}; ",
+        quote_literal(&name)
+    )
+}
+
+/// Parses [`prepare_probe`]'s `{23,1184}`.
+fn oid_list(text: &str) -> Vec<i64> {
+    text.trim_matches(['{', '}']).split(',').filter_map(|o| o.trim().parse().ok()).collect()
+}
+
+/// Checks that the statement `sql` parses, for a configuration error at start rather than a fatal batch.
+async fn check_parses(conn: &mut PgConnection, sql: &str) -> Result<Vec<i64>, sqlx::Error> {
+    Ok(oid_list(&probe(conn, &prepare_probe(sql)).await?))
 }
 
 async fn prepare_table(
@@ -141,63 +352,70 @@ async fn prepare_table(
     columns: &[Binding],
     on_conflict: OnConflict,
     conflict_columns: Option<&[String]>,
-) -> Result<(SideEffect, Vec<(Binding, Render)>), PrepareError> {
+) -> Result<(Form, Probe, Vec<(Binding, Render)>), PrepareError> {
     let found: Option<(i64, String)> =
         sqlx::query_as("SELECT c.oid::int8, c.oid::regclass::text FROM pg_class c WHERE c.oid = to_regclass($1)")
             .bind(table)
+            .persistent(crate::db::persistent())
             .fetch_optional(&mut *conn)
             .await
-            .map_err(|e| prepare_error("sink.table", e.to_string()))?;
+            .map_err(|e| db_error("sink.table", e, ""))?;
     let Some((oid, qualified)) = found else {
         return Err(prepare_error("sink.table", format!("table {table:?} does not exist (or is not visible on the search_path)")));
     };
-    let required: Vec<String> = sqlx::query_scalar(
-        "SELECT attname::text FROM pg_attribute WHERE attrelid = $1::int8::oid AND attnum > 0 AND NOT attisdropped \
-         AND attnotnull AND NOT atthasdef AND attidentity = '' AND attgenerated = ''",
-    )
-    .bind(oid)
-    .fetch_all(&mut *conn)
-    .await
-    .map_err(|e| prepare_error("sink.table", e.to_string()))?;
-    if let Some(missing) = required.iter().find(|c| !columns.iter().any(|b| &b.name == *c)) {
-        return Err(prepare_error(
-            "sink.columns",
-            format!("table {qualified}'s column {missing:?} is NOT NULL without a default: map it to a value"),
-        ));
-    }
-    let catalog: Vec<(String, String, bool)> = sqlx::query_as(
-        "SELECT a.attname::text, format_type(a.atttypid, -1), coalesce(a.attnum = ANY(i.indkey), false)
+    let catalog: Vec<(String, i64, bool, bool)> = sqlx::query_as(
+        "SELECT a.attname::text, a.atttypid::int8, coalesce(a.attnum = ANY(i.indkey), false),
+                a.attnotnull AND NOT a.atthasdef AND a.attidentity = '' AND a.attgenerated = ''
          FROM pg_attribute a
          LEFT JOIN pg_index i ON i.indrelid = a.attrelid AND i.indisprimary
          WHERE a.attrelid = $1::int8::oid AND a.attnum > 0 AND NOT a.attisdropped ORDER BY a.attnum",
     )
     .bind(oid)
+    .persistent(crate::db::persistent())
     .fetch_all(&mut *conn)
     .await
-    .map_err(|e| prepare_error("sink.table", e.to_string()))?;
-    let mut types = Vec::new();
+    .map_err(|e| db_error("sink.table", e, ""))?;
+    // Every problem at once: misspelled columns first (a NOT NULL column left unmapped is often the same typo).
+    let mut problems = Vec::new();
+    let names: Vec<&str> = catalog.iter().map(|(n, ..)| n.as_str()).collect();
+    let mut oids = Vec::new();
     for b in columns {
-        match catalog.iter().find(|(name, _, _)| *name == b.name) {
-            Some((_, ty, _)) => types.push(ty.clone()),
-            None => {
-                let names: Vec<&str> = catalog.iter().map(|(n, _, _)| n.as_str()).collect();
-                return Err(prepare_error(
-                    format!("sink.columns.{}", b.name),
-                    format!("table {qualified} has no column {:?} (its columns: {})", b.name, names.join(", ")),
-                ));
-            }
+        match catalog.iter().find(|(name, ..)| *name == b.name) {
+            Some((_, oid, ..)) => oids.push(*oid),
+            None => problems.push(prepare_error(
+                format!("sink.columns.{}", b.name),
+                format!("table {qualified} has no column {:?} (its columns: {})", b.name, names.join(", ")),
+            )),
         }
     }
-    if let Some(cols) = conflict_columns {
-        for c in cols {
-            if !catalog.iter().any(|(name, _, _)| name == c) {
-                return Err(prepare_error("sink.conflict_columns", format!("table {qualified} has no column {c:?}")));
-            }
+    for (name, ..) in catalog.iter().filter(|(_, _, _, required)| *required) {
+        if !columns.iter().any(|b| &b.name == name) {
+            problems.push(prepare_error(
+                "sink.columns",
+                format!("table {qualified}'s column {name:?} is NOT NULL without a default: map it to a value"),
+            ));
         }
+    }
+    for c in conflict_columns.unwrap_or_default() {
+        if !catalog.iter().any(|(name, ..)| name == c) {
+            problems.push(prepare_error("sink.conflict_columns", format!("table {qualified} has no column {c:?}")));
+        }
+    }
+    let types = target_types(conn, &oids).await.map_err(|e| db_error("sink.table", e, ""))?;
+    for (b, t) in columns.iter().zip(&types) {
+        if let Err(why) = &t.target {
+            problems.push(prepare_error(format!("sink.columns.{}", b.name), format!("column {:?}: {why}", b.name)));
+        }
+    }
+    if !problems.is_empty() {
+        let message = problems.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n  ");
+        let field = if problems.len() == 1 { problems.remove(0).field } else { "sink".to_owned() };
+        let message = if field == "sink" { message } else { message.split_once(": ").map_or(message.clone(), |m| m.1.to_owned()) };
+        return Err(prepare_error(field, message));
     }
     let target: Vec<String> = match conflict_columns {
         Some(cols) => cols.to_vec(),
-        None => catalog.iter().filter(|(_, _, pk)| *pk).map(|(n, _, _)| n.clone()).collect(),
+        None => catalog.iter().filter(|(_, _, pk, _)| *pk).map(|(n, ..)| n.clone()).collect(),
     };
     let conflict = match on_conflict {
         OnConflict::Error => String::new(),
@@ -223,53 +441,71 @@ async fn prepare_table(
         }
     };
     let names = columns.iter().map(|b| quote_ident(&b.name)).collect::<Vec<_>>().join(", ");
-    let casts = types.iter().enumerate().map(|(i, t)| format!("CAST(u.c{i} AS {t})")).collect::<Vec<_>>().join(", ");
+    let casts = types
+        .iter()
+        .enumerate()
+        .map(|(i, t)| t.target.as_ref().expect("checked above").cast(&format!("u.c{i}"), &t.name))
+        .collect::<Vec<_>>()
+        .join(", ");
     let arrays = (1..=columns.len()).map(|n| format!("${n}::text[]")).collect::<Vec<_>>().join(", ");
     let aliases = (0..columns.len()).map(|i| format!("c{i}")).collect::<Vec<_>>().join(", ");
     let sql = format!("INSERT INTO {qualified} ({names}) SELECT {casts} FROM unnest({arrays}) AS u({aliases}){conflict}");
-    conn.prepare(&sql).await.map_err(|e| prepare_error("sink", format!("the generated statement is refused: {e}\n  {sql}")))?;
-    let bindings = columns.iter().cloned().zip(types.iter().map(|t| render_for(t))).collect();
-    Ok((SideEffect::Table { sql, columns: columns.len() }, bindings))
+    check_parses(conn, &sql)
+        .await
+        .map_err(|e| prepare_error("sink", format!("the generated statement is refused: {e}\n  {sql}")))?;
+    // The probe of every batch: the table's lock, then its identity, columns (name, type, modifier, NOT NULL,
+    // default, identity, generated) and primary key.
+    let probe_sql = format!(
+        "LOCK TABLE {qualified} IN ROW EXCLUSIVE MODE; \
+         SELECT (SELECT c.oid::text || ' ' || string_agg(concat_ws(' ', a.attname, a.atttypid, a.atttypmod, \
+                 a.attnotnull, a.atthasdef, a.attidentity, a.attgenerated), ',' ORDER BY a.attnum) || ' ' || \
+                 coalesce((SELECT i.indkey::text FROM pg_index i WHERE i.indrelid = c.oid AND i.indisprimary), '') \
+                 FROM pg_class c JOIN pg_attribute a ON a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped \
+                 WHERE c.oid = {oid} GROUP BY c.oid); "
+    );
+    let bindings = columns.iter().cloned().zip(types.iter().map(|t| t.target.as_ref().expect("checked").render())).collect();
+    Ok((Form::Table { sql, columns: columns.len() }, Probe::Table(probe_sql), bindings))
 }
 
 async fn prepare_sql(
     conn: &mut PgConnection,
     statements: &[Statement],
     params: &[Binding],
-) -> Result<(SideEffect, Vec<(Binding, Render)>), PrepareError> {
-    let mut renders = vec![Render::Text; params.len()];
+) -> Result<(Form, Probe, Vec<(Binding, Render)>), PrepareError> {
+    let mut renders: Vec<Option<Render>> = vec![None; params.len()];
     let mut prepared = Vec::new();
+    let mut plains = Vec::new();
     for statement in statements {
         let field = statement.origin.clone();
         let plain = statement.render(|n| format!("${}", n + 1));
         let written = statement.render(|n| format!(":{}", statement.params[n]));
-        let described = conn.prepare(&plain).await.map_err(|e| prepare_error(&field, format!("{e}\n  in: {written}")))?;
-        let oids: Vec<i64> = match described.parameters() {
-            Some(Either::Left(types)) => types.iter().map(|t| t.oid().map_or(25, |o| i64::from(o.0))).collect(),
-            _ => vec![25; statement.params.len()],
-        };
-        let mut type_names = Vec::with_capacity(oids.len());
-        for oid in oids {
-            let name: String = sqlx::query_scalar("SELECT format_type($1::int8::oid, -1)")
-                .bind(oid)
-                .fetch_one(&mut *conn)
-                .await
-                .map_err(|e| prepare_error(&field, e.to_string()))?;
-            type_names.push(name);
-        }
+        let oids = check_parses(conn, &plain).await.map_err(|e| db_error(&field, e, &written))?;
+        let types = target_types(conn, &oids).await.map_err(|e| db_error(&field, e, &written))?;
         let slots: Vec<usize> = statement
             .params
             .iter()
             .map(|name| params.iter().position(|b| b.name == *name).expect("validated: every parameter is mapped"))
             .collect();
-        for (n, slot) in slots.iter().enumerate() {
-            if render_for(&type_names[n]) == Render::Json {
-                renders[*slot] = Render::Json;
-            }
+        let mut casts = Vec::with_capacity(types.len());
+        for (n, (slot, t)) in slots.iter().zip(&types).enumerate() {
+            let target = t.target.clone().map_err(|why| {
+                prepare_error(&field, format!("parameter :{}: {why}\n  in: {written}", statement.params[n]))
+            })?;
+            // A parameter used in several statements as json in one and text in another is rendered as JSON.
+            let render = target.render();
+            renders[*slot] = match renders[*slot] {
+                Some(Render::Json) => Some(Render::Json),
+                _ => Some(render),
+            };
+            casts.push(target.cast(&format!("${}::text", n + 1), &t.name));
         }
-        let sql = statement.render(|n| format!("CAST(${}::text AS {})", n + 1, type_names[n]));
-        conn.prepare(&sql).await.map_err(|e| prepare_error(&field, format!("{e}\n  in: {written}")))?;
+        let sql = statement.render(|n| casts[n].clone());
+        check_parses(conn, &sql).await.map_err(|e| db_error(&field, e, &written))?;
+        // The probe of every batch: the same PREPARE of the statement as written, whose parameter types follow
+        // the schema, and which takes the statement's locks.
+        plains.push(plain);
         prepared.push(PreparedStatement { sql, slots });
     }
-    Ok((SideEffect::Sql(prepared), params.iter().cloned().zip(renders).collect()))
+    let bindings = params.iter().cloned().zip(renders.into_iter().map(|r| r.unwrap_or(Render::Text))).collect();
+    Ok((Form::Sql(prepared), Probe::Statements(plains), bindings))
 }

@@ -1,8 +1,11 @@
 //! The batch transaction.
 //!
 //! Fast path, one transaction:
-//! 0. with `[offsets] store = "database"`, store the batch's positions, fenced by the owner epoch
-//!    ([`crate::offsets::advance`]);
+//! 0. start the side effect ([`SideEffect::begin`]: settings, locks, and a check that the schema is still the one
+//!    its statements were built for, else [`SinkError::SchemaChanged`]); with `[offsets] store = "database"`,
+//!    store the batch's positions, fenced by the owner epoch ([`crate::offsets::advance`]); raise the processed
+//!    marks and read them as they were ([`crate::offsets::processed`]): a record below its partition's mark is a
+//!    redelivery, whatever its key's dedup row says;
 //! 1. claim the distinct keys of the batch in one statement;
 //! 2. read the dedup rows of keys that were not new (only when there are some) and classify those duplicates;
 //! 3. run the side effect for the new keys (one statement in the table form);
@@ -19,7 +22,7 @@ use super::error::{Disposition, SinkError};
 use super::side_effect::SideEffect;
 use crate::key::BusinessKey;
 use crate::metrics::{BatchCounts, DeadLetterReason, DuplicateReason};
-use crate::offsets::{self, Positions};
+use crate::offsets::{self, NextOffsets, Positions, Processed};
 use crate::prepare::{Apply, Prepared};
 use crate::record::{Position, Record};
 use sqlx::{Connection, PgConnection, PgPool};
@@ -88,11 +91,14 @@ impl Sink {
         self.run(records, prepared, positions, guard, &[]).await
     }
 
+    /// Opens the batch transaction; returns it with the processed marks as they were before this batch (none
+    /// when replaying dead letters, whose positions are old by definition).
     async fn begin_replaying(
         &self,
+        records: &[Record],
         replaying: &[i64],
         positions: Option<&Positions>,
-    ) -> Result<sqlx::Transaction<'static, sqlx::Postgres>, SinkError> {
+    ) -> Result<(sqlx::Transaction<'static, sqlx::Postgres>, Processed), SinkError> {
         let mut tx = self.begin().await?;
         if let Some(positions) = positions {
             let fenced = offsets::advance(&mut tx, &self.pipeline, positions)
@@ -107,8 +113,12 @@ impl Sink {
             dead_letter::delete(&mut tx, &self.pipeline, replaying)
                 .await
                 .map_err(|e| SinkError::new("removing replayed dead letters", e))?;
+            return Ok((tx, Processed::default()));
         }
-        Ok(tx)
+        let processed = offsets::processed(&mut tx, &self.pipeline, &NextOffsets::after(records))
+            .await
+            .map_err(|e| SinkError::new("raising the processed positions", e))?;
+        Ok((tx, processed))
     }
 
     /// [`Sink::apply`] for dead letters being replayed: the dead-letter rows `replaying` are deleted in the same
@@ -131,14 +141,15 @@ impl Sink {
         guard: impl Fn(&BatchCounts) -> Result<(), SinkError>,
         replaying: &[i64],
     ) -> Result<BatchOutcome, SinkError> {
-        let mut tx = self.begin_replaying(replaying, positions).await?;
-        let fates = match self.fast_path(&mut tx, records, prepared).await {
+        let (mut tx, processed) = self.begin_replaying(records, replaying, positions).await?;
+        let fates = match self.fast_path(&mut tx, records, prepared, &processed).await {
             Ok(fates) => fates,
             Err(e) if e.disposition() == Disposition::Record => {
                 tracing::debug!(error = %e, "a record's side effect failed; redoing the batch record by record");
                 tx.rollback().await.map_err(|e| SinkError::new("rolling back", e))?;
-                tx = self.begin_replaying(replaying, positions).await?;
-                self.slow_path(&mut tx, records, prepared).await?
+                let (again, processed) = self.begin_replaying(records, replaying, positions).await?;
+                tx = again;
+                self.slow_path(&mut tx, records, prepared, &processed).await?
             }
             Err(e) => return Err(e),
         };
@@ -188,14 +199,16 @@ impl Sink {
         Ok(BatchOutcome { counts, dead_letters })
     }
 
-    /// Opens a batch transaction. Deferred constraints are checked at each statement, not at `COMMIT`, so that a
-    /// record violating one is isolated by the slow path like any other constraint error.
+    /// Opens a batch transaction and starts the side effect in it ([`SideEffect::begin`]).
+    ///
+    /// Errors: [`SinkError::SchemaChanged`] (rolled back) when the side effect's schema changed since it was built.
     async fn begin(&self) -> Result<sqlx::Transaction<'static, sqlx::Postgres>, SinkError> {
         let mut tx = self.pool.begin().await.map_err(|e| SinkError::new("opening the batch transaction", e))?;
-        sqlx::query("SET CONSTRAINTS ALL IMMEDIATE")
-            .execute(&mut *tx)
-            .await
-            .map_err(|e| SinkError::new("opening the batch transaction", e))?;
+        let current = self.side_effect.begin(&mut tx).await.map_err(|e| SinkError::new("starting the side effect", e))?;
+        if !current {
+            tx.rollback().await.map_err(|e| SinkError::new("rolling back", e))?;
+            return Err(SinkError::SchemaChanged);
+        }
         Ok(tx)
     }
 
@@ -204,6 +217,7 @@ impl Sink {
         conn: &mut PgConnection,
         records: &[Record],
         prepared: &[Prepared],
+        processed: &Processed,
     ) -> Result<Vec<Fate>, SinkError> {
         // The first occurrence of each key in the batch is the one that claims it.
         let mut first: HashMap<[u8; 32], usize> = HashMap::new();
@@ -258,7 +272,7 @@ impl Sink {
                                 occurrence(&records[i], p)
                             }
                         };
-                        Fate::Duplicate(self.duplicate(&a.key, &against, &records[i].position, &a.fingerprint))
+                        Fate::Duplicate(self.duplicate(&a.key, &against, &records[i].position, &a.fingerprint, processed))
                     }
                 }
             };
@@ -276,6 +290,7 @@ impl Sink {
         tx: &mut PgConnection,
         records: &[Record],
         prepared: &[Prepared],
+        processed: &Processed,
     ) -> Result<Vec<Fate>, SinkError> {
         let mut fates = Vec::with_capacity(prepared.len());
         for (record, p) in records.iter().zip(prepared) {
@@ -309,7 +324,7 @@ impl Sink {
                     .map_err(|e| SinkError::new("reading a dedup row", e))?;
                 let against = stored.into_iter().next().map_or_else(|| occurrence(record, p), |(_, e)| e);
                 sp.commit().await.map_err(|e| SinkError::new("releasing a savepoint", e))?;
-                fates.push(Fate::Duplicate(self.duplicate(&a.key, &against, &record.position, &a.fingerprint)));
+                fates.push(Fate::Duplicate(self.duplicate(&a.key, &against, &record.position, &a.fingerprint, processed)));
                 continue;
             }
             match self.side_effect.apply_one(&mut sp, a).await {
@@ -333,7 +348,13 @@ impl Sink {
         against: &Existing,
         position: &Position,
         fingerprint: &[u8; 32],
+        processed: &Processed,
     ) -> DuplicateReason {
+        // A record at a position an earlier batch processed is a redelivery (a replay after a rewind, a batch
+        // redelivered after a crash), however its first delivery was classified.
+        if processed.before(position) {
+            return DuplicateReason::Redelivered;
+        }
         let reason = dedup::classify(against, position, fingerprint);
         if reason == DuplicateReason::PayloadMismatch {
             let shown: String = key.text.chars().take(200).collect();
