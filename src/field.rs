@@ -397,8 +397,9 @@ mod tests {
 
     #[test]
     fn arrays_become_postgres_array_literals() {
-        let doc = json!({"tags": ["a", "b,c", "q\"uote", "back\\slash", null, "NULL", ""], "qty": [1, 2.5, 1e2],
+        let mut doc = json!({"tags": ["a", "b,c", "q\"uote", "back\\slash", null, "NULL", ""],
                          "grid": [[1, 2], [3, 4]], "docs": [{"a": 1}, "s", null], "o": {"a": 1}});
+        doc["qty"] = serde_json::from_str("[1, 2.5, 1e2]").unwrap();
         let text = Render::Array { json: false };
         assert_eq!(
             render(&doc["tags"], text, false).unwrap(),

@@ -109,9 +109,11 @@ async fn binary_applies_each_payment_once_counts_duplicates_and_commits_offsets(
     let m = worker.scrape();
     let dup = |reason: &str| metric(&m, "idemflow_duplicates_skipped_total", &[("pipeline", "payments"), ("reason", reason)]);
     assert_eq!(metric(&m, "idemflow_records_applied_total", &p), 0.0);
-    assert_eq!(dup("redelivered"), in_p0("new"));
-    assert_eq!(dup("republished"), in_p0("republished"));
-    assert_eq!(dup("payload_mismatch"), in_p0("payload_mismatch"));
+    // Every record of the partition was processed before: all are redeliveries, whatever their first delivery
+    // was counted as (a replay must not move republished or payload_mismatch again).
+    assert_eq!(dup("redelivered"), in_p0("new") + in_p0("republished") + in_p0("payload_mismatch"));
+    assert_eq!(dup("republished"), 0.0);
+    assert_eq!(dup("payload_mismatch"), 0.0);
     assert_eq!(db.scalar::<i64>("SELECT count(*) FROM payments").await, 31);
     assert!(db.scalar::<bool>("SELECT (SELECT sum(amount) FROM payments) = (SELECT sum(1000000 - balance) FROM accounts)").await);
     let status = worker.sigterm();
