@@ -5,6 +5,7 @@ mod support;
 mod bench;
 mod e2e;
 mod failures;
+mod hardening;
 mod monitoring;
 mod cases;
 mod cli;

@@ -1,0 +1,258 @@
+//! Hardening: values never change silently (schema changes while running, time zones, number keys), inputs users
+//! send (arrays), and the classification of replays.
+
+use crate::support::*;
+
+fn dead_letters(worker: &InProc, pipeline: &str, reason: &str) -> f64 {
+    worker.metric("idemflow_dead_letters_total", &[("pipeline", pipeline), ("reason", reason)])
+}
+
+const PAYMENTS: &str = "CREATE TABLE payments (order_id text PRIMARY KEY, amount integer NOT NULL, paid_at timestamp);";
+
+const ALTER: &str = "ALTER TABLE payments ALTER COLUMN paid_at TYPE timestamptz USING paid_at AT TIME ZONE 'UTC', \
+                     ALTER COLUMN amount TYPE numeric";
+
+fn payment(id: &str, amount: &str, paid_at: &str) -> Out {
+    Out::json(0, format!(r#"{{"order":{{"id":"{id}","amount":"{amount}"}},"paid_at":"{paid_at}"}}"#))
+}
+
+/// The issue's scenario, for one form of the sink: a running worker, then `ALTER TABLE` changes two column types;
+/// the next records must be bound through the new types (09:00 UTC, 2.50), none dead-lettered.
+async fn column_type_change_is_followed(pipeline: &str) {
+    let (db, kafka, setup) = fixture(PAYMENTS, "orders", 1, &[("payments.toml", pipeline)]).await;
+    kafka.produce("orders", &[payment("o-1", "5", "2026-11-29T10:00:00")]);
+    let worker = InProc::start(&setup).await;
+    worker.wait_received("payments", 1).await;
+    sqlx::raw_sql(ALTER).execute(&db.pool).await.unwrap();
+    kafka.produce("orders", &[payment("o-2", "7", "2026-11-29T10:00:00+01:00"), payment("o-3", "2.50", "2026-11-29T10:00:00Z")]);
+    worker.wait_received("payments", 3).await;
+    assert_eq!(worker.metric("idemflow_records_applied_total", &[("pipeline", "payments")]), 3.0);
+    assert_eq!(dead_letters(&worker, "payments", "side_effect_rejected"), 0.0);
+    assert!(worker.stop().await.is_empty());
+    assert!(db.scalar::<bool>("SELECT paid_at = '2026-11-29T09:00:00Z' FROM payments WHERE order_id = 'o-2'").await);
+    assert_eq!(db.scalar::<String>("SELECT amount::text FROM payments WHERE order_id = 'o-3'").await, "2.50");
+    assert_eq!(db.scalar::<String>("SELECT amount::text FROM payments WHERE order_id = 'o-2'").await, "7");
+    assert!(db.scalar::<bool>("SELECT paid_at = '2026-11-29T10:00:00Z' FROM payments WHERE order_id = 'o-1'").await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_column_type_changed_while_running_is_followed_table_form() {
+    column_type_change_is_followed(
+        r#"topics = ["orders"]
+[key]
+field = "/order/id"
+[sink]
+table = "payments"
+[sink.columns]
+order_id = "/order/id"
+amount = "/order/amount"
+paid_at = "/paid_at"
+"#,
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_column_type_changed_while_running_is_followed_sql_form() {
+    column_type_change_is_followed(
+        r#"topics = ["orders"]
+[key]
+field = "/order/id"
+[sink]
+sql = "INSERT INTO payments (order_id, amount, paid_at) VALUES (:id, :amount, :paid_at)"
+[sink.params]
+id = "/order/id"
+amount = "/order/amount"
+paid_at = "/paid_at"
+"#,
+    )
+    .await;
+}
+
+/// A mapped column dropped while the worker runs: the pipeline stops loudly (a fatal error naming the column)
+/// instead of dead-lettering the stream, and nothing of the batch is committed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mapped_column_dropped_while_running_stops_the_pipeline() {
+    let pipeline = r#"topics = ["orders"]
+[key]
+field = "/order/id"
+[sink]
+table = "payments"
+[sink.columns]
+order_id = "/order/id"
+amount = "/order/amount"
+paid_at = "/paid_at"
+"#;
+    let (db, kafka, setup) = fixture(PAYMENTS, "orders", 1, &[("payments.toml", pipeline)]).await;
+    kafka.produce("orders", &[payment("o-1", "5", "2026-11-29T10:00:00")]);
+    let worker = InProc::start(&setup).await;
+    worker.wait_received("payments", 1).await;
+    sqlx::raw_sql("ALTER TABLE payments DROP COLUMN paid_at").execute(&db.pool).await.unwrap();
+    kafka.produce("orders", &[payment("o-2", "7", "2026-11-29T10:00:00Z")]);
+    let failures = worker.stop_when_pipelines_end().await;
+    assert_eq!(failures.len(), 1);
+    let text = failures[0].to_string();
+    assert!(text.contains("paid_at") && text.contains("schema change"), "{text}");
+    assert_eq!(db.scalar::<i64>("SELECT count(*) FROM payments").await, 1);
+    assert_eq!(db.scalar::<i64>("SELECT count(*) FROM idemflow.dedup").await, 1);
+}
+
+/// Timestamps without a UTC offset: read in the pipeline's `time_zone` (UTC by default), or dead-lettered with
+/// `naive_timestamps = "dead_letter"`; a value with an offset for a `timestamp` column is converted to the zone,
+/// not stripped of its offset.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn naive_timestamps_follow_the_pipeline_time_zone_or_are_dead_lettered() {
+    let tables = "CREATE TABLE ny (id text PRIMARY KEY, at timestamptz, local timestamp);
+                  CREATE TABLE utc (id text PRIMARY KEY, at timestamptz, local timestamp);
+                  CREATE TABLE strict (id text PRIMARY KEY, at timestamptz);";
+    let pipeline = |name: &str, extra: &str, local: bool| {
+        format!(
+            "topics = [\"events\"]\n[key]\nfield = \"/id\"\n[sink]\ntable = \"{name}\"\n{extra}\n[sink.columns]\nid = \"/id\"\nat = \"/at\"\n{}",
+            if local { "local = \"/at\"\n" } else { "" }
+        )
+    };
+    let (ny, utc, strict) = (
+        pipeline("ny", "time_zone = \"America/New_York\"", true),
+        pipeline("utc", "", true),
+        pipeline("strict", "naive_timestamps = \"dead_letter\"", false),
+    );
+    let (db, kafka, setup) =
+        fixture(tables, "events", 1, &[("ny.toml", &ny), ("utc.toml", &utc), ("strict.toml", &strict)]).await;
+    kafka.produce(
+        "events",
+        &[
+            Out::json(0, r#"{"id":"naive","at":"2024-03-10T01:30:00"}"#),
+            Out::json(0, r#"{"id":"zoned","at":"2026-11-29T10:00:00+01:00"}"#),
+            Out::json(0, r#"{"id":"named","at":"2026-11-29 10:00:00 Europe/Berlin"}"#),
+        ],
+    );
+    let worker = InProc::start(&setup).await;
+    for p in ["ny", "utc", "strict"] {
+        worker.wait_received(p, 3).await;
+    }
+    assert_eq!(dead_letters(&worker, "strict", "param_invalid"), 1.0);
+    assert_eq!(worker.metric("idemflow_records_applied_total", &[("pipeline", "strict")]), 2.0);
+    assert_eq!(worker.metric("idemflow_records_applied_total", &[("pipeline", "ny")]), 3.0);
+    assert!(worker.stop().await.is_empty());
+    let instant = |table: &str, id: &str| format!("SELECT to_char(at AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI') FROM {table} WHERE id = '{id}'");
+    let local = |table: &str, id: &str| format!("SELECT to_char(local, 'YYYY-MM-DD HH24:MI') FROM {table} WHERE id = '{id}'");
+    // New York is UTC-5 on 2024-03-10 at 01:30 (daylight saving time starts at 02:00).
+    assert_eq!(db.scalar::<String>(&instant("ny", "naive")).await, "2024-03-10 06:30");
+    assert_eq!(db.scalar::<String>(&instant("utc", "naive")).await, "2024-03-10 01:30");
+    for t in ["ny", "utc", "strict"] {
+        assert_eq!(db.scalar::<String>(&instant(t, "zoned")).await, "2026-11-29 09:00", "{t}");
+        assert_eq!(db.scalar::<String>(&instant(t, "named")).await, "2026-11-29 09:00", "{t}");
+    }
+    // timestamp (without time zone) columns get the local time of the pipeline's zone, never a dropped offset.
+    assert_eq!(db.scalar::<String>(&local("ny", "zoned")).await, "2026-11-29 04:00");
+    assert_eq!(db.scalar::<String>(&local("utc", "zoned")).await, "2026-11-29 09:00");
+    assert_eq!(db.scalar::<String>(&local("ny", "naive")).await, "2024-03-10 01:30");
+    let error: String = db.scalar("SELECT error FROM idemflow.dead_letters WHERE pipeline = 'strict'").await;
+    assert!(error.contains("no UTC offset"), "{error}");
+}
+
+/// JSON numbers equal in value are one business key, in an exact canonical decimal form; exponent notation is
+/// written out in bound values too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn equal_numbers_are_one_business_key() {
+    let table = "CREATE TABLE orders (order_id text PRIMARY KEY, note text);";
+    let pipeline = "topics = [\"orders\"]\n[key]\nfield = \"/id\"\n[sink]\ntable = \"orders\"\n[sink.columns]\norder_id = \"/id\"\nnote = { field = \"/note\", optional = true }\n";
+    let (db, kafka, setup) = fixture(table, "orders", 1, &[("orders.toml", pipeline)]).await;
+    kafka.produce(
+        "orders",
+        &[
+            Out::json(0, r#"{"id":100}"#),
+            Out::json(0, r#"{"id":"100"}"#),
+            Out::json(0, r#"{"id":100.0}"#),
+            Out::json(0, r#"{"id":1e2}"#),
+            Out::json(0, r#"{"id":1.5E+3,"note":2.5e-1}"#),
+        ],
+    );
+    let worker = InProc::start(&setup).await;
+    worker.wait_received("orders", 5).await;
+    assert_eq!(worker.metric("idemflow_records_applied_total", &[("pipeline", "orders")]), 2.0);
+    assert!(worker.stop().await.is_empty());
+    assert_eq!(db.scalar::<i64>("SELECT count(*) FROM orders").await, 2);
+    assert_eq!(db.scalar::<String>("SELECT string_agg(order_id, ',' ORDER BY order_id) FROM orders").await, "100,1500");
+    assert_eq!(db.scalar::<String>("SELECT note FROM orders WHERE order_id = '1500'").await, "0.25");
+    assert_eq!(db.scalar::<String>("SELECT business_key FROM idemflow.dedup ORDER BY business_key LIMIT 1").await, "100");
+}
+
+/// JSON arrays into PostgreSQL array columns, of every scalar kind, with elements needing quotes and NULLs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn json_arrays_fill_array_columns() {
+    let table = "CREATE TYPE mood AS ENUM ('ok', 'sad');
+        CREATE TABLE items (order_id text PRIMARY KEY, tags text[] NOT NULL, qty int[], prices numeric[],
+            flags boolean[], days date[], docs jsonb[], grid int[][], moods mood[], raw text[]);";
+    let pipeline = r#"topics = ["items"]
+[key]
+field = "/order/id"
+[sink]
+table = "items"
+[sink.columns]
+order_id = "/order/id"
+tags = "/order/tags"
+qty = { field = "/order/qty", optional = true }
+prices = { field = "/order/prices", optional = true }
+flags = { field = "/order/flags", optional = true }
+days = { field = "/order/days", optional = true }
+docs = { field = "/order/docs", optional = true }
+grid = { field = "/order/grid", optional = true }
+moods = { field = "/order/moods", optional = true }
+raw = { field = "/order/raw", optional = true }
+"#;
+    let (db, kafka, setup) = fixture(table, "items", 1, &[("items.toml", pipeline)]).await;
+    kafka.produce(
+        "items",
+        &[
+            Out::json(0, r#"{"order":{"id":"o-1","tags":["a","b"],"qty":[1,2]}}"#),
+            Out::json(0, r#"{"order":{"id":"o-2","tags":["x,y","q\"u","b\\s","{}","NULL",null,""," sp "],
+                "prices":[1.50,2e2,-0.001],"flags":[true,false,null],"days":["2026-11-30"],"docs":[{"a":[1]},"s",null],
+                "grid":[[1,2],[3,4]],"moods":["ok","sad"],"raw":"{p,q}"}}"#),
+            Out::json(0, r#"{"order":{"id":"o-3","tags":{"not":"an array"}}}"#),
+            Out::json(0, r#"{"order":{"id":"o-4","tags":["a"],"grid":[[1,2],[3]]}}"#),
+        ],
+    );
+    let worker = InProc::start(&setup).await;
+    worker.wait_received("items", 4).await;
+    assert_eq!(worker.metric("idemflow_records_applied_total", &[("pipeline", "items")]), 2.0);
+    assert_eq!(dead_letters(&worker, "items", "param_invalid"), 1.0, "an object for an array column");
+    assert_eq!(dead_letters(&worker, "items", "side_effect_rejected"), 1.0, "a ragged multidimensional array");
+    assert!(worker.stop().await.is_empty());
+    let one = |sql: &str| format!("SELECT ({sql})::text FROM items WHERE order_id = 'o-2'");
+    assert_eq!(db.scalar::<String>("SELECT tags::text FROM items WHERE order_id = 'o-1'").await, "{a,b}");
+    assert_eq!(db.scalar::<String>("SELECT qty::text FROM items WHERE order_id = 'o-1'").await, "{1,2}");
+    assert_eq!(db.scalar::<i64>("SELECT cardinality(tags)::int8 FROM items WHERE order_id = 'o-2'").await, 8);
+    assert_eq!(db.scalar::<String>(&one("tags[1]")).await, "x,y");
+    assert_eq!(db.scalar::<String>(&one("tags[2]")).await, "q\"u");
+    assert_eq!(db.scalar::<String>(&one("tags[3]")).await, "b\\s");
+    assert_eq!(db.scalar::<String>(&one("tags[4]")).await, "{}");
+    assert_eq!(db.scalar::<String>(&one("tags[5]")).await, "NULL");
+    assert!(db.scalar::<bool>("SELECT tags[6] IS NULL FROM items WHERE order_id = 'o-2'").await);
+    assert_eq!(db.scalar::<String>(&one("tags[7]")).await, "");
+    assert_eq!(db.scalar::<String>(&one("tags[8]")).await, " sp ");
+    assert_eq!(db.scalar::<String>(&one("prices")).await, "{1.50,200,-0.001}");
+    assert_eq!(db.scalar::<String>(&one("flags")).await, "{t,f,NULL}");
+    assert_eq!(db.scalar::<String>(&one("days")).await, "{2026-11-30}");
+    assert_eq!(db.scalar::<String>(&one("docs[1]->'a'->>0")).await, "1");
+    assert_eq!(db.scalar::<String>(&one("docs[2]")).await, "\"s\"");
+    assert_eq!(db.scalar::<String>(&one("grid")).await, "{{1,2},{3,4}}");
+    assert_eq!(db.scalar::<String>(&one("moods")).await, "{ok,sad}");
+    assert_eq!(db.scalar::<String>(&one("raw")).await, "{p,q}");
+}
+
+/// Target types the worker cannot bind are refused when the pipeline is checked, naming the column.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_refuses_types_it_cannot_bind() {
+    let table = "CREATE TYPE money2 AS (amount numeric, currency text);
+        CREATE TABLE t (id text PRIMARY KEY, price money2, prices money2[], span int4range);";
+    let pipeline = "topics = [\"t\"]\n[key]\nfield = \"/id\"\n[sink]\ntable = \"t\"\n[sink.columns]\nid = \"/id\"\nprice = \"/p\"\nprices = \"/ps\"\nspan = \"/s\"\n";
+    let (_db, _kafka, setup) = fixture(table, "t", 1, &[("t.toml", pipeline)]).await;
+    let (status, out, err) = idemflow(&["check", "--config", setup.config.to_str().unwrap()], setup.dir.path());
+    assert!(!status.success(), "{out}{err}");
+    let text = format!("{out}{err}");
+    assert!(text.contains("sink.columns.price") || text.contains("column \"price\""), "{text}");
+    assert!(text.contains("composite type"), "{text}");
+    assert!(text.contains("prices") && text.contains("array of a composite type"), "{text}");
+    assert!(!text.contains("\"span\""), "ranges bind from their text form: {text}");
+}
