@@ -234,10 +234,11 @@ async fn dead_letters(cmd: DeadLettersCommand) -> anyhow::Result<()> {
     let settings = load(&config)?;
     reachable(&settings, &config).await?;
     let pool = db::pool(&settings.database)?;
-    let mut conn = pool.acquire().await?;
+    // A read-only transaction: every access is in one, for transaction-pooling proxies (PgBouncer).
+    let mut conn = pool.begin().await?;
     match cmd {
         DeadLettersCommand::List { pipeline, limit, .. } => {
-            let rows = dead_letter::list(&mut conn, pipeline.as_deref(), limit).await?;
+            let rows = dead_letter::list(&mut *conn, pipeline.as_deref(), limit).await?;
             println!("{:>8}  {:<16} {:<28} {:<22} {:<32} error", "id", "pipeline", "position", "reason", "created_at");
             for d in &rows {
                 let error: String = d.error.chars().take(100).collect();
@@ -248,7 +249,7 @@ async fn dead_letters(cmd: DeadLettersCommand) -> anyhow::Result<()> {
             Ok(())
         }
         DeadLettersCommand::Show { id, .. } => {
-            let Some(d) = dead_letter::get(&mut conn, id).await? else { bail!("no dead letter with id {id}") };
+            let Some(d) = dead_letter::get(&mut *conn, id).await? else { bail!("no dead letter with id {id}") };
             println!("id          {}", d.id);
             println!("pipeline    {}", d.pipeline);
             println!("position    {}/{}@{}", d.topic, d.partition, d.offset);
@@ -263,7 +264,7 @@ async fn dead_letters(cmd: DeadLettersCommand) -> anyhow::Result<()> {
             Ok(())
         }
         DeadLettersCommand::Replay { id, payload, .. } => {
-            let Some(d) = dead_letter::get(&mut conn, id).await? else { bail!("no dead letter with id {id}") };
+            let Some(d) = dead_letter::get(&mut *conn, id).await? else { bail!("no dead letter with id {id}") };
             drop(conn);
             let pipelines = config::load_pipelines(&settings.pipelines).map_err(|e| report(&e))?;
             let Some(p) = pipelines.into_iter().find(|p| p.name == d.pipeline) else {
@@ -412,10 +413,10 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
             let pipelines = config::load_pipelines(&settings.pipelines).map_err(|e| report(&e))?;
             let p = named(&pipelines, &a.pipeline, &settings)?;
             reachable(&settings, &a.config).await?;
-            let mut conn = db::pool(&settings.database)?.acquire().await?;
+            let mut conn = db::pool(&settings.database)?.begin().await?;
             let key = idemflow::key::BusinessKey::new(a.key.clone());
             println!("pipeline {:?}, business key {:?}", p.name, a.key);
-            match idemflow::sink::dedup::explain(&mut conn, &p.name, &key).await? {
+            match idemflow::sink::dedup::explain(&mut *conn, &p.name, &key).await? {
                 Some(e) => {
                     println!("  applied at         {}", e.applied_at);
                     println!("  from               {}/{}@{}", e.topic, e.partition, e.offset);
@@ -493,6 +494,14 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
         Command::Migrate(a) => {
             let settings = load(&a.config)?;
             reachable(&settings, &a.config).await?;
+            if !settings.database.prepared_statements {
+                bail!(
+                    "{}: database.prepared_statements = false (a transaction-pooling proxy such as PgBouncer): run \
+                     `idemflow migrate` with a URL to PostgreSQL itself (IDEMFLOW_DATABASE__URL=... idemflow migrate): \
+                     migrations take a session-level lock that a transaction pooler cannot keep",
+                    a.config.display()
+                );
+            }
             let pool = db::pool(&settings.database)?;
             db::MIGRATOR.run(&pool).await.context("applying migrations")?;
             let latest = db::MIGRATOR.iter().map(|m| m.version).max().unwrap_or_default();

@@ -32,7 +32,7 @@ pub enum Disposition {
 #[derive(Debug, thiserror::Error)]
 pub enum SinkError {
     /// A database failure, with what was being done.
-    #[error("{context}: {source}")]
+    #[error("{context}: {source}{}", pooler_hint(source))]
     Database {
         /// What was being done, e.g. `claiming business keys`.
         context: &'static str,
@@ -87,6 +87,18 @@ impl SinkError {
             SinkError::SchemaChanged => Disposition::Rebuild,
             SinkError::Schema(_) => Disposition::Fatal,
         }
+    }
+}
+
+/// A sentence for the errors a transaction-pooling proxy causes when named prepared statements are used
+/// (SQLSTATE 42P05 duplicate prepared statement, 26000 invalid statement name); empty for every other error.
+pub fn pooler_hint(error: &sqlx::Error) -> &'static str {
+    match error {
+        sqlx::Error::Database(db) if matches!(db.code().as_deref(), Some("42P05" | "26000")) => {
+            " (connecting through PgBouncer or another pooler in transaction mode? set [database] \
+             prepared_statements = false)"
+        }
+        _ => "",
     }
 }
 

@@ -106,7 +106,8 @@ fn prepare_error(field: impl Into<String>, message: impl Into<String>) -> Prepar
 /// A database error met while preparing: a configuration error unless the database itself was unavailable.
 fn db_error(field: impl Into<String>, e: sqlx::Error, context: &str) -> PrepareError {
     let unavailable = matches!(super::error::classify(&e), super::Disposition::Retry(_));
-    let message = if context.is_empty() { e.to_string() } else { format!("{e}\n  in: {context}") };
+    let hint = super::error::pooler_hint(&e);
+    let message = if context.is_empty() { format!("{e}{hint}") } else { format!("{e}{hint}\n  in: {context}") };
     PrepareError { field: field.into(), message, unavailable }
 }
 

@@ -13,6 +13,7 @@ mod demo;
 mod deploy;
 mod offsets;
 mod operator;
+mod pgbouncer;
 mod retention;
 mod scaleout;
 mod semantics;

@@ -1,0 +1,161 @@
+//! Behind PgBouncer in transaction pooling mode (Debian's `pgbouncer`): with `[database] prepared_statements =
+//! false`, `check` and `run` work, a worker killed mid-batch and a PgBouncer restart lose nothing and apply nothing
+//! twice; without it, the error names the setting.
+
+use crate::failures::{assert_counters_add_up, assert_exactly_once, payments, payments_db, shipped};
+use crate::support::*;
+use std::os::unix::fs::PermissionsExt;
+use std::process::{Child, Command};
+use std::time::{Duration, Instant};
+
+/// A PgBouncer in transaction pooling mode in front of the test server, with a server pool smaller than the
+/// worker's connection pool, so server sessions are shared between client connections.
+struct PgBouncer {
+    dir: tempfile::TempDir,
+    port: u16,
+    child: Option<Child>,
+}
+
+impl PgBouncer {
+    fn start() -> PgBouncer {
+        let url = crate::support::postgres::server_url();
+        let (host_port, _) = url.rsplit_once('/').unwrap();
+        let (_, server) = host_port.rsplit_once('@').unwrap();
+        let (host, server_port) = server.split_once(':').unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let port = free_port();
+        std::fs::write(dir.path().join("users.txt"), "\"postgres\" \"postgres\"\n").unwrap();
+        std::fs::write(
+            dir.path().join("pgbouncer.ini"),
+            format!(
+                "[databases]\n* = host={host} port={server_port}\n[pgbouncer]\nlisten_addr = 127.0.0.1\nlisten_port = {port}\n\
+                 unix_socket_dir =\nauth_type = trust\nauth_file = {0}/users.txt\npool_mode = transaction\n\
+                 default_pool_size = 2\nmax_client_conn = 100\nignore_startup_parameters = extra_float_digits\n\
+                 logfile = {0}/pgbouncer.log\npidfile = {0}/pgbouncer.pid\n",
+                dir.path().display()
+            ),
+        )
+        .unwrap();
+        let mut b = PgBouncer { dir, port, child: None };
+        b.run();
+        b
+    }
+
+    /// Starts the process (PgBouncer refuses to run as root: as `postgres` then) and waits for its port.
+    fn run(&mut self) {
+        let ini = self.dir.path().join("pgbouncer.ini");
+        let root = unsafe { libc::geteuid() } == 0;
+        let mut cmd = if root {
+            let _ = Command::new("chown").args(["-R", "postgres:postgres"]).arg(self.dir.path()).status();
+            std::fs::set_permissions(self.dir.path(), std::fs::Permissions::from_mode(0o700)).unwrap();
+            let mut c = Command::new("runuser");
+            c.args(["-u", "postgres", "--", "pgbouncer"]).arg(&ini);
+            c
+        } else {
+            let mut c = Command::new("pgbouncer");
+            c.arg(&ini);
+            c
+        };
+        let child = cmd.spawn().unwrap_or_else(|e| panic!("starting pgbouncer (apt-get install pgbouncer): {e}"));
+        self.child = Some(child);
+        let start = Instant::now();
+        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
+            assert!(start.elapsed() < Duration::from_secs(10), "pgbouncer did not listen: {}", self.log());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("pgbouncer.log")).unwrap_or_default()
+    }
+
+    /// Stops it at once (SIGKILL: every client and server connection drops).
+    fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let pid = std::fs::read_to_string(self.dir.path().join("pgbouncer.pid")).ok().and_then(|p| p.trim().parse::<i32>().ok());
+            if let Some(pid) = pid {
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+            }
+            let _ = c.kill();
+            let _ = c.wait();
+            let _ = std::fs::remove_file(self.dir.path().join("pgbouncer.pid"));
+        }
+    }
+
+    /// The URL of `db` through PgBouncer.
+    fn url(&self, db: &TestDb) -> String {
+        let name = db.url.rsplit_once('/').unwrap().1;
+        format!("postgres://postgres:postgres@127.0.0.1:{}/{name}", self.port)
+    }
+}
+
+impl Drop for PgBouncer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// Points the setup's settings at `url`, with or without `prepared_statements = false`.
+fn through(setup: &Setup, db: &TestDb, url: &str, prepared_statements: bool) {
+    let text = std::fs::read_to_string(&setup.config).unwrap();
+    let mut text = text.replace(&db.url, url);
+    if !prepared_statements {
+        text = text.replace("max_connections = 4", "max_connections = 4\nprepared_statements = false");
+    }
+    std::fs::write(&setup.config, text).unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn behind_pgbouncer_in_transaction_mode() {
+    let mut bouncer = PgBouncer::start();
+    let db = payments_db(None).await;
+    let kafka = Kafka::new();
+    kafka.create_topic("payments", 4);
+    let s = payments(6000, 4, false);
+    let setup = Setup::new(&db, &kafka, &[("payments.toml", &shipped())]);
+    let config = setup.config.to_str().unwrap().to_owned();
+
+    // Without the setting: named statements collide, and the error says which setting to change.
+    through(&setup, &db, &bouncer.url(&db), true);
+    let (status, out, err) = idemflow(&["check", "--config", &config], setup.dir.path());
+    let first = format!("{out}{err}");
+    let (status2, out2, err2) = idemflow(&["check", "--config", &config], setup.dir.path());
+    let second = format!("{out2}{err2}");
+    assert!(
+        (!status.success() && first.contains("prepared_statements = false"))
+            || (!status2.success() && second.contains("prepared_statements = false")),
+        "{first}\n{second}"
+    );
+
+    // With it: check, run, a SIGKILL mid-batch, a PgBouncer restart.
+    let setup = Setup::new(&db, &kafka, &[("payments.toml", &shipped())]);
+    let config = setup.config.to_str().unwrap().to_owned();
+    through(&setup, &db, &bouncer.url(&db), false);
+    let (status, out, err) = idemflow(&["check", "--config", &config], setup.dir.path());
+    assert!(status.success(), "{out}{err}");
+    let (status, out, err) = idemflow(&["migrate", "--config", &config], setup.dir.path());
+    assert!(!status.success() && err.contains("PostgreSQL itself"), "{out}{err}");
+
+    kafka.produce("payments", &s.records[..s.records.len() / 2]);
+    let mut w = BinWorker::start(&setup);
+    wait_until(Duration::from_secs(60), "progress through PgBouncer", || async {
+        metric(&w.scrape(), "idemflow_records_applied_total", &[("pipeline", "payments")]) > 0.0
+    })
+    .await;
+    w.kill();
+    let mut w = BinWorker::start(&setup);
+    wait_until(Duration::from_secs(60), "progress after the kill", || async {
+        metric(&w.scrape(), "idemflow_records_received_total", &[("pipeline", "payments")]) > 0.0
+    })
+    .await;
+    bouncer.kill();
+    kafka.produce("payments", &s.records[s.records.len() / 2..]);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    bouncer.run();
+    crate::failures::wait_all_durable(&db, &kafka, "idemflow-payments", "payments", 4, &s).await;
+    let m = w.scrape();
+    assert_counters_add_up(&m);
+    assert!(w.sigterm().success(), "{}", w.log_text());
+    assert!(!w.log_text().contains("already exists"), "{}", w.log_text());
+    assert_exactly_once(&db, &s).await;
+}
