@@ -76,8 +76,35 @@ pub async fn check_schema(pool: &PgPool) -> Result<(), String> {
         _ => format!("cannot read the schema version: {e}"),
     })?;
     match applied {
-        Some(v) if v >= latest => Ok(()),
+        Some(v) if v >= latest => check_dedup_key(pool).await,
         Some(v) => Err(format!("the idemflow schema is at version {v}, this binary needs {latest}: run `idemflow migrate`")),
         None => Err("the idemflow schema is missing: run `idemflow migrate --config ...` first".to_owned()),
+    }
+}
+
+/// Whether `idemflow.dedup` still has the unique index the claim depends on: `(pipeline, key_digest)`, valid and
+/// unique (`INSERT ... ON CONFLICT (pipeline, key_digest)` needs it; without it nothing would stop a key from being
+/// applied twice, and the first batch would fail with SQLSTATE 42P10).
+///
+/// Errors: the index is missing or unusable, with what to do; or the catalog cannot be read.
+pub async fn check_dedup_key(pool: &PgPool) -> Result<(), String> {
+    let usable: bool = sqlx::Executor::fetch_one(
+        pool,
+        sqlx::raw_sql(
+            "SELECT EXISTS (SELECT FROM pg_index i WHERE i.indrelid = 'idemflow.dedup'::regclass AND i.indisunique \
+             AND i.indisvalid AND i.indpred IS NULL AND i.indexprs IS NULL AND i.indnkeyatts = 2 \
+             AND (SELECT array_agg(a.attname::text ORDER BY a.attname) FROM pg_attribute a \
+                  WHERE a.attrelid = i.indrelid AND a.attnum = ANY(i.indkey)) = ARRAY['key_digest', 'pipeline'])",
+        ),
+    )
+    .await
+    .and_then(|row| sqlx::Row::try_get(&row, 0))
+    .map_err(|e| format!("cannot read the dedup store's indexes: {e}"))?;
+    if usable {
+        Ok(())
+    } else {
+        Err("idemflow.dedup has no valid unique index on (pipeline, key_digest), which the claim needs to apply each \
+             key once: restore it (ALTER TABLE idemflow.dedup ADD PRIMARY KEY (pipeline, key_digest))"
+            .to_owned())
     }
 }

@@ -211,6 +211,11 @@ fn main() -> ExitCode {
 }
 
 fn load(path: &std::path::Path) -> anyhow::Result<Settings> {
+    // Only the default settings file may be absent (settings then come from IDEMFLOW_* variables alone): a file
+    // named with --config that is not there is a mistake, not a fallback.
+    if !path.exists() && path != std::path::Path::new(DEFAULT_CONFIG) {
+        bail!("{}: no such settings file (given with --config)", path.display());
+    }
     let loaded = config::load_settings(path)?;
     telemetry::init(&loaded.settings.log);
     for w in &loaded.warnings {
@@ -218,6 +223,9 @@ fn load(path: &std::path::Path) -> anyhow::Result<Settings> {
     }
     Ok(loaded.settings)
 }
+
+/// The settings file read when `--config` is not given.
+const DEFAULT_CONFIG: &str = "idemflow.toml";
 
 fn report(errors: &[PipelineError]) -> anyhow::Error {
     for e in errors {
@@ -445,7 +453,7 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
             reachable(&settings, &a.config).await?;
             let pool = db::pool(&settings.database)?;
             for p in pipelines.iter().filter(|p| a.pipeline.as_ref().is_none_or(|n| *n == p.name)) {
-                let o = idemflow::retention::purge(&pool, &p.name, p.dedup.retention, p.dedup.purge_batch).await?;
+                let o = idemflow::retention::purge(&pool, &p.name, p.dedup.retention, p.dedup.purge_batch, |_| {}).await?;
                 if o.skipped_locked {
                     println!("pipeline {:?}: skipped, another process is purging it", p.name);
                 } else {

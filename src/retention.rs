@@ -42,7 +42,16 @@ pub struct PurgeOutcome {
 /// Deletes the dedup rows of `pipeline` older than `retention`, `batch` rows per transaction, until none is left.
 ///
 /// Errors: the database's; a pass interrupted by one leaves the store consistent (each batch is atomic).
-pub async fn purge(pool: &PgPool, pipeline: &str, retention: Duration, batch: u32) -> Result<PurgeOutcome, sqlx::Error> {
+///
+/// `on_batch` is called after each committed purge batch with the rows it deleted (the worker counts them in
+/// `idemflow_dedup_rows_purged_total` as they go, not once per pass).
+pub async fn purge(
+    pool: &PgPool,
+    pipeline: &str,
+    retention: Duration,
+    batch: u32,
+    mut on_batch: impl FnMut(u64),
+) -> Result<PurgeOutcome, sqlx::Error> {
     let mut outcome = PurgeOutcome::default();
     loop {
         let mut tx = pool.begin().await?;
@@ -61,6 +70,7 @@ pub async fn purge(pool: &PgPool, pipeline: &str, retention: Duration, batch: u3
         }
         outcome.batches += 1;
         outcome.purged += deleted as u64;
+        on_batch(deleted as u64);
         if (deleted as u64) < u64::from(batch) {
             return Ok(outcome);
         }

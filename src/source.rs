@@ -649,7 +649,10 @@ impl Source {
         if tpl.count() > 0 {
             match tokio::task::block_in_place(|| consumer.commit(&tpl, CommitMode::Sync)) {
                 Ok(()) => tracing::info!(pipeline = %pipeline, offsets = %describe(&tpl), "offsets committed"),
-                Err(e) => tracing::warn!(pipeline = %pipeline, error = %e, "final offset commit failed"),
+                Err(e) => tracing::warn!(pipeline = %pipeline, error = %e, offsets = %describe(&tpl),
+                    "final offset commit refused (the group moved on: a rebalance during shutdown): the records after \
+                     the last committed offsets come back to the partitions' next owner and are skipped as \
+                     duplicates; nothing is lost or applied twice"),
             }
         }
         let (left, leaving) = std::sync::mpsc::channel();

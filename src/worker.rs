@@ -168,9 +168,8 @@ async fn purge_loop(
 ) -> std::convert::Infallible {
     loop {
         tokio::time::sleep(dedup.purge_interval).await;
-        match crate::retention::purge(&pool, &pipeline, dedup.retention, dedup.purge_batch).await {
+        match crate::retention::purge(&pool, &pipeline, dedup.retention, dedup.purge_batch, |n| metrics.purged(n)).await {
             Ok(o) => {
-                metrics.purged(o.purged);
                 if o.purged > 0 {
                     tracing::info!(pipeline = %pipeline, purged = o.purged, batches = o.batches, "expired dedup rows purged");
                 }

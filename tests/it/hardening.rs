@@ -256,3 +256,34 @@ async fn check_refuses_types_it_cannot_bind() {
     assert!(text.contains("prices") && text.contains("array of a composite type"), "{text}");
     assert!(!text.contains("\"span\""), "ranges bind from their text form: {text}");
 }
+
+/// `check` refuses a dedup store whose unique index was dropped (the claim needs it), and says how to restore it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_refuses_a_dedup_store_without_its_unique_index() {
+    let pipeline = "topics = [\"t\"]\n[key]\nfield = \"/id\"\n[sink]\ntable = \"t\"\n[sink.columns]\nid = \"/id\"\n";
+    let (db, _kafka, setup) = fixture("CREATE TABLE t (id text PRIMARY KEY);", "t", 1, &[("t.toml", pipeline)]).await;
+    let config = setup.config.to_str().unwrap().to_owned();
+    let (status, out, err) = idemflow(&["check", "--config", &config], setup.dir.path());
+    assert!(status.success(), "{out}{err}");
+    sqlx::raw_sql("ALTER TABLE idemflow.dedup DROP CONSTRAINT dedup_pkey").execute(&db.pool).await.unwrap();
+    let (status, out, err) = idemflow(&["check", "--config", &config], setup.dir.path());
+    assert!(!status.success(), "{out}{err}");
+    assert!(err.contains("no valid unique index on (pipeline, key_digest)") && err.contains("ADD PRIMARY KEY"), "{err}");
+    // A unique index on other columns does not count.
+    sqlx::raw_sql("CREATE UNIQUE INDEX ON idemflow.dedup (pipeline, business_key)").execute(&db.pool).await.unwrap();
+    let (status, _, err) = idemflow(&["check", "--config", &config], setup.dir.path());
+    assert!(!status.success() && err.contains("no valid unique index"), "{err}");
+    sqlx::raw_sql("ALTER TABLE idemflow.dedup ADD PRIMARY KEY (pipeline, key_digest)").execute(&db.pool).await.unwrap();
+    let (status, out, err) = idemflow(&["check", "--config", &config], setup.dir.path());
+    assert!(status.success(), "{out}{err}");
+}
+
+/// A settings file named with --config that does not exist is an error, not an environment-only fallback.
+#[test]
+fn a_missing_config_file_is_an_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let (status, out, err) = idemflow(&["check", "--config", "no-such-idemflow.toml"], dir.path());
+    assert!(!status.success(), "{out}{err}");
+    assert!(err.contains("no-such-idemflow.toml: no such settings file"), "{err}");
+    assert!(!err.contains("missing [database]"), "{err}");
+}

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# What the scripts need beyond the Rust toolchain, checked before anything is built (sourced by scripts/test and
+# scripts/demo):
+#   source scripts/preflight.sh
+#   idemflow_test_preflight        # everything the test suite needs; puts the Python virtual environment on PATH
+#   idemflow_apt_install PKG...    # Debian packages: installs them as root, otherwise prints the command, returns 1
+# As root, missing Debian packages are installed (apt-get update once, then apt-get install); otherwise the command
+# to run is printed and the function returns 1, before any build starts.
+
+# The virtual environment holding check-jsonschema (PyPI): Debian's python3 refuses system-wide pip installs
+# (PEP 668), so it lives here, outside the work tree, and is reused by later runs.
+IDEMFLOW_VENV=${IDEMFLOW_VENV:-${XDG_CACHE_HOME:-${HOME:-/tmp}/.cache}/idemflow/venv}
+
+idemflow_apt_install() {
+  [ $# -gt 0 ] || return 0
+  if [ "$(id -u)" != 0 ]; then
+    echo "missing Debian packages: $*" >&2
+    echo "install them with: sudo apt-get update && sudo apt-get install -y --no-install-recommends $*" >&2
+    return 1
+  fi
+  local started=$SECONDS
+  echo "installing Debian packages: $* (apt-get update && apt-get install -y --no-install-recommends $*)" >&2
+  if [ -z "${IDEMFLOW_APT_UPDATED:-}" ]; then
+    DEBIAN_FRONTEND=noninteractive apt-get update -qq || return 1
+    IDEMFLOW_APT_UPDATED=1
+  fi
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$@" >/dev/null || return 1
+  echo "installed in $((SECONDS - started))s" >&2
+}
+
+# Debian's pgbouncer is /usr/sbin/pgbouncer, which is not on a regular user's PATH.
+idemflow_has_pgbouncer() {
+  command -v pgbouncer >/dev/null 2>&1 || [ -x /usr/sbin/pgbouncer ]
+}
+
+idemflow_venv_ready() {
+  "$IDEMFLOW_VENV/bin/python3" -c 'import check_jsonschema, ruamel.yaml' >/dev/null 2>&1
+}
+
+# Everything the test suite needs:
+#   postgresql         server binaries under /usr/lib/postgresql/*/bin (throwaway clusters, outage tests)
+#   prometheus         promtool and the server (alert rules, dashboard queries against a real scrape)
+#   pgbouncer          transaction pooling tests
+#   make, gcc          building librdkafka (rdkafka-sys)
+#   python3-venv       the virtual environment with check-jsonschema and ruamel.yaml (docker-compose.yml checks)
+idemflow_test_preflight() {
+  if ! command -v cargo >/dev/null 2>&1; then
+    echo "cargo not found: install the Rust toolchain (https://rustup.rs) first" >&2
+    return 1
+  fi
+  local missing=()
+  ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || missing+=(postgresql)
+  { command -v promtool && command -v prometheus; } >/dev/null 2>&1 || missing+=(prometheus)
+  idemflow_has_pgbouncer || missing+=(pgbouncer)
+  command -v make >/dev/null 2>&1 || missing+=(make)
+  command -v cc >/dev/null 2>&1 || missing+=(gcc)
+  if ! idemflow_venv_ready; then
+    [ -x /usr/bin/python3 ] || missing+=(python3)
+    /usr/bin/python3 -c 'import ensurepip' >/dev/null 2>&1 || missing+=(python3-venv)
+  fi
+  idemflow_apt_install "${missing[@]}" || return 1
+
+  if ! idemflow_venv_ready; then
+    echo "creating $IDEMFLOW_VENV with check-jsonschema from PyPI" >&2
+    /usr/bin/python3 -m venv --clear "$IDEMFLOW_VENV" || return 1
+    "$IDEMFLOW_VENV/bin/python3" -m pip install --quiet --disable-pip-version-check check-jsonschema || return 1
+    idemflow_venv_ready || { echo "$IDEMFLOW_VENV: check-jsonschema did not install" >&2; return 1; }
+  fi
+  # The tests run `python3 -m check_jsonschema` and scripts/check-compose.py: the environment's python3 first.
+  PATH="$IDEMFLOW_VENV/bin:$PATH"
+  case ":$PATH:" in *:/usr/sbin:*) ;; *) PATH="$PATH:/usr/sbin" ;; esac
+  export PATH
+}
