@@ -6,7 +6,7 @@
 
 pg_throwaway_start() {
   local bin
-  bin=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -1)
+  bin=$(printf '%s\n' /usr/lib/postgresql/*/bin | sort -V | tail -1)
   if [ -z "$bin" ] || [ ! -x "$bin/initdb" ]; then
     echo "PostgreSQL server binaries not found: install them with 'apt-get update && apt-get install -y postgresql'" >&2
     return 1

@@ -523,6 +523,15 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
                 idemflow::source::check_properties(&settings.kafka, p)
                     .map_err(|e| anyhow::anyhow!("{}: kafka.properties: {e}", a.config.display()))?;
             }
+            for p in &pipelines {
+                let (kafka, pipeline) = (settings.kafka.clone(), p.clone());
+                let topics = tokio::task::spawn_blocking(move || {
+                    idemflow::source::check_topics(&kafka, &pipeline, std::time::Duration::from_secs(5))
+                });
+                if let Err(e) = topics.await? {
+                    bail!("{}: pipeline {:?}: kafka: {e}", p.file.display(), p.name);
+                }
+            }
             reachable(&settings, &a.config).await?;
             let pool = db::pool(&settings.database)?;
             if let Err(why) = db::check_schema(&pool).await {

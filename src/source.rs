@@ -314,6 +314,41 @@ pub fn check_properties(kafka: &KafkaSettings, pipeline: &Pipeline) -> KafkaResu
     consumer_config(kafka, pipeline).create_native_config().map(drop)
 }
 
+/// Why `check` refuses a pipeline's Kafka side.
+#[derive(Debug, thiserror::Error)]
+pub enum TopicCheckError {
+    /// No broker answered a metadata request within the timeout.
+    #[error("cannot reach Kafka at {servers}: {source}")]
+    Unreachable {
+        /// `bootstrap.servers`.
+        servers: String,
+        /// The client's error.
+        source: KafkaError,
+    },
+    /// A topic the pipeline consumes is not in the cluster's metadata.
+    #[error("topic {0:?} does not exist")]
+    Missing(String),
+}
+
+/// Asks the cluster for the pipeline's topics with the consumer's own configuration (TLS, SASL included) and
+/// waits at most `timeout` (the client's metadata request: Kafka protocol, Metadata). Blocking: call it from a
+/// blocking context.
+///
+/// Errors: [`TopicCheckError`] for an unreachable cluster (or one that refuses the configuration) and for each
+/// missing topic, the first found.
+pub fn check_topics(kafka: &KafkaSettings, pipeline: &Pipeline, timeout: Duration) -> Result<(), TopicCheckError> {
+    let unreachable = |source| TopicCheckError::Unreachable { servers: kafka.bootstrap_servers.clone(), source };
+    let consumer: BaseConsumer = consumer_config(kafka, pipeline).create().map_err(unreachable)?;
+    let metadata = consumer.fetch_metadata(None, timeout).map_err(unreachable)?;
+    for topic in &pipeline.topics {
+        let found = metadata.topics().iter().any(|t| t.name() == topic && t.error().is_none() && !t.partitions().is_empty());
+        if !found {
+            return Err(TopicCheckError::Missing(topic.clone()));
+        }
+    }
+    Ok(())
+}
+
 /// One shared `Arc<str>` per topic name, so records do not each allocate their topic.
 fn intern(topics: &mut HashMap<String, Arc<str>>, name: &str) -> Arc<str> {
     if let Some(t) = topics.get(name) {

@@ -9,12 +9,15 @@ async fn migrate_then_check_every_shipped_pipeline() {
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("idemflow.toml");
     let shipped = project_root().join("pipelines");
+    let kafka = Kafka::new();
+    kafka.create_topic("payments", 1);
     std::fs::write(
         &config,
         format!(
-            "pipelines = \"{}\"\n[database]\nurl = \"{}\"\n[kafka]\nbootstrap_servers = \"127.0.0.1:1\"\n",
+            "pipelines = \"{}\"\n[database]\nurl = \"{}\"\n[kafka]\nbootstrap_servers = \"{}\"\n",
             shipped.display(),
-            db.url
+            db.url,
+            kafka.bootstrap()
         ),
     )
     .unwrap();
@@ -38,12 +41,14 @@ async fn migrate_then_check_every_shipped_pipeline() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_configuration_names_file_pipeline_and_field() {
-    let db = TestDb::new("CREATE TABLE payments (order_id text, amount numeric);").await;
+    let db = TestDb::new("CREATE TABLE payments (order_id text, amount numeric, due date NOT NULL);").await;
+    let kafka = Kafka::new();
+    kafka.create_topic("orders", 1);
     let dir = tempfile::tempdir().unwrap();
     std::fs::create_dir(dir.path().join("pipelines")).unwrap();
     std::fs::write(
         dir.path().join("idemflow.toml"),
-        format!("[database]\nurl = \"{}\"\n[kafka]\nbootstrap_servers = \"127.0.0.1:1\"\n", db.url),
+        format!("[database]\nurl = \"{}\"\n[kafka]\nbootstrap_servers = \"{}\"\n", db.url, kafka.bootstrap()),
     )
     .unwrap();
     let write = |name: &str, text: &str| std::fs::write(dir.path().join("pipelines").join(name), text).unwrap();
@@ -60,7 +65,9 @@ async fn bad_configuration_names_file_pipeline_and_field() {
     write("b.toml", "topics = [\"orders\"]\n[key]\nfield = \"/id\"\n[sink]\nsql = \"UPDATE nowhere SET x = :x\"\n[sink.params]\nx = \"/x\"\n");
     let (status, out, err) = idemflow(&["check", "--config", "idemflow.toml"], dir.path());
     assert!(!status.success(), "{out}{err}");
-    assert!(err.contains("a.toml: pipeline \"a\": sink.columns.nope: table payments has no column \"nope\""), "{err}");
+    // The misspelled column is named even though a NOT NULL column is unmapped too; both files in one pass.
+    assert!(err.contains("a.toml: pipeline \"a\": sink: sink.columns.nope: table payments has no column \"nope\""), "{err}");
+    assert!(err.contains("column \"due\" is NOT NULL without a default"), "{err}");
     assert!(err.contains("b.toml: pipeline \"b\": sink.sql: ") && err.contains("nowhere"), "{err}");
     assert!(!err.contains(&db.url), "the database URL (with its password) is never printed: {err}");
 

@@ -287,3 +287,24 @@ fn a_missing_config_file_is_an_error() {
     assert!(err.contains("no-such-idemflow.toml: no such settings file"), "{err}");
     assert!(!err.contains("missing [database]"), "{err}");
 }
+
+/// `check` says quickly when Kafka cannot be reached or a topic does not exist, before anything else.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_names_an_unreachable_kafka_and_a_missing_topic() {
+    let pipeline = "topics = [\"t\"]\n[key]\nfield = \"/id\"\n[sink]\ntable = \"t\"\n[sink.columns]\nid = \"/id\"\n";
+    let (db, _kafka, setup) = fixture("CREATE TABLE t (id text PRIMARY KEY);", "other", 1, &[("t.toml", pipeline)]).await;
+    let config = setup.config.to_str().unwrap().to_owned();
+    let started = std::time::Instant::now();
+    let (status, out, err) = idemflow(&["check", "--config", &config], setup.dir.path());
+    assert!(!status.success(), "{out}{err}");
+    assert!(err.contains("pipeline \"t\": kafka: topic \"t\" does not exist"), "{err}");
+    let text = std::fs::read_to_string(&setup.config).unwrap();
+    let port = free_port();
+    let unreachable = text.lines().map(|l| if l.starts_with("bootstrap_servers") { format!("bootstrap_servers = \"127.0.0.1:{port}\"") } else { l.to_owned() }).collect::<Vec<_>>().join("\n");
+    std::fs::write(&setup.config, unreachable).unwrap();
+    let (status, out, err) = idemflow(&["check", "--config", &config], setup.dir.path());
+    assert!(!status.success(), "{out}{err}");
+    assert!(err.contains(&format!("kafka: cannot reach Kafka at 127.0.0.1:{port}")), "{err}");
+    assert!(started.elapsed() < std::time::Duration::from_secs(30), "both answers within the 5 s metadata timeout each");
+    drop(db);
+}
