@@ -228,9 +228,17 @@ async fn probe(conn: &mut PgConnection, sql: &str) -> Result<String, sqlx::Error
 }
 
 /// `SET CONSTRAINTS ALL IMMEDIATE` (deferred constraints are checked at each statement, not at `COMMIT`, so a
-/// record violating one is isolated by the slow path like any other constraint error) and the time zone.
+/// record violating one is isolated by the slow path like any other constraint error), the time zone, and, on
+/// PostgreSQL 14 and later, `client_connection_check_interval` for the batch: a worker killed while its batch waits
+/// for a lock would otherwise leave its server session holding the batch's locks until that wait ends (PostgreSQL
+/// notices a closed client connection only when it next reads from it; "Connection Settings" in its manual).
 fn settings_sql(time: &TimeSettings) -> String {
-    format!("SET CONSTRAINTS ALL IMMEDIATE; SET LOCAL TIME ZONE {}; ", quote_literal(&time.zone))
+    format!(
+        "SET CONSTRAINTS ALL IMMEDIATE; SET LOCAL TIME ZONE {}; \
+         DO $idemflow$ BEGIN IF current_setting('server_version_num')::int >= 140000 THEN \
+         PERFORM set_config('client_connection_check_interval', '1000', true); END IF; END $idemflow$; ",
+        quote_literal(&time.zone)
+    )
 }
 
 impl SideEffect {
