@@ -12,6 +12,18 @@ const PAYMENTS: &str = "CREATE TABLE payments (order_id text PRIMARY KEY, amount
 const ALTER: &str = "ALTER TABLE payments ALTER COLUMN paid_at TYPE timestamptz USING paid_at AT TIME ZONE 'UTC', \
                      ALTER COLUMN amount TYPE numeric";
 
+/// The table form over [`PAYMENTS`].
+const TABLE_PIPELINE: &str = r#"topics = ["orders"]
+[key]
+field = "/order/id"
+[sink]
+table = "payments"
+[sink.columns]
+order_id = "/order/id"
+amount = "/order/amount"
+paid_at = "/paid_at"
+"#;
+
 fn payment(id: &str, amount: &str, paid_at: &str) -> Out {
     Out::json(0, format!(r#"{{"order":{{"id":"{id}","amount":"{amount}"}},"paid_at":"{paid_at}"}}"#))
 }
@@ -37,19 +49,7 @@ async fn column_type_change_is_followed(pipeline: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_column_type_changed_while_running_is_followed_table_form() {
-    column_type_change_is_followed(
-        r#"topics = ["orders"]
-[key]
-field = "/order/id"
-[sink]
-table = "payments"
-[sink.columns]
-order_id = "/order/id"
-amount = "/order/amount"
-paid_at = "/paid_at"
-"#,
-    )
-    .await;
+    column_type_change_is_followed(TABLE_PIPELINE).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -73,16 +73,7 @@ paid_at = "/paid_at"
 /// instead of dead-lettering the stream, and nothing of the batch is committed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_mapped_column_dropped_while_running_stops_the_pipeline() {
-    let pipeline = r#"topics = ["orders"]
-[key]
-field = "/order/id"
-[sink]
-table = "payments"
-[sink.columns]
-order_id = "/order/id"
-amount = "/order/amount"
-paid_at = "/paid_at"
-"#;
+    let pipeline = TABLE_PIPELINE;
     let (db, kafka, setup) = fixture(PAYMENTS, "orders", 1, &[("payments.toml", pipeline)]).await;
     kafka.produce("orders", &[payment("o-1", "5", "2026-11-29T10:00:00")]);
     let worker = InProc::start(&setup).await;
