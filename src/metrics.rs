@@ -180,6 +180,7 @@ pub struct Metrics {
     batch_records: HistogramVec,
     end_to_end_latency: HistogramVec,
     consumer_lag: IntGaugeVec,
+    assigned_partitions: IntGaugeVec,
     dedup_rows_purged: IntCounterVec,
     db_retries: IntCounterVec,
     offset_commits: IntCounterVec,
@@ -230,8 +231,17 @@ impl Metrics {
                 vec![0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0]),
             consumer_lag: {
                 let g = IntGaugeVec::new(
-                    Opts::new("idemflow_consumer_lag_records", "Records behind the partition's high watermark after the last committed batch."),
+                    Opts::new("idemflow_consumer_lag_records", "Records between the partition's durable position and its high watermark, for every partition assigned to this worker (from the moment it is assigned)."),
                     &["pipeline", "topic", "partition"],
+                )
+                .expect("valid metric");
+                r.register(Box::new(g.clone())).expect("registered once");
+                g
+            },
+            assigned_partitions: {
+                let g = IntGaugeVec::new(
+                    Opts::new("idemflow_assigned_partitions", "Partitions currently assigned to this worker's consumer of the pipeline."),
+                    &["pipeline"],
                 )
                 .expect("valid metric");
                 r.register(Box::new(g.clone())).expect("registered once");
@@ -265,6 +275,7 @@ impl Metrics {
             self.rebalances.with_label_values(&[p, event.as_str()]);
         }
         self.pipeline_up.with_label_values(&[p]).set(1);
+        self.assigned_partitions.with_label_values(&[p]).set(0);
         self.dedup_rows_purged.with_label_values(&[p]);
         PipelineMetrics {
             name: name.to_owned(),
@@ -372,6 +383,11 @@ impl PipelineMetrics {
     pub fn lag(&self, topic: &str, partition: i32, records: i64) {
         let p = partition.to_string();
         self.metrics.consumer_lag.with_label_values(&[&self.name, topic, &p]).set(records);
+    }
+
+    /// Sets the number of partitions assigned to this worker's consumer.
+    pub fn assigned_partitions(&self, partitions: usize) {
+        self.metrics.assigned_partitions.with_label_values(&[&self.name]).set(partitions as i64);
     }
 
     /// Drops the lag series of a partition no longer owned.

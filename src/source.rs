@@ -15,6 +15,12 @@
 //!
 //! Records of a partition are handed out in offset order and batches are processed one at a time, so
 //! per-partition order is preserved.
+//!
+//! Between records (and once a second while idle) the source does its housekeeping: it commits positions learned
+//! at assignment (the stored positions of `[offsets] store = "database"`, so lag tools reading the group's
+//! committed offsets see no lag that is not there), retries a failed offset commit, exports the lag of every
+//! assigned partition from the moment it is assigned (`idemflow_consumer_lag_records`), and warns when the
+//! consumer has had no partition for `[kafka] no_partitions_warning`.
 
 use crate::config::{BatchSettings, KafkaSettings, Pipeline};
 use crate::metrics::{CommitResult, PipelineMetrics, RebalanceEvent};
@@ -52,6 +58,8 @@ struct Ownership {
     paused: bool,
     /// Partitions given up after a fenced batch ([`Source::lose`]): kept paused until assigned again.
     fenced: HashSet<Tp>,
+    /// Durable positions learned at assignment (claimed stored positions) that the group has not committed yet.
+    commit_pending: bool,
 }
 
 impl Ownership {
@@ -86,6 +94,8 @@ pub struct SourceContext {
     stored: Option<StoredStart>,
     /// Set by [`Source::close`]: the consumer is leaving the group.
     closing: AtomicBool,
+    /// Set by the rebalance callbacks: the housekeeping refreshes the lag of the new assignment.
+    assignment_changed: AtomicBool,
 }
 
 fn tp_of(topic: &str, partition: i32) -> Tp {
@@ -175,7 +185,9 @@ impl SourceContext {
                 }
                 self.metrics.forget_lag(e.topic(), e.partition());
             }
+            self.metrics.assigned_partitions(st.assigned.len());
         }
+        self.assignment_changed.store(true, Ordering::SeqCst);
         tracing::info!(pipeline = %self.pipeline, partitions = %describe(tpl), "partitions revoked");
         if self.closing.load(Ordering::SeqCst) {
             // Source::close committed the durable positions just before leaving; a commit from the callback
@@ -201,8 +213,13 @@ impl SourceContext {
         let lost: Vec<Tp> = st.assigned.drain().collect();
         st.durable.clear();
         st.epochs.clear();
+        for (topic, partition) in &lost {
+            self.metrics.forget_lag(topic, *partition);
+        }
         st.revoked.extend(lost);
         drop(st);
+        self.metrics.assigned_partitions(0);
+        self.assignment_changed.store(true, Ordering::SeqCst);
         tracing::warn!(pipeline = %self.pipeline, error = %e, "rebalance error: every partition counts as lost");
     }
 
@@ -212,10 +229,18 @@ impl SourceContext {
         for e in tpl.elements() {
             let tp = tp_of(e.topic(), e.partition());
             st.fenced.remove(&tp);
+            // An offset in the assignment is a claimed stored position (`start_from_stored`): durable, and to be
+            // committed to the group so lag tools see it before the partition's next record arrives.
+            if let Offset::Offset(next) = e.offset() {
+                st.durable.insert(tp.clone(), next);
+                st.commit_pending = true;
+            }
             st.assigned.insert(tp);
         }
         let paused = st.paused;
+        self.metrics.assigned_partitions(st.assigned.len());
         drop(st);
+        self.assignment_changed.store(true, Ordering::SeqCst);
         // librdkafka keeps a partition's pause flag across a revoke and a new assignment (librdkafka issue
         // #1849): set it explicitly, or a partition paused before a rebalance would never be fetched again.
         let r = if paused { consumer.pause(tpl) } else { consumer.resume(tpl) };
@@ -379,8 +404,15 @@ fn drop_revoked(state: &Mutex<Ownership>, pipeline: &str, batch: &mut Vec<Record
     }
 }
 
-/// How long the source waits, idle, before retrying a failed offset commit.
-const RECOMMIT_AFTER: Duration = Duration::from_secs(1);
+/// How often the source does its housekeeping while idle (a failed offset commit retried, lag refreshed, the
+/// time without partitions checked).
+const HOUSEKEEPING_EVERY: Duration = Duration::from_secs(1);
+
+/// How often the lag of every assigned partition is refreshed from the high watermarks librdkafka knows.
+const LAG_EVERY: Duration = Duration::from_secs(5);
+
+/// The longest the source waits for the broker when it looks up committed offsets or watermarks for the lag.
+const LOOKUP_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// One pipeline's consumer.
 pub struct Source {
@@ -395,6 +427,17 @@ pub struct Source {
     topics: HashMap<String, Arc<str>>,
     pipeline: String,
     metrics: PipelineMetrics,
+    /// When the lag of every assigned partition was last refreshed.
+    lag_refreshed: Option<Instant>,
+    /// Since when the consumer has had no partition (from the start until the first assignment).
+    unassigned_since: Option<Instant>,
+    /// Warnings given about the current time without partitions.
+    unassigned_warnings: u32,
+    /// `[kafka] no_partitions_warning`.
+    no_partitions_warning: Duration,
+    /// A partition without a committed offset starts at its low watermark (`auto.offset.reset` earliest, the
+    /// default), otherwise at its high watermark.
+    reset_to_earliest: bool,
 }
 
 impl Source {
@@ -424,7 +467,12 @@ impl Source {
             metrics: metrics.clone(),
             stored,
             closing: AtomicBool::new(false),
+            assignment_changed: AtomicBool::new(false),
         };
+        let reset_to_earliest = !matches!(
+            config.get("auto.offset.reset"),
+            Some("latest" | "largest" | "end" | "error")
+        );
         let consumer: StreamConsumer<SourceContext> = config.create_with_context(context)?;
         let topics: Vec<&str> = pipeline.topics.iter().map(String::as_str).collect();
         consumer.subscribe(&topics)?;
@@ -437,6 +485,11 @@ impl Source {
             topics: pipeline.topics.iter().map(|t| (t.clone(), Arc::from(t.as_str()))).collect(),
             pipeline: pipeline.name.clone(),
             metrics,
+            lag_refreshed: None,
+            unassigned_since: Some(Instant::now()),
+            unassigned_warnings: 0,
+            no_partitions_warning: kafka.no_partitions_warning,
+            reset_to_earliest,
         })
     }
 
@@ -446,6 +499,7 @@ impl Source {
     pub async fn next_batch(&mut self, settings: BatchSettings, shutdown: &mut Shutdown) -> Option<Vec<Record>> {
         let mut batch: Vec<Record> = Vec::new();
         let mut deadline: Option<Instant> = None;
+        self.housekeeping();
         drop_revoked(&self.state, &self.pipeline, &mut batch, &mut self.stash);
         if !self.stash.is_empty() {
             let take = self.stash.len().min(settings.max_records);
@@ -457,10 +511,11 @@ impl Source {
                 None => tokio::select! {
                     m = self.consumer.recv() => m,
                     _ = shutdown.wait() => return None,
-                    // While idle, retry a failed offset commit, so the group's position (and the lag) does not
-                    // stay behind until the next record arrives.
-                    _ = tokio::time::sleep(RECOMMIT_AFTER), if self.commit_failed => {
-                        self.recommit();
+                    // While idle: commit positions learned at assignment or retry a failed commit, so the
+                    // group's position (and the lag) does not stay behind until the next record arrives; refresh
+                    // the lag; watch the time without partitions.
+                    _ = tokio::time::sleep(HOUSEKEEPING_EVERY) => {
+                        self.housekeeping();
                         continue;
                     }
                 },
@@ -490,6 +545,9 @@ impl Source {
             }
             if batch.is_empty() {
                 deadline = None;
+            }
+            if self.consumer.context().assignment_changed.load(Ordering::SeqCst) {
+                self.housekeeping();
             }
         }
         drop_revoked(&self.state, &self.pipeline, &mut batch, &mut self.stash);
@@ -570,7 +628,9 @@ impl Source {
                 st.fenced.insert(tp);
                 pause.add_partition(t, *p);
                 self.metrics.offset_commit(CommitResult::Fenced);
+                self.metrics.forget_lag(t, *p);
             }
+            self.metrics.assigned_partitions(st.assigned.len());
         }
         tracing::warn!(pipeline = %self.pipeline, partitions = %describe(&pause),
             "fenced: another worker claimed these partitions; dropping their records");
@@ -609,6 +669,93 @@ impl Source {
                     "offset commit failed (retried when idle); unless it succeeds, the records will be redelivered \
                      and skipped as duplicates");
             }
+        }
+    }
+
+    /// The source's work between records: commits positions learned at assignment and retries a failed commit,
+    /// refreshes the lag of every assigned partition (at once after a rebalance, otherwise every [`LAG_EVERY`]),
+    /// and warns each `[kafka] no_partitions_warning` while the consumer has no partition.
+    fn housekeeping(&mut self) {
+        let changed = self.consumer.context().assignment_changed.swap(false, Ordering::SeqCst);
+        let (pending, owned) = {
+            let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+            (std::mem::take(&mut st.commit_pending), st.assigned.len())
+        };
+        if pending || self.commit_failed {
+            self.recommit();
+        }
+        if changed || self.lag_refreshed.is_none_or(|at| at.elapsed() >= LAG_EVERY) {
+            self.refresh_lag();
+            self.lag_refreshed = Some(Instant::now());
+        }
+        if owned > 0 {
+            self.unassigned_since = None;
+            self.unassigned_warnings = 0;
+            return;
+        }
+        let since = *self.unassigned_since.get_or_insert_with(Instant::now);
+        let warn_at = self.no_partitions_warning * (self.unassigned_warnings + 1);
+        if !self.no_partitions_warning.is_zero() && since.elapsed() >= warn_at {
+            self.unassigned_warnings += 1;
+            tracing::warn!(pipeline = %self.pipeline, without_partitions = ?since.elapsed(),
+                "no partition assigned to this worker: the consumer group may be stuck (a broker that does not \
+                 answer JoinGroup, a member that does not finish its rebalance), or the group has more members than \
+                 the topics have partitions");
+        }
+    }
+
+    /// Sets `idemflow_consumer_lag_records` for every assigned partition: its high watermark (as librdkafka last
+    /// saw it in a fetch; looked up from the broker if it has not fetched yet) minus its durable position. A
+    /// partition whose durable position is not known yet takes the group's committed offset (looked up once; it
+    /// is durable by construction, since only durable positions are ever committed), or without one the offset
+    /// `auto.offset.reset` starts it from. Lookups that time out leave a partition's lag as it was.
+    fn refresh_lag(&mut self) {
+        let (owned, unknown) = {
+            let st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+            let mut unknown = TopicPartitionList::new();
+            for (topic, partition) in st.assigned.iter().filter(|tp| !st.durable.contains_key(*tp)) {
+                unknown.add_partition(topic, *partition);
+            }
+            (st.assigned.iter().cloned().collect::<Vec<Tp>>(), unknown)
+        };
+        if unknown.count() > 0 {
+            match tokio::task::block_in_place(|| self.consumer.committed_offsets(unknown, LOOKUP_TIMEOUT)) {
+                Ok(committed) => {
+                    let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+                    for e in committed.elements() {
+                        let tp = tp_of(e.topic(), e.partition());
+                        if let (Offset::Offset(next), true) = (e.offset(), st.assigned.contains(&tp)) {
+                            st.durable.entry(tp).or_insert(next);
+                        }
+                    }
+                }
+                Err(e) => tracing::debug!(pipeline = %self.pipeline, error = %e, "looking up committed offsets for the lag failed"),
+            }
+        }
+        let durable: HashMap<Tp, i64> = {
+            let st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+            owned.iter().filter_map(|tp| st.durable.get(tp).map(|o| (tp.clone(), *o))).collect()
+        };
+        for tp in owned {
+            let (topic, partition) = (&*tp.0, tp.1);
+            let cached = self.cached_high_watermark(topic, partition);
+            let position = durable.get(&tp).copied();
+            let (low, high) = match (cached, position) {
+                (Some(high), Some(_)) => (None, high),
+                _ => match tokio::task::block_in_place(|| self.consumer.fetch_watermarks(topic, partition, LOOKUP_TIMEOUT)) {
+                    Ok((low, high)) => (Some(low), high),
+                    Err(e) => {
+                        tracing::debug!(pipeline = %self.pipeline, topic, partition, error = %e, "looking up watermarks for the lag failed");
+                        continue;
+                    }
+                },
+            };
+            let start = match (position, low) {
+                (Some(next), _) => next,
+                (None, Some(low)) if self.reset_to_earliest => low,
+                _ => high,
+            };
+            self.metrics.lag(topic, partition, (high - start).max(0));
         }
     }
 

@@ -134,6 +134,16 @@ pub struct KafkaSettings {
     /// booleans. The worker owns `group.id`, `enable.auto.commit` and `enable.auto.offset.store`.
     #[serde(default)]
     pub properties: BTreeMap<String, PropertyValue>,
+    /// How long a pipeline's consumer may stay without any assigned partition before the worker warns (and warns
+    /// again after each further period): a broker that never answers the JoinGroup, or a group stuck behind a
+    /// member that does not finish its rebalance, otherwise looks like an idle worker. `idemflow_assigned_partitions`
+    /// shows the same at any time. Default 2 minutes.
+    #[serde(default = "default_no_partitions_warning", with = "humantime_serde")]
+    pub no_partitions_warning: Duration,
+}
+
+fn default_no_partitions_warning() -> Duration {
+    Duration::from_secs(120)
 }
 
 /// A librdkafka property value as written in TOML.

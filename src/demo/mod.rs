@@ -259,7 +259,11 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<bool> {
     let settings = Settings {
         pipelines: dir.path().join("pipelines"),
         database: DatabaseSettings { url: url.clone().into(), max_connections: 4, acquire_timeout: Duration::from_secs(10), prepared_statements: true },
-        kafka: KafkaSettings { bootstrap_servers: kafka.bootstrap_servers().to_owned(), properties },
+        kafka: KafkaSettings {
+            bootstrap_servers: kafka.bootstrap_servers().to_owned(),
+            properties,
+            no_partitions_warning: Duration::from_secs(120),
+        },
         metrics: MetricsSettings { listen: options.metrics_listen },
         log: LogSettings::default(),
         shutdown: ShutdownSettings::default(),

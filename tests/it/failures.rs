@@ -188,20 +188,38 @@ async fn crash_test_sigkill_at_random_moments() {
     let mut kills = 0;
     let mut applied_before_kills = 0.0;
     let target: usize = std::env::var("IDEMFLOW_CRASH_KILLS").ok().and_then(|v| v.parse().ok()).unwrap_or(20);
+    let end = kafka.end_offsets("payments", PARTITIONS);
     while kills < target {
         let w = BinWorker::start(&setup);
-        // Kill only once the worker is applying batches: first progress, then a random moment.
+        // Kill only once the worker is applying batches: first progress, then a random moment. A fast machine
+        // can get through the whole stream before `target` kills: once every offset is committed there is
+        // nothing left to receive, and the kills end there.
         let start = Instant::now();
+        let mut finished = false;
+        let mut last_check = Instant::now();
         let progressed = loop {
             let m = w.scrape();
             if metric(&m, "idemflow_records_received_total", &[("pipeline", "payments")]) > 0.0 {
                 break true;
+            }
+            if start.elapsed() > Duration::from_secs(3) && last_check.elapsed() > Duration::from_secs(1) {
+                last_check = Instant::now();
+                if kafka.committed("idemflow-payments", "payments", PARTITIONS) == end {
+                    finished = true;
+                    break false;
+                }
             }
             if start.elapsed() > Duration::from_secs(30) {
                 break false;
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         };
+        if finished {
+            eprintln!("the stream was consumed to its end after {kills} kills");
+            let mut w = w;
+            w.kill();
+            break;
+        }
         assert!(progressed, "the worker made no progress within 30 s; log:\n{}", w.log_text());
         tokio::time::sleep(Duration::from_millis(rng.below(1500))).await;
         let m = w.scrape();
@@ -214,6 +232,7 @@ async fn crash_test_sigkill_at_random_moments() {
         kills += 1;
         eprintln!("kill {kills} after {:?}: applied so far {applied_before_kills}", start.elapsed());
     }
+    assert!(kills >= 5, "only {kills} kills before the stream ended: the test did not exercise crashes");
     let mut w = BinWorker::start(&setup);
     let started = Instant::now();
     wait_all_durable(&db, &kafka, "idemflow-payments", "payments", PARTITIONS, &s).await;

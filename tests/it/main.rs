@@ -17,3 +17,4 @@ mod pgbouncer;
 mod retention;
 mod scaleout;
 mod semantics;
+mod visibility;

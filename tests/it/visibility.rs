@@ -1,0 +1,135 @@
+//! What an operator sees of the consumer: lag for every assigned partition from the moment it is assigned, stored
+//! positions committed to the group on assignment, and a worker left without partitions.
+
+use crate::support::*;
+use std::time::Duration;
+
+const PAYMENTS: &str = "CREATE TABLE payments (order_id text PRIMARY KEY, amount integer NOT NULL);";
+
+const PIPELINE: &str = r#"topics = ["orders"]
+[key]
+field = "/id"
+[sink]
+table = "payments"
+[sink.columns]
+order_id = "/id"
+amount = "/amount"
+"#;
+
+const GROUP: &str = "idemflow-payments";
+
+/// `per_partition` records with distinct keys on each of `partitions` partitions.
+fn orders(partitions: i32, per_partition: usize, tag: &str) -> Vec<Out> {
+    (0..partitions)
+        .flat_map(|p| (0..per_partition).map(move |i| Out::json(p, format!(r#"{{"id":"{tag}-{p}-{i}","amount":1}}"#))))
+        .collect()
+}
+
+fn lags(m: &str, partitions: i32) -> Vec<Option<f64>> {
+    (0..partitions)
+        .map(|p| {
+            let p = p.to_string();
+            let labels = [("pipeline", "payments"), ("topic", "orders"), ("partition", p.as_str())];
+            m.lines()
+                .any(|l| l.starts_with("idemflow_consumer_lag_records{") && l.contains(&format!("partition=\"{p}\"")))
+                .then(|| metric(m, "idemflow_consumer_lag_records", &labels))
+        })
+        .collect()
+}
+
+/// A backlog the worker cannot commit yet (the dedup table is locked against writes): every assigned partition's lag
+/// is exported from the assignment on and is the whole backlog, not only what committed batches saw; once the
+/// batches commit, it falls to 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lag_is_exported_for_every_assigned_partition_from_its_assignment() {
+    let (db, kafka, setup) = fixture(PAYMENTS, "orders", 4, &[("payments.toml", PIPELINE)]).await;
+    kafka.produce("orders", &orders(4, 300, "a"));
+    let mut lock = db.pool.begin().await.unwrap();
+    sqlx::query("LOCK TABLE idemflow.dedup IN EXCLUSIVE MODE").execute(&mut *lock).await.unwrap();
+    let worker = InProc::start(&setup).await;
+    let render = || String::from_utf8(worker.metrics.render()).unwrap();
+    wait_until(Duration::from_secs(30), "lag of all four partitions, while no batch can commit", || async {
+        lags(&render(), 4) == vec![Some(300.0); 4]
+    })
+    .await;
+    assert_eq!(worker.metric("idemflow_records_received_total", &[("pipeline", "payments")]), 0.0);
+    assert_eq!(worker.metric("idemflow_assigned_partitions", &[("pipeline", "payments")]), 4.0);
+    lock.rollback().await.unwrap();
+    worker.wait_received("payments", 1200).await;
+    wait_until(Duration::from_secs(30), "lag 0 on every partition", || async { lags(&render(), 4) == vec![Some(0.0); 4] }).await;
+    assert!(worker.stop().await.is_empty());
+}
+
+/// `[offsets] store = "database"`: the group's committed offsets were left behind the stored positions (a crash
+/// between the two commits, or an operator's reset); a worker that starts commits the stored positions to the group
+/// when the partitions are assigned, with no new record arriving, and reports no lag.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stored_positions_are_committed_to_the_group_on_assignment() {
+    let pipeline = format!("{PIPELINE}[offsets]\nstore = \"database\"\n");
+    let (db, kafka, setup) = fixture(PAYMENTS, "orders", 2, &[("payments.toml", &pipeline)]).await;
+    kafka.produce("orders", &orders(2, 50, "b"));
+    let worker = InProc::start(&setup).await;
+    worker.wait_received("payments", 100).await;
+    assert!(worker.stop().await.is_empty());
+    assert_eq!(kafka.committed(GROUP, "orders", 2), vec![50, 50]);
+    kafka.set_committed_all(GROUP, "orders", &[(0, 0), (1, 0)]);
+    assert_eq!(kafka.committed(GROUP, "orders", 2), vec![0, 0]);
+
+    let worker = InProc::start(&setup).await;
+    let render = || String::from_utf8(worker.metrics.render()).unwrap();
+    wait_until(Duration::from_secs(30), "the stored positions committed to the group, lag 0", || async {
+        kafka.committed(GROUP, "orders", 2) == vec![50, 50] && lags(&render(), 2) == vec![Some(0.0); 2]
+    })
+    .await;
+    let m = render();
+    assert_eq!(metric(&m, "idemflow_records_received_total", &[("pipeline", "payments")]), 0.0, "nothing replayed");
+    assert!(worker.stop().await.is_empty());
+    assert_eq!(db.scalar::<i64>("SELECT count(*) FROM payments").await, 100);
+}
+
+/// Two workers on a one-partition topic: one of them stays without a partition. It says so in its log after
+/// `[kafka] no_partitions_warning` and exports `idemflow_assigned_partitions 0`; the other exports 1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_without_partitions_warns_and_exports_it() {
+    let (_db, kafka, first) = fixture(PAYMENTS, "orders", 1, &[("payments.toml", PIPELINE)]).await;
+    let second = Setup::new(&_db, &kafka, &[("payments.toml", PIPELINE)]);
+    for setup in [&first, &second] {
+        let text = std::fs::read_to_string(&setup.config).unwrap();
+        std::fs::write(&setup.config, text.replace("[kafka]\n", "[kafka]\nno_partitions_warning = \"2s\"\n")).unwrap();
+    }
+    let workers = [BinWorker::start(&first), BinWorker::start(&second)];
+    let assigned = |w: &BinWorker| metric(&w.scrape(), "idemflow_assigned_partitions", &[("pipeline", "payments")]);
+    wait_until(Duration::from_secs(60), "one worker with the partition and one without, warned", || async {
+        let counts = [assigned(&workers[0]), assigned(&workers[1])];
+        let idle = counts.iter().position(|c| *c == 0.0);
+        counts.iter().sum::<f64>() == 1.0
+            && idle.is_some_and(|i| workers[i].log_text().contains("no partition assigned to this worker"))
+    })
+    .await;
+    kafka.produce("orders", &orders(1, 10, "c"));
+    wait_until(Duration::from_secs(30), "the owner applies the records", || async {
+        workers.iter().map(|w| metric(&w.scrape(), "idemflow_records_applied_total", &[("pipeline", "payments")])).sum::<f64>() == 10.0
+    })
+    .await;
+}
+
+/// A final offset commit the group refuses at a clean shutdown (IllegalGeneration: the group moved on) is explained
+/// as what it means for the user, not reported as an error, and the worker exits 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_final_offset_commit_says_what_it_means() {
+    use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
+    let (_db, kafka, setup) = fixture(PAYMENTS, "orders", 1, &[("payments.toml", PIPELINE)]).await;
+    kafka.produce("orders", &orders(1, 10, "d"));
+    let mut worker = BinWorker::start(&setup);
+    wait_until(Duration::from_secs(30), "the records applied", || async {
+        metric(&worker.scrape(), "idemflow_records_applied_total", &[("pipeline", "payments")]) == 10.0
+    })
+    .await;
+    let errors = [RDKafkaRespErr::RD_KAFKA_RESP_ERR_ILLEGAL_GENERATION; 5];
+    kafka.mock().request_errors(RDKafkaApiKey::OffsetCommit, &errors);
+    assert!(worker.sigterm().success());
+    let log = worker.log_text();
+    let line = log.lines().find(|l| l.contains("final offset commit")).unwrap_or_else(|| panic!("{log}"));
+    assert!(line.contains("WARN") && !line.contains("ERROR"), "{line}");
+    assert!(line.contains("skipped as duplicates") && line.contains("nothing is lost or applied twice"), "{line}");
+}
