@@ -542,6 +542,11 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
                 let p = &r.pipeline;
                 println!("pipeline {:?} ({}): ok, topics {:?}, group {:?}", p.name, p.file.display(), p.topics, p.group_id);
             }
+            let mut timing: Vec<String> = pipelines.iter().flat_map(|p| idemflow::source::timing_warnings(&settings, p)).collect();
+            timing.dedup();
+            for w in timing {
+                println!("warning: {w}");
+            }
             for p in &pipelines {
                 for line in retention_report(&settings, p).await {
                     println!("{line}");

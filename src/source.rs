@@ -16,6 +16,14 @@
 //! Records of a partition are handed out in offset order and batches are processed one at a time, so
 //! per-partition order is preserved.
 //!
+//! The consumer is polled all the time, also while a batch is in its database transaction
+//! ([`Source::poll_while`]): a slow or unreachable database never keeps it from polling for longer than
+//! `max.poll.interval.ms` (librdkafka would leave the group). Rebalance callbacks can therefore run while a batch
+//! is in flight; that is safe because the offset commit after the transaction skips partitions no longer owned, a
+//! revoked partition's durable position is committed before it goes (the batch in flight is then redelivered to
+//! the new owner and skipped as a duplicate), and with `[offsets] store = "database"` the owner epochs fence a
+//! batch whose partition another worker claimed meanwhile.
+//!
 //! Between records (and once a second while idle) the source does its housekeeping: it commits positions learned
 //! at assignment (the stored positions of `[offsets] store = "database"`, so lag tools reading the group's
 //! committed offsets see no lag that is not there), retries a failed offset commit, exports the lag of every
@@ -303,6 +311,12 @@ fn describe(tpl: &TopicPartitionList) -> String {
     parts.join(",")
 }
 
+/// How many records the consumer prefetches (librdkafka's `queued.min.messages`): 4 batches, at least 1,000 and
+/// at most 100,000. [`Source::poll_while`] keeps at most as many records while a batch is in flight.
+fn prefetch_records(pipeline: &Pipeline) -> usize {
+    (4 * pipeline.batch.max_records).clamp(1000, 100_000)
+}
+
 /// The consumer's librdkafka configuration (see [`Source::new`]).
 pub(crate) fn consumer_config(kafka: &KafkaSettings, pipeline: &Pipeline) -> ClientConfig {
     let mut config = ClientConfig::new();
@@ -313,7 +327,7 @@ pub(crate) fn consumer_config(kafka: &KafkaSettings, pipeline: &Pipeline) -> Cli
         // Prefetch a few batches, not the whole backlog: librdkafka's defaults (100,000 messages per partition,
         // 64 MiB) make a worker that starts behind a large backlog hold hundreds of MiB of records it will not
         // process for minutes, and spend CPU fetching them.
-        .set("queued.min.messages", (4 * pipeline.batch.max_records).clamp(1000, 100_000).to_string())
+        .set("queued.min.messages", prefetch_records(pipeline).to_string())
         .set("queued.max.messages.kbytes", "16384")
         .set("fetch.max.bytes", "8388608")
         // When a partition's prefetch reaches those bounds librdkafka postpones its next fetch by this much
@@ -337,6 +351,41 @@ pub(crate) fn consumer_config(kafka: &KafkaSettings, pipeline: &Pipeline) -> Cli
 /// without connecting.
 pub fn check_properties(kafka: &KafkaSettings, pipeline: &Pipeline) -> KafkaResult<()> {
     consumer_config(kafka, pipeline).create_native_config().map(drop)
+}
+
+/// Settings of `pipeline` that work against each other, each as one sentence naming the settings (`check` prints
+/// them as warnings). Unset librdkafka properties count with librdkafka's defaults (`session.timeout.ms` 45000,
+/// `heartbeat.interval.ms` 3000, `max.poll.interval.ms` 300000).
+pub fn timing_warnings(settings: &crate::config::Settings, pipeline: &Pipeline) -> Vec<String> {
+    let config = consumer_config(&settings.kafka, pipeline);
+    let ms = |key: &str, default: u64| config.get(key).and_then(|v| v.parse::<u64>().ok()).unwrap_or(default);
+    let (session, heartbeat, poll) =
+        (ms("session.timeout.ms", 45_000), ms("heartbeat.interval.ms", 3_000), ms("max.poll.interval.ms", 300_000));
+    let name = &pipeline.name;
+    let mut out = Vec::new();
+    if heartbeat * 3 > session {
+        out.push(format!(
+            "pipeline {name:?}: heartbeat.interval.ms = {heartbeat} is more than a third of session.timeout.ms = \
+             {session}: one late heartbeat can expire the member and force a rebalance (Kafka's guidance: at most a third)"
+        ));
+    }
+    let acquire = settings.database.acquire_timeout.as_millis() as u64;
+    if pipeline.offsets == crate::config::OffsetStore::Database && acquire >= poll {
+        out.push(format!(
+            "pipeline {name:?}: [offsets] store = \"database\" claims positions inside the rebalance callback, where one \
+             attempt can wait [database] acquire_timeout = {acquire} ms, not less than max.poll.interval.ms = {poll}: \
+             while the database is unreachable during a rebalance the consumer leaves its group (nothing is lost; it \
+             rejoins). Keep acquire_timeout well below max.poll.interval.ms"
+        ));
+    }
+    let stop = settings.shutdown.timeout;
+    if stop <= LEAVE_TIMEOUT {
+        out.push(format!(
+            "[shutdown] timeout = {stop:?} leaves no time after the {LEAVE_TIMEOUT:?} the consumer may wait to leave \
+             its group: a clean stop can end in exit status 1 (nothing is lost)"
+        ));
+    }
+    out
 }
 
 /// Why `check` refuses a pipeline's Kafka side.
@@ -435,6 +484,8 @@ pub struct Source {
     unassigned_warnings: u32,
     /// `[kafka] no_partitions_warning`.
     no_partitions_warning: Duration,
+    /// The most records [`Source::poll_while`] keeps before pausing.
+    keep: usize,
     /// A partition without a committed offset starts at its low watermark (`auto.offset.reset` earliest, the
     /// default), otherwise at its high watermark.
     reset_to_earliest: bool,
@@ -489,6 +540,7 @@ impl Source {
             unassigned_since: Some(Instant::now()),
             unassigned_warnings: 0,
             no_partitions_warning: kafka.no_partitions_warning,
+            keep: prefetch_records(pipeline),
             reset_to_earliest,
         })
     }
@@ -559,11 +611,7 @@ impl Source {
     /// exceeded. Records of `batch` whose partition is revoked meanwhile are dropped (their next owner gets them);
     /// records that still arrive are kept for the next batch. Returns `false` if shutdown came first.
     pub async fn pause_for(&mut self, delay: Duration, batch: &mut Vec<Record>, shutdown: &mut Shutdown) -> bool {
-        self.state.lock().unwrap_or_else(PoisonError::into_inner).paused = true;
-        let paused = self.consumer.assignment().unwrap_or_default();
-        if let Err(e) = self.consumer.pause(&paused) {
-            tracing::debug!(pipeline = %self.pipeline, error = %e, "pausing partitions failed");
-        }
+        self.pause_owned();
         let deadline = Instant::now() + delay;
         let mut stopped = false;
         loop {
@@ -587,6 +635,69 @@ impl Source {
             }
         }
         drop_revoked(&self.state, &self.pipeline, batch, &mut self.stash);
+        self.resume_owned();
+        !stopped
+    }
+
+    /// The positions to store in the batch's transaction after `next`, with this worker's epochs; `None` unless
+    /// `[offsets] store = "database"`.
+    pub fn positions(&self, next: &NextOffsets) -> Option<Positions> {
+        self.consumer.context().stored.as_ref()?;
+        let st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        Some(Positions::new(next, |t, p| st.epochs.get(&(t.clone(), p)).copied()))
+    }
+
+    /// Runs `work` (a spawned batch transaction) to its end while the consumer keeps polling: rebalance callbacks
+    /// are served, `max.poll.interval.ms` is never exceeded however long the database takes, and the source's
+    /// housekeeping goes on. Records that arrive meanwhile are kept for the next batch; once as many are kept as
+    /// the consumer prefetches (4 batches, at least 1,000), consumption is paused until `work` ends, bounding
+    /// memory. (Pausing is not the normal path: librdkafka drops a paused partition's prefetched records and
+    /// fetches them again on resume.) A panic in `work` is resumed here.
+    pub async fn poll_while<T>(&mut self, mut work: tokio::task::JoinHandle<T>) -> T {
+        let keep = self.keep;
+        let mut paused_here = false;
+        let joined = loop {
+            let mut full = false;
+            tokio::select! {
+                biased;
+                joined = &mut work => break joined,
+                m = self.consumer.recv() => match m {
+                    Ok(message) => {
+                        let topic = intern(&mut self.topics, rdkafka::Message::topic(&message));
+                        self.stash.push(Record::from_message(&message, topic));
+                        full = self.stash.len() >= keep;
+                    }
+                    Err(e) => tracing::debug!(pipeline = %self.pipeline, error = %e, "consume error while a batch is in flight"),
+                },
+                _ = tokio::time::sleep(HOUSEKEEPING_EVERY) => self.housekeeping(),
+            }
+            if full && !paused_here {
+                self.pause_owned();
+                paused_here = true;
+            }
+        };
+        if paused_here {
+            self.resume_owned();
+        }
+        joined.unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()))
+    }
+
+    /// Drops the records of partitions revoked since the last look from `batch` (and from the kept records).
+    pub fn drop_revoked(&mut self, batch: &mut Vec<Record>) {
+        drop_revoked(&self.state, &self.pipeline, batch, &mut self.stash);
+    }
+
+    /// Pauses consumption of every assigned partition (also of those assigned while paused).
+    fn pause_owned(&mut self) {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner).paused = true;
+        let paused = self.consumer.assignment().unwrap_or_default();
+        if let Err(e) = self.consumer.pause(&paused) {
+            tracing::debug!(pipeline = %self.pipeline, error = %e, "pausing partitions failed");
+        }
+    }
+
+    /// Resumes consumption of every assigned partition except those given up after a fenced batch.
+    fn resume_owned(&mut self) {
         let fenced = {
             let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
             st.paused = false;
@@ -601,15 +712,6 @@ impl Source {
         if let Err(e) = self.consumer.resume(&owned) {
             tracing::debug!(pipeline = %self.pipeline, error = %e, "resuming partitions failed");
         }
-        !stopped
-    }
-
-    /// The positions to store in the batch's transaction after `next`, with this worker's epochs; `None` unless
-    /// `[offsets] store = "database"`.
-    pub fn positions(&self, next: &NextOffsets) -> Option<Positions> {
-        self.consumer.context().stored.as_ref()?;
-        let st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
-        Some(Positions::new(next, |t, p| st.epochs.get(&(t.clone(), p)).copied()))
     }
 
     /// Gives up partitions whose stored positions another worker has claimed (a fenced batch): they count as
@@ -618,12 +720,22 @@ impl Source {
     /// anew. (Under a cooperative assignor a partition that does not move is not assigned again: it stays paused
     /// until the next rebalance that moves it.)
     /// Their records are removed from `batch` too.
-    pub fn lose(&mut self, partitions: &[(String, i32)], batch: &mut Vec<Record>) {
+    ///
+    /// A partition that this worker itself claimed again while the batch was in flight (a rebalance that revoked
+    /// and re-assigned it; `used` holds the epochs the batch presented) is not given up: only the batch's records
+    /// of it are dropped, and they come again from the stored position the new claim started it at.
+    pub fn lose(&mut self, partitions: &[(String, i32)], used: Option<&Positions>, batch: &mut Vec<Record>) {
         let mut pause = TopicPartitionList::new();
         {
             let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
             for (t, p) in partitions {
                 let tp = tp_of(t, *p);
+                let presented = used.and_then(|u| u.0.iter().find(|(ut, up, _, _)| **ut == **t && up == p)).map(|u| u.3);
+                let reclaimed = st.assigned.contains(&tp) && st.epochs.get(&tp).is_some_and(|e| Some(*e) != presented);
+                if reclaimed {
+                    st.revoked.push(tp);
+                    continue;
+                }
                 st.give_up(tp.clone());
                 st.fenced.insert(tp);
                 pause.add_partition(t, *p);
@@ -632,10 +744,12 @@ impl Source {
             }
             self.metrics.assigned_partitions(st.assigned.len());
         }
-        tracing::warn!(pipeline = %self.pipeline, partitions = %describe(&pause),
-            "fenced: another worker claimed these partitions; dropping their records");
-        if let Err(e) = self.consumer.pause(&pause) {
-            tracing::debug!(pipeline = %self.pipeline, error = %e, "pausing fenced partitions failed");
+        if pause.count() > 0 {
+            tracing::warn!(pipeline = %self.pipeline, partitions = %describe(&pause),
+                "fenced: another worker claimed these partitions; dropping their records");
+            if let Err(e) = self.consumer.pause(&pause) {
+                tracing::debug!(pipeline = %self.pipeline, error = %e, "pausing fenced partitions failed");
+            }
         }
         drop_revoked(&self.state, &self.pipeline, batch, &mut self.stash);
     }

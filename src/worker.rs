@@ -242,6 +242,7 @@ async fn run_pipeline(
 
 /// The dead letters of the most recent records, for the `[dead_letters] max_ratio` guard. Whole batches are
 /// kept while they fit in `window` records (the newest batch always counts).
+#[derive(Clone)]
 struct DeadLetterWindow {
     settings: DeadLetterSettings,
     batches: VecDeque<(u64, u64)>,
@@ -311,10 +312,21 @@ impl Step<'_> {
             if batch.is_empty() {
                 return Ok(true);
             }
-            let window = &self.window;
-            let r = &self.ready;
+            // The transaction runs in its own task while the consumer keeps polling (see `Source::poll_while`).
             let positions = source.positions(&NextOffsets::after(batch));
-            match r.sink.apply(batch, &prepared, positions.as_ref(), |counts| window.check(counts)).await {
+            let (sink, window) = (self.ready.sink.clone(), self.window.clone());
+            let (records, records_prepared, presented) = (std::mem::take(batch), std::mem::take(&mut prepared), positions.clone());
+            let attempt = tokio::spawn(
+                async move {
+                    let result = sink.apply(&records, &records_prepared, presented.as_ref(), |counts| window.check(counts)).await;
+                    (records, records_prepared, result)
+                }
+                .in_current_span(),
+            );
+            let (records, records_prepared, result) = source.poll_while(attempt).await;
+            (*batch, prepared) = (records, records_prepared);
+            let r = &self.ready;
+            match result {
                 Ok(outcome) => break outcome,
                 Err(e) => match e.disposition() {
                     Disposition::Retry(cause) => {
@@ -324,6 +336,7 @@ impl Step<'_> {
                         tracing::warn!(error = %e, retry_in = ?delay,
                             "batch rolled back; retrying with consumption paused (nothing is dead-lettered for this)");
                         let before = batch.len();
+                        source.drop_revoked(batch);
                         if !source.pause_for(delay, batch, shutdown).await {
                             return Ok(false);
                         }
@@ -333,7 +346,7 @@ impl Step<'_> {
                     }
                     Disposition::Fenced => {
                         if let SinkError::Fenced { partitions } = &e {
-                            source.lose(partitions, batch);
+                            source.lose(partitions, positions.as_ref(), batch);
                             prepared = batch.iter().map(|rec| self.ready.preparer.prepare(rec)).collect();
                         }
                     }
@@ -341,10 +354,14 @@ impl Step<'_> {
                         // Rebuild the statements from the schema as it is now and prepare the records again: no
                         // value is ever bound through a stale type. A database error while rebuilding is retried
                         // like any other; a schema the pipeline can no longer run on stops it.
-                        match Ready::prepare(&r.pool, &r.pipeline).await {
+                        let (pool, pipeline) = (r.pool.clone(), r.pipeline.clone());
+                        let rebuild = tokio::spawn(async move { Ready::prepare(&pool, &pipeline).await }.in_current_span());
+                        let before = batch.len();
+                        match source.poll_while(rebuild).await {
                             Ok(rebuilt) => {
                                 tracing::warn!("the side effect's tables or statements changed: statements rebuilt");
                                 self.ready = rebuilt;
+                                source.drop_revoked(batch);
                                 prepared = batch.iter().map(|rec| self.ready.preparer.prepare(rec)).collect();
                             }
                             Err(problem) if problem.field == "database" => {
@@ -352,6 +369,9 @@ impl Step<'_> {
                                 tracing::warn!(error = %problem, retry_in = ?delay, "rebuilding the side effect failed; retrying");
                                 if !source.pause_for(delay, batch, shutdown).await {
                                     return Ok(false);
+                                }
+                                if batch.len() != before {
+                                    prepared = batch.iter().map(|rec| self.ready.preparer.prepare(rec)).collect();
                                 }
                             }
                             Err(problem) => return Err(SinkError::Schema(problem.to_string())),

@@ -89,9 +89,11 @@ async fn case_c01_rebalance_mid_batch() {
     assert_eq!(kafka.committed("idemflow-payments", "orders", 2), kafka.end_offsets("orders", 2));
 }
 
-/// c02: the batch outlives the worker's group membership (its side effect is slower than `max.poll.interval.ms`),
-/// so partition 0 is revoked before the transaction commits. The late offset commit is refused and counted, never
-/// a panic; the worker rejoins, resumes from the group's committed offset, skips record 41 as `redelivered`.
+/// c02: the batch outlives the worker's group membership, so partition 0 is revoked before the transaction commits.
+/// (The consumer keeps polling while a batch is in its transaction, so a slow side effect alone no longer costs the
+/// membership: the worker process is frozen with SIGSTOP for longer than `session.timeout.ms` while its slow batch
+/// runs, as a VM pause or a stop-the-world stall would.) The late offset commit is refused and counted, never a
+/// panic; the worker rejoins, resumes from the group's committed offset, skips record 41 as `redelivered`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn case_c02_stale_offset_after_revoke() {
     let db = TestDb::new(TABLE).await;
@@ -105,6 +107,13 @@ async fn case_c02_stale_offset_after_revoke() {
     let mut w = BinWorker::start(&setup);
     wait_scrape(&w, "records 0..40 applied", |m| received(m) >= 41.0).await;
     kafka.produce("orders", &[Out::json(0, order("o-41", "1"))]);
+    wait_until(Duration::from_secs(30), "o-41's batch in its transaction", || async {
+        db.scalar::<i64>("SELECT count(*) FROM pg_stat_activity WHERE query LIKE '%pg_sleep%' AND state = 'active' AND pid <> pg_backend_pid()").await == 1
+    })
+    .await;
+    w.signal("STOP");
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    w.signal("CONT");
     wait_scrape(&w, "o-41 redelivered after the rejoin", |m| dup(m, "redelivered") >= 1.0).await;
     let m = w.scrape();
     let refused = metric(&m, "idemflow_offset_commits_total", &[("pipeline", "payments"), ("result", "error")])

@@ -313,6 +313,45 @@ async fn postgres_restart_mid_run() {
     assert_exactly_once(&db, &s).await;
 }
 
+/// Postgres down for 30 s with `max.poll.interval.ms = 7000` and the pool's default 10 s acquire wait: the consumer
+/// keeps polling while the batch waits for the database, so it never exceeds the poll interval, never leaves its
+/// group (no revoke, no rebalance error), and every operation is applied once after the outage.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_database_outage_longer_than_the_poll_interval_keeps_the_group() {
+    let cluster = postgres::Cluster::start().unwrap();
+    let db = payments_db(Some(&cluster.url())).await;
+    let kafka = Kafka::new();
+    kafka.create_topic("payments", 2);
+    let s = payments(4_000, 2, false);
+    let (first, rest) = s.records.split_at(s.records.len() / 4);
+    kafka.produce("payments", first);
+    let props = "\"session.timeout.ms\" = \"6000\"\n\"max.poll.interval.ms\" = \"7000\"";
+    let setup = Setup::with(&db, &kafka, &[("payments.toml", &shipped())], props, "");
+    let text = std::fs::read_to_string(&setup.config).unwrap();
+    std::fs::write(&setup.config, text.replace("acquire_timeout = \"2s\"", "acquire_timeout = \"10s\"")).unwrap();
+    let w = InProc::start(&setup).await;
+    w.wait_received("payments", 500).await;
+    cluster.stop().unwrap();
+    kafka.produce("payments", rest);
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    let retries: f64 = ["connection", "unavailable", "pool_timeout"]
+        .iter()
+        .map(|c| w.metric("idemflow_db_retries_total", &[("pipeline", "payments"), ("cause", c)]))
+        .sum();
+    assert!(retries >= 1.0, "the outage must have been retried");
+    cluster.start_again().unwrap();
+    let db = TestDb { pool: sqlx::PgPool::connect(&db.url).await.unwrap(), url: db.url.clone() };
+    wait_all_durable(&db, &kafka, "idemflow-payments", "payments", 2, &s).await;
+    for event in ["revoke", "error"] {
+        assert_eq!(w.metric("idemflow_rebalances_total", &[("pipeline", "payments"), ("event", event)]), 0.0,
+            "the consumer left its group during the outage ({event})");
+    }
+    assert_eq!(w.metric("idemflow_rebalances_total", &[("pipeline", "payments"), ("event", "assign")]), 1.0);
+    assert_counters_add_up(&String::from_utf8(w.metrics.render()).unwrap());
+    assert!(w.stop().await.is_empty());
+    assert_exactly_once(&db, &s).await;
+}
+
 /// The worker's backends are terminated (`pg_terminate_backend`) again and again mid-run.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn backends_terminated_mid_run() {

@@ -153,6 +153,12 @@ impl BinWorker {
         }
     }
 
+    /// Sends a signal (`"STOP"`, `"CONT"`, ...) to the running worker.
+    pub fn signal(&self, signal: &str) {
+        let child = self.child.as_ref().expect("running");
+        Command::new("kill").arg(format!("-{signal}")).arg(child.id().to_string()).status().unwrap();
+    }
+
     /// SIGKILLs the worker.
     pub fn kill(&mut self) {
         if let Some(mut child) = self.child.take() {
