@@ -34,7 +34,7 @@ idemflow_has_pgbouncer() {
 }
 
 idemflow_venv_ready() {
-  "$IDEMFLOW_VENV/bin/python3" -c 'import check_jsonschema, ruamel.yaml' >/dev/null 2>&1
+  "$IDEMFLOW_VENV/bin/python3" -c 'import check_jsonschema, ruamel.yaml' >/dev/null 2>&1 && [ -x "$IDEMFLOW_VENV/bin/noida-db" ]
 }
 
 # Everything the test suite needs:
@@ -43,6 +43,7 @@ idemflow_venv_ready() {
 #   pgbouncer          transaction pooling tests
 #   make, gcc          building librdkafka (rdkafka-sys)
 #   python3-venv       the virtual environment with check-jsonschema and ruamel.yaml (docker-compose.yml checks)
+#                      and noida-db (a second Kafka implementation: DescribeGroups, which the mock cluster lacks)
 idemflow_test_preflight() {
   if ! command -v cargo >/dev/null 2>&1; then
     echo "cargo not found: install the Rust toolchain (https://rustup.rs) first" >&2
@@ -61,10 +62,10 @@ idemflow_test_preflight() {
   idemflow_apt_install "${missing[@]}" || return 1
 
   if ! idemflow_venv_ready; then
-    echo "creating $IDEMFLOW_VENV with check-jsonschema from PyPI" >&2
+    echo "creating $IDEMFLOW_VENV with check-jsonschema and noida-db from PyPI" >&2
     /usr/bin/python3 -m venv --clear "$IDEMFLOW_VENV" || return 1
-    "$IDEMFLOW_VENV/bin/python3" -m pip install --quiet --disable-pip-version-check check-jsonschema || return 1
-    idemflow_venv_ready || { echo "$IDEMFLOW_VENV: check-jsonschema did not install" >&2; return 1; }
+    "$IDEMFLOW_VENV/bin/python3" -m pip install --quiet --disable-pip-version-check check-jsonschema noida-db==0.2.3 || return 1
+    idemflow_venv_ready || { echo "$IDEMFLOW_VENV: check-jsonschema or noida-db did not install" >&2; return 1; }
   fi
   # The tests run `python3 -m check_jsonschema` and scripts/check-compose.py: the environment's python3 first.
   PATH="$IDEMFLOW_VENV/bin:$PATH"

@@ -320,18 +320,14 @@ async fn rewind(a: RewindArgs) -> anyhow::Result<()> {
     } else {
         None
     };
+    // With stored positions, those are where the pipeline is: plan from them.
+    let positions = match &pool {
+        Some(pool) => Some(idemflow::offsets::stored(pool, &p.name).await?),
+        None => None,
+    };
     let (kafka, pp) = (settings.kafka.clone(), p.clone());
-    let mut moves = tokio::task::spawn_blocking(move || rewind::plan(&kafka, &pp, a.to, a.timeout)).await??;
-    if let Some(pool) = &pool {
-        // With stored positions, those are where the pipeline is: plan from them.
-        let stored = idemflow::offsets::stored(pool, &p.name).await?;
-        for m in &mut moves {
-            if let Some((_, _, Some(next))) = stored.iter().find(|(t, part, _)| *t == m.topic && *part == m.partition) {
-                m.from = Some(*next);
-                *m = m.clone().backwards_only();
-            }
-        }
-    }
+    let plan = tokio::task::spawn_blocking(move || rewind::plan(&kafka, &pp, a.to, positions.as_deref(), a.timeout)).await??;
+    let moves = plan.moves;
     println!("pipeline {:?}, consumer group {:?}{}", p.name, p.group_id, if stored { ", stored positions too" } else { "" });
     println!("{:<32} {:>12} {:>12} {:>12} {:>12}", "partition", "from", "to", "end", "replayed");
     for m in &moves {
@@ -339,8 +335,21 @@ async fn rewind(a: RewindArgs) -> anyhow::Result<()> {
         let tp = format!("{}/{}", m.topic, m.partition);
         println!("{tp:<32} {from:>12} {:>12} {:>12} {:>12}", m.to, m.end, m.replayed());
     }
+    for w in &plan.warnings {
+        println!("warning: {w}");
+    }
     let total: i64 = moves.iter().map(rewind::Move::replayed).sum();
     if a.dry_run {
+        let (kafka, pp) = (settings.kafka.clone(), p.clone());
+        let members = tokio::task::spawn_blocking(move || rewind::active_members(&kafka, &pp, a.timeout)).await?;
+        match members {
+            Some(0) => println!("the group has no active members: a real run would go ahead"),
+            Some(n) => println!("a real run would be refused: the group has {n} active member(s); stop every worker of the pipeline first"),
+            None => println!(
+                "the broker does not describe groups (DescribeGroups): a real run joins the group and is refused if a worker \
+                 still holds a partition"
+            ),
+        }
         println!("dry run: nothing changed; {total} record(s) would be consumed again");
         return Ok(());
     }

@@ -291,13 +291,16 @@ pub fn load_settings_from(
         }
     }
     // The same nesting as figment's `Env::prefixed("IDEMFLOW_").split("__")`, over the given variables only.
+    let from_env: Vec<(String, String)> =
+        known.iter().map(|(name, _)| (name["IDEMFLOW_".len()..].to_ascii_lowercase().replace("__", "."), name.clone())).collect();
     let figment = known.into_iter().fold(base, |f, (name, value)| {
         let key = name["IDEMFLOW_".len()..].to_ascii_lowercase().replace("__", ".");
         f.merge(figment::providers::Serialized::default(&key, parse_env_value(&value)))
     });
     let mut settings: Settings = figment.extract().map_err(|e| {
-        let text = e.into_iter().map(|e| e.to_string()).collect::<Vec<_>>().join("; ");
-        err(text.replace("key \"default.", "key \"").replace("missing field `database`", "missing [database] (or IDEMFLOW_DATABASE__URL)").replace("missing field `kafka`", "missing [kafka] (or IDEMFLOW_KAFKA__BOOTSTRAP_SERVERS)"))
+        let text = std::fs::read_to_string(file).ok();
+        let located = e.into_iter().map(|e| locate(&e, text.as_deref(), &from_env)).collect::<Vec<_>>().join("; ");
+        err(located.replace("missing field `database`", "missing [database] (or IDEMFLOW_DATABASE__URL)").replace("missing field `kafka`", "missing [kafka] (or IDEMFLOW_KAFKA__BOOTSTRAP_SERVERS)"))
     })?;
     if let Err(e) = tracing_subscriber::EnvFilter::try_new(&settings.log.level) {
         return Err(err(format!("log.level: {:?} is not a tracing filter (e.g. \"info\" or \"info,idemflow=debug\"): {e}", settings.log.level)));
@@ -310,6 +313,73 @@ pub fn load_settings_from(
         return Err(err("database.max_connections must be at least 1".to_owned()));
     }
     Ok(Loaded { settings, warnings })
+}
+
+/// One settings error as `line L, column C: key: problem` when the value comes from the settings file (`text`), or
+/// `key (from environment variable IDEMFLOW_...): problem` when it comes from the environment (`from_env` maps
+/// dotted keys to variable names). An unknown key is located at the key; a missing one at its section's header.
+fn locate(e: &figment::Error, text: Option<&str>, from_env: &[(String, String)]) -> String {
+    let mut path: Vec<&str> = e.path.iter().map(String::as_str).skip_while(|k| *k == "default").collect();
+    let mut problem = e.kind.to_string();
+    let mut at_key = false;
+    match &e.kind {
+        figment::error::Kind::UnknownField(name, expected) => {
+            if path.last() != Some(&name.as_str()) {
+                path.push(name);
+            }
+            at_key = true;
+            problem = if path.len() == 1 {
+                format!("unknown section (expected one of {})", SECTIONS.map(|s| format!("[{s}]")).join(", "))
+            } else {
+                format!("unknown key (expected one of {})", expected.join(", "))
+            };
+        }
+        figment::error::Kind::MissingField(name) => {
+            path.push(name);
+            problem = "missing (it has no default)".to_owned();
+        }
+        _ => {}
+    }
+    let key = path.join(".");
+    if let Some((_, var)) = from_env.iter().find(|(k, _)| *k == key || key.starts_with(&format!("{k}."))) {
+        return format!("{key} (from environment variable {var}): {problem}");
+    }
+    let at = text.and_then(|t| position(t, &path, at_key).map(|offset| line_column(t, offset)));
+    match at {
+        Some((line, column)) => format!("line {line}, column {column}: {key}: {problem}"),
+        None if key.is_empty() => problem,
+        None => format!("{key}: {problem}"),
+    }
+}
+
+/// The byte offset of `path` in a TOML text: the value of a present key (its key with `at_key`, or when the value
+/// has no span), or the header of the deepest table present (for a missing key).
+fn position(text: &str, path: &[&str], at_key: bool) -> Option<usize> {
+    let doc = toml_edit::ImDocument::parse(text).ok()?;
+    let mut table: &dyn toml_edit::TableLike = doc.as_table();
+    let mut found = None;
+    for (i, k) in path.iter().enumerate() {
+        let Some(item) = table.get(k) else { break };
+        let key_span = || table.key(k).and_then(|key| key.span());
+        let span = if at_key && i + 1 == path.len() { key_span().or_else(|| item.span()) } else { item.span().or_else(key_span) };
+        found = span.map(|r| r.start).or(found);
+        if i + 1 == path.len() {
+            return found;
+        }
+        match item.as_table_like() {
+            Some(t) => table = t,
+            None => break,
+        }
+    }
+    found
+}
+
+/// 1-based line and column (in characters) of a byte offset.
+fn line_column(text: &str, offset: usize) -> (usize, usize) {
+    let before = &text[..offset.min(text.len())];
+    let line = before.matches('\n').count() + 1;
+    let column = before.rsplit('\n').next().unwrap_or_default().chars().count() + 1;
+    (line, column)
 }
 
 /// Environment values are strings; numbers and booleans are typed the way figment's `Env` types them.

@@ -379,19 +379,48 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<bool> {
     println!();
     println!("  check: business rows {rows} == distinct operations {}: {}", s.distinct, if rows_ok { "ok" } else { "FAILED" });
     println!("  check: total deducted {deducted} == expected {expected}: {}", if total_ok { "ok" } else { "FAILED" });
-    println!(
-        "  injected: {} producer retries, {} reused order ids, {} poison records (a redelivered retry counts again)",
-        s.retries, s.mismatches, s.poison
-    );
+    // How the counts reconcile with what was injected: every consumed record is counted exactly once as applied,
+    // skipped or dead-lettered; a record consumed again after the crash or a rebalance is a `redelivered` skip.
+    let count = |name: &str, reason: Option<&str>| counter(&metrics, name, reason);
+    let consumed = count("idemflow_records_received_total", None);
+    let applied = count("idemflow_records_applied_total", None);
+    let skipped = count("idemflow_duplicates_skipped_total", None);
+    let dead = count("idemflow_dead_letters_total", None);
+    let tombstones = count("idemflow_tombstones_skipped_total", None);
+    let redelivered = count("idemflow_duplicates_skipped_total", Some("redelivered"));
+    let republished = count("idemflow_duplicates_skipped_total", Some("republished"));
+    let mismatched = count("idemflow_duplicates_skipped_total", Some("payload_mismatch"));
+    let verdict = |ok: bool| if ok { "ok" } else { "differs" };
+    let reconciled = [
+        (consumed == applied + skipped + dead + tombstones,
+            format!("consumed {consumed} = applied {applied} + duplicates skipped {skipped} + dead letters {dead} + tombstones {tombstones}")),
+        (consumed == total + redelivered,
+            format!("consumed {consumed} = produced {total} + redelivered {redelivered} (consumed again after the crash and rebalances)")),
+        (republished == s.retries, format!("republished {republished} = producer retries injected {}", s.retries)),
+        (mismatched == s.mismatches, format!("payload_mismatch {mismatched} = reused order ids injected {}", s.mismatches)),
+        (dead == s.poison, format!("dead letters {dead} = poison records injected {}", s.poison)),
+    ];
+    println!("  reconciliation with what was injected");
+    for (ok, text) in &reconciled {
+        println!("    {text}: {}", verdict(*ok));
+    }
+    let reconciled = reconciled.iter().all(|(ok, _)| *ok);
 
     if options.keep_running {
+        let database = crate::config::DatabaseUrl::from(url.clone());
         eprintln!("\nkeeping the worker and http://{}/metrics up; Ctrl-C to stop", server.addr());
+        eprintln!("  Kafka (embedded broker): {} (topic {TOPIC}, consumer group idemflow-payments)", kafka.bootstrap_servers());
+        eprintln!("  PostgreSQL: {database}{}", if options.database_url.is_none() {
+            " (the throwaway cluster's user postgres, password postgres)"
+        } else {
+            " (the password of your --database-url)"
+        });
         shutdown::signals().await;
     }
     a.stop().await?;
     pool.close().await;
     drop(admin);
-    Ok(rows_ok && total_ok)
+    Ok(rows_ok && total_ok && reconciled)
 }
 
 /// `idemflow demo-producer`: sends the demo's stream of payment deductions (with producer retries, reused order ids

@@ -75,5 +75,32 @@ async fn bad_configuration_names_file_pipeline_and_field() {
     std::fs::write(dir.path().join("idemflow.toml"), "[database]\nurl = \"x\"\nmax_conections = 3\n[kafka]\nbootstrap_servers = \"k\"\n").unwrap();
     let (status, _, err) = idemflow(&["check", "--config", "idemflow.toml"], dir.path());
     assert!(!status.success());
-    assert!(err.contains("idemflow.toml") && err.contains("max_conections"), "{err}");
+    assert!(
+        err.contains("idemflow.toml: line 3, column 1: database.max_conections: unknown key (expected one of url, max_connections"),
+        "{err}"
+    );
+
+    // A bad value in the file is located by line and column; the same value from the environment names the variable.
+    std::fs::write(dir.path().join("idemflow.toml"), "[database]\nurl = \"x\"\nacquire_timeout = \"ten\"\n[kafka]\nbootstrap_servers = \"k\"\n").unwrap();
+    let (status, _, err) = idemflow(&["check", "--config", "idemflow.toml"], dir.path());
+    assert!(!status.success());
+    assert!(err.contains("idemflow.toml: line 3, column 19: database.acquire_timeout: invalid value string \"ten\", expected a duration"), "{err}");
+    std::fs::write(dir.path().join("idemflow.toml"), "[database]\nurl = \"x\"\n[kafka]\nbootstrap_servers = \"k\"\n").unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_idemflow"))
+        .args(["check", "--config", "idemflow.toml"])
+        .env("IDEMFLOW_DATABASE__MAX_CONNECTIONS", "many")
+        .current_dir(dir.path())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("database.max_connections (from environment variable IDEMFLOW_DATABASE__MAX_CONNECTIONS): invalid type: found string \"many\""),
+        "{err}"
+    );
+    // A missing required key points at its section.
+    std::fs::write(dir.path().join("idemflow.toml"), "[database]\nmax_connections = 2\n[kafka]\nbootstrap_servers = \"k\"\n").unwrap();
+    let (status, _, err) = idemflow(&["check", "--config", "idemflow.toml"], dir.path());
+    assert!(!status.success());
+    assert!(err.contains("idemflow.toml: line 1, column 1: database.url: missing (it has no default)"), "{err}");
 }

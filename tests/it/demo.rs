@@ -25,7 +25,41 @@ fn demo_summary_checks_exactly_once() {
     assert!(number("redelivered (crash, rebalance)") > 0, "the crash must cause redeliveries:\n{stdout}");
     assert!(number("payload_mismatch (order id reused)") > 0);
     assert!(number("decode_failed") > 0);
-    assert!(stdout.contains("check: business rows") && stdout.matches(": ok").count() == 2, "{stdout}");
+    assert!(stdout.contains("check: business rows") && stdout.matches(": ok").count() == 7, "{stdout}");
+    assert!(!stdout.contains("differs"), "{stdout}");
+    for line in ["consumed", "republished", "payload_mismatch", "dead letters"] {
+        assert!(stdout.lines().any(|l| l.trim_start().starts_with(line) && l.ends_with(": ok")), "no reconciled {line:?} line:\n{stdout}");
+    }
+}
+
+/// `demo --keep-running` says where its broker and database are, so a user can look at them, without printing the
+/// database password.
+#[test]
+fn demo_keep_running_prints_the_broker_and_database_addresses() {
+    use std::io::BufRead;
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_idemflow"));
+    cmd.args(["demo", "--records", "2000", "--metrics-listen", "127.0.0.1:0", "--keep-running"]).current_dir(project_root());
+    if std::env::var("DATABASE_URL").is_err() {
+        cmd.env("DATABASE_URL", postgres::server_url());
+    }
+    let mut child = cmd.stdout(std::process::Stdio::null()).stderr(std::process::Stdio::piped()).spawn().unwrap();
+    let stderr = std::io::BufReader::new(child.stderr.take().unwrap());
+    let mut seen = Vec::new();
+    for line in stderr.lines() {
+        let line = line.unwrap();
+        let done = line.trim_start().starts_with("PostgreSQL:");
+        seen.push(line);
+        if done {
+            break;
+        }
+    }
+    std::process::Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap();
+    assert!(child.wait().unwrap().success(), "{seen:?}");
+    let text = seen.join("\n");
+    let kafka = seen.iter().find(|l| l.contains("Kafka (embedded broker): 127.0.0.1:")).unwrap_or_else(|| panic!("{text}"));
+    assert!(kafka.contains("topic payments"), "{text}");
+    let pg = seen.iter().find(|l| l.trim_start().starts_with("PostgreSQL: postgres://")).unwrap_or_else(|| panic!("{text}"));
+    assert!(pg.contains("/idemflow_demo_") && pg.contains(":***@"), "the address without the password: {pg}");
 }
 
 #[test]

@@ -138,6 +138,82 @@ async fn sigkills_with_the_database_store_redeliver_nothing() {
     assert_eq!(stored_next_offsets(&db).await, kafka.end_offsets(TOPIC, PARTITIONS));
 }
 
+/// `rewind --dry-run` says whether a real run would be refused (here the broker cannot describe groups, so it says
+/// how a real run decides), and warns when the replay starts at records older than the dedup retention, whose
+/// dedup rows may have been purged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rewind_dry_run_tells_the_refusal_rule_and_warns_past_the_dedup_retention() {
+    let db = payments_db(None).await;
+    let kafka = Kafka::new();
+    kafka.create_topic(TOPIC, 2);
+    let s = payments(300, 2, false);
+    kafka.produce(TOPIC, &s.records);
+    let pipeline = shipped() + "\n[dedup]\nretention = \"2s\"\n";
+    let setup = Setup::with(&db, &kafka, &[("payments.toml", &pipeline)], FAST_GROUP, "");
+    let mut w = BinWorker::start(&setup);
+    wait_all_durable(&db, &kafka, GROUP, TOPIC, 2, &s).await;
+    assert!(w.sigterm().success(), "{}", w.log_text());
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let config = setup.config.to_str().unwrap().to_owned();
+    let args = ["rewind", "--config", &config, "--pipeline", "payments", "--to", "earliest", "--dry-run"];
+    let (status, out, err) = idemflow(&args, setup.dir.path());
+    assert!(status.success(), "{out}{err}");
+    assert!(out.contains("the broker does not describe groups (DescribeGroups): a real run joins the group"), "{out}");
+    for p in 0..2 {
+        assert!(out.contains(&format!("warning: payments/{p}: the replay starts at a record from ")), "{out}");
+    }
+    assert!(out.contains("older than [dedup] retention = 2s"), "{out}");
+    assert!(out.contains("dry run: nothing changed"), "{out}");
+    assert_eq!(kafka.committed(GROUP, TOPIC, 2), kafka.end_offsets(TOPIC, 2));
+}
+
+/// On a broker that describes groups (noida-db; the mock cluster cannot), `rewind` refuses while a worker runs
+/// *before joining the group*, so the running worker sees no rebalance; `--dry-run` says a real run would be
+/// refused; once the worker has stopped, the rewind goes ahead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rewind_refuses_before_joining_when_the_group_has_members() {
+    let noida = noida::Noida::start();
+    noida.create_topic("orders", 2).await;
+    let db = TestDb::new("CREATE TABLE payments (order_id text PRIMARY KEY, amount integer NOT NULL);").await;
+    let pipeline = "topics = [\"orders\"]\n[key]\nfield = \"/id\"\n[sink]\ntable = \"payments\"\n[sink.columns]\norder_id = \"/id\"\namount = \"/amount\"\n";
+    let values: Vec<String> = (0..40).map(|i| format!(r#"{{"id":"n-{i}","amount":1}}"#)).collect();
+    noida.produce("orders", 2, &values);
+    let setup = Setup::with_bootstrap(&db, noida.bootstrap(), &[("payments.toml", pipeline)], "", "");
+    let mut w = BinWorker::start(&setup);
+    wait_until(Duration::from_secs(60), "the records applied", || async {
+        metric(&w.scrape(), "idemflow_records_applied_total", &[("pipeline", "payments")]) == 40.0
+    })
+    .await;
+    let rebalances = |w: &BinWorker| metric(&w.scrape(), "idemflow_rebalances_total", &[("pipeline", "payments"), ("event", "revoke")]);
+    let before = rebalances(&w);
+    let config = setup.config.to_str().unwrap().to_owned();
+    let rewind = |extra: &[&str]| {
+        let mut args = vec!["rewind", "--config", &config, "--pipeline", "payments", "--to", "earliest"];
+        args.extend_from_slice(extra);
+        idemflow(&args, setup.dir.path())
+    };
+    let (status, out, err) = rewind(&["--dry-run"]);
+    assert!(status.success(), "{out}{err}");
+    assert!(out.contains("a real run would be refused: the group has 1 active member(s)"), "{out}");
+    let (status, out, err) = rewind(&[]);
+    assert!(!status.success(), "{out}{err}");
+    assert!(err.contains("has 1 active member(s)") && err.contains("the group was not joined"), "{err}");
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(rebalances(&w), before, "the refused rewind must not force a rebalance on the running worker");
+    assert!(w.sigterm().success(), "{}", w.log_text());
+    // The stopped worker left the group (LeaveGroup); give the broker a moment to complete the group's state.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let out = loop {
+        let (status, out, err) = rewind(&[]);
+        if status.success() {
+            break out;
+        }
+        assert!(err.contains("active member(s)") && std::time::Instant::now() < deadline, "{out}{err}");
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    };
+    assert!(out.contains("rewound: 40 record(s)"), "{out}");
+}
+
 /// Fencing: a worker that lost a partition can neither overwrite the new owner's position nor move it
 /// backwards, and its batch rolls back whole; a new owner's claim waits for the old owner's batch in flight and
 /// starts exactly after it.

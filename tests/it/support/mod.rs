@@ -1,6 +1,7 @@
 //! Test support: a real Postgres, the Kafka mock cluster, and the worker (as the built binary or in-process).
 
 pub mod kafka;
+pub mod noida;
 pub mod postgres;
 
 use std::io::{Read, Write};
@@ -78,6 +79,11 @@ impl Setup {
 
     /// The same, with more `[kafka.properties]` lines and more settings (`extra`, TOML appended at the end).
     pub fn with(db: &TestDb, kafka: &Kafka, pipelines: &[(&str, &str)], properties: &str, extra: &str) -> Setup {
+        Self::with_bootstrap(db, kafka.bootstrap(), pipelines, properties, extra)
+    }
+
+    /// [`Setup::with`] for a Kafka at `bootstrap` (another implementation than the mock cluster).
+    pub fn with_bootstrap(db: &TestDb, bootstrap: &str, pipelines: &[(&str, &str)], properties: &str, extra: &str) -> Setup {
         let dir = tempfile::tempdir().unwrap();
         std::fs::create_dir(dir.path().join("pipelines")).unwrap();
         for (name, text) in pipelines {
@@ -92,7 +98,7 @@ impl Setup {
                  [kafka.properties]{}\n[metrics]\nlisten = \"{metrics}\"\n[log]\nlevel = \"info\"\n\
                  [shutdown]\ntimeout = \"20s\"\n{extra}\n",
                 db.url,
-                kafka.bootstrap(),
+                bootstrap,
                 merge_properties(TEST_KAFKA_PROPERTIES, properties),
             ),
         )
