@@ -24,6 +24,12 @@
 //! the new owner and skipped as a duplicate), and with `[offsets] store = "database"` the owner epochs fence a
 //! batch whose partition another worker claimed meanwhile.
 //!
+//! With `[offsets] store = "database"`, the rebalance callback does not assign newly assigned partitions itself:
+//! it starts their claim ([`crate::offsets::claim`]) as a task and returns; the source keeps polling and, once the
+//! claim is done, assigns the partitions from their stored positions (librdkafka waits for that assign call,
+//! keeping the member in its group). So a database that is down during a rebalance delays the partitions, never
+//! the consumer's poll. A revoke or a shutdown before the claim finishes drops it.
+//!
 //! Between records (and once a second while idle) the source does its housekeeping: it commits positions learned
 //! at assignment (the stored positions of `[offsets] store = "database"`, so lag tools reading the group's
 //! committed offsets see no lag that is not there), retries a failed offset commit, exports the lag of every
@@ -68,6 +74,18 @@ struct Ownership {
     fenced: HashSet<Tp>,
     /// Durable positions learned at assignment (claimed stored positions) that the group has not committed yet.
     commit_pending: bool,
+    /// `[offsets] store = "database"`: an assignment waiting for its claim before the assign call.
+    claiming: Option<Claiming>,
+}
+
+/// An assignment whose stored positions are being claimed (see the module documentation).
+struct Claiming {
+    /// The partitions the group assigned.
+    partitions: Vec<(String, i32)>,
+    /// Incremental (cooperative) assignment rather than eager.
+    cooperative: bool,
+    /// The claim: `None` when shutdown came first.
+    task: tokio::task::JoinHandle<Option<Vec<offsets::Claimed>>>,
 }
 
 impl Ownership {
@@ -88,7 +106,7 @@ pub struct StoredStart {
     pub pool: PgPool,
     /// Recorded as the owner of claimed partitions (for operators): `host/pid` by default.
     pub owner: String,
-    /// The runtime the worker runs on (the rebalance callback blocks on the claim).
+    /// The runtime the claim tasks run on.
     pub runtime: tokio::runtime::Handle,
     /// Ends the claim's retries.
     pub shutdown: Shutdown,
@@ -104,6 +122,8 @@ pub struct SourceContext {
     closing: AtomicBool,
     /// Set by the rebalance callbacks: the housekeeping refreshes the lag of the new assignment.
     assignment_changed: AtomicBool,
+    /// Notified when a claim finishes, so the source assigns its partitions at once.
+    claimed: Arc<tokio::sync::Notify>,
 }
 
 fn tp_of(topic: &str, partition: i32) -> Tp {
@@ -131,9 +151,9 @@ impl ClientContext for SourceContext {
 }
 
 impl ConsumerContext for SourceContext {
-    /// librdkafka's rebalance callback (it runs inside the consumer's poll). Replaces rdkafka's default only to
-    /// set each assigned partition's starting offset from the stored positions (`[offsets] store = "database"`)
-    /// before assigning; otherwise it does what the default does.
+    /// librdkafka's rebalance callback (it runs inside the consumer's poll). Replaces rdkafka's default only for
+    /// `[offsets] store = "database"`: an assignment is not made here but after its stored positions are claimed
+    /// (see the module documentation); otherwise it does what the default does.
     fn rebalance(&self, consumer: &BaseConsumer<Self>, err: RDKafkaRespErr, tpl: &mut TopicPartitionList) {
         let cooperative = matches!(consumer.rebalance_protocol(), RebalanceProtocol::Cooperative);
         let result = match err {
@@ -145,11 +165,10 @@ impl ConsumerContext for SourceContext {
             }
             RDKafkaRespErr::RD_KAFKA_RESP_ERR__ASSIGN_PARTITIONS => {
                 if let Some(stored) = &self.stored {
-                    if !self.start_from_stored(stored, tpl) {
-                        // Shutting down before the positions could be read: take nothing. (`tpl` belongs to the
-                        // rebalance event and must not be replaced: librdkafka frees it afterwards.)
-                        let none = TopicPartitionList::new();
-                        return self.report(if cooperative { Ok(()) } else { consumer.assign(&none) });
+                    if tpl.count() > 0 {
+                        // Assigned once the claim is done (`Source::finish_claim`); librdkafka waits for the call.
+                        self.start_claim(stored, tpl, cooperative);
+                        return;
                     }
                 }
                 let r = if cooperative { consumer.incremental_assign(tpl) } else { consumer.assign(tpl) };
@@ -187,6 +206,10 @@ impl SourceContext {
         let mut commit = TopicPartitionList::new();
         {
             let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+            if let Some(claiming) = st.claiming.take() {
+                claiming.task.abort();
+                tracing::info!(pipeline = %self.pipeline, "a rebalance came before the claim finished: dropping it");
+            }
             for e in tpl.elements() {
                 if let Some(next) = st.give_up(tp_of(e.topic(), e.partition())) {
                     let _ = commit.add_partition_offset(e.topic(), e.partition(), Offset::Offset(next));
@@ -218,6 +241,9 @@ impl SourceContext {
         // rdkafka unassigns everything after a failed rebalance: treat it as losing every partition.
         self.metrics.rebalance(RebalanceEvent::Error);
         let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(claiming) = st.claiming.take() {
+            claiming.task.abort();
+        }
         let lost: Vec<Tp> = st.assigned.drain().collect();
         st.durable.clear();
         st.epochs.clear();
@@ -231,7 +257,7 @@ impl SourceContext {
         tracing::warn!(pipeline = %self.pipeline, error = %e, "rebalance error: every partition counts as lost");
     }
 
-    fn assigned(&self, consumer: &BaseConsumer<Self>, tpl: &TopicPartitionList) {
+    fn assigned(&self, consumer: &impl Consumer<Self>, tpl: &TopicPartitionList) {
         self.metrics.rebalance(RebalanceEvent::Assign);
         let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         for e in tpl.elements() {
@@ -258,44 +284,37 @@ impl SourceContext {
         tracing::info!(pipeline = %self.pipeline, partitions = %describe(tpl), "partitions assigned");
     }
 
-    /// Claims the assigned partitions' stored positions ([`offsets::claim`]) and sets them as the starting
-    /// offsets in `tpl`. Retries while the database is unreachable (the partitions wait for it); returns `false`
-    /// if shutdown came first.
-    fn start_from_stored(&self, stored: &StoredStart, tpl: &mut TopicPartitionList) -> bool {
+    /// Starts claiming the assigned partitions' stored positions ([`offsets::claim`]) in a task that retries while
+    /// the database is unreachable, until shutdown; [`Source::finish_claim`] assigns them when it is done.
+    fn start_claim(&self, stored: &StoredStart, tpl: &TopicPartitionList, cooperative: bool) {
         let partitions: Vec<(String, i32)> =
             tpl.elements().iter().map(|e| (e.topic().to_owned(), e.partition())).collect();
-        if partitions.is_empty() {
-            return true;
-        }
-        let mut delays = crate::worker::backoff(Duration::from_millis(100), Duration::from_secs(10));
-        let claimed = tokio::task::block_in_place(|| {
-            stored.runtime.block_on(async {
-                loop {
-                    match offsets::claim(&stored.pool, &self.pipeline, &stored.owner, &partitions).await {
-                        Ok(claimed) => return Some(claimed),
-                        Err(e) => {
-                            let delay = delays.next().unwrap_or(Duration::from_secs(10));
-                            tracing::warn!(pipeline = %self.pipeline, error = %e, retry_in = ?delay,
-                                "cannot claim the stored positions of the assigned partitions; retrying");
-                            let mut shutdown = stored.shutdown.clone();
-                            tokio::select! {
-                                _ = tokio::time::sleep(delay) => {}
-                                _ = shutdown.wait() => return None,
-                            }
+        let (pool, pipeline, owner, parts) = (stored.pool.clone(), self.pipeline.clone(), stored.owner.clone(), partitions.clone());
+        let (mut shutdown, done) = (stored.shutdown.clone(), self.claimed.clone());
+        let task = stored.runtime.spawn(async move {
+            let mut delays = crate::worker::backoff(Duration::from_millis(100), Duration::from_secs(10));
+            let claimed = loop {
+                match offsets::claim(&pool, &pipeline, &owner, &parts).await {
+                    Ok(claimed) => break Some(claimed),
+                    Err(e) => {
+                        let delay = delays.next().unwrap_or(Duration::from_secs(10));
+                        tracing::warn!(pipeline = %pipeline, error = %e, retry_in = ?delay,
+                            "cannot claim the stored positions of the assigned partitions; retrying (the consumer stays in its group)");
+                        tokio::select! {
+                            _ = tokio::time::sleep(delay) => {}
+                            _ = shutdown.wait() => break None,
                         }
                     }
                 }
-            })
+            };
+            done.notify_one();
+            claimed
         });
-        let Some(claimed) = claimed else { return false };
+        tracing::info!(pipeline = %self.pipeline, partitions = %describe(tpl), "partitions assigned: claiming their stored positions");
         let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
-        for c in claimed {
-            if let Some(next) = c.next_offset {
-                let _ = tpl.set_partition_offset(&c.topic, c.partition, Offset::Offset(next));
-            }
-            st.epochs.insert(tp_of(&c.topic, c.partition), c.epoch);
+        if let Some(previous) = st.claiming.replace(Claiming { partitions, cooperative, task }) {
+            previous.task.abort();
         }
-        true
     }
 }
 
@@ -355,27 +374,18 @@ pub fn check_properties(kafka: &KafkaSettings, pipeline: &Pipeline) -> KafkaResu
 
 /// Settings of `pipeline` that work against each other, each as one sentence naming the settings (`check` prints
 /// them as warnings). Unset librdkafka properties count with librdkafka's defaults (`session.timeout.ms` 45000,
-/// `heartbeat.interval.ms` 3000, `max.poll.interval.ms` 300000).
+/// `heartbeat.interval.ms` 3000). (`max.poll.interval.ms` below `session.timeout.ms` is refused by librdkafka
+/// itself; a slow database cannot exceed the poll interval, see the module documentation.)
 pub fn timing_warnings(settings: &crate::config::Settings, pipeline: &Pipeline) -> Vec<String> {
     let config = consumer_config(&settings.kafka, pipeline);
     let ms = |key: &str, default: u64| config.get(key).and_then(|v| v.parse::<u64>().ok()).unwrap_or(default);
-    let (session, heartbeat, poll) =
-        (ms("session.timeout.ms", 45_000), ms("heartbeat.interval.ms", 3_000), ms("max.poll.interval.ms", 300_000));
+    let (session, heartbeat) = (ms("session.timeout.ms", 45_000), ms("heartbeat.interval.ms", 3_000));
     let name = &pipeline.name;
     let mut out = Vec::new();
     if heartbeat * 3 > session {
         out.push(format!(
             "pipeline {name:?}: heartbeat.interval.ms = {heartbeat} is more than a third of session.timeout.ms = \
              {session}: one late heartbeat can expire the member and force a rebalance (Kafka's guidance: at most a third)"
-        ));
-    }
-    let acquire = settings.database.acquire_timeout.as_millis() as u64;
-    if pipeline.offsets == crate::config::OffsetStore::Database && acquire >= poll {
-        out.push(format!(
-            "pipeline {name:?}: [offsets] store = \"database\" claims positions inside the rebalance callback, where one \
-             attempt can wait [database] acquire_timeout = {acquire} ms, not less than max.poll.interval.ms = {poll}: \
-             while the database is unreachable during a rebalance the consumer leaves its group (nothing is lost; it \
-             rejoins). Keep acquire_timeout well below max.poll.interval.ms"
         ));
     }
     let stop = settings.shutdown.timeout;
@@ -519,6 +529,7 @@ impl Source {
             stored,
             closing: AtomicBool::new(false),
             assignment_changed: AtomicBool::new(false),
+            claimed: Arc::new(tokio::sync::Notify::new()),
         };
         let reset_to_earliest = !matches!(
             config.get("auto.offset.reset"),
@@ -551,6 +562,7 @@ impl Source {
     pub async fn next_batch(&mut self, settings: BatchSettings, shutdown: &mut Shutdown) -> Option<Vec<Record>> {
         let mut batch: Vec<Record> = Vec::new();
         let mut deadline: Option<Instant> = None;
+        let claimed = self.consumer.context().claimed.clone();
         self.housekeeping();
         drop_revoked(&self.state, &self.pipeline, &mut batch, &mut self.stash);
         if !self.stash.is_empty() {
@@ -563,6 +575,10 @@ impl Source {
                 None => tokio::select! {
                     m = self.consumer.recv() => m,
                     _ = shutdown.wait() => return None,
+                    _ = claimed.notified() => {
+                        self.finish_claim();
+                        continue;
+                    }
                     // While idle: commit positions learned at assignment or retry a failed commit, so the
                     // group's position (and the lag) does not stay behind until the next record arrives; refresh
                     // the lag; watch the time without partitions.
@@ -600,6 +616,8 @@ impl Source {
             }
             if self.consumer.context().assignment_changed.load(Ordering::SeqCst) {
                 self.housekeeping();
+            } else {
+                self.finish_claim();
             }
         }
         drop_revoked(&self.state, &self.pipeline, &mut batch, &mut self.stash);
@@ -614,8 +632,10 @@ impl Source {
         self.pause_owned();
         let deadline = Instant::now() + delay;
         let mut stopped = false;
+        let claimed = self.consumer.context().claimed.clone();
         loop {
             tokio::select! {
+                _ = claimed.notified() => self.finish_claim(),
                 m = tokio::time::timeout_at(deadline, self.consumer.recv()) => match m {
                     Err(_) => break,
                     Ok(Ok(message)) => {
@@ -656,11 +676,13 @@ impl Source {
     pub async fn poll_while<T>(&mut self, mut work: tokio::task::JoinHandle<T>) -> T {
         let keep = self.keep;
         let mut paused_here = false;
+        let claimed = self.consumer.context().claimed.clone();
         let joined = loop {
             let mut full = false;
             tokio::select! {
                 biased;
                 joined = &mut work => break joined,
+                _ = claimed.notified() => self.finish_claim(),
                 m = self.consumer.recv() => match m {
                     Ok(message) => {
                         let topic = intern(&mut self.topics, rdkafka::Message::topic(&message));
@@ -786,10 +808,50 @@ impl Source {
         }
     }
 
+    /// Assigns the partitions of a finished claim from their stored positions (the assign call librdkafka waits
+    /// for); after a shutdown during the claim, assigns nothing. Does nothing while no claim has finished.
+    fn finish_claim(&mut self) {
+        let claiming = {
+            let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+            match &st.claiming {
+                Some(c) if c.task.is_finished() => st.claiming.take(),
+                _ => None,
+            }
+        };
+        let Some(mut claiming) = claiming else { return };
+        let waker = std::task::Waker::noop();
+        let polled = std::future::Future::poll(std::pin::Pin::new(&mut claiming.task), &mut std::task::Context::from_waker(waker));
+        let claimed = match polled {
+            std::task::Poll::Ready(Ok(claimed)) => claimed,
+            _ => None,
+        };
+        let mut tpl = TopicPartitionList::new();
+        if let Some(claimed) = &claimed {
+            let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+            for (topic, partition) in &claiming.partitions {
+                tpl.add_partition(topic, *partition);
+                if let Some(c) = claimed.iter().find(|c| c.topic == *topic && c.partition == *partition) {
+                    if let Some(next) = c.next_offset {
+                        let _ = tpl.set_partition_offset(topic, *partition, Offset::Offset(next));
+                    }
+                    st.epochs.insert(tp_of(topic, *partition), c.epoch);
+                }
+            }
+        }
+        let consumer = &self.consumer;
+        let r = if claiming.cooperative { consumer.incremental_assign(&tpl) } else { consumer.assign(&tpl) };
+        match r {
+            Ok(()) if tpl.count() > 0 => consumer.context().assigned(consumer, &tpl),
+            Ok(()) => tracing::info!(pipeline = %self.pipeline, "shutting down before the claim finished: taking no partitions"),
+            Err(e) => tracing::warn!(pipeline = %self.pipeline, error = %e, "applying the rebalance failed"),
+        }
+    }
+
     /// The source's work between records: commits positions learned at assignment and retries a failed commit,
     /// refreshes the lag of every assigned partition (at once after a rebalance, otherwise every [`LAG_EVERY`]),
     /// and warns each `[kafka] no_partitions_warning` while the consumer has no partition.
     fn housekeeping(&mut self) {
+        self.finish_claim();
         let changed = self.consumer.context().assignment_changed.swap(false, Ordering::SeqCst);
         let (pending, owned) = {
             let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
@@ -942,6 +1004,14 @@ impl Source {
         let consumer = self.consumer;
         let pipeline = self.pipeline;
         consumer.context().closing.store(true, Ordering::SeqCst);
+        // A claim still running: drop it and answer librdkafka's pending assign call with nothing, or leaving the
+        // group would wait for that call.
+        let claiming = self.state.lock().unwrap_or_else(PoisonError::into_inner).claiming.take();
+        if let Some(claiming) = claiming {
+            claiming.task.abort();
+            let none = TopicPartitionList::new();
+            let _ = if claiming.cooperative { consumer.incremental_assign(&none) } else { consumer.assign(&none) };
+        }
         if tpl.count() > 0 {
             match tokio::task::block_in_place(|| consumer.commit(&tpl, CommitMode::Sync)) {
                 Ok(()) => tracing::info!(pipeline = %pipeline, offsets = %describe(&tpl), "offsets committed"),

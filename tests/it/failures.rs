@@ -352,6 +352,43 @@ async fn a_database_outage_longer_than_the_poll_interval_keeps_the_group() {
     assert_exactly_once(&db, &s).await;
 }
 
+/// `[offsets] store = "database"`: a rebalance while Postgres is down (worker B leaves the group during a 20 s
+/// outage, longer than `max.poll.interval.ms = 7000`), so worker A must claim B's partitions, and its own again,
+/// while the database is unreachable. The claim waits for the database without holding up A's poll: A never exceeds
+/// the poll interval or leaves the group, and after the outage every operation is applied once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rebalance_during_a_database_outage_claims_without_stopping_the_poll() {
+    let cluster = postgres::Cluster::start().unwrap();
+    let db = payments_db(Some(&cluster.url())).await;
+    let kafka = Kafka::new();
+    kafka.create_topic("payments", 4);
+    let s = payments(4_000, 4, false);
+    let (first, rest) = s.records.split_at(s.records.len() / 4);
+    kafka.produce("payments", first);
+    let props = "\"session.timeout.ms\" = \"6000\"\n\"heartbeat.interval.ms\" = \"500\"\n\"max.poll.interval.ms\" = \"7000\"";
+    let pipeline = shipped() + "\n[offsets]\nstore = \"database\"\n";
+    let setups: Vec<Setup> = (0..2).map(|_| Setup::with(&db, &kafka, &[("payments.toml", &pipeline)], props, "")).collect();
+    let mut a = BinWorker::start(&setups[0]);
+    let mut b = BinWorker::start(&setups[1]);
+    let assigned = |w: &BinWorker| metric(&w.scrape(), "idemflow_assigned_partitions", &[("pipeline", "payments")]);
+    wait_until(Duration::from_secs(60), "both workers owning partitions", || async { assigned(&a) > 0.0 && assigned(&b) > 0.0 }).await;
+    cluster.stop().unwrap();
+    kafka.produce("payments", rest);
+    b.sigterm(); // it leaves the group: A is assigned every partition and must claim them
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    let log = a.log_text();
+    assert!(log.contains("cannot claim the stored positions"), "the claim must have met the outage:\n{log}");
+    assert_eq!(assigned(&a), 0.0, "no partition is consumed before its claim");
+    cluster.start_again().unwrap();
+    let db = TestDb { pool: sqlx::PgPool::connect(&db.url).await.unwrap(), url: db.url.clone() };
+    wait_all_durable_or_report(&db, &kafka, "idemflow-payments", "payments", 4, &s, &[&a]).await;
+    let log = a.log_text();
+    assert!(!log.contains("maximum poll interval"), "the consumer exceeded max.poll.interval.ms:\n{log}");
+    assert_eq!(assigned(&a), 4.0);
+    assert!(a.sigterm().success(), "{}", a.log_text());
+    assert_exactly_once(&db, &s).await;
+}
+
 /// The worker's backends are terminated (`pg_terminate_backend`) again and again mid-run.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn backends_terminated_mid_run() {
