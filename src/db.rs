@@ -23,6 +23,13 @@ pub fn persistent() -> bool {
 ///
 /// Errors: the URL does not parse.
 pub fn connect_options(settings: &DatabaseSettings) -> Result<PgConnectOptions, sqlx::Error> {
+    if url::Url::parse(settings.url.expose()).is_ok_and(|u| u.query_pairs().any(|(k, _)| k == "sslpassword")) {
+        return Err(sqlx::Error::Configuration(
+            "sslpassword (the passphrase of an encrypted client key) is not supported: give sslkey an unencrypted key \
+             file readable only by the worker"
+                .into(),
+        ));
+    }
     let options: PgConnectOptions = settings.url.expose().parse()?;
     Ok(if settings.prepared_statements {
         options
@@ -46,14 +53,15 @@ pub fn pool(settings: &DatabaseSettings) -> Result<PgPool, sqlx::Error> {
 /// reason when it is not (a pool would only say it timed out). The error never contains the password.
 pub async fn ping(settings: &DatabaseSettings) -> Result<(), String> {
     use sqlx::Connection as _;
-    let options = connect_options(settings).map_err(|e| format!("cannot connect to {}: {e}", settings.url))?;
+    let url = &settings.url;
+    let options = connect_options(settings).map_err(|e| url.scrub(&format!("cannot connect to {url}: {e}")))?;
     let attempt = sqlx::PgConnection::connect_with(&options);
     match tokio::time::timeout(settings.acquire_timeout, attempt).await {
         Ok(Ok(conn)) => {
             let _ = conn.close().await;
             Ok(())
         }
-        Ok(Err(e)) => Err(format!("cannot connect to {}: {e}", settings.url)),
+        Ok(Err(e)) => Err(url.scrub(&format!("cannot connect to {url}: {e}"))),
         Err(_) => Err(format!("cannot connect to {}: no answer within {:?}", settings.url, settings.acquire_timeout)),
     }
 }

@@ -66,6 +66,7 @@ pub mod prepare;
 pub mod record;
 pub mod retention;
 pub mod rewind;
+pub mod secret;
 pub mod shutdown;
 pub mod sink;
 pub mod source;

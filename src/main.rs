@@ -530,7 +530,7 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
             let pipelines = config::load_pipelines(&settings.pipelines).map_err(|e| report(&e))?;
             for p in &pipelines {
                 idemflow::source::check_properties(&settings.kafka, p)
-                    .map_err(|e| anyhow::anyhow!("{}: kafka.properties: {e}", a.config.display()))?;
+                    .map_err(|e| anyhow::anyhow!("{}: {}", a.config.display(), idemflow::source::describe_kafka_error(&e)))?;
             }
             for p in &pipelines {
                 let (kafka, pipeline) = (settings.kafka.clone(), p.clone());

@@ -140,7 +140,7 @@ pub enum RewindError {
 
 fn kafka(what: impl Into<String>) -> impl FnOnce(KafkaError) -> RewindError {
     let what = what.into();
-    move |source| RewindError::Kafka { what, source }
+    move |source| RewindError::Kafka { what, source: crate::source::hide_config_value(source) }
 }
 
 /// What the broker answered for one partition, and what the group knows: the input of [`reconcile`].

@@ -367,9 +367,70 @@ pub(crate) fn consumer_config(kafka: &KafkaSettings, pipeline: &Pipeline) -> Cli
 }
 
 /// Checks that librdkafka accepts the consumer configuration of `pipeline` (unknown properties, bad values),
-/// without connecting.
+/// without connecting. The error never contains a property's value ([`hide_config_value`]).
 pub fn check_properties(kafka: &KafkaSettings, pipeline: &Pipeline) -> KafkaResult<()> {
-    consumer_config(kafka, pipeline).create_native_config().map(drop)
+    consumer_config(kafka, pipeline).create_native_config().map(drop).map_err(hide_config_value)
+}
+
+/// A librdkafka configuration error without the property's value, which may be a password (`sasl.password`):
+/// the value is removed from librdkafka's description too, and an unknown property gets the closest known name
+/// as a hint. Other errors are returned as they are.
+pub fn hide_config_value(e: KafkaError) -> KafkaError {
+    match e {
+        KafkaError::ClientConfig(result, description, key, value) => {
+            let mut description = crate::secret::scrub(&description, &value);
+            if result == rdkafka::types::RDKafkaConfRes::RD_KAFKA_CONF_UNKNOWN {
+                let known = librdkafka_properties();
+                if let Some(near) = crate::secret::closest(&key, known.iter().map(String::as_str)) {
+                    description.push_str(&format!(" (did you mean \"{near}\"?)"));
+                }
+            }
+            KafkaError::ClientConfig(result, description, key, "(value not shown)".to_owned())
+        }
+        other => other,
+    }
+}
+
+/// The names of every librdkafka configuration property, from librdkafka's own table
+/// (`rd_kafka_conf_properties_show`, the CONFIGURATION.md table: one `name | C/P | ...` row per property, aliases
+/// included), written to a temporary file and read back.
+fn librdkafka_properties() -> Vec<String> {
+    let mut table = Vec::new();
+    // SAFETY: `tmpfile` returns an open stream or null; it is written by librdkafka, rewound, read into `table`
+    // with a bounded buffer, and closed (which also deletes it).
+    unsafe {
+        let file = libc::tmpfile();
+        if file.is_null() {
+            return Vec::new();
+        }
+        rdkafka::bindings::rd_kafka_conf_properties_show(file);
+        libc::rewind(file);
+        let mut buf = [0u8; 8192];
+        loop {
+            let n = libc::fread(buf.as_mut_ptr().cast(), 1, buf.len(), file);
+            if n == 0 {
+                break;
+            }
+            table.extend_from_slice(&buf[..n]);
+        }
+        libc::fclose(file);
+    }
+    String::from_utf8_lossy(&table)
+        .lines()
+        .filter_map(|line| line.split('|').next())
+        .map(str::trim)
+        .filter(|name| !name.is_empty() && name.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '.' || c == '_'))
+        .map(str::to_owned)
+        .collect()
+}
+
+/// A Kafka client error for a person: a configuration error as `kafka.properties."KEY": WHAT` (never the value,
+/// see [`hide_config_value`]), anything else as the client says it.
+pub fn describe_kafka_error(e: &KafkaError) -> String {
+    match e {
+        KafkaError::ClientConfig(_, description, key, _) => format!("kafka.properties.\"{key}\": {description}"),
+        other => other.to_string(),
+    }
 }
 
 /// Settings of `pipeline` that work against each other, each as one sentence naming the settings (`check` prints
@@ -421,7 +482,7 @@ pub enum TopicCheckError {
 /// Errors: [`TopicCheckError`] for an unreachable cluster (or one that refuses the configuration) and for each
 /// missing topic, the first found.
 pub fn check_topics(kafka: &KafkaSettings, pipeline: &Pipeline, timeout: Duration) -> Result<(), TopicCheckError> {
-    let unreachable = |source| TopicCheckError::Unreachable { servers: kafka.bootstrap_servers.clone(), source };
+    let unreachable = |source| TopicCheckError::Unreachable { servers: kafka.bootstrap_servers.clone(), source: hide_config_value(source) };
     let consumer: BaseConsumer = consumer_config(kafka, pipeline).create().map_err(unreachable)?;
     let metadata = consumer.fetch_metadata(None, timeout).map_err(unreachable)?;
     for topic in &pipeline.topics {
@@ -535,7 +596,7 @@ impl Source {
             config.get("auto.offset.reset"),
             Some("latest" | "largest" | "end" | "error")
         );
-        let consumer: StreamConsumer<SourceContext> = config.create_with_context(context)?;
+        let consumer: StreamConsumer<SourceContext> = config.create_with_context(context).map_err(hide_config_value)?;
         let topics: Vec<&str> = pipeline.topics.iter().map(String::as_str).collect();
         consumer.subscribe(&topics)?;
         Ok(Source {
@@ -1052,7 +1113,7 @@ pub async fn topic_retention_ms(kafka: &KafkaSettings, topics: &[String]) -> Kaf
             config.set(k, v.to_string());
         }
     }
-    let admin: AdminClient<DefaultClientContext> = config.create()?;
+    let admin: AdminClient<DefaultClientContext> = config.create().map_err(hide_config_value)?;
     let specs: Vec<ResourceSpecifier<'_>> = topics.iter().map(|t| ResourceSpecifier::Topic(t)).collect();
     let options = AdminOptions::new().request_timeout(Some(Duration::from_secs(5)));
     let results = admin.describe_configs(&specs, &options).await?;

@@ -3,11 +3,19 @@
 use crate::config::{LogFormat, LogSettings};
 use tracing_subscriber::EnvFilter;
 
+/// Log targets of other libraries that quote configuration values, which can be credentials: shown from `error`
+/// only, whatever the level asked for. (sqlx's URL parser warns about an unknown connection parameter with its
+/// value.)
+const QUOTES_VALUES: [&str; 1] = ["sqlx_postgres::options::parse=error"];
+
 /// Installs the global subscriber. `RUST_LOG`, when set, overrides `log.level`.
 pub fn init(settings: &LogSettings) {
-    let filter = EnvFilter::try_from_default_env()
+    let mut filter = EnvFilter::try_from_default_env()
         .or_else(|_| EnvFilter::try_new(&settings.level))
         .unwrap_or_else(|_| EnvFilter::new("info"));
+    for directive in QUOTES_VALUES {
+        filter = filter.add_directive(directive.parse().expect("a valid directive"));
+    }
     use std::io::IsTerminal;
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)

@@ -100,20 +100,30 @@ impl From<String> for DatabaseUrl {
     }
 }
 
-impl fmt::Display for DatabaseUrl {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        // postgres://user:secret@host/db -> postgres://user:***@host/db
-        let url = &self.0;
-        match (url.find("://"), url.rfind('@')) {
-            (Some(scheme), Some(at)) if at > scheme => {
-                let userinfo = &url[scheme + 3..at];
-                let user = userinfo.split(':').next().unwrap_or_default();
-                let hidden = if userinfo.contains(':') { ":***" } else { "" };
-                write!(f, "{}{user}{hidden}{}", &url[..scheme + 3], &url[at..])
+impl DatabaseUrl {
+    /// `text` (an error of another library, say) with this URL's credentials replaced by `***`.
+    pub fn scrub(&self, text: &str) -> String {
+        let mut out = text.to_owned();
+        if let Ok(url) = url::Url::parse(&self.0) {
+            if let Some(password) = url.password() {
+                out = crate::secret::scrub(&out, password);
+                let decoded = url::form_urlencoded::parse(format!("p={password}").as_bytes()).next().map(|(_, v)| v.into_owned());
+                out = crate::secret::scrub(&out, decoded.as_deref().unwrap_or_default());
             }
-            _ if url.contains("password") => f.write_str("(a URL with a password parameter, hidden)"),
-            _ => f.write_str(url),
+            for (k, v) in url.query_pairs() {
+                if crate::secret::is_secret_name(&k) {
+                    out = crate::secret::scrub(&out, &v);
+                }
+            }
         }
+        out
+    }
+}
+
+impl fmt::Display for DatabaseUrl {
+    /// The URL with its credentials masked ([`crate::secret::mask_url`]).
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&crate::secret::mask_url(&self.0))
     }
 }
 
@@ -341,6 +351,21 @@ fn locate(e: &figment::Error, text: Option<&str>, from_env: &[(String, String)])
         _ => {}
     }
     let key = path.join(".");
+    // A value given for a whole section, or for a key that can hold a credential, is never echoed.
+    let secret = path.len() <= 1 || path.iter().any(|k| *k == "url" || *k == "properties" || crate::secret::is_secret_name(k));
+    if secret {
+        let found = |actual: &figment::error::Actual| match actual {
+            figment::error::Actual::Str(_) => "a string (not shown)".to_owned(),
+            figment::error::Actual::Signed(_) | figment::error::Actual::Unsigned(_) => "an integer (not shown)".to_owned(),
+            figment::error::Actual::Float(_) => "a number (not shown)".to_owned(),
+            other => format!("{}", kind_of(other)),
+        };
+        match &e.kind {
+            figment::error::Kind::InvalidType(actual, expected) => problem = format!("invalid type: found {}, expected {expected}", found(actual)),
+            figment::error::Kind::InvalidValue(actual, expected) => problem = format!("invalid value: found {}, expected {expected}", found(actual)),
+            _ => {}
+        }
+    }
     if let Some((_, var)) = from_env.iter().find(|(k, _)| *k == key || key.starts_with(&format!("{k}."))) {
         return format!("{key} (from environment variable {var}): {problem}");
     }
@@ -349,6 +374,21 @@ fn locate(e: &figment::Error, text: Option<&str>, from_env: &[(String, String)])
         Some((line, column)) => format!("line {line}, column {column}: {key}: {problem}"),
         None if key.is_empty() => problem,
         None => format!("{key}: {problem}"),
+    }
+}
+
+/// What kind of value `actual` is, without the value.
+fn kind_of(actual: &figment::error::Actual) -> &'static str {
+    use figment::error::Actual;
+    match actual {
+        Actual::Bool(_) => "a boolean",
+        Actual::Char(_) => "a character",
+        Actual::Bytes(_) => "bytes",
+        Actual::Unit => "nothing",
+        Actual::Option => "an option",
+        Actual::Seq => "a sequence",
+        Actual::Map => "a table",
+        _ => "a value",
     }
 }
 

@@ -16,5 +16,6 @@ mod operator;
 mod pgbouncer;
 mod retention;
 mod scaleout;
+mod security;
 mod semantics;
 mod visibility;

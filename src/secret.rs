@@ -1,0 +1,100 @@
+//! Keeping credentials out of everything idemflow prints: URLs with their passwords masked, and configuration
+//! errors that name a key without echoing its value.
+
+/// Query parameters of a connection URL whose value is a credential (libpq's `password` and `sslpassword`, and the
+/// forms other drivers accept: `pass`, `secret`, `token`, `auth`...): any name containing one of these.
+const SECRET_PARAMETERS: [&str; 5] = ["pass", "secret", "token", "auth", "credential"];
+
+/// `url` with every credential replaced by `***`: the password of the user information (`scheme://user:***@host`,
+/// also `redis://:***@host`), and the value of every query parameter named like a credential
+/// (`?password=***`, `sslpassword=***`). Works for every scheme idemflow connects with (postgres, postgresql,
+/// mysql, mariadb, amqp, amqps, redis, rediss). A string that is not a URL is masked as a libpq keyword/value
+/// connection string (`password=***`).
+pub fn mask_url(url: &str) -> String {
+    match url::Url::parse(url) {
+        Ok(mut parsed) if parsed.has_host() || parsed.password().is_some() => {
+            if parsed.password().is_some() {
+                let _ = parsed.set_password(Some("***"));
+            }
+            if parsed.query().is_some() {
+                let pairs: Vec<(String, String)> = parsed
+                    .query_pairs()
+                    .map(|(k, v)| {
+                        let secret = is_secret_name(&k);
+                        (k.into_owned(), if secret { "***".to_owned() } else { v.into_owned() })
+                    })
+                    .collect();
+                parsed.query_pairs_mut().clear().extend_pairs(pairs);
+            }
+            parsed.to_string()
+        }
+        _ => mask_keywords(url),
+    }
+}
+
+/// Whether a parameter or property name names a credential.
+pub fn is_secret_name(name: &str) -> bool {
+    let name = name.to_ascii_lowercase();
+    SECRET_PARAMETERS.iter().any(|s| name.contains(s))
+}
+
+/// `key=value` pairs separated by whitespace (libpq's keyword/value form), with credential values masked.
+fn mask_keywords(text: &str) -> String {
+    text.split(' ')
+        .map(|word| match word.split_once('=') {
+            Some((k, _)) if is_secret_name(k) => format!("{k}=***"),
+            _ => word.to_owned(),
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// Every occurrence of `secret` in `text` replaced by `***` (for error texts of other libraries that may quote a
+/// value). An empty `secret` changes nothing.
+pub fn scrub(text: &str, secret: &str) -> String {
+    if secret.is_empty() {
+        text.to_owned()
+    } else {
+        text.replace(secret, "***")
+    }
+}
+
+/// The closest of `candidates` to `name` (Jaro-Winkler similarity at least 0.8), for "did you mean" hints.
+pub fn closest<'a>(name: &str, candidates: impl IntoIterator<Item = &'a str>) -> Option<&'a str> {
+    candidates
+        .into_iter()
+        .map(|c| (strsim::jaro_winkler(name, c), c))
+        .filter(|(score, _)| *score >= 0.8)
+        .max_by(|a, b| a.0.total_cmp(&b.0))
+        .map(|(_, c)| c)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_credential_form_is_masked() {
+        let cases = [
+            ("postgres://u:s3cret@h:5432/db", "postgres://u:***@h:5432/db"),
+            ("postgres://u@h/db?password=s3cret", "postgres://u@h/db?password=***"),
+            ("postgresql://u@h/db?sslmode=require&sslpassword=s3cret", "postgresql://u@h/db?sslmode=require&sslpassword=***"),
+            ("mysql://root:s3cret@db:3306/app", "mysql://root:***@db:3306/app"),
+            ("amqps://guest:s3cret@mq/%2f", "amqps://guest:***@mq/%2f"),
+            ("redis://:s3cret@cache:6379/0", "redis://:***@cache:6379/0"),
+            ("host=h user=u password=s3cret dbname=d", "host=h user=u password=*** dbname=d"),
+            ("postgres://h/db", "postgres://h/db"),
+        ];
+        for (url, masked) in cases {
+            assert_eq!(mask_url(url), masked, "{url}");
+            assert!(!mask_url(url).contains("s3cret"));
+        }
+    }
+
+    #[test]
+    fn closest_suggests_a_near_name_only() {
+        let names = ["sasl.password", "sasl.username", "session.timeout.ms"];
+        assert_eq!(closest("sasl.pasword", names), Some("sasl.password"));
+        assert_eq!(closest("zzz", names), None);
+    }
+}
