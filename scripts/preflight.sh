@@ -42,6 +42,7 @@ idemflow_venv_ready() {
 #   prometheus         promtool and the server (alert rules, dashboard queries against a real scrape)
 #   pgbouncer          transaction pooling tests
 #   make, gcc          building librdkafka (rdkafka-sys)
+#   openssl            certificates for the TLS tests
 #   python3-venv       the virtual environment with check-jsonschema and ruamel.yaml (docker-compose.yml checks)
 #                      and noida-db (a second Kafka implementation: DescribeGroups, which the mock cluster lacks)
 idemflow_test_preflight() {
@@ -54,6 +55,7 @@ idemflow_test_preflight() {
   { command -v promtool && command -v prometheus; } >/dev/null 2>&1 || missing+=(prometheus)
   idemflow_has_pgbouncer || missing+=(pgbouncer)
   command -v make >/dev/null 2>&1 || missing+=(make)
+  command -v openssl >/dev/null 2>&1 || missing+=(openssl)
   command -v cc >/dev/null 2>&1 || missing+=(gcc)
   if ! idemflow_venv_ready; then
     [ -x /usr/bin/python3 ] || missing+=(python3)

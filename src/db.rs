@@ -54,14 +54,14 @@ pub fn pool(settings: &DatabaseSettings) -> Result<PgPool, sqlx::Error> {
 pub async fn ping(settings: &DatabaseSettings) -> Result<(), String> {
     use sqlx::Connection as _;
     let url = &settings.url;
-    let options = connect_options(settings).map_err(|e| url.scrub(&format!("cannot connect to {url}: {e}")))?;
+    let options = connect_options(settings).map_err(|e| format!("cannot connect to {url}: {}", url.scrub(&e.to_string())))?;
     let attempt = sqlx::PgConnection::connect_with(&options);
     match tokio::time::timeout(settings.acquire_timeout, attempt).await {
         Ok(Ok(conn)) => {
             let _ = conn.close().await;
             Ok(())
         }
-        Ok(Err(e)) => Err(url.scrub(&format!("cannot connect to {url}: {e}"))),
+        Ok(Err(e)) => Err(format!("cannot connect to {url}: {}", url.scrub(&e.to_string()))),
         Err(_) => Err(format!("cannot connect to {}: no answer within {:?}", settings.url, settings.acquire_timeout)),
     }
 }
