@@ -71,4 +71,5 @@ pub mod shutdown;
 pub mod sink;
 pub mod source;
 pub mod telemetry;
+pub mod terminal;
 pub mod worker;

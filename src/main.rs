@@ -92,12 +92,7 @@ enum DeadLettersCommand {
     },
 }
 
-fn printable(bytes: &[u8]) -> String {
-    match std::str::from_utf8(bytes) {
-        Ok(s) => s.to_owned(),
-        Err(_) => format!("0x{}", bytes.iter().map(|b| format!("{b:02x}")).collect::<String>()),
-    }
-}
+use idemflow::terminal::{escape, printable};
 
 #[derive(clap::Args)]
 struct ExplainArgs {
@@ -249,7 +244,7 @@ async fn dead_letters(cmd: DeadLettersCommand) -> anyhow::Result<()> {
             let rows = dead_letter::list(&mut *conn, pipeline.as_deref(), limit).await?;
             println!("{:>8}  {:<16} {:<28} {:<22} {:<32} error", "id", "pipeline", "position", "reason", "created_at");
             for d in &rows {
-                let error: String = d.error.chars().take(100).collect();
+                let error: String = escape(&d.error).chars().take(100).collect();
                 let position = format!("{}/{}@{}", d.topic, d.partition, d.offset);
                 println!("{:>8}  {:<16} {:<28} {:<22} {:<32} {error}", d.id, d.pipeline, position, d.reason, d.created_at);
             }
@@ -262,11 +257,11 @@ async fn dead_letters(cmd: DeadLettersCommand) -> anyhow::Result<()> {
             println!("pipeline    {}", d.pipeline);
             println!("position    {}/{}@{}", d.topic, d.partition, d.offset);
             println!("reason      {}", d.reason);
-            println!("error       {}", d.error);
+            println!("error       {}", escape(&d.error));
             println!("created_at  {}", d.created_at);
             println!("key         {}", d.record_key.as_deref().map_or("(none)".to_owned(), printable));
             for (k, v) in d.header_names.iter().zip(&d.header_values) {
-                println!("header      {k}: {}", v.as_deref().map_or("(null)".to_owned(), printable));
+                println!("header      {}: {}", escape(k), v.as_deref().map_or("(null)".to_owned(), printable));
             }
             println!("payload     {}", d.payload.as_deref().map_or("(null: a tombstone)".to_owned(), printable));
             Ok(())
@@ -295,7 +290,7 @@ async fn dead_letters(cmd: DeadLettersCommand) -> anyhow::Result<()> {
             } else if c.duplicates.iter().sum::<u64>() == 1 {
                 println!("dead letter {id}: its business key was applied already (a duplicate); its row is removed");
             } else if let Some(again) = outcome.dead_letters.first() {
-                println!("dead letter {id}: failed again ({}: {}); kept as a new dead letter", again.reason.as_str(), again.error);
+                println!("dead letter {id}: failed again ({}: {}); kept as a new dead letter", again.reason.as_str(), escape(&again.error));
                 pool.close().await;
                 bail!("replay failed");
             } else {

@@ -1,6 +1,7 @@
 //! Logging: tracing to stderr, human-readable or JSON lines.
 
 use crate::config::{LogFormat, LogSettings};
+use tracing_subscriber::field::MakeExt;
 use tracing_subscriber::EnvFilter;
 
 /// Log targets of other libraries that quote configuration values, which can be credentials: shown from `error`
@@ -21,8 +22,20 @@ pub fn init(settings: &LogSettings) {
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal());
+    // Field values and messages can carry data (a business key, a database's error text quoting a value): escape
+    // their control characters in the human-readable format (the JSON format escapes them already).
+    let fields = tracing_subscriber::fmt::format::debug_fn(|w, field, value| {
+        let text = format!("{value:?}");
+        let text = crate::terminal::escape(&text);
+        if field.name() == "message" {
+            write!(w, "{text}")
+        } else {
+            write!(w, "{field}={text}")
+        }
+    })
+    .delimited(" ");
     let _ = match settings.format {
-        LogFormat::Pretty => builder.try_init(),
+        LogFormat::Pretty => builder.fmt_fields(fields).try_init(),
         LogFormat::Json => builder.json().flatten_event(true).with_current_span(true).try_init(),
     };
 }

@@ -203,3 +203,47 @@ async fn postgres_tls_verifies_the_server_certificate() {
     let ssl: bool = sqlx::query_scalar("SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()").fetch_one(&required).await.unwrap();
     assert!(ssl);
 }
+
+/// Control characters in data (an ESC sequence in a payload, a business key, a value quoted in a database error)
+/// never reach an operator's terminal: not through the human-readable log, not through `dead-letters list` or
+/// `show`; they are shown as `\u{1b}` escapes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn control_characters_never_reach_the_terminal() {
+    let pipeline = "topics = [\"t\"]\n[key]\nfield = \"/id\"\n[sink]\ntable = \"t\"\n[sink.columns]\nid = \"/id\"\nn = \"/n\"\n";
+    let (db, kafka, setup) = fixture("CREATE TABLE t (id text PRIMARY KEY, n integer NOT NULL);", "t", 1, &[("t.toml", pipeline)]).await;
+    let raw = |bytes: &[u8]| Out { partition: 0, value: Some(bytes.to_vec()), ..Out::default() };
+    kafka.produce(
+        "t",
+        &[
+            raw(b"\x1b]0;owned\x07{not json"),
+            Out::json(0, r#"{"id":"k\u001b[2J","n":1}"#),
+            Out::json(0, r#"{"id":"k\u001b[2J","n":2}"#),
+            Out::json(0, r#"{"id":"x","n":"\u001b[31mred"}"#),
+        ],
+    );
+    let mut w = BinWorker::start(&setup);
+    wait_until(Duration::from_secs(30), "all four records processed", || async {
+        metric(&w.scrape(), "idemflow_records_received_total", &[("pipeline", "t")]) == 4.0
+    })
+    .await;
+    assert!(w.sigterm().success());
+    let log = w.log_text();
+    assert!(log.contains("payload_mismatch") && log.contains("record dead-lettered"), "{log}");
+    assert!(!log.contains('\u{1b}') && !log.contains('\u{7}'), "a control character reached the log:\n{log}");
+    assert!(log.contains("\\u{1b}[2J"), "the key is shown escaped:\n{log}");
+
+    let config = setup.config.to_str().unwrap().to_owned();
+    let (status, list, err) = idemflow(&["dead-letters", "list", "--config", &config], setup.dir.path());
+    assert!(status.success(), "{list}{err}");
+    assert!(list.contains("2 dead letter(s)"), "{list}");
+    let ids: Vec<i64> = sqlx::query_scalar("SELECT id FROM idemflow.dead_letters ORDER BY id").fetch_all(&db.pool).await.unwrap();
+    let mut shown = list.clone();
+    for id in ids {
+        let (status, out, err) = idemflow(&["dead-letters", "show", &id.to_string(), "--config", &config], setup.dir.path());
+        assert!(status.success(), "{out}{err}");
+        shown.push_str(&out);
+    }
+    assert!(!shown.contains('\u{1b}') && !shown.contains('\u{7}'), "a control character reached the terminal:\n{shown}");
+    assert!(shown.contains("\\u{1b}]0;owned\\u{7}{not json"), "the payload is shown escaped:\n{shown}");
+    assert!(shown.contains("\\u{1b}[31mred"), "the database's error text is shown escaped:\n{shown}");
+}

@@ -1,0 +1,44 @@
+//! Text for a person's terminal: control characters from payloads, keys, headers and error texts are shown as
+//! escapes (`\u{1b}`), so data can never move the cursor, clear the screen or rewrite the title of an operator's
+//! terminal (ECMA-48 control sequences start with ESC or the C1 control CSI).
+
+use std::borrow::Cow;
+
+/// `text` with every control character (C0 including newline and tab, DEL, C1) written as `\u{XX}`; anything else
+/// as it is. Borrowed when there is nothing to escape.
+pub fn escape(text: &str) -> Cow<'_, str> {
+    if !text.chars().any(char::is_control) {
+        return Cow::Borrowed(text);
+    }
+    let mut out = String::with_capacity(text.len() + 8);
+    for c in text.chars() {
+        if c.is_control() {
+            out.push_str(&format!("\\u{{{:x}}}", c as u32));
+        } else {
+            out.push(c);
+        }
+    }
+    Cow::Owned(out)
+}
+
+/// Bytes for a terminal: valid UTF-8 escaped as [`escape`] does, anything else as `0x` and hex digits.
+pub fn printable(bytes: &[u8]) -> String {
+    match std::str::from_utf8(bytes) {
+        Ok(s) => escape(s).into_owned(),
+        Err(_) => format!("0x{}", bytes.iter().map(|b| format!("{b:02x}")).collect::<String>()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn control_characters_are_escaped_and_the_rest_kept() {
+        assert_eq!(escape("o-1 ✓ ü"), "o-1 ✓ ü");
+        assert_eq!(escape("a\u{1b}[2Jb"), "a\\u{1b}[2Jb");
+        assert_eq!(escape("\u{9b}31m\u{7}\n\t\u{7f}"), "\\u{9b}31m\\u{7}\\u{a}\\u{9}\\u{7f}");
+        assert_eq!(printable(b"\x1b]0;owned\x07"), "\\u{1b}]0;owned\\u{7}");
+        assert_eq!(printable(&[0xff, 0x1b]), "0xff1b");
+    }
+}
