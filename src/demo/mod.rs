@@ -227,13 +227,13 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<bool> {
     eprintln!("idemflow demo: {} records through {source}", options.records);
 
     // Postgres: a throwaway cluster, or a new database on the given server.
-    let throwaway;
-    let admin_url = match &options.database_url {
-        Some(url) => url.clone(),
+    let (throwaway, admin_url) = match &options.database_url {
+        Some(url) => (None, url.clone()),
         None => {
             eprintln!("starting a throwaway PostgreSQL cluster from the local server binaries...");
-            throwaway = postgres::Throwaway::start()?;
-            throwaway.url()
+            let cluster = postgres::Throwaway::start()?;
+            let url = cluster.url();
+            (Some(cluster), url)
         }
     };
     let database = format!("idemflow_demo_{}", std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_secs());
@@ -251,6 +251,17 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<bool> {
 
     // Workspace: settings and the pipeline, as a user would have them.
     let dir = tempfile::Builder::new().prefix("idemflow-demo-").tempdir()?;
+    // SIGTERM or Ctrl-C before the end: remove the workspace and exit (the throwaway cluster's watcher removes the
+    // cluster once this process is gone). With --keep-running, the end waits for the signal itself.
+    let interrupted = {
+        let workspace = dir.path().to_owned();
+        tokio::spawn(async move {
+            shutdown::signals().await;
+            let _ = std::fs::remove_dir_all(&workspace);
+            eprintln!("interrupted: the demo's temporary files are removed");
+            std::process::exit(130);
+        })
+    };
     std::fs::create_dir(dir.path().join("pipelines"))?;
     std::fs::write(dir.path().join("pipelines/payments.toml"), &pipeline_text)?;
     let mut properties = BTreeMap::new();
@@ -406,15 +417,19 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<bool> {
     }
     let reconciled = reconciled.iter().all(|(ok, _)| *ok);
 
+    interrupted.abort();
     if options.keep_running {
         let database = crate::config::DatabaseUrl::from(url.clone());
         eprintln!("\nkeeping the worker and http://{}/metrics up; Ctrl-C to stop", server.addr());
         eprintln!("  Kafka (embedded broker): {} (topic {TOPIC}, consumer group idemflow-payments)", kafka.bootstrap_servers());
-        eprintln!("  PostgreSQL: {database}{}", if options.database_url.is_none() {
-            " (the throwaway cluster's user postgres, password postgres)"
-        } else {
-            " (the password of your --database-url)"
-        });
+        match &throwaway {
+            Some(cluster) => eprintln!(
+                "  PostgreSQL: {database} (a throwaway cluster: the password of its superuser postgres is in {}, readable \
+                 only by you)",
+                cluster.password_file().display()
+            ),
+            None => eprintln!("  PostgreSQL: {database} (the password of your --database-url)"),
+        }
         shutdown::signals().await;
     }
     a.stop().await?;

@@ -2,6 +2,11 @@
 //! temporary directory, start on a free loopback port, stop and remove on drop. As root, initdb refuses to run,
 //! so the server runs as the `postgres` user. A watcher process stops and removes the cluster if this process dies
 //! without dropping it.
+//!
+//! It is private to whoever started it: the superuser `postgres` gets a random password (16 bytes from the
+//! operating system's generator), kept in `<dir>/password` (mode 0600) and never printed; the directory is 0700 and
+//! the Unix socket 0700 (`unix_socket_permissions`), so another local user can neither read the password nor
+//! connect through the socket. Paths are quoted in every shell command, so a `TMPDIR` with spaces works.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -35,6 +40,22 @@ pub struct Throwaway {
     root: bool,
     port: u16,
     durable: bool,
+    password: String,
+}
+
+/// 16 random bytes from the operating system's generator, as hex.
+fn random_password() -> Result<String, ThrowawayError> {
+    use std::io::Read;
+    let mut bytes = [0u8; 16];
+    std::fs::File::open("/dev/urandom")?.read_exact(&mut bytes)?;
+    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// `text` quoted for a POSIX shell.
+fn quoted(text: &str) -> Result<String, ThrowawayError> {
+    shlex::try_quote(text)
+        .map(|q| q.into_owned())
+        .map_err(|e| ThrowawayError::Io(std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("{text:?}: {e}"))))
 }
 
 fn pg_bin() -> Result<PathBuf, ThrowawayError> {
@@ -84,16 +105,21 @@ impl Throwaway {
     fn start_with(durable: bool) -> Result<Throwaway, ThrowawayError> {
         let bin = pg_bin()?;
         let root = is_root();
+        use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
         let dir = tempfile::Builder::new().prefix("idemflow-pg-").tempdir()?.keep();
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))?;
         let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
-        let pw = dir.join("pw");
-        std::fs::write(&pw, "postgres\n")?;
+        let password = random_password()?;
+        let pw = dir.join("password");
+        let mut file = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&pw)?;
+        std::io::Write::write_all(&mut file, format!("{password}\n").as_bytes())?;
+        drop(file);
         if root {
             let mut c = Command::new("chown");
             c.args(["-R", "postgres:postgres"]).arg(&dir);
             run(c)?;
         }
-        let cluster = Throwaway { bin, dir, root, port, durable };
+        let cluster = Throwaway { bin, dir, root, port, durable, password };
         let mut initdb = cluster.as_owner("initdb");
         initdb.arg("-D").arg(cluster.dir.join("data"));
         initdb.args(["-U", "postgres", "--auth=scram-sha-256", "-E", "UTF8", "--locale=C.UTF-8", "--no-sync"]);
@@ -102,10 +128,11 @@ impl Throwaway {
         cluster.pg_ctl("start")?;
         let owner = if root { "runuser -u postgres -- " } else { "" };
         let watcher = format!(
-            "while kill -0 {pid} 2>/dev/null; do sleep 0.5; done; {owner}{pg_ctl} -D {dir}/data -m immediate stop >/dev/null 2>&1; rm -rf {dir}",
+            "while kill -0 {pid} 2>/dev/null; do sleep 0.5; done; {owner}{pg_ctl} -D {data} -m immediate stop >/dev/null 2>&1; rm -rf -- {dir}",
             pid = std::process::id(),
-            pg_ctl = cluster.bin.join("pg_ctl").display(),
-            dir = cluster.dir.display(),
+            pg_ctl = quoted(&cluster.bin.join("pg_ctl").to_string_lossy())?,
+            data = quoted(&cluster.dir.join("data").to_string_lossy())?,
+            dir = quoted(&cluster.dir.to_string_lossy())?,
         );
         Command::new("sh")
             .arg("-c")
@@ -139,19 +166,25 @@ impl Throwaway {
             } else {
                 "-c fsync=off"
             };
+            // pg_ctl runs the server through a shell: the socket directory is quoted.
             c.arg("-o").arg(format!(
-                "-c listen_addresses=127.0.0.1 -p {} -k {} {durability} -c max_connections=300",
+                "-c listen_addresses=127.0.0.1 -p {} -k {} -c unix_socket_permissions=0700 {durability} -c max_connections=300",
                 self.port,
-                self.dir.display()
+                quoted(&self.dir.to_string_lossy())?
             ));
         }
         c.arg(action);
         run(c)
     }
 
-    /// The admin URL (database `postgres`).
+    /// The admin URL (database `postgres`), with the cluster's random password: do not print it.
     pub fn url(&self) -> String {
-        format!("postgres://postgres:postgres@127.0.0.1:{}/postgres", self.port)
+        format!("postgres://postgres:{}@127.0.0.1:{}/postgres", self.password, self.port)
+    }
+
+    /// The file holding the superuser's password (mode 0600).
+    pub fn password_file(&self) -> PathBuf {
+        self.dir.join("password")
     }
 
     /// The cluster's directory (data and server.log).

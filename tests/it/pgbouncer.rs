@@ -24,7 +24,8 @@ impl PgBouncer {
         let (host, server_port) = server.split_once(':').unwrap();
         let dir = tempfile::tempdir().unwrap();
         let port = free_port();
-        std::fs::write(dir.path().join("users.txt"), "\"postgres\" \"postgres\"\n").unwrap();
+        let server_password = url::Url::parse(url).unwrap().password().unwrap_or_default().to_owned();
+        std::fs::write(dir.path().join("users.txt"), format!("\"postgres\" \"{server_password}\"\n")).unwrap();
         // One server connection per database: every client shares it, so named statements of one client always
         // meet another's (PgBouncer before 1.21 keeps them on the server connection in transaction mode), and the
         // collision the test shows first is certain, not up to which server connection a client gets.
@@ -88,7 +89,7 @@ impl PgBouncer {
     /// The URL of `db` through PgBouncer.
     fn url(&self, db: &TestDb) -> String {
         let name = db.url.rsplit_once('/').unwrap().1;
-        format!("postgres://postgres:postgres@127.0.0.1:{}/{name}", self.port)
+        format!("postgres://postgres:pooled@127.0.0.1:{}/{name}", self.port)
     }
 }
 

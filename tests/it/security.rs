@@ -164,8 +164,8 @@ async fn postgres_tls_verifies_the_server_certificate() {
         sqlx::raw_sql(&setting).execute(&admin).await.unwrap();
     }
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let port = cluster.url().rsplit_once(':').unwrap().1.split('/').next().unwrap().to_owned();
-    let url = |host: &str, params: &str| format!("postgres://postgres:postgres@{host}:{port}/postgres?{params}");
+    let admin_url = cluster.url();
+    let url = |host: &str, params: &str| format!("{}?{params}", admin_url.replace("@127.0.0.1:", &format!("@{host}:")));
     let root = |ca: &str| tls.path().join(ca).display().to_string();
     let settings = |url: String| DatabaseSettings {
         url: url.into(),
@@ -246,4 +246,69 @@ async fn control_characters_never_reach_the_terminal() {
     assert!(!shown.contains('\u{1b}') && !shown.contains('\u{7}'), "a control character reached the terminal:\n{shown}");
     assert!(shown.contains("\\u{1b}]0;owned\\u{7}{not json"), "the payload is shown escaped:\n{shown}");
     assert!(shown.contains("\\u{1b}[31mred"), "the database's error text is shown escaped:\n{shown}");
+}
+
+/// The demo's throwaway PostgreSQL is private to whoever started it: a random superuser password in a 0600 file,
+/// a 0700 directory, a socket no other user can use; it starts under a `TMPDIR` with spaces; and a demo stopped
+/// with SIGTERM leaves no temporary files behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_demo_database_is_private_and_cleaned_up() {
+    use std::os::unix::fs::PermissionsExt;
+    let cluster = postgres::Cluster::start().unwrap();
+    let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode(cluster.dir()), 0o700);
+    assert_eq!(mode(&cluster.password_file()), 0o600);
+    let url = url::Url::parse(&cluster.url()).unwrap();
+    let password = url.password().unwrap().to_owned();
+    assert!(password.len() >= 32 && password != "postgres", "a random password");
+    assert_eq!(std::fs::read_to_string(cluster.password_file()).unwrap().trim(), password);
+    let well_known = cluster.url().replace(&format!(":{password}@"), ":postgres@");
+    assert!(sqlx::PgPool::connect(&well_known).await.is_err(), "the well-known password is refused");
+    sqlx::PgPool::connect(&cluster.url()).await.unwrap();
+    let socket = std::fs::read_dir(cluster.dir()).unwrap().filter_map(|e| e.ok()).find(|e| e.file_name().to_string_lossy().starts_with(".s.PGSQL."));
+    let socket = socket.expect("the server's Unix socket").path();
+    assert_eq!(mode(&socket) & 0o077, 0, "the socket is not usable by other users: {:o}", mode(&socket));
+    drop(cluster);
+
+    // The demo under a TMPDIR with spaces, stopped with SIGTERM while it runs: nothing is left in TMPDIR.
+    let parent = tempfile::tempdir().unwrap();
+    let tmp = parent.path().join("a dir with spaces");
+    std::fs::create_dir(&tmp).unwrap();
+    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_idemflow"))
+        .args(["demo", "--records", "300000", "--metrics-listen", "127.0.0.1:0"])
+        .env("TMPDIR", &tmp)
+        .env_remove("DATABASE_URL")
+        .current_dir(project_root())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stderr = std::io::BufReader::new(child.stderr.take().unwrap());
+    let mut seen = String::new();
+    loop {
+        let mut line = String::new();
+        if std::io::BufRead::read_line(&mut stderr, &mut line).unwrap() == 0 {
+            panic!("the demo ended before producing its records:\n{seen}");
+        }
+        seen.push_str(&line);
+        if line.starts_with("produced ") {
+            break;
+        }
+    }
+    Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap();
+    let status = child.wait().unwrap();
+    let mut rest = String::new();
+    let _ = std::io::Read::read_to_string(&mut stderr, &mut rest);
+    assert_eq!(status.code(), Some(130), "{seen}{rest}");
+    assert!(rest.contains("interrupted: the demo's temporary files are removed"), "{seen}{rest}");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let left: Vec<_> = std::fs::read_dir(&tmp).unwrap().filter_map(|e| e.ok()).map(|e| e.file_name()).collect();
+        if left.is_empty() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "left behind in TMPDIR: {left:?}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
 }
