@@ -1,4 +1,6 @@
 # idemflow: build with the Rust toolchain, run on a small Debian image as a non-root user.
+# The Kafka client is built with TLS and SASL/SCRAM against the system OpenSSL (libssl-dev and pkg-config come
+# with the rust image; the runtime image gets libssl3 with ca-certificates).
 FROM rust:1.88-bookworm AS build
 WORKDIR /src
 COPY Cargo.toml Cargo.lock ./

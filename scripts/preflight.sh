@@ -33,6 +33,15 @@ idemflow_has_pgbouncer() {
   command -v pgbouncer >/dev/null 2>&1 || [ -x /usr/sbin/pgbouncer ]
 }
 
+# What building idemflow needs besides the Rust toolchain and a C compiler: OpenSSL's headers and pkg-config (the
+# Kafka client is built with TLS and SASL/SCRAM against the system OpenSSL). Appends missing packages to the array
+# named by $1.
+idemflow_build_packages_missing() {
+  local -n into=$1
+  command -v pkg-config >/dev/null 2>&1 || into+=(pkg-config)
+  { command -v pkg-config >/dev/null 2>&1 && pkg-config --exists openssl; } || into+=(libssl-dev)
+}
+
 idemflow_venv_ready() {
   "$IDEMFLOW_VENV/bin/python3" -c 'import check_jsonschema, ruamel.yaml' >/dev/null 2>&1 && [ -x "$IDEMFLOW_VENV/bin/noida-db" ]
 }
@@ -42,6 +51,8 @@ idemflow_venv_ready() {
 #   prometheus         promtool and the server (alert rules, dashboard queries against a real scrape)
 #   pgbouncer          transaction pooling tests
 #   make, gcc          building librdkafka (rdkafka-sys)
+#   pkg-config, libssl-dev  the Kafka client's TLS and SASL/SCRAM (librdkafka against the system OpenSSL)
+#   socat              a TLS-terminating proxy for the Kafka TLS test
 #   openssl            certificates for the TLS tests
 #   python3-venv       the virtual environment with check-jsonschema and ruamel.yaml (docker-compose.yml checks)
 #                      and noida-db (a second Kafka implementation: DescribeGroups, which the mock cluster lacks)
@@ -55,7 +66,9 @@ idemflow_test_preflight() {
   { command -v promtool && command -v prometheus; } >/dev/null 2>&1 || missing+=(prometheus)
   idemflow_has_pgbouncer || missing+=(pgbouncer)
   command -v make >/dev/null 2>&1 || missing+=(make)
+  idemflow_build_packages_missing missing
   command -v openssl >/dev/null 2>&1 || missing+=(openssl)
+  command -v socat >/dev/null 2>&1 || missing+=(socat)
   command -v cc >/dev/null 2>&1 || missing+=(gcc)
   if ! idemflow_venv_ready; then
     [ -x /usr/bin/python3 ] || missing+=(python3)

@@ -36,6 +36,19 @@ impl EmbeddedKafka {
         &self.bootstrap
     }
 
+    /// Makes the broker advertise `host:port` in its metadata instead of its own listener, so clients go on
+    /// through a proxy in front of it (a TLS-terminating one, say); clients that bootstrap from the broker's own
+    /// listener then follow the advertised address too.
+    pub fn advertise(&self, host: &str, port: u16) {
+        let host = std::ffi::CString::new(host).expect("a host name without NUL");
+        // SAFETY: the handle belongs to the producer's client, which lives as long as `self`; librdkafka copies
+        // the host name.
+        unsafe {
+            let raw = rdkafka::bindings::rd_kafka_handle_mock_cluster(self.producer.client().native_ptr());
+            rdkafka::bindings::rd_kafka_mock_broker_set_host_port(raw, 1, host.as_ptr(), i32::from(port));
+        }
+    }
+
     /// The mock cluster, for topics and fault injection (broker ids start at 1).
     pub fn mock(&self) -> MockCluster<'_, DefaultProducerContext> {
         self.producer.client().mock_cluster().expect("a mock cluster owned by its producer")

@@ -312,3 +312,71 @@ async fn the_demo_database_is_private_and_cleaned_up() {
         std::thread::sleep(Duration::from_millis(200));
     }
 }
+
+/// Kafka over TLS, for real: a TLS-terminating proxy (socat) in front of the mock cluster, which advertises the
+/// proxy's address, so every connection goes through TLS. `check` and `run` with `security.protocol = "ssl"` and the
+/// right CA connect and apply the records; a wrong CA is refused (certificate verification); a SASL/SCRAM
+/// configuration is accepted by the client (the client is built with SCRAM) and `check` creates the client, so
+/// what cannot work is refused there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_over_tls_with_certificate_verification() {
+    let tls = tempfile::tempdir().unwrap();
+    certificates(tls.path());
+    let pipeline = "topics = [\"t\"]\n[key]\nfield = \"/id\"\n[sink]\ntable = \"t\"\n[sink.columns]\nid = \"/id\"\n";
+    let (db, kafka, _) = fixture("CREATE TABLE t (id text PRIMARY KEY);", "t", 2, &[("t.toml", pipeline)]).await;
+    let records: Vec<Out> = (0..50).map(|i| Out::json(i % 2, format!(r#"{{"id":"tls-{i}"}}"#))).collect();
+    kafka.produce("t", &records);
+    let broker_port = kafka.bootstrap().rsplit_once(':').unwrap().1.to_owned();
+    let proxy_port = free_port();
+    let path = |f: &str| tls.path().join(f).display().to_string();
+    let mut proxy = Command::new("socat")
+        .arg(format!("OPENSSL-LISTEN:{proxy_port},reuseaddr,fork,cert={},key={},verify=0", path("server.crt"), path("server.key")))
+        .arg(format!("TCP:127.0.0.1:{broker_port}"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("socat (Debian package socat)");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while std::net::TcpStream::connect(("127.0.0.1", proxy_port)).is_err() {
+        assert!(Instant::now() < deadline, "socat did not listen");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    kafka.advertise("localhost", proxy_port);
+    let bootstrap = format!("localhost:{proxy_port}");
+    let properties = |ca: &str| format!("\"security.protocol\" = \"ssl\"\n\"ssl.ca.location\" = \"{}\"", path(ca));
+
+    // The right CA: check and run go through TLS and apply every record.
+    let setup = Setup::with_bootstrap(&db, &bootstrap, &[("t.toml", pipeline)], &properties("ca.crt"), "");
+    let config = setup.config.to_str().unwrap().to_owned();
+    let (status, out, err) = idemflow(&["check", "--config", &config], setup.dir.path());
+    assert!(status.success(), "check over TLS: {out}{err}");
+    let mut w = BinWorker::start(&setup);
+    wait_until(Duration::from_secs(60), "the records applied over TLS", || async {
+        db.scalar::<i64>("SELECT count(*) FROM t").await == 50
+    })
+    .await;
+    assert!(w.sigterm().success(), "{}", w.log_text());
+
+    // Another CA: refused, and the log says why.
+    let wrong = Setup::with_bootstrap(&db, &bootstrap, &[("t.toml", pipeline)], &properties("other-ca.crt"), "");
+    let config = wrong.config.to_str().unwrap().to_owned();
+    let (status, out, err) = idemflow(&["check", "--config", &config], wrong.dir.path());
+    assert!(!status.success(), "{out}{err}");
+    assert!(err.contains("certificate verify failed"), "the certificate is refused:\n{err}");
+
+    // SASL/SCRAM over TLS: the client has the mechanism (no "No provider for SASL mechanism"); this broker does not
+    // speak SASL, so check fails at the connection, not at the configuration.
+    let scram = format!(
+        "{}\n\"sasl.mechanisms\" = \"SCRAM-SHA-512\"\n\"sasl.username\" = \"idemflow\"\n\"sasl.password\" = \"{SECRET}\"",
+        properties("ca.crt").replace("\"ssl\"", "\"sasl_ssl\"")
+    );
+    let sasl = Setup::with_bootstrap(&db, &bootstrap, &[("t.toml", pipeline)], &scram, "");
+    let config = sasl.config.to_str().unwrap().to_owned();
+    let (status, out, err) = idemflow(&["check", "--config", &config], sasl.dir.path());
+    assert!(!status.success(), "{out}{err}");
+    assert!(!err.contains("No provider for SASL mechanism") && !err.contains("OpenSSL not available"), "{err}");
+    assert!(err.contains("cannot reach Kafka"), "{err}");
+    assert_hidden("a SCRAM configuration", &format!("{out}{err}"));
+    let _ = proxy.kill();
+    let _ = proxy.wait();
+}

@@ -44,6 +44,12 @@ impl Kafka {
         self.inner.bootstrap_servers()
     }
 
+    /// Advertises `host:port` (a proxy in front of the broker) in the metadata; see
+    /// `idemflow::demo::kafka::EmbeddedKafka::advertise`. Produce before: this client then follows the address too.
+    pub fn advertise(&self, host: &str, port: u16) {
+        self.inner.advertise(host, port);
+    }
+
     /// The mock cluster, for fault injection (broker ids start at 1).
     pub fn mock(&self) -> rdkafka::mocking::MockCluster<'_, rdkafka::producer::DefaultProducerContext> {
         self.inner.mock()
