@@ -1,8 +1,20 @@
 //! The HTTP endpoint: `/metrics` (Prometheus text format), `/healthz` (the process is alive) and `/readyz` (the
 //! database answered the last attempt and no pipeline has stopped on a fatal error).
+//!
+//! It must keep answering whatever clients do, or an orchestrator restarts a healthy worker: connections are
+//! bounded in number, in how long they may take to send a request head and in its size, and in how long they
+//! live; each is served in its own task, so a client that never reads cannot hold up another.
 
 use crate::metrics::Metrics;
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper::body::Incoming;
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper::{Request, Response, StatusCode};
+use hyper_util::rt::{TokioIo, TokioTimer};
 use std::net::SocketAddr;
+use std::time::Duration;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
@@ -42,10 +54,25 @@ impl Health {
     }
 }
 
-/// The running endpoint; dropping it stops the server thread.
+/// At most this many connections are served at once; a connection beyond it is closed at once. Idle connections
+/// do not hold their place for long ([`HEADER_READ_TIMEOUT`]), so a flood of them cannot keep `/healthz` out.
+pub const MAX_CONNECTIONS: usize = 256;
+
+/// A connection must send a whole request head within this time, the first one and each next one on a kept-alive
+/// connection; otherwise it is closed (slowloris, idle sockets).
+pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// The most a request head may take in bytes; a larger one gets `431 Request Header Fields Too Large` and the
+/// connection is closed, without buffering the rest.
+pub const MAX_HEADER_BYTES: usize = 16 * 1024;
+
+/// The longest a connection lives, whatever it does (a client that never reads its responses, say).
+pub const CONNECTION_LIFETIME: Duration = Duration::from_secs(30);
+
+/// The running endpoint; dropping it stops the server.
 pub struct Server {
-    server: Arc<tiny_http::Server>,
     addr: SocketAddr,
+    task: tokio::task::JoinHandle<()>,
 }
 
 impl Server {
@@ -57,35 +84,72 @@ impl Server {
 
 impl Drop for Server {
     fn drop(&mut self) {
-        self.server.unblock();
+        self.task.abort();
     }
 }
 
-/// Binds `addr` and serves on a background thread.
+/// The response to one request.
+fn respond(path: &str, metrics: &Metrics, health: &Health) -> Response<Full<Bytes>> {
+    let (status, content_type, body) = match path {
+        "/metrics" => (StatusCode::OK, "text/plain; version=0.0.4; charset=utf-8", metrics.render()),
+        "/healthz" => (StatusCode::OK, "text/plain", b"ok\n".to_vec()),
+        "/readyz" => match health.ready() {
+            Ok(()) => (StatusCode::OK, "text/plain", b"ready\n".to_vec()),
+            Err(why) => (StatusCode::SERVICE_UNAVAILABLE, "text/plain", format!("not ready: {why}\n").into_bytes()),
+        },
+        _ => (StatusCode::NOT_FOUND, "text/plain", b"not found: try /metrics, /healthz or /readyz\n".to_vec()),
+    };
+    let mut response = Response::new(Full::new(Bytes::from(body)));
+    *response.status_mut() = status;
+    response.headers_mut().insert(hyper::header::CONTENT_TYPE, hyper::header::HeaderValue::from_static(content_type));
+    response
+}
+
+/// Binds `addr` and serves on the tokio runtime (HTTP/1.1 with hyper), each connection in its own task, within the
+/// limits above. A failing `accept` (out of file descriptors, say) is logged and retried with backoff: the server
+/// never stops serving while the worker runs. Must be called inside a tokio runtime.
 ///
 /// Errors: the address cannot be bound (in use, not local, no permission).
 pub fn serve(addr: SocketAddr, metrics: Metrics, health: Health) -> std::io::Result<Server> {
-    let server = tiny_http::Server::http(addr).map_err(std::io::Error::other)?;
-    let bound = server.server_addr().to_ip().unwrap_or(addr);
-    let server = Arc::new(server);
-    let worker = server.clone();
-    std::thread::Builder::new().name("idemflow-http".into()).spawn(move || {
-        for request in worker.incoming_requests() {
-            let path = request.url().split('?').next().unwrap_or_default().to_owned();
-            let (status, content_type, body) = match path.as_str() {
-                "/metrics" => (200, "text/plain; version=0.0.4; charset=utf-8", metrics.render()),
-                "/healthz" => (200, "text/plain", b"ok\n".to_vec()),
-                "/readyz" => match health.ready() {
-                    Ok(()) => (200, "text/plain", b"ready\n".to_vec()),
-                    Err(why) => (503, "text/plain", format!("not ready: {why}\n").into_bytes()),
-                },
-                _ => (404, "text/plain", b"not found: try /metrics, /healthz or /readyz\n".to_vec()),
+    let listener = std::net::TcpListener::bind(addr)?;
+    listener.set_nonblocking(true)?;
+    let listener = tokio::net::TcpListener::from_std(listener)?;
+    let bound = listener.local_addr()?;
+    let open = Arc::new(AtomicUsize::new(0));
+    let task = tokio::spawn(async move {
+        let mut failures = 0u32;
+        loop {
+            let stream = match listener.accept().await {
+                Ok((stream, _)) => {
+                    failures = 0;
+                    stream
+                }
+                Err(e) => {
+                    failures += 1;
+                    let delay = Duration::from_millis(10 << failures.min(7)).min(Duration::from_secs(1));
+                    tracing::warn!(error = %e, retry_in = ?delay, "metrics endpoint: accepting a connection failed");
+                    tokio::time::sleep(delay).await;
+                    continue;
+                }
             };
-            let header = tiny_http::Header::from_bytes(&b"Content-Type"[..], content_type.as_bytes())
-                .expect("a valid header");
-            let response = tiny_http::Response::from_data(body).with_status_code(status).with_header(header);
-            let _ = request.respond(response);
+            if open.fetch_add(1, Ordering::SeqCst) >= MAX_CONNECTIONS {
+                open.fetch_sub(1, Ordering::SeqCst);
+                drop(stream);
+                continue;
+            }
+            let (metrics, health, open) = (metrics.clone(), health.clone(), open.clone());
+            tokio::spawn(async move {
+                let service = service_fn(move |request: Request<Incoming>| {
+                    let response = respond(request.uri().path(), &metrics, &health);
+                    async move { Ok::<_, std::convert::Infallible>(response) }
+                });
+                let mut builder = http1::Builder::new();
+                builder.timer(TokioTimer::new()).header_read_timeout(HEADER_READ_TIMEOUT).max_buf_size(MAX_HEADER_BYTES);
+                let connection = builder.serve_connection(TokioIo::new(stream), service);
+                let _ = tokio::time::timeout(CONNECTION_LIFETIME, connection).await;
+                open.fetch_sub(1, Ordering::SeqCst);
+            });
         }
-    })?;
-    Ok(Server { server, addr: bound })
+    });
+    Ok(Server { addr: bound, task })
 }

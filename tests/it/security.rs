@@ -380,3 +380,76 @@ async fn kafka_over_tls_with_certificate_verification() {
     let _ = proxy.kill();
     let _ = proxy.wait();
 }
+
+/// `(VmRSS, VmHWM)` of a process, in bytes.
+fn memory(pid: u32) -> (u64, u64) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kb = |name: &str| -> u64 {
+        let line = status.lines().find(|l| l.starts_with(name)).unwrap();
+        line.split_whitespace().nth(1).unwrap().parse::<u64>().unwrap() * 1024
+    };
+    (kb("VmRSS:"), kb("VmHWM:"))
+}
+
+/// `GET /healthz` answers 200 within `within`, retrying.
+fn healthz_within(addr: std::net::SocketAddr, within: Duration) -> bool {
+    let deadline = Instant::now() + within;
+    while Instant::now() < deadline {
+        if matches!(http_get(addr, "/healthz"), Ok((200, _))) {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    false
+}
+
+/// The metrics endpoint keeps answering `/healthz` through what stopped it before: a flood of idle connections
+/// past the worker's file descriptor limit (accept fails with EMFILE), a client that pipelines requests and never
+/// reads the responses, and a 100 MB request header, which costs the worker no more than a few MB.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_http_endpoint_keeps_answering_under_abuse() {
+    use std::io::Write;
+    let (_db, _kafka, setup) = fixture("CREATE TABLE t (id text PRIMARY KEY);", "t", 1, &[("t.toml", PIPELINE)]).await;
+    let w = BinWorker::start_with_fd_limit(&setup, 128);
+    let addr = setup.metrics;
+    assert!(healthz_within(addr, Duration::from_secs(30)), "the worker serves /healthz");
+
+    // 300 idle connections, more than the worker may have open files.
+    let idle: Vec<std::net::TcpStream> =
+        (0..300).filter_map(|_| std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(500)).ok()).collect();
+    assert!(idle.len() >= 200, "{} connections opened", idle.len());
+    assert!(healthz_within(addr, Duration::from_secs(20)), "/healthz answers while idle connections are open");
+    drop(idle);
+    assert!(healthz_within(addr, Duration::from_secs(5)), "/healthz answers after the flood");
+    assert!(w.log_text().contains("accepting a connection failed"), "the flood exhausted the worker's descriptors");
+
+    // A client that sends many requests and never reads the answers.
+    let mut greedy = std::net::TcpStream::connect(addr).unwrap();
+    greedy.set_write_timeout(Some(Duration::from_secs(2))).unwrap();
+    for _ in 0..2_000 {
+        if greedy.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n").is_err() {
+            break;
+        }
+    }
+    assert!(healthz_within(addr, Duration::from_secs(5)), "/healthz answers while a client does not read");
+
+    // A 100 MB header.
+    let (_, peak_before) = memory(w.pid());
+    let mut big = std::net::TcpStream::connect(addr).unwrap();
+    big.set_write_timeout(Some(Duration::from_secs(5))).unwrap();
+    let _ = big.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: ");
+    let chunk = vec![b'a'; 64 * 1024];
+    let mut sent = 0usize;
+    while sent < 100 << 20 {
+        if big.write_all(&chunk).is_err() {
+            break;
+        }
+        sent += chunk.len();
+    }
+    let (_, peak_after) = memory(w.pid());
+    println!("a {sent}-byte header was cut off; the worker's peak memory went from {peak_before} to {peak_after} bytes");
+    assert!(sent < 100 << 20, "the server stopped reading the header");
+    assert!(peak_after < peak_before + (16 << 20), "peak memory grew from {peak_before} to {peak_after} bytes");
+    assert!(healthz_within(addr, Duration::from_secs(5)), "/healthz answers after the huge header");
+    drop((greedy, big));
+}

@@ -159,6 +159,31 @@ impl BinWorker {
         }
     }
 
+    /// [`BinWorker::start`] with a limit on the worker's open file descriptors (`RLIMIT_NOFILE`).
+    pub fn start_with_fd_limit(setup: &Setup, fds: u64) -> BinWorker {
+        use std::os::unix::process::CommandExt;
+        let log = setup.log();
+        let file = std::fs::OpenOptions::new().create(true).append(true).open(&log).unwrap();
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_idemflow"));
+        cmd.args(["run", "--config"]).arg(&setup.config).env_remove("RUST_LOG").stdout(Stdio::null()).stderr(file);
+        // SAFETY: setrlimit is async-signal-safe; nothing else runs between fork and exec.
+        unsafe {
+            cmd.pre_exec(move || {
+                let limit = libc::rlimit { rlim_cur: fds, rlim_max: fds };
+                if libc::setrlimit(libc::RLIMIT_NOFILE, &limit) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        BinWorker { child: Some(cmd.spawn().unwrap()), metrics: setup.metrics, log }
+    }
+
+    /// The worker's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("running").id()
+    }
+
     /// Sends a signal (`"STOP"`, `"CONT"`, ...) to the running worker.
     pub fn signal(&self, signal: &str) {
         let child = self.child.as_ref().expect("running");
