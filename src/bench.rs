@@ -434,6 +434,7 @@ async fn consume_only(kafka: &EmbeddedKafka, url: &str, total: usize) -> anyhow:
     let pool = sqlx::postgres::PgPoolOptions::new().max_connections(1).connect(url).await?;
     let ready = crate::worker::prepare(&pool, std::slice::from_ref(&pipeline)).await.map_err(|e| anyhow::anyhow!("{e:?}"))?;
     let preparer = ready[0].preparer.clone();
+    let max_payload_bytes = pipeline.decoder.max_payload_bytes();
     pool.close().await;
     let bootstrap = kafka.bootstrap_servers().to_owned();
     tokio::task::spawn_blocking(move || -> anyhow::Result<RunResult> {
@@ -456,7 +457,7 @@ async fn consume_only(kafka: &EmbeddedKafka, url: &str, total: usize) -> anyhow:
             match consumer.poll(Duration::from_millis(100)) {
                 Some(Ok(m)) => {
                     t0.get_or_insert_with(Instant::now);
-                    let record = crate::record::Record::from_message(&m, topic.clone());
+                    let record = crate::record::Record::from_message(&m, topic.clone(), max_payload_bytes);
                     if matches!(preparer.prepare(&record), crate::prepare::Prepared::Apply(_)) {
                         applied += 1;
                     }

@@ -51,6 +51,13 @@ impl DeadLetterTopic {
             }
             let partition = r.position.partition.to_string();
             let offset = r.position.offset.to_string();
+            // An oversized payload was not kept whole: its prefix goes to the topic, with its full size and digest.
+            if let Some(o) = &r.oversized {
+                let size = o.size.to_string();
+                let sha256: String = o.sha256.iter().map(|b| format!("{b:02x}")).collect();
+                headers = headers.insert(Header { key: "idemflow.payload_bytes", value: Some(&size) });
+                headers = headers.insert(Header { key: "idemflow.payload_sha256", value: Some(&sha256) });
+            }
             for (k, v) in [
                 ("idemflow.pipeline", self.pipeline.as_str()),
                 ("idemflow.topic", &*r.position.topic),

@@ -47,6 +47,11 @@ impl Decoder {
         Decoder { format, max_payload_bytes }
     }
 
+    /// The largest payload decoded, in bytes.
+    pub fn max_payload_bytes(&self) -> usize {
+        self.max_payload_bytes
+    }
+
     /// Decodes one non-null payload.
     pub fn decode(&self, payload: &[u8]) -> Result<Value, DecodeError> {
         if payload.len() > self.max_payload_bytes {

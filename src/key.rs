@@ -153,6 +153,7 @@ mod tests {
             key: Some(b"rk-1".to_vec()),
             headers: vec![("message-id".into(), Some(b"m-1".to_vec())), ("message-id".into(), Some(b"m-2".to_vec()))],
             payload: None,
+            oversized: None,
         }
     }
 

@@ -264,6 +264,13 @@ async fn dead_letters(cmd: DeadLettersCommand) -> anyhow::Result<()> {
                 println!("header      {}: {}", escape(k), v.as_deref().map_or("(null)".to_owned(), printable));
             }
             println!("payload     {}", d.payload.as_deref().map_or("(null: a tombstone)".to_owned(), printable));
+            if let (Some(size), Some(sha256)) = (d.payload_bytes, &d.payload_sha256) {
+                let hex: String = sha256.iter().map(|b| format!("{b:02x}")).collect();
+                println!(
+                    "            (the first {} of {size} bytes; sha256 of the whole payload {hex}; replay it with --payload FILE)",
+                    d.payload.as_ref().map_or(0, Vec::len)
+                );
+            }
             Ok(())
         }
         DeadLettersCommand::Replay { id, payload, .. } => {
@@ -278,6 +285,15 @@ async fn dead_letters(cmd: DeadLettersCommand) -> anyhow::Result<()> {
             let mut record = d.record();
             if let Some(file) = payload {
                 record.payload = Some(std::fs::read(&file).with_context(|| format!("reading {}", file.display()))?);
+                record.oversized = None;
+            } else if let Some(o) = &record.oversized {
+                let hex: String = o.sha256.iter().map(|b| format!("{b:02x}")).collect();
+                bail!(
+                    "dead letter {id} kept only the first {} of its {} payload bytes: replay it with --payload FILE (the \
+                     whole payload's sha256 was {hex})",
+                    record.payload.as_ref().map_or(0, Vec::len),
+                    o.size
+                );
             }
             let prepared = r.preparer.prepare(&record);
             let outcome = r

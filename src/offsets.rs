@@ -185,6 +185,7 @@ mod tests {
             key: None,
             headers: vec![],
             payload: None,
+            oversized: None,
         }
     }
 

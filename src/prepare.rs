@@ -79,6 +79,10 @@ impl Preparer {
                 TombstonePolicy::DeadLetter => Prepared::dead(DeadLetterReason::Tombstone, "the record value is null"),
             };
         };
+        if let Some(o) = &record.oversized {
+            let e = DecodeError::TooLarge { size: o.size as usize, limit: self.decoder.max_payload_bytes() };
+            return Prepared::dead(DeadLetterReason::PayloadTooLarge, e);
+        }
         let doc = match self.decoder.decode(payload) {
             Ok(doc) => doc,
             Err(e @ DecodeError::TooLarge { .. }) => return Prepared::dead(DeadLetterReason::PayloadTooLarge, e),

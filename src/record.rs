@@ -32,13 +32,41 @@ pub struct Record {
     pub key: Option<Vec<u8>>,
     /// Headers in order; a header may repeat, and its value may be null.
     pub headers: Vec<(String, Option<Vec<u8>>)>,
-    /// The value; `None` is a tombstone (a null value, as used by compacted topics).
+    /// The value; `None` is a tombstone (a null value, as used by compacted topics). For an oversized value, its
+    /// first [`OVERSIZED_PREFIX_BYTES`] only (see [`Record::oversized`]).
     pub payload: Option<Vec<u8>>,
+    /// Set when the value was larger than the pipeline's `max_payload_bytes`: it is not kept whole (a batch of such
+    /// records would otherwise hold every one in memory), only its prefix in `payload`, its size and digest here.
+    pub oversized: Option<Oversized>,
+}
+
+/// How many bytes of an oversized value are kept (for the dead letter's row and for people to look at).
+pub const OVERSIZED_PREFIX_BYTES: usize = 1024;
+
+/// The size and digest of a value that was not kept whole.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Oversized {
+    /// Its size in bytes.
+    pub size: u64,
+    /// The SHA-256 of the whole value.
+    pub sha256: [u8; 32],
+}
+
+/// `payload` as a record keeps it: whole when it is at most `max_payload_bytes`, otherwise its first
+/// [`OVERSIZED_PREFIX_BYTES`] (at most `max_payload_bytes`) with its size and digest.
+pub fn bounded(payload: &[u8], max_payload_bytes: usize) -> (Vec<u8>, Option<Oversized>) {
+    use sha2::{Digest, Sha256};
+    if payload.len() <= max_payload_bytes {
+        return (payload.to_vec(), None);
+    }
+    let keep = OVERSIZED_PREFIX_BYTES.min(max_payload_bytes);
+    (payload[..keep].to_vec(), Some(Oversized { size: payload.len() as u64, sha256: Sha256::digest(payload).into() }))
 }
 
 impl Record {
-    /// Copies a message out of the consumer. `topic` is the interned topic name of the message.
-    pub fn from_message(message: &BorrowedMessage<'_>, topic: Arc<str>) -> Self {
+    /// Copies a message out of the consumer. `topic` is the interned topic name of the message; a value over
+    /// `max_payload_bytes` is kept as [`bounded`] says.
+    pub fn from_message(message: &BorrowedMessage<'_>, topic: Arc<str>, max_payload_bytes: usize) -> Self {
         let headers = message
             .headers()
             .map(|hs| hs.iter().map(|h| (h.key.to_owned(), h.value.map(<[u8]>::to_vec))).collect())
@@ -48,13 +76,42 @@ impl Record {
             timestamp_ms: message.timestamp().to_millis(),
             key: message.key().map(<[u8]>::to_vec),
             headers,
-            payload: message.payload().map(<[u8]>::to_vec),
+            payload: None,
+            oversized: None,
         }
+        .with_payload(message.payload(), max_payload_bytes)
+    }
+
+    fn with_payload(mut self, payload: Option<&[u8]>, max_payload_bytes: usize) -> Self {
+        if let Some(p) = payload {
+            let (kept, oversized) = bounded(p, max_payload_bytes);
+            self.payload = Some(kept);
+            self.oversized = oversized;
+        }
+        self
     }
 
     /// The value of the last header with this name (Kafka allows repeats; the last one wins, as in the Java
     /// client's `Headers.lastHeader`). Outer `None`: no such header; inner `None`: a header with a null value.
     pub fn header(&self, name: &str) -> Option<Option<&[u8]>> {
         self.headers.iter().rev().find(|(k, _)| k == name).map(|(_, v)| v.as_deref())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn oversized_values_keep_a_prefix_their_size_and_digest() {
+        assert_eq!(bounded(b"abc", 3), (b"abc".to_vec(), None));
+        let big = vec![b'x'; 5000];
+        let (kept, oversized) = bounded(&big, 4096);
+        assert_eq!(kept.len(), OVERSIZED_PREFIX_BYTES);
+        let o = oversized.unwrap();
+        assert_eq!(o.size, 5000);
+        use sha2::Digest;
+        assert_eq!(o.sha256, <[u8; 32]>::from(sha2::Sha256::digest(&big)));
+        assert_eq!(bounded(&big, 100).0.len(), 100, "never more than the limit");
     }
 }

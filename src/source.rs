@@ -557,6 +557,8 @@ pub struct Source {
     no_partitions_warning: Duration,
     /// The most records [`Source::poll_while`] keeps before pausing.
     keep: usize,
+    /// The pipeline's `max_payload_bytes`: larger values are not kept whole ([`crate::record::bounded`]).
+    max_payload_bytes: usize,
     /// A partition without a committed offset starts at its low watermark (`auto.offset.reset` earliest, the
     /// default), otherwise at its high watermark.
     reset_to_earliest: bool,
@@ -613,6 +615,7 @@ impl Source {
             unassigned_warnings: 0,
             no_partitions_warning: kafka.no_partitions_warning,
             keep: prefetch_records(pipeline),
+            max_payload_bytes: pipeline.decoder.max_payload_bytes(),
             reset_to_earliest,
         })
     }
@@ -661,7 +664,7 @@ impl Source {
                 Ok(message) => {
                     self.consume_errors = 0;
                     let topic = intern(&mut self.topics, rdkafka::Message::topic(&message));
-                    batch.push(Record::from_message(&message, topic));
+                    batch.push(Record::from_message(&message, topic, self.max_payload_bytes));
                     deadline.get_or_insert_with(|| Instant::now() + settings.max_wait);
                 }
                 Err(e) => {
@@ -702,7 +705,7 @@ impl Source {
                     Ok(Ok(message)) => {
                         drop_revoked(&self.state, &self.pipeline, batch, &mut self.stash);
                         let topic = intern(&mut self.topics, rdkafka::Message::topic(&message));
-                        self.stash.push(Record::from_message(&message, topic));
+                        self.stash.push(Record::from_message(&message, topic, self.max_payload_bytes));
                     }
                     Ok(Err(e)) => {
                         drop_revoked(&self.state, &self.pipeline, batch, &mut self.stash);
@@ -747,7 +750,7 @@ impl Source {
                 m = self.consumer.recv() => match m {
                     Ok(message) => {
                         let topic = intern(&mut self.topics, rdkafka::Message::topic(&message));
-                        self.stash.push(Record::from_message(&message, topic));
+                        self.stash.push(Record::from_message(&message, topic, self.max_payload_bytes));
                         full = self.stash.len() >= keep;
                     }
                     Err(e) => tracing::debug!(pipeline = %self.pipeline, error = %e, "consume error while a batch is in flight"),

@@ -1,5 +1,6 @@
-//! Dead letters: records that cannot be applied, kept whole in `idemflow.dead_letters`, written in the same
-//! transaction as their batch so nothing is lost between "failed" and "recorded". A dead-lettered record writes no
+//! Dead letters: records that cannot be applied, kept whole in `idemflow.dead_letters` (an oversized payload as its
+//! first 1 KiB with its size and SHA-256, see [`crate::record::bounded`]), written in the same transaction as their
+//! batch so nothing is lost between "failed" and "recorded". A dead-lettered record writes no
 //! dedup row, so the same operation, fixed and replayed, is applied then.
 
 use crate::metrics::DeadLetterReason;
@@ -8,8 +9,9 @@ use sqlx::PgConnection;
 
 const INSERT: &str = r#"
 INSERT INTO idemflow.dead_letters
-    (pipeline, topic, partition, "offset", record_key, header_names, header_values, payload, reason, error)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)
+    (pipeline, topic, partition, "offset", record_key, header_names, header_values, payload, reason, error,
+     payload_bytes, payload_sha256)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)
 ON CONFLICT (pipeline, topic, partition, "offset") DO NOTHING"#;
 
 /// Writes one dead letter. Returns `false` when this position was already dead-lettered (a redelivery).
@@ -35,6 +37,8 @@ pub async fn write(
         .bind(record.payload.as_deref())
         .bind(reason.as_str())
         .bind(&error)
+        .bind(record.oversized.as_ref().map(|o| o.size as i64))
+        .bind(record.oversized.as_ref().map(|o| o.sha256.to_vec()))
         .persistent(crate::db::persistent())
         .execute(&mut *conn)
         .await?;
@@ -71,8 +75,12 @@ pub struct Stored {
     pub header_names: Vec<String>,
     /// Header values.
     pub header_values: Vec<Option<Vec<u8>>>,
-    /// The raw value.
+    /// The raw value (its first 1 KiB when `payload_bytes` is set).
     pub payload: Option<Vec<u8>>,
+    /// The full size of a payload kept only in part (over `max_payload_bytes`).
+    pub payload_bytes: Option<i64>,
+    /// The SHA-256 of such a payload, whole.
+    pub payload_sha256: Option<Vec<u8>>,
     /// Why (a closed set, see `DeadLetterReason`).
     pub reason: String,
     /// The error text.
@@ -82,7 +90,7 @@ pub struct Stored {
 }
 
 const SELECT: &str = r#"SELECT id, pipeline, topic, partition, "offset", record_key, header_names, header_values, payload,
-    reason, error, created_at::text AS created_at FROM idemflow.dead_letters"#;
+    payload_bytes, payload_sha256, reason, error, created_at::text AS created_at FROM idemflow.dead_letters"#;
 
 /// The newest dead letters, optionally of one pipeline.
 pub async fn list(conn: &mut PgConnection, pipeline: Option<&str>, limit: i64) -> Result<Vec<Stored>, sqlx::Error> {
@@ -112,6 +120,10 @@ impl Stored {
             key: self.record_key.clone(),
             headers: self.header_names.iter().cloned().zip(self.header_values.iter().cloned()).collect(),
             payload: self.payload.clone(),
+            oversized: match (self.payload_bytes, self.payload_sha256.as_deref().and_then(|d| <[u8; 32]>::try_from(d).ok())) {
+                (Some(size), Some(sha256)) => Some(crate::record::Oversized { size: size as u64, sha256 }),
+                _ => None,
+            },
         }
     }
 }

@@ -453,3 +453,82 @@ async fn the_http_endpoint_keeps_answering_under_abuse() {
     assert!(healthz_within(addr, Duration::from_secs(5)), "/healthz answers after the huge header");
     drop((greedy, big));
 }
+
+/// 2,000 records just over `max_payload_bytes` (64 KiB + 1) in one batch: none is kept whole in memory (the
+/// worker's peak memory stays far below the 128 MB they add up to, and is printed beside a run of 2,000 small
+/// records), and each dead letter keeps its first 1 KiB, its size and the SHA-256 of the whole payload, which
+/// `dead-letters show` prints and `replay` asks for.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_records_are_not_kept_whole() {
+    use sha2::Digest;
+    const PARTITIONS: i32 = 32;
+    const LIMIT: usize = 64 * 1024;
+    let pipeline = format!("max_payload_bytes = {LIMIT}\n{PIPELINE}[batch]\nmax_records = 2000\nmax_wait = \"2s\"\n[dead_letters]\nmax_ratio = 1.0\n");
+    let peak = |records: Vec<Out>| {
+        let pipeline = pipeline.clone();
+        async move {
+            let (db, kafka, setup) = fixture("CREATE TABLE t (id text PRIMARY KEY);", "t", PARTITIONS, &[("t.toml", &pipeline)]).await;
+            kafka.produce("t", &records);
+            let total = records.len() as f64;
+            drop(records);
+            let mut w = BinWorker::start(&setup);
+            let deadline = Instant::now() + Duration::from_secs(120);
+            while metric(&w.scrape(), "idemflow_records_received_total", &[("pipeline", "t")]) < total {
+                if Instant::now() > deadline {
+                    let log = w.log_text();
+                    let tail: Vec<&str> = log.lines().rev().take(30).collect();
+                    panic!("not every record processed in 120 s:\n{}\n{}", w.scrape().lines().filter(|l| l.contains("received") || l.contains("dead_letters_total")).collect::<Vec<_>>().join("\n"), tail.join("\n"));
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            let (_, peak) = memory(w.pid());
+            assert!(w.sigterm().success(), "{}", w.log_text());
+            (peak, db, setup)
+        }
+    };
+    let small: Vec<Out> = (0..2000).map(|i| Out::json(i % PARTITIONS, format!(r#"{{"id":"s-{i}"}}"#))).collect();
+    let (baseline, _, _) = peak(small).await;
+    let big = |i: i32| {
+        let head = format!(r#"{{"id":"o-{i}","pad":""#);
+        let mut v = head.into_bytes();
+        v.resize(LIMIT - 1, b'x');
+        v.extend_from_slice(b"\"}");
+        assert_eq!(v.len(), LIMIT + 1);
+        Out { partition: i % PARTITIONS, value: Some(v), ..Out::default() }
+    };
+    let first = big(0).value.unwrap();
+    let (oversized, db, setup) = peak((0..2000).map(big).collect()).await;
+    let mb = |b: u64| b as f64 / (1 << 20) as f64;
+    println!(
+        "peak worker memory: {:.1} MiB for 2,000 oversized records ({:.0} MiB of payloads) vs {:.1} MiB for 2,000 small \
+         ones (ratio {:.2})",
+        mb(oversized),
+        mb(2000 * (LIMIT as u64 + 1)),
+        mb(baseline),
+        oversized as f64 / baseline as f64
+    );
+    assert!(oversized < baseline + (64 << 20), "oversized payloads were kept in memory: {oversized} vs {baseline} bytes");
+
+    let (count, longest, sizes): (i64, i32, i64) = sqlx::query_as(
+        "SELECT count(*), max(length(payload)), count(*) FILTER (WHERE payload_bytes = 65537) \
+         FROM idemflow.dead_letters WHERE reason = 'payload_too_large'",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!((count, longest, sizes), (2000, 1024, 2000));
+    let (id, digest): (i64, Vec<u8>) = sqlx::query_as(
+        "SELECT id, payload_sha256 FROM idemflow.dead_letters WHERE partition = 0 AND \"offset\" = 0",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(digest, sha2::Sha256::digest(&first).to_vec());
+    let config = setup.config.to_str().unwrap().to_owned();
+    let (status, out, err) = idemflow(&["dead-letters", "show", &id.to_string(), "--config", &config], setup.dir.path());
+    assert!(status.success(), "{out}{err}");
+    assert!(out.contains("(the first 1024 of 65537 bytes; sha256 of the whole payload "), "{out}");
+    let (status, out, err) = idemflow(&["dead-letters", "replay", &id.to_string(), "--config", &config], setup.dir.path());
+    assert!(!status.success(), "{out}{err}");
+    assert!(err.contains("kept only the first 1024 of its 65537 payload bytes: replay it with --payload FILE"), "{err}");
+}
