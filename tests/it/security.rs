@@ -377,6 +377,16 @@ async fn kafka_over_tls_with_certificate_verification() {
     assert!(!err.contains("No provider for SASL mechanism") && !err.contains("OpenSSL not available"), "{err}");
     assert!(err.contains("cannot reach Kafka"), "{err}");
     assert_hidden("a SCRAM configuration", &format!("{out}{err}"));
+    // OAUTHBEARER (here librdkafka's unsecured-JWT builder, for development): the same.
+    let oauth = format!(
+        "{}\n\"sasl.mechanisms\" = \"OAUTHBEARER\"\n\"sasl.oauthbearer.config\" = \"principal=idemflow\"\n\"enable.sasl.oauthbearer.unsecure.jwt\" = \"true\"",
+        properties("ca.crt").replace("\"ssl\"", "\"sasl_ssl\"")
+    );
+    let oauth = Setup::with_bootstrap(&db, &bootstrap, &[("t.toml", pipeline)], &oauth, "");
+    let config = oauth.config.to_str().unwrap().to_owned();
+    let (status, out, err) = idemflow(&["check", "--config", &config], oauth.dir.path());
+    assert!(!status.success(), "{out}{err}");
+    assert!(!err.contains("No provider for SASL mechanism") && err.contains("cannot reach Kafka"), "{err}");
     let _ = proxy.kill();
     let _ = proxy.wait();
 }
