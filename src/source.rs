@@ -3,15 +3,16 @@
 //! Offsets are never committed automatically (`enable.auto.commit=false`): [`Source::commit`] is called only after
 //! a batch's transaction committed. Ownership of partitions is tracked across rebalances:
 //!
-//! - rebalance callbacks run inside the consumer's poll, that is inside [`Source::next_batch`], never while a batch
-//!   is in its transaction; a partition therefore cannot change hands between a batch's database commit and its
-//!   offset commit in this process;
+//! - rebalance callbacks run inside the consumer's poll: while a batch is collected ([`Source::next_batch`]),
+//!   while a retry waits ([`Source::pause_for`]) and while a batch is in its transaction ([`Source::poll_while`]);
+//!   a partition revoked while a batch is in flight is remembered, so the batch's offset for it is not committed
+//!   and a retry of the batch drops its records;
 //! - on revoke, the positions that are durable for the revoked partitions are committed synchronously before the
 //!   partitions go (librdkafka allows commits from the rebalance callback), and records already buffered for them
 //!   are dropped, so the new owner starts from durable work only;
-//! - an offset is committed only for partitions still owned; a late one is skipped, logged and counted
-//!   (`idemflow_offset_commits_total{result="skipped_not_owned"}`), so a stale commit can never move a group's
-//!   position backwards or past unprocessed records.
+//! - an offset is committed only for partitions still owned and not revoked while the batch was in flight; a late
+//!   one is skipped, logged and counted (`idemflow_offset_commits_total{result="skipped_not_owned"}`), so a stale
+//!   commit can never move a group's position backwards or past unprocessed records.
 //!
 //! Records of a partition are handed out in offset order and batches are processed one at a time, so
 //! per-partition order is preserved.
@@ -80,12 +81,16 @@ struct Ownership {
 
 /// An assignment whose stored positions are being claimed (see the module documentation).
 struct Claiming {
+    /// Which claim this is (a newer rebalance replaces an older claim).
+    id: u64,
     /// The partitions the group assigned.
     partitions: Vec<(String, i32)>,
     /// Incremental (cooperative) assignment rather than eager.
     cooperative: bool,
-    /// The claim: `None` when shutdown came first.
-    task: tokio::task::JoinHandle<Option<Vec<offsets::Claimed>>>,
+    /// The claim task (aborted when the claim is dropped).
+    task: tokio::task::JoinHandle<()>,
+    /// Its outcome, set by the task before it notifies: `Some(None)` when shutdown came first.
+    outcome: Option<Option<Vec<offsets::Claimed>>>,
 }
 
 impl Ownership {
@@ -290,7 +295,11 @@ impl SourceContext {
         let partitions: Vec<(String, i32)> =
             tpl.elements().iter().map(|e| (e.topic().to_owned(), e.partition())).collect();
         let (pool, pipeline, owner, parts) = (stored.pool.clone(), self.pipeline.clone(), stored.owner.clone(), partitions.clone());
-        let (mut shutdown, done) = (stored.shutdown.clone(), self.claimed.clone());
+        let (mut shutdown, done, state) = (stored.shutdown.clone(), self.claimed.clone(), self.state.clone());
+        static CLAIMS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let id = CLAIMS.fetch_add(1, Ordering::SeqCst);
+        // Held until the claim is registered below, so the task cannot record its outcome before it exists.
+        let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         let task = stored.runtime.spawn(async move {
             let mut delays = crate::worker::backoff(Duration::from_millis(100), Duration::from_secs(10));
             let claimed = loop {
@@ -307,12 +316,16 @@ impl SourceContext {
                     }
                 }
             };
+            // The outcome is recorded before the notification, so the source finds it when it wakes up.
+            let mut st = state.lock().unwrap_or_else(PoisonError::into_inner);
+            if let Some(c) = st.claiming.as_mut().filter(|c| c.id == id) {
+                c.outcome = Some(claimed);
+            }
+            drop(st);
             done.notify_one();
-            claimed
         });
         tracing::info!(pipeline = %self.pipeline, partitions = %describe(tpl), "partitions assigned: claiming their stored positions");
-        let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(previous) = st.claiming.replace(Claiming { partitions, cooperative, task }) {
+        if let Some(previous) = st.claiming.replace(Claiming { id, partitions, cooperative, task, outcome: None }) {
             previous.task.abort();
         }
     }
@@ -524,6 +537,24 @@ fn drop_revoked(state: &Mutex<Ownership>, pipeline: &str, batch: &mut Vec<Record
     }
 }
 
+/// Drops the kept records of partitions revoked since the last look and remembers those partitions in `in_flight`
+/// (for the batch in flight; see [`Source::poll_while`]).
+fn drop_revoked_from(state: &Mutex<Ownership>, pipeline: &str, stash: &mut Vec<Record>, in_flight: &mut HashSet<Tp>) {
+    let revoked: Vec<Tp> = {
+        let mut st = state.lock().unwrap_or_else(PoisonError::into_inner);
+        if st.revoked.is_empty() {
+            return;
+        }
+        st.revoked.drain(..).collect()
+    };
+    let before = stash.len();
+    stash.retain(|r| !revoked.contains(&(r.position.topic.clone(), r.position.partition)));
+    if stash.len() != before {
+        tracing::info!(pipeline = %pipeline, dropped = before - stash.len(), "dropped buffered records of revoked partitions");
+    }
+    in_flight.extend(revoked);
+}
+
 /// How often the source does its housekeeping while idle (a failed offset commit retried, lag refreshed, the
 /// time without partitions checked).
 const HOUSEKEEPING_EVERY: Duration = Duration::from_secs(1);
@@ -559,6 +590,10 @@ pub struct Source {
     keep: usize,
     /// The pipeline's `max_payload_bytes`: larger values are not kept whole ([`crate::record::bounded`]).
     max_payload_bytes: usize,
+    /// Partitions revoked while a batch was in flight ([`Source::poll_while`]): the batch's records of them are
+    /// dropped if it is retried, and its offset commit skips them (another member may have moved them on, or they
+    /// start again from the group's committed offset).
+    revoked_in_flight: HashSet<Tp>,
     /// A partition without a committed offset starts at its low watermark (`auto.offset.reset` earliest, the
     /// default), otherwise at its high watermark.
     reset_to_earliest: bool,
@@ -616,6 +651,7 @@ impl Source {
             no_partitions_warning: kafka.no_partitions_warning,
             keep: prefetch_records(pipeline),
             max_payload_bytes: pipeline.decoder.max_payload_bytes(),
+            revoked_in_flight: HashSet::new(),
             reset_to_earliest,
         })
     }
@@ -741,36 +777,54 @@ impl Source {
         let keep = self.keep;
         let mut paused_here = false;
         let claimed = self.consumer.context().claimed.clone();
+        let mut tick = tokio::time::interval(HOUSEKEEPING_EVERY);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let joined = loop {
             let mut full = false;
             tokio::select! {
                 biased;
                 joined = &mut work => break joined,
                 _ = claimed.notified() => self.finish_claim(),
-                m = self.consumer.recv() => match m {
-                    Ok(message) => {
-                        let topic = intern(&mut self.topics, rdkafka::Message::topic(&message));
-                        self.stash.push(Record::from_message(&message, topic, self.max_payload_bytes));
-                        full = self.stash.len() >= keep;
+                m = self.consumer.recv() => {
+                    // Revocations the callbacks made inside this poll apply to what was kept before it, never to
+                    // a record of a partition assigned again since (as `next_batch` does); the batch in flight
+                    // learns of them afterwards.
+                    drop_revoked_from(&self.state, &self.pipeline, &mut self.stash, &mut self.revoked_in_flight);
+                    match m {
+                        Ok(message) => {
+                            let topic = intern(&mut self.topics, rdkafka::Message::topic(&message));
+                            self.stash.push(Record::from_message(&message, topic, self.max_payload_bytes));
+                            full = self.stash.len() >= keep;
+                        }
+                        Err(e) => tracing::debug!(pipeline = %self.pipeline, error = %e, "consume error while a batch is in flight"),
                     }
-                    Err(e) => tracing::debug!(pipeline = %self.pipeline, error = %e, "consume error while a batch is in flight"),
-                },
-                _ = tokio::time::sleep(HOUSEKEEPING_EVERY) => self.housekeeping(),
+                }
+                _ = tick.tick() => self.housekeeping(),
             }
             if full && !paused_here {
                 self.pause_owned();
                 paused_here = true;
             }
         };
+        drop_revoked_from(&self.state, &self.pipeline, &mut self.stash, &mut self.revoked_in_flight);
         if paused_here {
             self.resume_owned();
         }
         joined.unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()))
     }
 
-    /// Drops the records of partitions revoked since the last look from `batch` (and from the kept records).
+    /// Drops from `batch` (a batch to retry) its records of partitions revoked while it was in flight, and of
+    /// partitions revoked since (from the kept records too).
     pub fn drop_revoked(&mut self, batch: &mut Vec<Record>) {
+        self.drop_revoked_in_flight(batch);
         drop_revoked(&self.state, &self.pipeline, batch, &mut self.stash);
+    }
+
+    fn drop_revoked_in_flight(&mut self, batch: &mut Vec<Record>) {
+        let revoked = std::mem::take(&mut self.revoked_in_flight);
+        if !revoked.is_empty() {
+            batch.retain(|r| !revoked.contains(&(r.position.topic.clone(), r.position.partition)));
+        }
     }
 
     /// Pauses consumption of every assigned partition (also of those assigned while paused).
@@ -819,7 +873,8 @@ impl Source {
                 let presented = used.and_then(|u| u.0.iter().find(|(ut, up, _, _)| **ut == **t && up == p)).map(|u| u.3);
                 let reclaimed = st.assigned.contains(&tp) && st.epochs.get(&tp).is_some_and(|e| Some(*e) != presented);
                 if reclaimed {
-                    st.revoked.push(tp);
+                    // Only the batch's records: what was kept since the new claim follows its stored position.
+                    self.revoked_in_flight.insert(tp);
                     continue;
                 }
                 st.give_up(tp.clone());
@@ -830,6 +885,7 @@ impl Source {
             }
             self.metrics.assigned_partitions(st.assigned.len());
         }
+        self.drop_revoked_in_flight(batch);
         if pause.count() > 0 {
             tracing::warn!(pipeline = %self.pipeline, partitions = %describe(&pause),
                 "fenced: another worker claimed these partitions; dropping their records");
@@ -843,7 +899,8 @@ impl Source {
     /// Commits `next` for the partitions still owned, synchronously, and counts the outcome. A failure is logged
     /// and counted, never fatal: the records are redelivered and skipped as duplicates.
     pub fn commit(&mut self, next: &NextOffsets) {
-        let tpl = self.owned_list(next);
+        let revoked = std::mem::take(&mut self.revoked_in_flight);
+        let tpl = self.owned_list(next, &revoked);
         if tpl.count() == 0 {
             return;
         }
@@ -878,17 +935,12 @@ impl Source {
         let claiming = {
             let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
             match &st.claiming {
-                Some(c) if c.task.is_finished() => st.claiming.take(),
+                Some(c) if c.outcome.is_some() => st.claiming.take(),
                 _ => None,
             }
         };
-        let Some(mut claiming) = claiming else { return };
-        let waker = std::task::Waker::noop();
-        let polled = std::future::Future::poll(std::pin::Pin::new(&mut claiming.task), &mut std::task::Context::from_waker(waker));
-        let claimed = match polled {
-            std::task::Poll::Ready(Ok(claimed)) => claimed,
-            _ => None,
-        };
+        let Some(claiming) = claiming else { return };
+        let claimed = claiming.outcome.flatten();
         let mut tpl = TopicPartitionList::new();
         if let Some(claimed) = &claimed {
             let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
@@ -976,9 +1028,15 @@ impl Source {
             let st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
             owned.iter().filter_map(|tp| st.durable.get(tp).map(|o| (tp.clone(), *o))).collect()
         };
+        // Look-ups stop after LOOKUP_TIMEOUT in all (an unreachable leader must not hold up the poll); the partitions
+        // left keep their lag until the next refresh.
+        let deadline = Instant::now() + LOOKUP_TIMEOUT;
         for tp in owned {
             let (topic, partition) = (&*tp.0, tp.1);
             let cached = self.cached_high_watermark(topic, partition);
+            if cached.is_none() && Instant::now() >= deadline {
+                continue;
+            }
             let position = durable.get(&tp).copied();
             let (low, high) = match (cached, position) {
                 (Some(high), Some(_)) => (None, high),
@@ -1036,12 +1094,15 @@ impl Source {
         (err == rdkafka::bindings::rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR_NO_ERROR && high >= 0).then_some(high)
     }
 
-    fn owned_list(&self, next: &NextOffsets) -> TopicPartitionList {
+    /// The offsets of `next` to commit: those of partitions owned now and not `revoked` while the batch was in
+    /// flight (a partition that left and came back may have been moved on by another member meanwhile; it starts
+    /// again from the group's committed offset, so committing this batch's end could move it backwards).
+    fn owned_list(&self, next: &NextOffsets, revoked: &HashSet<Tp>) -> TopicPartitionList {
         let mut tpl = TopicPartitionList::new();
         let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         for ((topic, partition), offset) in &next.0 {
             let tp = (topic.clone(), *partition);
-            if st.assigned.contains(&tp) {
+            if st.assigned.contains(&tp) && !revoked.contains(&tp) {
                 let _ = tpl.add_partition_offset(topic, *partition, Offset::Offset(*offset));
                 st.durable.insert(tp, *offset);
             } else {

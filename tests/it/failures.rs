@@ -558,3 +558,72 @@ async fn dead_letters_are_produced_to_the_dead_letter_topic() {
     assert!(got[1].1["idemflow.error"].contains("SQLSTATE 23503"), "{:?}", got[1].1);
     assert_eq!(kafka.committed("idemflow-payments", "payments", 1), vec![3]);
 }
+
+/// A rebalance while a batch is in its transaction that takes the partition away and gives it straight back (the
+/// eager protocol revokes everything first): records that arrived after the partition came back are kept and
+/// applied, the batch's late offset commit is skipped, and every record is applied exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partition_revoked_and_given_back_during_a_batch_loses_nothing() {
+    let pipeline = "topics = [\"t\"]\n[key]\nfield = \"/id\"\n[sink]\ntable = \"t\"\n[sink.columns]\nid = \"/id\"\n\
+                    [batch]\nmax_records = 50\nmax_wait = \"200ms\"\n";
+    let (db, kafka, setup) = fixture("CREATE TABLE t (id text PRIMARY KEY);", "t", 1, &[("t.toml", pipeline)]).await;
+    let records = |from: i32, to: i32| (from..to).map(|i| Out::json(0, format!(r#"{{"id":"r-{i}"}}"#))).collect::<Vec<_>>();
+    let w = BinWorker::start(&setup);
+    wait_until(Duration::from_secs(30), "the worker owning the partition", || async {
+        metric(&w.scrape(), "idemflow_assigned_partitions", &[("pipeline", "t")]) == 1.0
+    })
+    .await;
+    // The first batch cannot commit while the table is locked.
+    let mut lock = db.pool.begin().await.unwrap();
+    sqlx::query("LOCK TABLE t IN EXCLUSIVE MODE").execute(&mut *lock).await.unwrap();
+    kafka.produce("t", &records(0, 50));
+    wait_until(Duration::from_secs(30), "the first batch waiting for the lock", || async {
+        db.scalar::<i64>("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = current_database()").await >= 1
+    })
+    .await;
+    kafka.produce("t", &records(50, 200));
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    // Another member joins: the group revokes the partition from the worker and, by member order (range assignor:
+    // "idemflow-t-..." sorts before "zzzz-..."), gives it back to it.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let member = {
+        let (bootstrap, stop) = (kafka.bootstrap().to_owned(), stop.clone());
+        std::thread::spawn(move || {
+            let c: BaseConsumer = rdkafka::ClientConfig::new()
+                .set("bootstrap.servers", &bootstrap)
+                .set("group.id", "idemflow-t")
+                .set("client.id", "zzzz-member")
+                .set("enable.auto.commit", "false")
+                .set("session.timeout.ms", "6000")
+                .create()
+                .unwrap();
+            c.subscribe(&["t"]).unwrap();
+            let mut got = 0;
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                if let Some(Ok(_)) = c.poll(Duration::from_millis(100)) {
+                    got += 1;
+                }
+            }
+            got
+        })
+    };
+    let rebalanced = wait_until(Duration::from_secs(90), "the worker's partition revoked and assigned again", || async {
+        let m = w.scrape();
+        metric(&m, "idemflow_rebalances_total", &[("pipeline", "t"), ("event", "revoke")]) >= 1.0
+            && metric(&m, "idemflow_rebalances_total", &[("pipeline", "t"), ("event", "assign")]) >= 2.0
+    });
+    if tokio::time::timeout(Duration::from_secs(35), rebalanced).await.is_err() {
+        panic!("no rebalance; log:\n{}", w.log_text());
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    lock.rollback().await.unwrap();
+    let done = wait_until(Duration::from_secs(60), "every record applied", || async {
+        db.scalar::<i64>("SELECT count(*) FROM t").await == 200
+    });
+    if tokio::time::timeout(Duration::from_secs(65), done).await.is_err() {
+        panic!("applied {} of 200; log:\n{}", db.scalar::<i64>("SELECT count(*) FROM t").await, w.log_text());
+    }
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    assert_eq!(member.join().unwrap(), 0, "the other member was never given the partition");
+    assert_eq!(db.scalar::<i64>("SELECT count(*) FROM idemflow.dedup").await, 200);
+}
