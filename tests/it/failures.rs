@@ -294,11 +294,14 @@ async fn postgres_restart_mid_run() {
     let kafka = Kafka::new();
     kafka.create_topic("payments", 4);
     let s = payments(15_000, 4, false);
-    kafka.produce("payments", &s.records);
+    // Half before the outage, half during it, so batches certainly meet it however fast the worker is.
+    let (first, rest) = s.records.split_at(s.records.len() / 2);
+    kafka.produce("payments", first);
     let setup = Setup::new(&db, &kafka, &[("payments.toml", &shipped())]);
     let w = InProc::start(&setup).await;
     w.wait_received("payments", 2_000).await;
     cluster.stop().unwrap();
+    kafka.produce("payments", rest);
     tokio::time::sleep(Duration::from_secs(2)).await;
     cluster.start_again().unwrap();
     let db = TestDb { pool: sqlx::PgPool::connect(&db.url).await.unwrap(), url: db.url.clone() };
