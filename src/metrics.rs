@@ -186,6 +186,9 @@ pub struct Metrics {
     offset_commits: IntCounterVec,
     rebalances: IntCounterVec,
     pipeline_up: IntGaugeVec,
+    /// Held while a batch's counts are added and while the registry is read, so every scrape sees whole batches:
+    /// received = applied + duplicates + dead letters + tombstones in any scrape.
+    batch_counts: std::sync::Arc<std::sync::Mutex<()>>,
 }
 
 fn counter(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
@@ -252,6 +255,7 @@ impl Metrics {
             offset_commits: counter(&r, "idemflow_offset_commits_total", "Kafka offset commits, by result.", &["pipeline", "result"]),
             rebalances: counter(&r, "idemflow_rebalances_total", "Consumer group rebalance events, by event.", &["pipeline", "event"]),
             pipeline_up,
+            batch_counts: Default::default(),
             registry: r,
         }
     }
@@ -292,8 +296,12 @@ impl Metrics {
 
     /// The text exposition format (version 0.0.4) of every metric.
     pub fn render(&self) -> Vec<u8> {
+        let families = {
+            let _whole_batches = self.batch_counts.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            self.registry.gather()
+        };
         let mut out = Vec::new();
-        TextEncoder::new().encode(&self.registry.gather(), &mut out).expect("encoding to a Vec");
+        TextEncoder::new().encode(&families, &mut out).expect("encoding to a Vec");
         out
     }
 }
@@ -350,6 +358,7 @@ pub struct PipelineMetrics {
 impl PipelineMetrics {
     /// Records a committed batch: its counts and its duration (first statement to commit, retries included).
     pub fn batch_committed(&self, counts: &BatchCounts, duration: Duration) {
+        let _whole_batch = self.metrics.batch_counts.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         self.received.inc_by(counts.received);
         self.applied.inc_by(counts.applied);
         self.tombstones.inc_by(counts.tombstones);

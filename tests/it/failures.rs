@@ -302,7 +302,8 @@ async fn postgres_restart_mid_run() {
     w.wait_received("payments", 2_000).await;
     cluster.stop().unwrap();
     kafka.produce("payments", rest);
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    // Longer than the pool's acquire_timeout (2 s here), which would otherwise ride out the outage unnoticed.
+    tokio::time::sleep(Duration::from_secs(5)).await;
     cluster.start_again().unwrap();
     let db = TestDb { pool: sqlx::PgPool::connect(&db.url).await.unwrap(), url: db.url.clone() };
     wait_all_durable(&db, &kafka, "idemflow-payments", "payments", 4, &s).await;
