@@ -517,41 +517,39 @@ fn intern(topics: &mut HashMap<String, Arc<str>>, name: &str) -> Arc<str> {
     t
 }
 
-/// Drops buffered records (of the batch being filled and of the stash) of partitions revoked since the last look:
+/// Takes the partitions revoked since the last look (empty when there are none).
+fn take_revoked(state: &Mutex<Ownership>) -> HashSet<Tp> {
+    let mut st = state.lock().unwrap_or_else(PoisonError::into_inner);
+    st.revoked.drain(..).collect()
+}
+
+/// Removes the records of `revoked` partitions from each of `buffers`, logging how many.
+fn drop_records_of(revoked: &HashSet<Tp>, pipeline: &str, buffers: &mut [&mut Vec<Record>]) {
+    if revoked.is_empty() {
+        return;
+    }
+    let mut dropped = 0;
+    for buffer in buffers.iter_mut() {
+        let before = buffer.len();
+        buffer.retain(|r| !revoked.contains(&(r.position.topic.clone(), r.position.partition)));
+        dropped += before - buffer.len();
+    }
+    if dropped > 0 {
+        tracing::info!(pipeline = %pipeline, dropped, "dropped buffered records of revoked partitions before processing");
+    }
+}
+
+/// Drops the records of partitions revoked since the last look from a batch being collected and the kept records:
 /// the partition's next owner (maybe this consumer again, from the committed offset) will receive them.
 fn drop_revoked(state: &Mutex<Ownership>, pipeline: &str, batch: &mut Vec<Record>, stash: &mut Vec<Record>) {
-    let revoked: HashSet<Tp> = {
-        let mut st = state.lock().unwrap_or_else(PoisonError::into_inner);
-        if st.revoked.is_empty() {
-            return;
-        }
-        st.revoked.drain(..).collect()
-    };
-    let before = batch.len() + stash.len();
-    let owned = |r: &Record| !revoked.contains(&(r.position.topic.clone(), r.position.partition));
-    batch.retain(owned);
-    stash.retain(owned);
-    if batch.len() + stash.len() != before {
-        tracing::info!(pipeline = %pipeline, dropped = before - batch.len() - stash.len(),
-            "dropped buffered records of revoked partitions before processing");
-    }
+    drop_records_of(&take_revoked(state), pipeline, &mut [batch, stash]);
 }
 
 /// Drops the kept records of partitions revoked since the last look and remembers those partitions in `in_flight`
 /// (for the batch in flight; see [`Source::poll_while`]).
 fn drop_revoked_from(state: &Mutex<Ownership>, pipeline: &str, stash: &mut Vec<Record>, in_flight: &mut HashSet<Tp>) {
-    let revoked: Vec<Tp> = {
-        let mut st = state.lock().unwrap_or_else(PoisonError::into_inner);
-        if st.revoked.is_empty() {
-            return;
-        }
-        st.revoked.drain(..).collect()
-    };
-    let before = stash.len();
-    stash.retain(|r| !revoked.contains(&(r.position.topic.clone(), r.position.partition)));
-    if stash.len() != before {
-        tracing::info!(pipeline = %pipeline, dropped = before - stash.len(), "dropped buffered records of revoked partitions");
-    }
+    let revoked = take_revoked(state);
+    drop_records_of(&revoked, pipeline, &mut [stash]);
     in_flight.extend(revoked);
 }
 
@@ -822,9 +820,7 @@ impl Source {
 
     fn drop_revoked_in_flight(&mut self, batch: &mut Vec<Record>) {
         let revoked = std::mem::take(&mut self.revoked_in_flight);
-        if !revoked.is_empty() {
-            batch.retain(|r| !revoked.contains(&(r.position.topic.clone(), r.position.partition)));
-        }
+        drop_records_of(&revoked, &self.pipeline, &mut [batch]);
     }
 
     /// Pauses consumption of every assigned partition (also of those assigned while paused).
