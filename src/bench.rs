@@ -380,7 +380,7 @@ async fn worker_run(run: WorkerRun<'_>, kafka: &EmbeddedKafka, url: &str, perf: 
 async fn copy_ceiling(url: &str, s: &Stream, total: usize) -> anyhow::Result<RunResult> {
     let mut dedup = String::with_capacity(s.firsts.len() * 200);
     let mut orders = String::with_capacity(s.firsts.len() * 120);
-    let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
+    let hex = crate::terminal::hex;
     for &i in &s.firsts {
         let (partition, payload) = &s.records[i];
         let doc: serde_json::Value = serde_json::from_slice(payload)?;

@@ -54,7 +54,7 @@ impl DeadLetterTopic {
             // An oversized payload was not kept whole: its prefix goes to the topic, with its full size and digest.
             if let Some(o) = &r.oversized {
                 let size = o.size.to_string();
-                let sha256: String = o.sha256.iter().map(|b| format!("{b:02x}")).collect();
+                let sha256 = crate::terminal::hex(&o.sha256);
                 headers = headers.insert(Header { key: "idemflow.payload_bytes", value: Some(&size) });
                 headers = headers.insert(Header { key: "idemflow.payload_sha256", value: Some(&sha256) });
             }

@@ -265,7 +265,7 @@ async fn dead_letters(cmd: DeadLettersCommand) -> anyhow::Result<()> {
             }
             println!("payload     {}", d.payload.as_deref().map_or("(null: a tombstone)".to_owned(), printable));
             if let (Some(size), Some(sha256)) = (d.payload_bytes, &d.payload_sha256) {
-                let hex: String = sha256.iter().map(|b| format!("{b:02x}")).collect();
+                let hex = idemflow::terminal::hex(sha256);
                 println!(
                     "            (the first {} of {size} bytes; sha256 of the whole payload {hex}; replay it with --payload FILE)",
                     d.payload.as_ref().map_or(0, Vec::len)
@@ -287,7 +287,7 @@ async fn dead_letters(cmd: DeadLettersCommand) -> anyhow::Result<()> {
                 record.payload = Some(std::fs::read(&file).with_context(|| format!("reading {}", file.display()))?);
                 record.oversized = None;
             } else if let Some(o) = &record.oversized {
-                let hex: String = o.sha256.iter().map(|b| format!("{b:02x}")).collect();
+                let hex = idemflow::terminal::hex(&o.sha256);
                 bail!(
                     "dead letter {id} kept only the first {} of its {} payload bytes: replay it with --payload FILE (the \
                      whole payload's sha256 was {hex})",

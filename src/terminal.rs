@@ -21,11 +21,16 @@ pub fn escape(text: &str) -> Cow<'_, str> {
     Cow::Owned(out)
 }
 
+/// Bytes as lowercase hexadecimal digits, two a byte (digests, random tokens).
+pub fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
 /// Bytes for a terminal: valid UTF-8 escaped as [`escape`] does, anything else as `0x` and hex digits.
 pub fn printable(bytes: &[u8]) -> String {
     match std::str::from_utf8(bytes) {
         Ok(s) => escape(s).into_owned(),
-        Err(_) => format!("0x{}", bytes.iter().map(|b| format!("{b:02x}")).collect::<String>()),
+        Err(_) => format!("0x{}", hex(bytes)),
     }
 }
 

@@ -48,7 +48,7 @@ fn random_password() -> Result<String, ThrowawayError> {
     use std::io::Read;
     let mut bytes = [0u8; 16];
     std::fs::File::open("/dev/urandom")?.read_exact(&mut bytes)?;
-    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+    Ok(crate::terminal::hex(&bytes))
 }
 
 /// `text` quoted for a POSIX shell.
