@@ -30,8 +30,10 @@ pub enum KeySource {
     Fields(Vec<FieldPath>),
     /// The Kafka record key.
     RecordKey,
-    /// The value of a Kafka header (the last one with this name).
+    /// The value of a Kafka header (the last one with this name), or of a RabbitMQ message header.
     Header(String),
+    /// A message property ([`crate::record::PROPERTIES`]): RabbitMQ's `message_id` above all.
+    Property(String),
 }
 
 /// Where the key comes from plus the rules it must satisfy.
@@ -92,6 +94,10 @@ impl KeySpec {
             KeySource::Header(name) => {
                 let what = format!("(header {name:?})");
                 self.bytes(&what, record.header(name).flatten())?
+            }
+            KeySource::Property(name) => {
+                let what = format!("(property {name})");
+                self.bytes(&what, record.property(name).map(str::as_bytes))?
             }
         };
         if let Some(max) = self.max_bytes {
@@ -154,6 +160,8 @@ mod tests {
             headers: vec![("message-id".into(), Some(b"m-1".to_vec())), ("message-id".into(), Some(b"m-2".to_vec()))],
             payload: None,
             oversized: None,
+            properties: Vec::new(),
+            delivered_before: None,
         }
     }
 

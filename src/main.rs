@@ -245,7 +245,7 @@ async fn dead_letters(cmd: DeadLettersCommand) -> anyhow::Result<()> {
             println!("{:>8}  {:<16} {:<28} {:<22} {:<32} error", "id", "pipeline", "position", "reason", "created_at");
             for d in &rows {
                 let error: String = escape(&d.error).chars().take(100).collect();
-                let position = format!("{}/{}@{}", d.topic, d.partition, d.offset);
+                let position = d.record().position.to_string();
                 println!("{:>8}  {:<16} {:<28} {:<22} {:<32} {error}", d.id, d.pipeline, position, d.reason, d.created_at);
             }
             println!("{} dead letter(s)", rows.len());
@@ -255,11 +255,14 @@ async fn dead_letters(cmd: DeadLettersCommand) -> anyhow::Result<()> {
             let Some(d) = dead_letter::get(&mut *conn, id).await? else { bail!("no dead letter with id {id}") };
             println!("id          {}", d.id);
             println!("pipeline    {}", d.pipeline);
-            println!("position    {}/{}@{}", d.topic, d.partition, d.offset);
+            println!("position    {}", d.record().position);
             println!("reason      {}", d.reason);
             println!("error       {}", escape(&d.error));
             println!("created_at  {}", d.created_at);
             println!("key         {}", d.record_key.as_deref().map_or("(none)".to_owned(), printable));
+            for (k, v) in d.property_names.iter().zip(&d.property_values) {
+                println!("property    {}: {}", escape(k), escape(v));
+            }
             for (k, v) in d.header_names.iter().zip(&d.header_values) {
                 println!("header      {}: {}", escape(k), v.as_deref().map_or("(null)".to_owned(), printable));
             }
@@ -324,6 +327,14 @@ async fn rewind(a: RewindArgs) -> anyhow::Result<()> {
     let settings = load(&a.config)?;
     let pipelines = config::load_pipelines(&settings.pipelines).map_err(|e| report(&e))?;
     let p = named(&pipelines, &a.pipeline, &settings)?.clone();
+    let Some(kafka_source) = p.source.kafka().cloned() else {
+        bail!(
+            "{}: pipeline {:?} has a {} source: rewind moves a Kafka consumer group back; a queue has no positions to go \
+             back to (an acknowledged message has left it). Publish the messages again instead: the dedup store skips \
+             those already applied",
+            p.file.display(), p.name, p.source.kind()
+        );
+    };
     let stored = p.offsets == OffsetStore::Database;
     let pool = if stored {
         reachable(&settings, &a.config).await?;
@@ -339,7 +350,7 @@ async fn rewind(a: RewindArgs) -> anyhow::Result<()> {
     let (kafka, pp) = (settings.kafka.clone(), p.clone());
     let plan = tokio::task::spawn_blocking(move || rewind::plan(&kafka, &pp, a.to, positions.as_deref(), a.timeout)).await??;
     let moves = plan.moves;
-    println!("pipeline {:?}, consumer group {:?}{}", p.name, p.group_id, if stored { ", stored positions too" } else { "" });
+    println!("pipeline {:?}, consumer group {:?}{}", p.name, kafka_source.group_id, if stored { ", stored positions too" } else { "" });
     println!("{:<32} {:>12} {:>12} {:>12} {:>12}", "partition", "from", "to", "end", "replayed");
     for m in &moves {
         let from = m.from.map_or("-".to_owned(), |o| o.to_string());
@@ -384,9 +395,17 @@ async fn rewind(a: RewindArgs) -> anyhow::Result<()> {
 
 /// Compares a pipeline's dedup retention with its topics' `retention.ms`: one line per topic.
 async fn retention_report(settings: &Settings, p: &config::Pipeline) -> Vec<String> {
+    let Some(kafka) = p.source.kafka() else {
+        return vec![format!(
+            "pipeline {:?}: a queue has no retention.ms to compare with; [dedup] retention = {} must outlast the longest \
+             time a message can wait in its queues (a message redelivered after its dedup row was purged is applied again)",
+            p.name,
+            humantime::format_duration(p.dedup.retention)
+        )];
+    };
     let read = tokio::time::timeout(
         std::time::Duration::from_secs(8),
-        idemflow::source::topic_retention_ms(&settings.kafka, &p.topics),
+        idemflow::source::kafka::topic_retention_ms(&settings.kafka, &kafka.topics),
     )
     .await;
     match read {
@@ -447,7 +466,8 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
             match idemflow::sink::dedup::explain(&mut *conn, &p.name, &key).await? {
                 Some(e) => {
                     println!("  applied at         {}", e.applied_at);
-                    println!("  from               {}/{}@{}", e.topic, e.partition, e.offset);
+                    let position = idemflow::record::Position { topic: e.topic.as_str().into(), partition: e.partition, offset: e.offset };
+                    println!("  from               {position}");
                     println!("  payload sha256     {}", e.fingerprint);
                     match e.last_duplicate_at {
                         Some(at) => println!("  duplicates skipped {} since (the last at {at})", e.duplicates),
@@ -539,17 +559,29 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
         Command::Check(a) => {
             let settings = load(&a.config)?;
             let pipelines = config::load_pipelines(&settings.pipelines).map_err(|e| report(&e))?;
+            config::check_sources(&settings, &pipelines).map_err(|e| report(&e))?;
+            let mut source_lines = Vec::new();
             for p in &pipelines {
-                idemflow::source::check_properties(&settings.kafka, p)
-                    .map_err(|e| anyhow::anyhow!("{}: {}", a.config.display(), idemflow::source::describe_kafka_error(&e)))?;
-            }
-            for p in &pipelines {
-                let (kafka, pipeline) = (settings.kafka.clone(), p.clone());
-                let topics = tokio::task::spawn_blocking(move || {
-                    idemflow::source::check_topics(&kafka, &pipeline, std::time::Duration::from_secs(5))
-                });
-                if let Err(e) = topics.await? {
-                    bail!("{}: pipeline {:?}: kafka: {e}", p.file.display(), p.name);
+                match &p.source {
+                    config::SourceSpec::Kafka(_) => {
+                        use idemflow::source::kafka;
+                        kafka::check_properties(&settings.kafka, p)
+                            .map_err(|e| anyhow::anyhow!("{}: {}", a.config.display(), kafka::describe_kafka_error(&e)))?;
+                        let (kafka, pipeline) = (settings.kafka.clone(), p.clone());
+                        let topics = tokio::task::spawn_blocking(move || {
+                            idemflow::source::kafka::check_topics(&kafka, &pipeline, std::time::Duration::from_secs(5))
+                        });
+                        if let Err(e) = topics.await? {
+                            bail!("{}: pipeline {:?}: kafka: {e}", p.file.display(), p.name);
+                        }
+                    }
+                    config::SourceSpec::RabbitMq(_) => {
+                        let rabbitmq = settings.rabbitmq.as_ref().expect("checked by check_sources");
+                        match idemflow::source::rabbitmq::check(rabbitmq, p).await {
+                            Ok(lines) => source_lines.extend(lines),
+                            Err(e) => bail!("{}: pipeline {:?}: rabbitmq: {e}", p.file.display(), p.name),
+                        }
+                    }
                 }
             }
             reachable(&settings, &a.config).await?;
@@ -560,9 +592,23 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
             let ready = worker::prepare(&pool, &pipelines).await.map_err(|e| report(&e))?;
             for r in &ready {
                 let p = &r.pipeline;
-                println!("pipeline {:?} ({}): ok, topics {:?}, group {:?}", p.name, p.file.display(), p.topics, p.group_id);
+                match &p.source {
+                    config::SourceSpec::Kafka(k) => {
+                        println!("pipeline {:?} ({}): ok, topics {:?}, group {:?}", p.name, p.file.display(), k.topics, k.group_id)
+                    }
+                    config::SourceSpec::RabbitMq(q) => {
+                        println!("pipeline {:?} ({}): ok, queues {:?}, prefetch {}", p.name, p.file.display(), q.queues, q.prefetch)
+                    }
+                }
             }
-            let mut timing: Vec<String> = pipelines.iter().flat_map(|p| idemflow::source::timing_warnings(&settings, p)).collect();
+            for line in source_lines {
+                println!("{line}");
+            }
+            let mut timing: Vec<String> = pipelines
+                .iter()
+                .filter(|p| p.source.kafka().is_some())
+                .flat_map(|p| idemflow::source::kafka::timing_warnings(&settings, p))
+                .collect();
             timing.dedup();
             for w in timing {
                 println!("warning: {w}");
@@ -577,6 +623,7 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
         Command::Run(a) => {
             let settings = load(&a.config)?;
             let pipelines = config::load_pipelines(&settings.pipelines).map_err(|e| report(&e))?;
+            config::check_sources(&settings, &pipelines).map_err(|e| report(&e))?;
             // Serve /healthz from the start: the process is alive while it waits for the database.
             let metrics = metrics::Metrics::new();
             let health = http::Health::default();

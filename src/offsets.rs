@@ -23,10 +23,11 @@ pub struct NextOffsets(pub BTreeMap<(Arc<str>, i32), i64>);
 
 impl NextOffsets {
     /// The positions to commit once `records` (every record of a committed batch, dead letters and skipped
-    /// duplicates included) are durable: per partition, the highest offset + 1.
+    /// duplicates included) are durable: per partition, the highest offset + 1. Records of sources without
+    /// stable positions (RabbitMQ: [`Record::delivered_before`] is set) have none and are left out.
     pub fn after(records: &[Record]) -> Self {
         let mut next = BTreeMap::new();
-        for r in records {
+        for r in records.iter().filter(|r| r.delivered_before.is_none()) {
             let p = &r.position;
             let e = next.entry((p.topic.clone(), p.partition)).or_insert(p.offset + 1);
             *e = (*e).max(p.offset + 1);
@@ -186,6 +187,8 @@ mod tests {
             headers: vec![],
             payload: None,
             oversized: None,
+            properties: Vec::new(),
+            delivered_before: None,
         }
     }
 
@@ -229,6 +232,9 @@ SELECT topic, partition, next_offset FROM before"#;
 ///
 /// Errors: the database's.
 pub async fn processed(conn: &mut PgConnection, pipeline: &str, next: &NextOffsets) -> sqlx::Result<Processed> {
+    if next.0.is_empty() {
+        return Ok(Processed::default());
+    }
     let mut topics = Vec::with_capacity(next.0.len());
     let mut partitions = Vec::with_capacity(next.0.len());
     let mut offsets = Vec::with_capacity(next.0.len());

@@ -132,6 +132,7 @@ fn value(
         },
         ValueSource::RecordKey => utf8(record.key.as_deref())?,
         ValueSource::Header(name) => utf8(record.header(name).flatten())?,
+        ValueSource::Property(name) => utf8(record.property(name).map(str::as_bytes))?,
         ValueSource::Meta(meta) => {
             let text = match meta {
                 Meta::Topic => Some(record.position.topic.to_string()),
@@ -170,6 +171,7 @@ fn describe(source: &ValueSource) -> String {
         ValueSource::Field(p) => p.to_string(),
         ValueSource::RecordKey => "the record key".to_owned(),
         ValueSource::Header(h) => format!("header {h:?}"),
+        ValueSource::Property(p) => format!("property {p}"),
         ValueSource::Meta(m) => format!("{m:?}"),
     }
 }

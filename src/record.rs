@@ -1,10 +1,11 @@
-//! One consumed Kafka record, owned and detached from the consumer.
+//! One consumed record (a Kafka record or a RabbitMQ delivery), owned and detached from its consumer.
 
 use rdkafka::message::{BorrowedMessage, Headers, Message};
 use std::fmt;
 use std::sync::Arc;
 
-/// Where a record sits in Kafka: topic, partition and offset.
+/// Where a record sits in its source: a Kafka topic, partition and offset; for a RabbitMQ queue, the queue name,
+/// [`NO_PARTITION`] and the delivery tag (which numbers deliveries on one channel only: not a stable position).
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Position {
     /// Topic name; shared between the records of a batch.
@@ -15,11 +16,39 @@ pub struct Position {
     pub offset: i64,
 }
 
+/// The partition of a record from a queue, which has none (RabbitMQ). Kafka partitions are never negative.
+pub const NO_PARTITION: i32 = -1;
+
 impl fmt::Display for Position {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}/{}@{}", self.topic, self.partition, self.offset)
+        if self.partition == NO_PARTITION {
+            write!(f, "queue {} (delivery {})", self.topic, self.offset)
+        } else {
+            write!(f, "{}/{}@{}", self.topic, self.partition, self.offset)
+        }
     }
 }
+
+/// The message-id property (AMQP `message-id`), the business key the idempotence guides recommend for RabbitMQ.
+pub const MESSAGE_ID: &str = "message_id";
+
+/// The message properties a record may carry, by the names a pipeline uses (`[key] property`, `{ property = ... }`).
+/// RabbitMQ: the AMQP 0-9-1 basic properties that hold text, and the exchange and routing key a message was
+/// published with. A Kafka record has none.
+pub const PROPERTIES: &[&str] = &[
+    MESSAGE_ID,
+    "correlation_id",
+    "type",
+    "app_id",
+    "user_id",
+    "content_type",
+    "content_encoding",
+    "reply_to",
+    "expiration",
+    "timestamp",
+    "exchange",
+    "routing_key",
+];
 
 /// One record as consumed: position, timestamp, key, headers and payload, all owned.
 #[derive(Clone, Debug)]
@@ -38,6 +67,12 @@ pub struct Record {
     /// Set when the value was larger than the pipeline's `max_payload_bytes`: it is not kept whole (a batch of such
     /// records would otherwise hold every one in memory), only its prefix in `payload`, its size and digest here.
     pub oversized: Option<Oversized>,
+    /// Message properties by name (see [`PROPERTIES`]); empty for a Kafka record.
+    pub properties: Vec<(&'static str, String)>,
+    /// Whether the broker says this message was delivered before, for sources without stable positions: RabbitMQ's
+    /// `redelivered` flag, or an `x-delivery-count` above 0 (quorum queues). `None` for sources whose position
+    /// identifies a record (Kafka): there, a record at a position processed before is a redelivery.
+    pub delivered_before: Option<bool>,
 }
 
 /// How many bytes of an oversized value are kept (for the dead letter's row and for people to look at).
@@ -78,11 +113,14 @@ impl Record {
             headers,
             payload: None,
             oversized: None,
+            properties: Vec::new(),
+            delivered_before: None,
         }
         .with_payload(message.payload(), max_payload_bytes)
     }
 
-    fn with_payload(mut self, payload: Option<&[u8]>, max_payload_bytes: usize) -> Self {
+    /// Sets the payload, kept as [`bounded`] says.
+    pub fn with_payload(mut self, payload: Option<&[u8]>, max_payload_bytes: usize) -> Self {
         if let Some(p) = payload {
             let (kept, oversized) = bounded(p, max_payload_bytes);
             self.payload = Some(kept);
@@ -95,6 +133,11 @@ impl Record {
     /// client's `Headers.lastHeader`). Outer `None`: no such header; inner `None`: a header with a null value.
     pub fn header(&self, name: &str) -> Option<Option<&[u8]>> {
         self.headers.iter().rev().find(|(k, _)| k == name).map(|(_, v)| v.as_deref())
+    }
+
+    /// A message property's value (see [`PROPERTIES`]); `None` when the message does not carry it.
+    pub fn property(&self, name: &str) -> Option<&str> {
+        self.properties.iter().find(|(k, _)| *k == name).map(|(_, v)| v.as_str())
     }
 }
 

@@ -140,7 +140,7 @@ pub enum RewindError {
 
 fn kafka(what: impl Into<String>) -> impl FnOnce(KafkaError) -> RewindError {
     let what = what.into();
-    move |source| RewindError::Kafka { what, source: crate::source::hide_config_value(source) }
+    move |source| RewindError::Kafka { what, source: crate::source::kafka::hide_config_value(source) }
 }
 
 /// What the broker answered for one partition, and what the group knows: the input of [`reconcile`].
@@ -220,9 +220,9 @@ pub struct Plan {
 /// broker answered, `None` when it could not tell (the broker does not support the request, or did not answer
 /// within `timeout`).
 pub fn active_members(kafka_settings: &KafkaSettings, pipeline: &Pipeline, timeout: Duration) -> Option<usize> {
-    let consumer: BaseConsumer = crate::source::consumer_config(kafka_settings, pipeline).create().ok()?;
-    let groups = consumer.fetch_group_list(Some(&pipeline.group_id), timeout).ok()?;
-    let group = groups.groups().iter().find(|g| g.name() == pipeline.group_id)?;
+    let consumer: BaseConsumer = crate::source::kafka::consumer_config(kafka_settings, pipeline).create().ok()?;
+    let groups = consumer.fetch_group_list(Some(&crate::source::kafka::spec(pipeline).group_id), timeout).ok()?;
+    let group = groups.groups().iter().find(|g| g.name() == crate::source::kafka::spec(pipeline).group_id)?;
     Some(if group.state() == "Dead" { 0 } else { group.members().len() })
 }
 
@@ -257,9 +257,9 @@ pub fn plan(
     timeout: Duration,
 ) -> Result<Plan, RewindError> {
     let consumer: BaseConsumer =
-        crate::source::consumer_config(kafka_settings, pipeline).create().map_err(kafka("creating a Kafka client"))?;
+        crate::source::kafka::consumer_config(kafka_settings, pipeline).create().map_err(kafka("creating a Kafka client"))?;
     let mut all = TopicPartitionList::new();
-    for topic in &pipeline.topics {
+    for topic in &crate::source::kafka::spec(pipeline).topics {
         let md = consumer.fetch_metadata(Some(topic), timeout).map_err(kafka(format!("reading metadata of {topic:?}")))?;
         let t = md.topics().iter().find(|t| t.name() == topic).ok_or_else(|| RewindError::NoTopic(topic.clone()))?;
         if t.error().is_some() || t.partitions().is_empty() {
@@ -286,7 +286,7 @@ pub fn plan(
         Target::Time(at) => Some(at.duration_since(UNIX_EPOCH).unwrap_or_default().as_millis() as i64),
     };
     let reader: BaseConsumer =
-        crate::source::consumer_config(kafka_settings, pipeline).create().map_err(kafka("creating a Kafka client"))?;
+        crate::source::kafka::consumer_config(kafka_settings, pipeline).create().map_err(kafka("creating a Kafka client"))?;
     let mut plan = Plan::default();
     let oldest_kept = SystemTime::now().checked_sub(pipeline.dedup.retention).unwrap_or(UNIX_EPOCH);
     let oldest_kept_ms = oldest_kept.duration_since(UNIX_EPOCH).unwrap_or_default().as_millis() as i64;
@@ -345,11 +345,11 @@ pub fn apply(
     before_commit: impl FnOnce() -> Result<(), String>,
 ) -> Result<(), RewindError> {
     if let Some(members) = active_members(kafka_settings, pipeline, timeout).filter(|m| *m > 0) {
-        return Err(RewindError::MembersActive { group: pipeline.group_id.clone(), pipeline: pipeline.name.clone(), members });
+        return Err(RewindError::MembersActive { group: crate::source::kafka::spec(pipeline).group_id.clone(), pipeline: pipeline.name.clone(), members });
     }
     let consumer: BaseConsumer =
-        crate::source::consumer_config(kafka_settings, pipeline).create().map_err(kafka("creating a Kafka client"))?;
-    let topics: Vec<&str> = pipeline.topics.iter().map(String::as_str).collect();
+        crate::source::kafka::consumer_config(kafka_settings, pipeline).create().map_err(kafka("creating a Kafka client"))?;
+    let topics: Vec<&str> = crate::source::kafka::spec(pipeline).topics.iter().map(String::as_str).collect();
     consumer.subscribe(&topics).map_err(kafka("joining the consumer group"))?;
     let result = (|| {
         let deadline = Instant::now() + timeout;
@@ -363,14 +363,14 @@ pub fn apply(
                 break got;
             }
             if Instant::now() > deadline {
-                return Err(RewindError::NoAssignment { group: pipeline.group_id.clone(), timeout });
+                return Err(RewindError::NoAssignment { group: crate::source::kafka::spec(pipeline).group_id.clone(), timeout });
             }
         };
         let mine = consumer.assignment().unwrap_or_default();
         let all_mine = moves.iter().all(|m| mine.find_partition(&m.topic, m.partition).is_some());
         if !all_mine {
             return Err(RewindError::GroupActive {
-                group: pipeline.group_id.clone(),
+                group: crate::source::kafka::spec(pipeline).group_id.clone(),
                 pipeline: pipeline.name.clone(),
                 got: assigned,
                 total: moves.len(),

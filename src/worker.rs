@@ -6,7 +6,6 @@ use crate::dead_letter_topic::DeadLetterTopic;
 use crate::metrics::BatchCounts;
 use crate::http::Health;
 use crate::metrics::{Metrics, PipelineMetrics};
-use crate::offsets::NextOffsets;
 use crate::prepare::{Prepared, Preparer};
 use crate::record::Record;
 use crate::shutdown::Shutdown;
@@ -77,13 +76,13 @@ impl Ready {
 /// Why a pipeline stopped before shutdown.
 #[derive(Debug, thiserror::Error)]
 pub enum PipelineFailure {
-    /// The Kafka consumer could not be created.
-    #[error("pipeline {pipeline:?}: cannot create the Kafka consumer: {source}")]
-    Consumer {
+    /// The source could not be created (a bad librdkafka property, a missing broker section).
+    #[error("pipeline {pipeline:?}: {message}")]
+    Source {
         /// Pipeline name.
         pipeline: String,
-        /// The client error.
-        source: rdkafka::error::KafkaError,
+        /// What went wrong.
+        message: String,
     },
     /// A fatal database error (for example SQLSTATE class 42: the configured SQL or table is wrong).
     #[error("pipeline {pipeline:?} stopped: {source}")]
@@ -127,7 +126,7 @@ pub async fn run_with_faults(
 ) -> Vec<PipelineFailure> {
     let mut tasks = tokio::task::JoinSet::new();
     for r in ready {
-        let kafka = settings.kafka.clone();
+        let settings = settings.clone();
         let pm = metrics.pipeline(&r.pipeline.name);
         let health = health.clone();
         let shutdown = shutdown.clone();
@@ -136,7 +135,7 @@ pub async fn run_with_faults(
             // Retention runs beside the pipeline and ends with it.
             let purge = purge_loop(r.pool.clone(), name.clone(), r.pipeline.dedup, pm.clone());
             let result = tokio::select! {
-                result = run_pipeline(&kafka, r, pm.clone(), health.clone(), shutdown, faults) => result,
+                result = run_pipeline(&settings, r, pm.clone(), health.clone(), shutdown, faults) => result,
                 never = purge => match never {},
             };
             if let Err(e) = &result {
@@ -180,7 +179,7 @@ async fn purge_loop(
 }
 
 async fn run_pipeline(
-    kafka: &crate::config::KafkaSettings,
+    settings: &Settings,
     r: Ready,
     metrics: PipelineMetrics,
     health: Health,
@@ -189,19 +188,21 @@ async fn run_pipeline(
 ) -> Result<(), PipelineFailure> {
     let name = r.pipeline.name.clone();
     let mut commits = 0u64;
-    let consumer_error = |source| PipelineFailure::Consumer { pipeline: name.clone(), source };
+    let source_error = |message| PipelineFailure::Source { pipeline: name.clone(), message };
     let stored = (r.pipeline.offsets == OffsetStore::Database).then(|| StoredStart {
         pool: r.pool.clone(),
         owner: owner(),
         runtime: tokio::runtime::Handle::current(),
         shutdown: shutdown.clone(),
     });
-    let mut source = Source::new(kafka, &r.pipeline, metrics.clone(), stored).map_err(consumer_error)?;
+    let mut source = Source::new(settings, &r.pipeline, metrics.clone(), stored).map_err(source_error)?;
     let dead_letter_topic = match &r.pipeline.dead_letters.topic {
-        Some(topic) => Some(DeadLetterTopic::new(kafka, &name, topic).map_err(consumer_error)?),
+        Some(topic) => Some(DeadLetterTopic::new(&settings.kafka, &name, topic).map_err(|e| {
+            source_error(format!("cannot create the dead-letter topic's producer: {}", crate::source::kafka::describe_kafka_error(&e)))
+        })?),
         None => None,
     };
-    tracing::info!(pipeline = %name, topics = ?r.pipeline.topics, group_id = %r.pipeline.group_id, "pipeline started");
+    tracing::info!(pipeline = %name, source = r.pipeline.source.kind(), streams = ?r.pipeline.source.streams(), "pipeline started");
     let mut step = Step {
         ready: r.clone(),
         metrics: &metrics,
@@ -224,10 +225,10 @@ async fn run_pipeline(
                 commits += 1;
                 if faults.crash_after_commits == Some(commits) {
                     tracing::warn!(pipeline = %name, "injected crash: stopping after the database commit, before the offset commit");
-                    source.abandon(); // closes the consumer without committing this batch's offsets
+                    source.abandon().await; // closes the consumer without committing or acknowledging this batch
                     return Ok(());
                 }
-                source.commit(&NextOffsets::after(&batch))
+                source.commit(&batch).await
             }
             Ok(false) => break, // shutdown while retrying: nothing of this batch is committed; it will be redelivered
             Err(e) => {
@@ -236,7 +237,7 @@ async fn run_pipeline(
             }
         }
     }
-    source.close();
+    source.close().await;
     outcome
 }
 
@@ -313,7 +314,7 @@ impl Step<'_> {
                 return Ok(true);
             }
             // The transaction runs in its own task while the consumer keeps polling (see `Source::poll_while`).
-            let positions = source.positions(&NextOffsets::after(batch));
+            let positions = source.positions(batch);
             let (sink, window) = (self.ready.sink.clone(), self.window.clone());
             let (records, records_prepared, presented) = (std::mem::take(batch), std::mem::take(&mut prepared), positions.clone());
             let attempt = tokio::spawn(

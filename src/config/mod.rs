@@ -7,7 +7,7 @@
 
 pub mod pipeline;
 
-pub use pipeline::{BatchSettings, Binding, DeadLetterSettings, DedupSettings, Meta, OffsetStore, OnConflict, Pipeline, PipelineError, SinkSpec, NaiveTimestamps, TimeSettings, TombstonePolicy, ValueSource};
+pub use pipeline::{BatchSettings, Binding, DeadLetterSettings, DedupSettings, KafkaSpec, Meta, OffsetStore, OnConflict, Pipeline, PipelineError, QueueType, RabbitMqSpec, SinkSpec, SourceSpec, NaiveTimestamps, TimeSettings, TombstonePolicy, ValueSource};
 
 use figment::providers::{Format as _, Toml};
 use figment::Figment;
@@ -19,7 +19,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 /// Top-level sections that may be set from the environment.
-const SECTIONS: [&str; 6] = ["database", "kafka", "metrics", "log", "pipelines", "shutdown"];
+const SECTIONS: [&str; 7] = ["database", "kafka", "rabbitmq", "metrics", "log", "pipelines", "shutdown"];
 
 /// The worker's settings, from `idemflow.toml` and the environment.
 #[derive(Clone, Debug, Deserialize)]
@@ -30,8 +30,11 @@ pub struct Settings {
     pub pipelines: PathBuf,
     /// Postgres.
     pub database: DatabaseSettings,
-    /// Kafka.
+    /// Kafka, for pipelines with a Kafka source (required then).
+    #[serde(default)]
     pub kafka: KafkaSettings,
+    /// RabbitMQ, for pipelines with a RabbitMQ source (required then).
+    pub rabbitmq: Option<RabbitMqSettings>,
     /// The `/metrics` endpoint.
     #[serde(default)]
     pub metrics: MetricsSettings,
@@ -52,7 +55,7 @@ fn default_pipelines() -> PathBuf {
 #[serde(deny_unknown_fields)]
 pub struct DatabaseSettings {
     /// A libpq-style URL, `postgres://user:password@host:port/dbname`. Never printed: `Debug` redacts it.
-    pub url: DatabaseUrl,
+    pub url: SecretUrl,
     /// Size of the connection pool. Each pipeline holds at most one connection at a time (its batch
     /// transaction), so pipelines + 1 is enough; 1 works too, pipelines then take turns.
     #[serde(default = "default_max_connections")]
@@ -85,22 +88,22 @@ fn default_acquire_timeout() -> Duration {
 /// A database URL whose `Debug` and `Display` hide the password.
 #[derive(Clone, Deserialize)]
 #[serde(transparent)]
-pub struct DatabaseUrl(String);
+pub struct SecretUrl(String);
 
-impl DatabaseUrl {
+impl SecretUrl {
     /// The URL itself, to connect with. Do not log it.
     pub fn expose(&self) -> &str {
         &self.0
     }
 }
 
-impl From<String> for DatabaseUrl {
+impl From<String> for SecretUrl {
     fn from(url: String) -> Self {
-        DatabaseUrl(url)
+        SecretUrl(url)
     }
 }
 
-impl DatabaseUrl {
+impl SecretUrl {
     /// `text` (an error of another library, say) with this URL's credentials replaced by `***`.
     pub fn scrub(&self, text: &str) -> String {
         let mut out = text.to_owned();
@@ -120,24 +123,52 @@ impl DatabaseUrl {
     }
 }
 
-impl fmt::Display for DatabaseUrl {
+impl fmt::Display for SecretUrl {
     /// The URL with its credentials masked ([`crate::secret::mask_url`]).
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&crate::secret::mask_url(&self.0))
     }
 }
 
-impl fmt::Debug for DatabaseUrl {
+impl fmt::Debug for SecretUrl {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "DatabaseUrl({self})")
+        write!(f, "SecretUrl({self})")
     }
+}
+
+/// `[rabbitmq]`: the broker of the pipelines with `[source] kind = "rabbitmq"`.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RabbitMqSettings {
+    /// An AMQP 0-9-1 URI (RabbitMQ's URI spec): `amqp://user:password@host:5672/vhost`, or `amqps://...` for TLS
+    /// (server certificates checked against the system's roots). The vhost is URL-encoded (`/` is `%2f`; no path
+    /// means the default vhost `/`). Query parameters of the spec (`heartbeat`, `connection_timeout`,
+    /// `channel_max`, `frame_max`, `auth_mechanism`) are honoured. Never printed: `Debug` and `Display` mask it.
+    pub url: SecretUrl,
+    /// The AMQP heartbeat interval proposed to the broker, unless the URL sets `heartbeat` (default 30 s; 0 turns
+    /// heartbeats off, which the RabbitMQ documentation advises against). A lost connection is noticed within
+    /// about two intervals.
+    #[serde(default = "default_heartbeat", with = "humantime_serde")]
+    pub heartbeat: Duration,
+    /// How long one connection attempt may take before it is retried (default 10 s).
+    #[serde(default = "default_connect_timeout", with = "humantime_serde")]
+    pub connect_timeout: Duration,
+}
+
+fn default_heartbeat() -> Duration {
+    Duration::from_secs(30)
+}
+
+fn default_connect_timeout() -> Duration {
+    Duration::from_secs(10)
 }
 
 /// `[kafka]`.
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct KafkaSettings {
-    /// `host:port[,host:port...]`.
+    /// `host:port[,host:port...]`. Required when a pipeline has a Kafka source.
+    #[serde(default)]
     pub bootstrap_servers: String,
     /// librdkafka properties passed through as they are (see librdkafka's CONFIGURATION.md), for example
     /// `"session.timeout.ms" = "6000"` or `"security.protocol" = "ssl"`. Values may be strings, numbers or
@@ -150,6 +181,16 @@ pub struct KafkaSettings {
     /// shows the same at any time. Default 2 minutes.
     #[serde(default = "default_no_partitions_warning", with = "humantime_serde")]
     pub no_partitions_warning: Duration,
+}
+
+impl Default for KafkaSettings {
+    fn default() -> Self {
+        KafkaSettings {
+            bootstrap_servers: String::new(),
+            properties: BTreeMap::new(),
+            no_partitions_warning: default_no_partitions_warning(),
+        }
+    }
 }
 
 fn default_no_partitions_warning() -> Duration {
@@ -310,7 +351,7 @@ pub fn load_settings_from(
     let mut settings: Settings = figment.extract().map_err(|e| {
         let text = std::fs::read_to_string(file).ok();
         let located = e.into_iter().map(|e| locate(&e, text.as_deref(), &from_env)).collect::<Vec<_>>().join("; ");
-        err(located.replace("missing field `database`", "missing [database] (or IDEMFLOW_DATABASE__URL)").replace("missing field `kafka`", "missing [kafka] (or IDEMFLOW_KAFKA__BOOTSTRAP_SERVERS)"))
+        err(located.replace("missing field `database`", "missing [database] (or IDEMFLOW_DATABASE__URL)"))
     })?;
     if let Err(e) = tracing_subscriber::EnvFilter::try_new(&settings.log.level) {
         return Err(err(format!("log.level: {:?} is not a tracing filter (e.g. \"info\" or \"info,idemflow=debug\"): {e}", settings.log.level)));
@@ -461,19 +502,59 @@ pub fn load_pipelines(dir: &Path) -> Result<Vec<Pipeline>, Vec<PipelineError>> {
             message: "no pipeline files (*.toml) in the pipelines directory".to_owned(),
         });
     }
-    let mut seen: Vec<(&str, &str, &Path)> = Vec::new();
+    let mut seen: Vec<&Pipeline> = Vec::new();
     for p in &pipelines {
-        for (name, group, file) in &seen {
-            if *name == p.name {
-                errors.push(dup_error(p, "name", format!("{name:?} is also the name in {}", file.display())));
-            } else if *group == p.group_id {
-                errors.push(dup_error(p, "group_id", format!("{group:?} is also used by {}", file.display())));
+        for other in &seen {
+            let file = other.file.display();
+            if other.name == p.name {
+                errors.push(dup_error(p, "name", format!("{:?} is also the name in {file}", p.name)));
+                continue;
+            }
+            match (&other.source, &p.source) {
+                (SourceSpec::Kafka(a), SourceSpec::Kafka(b)) if a.group_id == b.group_id => {
+                    errors.push(dup_error(p, "group_id", format!("{:?} is also used by {file}", b.group_id)))
+                }
+                (SourceSpec::RabbitMq(a), SourceSpec::RabbitMq(b)) => {
+                    if let Some(q) = b.queues.iter().find(|q| a.queues.contains(q)) {
+                        errors.push(dup_error(
+                            p,
+                            "source.queues",
+                            format!("{q:?} is also consumed by {file}: competing pipelines would each see only part of its messages"),
+                        ))
+                    }
+                }
+                _ => {}
             }
         }
-        seen.push((&p.name, &p.group_id, &p.file));
+        seen.push(p);
     }
     if errors.is_empty() {
         Ok(pipelines)
+    } else {
+        Err(errors)
+    }
+}
+
+/// Checks that every pipeline's source has its broker settings: `[kafka] bootstrap_servers` for a Kafka source,
+/// `[rabbitmq] url` for a RabbitMQ one. Errors name the pipeline's file and the missing section.
+pub fn check_sources(settings: &Settings, pipelines: &[Pipeline]) -> Result<(), Vec<PipelineError>> {
+    let mut errors = Vec::new();
+    for p in pipelines {
+        let missing = match &p.source {
+            SourceSpec::Kafka(_) if settings.kafka.bootstrap_servers.trim().is_empty() => {
+                Some("a Kafka source needs [kafka] bootstrap_servers in the settings (or IDEMFLOW_KAFKA__BOOTSTRAP_SERVERS)")
+            }
+            SourceSpec::RabbitMq(_) if settings.rabbitmq.is_none() => {
+                Some("a RabbitMQ source needs [rabbitmq] url in the settings (or IDEMFLOW_RABBITMQ__URL)")
+            }
+            _ => None,
+        };
+        if let Some(message) = missing {
+            errors.push(dup_error(p, "source", message.to_owned()));
+        }
+    }
+    if errors.is_empty() {
+        Ok(())
     } else {
         Err(errors)
     }

@@ -27,10 +27,8 @@ pub struct Pipeline {
     pub name: String,
     /// The file it was read from.
     pub file: PathBuf,
-    /// Topics to consume.
-    pub topics: Vec<String>,
-    /// Kafka consumer group (default `idemflow-<name>`).
-    pub group_id: String,
+    /// Where records come from: Kafka topics or RabbitMQ queues (`[source]`).
+    pub source: SourceSpec,
     /// How payloads are decoded.
     pub decoder: Decoder,
     /// Where the business key comes from.
@@ -49,6 +47,90 @@ pub struct Pipeline {
     pub offsets: OffsetStore,
     /// How timestamps without a UTC offset are read (`[sink] time_zone`, `naive_timestamps`).
     pub time: TimeSettings,
+}
+
+/// `[source]`: where a pipeline's records come from. `kind = "kafka"` is the default, and the top-level `topics`
+/// and `group_id` of earlier versions still mean a Kafka source.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SourceSpec {
+    /// Kafka topics read by a consumer group.
+    Kafka(KafkaSpec),
+    /// RabbitMQ queues read by one consumer each (AMQP 0-9-1).
+    RabbitMq(RabbitMqSpec),
+}
+
+/// A Kafka source.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KafkaSpec {
+    /// Topics to consume.
+    pub topics: Vec<String>,
+    /// Kafka consumer group (default `idemflow-<name>`).
+    pub group_id: String,
+}
+
+/// A RabbitMQ source.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RabbitMqSpec {
+    /// Queues to consume (declared by the user; `idemflow check` checks they exist). One channel each.
+    pub queues: Vec<String>,
+    /// Unacknowledged deliveries the broker may send per queue (`basic.qos` prefetch count). Default: twice
+    /// `batch.max_records` (a batch in its transaction and the next one arriving), at most 65535; never below
+    /// `batch.max_records`, or a batch could never fill.
+    pub prefetch: u16,
+    /// What `idemflow check` requires of each queue's type (`x-queue-type`); `None`: any type.
+    pub queue_type: Option<QueueType>,
+    /// Whether `idemflow check` requires each queue to have single active consumer (`x-single-active-consumer`),
+    /// the way to keep a queue's order with several workers.
+    pub single_active_consumer: bool,
+}
+
+/// `[source] queue_type`: a RabbitMQ queue type (`x-queue-type`).
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum QueueType {
+    /// A replicated Raft queue (the type the RabbitMQ documentation recommends for data safety).
+    Quorum,
+    /// A classic queue.
+    Classic,
+    /// A stream (consumed through AMQP 0-9-1 with a prefetch; idemflow treats it as a queue).
+    Stream,
+}
+
+impl QueueType {
+    /// The `x-queue-type` argument value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            QueueType::Quorum => "quorum",
+            QueueType::Classic => "classic",
+            QueueType::Stream => "stream",
+        }
+    }
+}
+
+impl SourceSpec {
+    /// The Kafka source, for what only Kafka has (rewind, stored offsets, topic retention).
+    pub fn kafka(&self) -> Option<&KafkaSpec> {
+        match self {
+            SourceSpec::Kafka(k) => Some(k),
+            SourceSpec::RabbitMq(_) => None,
+        }
+    }
+
+    /// The source's kind as written in `[source] kind`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            SourceSpec::Kafka(_) => "kafka",
+            SourceSpec::RabbitMq(_) => "rabbitmq",
+        }
+    }
+
+    /// Its topics or queues, for logs and `check`.
+    pub fn streams(&self) -> &[String] {
+        match self {
+            SourceSpec::Kafka(k) => &k.topics,
+            SourceSpec::RabbitMq(r) => &r.queues,
+        }
+    }
 }
 
 /// `[sink] time_zone` and `naive_timestamps`: how time values meet `timestamptz` and `timestamp` targets.
@@ -218,6 +300,8 @@ pub enum ValueSource {
     RecordKey,
     /// A Kafka header's value (UTF-8; the last header with this name).
     Header(String),
+    /// A message property (RabbitMQ's `message_id`, `correlation_id`, ...: see [`crate::record::PROPERTIES`]).
+    Property(String),
     /// Something about the record rather than in it.
     Meta(Meta),
 }
@@ -270,8 +354,9 @@ impl std::error::Error for PipelineError {}
 #[serde(deny_unknown_fields)]
 struct RawPipeline {
     name: Option<String>,
-    topics: Vec<String>,
+    topics: Option<Vec<String>>,
     group_id: Option<String>,
+    source: Option<RawSource>,
     #[serde(default)]
     format: Format,
     max_payload_bytes: Option<usize>,
@@ -287,6 +372,19 @@ struct RawPipeline {
     dedup: RawDedup,
     #[serde(default)]
     offsets: RawOffsets,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawSource {
+    kind: Option<String>,
+    topics: Option<Vec<String>>,
+    group_id: Option<String>,
+    queue: Option<String>,
+    queues: Option<Vec<String>>,
+    prefetch: Option<u32>,
+    queue_type: Option<QueueType>,
+    single_active_consumer: Option<bool>,
 }
 
 #[derive(Deserialize, Default)]
@@ -322,6 +420,8 @@ struct RawKey {
     fields: Option<Vec<String>>,
     record_key: Option<bool>,
     header: Option<String>,
+    property: Option<String>,
+    message_id: Option<bool>,
     #[serde(default)]
     allow_empty: bool,
     max_bytes: Option<usize>,
@@ -412,18 +512,8 @@ fn validate(raw: RawPipeline, path: &Path, stem: &str, e: &mut Errors<'_>) -> Op
         let field = if raw.name.is_some() { "name" } else { "(file stem)" };
         e.push(field, format!("{name:?} must be 1 to 63 characters of a-z, 0-9, '_' or '-'"));
     }
-    if raw.topics.is_empty() {
-        e.push("topics", "at least one topic is required");
-    }
-    for (i, t) in raw.topics.iter().enumerate() {
-        if t.is_empty() || t.len() > 249 || !t.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b)) {
-            e.push(&format!("topics[{i}]"), format!("{t:?} is not a valid Kafka topic name"));
-        }
-    }
-    let group_id = raw.group_id.clone().unwrap_or_else(|| format!("idemflow-{name}"));
-    if group_id.is_empty() {
-        e.push("group_id", "must not be empty");
-    }
+    let max_records = raw.batch.max_records.unwrap_or(DEFAULT_MAX_RECORDS);
+    let source = validate_source(&raw, &name, max_records, e);
     let max_payload_bytes = raw.max_payload_bytes.unwrap_or(DEFAULT_MAX_PAYLOAD_BYTES);
     if max_payload_bytes == 0 {
         e.push("max_payload_bytes", "must be at least 1");
@@ -438,7 +528,6 @@ fn validate(raw: RawPipeline, path: &Path, stem: &str, e: &mut Errors<'_>) -> Op
         e.push("sink.time_zone", format!("{:?} is not a time zone name (like \"UTC\" or \"America/New_York\")", time.zone));
     }
     let sink = validate_sink(raw.sink, e);
-    let max_records = raw.batch.max_records.unwrap_or(DEFAULT_MAX_RECORDS);
     if max_records == 0 {
         e.push("batch.max_records", "must be at least 1");
     }
@@ -456,9 +545,27 @@ fn validate(raw: RawPipeline, path: &Path, stem: &str, e: &mut Errors<'_>) -> Op
     if dead_letters.window == 0 {
         e.push("dead_letters.window", "must be at least 1");
     }
-    if let Some(t) = &dead_letters.topic {
-        if raw.topics.contains(t) {
+    if let (Some(t), Some(SourceSpec::Kafka(k))) = (&dead_letters.topic, &source) {
+        if k.topics.contains(t) {
             e.push("dead_letters.topic", format!("{t:?} is also a source topic: dead letters would be consumed again"));
+        }
+    }
+    if let Some(SourceSpec::RabbitMq(_)) = &source {
+        if raw.offsets.store == OffsetStore::Database {
+            e.push(
+                "offsets.store",
+                "\"database\" is for sources with positions a worker can seek to (Kafka); a RabbitMQ queue has none \
+                 (an acknowledged delivery leaves the queue, an unacknowledged one is requeued), so there is nothing to store",
+            );
+        }
+        if dead_letters.topic.is_some() {
+            e.push(
+                "dead_letters.topic",
+                "is a Kafka topic; a RabbitMQ pipeline keeps its dead letters in idemflow.dead_letters",
+            );
+        }
+        if raw.key.record_key == Some(true) {
+            e.push("key.record_key", "a RabbitMQ message has no record key: use message_id = true, property, header or field");
         }
     }
     if raw.offsets.store == OffsetStore::Database && dead_letters.topic.is_some() {
@@ -486,8 +593,7 @@ fn validate(raw: RawPipeline, path: &Path, stem: &str, e: &mut Errors<'_>) -> Op
     Some(Pipeline {
         name,
         file: path.to_owned(),
-        topics: raw.topics,
-        group_id,
+        source: source?,
         decoder: Decoder::new(raw.format, max_payload_bytes),
         key: key?,
         tombstones: raw.tombstones,
@@ -500,14 +606,111 @@ fn validate(raw: RawPipeline, path: &Path, stem: &str, e: &mut Errors<'_>) -> Op
     })
 }
 
+fn validate_source(raw: &RawPipeline, name: &str, max_records: usize, e: &mut Errors<'_>) -> Option<SourceSpec> {
+    let s = raw.source.as_ref();
+    let kind = s.and_then(|s| s.kind.as_deref()).unwrap_or("kafka");
+    let top_level = raw.topics.is_some() || raw.group_id.is_some();
+    if top_level && s.is_some_and(|s| s.topics.is_some() || s.group_id.is_some() || kind != "kafka") {
+        e.push("topics", "set the source in [source] or with the top-level topics and group_id, not both");
+        return None;
+    }
+    let has = |set: bool, field: &str, e: &mut Errors<'_>, which: &str| {
+        if set {
+            e.push(&format!("source.{field}"), format!("belongs to a {which} source, not to kind = {kind:?}"));
+        }
+    };
+    match kind {
+        "kafka" => {
+            if let Some(s) = s {
+                has(s.queue.is_some(), "queue", e, "rabbitmq");
+                has(s.queues.is_some(), "queues", e, "rabbitmq");
+                has(s.prefetch.is_some(), "prefetch", e, "rabbitmq");
+                has(s.queue_type.is_some(), "queue_type", e, "rabbitmq");
+                has(s.single_active_consumer.is_some(), "single_active_consumer", e, "rabbitmq");
+            }
+            let (topics, field) = match s.and_then(|s| s.topics.clone()) {
+                Some(t) => (t, "source.topics"),
+                None => (raw.topics.clone().unwrap_or_default(), "topics"),
+            };
+            if topics.is_empty() {
+                e.push(field, "at least one topic is required");
+            }
+            for (i, t) in topics.iter().enumerate() {
+                if t.is_empty() || t.len() > 249 || !t.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b)) {
+                    e.push(&format!("{field}[{i}]"), format!("{t:?} is not a valid Kafka topic name"));
+                }
+            }
+            let (group_id, field) = match s.and_then(|s| s.group_id.clone()) {
+                Some(g) => (g, "source.group_id"),
+                None => (raw.group_id.clone().unwrap_or_else(|| format!("idemflow-{name}")), "group_id"),
+            };
+            if group_id.is_empty() {
+                e.push(field, "must not be empty");
+            }
+            Some(SourceSpec::Kafka(KafkaSpec { topics, group_id }))
+        }
+        "rabbitmq" => {
+            let s = s.expect("kind comes from [source]");
+            let queues = match (&s.queue, &s.queues) {
+                (Some(q), None) => vec![q.clone()],
+                (None, Some(qs)) if !qs.is_empty() => qs.clone(),
+                _ => {
+                    e.push("source.queue", "set exactly one of queue or queues (a non-empty list)");
+                    return None;
+                }
+            };
+            for (i, q) in queues.iter().enumerate() {
+                // AMQP 0-9-1 queue names are short strings: at most 255 bytes. Names starting with "amq." are
+                // reserved for the broker.
+                if q.is_empty() || q.len() > 255 {
+                    e.push(&format!("source.queues[{i}]"), format!("{q:?} is not a RabbitMQ queue name (1 to 255 bytes)"));
+                }
+            }
+            let mut sorted = queues.clone();
+            sorted.sort();
+            sorted.dedup();
+            if sorted.len() != queues.len() {
+                e.push("source.queues", "lists a queue twice");
+            }
+            let default = (max_records.saturating_mul(2)).min(u16::MAX as usize) as u32;
+            let prefetch = s.prefetch.unwrap_or(default);
+            if prefetch > u32::from(u16::MAX) || prefetch == 0 {
+                e.push("source.prefetch", format!("{prefetch} is not between 1 and 65535 (basic.qos prefetch count)"));
+            } else if (prefetch as usize) < max_records {
+                e.push(
+                    "source.prefetch",
+                    format!("{prefetch} is below batch.max_records = {max_records}: the broker would stop sending before a batch fills"),
+                );
+            }
+            Some(SourceSpec::RabbitMq(RabbitMqSpec {
+                queues,
+                prefetch: prefetch.clamp(1, u32::from(u16::MAX)) as u16,
+                queue_type: s.queue_type,
+                single_active_consumer: s.single_active_consumer.unwrap_or(false),
+            }))
+        }
+        other => {
+            e.push("source.kind", format!("{other:?} is not a source kind: kafka or rabbitmq"));
+            None
+        }
+    }
+}
+
 fn path_or_error(text: &str, field: &str, e: &mut Errors<'_>) -> Option<FieldPath> {
     FieldPath::parse(text).map_err(|err| e.push(field, format!("{text:?} {err}"))).ok()
 }
 
 fn validate_key(raw: &RawKey, e: &mut Errors<'_>) -> Option<KeySpec> {
-    let given = [raw.field.is_some(), raw.fields.is_some(), raw.record_key == Some(true), raw.header.is_some()];
+    let given = [
+        raw.field.is_some(),
+        raw.fields.is_some(),
+        raw.record_key == Some(true),
+        raw.header.is_some(),
+        raw.property.is_some(),
+        raw.message_id == Some(true),
+    ];
     if given.iter().filter(|g| **g).count() != 1 {
-        e.push("key", "set exactly one of field, fields, record_key = true, header");
+        e.push("key", "set exactly one of field, fields, record_key = true, header, property, message_id = true");
         return None;
     }
     if raw.max_bytes == Some(0) {
@@ -525,6 +728,13 @@ fn validate_key(raw: &RawKey, e: &mut Errors<'_>) -> Option<KeySpec> {
         KeySource::Fields(paths.into_iter().collect::<Option<_>>()?)
     } else if raw.record_key == Some(true) {
         KeySource::RecordKey
+    } else if raw.message_id == Some(true) {
+        KeySource::Property(crate::record::MESSAGE_ID.to_owned())
+    } else if let Some(p) = &raw.property {
+        if !crate::record::PROPERTIES.contains(&p.as_str()) {
+            e.push("key.property", format!("{p:?} is not a message property: one of {}", crate::record::PROPERTIES.join(", ")));
+        }
+        KeySource::Property(p.clone())
     } else {
         let h = raw.header.clone().unwrap_or_default();
         if h.is_empty() {
@@ -643,6 +853,13 @@ fn binding(name: &str, value: toml::Value, field: &str, e: &mut Errors<'_>) -> O
                 count += 1;
                 source = Some(ValueSource::Header(h));
             }
+            ("property", toml::Value::String(p)) => {
+                count += 1;
+                if !crate::record::PROPERTIES.contains(&p.as_str()) {
+                    e.push(&sub, format!("{p:?} is not a message property: one of {}", crate::record::PROPERTIES.join(", ")));
+                }
+                source = Some(ValueSource::Property(p));
+            }
             ("meta", toml::Value::String(m)) => {
                 count += 1;
                 match Meta::deserialize(toml::Value::String(m.clone())) {
@@ -661,17 +878,17 @@ fn binding(name: &str, value: toml::Value, field: &str, e: &mut Errors<'_>) -> O
                 other => e.push(&sub, format!("expected a string, number or boolean, found {}", other.type_str())),
             },
             ("optional", toml::Value::Boolean(b)) => optional = b,
-            (k @ ("field" | "record_key" | "header" | "meta" | "optional"), v) => {
+            (k @ ("field" | "record_key" | "header" | "property" | "meta" | "optional"), v) => {
                 e.push(&sub, format!("unexpected value {v} for {k}"));
             }
             (k, _) => e.push(
                 &sub,
-                format!("unknown key {k:?}; expected field, record_key, header or meta, with default or optional"),
+                format!("unknown key {k:?}; expected field, record_key, header, property or meta, with default or optional"),
             ),
         }
     }
     if count != 1 {
-        e.push(field, "set exactly one of field, record_key = true, header, meta");
+        e.push(field, "set exactly one of field, record_key = true, header, property, meta");
         return None;
     }
     if default.is_some() && optional {

@@ -275,6 +275,7 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<bool> {
             properties,
             no_partitions_warning: Duration::from_secs(120),
         },
+        rabbitmq: None,
         metrics: MetricsSettings { listen: options.metrics_listen },
         log: LogSettings::default(),
         shutdown: ShutdownSettings::default(),
@@ -419,7 +420,7 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<bool> {
 
     interrupted.abort();
     if options.keep_running {
-        let database = crate::config::DatabaseUrl::from(url.clone());
+        let database = crate::config::SecretUrl::from(url.clone());
         eprintln!("\nkeeping the worker and http://{}/metrics up; Ctrl-C to stop", server.addr());
         eprintln!("  Kafka (embedded broker): {} (topic {TOPIC}, consumer group idemflow-payments)", kafka.bootstrap_servers());
         match &throwaway {

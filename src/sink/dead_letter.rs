@@ -10,11 +10,12 @@ use sqlx::PgConnection;
 const INSERT: &str = r#"
 INSERT INTO idemflow.dead_letters
     (pipeline, topic, partition, "offset", record_key, header_names, header_values, payload, reason, error,
-     payload_bytes, payload_sha256)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)
-ON CONFLICT (pipeline, topic, partition, "offset") DO NOTHING"#;
+     payload_bytes, payload_sha256, property_names, property_values)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)
+ON CONFLICT (pipeline, topic, partition, "offset") WHERE partition >= 0 DO NOTHING"#;
 
-/// Writes one dead letter. Returns `false` when this position was already dead-lettered (a redelivery).
+/// Writes one dead letter. Returns `false` when this position was already dead-lettered (a redelivery; only
+/// sources with stable positions can tell, see migration 0006).
 pub async fn write(
     conn: &mut PgConnection,
     pipeline: &str,
@@ -39,6 +40,8 @@ pub async fn write(
         .bind(&error)
         .bind(record.oversized.as_ref().map(|o| o.size as i64))
         .bind(record.oversized.as_ref().map(|o| o.sha256.to_vec()))
+        .bind(record.properties.iter().map(|(k, _)| *k).collect::<Vec<&str>>())
+        .bind(record.properties.iter().map(|(_, v)| v.replace('\0', "\\u0000")).collect::<Vec<String>>())
         .persistent(crate::db::persistent())
         .execute(&mut *conn)
         .await?;
@@ -75,6 +78,10 @@ pub struct Stored {
     pub header_names: Vec<String>,
     /// Header values.
     pub header_values: Vec<Option<Vec<u8>>>,
+    /// Message property names (see [`crate::record::PROPERTIES`]).
+    pub property_names: Vec<String>,
+    /// Their values.
+    pub property_values: Vec<String>,
     /// The raw value (its first 1 KiB when `payload_bytes` is set).
     pub payload: Option<Vec<u8>>,
     /// The full size of a payload kept only in part (over `max_payload_bytes`).
@@ -90,7 +97,7 @@ pub struct Stored {
 }
 
 const SELECT: &str = r#"SELECT id, pipeline, topic, partition, "offset", record_key, header_names, header_values, payload,
-    payload_bytes, payload_sha256, reason, error, created_at::text AS created_at FROM idemflow.dead_letters"#;
+    property_names, property_values, payload_bytes, payload_sha256, reason, error, created_at::text AS created_at FROM idemflow.dead_letters"#;
 
 /// The newest dead letters, optionally of one pipeline.
 pub async fn list(conn: &mut PgConnection, pipeline: Option<&str>, limit: i64) -> Result<Vec<Stored>, sqlx::Error> {
@@ -124,6 +131,13 @@ impl Stored {
                 (Some(size), Some(sha256)) => Some(crate::record::Oversized { size: size as u64, sha256 }),
                 _ => None,
             },
+            properties: self
+                .property_names
+                .iter()
+                .zip(&self.property_values)
+                .filter_map(|(k, v)| crate::record::PROPERTIES.iter().find(|p| **p == k).map(|p| (*p, v.clone())))
+                .collect(),
+            delivered_before: (self.partition == crate::record::NO_PARTITION).then_some(false),
         }
     }
 }

@@ -32,9 +32,15 @@ pub struct Existing {
     pub fingerprint: Vec<u8>,
 }
 
-/// Classifies a record against the dedup row of its key (see [`DuplicateReason`]).
-pub fn classify(existing: &Existing, position: &Position, fingerprint: &[u8; 32]) -> DuplicateReason {
-    if existing.position == *position {
+/// Classifies a record against the dedup row of its key (see [`DuplicateReason`]). `delivered_before` is the
+/// broker's own redelivery mark for sources without stable positions ([`crate::record::Record::delivered_before`]):
+/// there a marked delivery is `redelivered`, and positions are never compared (a delivery tag identifies nothing).
+pub fn classify(existing: &Existing, position: &Position, delivered_before: Option<bool>, fingerprint: &[u8; 32]) -> DuplicateReason {
+    let redelivered = match delivered_before {
+        Some(mark) => mark,
+        None => existing.position == *position,
+    };
+    if redelivered {
         DuplicateReason::Redelivered
     } else if existing.fingerprint == fingerprint {
         DuplicateReason::Republished

@@ -24,7 +24,7 @@ use crate::key::BusinessKey;
 use crate::metrics::{BatchCounts, DeadLetterReason, DuplicateReason};
 use crate::offsets::{self, NextOffsets, Positions, Processed};
 use crate::prepare::{Apply, Prepared};
-use crate::record::{Position, Record};
+use crate::record::Record;
 use sqlx::{Connection, PgConnection, PgPool};
 use std::collections::{HashMap, HashSet};
 
@@ -272,7 +272,7 @@ impl Sink {
                                 occurrence(&records[i], p)
                             }
                         };
-                        Fate::Duplicate(self.duplicate(&a.key, &against, &records[i].position, &a.fingerprint, processed))
+                        Fate::Duplicate(self.duplicate(&a.key, &against, &records[i], &a.fingerprint, processed))
                     }
                 }
             };
@@ -324,7 +324,7 @@ impl Sink {
                     .map_err(|e| SinkError::new("reading a dedup row", e))?;
                 let against = stored.into_iter().next().map_or_else(|| occurrence(record, p), |(_, e)| e);
                 sp.commit().await.map_err(|e| SinkError::new("releasing a savepoint", e))?;
-                fates.push(Fate::Duplicate(self.duplicate(&a.key, &against, &record.position, &a.fingerprint, processed)));
+                fates.push(Fate::Duplicate(self.duplicate(&a.key, &against, record, &a.fingerprint, processed)));
                 continue;
             }
             match self.side_effect.apply_one(&mut sp, a).await {
@@ -346,16 +346,17 @@ impl Sink {
         &self,
         key: &BusinessKey,
         against: &Existing,
-        position: &Position,
+        record: &Record,
         fingerprint: &[u8; 32],
         processed: &Processed,
     ) -> DuplicateReason {
+        let position = &record.position;
         // A record at a position an earlier batch processed is a redelivery (a replay after a rewind, a batch
         // redelivered after a crash), however its first delivery was classified.
         if processed.before(position) {
             return DuplicateReason::Redelivered;
         }
-        let reason = dedup::classify(against, position, fingerprint);
+        let reason = dedup::classify(against, position, record.delivered_before, fingerprint);
         if reason == DuplicateReason::PayloadMismatch {
             let shown: String = key.text.chars().take(200).collect();
             tracing::warn!(

@@ -272,6 +272,8 @@ async fn a_worker_that_lost_its_partition_is_fenced() {
         headers: vec![],
         payload: Some(br#"{"order":{"id":"Z-1","account":"ACC-1","amount":"1.00"}}"#.to_vec()),
         oversized: None,
+        properties: Vec::new(),
+        delivered_before: None,
     };
     let prepared = r.preparer.prepare(&record);
     let stale = positions(131, 1);

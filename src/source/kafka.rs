@@ -1,10 +1,10 @@
-//! The Kafka source of one pipeline: a consumer-group member that hands out batches and commits offsets.
+//! The Kafka source of one pipeline ([`crate::source::Source::Kafka`]): a consumer-group member that hands out batches and commits offsets.
 //!
-//! Offsets are never committed automatically (`enable.auto.commit=false`): [`Source::commit`] is called only after
+//! Offsets are never committed automatically (`enable.auto.commit=false`): [`KafkaSource::commit`] is called only after
 //! a batch's transaction committed. Ownership of partitions is tracked across rebalances:
 //!
-//! - rebalance callbacks run inside the consumer's poll: while a batch is collected ([`Source::next_batch`]),
-//!   while a retry waits ([`Source::pause_for`]) and while a batch is in its transaction ([`Source::poll_while`]);
+//! - rebalance callbacks run inside the consumer's poll: while a batch is collected ([`KafkaSource::next_batch`]),
+//!   while a retry waits ([`KafkaSource::pause_for`]) and while a batch is in its transaction ([`KafkaSource::poll_while`]);
 //!   a partition revoked while a batch is in flight is remembered, so the batch's offset for it is not committed
 //!   and a retry of the batch drops its records;
 //! - on revoke, the positions that are durable for the revoked partitions are committed synchronously before the
@@ -18,7 +18,7 @@
 //! per-partition order is preserved.
 //!
 //! The consumer is polled all the time, also while a batch is in its database transaction
-//! ([`Source::poll_while`]): a slow or unreachable database never keeps it from polling for longer than
+//! ([`KafkaSource::poll_while`]): a slow or unreachable database never keeps it from polling for longer than
 //! `max.poll.interval.ms` (librdkafka would leave the group). Rebalance callbacks can therefore run while a batch
 //! is in flight; that is safe because the offset commit after the transaction skips partitions no longer owned, a
 //! revoked partition's durable position is committed before it goes (the batch in flight is then redelivered to
@@ -69,9 +69,9 @@ struct Ownership {
     durable: HashMap<Tp, i64>,
     /// `[offsets] store = "database"`: per owned partition, the owner epoch this worker claimed.
     epochs: HashMap<Tp, i64>,
-    /// Consumption is paused for a retry ([`Source::pause_for`]).
+    /// Consumption is paused for a retry ([`KafkaSource::pause_for`]).
     paused: bool,
-    /// Partitions given up after a fenced batch ([`Source::lose`]): kept paused until assigned again.
+    /// Partitions given up after a fenced batch ([`KafkaSource::lose`]): kept paused until assigned again.
     fenced: HashSet<Tp>,
     /// Durable positions learned at assignment (claimed stored positions) that the group has not committed yet.
     commit_pending: bool,
@@ -123,7 +123,7 @@ pub struct SourceContext {
     state: Arc<Mutex<Ownership>>,
     metrics: PipelineMetrics,
     stored: Option<StoredStart>,
-    /// Set by [`Source::close`]: the consumer is leaving the group.
+    /// Set by [`KafkaSource::close`]: the consumer is leaving the group.
     closing: AtomicBool,
     /// Set by the rebalance callbacks: the housekeeping refreshes the lag of the new assignment.
     assignment_changed: AtomicBool,
@@ -171,7 +171,7 @@ impl ConsumerContext for SourceContext {
             RDKafkaRespErr::RD_KAFKA_RESP_ERR__ASSIGN_PARTITIONS => {
                 if let Some(stored) = &self.stored {
                     if tpl.count() > 0 {
-                        // Assigned once the claim is done (`Source::finish_claim`); librdkafka waits for the call.
+                        // Assigned once the claim is done (`KafkaSource::finish_claim`); librdkafka waits for the call.
                         self.start_claim(stored, tpl, cooperative);
                         return;
                     }
@@ -226,7 +226,7 @@ impl SourceContext {
         self.assignment_changed.store(true, Ordering::SeqCst);
         tracing::info!(pipeline = %self.pipeline, partitions = %describe(tpl), "partitions revoked");
         if self.closing.load(Ordering::SeqCst) {
-            // Source::close committed the durable positions just before leaving; a commit from the callback
+            // KafkaSource::close committed the durable positions just before leaving; a commit from the callback
             // while the consumer terminates can abort librdkafka (rd_kafka_cgrp_terminated's assertion).
         } else if commit.count() > 0 && consumer.assignment_lost() {
             tracing::info!(pipeline = %self.pipeline, "assignment lost (session expired): not committing");
@@ -290,7 +290,7 @@ impl SourceContext {
     }
 
     /// Starts claiming the assigned partitions' stored positions ([`offsets::claim`]) in a task that retries while
-    /// the database is unreachable, until shutdown; [`Source::finish_claim`] assigns them when it is done.
+    /// the database is unreachable, until shutdown; [`KafkaSource::finish_claim`] assigns them when it is done.
     fn start_claim(&self, stored: &StoredStart, tpl: &TopicPartitionList, cooperative: bool) {
         let partitions: Vec<(String, i32)> =
             tpl.elements().iter().map(|e| (e.topic().to_owned(), e.partition())).collect();
@@ -344,12 +344,18 @@ fn describe(tpl: &TopicPartitionList) -> String {
 }
 
 /// How many records the consumer prefetches (librdkafka's `queued.min.messages`): 4 batches, at least 1,000 and
-/// at most 100,000. [`Source::poll_while`] keeps at most as many records while a batch is in flight.
+/// at most 100,000. [`KafkaSource::poll_while`] keeps at most as many records while a batch is in flight.
+/// The Kafka source of a pipeline. Only Kafka pipelines reach this module (the worker and the commands dispatch on
+/// [`crate::config::SourceSpec`] first).
+pub fn spec(pipeline: &Pipeline) -> &crate::config::KafkaSpec {
+    pipeline.source.kafka().expect("only Kafka pipelines use the Kafka source")
+}
+
 fn prefetch_records(pipeline: &Pipeline) -> usize {
     (4 * pipeline.batch.max_records).clamp(1000, 100_000)
 }
 
-/// The consumer's librdkafka configuration (see [`Source::new`]).
+/// The consumer's librdkafka configuration (see [`KafkaSource::new`]).
 pub(crate) fn consumer_config(kafka: &KafkaSettings, pipeline: &Pipeline) -> ClientConfig {
     let mut config = ClientConfig::new();
     config
@@ -373,7 +379,7 @@ pub(crate) fn consumer_config(kafka: &KafkaSettings, pipeline: &Pipeline) -> Cli
         }
     }
     config
-        .set("group.id", &pipeline.group_id)
+        .set("group.id", &spec(pipeline).group_id)
         .set("enable.auto.commit", "false")
         .set("enable.auto.offset.store", "false");
     config
@@ -498,7 +504,7 @@ pub fn check_topics(kafka: &KafkaSettings, pipeline: &Pipeline, timeout: Duratio
     let unreachable = |source| TopicCheckError::Unreachable { servers: kafka.bootstrap_servers.clone(), source: hide_config_value(source) };
     let consumer: BaseConsumer = consumer_config(kafka, pipeline).create().map_err(unreachable)?;
     let metadata = consumer.fetch_metadata(None, timeout).map_err(unreachable)?;
-    for topic in &pipeline.topics {
+    for topic in &spec(pipeline).topics {
         let found = metadata.topics().iter().any(|t| t.name() == topic && t.error().is_none() && !t.partitions().is_empty());
         if !found {
             return Err(TopicCheckError::Missing(topic.clone()));
@@ -546,7 +552,7 @@ fn drop_revoked(state: &Mutex<Ownership>, pipeline: &str, batch: &mut Vec<Record
 }
 
 /// Drops the kept records of partitions revoked since the last look and remembers those partitions in `in_flight`
-/// (for the batch in flight; see [`Source::poll_while`]).
+/// (for the batch in flight; see [`KafkaSource::poll_while`]).
 fn drop_revoked_from(state: &Mutex<Ownership>, pipeline: &str, stash: &mut Vec<Record>, in_flight: &mut HashSet<Tp>) {
     let revoked = take_revoked(state);
     drop_records_of(&revoked, pipeline, &mut [stash]);
@@ -564,7 +570,7 @@ const LAG_EVERY: Duration = Duration::from_secs(5);
 const LOOKUP_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// One pipeline's consumer.
-pub struct Source {
+pub struct KafkaSource {
     consumer: StreamConsumer<SourceContext>,
     /// Records received while a batch was being retried, handed out first by the next batch.
     stash: Vec<Record>,
@@ -584,11 +590,11 @@ pub struct Source {
     unassigned_warnings: u32,
     /// `[kafka] no_partitions_warning`.
     no_partitions_warning: Duration,
-    /// The most records [`Source::poll_while`] keeps before pausing.
+    /// The most records [`KafkaSource::poll_while`] keeps before pausing.
     keep: usize,
     /// The pipeline's `max_payload_bytes`: larger values are not kept whole ([`crate::record::bounded`]).
     max_payload_bytes: usize,
-    /// Partitions revoked while a batch was in flight ([`Source::poll_while`]): the batch's records of them are
+    /// Partitions revoked while a batch was in flight ([`KafkaSource::poll_while`]): the batch's records of them are
     /// dropped if it is retried, and its offset commit skips them (another member may have moved them on, or they
     /// start again from the group's committed offset).
     revoked_in_flight: HashSet<Tp>,
@@ -597,7 +603,7 @@ pub struct Source {
     reset_to_earliest: bool,
 }
 
-impl Source {
+impl KafkaSource {
     /// Creates the consumer and subscribes to the pipeline's topics.
     ///
     /// The worker sets `group.id`, `enable.auto.commit=false` and `enable.auto.offset.store=false`, and defaults
@@ -632,15 +638,15 @@ impl Source {
             Some("latest" | "largest" | "end" | "error")
         );
         let consumer: StreamConsumer<SourceContext> = config.create_with_context(context).map_err(hide_config_value)?;
-        let topics: Vec<&str> = pipeline.topics.iter().map(String::as_str).collect();
+        let topics: Vec<&str> = spec(pipeline).topics.iter().map(String::as_str).collect();
         consumer.subscribe(&topics)?;
-        Ok(Source {
+        Ok(KafkaSource {
             consumer,
             stash: Vec::new(),
             consume_errors: 0,
             commit_failed: false,
             state,
-            topics: pipeline.topics.iter().map(|t| (t.clone(), Arc::from(t.as_str()))).collect(),
+            topics: spec(pipeline).topics.iter().map(|t| (t.clone(), Arc::from(t.as_str()))).collect(),
             pipeline: pipeline.name.clone(),
             metrics,
             lag_refreshed: None,
@@ -1156,7 +1162,7 @@ impl Source {
     }
 }
 
-/// How long [`Source::close`] waits for the consumer to leave its group.
+/// How long [`KafkaSource::close`] waits for the consumer to leave its group.
 pub const LEAVE_TIMEOUT: Duration = Duration::from_secs(8);
 
 /// Each topic's `retention.ms` (Kafka topic config; `-1` means forever), read with the admin API's

@@ -1,0 +1,127 @@
+//! Sources: where a pipeline's records come from, one module per broker.
+//!
+//! - [`kafka`]: a consumer-group member; positions are (topic, partition, offset), committed after each batch.
+//! - [`rabbitmq`]: one consumer per queue; a batch is acknowledged (`basic.ack` with `multiple`) after it commits.
+//!
+//! The worker drives every source through [`Source`], a closed enum over them: batches in, "durable up to here"
+//! out, pauses while the store retries, and the records to drop when ownership moves (a Kafka rebalance, a lost
+//! RabbitMQ channel). What only some sources can do (rewind, stored offsets, topic retention) is refused for the
+//! others by the configuration checks, with the reason. A new broker is a new module here and a new variant.
+
+pub mod kafka;
+pub mod rabbitmq;
+
+use crate::config::{BatchSettings, Pipeline, Settings, SourceSpec};
+use crate::metrics::PipelineMetrics;
+use crate::offsets::{NextOffsets, Positions};
+use crate::record::Record;
+use crate::shutdown::Shutdown;
+use std::time::Duration;
+
+pub use kafka::{KafkaSource, StoredStart};
+pub use rabbitmq::RabbitMqSource;
+
+/// A pipeline's source.
+pub enum Source {
+    /// Kafka topics.
+    Kafka(KafkaSource),
+    /// RabbitMQ queues.
+    RabbitMq(RabbitMqSource),
+}
+
+impl Source {
+    /// The source of `pipeline`. `stored` applies to Kafka with `[offsets] store = "database"`.
+    ///
+    /// Errors: the Kafka consumer could not be created (a bad librdkafka property), as text.
+    pub fn new(
+        settings: &Settings,
+        pipeline: &Pipeline,
+        metrics: PipelineMetrics,
+        stored: Option<StoredStart>,
+    ) -> Result<Source, String> {
+        match &pipeline.source {
+            SourceSpec::Kafka(_) => KafkaSource::new(&settings.kafka, pipeline, metrics, stored)
+                .map(Source::Kafka)
+                .map_err(|e| format!("cannot create the Kafka consumer: {}", kafka::describe_kafka_error(&e))),
+            SourceSpec::RabbitMq(_) => {
+                let rabbitmq = settings.rabbitmq.as_ref().ok_or("[rabbitmq] url is not set")?;
+                Ok(Source::RabbitMq(RabbitMqSource::new(rabbitmq, pipeline, metrics)))
+            }
+        }
+    }
+
+    /// The next batch: at least one record, at most `settings.max_records`, waiting at most `max_wait` after the
+    /// first. `None` once shutdown comes while waiting for a first record.
+    pub async fn next_batch(&mut self, settings: BatchSettings, shutdown: &mut Shutdown) -> Option<Vec<Record>> {
+        match self {
+            Source::Kafka(s) => s.next_batch(settings, shutdown).await,
+            Source::RabbitMq(s) => s.next_batch(settings, shutdown).await,
+        }
+    }
+
+    /// Waits `delay` before a retry without taking more records than the source's prefetch bound, serving the
+    /// broker meanwhile; drops from `batch` what this worker no longer owns. `false` if shutdown came first.
+    pub async fn pause_for(&mut self, delay: Duration, batch: &mut Vec<Record>, shutdown: &mut Shutdown) -> bool {
+        match self {
+            Source::Kafka(s) => s.pause_for(delay, batch, shutdown).await,
+            Source::RabbitMq(s) => s.pause_for(delay, batch, shutdown).await,
+        }
+    }
+
+    /// The positions a batch stores in its transaction (`[offsets] store = "database"`, Kafka only).
+    pub fn positions(&self, batch: &[Record]) -> Option<Positions> {
+        match self {
+            Source::Kafka(s) => s.positions(&NextOffsets::after(batch)),
+            Source::RabbitMq(_) => None,
+        }
+    }
+
+    /// Runs `work` (the batch transaction, spawned) to its end while the source keeps serving its broker.
+    pub async fn poll_while<T>(&mut self, work: tokio::task::JoinHandle<T>) -> T {
+        match self {
+            Source::Kafka(s) => s.poll_while(work).await,
+            Source::RabbitMq(s) => s.poll_while(work).await,
+        }
+    }
+
+    /// Drops from `batch` the records this worker no longer owns (partitions revoked, a lost channel).
+    pub fn drop_revoked(&mut self, batch: &mut Vec<Record>) {
+        match self {
+            Source::Kafka(s) => s.drop_revoked(batch),
+            Source::RabbitMq(s) => s.drop_revoked(batch),
+        }
+    }
+
+    /// A batch was fenced (`[offsets] store = "database"`): gives up `partitions` and drops their records.
+    /// Only Kafka pipelines store positions, so only they can be fenced.
+    pub fn lose(&mut self, partitions: &[(String, i32)], used: Option<&Positions>, batch: &mut Vec<Record>) {
+        if let Source::Kafka(s) = self {
+            s.lose(partitions, used, batch)
+        }
+    }
+
+    /// Tells the broker that `batch` (committed in the store) is done: Kafka offsets are committed, RabbitMQ
+    /// deliveries acknowledged.
+    pub async fn commit(&mut self, batch: &[Record]) {
+        match self {
+            Source::Kafka(s) => s.commit(&NextOffsets::after(batch)),
+            Source::RabbitMq(s) => s.commit(batch).await,
+        }
+    }
+
+    /// Ends without telling the broker anything more (an injected crash).
+    pub async fn abandon(self) {
+        match self {
+            Source::Kafka(s) => s.abandon(),
+            Source::RabbitMq(s) => s.abandon().await,
+        }
+    }
+
+    /// Ends cleanly: commits what is durable (Kafka), leaves the group or closes the connection.
+    pub async fn close(self) {
+        match self {
+            Source::Kafka(s) => s.close(),
+            Source::RabbitMq(s) => s.close().await,
+        }
+    }
+}
