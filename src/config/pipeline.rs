@@ -971,7 +971,7 @@ msg = { header = "message-id" }
 "#,
         )
         .unwrap();
-        assert_eq!(p.group_id, "idemflow-payments");
+        assert_eq!(p.source.kafka().unwrap().group_id, "idemflow-payments");
         assert_eq!(p.batch, BatchSettings { max_records: DEFAULT_MAX_RECORDS, max_wait: Duration::from_millis(20) });
         let SinkSpec::Table { columns, on_conflict, .. } = &p.sink else { panic!("table form") };
         assert_eq!(*on_conflict, OnConflict::Nothing);

@@ -14,6 +14,7 @@ mod deploy;
 mod offsets;
 mod operator;
 mod pgbouncer;
+mod rabbitmq;
 mod retention;
 mod scaleout;
 mod security;

@@ -3,6 +3,7 @@
 pub mod kafka;
 pub mod noida;
 pub mod postgres;
+pub mod rabbitmq;
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -100,6 +101,28 @@ impl Setup {
                 db.url,
                 bootstrap,
                 merge_properties(TEST_KAFKA_PROPERTIES, properties),
+            ),
+        )
+        .unwrap();
+        Setup { dir, config, metrics }
+    }
+
+    /// Settings for RabbitMQ pipelines only: `[rabbitmq]` for `url`, no `[kafka]` section at all.
+    pub fn rabbitmq(db: &TestDb, url: &str, pipelines: &[(&str, &str)], extra: &str) -> Setup {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir(dir.path().join("pipelines")).unwrap();
+        for (name, text) in pipelines {
+            std::fs::write(dir.path().join("pipelines").join(name), text).unwrap();
+        }
+        let metrics = SocketAddr::from(([127, 0, 0, 1], free_port()));
+        let config = dir.path().join("idemflow.toml");
+        std::fs::write(
+            &config,
+            format!(
+                "[database]\nurl = \"{}\"\nmax_connections = 4\nacquire_timeout = \"2s\"\n{}\
+                 [metrics]\nlisten = \"{metrics}\"\n[log]\nlevel = \"info\"\n[shutdown]\ntimeout = \"20s\"\n{extra}\n",
+                db.url,
+                rabbitmq::settings(url),
             ),
         )
         .unwrap();
