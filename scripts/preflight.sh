@@ -50,6 +50,8 @@ idemflow_venv_ready() {
 #   postgresql         server binaries under /usr/lib/postgresql/*/bin (throwaway clusters, outage tests)
 #   prometheus         promtool and the server (alert rules, dashboard queries against a real scrape)
 #   pgbouncer          transaction pooling tests
+#   rabbitmq-server    RabbitMQ pipelines against a real broker (a throwaway node per test run, see
+#                      scripts/rabbitmq-throwaway.sh)
 #   make, gcc          building librdkafka (rdkafka-sys)
 #   pkg-config, libssl-dev  the Kafka client's TLS and SASL/SCRAM (librdkafka against the system OpenSSL)
 #   socat              a TLS-terminating proxy for the Kafka TLS test
@@ -65,6 +67,7 @@ idemflow_test_preflight() {
   ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || missing+=(postgresql)
   { command -v promtool && command -v prometheus; } >/dev/null 2>&1 || missing+=(prometheus)
   idemflow_has_pgbouncer || missing+=(pgbouncer)
+  [ -x /usr/lib/rabbitmq/bin/rabbitmq-server ] || missing+=(rabbitmq-server)
   command -v make >/dev/null 2>&1 || missing+=(make)
   idemflow_build_packages_missing missing
   command -v openssl >/dev/null 2>&1 || missing+=(openssl)

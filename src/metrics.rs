@@ -234,7 +234,7 @@ impl Metrics {
                 vec![0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0]),
             consumer_lag: {
                 let g = IntGaugeVec::new(
-                    Opts::new("idemflow_consumer_lag_records", "Records between the partition's durable position and its high watermark, for every partition assigned to this worker (from the moment it is assigned)."),
+                    Opts::new("idemflow_consumer_lag_records", "Records between the partition's durable position and its high watermark, for every partition assigned to this worker (from the moment it is assigned); for a RabbitMQ queue (partition -1), its ready messages plus those delivered to this worker and not yet acknowledged."),
                     &["pipeline", "topic", "partition"],
                 )
                 .expect("valid metric");
@@ -243,7 +243,7 @@ impl Metrics {
             },
             assigned_partitions: {
                 let g = IntGaugeVec::new(
-                    Opts::new("idemflow_assigned_partitions", "Partitions currently assigned to this worker's consumer of the pipeline."),
+                    Opts::new("idemflow_assigned_partitions", "Partitions currently assigned to this worker's consumer of the pipeline (RabbitMQ: queues being consumed)."),
                     &["pipeline"],
                 )
                 .expect("valid metric");
@@ -252,8 +252,8 @@ impl Metrics {
             },
             dedup_rows_purged: counter(&r, "idemflow_dedup_rows_purged_total", "Dedup rows deleted by retention.", &["pipeline"]),
             db_retries: counter(&r, "idemflow_db_retries_total", "Batch attempts that failed with a retryable database error, by cause.", &["pipeline", "cause"]),
-            offset_commits: counter(&r, "idemflow_offset_commits_total", "Kafka offset commits, by result.", &["pipeline", "result"]),
-            rebalances: counter(&r, "idemflow_rebalances_total", "Consumer group rebalance events, by event.", &["pipeline", "event"]),
+            offset_commits: counter(&r, "idemflow_offset_commits_total", "Kafka offset commits and RabbitMQ acknowledgements after a batch's COMMIT, by result.", &["pipeline", "result"]),
+            rebalances: counter(&r, "idemflow_rebalances_total", "Consumer group rebalance events (RabbitMQ: consumers started, assign, and lost with their connection, revoke), by event.", &["pipeline", "event"]),
             pipeline_up,
             batch_counts: Default::default(),
             registry: r,

@@ -550,6 +550,11 @@ fn validate(raw: RawPipeline, path: &Path, stem: &str, e: &mut Errors<'_>) -> Op
             e.push("dead_letters.topic", format!("{t:?} is also a source topic: dead letters would be consumed again"));
         }
     }
+    if let Some(SourceSpec::Kafka(_)) = &source {
+        if raw.key.message_id == Some(true) || raw.key.property.is_some() {
+            e.push("key", "a Kafka record has no message properties: use field, fields, record_key = true or header");
+        }
+    }
     if let Some(SourceSpec::RabbitMq(_)) = &source {
         if raw.offsets.store == OffsetStore::Database {
             e.push(
@@ -651,6 +656,8 @@ fn validate_source(raw: &RawPipeline, name: &str, max_records: usize, e: &mut Er
         }
         "rabbitmq" => {
             let s = s.expect("kind comes from [source]");
+            has(s.topics.is_some(), "topics", e, "kafka");
+            has(s.group_id.is_some(), "group_id", e, "kafka");
             let queues = match (&s.queue, &s.queues) {
                 (Some(q), None) => vec![q.clone()],
                 (None, Some(qs)) if !qs.is_empty() => qs.clone(),
@@ -906,6 +913,41 @@ mod tests {
         let path = dir.path().join("payments.toml");
         std::fs::write(&path, text).unwrap();
         load_file(&path)
+    }
+
+    #[test]
+    fn sources_kafka_by_default_or_rabbitmq_in_source() {
+        let rest = "[key]\nmessage_id = true\n[sink]\ntable = \"x\"\n[sink.columns]\nid = \"/id\"\n";
+        let legacy = load(&format!("topics = [\"t\"]\n{}", rest.replace("message_id = true", "field = \"/id\""))).unwrap();
+        assert_eq!(legacy.source, SourceSpec::Kafka(KafkaSpec { topics: vec!["t".into()], group_id: "idemflow-payments".into() }));
+        let kafka_rest = rest.replace("message_id = true", "field = \"/id\"");
+        let kafka = load(&format!("[source]\ntopics = [\"t\"]\ngroup_id = \"g\"\n{kafka_rest}")).unwrap();
+        let e = load(&format!("[source]\ntopics = [\"t\"]\n{rest}")).unwrap_err();
+        assert!(e[0].to_string().contains("key: a Kafka record has no message properties"), "{e:?}");
+        assert_eq!(kafka.source, SourceSpec::Kafka(KafkaSpec { topics: vec!["t".into()], group_id: "g".into() }));
+        let rabbit = load(&format!("[source]\nkind = \"rabbitmq\"\nqueue = \"q\"\n{rest}")).unwrap();
+        assert_eq!(
+            rabbit.source,
+            SourceSpec::RabbitMq(RabbitMqSpec { queues: vec!["q".into()], prefetch: 4000, queue_type: None, single_active_consumer: false })
+        );
+        assert_eq!(rabbit.key.source, KeySource::Property("message_id".into()));
+        let text = |source: &str| {
+            let errs = load(&format!("{source}{rest}")).unwrap_err();
+            errs.iter().map(|e| e.to_string()).collect::<Vec<_>>().join("\n")
+        };
+        let e = text("[source]\nkind = \"rabbitmq\"\nqueues = [\"a\", \"a\"]\nprefetch = 10\n");
+        assert!(e.contains("source.queues: lists a queue twice"), "{e}");
+        assert!(e.contains("source.prefetch: 10 is below batch.max_records = 2000"), "{e}");
+        let e = text("[source]\nkind = \"rabbitmq\"\nqueue = \"q\"\ntopics = [\"t\"]\n");
+        assert!(e.contains("source.topics: belongs to a kafka source"), "{e}");
+        let e = text("[source]\nkind = \"sqs\"\n");
+        assert!(e.contains("source.kind: \"sqs\" is not a source kind"), "{e}");
+        let e = text("[source]\nkind = \"rabbitmq\"\nqueue = \"q\"\n[offsets]\nstore = \"database\"\n");
+        assert!(e.contains("offsets.store") && e.contains("a RabbitMQ queue has none"), "{e}");
+        let e = text("[source]\nkind = \"rabbitmq\"\nqueue = \"q\"\n[dead_letters]\ntopic = \"dlq\"\n");
+        assert!(e.contains("dead_letters.topic: is a Kafka topic"), "{e}");
+        let e = load(&format!("[source]\nkind = \"rabbitmq\"\nqueue = \"q\"\n{}", rest.replace("message_id = true", "property = \"nope\""))).unwrap_err();
+        assert!(e[0].to_string().contains("key.property: \"nope\" is not a message property"), "{e:?}");
     }
 
     #[test]
