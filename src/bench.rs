@@ -11,6 +11,11 @@
 //! 5. the broker's ceiling: a consume-only pass (decode and key extraction, no database);
 //! 6. the worker with the per-record SQL form of the same side effect, over a prefix of the stream.
 //!
+//! With `--source rabbitmq` the same stream is published to quorum queues of a throwaway RabbitMQ node instead
+//! (message-id = order id, persistent, publisher confirms), and two runs compare: (1) the worker, table form, from a
+//! queue; (5) the broker's ceiling, a consume-only pass from a queue with the same prefetch and one `basic.ack` with
+//! `multiple` per batch.
+//!
 //! The workers run as child processes (`idemflow run`), so their CPU time comes from `wait4`'s rusage of that
 //! process alone, and their peak RSS from its `/proc/<pid>/status` `VmHWM`, read just before it is stopped. Throughput is taken between the first and the last record received (so start-up
 //! and group join are left out); CPU and RSS cover the whole process. Latencies are quantiles of the worker's
@@ -53,6 +58,8 @@ pub struct BenchOptions {
     pub only: Vec<u8>,
     /// Run each worker under `perf record -g` (output `perf-<run>.data` in the current directory).
     pub perf: bool,
+    /// The broker: the embedded Kafka (all six runs), or a throwaway RabbitMQ node (runs 1 and 5).
+    pub source: crate::demo::DemoSource,
 }
 
 /// One run's figures.
@@ -255,7 +262,14 @@ struct WorkerRun<'a> {
     target: u64,
 }
 
-async fn worker_run(run: WorkerRun<'_>, kafka: &EmbeddedKafka, url: &str, perf: bool) -> anyhow::Result<RunResult> {
+/// The `[kafka]` settings of a worker run on the embedded broker.
+fn kafka_settings(kafka: &EmbeddedKafka) -> String {
+    format!("[kafka]\nbootstrap_servers = \"{}\"\n[kafka.properties]\n\"session.timeout.ms\" = \"6000\"\n", kafka.bootstrap_servers())
+}
+
+/// Runs the worker as a child process on `pipeline` until it has received `target` records. `broker` is the
+/// broker's section of the settings (`[kafka]` or `[rabbitmq]`).
+async fn worker_run(run: WorkerRun<'_>, broker: &str, url: &str, perf: bool) -> anyhow::Result<RunResult> {
     let WorkerRun { id, name, ref pipeline, group, target } = run;
     let dir = tempfile::Builder::new().prefix("idemflow-bench-").tempdir()?;
     std::fs::create_dir(dir.path().join("pipelines"))?;
@@ -265,9 +279,8 @@ async fn worker_run(run: WorkerRun<'_>, kafka: &EmbeddedKafka, url: &str, perf: 
     std::fs::write(
         dir.path().join("idemflow.toml"),
         format!(
-            "pipelines = \"pipelines\"\n[database]\nurl = \"{url}\"\nmax_connections = 4\n[kafka]\nbootstrap_servers = \"{}\"\n\
-             [kafka.properties]\n\"session.timeout.ms\" = \"6000\"\n[metrics]\nlisten = \"{addr}\"\n[log]\nlevel = \"warn\"\n",
-            kafka.bootstrap_servers()
+            "pipelines = \"pipelines\"\n[database]\nurl = \"{url}\"\nmax_connections = 4\n{broker}\
+             [metrics]\nlisten = \"{addr}\"\n[log]\nlevel = \"warn\"\n"
         ),
     )?;
     let exe = std::env::current_exe()?;
@@ -545,6 +558,9 @@ pub async fn run(o: BenchOptions) -> anyhow::Result<Report> {
             throwaway.url()
         }
     };
+    if o.source == crate::demo::DemoSource::Rabbitmq {
+        return run_rabbitmq(&o, &admin_url).await;
+    }
     let kafka = EmbeddedKafka::start()?;
     // About 200 bytes a record; the mock keeps about 5 MiB per partition: stay under 2 MiB.
     let partitions = ((o.records * 230) / (2 << 20) + 1).max(4) as i32;
@@ -579,17 +595,17 @@ pub async fn run(o: BenchOptions) -> anyhow::Result<Report> {
         let group = format!("bench-{n}");
         let worker = |id, name, pipeline, target| WorkerRun { id, name, pipeline, group: &group, target };
         let r = match n {
-            1 => worker_run(worker("(1)", "idemflow, default batching (table form)", table_pipeline(None), total), &kafka, &url, perf).await?,
+            1 => worker_run(worker("(1)", "idemflow, default batching (table form)", table_pipeline(None), total), &kafka_settings(&kafka), &url, perf).await?,
             2 => {
                 let single = o.single_records.min(o.records) as u64;
                 let name = "idemflow, one record per transaction (max_records = 1)";
-                worker_run(worker("(2)", name, table_pipeline(Some(1)), single), &kafka, &url, perf).await?
+                worker_run(worker("(2)", name, table_pipeline(Some(1)), single), &kafka_settings(&kafka), &url, perf).await?
             }
             3 => copy_ceiling(&url, &s, s.records.len()).await?,
             4 => {
                 let preload_secs = preload(&url, o.preload).await?;
                 let name = "idemflow, default batching, dedup store preloaded";
-                let mut r = worker_run(worker("(4)", name, table_pipeline(None), total), &kafka, &url, perf).await?;
+                let mut r = worker_run(worker("(4)", name, table_pipeline(None), total), &kafka_settings(&kafka), &url, perf).await?;
                 r.note = format!("{} preloaded keys (in {preload_secs:.1} s); {}", o.preload, r.note);
                 r
             }
@@ -597,7 +613,7 @@ pub async fn run(o: BenchOptions) -> anyhow::Result<Report> {
             _ => {
                 let sql = o.sql_records.min(o.records) as u64;
                 let name = "idemflow, default batching, per-record SQL form";
-                worker_run(worker("(6)", name, sql_pipeline(), sql), &kafka, &url, perf).await?
+                worker_run(worker("(6)", name, sql_pipeline(), sql), &kafka_settings(&kafka), &url, perf).await?
             }
         };
         report_run(&r);
@@ -619,6 +635,118 @@ pub async fn run(o: BenchOptions) -> anyhow::Result<Report> {
     let report = Report { environment: env, runs, ratios };
     write_outputs(&report, &o.markdown, &o.json)?;
     Ok(report)
+}
+
+/// `idemflow bench --source rabbitmq`: the stream published to two quorum queues of a throwaway RabbitMQ node, then
+/// (1) the worker (table form, default batching) from one, and (5) a consume-only pass from the other.
+async fn run_rabbitmq(o: &BenchOptions, admin_url: &str) -> anyhow::Result<Report> {
+    use crate::demo::rabbitmq;
+    eprintln!("starting a throwaway RabbitMQ node (Debian's rabbitmq-server)...");
+    let node = rabbitmq::Throwaway::start()?;
+    let amqp = node.url();
+    let mut env = environment(admin_url, o.database_url.is_none(), o, 1).await?;
+    env.retain(|(k, _)| !k.contains("partition"));
+    env.push(("broker".into(), format!("RabbitMQ {} (throwaway node, quorum queues)", node.ctl(&["version"]).unwrap_or_default().trim())));
+    for (k, v) in &env {
+        eprintln!("{k}: {v}");
+    }
+    let s = stream(o.records, 1);
+    let messages: Vec<(String, Vec<u8>)> = s
+        .records
+        .iter()
+        .map(|(_, body)| {
+            let id = serde_json::from_slice::<serde_json::Value>(body).ok().and_then(|v| v["order"]["id"].as_str().map(str::to_owned));
+            (id.unwrap_or_default(), body.clone())
+        })
+        .collect();
+    let want = |n: u8| o.only.is_empty() || o.only.contains(&n);
+    let runs_wanted: Vec<u8> = [1u8, 5].into_iter().filter(|n| want(*n)).collect();
+    for n in &runs_wanted {
+        let queue = format!("bench-{n}");
+        rabbitmq::declare_quorum_queue(&amqp, &queue).await?;
+        let started = Instant::now();
+        rabbitmq::publish(&amqp, &queue, &messages).await?;
+        eprintln!("published {} messages to {queue} in {:.1} s", messages.len(), started.elapsed().as_secs_f64());
+    }
+    let broker = format!("[rabbitmq]\nurl = \"{amqp}\"\n");
+    let total = s.records.len() as u64;
+    let mut runs = Vec::new();
+    for n in runs_wanted {
+        let url = fresh_database(admin_url, &format!("bench_rabbitmq_{n}")).await?;
+        let queue = format!("bench-{n}");
+        let pipeline = table_pipeline(None).replace(&format!("topics = [\"{TOPIC}\"]"), &format!("[source]\nkind = \"rabbitmq\"\nqueue = \"{queue}\""));
+        let r = if n == 1 {
+            let run = WorkerRun { id: "(1)", name: "idemflow from a RabbitMQ quorum queue, default batching (table form)", pipeline, group: "", target: total };
+            worker_run(run, &broker, &url, o.perf).await?
+        } else {
+            consume_only_rabbitmq(&amqp, &queue, &url, &pipeline, s.records.len()).await?
+        };
+        eprintln!("{} {}: {:.0} records/s ({})", r.id, r.name, r.records_per_second, r.note);
+        runs.push(r);
+    }
+    let ratios = if runs.len() == 2 {
+        vec![("(1) / (5), RabbitMQ".to_owned(), runs[0].records_per_second / runs[1].records_per_second, "(measured)".to_owned())]
+    } else {
+        Vec::new()
+    };
+    let report = Report { environment: env, runs, ratios };
+    write_outputs(&report, &o.markdown, &o.json)?;
+    Ok(report)
+}
+
+/// Run (5) on RabbitMQ: consume `total` messages from `queue` with the worker's default prefetch, decode each and
+/// take its key as the worker would, acknowledging each batch of 2,000 with one `basic.ack` (`multiple`).
+async fn consume_only_rabbitmq(amqp: &str, queue: &str, url: &str, pipeline_text: &str, total: usize) -> anyhow::Result<RunResult> {
+    use futures_util::StreamExt;
+    use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
+    let dir = tempfile::Builder::new().prefix("idemflow-bench-").tempdir()?;
+    let file = dir.path().join("orders.toml");
+    std::fs::write(&file, pipeline_text)?;
+    let pipeline = crate::config::pipeline::load_file(&file).map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    let pool = sqlx::postgres::PgPoolOptions::new().max_connections(1).connect(url).await?;
+    let ready = crate::worker::prepare(&pool, std::slice::from_ref(&pipeline)).await.map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    let preparer = ready[0].preparer.clone();
+    pool.close().await;
+    let prefetch = match &pipeline.source {
+        crate::config::SourceSpec::RabbitMq(r) => r.prefetch,
+        crate::config::SourceSpec::Kafka(_) => bail!("(5): not a RabbitMQ pipeline"),
+    };
+    let connection = lapin::Connection::connect(amqp, lapin::ConnectionProperties::default()).await?;
+    let channel = connection.create_channel().await?;
+    channel.basic_qos(prefetch, BasicQosOptions::default()).await?;
+    let mut consumer = channel.basic_consume(queue.into(), "".into(), BasicConsumeOptions::default(), lapin::types::FieldTable::default()).await?;
+    let queue_name: std::sync::Arc<str> = std::sync::Arc::from(queue);
+    let (mut n, mut applied, mut t0) = (0usize, 0usize, None);
+    let max_payload_bytes = pipeline.decoder.max_payload_bytes();
+    while n < total {
+        let next = tokio::time::timeout(Duration::from_secs(60), consumer.next()).await;
+        let delivery = match next {
+            Ok(Some(Ok(d))) => d,
+            Ok(Some(Err(e))) => bail!("(5): consuming failed: {e}"),
+            Ok(None) | Err(_) => bail!("(5): consumed {n} of {total} messages, then nothing for 60 s"),
+        };
+        t0.get_or_insert_with(Instant::now);
+        let tag = delivery.delivery_tag;
+        let record = crate::source::rabbitmq::to_record(queue_name.clone(), delivery, max_payload_bytes);
+        if matches!(preparer.prepare(&record), crate::prepare::Prepared::Apply(_)) {
+            applied += 1;
+        }
+        n += 1;
+        if n % 2000 == 0 || n == total {
+            channel.basic_ack(tag, BasicAckOptions { multiple: true }).await?;
+        }
+    }
+    let secs = t0.map_or(0.0, |t| t.elapsed().as_secs_f64()).max(1e-9);
+    let _ = connection.close(200, "done".into()).await;
+    Ok(RunResult {
+        id: "(5)".into(),
+        name: "ceiling: consume-only pass from a RabbitMQ quorum queue (decode and key extraction, acks, no database)".into(),
+        records: n as u64,
+        seconds: secs,
+        records_per_second: n as f64 / secs,
+        note: format!("{applied} records prepared for applying; prefetch {prefetch}"),
+        ..RunResult::default()
+    })
 }
 
 fn opt(v: Option<f64>, digits: usize) -> String {

@@ -144,9 +144,13 @@ struct DemoArgs {
     /// Use this PostgreSQL server (a new database is created on it) instead of a throwaway cluster.
     #[arg(long, env = "DATABASE_URL")]
     database_url: Option<String>,
-    /// The pipeline to run; its tables are in the `.sql` file beside it.
-    #[arg(long, default_value = "pipelines/payments.toml")]
-    pipeline: PathBuf,
+    /// The broker: an embedded Kafka, or a throwaway RabbitMQ node (needs Debian's rabbitmq-server).
+    #[arg(long, value_enum, default_value = "kafka")]
+    source: idemflow::demo::DemoSource,
+    /// The pipeline to run (default pipelines/payments.toml, or examples/rabbitmq/payments.toml with --source
+    /// rabbitmq); its tables are in the `.sql` file beside it.
+    #[arg(long)]
+    pipeline: Option<PathBuf>,
     /// Where to serve /metrics while the demo runs.
     #[arg(long, default_value = "127.0.0.1:9464")]
     metrics_listen: std::net::SocketAddr,
@@ -184,6 +188,10 @@ struct BenchArgs {
     /// Profile each worker run with `perf record -g` (writes perf-N.data here; CPU figures then include perf).
     #[arg(long)]
     perf: bool,
+    /// The broker: the embedded Kafka (runs 1-6), or a throwaway RabbitMQ node (runs 1 and 5 from quorum queues;
+    /// needs Debian's rabbitmq-server).
+    #[arg(long, value_enum, default_value = "kafka")]
+    source: idemflow::demo::DemoSource,
 }
 
 #[derive(clap::Args)]
@@ -517,6 +525,7 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
                 json: a.json.clone(),
                 only: a.only,
                 perf: a.perf,
+                source: a.source,
             };
             let report = idemflow::bench::run(options).await?;
             println!("{}", idemflow::bench::markdown(&report));
@@ -529,6 +538,7 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
             let options = idemflow::demo::DemoOptions {
                 records: a.records,
                 database_url: a.database_url,
+                source: a.source,
                 pipeline: a.pipeline,
                 metrics_listen: a.metrics_listen,
                 keep_running: a.keep_running,

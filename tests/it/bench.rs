@@ -44,3 +44,36 @@ async fn bench_runs_every_baseline_and_writes_markdown_and_json() {
     assert!(table.contains("| (1) | idemflow, default batching (table form) |"), "{table}");
     assert!(out.contains("| ratio | measured | target |"), "{out}");
 }
+
+/// `idemflow bench --source rabbitmq`, small: the worker from a quorum queue and the consume-only ceiling, both run
+/// and written, with their ratio.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bench_on_rabbitmq_runs_the_worker_and_the_consume_only_ceiling() {
+    let dir = tempfile::tempdir().unwrap();
+    let (md, json) = (dir.path().join("bench.md"), dir.path().join("bench.json"));
+    let args: Vec<String> = [
+        "bench", "--source", "rabbitmq", "--records", "5000", "--database-url", postgres::server_url(), "--markdown",
+        md.to_str().unwrap(), "--json", json.to_str().unwrap(),
+    ]
+    .map(String::from)
+    .into();
+    let cwd = dir.path().to_owned();
+    let (status, out, err) = tokio::task::spawn_blocking(move || {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        idemflow(&args, &cwd)
+    })
+    .await
+    .unwrap();
+    assert!(status.success(), "{out}\n{err}");
+    let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let runs = report["runs"].as_array().unwrap();
+    let ids: Vec<&str> = runs.iter().map(|r| r["id"].as_str().unwrap()).collect();
+    assert_eq!(ids, ["(1)", "(5)"]);
+    for r in runs {
+        assert!(r["records"].as_u64().unwrap() > 0, "{r}");
+        assert!(r["records_per_second"].as_f64().unwrap() > 0.0, "{r}");
+    }
+    assert!(runs[0]["note"].as_str().unwrap().contains("5000 received"), "{}", runs[0]);
+    assert_eq!(report["ratios"][0][0].as_str().unwrap(), "(1) / (5), RabbitMQ");
+    assert!(std::fs::read_to_string(&md).unwrap().contains("RabbitMQ"));
+}

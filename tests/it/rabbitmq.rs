@@ -207,7 +207,7 @@ async fn crash_loop_sigkill_at_random_moments() {
 /// the broker restarted mid-stream. The worker reconnects by itself; nothing is lost, nothing applied twice.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn broker_restart_and_closed_connections() {
-    let mut node = Node::start();
+    let mut node = Node::start().unwrap();
     let url = node.url();
     let queue = "payments";
     let client = Client::connect(&url).await;
@@ -220,12 +220,12 @@ async fn broker_restart_and_closed_connections() {
     let setup = Setup::rabbitmq(&db, &url, &[("payments.toml", &example(queue))], "");
     let w = InProc::start(&setup).await;
     w.wait_received("payments", 1_000).await;
-    node.ctl(&["close_all_connections", "idemflow test: closing every connection"]);
+    node.ctl(&["close_all_connections", "idemflow test: closing every connection"]).unwrap();
     drop(client);
     tokio::time::sleep(Duration::from_millis(500)).await;
-    node.stop();
+    node.stop().unwrap();
     tokio::time::sleep(Duration::from_secs(2)).await;
-    node.start_again();
+    node.start_again().unwrap();
     let client = Client::connect(&url).await;
     client.publish(queue, rest).await;
     wait_all_applied(&db, &client, queue, &s, String::new).await;

@@ -6,11 +6,7 @@
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Connection, ConnectionProperties};
-use std::os::unix::process::CommandExt;
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;
-use std::time::{Duration, Instant};
 
 static SHARED: OnceLock<String> = OnceLock::new();
 
@@ -19,7 +15,7 @@ pub fn shared_url() -> &'static str {
     SHARED.get_or_init(|| match std::env::var("RABBITMQ_URL") {
         Ok(url) if !url.is_empty() => url,
         _ => {
-            let node = Node::start();
+            let node = Node::start().unwrap_or_else(|e| panic!("{e}"));
             let url = node.url();
             std::mem::forget(node); // lives as long as the test process
             url
@@ -27,103 +23,9 @@ pub fn shared_url() -> &'static str {
     })
 }
 
-/// A RabbitMQ node of one test: stoppable, restartable (same data directory), its connections closable.
-pub struct Node {
-    dir: tempfile::TempDir,
-    port: u16,
-    child: Option<Child>,
-}
-
-const BIN: &str = "/usr/lib/rabbitmq/bin";
-
-fn as_rabbitmq() -> bool {
-    unsafe { libc::geteuid() == 0 }
-}
-
-impl Node {
-    /// Starts a node on a free port and waits until it accepts AMQP connections.
-    pub fn start() -> Node {
-        assert!(
-            std::path::Path::new(BIN).join("rabbitmq-server").exists(),
-            "rabbitmq-server is not installed: run scripts/test (it installs it), or apt-get install rabbitmq-server"
-        );
-        let dir = tempfile::Builder::new().prefix("idemflow-rabbitmq.").tempdir().unwrap();
-        if as_rabbitmq() {
-            Command::new("chown").args(["-R", "rabbitmq:rabbitmq"]).arg(dir.path()).status().unwrap();
-        }
-        let mut node = Node { dir, port: super::free_port(), child: None };
-        node.start_again();
-        node
-    }
-
-    fn name(&self) -> String {
-        format!("idem{}@localhost", self.port)
-    }
-
-    fn command(&self, program: &str) -> Command {
-        let d = self.dir.path();
-        let mut c = if as_rabbitmq() {
-            let mut c = Command::new("runuser");
-            c.args(["-u", "rabbitmq", "--", "env"]);
-            c
-        } else {
-            Command::new("env")
-        };
-        let dist = if self.port > 40000 { self.port - 20000 } else { self.port + 20000 };
-        c.arg(format!("HOME={}", d.display()))
-            .arg(format!("RABBITMQ_NODENAME={}", self.name()))
-            .arg(format!("RABBITMQ_NODE_PORT={}", self.port))
-            .arg("RABBITMQ_NODE_IP_ADDRESS=127.0.0.1")
-            .arg(format!("RABBITMQ_DIST_PORT={dist}"))
-            .arg(format!("RABBITMQ_MNESIA_BASE={}", d.join("mnesia").display()))
-            .arg(format!("RABBITMQ_LOG_BASE={}", d.join("log").display()))
-            .arg(format!("RABBITMQ_ENABLED_PLUGINS_FILE={}", d.join("enabled_plugins").display()))
-            .arg(PathBuf::from(BIN).join(program));
-        c
-    }
-
-    /// Starts the node (again, on the same data directory) and waits for its port.
-    pub fn start_again(&mut self) {
-        let log = std::fs::OpenOptions::new().create(true).append(true).open(self.dir.path().join("server.out")).unwrap();
-        let child = self.command("rabbitmq-server").stdout(log.try_clone().unwrap()).stderr(log).process_group(0).spawn().unwrap();
-        self.child = Some(child);
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
-            assert!(Instant::now() < deadline, "RabbitMQ did not start: {}", std::fs::read_to_string(self.dir.path().join("server.out")).unwrap_or_default());
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    }
-
-    /// `rabbitmqctl -n <node> args...`; panics unless it succeeds.
-    pub fn ctl(&self, args: &[&str]) -> String {
-        let out = self.command("rabbitmqctl").arg("-n").arg(self.name()).args(args).stdin(Stdio::null()).output().unwrap();
-        assert!(out.status.success(), "rabbitmqctl {args:?}: {}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-        String::from_utf8_lossy(&out.stdout).into_owned()
-    }
-
-    /// Stops the node (`rabbitmqctl stop`) and waits for the process to end.
-    pub fn stop(&mut self) {
-        self.ctl(&["stop"]);
-        if let Some(mut c) = self.child.take() {
-            let _ = c.wait();
-        }
-    }
-
-    /// Its AMQP URL (default vhost, guest user: RabbitMQ lets guest in from localhost).
-    pub fn url(&self) -> String {
-        format!("amqp://guest:guest@127.0.0.1:{}/%2f", self.port)
-    }
-}
-
-impl Drop for Node {
-    fn drop(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            // The whole process group (runuser, the start script, the Erlang VM).
-            unsafe { libc::kill(-(c.id() as i32), libc::SIGKILL) };
-            let _ = c.wait();
-        }
-    }
-}
+/// A RabbitMQ node of one test: stoppable, restartable (same data directory), its connections closable (the same
+/// throwaway node `idemflow demo --source rabbitmq` starts).
+pub use idemflow::demo::rabbitmq::Throwaway as Node;
 
 /// A message to publish.
 #[derive(Clone, Debug)]
