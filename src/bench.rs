@@ -645,7 +645,8 @@ async fn run_rabbitmq(o: &BenchOptions, admin_url: &str) -> anyhow::Result<Repor
     let node = rabbitmq::Throwaway::start()?;
     let amqp = node.url();
     let mut env = environment(admin_url, o.database_url.is_none(), o, 1).await?;
-    env.retain(|(k, _)| !k.contains("partition"));
+    env.retain(|(k, _)| k != "kafka" && k != "stream");
+    env.push(("stream".into(), format!("{} records, published to each run's quorum queue before timing starts", o.records)));
     env.push(("broker".into(), format!("RabbitMQ {} (throwaway node, quorum queues)", node.ctl(&["version"]).unwrap_or_default().trim())));
     for (k, v) in &env {
         eprintln!("{k}: {v}");

@@ -1,4 +1,4 @@
-//! idemflow: exactly-once *effects* from at-least-once Kafka delivery.
+//! idemflow: exactly-once *effects* from at-least-once delivery (Kafka topics, RabbitMQ queues).
 //!
 //! # Layout
 //!
@@ -10,8 +10,10 @@
 //!
 //! - [`config`]: worker settings (`idemflow.toml`, figment) and pipelines (`pipelines/*.toml`), raw TOML turned
 //!   into validated [`config::Pipeline`] values; every error names the file, the pipeline and the field.
-//! - [`source`]: the Kafka consumer of one pipeline: batches of records, partition ownership across rebalances.
-//! - [`record`]: one consumed Kafka record, owned, with its position.
+//! - [`source`]: where records come from, one module per broker behind one enum: [`source::kafka`] (a consumer-group
+//!   member: batches, partition ownership across rebalances, offset commits) and [`source::rabbitmq`] (a consumer
+//!   per queue: batches acknowledged with `basic.ack` after COMMIT, reconnection after a lost channel).
+//! - [`record`]: one consumed record (a Kafka record or a RabbitMQ delivery), owned, with its position.
 //! - [`field`]: field paths (RFC 6901 JSON Pointers, or the dotted form) and how a JSON value becomes text.
 //! - [`decode`]: payload bytes to a JSON document, with the size limit checked before parsing.
 //! - [`key`]: the business key of a record and its SHA-256 digest.
@@ -46,6 +48,9 @@
 //!   durable; the dedup rows skip them.
 //! - Two workers with the same key at once: the unique constraint makes the second `INSERT` wait for the first
 //!   transaction; if it commits, the second claims nothing; if it rolls back, the second claims the key.
+//!
+//! - RabbitMQ: a batch is acknowledged (`basic.ack`, `multiple`) only after its COMMIT; a crash or a lost channel
+//!   before that makes the broker requeue it, and the dedup rows skip what was applied (see [`source::rabbitmq`]).
 //!
 //! The dedup row and the effect are in the same transaction, so "marked as seen" and "applied" are one fact: there
 //! is no window in which a key is claimed but its effect is lost. No cache in memory ever claims a key.

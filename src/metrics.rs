@@ -234,7 +234,7 @@ impl Metrics {
                 vec![0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0]),
             consumer_lag: {
                 let g = IntGaugeVec::new(
-                    Opts::new("idemflow_consumer_lag_records", "Records between the partition's durable position and its high watermark, for every partition assigned to this worker (from the moment it is assigned); for a RabbitMQ queue (partition -1), its ready messages plus those delivered to this worker and not yet acknowledged."),
+                    Opts::new("idemflow_consumer_lag_records", "Records between the partition's durable position and its high watermark, for every partition assigned to this worker (from the moment it is assigned); for a RabbitMQ queue (partition -1), this worker's share of its ready messages plus the deliveries it holds unacknowledged (summed over workers: the queue's depth)."),
                     &["pipeline", "topic", "partition"],
                 )
                 .expect("valid metric");

@@ -364,9 +364,10 @@ impl RabbitMqSource {
         }
     }
 
-    /// Sets the lag gauge of each queue to its depth: ready messages (a passive `queue.declare`) plus those
-    /// delivered to this worker and not yet acknowledged. With several workers on a queue, each reports the same
-    /// ready count: take the maximum, not the sum.
+    /// Sets the lag gauge of each queue to this worker's part of its depth: its share of the ready messages (a
+    /// passive `queue.declare` returns them and the number of consumers) plus the deliveries it holds
+    /// unacknowledged. Summed over the workers of a queue, that is the queue's depth (within one message per
+    /// worker, from the integer division).
     async fn refresh_depth(&mut self) {
         if self.depth_refreshed.is_some_and(|at| at.elapsed() < DEPTH_EVERY) {
             return;
@@ -381,7 +382,12 @@ impl RabbitMqSource {
             let passive = QueueDeclareOptions { passive: true, ..QueueDeclareOptions::default() };
             let declared = tokio::time::timeout(DEPTH_TIMEOUT, admin.queue_declare((&**queue).into(), passive, FieldTable::default())).await;
             match declared {
-                Ok(Ok(q)) => self.metrics.lag(queue, NO_PARTITION, i64::from(q.message_count()) + live.unacked[i] as i64),
+                Ok(Ok(q)) => {
+                    // This worker's share of the ready messages, so that the sum over the workers of a queue (as
+                    // the dashboard and the alerts take it) is the queue's depth.
+                    let share = i64::from(q.message_count()) / i64::from(q.consumer_count().max(1));
+                    self.metrics.lag(queue, NO_PARTITION, share + live.unacked[i] as i64)
+                }
                 Ok(Err(e)) => {
                     tracing::debug!(pipeline = %self.pipeline, queue = %queue, error = %e, "reading the queue depth failed");
                     break;
