@@ -1,10 +1,9 @@
--- Sources without stable positions (RabbitMQ queues): a delivery is stored with partition -1 and its delivery tag as
--- "offset" (it numbers deliveries on one channel only, so it identifies nothing after the channel is gone).
--- Dead letters stay unique per position only where a position means something (partition >= 0: Kafka); a poison
--- message from a queue that is redelivered after a crash between COMMIT and its ack gets a second row.
-ALTER TABLE idemflow.dead_letters DROP CONSTRAINT dead_letters_pipeline_topic_partition_offset_key;
-CREATE UNIQUE INDEX dead_letters_position ON idemflow.dead_letters (pipeline, topic, partition, "offset")
-    WHERE partition >= 0;
+-- Sources without stable positions (RabbitMQ queues): a delivery tag numbers deliveries on one channel only, so a
+-- dead letter from a queue is stored with partition -1 and an "offset" drawn from this sequence, which keeps the
+-- unique constraint on (pipeline, topic, partition, "offset") as it is (workers of the previous version, still
+-- running during a rolling upgrade, rely on it). A poison message redelivered after a crash between COMMIT and its
+-- ack therefore gets a second row: a queue gives nothing to recognise it by.
+CREATE SEQUENCE idemflow.queue_dead_letter_seq;
 -- The message properties of a dead letter (RabbitMQ: message_id, correlation_id, exchange, routing_key, ...), as
 -- name/value pairs like the headers.
 ALTER TABLE idemflow.dead_letters

@@ -94,6 +94,16 @@ enum DeadLettersCommand {
 
 use idemflow::terminal::{escape, printable};
 
+/// Where a dead letter came from: `topic/partition@offset`, or `queue NAME` (a queue has no stable position; the
+/// stored "offset" of a queue's dead letter only numbers it).
+fn stored_position(d: &idemflow::sink::dead_letter::Stored) -> String {
+    if d.partition == idemflow::record::NO_PARTITION {
+        format!("queue {}", d.topic)
+    } else {
+        d.record().position.to_string()
+    }
+}
+
 #[derive(clap::Args)]
 struct ExplainArgs {
     /// The settings file.
@@ -253,7 +263,7 @@ async fn dead_letters(cmd: DeadLettersCommand) -> anyhow::Result<()> {
             println!("{:>8}  {:<16} {:<28} {:<22} {:<32} error", "id", "pipeline", "position", "reason", "created_at");
             for d in &rows {
                 let error: String = escape(&d.error).chars().take(100).collect();
-                let position = d.record().position.to_string();
+                let position = stored_position(&d);
                 println!("{:>8}  {:<16} {:<28} {:<22} {:<32} {error}", d.id, d.pipeline, position, d.reason, d.created_at);
             }
             println!("{} dead letter(s)", rows.len());
@@ -263,7 +273,7 @@ async fn dead_letters(cmd: DeadLettersCommand) -> anyhow::Result<()> {
             let Some(d) = dead_letter::get(&mut *conn, id).await? else { bail!("no dead letter with id {id}") };
             println!("id          {}", d.id);
             println!("pipeline    {}", d.pipeline);
-            println!("position    {}", d.record().position);
+            println!("position    {}", stored_position(&d));
             println!("reason      {}", d.reason);
             println!("error       {}", escape(&d.error));
             println!("created_at  {}", d.created_at);

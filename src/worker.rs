@@ -237,6 +237,9 @@ async fn run_pipeline(
             }
         }
     }
+    if let (Ok(()), Some(why)) = (&outcome, source.fatal()) {
+        outcome = Err(PipelineFailure::Source { pipeline: name.clone(), message: why });
+    }
     source.close().await;
     outcome
 }

@@ -92,8 +92,6 @@ pub enum QueueType {
     Quorum,
     /// A classic queue.
     Classic,
-    /// A stream (consumed through AMQP 0-9-1 with a prefetch; idemflow treats it as a queue).
-    Stream,
 }
 
 impl QueueType {
@@ -102,7 +100,6 @@ impl QueueType {
         match self {
             QueueType::Quorum => "quorum",
             QueueType::Classic => "classic",
-            QueueType::Stream => "stream",
         }
     }
 }
@@ -528,6 +525,9 @@ fn validate(raw: RawPipeline, path: &Path, stem: &str, e: &mut Errors<'_>) -> Op
         e.push("sink.time_zone", format!("{:?} is not a time zone name (like \"UTC\" or \"America/New_York\")", time.zone));
     }
     let sink = validate_sink(raw.sink, e);
+    if let (Some(source), Some(sink)) = (&source, &sink) {
+        check_bindings_for_source(source, sink, e);
+    }
     if max_records == 0 {
         e.push("batch.max_records", "must be at least 1");
     }
@@ -609,6 +609,28 @@ fn validate(raw: RawPipeline, path: &Path, stem: &str, e: &mut Errors<'_>) -> Op
         offsets: raw.offsets.store,
         time,
     })
+}
+
+/// Refuses bound values the pipeline's source cannot give: message properties from Kafka; a record key, a partition
+/// or an offset from a queue (a delivery tag is no position).
+fn check_bindings_for_source(source: &SourceSpec, sink: &SinkSpec, e: &mut Errors<'_>) {
+    let (table, bindings) = match sink {
+        SinkSpec::Table { columns, .. } => ("sink.columns", columns),
+        SinkSpec::Sql { params, .. } => ("sink.params", params),
+    };
+    for b in bindings {
+        let why = match (source, &b.source) {
+            (SourceSpec::Kafka(_), ValueSource::Property(_)) => Some("a Kafka record has no message properties"),
+            (SourceSpec::RabbitMq(_), ValueSource::RecordKey) => Some("a RabbitMQ message has no record key"),
+            (SourceSpec::RabbitMq(_), ValueSource::Meta(Meta::Partition | Meta::Offset)) => {
+                Some("a RabbitMQ message has no partition or offset (a delivery tag numbers deliveries on one channel only)")
+            }
+            _ => None,
+        };
+        if let Some(why) = why {
+            e.push(&format!("{table}.{}", b.name), why);
+        }
+    }
 }
 
 fn validate_source(raw: &RawPipeline, name: &str, max_records: usize, e: &mut Errors<'_>) -> Option<SourceSpec> {
@@ -946,6 +968,9 @@ mod tests {
         assert!(e.contains("offsets.store") && e.contains("a RabbitMQ queue has none"), "{e}");
         let e = text("[source]\nkind = \"rabbitmq\"\nqueue = \"q\"\n[dead_letters]\ntopic = \"dlq\"\n");
         assert!(e.contains("dead_letters.topic: is a Kafka topic"), "{e}");
+        let meta = rest.replace("id = \"/id\"", "id = \"/id\"\noffset = { meta = \"offset\" }");
+        let e = load(&format!("[source]\nkind = \"rabbitmq\"\nqueue = \"q\"\n{meta}")).unwrap_err();
+        assert!(e[0].to_string().contains("sink.columns.offset: a RabbitMQ message has no partition or offset"), "{e:?}");
         let e = load(&format!("[source]\nkind = \"rabbitmq\"\nqueue = \"q\"\n{}", rest.replace("message_id = true", "property = \"nope\""))).unwrap_err();
         assert!(e[0].to_string().contains("key.property: \"nope\" is not a message property"), "{e:?}");
     }

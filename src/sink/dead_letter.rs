@@ -11,11 +11,13 @@ const INSERT: &str = r#"
 INSERT INTO idemflow.dead_letters
     (pipeline, topic, partition, "offset", record_key, header_names, header_values, payload, reason, error,
      payload_bytes, payload_sha256, property_names, property_values)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)
-ON CONFLICT (pipeline, topic, partition, "offset") WHERE partition >= 0 DO NOTHING"#;
+VALUES ($1, $2, $3, CASE WHEN $3 < 0 THEN nextval('idemflow.queue_dead_letter_seq') ELSE $4 END, $5, $6, $7, $8, $9, $10,
+        $11, $12, $13, $14)
+ON CONFLICT (pipeline, topic, partition, "offset") DO NOTHING"#;
 
 /// Writes one dead letter. Returns `false` when this position was already dead-lettered (a redelivery; only
-/// sources with stable positions can tell, see migration 0006).
+/// sources with stable positions can tell: a queue's dead letter gets a fresh "offset" from a sequence, see
+/// migration 0006).
 pub async fn write(
     conn: &mut PgConnection,
     pipeline: &str,

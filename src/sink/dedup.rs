@@ -34,10 +34,12 @@ pub struct Existing {
 
 /// Classifies a record against the dedup row of its key (see [`DuplicateReason`]). `delivered_before` is the
 /// broker's own redelivery mark for sources without stable positions ([`crate::record::Record::delivered_before`]):
-/// there a marked delivery is `redelivered`, and positions are never compared (a delivery tag identifies nothing).
+/// there a marked delivery with the applied payload is `redelivered`, and positions are never compared (a delivery
+/// tag identifies nothing). A marked delivery with another payload stays `payload_mismatch`: a reconnect returns
+/// the whole prefetch window marked, so the mark alone must not hide a payload that was never applied.
 pub fn classify(existing: &Existing, position: &Position, delivered_before: Option<bool>, fingerprint: &[u8; 32]) -> DuplicateReason {
     let redelivered = match delivered_before {
-        Some(mark) => mark,
+        Some(mark) => mark && existing.fingerprint == fingerprint,
         None => existing.position == *position,
     };
     if redelivered {
@@ -169,4 +171,26 @@ pub async fn explain(conn: &mut PgConnection, pipeline: &str, key: &crate::key::
     .persistent(crate::db::persistent())
     .fetch_optional(&mut *conn)
     .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn classification_by_position_or_by_the_brokers_mark() {
+        let at = |offset| Position { topic: "t".into(), partition: 0, offset };
+        let existing = Existing { position: at(5), fingerprint: vec![1; 32] };
+        let (same, other) = ([1u8; 32], [2u8; 32]);
+        // Kafka: the position decides a redelivery.
+        assert_eq!(classify(&existing, &at(5), None, &same), DuplicateReason::Redelivered);
+        assert_eq!(classify(&existing, &at(9), None, &same), DuplicateReason::Republished);
+        assert_eq!(classify(&existing, &at(9), None, &other), DuplicateReason::PayloadMismatch);
+        // A queue: the broker's mark, never the delivery tag; a marked delivery with another payload is a mismatch.
+        let queue = |offset| Position { topic: "q".into(), partition: crate::record::NO_PARTITION, offset };
+        let applied = Existing { position: queue(5), fingerprint: vec![1; 32] };
+        assert_eq!(classify(&applied, &queue(5), Some(false), &same), DuplicateReason::Republished);
+        assert_eq!(classify(&applied, &queue(7), Some(true), &same), DuplicateReason::Redelivered);
+        assert_eq!(classify(&applied, &queue(7), Some(true), &other), DuplicateReason::PayloadMismatch);
+    }
 }

@@ -84,6 +84,15 @@ impl Source {
         }
     }
 
+    /// Why the pipeline must stop, when [`Source::next_batch`] returned `None` for a reason other than shutdown
+    /// (a RabbitMQ stream found where a queue was expected).
+    pub fn fatal(&self) -> Option<String> {
+        match self {
+            Source::Kafka(_) => None,
+            Source::RabbitMq(s) => s.fatal().map(str::to_owned),
+        }
+    }
+
     /// Drops from `batch` the records this worker no longer owns (partitions revoked, a lost channel).
     pub fn drop_revoked(&mut self, batch: &mut Vec<Record>) {
         match self {

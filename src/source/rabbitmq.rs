@@ -103,6 +103,8 @@ pub struct RabbitMqSource {
     batch_generation: Option<u64>,
     reconnect: Box<dyn Iterator<Item = Duration> + Send>,
     depth_refreshed: Option<Instant>,
+    /// Set when the pipeline must stop (see [`RabbitMqSource::fatal`]).
+    fatal: Option<String>,
 }
 
 impl RabbitMqSource {
@@ -126,6 +128,7 @@ impl RabbitMqSource {
             batch_generation: None,
             reconnect: Box::new(reconnect_backoff()),
             depth_refreshed: None,
+            fatal: None,
         }
     }
 
@@ -133,22 +136,41 @@ impl RabbitMqSource {
     async fn connect(&mut self) -> Result<(), String> {
         let scrub = |e: &dyn std::fmt::Display| self.settings.url.scrub(&e.to_string());
         let props = ConnectionProperties::default().with_connection_name(format!("idemflow {}", self.pipeline).into());
-        let connection = connect(&self.settings, props).await?;
+        let connection = Arc::new(connect(&self.settings, props).await?);
         let (tx, events) = mpsc::unbounded_channel();
-        let mut channels = Vec::new();
-        let mut forwarders = Vec::new();
+        // Built step by step: if a queue cannot be consumed, dropping `live` stops the consumers already started,
+        // and the connection is closed, so a failed attempt leaves nothing open.
+        let mut live = Live {
+            connection: connection.clone(),
+            channels: Vec::new(),
+            admin: None,
+            events,
+            forwarders: Vec::new(),
+            unacked: vec![0; self.queues.len()],
+        };
+        let failed = |live: Live, why: String| {
+            drop(live);
+            let connection = connection.clone();
+            tokio::spawn(async move {
+                let _ = connection.close(200, "idemflow: consuming failed, retrying".into()).await;
+            });
+            Err(why)
+        };
         for (i, queue) in self.queues.iter().enumerate() {
-            let channel = connection.create_channel().await.map_err(|e| format!("opening a channel: {}", scrub(&e)))?;
-            channel
-                .basic_qos(self.spec.prefetch, BasicQosOptions::default())
-                .await
-                .map_err(|e| format!("setting the prefetch count (basic.qos {}): {}", self.spec.prefetch, scrub(&e)))?;
-            let mut consumer = channel
-                .basic_consume((&**queue).into(), "".into(), BasicConsumeOptions::default(), FieldTable::default())
-                .await
-                .map_err(|e| format!("consuming from queue {queue:?}: {}", scrub(&e)))?;
+            let channel = match connection.create_channel().await {
+                Ok(c) => c,
+                Err(e) => return failed(live, format!("opening a channel: {}", scrub(&e))),
+            };
+            if let Err(e) = channel.basic_qos(self.spec.prefetch, BasicQosOptions::default()).await {
+                return failed(live, format!("setting the prefetch count (basic.qos {}): {}", self.spec.prefetch, scrub(&e)));
+            }
+            let consumed = channel.basic_consume((&**queue).into(), "".into(), BasicConsumeOptions::default(), FieldTable::default()).await;
+            let mut consumer = match consumed {
+                Ok(c) => c,
+                Err(e) => return failed(live, format!("consuming from queue {queue:?}: {}", scrub(&e))),
+            };
             let tx = tx.clone();
-            forwarders.push(tokio::spawn(async move {
+            live.forwarders.push(tokio::spawn(async move {
                 while let Some(delivery) = consumer.next().await {
                     match delivery {
                         Ok(d) => {
@@ -164,10 +186,10 @@ impl RabbitMqSource {
                 }
                 let _ = tx.send(Event::Lost("the broker cancelled the consumer (was the queue deleted?)".to_owned()));
             }));
-            channels.push(channel);
+            live.channels.push(channel);
         }
         self.generation += 1;
-        self.live = Some(Live { connection: Arc::new(connection), channels, admin: None, events, forwarders, unacked: vec![0; self.queues.len()] });
+        self.live = Some(live);
         self.metrics.assigned_partitions(self.queues.len());
         self.metrics.rebalance(RebalanceEvent::Assign);
         tracing::info!(pipeline = %self.pipeline, queues = ?self.spec.queues, prefetch = self.spec.prefetch,
@@ -214,7 +236,22 @@ impl RabbitMqSource {
         self.stash.clear();
     }
 
+    /// Why the pipeline cannot go on, once a delivery showed that a queue is a stream: a stream keeps its messages
+    /// after an ack and does not redeliver what a lost consumer had not acknowledged (its consumers resume at an
+    /// offset they choose), so acknowledging after COMMIT would not protect anything.
+    pub fn fatal(&self) -> Option<&str> {
+        self.fatal.as_deref()
+    }
+
     fn record(&mut self, queue: usize, d: lapin::message::Delivery) -> Record {
+        let stream = d.properties.headers().as_ref().is_some_and(|h| h.inner().contains_key("x-stream-offset"));
+        if stream && self.fatal.is_none() {
+            self.fatal = Some(format!(
+                "queue {:?} is a RabbitMQ stream (its deliveries carry x-stream-offset): a stream does not redeliver what a lost \
+                 consumer had not acknowledged, so the guarantee cannot hold; consume a quorum or classic queue",
+                self.queues[queue]
+            ));
+        }
         if let Some(live) = &mut self.live {
             live.unacked[queue] += 1;
         }
@@ -238,7 +275,7 @@ impl RabbitMqSource {
     /// first delivery; a batch being filled when shutdown comes is returned as it is, to be finished.
     pub async fn next_batch(&mut self, settings: BatchSettings, shutdown: &mut Shutdown) -> Option<Vec<Record>> {
         'connect: loop {
-            if !self.ensure_connected(shutdown).await {
+            if self.fatal.is_some() || !self.ensure_connected(shutdown).await {
                 return None;
             }
             self.refresh_depth().await;
@@ -265,6 +302,9 @@ impl RabbitMqSource {
                 match event {
                     Some(Event::Delivery(queue, d)) => {
                         batch.push(self.record(queue, d));
+                        if self.fatal.is_some() {
+                            return None;
+                        }
                         deadline.get_or_insert_with(|| Instant::now() + settings.max_wait);
                     }
                     other => {
@@ -375,7 +415,7 @@ impl RabbitMqSource {
         self.depth_refreshed = Some(Instant::now());
         let Some(live) = self.live.as_mut() else { return };
         if live.admin.as_ref().is_none_or(|c| !c.status().connected()) {
-            live.admin = live.connection.create_channel().await.ok();
+            live.admin = tokio::time::timeout(DEPTH_TIMEOUT, live.connection.create_channel()).await.ok().and_then(Result::ok);
         }
         let Some(admin) = live.admin.clone() else { return };
         for (i, queue) in self.queues.iter().enumerate() {
@@ -563,6 +603,17 @@ pub async fn check(settings: &RabbitMqSettings, pipeline: &Pipeline) -> Result<V
                 q.message_count(),
                 q.consumer_count()
             ));
+            // A stream accepts an equivalent declare with x-queue-type = stream: refuse it (see `fatal`).
+            let probe = connection.create_channel().await.map_err(|e| format!("opening a channel: {}", scrub(&e)))?;
+            let mut stream = FieldTable::default();
+            stream.insert("x-queue-type".into(), AMQPValue::LongString("stream".into()));
+            let durable = QueueDeclareOptions { durable: true, ..QueueDeclareOptions::default() };
+            if probe.queue_declare(queue.as_str().into(), durable, stream).await.is_ok() {
+                return Err(format!(
+                    "queue {queue:?} is a RabbitMQ stream: a stream does not redeliver what a lost consumer had not \
+                     acknowledged, so the guarantee cannot hold; consume a quorum or classic queue"
+                ));
+            }
             let mut expected = FieldTable::default();
             if let Some(t) = spec.queue_type {
                 expected.insert("x-queue-type".into(), AMQPValue::LongString(t.as_str().into()));
@@ -587,9 +638,11 @@ pub async fn check(settings: &RabbitMqSettings, pipeline: &Pipeline) -> Result<V
                 )),
                 Err(e) => {
                     let text = scrub(&e);
-                    if text.contains("x-queue-type") {
+                    // Only an argument that was asked for is refused: the broker reports the first inequivalent
+                    // argument, which may be one the pipeline does not care about.
+                    if text.contains("'x-queue-type'") && spec.queue_type.is_some() {
                         return Err(format!("queue {queue:?} is not of [source] queue_type = {:?}: {text}", spec.queue_type.map(|t| t.as_str()).unwrap_or_default()));
-                    } else if text.contains("x-single-active-consumer") {
+                    } else if text.contains("'x-single-active-consumer'") && spec.single_active_consumer {
                         return Err(format!(
                             "queue {queue:?} is not declared with x-single-active-consumer = true, which [source] \
                              single_active_consumer = true requires (per-queue order with several workers): {text}"
