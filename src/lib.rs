@@ -19,7 +19,8 @@
 //! - [`key`]: the business key of a record and its SHA-256 digest.
 //! - [`prepare`]: one record through decode, key and parameter extraction, into what the sink needs.
 //! - [`sink`]: the batch transaction: dedup claim, side effect, dead letters; failure classification.
-//! - [`dead_letter_topic`]: the optional Kafka topic that also receives every dead letter.
+//! - [`dead_letter_topic`]: the optional Kafka topic that also receives every dead letter;
+//!   [`dead_letter_exchange`]: the same for RabbitMQ pipelines, an exchange with publisher confirms.
 //! - [`offsets`]: the next offset of each partition after a batch (the only place that adds 1), and the fenced
 //!   positions stored in Postgres with `[offsets] store = "database"`.
 //! - [`retention`]: purging dedup rows older than the pipeline's retention, in bounded batches.
@@ -58,6 +59,7 @@
 
 pub mod bench;
 pub mod config;
+pub mod dead_letter_exchange;
 pub mod dead_letter_topic;
 pub mod db;
 pub mod decode;

@@ -9,12 +9,16 @@ use tracing_subscriber::EnvFilter;
 /// value.)
 const QUOTES_VALUES: [&str; 1] = ["sqlx_postgres::options::parse=error"];
 
+/// The RabbitMQ client (lapin) logs every channel the broker closes at `error`, also the ones the caller expects
+/// (`check`'s equivalence declares), and returns every error to its caller, which logs it with context: off.
+const SAID_BY_THE_CALLER: [&str; 1] = ["lapin=off"];
+
 /// Installs the global subscriber. `RUST_LOG`, when set, overrides `log.level`.
 pub fn init(settings: &LogSettings) {
     let mut filter = EnvFilter::try_from_default_env()
         .or_else(|_| EnvFilter::try_new(&settings.level))
         .unwrap_or_else(|_| EnvFilter::new("info"));
-    for directive in QUOTES_VALUES {
+    for directive in QUOTES_VALUES.into_iter().chain(SAID_BY_THE_CALLER) {
         filter = filter.add_directive(directive.parse().expect("a valid directive"));
     }
     use std::io::IsTerminal;

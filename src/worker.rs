@@ -2,6 +2,7 @@
 //! batch, until shutdown.
 
 use crate::config::{DeadLetterSettings, Pipeline, PipelineError, Settings};
+use crate::dead_letter_exchange::DeadLetterExchange;
 use crate::dead_letter_topic::DeadLetterTopic;
 use crate::metrics::BatchCounts;
 use crate::http::Health;
@@ -196,11 +197,16 @@ async fn run_pipeline(
         shutdown: shutdown.clone(),
     });
     let mut source = Source::new(settings, &r.pipeline, metrics.clone(), stored).map_err(source_error)?;
-    let dead_letter_topic = match &r.pipeline.dead_letters.topic {
-        Some(topic) => Some(DeadLetterTopic::new(&settings.kafka, &name, topic).map_err(|e| {
+    let dl = &r.pipeline.dead_letters;
+    let dead_letter_out = match (&dl.topic, &dl.exchange, &settings.rabbitmq) {
+        (Some(topic), _, _) => Some(DeadLetterOut::Topic(DeadLetterTopic::new(&settings.kafka, &name, topic).map_err(|e| {
             source_error(format!("cannot create the dead-letter topic's producer: {}", crate::source::kafka::describe_kafka_error(&e)))
-        })?),
-        None => None,
+        })?)),
+        (None, Some(exchange), Some(rabbitmq)) => {
+            let routing_key = dl.routing_key.as_deref().unwrap_or(&name);
+            Some(DeadLetterOut::Exchange(DeadLetterExchange::new(rabbitmq, &name, exchange, routing_key)))
+        }
+        _ => None,
     };
     tracing::info!(pipeline = %name, source = r.pipeline.source.kind(), streams = ?r.pipeline.source.streams(), "pipeline started");
     let mut step = Step {
@@ -208,7 +214,7 @@ async fn run_pipeline(
         metrics: &metrics,
         health: &health,
         window: DeadLetterWindow::new(r.pipeline.dead_letters.clone()),
-        dead_letter_topic: dead_letter_topic.as_ref(),
+        dead_letter_out: dead_letter_out.as_ref(),
     };
     let mut outcome = Ok(());
     while let Some(mut batch) = source.next_batch(r.pipeline.batch, &mut shutdown).await {
@@ -296,7 +302,7 @@ struct Step<'a> {
     metrics: &'a PipelineMetrics,
     health: &'a Health,
     window: DeadLetterWindow,
-    dead_letter_topic: Option<&'a DeadLetterTopic>,
+    dead_letter_out: Option<&'a DeadLetterOut>,
 }
 
 impl Step<'_> {
@@ -394,11 +400,11 @@ impl Step<'_> {
             applied = c.applied, duplicates = c.duplicates.iter().sum::<u64>(),
             dead_letters = c.dead_letters.iter().sum::<u64>(), "batch committed"
         );
-        if let (Some(topic), false) = (self.dead_letter_topic, outcome.dead_letters.is_empty()) {
+        if let (Some(out), false) = (self.dead_letter_out, outcome.dead_letters.is_empty()) {
             let mut backoff = retry_backoff();
-            while let Err(e) = topic.publish(batch, &outcome.dead_letters).await {
+            while let Err(e) = out.publish(batch, &outcome.dead_letters).await {
                 let delay = backoff.next().unwrap_or(MAX_RETRY_DELAY);
-                tracing::warn!(error = %e, retry_in = ?delay, "producing to the dead-letter topic failed; offsets wait");
+                tracing::warn!(error = %e, retry_in = ?delay, "publishing dead letters failed; the batch's offset commit or ack waits");
                 let mut keep = batch.clone();
                 if !source.pause_for(delay, &mut keep, shutdown).await {
                     return Ok(false);
@@ -406,6 +412,24 @@ impl Step<'_> {
             }
         }
         Ok(true)
+    }
+}
+
+/// Where dead letters also go besides `idemflow.dead_letters`, before the batch's offsets are committed or its
+/// deliveries acknowledged.
+enum DeadLetterOut {
+    /// A Kafka topic (`[dead_letters] topic`).
+    Topic(DeadLetterTopic),
+    /// A RabbitMQ exchange (`[dead_letters] exchange`).
+    Exchange(DeadLetterExchange),
+}
+
+impl DeadLetterOut {
+    async fn publish(&self, batch: &[Record], dead: &[crate::sink::DeadLettered]) -> Result<(), String> {
+        match self {
+            DeadLetterOut::Topic(t) => t.publish(batch, dead).await.map_err(|e| e.to_string()),
+            DeadLetterOut::Exchange(x) => x.publish(batch, dead).await,
+        }
     }
 }
 

@@ -153,6 +153,17 @@ pub struct RabbitMqSettings {
     /// How long one connection attempt may take before it is retried (default 10 s).
     #[serde(default = "default_connect_timeout", with = "humantime_serde")]
     pub connect_timeout: Duration,
+    /// With `amqps://`: a PEM file of CA certificates to trust for the broker's certificate, for a private CA
+    /// (default: the system's roots only).
+    #[serde(default)]
+    pub tls_ca_file: Option<PathBuf>,
+    /// With `amqps://`: a PEM client certificate (chain) for brokers that require one (`ssl_options.verify =
+    /// verify_peer` with `fail_if_no_peer_cert`); with `tls_key_file`.
+    #[serde(default)]
+    pub tls_cert_file: Option<PathBuf>,
+    /// The client certificate's private key, PEM (PKCS#8, `-----BEGIN PRIVATE KEY-----`).
+    #[serde(default)]
+    pub tls_key_file: Option<PathBuf>,
 }
 
 fn default_heartbeat() -> Duration {

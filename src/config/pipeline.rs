@@ -209,13 +209,18 @@ pub struct DeadLetterSettings {
     /// The guard acts only once the window holds at least this many records (default 100).
     pub min_records: u64,
     /// Also produce every dead letter to this Kafka topic, with provenance headers, before the batch's offsets
-    /// are committed. `None` (the default): the `idemflow.dead_letters` table only.
+    /// are committed. `None` (the default): the `idemflow.dead_letters` table only. Kafka pipelines only.
     pub topic: Option<String>,
+    /// RabbitMQ pipelines: also publish every dead letter to this exchange (with `routing_key`), with publisher
+    /// confirms, before the batch is acknowledged ([`crate::dead_letter_exchange`]).
+    pub exchange: Option<String>,
+    /// The routing key of those publishes (default: the pipeline's name).
+    pub routing_key: Option<String>,
 }
 
 impl Default for DeadLetterSettings {
     fn default() -> Self {
-        DeadLetterSettings { max_ratio: 0.5, window: 1000, min_records: 100, topic: None }
+        DeadLetterSettings { max_ratio: 0.5, window: 1000, min_records: 100, topic: None, exchange: None, routing_key: None }
     }
 }
 
@@ -408,6 +413,8 @@ struct RawDeadLetters {
     window: Option<u64>,
     min_records: Option<u64>,
     topic: Option<String>,
+    exchange: Option<String>,
+    routing_key: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -538,7 +545,17 @@ fn validate(raw: RawPipeline, path: &Path, stem: &str, e: &mut Errors<'_>) -> Op
         window: raw.dead_letters.window.unwrap_or(d.window),
         min_records: raw.dead_letters.min_records.unwrap_or(d.min_records),
         topic: raw.dead_letters.topic,
+        exchange: raw.dead_letters.exchange,
+        routing_key: raw.dead_letters.routing_key,
     };
+    if matches!(source, Some(SourceSpec::Kafka(_))) {
+        if dead_letters.exchange.is_some() {
+            e.push("dead_letters.exchange", "is a RabbitMQ exchange; a Kafka pipeline can also produce its dead letters to dead_letters.topic");
+        }
+    }
+    if dead_letters.routing_key.is_some() && dead_letters.exchange.is_none() {
+        e.push("dead_letters.routing_key", "only applies with dead_letters.exchange");
+    }
     if !(0.0..=1.0).contains(&dead_letters.max_ratio) {
         e.push("dead_letters.max_ratio", format!("{} is not between 0 and 1", dead_letters.max_ratio));
     }
@@ -968,6 +985,9 @@ mod tests {
         assert!(e.contains("offsets.store") && e.contains("a RabbitMQ queue has none"), "{e}");
         let e = text("[source]\nkind = \"rabbitmq\"\nqueue = \"q\"\n[dead_letters]\ntopic = \"dlq\"\n");
         assert!(e.contains("dead_letters.topic: is a Kafka topic"), "{e}");
+        let kafka_dlx = format!("topics = [\"t\"]\n{kafka_rest}[dead_letters]\nexchange = \"x\"\n");
+        let e = load(&kafka_dlx).unwrap_err();
+        assert!(e[0].to_string().contains("dead_letters.exchange: is a RabbitMQ exchange"), "{e:?}");
         let meta = rest.replace("id = \"/id\"", "id = \"/id\"\noffset = { meta = \"offset\" }");
         let e = load(&format!("[source]\nkind = \"rabbitmq\"\nqueue = \"q\"\n{meta}")).unwrap_err();
         assert!(e[0].to_string().contains("sink.columns.offset: a RabbitMQ message has no partition or offset"), "{e:?}");

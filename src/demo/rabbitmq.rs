@@ -29,6 +29,14 @@ impl Throwaway {
     /// Errors: `rabbitmq-server` is not installed (the message says how to install it), or the node did not start
     /// (its output is included).
     pub fn start() -> anyhow::Result<Throwaway> {
+        Self::start_with_config("")
+    }
+
+    /// [`Throwaway::start`] with `rabbitmq.conf` lines (RabbitMQ's new-style configuration), e.g. a TLS listener.
+    /// Files the configuration names must be readable by the `rabbitmq` user.
+    ///
+    /// Errors: as for [`Throwaway::start`].
+    pub fn start_with_config(conf: &str) -> anyhow::Result<Throwaway> {
         if !std::path::Path::new(BIN).join("rabbitmq-server").exists() {
             bail!(
                 "rabbitmq-server is not installed: apt-get update && apt-get install -y --no-install-recommends \
@@ -43,6 +51,7 @@ impl Throwaway {
             }
         }
         let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+        std::fs::write(dir.path().join("rabbitmq.conf"), conf)?;
         let mut node = Throwaway { dir, port, child: None };
         node.start_again()?;
         Ok(node)
@@ -71,6 +80,7 @@ impl Throwaway {
             .arg(format!("RABBITMQ_MNESIA_BASE={}", d.join("mnesia").display()))
             .arg(format!("RABBITMQ_LOG_BASE={}", d.join("log").display()))
             .arg(format!("RABBITMQ_ENABLED_PLUGINS_FILE={}", d.join("enabled_plugins").display()))
+            .arg(format!("RABBITMQ_CONFIG_FILE={}", d.join("rabbitmq.conf").display()))
             .arg(std::path::Path::new(BIN).join(program));
         c
     }
@@ -113,6 +123,11 @@ impl Throwaway {
             let _ = c.wait();
         }
         Ok(())
+    }
+
+    /// Its data directory (where files a configuration names can go).
+    pub fn dir(&self) -> &std::path::Path {
+        self.dir.path()
     }
 
     /// Its AMQP URL: the default vhost, user `guest` (which RabbitMQ admits from localhost only).

@@ -476,12 +476,36 @@ pub async fn connect(settings: &RabbitMqSettings, props: ConnectionProperties) -
     if uri.query.heartbeat.is_none() {
         uri.query.heartbeat = Some(settings.heartbeat.as_secs().min(u64::from(u16::MAX)) as u16);
     }
-    let connecting = Connection::connect_uri(uri, props);
+    let tls = tls_config(settings)?;
+    let runtime = lapin::runtime::default_runtime().map_err(|e| format!("starting the AMQP client: {e}"))?;
+    let connecting = Connection::connect_uri_with_config(uri, props, tls, runtime);
     match tokio::time::timeout(settings.connect_timeout, connecting).await {
         Ok(Ok(c)) => Ok(c),
         Ok(Err(e)) => Err(format!("connecting to {}: {}", settings.url, scrub(&e))),
         Err(_) => Err(format!("connecting to {}: no answer within {:?}", settings.url, settings.connect_timeout)),
     }
+}
+
+/// The TLS settings of `[rabbitmq]`: a private CA (`tls_ca_file`) and a client certificate and key
+/// (`tls_cert_file`, `tls_key_file`), read from their files.
+///
+/// Errors: a file that cannot be read, or a certificate without its key, naming the setting.
+fn tls_config(settings: &RabbitMqSettings) -> Result<lapin::tcp::OwnedTLSConfig, String> {
+    let read = |name: &str, path: &std::path::Path| {
+        std::fs::read(path).map_err(|e| format!("[rabbitmq] {name} = {:?}: cannot read it: {e}", path.display()))
+    };
+    let cert_chain = match &settings.tls_ca_file {
+        Some(path) => Some(String::from_utf8(read("tls_ca_file", path)?).map_err(|_| "[rabbitmq] tls_ca_file: not a PEM file".to_owned())?),
+        None => None,
+    };
+    let identity = match (&settings.tls_cert_file, &settings.tls_key_file) {
+        (Some(cert), Some(key)) => {
+            Some(lapin::tcp::OwnedIdentity::PKCS8 { pem: read("tls_cert_file", cert)?, key: read("tls_key_file", key)? })
+        }
+        (None, None) => None,
+        _ => return Err("[rabbitmq] tls_cert_file and tls_key_file go together".to_owned()),
+    };
+    Ok(lapin::tcp::OwnedTLSConfig { identity, cert_chain })
 }
 
 /// A delivery as a [`Record`]: the queue name, [`NO_PARTITION`] and the delivery tag as its position, the

@@ -408,3 +408,100 @@ async fn check_refuses_what_a_queue_cannot_do() {
     assert!(!status.success() && err.contains("connecting to amqp://guest:***@127.0.0.1:1"), "{out}{err}");
     assert!(!err.contains("s3cret"), "{err}");
 }
+
+/// `[dead_letters] exchange`: each dead letter is also published to the exchange (persistent, mandatory, with
+/// publisher confirms) before the batch is acknowledged, with its body, message-id and provenance headers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_are_published_to_the_dead_letter_exchange() {
+    let url = rabbitmq::shared_url();
+    let (queue, dlx, dlq) = (format!("orders-{}", unique()), format!("dlx-{}", unique()), format!("dlq-{}", unique()));
+    let client = Client::connect(url).await;
+    client.declare(&queue, "quorum", false).await;
+    client.declare_exchange_with_queue(&dlx, &dlq, "poison").await;
+    let db = TestDb::new("CREATE TABLE orders (id text PRIMARY KEY, amount numeric NOT NULL);").await;
+    let pipeline = format!(
+        "[source]\nkind = \"rabbitmq\"\nqueue = \"{queue}\"\n[key]\nmessage_id = true\n[sink]\ntable = \"orders\"\n\
+         [sink.columns]\nid = {{ property = \"message_id\" }}\namount = \"/amount\"\n[dead_letters]\nexchange = \"{dlx}\"\nrouting_key = \"poison\"\n"
+    );
+    let setup = Setup::rabbitmq(&db, url, &[("orders.toml", &pipeline)], "");
+    client.publish(&queue, &[Msg::json("o-1", "{\"amount\": oops"), Msg::json("o-2", "{\"amount\": 2}")]).await;
+    let w = InProc::start(&setup).await;
+    w.wait_received("orders", 2).await;
+    let got = {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Some(m) = client.get(&dlq).await {
+                break m;
+            }
+            assert!(Instant::now() < deadline, "no dead letter at the exchange's queue");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    };
+    let (body, headers, id) = got;
+    assert_eq!(body, b"{\"amount\": oops");
+    assert_eq!(id.as_deref(), Some("o-1"));
+    let header = |k: &str| match headers.inner().get(k) {
+        Some(lapin::types::AMQPValue::LongString(v)) => String::from_utf8_lossy(v.as_bytes()).into_owned(),
+        other => format!("{other:?}"),
+    };
+    assert!(header("x-idemflow-reason").contains("decode_failed"), "{headers:?}");
+    assert!(header("x-idemflow-queue").contains(&queue) && header("x-idemflow-pipeline").contains("orders"), "{headers:?}");
+    assert!(client.get(&dlq).await.is_none(), "one dead letter, once");
+    assert_eq!(db.scalar::<i64>("SELECT count(*) FROM idemflow.dead_letters").await, 1);
+    assert!(w.stop().await.is_empty());
+    assert_eq!(client.ready(&queue).await, 0, "both messages acknowledged");
+}
+
+/// `amqps://` with a private CA (`[rabbitmq] tls_ca_file`): `check` and the worker connect over TLS and apply the
+/// messages; the same broker with another CA configured is refused with the certificate problem.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn amqps_with_a_private_ca() {
+    use std::os::unix::fs::PermissionsExt;
+    let certs = tempfile::tempdir().unwrap();
+    crate::security::certificates(certs.path());
+    std::fs::set_permissions(certs.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    for f in std::fs::read_dir(certs.path()).unwrap() {
+        std::fs::set_permissions(f.unwrap().path(), std::fs::Permissions::from_mode(0o644)).unwrap();
+    }
+    let path = |f: &str| certs.path().join(f).display().to_string();
+    let tls_port = free_port();
+    let conf = format!(
+        "listeners.ssl.default = {tls_port}\nssl_options.cacertfile = {}\nssl_options.certfile = {}\nssl_options.keyfile = {}\n\
+         ssl_options.verify = verify_none\nssl_options.fail_if_no_peer_cert = false\n",
+        path("ca.crt"),
+        path("server.crt"),
+        path("server.key")
+    );
+    let node = Node::start_with_config(&conf).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while std::net::TcpStream::connect(("127.0.0.1", tls_port)).is_err() {
+        assert!(Instant::now() < deadline, "no TLS listener");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let client = Client::connect(&node.url()).await;
+    client.declare("orders", "quorum", false).await;
+    client.publish("orders", &[Msg::json("o-1", "{\"amount\": 1}"), Msg::json("o-2", "{\"amount\": 2}")]).await;
+    let db = TestDb::new("CREATE TABLE orders (id text PRIMARY KEY, amount numeric NOT NULL);").await;
+    let pipeline = "[source]\nkind = \"rabbitmq\"\nqueue = \"orders\"\n[key]\nmessage_id = true\n[sink]\ntable = \"orders\"\n\
+                    [sink.columns]\nid = { property = \"message_id\" }\namount = \"/amount\"\n";
+    let tls_url = format!("amqps://guest:guest@localhost:{tls_port}/%2f");
+    let with_ca = |ca: &str| {
+        let setup = Setup::rabbitmq(&db, &tls_url, &[("orders.toml", pipeline)], "");
+        let text = std::fs::read_to_string(&setup.config).unwrap();
+        std::fs::write(&setup.config, text.replace("connect_timeout = \"3s\"\n", &format!("connect_timeout = \"3s\"\ntls_ca_file = \"{}\"\n", path(ca))))
+            .unwrap();
+        setup
+    };
+    let wrong = with_ca("other-ca.crt");
+    let (status, out, err) = idemflow(&["check", "--config", wrong.config.to_str().unwrap()], wrong.dir.path());
+    assert!(!status.success() && err.contains("connecting to amqps://guest:***@localhost"), "{out}{err}");
+    assert!(err.to_lowercase().contains("certificate") || err.contains("UnknownIssuer"), "the reason is the certificate: {err}");
+    let setup = with_ca("ca.crt");
+    let (status, out, err) = idemflow(&["check", "--config", setup.config.to_str().unwrap()], setup.dir.path());
+    assert!(status.success(), "{out}{err}");
+    let w = InProc::start(&setup).await;
+    w.wait_received("orders", 2).await;
+    assert_eq!(db.scalar::<String>("SELECT string_agg(id || '=' || amount, ',' ORDER BY id) FROM orders").await, "o-1=1,o-2=2");
+    assert!(w.stop().await.is_empty());
+    drop(node);
+}

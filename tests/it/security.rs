@@ -111,13 +111,13 @@ async fn passwords_are_never_printed() {
 }
 
 /// Runs `openssl args...` in `dir`.
-fn openssl(dir: &std::path::Path, args: &[&str]) {
+pub(crate) fn openssl(dir: &std::path::Path, args: &[&str]) {
     let out = Command::new("openssl").args(args).current_dir(dir).output().expect("openssl (Debian package openssl)");
     assert!(out.status.success(), "openssl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
 }
 
 /// A CA, a server certificate for `localhost` only signed by it, and an unrelated CA, in `dir`.
-fn certificates(dir: &std::path::Path) {
+pub(crate) fn certificates(dir: &std::path::Path) {
     let days = ["-days", "2"];
     for ca in ["ca", "other-ca"] {
         let (key, crt, subj) = (format!("{ca}.key"), format!("{ca}.crt"), format!("/CN=idemflow test {ca}"));

@@ -85,6 +85,30 @@ impl Client {
         let _ = ch.close(200, "done".into()).await;
     }
 
+    /// Declares a direct exchange and a durable classic queue bound to it with `routing_key`.
+    pub async fn declare_exchange_with_queue(&self, exchange: &str, queue: &str, routing_key: &str) {
+        use lapin::options::{ExchangeDeclareOptions, QueueBindOptions};
+        let ch = self.connection.create_channel().await.unwrap();
+        let durable = ExchangeDeclareOptions { durable: true, ..Default::default() };
+        ch.exchange_declare(exchange.into(), lapin::ExchangeKind::Direct, durable, FieldTable::default()).await.unwrap();
+        ch.queue_declare(queue.into(), QueueDeclareOptions { durable: true, ..Default::default() }, FieldTable::default()).await.unwrap();
+        ch.queue_bind(queue.into(), exchange.into(), routing_key.into(), QueueBindOptions::default(), FieldTable::default()).await.unwrap();
+        let _ = ch.close(200, "done".into()).await;
+    }
+
+    /// Takes one message from `queue` (`basic.get`, acknowledged): its body, headers and message-id.
+    pub async fn get(&self, queue: &str) -> Option<(Vec<u8>, FieldTable, Option<String>)> {
+        use lapin::options::BasicGetOptions;
+        let ch = self.connection.create_channel().await.unwrap();
+        let got = ch.basic_get(queue.into(), BasicGetOptions { no_ack: true }).await.unwrap();
+        let _ = ch.close(200, "done".into()).await;
+        got.map(|m| {
+            let d = m.delivery;
+            let id = d.properties.message_id().as_ref().map(|s| s.as_str().to_owned());
+            (d.data, d.properties.headers().clone().unwrap_or_default(), id)
+        })
+    }
+
     /// Messages ready in `queue` (not counting those delivered and unacknowledged).
     pub async fn ready(&self, queue: &str) -> u32 {
         let ch = self.connection.create_channel().await.unwrap();
