@@ -439,16 +439,35 @@ async fn copy_ceiling(url: &str, s: &Stream, total: usize) -> anyhow::Result<Run
 }
 
 /// Run (5): consume the whole topic, decode and extract each key; no database.
-async fn consume_only(kafka: &EmbeddedKafka, url: &str, total: usize) -> anyhow::Result<RunResult> {
+/// The pipeline `text` and its record preparation, checked against the database at `url` as the worker would.
+async fn preparer(url: &str, text: &str) -> anyhow::Result<(crate::config::Pipeline, crate::prepare::Preparer)> {
     let dir = tempfile::Builder::new().prefix("idemflow-bench-").tempdir()?;
     let file = dir.path().join("orders.toml");
-    std::fs::write(&file, table_pipeline(None))?;
+    std::fs::write(&file, text)?;
     let pipeline = crate::config::pipeline::load_file(&file).map_err(|e| anyhow::anyhow!("{e:?}"))?;
     let pool = sqlx::postgres::PgPoolOptions::new().max_connections(1).connect(url).await?;
     let ready = crate::worker::prepare(&pool, std::slice::from_ref(&pipeline)).await.map_err(|e| anyhow::anyhow!("{e:?}"))?;
-    let preparer = ready[0].preparer.clone();
-    let max_payload_bytes = pipeline.decoder.max_payload_bytes();
     pool.close().await;
+    Ok((pipeline, ready[0].preparer.clone()))
+}
+
+/// A consume-only run's figures: `n` records since `t0`.
+fn ceiling_result(name: &str, n: usize, t0: Option<Instant>, note: String) -> RunResult {
+    let secs = t0.map_or(0.0, |t| t.elapsed().as_secs_f64()).max(1e-9);
+    RunResult {
+        id: "(5)".into(),
+        name: name.into(),
+        records: n as u64,
+        seconds: secs,
+        records_per_second: n as f64 / secs,
+        note,
+        ..RunResult::default()
+    }
+}
+
+async fn consume_only(kafka: &EmbeddedKafka, url: &str, total: usize) -> anyhow::Result<RunResult> {
+    let (pipeline, preparer) = preparer(url, &table_pipeline(None)).await?;
+    let max_payload_bytes = pipeline.decoder.max_payload_bytes();
     let bootstrap = kafka.bootstrap_servers().to_owned();
     tokio::task::spawn_blocking(move || -> anyhow::Result<RunResult> {
         let consumer: BaseConsumer = ClientConfig::new()
@@ -480,16 +499,8 @@ async fn consume_only(kafka: &EmbeddedKafka, url: &str, total: usize) -> anyhow:
                 None => {}
             }
         }
-        let secs = t0.map_or(0.0, |t| t.elapsed().as_secs_f64()).max(1e-9);
-        Ok(RunResult {
-            id: "(5)".into(),
-            name: "ceiling: consume-only pass (decode and key extraction, no database)".into(),
-            records: n as u64,
-            seconds: secs,
-            records_per_second: n as f64 / secs,
-            note: format!("{applied} records prepared for applying"),
-            ..RunResult::default()
-        })
+        let name = "ceiling: consume-only pass (decode and key extraction, no database)";
+        Ok(ceiling_result(name, n, t0, format!("{applied} records prepared for applying")))
     })
     .await?
 }
@@ -700,14 +711,7 @@ async fn run_rabbitmq(o: &BenchOptions, admin_url: &str) -> anyhow::Result<Repor
 async fn consume_only_rabbitmq(amqp: &str, queue: &str, url: &str, pipeline_text: &str, total: usize) -> anyhow::Result<RunResult> {
     use futures_util::StreamExt;
     use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
-    let dir = tempfile::Builder::new().prefix("idemflow-bench-").tempdir()?;
-    let file = dir.path().join("orders.toml");
-    std::fs::write(&file, pipeline_text)?;
-    let pipeline = crate::config::pipeline::load_file(&file).map_err(|e| anyhow::anyhow!("{e:?}"))?;
-    let pool = sqlx::postgres::PgPoolOptions::new().max_connections(1).connect(url).await?;
-    let ready = crate::worker::prepare(&pool, std::slice::from_ref(&pipeline)).await.map_err(|e| anyhow::anyhow!("{e:?}"))?;
-    let preparer = ready[0].preparer.clone();
-    pool.close().await;
+    let (pipeline, preparer) = preparer(url, pipeline_text).await?;
     let prefetch = match &pipeline.source {
         crate::config::SourceSpec::RabbitMq(r) => r.prefetch,
         crate::config::SourceSpec::Kafka(_) => bail!("(5): not a RabbitMQ pipeline"),
@@ -737,17 +741,14 @@ async fn consume_only_rabbitmq(amqp: &str, queue: &str, url: &str, pipeline_text
             channel.basic_ack(tag, BasicAckOptions { multiple: true }).await?;
         }
     }
-    let secs = t0.map_or(0.0, |t| t.elapsed().as_secs_f64()).max(1e-9);
+    let result = ceiling_result(
+        "ceiling: consume-only pass from a RabbitMQ quorum queue (decode and key extraction, acks, no database)",
+        n,
+        t0,
+        format!("{applied} records prepared for applying; prefetch {prefetch}"),
+    );
     let _ = connection.close(200, "done".into()).await;
-    Ok(RunResult {
-        id: "(5)".into(),
-        name: "ceiling: consume-only pass from a RabbitMQ quorum queue (decode and key extraction, acks, no database)".into(),
-        records: n as u64,
-        seconds: secs,
-        records_per_second: n as f64 / secs,
-        note: format!("{applied} records prepared for applying; prefetch {prefetch}"),
-        ..RunResult::default()
-    })
+    Ok(result)
 }
 
 fn opt(v: Option<f64>, digits: usize) -> String {

@@ -85,30 +85,20 @@ impl Setup {
 
     /// [`Setup::with`] for a Kafka at `bootstrap` (another implementation than the mock cluster).
     pub fn with_bootstrap(db: &TestDb, bootstrap: &str, pipelines: &[(&str, &str)], properties: &str, extra: &str) -> Setup {
-        let dir = tempfile::tempdir().unwrap();
-        std::fs::create_dir(dir.path().join("pipelines")).unwrap();
-        for (name, text) in pipelines {
-            std::fs::write(dir.path().join("pipelines").join(name), text).unwrap();
-        }
-        let metrics = SocketAddr::from(([127, 0, 0, 1], free_port()));
-        let config = dir.path().join("idemflow.toml");
-        std::fs::write(
-            &config,
-            format!(
-                "[database]\nurl = \"{}\"\nmax_connections = 4\nacquire_timeout = \"2s\"\n[kafka]\nbootstrap_servers = \"{}\"\n\
-                 [kafka.properties]{}\n[metrics]\nlisten = \"{metrics}\"\n[log]\nlevel = \"info\"\n\
-                 [shutdown]\ntimeout = \"20s\"\n{extra}\n",
-                db.url,
-                bootstrap,
-                merge_properties(TEST_KAFKA_PROPERTIES, properties),
-            ),
-        )
-        .unwrap();
-        Setup { dir, config, metrics }
+        let kafka = format!(
+            "[kafka]\nbootstrap_servers = \"{bootstrap}\"\n[kafka.properties]{}\n",
+            merge_properties(TEST_KAFKA_PROPERTIES, properties)
+        );
+        Self::write(db, &kafka, pipelines, extra)
     }
 
     /// Settings for RabbitMQ pipelines only: `[rabbitmq]` for `url`, no `[kafka]` section at all.
     pub fn rabbitmq(db: &TestDb, url: &str, pipelines: &[(&str, &str)], extra: &str) -> Setup {
+        Self::write(db, &rabbitmq::settings(url), pipelines, extra)
+    }
+
+    /// Writes the pipelines and `idemflow.toml` with the broker's section (`broker`) and more settings (`extra`).
+    fn write(db: &TestDb, broker: &str, pipelines: &[(&str, &str)], extra: &str) -> Setup {
         let dir = tempfile::tempdir().unwrap();
         std::fs::create_dir(dir.path().join("pipelines")).unwrap();
         for (name, text) in pipelines {
@@ -119,10 +109,9 @@ impl Setup {
         std::fs::write(
             &config,
             format!(
-                "[database]\nurl = \"{}\"\nmax_connections = 4\nacquire_timeout = \"2s\"\n{}\
+                "[database]\nurl = \"{}\"\nmax_connections = 4\nacquire_timeout = \"2s\"\n{broker}\
                  [metrics]\nlisten = \"{metrics}\"\n[log]\nlevel = \"info\"\n[shutdown]\ntimeout = \"20s\"\n{extra}\n",
                 db.url,
-                rabbitmq::settings(url),
             ),
         )
         .unwrap();
