@@ -421,9 +421,10 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<bool> {
             event = Some(if rabbit { "worker B stopped".to_owned() } else { "worker B left the consumer group: rebalance".to_owned() });
         }
         progress.update(consumed, applied, duplicates, event.as_deref());
+        // Distinct payloads: a queue records a poison message redelivered after the crash a second time.
         let done: (i64, i64) = sqlx::query_as(
             "SELECT (SELECT count(*) FROM idemflow.dedup WHERE pipeline = 'payments'), \
-                    (SELECT count(*) FROM idemflow.dead_letters WHERE pipeline = 'payments')",
+                    (SELECT count(DISTINCT payload) FROM idemflow.dead_letters WHERE pipeline = 'payments')",
         )
         .fetch_one(&pool)
         .await?;
@@ -444,10 +445,12 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<bool> {
 
     // The summary, from the metrics and the business tables.
     let expected = money(s.expected_cents);
-    let (rows, distinct_rows, deducted, total_ok): (i64, i64, String, bool) = sqlx::query_as(
-        "WITH d AS (SELECT $1::numeric * $2 / 100 - sum(balance) AS deducted FROM accounts) \
+    let (rows, distinct_rows, deducted, as_published, applied_sum, each_once): (i64, i64, String, bool, String, bool) = sqlx::query_as(
+        "WITH d AS (SELECT $1::numeric * $2 / 100 - sum(balance) AS deducted FROM accounts), \
+              p AS (SELECT coalesce(sum(amount), 0) AS applied FROM payments) \
          SELECT (SELECT count(*) FROM payments), (SELECT count(DISTINCT order_id) FROM payments), \
-                d.deducted::numeric(20,2)::text, d.deducted = $3::numeric FROM d",
+                d.deducted::numeric(20,2)::text, d.deducted = $3::numeric, p.applied::numeric(20,2)::text, \
+                d.deducted = p.applied FROM d, p",
     )
     .bind(OPENING_BALANCE_CENTS)
     .bind(ACCOUNTS as i64)
@@ -474,7 +477,22 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<bool> {
     let rows_ok = rows == s.distinct as i64 && distinct_rows == rows;
     println!();
     println!("  check: business rows {rows} == distinct operations {}: {}", s.distinct, if rows_ok { "ok" } else { "FAILED" });
-    println!("  check: total deducted {deducted} == expected {expected}: {}", if total_ok { "ok" } else { "FAILED" });
+    // Kafka keeps each partition's order, so every order id is applied with its first-published amount. Competing
+    // consumers on a queue do not keep order: a reused order id may be applied before its original (the original is
+    // then the payload_mismatch). Exactly once holds either way: each applied payment is deducted once.
+    let total_ok = if rabbit {
+        println!("  check: total deducted {deducted} == sum of the applied payments {applied_sum}: {}", if each_once { "ok" } else { "FAILED" });
+        if !as_published {
+            println!(
+                "  note: the first-published amounts total {expected}: some reused order ids were applied before their \
+                 originals (competing consumers on a queue do not keep order; see README, RabbitMQ)"
+            );
+        }
+        each_once
+    } else {
+        println!("  check: total deducted {deducted} == expected {expected}: {}", if as_published && each_once { "ok" } else { "FAILED" });
+        as_published && each_once
+    };
     // How the counts reconcile with what was injected: every consumed record is counted exactly once as applied,
     // skipped or dead-lettered; a record consumed again after the crash or a rebalance is a `redelivered` skip.
     let count = |name: &str, reason: Option<&str>| counter(&metrics, name, reason);
