@@ -505,3 +505,23 @@ async fn amqps_with_a_private_ca() {
     assert!(w.stop().await.is_empty());
     drop(node);
 }
+
+/// A worker that receives deliveries from a RabbitMQ stream (which `check` would have refused) stops the pipeline
+/// with the reason instead of acknowledging: a stream does not redeliver what a lost consumer had not acknowledged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_stops_the_pipeline_with_the_reason() {
+    let url = rabbitmq::shared_url();
+    let stream = format!("stream-{}", unique());
+    let client = Client::connect(url).await;
+    client.declare(&stream, "stream", false).await;
+    let db = payments_db(None).await;
+    let setup = Setup::rabbitmq(&db, url, &[("payments.toml", &example(&stream))], "");
+    let w = InProc::start(&setup).await;
+    // A stream consumer starts at the next message: publish once it is consuming.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    client.publish(&stream, &messages(&payments(10, 1, false))).await;
+    let failures = tokio::time::timeout(Duration::from_secs(30), w.stop_when_pipelines_end()).await.expect("the pipeline stops");
+    assert_eq!(failures.len(), 1);
+    assert!(failures[0].to_string().contains("is a RabbitMQ stream"), "{}", failures[0]);
+    assert_eq!(db.scalar::<i64>("SELECT count(*) FROM payments").await, 0, "nothing applied from a stream");
+}
