@@ -525,3 +525,44 @@ async fn a_stream_stops_the_pipeline_with_the_reason() {
     assert!(failures[0].to_string().contains("is a RabbitMQ stream"), "{}", failures[0]);
     assert_eq!(db.scalar::<i64>("SELECT count(*) FROM payments").await, 0, "nothing applied from a stream");
 }
+
+/// A dead-letter exchange that routes nowhere (no queue bound for the routing key): the worker retries and the
+/// batch stays unacknowledged (nothing is acked past a dead letter that went nowhere); once a queue is bound, the
+/// dead letter arrives and the batch is acknowledged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unroutable_dead_letter_exchange_holds_the_ack_until_it_routes() {
+    let url = rabbitmq::shared_url();
+    let (queue, dlx, dlq) = (format!("orders-{}", unique()), format!("dlx-{}", unique()), format!("dlq-{}", unique()));
+    let client = Client::connect(url).await;
+    client.declare(&queue, "quorum", false).await;
+    client.declare_exchange_with_queue(&dlx, &dlq, "elsewhere").await;
+    let db = TestDb::new("CREATE TABLE orders (id text PRIMARY KEY, amount numeric NOT NULL);").await;
+    let pipeline = format!(
+        "[source]\nkind = \"rabbitmq\"\nqueue = \"{queue}\"\n[key]\nmessage_id = true\n[sink]\ntable = \"orders\"\n\
+         [sink.columns]\nid = {{ property = \"message_id\" }}\namount = \"/amount\"\n[dead_letters]\nexchange = \"{dlx}\"\nrouting_key = \"poison\"\n"
+    );
+    let setup = Setup::rabbitmq(&db, url, &[("orders.toml", &pipeline)], "");
+    client.publish(&queue, &[Msg::json("o-1", "{\"amount\": oops"), Msg::json("o-2", "{\"amount\": 2}")]).await;
+    let mut w = BinWorker::start(&setup);
+    wait_until(Duration::from_secs(30), "the publish to be retried", || async { w.log_text().contains("routed no queue") }).await;
+    // The batch committed (its dead letter is in the table) but is not acknowledged: stopping the worker returns it.
+    assert_eq!(db.scalar::<i64>("SELECT count(*) FROM idemflow.dead_letters").await, 1);
+    assert!(client.get(&dlq).await.is_none());
+    w.kill();
+    wait_until(Duration::from_secs(10), "the unacknowledged batch back in the queue", || async { client.ready(&queue).await == 2 }).await;
+    client.bind(&dlx, &dlq, "poison").await;
+    let mut w = BinWorker::start(&setup);
+    wait_until(Duration::from_secs(30), "the queue to be drained", || async { client.ready(&queue).await == 0 }).await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let (body, _, id) = loop {
+        if let Some(m) = client.get(&dlq).await {
+            break m;
+        }
+        assert!(Instant::now() < deadline, "no dead letter arrived once the exchange routes:\n{}", w.log_text());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!((body.as_slice(), id.as_deref()), (&b"{\"amount\": oops"[..], Some("o-1")));
+    assert!(w.sigterm().success(), "{}", w.log_text());
+    assert_eq!(client.ready(&queue).await, 0, "acknowledged once the dead letter was confirmed");
+    assert_eq!(db.scalar::<i64>("SELECT count(*) FROM orders").await, 1);
+}

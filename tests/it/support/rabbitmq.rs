@@ -96,6 +96,15 @@ impl Client {
         let _ = ch.close(200, "done".into()).await;
     }
 
+    /// Binds `queue` (declared, durable, classic) to `exchange` with `routing_key`.
+    pub async fn bind(&self, exchange: &str, queue: &str, routing_key: &str) {
+        use lapin::options::QueueBindOptions;
+        let ch = self.connection.create_channel().await.unwrap();
+        ch.queue_declare(queue.into(), QueueDeclareOptions { durable: true, ..Default::default() }, FieldTable::default()).await.unwrap();
+        ch.queue_bind(queue.into(), exchange.into(), routing_key.into(), QueueBindOptions::default(), FieldTable::default()).await.unwrap();
+        let _ = ch.close(200, "done".into()).await;
+    }
+
     /// Takes one message from `queue` (`basic.get`, acknowledged): its body, headers and message-id.
     pub async fn get(&self, queue: &str) -> Option<(Vec<u8>, FieldTable, Option<String>)> {
         use lapin::options::BasicGetOptions;
