@@ -663,14 +663,8 @@ async fn run_rabbitmq(o: &BenchOptions, admin_url: &str) -> anyhow::Result<Repor
         eprintln!("{k}: {v}");
     }
     let s = stream(o.records, 1);
-    let messages: Vec<(String, Vec<u8>)> = s
-        .records
-        .iter()
-        .map(|(_, body)| {
-            let id = serde_json::from_slice::<serde_json::Value>(body).ok().and_then(|v| v["order"]["id"].as_str().map(str::to_owned));
-            (id.unwrap_or_default(), body.clone())
-        })
-        .collect();
+    let messages: Vec<(String, Vec<u8>)> =
+        s.records.iter().enumerate().map(|(i, (_, body))| (crate::demo::message_id(i, body), body.clone())).collect();
     let want = |n: u8| o.only.is_empty() || o.only.contains(&n);
     let runs_wanted: Vec<u8> = [1u8, 5].into_iter().filter(|n| want(*n)).collect();
     for n in &runs_wanted {

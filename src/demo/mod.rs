@@ -79,7 +79,7 @@ enum Broker {
 }
 
 /// The message-id a payment is published with: its order id (a retry keeps it); a poison message gets its own.
-fn message_id(index: usize, body: &[u8]) -> String {
+pub(crate) fn message_id(index: usize, body: &[u8]) -> String {
     serde_json::from_slice::<serde_json::Value>(body)
         .ok()
         .and_then(|v| v["order"]["id"].as_str().map(str::to_owned))
@@ -400,11 +400,8 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<bool> {
         if !crashed && a.handle.is_finished() {
             crashed = true;
             a = start_worker(&settings, &ready, &metrics, &health, Faults::default());
-            event = Some(if rabbit {
-                "worker A stopped abruptly after a database commit, before its acknowledgement; restarted".to_owned()
-            } else {
-                "worker A stopped abruptly after a database commit, before its offset commit; restarted".to_owned()
-            });
+            let durable_at = if rabbit { "acknowledgement" } else { "offset commit" };
+            event = Some(format!("worker A stopped abruptly after a database commit, before its {durable_at}; restarted"));
         } else if crashed && !joined && consumed >= total * 2 / 5 {
             joined = true;
             b = Some(start_worker(&settings, &ready, &metrics, &health, Faults::default()));

@@ -78,6 +78,18 @@ struct Live {
     unacked: Vec<u64>,
 }
 
+impl Live {
+    /// Stops the consumers and closes the connection in the background (the broker requeues what was not
+    /// acknowledged); `code` and `why` go to the broker as the close reply.
+    fn close_in_background(self, code: u16, why: &'static str) {
+        let connection = self.connection.clone();
+        drop(self);
+        tokio::spawn(async move {
+            let _ = connection.close(code, why.into()).await;
+        });
+    }
+}
+
 impl Drop for Live {
     fn drop(&mut self) {
         for f in &self.forwarders {
@@ -149,11 +161,7 @@ impl RabbitMqSource {
             unacked: vec![0; self.queues.len()],
         };
         let failed = |live: Live, why: String| {
-            drop(live);
-            let connection = connection.clone();
-            tokio::spawn(async move {
-                let _ = connection.close(200, "idemflow: consuming failed, retrying".into()).await;
-            });
+            live.close_in_background(200, "idemflow: consuming failed, retrying");
             Err(why)
         };
         for (i, queue) in self.queues.iter().enumerate() {
@@ -227,11 +235,7 @@ impl RabbitMqSource {
                 "RabbitMQ consumer lost: the broker requeues the unacknowledged deliveries; reconnecting");
             self.metrics.rebalance(RebalanceEvent::Revoke);
             self.metrics.assigned_partitions(0);
-            let connection = live.connection.clone();
-            drop(live);
-            tokio::spawn(async move {
-                let _ = connection.close(320, "idemflow: consumer lost, reconnecting".into()).await;
-            });
+            live.close_in_background(320, "idemflow: consumer lost, reconnecting");
         }
         self.stash.clear();
     }
@@ -592,6 +596,16 @@ fn header_value(v: &AMQPValue) -> Option<Vec<u8>> {
     })
 }
 
+/// Declares the existing durable `queue` again with `arguments`, on a channel of its own. RabbitMQ has no AMQP
+/// request that reads a queue's arguments: such a declare succeeds only if they are equivalent ("inequivalent arg"
+/// otherwise, which closes the channel), and never changes an existing queue. The outer error is a channel that
+/// could not be opened; the inner one the broker's answer.
+async fn redeclare(connection: &Connection, queue: &str, arguments: FieldTable) -> Result<lapin::Result<lapin::Queue>, String> {
+    let channel = connection.create_channel().await.map_err(|e| format!("opening a channel: {e}"))?;
+    let durable = QueueDeclareOptions { durable: true, ..QueueDeclareOptions::default() };
+    Ok(channel.queue_declare(queue.into(), durable, arguments).await)
+}
+
 /// What `idemflow check` reports about a RabbitMQ pipeline: it connects, checks every queue exists, and verifies
 /// the queue type and single active consumer the pipeline asks for. Returns lines to print (`warning: ...` for what
 /// could not be verified).
@@ -628,11 +642,9 @@ pub async fn check(settings: &RabbitMqSettings, pipeline: &Pipeline) -> Result<V
                 q.consumer_count()
             ));
             // A stream accepts an equivalent declare with x-queue-type = stream: refuse it (see `fatal`).
-            let probe = connection.create_channel().await.map_err(|e| format!("opening a channel: {}", scrub(&e)))?;
             let mut stream = FieldTable::default();
             stream.insert("x-queue-type".into(), AMQPValue::LongString("stream".into()));
-            let durable = QueueDeclareOptions { durable: true, ..QueueDeclareOptions::default() };
-            if probe.queue_declare(queue.as_str().into(), durable, stream).await.is_ok() {
+            if redeclare(&connection, queue, stream).await.map_err(|e| scrub(&e))?.is_ok() {
                 return Err(format!(
                     "queue {queue:?} is a RabbitMQ stream: a stream does not redeliver what a lost consumer had not \
                      acknowledged, so the guarantee cannot hold; consume a quorum or classic queue"
@@ -648,12 +660,7 @@ pub async fn check(settings: &RabbitMqSettings, pipeline: &Pipeline) -> Result<V
             if expected.inner().is_empty() {
                 continue;
             }
-            // RabbitMQ has no AMQP request that reads a queue's arguments: declaring the queue again with the
-            // expected ones succeeds only if they are equivalent ("inequivalent arg" otherwise, which closes the
-            // channel), and never changes an existing queue.
-            let channel = connection.create_channel().await.map_err(|e| format!("opening a channel: {}", scrub(&e)))?;
-            let durable = QueueDeclareOptions { durable: true, ..QueueDeclareOptions::default() };
-            match channel.queue_declare(queue.as_str().into(), durable, expected).await {
+            match redeclare(&connection, queue, expected).await.map_err(|e| scrub(&e))? {
                 Ok(_) => lines.push(format!(
                     "pipeline {:?}: queue {queue:?}: {}{} as configured",
                     pipeline.name,

@@ -41,6 +41,54 @@ async fn assert_exactly_once_from_a_queue(db: &TestDb, s: &Payments) {
     assert_eq!(db.scalar::<i64>("SELECT count(DISTINCT payload) FROM idemflow.dead_letters").await, s.poison as i64);
 }
 
+/// The business table of the small `orders` pipelines.
+const ORDERS_TABLE: &str = "CREATE TABLE orders (id text PRIMARY KEY, amount numeric NOT NULL);";
+
+/// A table-form pipeline on `queue` keyed by message-id, writing `orders`, with more TOML (`extra`) at the end.
+fn orders_pipeline(queue: &str, extra: &str) -> String {
+    format!(
+        "[source]\nkind = \"rabbitmq\"\nqueue = \"{queue}\"\n[key]\nmessage_id = true\n[sink]\ntable = \"orders\"\n\
+         [sink.columns]\nid = {{ property = \"message_id\" }}\namount = \"/amount\"\n{extra}"
+    )
+}
+
+/// The dead-letter exchange cases: a queue, an exchange `dlx` whose queue `dlq` is bound with `bound_key`, and an
+/// `orders` pipeline publishing its dead letters to `dlx` with routing key `poison`; a poison message and a good
+/// one published.
+struct DeadLetterExchangeCase {
+    client: Client,
+    queue: String,
+    dlx: String,
+    dlq: String,
+    db: TestDb,
+    setup: Setup,
+}
+
+async fn dead_letter_exchange_case(bound_key: &str) -> DeadLetterExchangeCase {
+    let url = rabbitmq::shared_url();
+    let (queue, dlx, dlq) = (format!("orders-{}", unique()), format!("dlx-{}", unique()), format!("dlq-{}", unique()));
+    let client = Client::connect(url).await;
+    client.declare(&queue, "quorum", false).await;
+    client.declare_exchange_with_queue(&dlx, &dlq, bound_key).await;
+    let db = TestDb::new(ORDERS_TABLE).await;
+    let pipeline = orders_pipeline(&queue, &format!("[dead_letters]\nexchange = \"{dlx}\"\nrouting_key = \"poison\"\n"));
+    let setup = Setup::rabbitmq(&db, url, &[("orders.toml", &pipeline)], "");
+    client.publish(&queue, &[Msg::json("o-1", "{\"amount\": oops"), Msg::json("o-2", "{\"amount\": 2}")]).await;
+    DeadLetterExchangeCase { client, queue, dlx, dlq, db, setup }
+}
+
+/// Waits (at most 10 s) for a message at `dlq` and returns it; `log` says what the worker did if none comes.
+async fn next_dead_letter(client: &Client, dlq: &str, log: impl Fn() -> String) -> (Vec<u8>, lapin::types::FieldTable, Option<String>) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Some(m) = client.get(dlq).await {
+            return m;
+        }
+        assert!(Instant::now() < deadline, "no dead letter at the exchange's queue:\n{}", log());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 fn dup(m: &str, reason: &str) -> f64 {
     metric(m, "idemflow_duplicates_skipped_total", &[("pipeline", "payments"), ("reason", reason)])
 }
@@ -328,11 +376,8 @@ async fn shared_cases_on_a_queue() {
     let queue = format!("cases-{}", unique());
     let client = Client::connect(url).await;
     client.declare(&queue, "classic", false).await;
-    let db = TestDb::new("CREATE TABLE orders (id text PRIMARY KEY, amount numeric NOT NULL);").await;
-    let pipeline = format!(
-        "max_payload_bytes = 4096\n[source]\nkind = \"rabbitmq\"\nqueue = \"{queue}\"\n[key]\nmessage_id = true\n\
-         [sink]\ntable = \"orders\"\n[sink.columns]\nid = {{ property = \"message_id\" }}\namount = \"/amount\"\n"
-    );
+    let db = TestDb::new(ORDERS_TABLE).await;
+    let pipeline = format!("max_payload_bytes = 4096\n{}", orders_pipeline(&queue, ""));
     let setup = Setup::rabbitmq(&db, url, &[("orders.toml", &pipeline)], "");
     let huge = format!("{{\"amount\": 1, \"pad\": \"{}\"}}", "x".repeat(10_000));
     let huge_len = huge.len() as i64;
@@ -413,31 +458,10 @@ async fn check_refuses_what_a_queue_cannot_do() {
 /// publisher confirms) before the batch is acknowledged, with its body, message-id and provenance headers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dead_letters_are_published_to_the_dead_letter_exchange() {
-    let url = rabbitmq::shared_url();
-    let (queue, dlx, dlq) = (format!("orders-{}", unique()), format!("dlx-{}", unique()), format!("dlq-{}", unique()));
-    let client = Client::connect(url).await;
-    client.declare(&queue, "quorum", false).await;
-    client.declare_exchange_with_queue(&dlx, &dlq, "poison").await;
-    let db = TestDb::new("CREATE TABLE orders (id text PRIMARY KEY, amount numeric NOT NULL);").await;
-    let pipeline = format!(
-        "[source]\nkind = \"rabbitmq\"\nqueue = \"{queue}\"\n[key]\nmessage_id = true\n[sink]\ntable = \"orders\"\n\
-         [sink.columns]\nid = {{ property = \"message_id\" }}\namount = \"/amount\"\n[dead_letters]\nexchange = \"{dlx}\"\nrouting_key = \"poison\"\n"
-    );
-    let setup = Setup::rabbitmq(&db, url, &[("orders.toml", &pipeline)], "");
-    client.publish(&queue, &[Msg::json("o-1", "{\"amount\": oops"), Msg::json("o-2", "{\"amount\": 2}")]).await;
+    let DeadLetterExchangeCase { client, queue, dlq, db, setup, .. } = dead_letter_exchange_case("poison").await;
     let w = InProc::start(&setup).await;
     w.wait_received("orders", 2).await;
-    let got = {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            if let Some(m) = client.get(&dlq).await {
-                break m;
-            }
-            assert!(Instant::now() < deadline, "no dead letter at the exchange's queue");
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    };
-    let (body, headers, id) = got;
+    let (body, headers, id) = next_dead_letter(&client, &dlq, String::new).await;
     assert_eq!(body, b"{\"amount\": oops");
     assert_eq!(id.as_deref(), Some("o-1"));
     let header = |k: &str| match headers.inner().get(k) {
@@ -481,9 +505,8 @@ async fn amqps_with_a_private_ca() {
     let client = Client::connect(&node.url()).await;
     client.declare("orders", "quorum", false).await;
     client.publish("orders", &[Msg::json("o-1", "{\"amount\": 1}"), Msg::json("o-2", "{\"amount\": 2}")]).await;
-    let db = TestDb::new("CREATE TABLE orders (id text PRIMARY KEY, amount numeric NOT NULL);").await;
-    let pipeline = "[source]\nkind = \"rabbitmq\"\nqueue = \"orders\"\n[key]\nmessage_id = true\n[sink]\ntable = \"orders\"\n\
-                    [sink.columns]\nid = { property = \"message_id\" }\namount = \"/amount\"\n";
+    let db = TestDb::new(ORDERS_TABLE).await;
+    let pipeline = &orders_pipeline("orders", "");
     let tls_url = format!("amqps://guest:guest@localhost:{tls_port}/%2f");
     let with_ca = |ca: &str| {
         let setup = Setup::rabbitmq(&db, &tls_url, &[("orders.toml", pipeline)], "");
@@ -531,18 +554,7 @@ async fn a_stream_stops_the_pipeline_with_the_reason() {
 /// dead letter arrives and the batch is acknowledged.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unroutable_dead_letter_exchange_holds_the_ack_until_it_routes() {
-    let url = rabbitmq::shared_url();
-    let (queue, dlx, dlq) = (format!("orders-{}", unique()), format!("dlx-{}", unique()), format!("dlq-{}", unique()));
-    let client = Client::connect(url).await;
-    client.declare(&queue, "quorum", false).await;
-    client.declare_exchange_with_queue(&dlx, &dlq, "elsewhere").await;
-    let db = TestDb::new("CREATE TABLE orders (id text PRIMARY KEY, amount numeric NOT NULL);").await;
-    let pipeline = format!(
-        "[source]\nkind = \"rabbitmq\"\nqueue = \"{queue}\"\n[key]\nmessage_id = true\n[sink]\ntable = \"orders\"\n\
-         [sink.columns]\nid = {{ property = \"message_id\" }}\namount = \"/amount\"\n[dead_letters]\nexchange = \"{dlx}\"\nrouting_key = \"poison\"\n"
-    );
-    let setup = Setup::rabbitmq(&db, url, &[("orders.toml", &pipeline)], "");
-    client.publish(&queue, &[Msg::json("o-1", "{\"amount\": oops"), Msg::json("o-2", "{\"amount\": 2}")]).await;
+    let DeadLetterExchangeCase { client, queue, dlx, dlq, db, setup } = dead_letter_exchange_case("elsewhere").await;
     let mut w = BinWorker::start(&setup);
     wait_until(Duration::from_secs(30), "the publish to be retried", || async { w.log_text().contains("routed no queue") }).await;
     // The batch committed (its dead letter is in the table) but is not acknowledged: stopping the worker returns it.
@@ -553,14 +565,7 @@ async fn an_unroutable_dead_letter_exchange_holds_the_ack_until_it_routes() {
     client.bind(&dlx, &dlq, "poison").await;
     let mut w = BinWorker::start(&setup);
     wait_until(Duration::from_secs(30), "the queue to be drained", || async { client.ready(&queue).await == 0 }).await;
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let (body, _, id) = loop {
-        if let Some(m) = client.get(&dlq).await {
-            break m;
-        }
-        assert!(Instant::now() < deadline, "no dead letter arrived once the exchange routes:\n{}", w.log_text());
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    let (body, _, id) = next_dead_letter(&client, &dlq, || w.log_text()).await;
     assert_eq!((body.as_slice(), id.as_deref()), (&b"{\"amount\": oops"[..], Some("o-1")));
     assert!(w.sigterm().success(), "{}", w.log_text());
     assert_eq!(client.ready(&queue).await, 0, "acknowledged once the dead letter was confirmed");
