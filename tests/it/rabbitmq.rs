@@ -369,7 +369,7 @@ async fn two_workers_on_one_queue_apply_each_operation_once() {
 
 /// The shared cases that apply to a queue (../shared/cases): a poison message, a missing message-id, a message-id
 /// with NUL, an empty body (dead-lettered `decode_failed`), a payload over `max_payload_bytes`; the stream moves on
-/// past each, and a valid message after them is applied.
+/// past each, and a valid message after them is applied; the poison one, replayed with a fixed payload, is applied.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shared_cases_on_a_queue() {
     let url = rabbitmq::shared_url();
@@ -402,6 +402,17 @@ async fn shared_cases_on_a_queue() {
     assert_eq!(db.scalar::<String>("SELECT string_agg(id || '=' || amount, ',') FROM orders").await, "o-6=6.5");
     assert!(w.stop().await.is_empty());
     assert_eq!(client.ready(&queue).await, 0, "the stream moved on past every bad message");
+
+    // `dead-letters replay` of a queue's dead letter: the poison o-1, with a fixed payload, is applied under the
+    // message-id its row kept, and its row is removed.
+    let id: i64 = db.scalar("SELECT min(id) FROM idemflow.dead_letters").await;
+    let fixed = setup.dir.path().join("fixed.json");
+    std::fs::write(&fixed, "{\"amount\": 1}").unwrap();
+    let args = ["dead-letters", "replay", "--config", setup.config.to_str().unwrap(), &id.to_string(), "--payload", fixed.to_str().unwrap()];
+    let (status, out, err) = idemflow(&args, setup.dir.path());
+    assert!(status.success() && out.contains("applied; its row is removed"), "{out}{err}");
+    assert_eq!(db.scalar::<String>("SELECT string_agg(id || '=' || amount, ',' ORDER BY id) FROM orders").await, "o-1=1,o-6=6.5");
+    assert_eq!(db.scalar::<i64>("SELECT count(*) FROM idemflow.dead_letters").await, 4);
 }
 
 /// What a RabbitMQ pipeline cannot do is refused with the reason; a missing queue, a wrong queue type and a queue
