@@ -52,6 +52,8 @@ idemflow_venv_ready() {
 #   pgbouncer          transaction pooling tests
 #   rabbitmq-server    RabbitMQ pipelines against a real broker (a throwaway node per test run, see
 #                      scripts/rabbitmq-throwaway.sh)
+#   mariadb-server, mariadb-client  the MySQL/MariaDB store against a real server (a throwaway server per test run,
+#                      see scripts/mariadb-throwaway.sh)
 #   make, gcc          building librdkafka (rdkafka-sys)
 #   pkg-config, libssl-dev  the Kafka client's TLS and SASL/SCRAM (librdkafka against the system OpenSSL)
 #   socat              a TLS-terminating proxy for the Kafka TLS test
@@ -68,6 +70,8 @@ idemflow_test_preflight() {
   { command -v promtool && command -v prometheus; } >/dev/null 2>&1 || missing+=(prometheus)
   idemflow_has_pgbouncer || missing+=(pgbouncer)
   [ -x /usr/lib/rabbitmq/bin/rabbitmq-server ] || missing+=(rabbitmq-server)
+  [ -x /usr/sbin/mariadbd ] || missing+=(mariadb-server)
+  { command -v mariadb && command -v mariadb-install-db; } >/dev/null 2>&1 || missing+=(mariadb-client)
   command -v make >/dev/null 2>&1 || missing+=(make)
   idemflow_build_packages_missing missing
   command -v openssl >/dev/null 2>&1 || missing+=(openssl)

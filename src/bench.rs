@@ -194,7 +194,7 @@ async fn fresh_database(admin_url: &str, name: &str) -> anyhow::Result<String> {
     let base = admin_url.rsplit_once('/').map_or(admin_url, |(b, _)| b);
     let url = format!("{base}/{name}");
     let mut conn = PgConnection::connect(&url).await?;
-    crate::db::MIGRATOR.run(&mut conn).await?;
+    crate::store::postgres::MIGRATOR.run(&mut conn).await?;
     conn.execute(TABLE_SQL).await?;
     Ok(url)
 }
@@ -446,7 +446,7 @@ async fn preparer(url: &str, text: &str) -> anyhow::Result<(crate::config::Pipel
     std::fs::write(&file, text)?;
     let pipeline = crate::config::pipeline::load_file(&file).map_err(|e| anyhow::anyhow!("{e:?}"))?;
     let pool = sqlx::postgres::PgPoolOptions::new().max_connections(1).connect(url).await?;
-    let ready = crate::worker::prepare(&pool, std::slice::from_ref(&pipeline)).await.map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    let ready = crate::worker::prepare(&crate::store::Store::Postgres(pool.clone()), std::slice::from_ref(&pipeline)).await.map_err(|e| anyhow::anyhow!("{e:?}"))?;
     pool.close().await;
     Ok((pipeline, ready[0].preparer.clone()))
 }

@@ -101,7 +101,7 @@ impl fmt::Display for FieldPath {
 }
 
 /// How a JSON value is rendered into the text that Postgres then casts to the target type. Chosen per target
-/// from the catalog (see [`crate::sink::side_effect`]).
+/// from the catalog (see [`crate::store::postgres::side_effect`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Render {
     /// For scalar types but `json`/`jsonb`: a string gives its contents, a number its exact decimal value
@@ -120,6 +120,17 @@ pub enum Render {
         /// Elements are `json` or `jsonb`.
         json: bool,
     },
+    /// For MySQL and MariaDB `TIMESTAMP` targets (an instant; neither server parses a UTC offset): converted in the
+    /// worker to UTC wall-clock time, which idemflow's sessions (`time_zone = '+00:00'`) store as that instant. A
+    /// value without an offset is read in the pipeline's `time_zone` (or refused, `naive_timestamps =
+    /// "dead_letter"`). See [`wall_clock`].
+    UtcWallClock,
+    /// For MySQL and MariaDB `DATETIME` targets (wall-clock time, no zone): a value with a UTC offset is converted to
+    /// the pipeline's `time_zone`, as PostgreSQL's `timestamp` targets are; one without is kept as it is.
+    LocalWallClock,
+    /// For MySQL and MariaDB numeric targets: as [`Render::Text`], and a boolean as `1` or `0` (`BOOLEAN` is
+    /// `TINYINT(1)` there, and `'true'` is not a number).
+    Numeric,
 }
 
 /// Why a value cannot be bound.
@@ -131,6 +142,9 @@ pub enum ValueError {
     /// A value for an array column that is neither a JSON array nor a string.
     #[error("is {0}, not an array (the target column is an array)")]
     NotAnArray(&'static str),
+    /// A timestamp with a UTC offset that cannot be read, for a MySQL or MariaDB time target.
+    #[error("is not a timestamp: {0}")]
+    Timestamp(String),
     /// A value without a UTC offset for a `timestamptz` target, under `naive_timestamps = "dead_letter"`.
     #[error("{0:?} has no UTC offset (naive_timestamps = \"dead_letter\"): write it with Z or +hh:mm")]
     Naive(String),
@@ -147,10 +161,14 @@ pub fn render(value: &Value, render: Render, refuse_naive: bool) -> Result<Strin
         return Err(ValueError::Nul);
     }
     Ok(match (value, render) {
-        (Value::String(s), Render::Zoned) if refuse_naive && !has_utc_offset(s) => {
+        (Value::String(s), Render::Zoned | Render::UtcWallClock) if refuse_naive && !has_utc_offset(s) => {
             return Err(ValueError::Naive(s.chars().take(64).collect()))
         }
-        (Value::String(s), Render::Text | Render::Zoned | Render::Array { .. }) => s.clone(),
+        (
+            Value::String(s),
+            Render::Text | Render::Zoned | Render::Array { .. } | Render::UtcWallClock | Render::LocalWallClock | Render::Numeric,
+        ) => s.clone(),
+        (Value::Bool(b), Render::Numeric) => u8::from(*b).to_string(),
         (Value::Array(items), Render::Array { json }) => {
             let mut out = String::new();
             array_literal(items, json, &mut out);
@@ -161,6 +179,36 @@ pub fn render(value: &Value, render: Render, refuse_naive: bool) -> Result<Strin
         (Value::Bool(b), _) => b.to_string(),
         _ => value.to_string(),
     })
+}
+
+/// A timestamp text for a [`Render::UtcWallClock`] or [`Render::LocalWallClock`] target, as MySQL and MariaDB read
+/// it: `2026-11-30T08:00:00.123` (ISO 8601 without an offset). A text with a UTC offset (RFC 3339, `Z` or `+hh:mm`)
+/// is the instant it names, shown in UTC or in `zone`; a naive text for a `TIMESTAMP` target is read in `zone`
+/// (a wall-clock time that a daylight-saving change skips or repeats resolves as RFC 9557's "compatible"
+/// disambiguation does). Any other render, and a naive text for a `DATETIME` target, is returned as it is.
+///
+/// Errors: [`ValueError::Timestamp`] when a text with an offset is not a timestamp jiff can read.
+pub fn wall_clock(text: String, render: Render, zone: &jiff::tz::TimeZone) -> Result<String, ValueError> {
+    use jiff::tz::TimeZone;
+    let target = match render {
+        Render::UtcWallClock => TimeZone::UTC,
+        Render::LocalWallClock => zone.clone(),
+        _ => return Ok(text),
+    };
+    if has_utc_offset(&text) {
+        let instant: jiff::Timestamp = text.trim().parse().map_err(|e: jiff::Error| ValueError::Timestamp(format!("{text:?}: {e}")))?;
+        return Ok(instant.to_zoned(target).datetime().to_string());
+    }
+    if render == Render::LocalWallClock {
+        return Ok(text);
+    }
+    let trimmed = text.trim();
+    let naive = trimmed.parse::<jiff::civil::DateTime>().or_else(|_| trimmed.parse::<jiff::civil::Date>().map(|d| d.to_datetime(jiff::civil::Time::midnight())));
+    match naive.and_then(|dt| zone.to_zoned(dt)) {
+        Ok(zoned) => Ok(zoned.timestamp().to_zoned(TimeZone::UTC).datetime().to_string()),
+        // Not a timestamp jiff reads: the server decides (and refuses it, in strict mode).
+        Err(_) => Ok(text),
+    }
 }
 
 /// The kind of a JSON value, for messages: `"an object"`, `"a number"`, ...
@@ -423,5 +471,21 @@ mod tests {
         }
         assert!(matches!(render(&json!("2024-03-10T02:30:00"), Render::Zoned, true), Err(ValueError::Naive(_))));
         assert_eq!(render(&json!("2024-03-10T02:30:00"), Render::Zoned, false).unwrap(), "2024-03-10T02:30:00");
+    }
+
+    #[test]
+    fn wall_clock_for_mysql_time_targets() {
+        let paris = jiff::tz::TimeZone::get("Europe/Paris").unwrap();
+        let utc = |t: &str| wall_clock(t.to_owned(), Render::UtcWallClock, &paris).unwrap();
+        let local = |t: &str| wall_clock(t.to_owned(), Render::LocalWallClock, &paris).unwrap();
+        assert_eq!(utc("2026-11-30T10:00:00+02:00"), "2026-11-30T08:00:00");
+        assert_eq!(utc("2026-11-30 10:00:00.123456Z"), "2026-11-30T10:00:00.123456");
+        assert_eq!(utc("2026-11-30T10:00:00"), "2026-11-30T09:00:00"); // naive: read in Paris (UTC+1 in winter)
+        assert_eq!(utc("2026-07-01"), "2026-06-30T22:00:00");
+        assert_eq!(local("2026-11-30T10:00:00+02:00"), "2026-11-30T09:00:00");
+        assert_eq!(local("2026-11-30 10:00:00"), "2026-11-30 10:00:00");
+        assert_eq!(utc("2026-12-31T23:30:00-01:00"), "2027-01-01T00:30:00");
+        assert!(wall_clock("2026-13-45T10:00:00Z".into(), Render::UtcWallClock, &paris).is_err());
+        assert_eq!(render(&json!(true), Render::Numeric, false).unwrap(), "1");
     }
 }

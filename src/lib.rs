@@ -18,7 +18,8 @@
 //! - [`decode`]: payload bytes to a JSON document, with the size limit checked before parsing.
 //! - [`key`]: the business key of a record and its SHA-256 digest.
 //! - [`prepare`]: one record through decode, key and parameter extraction, into what the sink needs.
-//! - [`sink`]: the batch transaction: dedup claim, side effect, dead letters; failure classification.
+//! - [`sink`]: the batch protocol, once for every store: dedup claim, side effect, dead letters, duplicate and
+//!   failure classification.
 //! - [`dead_letter_topic`]: the optional Kafka topic that also receives every dead letter;
 //!   [`dead_letter_exchange`]: the same for RabbitMQ pipelines, an exchange with publisher confirms.
 //! - [`offsets`]: the next offset of each partition after a batch (the only place that adds 1), and the fenced
@@ -28,7 +29,8 @@
 //! - [`rewind`]: moving a stopped pipeline's group back to replay its topics (`idemflow rewind`).
 //! - [`metrics`]: every Prometheus metric; [`http`]: `/metrics`, `/healthz`, `/readyz`.
 //! - [`worker`]: runs every pipeline until shutdown; [`shutdown`]: the signal that stops it.
-//! - [`db`]: the connection pool and the embedded migrations; [`telemetry`]: logging.
+//! - [`store`]: the database that holds the business data and idemflow's tables, one module per database behind
+//!   one enum: [`store::postgres`]. [`telemetry`]: logging.
 //! - [`demo`]: `idemflow demo`, the whole job on an embedded broker and a throwaway Postgres.
 //!
 //! # Why a crash can neither lose a record nor apply it twice
@@ -61,7 +63,6 @@ pub mod bench;
 pub mod config;
 pub mod dead_letter_exchange;
 pub mod dead_letter_topic;
-pub mod db;
 pub mod decode;
 pub mod demo;
 pub mod field;
@@ -77,6 +78,7 @@ pub mod secret;
 pub mod shutdown;
 pub mod sink;
 pub mod source;
+pub mod store;
 pub mod telemetry;
 pub mod terminal;
 pub mod worker;

@@ -3,7 +3,8 @@
 use anyhow::{bail, Context as _};
 use clap::{Parser, Subcommand};
 use idemflow::config::{self, PipelineError, Settings};
-use idemflow::{db, http, metrics, shutdown, telemetry, worker};
+use idemflow::store::Store;
+use idemflow::{http, metrics, shutdown, telemetry, worker};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -248,18 +249,15 @@ fn report(errors: &[PipelineError]) -> anyhow::Error {
 }
 
 async fn dead_letters(cmd: DeadLettersCommand) -> anyhow::Result<()> {
-    use idemflow::sink::dead_letter;
     let config = match &cmd {
         DeadLettersCommand::List { config, .. } | DeadLettersCommand::Show { config, .. } | DeadLettersCommand::Replay { config, .. } => config.clone(),
     };
     let settings = load(&config)?;
     reachable(&settings, &config).await?;
-    let pool = db::pool(&settings.database)?;
-    // A read-only transaction: every access is in one, for transaction-pooling proxies (PgBouncer).
-    let mut conn = pool.begin().await?;
+    let store = Store::connect(&settings.database)?;
     match cmd {
         DeadLettersCommand::List { pipeline, limit, .. } => {
-            let rows = dead_letter::list(&mut *conn, pipeline.as_deref(), limit).await?;
+            let rows = store.dead_letters(pipeline.as_deref(), limit).await?;
             println!("{:>8}  {:<16} {:<28} {:<22} {:<32} error", "id", "pipeline", "position", "reason", "created_at");
             for d in &rows {
                 let error: String = escape(&d.error).chars().take(100).collect();
@@ -270,7 +268,7 @@ async fn dead_letters(cmd: DeadLettersCommand) -> anyhow::Result<()> {
             Ok(())
         }
         DeadLettersCommand::Show { id, .. } => {
-            let Some(d) = dead_letter::get(&mut *conn, id).await? else { bail!("no dead letter with id {id}") };
+            let Some(d) = store.dead_letter(id).await? else { bail!("no dead letter with id {id}") };
             println!("id          {}", d.id);
             println!("pipeline    {}", d.pipeline);
             println!("position    {}", stored_position(&d));
@@ -295,13 +293,12 @@ async fn dead_letters(cmd: DeadLettersCommand) -> anyhow::Result<()> {
             Ok(())
         }
         DeadLettersCommand::Replay { id, payload, .. } => {
-            let Some(d) = dead_letter::get(&mut *conn, id).await? else { bail!("no dead letter with id {id}") };
-            drop(conn);
-            let pipelines = config::load_pipelines(&settings.pipelines).map_err(|e| report(&e))?;
+            let Some(d) = store.dead_letter(id).await? else { bail!("no dead letter with id {id}") };
+            let pipelines = config::load_pipelines_for(&settings).map_err(|e| report(&e))?;
             let Some(p) = pipelines.into_iter().find(|p| p.name == d.pipeline) else {
                 bail!("dead letter {id} belongs to pipeline {:?}, which is not configured in {}", d.pipeline, settings.pipelines.display());
             };
-            let ready = worker::prepare(&pool, std::slice::from_ref(&p)).await.map_err(|e| report(&e))?;
+            let ready = worker::prepare(&store, std::slice::from_ref(&p)).await.map_err(|e| report(&e))?;
             let r = &ready[0];
             let mut record = d.record();
             if let Some(file) = payload {
@@ -328,12 +325,12 @@ async fn dead_letters(cmd: DeadLettersCommand) -> anyhow::Result<()> {
                 println!("dead letter {id}: its business key was applied already (a duplicate); its row is removed");
             } else if let Some(again) = outcome.dead_letters.first() {
                 println!("dead letter {id}: failed again ({}: {}); kept as a new dead letter", again.reason.as_str(), escape(&again.error));
-                pool.close().await;
+                store.close().await;
                 bail!("replay failed");
             } else {
                 println!("dead letter {id}: skipped (a tombstone); its row is removed");
             }
-            pool.close().await;
+            store.close().await;
             Ok(())
         }
     }
@@ -343,7 +340,7 @@ async fn rewind(a: RewindArgs) -> anyhow::Result<()> {
     use idemflow::config::OffsetStore;
     use idemflow::rewind;
     let settings = load(&a.config)?;
-    let pipelines = config::load_pipelines(&settings.pipelines).map_err(|e| report(&e))?;
+    let pipelines = config::load_pipelines_for(&settings).map_err(|e| report(&e))?;
     let p = named(&pipelines, &a.pipeline, &settings)?.clone();
     let Some(kafka_source) = p.source.kafka().cloned() else {
         bail!(
@@ -354,15 +351,15 @@ async fn rewind(a: RewindArgs) -> anyhow::Result<()> {
         );
     };
     let stored = p.offsets == OffsetStore::Database;
-    let pool = if stored {
+    let store = if stored {
         reachable(&settings, &a.config).await?;
-        Some(db::pool(&settings.database)?)
+        Some(Store::connect(&settings.database)?)
     } else {
         None
     };
     // With stored positions, those are where the pipeline is: plan from them.
-    let positions = match &pool {
-        Some(pool) => Some(idemflow::offsets::stored(pool, &p.name).await?),
+    let positions = match &store {
+        Some(store) => Some(store.stored_offsets(&p.name).await?),
         None => None,
     };
     let (kafka, pp) = (settings.kafka.clone(), p.clone());
@@ -396,10 +393,10 @@ async fn rewind(a: RewindArgs) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Handle::current();
     let (kafka, pp, mv) = (settings.kafka.clone(), p.clone(), moves.clone());
     tokio::task::spawn_blocking(move || {
-        rewind::apply(&kafka, &pp, &mv, a.timeout, || match &pool {
-            Some(pool) => {
+        rewind::apply(&kafka, &pp, &mv, a.timeout, || match &store {
+            Some(store) => {
                 let positions: Vec<(String, i32, i64)> = mv.iter().map(|m| (m.topic.clone(), m.partition, m.to)).collect();
-                runtime.block_on(idemflow::offsets::reset(pool, &pp.name, &positions)).map(drop).map_err(|e| e.to_string())
+                runtime.block_on(store.reset_offsets(&pp.name, &positions)).map(drop).map_err(|e| e.to_string())
             }
             None => Ok(()),
         })
@@ -449,7 +446,7 @@ async fn retention_report(settings: &Settings, p: &config::Pipeline) -> Vec<Stri
 
 /// One direct connection attempt, reported against the settings file.
 async fn reachable(settings: &Settings, config: &std::path::Path) -> anyhow::Result<()> {
-    db::ping(&settings.database).await.map_err(|why| anyhow::anyhow!("{}: database: {why}", config.display()))
+    Store::ping(&settings.database).await.map_err(|why| anyhow::anyhow!("{}: database: {why}", config.display()))
 }
 
 /// The pipeline named `name`, or an error saying where pipelines were looked for.
@@ -464,7 +461,7 @@ fn named<'p>(pipelines: &'p [config::Pipeline], name: &str, settings: &Settings)
 /// exponential backoff, saying why on every attempt.
 async fn wait_for_database(settings: &Settings) {
     let mut backoff = worker::backoff(std::time::Duration::from_millis(200), std::time::Duration::from_secs(10));
-    while let Err(why) = db::ping(&settings.database).await {
+    while let Err(why) = Store::ping(&settings.database).await {
         let delay = backoff.next().unwrap_or(std::time::Duration::from_secs(10));
         tracing::warn!(retry_in = ?delay, "database: {why}");
         tokio::time::sleep(delay).await;
@@ -475,13 +472,13 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
     match command {
         Command::Explain(a) => {
             let settings = load(&a.config)?;
-            let pipelines = config::load_pipelines(&settings.pipelines).map_err(|e| report(&e))?;
+            let pipelines = config::load_pipelines_for(&settings).map_err(|e| report(&e))?;
             let p = named(&pipelines, &a.pipeline, &settings)?;
             reachable(&settings, &a.config).await?;
-            let mut conn = db::pool(&settings.database)?.begin().await?;
+            let store = Store::connect(&settings.database)?;
             let key = idemflow::key::BusinessKey::new(a.key.clone());
             println!("pipeline {:?}, business key {:?}", p.name, a.key);
-            match idemflow::sink::dedup::explain(&mut *conn, &p.name, &key).await? {
+            match store.explain(&p.name, &key).await? {
                 Some(e) => {
                     println!("  applied at         {}", e.applied_at);
                     let position = idemflow::record::Position { topic: e.topic.as_str().into(), partition: e.partition, offset: e.offset };
@@ -504,14 +501,14 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
         Command::Rewind(a) => rewind(a).await,
         Command::Purge(a) => {
             let settings = load(&a.config)?;
-            let pipelines = config::load_pipelines(&settings.pipelines).map_err(|e| report(&e))?;
+            let pipelines = config::load_pipelines_for(&settings).map_err(|e| report(&e))?;
             if let Some(name) = &a.pipeline {
                 named(&pipelines, name, &settings)?;
             }
             reachable(&settings, &a.config).await?;
-            let pool = db::pool(&settings.database)?;
+            let store = Store::connect(&settings.database)?;
             for p in pipelines.iter().filter(|p| a.pipeline.as_ref().is_none_or(|n| *n == p.name)) {
-                let o = idemflow::retention::purge(&pool, &p.name, p.dedup.retention, p.dedup.purge_batch, |_| {}).await?;
+                let o = store.purge(&p.name, p.dedup.retention, p.dedup.purge_batch, |_| {}).await?;
                 if o.skipped_locked {
                     println!("pipeline {:?}: skipped, another process is purging it", p.name);
                 } else {
@@ -570,15 +567,14 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
                     a.config.display()
                 );
             }
-            let pool = db::pool(&settings.database)?;
-            db::MIGRATOR.run(&pool).await.context("applying migrations")?;
-            let latest = db::MIGRATOR.iter().map(|m| m.version).max().unwrap_or_default();
+            let store = Store::connect(&settings.database)?;
+            let latest = store.migrate().await.context("applying migrations")?;
             println!("idemflow schema at version {latest} (migrations recorded in _sqlx_migrations)");
             Ok(())
         }
         Command::Check(a) => {
             let settings = load(&a.config)?;
-            let pipelines = config::load_pipelines(&settings.pipelines).map_err(|e| report(&e))?;
+            let pipelines = config::load_pipelines_for(&settings).map_err(|e| report(&e))?;
             config::check_sources(&settings, &pipelines).map_err(|e| report(&e))?;
             let mut source_lines = Vec::new();
             for p in &pipelines {
@@ -605,11 +601,11 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
                 }
             }
             reachable(&settings, &a.config).await?;
-            let pool = db::pool(&settings.database)?;
-            if let Err(why) = db::check_schema(&pool).await {
+            let store = Store::connect(&settings.database)?;
+            if let Err(why) = store.check_schema().await {
                 bail!("{}: database: {why}", a.config.display());
             }
-            let ready = worker::prepare(&pool, &pipelines).await.map_err(|e| report(&e))?;
+            let ready = worker::prepare(&store, &pipelines).await.map_err(|e| report(&e))?;
             for r in &ready {
                 let p = &r.pipeline;
                 match &p.source {
@@ -642,7 +638,7 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
         }
         Command::Run(a) => {
             let settings = load(&a.config)?;
-            let pipelines = config::load_pipelines(&settings.pipelines).map_err(|e| report(&e))?;
+            let pipelines = config::load_pipelines_for(&settings).map_err(|e| report(&e))?;
             config::check_sources(&settings, &pipelines).map_err(|e| report(&e))?;
             // Serve /healthz from the start: the process is alive while it waits for the database.
             let metrics = metrics::Metrics::new();
@@ -668,11 +664,11 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
                 }
             }
             health.database(true);
-            let pool = db::pool(&settings.database)?;
-            if let Err(why) = db::check_schema(&pool).await {
+            let store = Store::connect(&settings.database)?;
+            if let Err(why) = store.check_schema().await {
                 bail!("{}: database: {why}", a.config.display());
             }
-            let ready = worker::prepare(&pool, &pipelines).await.map_err(|e| report(&e))?;
+            let ready = worker::prepare(&store, &pipelines).await.map_err(|e| report(&e))?;
             for p in pipelines.clone() {
                 let settings = settings.clone();
                 tokio::spawn(async move {
@@ -691,7 +687,7 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
                 tracing::error!("every pipeline has stopped on a fatal error; serving /metrics until stopped");
                 stop.wait().await;
             }
-            pool.close().await;
+            store.close().await;
             if failures.is_empty() {
                 tracing::info!("stopped cleanly");
                 Ok(())

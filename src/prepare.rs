@@ -56,6 +56,9 @@ pub struct Preparer {
     tombstones: TombstonePolicy,
     bindings: Vec<(Binding, Render)>,
     refuse_naive: bool,
+    /// The pipeline's `time_zone`, for MySQL's time targets ([`field::wall_clock`]); UTC when jiff does not know
+    /// the name (a PostgreSQL pipeline, whose server reads the zone itself).
+    zone: jiff::tz::TimeZone,
 }
 
 impl Preparer {
@@ -68,6 +71,7 @@ impl Preparer {
             tombstones: pipeline.tombstones,
             bindings,
             refuse_naive: pipeline.time.naive == crate::config::NaiveTimestamps::DeadLetter,
+            zone: jiff::tz::TimeZone::get(&pipeline.time.zone).unwrap_or(jiff::tz::TimeZone::UTC),
         }
     }
 
@@ -96,6 +100,12 @@ impl Preparer {
         let mut values = Vec::with_capacity(self.bindings.len());
         for (binding, render) in &self.bindings {
             match value(binding, *render, self.refuse_naive, record, &doc, &key) {
+                Ok(Some(v)) if matches!(render, Render::UtcWallClock | Render::LocalWallClock) => {
+                    match field::wall_clock(v, *render, &self.zone) {
+                        Ok(v) => values.push(Some(v)),
+                        Err(e) => return Prepared::dead(DeadLetterReason::ParamInvalid, format!("{}: {e}", binding.name)),
+                    }
+                }
                 Ok(v) => values.push(v),
                 Err(dead) => return dead,
             }

@@ -10,7 +10,7 @@
 //! offsets when it gets partitions.) It then commits the new offsets and leaves the group. A partition is never
 //! moved forward: that would skip records never processed.
 //!
-//! With `[offsets] store = "database"`, the stored positions are rewound too ([`crate::offsets::reset`]), which
+//! With `[offsets] store = "database"`, the stored positions are rewound too ([`crate::store::Store::reset_offsets`]), which
 //! also fences any worker that still holds them.
 //!
 //! Before joining, the group is described (Kafka DescribeGroups): a group with members is refused at once, without

@@ -10,12 +10,11 @@ use crate::metrics::{Metrics, PipelineMetrics};
 use crate::prepare::{Prepared, Preparer};
 use crate::record::Record;
 use crate::shutdown::Shutdown;
-use crate::sink::side_effect::SideEffect;
 use crate::sink::{Disposition, Sink, SinkError};
 use crate::source::{Source, StoredStart};
 use crate::config::OffsetStore;
 use backon::{BackoffBuilder, ExponentialBuilder};
-use sqlx::PgPool;
+use crate::store::Store;
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 use tracing::Instrument;
@@ -29,17 +28,17 @@ pub struct Ready {
     pub preparer: Preparer,
     /// Its sink.
     pub sink: Sink,
-    /// The pool (for retention).
-    pub pool: PgPool,
+    /// The store (for retention and stored positions).
+    pub store: Store,
 }
 
 /// Checks every pipeline's side effect against the database (tables, columns, statements and their parameter
 /// types) and builds what runs it. Returns all problems at once, of every pipeline.
-pub async fn prepare(pool: &PgPool, pipelines: &[Pipeline]) -> Result<Vec<Ready>, Vec<PipelineError>> {
+pub async fn prepare(store: &Store, pipelines: &[Pipeline]) -> Result<Vec<Ready>, Vec<PipelineError>> {
     let mut ready = Vec::new();
     let mut errors = Vec::new();
     for p in pipelines {
-        match Ready::prepare(pool, p).await {
+        match Ready::prepare(store, p).await {
             Ok(r) => ready.push(r),
             Err(e) => errors.push(e),
         }
@@ -55,21 +54,20 @@ impl Ready {
     /// Checks one pipeline's side effect against the database and builds what runs it.
     ///
     /// Errors: the problem, naming the pipeline's file and field (`database` when it cannot connect).
-    pub async fn prepare(pool: &PgPool, p: &Pipeline) -> Result<Ready, PipelineError> {
+    pub async fn prepare(store: &Store, p: &Pipeline) -> Result<Ready, PipelineError> {
         let error = |field: String, message: String| PipelineError {
             file: p.file.display().to_string(),
             pipeline: p.name.clone(),
             field,
             message,
         };
-        let mut conn = pool.acquire().await.map_err(|e| error("database".into(), format!("cannot connect: {e}")))?;
         let (side_effect, bindings) =
-            SideEffect::prepare(&mut conn, &p.sink, &p.time).await.map_err(|e| error(e.field, e.message))?;
+            store.prepare_side_effect(&p.sink, &p.time).await.map_err(|e| error(e.field, e.message))?;
         Ok(Ready {
             pipeline: p.clone(),
             preparer: Preparer::new(p, bindings),
-            sink: Sink::new(p.name.clone(), pool.clone(), side_effect),
-            pool: pool.clone(),
+            sink: Sink::new(p.name.clone(), store.clone(), side_effect),
+            store: store.clone(),
         })
     }
 }
@@ -134,7 +132,7 @@ pub async fn run_with_faults(
         tasks.spawn(async move {
             let name = r.pipeline.name.clone();
             // Retention runs beside the pipeline and ends with it.
-            let purge = purge_loop(r.pool.clone(), name.clone(), r.pipeline.dedup, pm.clone());
+            let purge = purge_loop(r.store.clone(), name.clone(), r.pipeline.dedup, pm.clone());
             let result = tokio::select! {
                 result = run_pipeline(&settings, r, pm.clone(), health.clone(), shutdown, faults) => result,
                 never = purge => match never {},
@@ -161,14 +159,14 @@ pub async fn run_with_faults(
 /// Purges the pipeline's expired dedup rows every `purge_interval`, forever (it is dropped when its pipeline
 /// ends). Failures are logged and the next pass tries again.
 async fn purge_loop(
-    pool: PgPool,
+    store: Store,
     pipeline: String,
     dedup: crate::config::DedupSettings,
     metrics: PipelineMetrics,
 ) -> std::convert::Infallible {
     loop {
         tokio::time::sleep(dedup.purge_interval).await;
-        match crate::retention::purge(&pool, &pipeline, dedup.retention, dedup.purge_batch, |n| metrics.purged(n)).await {
+        match store.purge(&pipeline, dedup.retention, dedup.purge_batch, |n| metrics.purged(n)).await {
             Ok(o) => {
                 if o.purged > 0 {
                     tracing::info!(pipeline = %pipeline, purged = o.purged, batches = o.batches, "expired dedup rows purged");
@@ -191,7 +189,7 @@ async fn run_pipeline(
     let mut commits = 0u64;
     let source_error = |message| PipelineFailure::Source { pipeline: name.clone(), message };
     let stored = (r.pipeline.offsets == OffsetStore::Database).then(|| StoredStart {
-        pool: r.pool.clone(),
+        store: r.store.clone(),
         owner: owner(),
         runtime: tokio::runtime::Handle::current(),
         shutdown: shutdown.clone(),
@@ -364,8 +362,8 @@ impl Step<'_> {
                         // Rebuild the statements from the schema as it is now and prepare the records again: no
                         // value is ever bound through a stale type. A database error while rebuilding is retried
                         // like any other; a schema the pipeline can no longer run on stops it.
-                        let (pool, pipeline) = (r.pool.clone(), r.pipeline.clone());
-                        let rebuild = tokio::spawn(async move { Ready::prepare(&pool, &pipeline).await }.in_current_span());
+                        let (store, pipeline) = (r.store.clone(), r.pipeline.clone());
+                        let rebuild = tokio::spawn(async move { Ready::prepare(&store, &pipeline).await }.in_current_span());
                         let before = batch.len();
                         match source.poll_while(rebuild).await {
                             Ok(rebuilt) => {

@@ -7,7 +7,8 @@
 
 pub mod pipeline;
 
-pub use pipeline::{BatchSettings, Binding, DeadLetterSettings, DedupSettings, KafkaSpec, Meta, OffsetStore, OnConflict, Pipeline, PipelineError, QueueType, RabbitMqSpec, SinkSpec, SourceSpec, NaiveTimestamps, TimeSettings, TombstonePolicy, ValueSource};
+pub use pipeline::{BatchSettings, Binding, DeadLetterSettings, DeclaredType, DedupSettings, KafkaSpec, Meta, OffsetStore, OnConflict, Pipeline, PipelineError, QueueType, RabbitMqSpec, SinkSpec, SourceSpec, NaiveTimestamps, TimeSettings, TombstonePolicy, ValueSource};
+pub use crate::sink::template::Dialect;
 
 use figment::providers::{Format as _, Toml};
 use figment::Figment;
@@ -479,8 +480,20 @@ fn parse_env_value(value: &str) -> figment::value::Value {
     value.parse::<figment::value::Value>().unwrap_or_else(|_| figment::value::Value::from(value.to_owned()))
 }
 
-/// Loads and validates every `*.toml` file in `dir`, sorted by name. Returns all errors of all files at once.
+/// Loads and validates every `*.toml` file in `dir`, sorted by name, for a PostgreSQL store. Returns all errors of
+/// all files at once.
 pub fn load_pipelines(dir: &Path) -> Result<Vec<Pipeline>, Vec<PipelineError>> {
+    load_pipelines_in(dir, Dialect::Postgres)
+}
+
+/// The pipelines of `settings` (`settings.pipelines`), their SQL scanned by the rules of the store that
+/// `[database] url` names ([`Dialect::of_url`]).
+pub fn load_pipelines_for(settings: &Settings) -> Result<Vec<Pipeline>, Vec<PipelineError>> {
+    load_pipelines_in(&settings.pipelines, Dialect::of_url(settings.database.url.expose()))
+}
+
+/// [`load_pipelines`], for a store whose SQL follows `dialect`.
+pub fn load_pipelines_in(dir: &Path, dialect: Dialect) -> Result<Vec<Pipeline>, Vec<PipelineError>> {
     let entries = match std::fs::read_dir(dir) {
         Ok(entries) => entries,
         Err(e) => {
@@ -500,7 +513,7 @@ pub fn load_pipelines(dir: &Path) -> Result<Vec<Pipeline>, Vec<PipelineError>> {
     let mut pipelines = Vec::new();
     let mut errors = Vec::new();
     for file in &files {
-        match pipeline::load_file(file) {
+        match pipeline::load_file_in(file, dialect) {
             Ok(p) => pipelines.push(p),
             Err(mut e) => errors.append(&mut e),
         }

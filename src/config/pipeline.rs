@@ -6,7 +6,7 @@
 use crate::decode::{Decoder, Format};
 use crate::field::FieldPath;
 use crate::key::{KeySource, KeySpec};
-use crate::sink::template::{self, Statement};
+use crate::sink::template::{self, Dialect, Statement};
 use serde::Deserialize;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -291,6 +291,32 @@ pub struct Binding {
     pub default: Option<String>,
     /// Whether a missing or null value binds NULL (`true`) or dead-letters the record as `param_missing`.
     pub optional: bool,
+    /// `type = ...`: the target's type, for the SQL form on a store that does not infer parameter types (MySQL and
+    /// MariaDB). PostgreSQL reads every parameter's type from the statement and ignores it.
+    pub declared: Option<DeclaredType>,
+}
+
+/// A parameter's declared target type (`type = "timestamp" | "datetime" | "json"` in `[sink.params]`).
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum DeclaredType {
+    /// A MySQL `TIMESTAMP`: a value with a UTC offset is converted to UTC ([`crate::field::Render::UtcWallClock`]).
+    Timestamp,
+    /// A MySQL `DATETIME`: a value with a UTC offset is converted to the pipeline's `time_zone`.
+    Datetime,
+    /// A `JSON` column: the value's JSON text, a string quoted.
+    Json,
+}
+
+impl DeclaredType {
+    /// How a value of this type is rendered.
+    pub fn render(self) -> crate::field::Render {
+        match self {
+            DeclaredType::Timestamp => crate::field::Render::UtcWallClock,
+            DeclaredType::Datetime => crate::field::Render::LocalWallClock,
+            DeclaredType::Json => crate::field::Render::Json,
+        }
+    }
 }
 
 /// Where a bound value comes from.
@@ -479,6 +505,11 @@ impl Errors<'_> {
 
 /// Reads and validates one pipeline file. Returns every problem found in it.
 pub fn load_file(path: &Path) -> Result<Pipeline, Vec<PipelineError>> {
+    load_file_in(path, Dialect::Postgres)
+}
+
+/// [`load_file`], for a store whose SQL follows `dialect` (`sink.sql` is scanned by its rules).
+pub fn load_file_in(path: &Path, dialect: Dialect) -> Result<Pipeline, Vec<PipelineError>> {
     let file = path.display().to_string();
     let stem = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
     let mut errors = Errors { file: &file, pipeline: stem.clone(), list: Vec::new() };
@@ -496,7 +527,7 @@ pub fn load_file(path: &Path) -> Result<Pipeline, Vec<PipelineError>> {
             return Err(errors.list);
         }
     };
-    let pipeline = validate(raw, path, &stem, &mut errors);
+    let pipeline = validate(raw, path, &stem, dialect, &mut errors);
     if errors.list.is_empty() {
         Ok(pipeline.expect("no errors means a pipeline"))
     } else {
@@ -509,7 +540,7 @@ fn valid_name(name: &str) -> bool {
         && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'-')
 }
 
-fn validate(raw: RawPipeline, path: &Path, stem: &str, e: &mut Errors<'_>) -> Option<Pipeline> {
+fn validate(raw: RawPipeline, path: &Path, stem: &str, dialect: Dialect, e: &mut Errors<'_>) -> Option<Pipeline> {
     let name = raw.name.clone().unwrap_or_else(|| stem.to_owned());
     e.pipeline = name.clone();
     if !valid_name(&name) {
@@ -531,7 +562,7 @@ fn validate(raw: RawPipeline, path: &Path, stem: &str, e: &mut Errors<'_>) -> Op
     if time.zone.is_empty() || time.zone.len() > 64 || !time.zone.chars().all(zone_chars) {
         e.push("sink.time_zone", format!("{:?} is not a time zone name (like \"UTC\" or \"America/New_York\")", time.zone));
     }
-    let sink = validate_sink(raw.sink, e);
+    let sink = validate_sink(raw.sink, dialect, e);
     if let (Some(source), Some(sink)) = (&source, &sink) {
         check_bindings_for_source(source, sink, e);
     }
@@ -791,7 +822,7 @@ fn validate_key(raw: &RawKey, e: &mut Errors<'_>) -> Option<KeySpec> {
     Some(KeySpec { source, allow_empty: raw.allow_empty, max_bytes: raw.max_bytes })
 }
 
-fn validate_sink(raw: RawSink, e: &mut Errors<'_>) -> Option<SinkSpec> {
+fn validate_sink(raw: RawSink, dialect: Dialect, e: &mut Errors<'_>) -> Option<SinkSpec> {
     match (&raw.table, &raw.sql) {
         (Some(_), Some(_)) | (None, None) => {
             e.push("sink", "set exactly one of table (with [sink.columns]) or sql (with [sink.params])");
@@ -833,7 +864,7 @@ fn validate_sink(raw: RawSink, e: &mut Errors<'_>) -> Option<SinkSpec> {
     let mut statements = Vec::new();
     for (i, text) in texts.iter().enumerate() {
         let field = if texts.len() == 1 { "sink.sql".to_owned() } else { format!("sink.sql[{i}]") };
-        match template::parse(text) {
+        match template::parse_in(text, dialect) {
             Ok(parsed) => {
                 let several = parsed.len() > 1;
                 statements.extend(parsed.into_iter().enumerate().map(|(n, mut s)| {
@@ -871,7 +902,7 @@ fn bindings(raw: BTreeMap<String, toml::Value>, table: &str, e: &mut Errors<'_>)
 }
 
 fn binding(name: &str, value: toml::Value, field: &str, e: &mut Errors<'_>) -> Option<Binding> {
-    let plain = |source| Binding { name: name.to_owned(), source, default: None, optional: false };
+    let plain = |source| Binding { name: name.to_owned(), source, default: None, optional: false, declared: None };
     let table = match value {
         toml::Value::String(path) => return path_or_error(&path, field, e).map(|p| plain(ValueSource::Field(p))),
         toml::Value::Table(table) => table,
@@ -884,6 +915,7 @@ fn binding(name: &str, value: toml::Value, field: &str, e: &mut Errors<'_>) -> O
     let mut count = 0;
     let mut default = None;
     let mut optional = false;
+    let mut declared = None;
     for (k, v) in table {
         let sub = format!("{field}.{k}");
         match (k.as_str(), v) {
@@ -924,12 +956,16 @@ fn binding(name: &str, value: toml::Value, field: &str, e: &mut Errors<'_>) -> O
                 other => e.push(&sub, format!("expected a string, number or boolean, found {}", other.type_str())),
             },
             ("optional", toml::Value::Boolean(b)) => optional = b,
-            (k @ ("field" | "record_key" | "header" | "property" | "meta" | "optional"), v) => {
+            ("type", toml::Value::String(t)) => match DeclaredType::deserialize(toml::Value::String(t.clone())) {
+                Ok(t) => declared = Some(t),
+                Err(_) => e.push(&sub, format!("{t:?} is not one of timestamp, datetime, json")),
+            },
+            (k @ ("field" | "record_key" | "header" | "property" | "meta" | "optional" | "type"), v) => {
                 e.push(&sub, format!("unexpected value {v} for {k}"));
             }
             (k, _) => e.push(
                 &sub,
-                format!("unknown key {k:?}; expected field, record_key, header, property or meta, with default or optional"),
+                format!("unknown key {k:?}; expected field, record_key, header, property or meta, with default, optional or type"),
             ),
         }
     }
@@ -940,7 +976,7 @@ fn binding(name: &str, value: toml::Value, field: &str, e: &mut Errors<'_>) -> O
     if default.is_some() && optional {
         e.push(field, "set default or optional = true, not both (a default already makes the value optional)");
     }
-    Some(Binding { default, optional, ..plain(source?) })
+    Some(Binding { default, optional, declared, ..plain(source?) })
 }
 
 #[cfg(test)]

@@ -346,8 +346,8 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<bool> {
         log: LogSettings::default(),
         shutdown: ShutdownSettings::default(),
     };
-    let pool = crate::db::pool(&settings.database)?;
-    crate::db::MIGRATOR.run(&pool).await?;
+    let pool = crate::store::postgres::pool(&settings.database)?;
+    crate::store::postgres::MIGRATOR.run(&pool).await?;
     sqlx::raw_sql(&tables_sql).execute(&pool).await.context("creating the business tables")?;
     sqlx::query("INSERT INTO accounts SELECT 'ACC-' || g, $1::numeric / 100 FROM generate_series(0, $2 - 1) g")
         .bind(OPENING_BALANCE_CENTS)
@@ -386,7 +386,7 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<bool> {
     let batches_before_crash = (total / 5 / 500).max(1);
     let mut progress = Progress::new(total);
     let pipelines = config::load_pipelines(&settings.pipelines).map_err(|e| lines(&e))?;
-    let ready = worker::prepare(&pool, &pipelines).await.map_err(|e| lines(&e))?;
+    let ready = worker::prepare(&crate::store::Store::Postgres(pool.clone()), &pipelines).await.map_err(|e| lines(&e))?;
     let mut a = start_worker(&settings, &ready, &metrics, &health, Faults { crash_after_commits: Some(batches_before_crash) });
     let mut b: Option<DemoWorker> = None;
     let (mut crashed, mut joined, mut left) = (false, false, false);

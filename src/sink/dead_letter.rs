@@ -3,63 +3,7 @@
 //! batch so nothing is lost between "failed" and "recorded". A dead-lettered record writes no
 //! dedup row, so the same operation, fixed and replayed, is applied then.
 
-use crate::metrics::DeadLetterReason;
 use crate::record::Record;
-use sqlx::PgConnection;
-
-const INSERT: &str = r#"
-INSERT INTO idemflow.dead_letters
-    (pipeline, topic, partition, "offset", record_key, header_names, header_values, payload, reason, error,
-     payload_bytes, payload_sha256, property_names, property_values)
-VALUES ($1, $2, $3, CASE WHEN $3 < 0 THEN nextval('idemflow.queue_dead_letter_seq') ELSE $4 END, $5, $6, $7, $8, $9, $10,
-        $11, $12, $13, $14)
-ON CONFLICT (pipeline, topic, partition, "offset") DO NOTHING"#;
-
-/// Writes one dead letter. Returns `false` when this position was already dead-lettered (a redelivery; only
-/// sources with stable positions can tell: a queue's dead letter gets a fresh "offset" from a sequence, see
-/// migration 0006).
-pub async fn write(
-    conn: &mut PgConnection,
-    pipeline: &str,
-    record: &Record,
-    reason: DeadLetterReason,
-    error: &str,
-) -> Result<bool, sqlx::Error> {
-    let names: Vec<&str> = record.headers.iter().map(|(k, _)| k.as_str()).collect();
-    let values: Vec<Option<&[u8]>> = record.headers.iter().map(|(_, v)| v.as_deref()).collect();
-    // Postgres text cannot hold U+0000: keep the error readable rather than lose the row.
-    let error = error.replace('\0', "\\u0000");
-    let done = sqlx::query(INSERT)
-        .bind(pipeline)
-        .bind(&*record.position.topic)
-        .bind(record.position.partition)
-        .bind(record.position.offset)
-        .bind(record.key.as_deref())
-        .bind(&names)
-        .bind(&values)
-        .bind(record.payload.as_deref())
-        .bind(reason.as_str())
-        .bind(&error)
-        .bind(record.oversized.as_ref().map(|o| o.size as i64))
-        .bind(record.oversized.as_ref().map(|o| o.sha256.to_vec()))
-        .bind(record.properties.iter().map(|(k, _)| *k).collect::<Vec<&str>>())
-        .bind(record.properties.iter().map(|(_, v)| v.replace('\0', "\\u0000")).collect::<Vec<String>>())
-        .persistent(crate::db::persistent())
-        .execute(&mut *conn)
-        .await?;
-    Ok(done.rows_affected() == 1)
-}
-
-/// Deletes dead letters of `pipeline` by id (their replay is under way in the same transaction).
-pub async fn delete(conn: &mut PgConnection, pipeline: &str, ids: &[i64]) -> Result<u64, sqlx::Error> {
-    let done = sqlx::query("DELETE FROM idemflow.dead_letters WHERE pipeline = $1 AND id = ANY($2)")
-        .bind(pipeline)
-        .bind(ids)
-        .persistent(crate::db::persistent())
-        .execute(&mut *conn)
-        .await?;
-    Ok(done.rows_affected())
-}
 
 /// One stored dead letter.
 #[derive(Clone, Debug, sqlx::FromRow)]
@@ -96,24 +40,6 @@ pub struct Stored {
     pub error: String,
     /// When it was written.
     pub created_at: String,
-}
-
-const SELECT: &str = r#"SELECT id, pipeline, topic, partition, "offset", record_key, header_names, header_values, payload,
-    property_names, property_values, payload_bytes, payload_sha256, reason, error, created_at::text AS created_at FROM idemflow.dead_letters"#;
-
-/// The newest dead letters, optionally of one pipeline.
-pub async fn list(conn: &mut PgConnection, pipeline: Option<&str>, limit: i64) -> Result<Vec<Stored>, sqlx::Error> {
-    sqlx::query_as(&format!("{SELECT} WHERE $1::text IS NULL OR pipeline = $1 ORDER BY id DESC LIMIT $2"))
-        .bind(pipeline)
-        .bind(limit)
-        .persistent(crate::db::persistent())
-        .fetch_all(&mut *conn)
-        .await
-}
-
-/// One dead letter by id.
-pub async fn get(conn: &mut PgConnection, id: i64) -> Result<Option<Stored>, sqlx::Error> {
-    sqlx::query_as(&format!("{SELECT} WHERE id = $1")).bind(id).persistent(crate::db::persistent()).fetch_optional(&mut *conn).await
 }
 
 impl Stored {

@@ -1,15 +1,13 @@
-//! Every database failure is classified once, here, and the code path follows the class.
+//! Every database failure is classified once, here, and the code path follows the class. Each store maps its own
+//! codes into these dispositions: Postgres's SQLSTATEs in [`crate::store::postgres::error`], MySQL's and MariaDB's
+//! error numbers in [`crate::store::mysql::error`]. For every store:
 //!
 //! | failure | disposition |
 //! |---|---|
-//! | SQLSTATE class 08 (connection), I/O errors, a connection lost during `COMMIT` | retry the batch |
-//! | 40001 serialization failure, 40P01 deadlock | retry the batch |
-//! | 57P01/57P02/57P03 (admin shutdown, crash shutdown, cannot connect now), 57014 (statement cancelled or timed out), class 53 (insufficient resources, 53300 too many connections), 55P03 (lock not available), 25006 (read-only transaction: a failover to a standby), class 58 (system error) | retry the batch |
+//! | I/O errors, a connection lost (during `COMMIT` too: the dedup rows decide on the retry), a deadlock, a lock wait timeout, the server shutting down or out of connections | retry the batch |
 //! | pool acquire timeout | retry the batch |
-//! | class 22 (data exception), 23 (integrity constraint), 21 (cardinality), 54 (program limit exceeded, e.g. a business index row too large), P0 (raised by PL/pgSQL), 2F, 39, 44, raised by one record's side effect | dead-letter that record (`side_effect_rejected`), the rest of the batch commits |
-//! | class 42 (syntax error or access rule violation: the configured SQL or table is wrong), 0A, 3F, 28, and anything else | fatal: the pipeline stops |
-//!
-//! SQLSTATE classes are PostgreSQL's (Appendix A, "PostgreSQL Error Codes").
+//! | a data error or a constraint violated by one record's side effect | dead-letter that record (`side_effect_rejected`), the rest of the batch commits |
+//! | a missing table or column, a syntax error, a permission refused, and anything else | fatal: the pipeline stops |
 
 use crate::metrics::RetryCause;
 
@@ -32,7 +30,7 @@ pub enum Disposition {
 #[derive(Debug, thiserror::Error)]
 pub enum SinkError {
     /// A database failure, with what was being done.
-    #[error("{context}: {source}{}", pooler_hint(source))]
+    #[error("{context}: {source}{}", crate::store::postgres::error::pooler_hint(source))]
     Database {
         /// What was being done, e.g. `claiming business keys`.
         context: &'static str,
@@ -90,25 +88,16 @@ impl SinkError {
     }
 }
 
-/// A sentence for the errors a transaction-pooling proxy causes when named prepared statements are used
-/// (SQLSTATE 42P05 duplicate prepared statement, 26000 invalid statement name); empty for every other error.
-pub fn pooler_hint(error: &sqlx::Error) -> &'static str {
-    match error {
-        sqlx::Error::Database(db) if matches!(db.code().as_deref(), Some("42P05" | "26000")) => {
-            " (connecting through PgBouncer or another pooler in transaction mode? set [database] \
-             prepared_statements = false)"
-        }
-        _ => "",
-    }
-}
-
 /// Classifies a sqlx error (see the module table).
 pub fn classify(error: &sqlx::Error) -> Disposition {
     use Disposition::*;
     match error {
-        sqlx::Error::Database(db) => match db.code() {
-            Some(code) => classify_sqlstate(&code),
-            None => Fatal,
+        sqlx::Error::Database(db) => match db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>() {
+            Some(my) => crate::store::mysql::error::classify(my),
+            None => match db.code() {
+                Some(code) => crate::store::postgres::error::classify_sqlstate(&code),
+                None => Fatal,
+            },
         },
         sqlx::Error::Io(_) | sqlx::Error::Tls(_) | sqlx::Error::Protocol(_) | sqlx::Error::WorkerCrashed => {
             Retry(RetryCause::Connection)
@@ -119,16 +108,18 @@ pub fn classify(error: &sqlx::Error) -> Disposition {
     }
 }
 
-/// Classifies a SQLSTATE (see the module table).
-pub fn classify_sqlstate(code: &str) -> Disposition {
-    use Disposition::*;
-    let class = code.get(..2).unwrap_or_default();
-    match (class, code) {
-        ("08", _) => Retry(RetryCause::Connection),
-        (_, "40001" | "40P01") => Retry(RetryCause::Conflict),
-        (_, "57P01" | "57P02" | "57P03" | "57014" | "55P03" | "25006") | ("53" | "58", _) => Retry(RetryCause::Unavailable),
-        ("22" | "23" | "21" | "54" | "P0" | "2F" | "39" | "44", _) => Record,
-        _ => Fatal,
+/// An error's text for the dead letters and logs, with its code: `SQLSTATE 23505: ...` (Postgres) or
+/// `MySQL error 1366 (22007): ...` (MySQL and MariaDB).
+pub fn describe(error: &sqlx::Error) -> String {
+    match error {
+        sqlx::Error::Database(db) => match db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>() {
+            Some(my) => crate::store::mysql::error::describe(my),
+            None => match db.code() {
+                Some(code) => format!("SQLSTATE {code}: {}", db.message()),
+                None => db.message().to_owned(),
+            },
+        },
+        other => other.to_string(),
     }
 }
 
@@ -137,16 +128,8 @@ mod tests {
     use super::*;
 
     #[test]
-    fn sqlstate_table() {
-        assert_eq!(classify_sqlstate("08006"), Disposition::Retry(RetryCause::Connection));
-        assert_eq!(classify_sqlstate("40P01"), Disposition::Retry(RetryCause::Conflict));
-        assert_eq!(classify_sqlstate("57P01"), Disposition::Retry(RetryCause::Unavailable));
-        assert_eq!(classify_sqlstate("53300"), Disposition::Retry(RetryCause::Unavailable));
-        assert_eq!(classify_sqlstate("22P02"), Disposition::Record);
-        assert_eq!(classify_sqlstate("23505"), Disposition::Record);
-        assert_eq!(classify_sqlstate("54000"), Disposition::Record);
-        assert_eq!(classify_sqlstate("42P01"), Disposition::Fatal);
-        assert_eq!(classify_sqlstate("42703"), Disposition::Fatal);
+    fn errors_without_a_database_code() {
         assert_eq!(classify(&sqlx::Error::PoolTimedOut), Disposition::Retry(RetryCause::PoolTimeout));
+        assert_eq!(classify(&sqlx::Error::Io(std::io::ErrorKind::ConnectionReset.into())), Disposition::Retry(RetryCause::Connection));
     }
 }

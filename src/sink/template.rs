@@ -5,8 +5,35 @@
 //! `-- comments` or `/* nested */ comments`, and not in a `::type` cast. A `;` outside those ends a statement, so one
 //! string may hold several statements. Positional parameters (`$1`) are refused: values are named.
 //!
-//! Each statement becomes a list of SQL text pieces and parameter slots that [`super::side_effect`] later renders
-//! with typed positional parameters.
+//! With [`Dialect::MySql`] the scanner follows MySQL's rules instead (MySQL Reference Manual, "String Literals",
+//! "Schema Object Names", "Comments"): `'...'` and `"..."` are strings in which a backslash escapes the next
+//! character (idemflow's sessions do not set `NO_BACKSLASH_ESCAPES`), `` `identifiers` `` are quoted with
+//! backticks, `#` and `-- ` start a comment to the end of the line, block comments do not nest, there are no
+//! dollar quotes, and `?` placeholders are refused as `$1` is.
+//!
+//! Each statement becomes a list of SQL text pieces and parameter slots that the store's side effect later renders
+//! with its own positional parameters.
+
+/// Whose lexical rules a `sink.sql` text follows: the store's, from `[database] url`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Dialect {
+    /// PostgreSQL.
+    #[default]
+    Postgres,
+    /// MySQL and MariaDB.
+    MySql,
+}
+
+impl Dialect {
+    /// The dialect of a database URL: `mysql://` and `mariadb://` are MySQL's; anything else is PostgreSQL's.
+    pub fn of_url(url: &str) -> Dialect {
+        if url.starts_with("mysql://") || url.starts_with("mariadb://") {
+            Dialect::MySql
+        } else {
+            Dialect::Postgres
+        }
+    }
+}
 
 /// A piece of a statement.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -65,15 +92,21 @@ pub enum TemplateError {
         at: usize,
     },
     /// `$1`-style parameters are not supported.
-    #[error("positional parameter at byte {at}: name every value instead (`:amount`) and map it in [sink.params]")]
+    #[error("positional parameter at byte {at} ($1 or ?): name every value instead (`:amount`) and map it in [sink.params]")]
     Positional {
         /// Byte offset.
         at: usize,
     },
 }
 
-/// Splits `sql` into statements and locates their named parameters.
+/// Splits `sql` into statements and locates their named parameters, by PostgreSQL's rules.
 pub fn parse(sql: &str) -> Result<Vec<Statement>, TemplateError> {
+    parse_in(sql, Dialect::Postgres)
+}
+
+/// Splits `sql` into statements and locates their named parameters, by `dialect`'s rules.
+pub fn parse_in(sql: &str, dialect: Dialect) -> Result<Vec<Statement>, TemplateError> {
+    let mysql = dialect == Dialect::MySql;
     let b = sql.as_bytes();
     let mut statements = Vec::new();
     let mut current = Statement::new();
@@ -83,11 +116,28 @@ pub fn parse(sql: &str) -> Result<Vec<Statement>, TemplateError> {
     let is_ident_start = |c: u8| c.is_ascii_alphabetic() || c == b'_' || c >= 0x80;
     let is_ident = |c: u8| c.is_ascii_alphanumeric() || c == b'_' || c >= 0x80;
     while i < b.len() {
-        let comment = matches!((b[i], b.get(i + 1)), (b'-', Some(b'-')) | (b'/', Some(b'*')));
+        let comment = matches!((b[i], b.get(i + 1)), (b'-', Some(b'-')) | (b'/', Some(b'*'))) || (mysql && b[i] == b'#');
         if !comment && b[i] != b';' && !b[i].is_ascii_whitespace() {
             current.has_code = true;
         }
         match b[i] {
+            b'\'' | b'"' if mysql => {
+                i = skip_quoted(b, i, b[i], true).ok_or(TemplateError::Unterminated { what: "string", at: i })?;
+            }
+            b'`' if mysql => {
+                i = skip_quoted(b, i, b'`', false)
+                    .ok_or(TemplateError::Unterminated { what: "quoted identifier", at: i })?;
+            }
+            b'#' if mysql => {
+                i = sql[i..].find('\n').map_or(b.len(), |n| i + n + 1);
+            }
+            b'-' if mysql && b.get(i + 1) == Some(&b'-') && !b.get(i + 2).is_none_or(|c| c.is_ascii_whitespace()) => i += 2,
+            b'/' if mysql && b.get(i + 1) == Some(&b'*') => {
+                let close = sql[i + 2..].find("*/").ok_or(TemplateError::Unterminated { what: "comment", at: i })?;
+                i += 2 + close + 2;
+            }
+            b'?' if mysql => return Err(TemplateError::Positional { at: i }),
+            b'$' if mysql => i += 1,
             b'\'' => {
                 let escapes = i > 0 && (b[i - 1] == b'e' || b[i - 1] == b'E') && (i < 2 || !is_ident(b[i - 2]));
                 i = skip_quoted(b, i, b'\'', escapes).ok_or(TemplateError::Unterminated { what: "string", at: i })?;
@@ -242,6 +292,27 @@ mod tests {
         assert!(matches!(parse("SELECT /* x"), Err(TemplateError::Unterminated { what: "comment", .. })));
         assert_eq!(parse(" ; ;").unwrap(), vec![]);
         assert_eq!(parse("SELECT 1; -- trailing note\n /* and this */").unwrap().len(), 1);
+    }
+
+    #[test]
+    fn mysql_strings_identifiers_and_comments() {
+        let got: Vec<(String, Vec<String>)> = parse_in(
+            "UPDATE `a:b` SET n = n + :amount, s = 'it\\'s :no', d = \"x\\\":no\" # :comment\n\
+             , e = 1 -- :comment\n, f = 2--:amount\n /* :c */ WHERE id = :id; SELECT $x, :id",
+            Dialect::MySql,
+        )
+        .unwrap()
+        .into_iter()
+        .map(|s| (s.render(|_| "?".to_owned()), s.params))
+        .collect();
+        assert_eq!(got.len(), 2);
+        assert_eq!(got[0].1, vec!["amount", "id"], "{got:?}");
+        assert!(got[0].0.ends_with("WHERE id = ?"), "{}", got[0].0);
+        assert_eq!(got[1].1, vec!["id"]);
+        assert_eq!(parse_in("SELECT ?", Dialect::MySql), Err(TemplateError::Positional { at: 7 }));
+        assert!(parse_in("SELECT 'x\\'", Dialect::MySql).is_err());
+        assert_eq!(Dialect::of_url("mariadb://h/d"), Dialect::MySql);
+        assert_eq!(Dialect::of_url("postgres://h/d"), Dialect::Postgres);
     }
 
     #[test]

@@ -1,10 +1,10 @@
 //! The batch transaction.
 //!
 //! Fast path, one transaction:
-//! 0. start the side effect ([`SideEffect::begin`]: settings, locks, and a check that the schema is still the one
+//! 0. start the side effect ([`Tx::begin_side_effect`]: settings, locks, and a check that the schema is still the one
 //!    its statements were built for, else [`SinkError::SchemaChanged`]); with `[offsets] store = "database"`,
-//!    store the batch's positions, fenced by the owner epoch ([`crate::offsets::advance`]); raise the processed
-//!    marks and read them as they were ([`crate::offsets::processed`]): a record below its partition's mark is a
+//!    store the batch's positions, fenced by the owner epoch ([`Tx::advance_offsets`]); raise the processed
+//!    marks and read them as they were ([`Tx::processed`]): a record below its partition's mark is a
 //!    redelivery, whatever its key's dedup row says;
 //! 1. claim the distinct keys of the batch in one statement;
 //! 2. read the dedup rows of keys that were not new (only when there are some) and classify those duplicates;
@@ -16,23 +16,21 @@
 //! offending record is dead-lettered and the rest of the batch still commits. The slow path classifies
 //! duplicates exactly as the fast path does, so a record's outcome never depends on how batches were cut.
 
-use super::dead_letter;
 use super::dedup::{self, Claim, Existing};
-use super::error::{Disposition, SinkError};
-use super::side_effect::SideEffect;
+use super::error::{describe, Disposition, SinkError};
 use crate::key::BusinessKey;
 use crate::metrics::{BatchCounts, DeadLetterReason, DuplicateReason};
-use crate::offsets::{self, NextOffsets, Positions, Processed};
+use crate::offsets::{NextOffsets, Positions, Processed};
 use crate::prepare::{Apply, Prepared};
 use crate::record::Record;
-use sqlx::{Connection, PgConnection, PgPool};
+use crate::store::{SideEffect, Store, Tx};
 use std::collections::{HashMap, HashSet};
 
 /// The sink of one pipeline.
 #[derive(Clone, Debug)]
 pub struct Sink {
     pipeline: String,
-    pool: PgPool,
+    store: Store,
     side_effect: SideEffect,
 }
 
@@ -68,9 +66,9 @@ enum Fate {
 }
 
 impl Sink {
-    /// A sink writing to `pool` for `pipeline`.
-    pub fn new(pipeline: String, pool: PgPool, side_effect: SideEffect) -> Self {
-        Sink { pipeline, pool, side_effect }
+    /// A sink writing to `store` for `pipeline`.
+    pub fn new(pipeline: String, store: Store, side_effect: SideEffect) -> Self {
+        Sink { pipeline, store, side_effect }
     }
 
     /// Runs one batch in one transaction. `prepared[i]` belongs to `records[i]`. `positions`, with
@@ -98,10 +96,10 @@ impl Sink {
         records: &[Record],
         replaying: &[i64],
         positions: Option<&Positions>,
-    ) -> Result<(sqlx::Transaction<'static, sqlx::Postgres>, Processed), SinkError> {
+    ) -> Result<(Tx, Processed), SinkError> {
         let mut tx = self.begin().await?;
         if let Some(positions) = positions {
-            let fenced = offsets::advance(&mut tx, &self.pipeline, positions)
+            let fenced = tx.advance_offsets(&self.pipeline, positions)
                 .await
                 .map_err(|e| SinkError::new("storing consumed positions", e))?;
             if !fenced.is_empty() {
@@ -110,12 +108,12 @@ impl Sink {
             }
         }
         if !replaying.is_empty() {
-            dead_letter::delete(&mut tx, &self.pipeline, replaying)
+            tx.delete_dead_letters(&self.pipeline, replaying)
                 .await
                 .map_err(|e| SinkError::new("removing replayed dead letters", e))?;
             return Ok((tx, Processed::default()));
         }
-        let processed = offsets::processed(&mut tx, &self.pipeline, &NextOffsets::after(records))
+        let processed = tx.processed(&self.pipeline, &NextOffsets::after(records))
             .await
             .map_err(|e| SinkError::new("raising the processed positions", e))?;
         Ok((tx, processed))
@@ -160,7 +158,7 @@ impl Sink {
             }
         }
         let per_key: Vec<([u8; 32], i64)> = per_key.into_iter().collect();
-        dedup::count_duplicates(&mut tx, &self.pipeline, &per_key)
+        tx.count_duplicates(&self.pipeline, &per_key)
             .await
             .map_err(|e| SinkError::new("counting duplicates", e))?;
         let mut counts = BatchCounts { received: records.len() as u64, ..BatchCounts::default() };
@@ -171,7 +169,7 @@ impl Sink {
                 Fate::Duplicate(reason) => counts.duplicate(reason),
                 Fate::Tombstone => counts.tombstones += 1,
                 Fate::DeadLetter(reason, error) => {
-                    let new = dead_letter::write(&mut tx, &self.pipeline, record, reason, &error)
+                    let new = tx.write_dead_letter(&self.pipeline, record, reason, &error)
                         .await
                         .map_err(|e| SinkError::new("writing a dead letter", e))?;
                     if new {
@@ -199,12 +197,12 @@ impl Sink {
         Ok(BatchOutcome { counts, dead_letters })
     }
 
-    /// Opens a batch transaction and starts the side effect in it ([`SideEffect::begin`]).
+    /// Opens a batch transaction and starts the side effect in it ([`Tx::begin_side_effect`]).
     ///
     /// Errors: [`SinkError::SchemaChanged`] (rolled back) when the side effect's schema changed since it was built.
-    async fn begin(&self) -> Result<sqlx::Transaction<'static, sqlx::Postgres>, SinkError> {
-        let mut tx = self.pool.begin().await.map_err(|e| SinkError::new("opening the batch transaction", e))?;
-        let current = self.side_effect.begin(&mut tx).await.map_err(|e| SinkError::new("starting the side effect", e))?;
+    async fn begin(&self) -> Result<Tx, SinkError> {
+        let mut tx = self.store.begin().await.map_err(|e| SinkError::new("opening the batch transaction", e))?;
+        let current = tx.begin_side_effect(&self.side_effect).await.map_err(|e| SinkError::new("starting the side effect", e))?;
         if !current {
             tx.rollback().await.map_err(|e| SinkError::new("rolling back", e))?;
             return Err(SinkError::SchemaChanged);
@@ -214,7 +212,7 @@ impl Sink {
 
     async fn fast_path(
         &self,
-        conn: &mut PgConnection,
+        tx: &mut Tx,
         records: &[Record],
         prepared: &[Prepared],
         processed: &Processed,
@@ -236,13 +234,13 @@ impl Sink {
         let new = if claims.is_empty() {
             HashSet::new()
         } else {
-            dedup::claim(conn, &self.pipeline, &claims).await.map_err(|e| SinkError::new("claiming business keys", e))?
+            tx.claim(&self.pipeline, &claims).await.map_err(|e| SinkError::new("claiming business keys", e))?
         };
         let old: Vec<&[u8]> = claims.iter().map(|c| &c.key.digest[..]).filter(|d| !new.contains(*d)).collect();
         let stored: HashMap<[u8; 32], Existing> = if old.is_empty() {
             HashMap::new()
         } else {
-            dedup::existing(conn, &self.pipeline, &old)
+            tx.existing(&self.pipeline, &old)
                 .await
                 .map_err(|e| SinkError::new("reading dedup rows", e))?
                 .into_iter()
@@ -278,8 +276,7 @@ impl Sink {
             };
             fates.push(fate);
         }
-        self.side_effect
-            .apply_all(conn, &to_apply)
+        tx.apply_all(&self.side_effect, &to_apply)
             .await
             .map_err(|e| SinkError::new("applying the side effect", e))?;
         Ok(fates)
@@ -287,7 +284,7 @@ impl Sink {
 
     async fn slow_path(
         &self,
-        tx: &mut PgConnection,
+        tx: &mut Tx,
         records: &[Record],
         prepared: &[Prepared],
         processed: &Processed,
@@ -305,13 +302,13 @@ impl Sink {
                 }
                 Prepared::Apply(a) => a,
             };
-            let mut sp = tx.begin().await.map_err(|e| SinkError::new("opening a savepoint", e))?;
+            tx.savepoint().await.map_err(|e| SinkError::new("opening a savepoint", e))?;
             let claim = [Claim { key: &a.key, position: &record.position, fingerprint: &a.fingerprint }];
-            let new = match dedup::claim(&mut sp, &self.pipeline, &claim).await {
+            let new = match tx.claim(&self.pipeline, &claim).await {
                 Ok(new) => !new.is_empty(),
                 Err(e) => match super::error::classify(&e) {
                     Disposition::Record => {
-                        sp.rollback().await.map_err(|e| SinkError::new("rolling back a savepoint", e))?;
+                        tx.rollback_to_savepoint().await.map_err(|e| SinkError::new("rolling back a savepoint", e))?;
                         fates.push(Fate::DeadLetter(DeadLetterReason::KeyInvalid, describe(&e)));
                         continue;
                     }
@@ -319,21 +316,21 @@ impl Sink {
                 },
             };
             if !new {
-                let stored = dedup::existing(&mut sp, &self.pipeline, &[&a.key.digest[..]])
+                let stored = tx.existing(&self.pipeline, &[&a.key.digest[..]])
                     .await
                     .map_err(|e| SinkError::new("reading a dedup row", e))?;
                 let against = stored.into_iter().next().map_or_else(|| occurrence(record, p), |(_, e)| e);
-                sp.commit().await.map_err(|e| SinkError::new("releasing a savepoint", e))?;
+                tx.release_savepoint().await.map_err(|e| SinkError::new("releasing a savepoint", e))?;
                 fates.push(Fate::Duplicate(self.duplicate(&a.key, &against, record, &a.fingerprint, processed)));
                 continue;
             }
-            match self.side_effect.apply_one(&mut sp, a).await {
+            match tx.apply_one(&self.side_effect, a).await {
                 Ok(()) => {
-                    sp.commit().await.map_err(|e| SinkError::new("releasing a savepoint", e))?;
+                    tx.release_savepoint().await.map_err(|e| SinkError::new("releasing a savepoint", e))?;
                     fates.push(Fate::Applied);
                 }
                 Err(e) if super::error::classify(&e) == Disposition::Record => {
-                    sp.rollback().await.map_err(|e| SinkError::new("rolling back a savepoint", e))?;
+                    tx.rollback_to_savepoint().await.map_err(|e| SinkError::new("rolling back a savepoint", e))?;
                     fates.push(Fate::DeadLetter(DeadLetterReason::SideEffectRejected, describe(&e)));
                 }
                 Err(e) => return Err(SinkError::new("applying the side effect", e)),
@@ -374,15 +371,4 @@ fn occurrence(record: &Record, prepared: &Prepared) -> Existing {
         _ => Vec::new(),
     };
     Existing { position: record.position.clone(), fingerprint }
-}
-
-/// An error's text with its SQLSTATE, for the dead letters.
-fn describe(e: &sqlx::Error) -> String {
-    match e {
-        sqlx::Error::Database(db) => match db.code() {
-            Some(code) => format!("SQLSTATE {code}: {}", db.message()),
-            None => db.message().to_owned(),
-        },
-        other => other.to_string(),
-    }
 }

@@ -26,7 +26,7 @@
 //! batch whose partition another worker claimed meanwhile.
 //!
 //! With `[offsets] store = "database"`, the rebalance callback does not assign newly assigned partitions itself:
-//! it starts their claim ([`crate::offsets::claim`]) as a task and returns; the source keeps polling and, once the
+//! it starts their claim ([`Store::claim_offsets`]) as a task and returns; the source keeps polling and, once the
 //! claim is done, assigns the partitions from their stored positions (librdkafka waits for that assign call,
 //! keeping the member in its group). So a database that is down during a rebalance delays the partitions, never
 //! the consumer's poll. A revoke or a shutdown before the claim finishes drops it.
@@ -46,7 +46,7 @@ use rdkafka::config::{ClientConfig, RDKafkaLogLevel};
 use crate::offsets::{self, Positions};
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, RebalanceProtocol, StreamConsumer};
 use rdkafka::types::RDKafkaRespErr;
-use sqlx::PgPool;
+use crate::store::Store;
 use rdkafka::error::{KafkaError, KafkaResult};
 use rdkafka::{ClientContext, Offset, TopicPartitionList};
 use std::collections::{HashMap, HashSet};
@@ -107,8 +107,8 @@ impl Ownership {
 
 /// What the source needs to start partitions from their stored positions (`[offsets] store = "database"`).
 pub struct StoredStart {
-    /// The pool of the dedup store.
-    pub pool: PgPool,
+    /// The store that keeps the positions.
+    pub store: Store,
     /// Recorded as the owner of claimed partitions (for operators): `host/pid` by default.
     pub owner: String,
     /// The runtime the claim tasks run on.
@@ -289,12 +289,12 @@ impl SourceContext {
         tracing::info!(pipeline = %self.pipeline, partitions = %describe(tpl), "partitions assigned");
     }
 
-    /// Starts claiming the assigned partitions' stored positions ([`offsets::claim`]) in a task that retries while
+    /// Starts claiming the assigned partitions' stored positions ([`Store::claim_offsets`]) in a task that retries while
     /// the database is unreachable, until shutdown; [`KafkaSource::finish_claim`] assigns them when it is done.
     fn start_claim(&self, stored: &StoredStart, tpl: &TopicPartitionList, cooperative: bool) {
         let partitions: Vec<(String, i32)> =
             tpl.elements().iter().map(|e| (e.topic().to_owned(), e.partition())).collect();
-        let (pool, pipeline, owner, parts) = (stored.pool.clone(), self.pipeline.clone(), stored.owner.clone(), partitions.clone());
+        let (store, pipeline, owner, parts) = (stored.store.clone(), self.pipeline.clone(), stored.owner.clone(), partitions.clone());
         let (mut shutdown, done, state) = (stored.shutdown.clone(), self.claimed.clone(), self.state.clone());
         static CLAIMS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let id = CLAIMS.fetch_add(1, Ordering::SeqCst);
@@ -303,7 +303,7 @@ impl SourceContext {
         let task = stored.runtime.spawn(async move {
             let mut delays = crate::worker::backoff(Duration::from_millis(100), Duration::from_secs(10));
             let claimed = loop {
-                match offsets::claim(&pool, &pipeline, &owner, &parts).await {
+                match store.claim_offsets(&pipeline, &owner, &parts).await {
                     Ok(claimed) => break Some(claimed),
                     Err(e) => {
                         let delay = delays.next().unwrap_or(Duration::from_secs(10));

@@ -222,17 +222,17 @@ async fn a_worker_that_lost_its_partition_is_fenced() {
     let db = payments_db(None).await;
     let pool = &db.pool;
     let p0 = [(TOPIC.to_owned(), 0)];
-    let a = offsets::claim(pool, "payments", "worker-a", &p0).await.unwrap();
+    let a = idemflow::store::postgres::offsets::claim(pool, "payments", "worker-a", &p0).await.unwrap();
     assert_eq!((a[0].next_offset, a[0].epoch), (None, 1));
     let positions = |next: i64, epoch: i64| offsets::Positions(vec![(TOPIC.into(), 0, next, epoch)]);
 
     // A stores 100 in a batch transaction that is still open when B is assigned the partition.
     let mut tx = pool.begin().await.unwrap();
-    assert!(offsets::advance(&mut tx, "payments", &positions(100, 1)).await.unwrap().is_empty());
+    assert!(idemflow::store::postgres::offsets::advance(&mut tx, "payments", &positions(100, 1)).await.unwrap().is_empty());
     let claim_b = tokio::spawn({
         let pool = pool.clone();
         let p0 = p0.clone();
-        async move { offsets::claim(&pool, "payments", "worker-b", &p0).await.unwrap() }
+        async move { idemflow::store::postgres::offsets::claim(&pool, "payments", "worker-b", &p0).await.unwrap() }
     });
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(!claim_b.is_finished(), "B's claim waits for A's batch in flight");
@@ -243,17 +243,17 @@ async fn a_worker_that_lost_its_partition_is_fenced() {
     // A, not yet told it lost the partition, tries its next batch: fenced, and it rolls back whole.
     let mut tx = pool.begin().await.unwrap();
     sqlx::query("INSERT INTO accounts VALUES ('ZOMBIE', 0)").execute(&mut *tx).await.unwrap();
-    let fenced = offsets::advance(&mut tx, "payments", &positions(150, 1)).await.unwrap();
+    let fenced = idemflow::store::postgres::offsets::advance(&mut tx, "payments", &positions(150, 1)).await.unwrap();
     assert_eq!(fenced, vec![(TOPIC.to_owned(), 0)]);
     tx.rollback().await.unwrap();
     // Nor can it move the position backwards.
     let mut tx = pool.begin().await.unwrap();
-    assert_eq!(offsets::advance(&mut tx, "payments", &positions(50, 1)).await.unwrap().len(), 1);
+    assert_eq!(idemflow::store::postgres::offsets::advance(&mut tx, "payments", &positions(50, 1)).await.unwrap().len(), 1);
     tx.commit().await.unwrap();
     assert_eq!(db.scalar::<i64>("SELECT next_offset FROM idemflow.offsets WHERE partition = 0").await, 100);
     // B's batches go through.
     let mut tx = pool.begin().await.unwrap();
-    assert!(offsets::advance(&mut tx, "payments", &positions(130, 2)).await.unwrap().is_empty());
+    assert!(idemflow::store::postgres::offsets::advance(&mut tx, "payments", &positions(130, 2)).await.unwrap().is_empty());
     tx.commit().await.unwrap();
     assert_eq!(db.scalar::<i64>("SELECT next_offset FROM idemflow.offsets WHERE partition = 0").await, 130);
     assert_eq!(db.scalar::<String>("SELECT owner FROM idemflow.offsets WHERE partition = 0").await, "worker-b");
@@ -263,7 +263,7 @@ async fn a_worker_that_lost_its_partition_is_fenced() {
     let setup = Setup::new(&db, &setup_kafka, &[("payments.toml", &stored_positions())]);
     let settings = idemflow::config::load_settings_from(&setup.config, []).unwrap().settings;
     let pipelines = idemflow::config::load_pipelines(&settings.pipelines).unwrap();
-    let ready = idemflow::worker::prepare(pool, &pipelines).await.unwrap();
+    let ready = idemflow::worker::prepare(&idemflow::store::Store::Postgres(pool.clone()), &pipelines).await.unwrap();
     let r = &ready[0];
     let record = idemflow::record::Record {
         position: idemflow::record::Position { topic: TOPIC.into(), partition: 0, offset: 130 },

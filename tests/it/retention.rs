@@ -29,11 +29,11 @@ async fn purge_deletes_expired_rows_in_bounded_batches_one_replica_at_a_time() {
     // Another replica holds the pipeline's purge lock: this one skips, it does not wait.
     let mut other: sqlx::PgConnection = sqlx::Connection::connect(&db.url).await.unwrap();
     sqlx::query("SELECT pg_advisory_lock($1, hashtext('payments'))").bind(0x1de_f10).execute(&mut other).await.unwrap();
-    let o = idemflow::retention::purge(&db.pool, "payments", week, 3, |n| batches.push(n)).await.unwrap();
+    let o = idemflow::store::postgres::retention::purge(&db.pool, "payments", week, 3, |n| batches.push(n)).await.unwrap();
     assert!(o.skipped_locked && o.purged == 0, "{o:?}");
     sqlx::query("SELECT pg_advisory_unlock($1, hashtext('payments'))").bind(0x1de_f10).execute(&mut other).await.unwrap();
 
-    let o = idemflow::retention::purge(&db.pool, "payments", week, 3, |n| batches.push(n)).await.unwrap();
+    let o = idemflow::store::postgres::retention::purge(&db.pool, "payments", week, 3, |n| batches.push(n)).await.unwrap();
     assert_eq!((o.purged, o.batches, o.skipped_locked), (10, 4, false), "10 rows in batches of 3");
     // Each committed batch is reported as it goes (the worker's idemflow_dedup_rows_purged_total moves with each).
     assert_eq!(batches, vec![3, 3, 3, 1]);

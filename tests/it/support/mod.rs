@@ -303,8 +303,8 @@ impl InProc {
         let _ = tracing_subscriber::fmt().with_env_filter("info,librdkafka=warn").with_test_writer().try_init();
         let settings = idemflow::config::load_settings_from(&setup.config, []).unwrap().settings;
         let pipelines = idemflow::config::load_pipelines(&settings.pipelines).unwrap();
-        let pool = idemflow::db::pool(&settings.database).unwrap();
-        let ready = idemflow::worker::prepare(&pool, &pipelines).await.unwrap();
+        let store = idemflow::store::Store::connect(&settings.database).unwrap();
+        let ready = idemflow::worker::prepare(&store, &pipelines).await.unwrap();
         let metrics = idemflow::metrics::Metrics::new();
         let health = idemflow::http::Health::default();
         let (trigger, stop) = idemflow::shutdown::channel();

@@ -47,7 +47,7 @@ impl TestDb {
         let base = admin.rsplit_once('/').map(|(b, _)| b).unwrap_or(admin);
         let url = format!("{base}/{name}");
         let pool = sqlx::postgres::PgPoolOptions::new().max_connections(4).connect(&url).await.unwrap();
-        idemflow::db::MIGRATOR.run(&pool).await.unwrap();
+        idemflow::store::postgres::MIGRATOR.run(&pool).await.unwrap();
         if !setup.is_empty() {
             sqlx::raw_sql(setup).execute(&pool).await.unwrap();
         }

@@ -21,7 +21,7 @@
 //! execution), so no schema change can commit until the batch does, and then reads the schema again: the table's
 //! identity, columns, types, NOT NULL, defaults and primary key, or each statement's inferred parameter types.
 //! When that differs from what the statements were built from, the batch rolls back with
-//! [`super::SinkError::SchemaChanged`] and the worker rebuilds the statements and prepares the records again,
+//! [`crate::sink::SinkError::SchemaChanged`] and the worker rebuilds the statements and prepares the records again,
 //! before anything was written (PostgreSQL docs, "Explicit Locking": locks are held until the transaction ends).
 //!
 //! # Time zones
@@ -31,7 +31,8 @@
 //! "dead_letter"`), and a value with an offset for a `timestamp` (without time zone) target is converted to that
 //! zone's local time instead of having its offset dropped, which is what PostgreSQL's own cast does.
 
-use super::template::Statement;
+use crate::sink::template::Statement;
+use crate::store::PrepareError;
 use crate::config::{Binding, OnConflict, SinkSpec, TimeSettings};
 use crate::field::Render;
 use crate::prepare::Apply;
@@ -87,25 +88,13 @@ pub struct PreparedStatement {
     pub slots: Vec<usize>,
 }
 
-/// Why a side effect does not fit the database. Each is a configuration error naming the field.
-#[derive(Debug, thiserror::Error)]
-#[error("{field}: {message}")]
-pub struct PrepareError {
-    /// The pipeline field at fault, such as `sink.table` or `sink.sql[1]`.
-    pub field: String,
-    /// What is wrong, with Postgres's own message where it gave one.
-    pub message: String,
-    /// The database could not be asked (connection, pool): worth retrying, not a configuration error.
-    pub unavailable: bool,
-}
-
 fn prepare_error(field: impl Into<String>, message: impl Into<String>) -> PrepareError {
     PrepareError { field: field.into(), message: message.into(), unavailable: false }
 }
 
 /// A database error met while preparing: a configuration error unless the database itself was unavailable.
 fn db_error(field: impl Into<String>, e: sqlx::Error, context: &str) -> PrepareError {
-    let unavailable = matches!(super::error::classify(&e), super::Disposition::Retry(_));
+    let unavailable = matches!(crate::sink::error::classify(&e), crate::sink::Disposition::Retry(_));
     let hint = super::error::pooler_hint(&e);
     let message = if context.is_empty() { format!("{e}{hint}") } else { format!("{e}{hint}\n  in: {context}") };
     PrepareError { field: field.into(), message, unavailable }
@@ -185,7 +174,7 @@ async fn target_types(conn: &mut PgConnection, oids: &[i64]) -> Result<Vec<Targe
          LEFT JOIN pg_type eb ON eb.oid = CASE WHEN e.typtype = 'd' THEN e.typbasetype ELSE e.oid END",
     )
     .bind(oids)
-    .persistent(crate::db::persistent())
+    .persistent(super::persistent())
     .fetch_all(&mut *conn)
     .await?;
     Ok(oids
@@ -309,7 +298,7 @@ async fn insert_rows(conn: &mut PgConnection, sql: &str, columns: usize, rows: &
     if rows.is_empty() {
         return Ok(());
     }
-    let mut query = sqlx::query(sql).persistent(crate::db::persistent());
+    let mut query = sqlx::query(sql).persistent(super::persistent());
     for c in 0..columns {
         let column: Vec<Option<&str>> = rows.iter().map(|r| r.values[c].as_deref()).collect();
         query = query.bind(column);
@@ -325,7 +314,7 @@ async fn run_statements(
     row: &Apply,
 ) -> Result<(), sqlx::Error> {
     for statement in statements {
-        let mut query = sqlx::query(&statement.sql).persistent(crate::db::persistent());
+        let mut query = sqlx::query(&statement.sql).persistent(super::persistent());
         for &slot in &statement.slots {
             query = query.bind(row.values[slot].as_deref());
         }
@@ -365,7 +354,7 @@ async fn prepare_table(
     let found: Option<(i64, String)> =
         sqlx::query_as("SELECT c.oid::int8, c.oid::regclass::text FROM pg_class c WHERE c.oid = to_regclass($1)")
             .bind(table)
-            .persistent(crate::db::persistent())
+            .persistent(super::persistent())
             .fetch_optional(&mut *conn)
             .await
             .map_err(|e| db_error("sink.table", e, ""))?;
@@ -380,7 +369,7 @@ async fn prepare_table(
          WHERE a.attrelid = $1::int8::oid AND a.attnum > 0 AND NOT a.attisdropped ORDER BY a.attnum",
     )
     .bind(oid)
-    .persistent(crate::db::persistent())
+    .persistent(super::persistent())
     .fetch_all(&mut *conn)
     .await
     .map_err(|e| db_error("sink.table", e, ""))?;

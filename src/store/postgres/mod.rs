@@ -1,4 +1,19 @@
-//! The Postgres connection pool and idemflow's embedded migrations (`migrations/`).
+//! The PostgreSQL store: the connection pool, idemflow's embedded migrations (`migrations/postgres/`, schema
+//! `idemflow`) and the schema check.
+//!
+//! - [`dedup`]: the claim, the existing rows, the duplicate counts, `explain`.
+//! - [`side_effect`]: the table form (one set-based `INSERT`) and the SQL form (statements per record).
+//! - [`dead_letter`]: `idemflow.dead_letters`.
+//! - [`offsets`]: stored positions with fencing, and the processed marks.
+//! - [`retention`]: the purge.
+//! - [`error`]: the SQLSTATE table.
+
+pub mod dead_letter;
+pub mod dedup;
+pub mod error;
+pub mod offsets;
+pub mod retention;
+pub mod side_effect;
 
 use crate::config::DatabaseSettings;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
@@ -6,9 +21,9 @@ use sqlx::ConnectOptions as _;
 use std::sync::atomic::{AtomicBool, Ordering};
 use sqlx::PgPool;
 
-/// The migrations in `migrations/`, embedded in the binary. They create the `idemflow` schema: the dedup store
-/// and the dead letters. sqlx records applied versions in `_sqlx_migrations`.
-pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!();
+/// The migrations in `migrations/postgres/`, embedded in the binary. They create the `idemflow` schema: the dedup
+/// store and the dead letters. sqlx records applied versions in `_sqlx_migrations`.
+pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("migrations/postgres");
 
 static PERSISTENT: AtomicBool = AtomicBool::new(true);
 

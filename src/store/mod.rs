@@ -1,0 +1,358 @@
+//! The store: the database that holds the business data and idemflow's own tables (dedup rows, dead letters,
+//! stored positions), one module per database behind closed enums, as [`crate::source`] is for brokers.
+//!
+//! - [`Store`]: a connection pool, and what runs outside a batch: migrations, the schema check, stored positions
+//!   (claim, read, reset), retention, `explain`, the dead-letter listing.
+//! - [`Tx`]: one open batch transaction, and every step the batch protocol ([`crate::sink`]) takes in it: the
+//!   claim, the lookup of existing dedup rows, the side effect, the dead letters, the fenced positions, the
+//!   processed marks, savepoints, `COMMIT`.
+//! - [`SideEffect`]: a pipeline's side effect, checked against the store's tables and statements.
+//!
+//! The protocol and the duplicate classification are written once, in [`crate::sink`]; a store provides only the
+//! statements. Each store maps its error codes into the same dispositions ([`crate::sink::error`]).
+//!
+//! - [`postgres`]: PostgreSQL (`postgres://`, `postgresql://`).
+//! - [`mysql`]: MySQL and MariaDB (`mysql://`, `mariadb://`).
+
+pub mod mysql;
+pub mod postgres;
+
+use crate::config::{Binding, DatabaseSettings, Dialect, SinkSpec, TimeSettings};
+use crate::field::Render;
+use crate::key::BusinessKey;
+use crate::offsets::{Claimed, NextOffsets, Positions, Processed};
+use crate::prepare::Apply;
+use crate::record::Record;
+use crate::retention::PurgeOutcome;
+use crate::sink::dead_letter::Stored;
+use crate::sink::dedup::{Claim, Existing, Explained};
+use crate::metrics::DeadLetterReason;
+use std::collections::HashSet;
+use std::time::Duration;
+
+/// A store's connection pool. Cheap to clone (the pool is shared).
+#[derive(Clone, Debug)]
+pub enum Store {
+    /// PostgreSQL.
+    Postgres(sqlx::PgPool),
+    /// MySQL or MariaDB.
+    MySql(mysql::MySqlStore),
+}
+
+/// Why a side effect does not fit the database. Each is a configuration error naming the field.
+#[derive(Debug, thiserror::Error)]
+#[error("{field}: {message}")]
+pub struct PrepareError {
+    /// The pipeline field at fault, such as `sink.table` or `sink.sql[1]`.
+    pub field: String,
+    /// What is wrong, with the database's own message where it gave one.
+    pub message: String,
+    /// The database could not be asked (connection, pool): worth retrying, not a configuration error.
+    pub unavailable: bool,
+}
+
+impl Store {
+    /// A pool for `settings.url` that connects on first use, so the worker can start before the database is up.
+    ///
+    /// Errors: the URL does not parse, or names no store idemflow knows.
+    pub fn connect(settings: &DatabaseSettings) -> Result<Store, sqlx::Error> {
+        Ok(match Dialect::of_url(settings.url.expose()) {
+            Dialect::Postgres => Store::Postgres(postgres::pool(settings)?),
+            Dialect::MySql => Store::MySql(mysql::MySqlStore::new(mysql::pool(settings)?)),
+        })
+    }
+
+    /// Connects once, directly, to tell whether the database is reachable, with the server's or the network's
+    /// own reason when it is not. The error never contains the password.
+    pub async fn ping(settings: &DatabaseSettings) -> Result<(), String> {
+        match Dialect::of_url(settings.url.expose()) {
+            Dialect::Postgres => postgres::ping(settings).await,
+            Dialect::MySql => mysql::ping(settings).await,
+        }
+    }
+
+    /// Creates or upgrades idemflow's tables; returns the schema version now.
+    ///
+    /// Errors: the migration's (the database unreachable, a migration changed since it was applied).
+    pub async fn migrate(&self) -> Result<i64, sqlx::migrate::MigrateError> {
+        match self {
+            Store::Postgres(pool) => {
+                postgres::MIGRATOR.run(pool).await?;
+                Ok(postgres::MIGRATOR.iter().map(|m| m.version).max().unwrap_or_default())
+            }
+            Store::MySql(s) => {
+                mysql::MIGRATOR.run(&s.pool).await?;
+                Ok(mysql::MIGRATOR.iter().map(|m| m.version).max().unwrap_or_default())
+            }
+        }
+    }
+
+    /// Whether idemflow's tables are migrated to the version this binary needs, with the unique index the claim
+    /// depends on.
+    ///
+    /// Errors: what is missing and what to run.
+    pub async fn check_schema(&self) -> Result<(), String> {
+        match self {
+            Store::Postgres(pool) => postgres::check_schema(pool).await,
+            Store::MySql(s) => mysql::check_schema(&s.pool).await,
+        }
+    }
+
+    /// Opens a batch transaction.
+    pub async fn begin(&self) -> Result<Tx, sqlx::Error> {
+        Ok(match self {
+            Store::Postgres(pool) => Tx::Postgres(pool.begin().await?),
+            Store::MySql(s) => Tx::MySql(s.pool.begin().await?, s.claim_form().await?),
+        })
+    }
+
+    /// Closes the pool, waiting for connections in use to be returned.
+    pub async fn close(&self) {
+        match self {
+            Store::Postgres(pool) => pool.close().await,
+            Store::MySql(s) => s.pool.close().await,
+        }
+    }
+
+    /// Checks a pipeline's side effect against the database and builds its statements. Returns the side effect
+    /// and its bindings in value order, each with how its values are rendered.
+    ///
+    /// Errors: a [`PrepareError`] naming the field at fault, or with `unavailable` set when the database could
+    /// not be asked.
+    pub async fn prepare_side_effect(
+        &self,
+        spec: &SinkSpec,
+        time: &TimeSettings,
+    ) -> Result<(SideEffect, Vec<(Binding, Render)>), PrepareError> {
+        let unavailable = |e: sqlx::Error| PrepareError { field: "database".into(), message: format!("cannot connect: {e}"), unavailable: true };
+        match self {
+            Store::Postgres(pool) => {
+                let mut conn = pool.acquire().await.map_err(unavailable)?;
+                let (s, b) = postgres::side_effect::SideEffect::prepare(&mut conn, spec, time).await?;
+                Ok((SideEffect::Postgres(s), b))
+            }
+            Store::MySql(store) => {
+                let mut conn = store.pool.acquire().await.map_err(unavailable)?;
+                let (s, b) = mysql::side_effect::SideEffect::prepare(&mut conn, spec, time).await?;
+                Ok((SideEffect::MySql(s), b))
+            }
+        }
+    }
+
+    /// Takes ownership of `partitions` for `pipeline` (`[offsets] store = "database"`): increments each one's
+    /// epoch and returns the stored positions. `owner` is recorded for operators.
+    ///
+    /// Errors: any database error (the caller retries).
+    pub async fn claim_offsets(&self, pipeline: &str, owner: &str, partitions: &[(String, i32)]) -> sqlx::Result<Vec<Claimed>> {
+        match self {
+            Store::Postgres(pool) => postgres::offsets::claim(pool, pipeline, owner, partitions).await,
+            Store::MySql(s) => mysql::offsets::claim(&s.pool, pipeline, owner, partitions).await,
+        }
+    }
+
+    /// The stored positions of `pipeline`: `(topic, partition, next offset)`.
+    pub async fn stored_offsets(&self, pipeline: &str) -> sqlx::Result<Vec<(String, i32, Option<i64>)>> {
+        match self {
+            Store::Postgres(pool) => postgres::offsets::stored(pool, pipeline).await,
+            Store::MySql(s) => mysql::offsets::stored(&s.pool, pipeline).await,
+        }
+    }
+
+    /// Sets the stored positions of `pipeline` (`idemflow rewind`) and increments their epochs, so a worker still
+    /// holding one of these partitions is fenced. Returns how many rows were written.
+    pub async fn reset_offsets(&self, pipeline: &str, positions: &[(String, i32, i64)]) -> sqlx::Result<u64> {
+        match self {
+            Store::Postgres(pool) => postgres::offsets::reset(pool, pipeline, positions).await,
+            Store::MySql(s) => mysql::offsets::reset(&s.pool, pipeline, positions).await,
+        }
+    }
+
+    /// Deletes the dedup rows of `pipeline` older than `retention`, `batch` rows per transaction, until none is
+    /// left (see [`crate::retention`]). `on_batch` is called after each committed batch with the rows it deleted.
+    ///
+    /// Errors: the database's; a pass interrupted by one leaves the store consistent (each batch is atomic).
+    pub async fn purge(&self, pipeline: &str, retention: Duration, batch: u32, on_batch: impl FnMut(u64)) -> Result<PurgeOutcome, sqlx::Error> {
+        match self {
+            Store::Postgres(pool) => postgres::retention::purge(pool, pipeline, retention, batch, on_batch).await,
+            Store::MySql(s) => mysql::retention::purge(&s.pool, pipeline, retention, batch, on_batch).await,
+        }
+    }
+
+    /// What the dedup store knows of one business key (`idemflow explain`).
+    pub async fn explain(&self, pipeline: &str, key: &BusinessKey) -> Result<Option<Explained>, sqlx::Error> {
+        match self {
+            Store::Postgres(pool) => {
+                // In a transaction, as every access is (a transaction-pooling proxy, PgBouncer).
+                let mut tx = pool.begin().await?;
+                postgres::dedup::explain(&mut tx, pipeline, key).await
+            }
+            Store::MySql(s) => mysql::dedup::explain(&mut *s.pool.acquire().await?, pipeline, key).await,
+        }
+    }
+
+    /// The newest `limit` dead letters, optionally of one pipeline.
+    pub async fn dead_letters(&self, pipeline: Option<&str>, limit: i64) -> Result<Vec<Stored>, sqlx::Error> {
+        match self {
+            Store::Postgres(pool) => postgres::dead_letter::list(&mut *pool.begin().await?, pipeline, limit).await,
+            Store::MySql(s) => mysql::dead_letter::list(&mut *s.pool.acquire().await?, pipeline, limit).await,
+        }
+    }
+
+    /// One dead letter by id.
+    pub async fn dead_letter(&self, id: i64) -> Result<Option<Stored>, sqlx::Error> {
+        match self {
+            Store::Postgres(pool) => postgres::dead_letter::get(&mut *pool.begin().await?, id).await,
+            Store::MySql(s) => mysql::dead_letter::get(&mut *s.pool.acquire().await?, id).await,
+        }
+    }
+}
+
+/// A pipeline's side effect, built for its store.
+#[derive(Clone, Debug)]
+pub enum SideEffect {
+    /// See [`postgres::side_effect`].
+    Postgres(postgres::side_effect::SideEffect),
+    /// See [`mysql::side_effect`].
+    MySql(mysql::side_effect::SideEffect),
+}
+
+/// One open batch transaction. Dropped without [`Tx::commit`], it rolls back.
+pub enum Tx {
+    /// PostgreSQL.
+    Postgres(sqlx::Transaction<'static, sqlx::Postgres>),
+    /// MySQL or MariaDB, with how its claim learns which keys were new.
+    MySql(sqlx::Transaction<'static, sqlx::MySql>, mysql::ClaimForm),
+}
+
+/// A side effect is always built by the store its transactions come from (a pipeline has one store).
+const SAME_STORE: &str = "a side effect runs in a transaction of the store that built it";
+
+impl Tx {
+    /// `COMMIT`.
+    pub async fn commit(self) -> Result<(), sqlx::Error> {
+        match self {
+            Tx::Postgres(tx) => tx.commit().await,
+            Tx::MySql(tx, _) => tx.commit().await,
+        }
+    }
+
+    /// `ROLLBACK`.
+    pub async fn rollback(self) -> Result<(), sqlx::Error> {
+        match self {
+            Tx::Postgres(tx) => tx.rollback().await,
+            Tx::MySql(tx, _) => tx.rollback().await,
+        }
+    }
+
+    /// Runs SQL without parameters on the simple (text) protocol: no prepared statement, so nothing collides
+    /// behind a transaction-pooling proxy.
+    async fn raw(&mut self, sql: &str) -> Result<(), sqlx::Error> {
+        use sqlx::Executor as _;
+        match self {
+            Tx::Postgres(tx) => tx.execute(sqlx::raw_sql(sql)).await.map(drop),
+            Tx::MySql(tx, _) => tx.execute(sqlx::raw_sql(sql)).await.map(drop),
+        }
+    }
+
+    /// `SAVEPOINT` (one record of the slow path).
+    pub async fn savepoint(&mut self) -> Result<(), sqlx::Error> {
+        self.raw("SAVEPOINT idemflow_record").await
+    }
+
+    /// `RELEASE SAVEPOINT`: keeps what the record did.
+    pub async fn release_savepoint(&mut self) -> Result<(), sqlx::Error> {
+        self.raw("RELEASE SAVEPOINT idemflow_record").await
+    }
+
+    /// `ROLLBACK TO SAVEPOINT` then `RELEASE`: undoes what the record did, the transaction goes on.
+    pub async fn rollback_to_savepoint(&mut self) -> Result<(), sqlx::Error> {
+        self.raw("ROLLBACK TO SAVEPOINT idemflow_record").await?;
+        self.raw("RELEASE SAVEPOINT idemflow_record").await
+    }
+
+    /// Starts the side effect in this transaction (settings, locks, and a check that the schema is still the one
+    /// its statements were built for). Returns `false` when it changed: roll back and prepare again.
+    pub async fn begin_side_effect(&mut self, side_effect: &SideEffect) -> Result<bool, sqlx::Error> {
+        match (self, side_effect) {
+            (Tx::Postgres(tx), SideEffect::Postgres(s)) => s.begin(tx).await,
+            (Tx::MySql(tx, _), SideEffect::MySql(s)) => s.begin(tx).await,
+            _ => unreachable!("{SAME_STORE}"),
+        }
+    }
+
+    /// Applies the side effect for all `rows` (the fast path).
+    pub async fn apply_all(&mut self, side_effect: &SideEffect, rows: &[&Apply]) -> Result<(), sqlx::Error> {
+        match (self, side_effect) {
+            (Tx::Postgres(tx), SideEffect::Postgres(s)) => s.apply_all(tx, rows).await,
+            (Tx::MySql(tx, _), SideEffect::MySql(s)) => s.apply_all(tx, rows).await,
+            _ => unreachable!("{SAME_STORE}"),
+        }
+    }
+
+    /// Applies the side effect for one record (the slow path).
+    pub async fn apply_one(&mut self, side_effect: &SideEffect, row: &Apply) -> Result<(), sqlx::Error> {
+        match (self, side_effect) {
+            (Tx::Postgres(tx), SideEffect::Postgres(s)) => s.apply_one(tx, row).await,
+            (Tx::MySql(tx, _), SideEffect::MySql(s)) => s.apply_one(tx, row).await,
+            _ => unreachable!("{SAME_STORE}"),
+        }
+    }
+
+    /// Claims distinct keys in one statement, insert-then-check. Returns the digests that were new.
+    pub async fn claim(&mut self, pipeline: &str, claims: &[Claim<'_>]) -> Result<HashSet<[u8; 32]>, sqlx::Error> {
+        match self {
+            Tx::Postgres(tx) => postgres::dedup::claim(tx, pipeline, claims).await,
+            Tx::MySql(tx, form) => mysql::dedup::claim(tx, *form, pipeline, claims).await,
+        }
+    }
+
+    /// Reads the dedup rows of keys that the claim did not return.
+    pub async fn existing(&mut self, pipeline: &str, digests: &[&[u8]]) -> Result<Vec<([u8; 32], Existing)>, sqlx::Error> {
+        match self {
+            Tx::Postgres(tx) => postgres::dedup::existing(tx, pipeline, digests).await,
+            Tx::MySql(tx, _) => mysql::dedup::existing(tx, pipeline, digests).await,
+        }
+    }
+
+    /// Adds skipped duplicates to their keys' dedup rows, in digest order (two workers cannot deadlock on them).
+    pub async fn count_duplicates(&mut self, pipeline: &str, counts: &[([u8; 32], i64)]) -> Result<(), sqlx::Error> {
+        match self {
+            Tx::Postgres(tx) => postgres::dedup::count_duplicates(tx, pipeline, counts).await,
+            Tx::MySql(tx, _) => mysql::dedup::count_duplicates(tx, pipeline, counts).await,
+        }
+    }
+
+    /// Writes one dead letter. Returns `false` when this position was already dead-lettered (a redelivery).
+    pub async fn write_dead_letter(&mut self, pipeline: &str, record: &Record, reason: DeadLetterReason, error: &str) -> Result<bool, sqlx::Error> {
+        match self {
+            Tx::Postgres(tx) => postgres::dead_letter::write(tx, pipeline, record, reason, error).await,
+            Tx::MySql(tx, _) => mysql::dead_letter::write(tx, pipeline, record, reason, error).await,
+        }
+    }
+
+    /// Deletes dead letters of `pipeline` by id (their replay is under way in this transaction).
+    pub async fn delete_dead_letters(&mut self, pipeline: &str, ids: &[i64]) -> Result<u64, sqlx::Error> {
+        match self {
+            Tx::Postgres(tx) => postgres::dead_letter::delete(tx, pipeline, ids).await,
+            Tx::MySql(tx, _) => mysql::dead_letter::delete(tx, pipeline, ids).await,
+        }
+    }
+
+    /// Stores `positions` for the partitions whose epoch is still the one presented. Returns the partitions that
+    /// were fenced; the caller must then roll the whole transaction back.
+    pub async fn advance_offsets(&mut self, pipeline: &str, positions: &Positions) -> Result<Vec<(String, i32)>, sqlx::Error> {
+        match self {
+            Tx::Postgres(tx) => postgres::offsets::advance(tx, pipeline, positions).await,
+            Tx::MySql(tx, _) => mysql::offsets::advance(tx, pipeline, positions).await,
+        }
+    }
+
+    /// Raises the processed marks of the batch's partitions to `next` (never lowers them) and returns the marks as
+    /// they were before.
+    pub async fn processed(&mut self, pipeline: &str, next: &NextOffsets) -> Result<Processed, sqlx::Error> {
+        match self {
+            Tx::Postgres(tx) => postgres::offsets::processed(tx, pipeline, next).await,
+            Tx::MySql(tx, _) => mysql::offsets::processed(tx, pipeline, next).await,
+        }
+    }
+}

@@ -1,0 +1,55 @@
+//! MySQL's and MariaDB's failures, by error number (MySQL Reference Manual, "Server Error Message Reference" and
+//! "Client Error Message Reference"; MariaDB's own numbers from 1900 on are noted):
+//!
+//! | failure | numbers | disposition |
+//! |---|---|---|
+//! | the connection lost or killed (also during `COMMIT`: the dedup rows decide on the retry) | 2002, 2003, 2006, 2013, 2055, 1927 (MariaDB: connection killed), 1053 (server shutdown), 1152, 1184 | retry the batch |
+//! | deadlock, lock wait timeout | 1213, 1205 | retry the batch |
+//! | the server busy or read-only (a failover), a statement interrupted or over its time limit | 1040 (too many connections), 1203, 1226, 1290 (`--read-only`), 1792 (read-only transaction), 1836 (read-only mode), 1317, 3024, 1969 (MariaDB: statement time limit), 4031 (idle session timed out) | retry the batch |
+//! | a data error or a constraint of one record | 1062 and 1586 (duplicate key on a business table), 1048 (NULL into NOT NULL), 1264 (out of range), 1265 (truncated), 1292 (incorrect date/time/number), 1366 (incorrect value for the column), 1367, 1406 (too long), 1365 (division by 0), 1690, 1451/1452 (foreign key), 3819 (MySQL CHECK), 4025 (MariaDB CHECK, JSON validity), 3140 (invalid JSON, MySQL), 1300 (invalid character string), 1644 (`SIGNAL` raised by a trigger or procedure) | dead-letter that record (`side_effect_rejected`) |
+//! | a missing table or column, a syntax error, a permission refused, and anything else | 1146, 1054, 1064, 1142, 1143, 1044, 1045, ... | fatal: the pipeline stops |
+
+use crate::metrics::RetryCause;
+use crate::sink::Disposition;
+use sqlx::mysql::MySqlDatabaseError;
+
+/// Classifies a MySQL or MariaDB error by its number (see the module table).
+pub fn classify(error: &MySqlDatabaseError) -> Disposition {
+    classify_number(error.number())
+}
+
+/// Classifies an error number (see the module table).
+pub fn classify_number(number: u16) -> Disposition {
+    use Disposition::*;
+    match number {
+        2002 | 2003 | 2006 | 2013 | 2055 | 1927 | 1053 | 1152 | 1184 => Retry(RetryCause::Connection),
+        1213 | 1205 => Retry(RetryCause::Conflict),
+        1040 | 1203 | 1226 | 1290 | 1792 | 1836 | 1317 | 3024 | 1969 | 4031 => Retry(RetryCause::Unavailable),
+        1062 | 1586 | 1048 | 1264 | 1265 | 1292 | 1366 | 1367 | 1406 | 1365 | 1690 | 1451 | 1452 | 3819 | 4025 | 3140
+        | 1300 | 1644 => Record,
+        _ => Fatal,
+    }
+}
+
+/// The error as the dead letters and logs show it: `MySQL error 1366 (22007): Incorrect decimal value: ...`.
+pub fn describe(error: &MySqlDatabaseError) -> String {
+    format!("MySQL error {} ({}): {}", error.number(), error.code().unwrap_or("HY000"), error.message())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn error_number_table() {
+        assert_eq!(classify_number(1062), Disposition::Record);
+        assert_eq!(classify_number(1366), Disposition::Record);
+        assert_eq!(classify_number(1406), Disposition::Record);
+        assert_eq!(classify_number(1213), Disposition::Retry(RetryCause::Conflict));
+        assert_eq!(classify_number(1205), Disposition::Retry(RetryCause::Conflict));
+        assert_eq!(classify_number(2013), Disposition::Retry(RetryCause::Connection));
+        assert_eq!(classify_number(1927), Disposition::Retry(RetryCause::Connection));
+        assert_eq!(classify_number(1146), Disposition::Fatal);
+        assert_eq!(classify_number(1054), Disposition::Fatal);
+    }
+}

@@ -1,0 +1,240 @@
+//! The MySQL and MariaDB store: `mysql://` or `mariadb://` URLs. idemflow's tables (`idemflow_dedup`,
+//! `idemflow_dead_letters`, `idemflow_offsets`, `idemflow_processed`, from `migrations/mysql/`) live in the URL's
+//! database beside the business tables, so one InnoDB transaction spans both.
+//!
+//! Every session idemflow opens runs with:
+//! - `sql_mode = 'STRICT_ALL_TABLES,NO_ZERO_IN_DATE,NO_ZERO_DATE,ERROR_FOR_DIVISION_BY_ZERO,NO_ENGINE_SUBSTITUTION'`,
+//!   whatever the server's default: a value that does not fit its column is an error (the record is
+//!   dead-lettered with it), never a silent 0, a truncation or a zero date (MySQL Reference Manual, "Server SQL
+//!   Modes": strict mode);
+//! - `time_zone = '+00:00'` (sqlx's default): `TIMESTAMP` values are written and read as UTC;
+//! - `NAMES utf8mb4`: 4-byte UTF-8 reaches the server intact;
+//! - `TRANSACTION ISOLATION LEVEL READ COMMITTED`, as PostgreSQL's default: a read after a claim that waited for
+//!   another worker's row sees that worker's committed row, and InnoDB takes no gap locks for the claim.
+//!
+//! - [`dedup`]: the claim (`INSERT IGNORE ... RETURNING` on MariaDB, a claim token on MySQL), existing rows,
+//!   duplicate counts, `explain`.
+//! - [`side_effect`]: the table form (multi-row `INSERT`s) and the SQL form (`:name` parameters).
+//! - [`dead_letter`], [`offsets`], [`retention`] (`GET_LOCK` and `DELETE ... ORDER BY ... LIMIT`), [`error`].
+
+pub mod dead_letter;
+pub mod dedup;
+pub mod error;
+pub mod offsets;
+pub mod retention;
+pub mod side_effect;
+
+use crate::config::DatabaseSettings;
+use sqlx::mysql::{MySqlConnectOptions, MySqlPool, MySqlPoolOptions};
+use sqlx::{ConnectOptions as _, Executor as _};
+use std::sync::Arc;
+
+/// The migrations in `migrations/mysql/`, embedded in the binary. sqlx records applied versions in
+/// `_sqlx_migrations` and serialises concurrent runs with `GET_LOCK`.
+pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("migrations/mysql");
+
+/// The session settings run on every new connection (see the module documentation).
+pub const SESSION: &str = "SET SESSION sql_mode = 'STRICT_ALL_TABLES,NO_ZERO_IN_DATE,NO_ZERO_DATE,ERROR_FOR_DIVISION_BY_ZERO,NO_ENGINE_SUBSTITUTION'; \
+     SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED";
+
+/// How the claim learns which keys were new (see [`dedup`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ClaimForm {
+    /// MariaDB 10.5 and later: `INSERT IGNORE ... RETURNING key_digest` returns only the rows it inserted.
+    Returning,
+    /// MySQL (no `RETURNING`): the rows are inserted with a token unique to the claim, then the rows carrying it
+    /// are read back.
+    Token,
+}
+
+/// A MySQL or MariaDB store: the pool, and the claim form its server supports (read at the first claim).
+#[derive(Clone, Debug)]
+pub struct MySqlStore {
+    /// The pool.
+    pub pool: MySqlPool,
+    claim: Arc<tokio::sync::OnceCell<ClaimForm>>,
+}
+
+impl MySqlStore {
+    /// A store on `pool` whose claim form is read from the server's version.
+    pub fn new(pool: MySqlPool) -> Self {
+        MySqlStore { pool, claim: Arc::default() }
+    }
+
+    /// A store on `pool` that claims with `form` whatever the server (the tests run [`ClaimForm::Token`], MySQL's
+    /// path, on MariaDB).
+    pub fn with_claim_form(pool: MySqlPool, form: ClaimForm) -> Self {
+        MySqlStore { pool, claim: Arc::new(tokio::sync::OnceCell::new_with(Some(form))) }
+    }
+
+    /// The claim form: [`ClaimForm::Returning`] on MariaDB 10.5 and later, [`ClaimForm::Token`] otherwise.
+    ///
+    /// Errors: the version cannot be read.
+    pub async fn claim_form(&self) -> Result<ClaimForm, sqlx::Error> {
+        let pool = self.pool.clone();
+        self.claim
+            .get_or_try_init(|| async move {
+                let version: String = sqlx::query_scalar("SELECT VERSION()").fetch_one(&pool).await?;
+                Ok(claim_form_of(&version))
+            })
+            .await
+            .copied()
+    }
+}
+
+/// The claim form for a server `VERSION()`: `10.11.6-MariaDB-0+deb12u1` supports `RETURNING` (10.5 and later),
+/// `8.0.36` (MySQL) does not.
+pub fn claim_form_of(version: &str) -> ClaimForm {
+    if !version.contains("MariaDB") {
+        return ClaimForm::Token;
+    }
+    let mut parts = version.split(['.', '-']).map(|p| p.parse::<u32>().unwrap_or(0));
+    let (major, minor) = (parts.next().unwrap_or(0), parts.next().unwrap_or(0));
+    if (major, minor) >= (10, 5) {
+        ClaimForm::Returning
+    } else {
+        ClaimForm::Token
+    }
+}
+
+/// The connect options for `settings`: a `mariadb://` URL is read as `mysql://`; `prepared_statements = false`
+/// turns the statement cache off.
+///
+/// Errors: the URL does not parse.
+pub fn connect_options(settings: &DatabaseSettings) -> Result<MySqlConnectOptions, sqlx::Error> {
+    let url = settings.url.expose();
+    let url = match url.strip_prefix("mariadb://") {
+        Some(rest) => format!("mysql://{rest}"),
+        None => url.to_owned(),
+    };
+    let options: MySqlConnectOptions = url.parse()?;
+    let options = if settings.prepared_statements { options } else { options.statement_cache_capacity(0) };
+    Ok(options
+        .charset("utf8mb4")
+        .timezone(Some("+00:00".to_owned()))
+        .log_slow_statements(log::LevelFilter::Debug, std::time::Duration::from_secs(1)))
+}
+
+/// A pool that connects on first use; every connection gets the [`SESSION`] settings.
+pub fn pool(settings: &DatabaseSettings) -> Result<MySqlPool, sqlx::Error> {
+    Ok(MySqlPoolOptions::new()
+        .max_connections(settings.max_connections)
+        .acquire_timeout(settings.acquire_timeout)
+        .after_connect(|conn, _| Box::pin(async move { conn.execute(sqlx::raw_sql(SESSION)).await.map(drop) }))
+        .connect_lazy_with(connect_options(settings)?))
+}
+
+/// Connects once, directly, to tell whether the database is reachable, with the server's or the network's own
+/// reason when it is not. The error never contains the password.
+pub async fn ping(settings: &DatabaseSettings) -> Result<(), String> {
+    use sqlx::Connection as _;
+    let url = &settings.url;
+    let options = connect_options(settings).map_err(|e| format!("cannot connect to {url}: {}", url.scrub(&e.to_string())))?;
+    match tokio::time::timeout(settings.acquire_timeout, sqlx::MySqlConnection::connect_with(&options)).await {
+        Ok(Ok(conn)) => {
+            let _ = conn.close().await;
+            Ok(())
+        }
+        Ok(Err(e)) => Err(format!("cannot connect to {url}: {}", url.scrub(&e.to_string()))),
+        Err(_) => Err(format!("cannot connect to {url}: no answer within {:?}", settings.acquire_timeout)),
+    }
+}
+
+/// Whether idemflow's tables are migrated to the latest version this binary knows, and `idemflow_dedup` still has
+/// its primary key `(pipeline, key_digest)`, which the claim depends on.
+///
+/// Errors: what is missing and what to run.
+pub async fn check_schema(pool: &MySqlPool) -> Result<(), String> {
+    let latest = MIGRATOR.iter().map(|m| m.version).max().unwrap_or_default();
+    let applied: Option<i64> = sqlx::query_scalar(
+        "SELECT MAX(version) FROM _sqlx_migrations WHERE success AND EXISTS (SELECT 1 FROM information_schema.TABLES \
+         WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = 'idemflow_dedup')",
+    )
+    .fetch_one(pool)
+    .await
+    .map_err(|e| match &e {
+        sqlx::Error::Database(db) if db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>().is_some_and(|m| m.number() == 1146) => {
+            "the idemflow tables are missing: run `idemflow migrate --config ...` first".to_owned()
+        }
+        _ => format!("cannot read the schema version: {e}"),
+    })?;
+    match applied {
+        Some(v) if v >= latest => {}
+        Some(v) => return Err(format!("the idemflow schema is at version {v}, this binary needs {latest}: run `idemflow migrate`")),
+        None => return Err("the idemflow tables are missing: run `idemflow migrate --config ...` first".to_owned()),
+    }
+    let key: Vec<String> = sqlx::query_scalar(
+        "SELECT COLUMN_NAME FROM information_schema.STATISTICS WHERE TABLE_SCHEMA = DATABASE() \
+         AND TABLE_NAME = 'idemflow_dedup' AND INDEX_NAME = 'PRIMARY' ORDER BY SEQ_IN_INDEX",
+    )
+    .fetch_all(pool)
+    .await
+    .map_err(|e| format!("cannot read the dedup store's indexes: {e}"))?;
+    if key == ["pipeline", "key_digest"] {
+        Ok(())
+    } else {
+        Err("idemflow_dedup has no primary key on (pipeline, key_digest), which the claim needs to apply each key \
+             once: restore it (ALTER TABLE idemflow_dedup ADD PRIMARY KEY (pipeline, key_digest))"
+            .to_owned())
+    }
+}
+
+/// `?, ?, ?` for `n` parameters.
+pub(crate) fn marks(n: usize) -> String {
+    let mut s = String::with_capacity(n * 3);
+    for i in 0..n {
+        if i > 0 {
+            s.push_str(", ");
+        }
+        s.push('?');
+    }
+    s
+}
+
+/// The most placeholders one statement may carry (the protocol counts them in 16 bits).
+pub(crate) const MAX_PARAMS: usize = 65_535;
+
+/// Splits `rows` into runs that fit in one statement: at most [`MAX_PARAMS`] placeholders of `per_row` each, and
+/// about `max_bytes` of bound data (`bytes` of a row), so no statement approaches `max_allowed_packet` (16 MiB
+/// by default on MariaDB, 64 MiB on MySQL 8).
+pub(crate) fn chunks<'a, T>(rows: &'a [T], per_row: usize, bytes: impl Fn(&T) -> usize) -> Vec<&'a [T]> {
+    const MAX_BYTES: usize = 4 << 20;
+    let per_row = per_row.max(1);
+    let mut out = Vec::new();
+    let (mut start, mut size) = (0, 0);
+    for (i, row) in rows.iter().enumerate() {
+        let b = bytes(row);
+        if i > start && ((i - start + 1) * per_row > MAX_PARAMS || size + b > MAX_BYTES) {
+            out.push(&rows[start..i]);
+            (start, size) = (i, 0);
+        }
+        size += b;
+    }
+    if start < rows.len() {
+        out.push(&rows[start..]);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn claim_form_by_server_version() {
+        assert_eq!(claim_form_of("10.11.6-MariaDB-0+deb12u1"), ClaimForm::Returning);
+        assert_eq!(claim_form_of("10.5.2-MariaDB"), ClaimForm::Returning);
+        assert_eq!(claim_form_of("10.4.30-MariaDB"), ClaimForm::Token);
+        assert_eq!(claim_form_of("8.0.36"), ClaimForm::Token);
+    }
+
+    #[test]
+    fn statements_stay_within_placeholders_and_bytes() {
+        let rows = vec![10usize; 30_000];
+        let c = chunks(&rows, 7, |b| *b);
+        assert!(c.iter().all(|c| c.len() * 7 <= MAX_PARAMS));
+        assert_eq!(c.iter().map(|c| c.len()).sum::<usize>(), 30_000);
+        let big = vec![3 << 20; 3];
+        assert_eq!(chunks(&big, 1, |b| *b).len(), 3);
+    }
+}

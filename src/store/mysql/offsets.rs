@@ -1,0 +1,164 @@
+//! The MySQL and MariaDB positions: `idemflow_offsets` (stored positions, fenced by an owner epoch) and
+//! `idemflow_processed` (the processed marks). What they mean is in [`crate::offsets`]. Rows are read with
+//! `SELECT ... FOR UPDATE` before they are written, so a read sees the latest committed row and holds its lock to
+//! the end of the batch transaction (InnoDB locking reads, MySQL Reference Manual "Locking Reads").
+
+use super::marks;
+use crate::offsets::{Claimed, NextOffsets, Positions, Processed};
+use sqlx::{MySqlConnection, MySqlPool};
+use std::collections::HashMap;
+
+/// `(topic, partition) IN ((?, ?), ...)` for `n` partitions.
+fn partitions_in(n: usize) -> String {
+    format!("(topic, `partition`) IN ({})", vec!["(?, ?)"; n].join(", "))
+}
+
+/// Takes ownership of `partitions` for `pipeline`: increments each one's epoch (creating the row at epoch 1) and
+/// returns the stored positions. A previous owner's batch still in flight holds the row locks: the claim waits for
+/// it at most 5 s (`innodb_lock_wait_timeout` for this transaction), then fails and the caller retries.
+///
+/// Errors: any database error.
+pub async fn claim(pool: &MySqlPool, pipeline: &str, owner: &str, partitions: &[(String, i32)]) -> sqlx::Result<Vec<Claimed>> {
+    if partitions.is_empty() {
+        return Ok(Vec::new());
+    }
+    let mut conn = pool.acquire().await?;
+    sqlx::query("SET SESSION innodb_lock_wait_timeout = 5").execute(&mut *conn).await?;
+    let claimed = claim_on(&mut conn, pipeline, owner, partitions).await;
+    let restored = sqlx::query("SET SESSION innodb_lock_wait_timeout = DEFAULT").execute(&mut *conn).await;
+    if restored.is_err() {
+        conn.close_on_drop();
+    }
+    claimed
+}
+
+async fn claim_on(conn: &mut MySqlConnection, pipeline: &str, owner: &str, partitions: &[(String, i32)]) -> sqlx::Result<Vec<Claimed>> {
+    use sqlx::Connection as _;
+    let mut tx = conn.begin().await?;
+    let sql = format!(
+        "INSERT INTO idemflow_offsets (pipeline, topic, `partition`, owner_epoch, owner, claimed_at) VALUES {} \
+         ON DUPLICATE KEY UPDATE owner_epoch = owner_epoch + 1, owner = VALUES(owner), claimed_at = VALUES(claimed_at)",
+        vec!["(?, ?, ?, 1, ?, CURRENT_TIMESTAMP(6))"; partitions.len()].join(", ")
+    );
+    let mut q = sqlx::query(&sql);
+    for (t, p) in partitions {
+        q = q.bind(pipeline).bind(t).bind(p).bind(owner);
+    }
+    q.execute(&mut *tx).await?;
+    let sql = format!(
+        "SELECT topic, `partition`, next_offset, owner_epoch FROM idemflow_offsets WHERE pipeline = ? AND {}",
+        partitions_in(partitions.len())
+    );
+    let mut q = sqlx::query_as::<_, (String, i32, Option<i64>, i64)>(&sql).bind(pipeline);
+    for (t, p) in partitions {
+        q = q.bind(t).bind(p);
+    }
+    let rows = q.fetch_all(&mut *tx).await?;
+    tx.commit().await?;
+    Ok(rows.into_iter().map(|(topic, partition, next_offset, epoch)| Claimed { topic, partition, next_offset, epoch }).collect())
+}
+
+/// Stores `positions` inside the batch's transaction for the partitions whose epoch is still the one presented.
+/// Returns the partitions that were fenced; the caller must then roll the whole transaction back.
+///
+/// Errors: any database error.
+pub async fn advance(conn: &mut MySqlConnection, pipeline: &str, positions: &Positions) -> sqlx::Result<Vec<(String, i32)>> {
+    if positions.0.is_empty() {
+        return Ok(Vec::new());
+    }
+    let sql = format!(
+        "SELECT topic, `partition`, owner_epoch FROM idemflow_offsets WHERE pipeline = ? AND {} FOR UPDATE",
+        partitions_in(positions.0.len())
+    );
+    let mut q = sqlx::query_as::<_, (String, i32, i64)>(&sql).bind(pipeline);
+    for (t, p, _, _) in &positions.0 {
+        q = q.bind(&**t).bind(p);
+    }
+    let epochs: HashMap<(String, i32), i64> = q.fetch_all(&mut *conn).await?.into_iter().map(|(t, p, e)| ((t, p), e)).collect();
+    let mut fenced = Vec::new();
+    for (t, p, next, epoch) in &positions.0 {
+        if epochs.get(&(t.to_string(), *p)) != Some(epoch) {
+            fenced.push((t.to_string(), *p));
+            continue;
+        }
+        sqlx::query(
+            "UPDATE idemflow_offsets SET next_offset = ?, updated_at = CURRENT_TIMESTAMP(6) \
+             WHERE pipeline = ? AND topic = ? AND `partition` = ? AND owner_epoch = ?",
+        )
+        .bind(next)
+        .bind(pipeline)
+        .bind(&**t)
+        .bind(p)
+        .bind(epoch)
+        .execute(&mut *conn)
+        .await?;
+    }
+    Ok(fenced)
+}
+
+/// The stored positions of `pipeline`: `(topic, partition, next offset)`.
+///
+/// Errors: any database error.
+pub async fn stored(pool: &MySqlPool, pipeline: &str) -> sqlx::Result<Vec<(String, i32, Option<i64>)>> {
+    sqlx::query_as("SELECT topic, `partition`, next_offset FROM idemflow_offsets WHERE pipeline = ?").bind(pipeline).fetch_all(pool).await
+}
+
+/// Sets the stored positions of `pipeline` (for `idemflow rewind`) and increments their epochs. Returns how many
+/// partitions were written.
+///
+/// Errors: any database error.
+pub async fn reset(pool: &MySqlPool, pipeline: &str, positions: &[(String, i32, i64)]) -> sqlx::Result<u64> {
+    if positions.is_empty() {
+        return Ok(0);
+    }
+    let sql = format!(
+        "INSERT INTO idemflow_offsets (pipeline, topic, `partition`, next_offset, owner_epoch, owner, updated_at) VALUES {} \
+         ON DUPLICATE KEY UPDATE next_offset = VALUES(next_offset), owner_epoch = owner_epoch + 1, owner = VALUES(owner), \
+         updated_at = VALUES(updated_at)",
+        vec!["(?, ?, ?, ?, 1, 'idemflow rewind', CURRENT_TIMESTAMP(6))"; positions.len()].join(", ")
+    );
+    let mut q = sqlx::query(&sql);
+    for (t, p, o) in positions {
+        q = q.bind(pipeline).bind(t).bind(p).bind(o);
+    }
+    let mut tx = pool.begin().await?;
+    q.execute(&mut *tx).await?;
+    tx.commit().await?;
+    Ok(positions.len() as u64)
+}
+
+/// Raises the processed marks of the batch's partitions to `next` (never lowers them) and returns the marks as
+/// they were before: a locking read of the rows, then one upsert.
+///
+/// Errors: the database's.
+pub async fn processed(conn: &mut MySqlConnection, pipeline: &str, next: &NextOffsets) -> sqlx::Result<Processed> {
+    if next.0.is_empty() {
+        return Ok(Processed::default());
+    }
+    let sql = format!(
+        "SELECT topic, `partition`, next_offset FROM idemflow_processed WHERE pipeline = ? AND {} FOR UPDATE",
+        partitions_in(next.0.len())
+    );
+    let mut q = sqlx::query_as::<_, (String, i32, i64)>(&sql).bind(pipeline);
+    for (t, p) in next.0.keys() {
+        q = q.bind(&**t).bind(p);
+    }
+    let rows = q.fetch_all(&mut *conn).await?;
+    let sql = format!(
+        "INSERT INTO idemflow_processed (pipeline, topic, `partition`, next_offset) VALUES {} \
+         ON DUPLICATE KEY UPDATE next_offset = GREATEST(next_offset, VALUES(next_offset)), updated_at = CURRENT_TIMESTAMP(6)",
+        vec![format!("({})", marks(4)); next.0.len()].join(", ")
+    );
+    let mut q = sqlx::query(&sql);
+    for ((t, p), o) in &next.0 {
+        q = q.bind(pipeline).bind(&**t).bind(p).bind(o);
+    }
+    q.execute(&mut *conn).await?;
+    let mut marks = HashMap::new();
+    for (topic, partition, mark) in rows {
+        if let Some(((t, _), _)) = next.0.iter().find(|((t, p), _)| **t == *topic && *p == partition) {
+            marks.insert((t.clone(), partition), mark);
+        }
+    }
+    Ok(Processed(marks))
+}

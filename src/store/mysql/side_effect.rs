@@ -1,0 +1,415 @@
+//! The MySQL and MariaDB side effect.
+//!
+//! Values are bound as text and converted by the server on assignment to their column, in strict mode (see
+//! [`super`]): a value that does not fit is an error that dead-letters its record (`'abc'` into `DECIMAL` is
+//! error 1366, 300 characters into `VARCHAR(255)` is 1406), never a silent 0 or a truncation. Text input is
+//! exact: `DECIMAL` keeps every digit and `BIGINT` every digit beyond 2^53. The worker renders what the server
+//! cannot read ([`crate::field::Render`]): JSON text for `JSON` columns, UTC wall-clock time for `TIMESTAMP` and the
+//! pipeline's zone for `DATETIME` (neither server parses a UTC offset), `1`/`0` for a boolean into a number.
+//! Payload values are only ever bound as parameters, never spliced into SQL. `IGNORE` is never used.
+//!
+//! - Table form: `INSERT INTO t (c1, c2) VALUES (?, ?), (?, ?), ...`, as few statements per batch as the
+//!   placeholder limit (65,535) and about 4 MiB of values allow. `on_conflict = "nothing"` is
+//!   `ON DUPLICATE KEY UPDATE pk = pk` (a no-op update; a unique key conflict on any unique key is skipped),
+//!   `"update"` is `ON DUPLICATE KEY UPDATE c = VALUES(c)` for the columns outside the conflict key.
+//! - SQL form: the configured statements with each `:name` occurrence replaced by `?`, run for each new record in
+//!   batch order as prepared statements (sqlx caches them per connection). MySQL does not infer parameter types,
+//!   so values are bound as text ([`Render::Text`]; a JSON object or array as its JSON text) unless the parameter
+//!   declares its target (`type = "timestamp" | "datetime" | "json"` in `[sink.params]`).
+//!
+//! # Never through a stale schema
+//!
+//! Each batch transaction starts with [`SideEffect::begin`]: a `SELECT ... LIMIT 0` from each table of the table
+//! form takes its shared metadata lock, which an `ALTER TABLE` must wait for until the batch commits (MySQL
+//! Reference Manual, "Metadata Locking"), and then the table's columns are read again; when they differ from what
+//! the statement was built from, the batch rolls back with [`crate::sink::SinkError::SchemaChanged`] and the worker
+//! rebuilds it. A dropped table is error 1146, fatal.
+
+use super::marks;
+use crate::config::{Binding, OnConflict, SinkSpec, TimeSettings};
+use crate::field::Render;
+use crate::prepare::Apply;
+use crate::sink::template::{Part, Statement};
+use crate::store::PrepareError;
+use sqlx::{Executor as _, MySqlConnection};
+
+/// The side effect of one pipeline, checked against the database.
+#[derive(Clone, Debug)]
+pub struct SideEffect {
+    form: Form,
+    /// Run first in every batch transaction; returns one row, one text column: the schema the form depends on.
+    probe: Option<String>,
+    /// What the probe returned when the statements were built.
+    schema: String,
+}
+
+#[derive(Clone, Debug)]
+enum Form {
+    /// `INSERT INTO t (...) VALUES` + rows + the conflict clause.
+    Table { head: String, tail: String, columns: usize },
+    /// Statements with `?` placeholders, and for each the index of its value in [`Apply::values`].
+    Sql(Vec<(String, Vec<usize>)>),
+}
+
+fn prepare_error(field: impl Into<String>, message: impl Into<String>) -> PrepareError {
+    PrepareError { field: field.into(), message: message.into(), unavailable: false }
+}
+
+fn db_error(field: impl Into<String>, e: sqlx::Error, context: &str) -> PrepareError {
+    let unavailable = matches!(crate::sink::error::classify(&e), crate::sink::Disposition::Retry(_));
+    let e = crate::sink::error::describe(&e);
+    let message = if context.is_empty() { e } else { format!("{e}\n  in: {context}") };
+    PrepareError { field: field.into(), message, unavailable }
+}
+
+/// Backtick-quotes an identifier (MySQL Reference Manual, "Schema Object Names").
+pub fn quote_ident(name: &str) -> String {
+    format!("`{}`", name.replace('`', "``"))
+}
+
+/// One column, as `information_schema.COLUMNS` describes it.
+struct Column {
+    name: String,
+    data_type: String,
+    required: bool,
+    charset: Option<String>,
+    key: String,
+}
+
+/// `schema.table` or `table` (each part optionally in backticks) as `(schema, table)`.
+fn split_table(table: &str) -> (Option<String>, String) {
+    let unquote = |s: &str| s.trim().trim_matches('`').replace("``", "`");
+    let mut in_quote = false;
+    for (i, c) in table.char_indices() {
+        match c {
+            '`' => in_quote = !in_quote,
+            '.' if !in_quote => return (Some(unquote(&table[..i])), unquote(&table[i + 1..])),
+            _ => {}
+        }
+    }
+    (None, unquote(table))
+}
+
+/// The probe's SQL for a table: its metadata lock, then a description of its columns in one text.
+fn table_probe(qualified: &str, schema: &str, table: &str) -> String {
+    let literal = |s: &str| format!("'{}'", s.replace('\\', "\\\\").replace('\'', "''"));
+    format!(
+        "SELECT (SELECT COUNT(*) FROM (SELECT 1 FROM {qualified} LIMIT 0) AS locked) AS n, \
+         (SELECT GROUP_CONCAT(CONCAT_WS(' ', COLUMN_NAME, COLUMN_TYPE, IS_NULLABLE, IFNULL(COLUMN_DEFAULT, '-'), EXTRA, \
+         IFNULL(CHARACTER_SET_NAME, '-'), COLUMN_KEY) ORDER BY ORDINAL_POSITION SEPARATOR ',') \
+         FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = {} AND TABLE_NAME = {}) AS s",
+        literal(schema),
+        literal(table)
+    )
+}
+
+/// Runs the probe and returns its text.
+async fn probe(conn: &mut MySqlConnection, sql: &str) -> Result<String, sqlx::Error> {
+    let (_, schema): (i64, Option<String>) = sqlx::query_as(sql).fetch_one(&mut *conn).await?;
+    Ok(schema.unwrap_or_default())
+}
+
+impl SideEffect {
+    /// Checks the sink against the database and builds its statements. Returns the side effect and its bindings
+    /// in value order, each with how its values are rendered.
+    ///
+    /// Errors: a [`PrepareError`] naming the field at fault (a missing table or column, a `utf8mb3` column that
+    /// cannot hold 4-byte UTF-8, SQL the server refuses, an unknown time zone), or with `unavailable` set when the
+    /// database could not be asked.
+    pub async fn prepare(
+        conn: &mut MySqlConnection,
+        spec: &SinkSpec,
+        time: &TimeSettings,
+    ) -> Result<(SideEffect, Vec<(Binding, Render)>), PrepareError> {
+        if jiff::tz::TimeZone::get(&time.zone).is_err() {
+            return Err(prepare_error("sink.time_zone", format!("{:?} is not a time zone idemflow knows (IANA names such as \"Europe/Paris\", or \"UTC\")", time.zone)));
+        }
+        match spec {
+            SinkSpec::Table { table, columns, on_conflict, conflict_columns } => {
+                prepare_table(conn, table, columns, *on_conflict, conflict_columns.as_deref()).await
+            }
+            SinkSpec::Sql { statements, params } => prepare_sql(conn, statements, params).await,
+        }
+    }
+
+    /// Starts a batch in the open transaction `conn`: takes the tables' metadata locks and checks that the schema
+    /// is still the one the statements were built from. Returns `false` when it changed: roll back and prepare
+    /// again.
+    ///
+    /// Errors: the database's (a dropped table is error 1146, fatal).
+    pub async fn begin(&self, conn: &mut MySqlConnection) -> Result<bool, sqlx::Error> {
+        let Some(sql) = &self.probe else { return Ok(true) };
+        let schema = probe(conn, sql).await?;
+        if schema != self.schema {
+            tracing::info!(built_for = %self.schema, now = %schema, "the side effect's schema changed");
+        }
+        Ok(schema == self.schema)
+    }
+
+    /// Applies the side effect for all `rows` (the fast path).
+    pub async fn apply_all(&self, conn: &mut MySqlConnection, rows: &[&Apply]) -> Result<(), sqlx::Error> {
+        match &self.form {
+            Form::Table { head, tail, columns } => {
+                let bytes = |r: &&Apply| r.values.iter().map(|v| v.as_ref().map_or(4, String::len)).sum::<usize>();
+                for part in super::chunks(rows, *columns, bytes) {
+                    insert_rows(conn, head, tail, *columns, part).await?;
+                }
+                Ok(())
+            }
+            Form::Sql(statements) => {
+                for row in rows {
+                    run_statements(conn, statements, row).await?;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Applies the side effect for one record (the slow path).
+    pub async fn apply_one(&self, conn: &mut MySqlConnection, row: &Apply) -> Result<(), sqlx::Error> {
+        match &self.form {
+            Form::Table { head, tail, columns } => insert_rows(conn, head, tail, *columns, &[row]).await,
+            Form::Sql(statements) => run_statements(conn, statements, row).await,
+        }
+    }
+}
+
+async fn insert_rows(conn: &mut MySqlConnection, head: &str, tail: &str, columns: usize, rows: &[&Apply]) -> Result<(), sqlx::Error> {
+    if rows.is_empty() {
+        return Ok(());
+    }
+    let row = format!("({})", marks(columns));
+    let sql = format!("{head} {}{tail}", vec![row.as_str(); rows.len()].join(", "));
+    let mut query = sqlx::query(&sql);
+    for r in rows {
+        for v in &r.values[..columns] {
+            query = query.bind(v.as_deref());
+        }
+    }
+    query.execute(&mut *conn).await?;
+    Ok(())
+}
+
+async fn run_statements(conn: &mut MySqlConnection, statements: &[(String, Vec<usize>)], row: &Apply) -> Result<(), sqlx::Error> {
+    for (sql, slots) in statements {
+        let mut query = sqlx::query(sql);
+        for &slot in slots {
+            query = query.bind(row.values[slot].as_deref());
+        }
+        query.execute(&mut *conn).await?;
+    }
+    Ok(())
+}
+
+/// How a column's values are rendered, by its `DATA_TYPE`; `json` also for MariaDB's JSON alias (a `LONGTEXT`
+/// with a `json_valid` check).
+fn render_for(c: &Column, json: bool) -> Render {
+    match c.data_type.as_str() {
+        "json" => Render::Json,
+        _ if json => Render::Json,
+        "timestamp" => Render::UtcWallClock,
+        "datetime" => Render::LocalWallClock,
+        "tinyint" | "smallint" | "mediumint" | "int" | "bigint" | "decimal" | "float" | "double" | "bit" => Render::Numeric,
+        _ => Render::Text,
+    }
+}
+
+async fn prepare_table(
+    conn: &mut MySqlConnection,
+    table: &str,
+    columns: &[Binding],
+    on_conflict: OnConflict,
+    conflict_columns: Option<&[String]>,
+) -> Result<(SideEffect, Vec<(Binding, Render)>), PrepareError> {
+    let (schema, name) = split_table(table);
+    let schema: String = match schema {
+        Some(s) => s,
+        None => sqlx::query_scalar::<_, Option<String>>("SELECT DATABASE()")
+            .fetch_one(&mut *conn)
+            .await
+            .map_err(|e| db_error("sink.table", e, ""))?
+            .ok_or_else(|| prepare_error("sink.table", "no database is selected: name it in [database] url, or write the table as database.table"))?,
+    };
+    type Row = (String, String, String, bool, Option<String>, String);
+    let rows: Vec<Row> = sqlx::query_as(
+        "SELECT COLUMN_NAME, DATA_TYPE, COLUMN_KEY, \
+                IS_NULLABLE = 'NO' AND COLUMN_DEFAULT IS NULL AND EXTRA NOT LIKE '%auto_increment%' \
+                AND EXTRA NOT LIKE '%GENERATED%' AND EXTRA NOT LIKE '%VIRTUAL%' AND EXTRA NOT LIKE '%PERSISTENT%' AND EXTRA NOT LIKE '%STORED%', \
+                CHARACTER_SET_NAME, EXTRA \
+         FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = ? AND TABLE_NAME = ? ORDER BY ORDINAL_POSITION",
+    )
+    .bind(&schema)
+    .bind(&name)
+    .fetch_all(&mut *conn)
+    .await
+    .map_err(|e| db_error("sink.table", e, ""))?;
+    let qualified = format!("{}.{}", quote_ident(&schema), quote_ident(&name));
+    if rows.is_empty() {
+        return Err(prepare_error("sink.table", format!("table {qualified} does not exist (or is not visible to this user)")));
+    }
+    let catalog: Vec<Column> = rows
+        .into_iter()
+        .map(|(name, data_type, key, required, charset, _)| Column { name, data_type: data_type.to_lowercase(), required, charset, key })
+        .collect();
+    // MariaDB's JSON is LONGTEXT with a CHECK (json_valid(`c`)) named after the column.
+    let json_columns: Vec<String> = sqlx::query_scalar(
+        "SELECT CONSTRAINT_NAME FROM information_schema.CHECK_CONSTRAINTS \
+         WHERE CONSTRAINT_SCHEMA = ? AND TABLE_NAME = ? AND CHECK_CLAUSE LIKE 'json_valid(%'",
+    )
+    .bind(&schema)
+    .bind(&name)
+    .fetch_all(&mut *conn)
+    .await
+    .unwrap_or_default(); // MySQL has no TABLE_NAME there, and a real JSON type.
+    let mut problems = Vec::new();
+    let names: Vec<&str> = catalog.iter().map(|c| c.name.as_str()).collect();
+    let mut found = Vec::new();
+    for b in columns {
+        match catalog.iter().find(|c| c.name == b.name) {
+            Some(c) => {
+                if matches!(c.charset.as_deref(), Some("utf8mb3" | "utf8" | "ucs2" | "latin1" | "ascii")) {
+                    problems.push(prepare_error(
+                        format!("sink.columns.{}", b.name),
+                        format!(
+                            "column {:?} of {qualified} is CHARACTER SET {}, which cannot hold every UTF-8 character (emoji and \
+                             other 4-byte characters would be refused or mangled): convert it to utf8mb4 (ALTER TABLE ... \
+                             MODIFY {} ... CHARACTER SET utf8mb4)",
+                            b.name,
+                            c.charset.as_deref().unwrap_or_default(),
+                            quote_ident(&b.name)
+                        ),
+                    ));
+                }
+                found.push(c);
+            }
+            None => problems.push(prepare_error(
+                format!("sink.columns.{}", b.name),
+                format!("table {qualified} has no column {:?} (its columns: {})", b.name, names.join(", ")),
+            )),
+        }
+    }
+    for c in catalog.iter().filter(|c| c.required) {
+        if !columns.iter().any(|b| b.name == c.name) {
+            problems.push(prepare_error("sink.columns", format!("table {qualified}'s column {:?} is NOT NULL without a default: map it to a value", c.name)));
+        }
+    }
+    for c in conflict_columns.unwrap_or_default() {
+        if !catalog.iter().any(|k| &k.name == c) {
+            problems.push(prepare_error("sink.conflict_columns", format!("table {qualified} has no column {c:?}")));
+        }
+    }
+    if !problems.is_empty() {
+        let message = problems.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n  ");
+        let field = if problems.len() == 1 { problems.remove(0).field } else { "sink".to_owned() };
+        let message = if field == "sink" { message } else { message.split_once(": ").map_or(message.clone(), |m| m.1.to_owned()) };
+        return Err(prepare_error(field, message));
+    }
+    let key: Vec<String> = match conflict_columns {
+        Some(cols) => {
+            let unique = unique_keys(conn, &schema, &name).await.map_err(|e| db_error("sink.table", e, ""))?;
+            let mut wanted: Vec<&String> = cols.iter().collect();
+            wanted.sort();
+            if !unique.iter().any(|k| {
+                let mut k: Vec<&String> = k.iter().collect();
+                k.sort();
+                k == wanted
+            }) {
+                return Err(prepare_error(
+                    "sink.conflict_columns",
+                    format!(
+                        "{cols:?} is not the primary key or a unique key of {qualified}: MySQL's ON DUPLICATE KEY UPDATE takes no \
+                         conflict target, so the columns must be exactly one unique key's"
+                    ),
+                ));
+            }
+            cols.to_vec()
+        }
+        None => catalog.iter().filter(|c| c.key == "PRI").map(|c| c.name.clone()).collect(),
+    };
+    let tail = match on_conflict {
+        OnConflict::Error => String::new(),
+        OnConflict::Nothing | OnConflict::Update if key.is_empty() => {
+            return Err(prepare_error("sink.conflict_columns", format!("table {qualified} has no primary key: list the conflict columns (a unique key's)")));
+        }
+        OnConflict::Nothing => format!(" ON DUPLICATE KEY UPDATE {0} = {0}", quote_ident(&key[0])),
+        OnConflict::Update => {
+            let sets: Vec<String> =
+                columns.iter().filter(|b| !key.contains(&b.name)).map(|b| format!("{0} = VALUES({0})", quote_ident(&b.name))).collect();
+            if sets.is_empty() {
+                format!(" ON DUPLICATE KEY UPDATE {0} = {0}", quote_ident(&key[0]))
+            } else {
+                format!(" ON DUPLICATE KEY UPDATE {}", sets.join(", "))
+            }
+        }
+    };
+    let names = columns.iter().map(|b| quote_ident(&b.name)).collect::<Vec<_>>().join(", ");
+    let head = format!("INSERT INTO {qualified} ({names}) VALUES");
+    let one = format!("{head} ({}){tail}", marks(columns.len()));
+    (&mut *conn).prepare(one.as_str()).await.map_err(|e| db_error("sink", e, &one))?;
+    let probe_sql = table_probe(&qualified, &schema, &name);
+    let schema_now = probe(conn, &probe_sql).await.map_err(|e| db_error("sink.table", e, ""))?;
+    let bindings = columns.iter().cloned().zip(found.iter().map(|c| render_for(c, json_columns.contains(&c.name)))).collect();
+    Ok((SideEffect { form: Form::Table { head, tail, columns: columns.len() }, probe: Some(probe_sql), schema: schema_now }, bindings))
+}
+
+/// The column lists of the primary key and every unique key of a table.
+async fn unique_keys(conn: &mut MySqlConnection, schema: &str, table: &str) -> Result<Vec<Vec<String>>, sqlx::Error> {
+    let rows: Vec<(String, String)> = sqlx::query_as(
+        "SELECT INDEX_NAME, COLUMN_NAME FROM information_schema.STATISTICS WHERE TABLE_SCHEMA = ? AND TABLE_NAME = ? \
+         AND NON_UNIQUE = 0 ORDER BY INDEX_NAME, SEQ_IN_INDEX",
+    )
+    .bind(schema)
+    .bind(table)
+    .fetch_all(&mut *conn)
+    .await?;
+    let mut keys: Vec<(String, Vec<String>)> = Vec::new();
+    for (index, column) in rows {
+        match keys.last_mut() {
+            Some((i, cols)) if *i == index => cols.push(column),
+            _ => keys.push((index, vec![column])),
+        }
+    }
+    Ok(keys.into_iter().map(|(_, cols)| cols).collect())
+}
+
+async fn prepare_sql(
+    conn: &mut MySqlConnection,
+    statements: &[Statement],
+    params: &[Binding],
+) -> Result<(SideEffect, Vec<(Binding, Render)>), PrepareError> {
+    let mut prepared = Vec::new();
+    for statement in statements {
+        let field = statement.origin.clone();
+        let written = statement.render(|n| format!(":{}", statement.params[n]));
+        // Each occurrence of a parameter is its own `?`: the slot of every occurrence, in order.
+        let slots: Vec<usize> = statement
+            .parts
+            .iter()
+            .filter_map(|p| match p {
+                Part::Param(n) => Some(params.iter().position(|b| b.name == statement.params[*n]).expect("validated: every parameter is mapped")),
+                Part::Sql(_) => None,
+            })
+            .collect();
+        let sql = statement.render(|_| "?".to_owned());
+        (&mut *conn).prepare(sql.as_str()).await.map_err(|e| db_error(&field, e, &written))?;
+        prepared.push((sql, slots));
+    }
+    let bindings = params.iter().cloned().map(|b| {
+        let render = b.declared.map_or(Render::Text, |t| t.render());
+        (b, render)
+    }).collect();
+    Ok((SideEffect { form: Form::Sql(prepared), probe: None, schema: String::new() }, bindings))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn table_names() {
+        assert_eq!(split_table("payments"), (None, "payments".to_owned()));
+        assert_eq!(split_table("shop.payments"), (Some("shop".to_owned()), "payments".to_owned()));
+        assert_eq!(split_table("`my.db`.`pay``s`"), (Some("my.db".to_owned()), "pay`s".to_owned()));
+        assert_eq!(quote_ident("a`b"), "`a``b`");
+    }
+}
