@@ -3,6 +3,8 @@
 #   source scripts/mariadb-throwaway.sh && mariadb_throwaway_start   # exports MARIADB_URL (database `idemflow`),
 #                                                                    # MARIADB_THROWAWAY_DIR, MARIADB_PORT, MARIADB_SOCKET
 #   mariadb_throwaway_stop
+#   mariadb_throwaway_serve   # (re)starts the server on the existing MARIADB_THROWAWAY_DIR and MARIADB_PORT (after
+#                             # a crash the tests cause with kill -9 "$(cat "$MARIADB_THROWAWAY_DIR/pid")")
 # As root, mariadbd refuses to run, so the server runs as the `mysql` user. --no-defaults keeps /etc/mysql (the
 # package's own server's pid file, socket and collation) out of it. root has the password `root`, over TCP from
 # 127.0.0.1 as well as on the socket: `mariadb --no-defaults -h127.0.0.1 -P"$MARIADB_PORT" -uroot -proot`.
@@ -29,23 +31,9 @@ mariadb_throwaway_start() {
     tail -20 "$MARIADB_THROWAWAY_DIR/install.log" >&2
     return 1
   }
-  "${run[@]}" "$bin/mariadbd" --no-defaults --datadir="$MARIADB_THROWAWAY_DIR/data" --socket="$MARIADB_SOCKET" \
-    --port="$port" --bind-address=127.0.0.1 --pid-file="$MARIADB_THROWAWAY_DIR/pid" \
-    --log-error="$MARIADB_THROWAWAY_DIR/error.log" --max-connections=500 --innodb-buffer-pool-size=256M \
-    --innodb-flush-log-at-trx-commit=1 --character-set-server=utf8mb4 --collation-server=utf8mb4_bin \
-    >/dev/null 2>&1 &
-  local server=$!
-  local waited=0
-  until mariadb --no-defaults -S "$MARIADB_SOCKET" -uroot -e 'SELECT 1' >/dev/null 2>&1; do
-    if [ $waited -ge 300 ] || ! kill -0 "$server" 2>/dev/null; then
-      echo "MariaDB did not start within 30s; the end of $MARIADB_THROWAWAY_DIR/error.log:" >&2
-      tail -20 "$MARIADB_THROWAWAY_DIR/error.log" >&2
-      kill "$server" 2>/dev/null
-      return 1
-    fi
-    sleep 0.1
-    waited=$((waited + 1))
-  done
+  MARIADB_PORT=$port
+  export MARIADB_THROWAWAY_DIR MARIADB_PORT MARIADB_SOCKET
+  mariadb_throwaway_serve || return 1
   # mariadb-install-db makes root@localhost (the socket) and password-less root@127.0.0.1, root@::1 and root@<host>:
   # all of them get the password, and root@127.0.0.1 (the tests' TCP connections) is created should it be missing.
   mariadb --no-defaults -S "$MARIADB_SOCKET" -uroot -e "
@@ -59,10 +47,33 @@ mariadb_throwaway_start() {
     tail -20 "$MARIADB_THROWAWAY_DIR/error.log" >&2
     return 1
   }
-  MARIADB_PORT=$port
-  export MARIADB_THROWAWAY_DIR MARIADB_PORT MARIADB_SOCKET
   export MARIADB_URL="mysql://root:root@127.0.0.1:$port/idemflow"
   echo "throwaway MariaDB on 127.0.0.1:$port ($MARIADB_THROWAWAY_DIR)" >&2
+}
+
+# Starts mariadbd on $MARIADB_THROWAWAY_DIR/data and $MARIADB_PORT, and waits until it accepts connections.
+mariadb_throwaway_serve() {
+  local run=()
+  [ "$(id -u)" = 0 ] && run=(runuser -u mysql --)
+  MARIADB_SOCKET=$MARIADB_THROWAWAY_DIR/sock
+  "${run[@]}" /usr/sbin/mariadbd --no-defaults --datadir="$MARIADB_THROWAWAY_DIR/data" --socket="$MARIADB_SOCKET" \
+    --port="$MARIADB_PORT" --bind-address=127.0.0.1 --pid-file="$MARIADB_THROWAWAY_DIR/pid" \
+    --log-error="$MARIADB_THROWAWAY_DIR/error.log" --max-connections=500 --innodb-buffer-pool-size=256M \
+    --innodb-flush-log-at-trx-commit=1 --character-set-server=utf8mb4 --collation-server=utf8mb4_bin \
+    >/dev/null 2>&1 &
+  local server=$!
+  local waited=0
+  until mariadb --no-defaults -S "$MARIADB_SOCKET" -uroot -e 'SELECT 1' >/dev/null 2>&1 \
+    || mariadb --no-defaults -S "$MARIADB_SOCKET" -uroot -proot -e 'SELECT 1' >/dev/null 2>&1; do
+    if [ $waited -ge 300 ] || ! kill -0 "$server" 2>/dev/null; then
+      echo "MariaDB did not start within 30s; the end of $MARIADB_THROWAWAY_DIR/error.log:" >&2
+      tail -20 "$MARIADB_THROWAWAY_DIR/error.log" >&2
+      kill "$server" 2>/dev/null
+      return 1
+    fi
+    sleep 0.1
+    waited=$((waited + 1))
+  done
 }
 
 mariadb_throwaway_stop() {

@@ -18,6 +18,13 @@ pub(crate) struct Payments {
     expected_cents: i64,
 }
 
+impl Payments {
+    /// The sum of the amounts of first occurrences, as a decimal with 2 digits (`1234.56`).
+    pub(crate) fn expected_amount(&self) -> String {
+        format!("{}.{:02}", self.expected_cents / 100, self.expected_cents % 100)
+    }
+}
+
 fn amount_cents(i: usize) -> i64 {
     ((i % 1000 + 1) * 100 + i % 100) as i64
 }

@@ -6,6 +6,7 @@ mod bench;
 mod e2e;
 mod failures;
 mod hardening;
+mod mariadb;
 mod monitoring;
 mod cases;
 mod cli;

@@ -60,8 +60,9 @@ pub async fn delete(conn: &mut MySqlConnection, pipeline: &str, ids: &[i64]) -> 
     Ok(q.execute(&mut *conn).await?.rows_affected())
 }
 
-const SELECT: &str = "SELECT id, pipeline, topic, `partition`, COALESCE(`offset`, id), record_key, header_names, header_values, \
-    property_names, property_values, payload, payload_bytes, payload_sha256, reason, error, \
+const SELECT: &str = "SELECT id, CAST(pipeline AS CHAR), CAST(topic AS CHAR), `partition`, COALESCE(`offset`, id), record_key, \
+    CAST(header_names AS CHAR), CAST(header_values AS CHAR), CAST(property_names AS CHAR), CAST(property_values AS CHAR), \
+    payload, payload_bytes, payload_sha256, CAST(reason AS CHAR), CAST(error AS CHAR), \
     DATE_FORMAT(created_at, '%Y-%m-%d %H:%i:%s.%f+00') FROM idemflow_dead_letters";
 
 type Row = (

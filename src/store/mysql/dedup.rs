@@ -107,7 +107,7 @@ pub async fn existing(conn: &mut MySqlConnection, pipeline: &str, digests: &[&[u
     let mut out = Vec::with_capacity(digests.len());
     for part in chunks(digests, 1, |_| 32) {
         let sql = format!(
-            "SELECT key_digest, topic, `partition`, `offset`, fingerprint FROM idemflow_dedup WHERE pipeline = ? AND key_digest IN ({})",
+            "SELECT key_digest, CAST(topic AS CHAR), `partition`, `offset`, fingerprint FROM idemflow_dedup WHERE pipeline = ? AND key_digest IN ({})",
             marks(part.len())
         );
         let mut q = sqlx::query_as::<_, Row>(&sql).bind(pipeline);
@@ -152,7 +152,7 @@ pub async fn count_duplicates(conn: &mut MySqlConnection, pipeline: &str, counts
 pub async fn explain(conn: &mut MySqlConnection, pipeline: &str, key: &crate::key::BusinessKey) -> Result<Option<Explained>, sqlx::Error> {
     type Row = (String, String, String, i32, i64, String, i64, Option<String>);
     let row: Option<Row> = sqlx::query_as(
-        "SELECT business_key, DATE_FORMAT(applied_at, '%Y-%m-%d %H:%i:%s.%f+00'), topic, `partition`, `offset`, \
+        "SELECT CAST(business_key AS CHAR), DATE_FORMAT(applied_at, '%Y-%m-%d %H:%i:%s.%f+00'), CAST(topic AS CHAR), `partition`, `offset`, \
                 LOWER(HEX(fingerprint)), duplicates, DATE_FORMAT(last_duplicate_at, '%Y-%m-%d %H:%i:%s.%f+00') \
          FROM idemflow_dedup WHERE pipeline = ? AND key_digest = ?",
     )

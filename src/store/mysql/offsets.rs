@@ -46,7 +46,7 @@ async fn claim_on(conn: &mut MySqlConnection, pipeline: &str, owner: &str, parti
     }
     q.execute(&mut *tx).await?;
     let sql = format!(
-        "SELECT topic, `partition`, next_offset, owner_epoch FROM idemflow_offsets WHERE pipeline = ? AND {}",
+        "SELECT CAST(topic AS CHAR), `partition`, next_offset, owner_epoch FROM idemflow_offsets WHERE pipeline = ? AND {}",
         partitions_in(partitions.len())
     );
     let mut q = sqlx::query_as::<_, (String, i32, Option<i64>, i64)>(&sql).bind(pipeline);
@@ -67,7 +67,7 @@ pub async fn advance(conn: &mut MySqlConnection, pipeline: &str, positions: &Pos
         return Ok(Vec::new());
     }
     let sql = format!(
-        "SELECT topic, `partition`, owner_epoch FROM idemflow_offsets WHERE pipeline = ? AND {} FOR UPDATE",
+        "SELECT CAST(topic AS CHAR), `partition`, owner_epoch FROM idemflow_offsets WHERE pipeline = ? AND {} FOR UPDATE",
         partitions_in(positions.0.len())
     );
     let mut q = sqlx::query_as::<_, (String, i32, i64)>(&sql).bind(pipeline);
@@ -100,7 +100,7 @@ pub async fn advance(conn: &mut MySqlConnection, pipeline: &str, positions: &Pos
 ///
 /// Errors: any database error.
 pub async fn stored(pool: &MySqlPool, pipeline: &str) -> sqlx::Result<Vec<(String, i32, Option<i64>)>> {
-    sqlx::query_as("SELECT topic, `partition`, next_offset FROM idemflow_offsets WHERE pipeline = ?").bind(pipeline).fetch_all(pool).await
+    sqlx::query_as("SELECT CAST(topic AS CHAR), `partition`, next_offset FROM idemflow_offsets WHERE pipeline = ?").bind(pipeline).fetch_all(pool).await
 }
 
 /// Sets the stored positions of `pipeline` (for `idemflow rewind`) and increments their epochs. Returns how many
@@ -136,7 +136,7 @@ pub async fn processed(conn: &mut MySqlConnection, pipeline: &str, next: &NextOf
         return Ok(Processed::default());
     }
     let sql = format!(
-        "SELECT topic, `partition`, next_offset FROM idemflow_processed WHERE pipeline = ? AND {} FOR UPDATE",
+        "SELECT CAST(topic AS CHAR), `partition`, next_offset FROM idemflow_processed WHERE pipeline = ? AND {} FOR UPDATE",
         partitions_in(next.0.len())
     );
     let mut q = sqlx::query_as::<_, (String, i32, i64)>(&sql).bind(pipeline);

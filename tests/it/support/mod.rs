@@ -1,6 +1,7 @@
 //! Test support: a real Postgres, the Kafka mock cluster, and the worker (as the built binary or in-process).
 
 pub mod kafka;
+pub mod mariadb;
 pub mod noida;
 pub mod postgres;
 pub mod rabbitmq;
@@ -14,6 +15,18 @@ use std::time::{Duration, Instant};
 
 pub use kafka::{Kafka, Out};
 pub use postgres::TestDb;
+
+/// A test database a settings file can point at: a PostgreSQL [`TestDb`] or a MariaDB [`mariadb::MyDb`].
+pub trait Database {
+    /// Its URL, for `[database] url`.
+    fn url(&self) -> &str;
+}
+
+impl Database for TestDb {
+    fn url(&self) -> &str {
+        &self.url
+    }
+}
 
 /// A port that was free a moment ago.
 pub fn free_port() -> u16 {
@@ -74,17 +87,17 @@ pub const TEST_KAFKA_PROPERTIES: &str = r#"
 
 impl Setup {
     /// Writes `idemflow.toml` for `db` and `kafka`, and each `(file name, text)` into `pipelines/`.
-    pub fn new(db: &TestDb, kafka: &Kafka, pipelines: &[(&str, &str)]) -> Setup {
+    pub fn new(db: &dyn Database, kafka: &Kafka, pipelines: &[(&str, &str)]) -> Setup {
         Self::with(db, kafka, pipelines, "", "")
     }
 
     /// The same, with more `[kafka.properties]` lines and more settings (`extra`, TOML appended at the end).
-    pub fn with(db: &TestDb, kafka: &Kafka, pipelines: &[(&str, &str)], properties: &str, extra: &str) -> Setup {
+    pub fn with(db: &dyn Database, kafka: &Kafka, pipelines: &[(&str, &str)], properties: &str, extra: &str) -> Setup {
         Self::with_bootstrap(db, kafka.bootstrap(), pipelines, properties, extra)
     }
 
     /// [`Setup::with`] for a Kafka at `bootstrap` (another implementation than the mock cluster).
-    pub fn with_bootstrap(db: &TestDb, bootstrap: &str, pipelines: &[(&str, &str)], properties: &str, extra: &str) -> Setup {
+    pub fn with_bootstrap(db: &dyn Database, bootstrap: &str, pipelines: &[(&str, &str)], properties: &str, extra: &str) -> Setup {
         let kafka = format!(
             "[kafka]\nbootstrap_servers = \"{bootstrap}\"\n[kafka.properties]{}\n",
             merge_properties(TEST_KAFKA_PROPERTIES, properties)
@@ -93,12 +106,12 @@ impl Setup {
     }
 
     /// Settings for RabbitMQ pipelines only: `[rabbitmq]` for `url`, no `[kafka]` section at all.
-    pub fn rabbitmq(db: &TestDb, url: &str, pipelines: &[(&str, &str)], extra: &str) -> Setup {
+    pub fn rabbitmq(db: &dyn Database, url: &str, pipelines: &[(&str, &str)], extra: &str) -> Setup {
         Self::write(db, &rabbitmq::settings(url), pipelines, extra)
     }
 
     /// Writes the pipelines and `idemflow.toml` with the broker's section (`broker`) and more settings (`extra`).
-    fn write(db: &TestDb, broker: &str, pipelines: &[(&str, &str)], extra: &str) -> Setup {
+    fn write(db: &dyn Database, broker: &str, pipelines: &[(&str, &str)], extra: &str) -> Setup {
         let dir = tempfile::tempdir().unwrap();
         std::fs::create_dir(dir.path().join("pipelines")).unwrap();
         for (name, text) in pipelines {
@@ -111,7 +124,7 @@ impl Setup {
             format!(
                 "[database]\nurl = \"{}\"\nmax_connections = 4\nacquire_timeout = \"2s\"\n{broker}\
                  [metrics]\nlisten = \"{metrics}\"\n[log]\nlevel = \"info\"\n[shutdown]\ntimeout = \"20s\"\n{extra}\n",
-                db.url,
+                db.url(),
             ),
         )
         .unwrap();

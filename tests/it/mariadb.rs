@@ -1,0 +1,403 @@
+//! The MySQL/MariaDB store against a real MariaDB (Debian's mariadb-server 10.11) and the Kafka mock cluster: the
+//! core duplicate matrix, a SIGKILL crash loop, the server SIGKILLed and restarted mid-run, connections killed with
+//! `KILL CONNECTION`, two workers with cross-partition duplicates, strict-mode values, `check`'s refusals, and the
+//! operator commands (explain, dead letters, replay, purge, stored positions and rewind).
+
+use crate::failures::{assert_counters_add_up, payments, Payments, Rng};
+use crate::support::mariadb::{MyDb, Server};
+use crate::support::*;
+use std::time::{Duration, Instant};
+
+/// The MySQL example pipeline (examples/mysql/payments.toml).
+fn example() -> String {
+    std::fs::read_to_string(project_root().join("examples/mysql/payments.toml")).unwrap()
+}
+
+/// The example's tables and 100 accounts at 0, on `server` (the shared one when `None`).
+async fn payments_db(server: Option<&str>) -> MyDb {
+    let accounts: Vec<String> = (0..100).map(|i| format!("('ACC-{i}', 0)")).collect();
+    let sql = std::fs::read_to_string(project_root().join("examples/mysql/payments.sql")).unwrap()
+        + &format!("\nINSERT INTO accounts VALUES {};", accounts.join(", "));
+    match server {
+        Some(url) => MyDb::on(url, &sql).await,
+        None => MyDb::new(&sql).await,
+    }
+}
+
+/// Every operation applied once, amounts exact, every poison record dead-lettered once.
+async fn assert_exactly_once(db: &MyDb, s: &Payments) {
+    assert_eq!(db.scalar::<i64>("SELECT COUNT(*) FROM payments").await, s.distinct as i64);
+    assert_eq!(db.scalar::<i64>("SELECT COUNT(DISTINCT order_id) FROM payments").await, s.distinct as i64);
+    let expected = s.expected_amount();
+    assert_eq!(db.scalar::<String>("SELECT CAST(SUM(amount) AS CHAR) FROM payments").await, expected);
+    assert_eq!(db.scalar::<String>("SELECT CAST(-SUM(balance) AS CHAR) FROM accounts").await, expected, "each deduction once");
+    assert_eq!(db.scalar::<i64>("SELECT COUNT(*) FROM idemflow_dedup").await, s.distinct as i64);
+    assert_eq!(db.scalar::<i64>("SELECT COUNT(*) FROM idemflow_dead_letters").await, s.poison as i64);
+}
+
+/// Waits (at most 240 s) until every operation has its dedup row, every poison record its dead letter, and every
+/// offset is committed; shows the workers' logs if not.
+async fn wait_all_durable(db: &MyDb, kafka: &Kafka, partitions: i32, s: &Payments, workers: &[&BinWorker]) {
+    let end = kafka.end_offsets("payments", partitions);
+    let deadline = Instant::now() + Duration::from_secs(240);
+    loop {
+        let rows = sqlx::query_scalar::<_, i64>("SELECT COUNT(*) FROM idemflow_dedup").fetch_one(&db.pool).await.unwrap_or(-1);
+        let dead = sqlx::query_scalar::<_, i64>("SELECT COUNT(*) FROM idemflow_dead_letters").fetch_one(&db.pool).await.unwrap_or(-1);
+        let committed = kafka.committed("idemflow-payments", "payments", partitions);
+        if rows == s.distinct as i64 && dead == s.poison as i64 && committed == end {
+            return;
+        }
+        if Instant::now() > deadline {
+            let tails: Vec<String> =
+                workers.iter().map(|w| w.log_text().lines().rev().take(30).collect::<Vec<_>>().join("\n")).collect();
+            panic!(
+                "timed out: dedup rows {rows} of {}, dead letters {dead} of {}, committed {committed:?}, end {end:?}\n{}",
+                s.distinct,
+                s.poison,
+                tails.join("\n=====\n")
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// The payments stream on a 3-partition topic, the example pipeline, and its settings.
+async fn fixture(distinct: usize, cross_partition: bool, server: Option<&str>) -> (MyDb, Kafka, Setup, Payments) {
+    let db = payments_db(server).await;
+    let kafka = Kafka::new();
+    kafka.create_topic("payments", 3);
+    let s = payments(distinct, 3, cross_partition);
+    kafka.produce("payments", &s.records);
+    let setup = Setup::new(&db, &kafka, &[("payments.toml", &example())]);
+    (db, kafka, setup, s)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn core_duplicates_exactly_once_on_mariadb() {
+    let (db, kafka, setup, s) = fixture(3_000, false, None).await;
+    let (status, out, err) = idemflow(&["check", "--config", setup.config.to_str().unwrap()], setup.dir.path());
+    assert!(status.success(), "check failed:\n{out}\n{err}");
+    let w = BinWorker::start(&setup);
+    wait_all_durable(&db, &kafka, 3, &s, &[&w]).await;
+    assert_exactly_once(&db, &s).await;
+    let m = w.scrape();
+    assert_counters_add_up(&m);
+    let dup = |reason| metric(&m, "idemflow_duplicates_skipped_total", &[("pipeline", "payments"), ("reason", reason)]);
+    assert_eq!(dup("republished"), s.republished as f64, "{m}");
+    assert_eq!(dup("payload_mismatch"), s.mismatched as f64);
+    assert_eq!(dup("redelivered"), 0.0);
+    assert_eq!(metric(&m, "idemflow_dead_letters_total", &[("pipeline", "payments"), ("reason", "decode_failed")]), s.poison as f64);
+    // The dedup rows count the duplicates they absorbed; paid_at's offset was converted to the instant (UTC).
+    let absorbed: i64 = db.scalar("SELECT CAST(SUM(duplicates) AS SIGNED) FROM idemflow_dedup").await;
+    assert_eq!(absorbed, (s.republished + s.mismatched) as i64);
+    let paid_at: String = db.scalar("SELECT CAST(paid_at AS CHAR) FROM payments WHERE order_id = 'ORDERID_1'").await;
+    assert_eq!(paid_at, "2026-11-29 10:00:00.000000");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn crash_loop_sigkill_on_mariadb() {
+    let (db, kafka, _, s) = fixture(20_000, false, None).await;
+    let props = "\"session.timeout.ms\" = \"1500\"\n\"heartbeat.interval.ms\" = \"200\"";
+    let setup = Setup::with(&db, &kafka, &[("payments.toml", &example())], props, "");
+    let mut rng = Rng::from_clock();
+    let end = kafka.end_offsets("payments", 3);
+    let mut kills = 0;
+    while kills < 12 {
+        let mut w = BinWorker::start(&setup);
+        let start = Instant::now();
+        while metric(&w.scrape(), "idemflow_records_received_total", &[("pipeline", "payments")]) == 0.0 {
+            assert!(start.elapsed() < Duration::from_secs(30), "no progress in 30 s:\n{}", w.log_text());
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(100 + rng.below(700))).await;
+        w.kill();
+        kills += 1;
+        if kafka.committed("idemflow-payments", "payments", 3) == end {
+            break;
+        }
+    }
+    assert!(kills >= 10, "only {kills} kills before the stream ended");
+    let w = BinWorker::start(&setup);
+    wait_all_durable(&db, &kafka, 3, &s, &[&w]).await;
+    assert_exactly_once(&db, &s).await;
+    eprintln!("{kills} SIGKILLs over {} records: each operation applied once", s.records.len());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_server_killed_and_restarted_mid_run() {
+    let server = Server::start();
+    let (db, kafka, setup, s) = fixture(6_000, false, Some(&server.url)).await;
+    let w = BinWorker::start(&setup);
+    let received = || metric(&w.scrape(), "idemflow_records_received_total", &[("pipeline", "payments")]);
+    wait_until(Duration::from_secs(60), "the worker applying", || async { received() > 0.0 }).await;
+    server.kill();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let during = w.scrape();
+    assert!(metric(&during, "idemflow_pipeline_up", &[("pipeline", "payments")]) == 1.0, "the pipeline must wait, not stop");
+    server.start_again();
+    wait_all_durable(&db, &kafka, 3, &s, &[&w]).await;
+    assert_exactly_once(&db, &s).await;
+    let m = w.scrape();
+    assert!(metric(&m, "idemflow_db_retries_total", &[("pipeline", "payments"), ("cause", "connection")]) > 0.0, "{m}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn connections_killed_mid_run() {
+    let (db, kafka, setup, s) = fixture(6_000, false, None).await;
+    let w = BinWorker::start(&setup);
+    let database: String = db.scalar("SELECT DATABASE()").await;
+    let mut killed = 0;
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while kafka.committed("idemflow-payments", "payments", 3) != kafka.end_offsets("payments", 3) && Instant::now() < deadline {
+        let ids: Vec<i64> = sqlx::query_scalar(
+            "SELECT CAST(ID AS SIGNED) FROM information_schema.PROCESSLIST WHERE DB = ? AND ID <> CONNECTION_ID()",
+        )
+        .bind(&database)
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+        for id in ids {
+            if sqlx::query(&format!("KILL CONNECTION {id}")).execute(&db.pool).await.is_ok() {
+                killed += 1;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(150)).await;
+    }
+    assert!(killed > 3, "killed only {killed} connections");
+    wait_all_durable(&db, &kafka, 3, &s, &[&w]).await;
+    assert_exactly_once(&db, &s).await;
+    assert_counters_add_up(&w.scrape());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn two_workers_with_cross_partition_duplicates() {
+    let (db, kafka, setup, s) = fixture(6_000, true, None).await;
+    let a = BinWorker::start(&setup);
+    let b = BinWorker::start(&setup);
+    wait_all_durable(&db, &kafka, 3, &s, &[&a, &b]).await;
+    assert_exactly_once(&db, &s).await;
+    let (ma, mb) = (a.scrape(), b.scrape());
+    let dup = |m: &str, reason| metric(m, "idemflow_duplicates_skipped_total", &[("pipeline", "payments"), ("reason", reason)]);
+    let republished = dup(&ma, "republished") + dup(&mb, "republished");
+    let redelivered = dup(&ma, "redelivered") + dup(&mb, "redelivered");
+    assert_eq!(republished + redelivered, s.republished as f64 + redelivered, "{ma}\n{mb}");
+    assert_counters_add_up(&ma);
+    assert_counters_add_up(&mb);
+}
+
+/// The strict-mode and exact-value cases: table form into every kind of column.
+const VALUES_TABLE: &str = "CREATE TABLE vals (
+    id       VARCHAR(64)     NOT NULL PRIMARY KEY,
+    exact    DECIMAL(65, 30) NULL,
+    big      BIGINT          NULL,
+    flag     BOOLEAN         NULL,
+    at_dt    DATETIME(6)     NULL,
+    at_ts    TIMESTAMP(6)    NULL,
+    doc      JSON            NULL,
+    label    VARCHAR(255)    NULL
+) ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_bin;";
+
+fn values_pipeline(extra: &str) -> String {
+    format!(
+        "topics = [\"vals\"]\n[key]\nfield = \"/id\"\n[sink]\ntable = \"vals\"\ntime_zone = \"Europe/Paris\"\n{extra}\n\
+         [sink.columns]\nid = \"/id\"\nexact = {{ field = \"/exact\", optional = true }}\nbig = {{ field = \"/big\", optional = true }}\n\
+         flag = {{ field = \"/flag\", optional = true }}\nat_dt = {{ field = \"/at\", optional = true }}\nat_ts = {{ field = \"/at\", optional = true }}\n\
+         doc = {{ field = \"/doc\", optional = true }}\nlabel = {{ field = \"/label\", optional = true }}\n"
+    )
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn strict_mode_dead_letters_what_does_not_fit_and_keeps_values_exact() {
+    let db = MyDb::new(VALUES_TABLE).await;
+    let kafka = Kafka::new();
+    kafka.create_topic("vals", 1);
+    let long = "x".repeat(300);
+    let records = vec![
+        Out::json(0, r#"{"id":"exact","exact":12345678901234567890.123456789012345678901234567890,"big":9007199254740993,"flag":true}"#),
+        Out::json(0, r#"{"id":"zoned","at":"2026-11-30T10:00:00.123456+02:00"}"#),
+        Out::json(0, r#"{"id":"naive","at":"2026-11-30 10:00:00"}"#),
+        Out::json(0, r#"{"id":"json","doc":{"a":[1,2,{"b":"ü😀"}]},"label":"emoji 😀 ok"}"#),
+        Out::json(0, r#"{"id":"jsonstring","doc":"just text"}"#),
+        Out::json(0, r#"{"id":"abc","exact":"abc"}"#),
+        Out::json(0, format!(r#"{{"id":"long","label":"{long}"}}"#)),
+        Out::json(0, r#"{"id":"baddate","at":"2026-13-45T10:00:00Z"}"#),
+        Out::json(0, r#"{"id":"toobig","big":99999999999999999999999}"#),
+        Out::json(0, r#"{"id":"after","label":"the stream moved on"}"#),
+    ];
+    kafka.produce("vals", &records);
+    let setup = Setup::new(&db, &kafka, &[("vals.toml", &values_pipeline(""))]);
+    let w = BinWorker::start(&setup);
+    wait_until(Duration::from_secs(60), "every record applied or dead-lettered", || async {
+        db.scalar::<i64>("SELECT COUNT(*) FROM vals").await + db.scalar::<i64>("SELECT COUNT(*) FROM idemflow_dead_letters").await == 10
+    })
+    .await;
+    let text = |sql: &'static str| db.scalar::<Option<String>>(sql);
+    assert_eq!(
+        text("SELECT CAST(exact AS CHAR) FROM vals WHERE id = 'exact'").await.unwrap(),
+        "12345678901234567890.123456789012345678901234567890"
+    );
+    assert_eq!(text("SELECT CAST(big AS CHAR) FROM vals WHERE id = 'exact'").await.unwrap(), "9007199254740993");
+    assert_eq!(text("SELECT CAST(flag AS CHAR) FROM vals WHERE id = 'exact'").await.unwrap(), "1");
+    // An offset: TIMESTAMP holds the instant (08:00 UTC); DATETIME the wall-clock time in the pipeline's zone.
+    assert_eq!(text("SELECT CAST(at_ts AS CHAR) FROM vals WHERE id = 'zoned'").await.unwrap(), "2026-11-30 08:00:00.123456");
+    assert_eq!(text("SELECT CAST(at_dt AS CHAR) FROM vals WHERE id = 'zoned'").await.unwrap(), "2026-11-30 09:00:00.123456");
+    // No offset: read in the pipeline's zone for TIMESTAMP (Paris is UTC+1 in winter), kept for DATETIME.
+    assert_eq!(text("SELECT CAST(at_ts AS CHAR) FROM vals WHERE id = 'naive'").await.unwrap(), "2026-11-30 09:00:00.000000");
+    assert_eq!(text("SELECT CAST(at_dt AS CHAR) FROM vals WHERE id = 'naive'").await.unwrap(), "2026-11-30 10:00:00.000000");
+    assert_eq!(text("SELECT CAST(JSON_EXTRACT(doc, '$.a[2].b') AS CHAR) FROM vals WHERE id = 'json'").await.unwrap(), "\"ü😀\"");
+    assert_eq!(text("SELECT CAST(label AS CHAR) FROM vals WHERE id = 'json'").await.unwrap(), "emoji 😀 ok");
+    assert_eq!(text("SELECT CAST(JSON_UNQUOTE(doc) AS CHAR) FROM vals WHERE id = 'jsonstring'").await.unwrap(), "just text");
+    assert_eq!(text("SELECT CAST(label AS CHAR) FROM vals WHERE id = 'after'").await.unwrap(), "the stream moved on");
+    // What does not fit is a dead letter with the server's reason, never a silent 0, truncation or zero date.
+    let reason = |id: &'static str| {
+        let db = &db;
+        async move {
+            sqlx::query_scalar::<_, String>("SELECT CAST(error AS CHAR) FROM idemflow_dead_letters WHERE CAST(payload AS CHAR) LIKE ?")
+                .bind(format!("%\"id\":\"{id}\"%"))
+                .fetch_one(&db.pool)
+                .await
+                .unwrap_or_else(|e| panic!("no dead letter for {id}: {e}"))
+        }
+    };
+    assert!(reason("abc").await.contains("MySQL error 1366"), "{}", reason("abc").await);
+    assert!(reason("long").await.contains("MySQL error 1406"), "{}", reason("long").await);
+    assert!(reason("toobig").await.contains("MySQL error 1264"), "{}", reason("toobig").await);
+    assert!(reason("baddate").await.contains("not a timestamp"), "{}", reason("baddate").await);
+    for id in ["abc", "long", "toobig", "baddate"] {
+        let stored: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM vals WHERE id = ?").bind(id).fetch_one(&db.pool).await.unwrap();
+        assert_eq!(stored, 0, "{id} must not be stored");
+    }
+    drop(w);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn check_refuses_utf8mb3_columns_and_names_missing_tables_and_columns() {
+    let db = MyDb::new(
+        "CREATE TABLE legacy (id VARCHAR(64) PRIMARY KEY, note VARCHAR(255) CHARACTER SET utf8mb3) ENGINE = InnoDB;",
+    )
+    .await;
+    let kafka = Kafka::new();
+    kafka.create_topic("t", 1);
+    let pipeline = |table: &str, column: &str| {
+        format!("topics = [\"t\"]\n[key]\nfield = \"/id\"\n[sink]\ntable = \"{table}\"\n[sink.columns]\nid = \"/id\"\n{column} = \"/note\"\n")
+    };
+    let check = |setup: &Setup| idemflow(&["check", "--config", setup.config.to_str().unwrap()], setup.dir.path());
+    let setup = Setup::new(&db, &kafka, &[("legacy.toml", &pipeline("legacy", "note"))]);
+    let (status, out, err) = check(&setup);
+    assert!(!status.success(), "{out}");
+    assert!(err.contains("sink.columns.note") && err.contains("utf8mb3") && err.contains("utf8mb4"), "{err}");
+    let setup = Setup::new(&db, &kafka, &[("legacy.toml", &pipeline("nowhere", "note"))]);
+    let (_, _, err) = check(&setup);
+    assert!(err.contains("sink.table") && err.contains("does not exist"), "{err}");
+    let setup = Setup::new(&db, &kafka, &[("legacy.toml", &pipeline("legacy", "nope"))]);
+    let (_, _, err) = check(&setup);
+    assert!(err.contains("sink.columns.nope") && err.contains("has no column"), "{err}");
+    let sql = "topics = [\"t\"]\n[key]\nfield = \"/id\"\n[sink]\nsql = \"INSERT INTO nowhere (id) VALUES (:id)\"\n[sink.params]\nid = \"/id\"\n";
+    let setup = Setup::new(&db, &kafka, &[("legacy.toml", sql)]);
+    let (_, _, err) = check(&setup);
+    assert!(err.contains("sink.sql") && err.contains("1146"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn migrate_explain_dead_letters_replay_and_purge_on_mariadb() {
+    // A fresh database without idemflow's tables: `check` says to migrate, `migrate` creates them.
+    let base = crate::support::mariadb::server_url();
+    let db = MyDb::new("CREATE TABLE orders (id VARCHAR(64) PRIMARY KEY, amount DECIMAL(12, 2) NOT NULL) ENGINE = InnoDB;").await;
+    db.exec("DROP TABLE idemflow_dedup, idemflow_dead_letters, idemflow_offsets, idemflow_processed, _sqlx_migrations").await;
+    let kafka = Kafka::new();
+    kafka.create_topic("orders", 1);
+    let pipeline = "topics = [\"orders\"]\n[key]\nfield = \"/id\"\n[sink]\ntable = \"orders\"\n[sink.columns]\nid = \"/id\"\namount = \"/amount\"\n\
+                    [dedup]\nretention = \"1s\"\npurge_interval = \"1h\"\n";
+    let setup = Setup::new(&db, &kafka, &[("orders.toml", pipeline)]);
+    let run = |args: &[&str]| {
+        let mut all = args.to_vec();
+        all.extend(["--config", setup.config.to_str().unwrap()]);
+        idemflow(&all, setup.dir.path())
+    };
+    let (status, _, err) = run(&["check"]);
+    assert!(!status.success() && err.contains("idemflow migrate"), "{err}");
+    let (status, out, err) = run(&["migrate"]);
+    assert!(status.success() && out.contains("version 1"), "{out}{err}");
+    let (status, out, err) = run(&["check"]);
+    assert!(status.success(), "{out}{err}");
+    kafka.produce("orders", &[Out::json(0, r#"{"id":"o-1","amount":"12.50"}"#), Out::json(0, r#"{"id":"o-2","amount":"abc"}"#)]);
+    kafka.produce("orders", &[Out::json(0, r#"{"id":"o-1","amount":"12.50"}"#)]);
+    let mut w = BinWorker::start(&setup);
+    wait_until(Duration::from_secs(60), "o-1 applied and o-2 dead-lettered", || async {
+        db.scalar::<i64>("SELECT COUNT(*) FROM orders").await == 1 && db.scalar::<i64>("SELECT COUNT(*) FROM idemflow_dead_letters").await == 1
+    })
+    .await;
+    wait_until(Duration::from_secs(30), "the duplicate counted", || async {
+        metric(&w.scrape(), "idemflow_duplicates_skipped_total", &[("pipeline", "orders"), ("reason", "republished")]) == 1.0
+    })
+    .await;
+    w.sigterm();
+    let (status, out, err) = run(&["explain", "--pipeline", "orders", "--key", "o-1"]);
+    assert!(status.success() && out.contains("orders/0@0") && out.contains("duplicates skipped 1"), "{out}{err}");
+    let (status, out, _) = run(&["dead-letters", "list"]);
+    assert!(status.success() && out.contains("side_effect_rejected") && out.contains("1366"), "{out}");
+    let id: i64 = db.scalar("SELECT id FROM idemflow_dead_letters").await;
+    let (status, out, _) = run(&["dead-letters", "show", &id.to_string()]);
+    assert!(status.success() && out.contains("\"amount\":\"abc\""), "{out}");
+    let fixed = setup.dir.path().join("fixed.json");
+    std::fs::write(&fixed, r#"{"id":"o-2","amount":"7.25"}"#).unwrap();
+    let (status, out, err) = run(&["dead-letters", "replay", &id.to_string(), "--payload", fixed.to_str().unwrap()]);
+    assert!(status.success() && out.contains("applied"), "{out}{err}");
+    assert_eq!(db.scalar::<String>("SELECT CAST(amount AS CHAR) FROM orders WHERE id = 'o-2'").await, "7.25");
+    assert_eq!(db.scalar::<i64>("SELECT COUNT(*) FROM idemflow_dead_letters").await, 0);
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let (status, out, err) = run(&["purge"]);
+    assert!(status.success() && out.contains("purged 2 dedup rows"), "{out}{err}");
+    assert_eq!(db.scalar::<i64>("SELECT COUNT(*) FROM idemflow_dedup").await, 0);
+    let _ = base;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn stored_positions_fenced_and_rewound_on_mariadb() {
+    let (db, kafka, _, s) = fixture(2_000, false, None).await;
+    let stored = example() + "\n[offsets]\nstore = \"database\"\n";
+    let setup = Setup::new(&db, &kafka, &[("payments.toml", &stored)]);
+    let mut w = BinWorker::start(&setup);
+    wait_all_durable(&db, &kafka, 3, &s, &[&w]).await;
+    w.sigterm();
+    let stored_total: i64 = db.scalar("SELECT CAST(SUM(next_offset) AS SIGNED) FROM idemflow_offsets WHERE pipeline = 'payments'").await;
+    assert_eq!(stored_total, kafka.end_offsets("payments", 3).iter().sum::<i64>());
+    assert_exactly_once(&db, &s).await;
+    // Rewind to the start: everything is consumed again and skipped as redelivered.
+    let (status, out, err) =
+        idemflow(&["rewind", "--config", setup.config.to_str().unwrap(), "--pipeline", "payments", "--to", "earliest"], setup.dir.path());
+    assert!(status.success(), "{out}{err}");
+    let epochs: i64 = db.scalar("SELECT CAST(MIN(owner_epoch) AS SIGNED) FROM idemflow_offsets").await;
+    assert!(epochs >= 2, "rewind fences the previous owner");
+    let w = BinWorker::start(&setup);
+    wait_until(Duration::from_secs(120), "the replay skipped as redelivered", || async {
+        metric(&w.scrape(), "idemflow_duplicates_skipped_total", &[("pipeline", "payments"), ("reason", "redelivered")])
+            >= (s.records.len() - s.poison) as f64
+    })
+    .await;
+    assert_exactly_once(&db, &s).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn mysqls_claim_without_returning_tells_new_keys_from_old() {
+    use idemflow::store::mysql::{ClaimForm, MySqlStore};
+    let db = MyDb::new("").await;
+    let store = idemflow::store::Store::MySql(MySqlStore::with_claim_form(db.pool.clone(), ClaimForm::Token));
+    let keys: Vec<idemflow::key::BusinessKey> = (0..5).map(|i| idemflow::key::BusinessKey::new(format!("k-{i}"))).collect();
+    let position = idemflow::record::Position { topic: "t".into(), partition: 0, offset: 1 };
+    fn claims<'a>(
+        ks: &'a [idemflow::key::BusinessKey],
+        position: &'a idemflow::record::Position,
+    ) -> Vec<idemflow::sink::dedup::Claim<'a>> {
+        ks.iter().map(|k| idemflow::sink::dedup::Claim { key: k, position, fingerprint: &[7; 32] }).collect()
+    }
+    let mut tx = store.begin().await.unwrap();
+    assert_eq!(tx.claim("p", &claims(&keys[..3], &position)).await.unwrap().len(), 3);
+    tx.commit().await.unwrap();
+    let mut tx = store.begin().await.unwrap();
+    let new = tx.claim("p", &claims(&keys, &position)).await.unwrap();
+    assert_eq!(new.len(), 2, "only k-3 and k-4 are new");
+    assert!(new.contains(&keys[3].digest) && new.contains(&keys[4].digest));
+    tx.rollback().await.unwrap();
+    assert_eq!(db.scalar::<i64>("SELECT COUNT(*) FROM idemflow_dedup").await, 3);
+}
