@@ -102,7 +102,12 @@ impl Store {
     pub async fn begin(&self) -> Result<Tx, sqlx::Error> {
         Ok(match self {
             Store::Postgres(pool) => Tx::Postgres(pool.begin().await?),
-            Store::MySql(s) => Tx::MySql(s.pool.begin().await?, s.claim_form().await?),
+            Store::MySql(s) => {
+                // The claim form first: reading it takes a connection of its own (once), which a pool of one could
+                // not give while the transaction holds it.
+                let form = s.claim_form().await?;
+                Tx::MySql(s.pool.begin().await?, form)
+            }
         })
     }
 

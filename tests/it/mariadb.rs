@@ -420,3 +420,209 @@ async fn mysqls_claim_without_returning_tells_new_keys_from_old() {
     tx.rollback().await.unwrap();
     assert_eq!(db.scalar::<i64>("SELECT COUNT(*) FROM idemflow_dedup").await, 3);
 }
+
+/// The shared cases (`../shared/cases/`) that concern the store, on MariaDB: pipeline `payments`, topic `orders`,
+/// key `/order/id`, one row per order in `payments`.
+mod cases {
+    use super::*;
+
+    const TABLE: &str = "CREATE TABLE payments (order_id LONGTEXT NOT NULL, amount DECIMAL(20, 4), paid_at TIMESTAMP(6) NULL, \
+                         currency VARCHAR(8)) ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_bin;";
+    const INSERT: &str = r#""INSERT INTO payments (order_id, amount, paid_at) VALUES (:order_id, :amount, :paid_at)""#;
+
+    fn pipeline(extra_top: &str, sql: &str) -> String {
+        format!(
+            "topics = [\"orders\"]\n{extra_top}\n[key]\nfield = \"/order/id\"\n[sink]\nsql = [{sql}]\n[sink.params]\n\
+             order_id = \"/order/id\"\namount = {{ field = \"/order/amount\", optional = true }}\n\
+             paid_at = {{ field = \"/paid_at\", optional = true, type = \"timestamp\" }}\n"
+        )
+    }
+
+    fn order(id: &str, amount: &str) -> String {
+        format!(r#"{{"order":{{"id":"{id}","amount":"{amount}"}}}}"#)
+    }
+
+    async fn fixture(table: &str, partitions: i32, pipelines: &[(&str, &str)], server: Option<&str>) -> (MyDb, Kafka, Setup) {
+        let db = match server {
+            Some(url) => MyDb::on(url, table).await,
+            None => MyDb::new(table).await,
+        };
+        let kafka = Kafka::new();
+        kafka.create_topic("orders", partitions);
+        let setup = Setup::new(&db, &kafka, pipelines);
+        (db, kafka, setup)
+    }
+
+    async fn rows(db: &MyDb) -> (i64, i64) {
+        (db.scalar("SELECT COUNT(*) FROM payments").await, db.scalar("SELECT COUNT(DISTINCT order_id) FROM payments").await)
+    }
+
+    async fn ids(db: &MyDb) -> String {
+        db.scalar::<Option<String>>("SELECT CAST(GROUP_CONCAT(order_id ORDER BY order_id) AS CHAR) FROM payments").await.unwrap_or_default()
+    }
+
+    fn dead(w: &InProc, reason: &str) -> f64 {
+        w.metric("idemflow_dead_letters_total", &[("pipeline", "payments"), ("reason", reason)])
+    }
+
+    /// c06: the claim is made, then the side effect blocks on a locked table and its connection is killed: the
+    /// batch is retried, o-9 applied once, nothing dead-lettered.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn case_c06_side_effect_fails_after_claim() {
+        let (db, kafka, setup) = fixture(TABLE, 1, &[("payments.toml", &pipeline("", INSERT))], None).await;
+        let w = InProc::start(&setup).await;
+        let mut lock = db.pool.acquire().await.unwrap();
+        sqlx::query("LOCK TABLES payments WRITE").execute(&mut *lock).await.unwrap();
+        kafka.produce("orders", &[Out::json(0, order("o-9", "9"))]);
+        let database: String = db.scalar("SELECT DATABASE()").await;
+        let blocked = || {
+            sqlx::query_scalar::<_, i64>(
+                "SELECT CAST(ID AS SIGNED) FROM information_schema.PROCESSLIST WHERE DB = ? AND STATE LIKE '%lock%' AND INFO LIKE 'INSERT INTO payments%'",
+            )
+            .bind(&database)
+            .fetch_optional(&db.pool)
+        };
+        wait_until(Duration::from_secs(30), "the worker to block on the lock", || async { blocked().await.unwrap().is_some() }).await;
+        let id = blocked().await.unwrap().unwrap();
+        sqlx::query(&format!("KILL CONNECTION {id}")).execute(&db.pool).await.unwrap();
+        sqlx::query("UNLOCK TABLES").execute(&mut *lock).await.unwrap();
+        w.wait_received("payments", 1).await;
+        assert_eq!(w.metric("idemflow_records_applied_total", &[("pipeline", "payments")]), 1.0);
+        assert!(w.metric("idemflow_db_retries_total", &[("pipeline", "payments"), ("cause", "connection")]) >= 1.0);
+        assert!(w.stop().await.is_empty());
+        assert_eq!(rows(&db).await, (1, 1));
+        assert_eq!(db.scalar::<i64>("SELECT COUNT(*) FROM idemflow_dead_letters").await, 0);
+    }
+
+    /// c09: keys of 300 and 5,000 characters, each twice, then o-1: each deduplicated exactly (the dedup key is the
+    /// key's digest; InnoDB's 3072-byte index limit does not apply).
+    #[tokio::test(flavor = "multi_thread")]
+    async fn case_c09_long_keys() {
+        let (db, kafka, setup) = fixture(TABLE, 1, &[("payments.toml", &pipeline("", INSERT))], None).await;
+        let keys = [random_text(300, 7), random_text(5000, 8), "a".repeat(5000)];
+        let mut records: Vec<Out> = keys.iter().map(|k| Out::json(0, order(k, "1"))).collect();
+        records.extend(records.clone());
+        records.push(Out::json(0, order("o-1", "1")));
+        kafka.produce("orders", &records);
+        let w = InProc::start(&setup).await;
+        w.wait_received("payments", 7).await;
+        assert_eq!(w.metric("idemflow_records_applied_total", &[("pipeline", "payments")]), 4.0);
+        assert_eq!(w.metric("idemflow_duplicates_skipped_total", &[("pipeline", "payments"), ("reason", "republished")]), 3.0);
+        assert!(w.stop().await.is_empty());
+        assert_eq!(rows(&db).await, (4, 4));
+        assert_eq!(db.scalar::<i64>("SELECT MAX(CHAR_LENGTH(business_key)) FROM idemflow_dedup").await, 5000);
+    }
+
+    /// c10, c11, c14, c16: U+0000 in a key (refused for every store, one rule), invalid UTF-8, missing, null and
+    /// empty keys, a 200-level-deep document, an oversized payload, a tombstone and an empty value: each a dead
+    /// letter or a skip with its reason, the good records applied, the offset past all of them.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn cases_c10_c11_c14_c16_bad_records_move_on() {
+        let (db, kafka, setup) = fixture(TABLE, 1, &[("payments.toml", &pipeline("max_payload_bytes = 1048576", INSERT))], None).await;
+        let deep = format!(r#"{{"order":{{"id":"o-1","amount":"1","meta":{}1{}}}}}"#, "[".repeat(200), "]".repeat(200));
+        let huge = format!("{}{}", "[".repeat(700_000), "]".repeat(700_000));
+        let records = vec![
+            Out::json(0, r#"{"order":{"id":"A\u0000B","amount":"1"}}"#),
+            Out::json(0, r#"{"order":{"id":"o-2","note":"\ud800","amount":"2"}}"#),
+            Out::json(0, r#"{"order":{}}"#),
+            Out::json(0, r#"{"order":{"id":null}}"#),
+            Out::json(0, r#"{"order":{"id":""}}"#),
+            Out::json(0, deep),
+            Out::json(0, huge),
+            Out { partition: 0, key: Some(b"o-1".to_vec()), ..Out::default() },
+            Out { partition: 0, key: Some(b"o-1".to_vec()), value: Some(Vec::new()), ..Out::default() },
+            Out::json(0, order("o-3", "3")),
+        ];
+        kafka.produce("orders", &records);
+        let w = InProc::start(&setup).await;
+        w.wait_received("payments", 10).await;
+        assert_eq!(dead(&w, "key_invalid"), 1.0);
+        assert_eq!(dead(&w, "key_missing"), 3.0);
+        assert_eq!(dead(&w, "decode_failed"), 3.0); // bad unicode, too deep, empty value
+        assert_eq!(dead(&w, "payload_too_large"), 1.0);
+        assert_eq!(w.metric("idemflow_tombstones_skipped_total", &[("pipeline", "payments")]), 1.0);
+        assert!(w.stop().await.is_empty());
+        assert_eq!(ids(&db).await, "o-3");
+        assert_eq!(db.scalar::<i64>("SELECT COUNT(*) FROM idemflow_dead_letters").await, 8);
+        assert_eq!(db.scalar::<i64>("SELECT COUNT(*) FROM idemflow_dedup").await, 1);
+        assert_eq!(kafka.committed("idemflow-payments", "orders", 1), vec![10]);
+    }
+
+    /// c17: the payload shape drifts: a missing optional value binds its default, a missing required one is
+    /// dead-lettered naming the field, a value MySQL cannot convert is dead-lettered with its error number.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn case_c17_schema_drift() {
+        let p = "topics = [\"orders\"]\n[key]\nfield = \"/order/id\"\n[sink]\n\
+                 sql = \"INSERT INTO payments (order_id, amount, currency) VALUES (:order_id, :amount, :currency)\"\n[sink.params]\n\
+                 order_id = \"/order/id\"\namount = \"/order/amount\"\ncurrency = { field = \"/order/currency\", default = \"EUR\" }\n";
+        let (db, kafka, setup) = fixture(TABLE, 1, &[("payments.toml", p)], None).await;
+        kafka.produce(
+            "orders",
+            &[
+                Out::json(0, r#"{"order":{"id":"old","amount":"1.00"}}"#),
+                Out::json(0, r#"{"order":{"id":"new","amount":{"value":"5.00","unit":"EUR"}}}"#),
+                Out::json(0, r#"{"order":{"id":"none"}}"#),
+                Out::json(0, r#"{"order":{"id":"later","amount":"2.00","currency":"USD"}}"#),
+            ],
+        );
+        let w = InProc::start(&setup).await;
+        w.wait_received("payments", 4).await;
+        assert!(w.stop().await.is_empty());
+        let applied: String =
+            db.scalar("SELECT CAST(GROUP_CONCAT(CONCAT(order_id, '=', currency) ORDER BY order_id) AS CHAR) FROM payments").await;
+        assert_eq!(applied, "later=USD,old=EUR");
+        let e: String = db.scalar("SELECT CAST(error AS CHAR) FROM idemflow_dead_letters WHERE reason = 'side_effect_rejected'").await;
+        assert!(e.contains("MySQL error 1366"), "{e}");
+        let e: String = db.scalar("SELECT CAST(error AS CHAR) FROM idemflow_dead_letters WHERE reason = 'param_missing'").await;
+        assert!(e.contains("/order/amount"), "{e}");
+    }
+
+    /// c18: a poison pill is dead-lettered and the partition moves on; while MariaDB is down nothing is
+    /// dead-lettered, the worker retries, and applies the record once the server is back.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn case_c18_poison_pill_and_an_outage() {
+        let server = Server::start();
+        let (db, kafka, setup) = fixture(TABLE, 1, &[("payments.toml", &pipeline("", INSERT))], Some(&server.url)).await;
+        kafka.produce("orders", &[Out::json(0, "not json"), Out::json(0, order("o-2", "2"))]);
+        let w = InProc::start(&setup).await;
+        w.wait_received("payments", 2).await;
+        assert_eq!(dead(&w, "decode_failed"), 1.0);
+        assert_eq!(kafka.committed("idemflow-payments", "orders", 1), vec![2]);
+        server.kill();
+        kafka.produce("orders", &[Out::json(0, order("o-3", "3"))]);
+        wait_until(Duration::from_secs(30), "retries while MariaDB is down", || async {
+            ["connection", "pool_timeout", "unavailable"]
+                .iter()
+                .map(|c| w.metric("idemflow_db_retries_total", &[("pipeline", "payments"), ("cause", c)]))
+                .sum::<f64>()
+                >= 2.0
+        })
+        .await;
+        assert_eq!(w.metric("idemflow_records_received_total", &[("pipeline", "payments")]), 2.0);
+        server.start_again();
+        w.wait_received("payments", 3).await;
+        assert!(w.stop().await.is_empty());
+        let db = MyDb { pool: sqlx::MySqlPool::connect(&db.url).await.unwrap(), url: db.url.clone() };
+        assert_eq!(ids(&db).await, "o-2,o-3");
+        assert_eq!(db.scalar::<i64>("SELECT COUNT(*) FROM idemflow_dead_letters").await, 1);
+    }
+
+    /// c21: a pool of one connection with 8 partitions and two pipelines competing for it: no deadlock, every
+    /// record applied once.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn case_c21_small_connection_pool() {
+        let both = format!("{TABLE} CREATE TABLE payments_b LIKE payments;");
+        let b = pipeline("", &INSERT.replace("INTO payments", "INTO payments_b"));
+        let (db, kafka, setup) = fixture(&both, 8, &[("payments.toml", &pipeline("", INSERT)), ("b.toml", &b)], None).await;
+        let text = std::fs::read_to_string(&setup.config).unwrap().replace("max_connections = 4", "max_connections = 1");
+        std::fs::write(&setup.config, text).unwrap();
+        let records: Vec<Out> = (0..2000).map(|i| Out::json(i % 8, order(&format!("o-{i}"), "1"))).collect();
+        kafka.produce("orders", &records);
+        let w = InProc::start(&setup).await;
+        w.wait_received("payments", 2000).await;
+        w.wait_received("b", 2000).await;
+        assert!(w.stop().await.is_empty());
+        assert_eq!(rows(&db).await, (2000, 2000));
+        assert_eq!(db.scalar::<i64>("SELECT COUNT(DISTINCT order_id) FROM payments_b").await, 2000);
+    }
+}

@@ -315,7 +315,7 @@ impl InProc {
     pub async fn start_with_faults(setup: &Setup, faults: idemflow::worker::Faults) -> InProc {
         let _ = tracing_subscriber::fmt().with_env_filter("info,librdkafka=warn").with_test_writer().try_init();
         let settings = idemflow::config::load_settings_from(&setup.config, []).unwrap().settings;
-        let pipelines = idemflow::config::load_pipelines(&settings.pipelines).unwrap();
+        let pipelines = idemflow::config::load_pipelines_for(&settings).unwrap();
         let store = idemflow::store::Store::connect(&settings.database).unwrap();
         let ready = idemflow::worker::prepare(&store, &pipelines).await.unwrap();
         let metrics = idemflow::metrics::Metrics::new();
