@@ -626,3 +626,39 @@ mod cases {
         assert_eq!(db.scalar::<i64>("SELECT COUNT(DISTINCT order_id) FROM payments_b").await, 2000);
     }
 }
+
+/// The table form's `on_conflict` on MySQL: `error` dead-letters a business row that exists (1062), `nothing`
+/// skips it, `update` overwrites the columns outside the key; a batch larger than one statement's placeholders is
+/// split and applied whole.
+#[tokio::test(flavor = "multi_thread")]
+async fn table_form_on_conflict_and_large_batches() {
+    let table = "CREATE TABLE orders (id VARCHAR(64) PRIMARY KEY, amount DECIMAL(12, 2) NOT NULL, note VARCHAR(64) NULL) ENGINE = InnoDB;\
+                 INSERT INTO orders VALUES ('taken', 1.00, 'before');";
+    for (mode, expect_amount, expect_note, dead) in [("error", "1.00", "before", 1), ("nothing", "1.00", "before", 0), ("update", "9.00", "after", 0)] {
+        let db = MyDb::new(table).await;
+        let kafka = Kafka::new();
+        kafka.create_topic("orders", 1);
+        let pipeline = format!(
+            "topics = [\"orders\"]\n[key]\nfield = \"/id\"\n[sink]\ntable = \"orders\"\non_conflict = \"{mode}\"\n\
+             [sink.columns]\nid = \"/id\"\namount = \"/amount\"\nnote = {{ field = \"/note\", optional = true }}\n[batch]\nmax_records = 20000\nmax_wait = \"500ms\"\n"
+        );
+        let setup = Setup::new(&db, &kafka, &[("orders.toml", &pipeline)]);
+        let mut records = vec![Out::json(0, r#"{"id":"taken","amount":"9.00","note":"after"}"#)];
+        records.extend((0..20_000).map(|i| Out::json(0, format!(r#"{{"id":"o-{i}","amount":"{}.{:02}","note":"n{i}"}}"#, i % 500, i % 100))));
+        kafka.produce("orders", &records);
+        let w = InProc::start(&setup).await;
+        w.wait_received("orders", 20_001).await;
+        assert!(w.stop().await.is_empty());
+        assert_eq!(db.scalar::<i64>("SELECT COUNT(*) FROM orders").await, 20_001, "{mode}");
+        assert_eq!(db.scalar::<String>("SELECT CAST(amount AS CHAR) FROM orders WHERE id = 'taken'").await, expect_amount, "{mode}");
+        assert_eq!(db.scalar::<String>("SELECT CAST(note AS CHAR) FROM orders WHERE id = 'taken'").await, expect_note, "{mode}");
+        assert_eq!(db.scalar::<i64>("SELECT COUNT(*) FROM idemflow_dead_letters").await, dead, "{mode}");
+        if dead == 1 {
+            let e: String = db.scalar("SELECT CAST(error AS CHAR) FROM idemflow_dead_letters").await;
+            assert!(e.contains("MySQL error 1062"), "{e}");
+        }
+        let expected: i64 = (0..20_000i64).map(|i| (i % 500) * 100 + i % 100).sum();
+        let sum: String = db.scalar("SELECT CAST(SUM(amount * 100) AS CHAR) FROM orders WHERE id <> 'taken'").await;
+        assert_eq!(sum, format!("{expected}.00"), "{mode}");
+    }
+}
