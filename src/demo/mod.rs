@@ -14,6 +14,7 @@
 //! the check that matters: one business row per distinct operation, and the total deducted equals the expected
 //! total.
 
+pub mod database;
 pub mod kafka;
 pub mod postgres;
 pub mod rabbitmq;
@@ -27,7 +28,6 @@ use crate::shutdown::{self, Shutdown};
 use crate::worker::{self, Faults, PipelineFailure};
 use anyhow::{bail, Context as _};
 use rdkafka::producer::BaseRecord;
-use sqlx::{Connection, Executor, PgConnection};
 use std::collections::BTreeMap;
 use std::io::IsTerminal;
 use std::net::SocketAddr;
@@ -39,6 +39,8 @@ use tokio::task::JoinHandle;
 const SHIPPED_PIPELINE: &str = include_str!("../../pipelines/payments.toml");
 const SHIPPED_TABLES: &str = include_str!("../../pipelines/payments.sql");
 const SHIPPED_RABBITMQ_PIPELINE: &str = include_str!("../../examples/rabbitmq/payments.toml");
+const SHIPPED_MYSQL_PIPELINE: &str = include_str!("../../examples/mysql/payments.toml");
+const SHIPPED_MYSQL_TABLES: &str = include_str!("../../examples/mysql/payments.sql");
 const TOPIC: &str = "payments";
 const ACCOUNTS: usize = 100;
 /// Each account starts with this balance, in cents.
@@ -248,10 +250,16 @@ fn counter(metrics: &Metrics, name: &str, reason: Option<&str>) -> u64 {
 /// Runs the demo; `Ok(true)` when the final check passed.
 pub async fn run(options: DemoOptions) -> anyhow::Result<bool> {
     let rabbit = options.source == DemoSource::Rabbitmq;
-    let (default_file, built_in) = if rabbit {
-        ("examples/rabbitmq/payments.toml", SHIPPED_RABBITMQ_PIPELINE)
+    let mysql = options.database_url.as_deref().is_some_and(|u| config::Dialect::of_url(u) == config::Dialect::MySql);
+    if rabbit && mysql {
+        bail!("the demo runs RabbitMQ with PostgreSQL, and MySQL/MariaDB with Kafka: choose one of --source rabbitmq and a mysql:// --database-url");
+    }
+    let (default_file, built_in, shipped_tables) = if rabbit {
+        ("examples/rabbitmq/payments.toml", SHIPPED_RABBITMQ_PIPELINE, SHIPPED_TABLES)
+    } else if mysql {
+        ("examples/mysql/payments.toml", SHIPPED_MYSQL_PIPELINE, SHIPPED_MYSQL_TABLES)
     } else {
-        ("pipelines/payments.toml", SHIPPED_PIPELINE)
+        ("pipelines/payments.toml", SHIPPED_PIPELINE, SHIPPED_TABLES)
     };
     let file = options.pipeline.clone().unwrap_or_else(|| PathBuf::from(default_file));
     let (pipeline_text, tables_sql, source) = if file.is_file() {
@@ -259,13 +267,13 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<bool> {
         let sql = if sql_path.is_file() || options.pipeline.is_some() {
             std::fs::read_to_string(&sql_path).with_context(|| format!("reading {}", sql_path.display()))?
         } else {
-            SHIPPED_TABLES.to_owned()
+            shipped_tables.to_owned()
         };
         (std::fs::read_to_string(&file)?, sql, file.display().to_string())
     } else if options.pipeline.is_some() {
         bail!("{}: no such pipeline file", file.display());
     } else {
-        (built_in.to_owned(), SHIPPED_TABLES.to_owned(), format!("the built-in copy of {default_file}"))
+        (built_in.to_owned(), shipped_tables.to_owned(), format!("the built-in copy of {default_file}"))
     };
     eprintln!("idemflow demo: {} records through {source}", options.records);
 
@@ -280,11 +288,8 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<bool> {
         }
     };
     let database = format!("idemflow_demo_{}", std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_secs());
-    let mut admin = PgConnection::connect(&admin_url).await.context("connecting to PostgreSQL")?;
-    admin.execute(format!("CREATE DATABASE {database}").as_str()).await?;
-    let base = admin_url.rsplit_once('/').map_or(admin_url.as_str(), |(b, _)| b);
-    let url = format!("{base}/{database}");
-    eprintln!("database {database} created");
+    let (db, url) = database::DemoDb::create(&admin_url, &database).await?;
+    eprintln!("database {database} created{}", if db.is_mysql() { " (MySQL/MariaDB)" } else { "" });
 
     // Kafka: the embedded broker, with enough partitions for the mock's per-partition limit. RabbitMQ: a node of
     // this demo and a quorum queue.
@@ -346,14 +351,7 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<bool> {
         log: LogSettings::default(),
         shutdown: ShutdownSettings::default(),
     };
-    let pool = crate::store::postgres::pool(&settings.database)?;
-    crate::store::postgres::MIGRATOR.run(&pool).await?;
-    sqlx::raw_sql(&tables_sql).execute(&pool).await.context("creating the business tables")?;
-    sqlx::query("INSERT INTO accounts SELECT 'ACC-' || g, $1::numeric / 100 FROM generate_series(0, $2 - 1) g")
-        .bind(OPENING_BALANCE_CENTS)
-        .bind(ACCOUNTS as i32)
-        .execute(&pool)
-        .await?;
+    db.setup(&tables_sql, ACCOUNTS, OPENING_BALANCE_CENTS).await?;
 
     let s = stream(options.records, partitions);
     match &broker {
@@ -385,8 +383,8 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<bool> {
     let total = s.records.len() as u64;
     let batches_before_crash = (total / 5 / 500).max(1);
     let mut progress = Progress::new(total);
-    let pipelines = config::load_pipelines(&settings.pipelines).map_err(|e| lines(&e))?;
-    let ready = worker::prepare(&crate::store::Store::Postgres(pool.clone()), &pipelines).await.map_err(|e| lines(&e))?;
+    let pipelines = config::load_pipelines_for(&settings).map_err(|e| lines(&e))?;
+    let ready = worker::prepare(&db.store(), &pipelines).await.map_err(|e| lines(&e))?;
     let mut a = start_worker(&settings, &ready, &metrics, &health, Faults { crash_after_commits: Some(batches_before_crash) });
     let mut b: Option<DemoWorker> = None;
     let (mut crashed, mut joined, mut left) = (false, false, false);
@@ -419,12 +417,7 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<bool> {
         }
         progress.update(consumed, applied, duplicates, event.as_deref());
         // Distinct payloads: a queue records a poison message redelivered after the crash a second time.
-        let done: (i64, i64) = sqlx::query_as(
-            "SELECT (SELECT count(*) FROM idemflow.dedup WHERE pipeline = 'payments'), \
-                    (SELECT count(DISTINCT payload) FROM idemflow.dead_letters WHERE pipeline = 'payments')",
-        )
-        .fetch_one(&pool)
-        .await?;
+        let done = db.progress().await?;
         if left && done == (s.distinct as i64, s.poison as i64) && consumed >= total {
             break;
         }
@@ -442,18 +435,11 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<bool> {
 
     // The summary, from the metrics and the business tables.
     let expected = money(s.expected_cents);
-    let (rows, distinct_rows, deducted, as_published, applied_sum, each_once): (i64, i64, String, bool, String, bool) = sqlx::query_as(
-        "WITH d AS (SELECT $1::numeric * $2 / 100 - sum(balance) AS deducted FROM accounts), \
-              p AS (SELECT coalesce(sum(amount), 0) AS applied FROM payments) \
-         SELECT (SELECT count(*) FROM payments), (SELECT count(DISTINCT order_id) FROM payments), \
-                d.deducted::numeric(20,2)::text, d.deducted = $3::numeric, p.applied::numeric(20,2)::text, \
-                d.deducted = p.applied FROM d, p",
-    )
-    .bind(OPENING_BALANCE_CENTS)
-    .bind(ACCOUNTS as i64)
-    .bind(&expected)
-    .fetch_one(&pool)
-    .await?;
+    let totals = db.totals(ACCOUNTS, OPENING_BALANCE_CENTS).await?;
+    let (rows, distinct_rows) = (totals.rows, totals.distinct_rows);
+    let (deducted, applied_sum) = (money(totals.deducted_cents as i64), money(totals.applied_cents as i64));
+    let as_published = totals.deducted_cents == i128::from(s.expected_cents);
+    let each_once = totals.deducted_cents == totals.applied_cents;
     let line = |label: &str, n: u64| println!("  {label:<44} {n:>10}");
     println!();
     println!("idemflow demo summary");
@@ -545,13 +531,12 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<bool> {
                  only by you)",
                 cluster.password_file().display()
             ),
-            None => eprintln!("  PostgreSQL: {database} (the password of your --database-url)"),
+            None => eprintln!("  database: {database} (the password of your --database-url)"),
         }
         shutdown::signals().await;
     }
     a.stop().await?;
-    pool.close().await;
-    drop(admin);
+    db.close().await;
     Ok(rows_ok && total_ok && reconciled)
 }
 

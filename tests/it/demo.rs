@@ -128,3 +128,19 @@ fn demo_on_rabbitmq_checks_exactly_once() {
     assert!(!stdout.contains("differs") && !stdout.contains("FAILED"), "{stdout}");
     assert!(stdout.lines().any(|l| l.contains("consumed again") && l.ends_with(": ok")), "{stdout}");
 }
+
+/// `idemflow demo --database-url mysql://...`: the same demo on MariaDB, through examples/mysql/payments.toml.
+#[test]
+fn demo_on_mariadb_checks_exactly_once() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_idemflow"))
+        .args(["demo", "--records", "6000", "--metrics-listen", "127.0.0.1:0", "--database-url", &mariadb::server_url()])
+        .current_dir(project_root())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(stderr.contains("through examples/mysql/payments.toml") && stderr.contains("(MySQL/MariaDB)"), "{stderr}");
+    assert!(stdout.contains("check: business rows") && stdout.matches(": ok").count() == 7, "{stdout}");
+    assert!(!stdout.contains("differs") && !stdout.contains("FAILED"), "{stdout}");
+}
