@@ -11,6 +11,9 @@
 //! 5. the broker's ceiling: a consume-only pass (decode and key extraction, no database);
 //! 6. the worker with the per-record SQL form of the same side effect, over a prefix of the stream.
 //!
+//! With `--database-url mysql://...` (or `mariadb://`) runs (1), (2), (5) and (6) run on MySQL or MariaDB; (3) and
+//! (4) are PostgreSQL's.
+//!
 //! With `--source rabbitmq` the same stream is published to quorum queues of a throwaway RabbitMQ node instead
 //! (message-id = order id, persistent, publisher confirms), and two runs compare: (1) the worker, table form, from a
 //! queue; (5) the broker's ceiling, a consume-only pass from a queue with the same prefetch and one `basic.ack` with
@@ -157,6 +160,20 @@ fn stream(records: usize, partitions: i32) -> Stream {
 
 const TABLE_SQL: &str = "CREATE TABLE orders (order_id text PRIMARY KEY, account_id text NOT NULL, amount numeric NOT NULL, \
      currency text NOT NULL, created_at timestamptz NOT NULL)";
+/// The same table on MySQL/MariaDB.
+const MYSQL_TABLE_SQL: &str = "CREATE TABLE orders (order_id VARCHAR(64) PRIMARY KEY, account_id VARCHAR(64) NOT NULL, \
+     amount DECIMAL(18, 2) NOT NULL, currency CHAR(3) NOT NULL, created_at TIMESTAMP(6) NOT NULL) \
+     ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_bin";
+
+/// Whether `url` names MySQL or MariaDB.
+fn is_mysql(url: &str) -> bool {
+    crate::config::Dialect::of_url(url) == crate::config::Dialect::MySql
+}
+
+/// Connect settings for `url`, for the bench's own connections.
+fn settings_for(url: &str) -> crate::config::DatabaseSettings {
+    crate::config::DatabaseSettings { url: url.to_owned().into(), max_connections: 2, acquire_timeout: Duration::from_secs(30), prepared_statements: true }
+}
 
 /// The business columns and where their values come from, for both forms of the side effect.
 const COLUMNS: [(&str, &str); 5] = [
@@ -178,16 +195,31 @@ fn table_pipeline(max_records: Option<usize>) -> String {
     pipeline_text("table = \"orders\"", "sink.columns", &batch)
 }
 
-/// The SQL form of the same side effect: one `INSERT` statement per new record.
+/// The SQL form of the same side effect: one `INSERT` statement per new record. `created_at` declares its type
+/// (MySQL cannot infer it; PostgreSQL ignores the declaration).
 fn sql_pipeline() -> String {
     let columns: Vec<&str> = COLUMNS.iter().map(|(c, _)| *c).collect();
     let params: Vec<String> = columns.iter().map(|c| format!(":{c}")).collect();
     let sql = format!("INSERT INTO orders ({}) VALUES ({})", columns.join(", "), params.join(", "));
     pipeline_text(&format!("sql = \"{sql}\""), "sink.params", "")
+        .replace("created_at = \"/created_at\"", "created_at = { field = \"/created_at\", type = \"timestamp\" }")
 }
 
 /// A database for one run: created on the server, migrated, with the business table.
 async fn fresh_database(admin_url: &str, name: &str) -> anyhow::Result<String> {
+    if is_mysql(admin_url) {
+        let base = admin_url.rsplit_once('/').map_or(admin_url, |(b, _)| b);
+        let options = crate::store::mysql::connect_options(&settings_for(&format!("{base}/")))?;
+        let mut admin = sqlx::MySqlConnection::connect_with(&options).await.context("connecting to MySQL/MariaDB")?;
+        admin.execute(format!("DROP DATABASE IF EXISTS {name}").as_str()).await?;
+        admin.execute(format!("CREATE DATABASE {name} CHARACTER SET utf8mb4 COLLATE utf8mb4_bin").as_str()).await?;
+        let url = format!("{base}/{name}");
+        let pool = crate::store::mysql::pool(&settings_for(&url))?;
+        crate::store::mysql::MIGRATOR.run(&pool).await?;
+        sqlx::raw_sql(MYSQL_TABLE_SQL).execute(&pool).await?;
+        pool.close().await;
+        return Ok(url);
+    }
     let mut admin = PgConnection::connect(admin_url).await.context("connecting to PostgreSQL")?;
     admin.execute(format!("DROP DATABASE IF EXISTS {name}").as_str()).await?;
     admin.execute(format!("CREATE DATABASE {name}").as_str()).await?;
@@ -444,10 +476,10 @@ async fn preparer(url: &str, text: &str) -> anyhow::Result<(crate::config::Pipel
     let dir = tempfile::Builder::new().prefix("idemflow-bench-").tempdir()?;
     let file = dir.path().join("orders.toml");
     std::fs::write(&file, text)?;
-    let pipeline = crate::config::pipeline::load_file(&file).map_err(|e| anyhow::anyhow!("{e:?}"))?;
-    let pool = sqlx::postgres::PgPoolOptions::new().max_connections(1).connect(url).await?;
-    let ready = crate::worker::prepare(&crate::store::Store::Postgres(pool.clone()), std::slice::from_ref(&pipeline)).await.map_err(|e| anyhow::anyhow!("{e:?}"))?;
-    pool.close().await;
+    let pipeline = crate::config::pipeline::load_file_in(&file, crate::config::Dialect::of_url(url)).map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    let store = crate::store::Store::connect(&settings_for(url))?;
+    let ready = crate::worker::prepare(&store, std::slice::from_ref(&pipeline)).await.map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    store.close().await;
     Ok((pipeline, ready[0].preparer.clone()))
 }
 
@@ -506,7 +538,6 @@ async fn consume_only(kafka: &EmbeddedKafka, url: &str, total: usize) -> anyhow:
 }
 
 async fn environment(admin_url: &str, throwaway: bool, o: &BenchOptions, partitions: i32) -> anyhow::Result<Vec<(String, String)>> {
-    let mut conn = PgConnection::connect(admin_url).await?;
     let mut env = Vec::new();
     let cpu = std::fs::read_to_string("/proc/cpuinfo")
         .unwrap_or_default()
@@ -522,16 +553,31 @@ async fn environment(admin_url: &str, throwaway: bool, o: &BenchOptions, partiti
         .map(|l| l.split_whitespace().nth(1).and_then(|k| k.parse::<u64>().ok()).unwrap_or(0) / 1024 / 1024)
         .unwrap_or(0);
     env.push(("machine".into(), format!("{cores} cores ({cpu}), {mem} GiB RAM")));
-    let version: String = sqlx::query_scalar("SELECT version()").fetch_one(&mut conn).await?;
-    env.push(("postgres".into(), format!("{version}{}", if throwaway { " (throwaway cluster on local disk)" } else { "" })));
-    for setting in ["synchronous_commit", "fsync", "full_page_writes", "wal_level", "shared_buffers", "max_wal_size"] {
-        let value: String = sqlx::query_scalar(&format!("SHOW {setting}")).fetch_one(&mut conn).await?;
-        env.push((setting.into(), value));
+    if is_mysql(admin_url) {
+        let mut conn = sqlx::MySqlConnection::connect_with(&crate::store::mysql::connect_options(&settings_for(admin_url))?).await?;
+        let version: String = sqlx::query_scalar("SELECT CAST(VERSION() AS CHAR)").fetch_one(&mut conn).await?;
+        env.push(("mysql".into(), version));
+        for setting in ["innodb_flush_log_at_trx_commit", "sync_binlog", "log_bin", "innodb_buffer_pool_size", "innodb_doublewrite"] {
+            let value: Option<String> = sqlx::query_scalar(&format!("SELECT CAST(@@GLOBAL.{setting} AS CHAR)")).fetch_one(&mut conn).await?;
+            env.push((setting.into(), value.unwrap_or_default()));
+        }
+    } else {
+        let mut conn = PgConnection::connect(admin_url).await?;
+        let version: String = sqlx::query_scalar("SELECT version()").fetch_one(&mut conn).await?;
+        env.push(("postgres".into(), format!("{version}{}", if throwaway { " (throwaway cluster on local disk)" } else { "" })));
+        for setting in ["synchronous_commit", "fsync", "full_page_writes", "wal_level", "shared_buffers", "max_wal_size"] {
+            let value: String = sqlx::query_scalar(&format!("SHOW {setting}")).fetch_one(&mut conn).await?;
+            env.push((setting.into(), value));
+        }
     }
     env.push(("kafka".into(), format!("librdkafka {} mock cluster, 1 broker, {partitions} partitions", rdkafka::util::get_rdkafka_version().1)));
     env.push((
         "stream".into(),
-        format!("{} records; runs (2) and (6) over the first {} and {}; (4) with {} dedup keys preloaded", o.records, o.single_records.min(o.records), o.sql_records.min(o.records), o.preload),
+        if is_mysql(admin_url) {
+            format!("{} records; runs (2) and (6) over the first {} and {}", o.records, o.single_records.min(o.records), o.sql_records.min(o.records))
+        } else {
+            format!("{} records; runs (2) and (6) over the first {} and {}; (4) with {} dedup keys preloaded", o.records, o.single_records.min(o.records), o.sql_records.min(o.records), o.preload)
+        },
     ));
     env.push(("idemflow".into(), format!("{} (release build: {})", env!("CARGO_PKG_VERSION"), !cfg!(debug_assertions))));
     Ok(env)
@@ -572,6 +618,7 @@ pub async fn run(o: BenchOptions) -> anyhow::Result<Report> {
     if o.source == crate::demo::DemoSource::Rabbitmq {
         return run_rabbitmq(&o, &admin_url).await;
     }
+    let mysql = is_mysql(&admin_url);
     let kafka = EmbeddedKafka::start()?;
     // About 200 bytes a record; the mock keeps about 5 MiB per partition: stay under 2 MiB.
     let partitions = ((o.records * 230) / (2 << 20) + 1).max(4) as i32;
@@ -595,8 +642,12 @@ pub async fn run(o: BenchOptions) -> anyhow::Result<Report> {
     let mut runs = Vec::new();
     let report_run = |r: &RunResult| eprintln!("{} {}: {:.0} records/s ({})", r.id, r.name, r.records_per_second, r.note);
 
-    let want = |n: u8| o.only.is_empty() || o.only.contains(&n);
+    // On MySQL/MariaDB, runs (3) and (4) are PostgreSQL's (a COPY ceiling, a preload with generate_series).
+    let want = |n: u8| (o.only.is_empty() || o.only.contains(&n)) && !(mysql && matches!(n, 3 | 4));
     let perf = o.perf;
+    if mysql {
+        eprintln!("MySQL/MariaDB: runs (1), (2), (5) and (6); (3) and (4) are PostgreSQL's");
+    }
 
     for n in 1..=6u8 {
         if !want(n) {
@@ -631,6 +682,17 @@ pub async fn run(o: BenchOptions) -> anyhow::Result<Report> {
         runs.push(r);
     }
 
+    if mysql && runs.len() == 4 {
+        let rate = |i: usize| runs[i].records_per_second;
+        let ratios = vec![
+            ("(1) / (5)".to_owned(), rate(0) / rate(2), "(measured)".to_owned()),
+            ("(1) / (2)".to_owned(), rate(0) / rate(1), "(measured)".to_owned()),
+            ("(6) / (1)".to_owned(), rate(3) / rate(0), "(measured)".to_owned()),
+        ];
+        let report = Report { environment: env, runs, ratios };
+        write_outputs(&report, &o.markdown, &o.json)?;
+        return Ok(report);
+    }
     if runs.len() < 6 {
         let report = Report { environment: env, runs, ratios: Vec::new() };
         write_outputs(&report, &o.markdown, &o.json)?;

@@ -152,7 +152,8 @@ struct DemoArgs {
     /// How many records to produce.
     #[arg(long, default_value_t = 100_000)]
     records: usize,
-    /// Use this PostgreSQL server (a new database is created on it) instead of a throwaway cluster.
+    /// Use this server instead of a throwaway PostgreSQL cluster (a new database is created on it): postgres://...,
+    /// or mysql://... / mariadb://... to run the demo on MySQL or MariaDB (through examples/mysql/payments.toml).
     #[arg(long, env = "DATABASE_URL")]
     database_url: Option<String>,
     /// The broker: an embedded Kafka, or a throwaway RabbitMQ node (needs Debian's rabbitmq-server).
@@ -184,7 +185,8 @@ struct BenchArgs {
     /// Dedup keys preloaded for run (4).
     #[arg(long, default_value_t = 10_000_000)]
     preload: u64,
-    /// Use this PostgreSQL server (databases bench_1.. are created on it) instead of a throwaway cluster.
+    /// Use this server instead of a throwaway PostgreSQL cluster (databases bench_1.. are created on it): postgres://...,
+    /// or mysql://... / mariadb://... for runs (1), (2), (5) and (6) on MySQL or MariaDB.
     #[arg(long)]
     database_url: Option<String>,
     /// Where to write the Markdown table.
