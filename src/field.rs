@@ -137,7 +137,7 @@ pub enum Render {
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum ValueError {
     /// Postgres `text` cannot hold U+0000, and `jsonb` rejects the `\u0000` escape.
-    #[error("contains the NUL character U+0000, which Postgres text and jsonb cannot store")]
+    #[error("contains the NUL character U+0000, which idemflow refuses for every store (PostgreSQL text and jsonb cannot store it)")]
     Nul,
     /// A value for an array column that is neither a JSON array nor a string.
     #[error("is {0}, not an array (the target column is an array)")]
@@ -185,9 +185,11 @@ pub fn render(value: &Value, render: Render, refuse_naive: bool) -> Result<Strin
 /// it: `2026-11-30T08:00:00.123` (ISO 8601 without an offset). A text with a UTC offset (RFC 3339, `Z` or `+hh:mm`)
 /// is the instant it names, shown in UTC or in `zone`; a naive text for a `TIMESTAMP` target is read in `zone`
 /// (a wall-clock time that a daylight-saving change skips or repeats resolves as RFC 9557's "compatible"
-/// disambiguation does). Any other render, and a naive text for a `DATETIME` target, is returned as it is.
+/// disambiguation does). Any other render, and a naive text for a `DATETIME` target, is returned as it is. A zone
+/// name after the time (`... UTC`, which PostgreSQL reads) is not read here.
 ///
-/// Errors: [`ValueError::Timestamp`] when a text with an offset is not a timestamp jiff can read.
+/// Errors: [`ValueError::Timestamp`] when a text with an offset, or a naive text for a `TIMESTAMP` target, is not a
+/// timestamp jiff can read (ISO 8601 / RFC 3339, `T` or a space between date and time).
 pub fn wall_clock(text: String, render: Render, zone: &jiff::tz::TimeZone) -> Result<String, ValueError> {
     use jiff::tz::TimeZone;
     let target = match render {
@@ -204,11 +206,11 @@ pub fn wall_clock(text: String, render: Render, zone: &jiff::tz::TimeZone) -> Re
     }
     let trimmed = text.trim();
     let naive = trimmed.parse::<jiff::civil::DateTime>().or_else(|_| trimmed.parse::<jiff::civil::Date>().map(|d| d.to_datetime(jiff::civil::Time::midnight())));
-    match naive.and_then(|dt| zone.to_zoned(dt)) {
-        Ok(zoned) => Ok(zoned.timestamp().to_zoned(TimeZone::UTC).datetime().to_string()),
-        // Not a timestamp jiff reads: the server decides (and refuses it, in strict mode).
-        Err(_) => Ok(text),
-    }
+    // A text jiff cannot read would be read by the server in the sessions' zone (UTC), not in `zone`: refused.
+    naive
+        .and_then(|dt| zone.to_zoned(dt))
+        .map(|zoned| zoned.timestamp().to_zoned(TimeZone::UTC).datetime().to_string())
+        .map_err(|e| ValueError::Timestamp(format!("{text:?}: {e}")))
 }
 
 /// The kind of a JSON value, for messages: `"an object"`, `"a number"`, ...

@@ -140,7 +140,7 @@ impl KeySpec {
             return Err(KeyError::Missing { what: format!("{what} is empty") });
         }
         if text.contains('\0') {
-            return Err(KeyError::Invalid { why: format!("{what} contains U+0000, which Postgres text cannot store") });
+            return Err(KeyError::Invalid { why: format!("{what} contains U+0000, which idemflow refuses for every store (PostgreSQL text cannot store it)") });
         }
         Ok(text)
     }

@@ -30,8 +30,9 @@
 //! - [`metrics`]: every Prometheus metric; [`http`]: `/metrics`, `/healthz`, `/readyz`.
 //! - [`worker`]: runs every pipeline until shutdown; [`shutdown`]: the signal that stops it.
 //! - [`store`]: the database that holds the business data and idemflow's tables, one module per database behind
-//!   one enum: [`store::postgres`]. [`telemetry`]: logging.
-//! - [`demo`]: `idemflow demo`, the whole job on an embedded broker and a throwaway Postgres.
+//!   one enum: [`store::postgres`] and [`store::mysql`] (MySQL and MariaDB). [`telemetry`]: logging.
+//! - [`demo`]: `idemflow demo`, the whole job on an embedded broker and a throwaway Postgres (or a MySQL/MariaDB
+//!   server).
 //!
 //! # Why a crash can neither lose a record nor apply it twice
 //!

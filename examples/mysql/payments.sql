@@ -2,7 +2,8 @@
 -- order id. Apply once with:
 --   mariadb -h HOST -u USER -p DATABASE < examples/mysql/payments.sql      (or: mysql ... < examples/mysql/payments.sql)
 -- (idemflow never creates business tables; `idemflow migrate` creates only its own idemflow_* tables.)
--- utf8mb4 throughout: idemflow refuses to write text into a utf8mb3 column, which cannot hold every character.
+-- utf8mb4 throughout: a utf8mb3 column cannot hold every character (the table form refuses to write to one; in the
+-- SQL form a record with such a character is dead-lettered with MySQL error 1366).
 -- Amounts are DECIMAL(18,2): MySQL rounds digits beyond a column's scale (a note, not an error, even in strict
 -- mode), so declare the scale your amounts have.
 

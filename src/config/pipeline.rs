@@ -296,10 +296,16 @@ pub struct Binding {
     pub declared: Option<DeclaredType>,
 }
 
-/// A parameter's declared target type (`type = "timestamp" | "datetime" | "json"` in `[sink.params]`).
+/// A parameter's declared target type (`type = "decimal" | "integer" | "timestamp" | "datetime" | "json"` in
+/// `[sink.params]`).
 #[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
 #[serde(rename_all = "snake_case")]
 pub enum DeclaredType {
+    /// An exact number: on MySQL the parameter is `CAST(? AS DECIMAL(65, 30))`, so arithmetic and comparisons with
+    /// it are exact (a text parameter in an expression is converted to a floating-point DOUBLE by MySQL).
+    Decimal,
+    /// An integer: on MySQL `CAST(? AS SIGNED)`, exact beyond 2^53 in comparisons and arithmetic.
+    Integer,
     /// A MySQL `TIMESTAMP`: a value with a UTC offset is converted to UTC ([`crate::field::Render::UtcWallClock`]).
     Timestamp,
     /// A MySQL `DATETIME`: a value with a UTC offset is converted to the pipeline's `time_zone`.
@@ -315,6 +321,7 @@ impl DeclaredType {
             DeclaredType::Timestamp => crate::field::Render::UtcWallClock,
             DeclaredType::Datetime => crate::field::Render::LocalWallClock,
             DeclaredType::Json => crate::field::Render::Json,
+            DeclaredType::Decimal | DeclaredType::Integer => crate::field::Render::Numeric,
         }
     }
 }
@@ -958,7 +965,7 @@ fn binding(name: &str, value: toml::Value, field: &str, e: &mut Errors<'_>) -> O
             ("optional", toml::Value::Boolean(b)) => optional = b,
             ("type", toml::Value::String(t)) => match DeclaredType::deserialize(toml::Value::String(t.clone())) {
                 Ok(t) => declared = Some(t),
-                Err(_) => e.push(&sub, format!("{t:?} is not one of timestamp, datetime, json")),
+                Err(_) => e.push(&sub, format!("{t:?} is not one of decimal, integer, timestamp, datetime, json")),
             },
             (k @ ("field" | "record_key" | "header" | "property" | "meta" | "optional" | "type"), v) => {
                 e.push(&sub, format!("unexpected value {v} for {k}"));

@@ -531,7 +531,10 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<bool> {
                  only by you)",
                 cluster.password_file().display()
             ),
-            None => eprintln!("  database: {database} (the password of your --database-url)"),
+            None => eprintln!(
+                "  {}: {database} (the password of your --database-url)",
+                if db.is_mysql() { "MySQL/MariaDB" } else { "PostgreSQL" }
+            ),
         }
         shutdown::signals().await;
     }

@@ -70,6 +70,17 @@ pub struct Explained {
     pub last_duplicate_at: Option<String>,
 }
 
+/// An [`Explained`] as the stores read it: `(business_key, applied_at, topic, partition, offset, fingerprint,
+/// duplicates, last_duplicate_at)`.
+pub type ExplainedRow = (String, String, String, i32, i64, String, i64, Option<String>);
+
+impl From<ExplainedRow> for Explained {
+    fn from(row: ExplainedRow) -> Self {
+        let (business_key, applied_at, topic, partition, offset, fingerprint, duplicates, last_duplicate_at) = row;
+        Explained { business_key, applied_at, topic, partition, offset, fingerprint, duplicates, last_duplicate_at }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -92,10 +92,12 @@ pub enum TemplateError {
         at: usize,
     },
     /// `$1`-style parameters are not supported.
-    #[error("positional parameter at byte {at} ($1 or ?): name every value instead (`:amount`) and map it in [sink.params]")]
+    #[error("positional parameter at byte {at} ({found}): name every value instead (`:amount`) and map it in [sink.params]")]
     Positional {
         /// Byte offset.
         at: usize,
+        /// What was found: `$1` (PostgreSQL) or `?` (MySQL).
+        found: &'static str,
     },
 }
 
@@ -136,7 +138,7 @@ pub fn parse_in(sql: &str, dialect: Dialect) -> Result<Vec<Statement>, TemplateE
                 let close = sql[i + 2..].find("*/").ok_or(TemplateError::Unterminated { what: "comment", at: i })?;
                 i += 2 + close + 2;
             }
-            b'?' if mysql => return Err(TemplateError::Positional { at: i }),
+            b'?' if mysql => return Err(TemplateError::Positional { at: i, found: "?" }),
             b'$' if mysql => i += 1,
             b'\'' => {
                 let escapes = i > 0 && (b[i - 1] == b'e' || b[i - 1] == b'E') && (i < 2 || !is_ident(b[i - 2]));
@@ -172,7 +174,7 @@ pub fn parse_in(sql: &str, dialect: Dialect) -> Result<Vec<Statement>, TemplateE
             }
             b'$' => {
                 if b.get(i + 1).is_some_and(u8::is_ascii_digit) && (i == 0 || !is_ident(b[i - 1])) {
-                    return Err(TemplateError::Positional { at: i });
+                    return Err(TemplateError::Positional { at: i, found: "$1" });
                 }
                 // A dollar quote: $$ or $tag$, where a tag is an identifier without `$`.
                 let tag_end = (i + 1..b.len()).find(|&j| !is_ident(b[j])).unwrap_or(b.len());
@@ -286,7 +288,7 @@ mod tests {
 
     #[test]
     fn refuses_positional_and_unterminated() {
-        assert_eq!(parse("SELECT $1"), Err(TemplateError::Positional { at: 7 }));
+        assert_eq!(parse("SELECT $1"), Err(TemplateError::Positional { at: 7, found: "$1" }));
         assert!(matches!(parse("SELECT 'x"), Err(TemplateError::Unterminated { what: "string", .. })));
         assert!(matches!(parse("SELECT $a$ x"), Err(TemplateError::Unterminated { .. })));
         assert!(matches!(parse("SELECT /* x"), Err(TemplateError::Unterminated { what: "comment", .. })));
@@ -309,7 +311,7 @@ mod tests {
         assert_eq!(got[0].1, vec!["amount", "id"], "{got:?}");
         assert!(got[0].0.ends_with("WHERE id = ?"), "{}", got[0].0);
         assert_eq!(got[1].1, vec!["id"]);
-        assert_eq!(parse_in("SELECT ?", Dialect::MySql), Err(TemplateError::Positional { at: 7 }));
+        assert_eq!(parse_in("SELECT ?", Dialect::MySql), Err(TemplateError::Positional { at: 7, found: "?" }));
         assert!(parse_in("SELECT 'x\\'", Dialect::MySql).is_err());
         assert_eq!(Dialect::of_url("mariadb://h/d"), Dialect::MySql);
         assert_eq!(Dialect::of_url("postgres://h/d"), Dialect::Postgres);

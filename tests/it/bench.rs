@@ -77,3 +77,38 @@ async fn bench_on_rabbitmq_runs_the_worker_and_the_consume_only_ceiling() {
     assert_eq!(report["ratios"][0][0].as_str().unwrap(), "(1) / (5), RabbitMQ");
     assert!(std::fs::read_to_string(&md).unwrap().contains("RabbitMQ"));
 }
+
+/// `idemflow bench --database-url mysql://...`, small: runs (1), (2), (5) and (6) on MariaDB, with its settings and
+/// the ratios.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bench_on_mariadb_runs_the_worker_runs_and_the_consume_only_ceiling() {
+    let dir = tempfile::tempdir().unwrap();
+    let (md, json) = (dir.path().join("bench.md"), dir.path().join("bench.json"));
+    let args: Vec<String> = [
+        "bench", "--records", "4000", "--single-records", "200", "--sql-records", "1000", "--database-url",
+        &mariadb::server_url(), "--markdown", md.to_str().unwrap(), "--json", json.to_str().unwrap(),
+    ]
+    .map(String::from)
+    .into();
+    let cwd = dir.path().to_owned();
+    let (status, out, err) = tokio::task::spawn_blocking(move || {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        idemflow(&args, &cwd)
+    })
+    .await
+    .unwrap();
+    assert!(status.success(), "{out}\n{err}");
+    let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let runs = report["runs"].as_array().unwrap();
+    let ids: Vec<&str> = runs.iter().map(|r| r["id"].as_str().unwrap()).collect();
+    assert_eq!(ids, ["(1)", "(2)", "(5)", "(6)"]);
+    for r in runs {
+        assert!(r["records_per_second"].as_f64().unwrap() > 0.0, "{r}");
+    }
+    let applied = runs[3]["note"].as_str().unwrap();
+    assert!(applied.contains("applied"), "the SQL form applies records on MySQL: {applied}");
+    let ratios: Vec<&str> = report["ratios"].as_array().unwrap().iter().map(|r| r[0].as_str().unwrap()).collect();
+    assert_eq!(ratios, ["(1) / (5)", "(1) / (2)", "(6) / (1)"]);
+    let settings = report["environment"].to_string();
+    assert!(settings.contains("MariaDB") && settings.contains("innodb_flush_log_at_trx_commit"), "{settings}");
+}

@@ -27,37 +27,33 @@ const COLUMNS: &str = "pipeline, key_digest, business_key, topic, `partition`, `
 pub async fn claim(conn: &mut MySqlConnection, form: ClaimForm, pipeline: &str, claims: &[Claim<'_>]) -> Result<HashSet<[u8; 32]>, sqlx::Error> {
     let mut new = HashSet::new();
     for part in chunks(claims, 8, |c| c.key.text.len() + 128) {
-        match form {
-            ClaimForm::Returning => {
-                let sql = format!(
-                    "INSERT IGNORE INTO idemflow_dedup ({COLUMNS}) VALUES {} RETURNING key_digest",
-                    vec![format!("({})", marks(7)); part.len()].join(", ")
-                );
-                let mut q = sqlx::query_scalar::<_, Vec<u8>>(&sql);
-                for c in part {
-                    q = bind_claim(q, pipeline, c);
-                }
-                new.extend(q.fetch_all(&mut *conn).await?.into_iter().filter_map(|d| <[u8; 32]>::try_from(d).ok()));
+        let rows = vec![format!("({})", marks(if form == ClaimForm::Token { 8 } else { 7 })); part.len()].join(", ");
+        let token = claim_token();
+        let sql = match form {
+            ClaimForm::Returning => format!("INSERT IGNORE INTO idemflow_dedup ({COLUMNS}) VALUES {rows} RETURNING key_digest"),
+            // No RETURNING here: the statement returns no rows, and the rows it inserted are read back below.
+            ClaimForm::Token => format!(
+                "INSERT INTO idemflow_dedup ({COLUMNS}, claim_token) VALUES {rows} ON DUPLICATE KEY UPDATE pipeline = pipeline"
+            ),
+        };
+        let mut q = sqlx::query_scalar::<_, Vec<u8>>(&sql);
+        for c in part {
+            q = q
+                .bind(pipeline)
+                .bind(&c.key.digest[..])
+                .bind(c.key.text.as_str())
+                .bind(&*c.position.topic)
+                .bind(c.position.partition)
+                .bind(c.position.offset)
+                .bind(&c.fingerprint[..]);
+            if form == ClaimForm::Token {
+                q = q.bind(&token[..]);
             }
+        }
+        let returned = q.fetch_all(&mut *conn).await?;
+        let inserted = match form {
+            ClaimForm::Returning => returned,
             ClaimForm::Token => {
-                let token = claim_token();
-                let sql = format!(
-                    "INSERT INTO idemflow_dedup ({COLUMNS}, claim_token) VALUES {} ON DUPLICATE KEY UPDATE pipeline = pipeline",
-                    vec![format!("({})", marks(8)); part.len()].join(", ")
-                );
-                let mut q = sqlx::query(&sql);
-                for c in part {
-                    q = q
-                        .bind(pipeline)
-                        .bind(&c.key.digest[..])
-                        .bind(c.key.text.as_str())
-                        .bind(&*c.position.topic)
-                        .bind(c.position.partition)
-                        .bind(c.position.offset)
-                        .bind(&c.fingerprint[..])
-                        .bind(&token[..]);
-                }
-                q.execute(&mut *conn).await?;
                 let sql = format!(
                     "SELECT key_digest FROM idemflow_dedup WHERE pipeline = ? AND claim_token = ? AND key_digest IN ({})",
                     marks(part.len())
@@ -66,25 +62,12 @@ pub async fn claim(conn: &mut MySqlConnection, form: ClaimForm, pipeline: &str, 
                 for c in part {
                     q = q.bind(&c.key.digest[..]);
                 }
-                new.extend(q.fetch_all(&mut *conn).await?.into_iter().filter_map(|d| <[u8; 32]>::try_from(d).ok()));
+                q.fetch_all(&mut *conn).await?
             }
-        }
+        };
+        new.extend(inserted.into_iter().filter_map(|d| <[u8; 32]>::try_from(d).ok()));
     }
     Ok(new)
-}
-
-fn bind_claim<'q, O>(
-    q: sqlx::query::QueryScalar<'q, sqlx::MySql, O, sqlx::mysql::MySqlArguments>,
-    pipeline: &'q str,
-    c: &'q Claim<'_>,
-) -> sqlx::query::QueryScalar<'q, sqlx::MySql, O, sqlx::mysql::MySqlArguments> {
-    q.bind(pipeline)
-        .bind(&c.key.digest[..])
-        .bind(c.key.text.as_str())
-        .bind(&*c.position.topic)
-        .bind(c.position.partition)
-        .bind(c.position.offset)
-        .bind(&c.fingerprint[..])
 }
 
 /// A token no other claim uses: SHA-256 of this process, the time and a counter, 16 bytes of it.
@@ -150,8 +133,7 @@ pub async fn count_duplicates(conn: &mut MySqlConnection, pipeline: &str, counts
 
 /// Looks a business key up by its canonical text. Times are UTC.
 pub async fn explain(conn: &mut MySqlConnection, pipeline: &str, key: &crate::key::BusinessKey) -> Result<Option<Explained>, sqlx::Error> {
-    type Row = (String, String, String, i32, i64, String, i64, Option<String>);
-    let row: Option<Row> = sqlx::query_as(
+    let row: Option<crate::sink::dedup::ExplainedRow> = sqlx::query_as(
         "SELECT CAST(business_key AS CHAR), DATE_FORMAT(applied_at, '%Y-%m-%d %H:%i:%s.%f+00'), CAST(topic AS CHAR), `partition`, `offset`, \
                 LOWER(HEX(fingerprint)), duplicates, DATE_FORMAT(last_duplicate_at, '%Y-%m-%d %H:%i:%s.%f+00') \
          FROM idemflow_dedup WHERE pipeline = ? AND key_digest = ?",
@@ -160,14 +142,5 @@ pub async fn explain(conn: &mut MySqlConnection, pipeline: &str, key: &crate::ke
     .bind(&key.digest[..])
     .fetch_optional(&mut *conn)
     .await?;
-    Ok(row.map(|(business_key, applied_at, topic, partition, offset, fingerprint, duplicates, last_duplicate_at)| Explained {
-        business_key,
-        applied_at,
-        topic,
-        partition,
-        offset,
-        fingerprint,
-        duplicates,
-        last_duplicate_at,
-    }))
+    Ok(row.map(Explained::from))
 }

@@ -3,10 +3,11 @@
 //! database beside the business tables, so one InnoDB transaction spans both.
 //!
 //! Every session idemflow opens runs with:
-//! - `sql_mode = 'STRICT_ALL_TABLES,NO_ZERO_IN_DATE,NO_ZERO_DATE,ERROR_FOR_DIVISION_BY_ZERO,NO_ENGINE_SUBSTITUTION'`,
-//!   whatever the server's default: a value that does not fit its column is an error (the record is
-//!   dead-lettered with it), never a silent 0, a truncation or a zero date (MySQL Reference Manual, "Server SQL
-//!   Modes": strict mode);
+//! - `sql_mode = 'STRICT_ALL_TABLES,NO_ZERO_IN_DATE,NO_ZERO_DATE,ERROR_FOR_DIVISION_BY_ZERO,NO_ENGINE_SUBSTITUTION,
+//!   PIPES_AS_CONCAT'`, whatever the server's default: a value that does not fit its column is an error (the record
+//!   is dead-lettered with it), never a silent 0, a truncation or a zero date (MySQL Reference Manual, "Server SQL
+//!   Modes": strict mode); `||` concatenates, as in PostgreSQL (and as sqlx sets it by default);
+//! - `group_concat_max_len = 1048576`: the schema probe of a wide table is never cut at MySQL's default 1024 bytes;
 //! - `time_zone = '+00:00'` (sqlx's default): `TIMESTAMP` values are written and read as UTC;
 //! - `NAMES utf8mb4`: 4-byte UTF-8 reaches the server intact;
 //! - `TRANSACTION ISOLATION LEVEL READ COMMITTED`, as PostgreSQL's default: a read after a claim that waited for
@@ -34,8 +35,8 @@ use std::sync::Arc;
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("migrations/mysql");
 
 /// The session settings run on every new connection (see the module documentation).
-pub const SESSION: &str = "SET SESSION sql_mode = 'STRICT_ALL_TABLES,NO_ZERO_IN_DATE,NO_ZERO_DATE,ERROR_FOR_DIVISION_BY_ZERO,NO_ENGINE_SUBSTITUTION'; \
-     SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED";
+pub const SESSION: &str = "SET SESSION sql_mode = 'STRICT_ALL_TABLES,NO_ZERO_IN_DATE,NO_ZERO_DATE,ERROR_FOR_DIVISION_BY_ZERO,NO_ENGINE_SUBSTITUTION,PIPES_AS_CONCAT', \
+     SESSION group_concat_max_len = 1048576; SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED";
 
 /// How the claim learns which keys were new (see [`dedup`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -200,11 +201,13 @@ pub(crate) const MAX_PARAMS: usize = 65_535;
 pub(crate) fn chunks<'a, T>(rows: &'a [T], per_row: usize, bytes: impl Fn(&T) -> usize) -> Vec<&'a [T]> {
     const MAX_BYTES: usize = 4 << 20;
     let per_row = per_row.max(1);
+    // A few placeholders of every statement are not per row (the pipeline name).
+    const MAX_PARAMS_PER_STATEMENT: usize = MAX_PARAMS - 16;
     let mut out = Vec::new();
     let (mut start, mut size) = (0, 0);
     for (i, row) in rows.iter().enumerate() {
         let b = bytes(row);
-        if i > start && ((i - start + 1) * per_row > MAX_PARAMS || size + b > MAX_BYTES) {
+        if i > start && ((i - start + 1) * per_row > MAX_PARAMS_PER_STATEMENT || size + b > MAX_BYTES) {
             out.push(&rows[start..i]);
             (start, size) = (i, 0);
         }

@@ -23,13 +23,11 @@ pub async fn claim(pool: &MySqlPool, pipeline: &str, owner: &str, partitions: &[
         return Ok(Vec::new());
     }
     let mut conn = pool.acquire().await?;
+    // The shorter lock wait is this session's: the connection is closed afterwards (also when the claim is
+    // dropped half-way, at a rebalance), never returned to the pool with it.
+    conn.close_on_drop();
     sqlx::query("SET SESSION innodb_lock_wait_timeout = 5").execute(&mut *conn).await?;
-    let claimed = claim_on(&mut conn, pipeline, owner, partitions).await;
-    let restored = sqlx::query("SET SESSION innodb_lock_wait_timeout = DEFAULT").execute(&mut *conn).await;
-    if restored.is_err() {
-        conn.close_on_drop();
-    }
-    claimed
+    claim_on(&mut conn, pipeline, owner, partitions).await
 }
 
 async fn claim_on(conn: &mut MySqlConnection, pipeline: &str, owner: &str, partitions: &[(String, i32)]) -> sqlx::Result<Vec<Claimed>> {

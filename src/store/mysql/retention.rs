@@ -1,8 +1,8 @@
 //! MySQL and MariaDB retention: a purge pass holds a named lock for the pipeline (`GET_LOCK(name, 0)`, MySQL
 //! Reference Manual "Locking Functions") on one connection; when another replica holds it, this one skips its pass.
 //! Each batch is one `DELETE ... ORDER BY applied_at LIMIT n` through the `(pipeline, applied_at)` index, committed
-//! on its own. The lock is a session's: it is released at the end of the pass, or by the server when the
-//! connection ends (a failed pass closes its connection rather than return it to the pool holding the lock).
+//! on its own. The lock is a session's: the pass's connection is closed when the pass ends, however it ends, and the
+//! server releases the lock with it (a connection returned to the pool would keep holding it).
 
 use crate::retention::PurgeOutcome;
 use sha2::{Digest, Sha256};
@@ -20,6 +20,9 @@ fn lock_name(pipeline: &str) -> String {
 /// Errors: the database's; a pass interrupted by one leaves the store consistent (each batch is atomic).
 pub async fn purge(pool: &MySqlPool, pipeline: &str, retention: Duration, batch: u32, mut on_batch: impl FnMut(u64)) -> Result<PurgeOutcome, sqlx::Error> {
     let mut conn = pool.acquire().await?;
+    // The lock and the connection go together: however the pass ends (an error, or the pass dropped when its
+    // pipeline stops), the connection is closed rather than returned to the pool, and the server releases the lock.
+    conn.close_on_drop();
     let name = lock_name(pipeline);
     let held: Option<i64> = sqlx::query_scalar("SELECT GET_LOCK(?, 0)").bind(&name).fetch_one(&mut *conn).await?;
     if held != Some(1) {
@@ -47,14 +50,5 @@ pub async fn purge(pool: &MySqlPool, pipeline: &str, retention: Duration, batch:
         }
     }
     .await;
-    match pass {
-        Ok(()) => {
-            sqlx::query("SELECT RELEASE_LOCK(?)").bind(&name).execute(&mut *conn).await?;
-            Ok(outcome)
-        }
-        Err(e) => {
-            conn.close_on_drop();
-            Err(e)
-        }
-    }
+    pass.map(|()| outcome)
 }

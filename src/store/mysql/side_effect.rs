@@ -26,7 +26,7 @@
 //! rebuilds it. A dropped table is error 1146, fatal.
 
 use super::marks;
-use crate::config::{Binding, OnConflict, SinkSpec, TimeSettings};
+use crate::config::{Binding, DeclaredType, OnConflict, SinkSpec, TimeSettings};
 use crate::field::Render;
 use crate::prepare::Apply;
 use crate::sink::template::{Part, Statement};
@@ -37,8 +37,8 @@ use sqlx::{Executor as _, MySqlConnection};
 #[derive(Clone, Debug)]
 pub struct SideEffect {
     form: Form,
-    /// Run first in every batch transaction; returns one row, one text column: the schema the form depends on.
-    probe: Option<String>,
+    /// Run first in every batch transaction: the schema the form depends on.
+    probe: Option<Probe>,
     /// What the probe returned when the statements were built.
     schema: String,
 }
@@ -78,7 +78,13 @@ struct Column {
 
 /// `schema.table` or `table` (each part optionally in backticks) as `(schema, table)`.
 fn split_table(table: &str) -> (Option<String>, String) {
-    let unquote = |s: &str| s.trim().trim_matches('`').replace("``", "`");
+    let unquote = |s: &str| {
+        let s = s.trim();
+        match s.strip_prefix('`').and_then(|s| s.strip_suffix('`')) {
+            Some(quoted) => quoted.replace("``", "`"),
+            None => s.to_owned(),
+        }
+    };
     let mut in_quote = false;
     for (i, c) in table.char_indices() {
         match c {
@@ -90,23 +96,32 @@ fn split_table(table: &str) -> (Option<String>, String) {
     (None, unquote(table))
 }
 
-/// The probe's SQL for a table: its metadata lock, then a description of its columns in one text.
-fn table_probe(qualified: &str, schema: &str, table: &str) -> String {
-    let literal = |s: &str| format!("'{}'", s.replace('\\', "\\\\").replace('\'', "''"));
-    format!(
-        "SELECT (SELECT COUNT(*) FROM (SELECT 1 FROM {qualified} LIMIT 0) AS locked) AS n, \
-         (SELECT GROUP_CONCAT(CONCAT_WS(' ', COLUMN_NAME, COLUMN_TYPE, IS_NULLABLE, IFNULL(COLUMN_DEFAULT, '-'), EXTRA, \
-         IFNULL(CHARACTER_SET_NAME, '-'), COLUMN_KEY) ORDER BY ORDINAL_POSITION SEPARATOR ',') \
-         FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = {} AND TABLE_NAME = {}) AS s",
-        literal(schema),
-        literal(table)
-    )
+/// The probe of a table: its metadata lock, then a description of its columns in one text (schema and table
+/// name are bound: `?` twice). Names compare byte for byte (information_schema's own collation ignores case).
+#[derive(Clone, Debug)]
+struct Probe {
+    sql: String,
+    schema: String,
+    table: String,
 }
 
-/// Runs the probe and returns its text.
-async fn probe(conn: &mut MySqlConnection, sql: &str) -> Result<String, sqlx::Error> {
-    let (_, schema): (i64, Option<String>) = sqlx::query_as(sql).fetch_one(&mut *conn).await?;
-    Ok(schema.unwrap_or_default())
+impl Probe {
+    fn new(qualified: &str, schema: &str, table: &str) -> Probe {
+        let sql = format!(
+            "SELECT (SELECT COUNT(*) FROM (SELECT 1 FROM {qualified} LIMIT 0) AS locked) AS n, \
+             (SELECT CAST(GROUP_CONCAT(CONCAT_WS(' ', COLUMN_NAME, COLUMN_TYPE, IS_NULLABLE, IFNULL(COLUMN_DEFAULT, '-'), EXTRA, \
+             IFNULL(CHARACTER_SET_NAME, '-'), COLUMN_KEY) ORDER BY ORDINAL_POSITION SEPARATOR ',') AS CHAR) \
+             FROM information_schema.COLUMNS WHERE BINARY TABLE_SCHEMA = ? AND BINARY TABLE_NAME = ?) AS s"
+        );
+        Probe { sql, schema: schema.to_owned(), table: table.to_owned() }
+    }
+
+    /// Runs the probe and returns its text.
+    async fn run(&self, conn: &mut MySqlConnection) -> Result<String, sqlx::Error> {
+        let (_, schema): (i64, Option<String>) =
+            sqlx::query_as(&self.sql).bind(&self.schema).bind(&self.table).fetch_one(&mut *conn).await?;
+        Ok(schema.unwrap_or_default())
+    }
 }
 
 impl SideEffect {
@@ -138,8 +153,8 @@ impl SideEffect {
     ///
     /// Errors: the database's (a dropped table is error 1146, fatal).
     pub async fn begin(&self, conn: &mut MySqlConnection) -> Result<bool, sqlx::Error> {
-        let Some(sql) = &self.probe else { return Ok(true) };
-        let schema = probe(conn, sql).await?;
+        let Some(probe) = &self.probe else { return Ok(true) };
+        let schema = probe.run(conn).await?;
         if schema != self.schema {
             tracing::info!(built_for = %self.schema, now = %schema, "the side effect's schema changed");
         }
@@ -209,7 +224,7 @@ fn render_for(c: &Column, json: bool) -> Render {
         _ if json => Render::Json,
         "timestamp" => Render::UtcWallClock,
         "datetime" => Render::LocalWallClock,
-        "tinyint" | "smallint" | "mediumint" | "int" | "bigint" | "decimal" | "float" | "double" | "bit" => Render::Numeric,
+        "tinyint" | "smallint" | "mediumint" | "int" | "bigint" | "decimal" | "float" | "double" => Render::Numeric,
         _ => Render::Text,
     }
 }
@@ -236,7 +251,7 @@ async fn prepare_table(
                 IS_NULLABLE = 'NO' AND COLUMN_DEFAULT IS NULL AND EXTRA NOT LIKE '%auto_increment%' \
                 AND EXTRA NOT LIKE '%GENERATED%' AND EXTRA NOT LIKE '%VIRTUAL%' AND EXTRA NOT LIKE '%PERSISTENT%' AND EXTRA NOT LIKE '%STORED%', \
                 CHARACTER_SET_NAME, EXTRA \
-         FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = ? AND TABLE_NAME = ? ORDER BY ORDINAL_POSITION",
+         FROM information_schema.COLUMNS WHERE BINARY TABLE_SCHEMA = ? AND BINARY TABLE_NAME = ? ORDER BY ORDINAL_POSITION",
     )
     .bind(&schema)
     .bind(&name)
@@ -254,7 +269,7 @@ async fn prepare_table(
     // MariaDB's JSON is LONGTEXT with a CHECK (json_valid(`c`)) named after the column.
     let json_columns: Vec<String> = sqlx::query_scalar(
         "SELECT CONSTRAINT_NAME FROM information_schema.CHECK_CONSTRAINTS \
-         WHERE CONSTRAINT_SCHEMA = ? AND TABLE_NAME = ? AND CHECK_CLAUSE LIKE 'json_valid(%'",
+         WHERE BINARY CONSTRAINT_SCHEMA = ? AND BINARY TABLE_NAME = ? AND CHECK_CLAUSE LIKE 'json_valid(%'",
     )
     .bind(&schema)
     .bind(&name)
@@ -267,7 +282,7 @@ async fn prepare_table(
     for b in columns {
         match catalog.iter().find(|c| c.name == b.name) {
             Some(c) => {
-                if matches!(c.charset.as_deref(), Some("utf8mb3" | "utf8" | "ucs2" | "latin1" | "ascii")) {
+                if matches!(c.charset.as_deref(), Some("utf8mb3" | "utf8" | "ucs2")) {
                     problems.push(prepare_error(
                         format!("sink.columns.{}", b.name),
                         format!(
@@ -278,6 +293,12 @@ async fn prepare_table(
                             c.charset.as_deref().unwrap_or_default(),
                             quote_ident(&b.name)
                         ),
+                    ));
+                }
+                if c.data_type == "bit" {
+                    problems.push(prepare_error(
+                        format!("sink.columns.{}", b.name),
+                        format!("column {:?} of {qualified} is a BIT column, which idemflow cannot bind from text: use TINYINT, BOOLEAN or BIGINT", b.name),
                     ));
                 }
                 found.push(c);
@@ -304,9 +325,21 @@ async fn prepare_table(
         let message = if field == "sink" { message } else { message.split_once(": ").map_or(message.clone(), |m| m.1.to_owned()) };
         return Err(prepare_error(field, message));
     }
+    let unique = unique_keys(conn, &schema, &name).await.map_err(|e| db_error("sink.table", e, ""))?;
+    if on_conflict != OnConflict::Error && unique.len() > 1 {
+        return Err(prepare_error(
+            "sink.on_conflict",
+            format!(
+                "table {qualified} has {} unique keys (the primary key included): MySQL's ON DUPLICATE KEY UPDATE takes no \
+                 conflict target and fires on a conflict on any of them, so a record colliding on another unique key \
+                 would {} another row; use on_conflict = \"error\" (such a record is dead-lettered), or the SQL form",
+                unique.len(),
+                if on_conflict == OnConflict::Update { "overwrite" } else { "be skipped against" }
+            ),
+        ));
+    }
     let key: Vec<String> = match conflict_columns {
         Some(cols) => {
-            let unique = unique_keys(conn, &schema, &name).await.map_err(|e| db_error("sink.table", e, ""))?;
             let mut wanted: Vec<&String> = cols.iter().collect();
             wanted.sort();
             if !unique.iter().any(|k| {
@@ -346,16 +379,16 @@ async fn prepare_table(
     let head = format!("INSERT INTO {qualified} ({names}) VALUES");
     let one = format!("{head} ({}){tail}", marks(columns.len()));
     (&mut *conn).prepare(one.as_str()).await.map_err(|e| db_error("sink", e, &one))?;
-    let probe_sql = table_probe(&qualified, &schema, &name);
-    let schema_now = probe(conn, &probe_sql).await.map_err(|e| db_error("sink.table", e, ""))?;
+    let probe = Probe::new(&qualified, &schema, &name);
+    let schema_now = probe.run(conn).await.map_err(|e| db_error("sink.table", e, ""))?;
     let bindings = columns.iter().cloned().zip(found.iter().map(|c| render_for(c, json_columns.contains(&c.name)))).collect();
-    Ok((SideEffect { form: Form::Table { head, tail, columns: columns.len() }, probe: Some(probe_sql), schema: schema_now }, bindings))
+    Ok((SideEffect { form: Form::Table { head, tail, columns: columns.len() }, probe: Some(probe), schema: schema_now }, bindings))
 }
 
 /// The column lists of the primary key and every unique key of a table.
 async fn unique_keys(conn: &mut MySqlConnection, schema: &str, table: &str) -> Result<Vec<Vec<String>>, sqlx::Error> {
     let rows: Vec<(String, String)> = sqlx::query_as(
-        "SELECT INDEX_NAME, COLUMN_NAME FROM information_schema.STATISTICS WHERE TABLE_SCHEMA = ? AND TABLE_NAME = ? \
+        "SELECT INDEX_NAME, COLUMN_NAME FROM information_schema.STATISTICS WHERE BINARY TABLE_SCHEMA = ? AND BINARY TABLE_NAME = ? \
          AND NON_UNIQUE = 0 ORDER BY INDEX_NAME, SEQ_IN_INDEX",
     )
     .bind(schema)
@@ -390,7 +423,17 @@ async fn prepare_sql(
                 Part::Sql(_) => None,
             })
             .collect();
-        let sql = statement.render(|_| "?".to_owned());
+        if let Some(why) = refused_statement(&written) {
+            return Err(prepare_error(&field, format!("{why}\n  in: {written}")));
+        }
+        let sql = statement.render(|n| {
+            let declared = params.iter().find(|b| b.name == statement.params[n]).and_then(|b| b.declared);
+            match declared {
+                Some(DeclaredType::Decimal) => "CAST(? AS DECIMAL(65, 30))".to_owned(),
+                Some(DeclaredType::Integer) => "CAST(? AS SIGNED)".to_owned(),
+                _ => "?".to_owned(),
+            }
+        });
         (&mut *conn).prepare(sql.as_str()).await.map_err(|e| db_error(&field, e, &written))?;
         prepared.push((sql, slots));
     }
@@ -399,6 +442,37 @@ async fn prepare_sql(
         (b, render)
     }).collect();
     Ok((SideEffect { form: Form::Sql(prepared), probe: None, schema: String::new() }, bindings))
+}
+
+/// Why a statement of the SQL form cannot run inside the batch transaction, or `None`: `IGNORE` (which turns
+/// data errors into warnings and stores 0s and truncations; strict mode is the point) and statements that commit
+/// the transaction implicitly (MySQL Reference Manual, "Statements That Cause an Implicit Commit").
+fn refused_statement(sql: &str) -> Option<String> {
+    let words: Vec<String> = sql
+        .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+        .filter(|w| !w.is_empty())
+        .take(6)
+        .map(str::to_ascii_uppercase)
+        .collect();
+    let first = words.first().map(String::as_str).unwrap_or_default();
+    if matches!(
+        first,
+        "CREATE" | "ALTER" | "DROP" | "TRUNCATE" | "RENAME" | "LOCK" | "UNLOCK" | "COMMIT" | "ROLLBACK" | "BEGIN"
+            | "START" | "GRANT" | "REVOKE" | "ANALYZE" | "OPTIMIZE" | "REPAIR" | "FLUSH" | "LOAD" | "SET"
+    ) {
+        return Some(format!(
+            "{first} cannot run in the batch transaction (it commits it, or changes the session): the side effect must be \
+             INSERT, UPDATE, DELETE, REPLACE, SELECT or CALL"
+        ));
+    }
+    if matches!(first, "INSERT" | "UPDATE" | "DELETE") && words.iter().take(4).any(|w| w == "IGNORE") {
+        return Some(format!(
+            "{first} IGNORE turns data errors into warnings (a 0, a truncated value, a zero date stored instead of the \
+             record going to the dead letters): remove IGNORE; a conflict on a unique key is handled by the dedup row \
+             (the same business key) or dead-letters the record"
+        ));
+    }
+    None
 }
 
 #[cfg(test)]
@@ -411,5 +485,16 @@ mod tests {
         assert_eq!(split_table("shop.payments"), (Some("shop".to_owned()), "payments".to_owned()));
         assert_eq!(split_table("`my.db`.`pay``s`"), (Some("my.db".to_owned()), "pay`s".to_owned()));
         assert_eq!(quote_ident("a`b"), "`a``b`");
+        assert_eq!(split_table("`a```"), (None, "a`".to_owned()));
+    }
+
+    #[test]
+    fn statements_that_cannot_run_in_the_batch() {
+        assert!(refused_statement("INSERT IGNORE INTO t VALUES (:a)").is_some());
+        assert!(refused_statement("update low_priority ignore t set a = :a").is_some());
+        assert!(refused_statement("CREATE TEMPORARY TABLE x (a int)").is_some());
+        assert!(refused_statement("COMMIT").is_some());
+        assert!(refused_statement("INSERT INTO ignore_list VALUES (:a)").is_none());
+        assert!(refused_statement("UPDATE accounts SET balance = balance - :amount").is_none());
     }
 }

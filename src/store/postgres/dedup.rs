@@ -98,8 +98,7 @@ pub async fn count_duplicates(
 
 /// Looks a business key up by its canonical text.
 pub async fn explain(conn: &mut PgConnection, pipeline: &str, key: &crate::key::BusinessKey) -> Result<Option<Explained>, sqlx::Error> {
-    type Row = (String, String, String, i32, i64, String, i64, Option<String>);
-    let row: Option<Row> = sqlx::query_as(
+    let row: Option<crate::sink::dedup::ExplainedRow> = sqlx::query_as(
         r#"SELECT business_key, applied_at::text AS applied_at, topic, partition, "offset", encode(fingerprint, 'hex') AS fingerprint,
                   duplicates, last_duplicate_at::text AS last_duplicate_at
            FROM idemflow.dedup WHERE pipeline = $1 AND key_digest = $2"#,
@@ -109,15 +108,6 @@ pub async fn explain(conn: &mut PgConnection, pipeline: &str, key: &crate::key::
     .persistent(super::persistent())
     .fetch_optional(&mut *conn)
     .await?;
-    Ok(row.map(|(business_key, applied_at, topic, partition, offset, fingerprint, duplicates, last_duplicate_at)| Explained {
-        business_key,
-        applied_at,
-        topic,
-        partition,
-        offset,
-        fingerprint,
-        duplicates,
-        last_duplicate_at,
-    }))
+    Ok(row.map(Explained::from))
 }
 

@@ -313,10 +313,16 @@ impl InProc {
 
     /// [`InProc::start`], with injected faults.
     pub async fn start_with_faults(setup: &Setup, faults: idemflow::worker::Faults) -> InProc {
+        let settings = idemflow::config::load_settings_from(&setup.config, []).unwrap().settings;
+        let store = idemflow::store::Store::connect(&settings.database).unwrap();
+        Self::start_on(setup, store, faults).await
+    }
+
+    /// [`InProc::start_with_faults`] on a store built by the test (a MySQL claim form forced, say).
+    pub async fn start_on(setup: &Setup, store: idemflow::store::Store, faults: idemflow::worker::Faults) -> InProc {
         let _ = tracing_subscriber::fmt().with_env_filter("info,librdkafka=warn").with_test_writer().try_init();
         let settings = idemflow::config::load_settings_from(&setup.config, []).unwrap().settings;
         let pipelines = idemflow::config::load_pipelines_for(&settings).unwrap();
-        let store = idemflow::store::Store::connect(&settings.database).unwrap();
         let ready = idemflow::worker::prepare(&store, &pipelines).await.unwrap();
         let metrics = idemflow::metrics::Metrics::new();
         let health = idemflow::http::Health::default();
