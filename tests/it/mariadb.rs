@@ -793,3 +793,38 @@ async fn declared_decimals_are_exact_and_unsafe_statements_are_refused() {
     let err = check(&table("", "code = \"/code\"\nflags = \"/flags\"\n"));
     assert!(err.contains("sink.columns.flags") && err.contains("BIT"), "{err}");
 }
+
+/// Retention on MariaDB: expired rows are deleted in bounded batches, and while another session holds the
+/// pipeline's purge lock a pass is skipped without deleting anything.
+#[tokio::test(flavor = "multi_thread")]
+async fn purge_deletes_in_bounded_batches_one_purger_at_a_time() {
+    let db = MyDb::new("").await;
+    let rows: Vec<String> = (0..7)
+        .map(|i| format!("('p', UNHEX(SHA2('k{i}', 256)), 'k{i}', 't', 0, {i}, UNHEX(SHA2('{i}', 256)), NOW(6) - INTERVAL 8 DAY)"))
+        .collect();
+    db.exec(&format!(
+        "INSERT INTO idemflow_dedup (pipeline, key_digest, business_key, topic, `partition`, `offset`, fingerprint, applied_at) VALUES {}, \
+         ('p', UNHEX(SHA2('fresh', 256)), 'fresh', 't', 0, 9, UNHEX(SHA2('9', 256)), NOW(6))",
+        rows.join(", ")
+    ))
+    .await;
+    let store = idemflow::store::Store::MySql(idemflow::store::mysql::MySqlStore::new(db.pool.clone()));
+    let week = Duration::from_secs(7 * 24 * 3600);
+    // Another replica holds the lock: this pass is skipped.
+    let lock_name: String = db
+        .scalar("SELECT CONCAT('idemflow_purge_', LEFT(SHA2('p', 256), 24))")
+        .await;
+    let mut holder = db.pool.acquire().await.unwrap();
+    let held: i64 = sqlx::query_scalar("SELECT GET_LOCK(?, 0)").bind(&lock_name).fetch_one(&mut *holder).await.unwrap();
+    assert_eq!(held, 1);
+    let o = store.purge("p", week, 3, |_| {}).await.unwrap();
+    assert!(o.skipped_locked && o.purged == 0, "{o:?}");
+    assert_eq!(db.scalar::<i64>("SELECT COUNT(*) FROM idemflow_dedup").await, 8);
+    sqlx::query("SELECT RELEASE_LOCK(?)").bind(&lock_name).execute(&mut *holder).await.unwrap();
+    drop(holder);
+    let mut batches = Vec::new();
+    let o = store.purge("p", week, 3, |n| batches.push(n)).await.unwrap();
+    assert_eq!((o.purged, o.batches, o.skipped_locked), (7, 3, false));
+    assert_eq!(batches, vec![3, 3, 1]);
+    assert_eq!(db.scalar::<i64>("SELECT COUNT(*) FROM idemflow_dedup").await, 1, "the fresh row stays");
+}
