@@ -200,6 +200,8 @@ async fn two_workers_with_cross_partition_duplicates() {
     assert_exactly_once(&db, &s).await;
     let (ma, mb) = (a.scrape(), b.scrape());
     assert!(received(&a) > 0.0 && received(&b) > 0.0, "both workers consumed: {} and {}", received(&a), received(&b));
+    let conflicts: f64 = [&ma, &mb].iter().map(|m| metric(m, "idemflow_db_retries_total", &[("pipeline", "payments"), ("cause", "conflict")])).sum();
+    eprintln!("two workers: {conflicts} batches retried after a deadlock or lock wait timeout");
     assert_counters_add_up(&ma);
     assert_counters_add_up(&mb);
 }
