@@ -3,6 +3,20 @@
 
 use crate::support::*;
 
+/// Runs `idemflow <args>` in `cwd` (off the async runtime), asserts it succeeded, and returns its standard output
+/// and the JSON report it wrote to `json`.
+async fn bench(args: Vec<String>, cwd: &std::path::Path, json: &std::path::Path) -> (String, serde_json::Value) {
+    let cwd = cwd.to_owned();
+    let (status, out, err) = tokio::task::spawn_blocking(move || {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        idemflow(&args, &cwd)
+    })
+    .await
+    .unwrap();
+    assert!(status.success(), "{out}\n{err}");
+    (out, serde_json::from_str(&std::fs::read_to_string(json).unwrap()).unwrap())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bench_runs_every_baseline_and_writes_markdown_and_json() {
     let dir = tempfile::tempdir().unwrap();
@@ -13,15 +27,7 @@ async fn bench_runs_every_baseline_and_writes_markdown_and_json() {
     ]
     .map(String::from)
     .into();
-    let cwd = dir.path().to_owned();
-    let (status, out, err) = tokio::task::spawn_blocking(move || {
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        idemflow(&args, &cwd)
-    })
-    .await
-    .unwrap();
-    assert!(status.success(), "{out}\n{err}");
-    let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let (out, report) = bench(args, dir.path(), &json).await;
     let runs = report["runs"].as_array().unwrap();
     let ids: Vec<&str> = runs.iter().map(|r| r["id"].as_str().unwrap()).collect();
     assert_eq!(ids, ["(1)", "(2)", "(3)", "(4)", "(5)", "(6)"]);
@@ -57,15 +63,7 @@ async fn bench_on_rabbitmq_runs_the_worker_and_the_consume_only_ceiling() {
     ]
     .map(String::from)
     .into();
-    let cwd = dir.path().to_owned();
-    let (status, out, err) = tokio::task::spawn_blocking(move || {
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        idemflow(&args, &cwd)
-    })
-    .await
-    .unwrap();
-    assert!(status.success(), "{out}\n{err}");
-    let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let (_, report) = bench(args, dir.path(), &json).await;
     let runs = report["runs"].as_array().unwrap();
     let ids: Vec<&str> = runs.iter().map(|r| r["id"].as_str().unwrap()).collect();
     assert_eq!(ids, ["(1)", "(5)"]);
@@ -90,15 +88,7 @@ async fn bench_on_mariadb_runs_the_worker_runs_and_the_consume_only_ceiling() {
     ]
     .map(String::from)
     .into();
-    let cwd = dir.path().to_owned();
-    let (status, out, err) = tokio::task::spawn_blocking(move || {
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        idemflow(&args, &cwd)
-    })
-    .await
-    .unwrap();
-    assert!(status.success(), "{out}\n{err}");
-    let report: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let (_, report) = bench(args, dir.path(), &json).await;
     let runs = report["runs"].as_array().unwrap();
     let ids: Vec<&str> = runs.iter().map(|r| r["id"].as_str().unwrap()).collect();
     assert_eq!(ids, ["(1)", "(2)", "(5)", "(6)"]);
