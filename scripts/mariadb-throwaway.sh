@@ -52,6 +52,7 @@ mariadb_throwaway_start() {
 }
 
 # Starts mariadbd on $MARIADB_THROWAWAY_DIR/data and $MARIADB_PORT, and waits until it accepts connections.
+# MARIADB_EXTRA_ARGS, when set, is appended to the server's options (e.g. "--log-bin --binlog-format=STATEMENT").
 mariadb_throwaway_serve() {
   local run=()
   [ "$(id -u)" = 0 ] && run=(runuser -u mysql --)
@@ -60,7 +61,7 @@ mariadb_throwaway_serve() {
     --port="$MARIADB_PORT" --bind-address=127.0.0.1 --pid-file="$MARIADB_THROWAWAY_DIR/pid" \
     --log-error="$MARIADB_THROWAWAY_DIR/error.log" --max-connections=500 --innodb-buffer-pool-size=256M \
     --innodb-flush-log-at-trx-commit=1 --character-set-server=utf8mb4 --collation-server=utf8mb4_bin \
-    >/dev/null 2>&1 &
+    ${MARIADB_EXTRA_ARGS:-} >/dev/null 2>&1 &
   local server=$!
   local waited=0
   until mariadb --no-defaults -S "$MARIADB_SOCKET" -uroot -e 'SELECT 1' >/dev/null 2>&1 \

@@ -257,6 +257,9 @@ async fn dead_letters(cmd: DeadLettersCommand) -> anyhow::Result<()> {
     let settings = load(&config)?;
     reachable(&settings, &config).await?;
     let store = Store::connect(&settings.database)?;
+    if let Err(why) = store.check_schema().await {
+        bail!("{}: database: {why}", config.display());
+    }
     match cmd {
         DeadLettersCommand::List { pipeline, limit, .. } => {
             let rows = store.dead_letters(pipeline.as_deref(), limit).await?;
@@ -478,6 +481,9 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
             let p = named(&pipelines, &a.pipeline, &settings)?;
             reachable(&settings, &a.config).await?;
             let store = Store::connect(&settings.database)?;
+            if let Err(why) = store.check_schema().await {
+                bail!("{}: database: {why}", a.config.display());
+            }
             let key = idemflow::key::BusinessKey::new(a.key.clone());
             println!("pipeline {:?}, business key {:?}", p.name, a.key);
             match store.explain(&p.name, &key).await? {
@@ -492,7 +498,7 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
                     }
                 }
                 None => println!(
-                    "  not in the dedup store: never applied, dead-lettered (see idemflow.dead_letters), or purged after \
+                    "  not in the dedup store: never applied, dead-lettered (see `idemflow dead-letters list`), or purged after \
                      [dedup] retention = {}",
                     humantime::format_duration(p.dedup.retention)
                 ),
@@ -509,6 +515,9 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
             }
             reachable(&settings, &a.config).await?;
             let store = Store::connect(&settings.database)?;
+            if let Err(why) = store.check_schema().await {
+                bail!("{}: database: {why}", a.config.display());
+            }
             for p in pipelines.iter().filter(|p| a.pipeline.as_ref().is_none_or(|n| *n == p.name)) {
                 let o = store.purge(&p.name, p.dedup.retention, p.dedup.purge_batch, |_| {}).await?;
                 if o.skipped_locked {

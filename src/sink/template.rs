@@ -92,7 +92,7 @@ pub enum TemplateError {
         at: usize,
     },
     /// `$1`-style parameters are not supported.
-    #[error("positional parameter at byte {at} ({found}): name every value instead (`:amount`) and map it in [sink.params]")]
+    #[error("positional parameter at byte {at} ({found}): name every value instead (such as `:amount`) and map it in [sink.params]")]
     Positional {
         /// Byte offset.
         at: usize,

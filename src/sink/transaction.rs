@@ -183,6 +183,14 @@ impl Sink {
             }
         }
         if let Err(refused) = guard(&counts) {
+            // The guard's message gives counts; the cause is in the dead letters it refused to write.
+            if let Some(d) = dead_letters.iter().find(|d| d.new) {
+                let p = &records[d.index].position;
+                tracing::error!(
+                    pipeline = %self.pipeline, position = %p, reason = d.reason.as_str(), error = %d.error,
+                    "the dead-letter ratio guard refused this batch; the first of its dead letters"
+                );
+            }
             tx.rollback().await.map_err(|e| SinkError::new("rolling back", e))?;
             return Err(refused);
         }

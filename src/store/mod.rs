@@ -81,6 +81,7 @@ impl Store {
                 Ok(postgres::MIGRATOR.iter().map(|m| m.version).max().unwrap_or_default())
             }
             Store::MySql(s) => {
+                mysql::check_binlog(&s.pool).await.map_err(|why| sqlx::migrate::MigrateError::Execute(sqlx::Error::Configuration(why.into())))?;
                 mysql::MIGRATOR.run(&s.pool).await?;
                 Ok(mysql::MIGRATOR.iter().map(|m| m.version).max().unwrap_or_default())
             }

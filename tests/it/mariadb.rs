@@ -830,3 +830,20 @@ async fn purge_deletes_in_bounded_batches_one_purger_at_a_time() {
     assert_eq!(batches, vec![3, 3, 1]);
     assert_eq!(db.scalar::<i64>("SELECT COUNT(*) FROM idemflow_dedup").await, 1, "the fresh row stays");
 }
+
+/// With the binary log on in `STATEMENT` format, InnoDB refuses writes in `READ COMMITTED`: `migrate` and `check`
+/// say which setting to change before anything else, instead of a raw error 1665.
+#[tokio::test(flavor = "multi_thread")]
+async fn statement_binlog_format_is_named_by_migrate_and_check() {
+    let server = Server::start_with("--log-bin --binlog-format=STATEMENT");
+    let kafka = Kafka::new();
+    kafka.create_topic("t", 1);
+    let db = MyDb { url: server.url.clone(), pool: sqlx::MySqlPool::connect(&server.url).await.unwrap() };
+    let pipeline = "topics = [\"t\"]\n[key]\nfield = \"/id\"\n[sink]\ntable = \"t\"\n[sink.columns]\nid = \"/id\"\n";
+    let setup = Setup::new(&db, &kafka, &[("t.toml", pipeline)]);
+    for command in ["migrate", "check"] {
+        let (status, out, err) = idemflow(&[command, "--config", setup.config.to_str().unwrap()], setup.dir.path());
+        assert!(!status.success(), "{out}");
+        assert!(err.contains("binlog_format = STATEMENT") && err.contains("ROW"), "{command}: {err}");
+    }
+}

@@ -116,8 +116,24 @@ pub fn connect_options(settings: &DatabaseSettings) -> Result<MySqlConnectOption
         .log_slow_statements(log::LevelFilter::Debug, std::time::Duration::from_secs(1)))
 }
 
+/// Errors unless the URL names a database (`mysql://user:password@host:3306/DATABASE`): idemflow's tables go
+/// there, beside the business tables.
+fn require_database(settings: &DatabaseSettings) -> Result<(), sqlx::Error> {
+    let named = url::Url::parse(settings.url.expose()).is_ok_and(|u| !u.path().trim_matches('/').is_empty());
+    if named {
+        Ok(())
+    } else {
+        Err(sqlx::Error::Configuration(
+            format!("{} names no database: write mysql://user:password@host:3306/DATABASE", settings.url).into(),
+        ))
+    }
+}
+
 /// A pool that connects on first use; every connection gets the [`SESSION`] settings.
+///
+/// Errors: the URL does not parse or names no database.
 pub fn pool(settings: &DatabaseSettings) -> Result<MySqlPool, sqlx::Error> {
+    require_database(settings)?;
     Ok(MySqlPoolOptions::new()
         .max_connections(settings.max_connections)
         .acquire_timeout(settings.acquire_timeout)
@@ -130,6 +146,7 @@ pub fn pool(settings: &DatabaseSettings) -> Result<MySqlPool, sqlx::Error> {
 pub async fn ping(settings: &DatabaseSettings) -> Result<(), String> {
     use sqlx::Connection as _;
     let url = &settings.url;
+    require_database(settings).map_err(|e| url.scrub(&e.to_string()))?;
     let options = connect_options(settings).map_err(|e| format!("cannot connect to {url}: {}", url.scrub(&e.to_string())))?;
     match tokio::time::timeout(settings.acquire_timeout, sqlx::MySqlConnection::connect_with(&options)).await {
         Ok(Ok(conn)) => {
@@ -141,11 +158,32 @@ pub async fn ping(settings: &DatabaseSettings) -> Result<(), String> {
     }
 }
 
+/// Whether the binary log, when it is on, takes row-based events: with `binlog_format = STATEMENT` InnoDB refuses
+/// every write in `READ COMMITTED` (error 1665), which idemflow's sessions use.
+///
+/// Errors: the format to change, or the server's error.
+pub async fn check_binlog(pool: &MySqlPool) -> Result<(), String> {
+    let (log_bin, format): (i64, Option<String>) = sqlx::query_as("SELECT @@log_bin, CAST(@@binlog_format AS CHAR)")
+        .fetch_one(pool)
+        .await
+        .map_err(|e| format!("cannot read the binary log's settings: {}", crate::sink::error::describe(&e)))?;
+    match format.as_deref() {
+        Some(f) if log_bin != 0 && f.eq_ignore_ascii_case("STATEMENT") => Err(
+            "the binary log is on with binlog_format = STATEMENT, with which InnoDB refuses writes in READ COMMITTED \
+             (error 1665), the isolation idemflow's sessions use: set binlog_format to ROW (MySQL 8's default) or MIXED"
+                .to_owned(),
+        ),
+        _ => Ok(()),
+    }
+}
+
 /// Whether idemflow's tables are migrated to the latest version this binary knows, and `idemflow_dedup` still has
-/// its primary key `(pipeline, key_digest)`, which the claim depends on.
+/// its primary key `(pipeline, key_digest)`, which the claim depends on (and the binary log's format suits it,
+/// [`check_binlog`]).
 ///
 /// Errors: what is missing and what to run.
 pub async fn check_schema(pool: &MySqlPool) -> Result<(), String> {
+    check_binlog(pool).await?;
     let latest = MIGRATOR.iter().map(|m| m.version).max().unwrap_or_default();
     let applied: Option<i64> = sqlx::query_scalar(
         "SELECT MAX(version) FROM _sqlx_migrations WHERE success AND EXISTS (SELECT 1 FROM information_schema.TABLES \

@@ -97,7 +97,15 @@ fn script(body: &str, env: &[(&str, String)]) -> String {
 impl Server {
     /// Initialises and starts a server.
     pub fn start() -> Server {
-        let out = script("mariadb_throwaway_start >/dev/null; echo \"$MARIADB_THROWAWAY_DIR $MARIADB_PORT\"", &[]);
+        Self::start_with("")
+    }
+
+    /// [`Server::start`] with more server options (`--log-bin --binlog-format=STATEMENT`, say).
+    pub fn start_with(options: &str) -> Server {
+        let out = script(
+            "mariadb_throwaway_start >/dev/null; echo \"$MARIADB_THROWAWAY_DIR $MARIADB_PORT\"",
+            &[("MARIADB_EXTRA_ARGS", options.to_owned())],
+        );
         let (dir, port) = out.trim().split_once(' ').expect("dir and port");
         let port: u16 = port.parse().unwrap();
         Server { dir: dir.into(), port, url: format!("mysql://root:root@127.0.0.1:{port}/idemflow") }
