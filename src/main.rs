@@ -588,6 +588,9 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
             let pipelines = config::load_pipelines_for(&settings).map_err(|e| report(&e))?;
             config::check_sources(&settings, &pipelines).map_err(|e| report(&e))?;
             let mut source_lines = Vec::new();
+            // A broker problem does not hide the database's: every pipeline's statements are still checked, and all
+            // problems are reported together.
+            let mut broker_problems: Vec<String> = Vec::new();
             for p in &pipelines {
                 match &p.source {
                     config::SourceSpec::Kafka(_) => {
@@ -599,24 +602,45 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
                             idemflow::source::kafka::check_topics(&kafka, &pipeline, std::time::Duration::from_secs(5))
                         });
                         if let Err(e) = topics.await? {
-                            bail!("{}: pipeline {:?}: kafka: {e}", p.file.display(), p.name);
+                            broker_problems.push(format!("{}: pipeline {:?}: kafka: {e}", p.file.display(), p.name));
                         }
                     }
                     config::SourceSpec::RabbitMq(_) => {
                         let rabbitmq = settings.rabbitmq.as_ref().expect("checked by check_sources");
                         match idemflow::source::rabbitmq::check(rabbitmq, p).await {
                             Ok(lines) => source_lines.extend(lines),
-                            Err(e) => bail!("{}: pipeline {:?}: rabbitmq: {e}", p.file.display(), p.name),
+                            Err(e) => broker_problems.push(format!("{}: pipeline {:?}: rabbitmq: {e}", p.file.display(), p.name)),
                         }
                     }
                 }
             }
-            reachable(&settings, &a.config).await?;
-            let store = Store::connect(&settings.database)?;
-            if let Err(why) = store.check_schema().await {
-                bail!("{}: database: {why}", a.config.display());
+            let brokers = |problems: &[String]| {
+                for problem in problems {
+                    eprintln!("{problem}");
+                }
+            };
+            let database = async {
+                reachable(&settings, &a.config).await?;
+                let store = Store::connect(&settings.database)?;
+                if let Err(why) = store.check_schema().await {
+                    bail!("{}: database: {why}", a.config.display());
+                }
+                worker::prepare(&store, &pipelines).await.map_err(|e| report(&e))
+            };
+            let ready = match database.await {
+                Ok(ready) => ready,
+                Err(e) => {
+                    brokers(&broker_problems);
+                    return Err(e);
+                }
+            };
+            if !broker_problems.is_empty() {
+                brokers(&broker_problems);
+                bail!(
+                    "{} problem(s) with the brokers (the database, its schema and every pipeline's statements are right)",
+                    broker_problems.len()
+                );
             }
-            let ready = worker::prepare(&store, &pipelines).await.map_err(|e| report(&e))?;
             for r in &ready {
                 let p = &r.pipeline;
                 match &p.source {

@@ -279,7 +279,7 @@ fn a_missing_config_file_is_an_error() {
     assert!(!err.contains("missing [database]"), "{err}");
 }
 
-/// `check` says quickly when Kafka cannot be reached or a topic does not exist, before anything else.
+/// `check` says quickly when Kafka cannot be reached or a topic does not exist, and still checks the database.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn check_names_an_unreachable_kafka_and_a_missing_topic() {
     let pipeline = "topics = [\"t\"]\n[key]\nfield = \"/id\"\n[sink]\ntable = \"t\"\n[sink.columns]\nid = \"/id\"\n";
@@ -296,7 +296,13 @@ async fn check_names_an_unreachable_kafka_and_a_missing_topic() {
     let (status, out, err) = idemflow(&["check", "--config", &config], setup.dir.path());
     assert!(!status.success(), "{out}{err}");
     assert!(err.contains(&format!("kafka: cannot reach Kafka at 127.0.0.1:{port}")), "{err}");
+    assert!(err.contains("the database, its schema and every pipeline's statements are right"), "{err}");
     assert!(started.elapsed() < std::time::Duration::from_secs(30), "both answers within the 5 s metadata timeout each");
+    // A broker problem does not hide the database's: both are reported.
+    sqlx::query("DROP TABLE t").execute(&db.pool).await.unwrap();
+    let (status, out, err) = idemflow(&["check", "--config", &config], setup.dir.path());
+    assert!(!status.success(), "{out}{err}");
+    assert!(err.contains("cannot reach Kafka") && err.contains("sink.table") && err.contains("does not exist"), "{err}");
     drop(db);
 }
 
