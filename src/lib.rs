@@ -25,7 +25,7 @@
 //! - [`offsets`]: the next offset of each partition after a batch (the only place that adds 1), and the fenced
 //!   positions stored in Postgres with `[offsets] store = "database"`.
 //! - [`retention`]: purging dedup rows older than the pipeline's retention, in bounded batches.
-//! - [`bench`]: `idemflow bench`, the benchmark against its baselines.
+//! - [`bench`](mod@bench): `idemflow bench`, the benchmark against its baselines.
 //! - [`rewind`]: moving a stopped pipeline's group back to replay its topics (`idemflow rewind`).
 //! - [`metrics`]: every Prometheus metric; [`http`]: `/metrics`, `/healthz`, `/readyz`.
 //! - [`worker`]: runs every pipeline until shutdown; [`shutdown`]: the signal that stops it.
@@ -36,9 +36,11 @@
 //!
 //! # Why a crash can neither lose a record nor apply it twice
 //!
-//! For every batch, one Postgres transaction inserts one dedup row per business key
-//! (`INSERT ... ON CONFLICT DO NOTHING RETURNING`, on the primary key `(pipeline, key_digest)`), runs the side
-//! effect only for the keys that insert returned, writes the dead letters, and commits. Only after the commit are
+//! For every batch, one database transaction inserts one dedup row per business key (on PostgreSQL
+//! `INSERT ... ON CONFLICT DO NOTHING RETURNING`, on MySQL/MariaDB `INSERT IGNORE ... RETURNING` or its token form,
+//! always on the primary key `(pipeline, key_digest)`), runs the side effect only for the keys that insert
+//! returned, writes the dead letters, and commits. The argument below is PostgreSQL's wording; InnoDB gives the same
+//! guarantees (a rolled-back transaction, an insert waiting for another's uncommitted duplicate key). Only after the commit are
 //! the Kafka offsets committed, and an offset is only ever committed for records whose outcome is durable.
 //!
 //! - Crash before or inside the transaction: Postgres rolls it back; nothing was applied and no offset was

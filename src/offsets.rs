@@ -5,12 +5,13 @@
 //! processed in it plus one. This module is the only place that adds that one.
 //!
 //! With `[offsets] store = "database"` the same positions are also written to the store's offsets table inside
-//! the batch's transaction ([`crate::store::Tx::advance_offsets`]), so the position and the effects commit or roll back together. Ownership
-//! is fenced with an epoch per partition: a worker assigned a partition increments the epoch ([`crate::store::Store::claim_offsets`]) and
-//! its batches update the row only while the epoch is still theirs. The claim's `UPDATE` waits for the row
-//! lock of a previous owner's batch still in flight (Postgres row locking, "Explicit Locking" in its manual),
-//! so the new owner starts exactly where the last committed batch ended, and a batch of the previous owner
-//! that comes after the claim finds the epoch changed and rolls back whole ([`advance`] reports it fenced).
+//! the batch's transaction ([`crate::store::Tx::advance_offsets`]), so the position and the effects commit or roll
+//! back together. Ownership is fenced with an epoch per partition: a worker assigned a partition increments the
+//! epoch ([`crate::store::Store::claim_offsets`]) and its batches update the row only while the epoch is still
+//! theirs. The claim waits for the row lock of a previous owner's batch still in flight (PostgreSQL, "Explicit
+//! Locking"; InnoDB, "Locking Reads"), so the new owner starts exactly where the last committed batch ended, and a
+//! batch of the previous owner that comes after the claim finds the epoch changed and rolls back whole (the store
+//! reports it fenced).
 
 use crate::record::Record;
 use std::collections::BTreeMap;

@@ -96,7 +96,7 @@ pub enum PipelineFailure {
 /// Fault injection, for the demo and for tests: what a crash would do, at a chosen moment.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Faults {
-    /// End each pipeline abruptly right after its Nth batch committed in Postgres and before that batch's offsets
+    /// End each pipeline abruptly right after its Nth batch committed in the database and before that batch's offsets
     /// are committed to Kafka, as a crash at that point would: the consumer is closed without committing them, so
     /// the batch is redelivered to whoever owns its partitions next.
     pub crash_after_commits: Option<u64>,
