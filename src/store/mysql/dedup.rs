@@ -14,7 +14,7 @@
 //! locks the duplicate index record), so two workers can never both claim a key. Keys are claimed in digest order
 //! (the caller sorts them), so two workers with overlapping keys wait instead of deadlocking.
 
-use super::{chunks, marks, ClaimForm};
+use super::{chunks, marks, rows, ClaimForm};
 use crate::record::Position;
 use crate::sink::dedup::{Claim, Existing, Explained};
 use sha2::{Digest, Sha256};
@@ -27,8 +27,8 @@ const COLUMNS: &str = "pipeline, key_digest, business_key, topic, `partition`, `
 pub async fn claim(conn: &mut MySqlConnection, form: ClaimForm, pipeline: &str, claims: &[Claim<'_>]) -> Result<HashSet<[u8; 32]>, sqlx::Error> {
     let mut new = HashSet::new();
     for part in chunks(claims, 8, |c| c.key.text.len() + 128) {
-        let rows = vec![format!("({})", marks(if form == ClaimForm::Token { 8 } else { 7 })); part.len()].join(", ");
-        let token = claim_token();
+        let rows = rows(&format!("({})", marks(if form == ClaimForm::Token { 8 } else { 7 })), part.len());
+        let token = (form == ClaimForm::Token).then(claim_token);
         let sql = match form {
             ClaimForm::Returning => format!("INSERT IGNORE INTO idemflow_dedup ({COLUMNS}) VALUES {rows} RETURNING key_digest"),
             // No RETURNING here: the statement returns no rows, and the rows it inserted are read back below.
@@ -46,14 +46,14 @@ pub async fn claim(conn: &mut MySqlConnection, form: ClaimForm, pipeline: &str, 
                 .bind(c.position.partition)
                 .bind(c.position.offset)
                 .bind(&c.fingerprint[..]);
-            if form == ClaimForm::Token {
+            if let Some(token) = &token {
                 q = q.bind(&token[..]);
             }
         }
         let returned = q.fetch_all(&mut *conn).await?;
-        let inserted = match form {
-            ClaimForm::Returning => returned,
-            ClaimForm::Token => {
+        let inserted = match &token {
+            None => returned,
+            Some(token) => {
                 let sql = format!(
                     "SELECT key_digest FROM idemflow_dedup WHERE pipeline = ? AND claim_token = ? AND key_digest IN ({})",
                     marks(part.len())

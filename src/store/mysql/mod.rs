@@ -230,6 +230,12 @@ pub(crate) fn marks(n: usize) -> String {
     s
 }
 
+/// `row` repeated `n` times, comma-separated: the `VALUES` list of a multi-row statement, such as
+/// `(?, ?), (?, ?)`.
+pub(crate) fn rows(row: &str, n: usize) -> String {
+    vec![row; n].join(", ")
+}
+
 /// The most placeholders one statement may carry (the protocol counts them in 16 bits).
 pub(crate) const MAX_PARAMS: usize = 65_535;
 

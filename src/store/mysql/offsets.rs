@@ -3,14 +3,14 @@
 //! `SELECT ... FOR UPDATE` before they are written, so a read sees the latest committed row and holds its lock to
 //! the end of the batch transaction (InnoDB locking reads, MySQL Reference Manual "Locking Reads").
 
-use super::marks;
+use super::{marks, rows};
 use crate::offsets::{Claimed, NextOffsets, Positions, Processed};
 use sqlx::{MySqlConnection, MySqlPool};
 use std::collections::HashMap;
 
 /// `(topic, partition) IN ((?, ?), ...)` for `n` partitions.
 fn partitions_in(n: usize) -> String {
-    format!("(topic, `partition`) IN ({})", vec!["(?, ?)"; n].join(", "))
+    format!("(topic, `partition`) IN ({})", rows("(?, ?)", n))
 }
 
 /// Takes ownership of `partitions` for `pipeline`: increments each one's epoch (creating the row at epoch 1) and
@@ -36,7 +36,7 @@ async fn claim_on(conn: &mut MySqlConnection, pipeline: &str, owner: &str, parti
     let sql = format!(
         "INSERT INTO idemflow_offsets (pipeline, topic, `partition`, owner_epoch, owner, claimed_at) VALUES {} \
          ON DUPLICATE KEY UPDATE owner_epoch = owner_epoch + 1, owner = VALUES(owner), claimed_at = VALUES(claimed_at)",
-        vec!["(?, ?, ?, 1, ?, CURRENT_TIMESTAMP(6))"; partitions.len()].join(", ")
+        rows("(?, ?, ?, 1, ?, CURRENT_TIMESTAMP(6))", partitions.len())
     );
     let mut q = sqlx::query(&sql);
     for (t, p) in partitions {
@@ -113,7 +113,7 @@ pub async fn reset(pool: &MySqlPool, pipeline: &str, positions: &[(String, i32, 
         "INSERT INTO idemflow_offsets (pipeline, topic, `partition`, next_offset, owner_epoch, owner, updated_at) VALUES {} \
          ON DUPLICATE KEY UPDATE next_offset = VALUES(next_offset), owner_epoch = owner_epoch + 1, owner = VALUES(owner), \
          updated_at = VALUES(updated_at)",
-        vec!["(?, ?, ?, ?, 1, 'idemflow rewind', CURRENT_TIMESTAMP(6))"; positions.len()].join(", ")
+        rows("(?, ?, ?, ?, 1, 'idemflow rewind', CURRENT_TIMESTAMP(6))", positions.len())
     );
     let mut q = sqlx::query(&sql);
     for (t, p, o) in positions {
@@ -141,11 +141,11 @@ pub async fn processed(conn: &mut MySqlConnection, pipeline: &str, next: &NextOf
     for (t, p) in next.0.keys() {
         q = q.bind(&**t).bind(p);
     }
-    let rows = q.fetch_all(&mut *conn).await?;
+    let before = q.fetch_all(&mut *conn).await?;
     let sql = format!(
         "INSERT INTO idemflow_processed (pipeline, topic, `partition`, next_offset) VALUES {} \
          ON DUPLICATE KEY UPDATE next_offset = GREATEST(next_offset, VALUES(next_offset)), updated_at = CURRENT_TIMESTAMP(6)",
-        vec![format!("({})", marks(4)); next.0.len()].join(", ")
+        rows(&format!("({})", marks(4)), next.0.len())
     );
     let mut q = sqlx::query(&sql);
     for ((t, p), o) in &next.0 {
@@ -153,7 +153,7 @@ pub async fn processed(conn: &mut MySqlConnection, pipeline: &str, next: &NextOf
     }
     q.execute(&mut *conn).await?;
     let mut marks = HashMap::new();
-    for (topic, partition, mark) in rows {
+    for (topic, partition, mark) in before {
         if let Some(((t, _), _)) = next.0.iter().find(|((t, p), _)| **t == *topic && *p == partition) {
             marks.insert((t.clone(), partition), mark);
         }

@@ -193,8 +193,7 @@ async fn insert_rows(conn: &mut MySqlConnection, head: &str, tail: &str, columns
     if rows.is_empty() {
         return Ok(());
     }
-    let row = format!("({})", marks(columns));
-    let sql = format!("{head} {}{tail}", vec![row.as_str(); rows.len()].join(", "));
+    let sql = format!("{head} {}{tail}", super::rows(&format!("({})", marks(columns)), rows.len()));
     let mut query = sqlx::query(&sql);
     for r in rows {
         for v in &r.values[..columns] {
