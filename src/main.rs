@@ -2,7 +2,7 @@
 
 use anyhow::{bail, Context as _};
 use clap::{Parser, Subcommand};
-use idemflow::config::{self, PipelineError, Settings};
+use idemflow::config::{self, PipelineError, Settings, StoreKind};
 use idemflow::store::Store;
 use idemflow::{http, metrics, shutdown, telemetry, worker};
 use std::path::PathBuf;
@@ -70,6 +70,9 @@ enum DeadLettersCommand {
         /// How many.
         #[arg(long, default_value_t = 50)]
         limit: i64,
+        /// The dead letters of Redis pipelines (the `<key_prefix>dead-letters` stream), when `[database]` is set too.
+        #[arg(long)]
+        redis: bool,
     },
     /// One dead letter in full: key, headers, payload (as text when it is UTF-8, else hex), error.
     Show {
@@ -78,6 +81,9 @@ enum DeadLettersCommand {
         config: PathBuf,
         /// Its id.
         id: i64,
+        /// A dead letter of a Redis pipeline, when `[database]` is set too.
+        #[arg(long)]
+        redis: bool,
     },
     /// Apply a dead letter through the pipeline's transactional path; its row is removed in the same transaction
     /// (if it fails again, it is dead-lettered again with the new error).
@@ -90,6 +96,9 @@ enum DeadLettersCommand {
         /// Replace the stored payload with this file's bytes (a fixed record).
         #[arg(long)]
         payload: Option<PathBuf>,
+        /// A dead letter of a Redis pipeline, when `[database]` is set too.
+        #[arg(long)]
+        redis: bool,
     },
 }
 
@@ -251,15 +260,14 @@ fn report(errors: &[PipelineError]) -> anyhow::Error {
 }
 
 async fn dead_letters(cmd: DeadLettersCommand) -> anyhow::Result<()> {
-    let config = match &cmd {
-        DeadLettersCommand::List { config, .. } | DeadLettersCommand::Show { config, .. } | DeadLettersCommand::Replay { config, .. } => config.clone(),
+    let (config, redis) = match &cmd {
+        DeadLettersCommand::List { config, redis, .. } | DeadLettersCommand::Show { config, redis, .. } | DeadLettersCommand::Replay { config, redis, .. } => {
+            (config.clone(), *redis)
+        }
     };
     let settings = load(&config)?;
-    reachable(&settings, &config).await?;
-    let store = Store::connect(&settings.database)?;
-    if let Err(why) = store.check_schema().await {
-        bail!("{}: database: {why}", config.display());
-    }
+    let kind = if redis || settings.database.is_none() { StoreKind::Redis } else { StoreKind::Database };
+    let store = open_store(&settings, &config, kind).await?;
     match cmd {
         DeadLettersCommand::List { pipeline, limit, .. } => {
             let rows = store.dead_letters(pipeline.as_deref(), limit).await?;
@@ -356,12 +364,7 @@ async fn rewind(a: RewindArgs) -> anyhow::Result<()> {
         );
     };
     let stored = p.offsets == OffsetStore::Database;
-    let store = if stored {
-        reachable(&settings, &a.config).await?;
-        Some(Store::connect(&settings.database)?)
-    } else {
-        None
-    };
+    let store = if stored { Some(open_store(&settings, &a.config, p.sink.store()).await?) } else { None };
     // With stored positions, those are where the pipeline is: plan from them.
     let positions = match &store {
         Some(store) => Some(store.stored_offsets(&p.name).await?),
@@ -449,9 +452,105 @@ async fn retention_report(settings: &Settings, p: &config::Pipeline) -> Vec<Stri
     }
 }
 
-/// One direct connection attempt, reported against the settings file.
-async fn reachable(settings: &Settings, config: &std::path::Path) -> anyhow::Result<()> {
-    Store::ping(&settings.database).await.map_err(|why| anyhow::anyhow!("{}: database: {why}", config.display()))
+/// One direct connection attempt to the store of `kind`, reported against the settings file.
+///
+/// Errors: the store's section is missing, or the store cannot be reached.
+async fn reachable(settings: &Settings, config: &std::path::Path, kind: StoreKind) -> anyhow::Result<()> {
+    match kind {
+        StoreKind::Database => {
+            let database = database_settings(settings, config)?;
+            Store::ping(database).await.map_err(|why| anyhow::anyhow!("{}: database: {why}", config.display()))
+        }
+        StoreKind::Redis => {
+            let redis = redis_settings(settings, config)?;
+            idemflow::store::redis::ping(redis).await.map_err(|why| anyhow::anyhow!("{}: redis: {why}", config.display()))
+        }
+    }
+}
+
+fn database_settings<'s>(settings: &'s Settings, config: &std::path::Path) -> anyhow::Result<&'s config::DatabaseSettings> {
+    settings.database.as_ref().ok_or_else(|| anyhow::anyhow!("{}: missing [database] (or IDEMFLOW_DATABASE__URL)", config.display()))
+}
+
+fn redis_settings<'s>(settings: &'s Settings, config: &std::path::Path) -> anyhow::Result<&'s config::RedisSettings> {
+    settings.redis.as_ref().ok_or_else(|| anyhow::anyhow!("{}: missing [redis] (or IDEMFLOW_REDIS__URL)", config.display()))
+}
+
+/// A pool for the store of `kind`, without connecting.
+fn store_of(settings: &Settings, config: &std::path::Path, kind: StoreKind) -> anyhow::Result<Store> {
+    Ok(match kind {
+        StoreKind::Database => Store::connect(database_settings(settings, config)?)?,
+        StoreKind::Redis => Store::redis(redis_settings(settings, config)?).map_err(|why| anyhow::anyhow!("{}: {why}", config.display()))?,
+    })
+}
+
+/// The store of `kind`, reachable and with idemflow's schema (the database) or a usable server (Redis).
+async fn open_store(settings: &Settings, config: &std::path::Path, kind: StoreKind) -> anyhow::Result<Store> {
+    reachable(settings, config, kind).await?;
+    let store = store_of(settings, config, kind)?;
+    if let Err(why) = store.check_schema().await {
+        let what = if kind == StoreKind::Redis { "redis" } else { "database" };
+        bail!("{}: {what}: {why}", config.display());
+    }
+    Ok(store)
+}
+
+/// What `check` and `run` say about a Redis store's durability, and about retention, for the pipelines writing to
+/// it: one line each, warnings prefixed `warning: `.
+async fn redis_durability(redis: &idemflow::store::redis::RedisStore, pipelines: &[config::Pipeline]) -> Vec<String> {
+    let mine: Vec<&config::Pipeline> = pipelines.iter().filter(|p| p.sink.store() == StoreKind::Redis).collect();
+    let mut lines = Vec::new();
+    let facts = match redis.check_server().await {
+        Ok(f) => f,
+        Err(why) => return vec![format!("warning: redis: {why}")],
+    };
+    let fsync = facts.appendfsync.clone().unwrap_or_else(|| "unknown (CONFIG GET is not allowed)".to_owned());
+    lines.push(format!("redis {}: appendonly {}, appendfsync {fsync}", facts.version, if facts.aof { "yes" } else { "no" }));
+    if !facts.aof {
+        lines.push(
+            "warning: redis: appendonly is off: a restart loses every dedup key, stored position and effect written since the              last snapshot; a Kafka pipeline then stops (its positions are gone) and a RabbitMQ pipeline loses what it              acknowledged. Set appendonly yes"
+                .to_owned(),
+        );
+    }
+    for p in &mine {
+        lines.push(format!(
+            "pipeline {:?}: nothing to purge: its dedup keys expire by themselves after [dedup] retention = {}",
+            p.name,
+            humantime::format_duration(p.dedup.retention)
+        ));
+        if p.source.kafka().is_none() && facts.appendfsync.as_deref() != Some("always") {
+            lines.push(format!(
+                "warning: pipeline {:?}: a queue has no position to resume from: a message is acknowledged once its batch's                  script ran, and a crash of Redis before it wrote that script to disk (appendfsync {fsync}) loses its effect                  for good. Set appendfsync always on the Redis server",
+                p.name
+            ));
+        }
+    }
+    lines
+}
+
+/// The store kinds `pipelines` write to, the database first.
+fn kinds(pipelines: &[config::Pipeline]) -> Vec<StoreKind> {
+    let mut kinds: Vec<StoreKind> = Vec::new();
+    for k in [StoreKind::Database, StoreKind::Redis] {
+        if pipelines.iter().any(|p| p.sink.store() == k) {
+            kinds.push(k);
+        }
+    }
+    kinds
+}
+
+/// Checks every pipeline against its store, all problems at once.
+async fn prepare_all(stores: &[(StoreKind, Store)], pipelines: &[config::Pipeline]) -> Result<Vec<worker::Ready>, Vec<PipelineError>> {
+    let mut ready = Vec::new();
+    let mut errors = Vec::new();
+    for (kind, store) in stores {
+        let mine: Vec<config::Pipeline> = pipelines.iter().filter(|p| p.sink.store() == *kind).cloned().collect();
+        match worker::prepare(store, &mine).await {
+            Ok(r) => ready.extend(r),
+            Err(e) => errors.extend(e),
+        }
+    }
+    if errors.is_empty() { Ok(ready) } else { Err(errors) }
 }
 
 /// The pipeline named `name`, or an error saying where pipelines were looked for.
@@ -462,14 +561,21 @@ fn named<'p>(pipelines: &'p [config::Pipeline], name: &str, settings: &Settings)
         .ok_or_else(|| anyhow::anyhow!("no pipeline named {name:?} in {}", settings.pipelines.display()))
 }
 
-/// At start-up the database may not be up yet (a compose file starts everything at once): wait for it, with
-/// exponential backoff, saying why on every attempt.
-async fn wait_for_database(settings: &Settings) {
-    let mut backoff = worker::backoff(std::time::Duration::from_millis(200), std::time::Duration::from_secs(10));
-    while let Err(why) = Store::ping(&settings.database).await {
-        let delay = backoff.next().unwrap_or(std::time::Duration::from_secs(10));
-        tracing::warn!(retry_in = ?delay, "database: {why}");
-        tokio::time::sleep(delay).await;
+/// At start-up the stores may not be up yet (a compose file starts everything at once): wait for each of `kinds`,
+/// with exponential backoff, saying why on every attempt.
+async fn wait_for_stores(settings: &Settings, kinds: &[StoreKind]) {
+    for kind in kinds {
+        let mut backoff = worker::backoff(std::time::Duration::from_millis(200), std::time::Duration::from_secs(10));
+        loop {
+            let (what, result) = match kind {
+                StoreKind::Database => ("database", Store::ping(settings.database.as_ref().expect("checked by check_sources")).await),
+                StoreKind::Redis => ("redis", idemflow::store::redis::ping(settings.redis.as_ref().expect("checked by check_sources")).await),
+            };
+            let Err(why) = result else { break };
+            let delay = backoff.next().unwrap_or(std::time::Duration::from_secs(10));
+            tracing::warn!(retry_in = ?delay, "{what}: {why}");
+            tokio::time::sleep(delay).await;
+        }
     }
 }
 
@@ -479,11 +585,7 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
             let settings = load(&a.config)?;
             let pipelines = config::load_pipelines_for(&settings).map_err(|e| report(&e))?;
             let p = named(&pipelines, &a.pipeline, &settings)?;
-            reachable(&settings, &a.config).await?;
-            let store = Store::connect(&settings.database)?;
-            if let Err(why) = store.check_schema().await {
-                bail!("{}: database: {why}", a.config.display());
-            }
+            let store = open_store(&settings, &a.config, p.sink.store()).await?;
             let key = idemflow::key::BusinessKey::new(a.key.clone());
             println!("pipeline {:?}, business key {:?}", p.name, a.key);
             match store.explain(&p.name, &key).await? {
@@ -513,12 +615,19 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
             if let Some(name) = &a.pipeline {
                 named(&pipelines, name, &settings)?;
             }
-            reachable(&settings, &a.config).await?;
-            let store = Store::connect(&settings.database)?;
-            if let Err(why) = store.check_schema().await {
-                bail!("{}: database: {why}", a.config.display());
+            let chosen: Vec<&config::Pipeline> = pipelines.iter().filter(|p| a.pipeline.as_ref().is_none_or(|n| *n == p.name)).collect();
+            for p in chosen.iter().filter(|p| p.sink.store() == StoreKind::Redis) {
+                println!(
+                    "pipeline {:?}: nothing to purge, its dedup keys in Redis expire by themselves after [dedup] retention = {}",
+                    p.name, humantime::format_duration(p.dedup.retention)
+                );
             }
-            for p in pipelines.iter().filter(|p| a.pipeline.as_ref().is_none_or(|n| *n == p.name)) {
+            let chosen: Vec<&config::Pipeline> = chosen.into_iter().filter(|p| p.sink.store() == StoreKind::Database).collect();
+            if chosen.is_empty() {
+                return Ok(());
+            }
+            let store = open_store(&settings, &a.config, StoreKind::Database).await?;
+            for p in chosen {
                 let o = store.purge(&p.name, p.dedup.retention, p.dedup.purge_batch, |_| {}).await?;
                 if o.skipped_locked {
                     println!("pipeline {:?}: skipped, another process is purging it", p.name);
@@ -569,8 +678,12 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
         }
         Command::Migrate(a) => {
             let settings = load(&a.config)?;
-            reachable(&settings, &a.config).await?;
-            if !settings.database.prepared_statements {
+            let Some(database) = &settings.database else {
+                println!("no [database] in {}: nothing to migrate (Redis needs no schema: its keys are written by the batches)", a.config.display());
+                return Ok(());
+            };
+            reachable(&settings, &a.config, StoreKind::Database).await?;
+            if !database.prepared_statements {
                 bail!(
                     "{}: database.prepared_statements = false (a transaction-pooling proxy such as PgBouncer): run \
                      `idemflow migrate` with a URL to PostgreSQL itself (IDEMFLOW_DATABASE__URL=... idemflow migrate): \
@@ -578,7 +691,7 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
                     a.config.display()
                 );
             }
-            let store = Store::connect(&settings.database)?;
+            let store = Store::connect(database)?;
             let latest = store.migrate().await.context("applying migrations")?;
             println!("idemflow schema at version {latest} (migrations recorded in _sqlx_migrations)");
             Ok(())
@@ -620,12 +733,16 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
                 }
             };
             let database = async {
-                reachable(&settings, &a.config).await?;
-                let store = Store::connect(&settings.database)?;
-                if let Err(why) = store.check_schema().await {
-                    bail!("{}: database: {why}", a.config.display());
+                let mut stores = Vec::new();
+                for kind in kinds(&pipelines) {
+                    stores.push((kind, open_store(&settings, &a.config, kind).await?));
                 }
-                worker::prepare(&store, &pipelines).await.map_err(|e| report(&e))
+                for (_, store) in &stores {
+                    if let Store::Redis(redis) = store {
+                        source_lines.extend(redis_durability(redis, &pipelines).await);
+                    }
+                }
+                prepare_all(&stores, &pipelines).await.map_err(|e| report(&e))
             };
             let ready = match database.await {
                 Ok(ready) => ready,
@@ -691,19 +808,30 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
                 eprintln!("shutdown took longer than shutdown.timeout = {timeout:?}; exiting");
                 std::process::exit(1);
             });
+            let needed = kinds(&pipelines);
             tokio::select! {
-                _ = wait_for_database(&settings) => {}
+                _ = wait_for_stores(&settings, &needed) => {}
                 _ = stop.wait() => {
-                    tracing::info!("stopped before the database was reachable");
+                    tracing::info!("stopped before the stores were reachable");
                     return Ok(());
                 }
             }
             health.database(true);
-            let store = Store::connect(&settings.database)?;
-            if let Err(why) = store.check_schema().await {
-                bail!("{}: database: {why}", a.config.display());
+            let mut stores = Vec::new();
+            for kind in needed {
+                stores.push((kind, open_store(&settings, &a.config, kind).await?));
             }
-            let ready = worker::prepare(&store, &pipelines).await.map_err(|e| report(&e))?;
+            for (_, store) in &stores {
+                if let Store::Redis(redis) = store {
+                    for line in redis_durability(redis, &pipelines).await {
+                        match line.strip_prefix("warning: ") {
+                            Some(w) => tracing::warn!("{w}"),
+                            None => tracing::info!("{line}"),
+                        }
+                    }
+                }
+            }
+            let ready = prepare_all(&stores, &pipelines).await.map_err(|e| report(&e))?;
             for p in pipelines.clone() {
                 let settings = settings.clone();
                 tokio::spawn(async move {
@@ -722,7 +850,9 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
                 tracing::error!("every pipeline has stopped on a fatal error; serving /metrics until stopped");
                 stop.wait().await;
             }
-            store.close().await;
+            for (_, store) in &stores {
+                store.close().await;
+            }
             if failures.is_empty() {
                 tracing::info!("stopped cleanly");
                 Ok(())

@@ -179,6 +179,7 @@ pub struct Metrics {
     batch_duration: HistogramVec,
     batch_records: HistogramVec,
     end_to_end_latency: HistogramVec,
+    redis_script: HistogramVec,
     consumer_lag: IntGaugeVec,
     assigned_partitions: IntGaugeVec,
     dedup_rows_purged: IntCounterVec,
@@ -232,6 +233,8 @@ impl Metrics {
                 vec![1.0, 2.0, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0, 2500.0, 5000.0]),
             end_to_end_latency: histogram(&r, "idemflow_end_to_end_latency_seconds", "Time from a record's Kafka timestamp to the commit of its batch.",
                 vec![0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0]),
+            redis_script: histogram(&r, "idemflow_redis_script_duration_seconds", "Round trip of a Redis pipeline's batch script (EVALSHA): the time Redis ran the batch plus the network.",
+                vec![0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0]),
             consumer_lag: {
                 let g = IntGaugeVec::new(
                     Opts::new("idemflow_consumer_lag_records", "Records between the partition's durable position and its high watermark, for every partition assigned to this worker (from the moment it is assigned); for a RabbitMQ queue (partition -1), this worker's share of its ready messages plus the deliveries it holds unacknowledged (summed over workers: the queue's depth)."),
@@ -288,6 +291,7 @@ impl Metrics {
             applied: self.records_applied.with_label_values(&[p]),
             tombstones: self.tombstones_skipped.with_label_values(&[p]),
             batch_duration: self.batch_duration.with_label_values(&[p]),
+            redis_script: self.redis_script.with_label_values(&[p]),
             batch_records: self.batch_records.with_label_values(&[p]),
             end_to_end_latency: self.end_to_end_latency.with_label_values(&[p]),
             up: self.pipeline_up.with_label_values(&[p]),
@@ -352,10 +356,16 @@ pub struct PipelineMetrics {
     batch_duration: Histogram,
     batch_records: Histogram,
     end_to_end_latency: Histogram,
+    redis_script: Histogram,
     up: IntGauge,
 }
 
 impl PipelineMetrics {
+    /// Records the round trip of a Redis batch script.
+    pub fn script_round_trip(&self, d: Duration) {
+        self.redis_script.observe(d.as_secs_f64());
+    }
+
     /// Records a committed batch: its counts and its duration (first statement to commit, retries included).
     pub fn batch_committed(&self, counts: &BatchCounts, duration: Duration) {
         let _whole_batch = self.metrics.batch_counts.lock().unwrap_or_else(std::sync::PoisonError::into_inner);

@@ -66,7 +66,7 @@ impl Ready {
         Ok(Ready {
             pipeline: p.clone(),
             preparer: Preparer::new(p, bindings),
-            sink: Sink::new(p.name.clone(), store.clone(), side_effect),
+            sink: Sink::new(p.name.clone(), store.clone(), side_effect, p.dedup.retention),
             store: store.clone(),
         })
     }
@@ -358,6 +358,30 @@ impl Step<'_> {
                             prepared = batch.iter().map(|rec| self.ready.preparer.prepare(rec)).collect();
                         }
                     }
+                    Disposition::Resync => {
+                        let SinkError::Lost { partitions } = &e else { return Err(e) };
+                        tracing::warn!(error = %e, "claiming the partitions again");
+                        let (store, pipeline, parts) = (r.store.clone(), r.pipeline.name.clone(), partitions.clone());
+                        let claim = tokio::spawn(async move { store.claim_offsets(&pipeline, &owner(), &parts).await }.in_current_span());
+                        match source.poll_while(claim).await {
+                            Ok(claimed) => {
+                                let gone: Vec<(String, i32)> =
+                                    claimed.iter().filter(|c| c.next_offset.is_none()).map(|c| (c.topic.clone(), c.partition)).collect();
+                                if !gone.is_empty() {
+                                    return Err(SinkError::PositionsGone { partitions: gone });
+                                }
+                                source.resync(&claimed, batch).map_err(|why| SinkError::Source(why))?;
+                                prepared = batch.iter().map(|rec| self.ready.preparer.prepare(rec)).collect();
+                            }
+                            Err(claim_error) => {
+                                let delay = backoff.next().unwrap_or(MAX_RETRY_DELAY);
+                                tracing::warn!(error = %claim_error, retry_in = ?delay, "claiming the partitions again failed; retrying");
+                                if !source.pause_for(delay, batch, shutdown).await {
+                                    return Ok(false);
+                                }
+                            }
+                        }
+                    }
                     Disposition::Rebuild => {
                         // Rebuild the statements from the schema as it is now and prepare the records again: no
                         // value is ever bound through a stale type. A database error while rebuilding is retried
@@ -392,6 +416,9 @@ impl Step<'_> {
         self.health.database(true);
         self.window.record(&outcome.counts);
         self.metrics.batch_committed(&outcome.counts, started.elapsed());
+        if let Some(rt) = outcome.script_round_trip {
+            self.metrics.script_round_trip(rt);
+        }
         self.metrics.end_to_end(batch.iter().filter_map(|r| r.timestamp_ms));
         let c = &outcome.counts;
         tracing::debug!(

@@ -7,7 +7,7 @@
 
 pub mod pipeline;
 
-pub use pipeline::{BatchSettings, Binding, DeadLetterSettings, DeclaredType, DedupSettings, KafkaSpec, Meta, OffsetStore, OnConflict, Pipeline, PipelineError, QueueType, RabbitMqSpec, SinkSpec, SourceSpec, NaiveTimestamps, TimeSettings, TombstonePolicy, ValueSource};
+pub use pipeline::{BatchSettings, Binding, DeadLetterSettings, DeclaredType, DedupSettings, KafkaSpec, Meta, OffsetStore, OnConflict, Pipeline, RedisCommand, StoreKind, PipelineError, QueueType, RabbitMqSpec, SinkSpec, SourceSpec, NaiveTimestamps, TimeSettings, TombstonePolicy, ValueSource};
 pub use crate::sink::template::Dialect;
 
 use figment::providers::{Format as _, Toml};
@@ -20,7 +20,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 /// Top-level sections that may be set from the environment.
-const SECTIONS: [&str; 7] = ["database", "kafka", "rabbitmq", "metrics", "log", "pipelines", "shutdown"];
+const SECTIONS: [&str; 8] = ["database", "redis", "kafka", "rabbitmq", "metrics", "log", "pipelines", "shutdown"];
 
 /// The worker's settings, from `idemflow.toml` and the environment.
 #[derive(Clone, Debug, Deserialize)]
@@ -29,8 +29,11 @@ pub struct Settings {
     /// Directory of pipeline files (`*.toml`); a relative path is taken from the settings file's directory.
     #[serde(default = "default_pipelines")]
     pub pipelines: PathBuf,
-    /// Postgres.
-    pub database: DatabaseSettings,
+    /// The database (PostgreSQL, MySQL or MariaDB), for pipelines with a SQL side effect (`[sink] table` or
+    /// `sql`; required then).
+    pub database: Option<DatabaseSettings>,
+    /// Redis, for pipelines whose side effect is Redis commands (`[sink] redis`; required then).
+    pub redis: Option<RedisSettings>,
     /// Kafka, for pipelines with a Kafka source (required then).
     #[serde(default)]
     pub kafka: KafkaSettings,
@@ -135,6 +138,47 @@ impl fmt::Debug for SecretUrl {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "SecretUrl({self})")
     }
+}
+
+/// `[redis]`: the store of the pipelines with `[sink] redis = [...]`. Standalone Redis 6.2 or later (or a
+/// Sentinel-managed primary reached at its address); Redis Cluster is refused by `check`.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RedisSettings {
+    /// `redis://[user:password@]host:port/db` (the database number is the path, default 0), `rediss://...` for
+    /// TLS (server certificates checked against the system's roots, or `tls_ca_file`), or
+    /// `redis+unix:///path/to/socket?db=N`. Never printed: `Debug` and `Display` mask it.
+    pub url: SecretUrl,
+    /// Prefix of every key idemflow writes: dedup keys (`<prefix><pipeline>:k:<sha256 of the business key>`),
+    /// stored positions (`<prefix><pipeline>:offsets`) and the dead-letter stream (`<prefix>dead-letters`).
+    /// Default `idemflow:`.
+    #[serde(default = "default_redis_prefix")]
+    pub key_prefix: String,
+    /// How long one connection attempt may take (default 10 s).
+    #[serde(default = "default_connect_timeout", with = "humantime_serde")]
+    pub connect_timeout: Duration,
+    /// How long a command (a batch's script included) may take to answer before the attempt counts as failed and
+    /// the batch is retried (default 30 s; a batch's dedup keys make the retry safe).
+    #[serde(default = "default_redis_response_timeout", with = "humantime_serde")]
+    pub response_timeout: Duration,
+    /// With `rediss://`: a PEM file of CA certificates to trust for the server's certificate, for a private CA.
+    #[serde(default)]
+    pub tls_ca_file: Option<PathBuf>,
+    /// With `rediss://`: a PEM client certificate for servers that require one (`tls-auth-clients yes`); with
+    /// `tls_key_file`.
+    #[serde(default)]
+    pub tls_cert_file: Option<PathBuf>,
+    /// The client certificate's private key, PEM.
+    #[serde(default)]
+    pub tls_key_file: Option<PathBuf>,
+}
+
+fn default_redis_prefix() -> String {
+    "idemflow:".to_owned()
+}
+
+fn default_redis_response_timeout() -> Duration {
+    Duration::from_secs(30)
 }
 
 /// `[rabbitmq]`: the broker of the pipelines with `[source] kind = "rabbitmq"`.
@@ -363,7 +407,7 @@ pub fn load_settings_from(
     let mut settings: Settings = figment.extract().map_err(|e| {
         let text = std::fs::read_to_string(file).ok();
         let located = e.into_iter().map(|e| locate(&e, text.as_deref(), &from_env)).collect::<Vec<_>>().join("; ");
-        err(located.replace("missing field `database`", "missing [database] (or IDEMFLOW_DATABASE__URL)"))
+        err(located)
     })?;
     if let Err(e) = tracing_subscriber::EnvFilter::try_new(&settings.log.level) {
         return Err(err(format!("log.level: {:?} is not a tracing filter (e.g. \"info\" or \"info,idemflow=debug\"): {e}", settings.log.level)));
@@ -372,7 +416,7 @@ pub fn load_settings_from(
         let base = file.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
         settings.pipelines = base.join(&settings.pipelines);
     }
-    if settings.database.max_connections == 0 {
+    if settings.database.as_ref().is_some_and(|d| d.max_connections == 0) {
         return Err(err("database.max_connections must be at least 1".to_owned()));
     }
     Ok(Loaded { settings, warnings })
@@ -489,7 +533,8 @@ pub fn load_pipelines(dir: &Path) -> Result<Vec<Pipeline>, Vec<PipelineError>> {
 /// The pipelines of `settings` (`settings.pipelines`), their SQL scanned by the rules of the store that
 /// `[database] url` names ([`Dialect::of_url`]).
 pub fn load_pipelines_for(settings: &Settings) -> Result<Vec<Pipeline>, Vec<PipelineError>> {
-    load_pipelines_in(&settings.pipelines, Dialect::of_url(settings.database.url.expose()))
+    let dialect = settings.database.as_ref().map_or(Dialect::Postgres, |d| Dialect::of_url(d.url.expose()));
+    load_pipelines_in(&settings.pipelines, dialect)
 }
 
 /// [`load_pipelines`], for a store whose SQL follows `dialect`.
@@ -576,6 +621,18 @@ pub fn check_sources(settings: &Settings, pipelines: &[Pipeline]) -> Result<(), 
         if let Some(message) = missing {
             errors.push(dup_error(p, "source", message.to_owned()));
         }
+        let store = match p.sink.store() {
+            StoreKind::Database if settings.database.is_none() => Some(
+                "a SQL side effect (sink.table or sink.sql) needs [database] url in the settings (or IDEMFLOW_DATABASE__URL)",
+            ),
+            StoreKind::Redis if settings.redis.is_none() => {
+                Some("a Redis side effect (sink.redis) needs [redis] url in the settings (or IDEMFLOW_REDIS__URL)")
+            }
+            _ => None,
+        };
+        if let Some(message) = store {
+            errors.push(dup_error(p, "sink", message.to_owned()));
+        }
     }
     if errors.is_empty() {
         Ok(())
@@ -612,7 +669,7 @@ mod tests {
         ]
         .map(|(k, v)| (k.to_owned(), v.to_owned()));
         let loaded = load_settings_from(&file, env).unwrap();
-        assert_eq!(loaded.settings.database.max_connections, 3);
+        assert_eq!(loaded.settings.database.as_ref().unwrap().max_connections, 3);
         assert_eq!(loaded.settings.kafka.bootstrap_servers, "other:9092");
         assert_eq!(loaded.settings.pipelines, dir.path().join("pipelines"));
         assert_eq!(loaded.warnings.len(), 1, "{:?}", loaded.warnings);

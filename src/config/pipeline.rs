@@ -265,6 +265,34 @@ pub enum SinkSpec {
         /// The value of each named parameter.
         params: Vec<Binding>,
     },
+    /// Redis commands run for each new record, in order, by the batch's script in Redis (`[sink] redis`).
+    Redis {
+        /// The commands, placeholders located.
+        commands: Vec<RedisCommand>,
+        /// The value of each placeholder.
+        params: Vec<Binding>,
+    },
+}
+
+pub use crate::store::redis::command::RedisCommand;
+
+/// Which store a side effect runs in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StoreKind {
+    /// The database of `[database]` (the table and SQL forms).
+    Database,
+    /// Redis (`[redis]`).
+    Redis,
+}
+
+impl SinkSpec {
+    /// The store this side effect runs in.
+    pub fn store(&self) -> StoreKind {
+        match self {
+            SinkSpec::Table { .. } | SinkSpec::Sql { .. } => StoreKind::Database,
+            SinkSpec::Redis { .. } => StoreKind::Redis,
+        }
+    }
 }
 
 /// `on_conflict` of the table form.
@@ -425,8 +453,7 @@ struct RawSource {
 #[derive(Deserialize, Default)]
 #[serde(deny_unknown_fields)]
 struct RawOffsets {
-    #[serde(default)]
-    store: OffsetStore,
+    store: Option<OffsetStore>,
 }
 
 #[derive(Deserialize, Default)]
@@ -472,6 +499,7 @@ struct RawSink {
     on_conflict: Option<OnConflict>,
     conflict_columns: Option<Vec<String>>,
     sql: Option<RawSql>,
+    redis: Option<Vec<Vec<String>>>,
     params: Option<BTreeMap<String, toml::Value>>,
     time_zone: Option<String>,
     naive_timestamps: Option<NaiveTimestamps>,
@@ -569,6 +597,31 @@ fn validate(raw: RawPipeline, path: &Path, stem: &str, dialect: Dialect, e: &mut
     if time.zone.is_empty() || time.zone.len() > 64 || !time.zone.chars().all(zone_chars) {
         e.push("sink.time_zone", format!("{:?} is not a time zone name (like \"UTC\" or \"America/New_York\")", time.zone));
     }
+    let redis = raw.sink.redis.is_some();
+    let kafka = matches!(source, Some(SourceSpec::Kafka(_)));
+    let offsets = match raw.offsets.store {
+        // A Redis sink keeps the positions with its effects: what Redis loses (its last writes, with `appendfsync
+        // everysec`) it loses together, and the worker resumes from what it kept.
+        None if redis && kafka => OffsetStore::Database,
+        None => OffsetStore::Kafka,
+        Some(OffsetStore::Kafka) if redis && kafka => {
+            e.push(
+                "offsets.store",
+                "a Redis sink keeps the consumed positions in Redis, written by the same script as the effects (\"database\", \
+                 the default): Redis can lose its last writes in a crash (appendfsync everysec), and positions committed to \
+                 Kafka would then skip the effects it lost. Remove the setting",
+            );
+            OffsetStore::Kafka
+        }
+        Some(store) => store,
+    };
+    if redis {
+        for (set, field) in [(raw.dedup.purge_interval.is_some(), "dedup.purge_interval"), (raw.dedup.purge_batch.is_some(), "dedup.purge_batch")] {
+            if set {
+                e.push(field, "a Redis sink's dedup keys expire by themselves (their TTL is dedup.retention): there is nothing to purge");
+            }
+        }
+    }
     let sink = validate_sink(raw.sink, dialect, e);
     if let (Some(source), Some(sink)) = (&source, &sink) {
         check_bindings_for_source(source, sink, e);
@@ -611,7 +664,7 @@ fn validate(raw: RawPipeline, path: &Path, stem: &str, dialect: Dialect, e: &mut
         }
     }
     if let Some(SourceSpec::RabbitMq(_)) = &source {
-        if raw.offsets.store == OffsetStore::Database {
+        if raw.offsets.store == Some(OffsetStore::Database) {
             e.push(
                 "offsets.store",
                 "\"database\" is for sources with positions a worker can seek to (Kafka); a RabbitMQ queue has none \
@@ -628,7 +681,14 @@ fn validate(raw: RawPipeline, path: &Path, stem: &str, dialect: Dialect, e: &mut
             e.push("key.record_key", "a RabbitMQ message has no record key: use message_id = true, property, header or field");
         }
     }
-    if raw.offsets.store == OffsetStore::Database && dead_letters.topic.is_some() {
+    if redis && kafka && dead_letters.topic.is_some() {
+        e.push(
+            "dead_letters.topic",
+            "a Redis sink keeps its dead letters in a Redis stream (<key_prefix>dead-letters), written by the batch's \
+             script; its positions are stored with them, so a dead letter not yet produced to a topic after a crash \
+             would never be",
+        );
+    } else if offsets == OffsetStore::Database && dead_letters.topic.is_some() {
         e.push(
             "offsets.store",
             "\"database\" cannot be combined with dead_letters.topic: a position stored with its batch is not \
@@ -661,7 +721,7 @@ fn validate(raw: RawPipeline, path: &Path, stem: &str, dialect: Dialect, e: &mut
         batch: BatchSettings { max_records, max_wait },
         dead_letters,
         dedup,
-        offsets: raw.offsets.store,
+        offsets,
         time,
     })
 }
@@ -671,7 +731,7 @@ fn validate(raw: RawPipeline, path: &Path, stem: &str, dialect: Dialect, e: &mut
 fn check_bindings_for_source(source: &SourceSpec, sink: &SinkSpec, e: &mut Errors<'_>) {
     let (table, bindings) = match sink {
         SinkSpec::Table { columns, .. } => ("sink.columns", columns),
-        SinkSpec::Sql { params, .. } => ("sink.params", params),
+        SinkSpec::Sql { params, .. } | SinkSpec::Redis { params, .. } => ("sink.params", params),
     };
     for b in bindings {
         let why = match (source, &b.source) {
@@ -830,12 +890,48 @@ fn validate_key(raw: &RawKey, e: &mut Errors<'_>) -> Option<KeySpec> {
 }
 
 fn validate_sink(raw: RawSink, dialect: Dialect, e: &mut Errors<'_>) -> Option<SinkSpec> {
-    match (&raw.table, &raw.sql) {
-        (Some(_), Some(_)) | (None, None) => {
-            e.push("sink", "set exactly one of table (with [sink.columns]) or sql (with [sink.params])");
-            return None;
+    let forms = [raw.table.is_some(), raw.sql.is_some(), raw.redis.is_some()].iter().filter(|set| **set).count();
+    if forms != 1 {
+        e.push("sink", "set exactly one of table (with [sink.columns]), sql (with [sink.params]) or redis (with [sink.params])");
+        return None;
+    }
+    if let Some(commands) = raw.redis {
+        for (set, field) in [
+            (raw.columns.is_some(), "sink.columns"),
+            (raw.on_conflict.is_some(), "sink.on_conflict"),
+            (raw.conflict_columns.is_some(), "sink.conflict_columns"),
+        ] {
+            if set {
+                e.push(field, "belongs to the table form; the redis form uses [sink.params]");
+            }
         }
-        _ => {}
+        let mut parsed = Vec::new();
+        for (i, words) in commands.iter().enumerate() {
+            let field = format!("sink.redis[{i}]");
+            match RedisCommand::parse(field.clone(), words) {
+                Ok(c) => parsed.push(c),
+                Err(why) => e.push(&field, why),
+            }
+        }
+        if commands.is_empty() {
+            e.push("sink.redis", "holds no command: write [[\"HSET\", \"payment:{id}\", \"amount\", \"{amount}\"], ...]");
+        }
+        let raw_params = raw.params.unwrap_or_default();
+        let mut used: Vec<&str> = parsed.iter().flat_map(RedisCommand::params).collect();
+        used.sort_unstable();
+        used.dedup();
+        for name in &used {
+            if !raw_params.contains_key(*name) {
+                e.push("sink.params", format!("{{{name}}} is used in sink.redis but has no entry in [sink.params]"));
+            }
+        }
+        for name in raw_params.keys() {
+            if used.binary_search(&name.as_str()).is_err() {
+                e.push(&format!("sink.params.{name}"), format!("is not used in sink.redis (no {{{name}}} there)"));
+            }
+        }
+        let params = bindings(raw_params, "sink.params", e)?;
+        return Some(SinkSpec::Redis { commands: parsed, params });
     }
     if let Some(table) = raw.table {
         if raw.params.is_some() {

@@ -327,7 +327,8 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<bool> {
     properties.insert("heartbeat.interval.ms".to_owned(), PropertyValue::Text("300".into()));
     let settings = Settings {
         pipelines: dir.path().join("pipelines"),
-        database: DatabaseSettings { url: url.clone().into(), max_connections: 4, acquire_timeout: Duration::from_secs(10), prepared_statements: true },
+        database: Some(DatabaseSettings { url: url.clone().into(), max_connections: 4, acquire_timeout: Duration::from_secs(10), prepared_statements: true }),
+        redis: None,
         kafka: KafkaSettings {
             bootstrap_servers: match &broker {
                 Broker::Kafka(kafka) => kafka.bootstrap_servers().to_owned(),

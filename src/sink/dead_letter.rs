@@ -40,6 +40,10 @@ pub struct Stored {
     pub error: String,
     /// When it was written.
     pub created_at: String,
+    /// Redis: how many of the record's commands took effect before one failed (they are not undone; a replay runs
+    /// only the rest). `None` elsewhere, and when none did.
+    #[sqlx(default)]
+    pub commands_done: Option<i64>,
 }
 
 impl Stored {

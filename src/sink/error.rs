@@ -1,6 +1,7 @@
 //! Every database failure is classified once, here, and the code path follows the class. Each store maps its own
 //! codes into these dispositions: Postgres's SQLSTATEs in [`crate::store::postgres::error`], MySQL's and MariaDB's
-//! error numbers in [`crate::store::mysql::error`]. For every store:
+//! error numbers in [`crate::store::mysql::error`], Redis's error codes in [`crate::store::redis::error`]. For every
+//! store:
 //!
 //! | failure | disposition |
 //! |---|---|
@@ -24,6 +25,9 @@ pub enum Disposition {
     Fenced,
     /// The side effect's schema changed: build its statements again, prepare the records again, redo the batch.
     Rebuild,
+    /// The store lost positions this worker had stored (Redis after a crash that lost its last writes): claim the
+    /// partitions again and consume them from the positions the store kept.
+    Resync,
 }
 
 /// Why a batch did not commit.
@@ -38,6 +42,38 @@ pub enum SinkError {
         #[source]
         source: sqlx::Error,
     },
+    /// A Redis failure, with what was being done.
+    #[error("{context}: {source}")]
+    Redis {
+        /// What was being done.
+        context: &'static str,
+        /// The error from the Redis client.
+        #[source]
+        source: redis::RedisError,
+    },
+    /// Redis no longer holds positions this worker stored or claimed for these partitions (it lost its last writes:
+    /// a crash with `appendfsync everysec`, a failover to a replica behind): the effects written with them are gone
+    /// too. Nothing of the batch was written.
+    #[error("Redis lost the stored positions of partitions {partitions:?} (and the effects written with them); resuming them from what it kept")]
+    Lost {
+        /// `(topic, partition)` of each partition.
+        partitions: Vec<(String, i32)>,
+    },
+    /// Redis lost every position of these partitions, the claim included: it restarted without its data (no AOF,
+    /// a replica promoted that never had it). What the pipeline applied before is gone too, so resuming from Kafka's
+    /// committed offsets would skip it: the pipeline stops for an operator to decide.
+    #[error(
+        "Redis holds no stored position for partitions {partitions:?} any more: it lost its data (a restart without \
+         persistence, a failover to an empty replica), and the effects applied before went with it. Restore Redis from \
+         a backup, or replay the topic deliberately (idemflow rewind --to earliest) to rebuild the effects"
+    )]
+    PositionsGone {
+        /// `(topic, partition)` of each partition.
+        partitions: Vec<(String, i32)>,
+    },
+    /// The source could not be moved back to the positions the store kept.
+    #[error("the source could not resume from the stored positions: {0}")]
+    Source(String),
     /// `[offsets] store = "database"`: the stored positions of these partitions were claimed by another worker
     /// (or reset by a rewind) since this worker was assigned them. The batch was rolled back.
     #[error("fenced: partitions {partitions:?} were claimed by another worker; the batch was rolled back")]
@@ -76,10 +112,18 @@ impl SinkError {
         SinkError::Database { context, source }
     }
 
+    /// Wraps a Redis error with what was being done.
+    pub fn redis(context: &'static str, source: redis::RedisError) -> Self {
+        SinkError::Redis { context, source }
+    }
+
     /// How to handle it.
     pub fn disposition(&self) -> Disposition {
         match self {
             SinkError::Database { source, .. } => classify(source),
+            SinkError::Redis { source, .. } => crate::store::redis::error::classify(source),
+            SinkError::Lost { .. } => Disposition::Resync,
+            SinkError::PositionsGone { .. } | SinkError::Source(_) => Disposition::Fatal,
             SinkError::DeadLetterRatio { .. } => Disposition::Fatal,
             SinkError::Fenced { .. } => Disposition::Fenced,
             SinkError::SchemaChanged => Disposition::Rebuild,

@@ -15,6 +15,12 @@
 //! rolled back and the batch is redone record by record in a new one, each record inside a savepoint, so the
 //! offending record is dead-lettered and the rest of the batch still commits. The slow path classifies
 //! duplicates exactly as the fast path does, so a record's outcome never depends on how batches were cut.
+//!
+//! Redis has no interactive transaction: the same steps, in the same order (positions fenced, keys claimed, the
+//! effect for new keys only, dead letters, positions stored), run inside one script that Redis executes atomically
+//! ([`crate::store::redis::batch`]), and what it answers is classified here exactly as above. The dead-letter ratio
+//! guard sees the records dead-lettered before the script (decoding, keys, values); a command failing inside the
+//! script cannot be refused after the fact, because Redis has no rollback.
 
 use super::dedup::{self, Claim, Existing};
 use super::error::{describe, Disposition, SinkError};
@@ -23,8 +29,11 @@ use crate::metrics::{BatchCounts, DeadLetterReason, DuplicateReason};
 use crate::offsets::{NextOffsets, Positions, Processed};
 use crate::prepare::{Apply, Prepared};
 use crate::record::Record;
+use crate::store::redis::batch::{Item, ItemResult, Refused};
+use crate::store::redis::RedisStore;
 use crate::store::{SideEffect, Store, Tx};
 use std::collections::{HashMap, HashSet};
+use std::time::Duration;
 
 /// The sink of one pipeline.
 #[derive(Clone, Debug)]
@@ -32,6 +41,8 @@ pub struct Sink {
     pipeline: String,
     store: Store,
     side_effect: SideEffect,
+    /// How long dedup keys are kept (Redis: their TTL).
+    retention: Duration,
 }
 
 /// What a committed batch did.
@@ -42,6 +53,8 @@ pub struct BatchOutcome {
     /// Every dead-lettered record of the batch: index into the batch, reason, error text, and whether its row was
     /// new (`false`: the same position was dead-lettered before, this is a redelivery).
     pub dead_letters: Vec<DeadLettered>,
+    /// Redis: the batch script's round trip.
+    pub script_round_trip: Option<Duration>,
 }
 
 /// One dead-lettered record of a committed batch.
@@ -66,9 +79,10 @@ enum Fate {
 }
 
 impl Sink {
-    /// A sink writing to `store` for `pipeline`.
-    pub fn new(pipeline: String, store: Store, side_effect: SideEffect) -> Self {
-        Sink { pipeline, store, side_effect }
+    /// A sink writing to `store` for `pipeline`, keeping dedup keys for `retention` (Redis; the databases purge
+    /// theirs in [`crate::retention`]).
+    pub fn new(pipeline: String, store: Store, side_effect: SideEffect, retention: Duration) -> Self {
+        Sink { pipeline, store, side_effect, retention }
     }
 
     /// Runs one batch in one transaction. `prepared[i]` belongs to `records[i]`. `positions`, with
@@ -139,6 +153,9 @@ impl Sink {
         guard: impl Fn(&BatchCounts) -> Result<(), SinkError>,
         replaying: &[i64],
     ) -> Result<BatchOutcome, SinkError> {
+        if let Store::Redis(redis) = &self.store {
+            return self.run_script(redis, records, prepared, positions, guard, replaying).await;
+        }
         let (mut tx, processed) = self.begin_replaying(records, replaying, positions).await?;
         let fates = match self.fast_path(&mut tx, records, prepared, &processed).await {
             Ok(fates) => fates,
@@ -172,13 +189,7 @@ impl Sink {
                     let new = tx.write_dead_letter(&self.pipeline, record, reason, &error)
                         .await
                         .map_err(|e| SinkError::new("writing a dead letter", e))?;
-                    if new {
-                        counts.dead_letter(reason);
-                    } else {
-                        // This very record (same topic, partition, offset) was dead-lettered before.
-                        counts.duplicate(DuplicateReason::Redelivered);
-                    }
-                    dead_letters.push(DeadLettered { index, reason, error, new });
+                    self.tally_dead_letter(&mut counts, &mut dead_letters, index, reason, error, new);
                 }
             }
         }
@@ -195,6 +206,11 @@ impl Sink {
             return Err(refused);
         }
         tx.commit().await.map_err(|e| SinkError::new("committing the batch", e))?;
+        self.log_dead_letters(records, &dead_letters);
+        Ok(BatchOutcome { counts, dead_letters, script_round_trip: None })
+    }
+
+    fn log_dead_letters(&self, records: &[Record], dead_letters: &[DeadLettered]) {
         for d in dead_letters.iter().filter(|d| d.new) {
             let p = &records[d.index].position;
             tracing::warn!(
@@ -202,7 +218,119 @@ impl Sink {
                 reason = d.reason.as_str(), error = %d.error, "record dead-lettered"
             );
         }
-        Ok(BatchOutcome { counts, dead_letters })
+    }
+
+    /// The batch as one Redis script (see the module documentation).
+    async fn run_script(
+        &self,
+        redis: &RedisStore,
+        records: &[Record],
+        prepared: &[Prepared],
+        positions: Option<&Positions>,
+        guard: impl Fn(&BatchCounts) -> Result<(), SinkError>,
+        replaying: &[i64],
+    ) -> Result<BatchOutcome, SinkError> {
+        let SideEffect::Redis(side_effect) = &self.side_effect else { unreachable!("a Redis sink has a Redis side effect") };
+        // A replayed dead letter does not run again the commands that took effect when it failed.
+        let mut skip = None;
+        if let Some(id) = replaying.first() {
+            let stored = redis.dead_letter(*id).await.map_err(|e| SinkError::redis("reading the replayed dead letter", e))?;
+            skip = Some(stored.and_then(|d| d.commands_done).unwrap_or(0));
+        }
+        let mut fates: Vec<Option<Fate>> = Vec::with_capacity(records.len());
+        let mut rendered: Vec<Option<Result<Vec<Vec<String>>, String>>> = Vec::with_capacity(records.len());
+        for p in prepared {
+            let (fate, commands) = match p {
+                Prepared::Tombstone => (Some(Fate::Tombstone), None),
+                Prepared::DeadLetter(d) => (Some(Fate::DeadLetter(d.reason, d.error.clone())), None),
+                Prepared::Apply(a) => match side_effect.render(a) {
+                    Ok(c) => (None, Some(Ok(c))),
+                    Err(why) => (Some(Fate::DeadLetter(DeadLetterReason::ParamInvalid, why)), None),
+                },
+            };
+            fates.push(fate);
+            rendered.push(commands);
+        }
+        let mut before = BatchCounts { received: records.len() as u64, ..BatchCounts::default() };
+        for f in fates.iter().flatten() {
+            if let Fate::DeadLetter(reason, _) = f {
+                before.dead_letter(*reason);
+            }
+        }
+        guard(&before)?;
+        let mut items = Vec::new();
+        let mut sent = Vec::new();
+        for (i, (record, fate)) in records.iter().zip(&fates).enumerate() {
+            let item = match (fate, &prepared[i], rendered[i].take()) {
+                (Some(Fate::DeadLetter(reason, error)), _, _) => Item::DeadLetter { record, reason: *reason, error },
+                (None, Prepared::Apply(a), Some(Ok(commands))) => {
+                    Item::Apply { record, digest: a.key.digest, fingerprint: a.fingerprint, commands, replay_skip: skip }
+                }
+                _ => continue,
+            };
+            items.push(item);
+            sent.push(i);
+        }
+        let ran = match redis.run_batch(&self.pipeline, self.retention, positions, replaying, &items).await {
+            Ok(ran) => ran,
+            Err(Refused::Redis(e)) => return Err(SinkError::redis("running the batch script", e)),
+            Err(Refused::Fenced(partitions)) => return Err(SinkError::Fenced { partitions }),
+            Err(Refused::Lost(partitions)) => return Err(SinkError::Lost { partitions }),
+            Err(Refused::Unexpected(why)) => return Err(SinkError::Schema(why)),
+        };
+        let mut counts = BatchCounts { received: records.len() as u64, ..BatchCounts::default() };
+        let mut dead_letters = Vec::new();
+        let mut results = sent.iter().copied().zip(ran.results);
+        let mut next = results.next();
+        for (index, (record, fate)) in records.iter().zip(fates).enumerate() {
+            let result = match &next {
+                Some((at, _)) if *at == index => next.take().map(|(_, r)| r),
+                _ => None,
+            };
+            if result.is_some() {
+                next = results.next();
+            }
+            match (fate, result) {
+                (Some(Fate::Tombstone), _) => counts.tombstones += 1,
+                (_, Some(ItemResult::Applied)) => counts.applied += 1,
+                (_, Some(ItemResult::Duplicate(existing))) => {
+                    let Prepared::Apply(a) = &prepared[index] else { unreachable!("only records to apply are claimed") };
+                    counts.duplicate(self.duplicate(&a.key, &existing, record, &a.fingerprint, &ran.marks));
+                }
+                (_, Some(ItemResult::Failed { new, done, error })) => {
+                    let error = if done > 0 {
+                        format!("{error}; the record's first {done} command(s) took effect and were not undone (a replay runs the rest)")
+                    } else {
+                        format!("{error}; none of the record's commands took effect")
+                    };
+                    self.tally_dead_letter(&mut counts, &mut dead_letters, index, DeadLetterReason::SideEffectRejected, error, new);
+                }
+                (Some(Fate::DeadLetter(reason, error)), Some(ItemResult::DeadLettered(new))) => {
+                    self.tally_dead_letter(&mut counts, &mut dead_letters, index, reason, error, new)
+                }
+                (fate, result) => unreachable!("record {index}: {:?} answered {result:?}", fate.is_some()),
+            }
+        }
+        self.log_dead_letters(records, &dead_letters);
+        Ok(BatchOutcome { counts, dead_letters, script_round_trip: Some(ran.round_trip) })
+    }
+
+    fn tally_dead_letter(
+        &self,
+        counts: &mut BatchCounts,
+        dead_letters: &mut Vec<DeadLettered>,
+        index: usize,
+        reason: DeadLetterReason,
+        error: String,
+        new: bool,
+    ) {
+        if new {
+            counts.dead_letter(reason);
+        } else {
+            // This very record (same topic, partition, offset) was dead-lettered before.
+            counts.duplicate(DuplicateReason::Redelivered);
+        }
+        dead_letters.push(DeadLettered { index, reason, error, new });
     }
 
     /// Opens a batch transaction and starts the side effect in it ([`Tx::begin_side_effect`]).

@@ -898,6 +898,36 @@ impl KafkaSource {
         drop_revoked(&self.state, &self.pipeline, batch, &mut self.stash);
     }
 
+    /// Starts partitions again from positions claimed anew (`claimed`), after the store lost positions this worker
+    /// had stored (Redis after a crash that lost its last writes; see [`crate::store::redis`]): takes the new epochs,
+    /// drops the buffered records of these partitions from `batch` and the kept records, and seeks the consumer to
+    /// the stored positions, so what the store lost is consumed and applied again.
+    ///
+    /// Errors: a seek librdkafka refused (the partition is then left as it was; the caller stops the pipeline).
+    pub fn resync(&mut self, claimed: &[offsets::Claimed], batch: &mut Vec<Record>) -> Result<(), String> {
+        let mut moved = HashSet::new();
+        {
+            let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+            for c in claimed {
+                let tp = tp_of(&c.topic, c.partition);
+                st.epochs.insert(tp.clone(), c.epoch);
+                if let Some(next) = c.next_offset {
+                    st.durable.insert(tp.clone(), next);
+                }
+                moved.insert(tp);
+            }
+        }
+        drop_records_of(&moved, &self.pipeline, &mut [batch, &mut self.stash]);
+        for c in claimed {
+            let Some(next) = c.next_offset else { continue };
+            tokio::task::block_in_place(|| self.consumer.seek(&c.topic, c.partition, Offset::Offset(next), Duration::from_secs(10)))
+                .map_err(|e| format!("cannot seek {}/{} to {next}: {e}", c.topic, c.partition))?;
+            tracing::warn!(pipeline = %self.pipeline, topic = %c.topic, partition = c.partition, offset = next,
+                "consuming the partition again from the position the store kept");
+        }
+        Ok(())
+    }
+
     /// Commits `next` for the partitions still owned, synchronously, and counts the outcome. A failure is logged
     /// and counted, never fatal: the records are redelivered and skipped as duplicates.
     pub fn commit(&mut self, next: &NextOffsets) {

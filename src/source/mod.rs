@@ -109,6 +109,18 @@ impl Source {
         }
     }
 
+    /// The store lost positions this worker had stored (see [`crate::sink::SinkError::Lost`]): starts the partitions
+    /// of `claimed` again from the positions it kept, dropping their records from `batch`. Only sources with stored
+    /// positions (Kafka) can lose them.
+    ///
+    /// Errors: the consumer could not be moved.
+    pub fn resync(&mut self, claimed: &[crate::offsets::Claimed], batch: &mut Vec<Record>) -> Result<(), String> {
+        match self {
+            Source::Kafka(s) => s.resync(claimed, batch),
+            Source::RabbitMq(_) => Ok(()),
+        }
+    }
+
     /// Tells the broker that `batch` (committed in the store) is done: Kafka offsets are committed, RabbitMQ
     /// deliveries acknowledged.
     pub async fn commit(&mut self, batch: &[Record]) {

@@ -13,9 +13,13 @@
 //!
 //! - [`postgres`]: PostgreSQL (`postgres://`, `postgresql://`).
 //! - [`mysql`]: MySQL and MariaDB (`mysql://`, `mariadb://`).
+//! - [`redis`]: Redis (`[redis] url`), a store whose side effect is Redis commands. It has no interactive
+//!   transaction: the whole batch runs as one script ([`redis::batch`]), so it has no [`Tx`]; the sink runs the
+//!   same protocol through it ([`crate::sink::Sink`]).
 
 pub mod mysql;
 pub mod postgres;
+pub mod redis;
 
 use crate::config::{Binding, DatabaseSettings, Dialect, SinkSpec, TimeSettings};
 use crate::field::Render;
@@ -37,7 +41,23 @@ pub enum Store {
     Postgres(sqlx::PgPool),
     /// MySQL or MariaDB.
     MySql(mysql::MySqlStore),
+    /// Redis.
+    Redis(redis::RedisStore),
 }
+
+/// A failure of the store outside a batch (positions, retention, `explain`, dead letters).
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The database's.
+    #[error(transparent)]
+    Sql(#[from] sqlx::Error),
+    /// Redis's.
+    #[error("redis: {0}")]
+    Redis(#[from] ::redis::RedisError),
+}
+
+/// What Redis cannot do that a caller asked for.
+const NOT_REDIS: &str = "a Redis store has no SQL transaction: its batches run as scripts";
 
 /// Why a side effect does not fit the database. Each is a configuration error naming the field.
 #[derive(Debug, thiserror::Error)]
@@ -60,6 +80,13 @@ impl Store {
             Dialect::Postgres => Store::Postgres(postgres::pool(settings)?),
             Dialect::MySql => Store::MySql(mysql::MySqlStore::new(mysql::pool(settings)?)),
         })
+    }
+
+    /// A Redis store for `settings` that connects on first use.
+    ///
+    /// Errors: the URL does not parse, or a TLS file cannot be read.
+    pub fn redis(settings: &crate::config::RedisSettings) -> Result<Store, String> {
+        redis::RedisStore::new(settings).map(Store::Redis)
     }
 
     /// Connects once, directly, to tell whether the database is reachable, with the server's or the network's
@@ -85,6 +112,8 @@ impl Store {
                 mysql::MIGRATOR.run(&s.pool).await?;
                 Ok(mysql::MIGRATOR.iter().map(|m| m.version).max().unwrap_or_default())
             }
+            // Redis has no schema: its keys are created by the batches.
+            Store::Redis(_) => Ok(0),
         }
     }
 
@@ -96,6 +125,7 @@ impl Store {
         match self {
             Store::Postgres(pool) => postgres::check_schema(pool).await,
             Store::MySql(s) => mysql::check_schema(&s.pool).await,
+            Store::Redis(r) => r.check_server().await.map(drop),
         }
     }
 
@@ -109,6 +139,7 @@ impl Store {
                 let form = s.claim_form().await?;
                 Tx::MySql(s.pool.begin().await?, form)
             }
+            Store::Redis(_) => return Err(sqlx::Error::Configuration(NOT_REDIS.into())),
         })
     }
 
@@ -117,6 +148,7 @@ impl Store {
         match self {
             Store::Postgres(pool) => pool.close().await,
             Store::MySql(s) => s.pool.close().await,
+            Store::Redis(_) => {}
         }
     }
 
@@ -142,6 +174,10 @@ impl Store {
                 let (s, b) = mysql::side_effect::SideEffect::prepare(&mut conn, spec, time).await?;
                 Ok((SideEffect::MySql(s), b))
             }
+            Store::Redis(r) => {
+                let (s, b) = redis::side_effect::SideEffect::prepare(r, spec).await?;
+                Ok((SideEffect::Redis(s), b))
+            }
         }
     }
 
@@ -149,67 +185,76 @@ impl Store {
     /// epoch and returns the stored positions. `owner` is recorded for operators.
     ///
     /// Errors: any database error (the caller retries).
-    pub async fn claim_offsets(&self, pipeline: &str, owner: &str, partitions: &[(String, i32)]) -> sqlx::Result<Vec<Claimed>> {
-        match self {
-            Store::Postgres(pool) => postgres::offsets::claim(pool, pipeline, owner, partitions).await,
-            Store::MySql(s) => mysql::offsets::claim(&s.pool, pipeline, owner, partitions).await,
-        }
+    pub async fn claim_offsets(&self, pipeline: &str, owner: &str, partitions: &[(String, i32)]) -> Result<Vec<Claimed>, StoreError> {
+        Ok(match self {
+            Store::Postgres(pool) => postgres::offsets::claim(pool, pipeline, owner, partitions).await?,
+            Store::MySql(s) => mysql::offsets::claim(&s.pool, pipeline, owner, partitions).await?,
+            Store::Redis(r) => r.claim_offsets(pipeline, owner, partitions).await?,
+        })
     }
 
     /// The stored positions of `pipeline`: `(topic, partition, next offset)`.
-    pub async fn stored_offsets(&self, pipeline: &str) -> sqlx::Result<Vec<(String, i32, Option<i64>)>> {
-        match self {
-            Store::Postgres(pool) => postgres::offsets::stored(pool, pipeline).await,
-            Store::MySql(s) => mysql::offsets::stored(&s.pool, pipeline).await,
-        }
+    pub async fn stored_offsets(&self, pipeline: &str) -> Result<Vec<(String, i32, Option<i64>)>, StoreError> {
+        Ok(match self {
+            Store::Postgres(pool) => postgres::offsets::stored(pool, pipeline).await?,
+            Store::MySql(s) => mysql::offsets::stored(&s.pool, pipeline).await?,
+            Store::Redis(r) => r.stored_offsets(pipeline).await?,
+        })
     }
 
     /// Sets the stored positions of `pipeline` (`idemflow rewind`) and increments their epochs, so a worker still
     /// holding one of these partitions is fenced. Returns how many rows were written.
-    pub async fn reset_offsets(&self, pipeline: &str, positions: &[(String, i32, i64)]) -> sqlx::Result<u64> {
-        match self {
-            Store::Postgres(pool) => postgres::offsets::reset(pool, pipeline, positions).await,
-            Store::MySql(s) => mysql::offsets::reset(&s.pool, pipeline, positions).await,
-        }
+    pub async fn reset_offsets(&self, pipeline: &str, positions: &[(String, i32, i64)]) -> Result<u64, StoreError> {
+        Ok(match self {
+            Store::Postgres(pool) => postgres::offsets::reset(pool, pipeline, positions).await?,
+            Store::MySql(s) => mysql::offsets::reset(&s.pool, pipeline, positions).await?,
+            Store::Redis(r) => r.reset_offsets(pipeline, positions).await?,
+        })
     }
 
     /// Deletes the dedup rows of `pipeline` older than `retention`, `batch` rows per transaction, until none is
     /// left (see [`crate::retention`]). `on_batch` is called after each committed batch with the rows it deleted.
     ///
+    /// Redis purges nothing: its dedup keys expire by themselves (their TTL is the retention).
+    ///
     /// Errors: the database's; a pass interrupted by one leaves the store consistent (each batch is atomic).
-    pub async fn purge(&self, pipeline: &str, retention: Duration, batch: u32, on_batch: impl FnMut(u64)) -> Result<PurgeOutcome, sqlx::Error> {
-        match self {
-            Store::Postgres(pool) => postgres::retention::purge(pool, pipeline, retention, batch, on_batch).await,
-            Store::MySql(s) => mysql::retention::purge(&s.pool, pipeline, retention, batch, on_batch).await,
-        }
+    pub async fn purge(&self, pipeline: &str, retention: Duration, batch: u32, on_batch: impl FnMut(u64)) -> Result<PurgeOutcome, StoreError> {
+        Ok(match self {
+            Store::Postgres(pool) => postgres::retention::purge(pool, pipeline, retention, batch, on_batch).await?,
+            Store::MySql(s) => mysql::retention::purge(&s.pool, pipeline, retention, batch, on_batch).await?,
+            Store::Redis(_) => PurgeOutcome::default(),
+        })
     }
 
     /// What the dedup store knows of one business key (`idemflow explain`).
-    pub async fn explain(&self, pipeline: &str, key: &BusinessKey) -> Result<Option<Explained>, sqlx::Error> {
-        match self {
+    pub async fn explain(&self, pipeline: &str, key: &BusinessKey) -> Result<Option<Explained>, StoreError> {
+        Ok(match self {
             Store::Postgres(pool) => {
                 // In a transaction, as every access is (a transaction-pooling proxy, PgBouncer).
                 let mut tx = pool.begin().await?;
-                postgres::dedup::explain(&mut tx, pipeline, key).await
+                postgres::dedup::explain(&mut tx, pipeline, key).await?
             }
-            Store::MySql(s) => mysql::dedup::explain(&mut *s.pool.acquire().await?, pipeline, key).await,
-        }
+            Store::MySql(s) => mysql::dedup::explain(&mut *s.pool.acquire().await?, pipeline, key).await?,
+            Store::Redis(r) => r.explain(pipeline, key).await?,
+        })
     }
 
     /// The newest `limit` dead letters, optionally of one pipeline.
-    pub async fn dead_letters(&self, pipeline: Option<&str>, limit: i64) -> Result<Vec<Stored>, sqlx::Error> {
-        match self {
-            Store::Postgres(pool) => postgres::dead_letter::list(&mut *pool.begin().await?, pipeline, limit).await,
-            Store::MySql(s) => mysql::dead_letter::list(&mut *s.pool.acquire().await?, pipeline, limit).await,
-        }
+    pub async fn dead_letters(&self, pipeline: Option<&str>, limit: i64) -> Result<Vec<Stored>, StoreError> {
+        Ok(match self {
+            Store::Postgres(pool) => postgres::dead_letter::list(&mut *pool.begin().await?, pipeline, limit).await?,
+            Store::MySql(s) => mysql::dead_letter::list(&mut *s.pool.acquire().await?, pipeline, limit).await?,
+            Store::Redis(r) => r.dead_letters(pipeline, limit).await?,
+        })
     }
 
     /// One dead letter by id.
-    pub async fn dead_letter(&self, id: i64) -> Result<Option<Stored>, sqlx::Error> {
-        match self {
-            Store::Postgres(pool) => postgres::dead_letter::get(&mut *pool.begin().await?, id).await,
-            Store::MySql(s) => mysql::dead_letter::get(&mut *s.pool.acquire().await?, id).await,
-        }
+    pub async fn dead_letter(&self, id: i64) -> Result<Option<Stored>, StoreError> {
+        Ok(match self {
+            Store::Postgres(pool) => postgres::dead_letter::get(&mut *pool.begin().await?, id).await?,
+            Store::MySql(s) => mysql::dead_letter::get(&mut *s.pool.acquire().await?, id).await?,
+            Store::Redis(r) => r.dead_letter(id).await?,
+        })
     }
 }
 
@@ -220,6 +265,8 @@ pub enum SideEffect {
     Postgres(postgres::side_effect::SideEffect),
     /// See [`mysql::side_effect`].
     MySql(mysql::side_effect::SideEffect),
+    /// See [`redis::side_effect`].
+    Redis(redis::side_effect::SideEffect),
 }
 
 /// One open batch transaction. Dropped without [`Tx::commit`], it rolls back.

@@ -675,7 +675,7 @@ async fn the_token_claim_end_to_end_with_a_crash() {
     use idemflow::store::mysql::{ClaimForm, MySqlStore};
     let (db, kafka, setup, s) = fixture(3_000, true, None).await;
     let settings = idemflow::config::load_settings_from(&setup.config, []).unwrap().settings;
-    let token = || idemflow::store::Store::MySql(MySqlStore::with_claim_form(idemflow::store::mysql::pool(&settings.database).unwrap(), ClaimForm::Token));
+    let token = || idemflow::store::Store::MySql(MySqlStore::with_claim_form(idemflow::store::mysql::pool(settings.database.as_ref().unwrap()).unwrap(), ClaimForm::Token));
     let crashed = InProc::start_on(&setup, token(), idemflow::worker::Faults { crash_after_commits: Some(2) }).await;
     assert!(crashed.stop_when_pipelines_end().await.is_empty());
     let w = InProc::start_on(&setup, token(), idemflow::worker::Faults::default()).await;

@@ -106,6 +106,7 @@ fn stored(row: Row) -> Result<Stored, sqlx::Error> {
         reason,
         error,
         created_at,
+        commands_done: None,
     })
 }
 

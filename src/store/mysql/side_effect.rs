@@ -144,6 +144,7 @@ impl SideEffect {
                 prepare_table(conn, table, columns, *on_conflict, conflict_columns.as_deref()).await
             }
             SinkSpec::Sql { statements, params } => prepare_sql(conn, statements, params).await,
+            SinkSpec::Redis { .. } => Err(prepare_error("sink.redis", "a Redis side effect runs in [redis], not in the database".to_owned())),
         }
     }
 

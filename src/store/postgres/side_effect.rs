@@ -250,6 +250,9 @@ impl SideEffect {
                 prepare_table(&mut tx, table, columns, *on_conflict, conflict_columns.as_deref()).await
             }
             SinkSpec::Sql { statements, params } => prepare_sql(&mut tx, statements, params).await,
+            SinkSpec::Redis { .. } => {
+                return Err(PrepareError { field: "sink.redis".into(), message: "a Redis side effect runs in [redis], not in the database".into(), unavailable: false })
+            }
         };
         let (form, schema_probe, bindings) = prepared?;
         let probe_sql = schema_probe.sql();

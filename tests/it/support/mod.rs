@@ -314,7 +314,7 @@ impl InProc {
     /// [`InProc::start`], with injected faults.
     pub async fn start_with_faults(setup: &Setup, faults: idemflow::worker::Faults) -> InProc {
         let settings = idemflow::config::load_settings_from(&setup.config, []).unwrap().settings;
-        let store = idemflow::store::Store::connect(&settings.database).unwrap();
+        let store = idemflow::store::Store::connect(settings.database.as_ref().unwrap()).unwrap();
         Self::start_on(setup, store, faults).await
     }
 

@@ -1,0 +1,149 @@
+-- idemflow: one batch of one pipeline, atomically (see src/store/redis/batch.rs for the argument layout).
+--
+-- 1. The stored positions of the batch's partitions are checked against the owner epoch and the position this
+--    worker last stored: nothing is written when a partition was claimed by another worker ("fenced") or when
+--    Redis lost writes this worker had seen ("lost").
+-- 2. Records in order. A record to apply claims its dedup key with SET NX PX (insert-then-check); only a new key
+--    runs the record's commands, each with redis.pcall so that a failing command (WRONGTYPE, a number that is not
+--    one) ends that record only. Redis has no rollback: commands of the record that ran before the failure stay,
+--    the dead letter says how many. A key that existed is a duplicate: its value is returned for classification
+--    and its duplicate count raised (KEEPTTL: the retention clock is the applied record's).
+-- 3. Dead letters are appended to a stream, once per Kafka position.
+-- 4. The new positions are stored last, so a script that stops half-way (an error raised by Redis itself) leaves
+--    them where they were and the retried batch finds its finished records' keys.
+local P = ARGV[1]
+local ttl = ARGV[2]
+local stream = ARGV[3]
+local seq = ARGV[4]
+local pipeline = ARGV[5]
+local i = 6
+local t = redis.call('TIME')
+local now = tostring(t[1] * 1000 + math.floor(t[2] / 1000))
+
+local offsets = P .. 'offsets'
+local np = tonumber(ARGV[i]); i = i + 1
+local parts = {}
+local marks = {}
+local bad = {}
+for p = 1, np do
+  local field, nxt, epoch, expected = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
+  i = i + 4
+  local cur = redis.call('HGET', offsets, field)
+  local ce, cn = -1, '-'
+  if cur then
+    local e, n = string.match(cur, '^(%d+) (%S+)$')
+    ce, cn = tonumber(e), n
+  end
+  local pe = tonumber(epoch)
+  if ce > pe then
+    bad[#bad + 1] = {'fenced', field}
+  elseif ce < pe or (cn ~= expected and cn ~= nxt) then
+    -- Our claim, or a position we stored, is not there: Redis lost writes. (cn == nxt: this very batch was
+    -- applied by an attempt whose answer was lost.)
+    bad[#bad + 1] = {'lost', field, cn}
+  end
+  marks[p] = cn
+  parts[p] = {field, epoch .. ' ' .. nxt}
+end
+if #bad > 0 then
+  return {'refused', bad}
+end
+
+local nr = tonumber(ARGV[i]); i = i + 1
+for r = 1, nr do
+  redis.call('XDEL', stream, ARGV[i])
+  i = i + 1
+end
+
+local function dead_letter(topic, part, off, dlpos, reason, err, done, meta, payload)
+  local k = nil
+  if dlpos ~= '' then
+    k = P .. 'dl:' .. dlpos
+    local id = redis.call('GET', k)
+    if id then
+      return {0, id}
+    end
+  end
+  local id = redis.call('INCR', seq) .. '-0'
+  redis.call('XADD', stream, id, 'pipeline', pipeline, 'topic', topic, 'partition', part, 'offset', off,
+    'reason', reason, 'error', err, 'commands_done', done, 'created_at', now, 'meta', meta, 'payload', payload)
+  if k then
+    redis.call('SET', k, id, 'PX', ttl)
+  end
+  return {1, id}
+end
+
+local n = tonumber(ARGV[i]); i = i + 1
+local out = {}
+for r = 1, n do
+  local kind, topic, part, off, dlpos, meta, payload = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], ARGV[i + 4], ARGV[i + 5], ARGV[i + 6]
+  i = i + 7
+  if kind == 'D' then
+    local reason, err = ARGV[i], ARGV[i + 1]
+    i = i + 2
+    local d = dead_letter(topic, part, off, dlpos, reason, err, '0', meta, payload)
+    out[r] = {3, d[1], d[2]}
+  else
+    local dk, value, skip, nc = P .. 'k:' .. ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2]), tonumber(ARGV[i + 3])
+    i = i + 4
+    local cmds = {}
+    for c = 1, nc do
+      local na = tonumber(ARGV[i]); i = i + 1
+      local args = {}
+      for a = 1, na do
+        args[a] = ARGV[i + a - 1]
+      end
+      i = i + na
+      cmds[c] = args
+    end
+    if kind == 'R' then
+      -- A dead letter replayed: its key may hold the mark of its partial failure, and its position is no longer
+      -- dead-lettered.
+      if dlpos ~= '' then
+        redis.call('DEL', P .. 'dl:' .. dlpos)
+      end
+      local old = redis.call('GET', dk)
+      if old and string.sub(old, 1, 2) == 'D|' then
+        redis.call('DEL', dk)
+      end
+    end
+    local applied = 'A|' .. now .. '|0||' .. value
+    if redis.call('SET', dk, applied, 'NX', 'PX', ttl) then
+      local failed = nil
+      for c = skip + 1, nc do
+        local res = redis.pcall(unpack(cmds[c]))
+        if type(res) == 'table' and res.err then
+          failed = {c, res.err}
+          break
+        end
+      end
+      if failed then
+        local done = failed[1] - 1
+        if done == 0 then
+          redis.call('DEL', dk)
+        else
+          -- Some commands took effect: the key stays, marked, so no later copy runs them again; a replay of the
+          -- dead letter runs the rest.
+          redis.call('SET', dk, 'D|' .. now .. '|0||' .. value, 'KEEPTTL')
+        end
+        local err = 'command ' .. failed[1] .. ' of ' .. nc .. ' (' .. cmds[failed[1]][1] .. ') failed: ' .. failed[2]
+        local d = dead_letter(topic, part, off, dlpos, 'side_effect_rejected', err, tostring(done), meta, payload)
+        out[r] = {2, d[1], d[2], done, err}
+      else
+        out[r] = {0}
+      end
+    else
+      local old = redis.call('GET', dk)
+      local state, at, dups, rest = string.match(old, '^(%a)|(%d+)|(%d+)|%d*|(.*)$')
+      if state then
+        redis.call('SET', dk, state .. '|' .. at .. '|' .. (tonumber(dups) + 1) .. '|' .. now .. '|' .. rest, 'KEEPTTL')
+      end
+      out[r] = {1, old}
+    end
+  end
+end
+
+for p = 1, np do
+  redis.call('HSET', offsets, parts[p][1], parts[p][2])
+end
+return {'ok', marks, out}

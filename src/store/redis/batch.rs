@@ -1,0 +1,308 @@
+//! One batch as one Lua script ([`SCRIPT`], `batch.lua` beside this file), run atomically by Redis.
+//!
+//! Arguments (all `ARGV`; idemflow refuses Redis Cluster, where a script must declare its keys):
+//! `prefix ttl_ms stream seq pipeline`, then `NP` and per partition `topic/partition next epoch expected`, then
+//! `NR` and the stream ids of dead letters being replayed, then `N` and per record
+//! `kind topic partition offset dl_position meta payload` followed by, for kind `D` (a dead letter),
+//! `reason error`, and for kinds `A` (apply) and `R` (apply a replayed dead letter),
+//! `digest value skip NC` and per command `NA arg...`.
+//!
+//! The script answers `{"ok", marks, results}` (marks: each partition's stored position before the batch) or
+//! `{"refused", {{"fenced"|"lost", "topic/partition", ...}, ...}}` having written nothing.
+
+use super::{DedupValue, RedisStore};
+use crate::metrics::DeadLetterReason;
+use crate::offsets::{Positions, Processed};
+use crate::record::{Position, Record, NO_PARTITION};
+use crate::sink::dedup::Existing;
+use redis::Value;
+use serde::{Deserialize, Serialize};
+use std::time::{Duration, Instant};
+
+/// The batch script.
+pub const SCRIPT: &str = include_str!("batch.lua");
+
+/// One record sent to the script.
+pub enum Item<'a> {
+    /// Claim the key; if new, run `commands` (the rendered `[sink] redis`).
+    Apply {
+        /// The record.
+        record: &'a Record,
+        /// SHA-256 of the business key.
+        digest: [u8; 32],
+        /// SHA-256 of the payload.
+        fingerprint: [u8; 32],
+        /// The commands, rendered.
+        commands: Vec<Vec<String>>,
+        /// A dead letter being replayed: how many of its commands took effect when it failed (they are not run again).
+        replay_skip: Option<i64>,
+    },
+    /// Write a dead letter.
+    DeadLetter {
+        /// The record.
+        record: &'a Record,
+        /// Why.
+        reason: DeadLetterReason,
+        /// The error text.
+        error: &'a str,
+    },
+}
+
+/// What the script did with one [`Item`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ItemResult {
+    /// The key was new and every command ran.
+    Applied,
+    /// The key existed: its value.
+    Duplicate(Existing),
+    /// The key was new and a command failed: the record was dead-lettered (`new`: for the first time at this
+    /// position) after `done` of its commands took effect.
+    Failed {
+        /// First dead letter at this position.
+        new: bool,
+        /// Commands that took effect.
+        done: i64,
+        /// Which command failed, and Redis's error.
+        error: String,
+    },
+    /// The dead letter was written (`true`), or this position had one already (`false`).
+    DeadLettered(bool),
+}
+
+/// A batch the script ran.
+#[derive(Debug)]
+pub struct Ran {
+    /// Per partition, the stored position before the batch: a record below it was processed before.
+    pub marks: Processed,
+    /// One result per item, in order.
+    pub results: Vec<ItemResult>,
+    /// The script's round trip.
+    pub round_trip: Duration,
+}
+
+/// Why a batch did not run.
+#[derive(Debug)]
+pub enum Refused {
+    /// Redis's error (the script did not run, or stopped with an error Redis raised).
+    Redis(redis::RedisError),
+    /// These partitions were claimed by another worker.
+    Fenced(Vec<(String, i32)>),
+    /// Redis lost positions this worker had stored or claimed for these partitions.
+    Lost(Vec<(String, i32)>),
+    /// The script answered something it never answers (a bug, or a script of another version under the same SHA).
+    Unexpected(String),
+}
+
+impl From<redis::RedisError> for Refused {
+    fn from(e: redis::RedisError) -> Self {
+        Refused::Redis(e)
+    }
+}
+
+/// What a dead letter keeps besides its position and payload, as JSON in the stream entry's `meta` field.
+#[derive(Debug, Default, Deserialize, Serialize)]
+pub(crate) struct Meta {
+    /// Record key, hex.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key: Option<String>,
+    /// Headers: name and hex value (null for a null value).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub headers: Vec<(String, Option<String>)>,
+    /// Message properties.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub properties: Vec<(String, String)>,
+    /// The payload is null (a tombstone).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub null: bool,
+    /// An oversized payload's full size; the payload field holds its prefix.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub size: Option<u64>,
+    /// An oversized payload's SHA-256, hex.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sha256: Option<String>,
+}
+
+impl Meta {
+    fn of(record: &Record) -> Meta {
+        Meta {
+            key: record.key.as_deref().map(hex::encode),
+            headers: record.headers.iter().map(|(k, v)| (k.clone(), v.as_deref().map(hex::encode))).collect(),
+            properties: record.properties.iter().map(|(k, v)| ((*k).to_owned(), v.clone())).collect(),
+            null: record.payload.is_none(),
+            size: record.oversized.as_ref().map(|o| o.size),
+            sha256: record.oversized.as_ref().map(|o| hex::encode(o.sha256)),
+        }
+    }
+}
+
+/// `topic/partition`: a partition's field in the offsets hash (Kafka topic names hold no `/`).
+pub(crate) fn partition_field(topic: &str, partition: i32) -> String {
+    format!("{topic}/{partition}")
+}
+
+fn parse_field(field: &str) -> Option<(String, i32)> {
+    let (t, p) = field.rsplit_once('/')?;
+    Some((t.to_owned(), p.parse().ok()?))
+}
+
+impl RedisStore {
+    /// Runs one batch of `pipeline` in one script: `positions` (Kafka) fenced and stored, `replaying` (dead-letter
+    /// ids) removed, `items` claimed, applied and dead-lettered in order. Records expire `retention` after they are
+    /// applied.
+    ///
+    /// Errors: see [`Refused`]. A refused batch wrote nothing; a Redis error may come after the script ran (a lost
+    /// answer): run the same batch again, its dedup keys make that safe.
+    pub async fn run_batch(
+        &self,
+        pipeline: &str,
+        retention: Duration,
+        positions: Option<&Positions>,
+        replaying: &[i64],
+        items: &[Item<'_>],
+    ) -> Result<Ran, Refused> {
+        let prefix = self.pipeline_prefix(pipeline);
+        let stream = self.dead_letter_stream();
+        let mut inv = self.script.prepare_invoke();
+        inv.arg(&prefix).arg(retention.as_millis().max(1) as u64).arg(&stream).arg(format!("{stream}:seq")).arg(pipeline);
+        let parts: Vec<(String, i64)> = positions.map_or_else(Vec::new, |p| p.0.iter().map(|(t, p, next, _)| (partition_field(t, *p), *next)).collect());
+        inv.arg(parts.len());
+        {
+            let expected = self.expected();
+            for ((field, next), (_, _, _, epoch)) in parts.iter().zip(positions.map_or(&[][..], |p| &p.0[..])) {
+                // Without a claim on record, "?" matches no stored position: the batch is refused as lost and the
+                // partition claimed again.
+                let exp = expected.get(&(pipeline.to_owned(), field.clone())).map_or("?", String::as_str);
+                inv.arg(field).arg(next).arg(epoch).arg(exp);
+            }
+        }
+        inv.arg(replaying.len());
+        for id in replaying {
+            inv.arg(format!("{id}-0"));
+        }
+        inv.arg(items.len());
+        for item in items {
+            let record = match item {
+                Item::Apply { record, .. } | Item::DeadLetter { record, .. } => record,
+            };
+            let p = &record.position;
+            let kind = match item {
+                Item::DeadLetter { .. } => "D",
+                Item::Apply { replay_skip: Some(_), .. } => "R",
+                Item::Apply { .. } => "A",
+            };
+            // A Kafka position is dead-lettered once; a queue's delivery tag identifies nothing.
+            let dl_position = if p.partition == NO_PARTITION { String::new() } else { format!("{}/{}/{}", p.topic, p.partition, p.offset) };
+            let meta = serde_json::to_string(&Meta::of(record)).expect("plain data");
+            inv.arg(kind).arg(&*p.topic).arg(p.partition).arg(p.offset).arg(dl_position).arg(meta).arg(record.payload.as_deref().unwrap_or_default());
+            match item {
+                Item::DeadLetter { reason, error, .. } => {
+                    inv.arg(reason.as_str()).arg(*error);
+                }
+                Item::Apply { digest, fingerprint, commands, replay_skip, .. } => {
+                    inv.arg(hex::encode(digest)).arg(DedupValue::tail(p.partition, p.offset, fingerprint, &p.topic));
+                    inv.arg(replay_skip.unwrap_or(0)).arg(commands.len());
+                    for c in commands {
+                        inv.arg(c.len());
+                        for a in c {
+                            inv.arg(a);
+                        }
+                    }
+                }
+            }
+        }
+        let started = Instant::now();
+        let answer: Value = inv.invoke_async(&mut self.conn()).await?;
+        let round_trip = started.elapsed();
+        let ran = parse_answer(answer, &parts, items.len())?;
+        let mut expected = self.expected();
+        for (field, next) in &parts {
+            expected.insert((pipeline.to_owned(), field.clone()), next.to_string());
+        }
+        drop(expected);
+        let marks = Processed(
+            parts
+                .iter()
+                .zip(ran.0)
+                .filter_map(|((field, _), mark)| {
+                    let (t, p) = parse_field(field)?;
+                    Some(((t.as_str().into(), p), mark?))
+                })
+                .collect(),
+        );
+        Ok(Ran { marks, results: ran.1, round_trip })
+    }
+
+    /// Records what this worker claimed for `pipeline`: batches expect to find these positions.
+    pub(crate) fn claimed(&self, pipeline: &str, positions: impl IntoIterator<Item = (String, Option<i64>)>) {
+        let mut expected = self.expected();
+        for (field, next) in positions {
+            expected.insert((pipeline.to_owned(), field), next.map_or_else(|| "-".to_owned(), |n| n.to_string()));
+        }
+    }
+}
+
+fn text(v: &Value) -> Option<String> {
+    match v {
+        Value::BulkString(b) => Some(String::from_utf8_lossy(b).into_owned()),
+        Value::SimpleString(s) => Some(s.clone()),
+        Value::Int(i) => Some(i.to_string()),
+        _ => None,
+    }
+}
+
+fn int(v: &Value) -> Option<i64> {
+    match v {
+        Value::Int(i) => Some(*i),
+        other => text(other)?.parse().ok(),
+    }
+}
+
+/// Per partition its mark (`None` before the first batch), and per item its result.
+type Parsed = (Vec<Option<i64>>, Vec<ItemResult>);
+
+fn parse_answer(answer: Value, parts: &[(String, i64)], items: usize) -> Result<Parsed, Refused> {
+    let unexpected = |what: &str| Refused::Unexpected(format!("the batch script answered {what}"));
+    let Value::Array(top) = answer else { return Err(unexpected("a non-array")) };
+    match top.first().and_then(text).as_deref() {
+        Some("refused") => {
+            let Some(Value::Array(bad)) = top.get(1) else { return Err(unexpected("a refusal without partitions")) };
+            let (mut fenced, mut lost) = (Vec::new(), Vec::new());
+            for b in bad {
+                let Value::Array(b) = b else { return Err(unexpected("a malformed refusal")) };
+                let (Some(why), Some(tp)) = (b.first().and_then(text), b.get(1).and_then(text).as_deref().and_then(parse_field)) else {
+                    return Err(unexpected("a malformed refusal"));
+                };
+                if why == "fenced" { fenced.push(tp) } else { lost.push(tp) }
+            }
+            // Fenced wins: the partition is another worker's, whatever this one lost.
+            if fenced.is_empty() { Err(Refused::Lost(lost)) } else { Err(Refused::Fenced(fenced)) }
+        }
+        Some("ok") => {
+            let (Some(Value::Array(marks)), Some(Value::Array(out))) = (top.get(1), top.get(2)) else {
+                return Err(unexpected("no marks or results"));
+            };
+            if marks.len() != parts.len() || out.len() != items {
+                return Err(unexpected("a different number of partitions or records than it was given"));
+            }
+            let marks = marks.iter().map(int).collect();
+            let results = out.iter().map(|r| parse_result(r).ok_or_else(|| unexpected("a malformed record result"))).collect::<Result<_, _>>()?;
+            Ok((marks, results))
+        }
+        _ => Err(unexpected("an unknown status")),
+    }
+}
+
+fn parse_result(r: &Value) -> Option<ItemResult> {
+    let Value::Array(r) = r else { return None };
+    Some(match int(r.first()?)? {
+        0 => ItemResult::Applied,
+        1 => {
+            let v = DedupValue::parse(&text(r.get(1)?)?)?;
+            let fingerprint = hex::decode(&v.fingerprint).ok()?;
+            ItemResult::Duplicate(Existing { position: Position { topic: v.topic.as_str().into(), partition: v.partition, offset: v.offset }, fingerprint })
+        }
+        2 => ItemResult::Failed { new: int(r.get(1)?)? == 1, done: int(r.get(3)?)?, error: text(r.get(4)?)? },
+        3 => ItemResult::DeadLettered(int(r.get(1)?)? == 1),
+        _ => return None,
+    })
+}

@@ -1,0 +1,29 @@
+//! Redis failures, classified into the dispositions every store shares ([`crate::sink::error`]).
+//!
+//! | failure | disposition |
+//! |---|---|
+//! | connection refused, dropped or timed out; `LOADING` (a restart reading its data), `BUSY` (another script running), `MASTERDOWN`, `READONLY` (a failover under way), `TRYAGAIN`, `OOM` (maxmemory reached: nothing was written) | retry the batch |
+//! | `NOSCRIPT` | retried by the client itself: the script is loaded again and run |
+//! | anything else (`NOPERM`: the user may not run scripts or a command; a script error) | fatal: the pipeline stops |
+//!
+//! Errors of a record's own commands (`WRONGTYPE`, "value is not an integer") never get here: the script catches
+//! them and dead-letters the record.
+
+use crate::metrics::RetryCause;
+use crate::sink::Disposition;
+
+/// The disposition of a Redis error.
+pub fn classify(e: &redis::RedisError) -> Disposition {
+    if e.is_io_error() || e.is_connection_dropped() || e.is_connection_refusal() || e.is_timeout() {
+        return Disposition::Retry(RetryCause::Connection);
+    }
+    match e.code() {
+        Some("LOADING" | "BUSY" | "MASTERDOWN" | "READONLY" | "TRYAGAIN" | "OOM" | "CLUSTERDOWN") => Disposition::Retry(RetryCause::Unavailable),
+        _ => match e.retry_method() {
+            redis::RetryMethod::Reconnect | redis::RetryMethod::WaitAndRetry | redis::RetryMethod::RetryImmediately => {
+                Disposition::Retry(RetryCause::Connection)
+            }
+            _ => Disposition::Fatal,
+        },
+    }
+}

@@ -1,0 +1,259 @@
+//! Redis as a store whose side effect is Redis itself (`[sink] redis = [...]`, `[redis] url`).
+//!
+//! A Redis dedup key cannot share a transaction with a write to another database, so the only honest Redis
+//! pipeline is one whose effect is in Redis too. Each batch is one Lua script ([`batch`]), loaded once and run
+//! with `EVALSHA` (reloaded after `NOSCRIPT`); Redis runs a script atomically, with no other command in between
+//! (Redis documentation, "Scripting with Lua"). The script checks the batch's stored positions (fenced by owner
+//! epochs), claims each record's dedup key with `SET key value NX PX retention` (insert-then-check), runs the
+//! record's commands only for a new key, writes dead letters to a stream, and stores the new positions last.
+//!
+//! Keys, under `[redis] key_prefix` (default `idemflow:`):
+//! - `<prefix><pipeline>:k:<hex SHA-256 of the business key>`: the dedup key, a string
+//!   `A|applied ms|duplicates|last duplicate ms|partition|offset|payload SHA-256 hex|topic` (`D|...` when some of
+//!   the record's commands ran before one failed), expiring after `[dedup] retention`;
+//! - `<prefix><pipeline>:offsets`: a hash `topic/partition` -> `epoch next-offset` (`-` before the first batch);
+//!   `<prefix><pipeline>:owners`: who claimed each partition;
+//! - `<prefix>dead-letters`: a stream of dead letters, entry ids `N-0` with `N` from `<prefix>dead-letters:seq`;
+//!   `<prefix><pipeline>:dl:topic/partition/offset`: the dead letter of a Kafka position (a redelivered record is
+//!   not dead-lettered twice), expiring with the dedup keys.
+//!
+//! What Redis does not give, and what idemflow does instead:
+//! - no rollback: a command that fails inside the script leaves the record's earlier commands applied. Arity is
+//!   checked against the server (`COMMAND INFO`) by `check` and at start, numbers before the script runs; a record
+//!   whose command fails is dead-lettered with the count of its commands that took effect, its dedup key marked so
+//!   that no copy runs them again, and a replay runs only the rest.
+//! - durability is the server's: with `appendfsync everysec` a crash loses up to about a second of writes. The
+//!   positions are written by the same script, so they are lost together with the effects; the script notices
+//!   that a position it was shown is gone ("lost") and the worker resumes those partitions from what Redis kept.
+//!   A queue source (RabbitMQ) has no position to resume from: `check` warns unless `appendfsync always`.
+
+pub mod batch;
+pub mod command;
+pub mod dead_letter;
+pub mod error;
+pub mod offsets;
+pub mod side_effect;
+
+use crate::config::RedisSettings;
+use crate::key::BusinessKey;
+use crate::sink::dedup::Explained;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
+
+/// A connection to one Redis server, shared by the pipelines that write to it. Cheap to clone.
+#[derive(Clone)]
+pub struct RedisStore {
+    conn: ConnectionManager,
+    prefix: String,
+    /// Per `(pipeline, "topic/partition")`, the position this worker last stored or claimed: what each batch expects
+    /// to find, so that writes Redis lost are noticed (see [`batch`]).
+    expected: Arc<Mutex<HashMap<(String, String), String>>>,
+    script: Arc<redis::Script>,
+}
+
+impl std::fmt::Debug for RedisStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisStore").field("prefix", &self.prefix).finish_non_exhaustive()
+    }
+}
+
+/// The oldest Redis this store runs on: `SET ... KEEPTTL` (6.0) and `PX` with `NX` in scripts; 6.2 is the oldest
+/// release line its maintainers still document.
+const MIN_VERSION: (u32, u32) = (6, 2);
+
+/// A client for `settings.url` with its TLS files.
+///
+/// Errors: the URL does not parse, or a TLS file cannot be read.
+fn client(settings: &RedisSettings) -> Result<redis::Client, String> {
+    let url = settings.url.expose();
+    let tls_files = settings.tls_ca_file.is_some() || settings.tls_cert_file.is_some() || settings.tls_key_file.is_some();
+    let scrub = |e: redis::RedisError| settings.url.scrub(&e.to_string());
+    if !tls_files {
+        return redis::Client::open(url).map_err(|e| format!("redis.url: {}", scrub(e)));
+    }
+    let read = |field: &str, path: &std::path::Path| std::fs::read(path).map_err(|e| format!("redis.{field}: {}: {e}", path.display()));
+    let root_cert = settings.tls_ca_file.as_deref().map(|p| read("tls_ca_file", p)).transpose()?;
+    let client_tls = match (&settings.tls_cert_file, &settings.tls_key_file) {
+        (Some(cert), Some(key)) => Some(redis::ClientTlsConfig { client_cert: read("tls_cert_file", cert)?, client_key: read("tls_key_file", key)? }),
+        (None, None) => None,
+        _ => return Err("redis.tls_cert_file and redis.tls_key_file go together".to_owned()),
+    };
+    redis::Client::build_with_tls(url, redis::TlsCertificates { client_tls, root_cert }).map_err(|e| format!("redis.url: {}", scrub(e)))
+}
+
+impl RedisStore {
+    /// A store for `settings` that connects on first use (and reconnects after a lost connection, with backoff).
+    ///
+    /// Errors: the URL does not parse, or a TLS file cannot be read.
+    pub fn new(settings: &RedisSettings) -> Result<RedisStore, String> {
+        let config = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(settings.connect_timeout))
+            .set_response_timeout(Some(settings.response_timeout))
+            .set_number_of_retries(2)
+            .set_max_delay(std::time::Duration::from_secs(2));
+        let conn = ConnectionManager::new_lazy_with_config(client(settings)?, config).map_err(|e| e.to_string())?;
+        Ok(RedisStore {
+            conn,
+            prefix: settings.key_prefix.clone(),
+            expected: Arc::default(),
+            script: Arc::new(redis::Script::new(batch::SCRIPT)),
+        })
+    }
+
+    /// A connection handle (multiplexed: clones share one connection).
+    pub(crate) fn conn(&self) -> ConnectionManager {
+        self.conn.clone()
+    }
+
+    /// `<prefix><pipeline>:`.
+    pub(crate) fn pipeline_prefix(&self, pipeline: &str) -> String {
+        format!("{}{pipeline}:", self.prefix)
+    }
+
+    /// The dead-letter stream's key.
+    pub(crate) fn dead_letter_stream(&self) -> String {
+        format!("{}dead-letters", self.prefix)
+    }
+
+    fn expected(&self) -> std::sync::MutexGuard<'_, HashMap<(String, String), String>> {
+        self.expected.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// What the dedup store knows of one business key (`idemflow explain`).
+    ///
+    /// Errors: Redis's.
+    pub async fn explain(&self, pipeline: &str, key: &BusinessKey) -> Result<Option<Explained>, redis::RedisError> {
+        let dk = format!("{}k:{}", self.pipeline_prefix(pipeline), hex::encode(key.digest));
+        let value: Option<String> = redis::cmd("GET").arg(&dk).query_async(&mut self.conn()).await?;
+        Ok(value.and_then(|v| DedupValue::parse(&v)).map(|d| Explained {
+            business_key: key.text.clone(),
+            applied_at: format_ms(d.applied_ms),
+            topic: d.topic,
+            partition: d.partition,
+            offset: d.offset,
+            fingerprint: d.fingerprint,
+            duplicates: d.duplicates,
+            last_duplicate_at: d.last_duplicate_ms.map(format_ms),
+        }))
+    }
+}
+
+/// A dedup key's value, as the script writes it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct DedupValue {
+    /// `false` when some of the record's commands ran before one failed (the record is a dead letter).
+    pub applied: bool,
+    pub applied_ms: i64,
+    pub duplicates: i64,
+    pub last_duplicate_ms: Option<i64>,
+    pub partition: i32,
+    pub offset: i64,
+    /// Hex.
+    pub fingerprint: String,
+    pub topic: String,
+}
+
+impl DedupValue {
+    /// The part of the value the worker writes (the script prepends state, time and counts).
+    pub fn tail(partition: i32, offset: i64, fingerprint: &[u8; 32], topic: &str) -> String {
+        format!("{partition}|{offset}|{}|{topic}", hex::encode(fingerprint))
+    }
+
+    /// Parses a whole value; `None` when it is not one idemflow wrote.
+    pub fn parse(v: &str) -> Option<DedupValue> {
+        let mut it = v.splitn(8, '|');
+        let applied = match it.next()? {
+            "A" => true,
+            "D" => false,
+            _ => return None,
+        };
+        let applied_ms = it.next()?.parse().ok()?;
+        let duplicates = it.next()?.parse().ok()?;
+        let last = it.next()?;
+        let last_duplicate_ms = if last.is_empty() { None } else { Some(last.parse().ok()?) };
+        let partition = it.next()?.parse().ok()?;
+        let offset = it.next()?.parse().ok()?;
+        let fingerprint = it.next()?.to_owned();
+        let topic = it.next()?.to_owned();
+        Some(DedupValue { applied, applied_ms, duplicates, last_duplicate_ms, partition, offset, fingerprint, topic })
+    }
+}
+
+/// Milliseconds since the Unix epoch as RFC 3339 UTC text.
+pub(crate) fn format_ms(ms: i64) -> String {
+    jiff::Timestamp::from_millisecond(ms).map(|t| t.to_string()).unwrap_or_else(|_| ms.to_string())
+}
+
+/// Connects once, directly, to tell whether Redis is reachable and answers `PING`, with Redis's or the network's own
+/// reason when it is not. The error never contains the password.
+pub async fn ping(settings: &RedisSettings) -> Result<(), String> {
+    let client = client(settings)?;
+    let attempt = async {
+        let mut conn = client.get_multiplexed_async_connection().await?;
+        redis::cmd("PING").query_async::<String>(&mut conn).await
+    };
+    match tokio::time::timeout(settings.connect_timeout, attempt).await {
+        Ok(Ok(_)) => Ok(()),
+        Ok(Err(e)) => Err(format!("cannot connect to Redis at {}: {}", settings.url, settings.url.scrub(&e.to_string()))),
+        Err(_) => Err(format!("cannot connect to Redis at {}: no answer in {:?}", settings.url, settings.connect_timeout)),
+    }
+}
+
+/// What `check` learns of the server.
+#[derive(Clone, Debug, Default)]
+pub struct ServerFacts {
+    /// `redis_version`.
+    pub version: String,
+    /// `aof_enabled`.
+    pub aof: bool,
+    /// `appendfsync`, when `CONFIG GET` is allowed.
+    pub appendfsync: Option<String>,
+}
+
+impl RedisStore {
+    /// Checks the server idemflow runs on: version, not a Cluster node. Returns what it found (for the warnings
+    /// about durability, [`ServerFacts`]).
+    ///
+    /// Errors: the reason the server cannot be used, or Redis's error.
+    pub async fn check_server(&self) -> Result<ServerFacts, String> {
+        let mut conn = self.conn();
+        let info: String = redis::cmd("INFO").arg("server").arg("persistence").arg("cluster").query_async(&mut conn).await.map_err(|e| e.to_string())?;
+        let field = |name: &str| info.lines().find_map(|l| l.strip_prefix(name).and_then(|r| r.strip_prefix(':'))).map(str::trim);
+        let version = field("redis_version").unwrap_or("unknown").to_owned();
+        let mut parts = version.split('.').map(|p| p.parse::<u32>().unwrap_or(0));
+        let (major, minor) = (parts.next().unwrap_or(0), parts.next().unwrap_or(0));
+        if (major, minor) < MIN_VERSION {
+            return Err(format!("Redis {version} is too old: idemflow needs {}.{} or later (SET ... KEEPTTL in its batch script)", MIN_VERSION.0, MIN_VERSION.1));
+        }
+        if field("cluster_enabled") == Some("1") {
+            return Err(
+                "this is a Redis Cluster node: idemflow runs each batch as one script, and a script can touch keys of one \
+                 hash slot only, while a batch's dedup keys, effects and positions span many. Use a standalone Redis (or a \
+                 Sentinel-managed primary)"
+                    .to_owned(),
+            );
+        }
+        let aof = field("aof_enabled") == Some("1");
+        let appendfsync = redis::cmd("CONFIG").arg("GET").arg("appendfsync").query_async::<Vec<String>>(&mut conn).await.ok().and_then(|v| v.get(1).cloned());
+        Ok(ServerFacts { version, aof, appendfsync })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dedup_values_round_trip() {
+        let tail = DedupValue::tail(3, 42, &[0xab; 32], "pay|ments");
+        let v = DedupValue::parse(&format!("A|1700000000000|2|1700000000500|{tail}")).unwrap();
+        assert!(v.applied);
+        assert_eq!((v.partition, v.offset, v.duplicates, v.last_duplicate_ms), (3, 42, 2, Some(1700000000500)));
+        assert_eq!(v.topic, "pay|ments");
+        assert_eq!(v.fingerprint, "ab".repeat(32));
+        let d = DedupValue::parse(&format!("D|1|0||{tail}")).unwrap();
+        assert!(!d.applied && d.last_duplicate_ms.is_none());
+        assert!(DedupValue::parse("something else").is_none());
+    }
+}

@@ -1,0 +1,188 @@
+//! The side effect of a Redis pipeline: its commands checked against the server and rendered for each record.
+
+use super::command::{Piece, RedisCommand};
+use super::RedisStore;
+use crate::config::{Binding, DeclaredType, SinkSpec};
+use crate::field::Render;
+use crate::prepare::Apply;
+use crate::store::PrepareError;
+use redis::Value;
+
+/// A number a command needs at an argument: Redis answers "value is not an integer or out of range" or "value is not
+/// a valid float" only once the command runs, and by then the record's earlier commands have run too. These are
+/// checked before the script.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Number {
+    /// A signed 64-bit integer.
+    Integer,
+    /// A finite double, as Redis parses one (`strtold`).
+    Float,
+}
+
+/// Numeric arguments of common commands: (command, argument index after the name, kind).
+const NUMERIC: &[(&str, usize, Number)] = &[
+    ("INCRBY", 1, Number::Integer),
+    ("DECRBY", 1, Number::Integer),
+    ("INCRBYFLOAT", 1, Number::Float),
+    ("HINCRBY", 2, Number::Integer),
+    ("HINCRBYFLOAT", 2, Number::Float),
+    ("ZINCRBY", 1, Number::Float),
+    ("EXPIRE", 1, Number::Integer),
+    ("PEXPIRE", 1, Number::Integer),
+    ("EXPIREAT", 1, Number::Integer),
+    ("PEXPIREAT", 1, Number::Integer),
+    ("SETEX", 1, Number::Integer),
+    ("PSETEX", 1, Number::Integer),
+];
+
+fn is_number(text: &str, kind: Number) -> bool {
+    match kind {
+        Number::Integer => text.parse::<i64>().is_ok(),
+        Number::Float => text.trim() == text && text.parse::<f64>().is_ok_and(f64::is_finite),
+    }
+}
+
+/// One argument, pieces resolved to binding indexes.
+#[derive(Clone, Debug)]
+enum Part {
+    Text(String),
+    Value(usize),
+}
+
+#[derive(Clone, Debug)]
+struct Compiled {
+    origin: String,
+    name: String,
+    args: Vec<(Vec<Part>, Option<Number>)>,
+}
+
+/// The commands of one pipeline, ready to render for each record.
+#[derive(Clone, Debug)]
+pub struct SideEffect {
+    commands: Vec<Compiled>,
+    names: Vec<String>,
+}
+
+impl SideEffect {
+    /// Checks `spec`'s commands against the server (`COMMAND INFO`: the command exists, may run in a script, and
+    /// takes this many arguments) and returns the side effect with its bindings, each rendered as text (or as its
+    /// declared `type`).
+    ///
+    /// Errors: a [`PrepareError`] naming `sink.redis[i]`, or `unavailable` when Redis could not be asked.
+    pub async fn prepare(store: &RedisStore, spec: &SinkSpec) -> Result<(SideEffect, Vec<(Binding, Render)>), PrepareError> {
+        let SinkSpec::Redis { commands, params } = spec else {
+            return Err(PrepareError { field: "sink".into(), message: "a SQL side effect needs [database], not [redis]".into(), unavailable: false });
+        };
+        let mut conn = store.conn();
+        let mut compiled = Vec::new();
+        for c in commands {
+            let refuse = |message: String| PrepareError { field: c.origin.clone(), message, unavailable: false };
+            let info: Value = redis::cmd("COMMAND").arg("INFO").arg(&c.name).query_async(&mut conn).await.map_err(|e| PrepareError {
+                field: "redis".into(),
+                message: format!("cannot ask Redis about {}: {e}", c.name),
+                unavailable: e.is_io_error() || e.is_timeout() || e.is_connection_dropped() || e.is_connection_refusal(),
+            })?;
+            check_info(c, &info).map_err(refuse)?;
+            let mut args = Vec::new();
+            for (i, a) in c.args.iter().enumerate() {
+                let number = NUMERIC.iter().find(|(n, at, _)| *n == c.name && *at == i).map(|(_, _, k)| *k);
+                let parts: Vec<Part> = a
+                    .0
+                    .iter()
+                    .map(|p| match p {
+                        Piece::Text(t) => Part::Text(t.clone()),
+                        Piece::Param(n) => Part::Value(params.iter().position(|b| b.name == *n).expect("placeholders checked by the configuration")),
+                    })
+                    .collect();
+                if let (Some(kind), Some(literal)) = (number, a.literal()) {
+                    if !is_number(&literal, kind) {
+                        return Err(refuse(format!("argument {} of {} must be {}: {literal:?}", i + 1, c.name, describe(kind))));
+                    }
+                }
+                args.push((parts, number));
+            }
+            compiled.push(Compiled { origin: c.origin.clone(), name: c.name.clone(), args });
+        }
+        let bindings = params.iter().map(|b| (b.clone(), b.declared.map_or(Render::Text, DeclaredType::render))).collect();
+        Ok((SideEffect { commands: compiled, names: params.iter().map(|b| b.name.clone()).collect() }, bindings))
+    }
+
+    /// The record's commands with its values in place.
+    ///
+    /// Errors: a value that a command needs as a number is not one (the record is dead-lettered, `param_invalid`,
+    /// before any of its commands runs).
+    pub fn render(&self, apply: &Apply) -> Result<Vec<Vec<String>>, String> {
+        let mut out = Vec::with_capacity(self.commands.len());
+        for c in &self.commands {
+            let mut words = Vec::with_capacity(c.args.len() + 1);
+            words.push(c.name.clone());
+            for (i, (parts, number)) in c.args.iter().enumerate() {
+                let mut arg = String::new();
+                for p in parts {
+                    match p {
+                        Part::Text(t) => arg.push_str(t),
+                        Part::Value(v) => arg.push_str(apply.values[*v].as_deref().unwrap_or_default()),
+                    }
+                }
+                if let Some(kind) = number {
+                    if !is_number(&arg, *kind) {
+                        let from: Vec<&str> = parts.iter().filter_map(|p| if let Part::Value(v) = p { Some(self.names[*v].as_str()) } else { None }).collect();
+                        return Err(format!(
+                            "{}: argument {} of {} must be {}, got {arg:?} (from {})",
+                            c.origin, i + 1, c.name, describe(*kind), from.join(", ")
+                        ));
+                    }
+                }
+                words.push(arg);
+            }
+            out.push(words);
+        }
+        Ok(out)
+    }
+}
+
+fn describe(kind: Number) -> &'static str {
+    match kind {
+        Number::Integer => "an integer",
+        Number::Float => "a number",
+    }
+}
+
+/// Checks one command against its `COMMAND INFO` reply: `[name, arity, flags, ...]`, arity counting the name and
+/// negative for "at least" (Redis documentation, COMMAND).
+fn check_info(c: &RedisCommand, info: &Value) -> Result<(), String> {
+    let entry = match info {
+        Value::Array(v) => v.first(),
+        _ => None,
+    };
+    let Some(Value::Array(entry)) = entry else {
+        return Err(format!("Redis does not know the command {}", c.name));
+    };
+    let arity = match entry.get(1) {
+        Some(Value::Int(a)) => *a,
+        _ => return Err(format!("Redis answered COMMAND INFO {} in an unknown form", c.name)),
+    };
+    let flags: Vec<String> = match entry.get(2) {
+        Some(Value::Array(f)) | Some(Value::Set(f)) => f
+            .iter()
+            .filter_map(|v| match v {
+                Value::SimpleString(s) => Some(s.clone()),
+                Value::BulkString(b) => Some(String::from_utf8_lossy(b).into_owned()),
+                _ => None,
+            })
+            .collect(),
+        _ => Vec::new(),
+    };
+    for refused in ["noscript", "blocking", "pubsub"] {
+        if flags.iter().any(|f| f == refused) && !(refused == "pubsub" && c.name == "PUBLISH") {
+            return Err(format!("{} cannot run in idemflow's batch script (Redis flags it {refused})", c.name));
+        }
+    }
+    let given = c.args.len() as i64 + 1;
+    let fits = if arity >= 0 { given == arity } else { given >= -arity };
+    if !fits {
+        let wanted = if arity >= 0 { format!("exactly {}", arity - 1) } else { format!("at least {}", -arity - 1) };
+        return Err(format!("{} takes {wanted} argument(s) after its name; {} given", c.name, given - 1));
+    }
+    Ok(())
+}
