@@ -297,12 +297,7 @@ impl Sink {
                     let Prepared::Apply(a) = &prepared[index] else { unreachable!("only records to apply are claimed") };
                     counts.duplicate(self.duplicate(&a.key, &existing, record, &a.fingerprint, &ran.marks));
                 }
-                (_, Some(ItemResult::Failed { new, done, error })) => {
-                    let error = if done > 0 {
-                        format!("{error}; the record's first {done} command(s) took effect and were not undone (a replay runs the rest)")
-                    } else {
-                        format!("{error}; none of the record's commands took effect")
-                    };
+                (_, Some(ItemResult::Failed { new, error, .. })) => {
                     self.tally_dead_letter(&mut counts, &mut dead_letters, index, DeadLetterReason::SideEffectRejected, error, new);
                 }
                 (Some(Fate::DeadLetter(reason, error)), Some(ItemResult::DeadLettered(new))) => {

@@ -16,6 +16,7 @@ mod offsets;
 mod operator;
 mod pgbouncer;
 mod rabbitmq;
+mod redis;
 mod retention;
 mod scaleout;
 mod security;

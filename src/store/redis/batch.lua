@@ -127,6 +127,11 @@ for r = 1, n do
           redis.call('SET', dk, 'D|' .. now .. '|0||' .. value, 'KEEPTTL')
         end
         local err = 'command ' .. failed[1] .. ' of ' .. nc .. ' (' .. cmds[failed[1]][1] .. ') failed: ' .. failed[2]
+        if done == 0 then
+          err = err .. '; none of the record\'s commands took effect'
+        else
+          err = err .. '; the record\'s first ' .. done .. ' command(s) took effect and were not undone (a replay runs the rest)'
+        end
         local d = dead_letter(topic, part, off, dlpos, 'side_effect_rejected', err, tostring(done), meta, payload)
         out[r] = {2, d[1], d[2], done, err}
       else

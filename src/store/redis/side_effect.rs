@@ -61,6 +61,8 @@ struct Compiled {
 pub struct SideEffect {
     commands: Vec<Compiled>,
     names: Vec<String>,
+    /// Per binding, the number its `type` says it is (`decimal`, `integer`).
+    numbers: Vec<Option<Number>>,
 }
 
 impl SideEffect {
@@ -104,7 +106,15 @@ impl SideEffect {
             compiled.push(Compiled { origin: c.origin.clone(), name: c.name.clone(), args });
         }
         let bindings = params.iter().map(|b| (b.clone(), b.declared.map_or(Render::Text, DeclaredType::render))).collect();
-        Ok((SideEffect { commands: compiled, names: params.iter().map(|b| b.name.clone()).collect() }, bindings))
+        let numbers = params
+            .iter()
+            .map(|b| match b.declared {
+                Some(DeclaredType::Integer) => Some(Number::Integer),
+                Some(DeclaredType::Decimal) => Some(Number::Float),
+                _ => None,
+            })
+            .collect();
+        Ok((SideEffect { commands: compiled, names: params.iter().map(|b| b.name.clone()).collect(), numbers }, bindings))
     }
 
     /// The record's commands with its values in place.
@@ -112,6 +122,13 @@ impl SideEffect {
     /// Errors: a value that a command needs as a number is not one (the record is dead-lettered, `param_invalid`,
     /// before any of its commands runs).
     pub fn render(&self, apply: &Apply) -> Result<Vec<Vec<String>>, String> {
+        for ((value, number), name) in apply.values.iter().zip(&self.numbers).zip(&self.names) {
+            if let (Some(v), Some(kind)) = (value, number) {
+                if !is_number(v, *kind) {
+                    return Err(format!("sink.params.{name}: its type says {}, got {v:?}", describe(*kind)));
+                }
+            }
+        }
         let mut out = Vec::with_capacity(self.commands.len());
         for c in &self.commands {
             let mut words = Vec::with_capacity(c.args.len() + 1);

@@ -5,6 +5,7 @@ pub mod mariadb;
 pub mod noida;
 pub mod postgres;
 pub mod rabbitmq;
+pub mod redis;
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -110,8 +111,20 @@ impl Setup {
         Self::write(db, &rabbitmq::settings(url), pipelines, extra)
     }
 
+    /// Settings for Redis pipelines reading Kafka: `[redis]` (no `[database]`), `[kafka]` with more properties.
+    pub fn redis(server: &redis::RedisServer, kafka: &Kafka, pipelines: &[(&str, &str)], properties: &str, extra: &str) -> Setup {
+        let broker = format!("[kafka]\nbootstrap_servers = \"{}\"\n[kafka.properties]{}\n", kafka.bootstrap(), merge_properties(TEST_KAFKA_PROPERTIES, properties));
+        Self::write_sections(&server.section(), &broker, pipelines, extra)
+    }
+
     /// Writes the pipelines and `idemflow.toml` with the broker's section (`broker`) and more settings (`extra`).
     fn write(db: &dyn Database, broker: &str, pipelines: &[(&str, &str)], extra: &str) -> Setup {
+        let store = format!("[database]\nurl = \"{}\"\nmax_connections = 4\nacquire_timeout = \"2s\"\n", db.url());
+        Self::write_sections(&store, broker, pipelines, extra)
+    }
+
+    /// Writes the pipelines and `idemflow.toml` with the store's section, the broker's and more settings (`extra`).
+    fn write_sections(store: &str, broker: &str, pipelines: &[(&str, &str)], extra: &str) -> Setup {
         let dir = tempfile::tempdir().unwrap();
         std::fs::create_dir(dir.path().join("pipelines")).unwrap();
         for (name, text) in pipelines {
@@ -122,9 +135,8 @@ impl Setup {
         std::fs::write(
             &config,
             format!(
-                "[database]\nurl = \"{}\"\nmax_connections = 4\nacquire_timeout = \"2s\"\n{broker}\
+                "{store}{broker}\
                  [metrics]\nlisten = \"{metrics}\"\n[log]\nlevel = \"info\"\n[shutdown]\ntimeout = \"20s\"\n{extra}\n",
-                db.url(),
             ),
         )
         .unwrap();
@@ -315,6 +327,13 @@ impl InProc {
     pub async fn start_with_faults(setup: &Setup, faults: idemflow::worker::Faults) -> InProc {
         let settings = idemflow::config::load_settings_from(&setup.config, []).unwrap().settings;
         let store = idemflow::store::Store::connect(settings.database.as_ref().unwrap()).unwrap();
+        Self::start_on(setup, store, faults).await
+    }
+
+    /// [`InProc::start_with_faults`] for Redis pipelines (`[redis]`).
+    pub async fn start_redis(setup: &Setup, faults: idemflow::worker::Faults) -> InProc {
+        let settings = idemflow::config::load_settings_from(&setup.config, []).unwrap().settings;
+        let store = idemflow::store::Store::redis(settings.redis.as_ref().unwrap()).unwrap();
         Self::start_on(setup, store, faults).await
     }
 

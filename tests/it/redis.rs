@@ -1,0 +1,331 @@
+//! Redis as the store (`[sink] redis`) against a real Redis (Debian's redis-server 7.0) and the Kafka mock cluster:
+//! the core duplicate matrix with exact values, a SIGKILL crash loop, Redis SIGKILLed mid-stream under
+//! `appendfsync everysec` and restarted from its append-only file, connections killed with `CLIENT KILL`, two
+//! workers with cross-partition duplicates, a `WRONGTYPE` failure in the middle of a record's commands (dead letter,
+//! replay of the rest), and what `check`, `explain` and `dead-letters` say.
+
+use crate::failures::{assert_counters_add_up, payments, Payments, Rng};
+use crate::support::redis::RedisServer;
+use crate::support::*;
+use ::redis::Commands;
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+/// The Redis example pipeline (examples/redis/payments.toml).
+fn example() -> String {
+    std::fs::read_to_string(project_root().join("examples/redis/payments.toml")).unwrap()
+}
+
+/// The keys matching `pattern` (KEYS: a test's own server).
+fn keys(r: &mut ::redis::Connection, pattern: &str) -> Vec<String> {
+    ::redis::cmd("KEYS").arg(pattern).query(r).unwrap()
+}
+
+/// The length of a stream (0 when it does not exist).
+fn xlen(r: &mut ::redis::Connection, key: &str) -> usize {
+    ::redis::cmd("XLEN").arg(key).query(r).unwrap()
+}
+
+/// Cents from a `123.45` text.
+fn cents(text: &str) -> i64 {
+    let (units, frac) = text.split_once('.').unwrap_or((text, "0"));
+    let frac = format!("{frac:0<2}");
+    let sign = if units.starts_with('-') { -1 } else { 1 };
+    units.parse::<i64>().unwrap() * 100 + sign * frac[..2].parse::<i64>().unwrap()
+}
+
+/// What the example wrote: (payment hashes, sum of their amounts in cents, sum of the balances rounded to cents,
+/// sum of the payment counts, entries in `payments-applied`, dedup keys, dead letters).
+fn state(r: &mut ::redis::Connection) -> (usize, i64, i64, i64, usize, usize, usize) {
+    let payments: Vec<String> = keys(r, "payment:*");
+    let mut amount = 0;
+    for p in &payments {
+        let a: String = r.hget(p, "amount").unwrap();
+        amount += cents(&a);
+    }
+    let balances: Vec<String> = keys(r, "balance:*");
+    let (mut total, mut count) = (0i64, 0i64);
+    for b in &balances {
+        let t: HashMap<String, String> = r.hgetall(b).unwrap();
+        total += (t.get("total").map_or(0.0, |v| v.parse::<f64>().unwrap()) * 100.0).round() as i64;
+        count += t.get("payments").map_or(0, |v| v.parse::<i64>().unwrap());
+    }
+    let applied: usize = xlen(r, "payments-applied");
+    let dedup: Vec<String> = keys(r, "idemflow:payments:k:*");
+    let dead: usize = xlen(r, "idemflow:dead-letters");
+    (payments.len(), amount, total, count, applied, dedup.len(), dead)
+}
+
+fn expected_cents(s: &Payments) -> i64 {
+    cents(&s.expected_amount())
+}
+
+/// Every operation applied once with exact values, every poison record dead-lettered once.
+fn assert_exactly_once(server: &RedisServer, s: &Payments) {
+    let (payments, amount, total, count, applied, dedup, dead) = state(&mut server.conn());
+    assert_eq!(payments, s.distinct, "one payment hash per operation");
+    assert_eq!(amount, expected_cents(s), "amounts exact");
+    assert_eq!(total, expected_cents(s), "each deduction once");
+    assert_eq!(count, s.distinct as i64, "each count once");
+    assert_eq!(applied, s.distinct, "one stream entry per operation");
+    assert_eq!(dedup, s.distinct, "one dedup key per operation");
+    assert_eq!(dead, s.poison, "one dead letter per poison record");
+}
+
+/// Waits (at most 240 s) until every operation is applied, every poison record dead-lettered and every partition's
+/// position stored at the end of the topic; shows the workers' logs if not.
+async fn wait_all_durable(server: &RedisServer, kafka: &Kafka, partitions: i32, s: &Payments, workers: &[&BinWorker]) {
+    let end = kafka.end_offsets("payments", partitions);
+    let deadline = Instant::now() + Duration::from_secs(240);
+    loop {
+        let done = (|| {
+            let mut r = ::redis::Client::open(server.url.as_str()).ok()?.get_connection().ok()?;
+            let dedup: Vec<String> = ::redis::cmd("KEYS").arg("idemflow:payments:k:*").query(&mut r).ok()?;
+            let dead: usize = ::redis::cmd("XLEN").arg("idemflow:dead-letters").query(&mut r).ok()?;
+            let offsets: HashMap<String, String> = r.hgetall("idemflow:payments:offsets").ok()?;
+            let at_end = end.iter().enumerate().all(|(p, e)| {
+                offsets.get(&format!("payments/{p}")).and_then(|v| v.split_once(' ')).is_some_and(|(_, n)| n.parse::<i64>().ok() == Some(*e))
+            });
+            Some((dedup.len(), dead, at_end))
+        })();
+        if let Some((rows, dead, true)) = done {
+            if rows == s.distinct && dead == s.poison {
+                return;
+            }
+        }
+        if Instant::now() > deadline {
+            let tails: Vec<String> = workers.iter().map(|w| w.log_text().lines().rev().take(30).collect::<Vec<_>>().join("\n")).collect();
+            panic!("timed out: {done:?} (distinct {}, poison {}), end {end:?}\n{}", s.distinct, s.poison, tails.join("\n=====\n"));
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// The payments stream on a 3-partition topic, the example pipeline, and its settings.
+fn fixture(server: &RedisServer, distinct: usize, props: &str) -> (Kafka, Setup, Payments) {
+    let kafka = Kafka::new();
+    kafka.create_topic("payments", 3);
+    let s = payments(distinct, 3, false);
+    kafka.produce("payments", &s.records);
+    let setup = Setup::redis(server, &kafka, &[("payments.toml", &example())], props, "");
+    (kafka, setup, s)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn core_duplicates_exactly_once_on_redis() {
+    let server = RedisServer::start();
+    let (kafka, setup, s) = fixture(&server, 3_000, "");
+    let (status, out, err) = idemflow(&["check", "--config", setup.config.to_str().unwrap()], setup.dir.path());
+    assert!(status.success(), "check failed:\n{out}\n{err}");
+    assert!(out.contains("appendonly yes, appendfsync everysec"), "{out}");
+    assert!(out.contains("nothing to purge: its dedup keys expire by themselves after [dedup] retention = 7days"), "{out}");
+    let w = BinWorker::start(&setup);
+    wait_all_durable(&server, &kafka, 3, &s, &[&w]).await;
+    assert_exactly_once(&server, &s);
+    let m = w.scrape();
+    assert_counters_add_up(&m);
+    let dup = |reason| metric(&m, "idemflow_duplicates_skipped_total", &[("pipeline", "payments"), ("reason", reason)]);
+    assert_eq!(dup("republished"), s.republished as f64, "{m}");
+    assert_eq!(dup("payload_mismatch"), s.mismatched as f64);
+    assert_eq!(dup("redelivered"), 0.0);
+    assert_eq!(metric(&m, "idemflow_dead_letters_total", &[("pipeline", "payments"), ("reason", "decode_failed")]), s.poison as f64);
+    assert!(metric(&m, "idemflow_redis_script_duration_seconds_count", &[("pipeline", "payments")]) > 0.0, "{m}");
+    // Every dedup key expires after the retention, and carries the duplicates it absorbed.
+    let mut r = server.conn();
+    let dedup_keys: Vec<String> = keys(&mut r, "idemflow:payments:k:*");
+    let mut absorbed = 0;
+    for k in &dedup_keys {
+        let ttl: i64 = r.pttl(k).unwrap();
+        assert!(ttl > 6 * 24 * 3600 * 1000 && ttl <= 7 * 24 * 3600 * 1000, "{k}: ttl {ttl}");
+        let v: String = r.get(k).unwrap();
+        absorbed += v.split('|').nth(2).unwrap().parse::<usize>().unwrap();
+    }
+    assert_eq!(absorbed, s.republished + s.mismatched);
+    // explain and dead-letters read Redis.
+    let config = setup.config.to_str().unwrap();
+    let (status, out, err) = idemflow(&["explain", "--config", config, "--pipeline", "payments", "--key", "ORDERID_150"], setup.dir.path());
+    assert!(status.success(), "{out}{err}");
+    assert!(out.contains("from               payments/0@") && out.contains("duplicates skipped 1 since"), "{out}");
+    let (status, out, err) = idemflow(&["dead-letters", "list", "--config", config], setup.dir.path());
+    assert!(status.success(), "{out}{err}");
+    assert!(out.contains(&format!("{} dead letter(s)", s.poison)) && out.contains("decode_failed"), "{out}");
+    let (status, out, err) = idemflow(&["dead-letters", "show", "--config", config, "1"], setup.dir.path());
+    assert!(status.success(), "{out}{err}");
+    assert!(out.contains("payload     {\"order\": poison ") && out.contains("reason      decode_failed"), "{out}");
+    let (status, out, err) = idemflow(&["purge", "--config", config], setup.dir.path());
+    assert!(status.success() && out.contains("nothing to purge"), "{out}{err}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn crash_loop_sigkill_on_redis() {
+    let server = RedisServer::start();
+    let props = "\"session.timeout.ms\" = \"1500\"\n\"heartbeat.interval.ms\" = \"200\"";
+    let (kafka, setup, s) = fixture(&server, 20_000, props);
+    let mut rng = Rng::from_clock();
+    let end = kafka.end_offsets("payments", 3);
+    let mut kills = 0;
+    while kills < 12 {
+        let mut w = BinWorker::start(&setup);
+        let start = Instant::now();
+        while metric(&w.scrape(), "idemflow_records_received_total", &[("pipeline", "payments")]) == 0.0 {
+            assert!(start.elapsed() < Duration::from_secs(30), "no progress in 30 s:\n{}", w.log_text());
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(20 + rng.below(150))).await;
+        w.kill();
+        kills += 1;
+        if kafka.committed("idemflow-payments", "payments", 3) == end {
+            break;
+        }
+    }
+    assert!(kills >= 10, "only {kills} kills before the stream ended");
+    let w = BinWorker::start(&setup);
+    wait_all_durable(&server, &kafka, 3, &s, &[&w]).await;
+    assert_exactly_once(&server, &s);
+    eprintln!("{kills} SIGKILLs over {} records ({} operations): each operation applied once", s.records.len(), s.distinct);
+}
+
+/// Redis SIGKILLed mid-stream with `appendfsync everysec` loses its last writes (effects, dedup keys and stored
+/// positions together); restarted from its append-only file, the worker notices the positions it stored are gone,
+/// consumes those partitions again from what Redis kept, and every operation ends applied once.
+#[tokio::test(flavor = "multi_thread")]
+async fn redis_killed_and_restarted_from_its_aof_mid_stream() {
+    let mut server = RedisServer::start();
+    let (kafka, setup, s) = fixture(&server, 30_000, "");
+    let w = BinWorker::start(&setup);
+    let received = || metric(&w.scrape(), "idemflow_records_received_total", &[("pipeline", "payments")]);
+    wait_until(Duration::from_secs(60), "the worker applying", || async { received() > 3_000.0 }).await;
+    server.kill();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let during = w.scrape();
+    assert_eq!(metric(&during, "idemflow_pipeline_up", &[("pipeline", "payments")]), 1.0, "the pipeline must wait, not stop");
+    server.start_again();
+    wait_all_durable(&server, &kafka, 3, &s, &[&w]).await;
+    assert_exactly_once(&server, &s);
+    let m = w.scrape();
+    assert!(metric(&m, "idemflow_db_retries_total", &[("pipeline", "payments"), ("cause", "connection")]) > 0.0, "{m}");
+    let resumed = w.log_text().matches("consuming the partition again from the position the store kept").count();
+    eprintln!("Redis SIGKILLed after {} records; {resumed} partition(s) resumed from the positions Redis kept", received());
+}
+
+/// The worker's connection killed every 50 ms (`CLIENT KILL TYPE normal`): scripts hit mid-way are retried, and
+/// every operation applies once.
+#[tokio::test(flavor = "multi_thread")]
+async fn connections_killed_mid_run() {
+    let server = RedisServer::start();
+    let (kafka, setup, s) = fixture(&server, 20_000, "");
+    let w = BinWorker::start(&setup);
+    let mut r = server.conn();
+    let mut killed = 0;
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while kafka.committed("idemflow-payments", "payments", 3) != kafka.end_offsets("payments", 3) && Instant::now() < deadline {
+        let n: i64 = ::redis::cmd("CLIENT").arg("KILL").arg("TYPE").arg("normal").arg("SKIPME").arg("yes").query(&mut r).unwrap();
+        killed += n;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(killed > 3, "killed only {killed} connections");
+    wait_all_durable(&server, &kafka, 3, &s, &[&w]).await;
+    assert_exactly_once(&server, &s);
+    let m = w.scrape();
+    assert_counters_add_up(&m);
+    assert!(metric(&m, "idemflow_db_retries_total", &[("pipeline", "payments"), ("cause", "connection")]) > 0.0, "{m}");
+}
+
+/// Two worker processes in one consumer group, the second joining mid-stream (a rebalance, its partitions claimed
+/// under new epochs), with the same operations republished to other partitions.
+#[tokio::test(flavor = "multi_thread")]
+async fn two_workers_with_cross_partition_duplicates() {
+    let server = RedisServer::start();
+    let kafka = Kafka::new();
+    kafka.create_topic("payments", 6);
+    let s = payments(20_000, 6, true);
+    kafka.produce("payments", &s.records);
+    let props = "\"session.timeout.ms\" = \"3000\"\n\"heartbeat.interval.ms\" = \"300\"";
+    let setups: Vec<Setup> = (0..2).map(|_| Setup::redis(&server, &kafka, &[("payments.toml", &example())], props, "")).collect();
+    let received = |w: &BinWorker| metric(&w.scrape(), "idemflow_records_received_total", &[("pipeline", "payments")]);
+    let a = BinWorker::start(&setups[0]);
+    wait_until(Duration::from_secs(30), "A to start", || async { received(&a) > 0.0 }).await;
+    let b = BinWorker::start(&setups[1]);
+    wait_all_durable(&server, &kafka, 6, &s, &[&a, &b]).await;
+    assert_exactly_once(&server, &s);
+    let (ma, mb) = (a.scrape(), b.scrape());
+    assert!(received(&a) > 0.0 && received(&b) > 0.0, "both workers consumed: {} and {}", received(&a), received(&b));
+    assert_counters_add_up(&ma);
+    assert_counters_add_up(&mb);
+}
+
+/// A key of the wrong type in the middle of a record's commands: the record is dead-lettered after its first command
+/// took effect (not undone: Redis has no rollback), no later copy runs that command again, the other records apply,
+/// and a replay after the key is fixed runs only the commands that had not.
+#[tokio::test(flavor = "multi_thread")]
+async fn wrongtype_in_the_middle_of_a_record() {
+    let server = RedisServer::start();
+    let mut r = server.conn();
+    let _: () = r.set("balance:ACC-5", "not a hash").unwrap();
+    let kafka = Kafka::new();
+    kafka.create_topic("payments", 1);
+    let order = |id: &str, account: &str, amount: &str| {
+        Out::json(0, format!(r#"{{"order":{{"id":"{id}","account":"{account}","amount":"{amount}"}}}}"#))
+    };
+    kafka.produce("payments", &[
+        order("O-1", "ACC-1", "10.00"),
+        order("O-2", "ACC-5", "20.00"),
+        order("O-3", "ACC-1", "30.00"),
+        order("O-2", "ACC-5", "20.00"),
+        order("O-4", "ACC-1", "not a number"),
+    ]);
+    let setup = Setup::redis(&server, &kafka, &[("payments.toml", &example())], "", "");
+    let w = InProc::start_redis(&setup, Default::default()).await;
+    w.wait_received("payments", 5).await;
+    let total: String = r.hget("balance:ACC-1", "total").unwrap();
+    assert_eq!(total, "40", "O-1 and O-3 applied; O-4 never ran a command");
+    assert!(r.exists::<_, bool>("payment:O-2").unwrap(), "O-2's first command took effect");
+    assert_eq!(w.metric("idemflow_dead_letters_total", &[("pipeline", "payments"), ("reason", "side_effect_rejected")]), 1.0);
+    assert_eq!(w.metric("idemflow_dead_letters_total", &[("pipeline", "payments"), ("reason", "param_invalid")]), 1.0);
+    assert_eq!(w.metric("idemflow_duplicates_skipped_total", &[("pipeline", "payments"), ("reason", "republished")]), 1.0, "the copy of O-2 runs nothing");
+    let applied: usize = xlen(&mut r, "payments-applied");
+    assert_eq!(applied, 2);
+    assert!(w.stop().await.is_empty());
+    let config = setup.config.to_str().unwrap();
+    let (_, out, _) = idemflow(&["dead-letters", "show", "--config", config, "1"], setup.dir.path());
+    assert!(out.contains("command 2 of 4 (HINCRBYFLOAT) failed: WRONGTYPE") && out.contains("first 1 command(s) took effect"), "{out}");
+    let (_, out, _) = idemflow(&["dead-letters", "show", "--config", config, "2"], setup.dir.path());
+    assert!(out.contains("sink.params.amount: its type says a number, got \"not a number\""), "{out}");
+    // Fixed, and replayed: commands 2 to 4 run, the payment hash is not written again.
+    let _: () = r.del("balance:ACC-5").unwrap();
+    let _: () = r.hset("payment:O-2", "marker", "kept").unwrap();
+    let (status, out, err) = idemflow(&["dead-letters", "replay", "--config", config, "1"], setup.dir.path());
+    assert!(status.success(), "{out}{err}");
+    assert!(out.contains("dead letter 1: applied"), "{out}");
+    let marker: Option<String> = r.hget("payment:O-2", "marker").unwrap();
+    assert_eq!(marker.as_deref(), Some("kept"), "HSET was not run again");
+    let total: String = r.hget("balance:ACC-5", "total").unwrap();
+    assert_eq!(total, "20");
+    let applied: usize = xlen(&mut r, "payments-applied");
+    assert_eq!(applied, 3);
+    let (_, out, _) = idemflow(&["dead-letters", "list", "--config", config], setup.dir.path());
+    assert!(out.contains("1 dead letter(s)"), "only O-4's is left: {out}");
+}
+
+/// `check` refuses a Redis Cluster node, unknown commands and wrong arities, with the reason.
+#[tokio::test(flavor = "multi_thread")]
+async fn check_refuses_cluster_unknown_commands_and_arity() {
+    let kafka = Kafka::new();
+    kafka.create_topic("payments", 1);
+    let cluster = RedisServer::start_with("everysec", &["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]);
+    let setup = Setup::redis(&cluster, &kafka, &[("payments.toml", &example())], "", "");
+    let (status, out, err) = idemflow(&["check", "--config", setup.config.to_str().unwrap()], setup.dir.path());
+    assert!(!status.success(), "{out}");
+    assert!(err.contains("this is a Redis Cluster node"), "{err}");
+    let server = RedisServer::start();
+    let bad = |command: &str| {
+        format!("topics = [\"payments\"]\n[key]\nfield = \"/id\"\n[sink]\nredis = [[\"SET\", \"p:{{id}}\", \"1\"], {command}]\n[sink.params]\nid = \"/id\"\n")
+    };
+    let (a, b, c) = (bad(r#"["HSETT", "p", "a", "1"]"#), bad(r#"["GET", "a", "b"]"#), bad(r#"["INCRBY", "n", "x"]"#));
+    let setup = Setup::redis(&server, &kafka, &[("a.toml", &a), ("b.toml", &b), ("c.toml", &c)], "", "");
+    let (status, out, err) = idemflow(&["check", "--config", setup.config.to_str().unwrap()], setup.dir.path());
+    assert!(!status.success(), "{out}");
+    assert!(err.contains("pipeline \"a\": sink.redis[1]: Redis does not know the command HSETT"), "{err}");
+    assert!(err.contains("pipeline \"b\": sink.redis[1]: GET takes exactly 1 argument(s) after its name; 2 given"), "{err}");
+    assert!(err.contains("pipeline \"c\": sink.redis[1]: argument 2 of INCRBY must be an integer: \"x\""), "{err}");
+}
