@@ -156,11 +156,14 @@ async fn core_duplicates_exactly_once_on_redis() {
     assert!(status.success() && out.contains("nothing to purge"), "{out}{err}");
 }
 
+/// Worker SIGKILLs at random moments: batches of 100, so a kill lands between or inside many scripts.
 #[tokio::test(flavor = "multi_thread")]
 async fn crash_loop_sigkill_on_redis() {
     let server = RedisServer::start();
     let props = "\"session.timeout.ms\" = \"1500\"\n\"heartbeat.interval.ms\" = \"200\"";
-    let (kafka, setup, s) = fixture(&server, 20_000, props);
+    let (kafka, _, s) = fixture(&server, 30_000, props);
+    let small = example().replace("max_records = 2000", "max_records = 100");
+    let setup = Setup::redis(&server, &kafka, &[("payments.toml", &small)], props, "");
     let mut rng = Rng::from_clock();
     let end = kafka.end_offsets("payments", 3);
     let mut kills = 0;
@@ -185,17 +188,21 @@ async fn crash_loop_sigkill_on_redis() {
     eprintln!("{kills} SIGKILLs over {} records ({} operations): each operation applied once", s.records.len(), s.distinct);
 }
 
-/// Redis SIGKILLed mid-stream with `appendfsync everysec` loses its last writes (effects, dedup keys and stored
-/// positions together); restarted from its append-only file, the worker notices the positions it stored are gone,
-/// consumes those partitions again from what Redis kept, and every operation ends applied once.
+/// Redis SIGKILLed mid-stream with `appendfsync everysec`, losing its last writes as a machine crash would (the
+/// unsynced tail of its append-only file cut): effects, dedup keys and stored positions are lost together.
+/// Restarted from the file, the worker notices the positions it stored are gone, consumes those partitions again
+/// from what Redis kept, and every operation ends applied once.
 #[tokio::test(flavor = "multi_thread")]
 async fn redis_killed_and_restarted_from_its_aof_mid_stream() {
     let mut server = RedisServer::start();
-    let (kafka, setup, s) = fixture(&server, 30_000, "");
+    let (kafka, _, s) = fixture(&server, 30_000, "");
+    // Small batches, so the stream lasts a few seconds and the crash lands in the middle.
+    let small = example().replace("max_records = 2000", "max_records = 20");
+    let setup = Setup::redis(&server, &kafka, &[("payments.toml", &small)], "", "");
     let w = BinWorker::start(&setup);
     let received = || metric(&w.scrape(), "idemflow_records_received_total", &[("pipeline", "payments")]);
-    wait_until(Duration::from_secs(60), "the worker applying", || async { received() > 3_000.0 }).await;
-    server.kill();
+    wait_until(Duration::from_secs(60), "the worker applying", || async { received() > 5_000.0 }).await;
+    let cut = server.kill_losing_last_writes(0.3);
     tokio::time::sleep(Duration::from_secs(2)).await;
     let during = w.scrape();
     assert_eq!(metric(&during, "idemflow_pipeline_up", &[("pipeline", "payments")]), 1.0, "the pipeline must wait, not stop");
@@ -205,10 +212,11 @@ async fn redis_killed_and_restarted_from_its_aof_mid_stream() {
     let m = w.scrape();
     assert!(metric(&m, "idemflow_db_retries_total", &[("pipeline", "payments"), ("cause", "connection")]) > 0.0, "{m}");
     let resumed = w.log_text().matches("consuming the partition again from the position the store kept").count();
-    eprintln!("Redis SIGKILLed after {} records; {resumed} partition(s) resumed from the positions Redis kept", received());
+    eprintln!("Redis SIGKILLed, {cut} bytes of its AOF cut; {resumed} partition(s) resumed from the positions Redis kept");
+    assert!(resumed > 0, "the lost positions were noticed:\n{}", w.log_text());
 }
 
-/// The worker's connection killed every 50 ms (`CLIENT KILL TYPE normal`): scripts hit mid-way are retried, and
+/// The worker's connection killed every 100 ms for 10 s (`CLIENT KILL TYPE normal`): scripts hit mid-way are retried, and
 /// every operation applies once.
 #[tokio::test(flavor = "multi_thread")]
 async fn connections_killed_mid_run() {
@@ -217,11 +225,12 @@ async fn connections_killed_mid_run() {
     let w = BinWorker::start(&setup);
     let mut r = server.conn();
     let mut killed = 0;
-    let deadline = Instant::now() + Duration::from_secs(120);
+    // Kills for 10 s (the client's reconnects and the worker's retry backoff slow it down meanwhile), then lets it finish.
+    let deadline = Instant::now() + Duration::from_secs(10);
     while kafka.committed("idemflow-payments", "payments", 3) != kafka.end_offsets("payments", 3) && Instant::now() < deadline {
         let n: i64 = ::redis::cmd("CLIENT").arg("KILL").arg("TYPE").arg("normal").arg("SKIPME").arg("yes").query(&mut r).unwrap();
         killed += n;
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert!(killed > 3, "killed only {killed} connections");
     wait_all_durable(&server, &kafka, 3, &s, &[&w]).await;

@@ -78,6 +78,25 @@ impl RedisServer {
         }
     }
 
+    /// SIGKILLs the server and cuts the last `fraction` of its newest append-only file: what a machine crash does to
+    /// writes `appendfsync everysec` had not synced yet. (A killed process alone loses nothing the kernel already has:
+    /// Redis writes the file before it answers, it only syncs it later.) Redis loads the rest at its next start
+    /// (`aof-load-truncated yes`, its default), reverting a `MULTI`/`EXEC` block cut in the middle.
+    pub fn kill_losing_last_writes(&mut self, fraction: f64) -> u64 {
+        self.kill();
+        let dir = self.dir.path().join("appendonlydir");
+        let newest = std::fs::read_dir(&dir)
+            .unwrap()
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.to_string_lossy().ends_with(".incr.aof"))
+            .max_by_key(|p| std::fs::metadata(p).map(|m| m.len()).unwrap_or(0))
+            .expect("an incremental AOF file");
+        let len = std::fs::metadata(&newest).unwrap().len();
+        let cut = (len as f64 * fraction) as u64;
+        std::fs::OpenOptions::new().write(true).open(&newest).unwrap().set_len(len - cut).unwrap();
+        cut
+    }
+
     /// Its log.
     pub fn log(&self) -> String {
         std::fs::read_to_string(self.dir.path().join("redis.log")).unwrap_or_default()
