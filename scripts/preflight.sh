@@ -54,6 +54,7 @@ idemflow_venv_ready() {
 #                      scripts/rabbitmq-throwaway.sh)
 #   mariadb-server, mariadb-client  the MySQL/MariaDB store against a real server (a throwaway server per test run,
 #                      see scripts/mariadb-throwaway.sh)
+#   redis-server       the Redis store against a real server (each Redis test starts its own, in about 0.2 s)
 #   make, gcc          building librdkafka (rdkafka-sys)
 #   pkg-config, libssl-dev  the Kafka client's TLS and SASL/SCRAM (librdkafka against the system OpenSSL)
 #   socat              a TLS-terminating proxy for the Kafka TLS test
@@ -72,6 +73,7 @@ idemflow_test_preflight() {
   [ -x /usr/lib/rabbitmq/bin/rabbitmq-server ] || missing+=(rabbitmq-server)
   [ -x /usr/sbin/mariadbd ] || missing+=(mariadb-server)
   { command -v mariadb && command -v mariadb-install-db; } >/dev/null 2>&1 || missing+=(mariadb-client)
+  command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
   command -v make >/dev/null 2>&1 || missing+=(make)
   idemflow_build_packages_missing missing
   command -v openssl >/dev/null 2>&1 || missing+=(openssl)

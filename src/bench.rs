@@ -9,7 +9,9 @@
 //! 3. the ceiling: `COPY` of the same dedup rows and business rows into the same indexed tables, no Kafka;
 //! 4. the worker as in (1) with `--preload` dedup keys already in the store;
 //! 5. the broker's ceiling: a consume-only pass (decode and key extraction, no database);
-//! 6. the worker with the per-record SQL form of the same side effect, over a prefix of the stream.
+//! 6. the worker with the per-record SQL form of the same side effect, over a prefix of the stream;
+//! 7. the worker with a Redis sink (`[sink] redis`: each new order as a hash, one script per batch) on a throwaway
+//!    `redis-server` (append-only file, `appendfsync everysec`); skipped when `redis-server` is not installed.
 //!
 //! With `--database-url mysql://...` (or `mariadb://`) runs (1), (2), (5) and (6) run on MySQL or MariaDB; (3) and
 //! (4) are PostgreSQL's.
@@ -57,7 +59,7 @@ pub struct BenchOptions {
     pub markdown: PathBuf,
     /// Where the JSON goes.
     pub json: PathBuf,
-    /// Only these runs (1..=6); all when empty (ratios need all).
+    /// Only these runs (1..=7); all when empty (a ratio needs both of its runs).
     pub only: Vec<u8>,
     /// Run each worker under `perf record -g` (output `perf-<run>.data` in the current directory).
     pub perf: bool,
@@ -205,6 +207,12 @@ fn sql_pipeline() -> String {
         .replace("created_at = \"/created_at\"", "created_at = { field = \"/created_at\", type = \"timestamp\" }")
 }
 
+/// The Redis form of the same side effect: each new order as a hash `order:<id>`.
+fn redis_pipeline() -> String {
+    let fields: String = COLUMNS.iter().skip(1).map(|(c, _)| format!(", \"{c}\", \"{{{c}}}\"")).collect();
+    pipeline_text(&format!("redis = [[\"HSET\", \"order:{{order_id}}\"{fields}]]"), "sink.params", "")
+}
+
 /// A database for one run: created on the server, migrated, with the business table.
 async fn fresh_database(admin_url: &str, name: &str) -> anyhow::Result<String> {
     if is_mysql(admin_url) {
@@ -302,6 +310,11 @@ fn kafka_settings(kafka: &EmbeddedKafka) -> String {
 /// Runs the worker as a child process on `pipeline` until it has received `target` records. `broker` is the
 /// broker's section of the settings (`[kafka]` or `[rabbitmq]`).
 async fn worker_run(run: WorkerRun<'_>, broker: &str, url: &str, perf: bool) -> anyhow::Result<RunResult> {
+    worker_run_on(run, broker, &format!("[database]\nurl = \"{url}\"\nmax_connections = 4\n"), perf).await
+}
+
+/// [`worker_run`] with the store's section of the settings (`[database]` or `[redis]`) given whole.
+async fn worker_run_on(run: WorkerRun<'_>, broker: &str, store: &str, perf: bool) -> anyhow::Result<RunResult> {
     let WorkerRun { id, name, ref pipeline, group, target } = run;
     let dir = tempfile::Builder::new().prefix("idemflow-bench-").tempdir()?;
     std::fs::create_dir(dir.path().join("pipelines"))?;
@@ -311,7 +324,7 @@ async fn worker_run(run: WorkerRun<'_>, broker: &str, url: &str, perf: bool) -> 
     std::fs::write(
         dir.path().join("idemflow.toml"),
         format!(
-            "pipelines = \"pipelines\"\n[database]\nurl = \"{url}\"\nmax_connections = 4\n{broker}\
+            "pipelines = \"pipelines\"\n{store}{broker}\
              [metrics]\nlisten = \"{addr}\"\n[log]\nlevel = \"warn\"\n"
         ),
     )?;
@@ -649,8 +662,27 @@ pub async fn run(o: BenchOptions) -> anyhow::Result<Report> {
         eprintln!("MySQL/MariaDB: runs (1), (2), (5) and (6); (3) and (4) are PostgreSQL's");
     }
 
-    for n in 1..=6u8 {
+    for n in 1..=7u8 {
         if !want(n) {
+            continue;
+        }
+        if n == 7 {
+            if mysql {
+                continue;
+            }
+            let redis = match crate::demo::redis::Throwaway::start() {
+                Ok(r) => r,
+                Err(e) => {
+                    eprintln!("(7) skipped: {e}");
+                    continue;
+                }
+            };
+            eprintln!("redis: {} (throwaway server, appendonly yes, appendfsync everysec)", redis.version());
+            let run = WorkerRun { id: "(7)", name: "idemflow, Redis sink (one script per batch)", pipeline: redis_pipeline(), group: "bench-7", target: total };
+            let store = format!("[redis]\nurl = \"{}\"\n", redis.url());
+            let r = worker_run_on(run, &kafka_settings(&kafka), &store, perf).await?;
+            report_run(&r);
+            runs.push(r);
             continue;
         }
         let url = fresh_database(&admin_url, &format!("bench_{n}")).await?;
@@ -693,18 +725,20 @@ pub async fn run(o: BenchOptions) -> anyhow::Result<Report> {
         write_outputs(&report, &o.markdown, &o.json)?;
         return Ok(report);
     }
-    if runs.len() < 6 {
-        let report = Report { environment: env, runs, ratios: Vec::new() };
-        write_outputs(&report, &o.markdown, &o.json)?;
-        return Ok(report);
-    }
-    let rate = |i: usize| runs[i].records_per_second;
-    let ratios = vec![
-        ("(1) / min((3), (5))".to_owned(), rate(0) / rate(2).min(rate(4)), ">= 0.60".to_owned()),
-        ("(1) / (2)".to_owned(), rate(0) / rate(1), ">= 50".to_owned()),
-        ("(4) / (1)".to_owned(), rate(3) / rate(0), ">= 0.80".to_owned()),
-        ("(6) / (1)".to_owned(), rate(5) / rate(0), "(measured)".to_owned()),
-    ];
+    let rate = |id: &str| runs.iter().find(|r| r.id == id).map(|r| r.records_per_second);
+    let mut ratios = Vec::new();
+    let mut ratio = |name: &str, a: Option<f64>, b: Option<f64>, target: &str| {
+        if let (Some(a), Some(b)) = (a, b) {
+            ratios.push((name.to_owned(), a / b, target.to_owned()));
+        }
+    };
+    let floor = rate("(3)").zip(rate("(5)")).map(|(c, k)| c.min(k));
+    ratio("(1) / min((3), (5))", rate("(1)"), floor, ">= 0.60");
+    ratio("(1) / (2)", rate("(1)"), rate("(2)"), ">= 50");
+    ratio("(4) / (1)", rate("(4)"), rate("(1)"), ">= 0.80");
+    ratio("(6) / (1)", rate("(6)"), rate("(1)"), "(measured)");
+    ratio("(7) / (1), Redis against the Postgres table form", rate("(7)"), rate("(1)"), ">= 3");
+    ratio("(7) / (5), Redis against consume-only", rate("(7)"), rate("(5)"), ">= 0.60");
     let report = Report { environment: env, runs, ratios };
     write_outputs(&report, &o.markdown, &o.json)?;
     Ok(report)

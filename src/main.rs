@@ -204,7 +204,7 @@ struct BenchArgs {
     /// Where to write the JSON.
     #[arg(long, default_value = "target/bench/bench.json")]
     json: PathBuf,
-    /// Only these runs, e.g. `--only 1,5` (the ratios need all six).
+    /// Only these runs, e.g. `--only 1,5,7` (a ratio needs both of its runs).
     #[arg(long, value_delimiter = ',')]
     only: Vec<u8>,
     /// Profile each worker run with `perf record -g` (writes perf-N.data here; CPU figures then include perf).

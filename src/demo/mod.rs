@@ -18,6 +18,7 @@ pub mod database;
 pub mod kafka;
 pub mod postgres;
 pub mod rabbitmq;
+pub mod redis;
 
 use crate::config::{
     self, DatabaseSettings, KafkaSettings, LogSettings, MetricsSettings, PropertyValue, Settings, ShutdownSettings,
