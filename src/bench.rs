@@ -762,7 +762,7 @@ async fn run_rabbitmq(o: &BenchOptions, admin_url: &str) -> anyhow::Result<Repor
     let messages: Vec<(String, Vec<u8>)> =
         s.records.iter().enumerate().map(|(i, (_, body))| (crate::demo::message_id(i, body), body.clone())).collect();
     let want = |n: u8| o.only.is_empty() || o.only.contains(&n);
-    let runs_wanted: Vec<u8> = [1u8, 5].into_iter().filter(|n| want(*n)).collect();
+    let runs_wanted: Vec<u8> = [1u8, 5, 7].into_iter().filter(|n| want(*n)).collect();
     for n in &runs_wanted {
         let queue = format!("bench-{n}");
         rabbitmq::declare_quorum_queue(&amqp, &queue).await?;
@@ -780,17 +780,28 @@ async fn run_rabbitmq(o: &BenchOptions, admin_url: &str) -> anyhow::Result<Repor
         let r = if n == 1 {
             let run = WorkerRun { id: "(1)", name: "idemflow from a RabbitMQ quorum queue, default batching (table form)", pipeline, group: "", target: total };
             worker_run(run, &broker, &url, o.perf).await?
+        } else if n == 7 {
+            let redis = crate::demo::redis::Throwaway::start()?;
+            let pipeline = redis_pipeline().replace(&format!("topics = [\"{TOPIC}\"]"), &format!("[source]\nkind = \"rabbitmq\"\nqueue = \"{queue}\""));
+            let run = WorkerRun { id: "(7)", name: "idemflow from a RabbitMQ quorum queue, Redis sink (one script per batch)", pipeline, group: "", target: total };
+            worker_run_on(run, &broker, &format!("[redis]\nurl = \"{}\"\n", redis.url()), o.perf).await?
         } else {
             consume_only_rabbitmq(&amqp, &queue, &url, &pipeline, s.records.len()).await?
         };
         eprintln!("{} {}: {:.0} records/s ({})", r.id, r.name, r.records_per_second, r.note);
         runs.push(r);
     }
-    let ratios = if runs.len() == 2 {
-        vec![("(1) / (5), RabbitMQ".to_owned(), runs[0].records_per_second / runs[1].records_per_second, "(measured)".to_owned())]
-    } else {
-        Vec::new()
-    };
+    let rate = |id: &str| runs.iter().find(|r| r.id == id).map(|r| r.records_per_second);
+    let mut ratios = Vec::new();
+    for (name, a, b, target) in [
+        ("(1) / (5), RabbitMQ", "(1)", "(5)", "(measured)"),
+        ("(7) / (1), RabbitMQ: Redis against the Postgres table form", "(7)", "(1)", ">= 3"),
+        ("(7) / (5), RabbitMQ: Redis against consume-only", "(7)", "(5)", ">= 0.60"),
+    ] {
+        if let (Some(a), Some(b)) = (rate(a), rate(b)) {
+            ratios.push((name.to_owned(), a / b, target.to_owned()));
+        }
+    }
     let report = Report { environment: env, runs, ratios };
     write_outputs(&report, &o.markdown, &o.json)?;
     Ok(report)

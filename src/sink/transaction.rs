@@ -238,7 +238,7 @@ impl Sink {
             skip = Some(stored.and_then(|d| d.commands_done).unwrap_or(0));
         }
         let mut fates: Vec<Option<Fate>> = Vec::with_capacity(records.len());
-        let mut rendered: Vec<Option<Result<Vec<Vec<String>>, String>>> = Vec::with_capacity(records.len());
+        let mut rendered: Vec<Option<Result<Vec<String>, String>>> = Vec::with_capacity(records.len());
         for p in prepared {
             let (fate, commands) = match p {
                 Prepared::Tombstone => (Some(Fate::Tombstone), None),
@@ -263,15 +263,15 @@ impl Sink {
         for (i, (record, fate)) in records.iter().zip(&fates).enumerate() {
             let item = match (fate, &prepared[i], rendered[i].take()) {
                 (Some(Fate::DeadLetter(reason, error)), _, _) => Item::DeadLetter { record, reason: *reason, error },
-                (None, Prepared::Apply(a), Some(Ok(commands))) => {
-                    Item::Apply { record, digest: a.key.digest, fingerprint: a.fingerprint, commands, replay_skip: skip }
+                (None, Prepared::Apply(a), Some(Ok(values))) => {
+                    Item::Apply { record, digest: a.key.digest, fingerprint: a.fingerprint, values, replay_skip: skip }
                 }
                 _ => continue,
             };
             items.push(item);
             sent.push(i);
         }
-        let ran = match redis.run_batch(&self.pipeline, self.retention, positions, replaying, &items).await {
+        let ran = match redis.run_batch(&self.pipeline, self.retention, positions, replaying, &side_effect.template(), &items).await {
             Ok(ran) => ran,
             Err(Refused::Redis(e)) => return Err(SinkError::redis("running the batch script", e)),
             Err(Refused::Fenced(partitions)) => return Err(SinkError::Fenced { partitions }),

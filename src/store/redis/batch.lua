@@ -55,7 +55,27 @@ for r = 1, nr do
   i = i + 1
 end
 
-local function dead_letter(topic, part, off, dlpos, reason, err, done, meta, payload)
+-- The commands: per command its arguments, false where a record's value goes (filled in place for each record).
+local nc = tonumber(ARGV[i]); i = i + 1
+local cmds = {}
+local holes = {}
+for c = 1, nc do
+  local na = tonumber(ARGV[i]); i = i + 1
+  local cmd, h = {}, {}
+  for a = 1, na do
+    local flag, arg = string.sub(ARGV[i], 1, 1), string.sub(ARGV[i], 2)
+    if flag == '=' then
+      cmd[a] = arg
+    else
+      cmd[a] = false
+      h[#h + 1] = a
+    end
+    i = i + 1
+  end
+  cmds[c], holes[c] = cmd, h
+end
+
+local function dead_letter(topic, part, off, dlpos, reason, err, done, blob)
   local k = nil
   if dlpos ~= '' then
     k = P .. 'dl:' .. dlpos
@@ -64,9 +84,11 @@ local function dead_letter(topic, part, off, dlpos, reason, err, done, meta, pay
       return {0, id}
     end
   end
+  local nl = string.find(blob, '\n', 1, true)
   local id = redis.call('INCR', seq) .. '-0'
   redis.call('XADD', stream, id, 'pipeline', pipeline, 'topic', topic, 'partition', part, 'offset', off,
-    'reason', reason, 'error', err, 'commands_done', done, 'created_at', now, 'meta', meta, 'payload', payload)
+    'reason', reason, 'error', err, 'commands_done', done, 'created_at', now,
+    'meta', string.sub(blob, 1, nl - 1), 'payload', string.sub(blob, nl + 1))
   if k then
     redis.call('SET', k, id, 'PX', ttl)
   end
@@ -76,27 +98,27 @@ end
 local n = tonumber(ARGV[i]); i = i + 1
 local out = {}
 for r = 1, n do
-  local kind, topic, part, off, dlpos, meta, payload = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], ARGV[i + 4], ARGV[i + 5], ARGV[i + 6]
-  i = i + 7
+  -- kind: A (apply), R<done> (apply a replayed dead letter, whose first <done> commands took effect), D (dead letter).
+  local kind, dlpos, blob = ARGV[i], ARGV[i + 1], ARGV[i + 2]
+  i = i + 3
   if kind == 'D' then
-    local reason, err = ARGV[i], ARGV[i + 1]
-    i = i + 2
-    local d = dead_letter(topic, part, off, dlpos, reason, err, '0', meta, payload)
+    local topic, part, off, reason, err = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], ARGV[i + 4]
+    i = i + 5
+    local d = dead_letter(topic, part, off, dlpos, reason, err, '0', blob)
     out[r] = {3, d[1], d[2]}
   else
-    local dk, value, skip, nc = P .. 'k:' .. ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2]), tonumber(ARGV[i + 3])
-    i = i + 4
-    local cmds = {}
+    local dk, value = P .. 'k:' .. ARGV[i], ARGV[i + 1]
+    i = i + 2
     for c = 1, nc do
-      local na = tonumber(ARGV[i]); i = i + 1
-      local args = {}
-      for a = 1, na do
-        args[a] = ARGV[i + a - 1]
+      local cmd = cmds[c]
+      for _, a in ipairs(holes[c]) do
+        cmd[a] = ARGV[i]
+        i = i + 1
       end
-      i = i + na
-      cmds[c] = args
     end
-    if kind == 'R' then
+    local skip = 0
+    if kind ~= 'A' then
+      skip = tonumber(string.sub(kind, 2))
       -- A dead letter replayed: its key may hold the mark of its partial failure, and its position is no longer
       -- dead-lettered.
       if dlpos ~= '' then
@@ -107,8 +129,7 @@ for r = 1, n do
         redis.call('DEL', dk)
       end
     end
-    local applied = 'A|' .. now .. '|0||' .. value
-    if redis.call('SET', dk, applied, 'NX', 'PX', ttl) then
+    if redis.call('SET', dk, 'A|' .. now .. '|0||' .. value, 'NX', 'PX', ttl) then
       local failed = nil
       for c = skip + 1, nc do
         local res = redis.pcall(unpack(cmds[c]))
@@ -119,23 +140,21 @@ for r = 1, n do
       end
       if failed then
         local done = failed[1] - 1
+        local err = 'command ' .. failed[1] .. ' of ' .. nc .. ' (' .. cmds[failed[1]][1] .. ') failed: ' .. failed[2]
         if done == 0 then
           redis.call('DEL', dk)
+          err = err .. '; none of the record\'s commands took effect'
         else
           -- Some commands took effect: the key stays, marked, so no later copy runs them again; a replay of the
           -- dead letter runs the rest.
           redis.call('SET', dk, 'D|' .. now .. '|0||' .. value, 'KEEPTTL')
-        end
-        local err = 'command ' .. failed[1] .. ' of ' .. nc .. ' (' .. cmds[failed[1]][1] .. ') failed: ' .. failed[2]
-        if done == 0 then
-          err = err .. '; none of the record\'s commands took effect'
-        else
           err = err .. '; the record\'s first ' .. done .. ' command(s) took effect and were not undone (a replay runs the rest)'
         end
-        local d = dead_letter(topic, part, off, dlpos, 'side_effect_rejected', err, tostring(done), meta, payload)
+        local part, off, topic = string.match(value, '^(-?%d+)|(%d+)|%x*|(.*)$')
+        local d = dead_letter(topic, part, off, dlpos, 'side_effect_rejected', err, tostring(done), blob)
         out[r] = {2, d[1], d[2], done, err}
       else
-        out[r] = {0}
+        out[r] = 0
       end
     else
       local old = redis.call('GET', dk)

@@ -1,11 +1,16 @@
 //! One batch as one Lua script ([`SCRIPT`], `batch.lua` beside this file), run atomically by Redis.
 //!
 //! Arguments (all `ARGV`; idemflow refuses Redis Cluster, where a script must declare its keys):
-//! `prefix ttl_ms stream seq pipeline`, then `NP` and per partition `topic/partition next epoch expected`, then
-//! `NR` and the stream ids of dead letters being replayed, then `N` and per record
-//! `kind topic partition offset dl_position meta payload` followed by, for kind `D` (a dead letter),
-//! `reason error`, and for kinds `A` (apply) and `R` (apply a replayed dead letter),
-//! `digest value skip NC` and per command `NA arg...`.
+//! `prefix ttl_ms stream seq pipeline`; `NP` and per partition `topic/partition next epoch expected`; `NR` and the
+//! stream ids of dead letters being replayed; `NC` and per command `NA` and its arguments, the name first, each
+//! `=text` for a constant or `?` for a record's value; then `N` and per record `kind dl_position blob` (`blob`: the
+//! dead letter's `meta` JSON, a newline, the payload), followed for kind `D` (a dead letter) by
+//! `topic partition offset reason error`, and for kinds `A` (apply) and `R<done>` (a replayed dead letter, its first
+//! `done` commands not run again) by `digest value` and the record's values for the `?`s, in order.
+//!
+//! Commands, arities and constants go once per batch and only the values per record: Redis builds a Lua string
+//! for every argument of a script, and that was most of a batch's time in Redis when each record carried its
+//! whole commands.
 //!
 //! The script answers `{"ok", marks, results}` (marks: each partition's stored position before the batch) or
 //! `{"refused", {{"fenced"|"lost", "topic/partition", ...}, ...}}` having written nothing.
@@ -32,8 +37,8 @@ pub enum Item<'a> {
         digest: [u8; 32],
         /// SHA-256 of the payload.
         fingerprint: [u8; 32],
-        /// The commands, rendered.
-        commands: Vec<Vec<String>>,
+        /// The record's values for the commands' placeholders ([`crate::store::redis::side_effect::SideEffect::render`]).
+        values: Vec<String>,
         /// A dead letter being replayed: how many of its commands took effect when it failed (they are not run again).
         replay_skip: Option<i64>,
     },
@@ -147,8 +152,9 @@ fn parse_field(field: &str) -> Option<(String, i32)> {
 
 impl RedisStore {
     /// Runs one batch of `pipeline` in one script: `positions` (Kafka) fenced and stored, `replaying` (dead-letter
-    /// ids) removed, `items` claimed, applied and dead-lettered in order. Records expire `retention` after they are
-    /// applied.
+    /// ids) removed, `items` claimed, applied (`template`: the commands, see
+    /// [`crate::store::redis::side_effect::SideEffect::template`]) and dead-lettered in order. Records expire
+    /// `retention` after they are applied.
     ///
     /// Errors: see [`Refused`]. A refused batch wrote nothing; a Redis error may come after the script ran (a lost
     /// answer): run the same batch again, its dedup keys make that safe.
@@ -158,6 +164,7 @@ impl RedisStore {
         retention: Duration,
         positions: Option<&Positions>,
         replaying: &[i64],
+        template: &[Vec<Option<String>>],
         items: &[Item<'_>],
     ) -> Result<Ran, Refused> {
         let prefix = self.pipeline_prefix(pipeline);
@@ -179,33 +186,43 @@ impl RedisStore {
         for id in replaying {
             inv.arg(format!("{id}-0"));
         }
+        inv.arg(template.len());
+        for command in template {
+            inv.arg(command.len());
+            for arg in command {
+                match arg {
+                    Some(text) => inv.arg(format!("={text}")),
+                    None => inv.arg("?"),
+                };
+            }
+        }
         inv.arg(items.len());
+        let mut blob = Vec::new();
         for item in items {
             let record = match item {
                 Item::Apply { record, .. } | Item::DeadLetter { record, .. } => record,
             };
             let p = &record.position;
             let kind = match item {
-                Item::DeadLetter { .. } => "D",
-                Item::Apply { replay_skip: Some(_), .. } => "R",
-                Item::Apply { .. } => "A",
+                Item::DeadLetter { .. } => "D".to_owned(),
+                Item::Apply { replay_skip: Some(done), .. } => format!("R{done}"),
+                Item::Apply { .. } => "A".to_owned(),
             };
             // A Kafka position is dead-lettered once; a queue's delivery tag identifies nothing.
             let dl_position = if p.partition == NO_PARTITION { String::new() } else { format!("{}/{}/{}", p.topic, p.partition, p.offset) };
-            let meta = serde_json::to_string(&Meta::of(record)).expect("plain data");
-            inv.arg(kind).arg(&*p.topic).arg(p.partition).arg(p.offset).arg(dl_position).arg(meta).arg(record.payload.as_deref().unwrap_or_default());
+            blob.clear();
+            serde_json::to_writer(&mut blob, &Meta::of(record)).expect("plain data");
+            blob.push(b'\n');
+            blob.extend_from_slice(record.payload.as_deref().unwrap_or_default());
+            inv.arg(kind).arg(dl_position).arg(&blob[..]);
             match item {
                 Item::DeadLetter { reason, error, .. } => {
-                    inv.arg(reason.as_str()).arg(*error);
+                    inv.arg(&*p.topic).arg(p.partition).arg(p.offset).arg(reason.as_str()).arg(*error);
                 }
-                Item::Apply { digest, fingerprint, commands, replay_skip, .. } => {
+                Item::Apply { digest, fingerprint, values, .. } => {
                     inv.arg(hex::encode(digest)).arg(DedupValue::tail(p.partition, p.offset, fingerprint, &p.topic));
-                    inv.arg(replay_skip.unwrap_or(0)).arg(commands.len());
-                    for c in commands {
-                        inv.arg(c.len());
-                        for a in c {
-                            inv.arg(a);
-                        }
+                    for v in values {
+                        inv.arg(v);
                     }
                 }
             }
@@ -293,6 +310,9 @@ fn parse_answer(answer: Value, parts: &[(String, i64)], items: usize) -> Result<
 }
 
 fn parse_result(r: &Value) -> Option<ItemResult> {
+    if let Value::Int(0) = r {
+        return Some(ItemResult::Applied);
+    }
     let Value::Array(r) = r else { return None };
     Some(match int(r.first()?)? {
         0 => ItemResult::Applied,

@@ -117,11 +117,28 @@ impl SideEffect {
         Ok((SideEffect { commands: compiled, names: params.iter().map(|b| b.name.clone()).collect(), numbers }, bindings))
     }
 
-    /// The record's commands with its values in place.
+    /// The commands as the batch script receives them once per batch: per command, its name then its arguments,
+    /// `None` for an argument with a placeholder (filled for each record by [`SideEffect::render`]).
+    pub fn template(&self) -> Vec<Vec<Option<String>>> {
+        self.commands
+            .iter()
+            .map(|c| {
+                let args = c.args.iter().map(|(parts, _)| match parts.as_slice() {
+                    [] => Some(String::new()),
+                    [Part::Text(t)] => Some(t.clone()),
+                    _ => None,
+                });
+                std::iter::once(Some(c.name.clone())).chain(args).collect()
+            })
+            .collect()
+    }
+
+    /// The record's values for the arguments with placeholders, command after command, in the order of
+    /// [`SideEffect::template`]'s `None`s. An optional parameter without a value is empty text.
     ///
-    /// Errors: a value that a command needs as a number is not one (the record is dead-lettered, `param_invalid`,
-    /// before any of its commands runs).
-    pub fn render(&self, apply: &Apply) -> Result<Vec<Vec<String>>, String> {
+    /// Errors: a value that a command needs as a number (or whose `type` says it is one) is not one: the record is
+    /// dead-lettered (`param_invalid`) before any of its commands runs.
+    pub fn render(&self, apply: &Apply) -> Result<Vec<String>, String> {
         for ((value, number), name) in apply.values.iter().zip(&self.numbers).zip(&self.names) {
             if let (Some(v), Some(kind)) = (value, number) {
                 if !is_number(v, *kind) {
@@ -129,11 +146,12 @@ impl SideEffect {
                 }
             }
         }
-        let mut out = Vec::with_capacity(self.commands.len());
+        let mut out = Vec::new();
         for c in &self.commands {
-            let mut words = Vec::with_capacity(c.args.len() + 1);
-            words.push(c.name.clone());
             for (i, (parts, number)) in c.args.iter().enumerate() {
+                if !parts.iter().any(|p| matches!(p, Part::Value(_))) {
+                    continue;
+                }
                 let mut arg = String::new();
                 for p in parts {
                     match p {
@@ -150,9 +168,8 @@ impl SideEffect {
                         ));
                     }
                 }
-                words.push(arg);
+                out.push(arg);
             }
-            out.push(words);
         }
         Ok(out)
     }
