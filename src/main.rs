@@ -178,6 +178,11 @@ struct DemoArgs {
     /// Keep the worker and /metrics up after the summary, until Ctrl-C.
     #[arg(long)]
     keep_running: bool,
+    /// Redis as the store, through examples/redis/payments.toml: a throwaway redis-server (needs Debian's
+    /// redis-server), or the server of a redis:// --database-url (its keys are written as they are: use a spare
+    /// database number, redis://host:port/15).
+    #[arg(long)]
+    redis: bool,
 }
 
 #[derive(clap::Args)]
@@ -669,6 +674,7 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
                 pipeline: a.pipeline,
                 metrics_listen: a.metrics_listen,
                 keep_running: a.keep_running,
+                redis: a.redis,
             };
             if idemflow::demo::run(options).await? {
                 Ok(())

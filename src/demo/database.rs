@@ -1,6 +1,7 @@
 //! The demo's database: a new database on PostgreSQL (a throwaway cluster, or `--database-url postgres://...`) or
 //! on MySQL/MariaDB (`--database-url mysql://...`), with idemflow's tables, the pipeline's business tables and the
-//! accounts; and the figures the demo reads back from it.
+//! accounts; or Redis (`--redis`: a throwaway `redis-server`, or `--database-url redis://...`), where the example
+//! keeps payments as hashes and each account's running total; and the figures the demo reads back from it.
 
 use crate::store::Store;
 use anyhow::Context as _;
@@ -12,6 +13,8 @@ pub enum DemoDb {
     Postgres(sqlx::PgPool),
     /// MySQL or MariaDB.
     MySql(sqlx::MySqlPool),
+    /// Redis: the store, a client for reading back, the throwaway server if the demo started one.
+    Redis(crate::store::redis::RedisStore, redis::Client, Option<super::redis::Throwaway>),
 }
 
 /// What the business tables say at the end.
@@ -73,6 +76,41 @@ impl DemoDb {
         Ok((db, url))
     }
 
+    /// Redis at `url`, or a throwaway server when `None`; returns it and its URL.
+    ///
+    /// Errors: no `redis-server` to start, or the URL does not parse.
+    pub fn redis(url: Option<&str>) -> anyhow::Result<(DemoDb, String)> {
+        let (server, url) = match url {
+            Some(u) => (None, u.to_owned()),
+            None => {
+                let t = super::redis::Throwaway::start()?;
+                let u = t.url();
+                (Some(t), u)
+            }
+        };
+        let settings = Self::redis_settings(&url);
+        let store = crate::store::redis::RedisStore::new(&settings).map_err(anyhow::Error::msg)?;
+        Ok((DemoDb::Redis(store, redis::Client::open(url.as_str())?, server), url))
+    }
+
+    /// The `[redis]` settings of a demo on `url`.
+    pub fn redis_settings(url: &str) -> crate::config::RedisSettings {
+        crate::config::RedisSettings {
+            url: url.to_owned().into(),
+            key_prefix: "idemflow:".into(),
+            connect_timeout: std::time::Duration::from_secs(5),
+            response_timeout: std::time::Duration::from_secs(30),
+            tls_ca_file: None,
+            tls_cert_file: None,
+            tls_key_file: None,
+        }
+    }
+
+    /// Whether this is Redis.
+    pub fn is_redis(&self) -> bool {
+        matches!(self, DemoDb::Redis(..))
+    }
+
     /// Whether this is MySQL or MariaDB.
     pub fn is_mysql(&self) -> bool {
         matches!(self, DemoDb::MySql(_))
@@ -95,6 +133,8 @@ impl DemoDb {
                 sqlx::raw_sql(tables_sql).execute(pool).await.context("creating the business tables")?;
                 sqlx::raw_sql(&insert).execute(pool).await?;
             }
+            // Redis needs no schema; the example's accounts are running totals that start at nothing.
+            DemoDb::Redis(..) => {}
         }
         Ok(())
     }
@@ -104,12 +144,20 @@ impl DemoDb {
         match self {
             DemoDb::Postgres(pool) => Store::Postgres(pool.clone()),
             DemoDb::MySql(pool) => Store::MySql(crate::store::mysql::MySqlStore::new(pool.clone())),
+            DemoDb::Redis(store, ..) => Store::Redis(store.clone()),
         }
     }
 
-    /// `(dedup rows, distinct dead-lettered payloads)` of pipeline `payments`.
+    /// `(dedup rows, distinct dead-lettered payloads)` of pipeline `payments` (Redis: entries of the example's
+    /// `payments-applied` stream, one per applied payment, and of the dead-letter stream, one per position).
     pub async fn progress(&self) -> anyhow::Result<(i64, i64)> {
         Ok(match self {
+            DemoDb::Redis(_, client, _) => {
+                let mut c = client.get_multiplexed_async_connection().await?;
+                let applied: i64 = redis::cmd("XLEN").arg("payments-applied").query_async(&mut c).await?;
+                let dead: i64 = redis::cmd("XLEN").arg("idemflow:dead-letters").query_async(&mut c).await?;
+                (applied, dead)
+            }
             DemoDb::Postgres(pool) => {
                 sqlx::query_as(
                     "SELECT (SELECT count(*) FROM idemflow.dedup WHERE pipeline = 'payments'), \
@@ -131,6 +179,9 @@ impl DemoDb {
 
     /// What the business tables say, against `accounts` opening balances of `opening_cents`.
     pub async fn totals(&self, accounts: usize, opening_cents: i64) -> anyhow::Result<Totals> {
+        if let DemoDb::Redis(_, client, _) = self {
+            return redis_totals(client).await;
+        }
         let (rows, distinct_rows, balance, applied): (i64, i64, String, String) = match self {
             DemoDb::Postgres(pool) => {
                 sqlx::query_as(
@@ -149,6 +200,7 @@ impl DemoDb {
                 .fetch_one(pool)
                 .await?
             }
+            DemoDb::Redis(..) => unreachable!("answered above"),
         };
         let parse = |t: &str| cents(t).with_context(|| format!("{t:?} is not an amount in cents"));
         Ok(Totals {
@@ -164,8 +216,52 @@ impl DemoDb {
         match self {
             DemoDb::Postgres(pool) => pool.close().await,
             DemoDb::MySql(pool) => pool.close().await,
+            DemoDb::Redis(..) => {}
         }
     }
+}
+
+/// The example's Redis keys, read back: a `payment:<order>` hash per applied payment (its `amount`) and a
+/// `balance:<account>` hash per account (its running `total`, a float Redis keeps to 17 significant digits).
+async fn redis_totals(client: &redis::Client) -> anyhow::Result<Totals> {
+    let mut c = client.get_multiplexed_async_connection().await?;
+    let scanner = c.clone();
+    let keys = |pattern: &'static str| {
+        let mut c = scanner.clone();
+        async move {
+            let mut cursor = 0u64;
+            let mut all: Vec<String> = Vec::new();
+            loop {
+                let (next, page): (u64, Vec<String>) =
+                    redis::cmd("SCAN").arg(cursor).arg("MATCH").arg(pattern).arg("COUNT").arg(10_000).query_async(&mut c).await?;
+                all.extend(page);
+                if next == 0 {
+                    return Ok::<_, redis::RedisError>(all);
+                }
+                cursor = next;
+            }
+        }
+    };
+    let payments = keys("payment:*").await?;
+    let mut applied_cents = 0i128;
+    for chunk in payments.chunks(1000) {
+        let mut pipe = redis::pipe();
+        for k in chunk {
+            pipe.cmd("HGET").arg(k).arg("amount");
+        }
+        let amounts: Vec<String> = pipe.query_async(&mut c).await?;
+        for a in amounts {
+            applied_cents += cents(&a).with_context(|| format!("{a:?} is not an amount in cents"))?;
+        }
+    }
+    let mut deducted_cents = 0i128;
+    for k in keys("balance:*").await? {
+        let total: String = redis::cmd("HGET").arg(&k).arg("total").query_async(&mut c).await?;
+        let value: f64 = total.parse().with_context(|| format!("{k}: {total:?} is not a number"))?;
+        deducted_cents += (value * 100.0).round() as i128;
+    }
+    let rows = payments.len() as i64;
+    Ok(Totals { rows, distinct_rows: rows, deducted_cents, applied_cents })
 }
 
 #[cfg(test)]

@@ -42,6 +42,7 @@ const SHIPPED_TABLES: &str = include_str!("../../pipelines/payments.sql");
 const SHIPPED_RABBITMQ_PIPELINE: &str = include_str!("../../examples/rabbitmq/payments.toml");
 const SHIPPED_MYSQL_PIPELINE: &str = include_str!("../../examples/mysql/payments.toml");
 const SHIPPED_MYSQL_TABLES: &str = include_str!("../../examples/mysql/payments.sql");
+const SHIPPED_REDIS_PIPELINE: &str = include_str!("../../examples/redis/payments.toml");
 const TOPIC: &str = "payments";
 const ACCOUNTS: usize = 100;
 /// Each account starts with this balance, in cents.
@@ -63,6 +64,9 @@ pub struct DemoOptions {
     pub metrics_listen: SocketAddr,
     /// Keep the worker and `/metrics` up after the summary, until Ctrl-C.
     pub keep_running: bool,
+    /// Redis as the store (`examples/redis/payments.toml`): a throwaway `redis-server`, or the server of a
+    /// `redis://` `database_url`.
+    pub redis: bool,
 }
 
 /// The broker the demo runs on.
@@ -255,7 +259,15 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<bool> {
     if rabbit && mysql {
         bail!("the demo runs RabbitMQ with PostgreSQL, and MySQL/MariaDB with Kafka: choose one of --source rabbitmq and a mysql:// --database-url");
     }
-    let (default_file, built_in, shipped_tables) = if rabbit {
+    let redis_url = options.database_url.as_deref().filter(|u| u.starts_with("redis://") || u.starts_with("rediss://"));
+    let redis = options.redis || redis_url.is_some();
+    let mysql = mysql && !redis;
+    if redis && rabbit {
+        bail!("the Redis demo runs with Kafka: drop --source rabbitmq");
+    }
+    let (default_file, built_in, shipped_tables) = if redis {
+        ("examples/redis/payments.toml", SHIPPED_REDIS_PIPELINE, "")
+    } else if rabbit {
         ("examples/rabbitmq/payments.toml", SHIPPED_RABBITMQ_PIPELINE, SHIPPED_TABLES)
     } else if mysql {
         ("examples/mysql/payments.toml", SHIPPED_MYSQL_PIPELINE, SHIPPED_MYSQL_TABLES)
@@ -265,7 +277,9 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<bool> {
     let file = options.pipeline.clone().unwrap_or_else(|| PathBuf::from(default_file));
     let (pipeline_text, tables_sql, source) = if file.is_file() {
         let sql_path = file.with_extension("sql");
-        let sql = if sql_path.is_file() || options.pipeline.is_some() {
+        let sql = if redis {
+            String::new()
+        } else if sql_path.is_file() || options.pipeline.is_some() {
             std::fs::read_to_string(&sql_path).with_context(|| format!("reading {}", sql_path.display()))?
         } else {
             shipped_tables.to_owned()
@@ -278,19 +292,30 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<bool> {
     };
     eprintln!("idemflow demo: {} records through {source}", options.records);
 
-    // Postgres: a throwaway cluster, or a new database on the given server.
-    let (throwaway, admin_url) = match &options.database_url {
-        Some(url) => (None, url.clone()),
-        None => {
-            eprintln!("starting a throwaway PostgreSQL cluster from the local server binaries...");
-            let cluster = postgres::Throwaway::start()?;
-            let url = cluster.url();
-            (Some(cluster), url)
+    // Postgres: a throwaway cluster, or a new database on the given server. Redis: a throwaway server, or the
+    // given one as it is.
+    let (throwaway, db, url) = if redis {
+        if redis_url.is_none() {
+            eprintln!("starting a throwaway redis-server (appendonly yes, appendfsync everysec)...");
         }
+        let (db, url) = database::DemoDb::redis(redis_url)?;
+        eprintln!("Redis on {}", crate::secret::mask_url(&url));
+        (None, db, url)
+    } else {
+        let (throwaway, admin_url) = match &options.database_url {
+            Some(url) => (None, url.clone()),
+            None => {
+                eprintln!("starting a throwaway PostgreSQL cluster from the local server binaries...");
+                let cluster = postgres::Throwaway::start()?;
+                let url = cluster.url();
+                (Some(cluster), url)
+            }
+        };
+        let database = format!("idemflow_demo_{}", std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_secs());
+        let (db, url) = database::DemoDb::create(&admin_url, &database).await?;
+        eprintln!("database {database} created{}", if db.is_mysql() { " (MySQL/MariaDB)" } else { "" });
+        (throwaway, db, url)
     };
-    let database = format!("idemflow_demo_{}", std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_secs());
-    let (db, url) = database::DemoDb::create(&admin_url, &database).await?;
-    eprintln!("database {database} created{}", if db.is_mysql() { " (MySQL/MariaDB)" } else { "" });
 
     // Kafka: the embedded broker, with enough partitions for the mock's per-partition limit. RabbitMQ: a node of
     // this demo and a quorum queue.
@@ -328,8 +353,8 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<bool> {
     properties.insert("heartbeat.interval.ms".to_owned(), PropertyValue::Text("300".into()));
     let settings = Settings {
         pipelines: dir.path().join("pipelines"),
-        database: Some(DatabaseSettings { url: url.clone().into(), max_connections: 4, acquire_timeout: Duration::from_secs(10), prepared_statements: true }),
-        redis: None,
+        database: (!redis).then(|| DatabaseSettings { url: url.clone().into(), max_connections: 4, acquire_timeout: Duration::from_secs(10), prepared_statements: true }),
+        redis: redis.then(|| database::DemoDb::redis_settings(&url)),
         kafka: KafkaSettings {
             bootstrap_servers: match &broker {
                 Broker::Kafka(kafka) => kafka.bootstrap_servers().to_owned(),
@@ -533,6 +558,7 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<bool> {
                  only by you)",
                 cluster.password_file().display()
             ),
+            None if db.is_redis() => eprintln!("  Redis: {database} (keys payment:*, balance:*, payments-applied, idemflow:*)"),
             None => eprintln!(
                 "  {}: {database} (the password of your --database-url)",
                 if db.is_mysql() { "MySQL/MariaDB" } else { "PostgreSQL" }
