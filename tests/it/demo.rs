@@ -144,3 +144,22 @@ fn demo_on_mariadb_checks_exactly_once() {
     assert!(stdout.contains("check: business rows") && stdout.matches(": ok").count() == 7, "{stdout}");
     assert!(!stdout.contains("differs") && !stdout.contains("FAILED"), "{stdout}");
 }
+
+/// `idemflow demo --redis`: the same demo on a throwaway redis-server, through examples/redis/payments.toml. The
+/// positions are stored in Redis with the effects, so the crash and the rebalances redeliver nothing.
+#[test]
+fn demo_on_redis_checks_exactly_once() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_idemflow"))
+        .args(["demo", "--redis", "--records", "6000", "--metrics-listen", "127.0.0.1:0"])
+        .env_remove("DATABASE_URL")
+        .current_dir(project_root())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(stderr.contains("through examples/redis/payments.toml") && stderr.contains("throwaway redis-server"), "{stderr}");
+    assert!(stdout.contains("check: business rows") && stdout.matches(": ok").count() == 7, "{stdout}");
+    assert!(stdout.contains("redelivered 0 (consumed again"), "{stdout}");
+    assert!(!stdout.contains("differs") && !stdout.contains("FAILED"), "{stdout}");
+}

@@ -216,10 +216,11 @@ async fn redis_killed_and_restarted_from_its_aof_mid_stream() {
     assert!(resumed > 0, "the lost positions were noticed:\n{}", w.log_text());
 }
 
-/// The worker's connection killed every 100 ms for 10 s (`CLIENT KILL TYPE normal`): scripts hit mid-way are retried, and
-/// every operation applies once.
+/// The worker's connection killed and the script cache flushed every 100 ms for 10 s (`CLIENT KILL TYPE normal`,
+/// `SCRIPT FLUSH`): scripts hit mid-way are retried, the script is loaded again after `NOSCRIPT`, and every operation
+/// applies once.
 #[tokio::test(flavor = "multi_thread")]
-async fn connections_killed_mid_run() {
+async fn connections_killed_and_scripts_flushed_mid_run() {
     let server = RedisServer::start();
     let (kafka, setup, s) = fixture(&server, 20_000, "");
     let w = BinWorker::start(&setup);
@@ -230,6 +231,9 @@ async fn connections_killed_mid_run() {
     while kafka.committed("idemflow-payments", "payments", 3) != kafka.end_offsets("payments", 3) && Instant::now() < deadline {
         let n: i64 = ::redis::cmd("CLIENT").arg("KILL").arg("TYPE").arg("normal").arg("SKIPME").arg("yes").query(&mut r).unwrap();
         killed += n;
+        // The batch script forgotten too (a restart, a failover, SCRIPT FLUSH): the next EVALSHA gets NOSCRIPT and
+        // the client loads it again.
+        let _: () = ::redis::cmd("SCRIPT").arg("FLUSH").query(&mut r).unwrap();
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert!(killed > 3, "killed only {killed} connections");
@@ -337,4 +341,57 @@ async fn check_refuses_cluster_unknown_commands_and_arity() {
     assert!(err.contains("pipeline \"a\": sink.redis[1]: Redis does not know the command HSETT"), "{err}");
     assert!(err.contains("pipeline \"b\": sink.redis[1]: GET takes exactly 1 argument(s) after its name; 2 given"), "{err}");
     assert!(err.contains("pipeline \"c\": sink.redis[1]: argument 2 of INCRBY must be an integer: \"x\""), "{err}");
+}
+
+/// The example on a RabbitMQ queue, keyed by message-id (the guide's Redis `SETNX` for RabbitMQ users, done with
+/// the effect in the same script): exact, and `check` warns that a queue needs `appendfsync always`, which it does
+/// not with `always`.
+#[tokio::test(flavor = "multi_thread")]
+async fn from_a_rabbitmq_queue_and_the_fsync_warning() {
+    use crate::support::rabbitmq::{self, Client, Msg};
+    let url = rabbitmq::shared_url();
+    let queue = format!("payments-{}", unique());
+    let client = Client::connect(url).await;
+    client.declare(&queue, "quorum", false).await;
+    let pipeline = example()
+        .replace("topics = [\"payments\"]", &format!("[source]\nkind = \"rabbitmq\"\nqueue = \"{queue}\""))
+        .replace("[key]\nfield = \"/order/id\"", "[key]\nmessage_id = true");
+    let server = RedisServer::start();
+    let setup = Setup::redis_rabbitmq(&server, url, &[("payments.toml", &pipeline)]);
+    let config = setup.config.to_str().unwrap();
+    let (status, out, err) = idemflow(&["check", "--config", config], setup.dir.path());
+    assert!(status.success(), "{out}{err}");
+    assert!(out.contains("warning: pipeline \"payments\": a queue has no position to resume from") && out.contains("Set appendfsync always"), "{out}");
+    let always = RedisServer::start_with("always", &[]);
+    let quiet = Setup::redis_rabbitmq(&always, url, &[("payments.toml", &pipeline)]);
+    let (status, out, err) = idemflow(&["check", "--config", quiet.config.to_str().unwrap()], quiet.dir.path());
+    assert!(status.success() && !out.contains("Set appendfsync always"), "{out}{err}");
+
+    let s = payments(2_000, 1, false);
+    let messages: Vec<Msg> = s
+        .records
+        .iter()
+        .enumerate()
+        .map(|(i, r)| {
+            let body = String::from_utf8(r.value.clone().unwrap()).unwrap();
+            let id = serde_json::from_str::<serde_json::Value>(&body)
+                .ok()
+                .and_then(|v| v["order"]["id"].as_str().map(str::to_owned))
+                .unwrap_or_else(|| format!("poison-{i}"));
+            Msg::json(&id, body)
+        })
+        .collect();
+    client.publish(&queue, &messages).await;
+    let w = BinWorker::start(&setup);
+    wait_until(Duration::from_secs(120), "every message applied or dead-lettered", || async {
+        metric(&w.scrape(), "idemflow_records_received_total", &[("pipeline", "payments")]) >= s.records.len() as f64
+    })
+    .await;
+    assert_exactly_once(&server, &s);
+    let m = w.scrape();
+    assert_counters_add_up(&m);
+    let dup = |reason| metric(&m, "idemflow_duplicates_skipped_total", &[("pipeline", "payments"), ("reason", reason)]);
+    assert_eq!(dup("republished"), s.republished as f64, "{m}");
+    assert_eq!(dup("payload_mismatch"), s.mismatched as f64);
+    assert_eq!(client.ready(&queue).await, 0, "every delivery was acknowledged");
 }

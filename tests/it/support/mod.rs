@@ -117,6 +117,11 @@ impl Setup {
         Self::write_sections(&server.section(), &broker, pipelines, extra)
     }
 
+    /// Settings for Redis pipelines reading RabbitMQ: `[redis]` and `[rabbitmq]`, no `[database]` or `[kafka]`.
+    pub fn redis_rabbitmq(server: &redis::RedisServer, url: &str, pipelines: &[(&str, &str)]) -> Setup {
+        Self::write_sections(&server.section(), &rabbitmq::settings(url), pipelines, "")
+    }
+
     /// Writes the pipelines and `idemflow.toml` with the broker's section (`broker`) and more settings (`extra`).
     fn write(db: &dyn Database, broker: &str, pipelines: &[(&str, &str)], extra: &str) -> Setup {
         let store = format!("[database]\nurl = \"{}\"\nmax_connections = 4\nacquire_timeout = \"2s\"\n", db.url());
