@@ -1094,6 +1094,29 @@ mod tests {
     }
 
     #[test]
+    fn redis_sinks_store_positions_in_redis_and_check_placeholders() {
+        let base = "topics = [\"t\"]\n[key]\nfield = \"/id\"\n[sink]\nredis = [[\"HSET\", \"p:{id}\", \"amount\", \"{amount}\"]]\n\
+                    [sink.params]\nid = \"/id\"\namount = \"/amount\"\n";
+        let p = load(base).unwrap();
+        assert_eq!(p.sink.store(), StoreKind::Redis);
+        assert_eq!(p.offsets, OffsetStore::Database, "a Redis sink stores its positions with its effects");
+        let fields = |text: &str| load(text).unwrap_err().into_iter().map(|e| format!("{}: {}", e.field, e.message)).collect::<Vec<_>>();
+        let e = fields(&format!("{base}[offsets]\nstore = \"kafka\"\n"));
+        assert!(e[0].starts_with("offsets.store: a Redis sink keeps the consumed positions in Redis"), "{e:?}");
+        let e = fields(&format!("{base}[dedup]\npurge_batch = 10\n"));
+        assert!(e[0].starts_with("dedup.purge_batch: a Redis sink's dedup keys expire by themselves"), "{e:?}");
+        let e = fields(&base.replace("{amount}", "{amt}"));
+        assert!(e.iter().any(|e| e == "sink.params: {amt} is used in sink.redis but has no entry in [sink.params]"), "{e:?}");
+        assert!(e.iter().any(|e| e == "sink.params.amount: is not used in sink.redis (no {amount} there)"), "{e:?}");
+        let e = fields(&base.replace("\"p:{id}\"", "\"p:{id\""));
+        assert!(e[0].starts_with("sink.redis[0]: argument 1: \"p:{id\": a '{' without its '}'"), "{e:?}");
+        let e = fields(&base.replace("[sink]\n", "[sink]\ntable = \"x\"\n"));
+        assert!(e[0].starts_with("sink: set exactly one of table (with [sink.columns]), sql (with [sink.params]) or redis"), "{e:?}");
+        let queue = base.replace("topics = [\"t\"]", "[source]\nkind = \"rabbitmq\"\nqueue = \"q\"");
+        assert_eq!(load(&queue).unwrap().offsets, OffsetStore::Kafka, "a queue has no positions to store");
+    }
+
+    #[test]
     fn sources_kafka_by_default_or_rabbitmq_in_source() {
         let rest = "[key]\nmessage_id = true\n[sink]\ntable = \"x\"\n[sink.columns]\nid = \"/id\"\n";
         let legacy = load(&format!("topics = [\"t\"]\n{}", rest.replace("message_id = true", "field = \"/id\""))).unwrap();
