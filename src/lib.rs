@@ -30,9 +30,10 @@
 //! - [`metrics`]: every Prometheus metric; [`http`]: `/metrics`, `/healthz`, `/readyz`.
 //! - [`worker`]: runs every pipeline until shutdown; [`shutdown`]: the signal that stops it.
 //! - [`store`]: the database that holds the business data and idemflow's tables, one module per database behind
-//!   one enum: [`store::postgres`] and [`store::mysql`] (MySQL and MariaDB). [`telemetry`]: logging.
+//!   one enum: [`store::postgres`], [`store::mysql`] (MySQL and MariaDB) and [`store::redis`] (a store whose
+//!   side effect is Redis commands, a batch one script). [`telemetry`]: logging.
 //! - [`demo`]: `idemflow demo`, the whole job on an embedded broker and a throwaway Postgres (or a MySQL/MariaDB
-//!   server).
+//!   server, or a throwaway Redis).
 //!
 //! # Why a crash can neither lose a record nor apply it twice
 //!
@@ -61,6 +62,14 @@
 //! The dedup row and the effect are in the same transaction, so "marked as seen" and "applied" are one fact: there
 //! is no window in which a key is claimed but its effect is lost. No cache in memory ever claims a key.
 //! The Kafka offset commit is therefore only an optimisation that bounds how much is replayed.
+//!
+//! Redis ([`store::redis`]) has no transaction to roll back, and its durability is its `appendfsync`. The same
+//! argument holds with a script in place of the transaction: Redis runs a script with nothing in between, so a
+//! batch's dedup keys (`SET NX PX`), effects and stored positions are written together; a crash of the worker
+//! before or after the script is as above. What Redis adds: it may lose its last acknowledged writes (a machine crash
+//! under `everysec`); the positions are lost with the effects, each batch checks that the positions it stored last are
+//! still there, and the worker resumes from what Redis kept. A command failing inside the script is not undone: the
+//! record is dead-lettered with the count of its commands that ran, its key kept so no copy runs them again.
 
 pub mod bench;
 pub mod config;

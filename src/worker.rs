@@ -217,6 +217,13 @@ async fn run_pipeline(
     let mut outcome = Ok(());
     while let Some(mut batch) = source.next_batch(r.pipeline.batch, &mut shutdown).await {
         if batch.is_empty() {
+            // Idle. A store that can lose acknowledged writes (Redis, after a crash or a failover) is asked whether it
+            // still holds the positions this worker stored: a quiet partition must not wait for its next record to
+            // have its lost effects applied again.
+            if let Err(e) = step.resync_lost(&mut source).await {
+                outcome = Err(PipelineFailure::Fatal { pipeline: name.clone(), source: e });
+                break;
+            }
             continue;
         }
         let span = tracing::info_span!(
@@ -304,6 +311,25 @@ struct Step<'a> {
 }
 
 impl Step<'_> {
+    /// While idle: resumes the partitions whose stored positions the store lost ([`Store::lost_positions`]) from
+    /// what it kept. A failure to ask is left to the next idle moment.
+    ///
+    /// Errors: the store holds no position at all for a partition, or the source could not be moved.
+    async fn resync_lost(&mut self, source: &mut Source) -> Result<(), SinkError> {
+        let lost = match self.ready.store.lost_positions(&self.ready.pipeline.name).await {
+            Ok(lost) => lost,
+            Err(e) => {
+                tracing::debug!(pipeline = %self.ready.pipeline.name, error = %e, "cannot compare the stored positions while idle");
+                return Ok(());
+            }
+        };
+        if !lost.is_empty() {
+            tracing::warn!(pipeline = %self.ready.pipeline.name, partitions = ?lost, "the store lost positions this worker had stored (and the effects written with them); resuming them from what it kept");
+            resync(&self.ready, source, lost, &mut Vec::new()).await?;
+        }
+        Ok(())
+    }
+
     /// Prepares and applies one batch, retrying retryable failures with exponential backoff and jitter while
     /// consumption is paused. Returns `Ok(false)` when shutdown came while waiting to retry (nothing of the batch
     /// is committed to Kafka then).
@@ -361,24 +387,12 @@ impl Step<'_> {
                     Disposition::Resync => {
                         let SinkError::Lost { partitions } = &e else { return Err(e) };
                         tracing::warn!(error = %e, "claiming the partitions again");
-                        let (store, pipeline, parts) = (r.store.clone(), r.pipeline.name.clone(), partitions.clone());
-                        let claim = tokio::spawn(async move { store.claim_offsets(&pipeline, &owner(), &parts).await }.in_current_span());
-                        match source.poll_while(claim).await {
-                            Ok(claimed) => {
-                                let gone: Vec<(String, i32)> =
-                                    claimed.iter().filter(|c| c.next_offset.is_none()).map(|c| (c.topic.clone(), c.partition)).collect();
-                                if !gone.is_empty() {
-                                    return Err(SinkError::PositionsGone { partitions: gone });
-                                }
-                                source.resync(&claimed, batch).map_err(|why| SinkError::Source(why))?;
-                                prepared = batch.iter().map(|rec| self.ready.preparer.prepare(rec)).collect();
-                            }
-                            Err(claim_error) => {
-                                let delay = backoff.next().unwrap_or(MAX_RETRY_DELAY);
-                                tracing::warn!(error = %claim_error, retry_in = ?delay, "claiming the partitions again failed; retrying");
-                                if !source.pause_for(delay, batch, shutdown).await {
-                                    return Ok(false);
-                                }
+                        if resync(&self.ready, source, partitions.clone(), batch).await? {
+                            prepared = batch.iter().map(|rec| self.ready.preparer.prepare(rec)).collect();
+                        } else {
+                            let delay = backoff.next().unwrap_or(MAX_RETRY_DELAY);
+                            if !source.pause_for(delay, batch, shutdown).await {
+                                return Ok(false);
                             }
                         }
                     }
@@ -437,6 +451,31 @@ impl Step<'_> {
             }
         }
         Ok(true)
+    }
+}
+
+/// Claims `partitions` again and moves the source back to the positions the store kept (the store lost writes:
+/// see [`SinkError::Lost`]), dropping their records from `batch`. Returns `false` when the claim failed (the caller
+/// backs off and tries again).
+///
+/// Errors: the store holds no position at all for a partition ([`SinkError::PositionsGone`]), or the source could
+/// not be moved.
+async fn resync(ready: &Ready, source: &mut Source, partitions: Vec<(String, i32)>, batch: &mut Vec<Record>) -> Result<bool, SinkError> {
+    let (store, pipeline) = (ready.store.clone(), ready.pipeline.name.clone());
+    let claim = tokio::spawn(async move { store.claim_offsets(&pipeline, &owner(), &partitions).await }.in_current_span());
+    match source.poll_while(claim).await {
+        Ok(claimed) => {
+            let gone: Vec<(String, i32)> = claimed.iter().filter(|c| c.next_offset.is_none()).map(|c| (c.topic.clone(), c.partition)).collect();
+            if !gone.is_empty() {
+                return Err(SinkError::PositionsGone { partitions: gone });
+            }
+            source.resync(&claimed, batch).map_err(SinkError::Source)?;
+            Ok(true)
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "claiming the partitions again failed; retrying");
+            Ok(false)
+        }
     }
 }
 

@@ -161,6 +161,15 @@ pub struct RedisSettings {
     /// the batch is retried (default 30 s; a batch's dedup keys make the retry safe).
     #[serde(default = "default_redis_response_timeout", with = "humantime_serde")]
     pub response_timeout: Duration,
+    /// Redis Sentinel: the sentinels' `host:port` addresses. With them the primary's address is asked of the
+    /// sentinels (`SENTINEL GET-MASTER-ADDR-BY-NAME`, Redis documentation "High availability with Redis Sentinel")
+    /// when the worker connects, and again after a lost connection or a `READONLY` answer (a failover); `url`'s host
+    /// and port are then not used, its user, password, database number and TLS are.
+    #[serde(default)]
+    pub sentinels: Vec<String>,
+    /// The name the sentinels monitor the primary by (`sentinel monitor <name> ...`); required with `sentinels`.
+    #[serde(default)]
+    pub sentinel_master: Option<String>,
     /// With `rediss://`: a PEM file of CA certificates to trust for the server's certificate, for a private CA.
     #[serde(default)]
     pub tls_ca_file: Option<PathBuf>,

@@ -100,6 +100,8 @@ impl DemoDb {
             key_prefix: "idemflow:".into(),
             connect_timeout: std::time::Duration::from_secs(5),
             response_timeout: std::time::Duration::from_secs(30),
+            sentinels: Vec::new(),
+            sentinel_master: None,
             tls_ca_file: None,
             tls_cert_file: None,
             tls_key_file: None,

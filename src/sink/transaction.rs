@@ -262,7 +262,7 @@ impl Sink {
         let mut sent = Vec::new();
         for (i, (record, fate)) in records.iter().zip(&fates).enumerate() {
             let item = match (fate, &prepared[i], rendered[i].take()) {
-                (Some(Fate::DeadLetter(reason, error)), _, _) => Item::DeadLetter { record, reason: *reason, error },
+                (Some(Fate::DeadLetter(reason, error)), _, _) => Item::DeadLetter { record, reason: *reason, error, replayed: skip.is_some() },
                 (None, Prepared::Apply(a), Some(Ok(values))) => {
                     Item::Apply { record, digest: a.key.digest, fingerprint: a.fingerprint, values, replay_skip: skip }
                 }

@@ -661,8 +661,9 @@ impl KafkaSource {
     }
 
     /// Waits for the next batch: at least one record, then up to `max_records`, for at most `max_wait` after the
-    /// first. Returns `None` once `shutdown` is triggered while waiting for a first record; a batch being filled
-    /// when shutdown comes is returned as it is, to be finished.
+    /// first; an empty batch after [`HOUSEKEEPING_EVERY`] without a record (the worker's idle moment). Returns `None`
+    /// once `shutdown` is triggered while waiting for a first record; a batch being filled when shutdown comes is
+    /// returned as it is, to be finished.
     pub async fn next_batch(&mut self, settings: BatchSettings, shutdown: &mut Shutdown) -> Option<Vec<Record>> {
         let mut batch: Vec<Record> = Vec::new();
         let mut deadline: Option<Instant> = None;
@@ -688,7 +689,8 @@ impl KafkaSource {
                     // the lag; watch the time without partitions.
                     _ = tokio::time::sleep(HOUSEKEEPING_EVERY) => {
                         self.housekeeping();
-                        continue;
+                        // Idle: an empty batch lets the worker do its own idle checks (the batch holds nothing yet).
+                        return Some(batch);
                     }
                 },
                 Some(at) => tokio::select! {

@@ -51,7 +51,8 @@ impl Source {
     }
 
     /// The next batch: at least one record, at most `settings.max_records`, waiting at most `max_wait` after the
-    /// first. `None` once shutdown comes while waiting for a first record.
+    /// first; or (Kafka) an empty batch after a second without records, so the worker can do its idle checks.
+    /// `None` once shutdown comes while waiting for a first record.
     pub async fn next_batch(&mut self, settings: BatchSettings, shutdown: &mut Shutdown) -> Option<Vec<Record>> {
         match self {
             Source::Kafka(s) => s.next_batch(settings, shutdown).await,

@@ -193,6 +193,16 @@ impl Store {
         })
     }
 
+    /// Partitions of `pipeline` whose positions, as this worker stored them, the store no longer holds: Redis after
+    /// it lost its last writes while the pipeline was idle. Always none for the databases, which keep what they
+    /// committed.
+    pub async fn lost_positions(&self, pipeline: &str) -> Result<Vec<(String, i32)>, StoreError> {
+        Ok(match self {
+            Store::Postgres(_) | Store::MySql(_) => Vec::new(),
+            Store::Redis(r) => r.lost_positions(pipeline).await?,
+        })
+    }
+
     /// The stored positions of `pipeline`: `(topic, partition, next offset)`.
     pub async fn stored_offsets(&self, pipeline: &str) -> Result<Vec<(String, i32, Option<i64>)>, StoreError> {
         Ok(match self {

@@ -67,6 +67,30 @@ pub(crate) fn payments(distinct: usize, partitions: i32, cross_partition: bool) 
     Payments { records, distinct, republished, mismatched, poison, expected_cents }
 }
 
+/// Starts the worker of `setup` again and again and SIGKILLs it at a random moment once it is applying
+/// (`pause_ms` plus up to `jitter_ms` after it first received records), until `max` kills or until consumer group
+/// `idemflow-payments` has committed topic `payments` to its end. Returns the kills.
+pub(crate) async fn kill_repeatedly(setup: &Setup, kafka: &Kafka, partitions: i32, max: usize, pause_ms: u64, jitter_ms: u64) -> usize {
+    let mut rng = Rng::from_clock();
+    let end = kafka.end_offsets("payments", partitions);
+    let mut kills = 0;
+    while kills < max {
+        let mut w = BinWorker::start(setup);
+        let start = Instant::now();
+        while metric(&w.scrape(), "idemflow_records_received_total", &[("pipeline", "payments")]) == 0.0 {
+            assert!(start.elapsed() < Duration::from_secs(30), "no progress in 30 s:\n{}", w.log_text());
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(pause_ms + rng.below(jitter_ms))).await;
+        w.kill();
+        kills += 1;
+        if kafka.committed("idemflow-payments", "payments", partitions) == end {
+            break;
+        }
+    }
+    kills
+}
+
 const ACCOUNTS: &str = "INSERT INTO accounts SELECT 'ACC-' || g, 0 FROM generate_series(0, 99) g;";
 
 pub(crate) async fn payments_db(admin: Option<&str>) -> TestDb {

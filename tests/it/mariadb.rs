@@ -3,7 +3,7 @@
 //! `KILL CONNECTION`, two workers with cross-partition duplicates, strict-mode values, `check`'s refusals, and the
 //! operator commands (explain, dead letters, replay, purge, stored positions and rewind).
 
-use crate::failures::{assert_counters_add_up, payments, Payments, Rng};
+use crate::failures::{assert_counters_add_up, kill_repeatedly, payments, Payments};
 use crate::support::mariadb::{MyDb, Server};
 use crate::support::*;
 use std::time::{Duration, Instant};
@@ -99,23 +99,7 @@ async fn crash_loop_sigkill_on_mariadb() {
     let (db, kafka, _, s) = fixture(24_000, false, None).await;
     let props = "\"session.timeout.ms\" = \"1500\"\n\"heartbeat.interval.ms\" = \"200\"";
     let setup = Setup::with(&db, &kafka, &[("payments.toml", &example())], props, "");
-    let mut rng = Rng::from_clock();
-    let end = kafka.end_offsets("payments", 3);
-    let mut kills = 0;
-    while kills < 12 {
-        let mut w = BinWorker::start(&setup);
-        let start = Instant::now();
-        while metric(&w.scrape(), "idemflow_records_received_total", &[("pipeline", "payments")]) == 0.0 {
-            assert!(start.elapsed() < Duration::from_secs(30), "no progress in 30 s:\n{}", w.log_text());
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        tokio::time::sleep(Duration::from_millis(50 + rng.below(350))).await;
-        w.kill();
-        kills += 1;
-        if kafka.committed("idemflow-payments", "payments", 3) == end {
-            break;
-        }
-    }
+    let kills = kill_repeatedly(&setup, &kafka, 3, 12, 50, 350).await;
     assert!(kills >= 10, "only {kills} kills before the stream ended");
     let w = BinWorker::start(&setup);
     wait_all_durable(&db, &kafka, 3, &s, &[&w]).await;

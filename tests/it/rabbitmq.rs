@@ -16,7 +16,7 @@ fn example(queue: &str) -> String {
 
 /// The payments stream as messages: the message-id is the order id (a republished copy keeps it, a mismatched
 /// one reuses it with another amount); a poison message has an id of its own.
-fn messages(s: &Payments) -> Vec<Msg> {
+pub(crate) fn messages(s: &Payments) -> Vec<Msg> {
     s.records
         .iter()
         .enumerate()

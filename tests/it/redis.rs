@@ -4,7 +4,7 @@
 //! workers with cross-partition duplicates, a `WRONGTYPE` failure in the middle of a record's commands (dead letter,
 //! replay of the rest), and what `check`, `explain` and `dead-letters` say.
 
-use crate::failures::{assert_counters_add_up, payments, Payments, Rng};
+use crate::failures::{assert_counters_add_up, kill_repeatedly, payments, Payments};
 use crate::support::redis::RedisServer;
 use crate::support::*;
 use ::redis::Commands;
@@ -164,23 +164,7 @@ async fn crash_loop_sigkill_on_redis() {
     let (kafka, _, s) = fixture(&server, 30_000, props);
     let small = example().replace("max_records = 2000", "max_records = 100");
     let setup = Setup::redis(&server, &kafka, &[("payments.toml", &small)], props, "");
-    let mut rng = Rng::from_clock();
-    let end = kafka.end_offsets("payments", 3);
-    let mut kills = 0;
-    while kills < 12 {
-        let mut w = BinWorker::start(&setup);
-        let start = Instant::now();
-        while metric(&w.scrape(), "idemflow_records_received_total", &[("pipeline", "payments")]) == 0.0 {
-            assert!(start.elapsed() < Duration::from_secs(30), "no progress in 30 s:\n{}", w.log_text());
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        tokio::time::sleep(Duration::from_millis(20 + rng.below(150))).await;
-        w.kill();
-        kills += 1;
-        if kafka.committed("idemflow-payments", "payments", 3) == end {
-            break;
-        }
-    }
+    let kills = kill_repeatedly(&setup, &kafka, 3, 12, 20, 150).await;
     assert!(kills >= 10, "only {kills} kills before the stream ended");
     let w = BinWorker::start(&setup);
     wait_all_durable(&server, &kafka, 3, &s, &[&w]).await;
@@ -318,6 +302,11 @@ async fn wrongtype_in_the_middle_of_a_record() {
     assert_eq!(applied, 3);
     let (_, out, _) = idemflow(&["dead-letters", "list", "--config", config], setup.dir.path());
     assert!(out.contains("1 dead letter(s)"), "only O-4's is left: {out}");
+    // O-4 replayed unchanged fails again and is dead-lettered anew (not taken for a redelivery of its position).
+    let (status, out, _) = idemflow(&["dead-letters", "replay", "--config", config, "2"], setup.dir.path());
+    assert!(!status.success() && out.contains("dead letter 2: failed again (param_invalid"), "{out}");
+    let (_, out, _) = idemflow(&["dead-letters", "list", "--config", config], setup.dir.path());
+    assert!(out.contains("1 dead letter(s)") && out.lines().any(|l| l.trim_start().starts_with("3 ")), "O-4's, as dead letter 3: {out}");
 }
 
 /// `check` refuses a Redis Cluster node, unknown commands and wrong arities, with the reason.
@@ -348,7 +337,7 @@ async fn check_refuses_cluster_unknown_commands_and_arity() {
 /// not with `always`.
 #[tokio::test(flavor = "multi_thread")]
 async fn from_a_rabbitmq_queue_and_the_fsync_warning() {
-    use crate::support::rabbitmq::{self, Client, Msg};
+    use crate::support::rabbitmq::{self, Client};
     let url = rabbitmq::shared_url();
     let queue = format!("payments-{}", unique());
     let client = Client::connect(url).await;
@@ -368,19 +357,7 @@ async fn from_a_rabbitmq_queue_and_the_fsync_warning() {
     assert!(status.success() && !out.contains("Set appendfsync always"), "{out}{err}");
 
     let s = payments(2_000, 1, false);
-    let messages: Vec<Msg> = s
-        .records
-        .iter()
-        .enumerate()
-        .map(|(i, r)| {
-            let body = String::from_utf8(r.value.clone().unwrap()).unwrap();
-            let id = serde_json::from_str::<serde_json::Value>(&body)
-                .ok()
-                .and_then(|v| v["order"]["id"].as_str().map(str::to_owned))
-                .unwrap_or_else(|| format!("poison-{i}"));
-            Msg::json(&id, body)
-        })
-        .collect();
+    let messages = crate::rabbitmq::messages(&s);
     client.publish(&queue, &messages).await;
     let w = BinWorker::start(&setup);
     wait_until(Duration::from_secs(120), "every message applied or dead-lettered", || async {
@@ -394,4 +371,67 @@ async fn from_a_rabbitmq_queue_and_the_fsync_warning() {
     assert_eq!(dup("republished"), s.republished as f64, "{m}");
     assert_eq!(dup("payload_mismatch"), s.mismatched as f64);
     assert_eq!(client.ready(&queue).await, 0, "every delivery was acknowledged");
+}
+
+/// A Sentinel-managed primary with one replica, failed over mid-stream (`SENTINEL FAILOVER`): the worker, which knows
+/// only the sentinel, finds the new primary after its old one answers `READONLY`, resumes from the positions the new
+/// primary holds (replication is asynchronous: what it had not received is consumed again), and every operation
+/// ends applied once on it.
+#[tokio::test(flavor = "multi_thread")]
+async fn sentinel_failover_mid_stream() {
+    use crate::support::redis::Sentinel;
+    let primary = RedisServer::start();
+    let port = primary.port().to_string();
+    let replica = RedisServer::start_with("everysec", &["--replicaof", "127.0.0.1", &port]);
+    let sentinel = Sentinel::start(primary.port());
+    let kafka = Kafka::new();
+    kafka.create_topic("payments", 3);
+    let s = payments(30_000, 3, false);
+    kafka.produce("payments", &s.records);
+    let small = example().replace("max_records = 2000", "max_records = 20");
+    // The URL's host and port are not used with sentinels: the worker asks the sentinel.
+    let section = format!(
+        "[redis]\nurl = \"redis://127.0.0.1:1/0\"\nsentinels = [\"127.0.0.1:{}\"]\nsentinel_master = \"mymaster\"\nconnect_timeout = \"2s\"\nresponse_timeout = \"5s\"\n",
+        sentinel.port
+    );
+    let setup = Setup::redis_section(&section, &kafka, &[("payments.toml", &small)], "", "");
+    let (status, out, err) = idemflow(&["check", "--config", setup.config.to_str().unwrap()], setup.dir.path());
+    assert!(status.success(), "{out}{err}");
+    let w = BinWorker::start(&setup);
+    let received = || metric(&w.scrape(), "idemflow_records_received_total", &[("pipeline", "payments")]);
+    wait_until(Duration::from_secs(60), "the worker applying", || async { received() > 3_000.0 }).await;
+    sentinel.failover();
+    wait_until(Duration::from_secs(60), "the sentinel to name the replica", || async { sentinel.primary_port() == replica.port() }).await;
+    wait_all_durable(&replica, &kafka, 3, &s, &[&w]).await;
+    assert_exactly_once(&replica, &s);
+    assert!(w.log_text().contains("the Redis primary moved (a Sentinel failover)"), "{}", w.log_text());
+}
+
+/// `rediss://` with a private CA (`tls_ca_file`): the worker connects over TLS and applies; a CA that did not sign
+/// the server's certificate is refused by `check`, with the reason.
+#[tokio::test(flavor = "multi_thread")]
+async fn tls_with_a_private_ca() {
+    let certs = tempfile::tempdir().unwrap();
+    crate::security::certificates(certs.path());
+    let server = RedisServer::start_tls(certs.path());
+    let kafka = Kafka::new();
+    kafka.create_topic("payments", 1);
+    let s = payments(500, 1, false);
+    kafka.produce("payments", &s.records);
+    let section = |ca: &str| {
+        format!("[redis]\nurl = \"{}\"\ntls_ca_file = \"{}\"\nconnect_timeout = \"2s\"\n", server.url, certs.path().join(ca).display())
+    };
+    let setup = Setup::redis_section(&section("ca.crt"), &kafka, &[("payments.toml", &example())], "", "");
+    let (status, out, err) = idemflow(&["check", "--config", setup.config.to_str().unwrap()], setup.dir.path());
+    assert!(status.success(), "{out}{err}");
+    let w = BinWorker::start(&setup);
+    wait_until(Duration::from_secs(60), "every record processed over TLS", || async {
+        metric(&w.scrape(), "idemflow_records_received_total", &[("pipeline", "payments")]) >= s.records.len() as f64
+    })
+    .await;
+    assert_eq!(metric(&w.scrape(), "idemflow_records_applied_total", &[("pipeline", "payments")]), s.distinct as f64);
+    let other = Setup::redis_section(&section("other-ca.crt"), &kafka, &[("payments.toml", &example())], "", "");
+    let (status, out, err) = idemflow(&["check", "--config", other.config.to_str().unwrap()], other.dir.path());
+    assert!(!status.success(), "{out}");
+    assert!(err.contains("cannot connect to Redis at rediss://localhost:") && err.to_lowercase().contains("certificate"), "{err}");
 }

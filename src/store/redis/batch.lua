@@ -98,12 +98,17 @@ end
 local n = tonumber(ARGV[i]); i = i + 1
 local out = {}
 for r = 1, n do
-  -- kind: A (apply), R<done> (apply a replayed dead letter, whose first <done> commands took effect), D (dead letter).
+  -- kind: A (apply), R<done> (apply a replayed dead letter, whose first <done> commands took effect), D (dead letter),
+  -- DR (a replayed dead letter that fails again before its commands).
   local kind, dlpos, blob = ARGV[i], ARGV[i + 1], ARGV[i + 2]
   i = i + 3
-  if kind == 'D' then
+  if kind == 'D' or kind == 'DR' then
     local topic, part, off, reason, err = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3], ARGV[i + 4]
     i = i + 5
+    if kind == 'DR' and dlpos ~= '' then
+      -- A replayed dead letter failing again: its position is dead-lettered anew, with the new error.
+      redis.call('DEL', P .. 'dl:' .. dlpos)
+    end
     local d = dead_letter(topic, part, off, dlpos, reason, err, '0', blob)
     out[r] = {3, d[1], d[2]}
   else

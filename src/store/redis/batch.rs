@@ -4,7 +4,8 @@
 //! `prefix ttl_ms stream seq pipeline`; `NP` and per partition `topic/partition next epoch expected`; `NR` and the
 //! stream ids of dead letters being replayed; `NC` and per command `NA` and its arguments, the name first, each
 //! `=text` for a constant or `?` for a record's value; then `N` and per record `kind dl_position blob` (`blob`: the
-//! dead letter's `meta` JSON, a newline, the payload), followed for kind `D` (a dead letter) by
+//! dead letter's `meta` JSON, a newline, the payload), followed for kinds `D` (a dead letter) and `DR` (a replayed
+//! dead letter failing again) by
 //! `topic partition offset reason error`, and for kinds `A` (apply) and `R<done>` (a replayed dead letter, its first
 //! `done` commands not run again) by `digest value` and the record's values for the `?`s, in order.
 //!
@@ -50,6 +51,8 @@ pub enum Item<'a> {
         reason: DeadLetterReason,
         /// The error text.
         error: &'a str,
+        /// A dead letter being replayed that fails again: written anew even though its position has one.
+        replayed: bool,
     },
 }
 
@@ -178,7 +181,7 @@ impl RedisStore {
             for ((field, next), (_, _, _, epoch)) in parts.iter().zip(positions.map_or(&[][..], |p| &p.0[..])) {
                 // Without a claim on record, "?" matches no stored position: the batch is refused as lost and the
                 // partition claimed again.
-                let exp = expected.get(&(pipeline.to_owned(), field.clone())).map_or("?", String::as_str);
+                let exp = expected.get(&(pipeline.to_owned(), field.clone())).map_or("?", |(_, next)| next.as_str());
                 inv.arg(field).arg(next).arg(epoch).arg(exp);
             }
         }
@@ -204,7 +207,8 @@ impl RedisStore {
             };
             let p = &record.position;
             let kind = match item {
-                Item::DeadLetter { .. } => "D".to_owned(),
+                Item::DeadLetter { replayed: false, .. } => "D".to_owned(),
+                Item::DeadLetter { replayed: true, .. } => "DR".to_owned(),
                 Item::Apply { replay_skip: Some(done), .. } => format!("R{done}"),
                 Item::Apply { .. } => "A".to_owned(),
             };
@@ -228,12 +232,19 @@ impl RedisStore {
             }
         }
         let started = Instant::now();
-        let answer: Value = inv.invoke_async(&mut self.conn()).await?;
+        let answer: Result<Value, redis::RedisError> = async { inv.invoke_async(&mut self.conn().await?).await }.await;
+        let answer = match answer {
+            Ok(a) => a,
+            Err(e) => {
+                self.after_failure(&e).await;
+                return Err(Refused::Redis(e));
+            }
+        };
         let round_trip = started.elapsed();
         let ran = parse_answer(answer, &parts, items.len())?;
         let mut expected = self.expected();
-        for (field, next) in &parts {
-            expected.insert((pipeline.to_owned(), field.clone()), next.to_string());
+        for ((field, next), (_, _, _, epoch)) in parts.iter().zip(positions.map_or(&[][..], |p| &p.0[..])) {
+            expected.insert((pipeline.to_owned(), field.clone()), (*epoch, next.to_string()));
         }
         drop(expected);
         let marks = Processed(
@@ -249,12 +260,43 @@ impl RedisStore {
         Ok(Ran { marks, results: ran.1, round_trip })
     }
 
-    /// Records what this worker claimed for `pipeline`: batches expect to find these positions.
-    pub(crate) fn claimed(&self, pipeline: &str, positions: impl IntoIterator<Item = (String, Option<i64>)>) {
+    /// Records what this worker claimed for `pipeline` (`(field, epoch, next)`): batches expect to find these
+    /// positions.
+    pub(crate) fn claimed(&self, pipeline: &str, positions: impl IntoIterator<Item = (String, i64, Option<i64>)>) {
         let mut expected = self.expected();
-        for (field, next) in positions {
-            expected.insert((pipeline.to_owned(), field), next.map_or_else(|| "-".to_owned(), |n| n.to_string()));
+        for (field, epoch, next) in positions {
+            expected.insert((pipeline.to_owned(), field), (epoch, next.map_or_else(|| "-".to_owned(), |n| n.to_string())));
         }
+    }
+
+    /// The partitions of `pipeline` whose stored position is no longer the one this worker stored or claimed
+    /// under its epoch (Redis lost writes while the pipeline was idle: a restart, a failover). Partitions another
+    /// worker claimed since (a higher epoch) are forgotten, not reported.
+    ///
+    /// Errors: Redis's.
+    pub async fn lost_positions(&self, pipeline: &str) -> Result<Vec<(String, i32)>, redis::RedisError> {
+        let mine: Vec<(String, i64, String)> =
+            self.expected().iter().filter(|((p, _), _)| p == pipeline).map(|((_, f), (e, n))| (f.clone(), *e, n.clone())).collect();
+        if mine.is_empty() {
+            return Ok(Vec::new());
+        }
+        let fields: Vec<&str> = mine.iter().map(|(f, _, _)| f.as_str()).collect();
+        let stored: Vec<Option<String>> = redis::cmd("HMGET")
+            .arg(format!("{}offsets", self.pipeline_prefix(pipeline)))
+            .arg(&fields)
+            .query_async(&mut self.conn().await?)
+            .await?;
+        let mut lost = Vec::new();
+        let mut expected = self.expected();
+        for ((field, epoch, next), now) in mine.iter().zip(stored) {
+            let (e, n) = now.as_deref().and_then(|v| v.split_once(' ')).map_or((-1, "-"), |(e, n)| (e.parse().unwrap_or(-1), n));
+            if e > *epoch {
+                expected.remove(&(pipeline.to_owned(), field.clone()));
+            } else if e < *epoch || n != next {
+                lost.extend(parse_field(field));
+            }
+        }
+        Ok(lost)
     }
 }
 

@@ -46,7 +46,7 @@ impl RedisStore {
         let mut out = Vec::new();
         let mut end = "+".to_owned();
         loop {
-            let page: Vec<Entry> = redis::cmd("XREVRANGE").arg(self.dead_letter_stream()).arg(&end).arg("-").arg("COUNT").arg(500).query_async(&mut self.conn()).await?;
+            let page: Vec<Entry> = redis::cmd("XREVRANGE").arg(self.dead_letter_stream()).arg(&end).arg("-").arg("COUNT").arg(500).query_async(&mut self.conn().await?).await?;
             let last = page.last().map(|(id, _)| id.clone());
             for d in page.into_iter().filter_map(stored) {
                 if pipeline.is_none_or(|p| d.pipeline == p) && (out.len() as i64) < limit {
@@ -65,7 +65,7 @@ impl RedisStore {
     /// Errors: Redis's.
     pub async fn dead_letter(&self, id: i64) -> Result<Option<Stored>, redis::RedisError> {
         let entry = format!("{id}-0");
-        let page: Vec<Entry> = redis::cmd("XRANGE").arg(self.dead_letter_stream()).arg(&entry).arg(&entry).query_async(&mut self.conn()).await?;
+        let page: Vec<Entry> = redis::cmd("XRANGE").arg(self.dead_letter_stream()).arg(&entry).arg(&entry).query_async(&mut self.conn().await?).await?;
         Ok(page.into_iter().next().and_then(stored))
     }
 }

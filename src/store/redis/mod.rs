@@ -44,12 +44,21 @@ use std::sync::{Arc, Mutex, PoisonError};
 /// A connection to one Redis server, shared by the pipelines that write to it. Cheap to clone.
 #[derive(Clone)]
 pub struct RedisStore {
-    conn: ConnectionManager,
+    settings: Arc<RedisSettings>,
+    /// The connection (multiplexed, reconnecting), and with Sentinel the primary's address it was made for.
+    conn: Arc<tokio::sync::RwLock<Option<Current>>>,
     prefix: String,
     /// Per `(pipeline, "topic/partition")`, the position this worker last stored or claimed: what each batch expects
     /// to find, so that writes Redis lost are noticed (see [`batch`]).
-    expected: Arc<Mutex<HashMap<(String, String), String>>>,
+    expected: Arc<Mutex<HashMap<(String, String), (i64, String)>>>,
     script: Arc<redis::Script>,
+}
+
+/// The connection in use.
+struct Current {
+    /// With Sentinel: the primary's `(host, port)` the connection is for.
+    primary: Option<(String, u16)>,
+    manager: ConnectionManager,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -62,15 +71,24 @@ impl std::fmt::Debug for RedisStore {
 /// release line its maintainers still document.
 const MIN_VERSION: (u32, u32) = (6, 2);
 
-/// A client for `settings.url` with its TLS files.
+/// A client for `settings.url` with its TLS files, at `primary` instead of the URL's host and port when given (the
+/// address Sentinel named).
 ///
 /// Errors: the URL does not parse, or a TLS file cannot be read.
-fn client(settings: &RedisSettings) -> Result<redis::Client, String> {
-    let url = settings.url.expose();
+fn client(settings: &RedisSettings, primary: Option<&(String, u16)>) -> Result<redis::Client, String> {
+    use redis::{ConnectionAddr, IntoConnectionInfo};
+    let scrub = |e: redis::RedisError| format!("redis.url: {}", settings.url.scrub(&e.to_string()));
+    let mut info = settings.url.expose().into_connection_info().map_err(scrub)?;
+    if let Some((host, port)) = primary {
+        let addr = match info.addr().clone() {
+            ConnectionAddr::TcpTls { insecure, tls_params, .. } => ConnectionAddr::TcpTls { host: host.clone(), port: *port, insecure, tls_params },
+            _ => ConnectionAddr::Tcp(host.clone(), *port),
+        };
+        info = info.set_addr(addr);
+    }
     let tls_files = settings.tls_ca_file.is_some() || settings.tls_cert_file.is_some() || settings.tls_key_file.is_some();
-    let scrub = |e: redis::RedisError| settings.url.scrub(&e.to_string());
     if !tls_files {
-        return redis::Client::open(url).map_err(|e| format!("redis.url: {}", scrub(e)));
+        return redis::Client::open(info).map_err(scrub);
     }
     let read = |field: &str, path: &std::path::Path| std::fs::read(path).map_err(|e| format!("redis.{field}: {}: {e}", path.display()));
     let root_cert = settings.tls_ca_file.as_deref().map(|p| read("tls_ca_file", p)).transpose()?;
@@ -79,31 +97,113 @@ fn client(settings: &RedisSettings) -> Result<redis::Client, String> {
         (None, None) => None,
         _ => return Err("redis.tls_cert_file and redis.tls_key_file go together".to_owned()),
     };
-    redis::Client::build_with_tls(url, redis::TlsCertificates { client_tls, root_cert }).map_err(|e| format!("redis.url: {}", scrub(e)))
+    redis::Client::build_with_tls(info, redis::TlsCertificates { client_tls, root_cert }).map_err(scrub)
+}
+
+/// A reconnecting connection for `client` (it connects on first use).
+fn manager(settings: &RedisSettings, client: redis::Client) -> Result<ConnectionManager, redis::RedisError> {
+    let config = ConnectionManagerConfig::new()
+        .set_connection_timeout(Some(settings.connect_timeout))
+        .set_response_timeout(Some(settings.response_timeout))
+        .set_number_of_retries(2)
+        .set_max_delay(std::time::Duration::from_secs(2));
+    ConnectionManager::new_lazy_with_config(client, config)
+}
+
+/// Asks the sentinels, in order, where the primary named `settings.sentinel_master` is.
+///
+/// Errors: no sentinel answered with an address.
+async fn ask_sentinels(settings: &RedisSettings) -> Result<(String, u16), redis::RedisError> {
+    let master = settings.sentinel_master.as_deref().unwrap_or_default();
+    let mut why = Vec::new();
+    for addr in &settings.sentinels {
+        let attempt = async {
+            let client = redis::Client::open(format!("redis://{addr}/"))?;
+            let mut conn = client.get_multiplexed_async_connection().await?;
+            redis::cmd("SENTINEL").arg("GET-MASTER-ADDR-BY-NAME").arg(master).query_async::<Option<(String, String)>>(&mut conn).await
+        };
+        match tokio::time::timeout(settings.connect_timeout, attempt).await {
+            Ok(Ok(Some((host, port)))) => match port.parse() {
+                Ok(port) => return Ok((host, port)),
+                Err(_) => why.push(format!("{addr}: port {port:?}")),
+            },
+            Ok(Ok(None)) => why.push(format!("{addr}: monitors no primary named {master:?}")),
+            Ok(Err(e)) => why.push(format!("{addr}: {e}")),
+            Err(_) => why.push(format!("{addr}: no answer in {:?}", settings.connect_timeout)),
+        }
+    }
+    Err(redis::RedisError::from(std::io::Error::new(
+        std::io::ErrorKind::NotConnected,
+        format!("no sentinel named the Redis primary: {}", why.join("; ")),
+    )))
 }
 
 impl RedisStore {
-    /// A store for `settings` that connects on first use (and reconnects after a lost connection, with backoff).
+    /// A store for `settings` that connects on first use (and reconnects after a lost connection, with backoff; with
+    /// Sentinel, to the primary the sentinels name).
     ///
-    /// Errors: the URL does not parse, or a TLS file cannot be read.
+    /// Errors: the URL does not parse, a TLS file cannot be read, or `sentinels` without `sentinel_master`.
     pub fn new(settings: &RedisSettings) -> Result<RedisStore, String> {
-        let config = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(settings.connect_timeout))
-            .set_response_timeout(Some(settings.response_timeout))
-            .set_number_of_retries(2)
-            .set_max_delay(std::time::Duration::from_secs(2));
-        let conn = ConnectionManager::new_lazy_with_config(client(settings)?, config).map_err(|e| e.to_string())?;
+        let current = if settings.sentinels.is_empty() {
+            Some(Current { primary: None, manager: manager(settings, client(settings, None)?).map_err(|e| e.to_string())? })
+        } else if settings.sentinel_master.as_deref().is_none_or(str::is_empty) {
+            return Err("redis.sentinel_master: required with redis.sentinels (the name in `sentinel monitor <name> ...`)".to_owned());
+        } else {
+            client(settings, None)?; // the URL's other parts, checked now
+            None
+        };
         Ok(RedisStore {
-            conn,
+            settings: Arc::new(settings.clone()),
+            conn: Arc::new(tokio::sync::RwLock::new(current)),
             prefix: settings.key_prefix.clone(),
             expected: Arc::default(),
             script: Arc::new(redis::Script::new(batch::SCRIPT)),
         })
     }
 
-    /// A connection handle (multiplexed: clones share one connection).
-    pub(crate) fn conn(&self) -> ConnectionManager {
-        self.conn.clone()
+    /// A connection handle (multiplexed: clones share one connection). With Sentinel, the first call asks the
+    /// sentinels where the primary is.
+    ///
+    /// Errors: no sentinel named the primary.
+    pub(crate) async fn conn(&self) -> Result<ConnectionManager, redis::RedisError> {
+        if let Some(c) = &*self.conn.read().await {
+            return Ok(c.manager.clone());
+        }
+        self.follow_primary().await
+    }
+
+    /// With Sentinel: asks the sentinels where the primary is and, when it moved (or on the first call), connects
+    /// there. Returns the connection.
+    async fn follow_primary(&self) -> Result<ConnectionManager, redis::RedisError> {
+        let primary = ask_sentinels(&self.settings).await?;
+        let mut current = self.conn.write().await;
+        if let Some(c) = &*current {
+            if c.primary.as_ref() == Some(&primary) {
+                return Ok(c.manager.clone());
+            }
+        }
+        let client = client(&self.settings, Some(&primary)).map_err(|why| redis::RedisError::from((redis::ErrorKind::InvalidClientConfig, "redis", why)))?;
+        let manager = manager(&self.settings, client)?;
+        if current.is_some() {
+            tracing::warn!(primary = %format!("{}:{}", primary.0, primary.1), "the Redis primary moved (a Sentinel failover): connecting to it");
+        }
+        *current = Some(Current { primary: Some(primary), manager: manager.clone() });
+        Ok(manager)
+    }
+
+    /// Called with a failure that may mean the primary moved (a lost connection, `READONLY`, `MASTERDOWN`): with
+    /// Sentinel, follows the primary. A failure to ask is left to the next attempt.
+    pub(crate) async fn after_failure(&self, e: &redis::RedisError) {
+        if self.settings.sentinels.is_empty() {
+            return;
+        }
+        let moved = e.is_io_error() || e.is_connection_dropped() || e.is_connection_refusal() || e.is_timeout()
+            || matches!(e.code(), Some("READONLY" | "MASTERDOWN" | "LOADING"));
+        if moved {
+            if let Err(why) = self.follow_primary().await {
+                tracing::warn!(error = %why, "cannot ask the sentinels where the Redis primary is; retrying with the batch");
+            }
+        }
     }
 
     /// `<prefix><pipeline>:`.
@@ -116,7 +216,7 @@ impl RedisStore {
         format!("{}dead-letters", self.prefix)
     }
 
-    fn expected(&self) -> std::sync::MutexGuard<'_, HashMap<(String, String), String>> {
+    fn expected(&self) -> std::sync::MutexGuard<'_, HashMap<(String, String), (i64, String)>> {
         self.expected.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
@@ -125,7 +225,7 @@ impl RedisStore {
     /// Errors: Redis's.
     pub async fn explain(&self, pipeline: &str, key: &BusinessKey) -> Result<Option<Explained>, redis::RedisError> {
         let dk = format!("{}k:{}", self.pipeline_prefix(pipeline), hex::encode(key.digest));
-        let value: Option<String> = redis::cmd("GET").arg(&dk).query_async(&mut self.conn()).await?;
+        let value: Option<String> = redis::cmd("GET").arg(&dk).query_async(&mut self.conn().await?).await?;
         Ok(value.and_then(|v| DedupValue::parse(&v)).map(|d| Explained {
             business_key: key.text.clone(),
             applied_at: format_ms(d.applied_ms),
@@ -185,18 +285,20 @@ pub(crate) fn format_ms(ms: i64) -> String {
     jiff::Timestamp::from_millisecond(ms).map(|t| t.to_string()).unwrap_or_else(|_| ms.to_string())
 }
 
-/// Connects once, directly, to tell whether Redis is reachable and answers `PING`, with Redis's or the network's own
-/// reason when it is not. The error never contains the password.
+/// Connects once, directly, to tell whether Redis is reachable and answers `PING` (with Sentinel: the primary the
+/// sentinels name), with Redis's or the network's own reason when it is not. The error never contains the password.
 pub async fn ping(settings: &RedisSettings) -> Result<(), String> {
-    let client = client(settings)?;
     let attempt = async {
+        let primary = if settings.sentinels.is_empty() { None } else { Some(ask_sentinels(settings).await?) };
+        let client = client(settings, primary.as_ref()).map_err(|why| redis::RedisError::from((redis::ErrorKind::InvalidClientConfig, "redis", why)))?;
         let mut conn = client.get_multiplexed_async_connection().await?;
         redis::cmd("PING").query_async::<String>(&mut conn).await
     };
-    match tokio::time::timeout(settings.connect_timeout, attempt).await {
+    let at = if settings.sentinels.is_empty() { settings.url.to_string() } else { format!("the primary the sentinels {:?} name", settings.sentinels) };
+    match tokio::time::timeout(settings.connect_timeout * 2, attempt).await {
         Ok(Ok(_)) => Ok(()),
-        Ok(Err(e)) => Err(format!("cannot connect to Redis at {}: {}", settings.url, settings.url.scrub(&e.to_string()))),
-        Err(_) => Err(format!("cannot connect to Redis at {}: no answer in {:?}", settings.url, settings.connect_timeout)),
+        Ok(Err(e)) => Err(format!("cannot connect to Redis at {at}: {}", settings.url.scrub(&e.to_string()))),
+        Err(_) => Err(format!("cannot connect to Redis at {at}: no answer in {:?}", settings.connect_timeout * 2)),
     }
 }
 
@@ -217,7 +319,7 @@ impl RedisStore {
     ///
     /// Errors: the reason the server cannot be used, or Redis's error.
     pub async fn check_server(&self) -> Result<ServerFacts, String> {
-        let mut conn = self.conn();
+        let mut conn = self.conn().await.map_err(|e| e.to_string())?;
         let info: String = redis::cmd("INFO").arg("server").arg("persistence").arg("cluster").query_async(&mut conn).await.map_err(|e| e.to_string())?;
         let field = |name: &str| info.lines().find_map(|l| l.strip_prefix(name).and_then(|r| r.strip_prefix(':'))).map(str::trim);
         let version = field("redis_version").unwrap_or("unknown").to_owned();

@@ -51,19 +51,22 @@ impl RedisStore {
     pub async fn claim_offsets(&self, pipeline: &str, owner: &str, partitions: &[(String, i32)]) -> Result<Vec<Claimed>, redis::RedisError> {
         let prefix = self.pipeline_prefix(pipeline);
         let fields: Vec<String> = partitions.iter().map(|(t, p)| partition_field(t, *p)).collect();
-        let values: Vec<String> = redis::Script::new(CLAIM)
-            .arg(format!("{prefix}offsets"))
-            .arg(format!("{prefix}owners"))
-            .arg(owner)
-            .arg(&fields)
-            .invoke_async(&mut self.conn())
-            .await?;
+        let script = redis::Script::new(CLAIM);
+        let mut inv = script.prepare_invoke();
+        inv.arg(format!("{prefix}offsets")).arg(format!("{prefix}owners")).arg(owner).arg(&fields);
+        let values: Vec<String> = match async { inv.invoke_async(&mut self.conn().await?).await }.await {
+            Ok(v) => v,
+            Err(e) => {
+                self.after_failure(&e).await;
+                return Err(e);
+            }
+        };
         let mut claimed = Vec::new();
         for ((topic, partition), v) in partitions.iter().zip(&values) {
             let (epoch, next_offset) = parse(v).ok_or_else(|| invalid(v))?;
             claimed.push(Claimed { topic: topic.clone(), partition: *partition, next_offset, epoch });
         }
-        self.claimed(pipeline, fields.into_iter().zip(claimed.iter().map(|c| c.next_offset)));
+        self.claimed(pipeline, fields.into_iter().zip(&claimed).map(|(f, c)| (f, c.epoch, c.next_offset)));
         Ok(claimed)
     }
 
@@ -71,7 +74,7 @@ impl RedisStore {
     ///
     /// Errors: Redis's.
     pub async fn stored_offsets(&self, pipeline: &str) -> Result<Vec<(String, i32, Option<i64>)>, redis::RedisError> {
-        let all: Vec<(String, String)> = redis::cmd("HGETALL").arg(format!("{}offsets", self.pipeline_prefix(pipeline))).query_async(&mut self.conn()).await?;
+        let all: Vec<(String, String)> = redis::cmd("HGETALL").arg(format!("{}offsets", self.pipeline_prefix(pipeline))).query_async(&mut self.conn().await?).await?;
         let mut out: Vec<_> = all
             .iter()
             .filter_map(|(f, v)| {
@@ -94,7 +97,7 @@ impl RedisStore {
         for (t, p, next) in positions {
             inv.arg(partition_field(t, *p)).arg(next);
         }
-        inv.invoke_async(&mut self.conn()).await
+        inv.invoke_async(&mut self.conn().await?).await
     }
 }
 

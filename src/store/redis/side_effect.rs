@@ -75,7 +75,7 @@ impl SideEffect {
         let SinkSpec::Redis { commands, params } = spec else {
             return Err(PrepareError { field: "sink".into(), message: "a SQL side effect needs [database], not [redis]".into(), unavailable: false });
         };
-        let mut conn = store.conn();
+        let mut conn = store.conn().await.map_err(|e| PrepareError { field: "redis".into(), message: format!("cannot connect: {e}"), unavailable: true })?;
         let mut compiled = Vec::new();
         for c in commands {
             let refuse = |message: String| PrepareError { field: c.origin.clone(), message, unavailable: false };

@@ -113,8 +113,13 @@ impl Setup {
 
     /// Settings for Redis pipelines reading Kafka: `[redis]` (no `[database]`), `[kafka]` with more properties.
     pub fn redis(server: &redis::RedisServer, kafka: &Kafka, pipelines: &[(&str, &str)], properties: &str, extra: &str) -> Setup {
+        Self::redis_section(&server.section(), kafka, pipelines, properties, extra)
+    }
+
+    /// [`Setup::redis`] with the `[redis]` section given whole (Sentinel, say).
+    pub fn redis_section(section: &str, kafka: &Kafka, pipelines: &[(&str, &str)], properties: &str, extra: &str) -> Setup {
         let broker = format!("[kafka]\nbootstrap_servers = \"{}\"\n[kafka.properties]{}\n", kafka.bootstrap(), merge_properties(TEST_KAFKA_PROPERTIES, properties));
-        Self::write_sections(&server.section(), &broker, pipelines, extra)
+        Self::write_sections(section, &broker, pipelines, extra)
     }
 
     /// Settings for Redis pipelines reading RabbitMQ: `[redis]` and `[rabbitmq]`, no `[database]` or `[kafka]`.

@@ -47,8 +47,34 @@ impl RedisServer {
         s
     }
 
-    /// Starts the server (again) on its directory and port: after a SIGKILL it loads its append-only file.
-    pub fn start_again(&mut self) {
+    /// A server that accepts TLS only, on its port, with `certs`' `server.crt`/`server.key` (no client
+    /// certificates asked). [`RedisServer::conn`] cannot reach it: check through the worker.
+    pub fn start_tls(certs: &std::path::Path) -> RedisServer {
+        let port = super::free_port();
+        let file = |name: &str| certs.join(name).display().to_string();
+        let extra = vec![
+            "--port".to_owned(), "0".to_owned(), "--tls-port".to_owned(), port.to_string(),
+            "--tls-cert-file".to_owned(), file("server.crt"), "--tls-key-file".to_owned(), file("server.key"),
+            "--tls-ca-cert-file".to_owned(), file("ca.crt"), "--tls-auth-clients".to_owned(), "no".to_owned(),
+        ];
+        let mut s = RedisServer {
+            dir: tempfile::tempdir().unwrap(),
+            port,
+            fsync: "everysec".to_owned(),
+            extra,
+            child: None,
+            url: format!("rediss://localhost:{port}/0"),
+        };
+        s.spawn();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(Instant::now() < deadline, "redis-server (TLS) did not listen within 30 s:\n{}", s.log());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        s
+    }
+
+    fn spawn(&mut self) {
         let mut cmd = Command::new(binary());
         cmd.args(["--port", &self.port.to_string(), "--bind", "127.0.0.1", "--dir"])
             .arg(self.dir.path())
@@ -58,6 +84,11 @@ impl RedisServer {
             .stdout(Stdio::null())
             .stderr(Stdio::null());
         self.child = Some(cmd.spawn().unwrap());
+    }
+
+    /// Starts the server (again) on its directory and port: after a SIGKILL it loads its append-only file.
+    pub fn start_again(&mut self) {
+        self.spawn();
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
             if let Ok(mut c) = redis::Client::open(self.url.as_str()).and_then(|c| c.get_connection()) {
@@ -97,6 +128,11 @@ impl RedisServer {
         cut
     }
 
+    /// Its port.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
     /// Its log.
     pub fn log(&self) -> String {
         std::fs::read_to_string(self.dir.path().join("redis.log")).unwrap_or_default()
@@ -116,5 +152,65 @@ impl RedisServer {
 impl Drop for RedisServer {
     fn drop(&mut self) {
         self.kill();
+    }
+}
+
+/// A Redis Sentinel (`redis-server sentinel.conf --sentinel`) monitoring a primary as `mymaster`, with a quorum of 1
+/// (it alone decides a failover).
+pub struct Sentinel {
+    _dir: tempfile::TempDir,
+    child: Child,
+    /// Its port.
+    pub port: u16,
+}
+
+impl Sentinel {
+    /// Starts a sentinel monitoring the primary on `primary_port`, and waits until it knows it.
+    pub fn start(primary_port: u16) -> Sentinel {
+        let dir = tempfile::tempdir().unwrap();
+        let port = super::free_port();
+        let conf = dir.path().join("sentinel.conf");
+        std::fs::write(
+            &conf,
+            format!(
+                "port {port}\nbind 127.0.0.1\ndir {}\nlogfile sentinel.log\nsentinel monitor mymaster 127.0.0.1 {primary_port} 1\n\
+                 sentinel down-after-milliseconds mymaster 2000\nsentinel failover-timeout mymaster 10000\n",
+                dir.path().display()
+            ),
+        )
+        .unwrap();
+        let child = Command::new(binary()).arg(&conf).arg("--sentinel").stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
+        let s = Sentinel { _dir: dir, child, port };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let known = redis::Client::open(format!("redis://127.0.0.1:{port}/"))
+                .and_then(|c| c.get_connection())
+                .and_then(|mut c| redis::cmd("SENTINEL").arg("GET-MASTER-ADDR-BY-NAME").arg("mymaster").query::<Option<(String, String)>>(&mut c));
+            if let Ok(Some(_)) = known {
+                return s;
+            }
+            assert!(Instant::now() < deadline, "the sentinel did not start");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// `SENTINEL FAILOVER mymaster`: promotes a replica without waiting for the primary to fail.
+    pub fn failover(&self) {
+        let mut c = redis::Client::open(format!("redis://127.0.0.1:{}/", self.port)).unwrap().get_connection().unwrap();
+        let _: () = redis::cmd("SENTINEL").arg("FAILOVER").arg("mymaster").query(&mut c).unwrap();
+    }
+
+    /// The port of the primary it names now.
+    pub fn primary_port(&self) -> u16 {
+        let mut c = redis::Client::open(format!("redis://127.0.0.1:{}/", self.port)).unwrap().get_connection().unwrap();
+        let (_, port): (String, String) = redis::cmd("SENTINEL").arg("GET-MASTER-ADDR-BY-NAME").arg("mymaster").query(&mut c).unwrap();
+        port.parse().unwrap()
+    }
+}
+
+impl Drop for Sentinel {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 }
