@@ -511,6 +511,15 @@ async fn redis_durability(redis: &idemflow::store::redis::RedisStore, pipelines:
     };
     let fsync = facts.appendfsync.clone().unwrap_or_else(|| "unknown (CONFIG GET is not allowed)".to_owned());
     lines.push(format!("redis {}: appendonly {}, appendfsync {fsync}", facts.version, if facts.aof { "yes" } else { "no" }));
+    match &facts.eviction {
+        Some((policy, true)) if policy != "noeviction" => lines.push(format!(
+            "warning: redis: maxmemory-policy {policy} with maxmemory set: Redis may evict dedup keys (they all have a TTL) \
+             or stored positions before their time, and an operation whose key was evicted is applied again when it comes \
+             back. Set maxmemory-policy noeviction (a full Redis then refuses writes, and the worker waits and retries)"
+        )),
+        None => lines.push("warning: redis: cannot read maxmemory-policy (CONFIG GET is not allowed): make sure it is noeviction".to_owned()),
+        _ => {}
+    }
     if !facts.aof {
         lines.push(
             "warning: redis: appendonly is off: a restart loses every dedup key, stored position and effect written since the              last snapshot; a Kafka pipeline then stops (its positions are gone) and a RabbitMQ pipeline loses what it              acknowledged. Set appendonly yes"

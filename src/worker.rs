@@ -215,15 +215,19 @@ async fn run_pipeline(
         dead_letter_out: dead_letter_out.as_ref(),
     };
     let mut outcome = Ok(());
+    let mut checked = Instant::now();
     while let Some(mut batch) = source.next_batch(r.pipeline.batch, &mut shutdown).await {
-        if batch.is_empty() {
-            // Idle. A store that can lose acknowledged writes (Redis, after a crash or a failover) is asked whether it
-            // still holds the positions this worker stored: a quiet partition must not wait for its next record to
-            // have its lost effects applied again.
-            if let Err(e) = step.resync_lost(&mut source).await {
+        // Once a second (between batches, or idle), a store that can lose acknowledged writes (Redis, after a crash
+        // or a failover) is asked whether it still holds the positions this worker stored: a quiet partition must
+        // not wait for its next record to have its lost effects applied again.
+        if batch.is_empty() || checked.elapsed() >= LOST_POSITIONS_EVERY {
+            checked = Instant::now();
+            if let Err(e) = step.resync_lost(&mut source, &mut batch).await {
                 outcome = Err(PipelineFailure::Fatal { pipeline: name.clone(), source: e });
                 break;
             }
+        }
+        if batch.is_empty() {
             continue;
         }
         let span = tracing::info_span!(
@@ -311,12 +315,13 @@ struct Step<'a> {
 }
 
 impl Step<'_> {
-    /// While idle: resumes the partitions whose stored positions the store lost ([`Store::lost_positions`]) from
-    /// what it kept. A failure to ask is left to the next idle moment.
+    /// Between batches: resumes the partitions whose stored positions the store lost ([`Store::lost_positions`])
+    /// from what it kept, dropping their records from `batch` (not applied yet). A failure to ask is left to the next
+    /// check.
     ///
     /// Errors: the store holds no position at all for a partition, or the source could not be moved.
-    async fn resync_lost(&mut self, source: &mut Source) -> Result<(), SinkError> {
-        let lost = match self.ready.store.lost_positions(&self.ready.pipeline.name).await {
+    async fn resync_lost(&mut self, source: &mut Source, batch: &mut Vec<Record>) -> Result<(), SinkError> {
+        let lost = match self.ready.store.lost_positions(&self.ready.pipeline.name, &source.owned()).await {
             Ok(lost) => lost,
             Err(e) => {
                 tracing::debug!(pipeline = %self.ready.pipeline.name, error = %e, "cannot compare the stored positions while idle");
@@ -325,7 +330,7 @@ impl Step<'_> {
         };
         if !lost.is_empty() {
             tracing::warn!(pipeline = %self.ready.pipeline.name, partitions = ?lost, "the store lost positions this worker had stored (and the effects written with them); resuming them from what it kept");
-            resync(&self.ready, source, lost, &mut Vec::new()).await?;
+            resync(&self.ready, source, lost, batch).await?;
         }
         Ok(())
     }
@@ -505,6 +510,9 @@ fn owner() -> String {
 }
 
 const MAX_RETRY_DELAY: Duration = Duration::from_secs(30);
+
+/// How often the worker asks its store whether it lost the positions this worker stored ([`Store::lost_positions`]).
+const LOST_POSITIONS_EVERY: Duration = Duration::from_secs(1);
 
 fn retry_backoff() -> impl Iterator<Item = Duration> {
     backoff(Duration::from_millis(100), MAX_RETRY_DELAY)

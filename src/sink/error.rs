@@ -71,6 +71,9 @@ pub enum SinkError {
         /// `(topic, partition)` of each partition.
         partitions: Vec<(String, i32)>,
     },
+    /// A dead letter being replayed was taken by another replay meanwhile (Redis); nothing was written.
+    #[error("dead letter {0} was replayed by another process meanwhile; nothing was written")]
+    Replayed(String),
     /// The source could not be moved back to the positions the store kept.
     #[error("the source could not resume from the stored positions: {0}")]
     Source(String),
@@ -123,7 +126,7 @@ impl SinkError {
             SinkError::Database { source, .. } => classify(source),
             SinkError::Redis { source, .. } => crate::store::redis::error::classify(source),
             SinkError::Lost { .. } => Disposition::Resync,
-            SinkError::PositionsGone { .. } | SinkError::Source(_) => Disposition::Fatal,
+            SinkError::PositionsGone { .. } | SinkError::Source(_) | SinkError::Replayed(_) => Disposition::Fatal,
             SinkError::DeadLetterRatio { .. } => Disposition::Fatal,
             SinkError::Fenced { .. } => Disposition::Fenced,
             SinkError::SchemaChanged => Disposition::Rebuild,

@@ -276,6 +276,7 @@ impl Sink {
             Err(Refused::Redis(e)) => return Err(SinkError::redis("running the batch script", e)),
             Err(Refused::Fenced(partitions)) => return Err(SinkError::Fenced { partitions }),
             Err(Refused::Lost(partitions)) => return Err(SinkError::Lost { partitions }),
+            Err(Refused::Replayed(id)) => return Err(SinkError::Replayed(id)),
             Err(Refused::Unexpected(why)) => return Err(SinkError::Schema(why)),
         };
         let mut counts = BatchCounts { received: records.len() as u64, ..BatchCounts::default() };

@@ -900,6 +900,12 @@ impl KafkaSource {
         drop_revoked(&self.state, &self.pipeline, batch, &mut self.stash);
     }
 
+    /// The partitions assigned to this consumer now.
+    pub fn owned(&self) -> Vec<(String, i32)> {
+        let st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        st.assigned.iter().map(|(t, p)| (t.to_string(), *p)).collect()
+    }
+
     /// Starts partitions again from positions claimed anew (`claimed`), after the store lost positions this worker
     /// had stored (Redis after a crash that lost its last writes; see [`crate::store::redis`]): takes the new epochs,
     /// drops the buffered records of these partitions from `batch` and the kept records, and seeks the consumer to

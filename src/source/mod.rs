@@ -110,6 +110,14 @@ impl Source {
         }
     }
 
+    /// The partitions assigned to this worker now (Kafka); none for a queue.
+    pub fn owned(&self) -> Vec<(String, i32)> {
+        match self {
+            Source::Kafka(s) => s.owned(),
+            Source::RabbitMq(_) => Vec::new(),
+        }
+    }
+
     /// The store lost positions this worker had stored (see [`crate::sink::SinkError::Lost`]): starts the partitions
     /// of `claimed` again from the positions it kept, dropping their records from `batch`. Only sources with stored
     /// positions (Kafka) can lose them.

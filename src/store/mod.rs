@@ -193,13 +193,13 @@ impl Store {
         })
     }
 
-    /// Partitions of `pipeline` whose positions, as this worker stored them, the store no longer holds: Redis after
-    /// it lost its last writes while the pipeline was idle. Always none for the databases, which keep what they
-    /// committed.
-    pub async fn lost_positions(&self, pipeline: &str) -> Result<Vec<(String, i32)>, StoreError> {
+    /// Partitions of `pipeline`, among `owned` (assigned to this worker), whose positions as this worker stored
+    /// them the store no longer holds: Redis after it lost its last writes. Always none for the databases, which keep
+    /// what they committed.
+    pub async fn lost_positions(&self, pipeline: &str, owned: &[(String, i32)]) -> Result<Vec<(String, i32)>, StoreError> {
         Ok(match self {
             Store::Postgres(_) | Store::MySql(_) => Vec::new(),
-            Store::Redis(r) => r.lost_positions(pipeline).await?,
+            Store::Redis(r) => r.lost_positions(pipeline, owned).await?,
         })
     }
 

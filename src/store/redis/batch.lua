@@ -50,8 +50,9 @@ if #bad > 0 then
 end
 
 local nr = tonumber(ARGV[i]); i = i + 1
+local replays = {}
 for r = 1, nr do
-  redis.call('XDEL', stream, ARGV[i])
+  replays[r] = ARGV[i]
   i = i + 1
 end
 
@@ -75,24 +76,70 @@ for c = 1, nc do
   cmds[c], holes[c] = cmd, h
 end
 
+-- The commands_done field of dead letter `id` ('0' when it has none or is gone).
+local function done_of(id)
+  local e = redis.call('XRANGE', stream, id, id)
+  if e[1] then
+    local f = e[1][2]
+    for j = 1, #f, 2 do
+      if f[j] == 'commands_done' then
+        return f[j + 1]
+      end
+    end
+  end
+  return '0'
+end
+
 local function dead_letter(topic, part, off, dlpos, reason, err, done, blob)
   local k = nil
+  local new = 1
   if dlpos ~= '' then
     k = P .. 'dl:' .. dlpos
     local id = redis.call('GET', k)
     if id then
-      return {0, id}
+      -- This position was dead-lettered before (a redelivery). The entry stays, unless more of the record's commands
+      -- have taken effect since: then it is replaced, so a replay does not run them again.
+      if done == done_of(id) then
+        return {0, id}
+      end
+      redis.call('XDEL', stream, id)
+      new = 0
     end
   end
   local nl = string.find(blob, '\n', 1, true)
-  local id = redis.call('INCR', seq) .. '-0'
+  -- Ids N-0 from a counter, always above the stream's last entry (should the counter be lost).
+  local n = redis.call('INCR', seq)
+  local last = redis.call('XREVRANGE', stream, '+', '-', 'COUNT', 1)
+  if last[1] then
+    local m = tonumber(string.match(last[1][1], '^(%d+)-'))
+    if m and n <= m then
+      n = m + 1
+      redis.call('SET', seq, n)
+    end
+  end
+  local id = n .. '-0'
   redis.call('XADD', stream, id, 'pipeline', pipeline, 'topic', topic, 'partition', part, 'offset', off,
     'reason', reason, 'error', err, 'commands_done', done, 'created_at', now,
     'meta', string.sub(blob, 1, nl - 1), 'payload', string.sub(blob, nl + 1))
   if k then
     redis.call('SET', k, id, 'PX', ttl)
   end
-  return {1, id}
+  return {new, id}
+end
+
+-- Errors of a command that are not the record's fault: the batch is refused and retried (or the pipeline stops),
+-- never a dead letter.
+local function not_the_records(err)
+  local code = string.match(err, '^(%u+)')
+  return code == 'NOPERM' or code == 'OOM' or code == 'READONLY' or code == 'MASTERDOWN' or code == 'BUSY'
+    or code == 'LOADING' or code == 'MISCONF' or code == 'NOREPLICAS' or code == 'TRYAGAIN'
+end
+
+-- Dead letters being replayed are taken first; one already taken (another replay of it ran) refuses the batch.
+for r = 1, nr do
+  if redis.call('XDEL', stream, replays[r]) == 0 then
+    return {'replayed', replays[r]}
+  end
 end
 
 local n = tonumber(ARGV[i]); i = i + 1
@@ -129,9 +176,14 @@ for r = 1, n do
       if dlpos ~= '' then
         redis.call('DEL', P .. 'dl:' .. dlpos)
       end
+      -- Only this record's own mark is lifted: another record of the same key marked it for commands of its own.
       local old = redis.call('GET', dk)
       if old and string.sub(old, 1, 2) == 'D|' then
-        redis.call('DEL', dk)
+        local op, oo, ot = string.match(old, '^%a|%d+|%d+|%d*|(-?%d+)|(%d+)|%x*|(.*)$')
+        local np, no, nt = string.match(value, '^(-?%d+)|(%d+)|%x*|(.*)$')
+        if op == np and oo == no and ot == nt then
+          redis.call('DEL', dk)
+        end
       end
     end
     if redis.call('SET', dk, 'A|' .. now .. '|0||' .. value, 'NX', 'PX', ttl) then
@@ -145,18 +197,27 @@ for r = 1, n do
       end
       if failed then
         local done = failed[1] - 1
+        if done == 0 and not_the_records(failed[2]) then
+          -- Nothing of this record ran: release its key and refuse the batch; what ran before is kept by its keys.
+          redis.call('DEL', dk)
+          return redis.error_reply(failed[2])
+        end
         local err = 'command ' .. failed[1] .. ' of ' .. nc .. ' (' .. cmds[failed[1]][1] .. ') failed: ' .. failed[2]
         if done == 0 then
-          redis.call('DEL', dk)
           err = err .. '; none of the record\'s commands took effect'
+        else
+          err = err .. '; the record\'s first ' .. done .. ' command(s) took effect and were not undone (a replay runs the rest)'
+        end
+        local part, off, topic = string.match(value, '^(-?%d+)|(%d+)|%x*|(.*)$')
+        -- The dead letter first: should writing it fail, no mark is left without its dead letter.
+        local d = dead_letter(topic, part, off, dlpos, 'side_effect_rejected', err, tostring(done), blob)
+        if done == 0 then
+          redis.call('DEL', dk)
         else
           -- Some commands took effect: the key stays, marked, so no later copy runs them again; a replay of the
           -- dead letter runs the rest.
           redis.call('SET', dk, 'D|' .. now .. '|0||' .. value, 'KEEPTTL')
-          err = err .. '; the record\'s first ' .. done .. ' command(s) took effect and were not undone (a replay runs the rest)'
         end
-        local part, off, topic = string.match(value, '^(-?%d+)|(%d+)|%x*|(.*)$')
-        local d = dead_letter(topic, part, off, dlpos, 'side_effect_rejected', err, tostring(done), blob)
         out[r] = {2, d[1], d[2], done, err}
       else
         out[r] = 0

@@ -13,8 +13,10 @@
 //! for every argument of a script, and that was most of a batch's time in Redis when each record carried its
 //! whole commands.
 //!
-//! The script answers `{"ok", marks, results}` (marks: each partition's stored position before the batch) or
-//! `{"refused", {{"fenced"|"lost", "topic/partition", ...}, ...}}` having written nothing.
+//! The script answers `{"ok", marks, results}` (marks: each partition's stored position before the batch),
+//! `{"refused", {{"fenced"|"lost", "topic/partition", ...}, ...}}` or `{"replayed", id}` (a dead letter being
+//! replayed is gone: another replay took it) having written nothing, or Redis's own error of a command that is not
+//! the record's fault (`NOPERM`, `OOM`, `READONLY`, ...) raised before any command of that record ran.
 
 use super::{DedupValue, RedisStore};
 use crate::metrics::DeadLetterReason;
@@ -97,6 +99,8 @@ pub enum Refused {
     Fenced(Vec<(String, i32)>),
     /// Redis lost positions this worker had stored or claimed for these partitions.
     Lost(Vec<(String, i32)>),
+    /// The dead letter being replayed was taken by another replay meanwhile; nothing was written.
+    Replayed(String),
     /// The script answered something it never answers (a bug, or a script of another version under the same SHA).
     Unexpected(String),
 }
@@ -244,7 +248,11 @@ impl RedisStore {
         let ran = parse_answer(answer, &parts, items.len())?;
         let mut expected = self.expected();
         for ((field, next), (_, _, _, epoch)) in parts.iter().zip(positions.map_or(&[][..], |p| &p.0[..])) {
-            expected.insert((pipeline.to_owned(), field.clone()), (*epoch, next.to_string()));
+            let entry = expected.entry((pipeline.to_owned(), field.clone())).or_insert((*epoch, String::new()));
+            // A claim of this worker that came in meanwhile holds a newer epoch, and the position it read is this one.
+            if entry.0 <= *epoch {
+                *entry = (*epoch, next.to_string());
+            }
         }
         drop(expected);
         let marks = Processed(
@@ -269,14 +277,19 @@ impl RedisStore {
         }
     }
 
-    /// The partitions of `pipeline` whose stored position is no longer the one this worker stored or claimed
-    /// under its epoch (Redis lost writes while the pipeline was idle: a restart, a failover). Partitions another
-    /// worker claimed since (a higher epoch) are forgotten, not reported.
+    /// The partitions of `pipeline` among `owned` (assigned to this worker now) whose stored position is no longer
+    /// the one this worker stored or claimed under its epoch (Redis lost writes between batches: a restart, a
+    /// failover). Partitions another worker claimed since (a higher epoch) are forgotten, not reported.
     ///
     /// Errors: Redis's.
-    pub async fn lost_positions(&self, pipeline: &str) -> Result<Vec<(String, i32)>, redis::RedisError> {
-        let mine: Vec<(String, i64, String)> =
-            self.expected().iter().filter(|((p, _), _)| p == pipeline).map(|((_, f), (e, n))| (f.clone(), *e, n.clone())).collect();
+    pub async fn lost_positions(&self, pipeline: &str, owned: &[(String, i32)]) -> Result<Vec<(String, i32)>, redis::RedisError> {
+        let owned: Vec<String> = owned.iter().map(|(t, p)| partition_field(t, *p)).collect();
+        let mine: Vec<(String, i64, String)> = {
+            let mut expected = self.expected();
+            // Partitions this worker no longer owns are another's to check.
+            expected.retain(|(p, f), _| p != pipeline || owned.contains(f));
+            expected.iter().filter(|((p, _), _)| p == pipeline).map(|((_, f), (e, n))| (f.clone(), *e, n.clone())).collect()
+        };
         if mine.is_empty() {
             return Ok(Vec::new());
         }
@@ -336,6 +349,7 @@ fn parse_answer(answer: Value, parts: &[(String, i64)], items: usize) -> Result<
             // Fenced wins: the partition is another worker's, whatever this one lost.
             if fenced.is_empty() { Err(Refused::Lost(lost)) } else { Err(Refused::Fenced(fenced)) }
         }
+        Some("replayed") => Err(Refused::Replayed(top.get(1).and_then(text).unwrap_or_default())),
         Some("ok") => {
             let (Some(Value::Array(marks)), Some(Value::Array(out))) = (top.get(1), top.get(2)) else {
                 return Err(unexpected("no marks or results"));

@@ -67,9 +67,9 @@ impl std::fmt::Debug for RedisStore {
     }
 }
 
-/// The oldest Redis this store runs on: `SET ... KEEPTTL` (6.0) and `PX` with `NX` in scripts; 6.2 is the oldest
-/// release line its maintainers still document.
-const MIN_VERSION: (u32, u32) = (6, 2);
+/// The oldest Redis this store runs on: 7.0, from which an error raised inside a script keeps its code (`OOM`,
+/// `READONLY`, `NOPERM`; before, every one was `ERR Error running script`), which the retries depend on.
+const MIN_VERSION: (u32, u32) = (7, 0);
 
 /// A client for `settings.url` with its TLS files, at `primary` instead of the URL's host and port when given (the
 /// address Sentinel named).
@@ -311,6 +311,8 @@ pub struct ServerFacts {
     pub aof: bool,
     /// `appendfsync`, when `CONFIG GET` is allowed.
     pub appendfsync: Option<String>,
+    /// `maxmemory-policy` and whether `maxmemory` is set, when `CONFIG GET` is allowed.
+    pub eviction: Option<(String, bool)>,
 }
 
 impl RedisStore {
@@ -326,7 +328,11 @@ impl RedisStore {
         let mut parts = version.split('.').map(|p| p.parse::<u32>().unwrap_or(0));
         let (major, minor) = (parts.next().unwrap_or(0), parts.next().unwrap_or(0));
         if (major, minor) < MIN_VERSION {
-            return Err(format!("Redis {version} is too old: idemflow needs {}.{} or later (SET ... KEEPTTL in its batch script)", MIN_VERSION.0, MIN_VERSION.1));
+            return Err(format!(
+                "Redis {version} is too old: idemflow needs {}.{} or later (before 7.0 an error inside a script loses its code, \
+                 so a failover's READONLY or an OOM could not be told from a fatal error)",
+                MIN_VERSION.0, MIN_VERSION.1
+            ));
         }
         if field("cluster_enabled") == Some("1") {
             return Err(
@@ -337,8 +343,16 @@ impl RedisStore {
             );
         }
         let aof = field("aof_enabled") == Some("1");
-        let appendfsync = redis::cmd("CONFIG").arg("GET").arg("appendfsync").query_async::<Vec<String>>(&mut conn).await.ok().and_then(|v| v.get(1).cloned());
-        Ok(ServerFacts { version, aof, appendfsync })
+        let get = |name: &'static str| {
+            let mut conn = conn.clone();
+            async move { redis::cmd("CONFIG").arg("GET").arg(name).query_async::<Vec<String>>(&mut conn).await.ok().and_then(|v| v.get(1).cloned()) }
+        };
+        let appendfsync = get("appendfsync").await;
+        let eviction = match (get("maxmemory-policy").await, get("maxmemory").await) {
+            (Some(policy), Some(max)) => Some((policy, max != "0")),
+            _ => None,
+        };
+        Ok(ServerFacts { version, aof, appendfsync, eviction })
     }
 }
 

@@ -6,18 +6,19 @@ use super::batch::partition_field;
 use super::RedisStore;
 use crate::offsets::Claimed;
 
-/// Raises each partition's epoch and returns `epoch next` for each, in order. `ARGV`: offsets key, owners key,
-/// owner, then the fields.
+/// Raises each partition's epoch above both the stored one and a floor (the highest this worker held: after Redis
+/// lost writes, the stored epoch may be lower than one already handed out) and returns `epoch next` for each, in
+/// order. `ARGV`: offsets key, owners key, owner, then field and floor pairs.
 const CLAIM: &str = r"
 local out = {}
-for i = 4, #ARGV do
+for i = 4, #ARGV, 2 do
   local cur = redis.call('HGET', ARGV[1], ARGV[i])
   local e, n = 0, '-'
   if cur then
     local ce, cn = string.match(cur, '^(%d+) (%S+)$')
     e, n = tonumber(ce), cn
   end
-  local v = (e + 1) .. ' ' .. n
+  local v = (math.max(e, tonumber(ARGV[i + 1])) + 1) .. ' ' .. n
   redis.call('HSET', ARGV[1], ARGV[i], v)
   redis.call('HSET', ARGV[2], ARGV[i], ARGV[3])
   out[#out + 1] = v
@@ -53,7 +54,14 @@ impl RedisStore {
         let fields: Vec<String> = partitions.iter().map(|(t, p)| partition_field(t, *p)).collect();
         let script = redis::Script::new(CLAIM);
         let mut inv = script.prepare_invoke();
-        inv.arg(format!("{prefix}offsets")).arg(format!("{prefix}owners")).arg(owner).arg(&fields);
+        inv.arg(format!("{prefix}offsets")).arg(format!("{prefix}owners")).arg(owner);
+        {
+            let expected = self.expected();
+            for f in &fields {
+                let floor = expected.get(&(pipeline.to_owned(), f.clone())).map_or(0, |(e, _)| *e);
+                inv.arg(f).arg(floor);
+            }
+        }
         let values: Vec<String> = match async { inv.invoke_async(&mut self.conn().await?).await }.await {
             Ok(v) => v,
             Err(e) => {

@@ -37,7 +37,8 @@ const NUMERIC: &[(&str, usize, Number)] = &[
 
 fn is_number(text: &str, kind: Number) -> bool {
     match kind {
-        Number::Integer => text.parse::<i64>().is_ok(),
+        // Redis's string2ll: an optional '-', digits, no '+', no leading zeros but "0".
+        Number::Integer => !text.starts_with('+') && text.parse::<i64>().is_ok(),
         Number::Float => text.trim() == text && text.parse::<f64>().is_ok_and(f64::is_finite),
     }
 }
