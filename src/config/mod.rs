@@ -140,8 +140,8 @@ impl fmt::Debug for SecretUrl {
     }
 }
 
-/// `[redis]`: the store of the pipelines with `[sink] redis = [...]`. Standalone Redis 6.2 or later (or a
-/// Sentinel-managed primary reached at its address); Redis Cluster is refused by `check`.
+/// `[redis]`: the store of the pipelines with `[sink] redis = [...]`. Standalone Redis 7.0 or later, or a
+/// Sentinel-managed primary (`sentinels`); Redis Cluster is refused by `check`.
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RedisSettings {
