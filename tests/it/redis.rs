@@ -406,6 +406,13 @@ async fn sentinel_failover_mid_stream() {
     let w = BinWorker::start(&setup);
     let received = || metric(&w.scrape(), "idemflow_records_received_total", &[("pipeline", "payments")]);
     wait_until(Duration::from_secs(60), "the worker applying", || async { received() > 3_000.0 }).await;
+    // Every partition has a batch stored on the primary (the consumer takes partitions in turn): a partition whose
+    // first batch the new primary never received would stop the pipeline (nothing says where it had started).
+    wait_until(Duration::from_secs(60), "a batch stored for every partition", || async {
+        let offsets: HashMap<String, String> = primary.conn().hgetall("idemflow:payments:offsets").unwrap();
+        offsets.len() == 3 && offsets.values().all(|v| !v.ends_with(" -"))
+    })
+    .await;
     // The replica acknowledges what the primary had so far (replication is asynchronous: on this machine it ran
     // megabytes behind); what the worker writes after this may not reach it, and is lost by the failover.
     let _: i64 = ::redis::cmd("WAIT").arg(1).arg(60_000).query(&mut primary.conn()).unwrap();
