@@ -815,7 +815,7 @@ async fn consume_only_rabbitmq(amqp: &str, queue: &str, url: &str, pipeline_text
     let (pipeline, preparer) = preparer(url, pipeline_text).await?;
     let prefetch = match &pipeline.source {
         crate::config::SourceSpec::RabbitMq(r) => r.prefetch,
-        crate::config::SourceSpec::Kafka(_) => bail!("(5): not a RabbitMQ pipeline"),
+        _ => bail!("(5): not a RabbitMQ pipeline"),
     };
     let connection = lapin::Connection::connect(amqp, lapin::ConnectionProperties::default()).await?;
     let channel = connection.create_channel().await?;

@@ -1,4 +1,4 @@
-//! idemflow: exactly-once *effects* from at-least-once delivery (Kafka topics, RabbitMQ queues).
+//! idemflow: exactly-once *effects* from at-least-once delivery (Kafka topics, RabbitMQ queues, RocketMQ topics).
 //!
 //! # Layout
 //!
@@ -12,8 +12,11 @@
 //!   into validated [`config::Pipeline`] values; every error names the file, the pipeline and the field.
 //! - [`source`]: where records come from, one module per broker behind one enum: [`source::kafka`] (a consumer-group
 //!   member: batches, partition ownership across rebalances, offset commits) and [`source::rabbitmq`] (a consumer
-//!   per queue: batches acknowledged with `basic.ack` after COMMIT, reconnection after a lost channel).
-//! - [`record`]: one consumed record (a Kafka record or a RabbitMQ delivery), owned, with its position.
+//!   per queue: batches acknowledged with `basic.ack` after COMMIT, reconnection after a lost channel) and
+//!   [`source::rocketmq`] (a lite pull consumer in clustering mode: queues followed across rebalances, consume
+//!   offsets updated after COMMIT).
+//! - [`record`]: one consumed record (a Kafka record, a RabbitMQ delivery or a RocketMQ message), owned, with its
+//!   position.
 //! - [`field`]: field paths (RFC 6901 JSON Pointers, or the dotted form) and how a JSON value becomes text.
 //! - [`decode`]: payload bytes to a JSON document, with the size limit checked before parsing.
 //! - [`key`]: the business key of a record and its SHA-256 digest.
@@ -58,6 +61,8 @@
 //!
 //! - RabbitMQ: a batch is acknowledged (`basic.ack`, `multiple`) only after its COMMIT; a crash or a lost channel
 //!   before that makes the broker requeue it, and the dedup rows skip what was applied (see [`source::rabbitmq`]).
+//! - RocketMQ: a queue's consume offset is updated only after COMMIT; a crash before that replays the batch from
+//!   the last consume offset, as for Kafka (see [`source::rocketmq`]).
 //!
 //! The dedup row and the effect are in the same transaction, so "marked as seen" and "applied" are one fact: there
 //! is no window in which a key is claimed but its effect is lost. No cache in memory ever claims a key.

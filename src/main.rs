@@ -1,5 +1,8 @@
 //! The `idemflow` command: `migrate`, `check`, `run`.
 
+// The RocketMQ client's futures are deeply nested (its own crates set the same limit).
+#![recursion_limit = "256"]
+
 use anyhow::{bail, Context as _};
 use clap::{Parser, Subcommand};
 use idemflow::config::{self, PipelineError, Settings, StoreKind};
@@ -360,15 +363,18 @@ async fn rewind(a: RewindArgs) -> anyhow::Result<()> {
     let settings = load(&a.config)?;
     let pipelines = config::load_pipelines_for(&settings).map_err(|e| report(&e))?;
     let p = named(&pipelines, &a.pipeline, &settings)?.clone();
+    let stored = p.offsets == OffsetStore::Database;
+    if let config::SourceSpec::RocketMq(r) = &p.source {
+        return rewind_rocketmq(&settings, &a, &p, r).await;
+    }
     let Some(kafka_source) = p.source.kafka().cloned() else {
         bail!(
-            "{}: pipeline {:?} has a {} source: rewind moves a Kafka consumer group back; a queue has no positions to go \
+            "{}: pipeline {:?} has a {} source: rewind moves a consumer group back; a queue has no positions to go \
              back to (an acknowledged message has left it). Publish the messages again instead: the dedup store skips \
              those already applied",
             p.file.display(), p.name, p.source.kind()
         );
     };
-    let stored = p.offsets == OffsetStore::Database;
     let store = if stored { Some(open_store(&settings, &a.config, p.sink.store()).await?) } else { None };
     // With stored positions, those are where the pipeline is: plan from them.
     let positions = match &store {
@@ -421,8 +427,63 @@ async fn rewind(a: RewindArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `idemflow rewind` for a RocketMQ pipeline: the plan from the group's consume offsets (or the stored positions),
+/// printed; unless `--dry-run`, the group's offsets set (refused while members are online) and the stored
+/// positions rewound too.
+async fn rewind_rocketmq(settings: &Settings, a: &RewindArgs, p: &config::Pipeline, r: &config::RocketMqSpec) -> anyhow::Result<()> {
+    use idemflow::config::OffsetStore;
+    let rocketmq = settings
+        .rocketmq
+        .as_ref()
+        .ok_or_else(|| anyhow::anyhow!("{}: a RocketMQ source needs [rocketmq] name_server", a.config.display()))?;
+    let store = if p.offsets == OffsetStore::Database { Some(open_store(settings, &a.config, p.sink.store()).await?) } else { None };
+    let positions = match &store {
+        Some(store) => Some(store.stored_offsets(&p.name).await?),
+        None => None,
+    };
+    let (moves, warnings, members) = idemflow::source::rocketmq::rewind(rocketmq, p, a.to, positions.as_deref(), a.dry_run)
+        .await
+        .map_err(|e| anyhow::anyhow!("{}: pipeline {:?}: rocketmq: {e}", p.file.display(), p.name))?;
+    println!("pipeline {:?}, consumer group {:?}{}", p.name, r.consumer_group, if store.is_some() { ", stored positions too" } else { "" });
+    println!("{:<40} {:>12} {:>12} {:>12} {:>12}", "queue", "from", "to", "end", "replayed");
+    for m in &moves {
+        let from = m.from.map_or("-".to_owned(), |o| o.to_string());
+        let q = format!("{}/{}", m.topic, m.partition);
+        println!("{q:<40} {from:>12} {:>12} {:>12} {:>12}", m.to, m.end, m.replayed());
+    }
+    for w in &warnings {
+        println!("warning: {w}");
+    }
+    let total: i64 = moves.iter().map(idemflow::rewind::Move::replayed).sum();
+    if a.dry_run {
+        match members {
+            0 => println!("the group has no members online: a real run would go ahead"),
+            n => println!("a real run would be refused: the group has {n} member(s) online; stop every worker of the pipeline first"),
+        }
+        println!("dry run: nothing changed; {total} record(s) would be consumed again");
+        return Ok(());
+    }
+    if let Some(store) = &store {
+        let positions: Vec<(String, i32, i64)> = moves.iter().map(|m| (m.topic.clone(), m.partition, m.to)).collect();
+        store.reset_offsets(&p.name, &positions).await?;
+    }
+    println!(
+        "rewound: {total} record(s) will be consumed again when the workers start; those already applied are skipped as duplicates (idemflow_duplicates_skipped_total)"
+    );
+    Ok(())
+}
+
 /// Compares a pipeline's dedup retention with its topics' `retention.ms`: one line per topic.
 async fn retention_report(settings: &Settings, p: &config::Pipeline) -> Vec<String> {
+    if let config::SourceSpec::RocketMq(r) = &p.source {
+        return vec![format!(
+            "pipeline {:?}: topic {:?}: a RocketMQ broker keeps messages for its fileReservedTime (72 h by default); \
+             [dedup] retention = {} must outlast it, or a replay of older messages (a rewind) would apply them again",
+            p.name,
+            r.topic,
+            humantime::format_duration(p.dedup.retention)
+        )];
+    }
     let Some(kafka) = p.source.kafka() else {
         return vec![format!(
             "pipeline {:?}: a queue has no retention.ms to compare with; [dedup] retention = {} must outlast the longest \
@@ -740,6 +801,13 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
                             Err(e) => broker_problems.push(format!("{}: pipeline {:?}: rabbitmq: {e}", p.file.display(), p.name)),
                         }
                     }
+                    config::SourceSpec::RocketMq(_) => {
+                        let rocketmq = settings.rocketmq.as_ref().expect("checked by check_sources");
+                        match idemflow::source::rocketmq::check(rocketmq, p).await {
+                            Ok(lines) => source_lines.extend(lines),
+                            Err(e) => broker_problems.push(format!("{}: pipeline {:?}: rocketmq: {e}", p.file.display(), p.name)),
+                        }
+                    }
                 }
             }
             let brokers = |problems: &[String]| {
@@ -782,6 +850,14 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
                     config::SourceSpec::RabbitMq(q) => {
                         println!("pipeline {:?} ({}): ok, queues {:?}, prefetch {}", p.name, p.file.display(), q.queues, q.prefetch)
                     }
+                    config::SourceSpec::RocketMq(r) => println!(
+                        "pipeline {:?} ({}): ok, topic {:?}, consumer group {:?}, offsets in {}",
+                        p.name,
+                        p.file.display(),
+                        r.topic,
+                        r.consumer_group,
+                        if p.offsets == config::OffsetStore::Database { "the store" } else { "the broker" }
+                    ),
                 }
             }
             for line in source_lines {

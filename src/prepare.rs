@@ -145,7 +145,7 @@ fn value(
         ValueSource::Property(name) => utf8(record.property(name).map(str::as_bytes))?,
         ValueSource::Meta(meta) => {
             let text = match meta {
-                Meta::Topic => Some(record.position.topic.to_string()),
+                Meta::Topic => Some(record.position.topic_name().to_owned()),
                 Meta::Partition => Some(record.position.partition.to_string()),
                 Meta::Offset => Some(record.position.offset.to_string()),
                 Meta::Timestamp => record.timestamp_ms.and_then(|ms| u64::try_from(ms).ok()).map(|ms| {

@@ -4,8 +4,10 @@ use rdkafka::message::{BorrowedMessage, Headers, Message};
 use std::fmt;
 use std::sync::Arc;
 
-/// Where a record sits in its source: a Kafka topic, partition and offset; for a RabbitMQ queue, the queue name,
-/// [`NO_PARTITION`] and the delivery tag (which numbers deliveries on one channel only: not a stable position).
+/// Where a record sits in its source: a Kafka topic, partition and offset; for a RocketMQ message, `topic/broker`
+/// (a RocketMQ queue is named by its topic, its broker and its queue id; neither name may contain `/`), the queue
+/// id and the queue offset; for a RabbitMQ queue, the queue name, [`NO_PARTITION`] and the delivery tag (which
+/// numbers deliveries on one channel only: not a stable position).
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Position {
     /// Topic name; shared between the records of a batch.
@@ -18,6 +20,13 @@ pub struct Position {
 
 /// The partition of a record from a queue, which has none (RabbitMQ). Kafka partitions are never negative.
 pub const NO_PARTITION: i32 = -1;
+
+impl Position {
+    /// The topic alone (without a RocketMQ position's `/broker`).
+    pub fn topic_name(&self) -> &str {
+        self.topic.split('/').next().unwrap_or_default()
+    }
+}
 
 impl fmt::Display for Position {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -32,9 +41,14 @@ impl fmt::Display for Position {
 /// The message-id property (AMQP `message-id`), the business key the idempotence guides recommend for RabbitMQ.
 pub const MESSAGE_ID: &str = "message_id";
 
+/// RocketMQ's KEYS property (`Message.getKeys()`), the business key the RocketMQ idempotence guide recommends;
+/// several keys are kept as the producer joined them (space-separated).
+pub const MESSAGE_KEYS: &str = "keys";
+
 /// The message properties a record may carry, by the names a pipeline uses (`[key] property`, `{ property = ... }`).
 /// RabbitMQ: the AMQP 0-9-1 basic properties that hold text, and the exchange and routing key a message was
-/// published with. A Kafka record has none.
+/// published with. RocketMQ: `message_id` (the producer's unique id, `UNIQ_KEY`), `keys`, `tags`; its user
+/// properties are headers. A Kafka record has none.
 pub const PROPERTIES: &[&str] = &[
     MESSAGE_ID,
     "correlation_id",
@@ -48,6 +62,8 @@ pub const PROPERTIES: &[&str] = &[
     "timestamp",
     "exchange",
     "routing_key",
+    MESSAGE_KEYS,
+    "tags",
 ];
 
 /// One record as consumed: position, timestamp, key, headers and payload, all owned.

@@ -474,7 +474,7 @@ async fn resync(ready: &Ready, source: &mut Source, partitions: Vec<(String, i32
             if !gone.is_empty() {
                 return Err(SinkError::PositionsGone { partitions: gone });
             }
-            source.resync(&claimed, batch).map_err(SinkError::Source)?;
+            source.resync(&claimed, batch).await.map_err(SinkError::Source)?;
             Ok(true)
         }
         Err(e) => {

@@ -7,7 +7,7 @@
 
 pub mod pipeline;
 
-pub use pipeline::{BatchSettings, Binding, DeadLetterSettings, DeclaredType, DedupSettings, KafkaSpec, Meta, OffsetStore, OnConflict, Pipeline, RedisCommand, StoreKind, PipelineError, QueueType, RabbitMqSpec, SinkSpec, SourceSpec, NaiveTimestamps, TimeSettings, TombstonePolicy, ValueSource};
+pub use pipeline::{BatchSettings, Binding, DeadLetterSettings, DeclaredType, DedupSettings, KafkaSpec, Meta, OffsetStore, OnConflict, Pipeline, RedisCommand, StoreKind, PipelineError, QueueType, RabbitMqSpec, RocketMqSpec, SinkSpec, SourceSpec, NaiveTimestamps, TimeSettings, TombstonePolicy, ValueSource};
 pub use crate::sink::template::Dialect;
 
 use figment::providers::{Format as _, Toml};
@@ -20,7 +20,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 /// Top-level sections that may be set from the environment.
-const SECTIONS: [&str; 8] = ["database", "redis", "kafka", "rabbitmq", "metrics", "log", "pipelines", "shutdown"];
+const SECTIONS: [&str; 9] = ["database", "redis", "kafka", "rabbitmq", "rocketmq", "metrics", "log", "pipelines", "shutdown"];
 
 /// The worker's settings, from `idemflow.toml` and the environment.
 #[derive(Clone, Debug, Deserialize)]
@@ -39,6 +39,8 @@ pub struct Settings {
     pub kafka: KafkaSettings,
     /// RabbitMQ, for pipelines with a RabbitMQ source (required then).
     pub rabbitmq: Option<RabbitMqSettings>,
+    /// RocketMQ, for pipelines with a RocketMQ source (required then).
+    pub rocketmq: Option<RocketMqSettings>,
     /// The `/metrics` endpoint.
     #[serde(default)]
     pub metrics: MetricsSettings,
@@ -218,6 +220,43 @@ pub struct RabbitMqSettings {
     /// The client certificate's private key, PEM (PKCS#8, `-----BEGIN PRIVATE KEY-----`).
     #[serde(default)]
     pub tls_key_file: Option<PathBuf>,
+}
+
+/// `[rocketmq]`: the name servers of the pipelines with `[source] kind = "rocketmq"`.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RocketMqSettings {
+    /// Name server addresses, `host:port`, several separated by `;` (RocketMQ's `namesrvAddr` form). The brokers
+    /// are found through the topic's route.
+    pub name_server: String,
+    /// ACL 1.0 credentials, for brokers with `aclEnable=true`: the access key (with `secret_key`). Every request
+    /// is signed with them (HMAC-SHA1, as the Java client's `AclClientRPCHook` does).
+    #[serde(default)]
+    pub access_key: Option<String>,
+    /// The secret key of `access_key`. Never printed.
+    #[serde(default)]
+    pub secret_key: Option<Secret>,
+    /// How long `idemflow check` waits for the name server and the brokers (default 10 s).
+    #[serde(default = "default_connect_timeout", with = "humantime_serde")]
+    pub timeout: Duration,
+}
+
+/// A credential read from the settings: `Debug` and `Display` print `***`.
+#[derive(Clone, Deserialize, PartialEq, Eq)]
+#[serde(transparent)]
+pub struct Secret(String);
+
+impl Secret {
+    /// The credential itself, for the client that sends it.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("***")
+    }
 }
 
 fn default_heartbeat() -> Duration {
@@ -592,6 +631,9 @@ pub fn load_pipelines_in(dir: &Path, dialect: Dialect) -> Result<Vec<Pipeline>, 
                 (SourceSpec::Kafka(a), SourceSpec::Kafka(b)) if a.group_id == b.group_id => {
                     errors.push(dup_error(p, "group_id", format!("{:?} is also used by {file}", b.group_id)))
                 }
+                (SourceSpec::RocketMq(a), SourceSpec::RocketMq(b)) if a.consumer_group == b.consumer_group => errors.push(
+                    dup_error(p, "source.consumer_group", format!("{:?} is also used by {file}", b.consumer_group)),
+                ),
                 (SourceSpec::RabbitMq(a), SourceSpec::RabbitMq(b)) => {
                     if let Some(q) = b.queues.iter().find(|q| a.queues.contains(q)) {
                         errors.push(dup_error(
@@ -624,6 +666,9 @@ pub fn check_sources(settings: &Settings, pipelines: &[Pipeline]) -> Result<(), 
             }
             SourceSpec::RabbitMq(_) if settings.rabbitmq.is_none() => {
                 Some("a RabbitMQ source needs [rabbitmq] url in the settings (or IDEMFLOW_RABBITMQ__URL)")
+            }
+            SourceSpec::RocketMq(_) if settings.rocketmq.is_none() => {
+                Some("a RocketMQ source needs [rocketmq] name_server in the settings (or IDEMFLOW_ROCKETMQ__NAME_SERVER)")
             }
             _ => None,
         };

@@ -57,6 +57,20 @@ pub enum SourceSpec {
     Kafka(KafkaSpec),
     /// RabbitMQ queues read by one consumer each (AMQP 0-9-1).
     RabbitMq(RabbitMqSpec),
+    /// A RocketMQ topic read by a consumer group in clustering mode.
+    RocketMq(RocketMqSpec),
+}
+
+/// A RocketMQ source.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RocketMqSpec {
+    /// The topic to consume.
+    pub topic: String,
+    /// The consumer group (default `idemflow-<name>`); its queues are shared among its workers (clustering).
+    pub consumer_group: String,
+    /// Which tags to consume: `*` (all, the default) or `TagA || TagB` (RocketMQ's tag subscription expression,
+    /// filtered by the broker).
+    pub tag_expression: String,
 }
 
 /// A Kafka source.
@@ -105,12 +119,18 @@ impl QueueType {
 }
 
 impl SourceSpec {
-    /// The Kafka source, for what only Kafka has (rewind, stored offsets, topic retention).
+    /// The Kafka source, for what only Kafka has (topic retention, dead-letter topics).
     pub fn kafka(&self) -> Option<&KafkaSpec> {
         match self {
             SourceSpec::Kafka(k) => Some(k),
-            SourceSpec::RabbitMq(_) => None,
+            SourceSpec::RabbitMq(_) | SourceSpec::RocketMq(_) => None,
         }
+    }
+
+    /// Whether its records have stable positions a worker can seek to (Kafka partitions, RocketMQ queues), which
+    /// is what `[offsets] store = "database"`, `rewind` and a Redis sink need. A RabbitMQ queue has none.
+    pub fn positional(&self) -> bool {
+        !matches!(self, SourceSpec::RabbitMq(_))
     }
 
     /// The source's kind as written in `[source] kind`.
@@ -118,6 +138,7 @@ impl SourceSpec {
         match self {
             SourceSpec::Kafka(_) => "kafka",
             SourceSpec::RabbitMq(_) => "rabbitmq",
+            SourceSpec::RocketMq(_) => "rocketmq",
         }
     }
 
@@ -126,6 +147,7 @@ impl SourceSpec {
         match self {
             SourceSpec::Kafka(k) => &k.topics,
             SourceSpec::RabbitMq(r) => &r.queues,
+            SourceSpec::RocketMq(r) => std::slice::from_ref(&r.topic),
         }
     }
 }
@@ -165,9 +187,11 @@ pub enum NaiveTimestamps {
 #[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
 #[serde(rename_all = "snake_case")]
 pub enum OffsetStore {
-    /// The consumer group's committed offsets in Kafka, committed after each batch's transaction. A crash between
-    /// the two redelivers that batch, and its records are skipped as `redelivered` duplicates.
+    /// The consumer group's committed offsets in the broker (Kafka, or a RocketMQ broker's consumer offsets),
+    /// committed after each batch's transaction. A crash between the two redelivers that batch, and its records
+    /// are skipped as `redelivered` duplicates. Written `"kafka"` or `"broker"`.
     #[default]
+    #[serde(alias = "broker")]
     Kafka,
     /// The `idemflow.offsets` table, written in each batch's transaction and fenced by an owner epoch; on
     /// assignment the worker starts each partition from its stored position, so a crash or a rebalance
@@ -448,6 +472,9 @@ struct RawSource {
     prefetch: Option<u32>,
     queue_type: Option<QueueType>,
     single_active_consumer: Option<bool>,
+    topic: Option<String>,
+    consumer_group: Option<String>,
+    tag_expression: Option<String>,
 }
 
 #[derive(Deserialize, Default)]
@@ -486,6 +513,7 @@ struct RawKey {
     header: Option<String>,
     property: Option<String>,
     message_id: Option<bool>,
+    message_key: Option<bool>,
     #[serde(default)]
     allow_empty: bool,
     max_bytes: Option<usize>,
@@ -598,7 +626,7 @@ fn validate(raw: RawPipeline, path: &Path, stem: &str, dialect: Dialect, e: &mut
         e.push("sink.time_zone", format!("{:?} is not a time zone name (like \"UTC\" or \"America/New_York\")", time.zone));
     }
     let redis = raw.sink.redis.is_some();
-    let kafka = matches!(source, Some(SourceSpec::Kafka(_)));
+    let kafka = source.as_ref().is_some_and(SourceSpec::positional);
     let offsets = match raw.offsets.store {
         // A Redis sink keeps the positions with its effects: what Redis loses (its last writes, with `appendfsync
         // everysec`) it loses together, and the worker resumes from what it kept.
@@ -659,15 +687,31 @@ fn validate(raw: RawPipeline, path: &Path, stem: &str, dialect: Dialect, e: &mut
         }
     }
     if let Some(SourceSpec::Kafka(_)) = &source {
-        if raw.key.message_id == Some(true) || raw.key.property.is_some() {
+        if raw.key.message_id == Some(true) || raw.key.message_key == Some(true) || raw.key.property.is_some() {
             e.push("key", "a Kafka record has no message properties: use field, fields, record_key = true or header");
+        }
+    }
+    if let Some(SourceSpec::RocketMq(_)) = &source {
+        if dead_letters.topic.is_some() {
+            e.push("dead_letters.topic", "is a Kafka topic; a RocketMQ pipeline keeps its dead letters in the store");
+        }
+        if raw.key.record_key == Some(true) {
+            e.push(
+                "key.record_key",
+                "a RocketMQ message has no record key: use message_key = true (its KEYS), message_id = true, property, header or field",
+            );
+        }
+    }
+    if let Some(SourceSpec::RabbitMq(_)) = &source {
+        if raw.key.message_key == Some(true) {
+            e.push("key.message_key", "is RocketMQ's KEYS property; for a RabbitMQ message use message_id = true or property");
         }
     }
     if let Some(SourceSpec::RabbitMq(_)) = &source {
         if raw.offsets.store == Some(OffsetStore::Database) {
             e.push(
                 "offsets.store",
-                "\"database\" is for sources with positions a worker can seek to (Kafka); a RabbitMQ queue has none \
+                "\"database\" is for sources with positions a worker can seek to (Kafka, RocketMQ); a RabbitMQ queue has none \
                  (an acknowledged delivery leaves the queue, an unacknowledged one is requeued), so there is nothing to store",
             );
         }
@@ -737,6 +781,9 @@ fn check_bindings_for_source(source: &SourceSpec, sink: &SinkSpec, e: &mut Error
         let why = match (source, &b.source) {
             (SourceSpec::Kafka(_), ValueSource::Property(_)) => Some("a Kafka record has no message properties"),
             (SourceSpec::RabbitMq(_), ValueSource::RecordKey) => Some("a RabbitMQ message has no record key"),
+            (SourceSpec::RocketMq(_), ValueSource::RecordKey) => {
+                Some("a RocketMQ message has no record key: its KEYS are { property = \"keys\" }")
+            }
             (SourceSpec::RabbitMq(_), ValueSource::Meta(Meta::Partition | Meta::Offset)) => {
                 Some("a RabbitMQ message has no partition or offset (a delivery tag numbers deliveries on one channel only)")
             }
@@ -769,6 +816,9 @@ fn validate_source(raw: &RawPipeline, name: &str, max_records: usize, e: &mut Er
                 has(s.prefetch.is_some(), "prefetch", e, "rabbitmq");
                 has(s.queue_type.is_some(), "queue_type", e, "rabbitmq");
                 has(s.single_active_consumer.is_some(), "single_active_consumer", e, "rabbitmq");
+                has(s.topic.is_some(), "topic", e, "rocketmq");
+                has(s.consumer_group.is_some(), "consumer_group", e, "rocketmq");
+                has(s.tag_expression.is_some(), "tag_expression", e, "rocketmq");
             }
             let (topics, field) = match s.and_then(|s| s.topics.clone()) {
                 Some(t) => (t, "source.topics"),
@@ -795,6 +845,9 @@ fn validate_source(raw: &RawPipeline, name: &str, max_records: usize, e: &mut Er
             let s = s.expect("kind comes from [source]");
             has(s.topics.is_some(), "topics", e, "kafka");
             has(s.group_id.is_some(), "group_id", e, "kafka");
+            has(s.topic.is_some(), "topic", e, "rocketmq");
+            has(s.consumer_group.is_some(), "consumer_group", e, "rocketmq");
+            has(s.tag_expression.is_some(), "tag_expression", e, "rocketmq");
             let queues = match (&s.queue, &s.queues) {
                 (Some(q), None) => vec![q.clone()],
                 (None, Some(qs)) if !qs.is_empty() => qs.clone(),
@@ -833,8 +886,37 @@ fn validate_source(raw: &RawPipeline, name: &str, max_records: usize, e: &mut Er
                 single_active_consumer: s.single_active_consumer.unwrap_or(false),
             }))
         }
+        "rocketmq" => {
+            let s = s.expect("kind comes from [source]");
+            has(s.topics.is_some(), "topics", e, "kafka");
+            has(s.group_id.is_some(), "group_id", e, "kafka");
+            has(s.queue.is_some(), "queue", e, "rabbitmq");
+            has(s.queues.is_some(), "queues", e, "rabbitmq");
+            has(s.prefetch.is_some(), "prefetch", e, "rabbitmq");
+            has(s.queue_type.is_some(), "queue_type", e, "rabbitmq");
+            has(s.single_active_consumer.is_some(), "single_active_consumer", e, "rabbitmq");
+            // RocketMQ topic and group names: at most 127 characters of [%|a-zA-Z0-9_-] (the brokers'
+            // TopicValidator); '/' never occurs, which positions rely on (see `record::Position`).
+            let valid = |n: &str| !n.is_empty() && n.len() <= 127 && n.bytes().all(|b| b.is_ascii_alphanumeric() || b"%|_-".contains(&b));
+            let Some(topic) = s.topic.clone() else {
+                e.push("source.topic", "a RocketMQ source needs its topic");
+                return None;
+            };
+            if !valid(&topic) {
+                e.push("source.topic", format!("{topic:?} is not a valid RocketMQ topic name (1 to 127 of a-z, A-Z, 0-9, %, |, _, -)"));
+            }
+            let consumer_group = s.consumer_group.clone().unwrap_or_else(|| format!("idemflow-{name}"));
+            if !valid(&consumer_group) || consumer_group == "DEFAULT_CONSUMER" {
+                e.push("source.consumer_group", format!("{consumer_group:?} is not a valid RocketMQ consumer group name"));
+            }
+            let tag_expression = s.tag_expression.clone().unwrap_or_else(|| "*".to_owned());
+            if tag_expression.trim().is_empty() {
+                e.push("source.tag_expression", "must not be empty: \"*\" consumes every tag");
+            }
+            Some(SourceSpec::RocketMq(RocketMqSpec { topic, consumer_group, tag_expression: tag_expression.trim().to_owned() }))
+        }
         other => {
-            e.push("source.kind", format!("{other:?} is not a source kind: kafka or rabbitmq"));
+            e.push("source.kind", format!("{other:?} is not a source kind: kafka, rabbitmq or rocketmq"));
             None
         }
     }
@@ -852,9 +934,10 @@ fn validate_key(raw: &RawKey, e: &mut Errors<'_>) -> Option<KeySpec> {
         raw.header.is_some(),
         raw.property.is_some(),
         raw.message_id == Some(true),
+        raw.message_key == Some(true),
     ];
     if given.iter().filter(|g| **g).count() != 1 {
-        e.push("key", "set exactly one of field, fields, record_key = true, header, property, message_id = true");
+        e.push("key", "set exactly one of field, fields, record_key = true, header, property, message_id = true, message_key = true");
         return None;
     }
     if raw.max_bytes == Some(0) {
@@ -874,6 +957,8 @@ fn validate_key(raw: &RawKey, e: &mut Errors<'_>) -> Option<KeySpec> {
         KeySource::RecordKey
     } else if raw.message_id == Some(true) {
         KeySource::Property(crate::record::MESSAGE_ID.to_owned())
+    } else if raw.message_key == Some(true) {
+        KeySource::Property(crate::record::MESSAGE_KEYS.to_owned())
     } else if let Some(p) = &raw.property {
         if !crate::record::PROPERTIES.contains(&p.as_str()) {
             e.push("key.property", format!("{p:?} is not a message property: one of {}", crate::record::PROPERTIES.join(", ")));
@@ -1114,6 +1199,37 @@ mod tests {
         assert!(e[0].starts_with("sink: set exactly one of table (with [sink.columns]), sql (with [sink.params]) or redis"), "{e:?}");
         let queue = base.replace("topics = [\"t\"]", "[source]\nkind = \"rabbitmq\"\nqueue = \"q\"");
         assert_eq!(load(&queue).unwrap().offsets, OffsetStore::Kafka, "a queue has no positions to store");
+    }
+
+    #[test]
+    fn a_rocketmq_source() {
+        let rest = "[key]\nmessage_key = true\n[sink]\ntable = \"x\"\n[sink.columns]\nid = \"/id\"\nq = { meta = \"partition\" }\n";
+        let p = load(&format!("[source]\nkind = \"rocketmq\"\ntopic = \"payments\"\n{rest}")).unwrap();
+        assert_eq!(
+            p.source,
+            SourceSpec::RocketMq(RocketMqSpec { topic: "payments".into(), consumer_group: "idemflow-payments".into(), tag_expression: "*".into() })
+        );
+        assert_eq!(p.key.source, KeySource::Property("keys".into()));
+        assert_eq!(p.offsets, OffsetStore::Kafka, "offsets in the broker by default");
+        let stored = load(&format!("[source]\nkind = \"rocketmq\"\ntopic = \"payments\"\n{rest}[offsets]\nstore = \"database\"\n")).unwrap();
+        assert_eq!(stored.offsets, OffsetStore::Database);
+        let broker = load(&format!("[source]\nkind = \"rocketmq\"\ntopic = \"payments\"\n{rest}[offsets]\nstore = \"broker\"\n")).unwrap();
+        assert_eq!(broker.offsets, OffsetStore::Kafka);
+        let text = |source: &str, rest: &str| {
+            let errs = load(&format!("{source}{rest}")).unwrap_err();
+            errs.iter().map(|e| e.to_string()).collect::<Vec<_>>().join("\n")
+        };
+        let e = text("[source]\nkind = \"rocketmq\"\ntopic = \"a/b\"\nqueue = \"q\"\n", rest);
+        assert!(e.contains("source.topic: \"a/b\" is not a valid RocketMQ topic name"), "{e}");
+        assert!(e.contains("source.queue: belongs to a rabbitmq source"), "{e}");
+        let e = text("[source]\nkind = \"rocketmq\"\n", rest);
+        assert!(e.contains("source.topic: a RocketMQ source needs its topic"), "{e}");
+        let e = text("[source]\nkind = \"rocketmq\"\ntopic = \"t\"\n", &rest.replace("message_key = true", "record_key = true"));
+        assert!(e.contains("key.record_key: a RocketMQ message has no record key"), "{e}");
+        let e = text("[source]\nkind = \"rocketmq\"\ntopic = \"t\"\n", &format!("{rest}[dead_letters]\ntopic = \"dlq\"\n"));
+        assert!(e.contains("dead_letters.topic: is a Kafka topic"), "{e}");
+        let e = text("topics = [\"t\"]\n", rest);
+        assert!(e.contains("key: a Kafka record has no message properties"), "{e}");
     }
 
     #[test]

@@ -374,6 +374,7 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<bool> {
                 tls_key_file: None,
             }),
         },
+        rocketmq: None,
         metrics: MetricsSettings { listen: options.metrics_listen },
         log: LogSettings::default(),
         shutdown: ShutdownSettings::default(),

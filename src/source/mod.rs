@@ -2,6 +2,8 @@
 //!
 //! - [`kafka`]: a consumer-group member; positions are (topic, partition, offset), committed after each batch.
 //! - [`rabbitmq`]: one consumer per queue; a batch is acknowledged (`basic.ack` with `multiple`) after it commits.
+//! - [`rocketmq`]: a consumer-group member (clustering); positions are (topic/broker, queue id, queue offset), the
+//!   consume offsets updated after each batch.
 //!
 //! The worker drives every source through [`Source`], a closed enum over them: batches in, "durable up to here"
 //! out, pauses while the store retries, and the records to drop when ownership moves (a Kafka rebalance, a lost
@@ -10,6 +12,7 @@
 
 pub mod kafka;
 pub mod rabbitmq;
+pub mod rocketmq;
 
 use crate::config::{BatchSettings, Pipeline, Settings, SourceSpec};
 use crate::metrics::PipelineMetrics;
@@ -20,6 +23,7 @@ use std::time::Duration;
 
 pub use kafka::{KafkaSource, StoredStart};
 pub use rabbitmq::RabbitMqSource;
+pub use rocketmq::RocketMqSource;
 
 /// A pipeline's source.
 pub enum Source {
@@ -27,12 +31,14 @@ pub enum Source {
     Kafka(KafkaSource),
     /// RabbitMQ queues.
     RabbitMq(RabbitMqSource),
+    /// A RocketMQ topic.
+    RocketMq(RocketMqSource),
 }
 
 impl Source {
-    /// The source of `pipeline`. `stored` applies to Kafka with `[offsets] store = "database"`.
+    /// The source of `pipeline`. `stored` applies to Kafka and RocketMQ with `[offsets] store = "database"`.
     ///
-    /// Errors: the Kafka consumer could not be created (a bad librdkafka property), as text.
+    /// Errors: the consumer could not be created (a bad librdkafka property, a missing broker section), as text.
     pub fn new(
         settings: &Settings,
         pipeline: &Pipeline,
@@ -47,16 +53,21 @@ impl Source {
                 let rabbitmq = settings.rabbitmq.as_ref().ok_or("[rabbitmq] url is not set")?;
                 Ok(Source::RabbitMq(RabbitMqSource::new(rabbitmq, pipeline, metrics)))
             }
+            SourceSpec::RocketMq(_) => {
+                let rocketmq = settings.rocketmq.as_ref().ok_or("[rocketmq] name_server is not set")?;
+                RocketMqSource::new(rocketmq, pipeline, metrics, stored).map(Source::RocketMq)
+            }
         }
     }
 
     /// The next batch: at least one record, at most `settings.max_records`, waiting at most `max_wait` after the
-    /// first; or (Kafka) an empty batch after a second without records, so the worker can do its idle checks.
+    /// first; or (Kafka, RocketMQ) an empty batch after a second without records, so the worker can do its idle checks.
     /// `None` once shutdown comes while waiting for a first record.
     pub async fn next_batch(&mut self, settings: BatchSettings, shutdown: &mut Shutdown) -> Option<Vec<Record>> {
         match self {
             Source::Kafka(s) => s.next_batch(settings, shutdown).await,
             Source::RabbitMq(s) => s.next_batch(settings, shutdown).await,
+            Source::RocketMq(s) => s.next_batch(settings, shutdown).await,
         }
     }
 
@@ -66,13 +77,15 @@ impl Source {
         match self {
             Source::Kafka(s) => s.pause_for(delay, batch, shutdown).await,
             Source::RabbitMq(s) => s.pause_for(delay, batch, shutdown).await,
+            Source::RocketMq(s) => s.pause_for(delay, batch, shutdown).await,
         }
     }
 
-    /// The positions a batch stores in its transaction (`[offsets] store = "database"`, Kafka only).
+    /// The positions a batch stores in its transaction (`[offsets] store = "database"`; Kafka and RocketMQ).
     pub fn positions(&self, batch: &[Record]) -> Option<Positions> {
         match self {
             Source::Kafka(s) => s.positions(&NextOffsets::after(batch)),
+            Source::RocketMq(s) => s.positions(&NextOffsets::after(batch)),
             Source::RabbitMq(_) => None,
         }
     }
@@ -82,15 +95,17 @@ impl Source {
         match self {
             Source::Kafka(s) => s.poll_while(work).await,
             Source::RabbitMq(s) => s.poll_while(work).await,
+            Source::RocketMq(s) => s.poll_while(work).await,
         }
     }
 
     /// Why the pipeline must stop, when [`Source::next_batch`] returned `None` for a reason other than shutdown
-    /// (a RabbitMQ stream found where a queue was expected).
+    /// (a RabbitMQ stream found where a queue was expected, a RocketMQ consumer that could not start).
     pub fn fatal(&self) -> Option<String> {
         match self {
             Source::Kafka(_) => None,
             Source::RabbitMq(s) => s.fatal().map(str::to_owned),
+            Source::RocketMq(s) => s.fatal().map(str::to_owned),
         }
     }
 
@@ -99,42 +114,49 @@ impl Source {
         match self {
             Source::Kafka(s) => s.drop_revoked(batch),
             Source::RabbitMq(s) => s.drop_revoked(batch),
+            Source::RocketMq(s) => s.drop_revoked(batch),
         }
     }
 
     /// A batch was fenced (`[offsets] store = "database"`): gives up `partitions` and drops their records.
-    /// Only Kafka pipelines store positions, so only they can be fenced.
+    /// Only sources with positions (Kafka, RocketMQ) store them, so only they can be fenced.
     pub fn lose(&mut self, partitions: &[(String, i32)], used: Option<&Positions>, batch: &mut Vec<Record>) {
-        if let Source::Kafka(s) = self {
-            s.lose(partitions, used, batch)
+        match self {
+            Source::Kafka(s) => s.lose(partitions, used, batch),
+            Source::RocketMq(s) => s.lose(partitions, used, batch),
+            Source::RabbitMq(_) => {}
         }
     }
 
-    /// The partitions assigned to this worker now (Kafka); none for a queue.
+    /// The partitions (Kafka) or queues (RocketMQ: `topic/broker`, queue id) assigned to this worker now; none for
+    /// a RabbitMQ queue.
     pub fn owned(&self) -> Vec<(String, i32)> {
         match self {
             Source::Kafka(s) => s.owned(),
+            Source::RocketMq(s) => s.owned(),
             Source::RabbitMq(_) => Vec::new(),
         }
     }
 
     /// The store lost positions this worker had stored (see [`crate::sink::SinkError::Lost`]): starts the partitions
     /// of `claimed` again from the positions it kept, dropping their records from `batch`. Only sources with stored
-    /// positions (Kafka) can lose them.
+    /// positions (Kafka, RocketMQ) can lose them.
     ///
     /// Errors: the consumer could not be moved.
-    pub fn resync(&mut self, claimed: &[crate::offsets::Claimed], batch: &mut Vec<Record>) -> Result<(), String> {
+    pub async fn resync(&mut self, claimed: &[crate::offsets::Claimed], batch: &mut Vec<Record>) -> Result<(), String> {
         match self {
             Source::Kafka(s) => s.resync(claimed, batch),
+            Source::RocketMq(s) => s.resync(claimed, batch).await,
             Source::RabbitMq(_) => Ok(()),
         }
     }
 
     /// Tells the broker that `batch` (committed in the store) is done: Kafka offsets are committed, RabbitMQ
-    /// deliveries acknowledged.
+    /// deliveries acknowledged, RocketMQ consume offsets updated.
     pub async fn commit(&mut self, batch: &[Record]) {
         match self {
             Source::Kafka(s) => s.commit(&NextOffsets::after(batch)),
+            Source::RocketMq(s) => s.commit(&NextOffsets::after(batch)).await,
             Source::RabbitMq(s) => s.commit(batch).await,
         }
     }
@@ -144,6 +166,7 @@ impl Source {
         match self {
             Source::Kafka(s) => s.abandon(),
             Source::RabbitMq(s) => s.abandon().await,
+            Source::RocketMq(s) => s.abandon().await,
         }
     }
 
@@ -152,6 +175,7 @@ impl Source {
         match self {
             Source::Kafka(s) => s.close(),
             Source::RabbitMq(s) => s.close().await,
+            Source::RocketMq(s) => s.close().await,
         }
     }
 }

@@ -125,7 +125,7 @@ impl RabbitMqSource {
     pub fn new(settings: &RabbitMqSettings, pipeline: &Pipeline, metrics: PipelineMetrics) -> Self {
         let spec = match &pipeline.source {
             crate::config::SourceSpec::RabbitMq(r) => r.clone(),
-            crate::config::SourceSpec::Kafka(_) => unreachable!("only RabbitMQ pipelines use the RabbitMQ source"),
+            _ => unreachable!("only RabbitMQ pipelines use the RabbitMQ source"),
         };
         RabbitMqSource {
             settings: settings.clone(),
@@ -614,7 +614,7 @@ async fn redeclare(connection: &Connection, queue: &str, arguments: FieldTable) 
 pub async fn check(settings: &RabbitMqSettings, pipeline: &Pipeline) -> Result<Vec<String>, String> {
     let spec = match &pipeline.source {
         crate::config::SourceSpec::RabbitMq(r) => r,
-        crate::config::SourceSpec::Kafka(_) => return Ok(Vec::new()),
+        _ => return Ok(Vec::new()),
     };
     let scrub = |e: &dyn std::fmt::Display| settings.url.scrub(&e.to_string());
     let connection = connect(settings, ConnectionProperties::default().with_connection_name("idemflow check".into())).await?;

@@ -1,5 +1,8 @@
 //! Integration tests against a real PostgreSQL server and librdkafka's mock cluster.
 
+// The RocketMQ client's futures are deeply nested (its own crates set the same limit).
+#![recursion_limit = "256"]
+
 mod support;
 
 mod bench;
@@ -16,6 +19,7 @@ mod offsets;
 mod operator;
 mod pgbouncer;
 mod rabbitmq;
+mod rocketmq;
 mod redis;
 mod retention;
 mod scaleout;

@@ -6,6 +6,7 @@ pub mod noida;
 pub mod postgres;
 pub mod rabbitmq;
 pub mod redis;
+pub mod rocketmq;
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -109,6 +110,12 @@ impl Setup {
     /// Settings for RabbitMQ pipelines only: `[rabbitmq]` for `url`, no `[kafka]` section at all.
     pub fn rabbitmq(db: &dyn Database, url: &str, pipelines: &[(&str, &str)], extra: &str) -> Setup {
         Self::write(db, &rabbitmq::settings(url), pipelines, extra)
+    }
+
+    /// Settings for RocketMQ pipelines only: `[rocketmq]` for `name_server` with more lines of that section
+    /// (`section`), no `[kafka]` section at all.
+    pub fn rocketmq(db: &dyn Database, name_server: &str, pipelines: &[(&str, &str)], section: &str) -> Setup {
+        Self::write(db, &format!("{}{section}", rocketmq::settings(name_server)), pipelines, "")
     }
 
     /// Settings for Redis pipelines reading Kafka: `[redis]` (no `[database]`), `[kafka]` with more properties.

@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# A throwaway RocketMQ name server and broker: the Rust implementation from crates.io (rocketmq-namesrv-rust and
+# rocketmq-broker-rust 1.0). Debian has no RocketMQ package.
+#   source scripts/rocketmq-throwaway.sh
+#   rocketmq_install                 # cargo install rocketmq-namesrv rocketmq-broker, only when missing
+#                                    # (about 20 minutes on 2 cores; the binaries go to ~/.cargo/bin)
+#   rocketmq_throwaway_start         # exports ROCKETMQ_NAME_SERVER (127.0.0.1:port), ROCKETMQ_THROWAWAY_DIR
+#   rocketmq_throwaway_stop
+# Topics are created on first use (autoCreateTopicEnable; the producer asks for 4 queues). The same steps, in Rust, start a pair of
+# its own for the tests that restart the broker (tests/it/support/rocketmq.rs).
+
+ROCKETMQ_VERSION=1.0.0
+
+rocketmq_install() {
+  local bin="${CARGO_HOME:-$HOME/.cargo}/bin"
+  if [ -x "$bin/rocketmq-namesrv-rust" ] && [ -x "$bin/rocketmq-broker-rust" ]; then
+    return 0
+  fi
+  echo "installing the RocketMQ name server and broker $ROCKETMQ_VERSION from crates.io (cargo install, about 20 minutes on 2 cores; once)..." >&2
+  cargo install --locked "rocketmq-namesrv@$ROCKETMQ_VERSION" "rocketmq-broker@$ROCKETMQ_VERSION" >&2
+}
+
+rocketmq_free_port() {
+  python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'
+}
+
+rocketmq_wait_port() {
+  local port=$1 pid=$2 log=$3 waited=0
+  until (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; do
+    if [ $waited -ge 600 ] || ! kill -0 "$pid" 2>/dev/null; then
+      echo "RocketMQ did not start listening on $port; its log:" >&2
+      tail -20 "$log" >&2
+      return 1
+    fi
+    sleep 0.1
+    waited=$((waited + 1))
+  done
+}
+
+rocketmq_throwaway_start() {
+  rocketmq_install || return 1
+  local bin="${CARGO_HOME:-$HOME/.cargo}/bin"
+  ROCKETMQ_THROWAWAY_DIR=$(mktemp -d /tmp/idemflow-rocketmq.XXXXXX)
+  local d=$ROCKETMQ_THROWAWAY_DIR ns broker
+  ns=$(rocketmq_free_port)
+  # The broker also listens on its port - 2 and (HA, set below; its default 10912 would clash with any other
+  # broker of the machine) + 1.
+  while :; do
+    broker=$(rocketmq_free_port)
+    [ "$broker" -gt 20000 ] && [ "$broker" -lt 65000 ] && break
+  done
+  ROCKETMQ_HOME=$d "$bin/rocketmq-namesrv-rust" --listenPort "$ns" --bindAddress 127.0.0.1 --rocketmqHome "$d" \
+    >"$d/namesrv.log" 2>&1 &
+  ROCKETMQ_NAMESRV_PID=$!
+  rocketmq_wait_port "$ns" "$ROCKETMQ_NAMESRV_PID" "$d/namesrv.log" || return 1
+  cat >"$d/broker.properties" <<PROPS
+brokerClusterName=idemflow
+brokerName=broker-a
+brokerId=0
+brokerIP1=127.0.0.1
+listenPort=$broker
+haListenPort=$((broker + 1))
+namesrvAddr=127.0.0.1:$ns
+storePathRootDir=$d/store
+storePathCommitLog=$d/store/commitlog
+autoCreateTopicEnable=true
+autoCreateSubscriptionGroup=true
+mappedFileSizeCommitLog=67108864
+mappedFileSizeConsumeQueue=600000
+PROPS
+  ROCKETMQ_HOME=$d "$bin/rocketmq-broker-rust" -c "$d/broker.properties" -n "127.0.0.1:$ns" >"$d/broker.log" 2>&1 &
+  ROCKETMQ_BROKER_PID=$!
+  rocketmq_wait_port "$broker" "$ROCKETMQ_BROKER_PID" "$d/broker.log" || return 1
+  sleep 2 # its first registration with the name server
+  export ROCKETMQ_THROWAWAY_DIR ROCKETMQ_NAMESRV_PID ROCKETMQ_BROKER_PID
+  export ROCKETMQ_NAME_SERVER="127.0.0.1:$ns"
+  echo "throwaway RocketMQ: name server 127.0.0.1:$ns, broker 127.0.0.1:$broker ($d)" >&2
+}
+
+rocketmq_throwaway_stop() {
+  [ -n "${ROCKETMQ_THROWAWAY_DIR:-}" ] || return 0
+  kill "$ROCKETMQ_BROKER_PID" "$ROCKETMQ_NAMESRV_PID" 2>/dev/null || true
+  wait "$ROCKETMQ_BROKER_PID" "$ROCKETMQ_NAMESRV_PID" 2>/dev/null || true
+  rm -rf "$ROCKETMQ_THROWAWAY_DIR"
+}

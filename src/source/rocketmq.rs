@@ -1,0 +1,830 @@
+//! The RocketMQ source of one pipeline ([`crate::source::Source::RocketMq`]): a member of a consumer group in
+//! clustering mode (the group's queues are shared among its workers), read with the `rocketmq-client-rust` lite
+//! pull consumer, whose consume offsets are updated only after a batch commits.
+//!
+//! - A record's position is (`topic/broker`, queue id, queue offset) ([`crate::record::Position`]): a RocketMQ
+//!   queue is named by its topic, broker and queue id, and its queue offsets number its messages in order. So
+//!   `redelivered` / `republished` / `payload_mismatch` mean what they mean for Kafka, and a replay is a redelivery.
+//! - Auto-commit is off. After a batch committed in the store, [`RocketMqSource::commit`] sets each queue's consume
+//!   offset to the highest offset of the batch plus one (RocketMQ's consume offset, like Kafka's, is the next
+//!   message to consume) and sends it to the queue's broker with an acknowledged `UPDATE_CONSUMER_OFFSET` request,
+//!   only for queues this worker still owns. A failure is logged, counted and retried between batches; the records
+//!   would be redelivered and skipped as duplicates.
+//! - Ownership: the client rebalances the group's queues among its members (every 20 s and whenever a member
+//!   comes or goes, as the Java client does); before each poll the source compares the consumer's assignment with
+//!   what it owned, drops the kept records of queues it lost, and never commits an offset for them. RocketMQ
+//!   members rebalance independently, so two workers can briefly both hold a queue: without stored positions the
+//!   dedup rows make that harmless; with `[offsets] store = "database"` the owner epochs fence it.
+//! - With `[offsets] store = "database"`, a queue newly assigned is claimed in the store
+//!   ([`crate::store::Store::claim_offsets`], retried while the store is down) and the consumer seeks to its
+//!   stored position; records polled from it before the seek are dropped (the seek clears the client's buffer of
+//!   that queue, and polls and seeks run one after another in this task).
+//! - The client's heartbeats, pulls and rebalances run on a runtime of its own, so a slow database never makes
+//!   the worker miss a heartbeat; while a batch waits, the client buffers at most its flow-control limits
+//!   (1,000 messages per queue).
+//!
+//! A poll is never cancelled (a dropped poll could lose the messages it had taken from the client's buffer):
+//! polls are short (at most [`POLL_MS`]) and shutdown is checked between them.
+
+use crate::config::{BatchSettings, Pipeline, RocketMqSettings, RocketMqSpec, SourceSpec};
+use crate::metrics::{CommitResult, PipelineMetrics, RebalanceEvent};
+use crate::offsets::{self, NextOffsets, Positions};
+use crate::record::{Position, Record};
+use crate::shutdown::Shutdown;
+use rocketmq_client_rust::{
+    AclClientRPCHook, ClientRuntime, ClientRuntimeConfig, DefaultLitePullConsumer, SessionCredentials, TelemetryHandle,
+};
+use rocketmq_model::common::consumer::consume_from_where::ConsumeFromWhere;
+use rocketmq_model::common::message::message_ext::MessageExt;
+use rocketmq_model::common::message::message_queue::MessageQueue;
+use rocketmq_protocol::protocol::heartbeat::message_model::MessageModel;
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::time::Instant;
+
+use super::kafka::StoredStart;
+
+/// The longest single poll, in milliseconds: the bound on how late shutdown and a batch's `max_wait` are noticed.
+pub const POLL_MS: u64 = 200;
+
+/// How often the lag of every owned queue is refreshed (one `GET_MAX_OFFSET` request per queue).
+const LAG_EVERY: Duration = Duration::from_secs(5);
+
+/// After a fenced batch, how long a queue stays given up before this worker claims it again if the group still
+/// assigns it here: longer than the client's periodic rebalance (20 s), so a worker whose view of the group was
+/// stale has dropped the queue by then.
+const FENCED_FOR: Duration = Duration::from_secs(30);
+
+/// A queue: (`topic/broker`, queue id), as in [`Position`].
+type Queue = (Arc<str>, i32);
+
+/// The RocketMQ client's own runtime (heartbeats, pulls, rebalances, requests), with the client runtime built on
+/// it. One per source, `check` and `rewind`; dropping it stops its tasks.
+pub struct Runtime {
+    owner: rocketmq_runtime::RuntimeOwner,
+    client: Arc<ClientRuntime>,
+}
+
+impl Runtime {
+    /// A runtime of two worker threads named `idemflow-rocketmq-<scope>`.
+    ///
+    /// Errors: the runtime could not be built, as text.
+    pub fn new(scope: &str) -> Result<Runtime, String> {
+        let config = rocketmq_runtime::RuntimeConfig::for_parallelism(&format!("idemflow-rocketmq-{scope}"), 2);
+        let owner = rocketmq_runtime::RuntimeOwner::plan(config)
+            .map_err(|e| format!("RocketMQ client runtime: {e}"))?
+            .build()
+            .map_err(|e| format!("RocketMQ client runtime: {e}"))?;
+        let client = ClientRuntime::try_new(owner.root_context().component("client"), ClientRuntimeConfig::default(), TelemetryHandle::noop())
+            .map_err(|e| format!("RocketMQ client runtime: {e}"))?;
+        Ok(Runtime { owner, client })
+    }
+
+    /// The client runtime, for building consumers, producers and admin clients.
+    pub fn client(&self) -> Arc<ClientRuntime> {
+        self.client.clone()
+    }
+
+    /// Stops the client's tasks and the runtime's threads.
+    pub async fn shutdown(self) {
+        let _ = self.client.shutdown().await;
+        let _ = self.owner.shutdown_tasks().await;
+        self.owner.shutdown_background();
+    }
+}
+
+/// The ACL hook signing every request with `[rocketmq] access_key` / `secret_key`, when both are set.
+pub fn acl_hook(settings: &RocketMqSettings) -> Option<Arc<AclClientRPCHook>> {
+    match (&settings.access_key, &settings.secret_key) {
+        (Some(ak), Some(sk)) => {
+            Some(Arc::new(AclClientRPCHook::new(SessionCredentials::with_keys(ak.as_str(), sk.expose()))))
+        }
+        _ => None,
+    }
+}
+
+/// The RocketMQ source of a pipeline.
+pub fn spec(pipeline: &Pipeline) -> &RocketMqSpec {
+    match &pipeline.source {
+        SourceSpec::RocketMq(r) => r,
+        _ => unreachable!("only RocketMQ pipelines use the RocketMQ source"),
+    }
+}
+
+/// `topic/broker`, the topic part of a RocketMQ position.
+pub fn position_topic(topic: &str, broker: &str) -> String {
+    format!("{topic}/{broker}")
+}
+
+/// The queue a position's `topic/broker` and queue id name.
+fn message_queue(topic_broker: &str, queue_id: i32) -> MessageQueue {
+    let (topic, broker) = topic_broker.split_once('/').unwrap_or((topic_broker, ""));
+    MessageQueue::from_parts(topic, broker, queue_id)
+}
+
+/// Copies a polled message into a [`Record`]: payload (bounded), born timestamp, the properties `message_id`
+/// (the producer's unique id, `UNIQ_KEY`, else the broker's message id), `keys` and `tags`, and the user
+/// properties as headers, sorted by name (the client keeps them in a hash map; a stable order keeps payload
+/// fingerprints stable).
+fn record_of(m: &MessageExt, topic: Arc<str>, max_payload_bytes: usize) -> Record {
+    let message = &m.message;
+    let mut properties: Vec<(&'static str, String)> = Vec::new();
+    let uniq = message.property("UNIQ_KEY").map(str::to_owned).unwrap_or_else(|| m.msg_id.to_string());
+    properties.push((crate::record::MESSAGE_ID, uniq));
+    if let Some(keys) = message.property("KEYS") {
+        properties.push((crate::record::MESSAGE_KEYS, keys.to_owned()));
+    }
+    if let Some(tags) = message.tags() {
+        properties.push(("tags", tags.to_owned()));
+    }
+    let system = &rocketmq_model::common::message::STRING_HASH_SET;
+    let mut headers: Vec<(String, Option<Vec<u8>>)> = message
+        .properties()
+        .as_map()
+        .iter()
+        .filter(|(k, _)| !system.contains(k.as_str()))
+        .map(|(k, v)| (k.to_string(), Some(v.as_bytes().to_vec())))
+        .collect();
+    headers.sort();
+    let born = if m.born_timestamp > 0 { m.born_timestamp } else { m.store_timestamp };
+    Record {
+        position: Position { topic, partition: m.queue_id, offset: m.queue_offset },
+        timestamp_ms: (born > 0).then_some(born),
+        key: None,
+        headers,
+        payload: None,
+        oversized: None,
+        properties,
+        delivered_before: None,
+    }
+    .with_payload(Some(message.body_slice()), max_payload_bytes)
+}
+
+/// A pipeline's RocketMQ consumer and what it owns.
+pub struct RocketMqSource {
+    pipeline: String,
+    spec: RocketMqSpec,
+    metrics: PipelineMetrics,
+    max_payload_bytes: usize,
+    runtime: Option<Runtime>,
+    consumer: DefaultLitePullConsumer,
+    started: bool,
+    fatal: Option<String>,
+    /// The queues this worker owns, as of its last look at the consumer's assignment.
+    owned: HashMap<Queue, MessageQueue>,
+    /// `[offsets] store = "database"`: the owner epoch claimed for each owned queue.
+    epochs: HashMap<Queue, i64>,
+    /// Queues given up after a fenced batch, with when they may be claimed again.
+    fenced: HashMap<Queue, Instant>,
+    /// Queues lost (revoked or fenced) while the batch in flight was being applied: no offset is committed for
+    /// them and a retry drops their records.
+    revoked_in_flight: HashSet<Queue>,
+    /// Records polled and not yet handed out, in poll order.
+    stash: Vec<Record>,
+    topics: HashMap<String, Arc<str>>,
+    stored: Option<StoredStart>,
+    /// Consume offsets whose acknowledged update failed, retried between batches.
+    unsent: HashMap<Queue, i64>,
+    /// Per owned queue, the consume offset last committed (for the lag).
+    committed: HashMap<Queue, i64>,
+    last_lag: Option<Instant>,
+}
+
+impl RocketMqSource {
+    /// A consumer of `pipeline`'s topic in its consumer group (clustering, auto-commit off, starting a new group
+    /// from each queue's first offset). It connects on the first [`RocketMqSource::next_batch`].
+    ///
+    /// Errors: the client runtime or the consumer could not be built, as text.
+    pub fn new(
+        settings: &RocketMqSettings,
+        pipeline: &Pipeline,
+        metrics: PipelineMetrics,
+        stored: Option<StoredStart>,
+    ) -> Result<RocketMqSource, String> {
+        let spec = spec(pipeline).clone();
+        let runtime = Runtime::new(&pipeline.name)?;
+        let max_records = pipeline.batch.max_records;
+        let mut builder = DefaultLitePullConsumer::builder(runtime.client())
+            .name_server_addr(settings.name_server.as_str())
+            .consumer_group(spec.consumer_group.as_str())
+            .instance_name(format!("idemflow-{}-{}", pipeline.name, std::process::id()))
+            .message_model(MessageModel::Clustering)
+            .consume_from_where(ConsumeFromWhere::ConsumeFromFirstOffset)
+            .auto_commit(false)
+            .pull_batch_size(max_records.clamp(1, 1024) as i32)
+            .poll_timeout_millis(POLL_MS);
+        if let Some(hook) = acl_hook(settings) {
+            builder = builder.rpc_hook(hook);
+        }
+        let consumer = builder.build().map_err(|e| format!("cannot create the RocketMQ consumer: {e}"))?;
+        Ok(RocketMqSource {
+            pipeline: pipeline.name.clone(),
+            spec,
+            metrics,
+            max_payload_bytes: pipeline.decoder.max_payload_bytes(),
+            runtime: Some(runtime),
+            consumer,
+            started: false,
+            fatal: None,
+            owned: HashMap::new(),
+            epochs: HashMap::new(),
+            fenced: HashMap::new(),
+            revoked_in_flight: HashSet::new(),
+            stash: Vec::new(),
+            topics: HashMap::new(),
+            stored,
+            unsent: HashMap::new(),
+            committed: HashMap::new(),
+            last_lag: None,
+        })
+    }
+
+    /// Subscribes and starts the consumer once. A failure stops the pipeline ([`RocketMqSource::fatal`]).
+    async fn start(&mut self) -> bool {
+        if self.started {
+            return true;
+        }
+        let started = async {
+            self.consumer.subscribe_with_expression(&self.spec.topic, &self.spec.tag_expression).await?;
+            self.consumer.start().await
+        }
+        .await;
+        match started {
+            Ok(()) => {
+                self.started = true;
+                tracing::info!(pipeline = %self.pipeline, topic = %self.spec.topic, group = %self.spec.consumer_group,
+                    tags = %self.spec.tag_expression, "RocketMQ consumer started");
+                true
+            }
+            Err(e) => {
+                self.fatal = Some(format!("cannot start the RocketMQ consumer of topic {:?}: {e}", self.spec.topic));
+                false
+            }
+        }
+    }
+
+    fn intern(&mut self, m: &MessageExt) -> Arc<str> {
+        let name = position_topic(m.message.topic().as_str(), m.broker_name.as_str());
+        if let Some(t) = self.topics.get(&name) {
+            return t.clone();
+        }
+        let t: Arc<str> = Arc::from(name.as_str());
+        self.topics.insert(name, t.clone());
+        t
+    }
+
+    /// The next batch: at least one record, at most `settings.max_records`, waiting at most `max_wait` after the
+    /// first; an empty batch after a second without records; `None` on shutdown (or a consumer that cannot start,
+    /// see [`RocketMqSource::fatal`]).
+    pub async fn next_batch(&mut self, settings: BatchSettings, shutdown: &mut Shutdown) -> Option<Vec<Record>> {
+        if !self.start().await {
+            return None;
+        }
+        let idle_until = Instant::now() + Duration::from_secs(1);
+        let mut deadline: Option<Instant> = None;
+        loop {
+            if shutdown.is_triggered() {
+                return None;
+            }
+            self.housekeeping().await;
+            if !self.follow_assignment(shutdown).await {
+                return None;
+            }
+            if !self.stash.is_empty() {
+                deadline.get_or_insert_with(|| Instant::now() + settings.max_wait);
+            }
+            let now = Instant::now();
+            if self.stash.len() >= settings.max_records || deadline.is_some_and(|d| now >= d) {
+                let n = self.stash.len().min(settings.max_records);
+                self.revoked_in_flight.clear();
+                return Some(self.stash.drain(..n).collect());
+            }
+            if deadline.is_none() && now >= idle_until {
+                return Some(Vec::new());
+            }
+            let until = deadline.unwrap_or(idle_until);
+            let wait = until.saturating_duration_since(now).as_millis().clamp(1, u128::from(POLL_MS)) as u64;
+            self.poll(wait, shutdown).await;
+        }
+    }
+
+    /// One poll of at most `wait_ms`, its records kept. Records of queues this worker does not own after looking at
+    /// the assignment again are dropped (a poll that raced a rebalance).
+    async fn poll(&mut self, wait_ms: u64, shutdown: &mut Shutdown) {
+        let messages = self.consumer.poll_with_timeout_zero_copy(wait_ms).await;
+        if messages.is_empty() {
+            return;
+        }
+        let records: Vec<Record> = messages
+            .iter()
+            .map(|m| {
+                let topic = self.intern(m);
+                record_of(m, topic, self.max_payload_bytes)
+            })
+            .collect();
+        let unknown = records.iter().any(|r| !self.owned.contains_key(&(r.position.topic.clone(), r.position.partition)));
+        self.stash.extend(records);
+        if unknown {
+            // A queue assigned since the last look: take it now (a claim and a seek drop what was polled of it).
+            self.follow_assignment(shutdown).await;
+        }
+        let owned = &self.owned;
+        let before = self.stash.len();
+        self.stash.retain(|r| owned.contains_key(&(r.position.topic.clone(), r.position.partition)));
+        if self.stash.len() != before {
+            tracing::debug!(pipeline = %self.pipeline, dropped = before - self.stash.len(), "dropped records of queues not owned");
+        }
+    }
+
+    /// Compares the consumer's assignment with the queues owned: a queue gone is given up (its kept records
+    /// dropped, its lag forgotten); a new queue is taken, and with stored positions claimed and sought to. Also
+    /// claims again queues given up after a fence whose [`FENCED_FOR`] is over. `false` on shutdown during a claim.
+    async fn follow_assignment(&mut self, shutdown: &mut Shutdown) -> bool {
+        let assigned: HashSet<MessageQueue> = match self.consumer.assignment().await {
+            Ok(a) => a.into_iter().filter(|mq| mq.topic().as_str() == self.spec.topic).collect(),
+            Err(e) => {
+                tracing::debug!(pipeline = %self.pipeline, error = %e, "cannot read the consumer's assignment");
+                return true;
+            }
+        };
+        let now: HashMap<Queue, MessageQueue> = assigned
+            .into_iter()
+            .map(|mq| {
+                let t = position_topic(mq.topic().as_str(), mq.broker_name().as_str());
+                let t = self.topics.entry(t.clone()).or_insert_with(|| Arc::from(t.as_str())).clone();
+                ((t, mq.queue_id()), mq)
+            })
+            .collect();
+        let gone: Vec<Queue> = self.owned.keys().filter(|q| !now.contains_key(*q)).cloned().collect();
+        if !gone.is_empty() {
+            for q in &gone {
+                self.owned.remove(q);
+                self.epochs.remove(q);
+                self.fenced.remove(q);
+                self.unsent.remove(q);
+                self.committed.remove(q);
+                self.metrics.forget_lag(&q.0, q.1);
+                self.revoked_in_flight.insert(q.clone());
+            }
+            let gone_set: HashSet<Queue> = gone.iter().cloned().collect();
+            self.stash.retain(|r| !gone_set.contains(&(r.position.topic.clone(), r.position.partition)));
+            self.metrics.rebalance(RebalanceEvent::Revoke);
+            tracing::info!(pipeline = %self.pipeline, queues = %describe(&gone), "queues revoked");
+        }
+        let new: Vec<Queue> = now.keys().filter(|q| !self.owned.contains_key(*q)).cloned().collect();
+        if !new.is_empty() {
+            for q in &new {
+                self.owned.insert(q.clone(), now[q].clone());
+            }
+            self.metrics.rebalance(RebalanceEvent::Assign);
+            self.metrics.assigned_partitions(self.owned.len());
+            tracing::info!(pipeline = %self.pipeline, queues = %describe(&new), "queues assigned");
+            self.last_lag = None;
+        } else if !gone.is_empty() {
+            self.metrics.assigned_partitions(self.owned.len());
+        }
+        let mut to_claim = new;
+        let due: Vec<Queue> = self.fenced.iter().filter(|(_, at)| Instant::now() >= **at).map(|(q, _)| q.clone()).collect();
+        for q in due {
+            self.fenced.remove(&q);
+            if self.owned.contains_key(&q) {
+                tracing::info!(pipeline = %self.pipeline, queue = %describe(std::slice::from_ref(&q)), "still assigned after being fenced: claiming it again");
+                to_claim.push(q);
+            }
+        }
+        if self.stored.is_some() && !to_claim.is_empty() {
+            return self.claim(&to_claim, shutdown).await;
+        }
+        true
+    }
+
+    /// Claims `queues`' stored positions (retrying while the store is down) and starts each from its stored
+    /// position. `false` on shutdown first.
+    async fn claim(&mut self, queues: &[Queue], shutdown: &mut Shutdown) -> bool {
+        let stored = self.stored.as_ref().expect("claims only with stored positions");
+        let parts: Vec<(String, i32)> = queues.iter().map(|(t, q)| (t.to_string(), *q)).collect();
+        let mut delays = crate::worker::backoff(Duration::from_millis(100), Duration::from_secs(10));
+        let claimed = loop {
+            match stored.store.claim_offsets(&self.pipeline, &stored.owner, &parts).await {
+                Ok(c) => break c,
+                Err(e) => {
+                    let delay = delays.next().unwrap_or(Duration::from_secs(10));
+                    tracing::warn!(pipeline = %self.pipeline, error = %e, retry_in = ?delay,
+                        "cannot claim the stored positions of the assigned queues; retrying (the consumer stays in its group)");
+                    tokio::select! {
+                        _ = tokio::time::sleep(delay) => {}
+                        _ = shutdown.wait() => return false,
+                    }
+                }
+            }
+        };
+        if let Err(e) = self.start_from(&claimed).await {
+            tracing::warn!(pipeline = %self.pipeline, error = %e, "cannot move the consumer to the stored positions; giving the queues up for now");
+            for c in &claimed {
+                let q = (self.intern_name(&c.topic), c.partition);
+                self.epochs.remove(&q);
+                self.fenced.insert(q, Instant::now() + Duration::from_secs(5));
+            }
+        }
+        true
+    }
+
+    fn intern_name(&mut self, name: &str) -> Arc<str> {
+        self.topics.entry(name.to_owned()).or_insert_with(|| Arc::from(name)).clone()
+    }
+
+    /// Takes the epochs of `claimed`, drops every kept record of their queues, and seeks each queue with a stored
+    /// position to it (a queue without one goes on from the group's consume offset). A stored position below the
+    /// queue's first offset (its messages expired) starts from the first offset, with a warning.
+    ///
+    /// Errors: a seek the client refused, as text.
+    async fn start_from(&mut self, claimed: &[offsets::Claimed]) -> Result<(), String> {
+        for c in claimed {
+            let q = (self.intern_name(&c.topic), c.partition);
+            self.epochs.insert(q.clone(), c.epoch);
+            let Some(next) = c.next_offset else { continue };
+            self.stash.retain(|r| (r.position.topic.clone(), r.position.partition) != q);
+            let mq = message_queue(&c.topic, c.partition);
+            let min = self.consumer.min_offset(&mq).await.unwrap_or(0);
+            let sought = if next < min {
+                tracing::warn!(pipeline = %self.pipeline, queue = %describe(std::slice::from_ref(&q)), stored = next, first = min,
+                    "the stored position is below the queue's first offset (its messages expired): starting from the first offset");
+                self.consumer.seek_to_begin(&mq).await
+            } else {
+                self.consumer.seek(&mq, next).await
+            };
+            sought.map_err(|e| format!("cannot seek {}/{} to {next}: {e}", c.topic, c.partition))?;
+            self.committed.insert(q, next);
+            tracing::info!(pipeline = %self.pipeline, queue = %c.topic, id = c.partition, offset = next, "consuming the queue from its stored position");
+        }
+        Ok(())
+    }
+
+    /// Between batches: retries unsent consume offsets and refreshes the lag every [`LAG_EVERY`].
+    async fn housekeeping(&mut self) {
+        if !self.unsent.is_empty() {
+            let unsent = std::mem::take(&mut self.unsent);
+            self.send_offsets(unsent).await;
+        }
+        if self.last_lag.is_some_and(|t| t.elapsed() < LAG_EVERY) {
+            return;
+        }
+        self.last_lag = Some(Instant::now());
+        for (q, mq) in self.owned.clone() {
+            let Ok(max) = self.consumer.max_offset(&mq).await else { continue };
+            let next = match self.committed.get(&q) {
+                Some(n) => *n,
+                None => match self.consumer.committed(&mq).await {
+                    Ok(n) if n >= 0 => n,
+                    _ => continue,
+                },
+            };
+            self.metrics.lag(&q.0, q.1, (max - next).max(0));
+        }
+    }
+
+    /// Waits `delay` before a retry (the client keeps its heartbeats and buffers at most its flow-control limits),
+    /// then drops from `batch` the records of queues lost meanwhile. `false` if shutdown came first.
+    pub async fn pause_for(&mut self, delay: Duration, batch: &mut Vec<Record>, shutdown: &mut Shutdown) -> bool {
+        tokio::select! {
+            _ = tokio::time::sleep(delay) => {}
+            _ = shutdown.wait() => return false,
+        }
+        if !self.follow_assignment(shutdown).await {
+            return false;
+        }
+        self.drop_revoked(batch);
+        true
+    }
+
+    /// The positions a batch stores (`[offsets] store = "database"`), with this worker's epochs.
+    pub fn positions(&self, next: &NextOffsets) -> Option<Positions> {
+        self.stored.as_ref()?;
+        Some(Positions::new(next, |t, p| self.epochs.get(&(t.clone(), p)).copied()))
+    }
+
+    /// Runs `work` (the batch transaction) to its end; the client serves its broker meanwhile on its own runtime.
+    pub async fn poll_while<T>(&mut self, work: tokio::task::JoinHandle<T>) -> T {
+        work.await.unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()))
+    }
+
+    /// Drops from `batch` the records of queues lost while it was in flight or since.
+    pub fn drop_revoked(&mut self, batch: &mut Vec<Record>) {
+        let lost = std::mem::take(&mut self.revoked_in_flight);
+        let owned = &self.owned;
+        batch.retain(|r| {
+            let q = (r.position.topic.clone(), r.position.partition);
+            !lost.contains(&q) && owned.contains_key(&q)
+        });
+    }
+
+    /// Gives up queues whose stored positions another worker claimed (a fenced batch): their records are dropped
+    /// from `batch` and the kept ones, no offset is committed for them, and they are claimed again after
+    /// [`FENCED_FOR`] if the group still assigns them here.
+    pub fn lose(&mut self, partitions: &[(String, i32)], used: Option<&Positions>, batch: &mut Vec<Record>) {
+        for (t, p) in partitions {
+            let q = (self.intern_name(t), *p);
+            let presented = used.and_then(|u| u.0.iter().find(|(ut, up, _, _)| **ut == **t && up == p)).map(|u| u.3);
+            if self.epochs.get(&q).is_some_and(|e| Some(*e) != presented) {
+                // Claimed again by this worker while the batch was in flight: only the batch's records go.
+                self.revoked_in_flight.insert(q);
+                continue;
+            }
+            tracing::warn!(pipeline = %self.pipeline, queue = %t, id = p, "fenced: another worker claimed this queue; dropping its records");
+            self.epochs.remove(&q);
+            self.fenced.insert(q.clone(), Instant::now() + FENCED_FOR);
+            self.stash.retain(|r| (r.position.topic.clone(), r.position.partition) != q);
+            self.revoked_in_flight.insert(q);
+            self.metrics.offset_commit(CommitResult::Fenced);
+        }
+        let lost = &self.revoked_in_flight;
+        batch.retain(|r| !lost.contains(&(r.position.topic.clone(), r.position.partition)));
+        // Fenced queues' records must not come back until they are claimed again: drop them as they are polled.
+        let fenced = &self.fenced;
+        self.stash.retain(|r| !fenced.contains_key(&(r.position.topic.clone(), r.position.partition)));
+    }
+
+    /// The queues this worker owns now, as (`topic/broker`, queue id).
+    pub fn owned(&self) -> Vec<(String, i32)> {
+        self.owned.keys().map(|(t, q)| (t.to_string(), *q)).collect()
+    }
+
+    /// Starts queues again from positions claimed anew after the store lost positions this worker had stored
+    /// (see [`crate::sink::SinkError::Lost`]), dropping their records from `batch`.
+    ///
+    /// Errors: the consumer could not be moved.
+    pub async fn resync(&mut self, claimed: &[offsets::Claimed], batch: &mut Vec<Record>) -> Result<(), String> {
+        self.start_from(claimed).await?;
+        let moved: HashSet<(String, i32)> = claimed.iter().map(|c| (c.topic.clone(), c.partition)).collect();
+        batch.retain(|r| !moved.contains(&(r.position.topic.to_string(), r.position.partition)));
+        Ok(())
+    }
+
+    /// Tells the brokers that `batch` is durable: each owned queue's consume offset becomes the highest offset of
+    /// the batch plus one (`next`), sent with an acknowledged request. Queues lost while the batch was in flight
+    /// are skipped and counted (`skipped_not_owned`).
+    pub async fn commit(&mut self, next: &NextOffsets) {
+        let lost = std::mem::take(&mut self.revoked_in_flight);
+        let mut send = HashMap::new();
+        for ((t, p), offset) in &next.0 {
+            let q = (t.clone(), *p);
+            if lost.contains(&q) || !self.owned.contains_key(&q) || self.fenced.contains_key(&q) {
+                self.metrics.offset_commit(CommitResult::SkippedNotOwned);
+                continue;
+            }
+            send.insert(q, *offset);
+        }
+        self.send_offsets(send).await;
+    }
+
+    /// Updates the client's consume offsets (so its periodic flush sends these values, never older ones) and sends
+    /// each to its broker, acknowledged. Failures are kept for the next housekeeping.
+    async fn send_offsets(&mut self, offsets: HashMap<Queue, i64>) {
+        if offsets.is_empty() {
+            return;
+        }
+        let map: HashMap<MessageQueue, i64> =
+            offsets.iter().filter_map(|(q, o)| self.owned.get(q).map(|mq| (mq.clone(), *o))).collect();
+        self.consumer.commit_with_map(map, false).await;
+        let Some(store) = self.consumer.offset_store().await else {
+            tracing::warn!(pipeline = %self.pipeline, "the RocketMQ consumer has no offset store; offsets not committed");
+            return;
+        };
+        for (q, offset) in offsets {
+            let Some(mq) = self.owned.get(&q) else { continue };
+            match store.update_consume_offset_to_broker(mq, offset, false).await {
+                Ok(()) => {
+                    self.metrics.offset_commit(CommitResult::Ok);
+                    self.committed.insert(q, offset);
+                }
+                Err(e) => {
+                    self.metrics.offset_commit(CommitResult::Error);
+                    tracing::warn!(pipeline = %self.pipeline, queue = %q.0, id = q.1, offset, error = %e,
+                        "consume offset update failed (retried between batches); unless it succeeds, the records will \
+                         be redelivered and skipped as duplicates");
+                    self.unsent.insert(q, offset);
+                }
+            }
+        }
+    }
+
+    /// Why the pipeline must stop: the consumer could not start.
+    pub fn fatal(&self) -> Option<&str> {
+        self.fatal.as_deref()
+    }
+
+    /// Ends without telling the brokers anything more (an injected crash): the client's tasks stop at once.
+    pub async fn abandon(mut self) {
+        if let Some(runtime) = self.runtime.take() {
+            runtime.owner.shutdown_background();
+        }
+    }
+
+    /// Ends cleanly: the consumer leaves its group (its consume offsets, all committed already, are flushed once
+    /// more) and the client's runtime stops.
+    pub async fn close(mut self) {
+        if self.started {
+            self.consumer.shutdown().await;
+        }
+        if let Some(runtime) = self.runtime.take() {
+            runtime.shutdown().await;
+        }
+    }
+}
+
+fn describe(queues: &[Queue]) -> String {
+    let mut names: Vec<String> = queues.iter().map(|(t, q)| format!("{t}/{q}")).collect();
+    names.sort();
+    names.join(", ")
+}
+
+/// An admin client on `runtime` for `settings`' name servers (signed with the ACL keys when set), started.
+///
+/// Errors: the client could not start, as text.
+pub async fn admin(runtime: &Runtime, settings: &RocketMqSettings) -> Result<rocketmq_client_rust::DefaultMQAdminExt, String> {
+    use rocketmq_client_rust::DefaultMQAdminExt;
+    let mut admin = match acl_hook(settings) {
+        Some(hook) => DefaultMQAdminExt::with_rpc_hook(runtime.client(), hook),
+        None => DefaultMQAdminExt::new(runtime.client()),
+    };
+    admin.set_namesrv_addr(settings.name_server.as_str());
+    admin.start().await.map_err(|e| format!("cannot start a RocketMQ admin client: {e}"))?;
+    Ok(admin)
+}
+
+/// What `idemflow check` reports about a RocketMQ pipeline: the name server answers, the topic has a route (its
+/// brokers and read queues), and the consumer group's consume offsets and members, if any. Returns lines to print.
+///
+/// Errors: the first problem that stops the pipeline from running (no name server, no such topic, a queue with no
+/// readable broker), as a sentence.
+pub async fn check(settings: &RocketMqSettings, pipeline: &Pipeline) -> Result<Vec<String>, String> {
+    use rocketmq_client_rust::{ConsumerAdmin, TopicAdmin};
+    let SourceSpec::RocketMq(spec) = &pipeline.source else { return Ok(Vec::new()) };
+    let runtime = Runtime::new("check")?;
+    let result = async {
+        let mut admin = admin(&runtime, settings).await?;
+        let timeout = settings.timeout;
+        let route = tokio::time::timeout(timeout, admin.examine_topic_route_info(spec.topic.as_str().into()))
+            .await
+            .map_err(|_| format!("the name server {} did not answer within {timeout:?}", settings.name_server))?
+            .map_err(|e| format!("cannot read the route of topic {:?} from the name server {}: {e}", spec.topic, settings.name_server))?;
+        let Some(route) = route else {
+            return Err(format!(
+                "topic {:?} has no route on the name server {}: create it (mqadmin updateTopic -t {} -c <cluster>), or \
+                 let the broker create it (autoCreateTopicEnable = true) by producing to it",
+                spec.topic, settings.name_server, spec.topic
+            ));
+        };
+        let queues: u32 = route.queue_datas.iter().map(|q| q.read_queue_nums).sum();
+        if queues == 0 {
+            return Err(format!("topic {:?} has no readable queue (readQueueNums = 0 on every broker)", spec.topic));
+        }
+        let brokers: Vec<String> = route.queue_datas.iter().map(|q| format!("{} ({} queues)", q.broker_name, q.read_queue_nums)).collect();
+        let mut lines = vec![format!(
+            "pipeline {:?}: topic {:?}: {} read queue(s) on {}; consumer group {:?}, tags {:?}",
+            pipeline.name, spec.topic, queues, brokers.join(", "), spec.consumer_group, spec.tag_expression
+        )];
+        let group = spec.consumer_group.as_str();
+        match tokio::time::timeout(timeout, admin.examine_consume_stats(group.into(), Some(spec.topic.as_str().into()), None, None, None)).await {
+            Ok(Ok(stats)) if !stats.offset_table.is_empty() => {
+                let lag: i64 = stats.offset_table.values().map(|o| (o.get_broker_offset() - o.get_consumer_offset()).max(0)).sum();
+                lines.push(format!(
+                    "pipeline {:?}: consumer group {group:?} has consume offsets for {} queue(s), {lag} message(s) behind",
+                    pipeline.name,
+                    stats.offset_table.len()
+                ));
+            }
+            _ => lines.push(format!(
+                "pipeline {:?}: consumer group {group:?} has no consume offsets yet: it starts from each queue's first offset",
+                pipeline.name
+            )),
+        }
+        if let Ok(Ok(connection)) = tokio::time::timeout(timeout, admin.examine_consumer_connection_info(group.into(), None)).await {
+            let members = connection.get_connection_set().len();
+            lines.push(format!("pipeline {:?}: consumer group {group:?} has {members} member(s) online", pipeline.name));
+            if let Some(sub) = connection.get_subscription_table().get(spec.topic.as_str()) {
+                let theirs = sub.sub_string.to_string();
+                if members > 0 && theirs != spec.tag_expression {
+                    return Err(format!(
+                        "consumer group {group:?} is subscribed to topic {:?} with tags {theirs:?} by its members online, \
+                         not {:?}: members of one group must subscribe alike (RocketMQ rebalances the queues as if they did)",
+                        spec.topic, spec.tag_expression
+                    ));
+                }
+            }
+        }
+        admin.shutdown().await;
+        Ok(lines)
+    }
+    .await;
+    runtime.shutdown().await;
+    result
+}
+
+/// One queue of a rewind plan: its master broker's address beside the move.
+struct Planned {
+    broker_addr: String,
+    queue: MessageQueue,
+    step: crate::rewind::Move,
+}
+
+/// A RocketMQ pipeline's rewind (`idemflow rewind`): per queue of the topic's route, where the group is (its
+/// consume offset, or the stored position when `stored` is given), where it goes (`earliest`: the queue's min
+/// offset; a time: the broker's `SEARCH_OFFSET_BY_TIMESTAMP` answer), never forward; and, unless `dry_run`, the
+/// group's consume offsets set with acknowledged `UPDATE_CONSUMER_OFFSET` requests to each queue's master broker.
+/// Returns the moves (queue named `topic/broker`), warnings, and how many members the group has online.
+///
+/// Errors: no route, a broker request failed, or (unless `dry_run`) the group has members online: RocketMQ
+/// consumers keep their offsets in memory and write them back every 5 s, so a running worker would undo the
+/// rewind; stop every worker of the pipeline first.
+pub async fn rewind(
+    settings: &RocketMqSettings,
+    pipeline: &Pipeline,
+    target: crate::rewind::Target,
+    stored: Option<&[(String, i32, Option<i64>)]>,
+    dry_run: bool,
+) -> Result<(Vec<crate::rewind::Move>, Vec<String>, usize), String> {
+    let runtime = Runtime::new("rewind")?;
+    let result = async {
+        let mut admin = admin(&runtime, settings).await?;
+        let out = rewind_with(&admin, settings, pipeline, target, stored, dry_run).await;
+        admin.shutdown().await;
+        out
+    }
+    .await;
+    runtime.shutdown().await;
+    result
+}
+
+async fn rewind_with(
+    admin: &rocketmq_client_rust::DefaultMQAdminExt,
+    settings: &RocketMqSettings,
+    pipeline: &Pipeline,
+    target: crate::rewind::Target,
+    stored: Option<&[(String, i32, Option<i64>)]>,
+    dry_run: bool,
+) -> Result<(Vec<crate::rewind::Move>, Vec<String>, usize), String> {
+    use rocketmq_client_rust::{ConsumerAdmin, OffsetAdmin, TopicAdmin};
+    let spec = spec(pipeline);
+    let ms = settings.timeout.as_millis() as u64;
+    let route = admin
+        .examine_topic_route_info(spec.topic.as_str().into())
+        .await
+        .map_err(|e| format!("cannot read the route of topic {:?}: {e}", spec.topic))?
+        .ok_or_else(|| format!("topic {:?} has no route on the name server {}", spec.topic, settings.name_server))?;
+    let group = spec.consumer_group.as_str();
+    let members = match admin.examine_consumer_connection_info(group.into(), None).await {
+        Ok(c) => c.get_connection_set().len(),
+        Err(_) => 0, // CONSUMER_NOT_ONLINE: no member
+    };
+    let offsets = admin.examine_consume_stats(group.into(), Some(spec.topic.as_str().into()), None, None, None).await.ok();
+    let mut plan = Vec::new();
+    let mut warnings = Vec::new();
+    for qd in &route.queue_datas {
+        let Some(addr) = route.broker_datas.iter().find(|b| b.broker_name() == &qd.broker_name).and_then(|b| b.broker_addrs().get(&0).cloned()) else {
+            warnings.push(format!("broker {} has no master in the route: its queues are left as they are", qd.broker_name));
+            continue;
+        };
+        for id in 0..qd.read_queue_nums as i32 {
+            let queue = MessageQueue::from_parts(spec.topic.as_str(), qd.broker_name.as_str(), id);
+            let name = position_topic(&spec.topic, qd.broker_name.as_str());
+            let end = admin.max_offset(addr.clone(), queue.clone(), ms).await.map_err(|e| format!("{name}/{id}: max offset: {e}"))?;
+            let from = match stored {
+                Some(stored) => stored.iter().find(|(t, p, _)| *t == name && *p == id).and_then(|s| s.2),
+                None => offsets
+                    .as_ref()
+                    .and_then(|s| s.offset_table.iter().find(|(mq, _)| **mq == queue).map(|(_, o)| o.get_consumer_offset()))
+                    .filter(|o| *o >= 0),
+            };
+            let wanted = match target {
+                crate::rewind::Target::Earliest => admin.min_offset(addr.clone(), queue.clone(), ms).await.map_err(|e| format!("{name}/{id}: min offset: {e}"))?,
+                crate::rewind::Target::Time(t) => {
+                    let at = t.duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
+                    admin.search_offset(addr.clone(), spec.topic.as_str().into(), id, at, ms).await.map_err(|e| format!("{name}/{id}: search by time: {e}"))? as i64
+                }
+            };
+            let to = match from {
+                Some(f) if wanted > f => f, // never forward: that would skip what was never processed
+                _ => wanted.min(end),
+            };
+            plan.push(Planned { broker_addr: addr.to_string(), queue, step: crate::rewind::Move { topic: name, partition: id, from, to, end } });
+        }
+    }
+    if !dry_run {
+        if members > 0 {
+            return Err(format!(
+                "consumer group {group:?} has {members} member(s) online: stop every worker of pipeline {:?} first (a \
+                 running RocketMQ consumer writes its offsets back every 5 s and would undo the rewind)",
+                pipeline.name
+            ));
+        }
+        for p in &plan {
+            admin
+                .update_consume_offset(p.broker_addr.as_str().into(), group.into(), p.queue.clone(), p.step.to as u64)
+                .await
+                .map_err(|e| format!("{}/{}: cannot set the consume offset: {e}", p.step.topic, p.step.partition))?;
+        }
+    }
+    Ok((plan.into_iter().map(|p| p.step).collect(), warnings, members))
+}
