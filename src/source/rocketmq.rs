@@ -703,6 +703,21 @@ pub async fn check(settings: &RocketMqSettings, pipeline: &Pipeline) -> Result<V
         if let Ok(Ok(connection)) = tokio::time::timeout(timeout, admin.examine_consumer_connection_info(group.into(), None)).await {
             let members = connection.get_connection_set().len();
             lines.push(format!("pipeline {:?}: consumer group {group:?} has {members} member(s) online", pipeline.name));
+            let mut others: Vec<String> = connection
+                .get_subscription_table()
+                .keys()
+                .map(|t| t.to_string())
+                .filter(|t| *t != spec.topic && !t.starts_with("%RETRY%") && !t.starts_with("%DLQ%"))
+                .collect();
+            others.sort();
+            if members > 0 && !others.is_empty() {
+                return Err(format!(
+                    "consumer group {group:?} is also used for topic(s) {others:?} by its members online: RocketMQ shares a \
+                     group's queues among all its members as if they subscribed alike, so some queues of {:?} would \
+                     never be consumed; give the pipeline a consumer group of its own",
+                    spec.topic
+                ));
+            }
             if let Some(sub) = connection.get_subscription_table().get(spec.topic.as_str()) {
                 let theirs = sub.sub_string.to_string();
                 if members > 0 && theirs != spec.tag_expression {
