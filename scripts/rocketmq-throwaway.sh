@@ -17,7 +17,11 @@ rocketmq_install() {
     return 0
   fi
   echo "installing the RocketMQ name server and broker $ROCKETMQ_VERSION from crates.io (cargo install, about 20 minutes on 2 cores; once)..." >&2
-  cargo install --locked "rocketmq-namesrv@$ROCKETMQ_VERSION" "rocketmq-broker@$ROCKETMQ_VERSION" >&2
+  # One target directory for both, so their shared dependencies are built once; removed afterwards.
+  local target="${XDG_CACHE_HOME:-$HOME/.cache}/idemflow/rocketmq-target"
+  CARGO_TARGET_DIR="$target" cargo install --locked "rocketmq-namesrv@$ROCKETMQ_VERSION" "rocketmq-broker@$ROCKETMQ_VERSION" >&2 \
+    || return 1
+  rm -rf "$target"
 }
 
 rocketmq_free_port() {
