@@ -48,11 +48,23 @@ rocketmq_throwaway_start() {
   local d=$ROCKETMQ_THROWAWAY_DIR ns broker
   ns=$(rocketmq_free_port)
   # The broker also listens on its port - 2 and (HA, set below; its default 10912 would clash with any other
-  # broker of the machine) + 1.
-  while :; do
-    broker=$(rocketmq_free_port)
-    [ "$broker" -gt 20000 ] && [ "$broker" -lt 65000 ] && break
-  done
+  # broker of the machine) + 1: all three must be free.
+  broker=$(python3 -c '
+import socket
+def free(p):
+    s = socket.socket()
+    try:
+        s.bind(("127.0.0.1", p))
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+while True:
+    s = socket.socket(); s.bind(("127.0.0.1", 0)); p = s.getsockname()[1]; s.close()
+    if 20000 < p < 65000 and free(p - 2) and free(p + 1):
+        print(p)
+        break')
   ROCKETMQ_HOME=$d "$bin/rocketmq-namesrv-rust" --listenPort "$ns" --bindAddress 127.0.0.1 --rocketmqHome "$d" \
     >"$d/namesrv.log" 2>&1 &
   ROCKETMQ_NAMESRV_PID=$!

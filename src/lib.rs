@@ -99,3 +99,14 @@ pub mod store;
 pub mod telemetry;
 pub mod terminal;
 pub mod worker;
+
+/// Selects *ring* as the process's TLS crypto provider (rustls), once; later calls do nothing. Every TLS client of
+/// idemflow (PostgreSQL, MySQL, RabbitMQ, Redis) uses rustls with *ring*; the RocketMQ client brings rustls with
+/// aws-lc-rs too, and with both in the build rustls cannot pick a default by itself (it panics at the first TLS
+/// connection that relies on the default). Called at start (`main`) and before building a TLS client in library code.
+pub fn install_tls_provider() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+    });
+}

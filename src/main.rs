@@ -232,6 +232,7 @@ struct ConfigArg {
 }
 
 fn main() -> ExitCode {
+    idemflow::install_tls_provider();
     let cli = Cli::parse();
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("a tokio runtime");
     match runtime.block_on(dispatch(cli.command)) {
@@ -441,7 +442,7 @@ async fn rewind_rocketmq(settings: &Settings, a: &RewindArgs, p: &config::Pipeli
         Some(store) => Some(store.stored_offsets(&p.name).await?),
         None => None,
     };
-    let (moves, warnings, members) = idemflow::source::rocketmq::rewind(rocketmq, p, a.to, positions.as_deref(), a.dry_run)
+    let (moves, warnings, members) = idemflow::source::rocketmq::rewind(rocketmq, p, a.to, positions.as_deref(), a.dry_run, a.timeout)
         .await
         .map_err(|e| anyhow::anyhow!("{}: pipeline {:?}: rocketmq: {e}", p.file.display(), p.name))?;
     println!("pipeline {:?}, consumer group {:?}{}", p.name, r.consumer_group, if store.is_some() { ", stored positions too" } else { "" });

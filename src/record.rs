@@ -22,8 +22,12 @@ pub struct Position {
 pub const NO_PARTITION: i32 = -1;
 
 impl Position {
-    /// The topic alone (without a RocketMQ position's `/broker`).
+    /// The topic alone: without a RocketMQ position's `/broker` (Kafka and RocketMQ topic names never contain `/`);
+    /// a RabbitMQ queue's name whole (it may).
     pub fn topic_name(&self) -> &str {
+        if self.partition == NO_PARTITION {
+            return &self.topic;
+        }
         self.topic.split('/').next().unwrap_or_default()
     }
 }
@@ -45,6 +49,9 @@ pub const MESSAGE_ID: &str = "message_id";
 /// several keys are kept as the producer joined them (space-separated).
 pub const MESSAGE_KEYS: &str = "keys";
 
+/// RocketMQ's TAGS property (`Message.getTags()`).
+pub const MESSAGE_TAGS: &str = "tags";
+
 /// The message properties a record may carry, by the names a pipeline uses (`[key] property`, `{ property = ... }`).
 /// RabbitMQ: the AMQP 0-9-1 basic properties that hold text, and the exchange and routing key a message was
 /// published with. RocketMQ: `message_id` (the producer's unique id, `UNIQ_KEY`), `keys`, `tags`; its user
@@ -63,7 +70,7 @@ pub const PROPERTIES: &[&str] = &[
     "exchange",
     "routing_key",
     MESSAGE_KEYS,
-    "tags",
+    MESSAGE_TAGS,
 ];
 
 /// One record as consumed: position, timestamp, key, headers and payload, all owned.

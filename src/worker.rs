@@ -385,7 +385,7 @@ impl Step<'_> {
                     }
                     Disposition::Fenced => {
                         if let SinkError::Fenced { partitions } = &e {
-                            source.lose(partitions, positions.as_ref(), batch);
+                            source.lose(partitions, positions.as_ref(), batch).await;
                             prepared = batch.iter().map(|rec| self.ready.preparer.prepare(rec)).collect();
                         }
                     }

@@ -189,10 +189,10 @@ pub enum NaiveTimestamps {
 pub enum OffsetStore {
     /// The consumer group's committed offsets in the broker (Kafka, or a RocketMQ broker's consumer offsets),
     /// committed after each batch's transaction. A crash between the two redelivers that batch, and its records
-    /// are skipped as `redelivered` duplicates. Written `"kafka"` or `"broker"`.
+    /// are skipped as `redelivered` duplicates. Written `"broker"` or `"kafka"`.
     #[default]
-    #[serde(alias = "broker")]
-    Kafka,
+    #[serde(alias = "kafka")]
+    Broker,
     /// The `idemflow.offsets` table, written in each batch's transaction and fenced by an owner epoch; on
     /// assignment the worker starts each partition from its stored position, so a crash or a rebalance
     /// redelivers nothing. The Kafka commit is still made afterwards, for lag monitoring and as the fallback
@@ -626,20 +626,20 @@ fn validate(raw: RawPipeline, path: &Path, stem: &str, dialect: Dialect, e: &mut
         e.push("sink.time_zone", format!("{:?} is not a time zone name (like \"UTC\" or \"America/New_York\")", time.zone));
     }
     let redis = raw.sink.redis.is_some();
-    let kafka = source.as_ref().is_some_and(SourceSpec::positional);
+    let positional = source.as_ref().is_some_and(SourceSpec::positional);
     let offsets = match raw.offsets.store {
         // A Redis sink keeps the positions with its effects: what Redis loses (its last writes, with `appendfsync
         // everysec`) it loses together, and the worker resumes from what it kept.
-        None if redis && kafka => OffsetStore::Database,
-        None => OffsetStore::Kafka,
-        Some(OffsetStore::Kafka) if redis && kafka => {
+        None if redis && positional => OffsetStore::Database,
+        None => OffsetStore::Broker,
+        Some(OffsetStore::Broker) if redis && positional => {
             e.push(
                 "offsets.store",
                 "a Redis sink keeps the consumed positions in Redis, written by the same script as the effects (\"database\", \
                  the default): Redis can lose its last writes in a crash (appendfsync everysec), and positions committed to \
                  Kafka would then skip the effects it lost. Remove the setting",
             );
-            OffsetStore::Kafka
+            OffsetStore::Broker
         }
         Some(store) => store,
     };
@@ -692,6 +692,9 @@ fn validate(raw: RawPipeline, path: &Path, stem: &str, dialect: Dialect, e: &mut
         }
     }
     if let Some(SourceSpec::RocketMq(_)) = &source {
+        if dead_letters.exchange.is_some() {
+            e.push("dead_letters.exchange", "is a RabbitMQ exchange; a RocketMQ pipeline keeps its dead letters in the store");
+        }
         if dead_letters.topic.is_some() {
             e.push("dead_letters.topic", "is a Kafka topic; a RocketMQ pipeline keeps its dead letters in the store");
         }
@@ -725,7 +728,7 @@ fn validate(raw: RawPipeline, path: &Path, stem: &str, dialect: Dialect, e: &mut
             e.push("key.record_key", "a RabbitMQ message has no record key: use message_id = true, property, header or field");
         }
     }
-    if redis && kafka && dead_letters.topic.is_some() {
+    if redis && positional && dead_letters.topic.is_some() {
         e.push(
             "dead_letters.topic",
             "a Redis sink keeps its dead letters in a Redis stream (<key_prefix>dead-letters), written by the batch's \
@@ -1198,7 +1201,7 @@ mod tests {
         let e = fields(&base.replace("[sink]\n", "[sink]\ntable = \"x\"\n"));
         assert!(e[0].starts_with("sink: set exactly one of table (with [sink.columns]), sql (with [sink.params]) or redis"), "{e:?}");
         let queue = base.replace("topics = [\"t\"]", "[source]\nkind = \"rabbitmq\"\nqueue = \"q\"");
-        assert_eq!(load(&queue).unwrap().offsets, OffsetStore::Kafka, "a queue has no positions to store");
+        assert_eq!(load(&queue).unwrap().offsets, OffsetStore::Broker, "a queue has no positions to store");
     }
 
     #[test]
@@ -1210,11 +1213,11 @@ mod tests {
             SourceSpec::RocketMq(RocketMqSpec { topic: "payments".into(), consumer_group: "idemflow-payments".into(), tag_expression: "*".into() })
         );
         assert_eq!(p.key.source, KeySource::Property("keys".into()));
-        assert_eq!(p.offsets, OffsetStore::Kafka, "offsets in the broker by default");
+        assert_eq!(p.offsets, OffsetStore::Broker, "offsets in the broker by default");
         let stored = load(&format!("[source]\nkind = \"rocketmq\"\ntopic = \"payments\"\n{rest}[offsets]\nstore = \"database\"\n")).unwrap();
         assert_eq!(stored.offsets, OffsetStore::Database);
         let broker = load(&format!("[source]\nkind = \"rocketmq\"\ntopic = \"payments\"\n{rest}[offsets]\nstore = \"broker\"\n")).unwrap();
-        assert_eq!(broker.offsets, OffsetStore::Kafka);
+        assert_eq!(broker.offsets, OffsetStore::Broker);
         let text = |source: &str, rest: &str| {
             let errs = load(&format!("{source}{rest}")).unwrap_err();
             errs.iter().map(|e| e.to_string()).collect::<Vec<_>>().join("\n")
@@ -1276,7 +1279,7 @@ mod tests {
     #[test]
     fn offsets_store() {
         let base = "topics = [\"t\"]\n[key]\nfield = \"/id\"\n[sink]\ntable = \"x\"\n[sink.columns]\nid = \"/id\"\n";
-        assert_eq!(load(base).unwrap().offsets, OffsetStore::Kafka);
+        assert_eq!(load(base).unwrap().offsets, OffsetStore::Broker);
         let stored = format!("{base}[offsets]\nstore = \"database\"\n");
         assert_eq!(load(&stored).unwrap().offsets, OffsetStore::Database);
         let errs = load(&format!("{stored}[dead_letters]\ntopic = \"dlq\"\n")).unwrap_err();

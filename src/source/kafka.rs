@@ -26,7 +26,7 @@
 //! batch whose partition another worker claimed meanwhile.
 //!
 //! With `[offsets] store = "database"`, the rebalance callback does not assign newly assigned partitions itself:
-//! it starts their claim ([`Store::claim_offsets`]) as a task and returns; the source keeps polling and, once the
+//! it starts their claim ([`crate::store::Store::claim_offsets`]) as a task and returns; the source keeps polling and, once the
 //! claim is done, assigns the partitions from their stored positions (librdkafka waits for that assign call,
 //! keeping the member in its group). So a database that is down during a rebalance delays the partitions, never
 //! the consumer's poll. A revoke or a shutdown before the claim finishes drops it.
@@ -46,7 +46,7 @@ use rdkafka::config::{ClientConfig, RDKafkaLogLevel};
 use crate::offsets::{self, Positions};
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, RebalanceProtocol, StreamConsumer};
 use rdkafka::types::RDKafkaRespErr;
-use crate::store::Store;
+use super::StoredStart;
 use rdkafka::error::{KafkaError, KafkaResult};
 use rdkafka::{ClientContext, Offset, TopicPartitionList};
 use std::collections::{HashMap, HashSet};
@@ -105,17 +105,6 @@ impl Ownership {
     }
 }
 
-/// What the source needs to start partitions from their stored positions (`[offsets] store = "database"`).
-pub struct StoredStart {
-    /// The store that keeps the positions.
-    pub store: Store,
-    /// Recorded as the owner of claimed partitions (for operators): `host/pid` by default.
-    pub owner: String,
-    /// The runtime the claim tasks run on.
-    pub runtime: tokio::runtime::Handle,
-    /// Ends the claim's retries.
-    pub shutdown: Shutdown,
-}
 
 /// The consumer context: rebalance and commit callbacks, and librdkafka's log lines into tracing.
 pub struct SourceContext {
@@ -289,7 +278,7 @@ impl SourceContext {
         tracing::info!(pipeline = %self.pipeline, partitions = %describe(tpl), "partitions assigned");
     }
 
-    /// Starts claiming the assigned partitions' stored positions ([`Store::claim_offsets`]) in a task that retries while
+    /// Starts claiming the assigned partitions' stored positions ([`crate::store::Store::claim_offsets`]) in a task that retries while
     /// the database is unreachable, until shutdown; [`KafkaSource::finish_claim`] assigns them when it is done.
     fn start_claim(&self, stored: &StoredStart, tpl: &TopicPartitionList, cooperative: bool) {
         let partitions: Vec<(String, i32)> =

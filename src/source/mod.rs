@@ -21,9 +21,22 @@ use crate::record::Record;
 use crate::shutdown::Shutdown;
 use std::time::Duration;
 
-pub use kafka::{KafkaSource, StoredStart};
+pub use kafka::KafkaSource;
 pub use rabbitmq::RabbitMqSource;
 pub use rocketmq::RocketMqSource;
+
+/// What a source needs to start partitions (Kafka) or queues (RocketMQ) from their stored positions
+/// (`[offsets] store = "database"`).
+pub struct StoredStart {
+    /// The store that keeps the positions.
+    pub store: crate::store::Store,
+    /// Recorded as the owner of claimed partitions (for operators): `host/pid` by default.
+    pub owner: String,
+    /// The runtime the Kafka source's claim tasks run on.
+    pub runtime: tokio::runtime::Handle,
+    /// Ends the claim's retries.
+    pub shutdown: Shutdown,
+}
 
 /// A pipeline's source.
 pub enum Source {
@@ -120,10 +133,10 @@ impl Source {
 
     /// A batch was fenced (`[offsets] store = "database"`): gives up `partitions` and drops their records.
     /// Only sources with positions (Kafka, RocketMQ) store them, so only they can be fenced.
-    pub fn lose(&mut self, partitions: &[(String, i32)], used: Option<&Positions>, batch: &mut Vec<Record>) {
+    pub async fn lose(&mut self, partitions: &[(String, i32)], used: Option<&Positions>, batch: &mut Vec<Record>) {
         match self {
             Source::Kafka(s) => s.lose(partitions, used, batch),
-            Source::RocketMq(s) => s.lose(partitions, used, batch),
+            Source::RocketMq(s) => s.lose(partitions, used, batch).await,
             Source::RabbitMq(_) => {}
         }
     }

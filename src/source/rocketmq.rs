@@ -43,7 +43,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::time::Instant;
 
-use super::kafka::StoredStart;
+use super::StoredStart;
 
 /// The longest single poll, in milliseconds: the bound on how late shutdown and a batch's `max_wait` are noticed.
 pub const POLL_MS: u64 = 200;
@@ -94,13 +94,14 @@ impl Runtime {
     }
 }
 
-/// The ACL hook signing every request with `[rocketmq] access_key` / `secret_key`, when both are set.
-pub fn acl_hook(settings: &RocketMqSettings) -> Option<Arc<AclClientRPCHook>> {
+/// The ACL hook signing every request with `[rocketmq] access_key` / `secret_key`; `None` when neither is set.
+///
+/// Errors: only one of them is set (requests would go out unsigned).
+pub fn acl_hook(settings: &RocketMqSettings) -> Result<Option<Arc<AclClientRPCHook>>, String> {
     match (&settings.access_key, &settings.secret_key) {
-        (Some(ak), Some(sk)) => {
-            Some(Arc::new(AclClientRPCHook::new(SessionCredentials::with_keys(ak.as_str(), sk.expose()))))
-        }
-        _ => None,
+        (Some(ak), Some(sk)) => Ok(Some(Arc::new(AclClientRPCHook::new(SessionCredentials::with_keys(ak.as_str(), sk.expose()))))),
+        (None, None) => Ok(None),
+        _ => Err("[rocketmq] access_key and secret_key go together: set both (ACL) or neither".to_owned()),
     }
 }
 
@@ -117,12 +118,6 @@ pub fn position_topic(topic: &str, broker: &str) -> String {
     format!("{topic}/{broker}")
 }
 
-/// The queue a position's `topic/broker` and queue id name.
-fn message_queue(topic_broker: &str, queue_id: i32) -> MessageQueue {
-    let (topic, broker) = topic_broker.split_once('/').unwrap_or((topic_broker, ""));
-    MessageQueue::from_parts(topic, broker, queue_id)
-}
-
 /// Copies a polled message into a [`Record`]: payload (bounded), born timestamp, the properties `message_id`
 /// (the producer's unique id, `UNIQ_KEY`, else the broker's message id), `keys` and `tags`, and the user
 /// properties as headers, sorted by name (the client keeps them in a hash map; a stable order keeps payload
@@ -136,7 +131,7 @@ fn record_of(m: &MessageExt, topic: Arc<str>, max_payload_bytes: usize) -> Recor
         properties.push((crate::record::MESSAGE_KEYS, keys.to_owned()));
     }
     if let Some(tags) = message.tags() {
-        properties.push(("tags", tags.to_owned()));
+        properties.push((crate::record::MESSAGE_TAGS, tags.to_owned()));
     }
     let system = &rocketmq_model::common::message::STRING_HASH_SET;
     let mut headers: Vec<(String, Option<Vec<u8>>)> = message
@@ -161,6 +156,26 @@ fn record_of(m: &MessageExt, topic: Arc<str>, max_payload_bytes: usize) -> Recor
     .with_payload(Some(message.body_slice()), max_payload_bytes)
 }
 
+/// Forwards each assignment the client computes to the source, so a queue dropped and assigned again between two
+/// looks at the assignment is still seen as revoked (and claimed and sought again).
+struct AssignmentEvents {
+    topic: String,
+    sender: tokio::sync::mpsc::UnboundedSender<HashSet<MessageQueue>>,
+}
+
+impl rocketmq_client_rust::MessageQueueListener for AssignmentEvents {
+    fn message_queue_changed(&self, topic: &str, _all: &HashSet<MessageQueue>, assigned: &HashSet<MessageQueue>) {
+        if topic == self.topic {
+            let _ = self.sender.send(assigned.clone());
+        }
+    }
+}
+
+/// The queue of a record, as (`topic/broker`, queue id).
+fn queue_of(r: &Record) -> Queue {
+    (r.position.topic.clone(), r.position.partition)
+}
+
 /// A pipeline's RocketMQ consumer and what it owns.
 pub struct RocketMqSource {
     pipeline: String,
@@ -169,13 +184,20 @@ pub struct RocketMqSource {
     max_payload_bytes: usize,
     runtime: Option<Runtime>,
     consumer: DefaultLitePullConsumer,
+    /// Set until the consumer starts.
+    listener: Option<Arc<AssignmentEvents>>,
+    events: tokio::sync::mpsc::UnboundedReceiver<HashSet<MessageQueue>>,
     started: bool,
     fatal: Option<String>,
     /// The queues this worker owns, as of its last look at the consumer's assignment.
     owned: HashMap<Queue, MessageQueue>,
-    /// `[offsets] store = "database"`: the owner epoch claimed for each owned queue.
+    /// `[offsets] store = "database"`: the owner epoch claimed for each owned queue. An owned queue without one
+    /// (not claimed yet, or given up after a fence) hands out no record.
     epochs: HashMap<Queue, i64>,
-    /// Queues given up after a fenced batch, with when they may be claimed again.
+    /// `[offsets] store = "database"`: queues assigned and not claimed yet.
+    to_claim: Vec<Queue>,
+    /// Queues given up after a fenced batch or a failed seek (paused in the client), with when they may be claimed
+    /// again.
     fenced: HashMap<Queue, Instant>,
     /// Queues lost (revoked or fenced) while the batch in flight was being applied: no offset is committed for
     /// them and a retry drops their records.
@@ -184,9 +206,10 @@ pub struct RocketMqSource {
     stash: Vec<Record>,
     topics: HashMap<String, Arc<str>>,
     stored: Option<StoredStart>,
-    /// Consume offsets whose acknowledged update failed, retried between batches.
+    /// Consume offsets whose acknowledged update failed, retried between batches at most every second.
     unsent: HashMap<Queue, i64>,
-    /// Per owned queue, the consume offset last committed (for the lag).
+    last_retry: Option<Instant>,
+    /// Per owned queue, the consume offset last committed (for the lag, and never to send a lower one).
     committed: HashMap<Queue, i64>,
     last_lag: Option<Instant>,
 }
@@ -195,7 +218,7 @@ impl RocketMqSource {
     /// A consumer of `pipeline`'s topic in its consumer group (clustering, auto-commit off, starting a new group
     /// from each queue's first offset). It connects on the first [`RocketMqSource::next_batch`].
     ///
-    /// Errors: the client runtime or the consumer could not be built, as text.
+    /// Errors: the client runtime or the consumer could not be built, or only one of the ACL keys is set, as text.
     pub fn new(
         settings: &RocketMqSettings,
         pipeline: &Pipeline,
@@ -205,36 +228,44 @@ impl RocketMqSource {
         let spec = spec(pipeline).clone();
         let runtime = Runtime::new(&pipeline.name)?;
         let max_records = pipeline.batch.max_records;
+        // The client id is `ip@instance`, and a group's queues are shared by the position of each member's id in
+        // the sorted member list: it must be unique even among containers that all run as PID 1 on one address.
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
         let mut builder = DefaultLitePullConsumer::builder(runtime.client())
             .name_server_addr(settings.name_server.as_str())
             .consumer_group(spec.consumer_group.as_str())
-            .instance_name(format!("idemflow-{}-{}", pipeline.name, std::process::id()))
+            .instance_name(format!("idemflow-{}-{}-{nanos}", pipeline.name, std::process::id()))
             .message_model(MessageModel::Clustering)
             .consume_from_where(ConsumeFromWhere::ConsumeFromFirstOffset)
             .auto_commit(false)
             .pull_batch_size(max_records.clamp(1, 1024) as i32)
             .poll_timeout_millis(POLL_MS);
-        if let Some(hook) = acl_hook(settings) {
+        if let Some(hook) = acl_hook(settings)? {
             builder = builder.rpc_hook(hook);
         }
         let consumer = builder.build().map_err(|e| format!("cannot create the RocketMQ consumer: {e}"))?;
+        let (sender, events) = tokio::sync::mpsc::unbounded_channel();
         Ok(RocketMqSource {
             pipeline: pipeline.name.clone(),
+            listener: Some(Arc::new(AssignmentEvents { topic: spec.topic.clone(), sender })),
             spec,
             metrics,
             max_payload_bytes: pipeline.decoder.max_payload_bytes(),
             runtime: Some(runtime),
             consumer,
+            events,
             started: false,
             fatal: None,
             owned: HashMap::new(),
             epochs: HashMap::new(),
+            to_claim: Vec::new(),
             fenced: HashMap::new(),
             revoked_in_flight: HashSet::new(),
             stash: Vec::new(),
             topics: HashMap::new(),
             stored,
             unsent: HashMap::new(),
+            last_retry: None,
             committed: HashMap::new(),
             last_lag: None,
         })
@@ -244,6 +275,9 @@ impl RocketMqSource {
     async fn start(&mut self) -> bool {
         if self.started {
             return true;
+        }
+        if let Some(listener) = self.listener.take() {
+            self.consumer.set_message_queue_listener(Some(listener)).await;
         }
         let started = async {
             self.consumer.subscribe_with_expression(&self.spec.topic, &self.spec.tag_expression).await?;
@@ -264,14 +298,22 @@ impl RocketMqSource {
         }
     }
 
-    fn intern(&mut self, m: &MessageExt) -> Arc<str> {
-        let name = position_topic(m.message.topic().as_str(), m.broker_name.as_str());
-        if let Some(t) = self.topics.get(&name) {
+    fn intern(&mut self, name: &str) -> Arc<str> {
+        if let Some(t) = self.topics.get(name) {
             return t.clone();
         }
-        let t: Arc<str> = Arc::from(name.as_str());
-        self.topics.insert(name, t.clone());
+        let t: Arc<str> = Arc::from(name);
+        self.topics.insert(name.to_owned(), t.clone());
         t
+    }
+
+    fn queue(&mut self, mq: &MessageQueue) -> Queue {
+        (self.intern(&position_topic(mq.topic().as_str(), mq.broker_name().as_str())), mq.queue_id())
+    }
+
+    /// Whether records of `q` may be handed out: it is owned and, with stored positions, claimed (with an epoch).
+    fn ready(&self, q: &Queue) -> bool {
+        self.owned.contains_key(q) && (self.stored.is_none() || self.epochs.contains_key(q))
     }
 
     /// The next batch: at least one record, at most `settings.max_records`, waiting at most `max_wait` after the
@@ -297,6 +339,7 @@ impl RocketMqSource {
             let now = Instant::now();
             if self.stash.len() >= settings.max_records || deadline.is_some_and(|d| now >= d) {
                 let n = self.stash.len().min(settings.max_records);
+                // No batch is in flight now: what was lost while the last one was is settled.
                 self.revoked_in_flight.clear();
                 return Some(self.stash.drain(..n).collect());
             }
@@ -305,13 +348,14 @@ impl RocketMqSource {
             }
             let until = deadline.unwrap_or(idle_until);
             let wait = until.saturating_duration_since(now).as_millis().clamp(1, u128::from(POLL_MS)) as u64;
-            self.poll(wait, shutdown).await;
+            self.poll(wait).await;
         }
     }
 
-    /// One poll of at most `wait_ms`, its records kept. Records of queues this worker does not own after looking at
-    /// the assignment again are dropped (a poll that raced a rebalance).
-    async fn poll(&mut self, wait_ms: u64, shutdown: &mut Shutdown) {
+    /// One poll of at most `wait_ms`, its records kept if their queue is ready ([`RocketMqSource::ready`]) after
+    /// looking at the assignment again: a record of a queue not claimed yet comes again after its claim's seek;
+    /// one of a queue no longer owned belongs to its new owner.
+    async fn poll(&mut self, wait_ms: u64) {
         let messages = self.consumer.poll_with_timeout_zero_copy(wait_ms).await;
         if messages.is_empty() {
             return;
@@ -319,88 +363,102 @@ impl RocketMqSource {
         let records: Vec<Record> = messages
             .iter()
             .map(|m| {
-                let topic = self.intern(m);
+                let topic = self.intern(&position_topic(m.message.topic().as_str(), m.broker_name.as_str()));
                 record_of(m, topic, self.max_payload_bytes)
             })
             .collect();
-        let unknown = records.iter().any(|r| !self.owned.contains_key(&(r.position.topic.clone(), r.position.partition)));
-        self.stash.extend(records);
-        if unknown {
-            // A queue assigned since the last look: take it now (a claim and a seek drop what was polled of it).
-            self.follow_assignment(shutdown).await;
+        if records.iter().any(|r| !self.owned.contains_key(&queue_of(r))) {
+            self.observe().await;
         }
-        let owned = &self.owned;
-        let before = self.stash.len();
-        self.stash.retain(|r| owned.contains_key(&(r.position.topic.clone(), r.position.partition)));
-        if self.stash.len() != before {
-            tracing::debug!(pipeline = %self.pipeline, dropped = before - self.stash.len(), "dropped records of queues not owned");
+        let before = records.len();
+        let kept: Vec<Record> = records.into_iter().filter(|r| self.ready(&queue_of(r))).collect();
+        if kept.len() != before {
+            tracing::debug!(pipeline = %self.pipeline, dropped = before - kept.len(), "dropped records of queues not owned or not claimed yet");
+        }
+        self.stash.extend(kept);
+    }
+
+    /// Applies every assignment the client computed since the last look, then the current one: a queue missing
+    /// from any of them is given up (even if it is back: the client started it again from the group's consume
+    /// offset, so it is taken anew); a new queue is taken (and, with stored positions, queued for its claim).
+    async fn observe(&mut self) {
+        let mut views = Vec::new();
+        while let Ok(view) = self.events.try_recv() {
+            views.push(view);
+        }
+        match self.consumer.assignment().await {
+            Ok(now) => views.push(now),
+            Err(e) => tracing::debug!(pipeline = %self.pipeline, error = %e, "cannot read the consumer's assignment"),
+        }
+        for view in views {
+            let mut now: HashMap<Queue, MessageQueue> = HashMap::new();
+            for mq in view {
+                if mq.topic().as_str() == self.spec.topic {
+                    now.insert(self.queue(&mq), mq);
+                }
+            }
+            let gone: Vec<Queue> = self.owned.keys().filter(|q| !now.contains_key(*q)).cloned().collect();
+            if !gone.is_empty() {
+                for q in &gone {
+                    self.give_up(q);
+                }
+                self.metrics.rebalance(RebalanceEvent::Revoke);
+                tracing::info!(pipeline = %self.pipeline, queues = %describe(&gone), "queues revoked");
+            }
+            let new: Vec<Queue> = now.keys().filter(|q| !self.owned.contains_key(*q)).cloned().collect();
+            if !new.is_empty() {
+                for q in &new {
+                    self.owned.insert(q.clone(), now[q].clone());
+                    if self.stored.is_some() {
+                        self.to_claim.push(q.clone());
+                    }
+                }
+                self.metrics.rebalance(RebalanceEvent::Assign);
+                tracing::info!(pipeline = %self.pipeline, queues = %describe(&new), "queues assigned");
+                self.last_lag = None;
+            }
+            if !gone.is_empty() || !new.is_empty() {
+                self.metrics.assigned_partitions(self.owned.len());
+            }
         }
     }
 
-    /// Compares the consumer's assignment with the queues owned: a queue gone is given up (its kept records
-    /// dropped, its lag forgotten); a new queue is taken, and with stored positions claimed and sought to. Also
-    /// claims again queues given up after a fence whose [`FENCED_FOR`] is over. `false` on shutdown during a claim.
+    /// Forgets a queue this worker no longer owns: its kept records, epoch, pending claim and offsets, its lag.
+    fn give_up(&mut self, q: &Queue) {
+        self.owned.remove(q);
+        self.epochs.remove(q);
+        self.fenced.remove(q);
+        self.to_claim.retain(|c| c != q);
+        self.unsent.remove(q);
+        self.committed.remove(q);
+        self.metrics.forget_lag(&q.0, q.1);
+        self.revoked_in_flight.insert(q.clone());
+        self.stash.retain(|r| queue_of(r) != *q);
+    }
+
+    /// [`RocketMqSource::observe`], then the claims due: queues newly assigned, and queues given up after a fence
+    /// whose [`FENCED_FOR`] is over while the group still assigns them here. `false` on shutdown during a claim.
     async fn follow_assignment(&mut self, shutdown: &mut Shutdown) -> bool {
-        let assigned: HashSet<MessageQueue> = match self.consumer.assignment().await {
-            Ok(a) => a.into_iter().filter(|mq| mq.topic().as_str() == self.spec.topic).collect(),
-            Err(e) => {
-                tracing::debug!(pipeline = %self.pipeline, error = %e, "cannot read the consumer's assignment");
-                return true;
-            }
-        };
-        let now: HashMap<Queue, MessageQueue> = assigned
-            .into_iter()
-            .map(|mq| {
-                let t = position_topic(mq.topic().as_str(), mq.broker_name().as_str());
-                let t = self.topics.entry(t.clone()).or_insert_with(|| Arc::from(t.as_str())).clone();
-                ((t, mq.queue_id()), mq)
-            })
-            .collect();
-        let gone: Vec<Queue> = self.owned.keys().filter(|q| !now.contains_key(*q)).cloned().collect();
-        if !gone.is_empty() {
-            for q in &gone {
-                self.owned.remove(q);
-                self.epochs.remove(q);
-                self.fenced.remove(q);
-                self.unsent.remove(q);
-                self.committed.remove(q);
-                self.metrics.forget_lag(&q.0, q.1);
-                self.revoked_in_flight.insert(q.clone());
-            }
-            let gone_set: HashSet<Queue> = gone.iter().cloned().collect();
-            self.stash.retain(|r| !gone_set.contains(&(r.position.topic.clone(), r.position.partition)));
-            self.metrics.rebalance(RebalanceEvent::Revoke);
-            tracing::info!(pipeline = %self.pipeline, queues = %describe(&gone), "queues revoked");
-        }
-        let new: Vec<Queue> = now.keys().filter(|q| !self.owned.contains_key(*q)).cloned().collect();
-        if !new.is_empty() {
-            for q in &new {
-                self.owned.insert(q.clone(), now[q].clone());
-            }
-            self.metrics.rebalance(RebalanceEvent::Assign);
-            self.metrics.assigned_partitions(self.owned.len());
-            tracing::info!(pipeline = %self.pipeline, queues = %describe(&new), "queues assigned");
-            self.last_lag = None;
-        } else if !gone.is_empty() {
-            self.metrics.assigned_partitions(self.owned.len());
-        }
-        let mut to_claim = new;
-        let due: Vec<Queue> = self.fenced.iter().filter(|(_, at)| Instant::now() >= **at).map(|(q, _)| q.clone()).collect();
+        self.observe().await;
+        let now = Instant::now();
+        let due: Vec<Queue> = self.fenced.iter().filter(|(_, at)| now >= **at).map(|(q, _)| q.clone()).collect();
         for q in due {
             self.fenced.remove(&q);
-            if self.owned.contains_key(&q) {
-                tracing::info!(pipeline = %self.pipeline, queue = %describe(std::slice::from_ref(&q)), "still assigned after being fenced: claiming it again");
-                to_claim.push(q);
+            tracing::info!(pipeline = %self.pipeline, queue = %describe(std::slice::from_ref(&q)), "still assigned after being given up: claiming it again");
+            if let Some(mq) = self.owned.get(&q) {
+                self.consumer.resume(vec![mq.clone()]).await;
             }
+            self.to_claim.push(q);
         }
-        if self.stored.is_some() && !to_claim.is_empty() {
-            return self.claim(&to_claim, shutdown).await;
+        if self.stored.is_none() || self.to_claim.is_empty() {
+            return true;
         }
-        true
+        let queues = std::mem::take(&mut self.to_claim);
+        self.claim(&queues, shutdown).await
     }
 
-    /// Claims `queues`' stored positions (retrying while the store is down) and starts each from its stored
-    /// position. `false` on shutdown first.
+    /// Claims `queues`' stored positions (retrying while the store is down) and starts each still owned from its
+    /// stored position. `false` on shutdown first.
     async fn claim(&mut self, queues: &[Queue], shutdown: &mut Shutdown) -> bool {
         let stored = self.stored.as_ref().expect("claims only with stored positions");
         let parts: Vec<(String, i32)> = queues.iter().map(|(t, q)| (t.to_string(), *q)).collect();
@@ -419,51 +477,56 @@ impl RocketMqSource {
                 }
             }
         };
-        if let Err(e) = self.start_from(&claimed).await {
-            tracing::warn!(pipeline = %self.pipeline, error = %e, "cannot move the consumer to the stored positions; giving the queues up for now");
-            for c in &claimed {
-                let q = (self.intern_name(&c.topic), c.partition);
-                self.epochs.remove(&q);
-                self.fenced.insert(q, Instant::now() + Duration::from_secs(5));
-            }
-        }
+        self.start_from(&claimed).await;
         true
     }
 
-    fn intern_name(&mut self, name: &str) -> Arc<str> {
-        self.topics.entry(name.to_owned()).or_insert_with(|| Arc::from(name)).clone()
-    }
-
-    /// Takes the epochs of `claimed`, drops every kept record of their queues, and seeks each queue with a stored
-    /// position to it (a queue without one goes on from the group's consume offset). A stored position below the
-    /// queue's first offset (its messages expired) starts from the first offset, with a warning.
-    ///
-    /// Errors: a seek the client refused, as text.
-    async fn start_from(&mut self, claimed: &[offsets::Claimed]) -> Result<(), String> {
+    /// Takes the epochs of `claimed` and starts each queue still owned from its stored position, or without one
+    /// from the group's consume offset (else its first offset), dropping its kept records. A stored position below
+    /// the queue's first offset (its messages expired) starts from the first offset, with a warning. A queue the
+    /// client refuses to move (it is being rebalanced) is given up for a few seconds and claimed again.
+    async fn start_from(&mut self, claimed: &[offsets::Claimed]) {
         for c in claimed {
-            let q = (self.intern_name(&c.topic), c.partition);
-            self.epochs.insert(q.clone(), c.epoch);
-            let Some(next) = c.next_offset else { continue };
-            self.stash.retain(|r| (r.position.topic.clone(), r.position.partition) != q);
-            let mq = message_queue(&c.topic, c.partition);
-            let min = self.consumer.min_offset(&mq).await.unwrap_or(0);
-            let sought = if next < min {
-                tracing::warn!(pipeline = %self.pipeline, queue = %describe(std::slice::from_ref(&q)), stored = next, first = min,
-                    "the stored position is below the queue's first offset (its messages expired): starting from the first offset");
-                self.consumer.seek_to_begin(&mq).await
-            } else {
-                self.consumer.seek(&mq, next).await
+            let q = (self.intern(&c.topic), c.partition);
+            let Some(mq) = self.owned.get(&q).cloned() else { continue };
+            self.stash.retain(|r| queue_of(r) != q);
+            let next = match c.next_offset {
+                Some(n) => Some(n),
+                None => self.consumer.committed(&mq).await.ok().filter(|n| *n >= 0),
             };
-            sought.map_err(|e| format!("cannot seek {}/{} to {next}: {e}", c.topic, c.partition))?;
-            self.committed.insert(q, next);
-            tracing::info!(pipeline = %self.pipeline, queue = %c.topic, id = c.partition, offset = next, "consuming the queue from its stored position");
+            let min = self.consumer.min_offset(&mq).await.unwrap_or(0);
+            let sought = match next {
+                Some(n) if n >= min => self.consumer.seek(&mq, n).await,
+                Some(n) => {
+                    tracing::warn!(pipeline = %self.pipeline, queue = %describe(std::slice::from_ref(&q)), stored = n, first = min,
+                        "the stored position is below the queue's first offset (its messages expired): starting from the first offset");
+                    self.consumer.seek_to_begin(&mq).await
+                }
+                None => self.consumer.seek_to_begin(&mq).await,
+            };
+            match sought {
+                Ok(()) => {
+                    self.epochs.insert(q.clone(), c.epoch);
+                    if let Some(n) = next {
+                        self.committed.insert(q.clone(), n);
+                    }
+                    tracing::info!(pipeline = %self.pipeline, queue = %c.topic, id = c.partition, offset = ?next, "consuming the queue from its stored position");
+                }
+                Err(e) => {
+                    tracing::warn!(pipeline = %self.pipeline, queue = %c.topic, id = c.partition, error = %e,
+                        "cannot move the consumer to the stored position (the queue is being rebalanced?); claiming it again in a few seconds");
+                    self.epochs.remove(&q);
+                    self.fenced.insert(q, Instant::now() + Duration::from_secs(3));
+                }
+            }
         }
-        Ok(())
     }
 
-    /// Between batches: retries unsent consume offsets and refreshes the lag every [`LAG_EVERY`].
+    /// Between batches: retries unsent consume offsets (at most every second) and refreshes the lag every
+    /// [`LAG_EVERY`] (one request per queue, all at once).
     async fn housekeeping(&mut self) {
-        if !self.unsent.is_empty() {
+        if !self.unsent.is_empty() && self.last_retry.is_none_or(|t| t.elapsed() >= Duration::from_secs(1)) {
+            self.last_retry = Some(Instant::now());
             let unsent = std::mem::take(&mut self.unsent);
             self.send_offsets(unsent).await;
         }
@@ -471,16 +534,13 @@ impl RocketMqSource {
             return;
         }
         self.last_lag = Some(Instant::now());
-        for (q, mq) in self.owned.clone() {
-            let Ok(max) = self.consumer.max_offset(&mq).await else { continue };
-            let next = match self.committed.get(&q) {
-                Some(n) => *n,
-                None => match self.consumer.committed(&mq).await {
-                    Ok(n) if n >= 0 => n,
-                    _ => continue,
-                },
-            };
-            self.metrics.lag(&q.0, q.1, (max - next).max(0));
+        let consumer = &self.consumer;
+        let asks = self.owned.iter().map(|(q, mq)| async move { (q.clone(), consumer.max_offset(mq).await) });
+        let answers = futures_util::future::join_all(asks).await;
+        for (q, max) in answers {
+            if let (Ok(max), Some(next)) = (max, self.committed.get(&q)) {
+                self.metrics.lag(&q.0, q.1, (max - next).max(0));
+            }
         }
     }
 
@@ -491,9 +551,7 @@ impl RocketMqSource {
             _ = tokio::time::sleep(delay) => {}
             _ = shutdown.wait() => return false,
         }
-        if !self.follow_assignment(shutdown).await {
-            return false;
-        }
+        self.observe().await;
         self.drop_revoked(batch);
         true
     }
@@ -504,7 +562,8 @@ impl RocketMqSource {
         Some(Positions::new(next, |t, p| self.epochs.get(&(t.clone(), p)).copied()))
     }
 
-    /// Runs `work` (the batch transaction) to its end; the client serves its broker meanwhile on its own runtime.
+    /// Runs `work` (the batch transaction) to its end. Nothing to poll meanwhile: the client serves its brokers
+    /// (heartbeats, pulls into its buffer) on its own runtime.
     pub async fn poll_while<T>(&mut self, work: tokio::task::JoinHandle<T>) -> T {
         work.await.unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()))
     }
@@ -512,37 +571,42 @@ impl RocketMqSource {
     /// Drops from `batch` the records of queues lost while it was in flight or since.
     pub fn drop_revoked(&mut self, batch: &mut Vec<Record>) {
         let lost = std::mem::take(&mut self.revoked_in_flight);
-        let owned = &self.owned;
         batch.retain(|r| {
-            let q = (r.position.topic.clone(), r.position.partition);
-            !lost.contains(&q) && owned.contains_key(&q)
+            let q = queue_of(r);
+            !lost.contains(&q) && self.ready(&q)
         });
     }
 
     /// Gives up queues whose stored positions another worker claimed (a fenced batch): their records are dropped
-    /// from `batch` and the kept ones, no offset is committed for them, and they are claimed again after
-    /// [`FENCED_FOR`] if the group still assigns them here.
-    pub fn lose(&mut self, partitions: &[(String, i32)], used: Option<&Positions>, batch: &mut Vec<Record>) {
+    /// from `batch` and the kept ones, the client stops pulling them, no offset is committed for them, and they are
+    /// claimed again after [`FENCED_FOR`] if the group still assigns them here.
+    pub async fn lose(&mut self, partitions: &[(String, i32)], used: Option<&Positions>, batch: &mut Vec<Record>) {
+        let mut pause = Vec::new();
         for (t, p) in partitions {
-            let q = (self.intern_name(t), *p);
+            let q = (self.intern(t), *p);
             let presented = used.and_then(|u| u.0.iter().find(|(ut, up, _, _)| **ut == **t && up == p)).map(|u| u.3);
             if self.epochs.get(&q).is_some_and(|e| Some(*e) != presented) {
-                // Claimed again by this worker while the batch was in flight: only the batch's records go.
+                // Claimed again by this worker while the batch was in flight: only the batch's records go (they
+                // come again from the new claim's position).
                 self.revoked_in_flight.insert(q);
                 continue;
             }
             tracing::warn!(pipeline = %self.pipeline, queue = %t, id = p, "fenced: another worker claimed this queue; dropping its records");
             self.epochs.remove(&q);
-            self.fenced.insert(q.clone(), Instant::now() + FENCED_FOR);
-            self.stash.retain(|r| (r.position.topic.clone(), r.position.partition) != q);
+            self.fenced.entry(q.clone()).or_insert_with(|| Instant::now() + FENCED_FOR);
+            self.unsent.remove(&q);
+            self.stash.retain(|r| queue_of(r) != q);
+            if let Some(mq) = self.owned.get(&q) {
+                pause.push(mq.clone());
+            }
             self.revoked_in_flight.insert(q);
             self.metrics.offset_commit(CommitResult::Fenced);
         }
+        if !pause.is_empty() {
+            self.consumer.pause(pause).await;
+        }
         let lost = &self.revoked_in_flight;
-        batch.retain(|r| !lost.contains(&(r.position.topic.clone(), r.position.partition)));
-        // Fenced queues' records must not come back until they are claimed again: drop them as they are polled.
-        let fenced = &self.fenced;
-        self.stash.retain(|r| !fenced.contains_key(&(r.position.topic.clone(), r.position.partition)));
+        batch.retain(|r| !lost.contains(&queue_of(r)));
     }
 
     /// The queues this worker owns now, as (`topic/broker`, queue id).
@@ -551,25 +615,26 @@ impl RocketMqSource {
     }
 
     /// Starts queues again from positions claimed anew after the store lost positions this worker had stored
-    /// (see [`crate::sink::SinkError::Lost`]), dropping their records from `batch`.
-    ///
-    /// Errors: the consumer could not be moved.
+    /// (see [`crate::sink::SinkError::Lost`]), dropping their records from `batch`. A queue the client cannot move
+    /// now is claimed again a few seconds later.
     pub async fn resync(&mut self, claimed: &[offsets::Claimed], batch: &mut Vec<Record>) -> Result<(), String> {
-        self.start_from(claimed).await?;
+        self.start_from(claimed).await;
         let moved: HashSet<(String, i32)> = claimed.iter().map(|c| (c.topic.clone(), c.partition)).collect();
         batch.retain(|r| !moved.contains(&(r.position.topic.to_string(), r.position.partition)));
         Ok(())
     }
 
-    /// Tells the brokers that `batch` is durable: each owned queue's consume offset becomes the highest offset of
-    /// the batch plus one (`next`), sent with an acknowledged request. Queues lost while the batch was in flight
-    /// are skipped and counted (`skipped_not_owned`).
+    /// Tells the brokers that `batch` is durable: each queue's consume offset becomes the highest offset of the
+    /// batch plus one (`next`), sent with an acknowledged request. Queues lost while the batch was in flight
+    /// (looked up again now) are skipped and counted (`skipped_not_owned`): a stale offset would move the new
+    /// owner's position back.
     pub async fn commit(&mut self, next: &NextOffsets) {
+        self.observe().await;
         let lost = std::mem::take(&mut self.revoked_in_flight);
         let mut send = HashMap::new();
         for ((t, p), offset) in &next.0 {
             let q = (t.clone(), *p);
-            if lost.contains(&q) || !self.owned.contains_key(&q) || self.fenced.contains_key(&q) {
+            if lost.contains(&q) || !self.ready(&q) {
                 self.metrics.offset_commit(CommitResult::SkippedNotOwned);
                 continue;
             }
@@ -579,31 +644,40 @@ impl RocketMqSource {
     }
 
     /// Updates the client's consume offsets (so its periodic flush sends these values, never older ones) and sends
-    /// each to its broker, acknowledged. Failures are kept for the next housekeeping.
+    /// each to its broker, acknowledged, all at once. An offset below one already sent is dropped; failures are
+    /// kept (the highest per queue) for the next housekeeping.
     async fn send_offsets(&mut self, offsets: HashMap<Queue, i64>) {
+        let offsets: HashMap<Queue, (MessageQueue, i64)> = offsets
+            .into_iter()
+            .filter(|(q, o)| self.committed.get(q).is_none_or(|c| o > c))
+            .filter_map(|(q, o)| self.owned.get(&q).map(|mq| (q, (mq.clone(), o))))
+            .collect();
         if offsets.is_empty() {
             return;
         }
-        let map: HashMap<MessageQueue, i64> =
-            offsets.iter().filter_map(|(q, o)| self.owned.get(q).map(|mq| (mq.clone(), *o))).collect();
-        self.consumer.commit_with_map(map, false).await;
+        self.consumer.commit_with_map(offsets.values().cloned().collect(), false).await;
         let Some(store) = self.consumer.offset_store().await else {
             tracing::warn!(pipeline = %self.pipeline, "the RocketMQ consumer has no offset store; offsets not committed");
             return;
         };
-        for (q, offset) in offsets {
-            let Some(mq) = self.owned.get(&q) else { continue };
-            match store.update_consume_offset_to_broker(mq, offset, false).await {
+        let store = &store;
+        let sends = offsets.into_iter().map(|(q, (mq, o))| async move { (q, o, store.update_consume_offset_to_broker(&mq, o, false).await) });
+        for (q, offset, result) in futures_util::future::join_all(sends).await {
+            match result {
                 Ok(()) => {
                     self.metrics.offset_commit(CommitResult::Ok);
-                    self.committed.insert(q, offset);
+                    self.committed.insert(q.clone(), offset);
+                    if self.unsent.get(&q).is_some_and(|u| *u <= offset) {
+                        self.unsent.remove(&q);
+                    }
                 }
                 Err(e) => {
                     self.metrics.offset_commit(CommitResult::Error);
                     tracing::warn!(pipeline = %self.pipeline, queue = %q.0, id = q.1, offset, error = %e,
                         "consume offset update failed (retried between batches); unless it succeeds, the records will \
                          be redelivered and skipped as duplicates");
-                    self.unsent.insert(q, offset);
+                    let u = self.unsent.entry(q).or_insert(offset);
+                    *u = (*u).max(offset);
                 }
             }
         }
@@ -644,7 +718,7 @@ fn describe(queues: &[Queue]) -> String {
 /// Errors: the client could not start, as text.
 pub async fn admin(runtime: &Runtime, settings: &RocketMqSettings) -> Result<rocketmq_client_rust::DefaultMQAdminExt, String> {
     use rocketmq_client_rust::DefaultMQAdminExt;
-    let mut admin = match acl_hook(settings) {
+    let mut admin = match acl_hook(settings)? {
         Some(hook) => DefaultMQAdminExt::with_rpc_hook(runtime.client(), hook),
         None => DefaultMQAdminExt::new(runtime.client()),
     };
@@ -695,10 +769,16 @@ pub async fn check(settings: &RocketMqSettings, pipeline: &Pipeline) -> Result<V
                     stats.offset_table.len()
                 ));
             }
-            _ => lines.push(format!(
+            Ok(Ok(_)) => lines.push(format!(
                 "pipeline {:?}: consumer group {group:?} has no consume offsets yet: it starts from each queue's first offset",
                 pipeline.name
             )),
+            Ok(Err(e)) => lines.push(format!(
+                "pipeline {:?}: consumer group {group:?}: no consume offsets read (a new group starts from each queue's \
+                 first offset): {e}",
+                pipeline.name
+            )),
+            Err(_) => lines.push(format!("warning: pipeline {:?}: consumer group {group:?}: the broker did not answer within {timeout:?}", pipeline.name)),
         }
         if let Ok(Ok(connection)) = tokio::time::timeout(timeout, admin.examine_consumer_connection_info(group.into(), None)).await {
             let members = connection.get_connection_set().len();
@@ -759,11 +839,12 @@ pub async fn rewind(
     target: crate::rewind::Target,
     stored: Option<&[(String, i32, Option<i64>)]>,
     dry_run: bool,
+    timeout: Duration,
 ) -> Result<(Vec<crate::rewind::Move>, Vec<String>, usize), String> {
     let runtime = Runtime::new("rewind")?;
     let result = async {
         let mut admin = admin(&runtime, settings).await?;
-        let out = rewind_with(&admin, settings, pipeline, target, stored, dry_run).await;
+        let out = rewind_with(&admin, settings, pipeline, target, stored, dry_run, timeout).await;
         admin.shutdown().await;
         out
     }
@@ -779,21 +860,31 @@ async fn rewind_with(
     target: crate::rewind::Target,
     stored: Option<&[(String, i32, Option<i64>)]>,
     dry_run: bool,
+    timeout: Duration,
 ) -> Result<(Vec<crate::rewind::Move>, Vec<String>, usize), String> {
     use rocketmq_client_rust::{ConsumerAdmin, OffsetAdmin, TopicAdmin};
     let spec = spec(pipeline);
-    let ms = settings.timeout.as_millis() as u64;
-    let route = admin
-        .examine_topic_route_info(spec.topic.as_str().into())
+    let ms = timeout.as_millis() as u64;
+    let bounded = |what: &str| format!("{what}: no answer within {timeout:?}");
+    let route = tokio::time::timeout(timeout, admin.examine_topic_route_info(spec.topic.as_str().into()))
         .await
+        .map_err(|_| bounded("the topic's route"))?
         .map_err(|e| format!("cannot read the route of topic {:?}: {e}", spec.topic))?
         .ok_or_else(|| format!("topic {:?} has no route on the name server {}", spec.topic, settings.name_server))?;
     let group = spec.consumer_group.as_str();
-    let members = match admin.examine_consumer_connection_info(group.into(), None).await {
-        Ok(c) => c.get_connection_set().len(),
-        Err(_) => 0, // CONSUMER_NOT_ONLINE: no member
+    // RocketMQ's CONSUMER_NOT_ONLINE (206): the group has no member connected. Any other error leaves the
+    // question open, and a rewind with a worker running would be undone by its next offset flush.
+    const CONSUMER_NOT_ONLINE: i32 = 206;
+    let members = match tokio::time::timeout(timeout, admin.examine_consumer_connection_info(group.into(), None)).await {
+        Ok(Ok(c)) => c.get_connection_set().len(),
+        Ok(Err(e)) if e.broker_response_code() == Some(CONSUMER_NOT_ONLINE) => 0,
+        Ok(Err(e)) => return Err(format!("cannot tell whether consumer group {group:?} has members online: {e}")),
+        Err(_) => return Err(bounded("the group's members")),
     };
-    let offsets = admin.examine_consume_stats(group.into(), Some(spec.topic.as_str().into()), None, None, None).await.ok();
+    let offsets = tokio::time::timeout(timeout, admin.examine_consume_stats(group.into(), Some(spec.topic.as_str().into()), None, None, None))
+        .await
+        .map_err(|_| bounded("the group's consume offsets"))?
+        .ok();
     let mut plan = Vec::new();
     let mut warnings = Vec::new();
     for qd in &route.queue_datas {

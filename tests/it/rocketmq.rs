@@ -149,9 +149,28 @@ async fn core_matrix_from_a_topic() {
     assert_eq!(metric(&m, "idemflow_records_applied_total", &p), 0.0);
     assert_eq!(dup(&m, "republished") + dup(&m, "payload_mismatch"), again.len() as f64, "{m}");
     assert_eq!(dup(&m, "redelivered"), 0.0, "the stored positions start each queue after what was applied");
+
+    // rewind: refused while a worker is in the group; with none, the topic is consumed again from its start and
+    // every record is skipped.
+    let config = setup.config.to_str().unwrap();
+    let (status, out, err) = idemflow(&["rewind", "--config", config, "--pipeline", "payments", "--to", "earliest"], setup.dir.path());
+    assert!(!status.success() && err.contains("member(s) online"), "{out}{err}");
+    assert!(w.sigterm().success());
+    producer.stop().await;
+    let (status, out, err) = idemflow(&["rewind", "--config", config, "--pipeline", "payments", "--to", "earliest", "--dry-run"], setup.dir.path());
+    assert!(status.success() && out.contains("dry run: nothing changed") && out.contains(&format!("{topic}/broker-a/0")), "{out}{err}");
+    let total = s.records.len() + again.len();
+    assert!(out.contains(&format!("{total} record(s) would be consumed again")), "{out}");
+    let (status, out, err) = idemflow(&["rewind", "--config", config, "--pipeline", "payments", "--to", "earliest"], setup.dir.path());
+    assert!(status.success() && out.contains("rewound"), "{out}{err}");
+    assert_eq!(stored_sum(&db).await, 0, "the stored positions went back too");
+    let mut w = BinWorker::start(&setup);
+    wait_received(&mut w, total).await;
+    let m = w.scrape();
+    assert_eq!(metric(&m, "idemflow_records_applied_total", &p), 0.0, "{m}");
+    assert_counters_add_up(&m);
     assert!(w.sigterm().success());
     assert_exactly_once(&db, &s).await;
-    producer.stop().await;
 }
 
 /// At least 10 SIGKILLs at random moments during a stream of more than 20,000 messages over 4 queues, offsets in

@@ -144,6 +144,7 @@ impl RedisStore {
     ///
     /// Errors: the URL does not parse, a TLS file cannot be read, or `sentinels` without `sentinel_master`.
     pub fn new(settings: &RedisSettings) -> Result<RedisStore, String> {
+        crate::install_tls_provider();
         let current = if settings.sentinels.is_empty() {
             Some(Current { primary: None, manager: manager(settings, client(settings, None)?).map_err(|e| e.to_string())? })
         } else if settings.sentinel_master.as_deref().is_none_or(str::is_empty) {
