@@ -43,15 +43,20 @@ enum Command {
     /// Measure throughput, CPU, memory and latency against the baselines (one record per transaction, a raw COPY,
     /// a consume-only pass), side by side in one run, on an embedded broker and a throwaway PostgreSQL.
     Bench(BenchArgs),
-    /// Send the demo's stream of payments (with duplicates) to a real Kafka, continuously (for docker-compose).
+    /// Send the demo's stream of payments (with duplicates) to a real Kafka or RocketMQ, continuously (for
+    /// docker-compose, and for trying a pipeline on your own broker).
     DemoProducer(DemoProducerArgs),
 }
 
 #[derive(clap::Args)]
 struct DemoProducerArgs {
     /// Kafka bootstrap servers.
-    #[arg(long, env = "IDEMFLOW_KAFKA__BOOTSTRAP_SERVERS")]
-    bootstrap_servers: String,
+    #[arg(long, env = "IDEMFLOW_KAFKA__BOOTSTRAP_SERVERS", required_unless_present = "rocketmq_name_server")]
+    bootstrap_servers: Option<String>,
+    /// A RocketMQ name server (`host:port`) instead of Kafka: each payment is sent with its order id as the
+    /// message's KEYS, tag `pay`.
+    #[arg(long, conflicts_with = "bootstrap_servers")]
+    rocketmq_name_server: Option<String>,
     /// The topic.
     #[arg(long, default_value = "payments")]
     topic: String,
@@ -735,7 +740,15 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
             println!("written to {} and {}", a.markdown.display(), a.json.display());
             Ok(())
         }
-        Command::DemoProducer(a) => idemflow::demo::produce_forever(&a.bootstrap_servers, &a.topic, a.rate).await,
+        Command::DemoProducer(a) => {
+            use idemflow::demo::ProducerTarget;
+            let target = match (a.rocketmq_name_server, a.bootstrap_servers) {
+                (Some(ns), _) => ProducerTarget::RocketMq(ns),
+                (None, Some(bootstrap)) => ProducerTarget::Kafka(bootstrap),
+                (None, None) => bail!("give --bootstrap-servers (Kafka) or --rocketmq-name-server"),
+            };
+            idemflow::demo::produce_forever(&target, &a.topic, a.rate).await
+        }
         Command::Demo(a) => {
             telemetry::init(&config::LogSettings { level: "error".into(), ..Default::default() });
             let options = idemflow::demo::DemoOptions {

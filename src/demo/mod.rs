@@ -572,17 +572,86 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<bool> {
     Ok(rows_ok && total_ok && reconciled)
 }
 
+/// Where `idemflow demo-producer` sends.
+pub enum ProducerTarget {
+    /// A Kafka cluster: bootstrap servers.
+    Kafka(String),
+    /// A RocketMQ cluster: its name server(s), `host:port[;host:port]`.
+    RocketMq(String),
+}
+
+/// The open producer of [`produce_forever`].
+enum Producer {
+    Kafka(rdkafka::producer::FutureProducer),
+    RocketMq(crate::source::rocketmq::Runtime, rocketmq_client_rust::DefaultMQProducer),
+}
+
+impl Producer {
+    async fn open(target: &ProducerTarget) -> anyhow::Result<Producer> {
+        Ok(match target {
+            ProducerTarget::Kafka(bootstrap) => Producer::Kafka(
+                rdkafka::ClientConfig::new().set("bootstrap.servers", bootstrap).set("acks", "all").set("linger.ms", "20").create()?,
+            ),
+            ProducerTarget::RocketMq(name_server) => {
+                let runtime = crate::source::rocketmq::Runtime::new("demo-producer").map_err(anyhow::Error::msg)?;
+                let mut producer = rocketmq_client_rust::DefaultMQProducer::builder(runtime.client())
+                    .producer_group("idemflow-demo-producer")
+                    .name_server_addr(name_server.clone())
+                    .build();
+                producer.start().await.map_err(|e| anyhow::anyhow!("starting the RocketMQ producer: {e}"))?;
+                Producer::RocketMq(runtime, producer)
+            }
+        })
+    }
+
+    /// Sends `(key, value)` records to `topic` and waits for every acknowledgement; failures are printed.
+    async fn send(&mut self, topic: &str, records: &[(String, &[u8])]) {
+        match self {
+            Producer::Kafka(producer) => {
+                let pending: Vec<_> = records
+                    .iter()
+                    .map(|(key, value)| producer.send(rdkafka::producer::FutureRecord::to(topic).key(key.as_bytes()).payload(*value), Duration::from_secs(30)))
+                    .collect();
+                for p in pending {
+                    if let Err((e, _)) = p.await {
+                        eprintln!("demo-producer: delivery failed: {e}");
+                    }
+                }
+            }
+            Producer::RocketMq(_, producer) => {
+                for (key, value) in records {
+                    let message = rocketmq_model::common::message::message_single::Message::builder()
+                        .topic(topic)
+                        .tags("pay")
+                        .keys(vec![key.clone()])
+                        .body_slice(value)
+                        .build();
+                    let sent = match message {
+                        Ok(m) => producer.send(m).await.map(drop).map_err(|e| e.to_string()),
+                        Err(e) => Err(e.to_string()),
+                    };
+                    if let Err(e) = sent {
+                        eprintln!("demo-producer: send failed: {e}");
+                    }
+                }
+            }
+        }
+    }
+
+    async fn close(self) {
+        if let Producer::RocketMq(runtime, mut producer) = self {
+            producer.shutdown().await;
+            runtime.shutdown().await;
+        }
+    }
+}
+
 /// `idemflow demo-producer`: sends the demo's stream of payment deductions (with producer retries, reused order ids
-/// and poison records) to a real Kafka, `rate` records per second, until stopped. Used by docker-compose.yml so the
-/// dashboards show live duplicate rates. Partitions are chosen by the record key (the order id), as a producer
-/// keyed by order would.
-pub async fn produce_forever(bootstrap_servers: &str, topic: &str, rate: u32) -> anyhow::Result<()> {
-    use rdkafka::producer::{FutureProducer, FutureRecord};
-    let producer: FutureProducer = rdkafka::ClientConfig::new()
-        .set("bootstrap.servers", bootstrap_servers)
-        .set("acks", "all")
-        .set("linger.ms", "20")
-        .create()?;
+/// and poison records) to a real Kafka or RocketMQ, `rate` records per second, until stopped. Used by
+/// docker-compose.yml so the dashboards show live duplicate rates. The order id is the record key (Kafka: it
+/// chooses the partition, as a producer keyed by order would) or the message's KEYS (RocketMQ, tag `pay`).
+pub async fn produce_forever(target: &ProducerTarget, topic: &str, rate: u32) -> anyhow::Result<()> {
+    let mut producer = Producer::open(target).await?;
     let mut stop = {
         let (trigger, stop) = shutdown::channel();
         tokio::spawn(async move {
@@ -597,25 +666,16 @@ pub async fn produce_forever(bootstrap_servers: &str, topic: &str, rate: u32) ->
     loop {
         let s = stream_from(rate, 1, 100 + round * 10_000_000, round.wrapping_mul(0x9e37_79b9) ^ 0x5eed);
         let started = Instant::now();
-        let keys: Vec<String> = s
+        let records: Vec<(String, &[u8])> = s
             .records
             .iter()
             .map(|(_, value)| {
                 let text = String::from_utf8_lossy(value);
                 let id = text.split("\"id\":\"").nth(1).or_else(|| text.split("\"id\": \"").nth(1)).unwrap_or_default();
-                id.split('"').next().unwrap_or_default().to_owned()
+                (id.split('"').next().unwrap_or_default().to_owned(), value.as_slice())
             })
             .collect();
-        let mut pending = Vec::with_capacity(s.records.len());
-        for ((_, value), key) in s.records.iter().zip(&keys) {
-            let record = FutureRecord::to(topic).key(key.as_bytes()).payload(value.as_slice());
-            pending.push(producer.send(record, Duration::from_secs(30)));
-        }
-        for p in pending {
-            if let Err((e, _)) = p.await {
-                eprintln!("demo-producer: delivery failed: {e}");
-            }
-        }
+        producer.send(topic, &records).await;
         sent += s.records.len() as u64;
         round += 1;
         if round.is_multiple_of(10) {
@@ -623,7 +683,10 @@ pub async fn produce_forever(bootstrap_servers: &str, topic: &str, rate: u32) ->
         }
         tokio::select! {
             _ = tokio::time::sleep(Duration::from_secs(1).saturating_sub(started.elapsed())) => {}
-            _ = stop.wait() => return Ok(()),
+            _ = stop.wait() => break,
         }
     }
+    eprintln!("demo-producer: {sent} records sent to {topic}");
+    producer.close().await;
+    Ok(())
 }

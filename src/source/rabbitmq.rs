@@ -471,6 +471,7 @@ fn reconnect_backoff() -> impl Iterator<Item = Duration> + Send {
 ///
 /// Errors: the problem as text, with the URL's credentials masked.
 pub async fn connect(settings: &RabbitMqSettings, props: ConnectionProperties) -> Result<Connection, String> {
+    crate::install_tls_provider();
     let scrub = |e: &dyn std::fmt::Display| settings.url.scrub(&e.to_string());
     let mut uri: lapin::uri::AMQPUri = settings
         .url

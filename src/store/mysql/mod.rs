@@ -103,6 +103,7 @@ pub fn claim_form_of(version: &str) -> ClaimForm {
 ///
 /// Errors: the URL does not parse.
 pub fn connect_options(settings: &DatabaseSettings) -> Result<MySqlConnectOptions, sqlx::Error> {
+    crate::install_tls_provider();
     let url = settings.url.expose();
     let url = match url.strip_prefix("mariadb://") {
         Some(rest) => format!("mysql://{rest}"),

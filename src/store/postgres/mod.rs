@@ -38,6 +38,7 @@ pub fn persistent() -> bool {
 ///
 /// Errors: the URL does not parse.
 pub fn connect_options(settings: &DatabaseSettings) -> Result<PgConnectOptions, sqlx::Error> {
+    crate::install_tls_provider();
     if url::Url::parse(settings.url.expose()).is_ok_and(|u| u.query_pairs().any(|(k, _)| k == "sslpassword")) {
         return Err(sqlx::Error::Configuration(
             "sslpassword (the passphrase of an encrypted client key) is not supported: give sslkey an unencrypted key \
