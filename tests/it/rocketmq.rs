@@ -23,21 +23,13 @@ fn group(topic: &str) -> String {
     format!("idemflow-{topic}")
 }
 
-/// The payments stream as messages: the KEYS property is the order id (a republished copy keeps it, a mismatched
-/// one reuses it with another amount); a poison message has a key of its own. Each goes to the queue of its
-/// record's partition.
+/// The payments stream as messages: the KEYS property is the order id (the same ids as the RabbitMQ tests'
+/// message-ids: a republished copy keeps it, a mismatched one reuses it with another amount; a poison message has
+/// a key of its own). Each goes to the queue of its record's partition.
 fn messages(s: &Payments) -> Vec<Msg> {
-    s.records
-        .iter()
-        .enumerate()
-        .map(|(i, r)| {
-            let body = String::from_utf8(r.value.clone().unwrap()).unwrap();
-            let id = serde_json::from_str::<serde_json::Value>(&body)
-                .ok()
-                .and_then(|v| v["order"]["id"].as_str().map(str::to_owned))
-                .unwrap_or_else(|| format!("poison-{i}"));
-            Msg::keyed(&id, body)
-        })
+    crate::rabbitmq::messages(s)
+        .into_iter()
+        .map(|m| Msg::keyed(&m.message_id.expect("every message has an id"), String::from_utf8(m.body).unwrap()))
         .collect()
 }
 
