@@ -238,3 +238,73 @@ id = "/order/id"
     assert_eq!(db.scalar::<i64>("SELECT count(*) FROM payments").await, 2);
     assert_eq!(kafka.committed("idemflow-doomed", "orders", 1), vec![-1], "nothing of the failed batch is committed");
 }
+
+/// The SQL form runs a batch's statements server-side, in one round trip (a function in the session's `pg_temp`),
+/// with the per-record semantics of one round trip per statement: records in order, each seeing the effects of
+/// those before it, and a failing record dead-lettered alone. A statement that returns rows keeps the per-record
+/// round trips, with the same results.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sql_form_runs_a_batch_server_side_in_record_order() {
+    let db = TestDb::new(
+        "CREATE TABLE accounts (account_id text PRIMARY KEY, balance numeric NOT NULL CHECK (balance >= 0));
+         INSERT INTO accounts VALUES ('A', 10), ('B', 10);
+         CREATE TABLE ledger (order_id text PRIMARY KEY, account_id text NOT NULL, balance_after numeric NOT NULL);
+         CREATE TABLE receipts (order_id text PRIMARY KEY, amount numeric NOT NULL);",
+    )
+    .await;
+    let kafka = Kafka::new();
+    kafka.create_topic("orders", 1);
+    let looped = r#"topics = ["orders"]
+[key]
+field = "/order/id"
+[sink]
+sql = [
+  "UPDATE accounts SET balance = balance - :amount WHERE account_id = :account -- a comment ends the line",
+  "INSERT INTO ledger (order_id, account_id, balance_after) SELECT :order_id, account_id, balance FROM accounts WHERE account_id = :account",
+]
+[sink.params]
+order_id = "/order/id"
+account = "/order/account"
+amount = "/order/amount"
+"#;
+    let returning = r#"topics = ["orders"]
+[key]
+field = "/order/id"
+[sink]
+sql = "INSERT INTO receipts (order_id, amount) VALUES (:order_id, :amount) RETURNING order_id"
+[sink.params]
+order_id = "/order/id"
+amount = "/order/amount"
+"#;
+    let setup = Setup::new(&db, &kafka, &[("ledger.toml", looped), ("receipts.toml", returning)]);
+    let order = |id: &str, account: &str, amount: &str| {
+        Out::json(0, format!(r#"{{"order":{{"id":"{id}","account":"{account}","amount":"{amount}"}}}}"#))
+    };
+    let first = vec![order("o1", "A", "3"), order("o2", "A", "4"), order("o1", "A", "3"), order("p1", "B", "1.5")];
+    kafka.produce("orders", &first);
+    let worker = InProc::start(&setup).await;
+    worker.wait_received("ledger", first.len() as u64).await;
+    worker.wait_received("receipts", first.len() as u64).await;
+    let functions = "SELECT count(DISTINCT p.proname) FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace \
+                     WHERE n.nspname LIKE 'pg_temp%' AND p.proname LIKE 'idemflow_sql_form_%'";
+    assert_eq!(db.scalar::<i64>(functions).await, 1, "the ledger pipeline's loop, none for RETURNING");
+    // o3 would take A below zero: dead-lettered alone, and o4 after it sees the balance o3 left untouched.
+    let second = vec![order("o3", "A", "5"), order("o4", "A", "2"), order("p2", "B", "8.5")];
+    kafka.produce("orders", &second);
+    let total = (first.len() + second.len()) as u64;
+    worker.wait_received("ledger", total).await;
+    worker.wait_received("receipts", total).await;
+    let applied = |p| worker.metric("idemflow_records_applied_total", &[("pipeline", p)]);
+    assert_eq!(applied("ledger"), 5.0);
+    assert_eq!(applied("receipts"), 6.0);
+    assert_eq!(worker.metric("idemflow_dead_letters_total", &[("pipeline", "ledger"), ("reason", "side_effect_rejected")]), 1.0);
+    assert!(worker.stop().await.is_empty());
+    assert_eq!(
+        db.scalar::<String>("SELECT string_agg(order_id || '=' || balance_after, ',' ORDER BY order_id) FROM ledger").await,
+        "o1=7,o2=3,o4=1,p1=8.5,p2=0.0"
+    );
+    assert_eq!(db.scalar::<String>("SELECT string_agg(balance::text, ',' ORDER BY account_id) FROM accounts").await, "1,0.0");
+    let err: String = db.scalar("SELECT error FROM idemflow.dead_letters WHERE pipeline = 'ledger'").await;
+    assert!(err.contains("23514") && err.contains("accounts_balance_check"), "{err}");
+    assert_eq!(db.scalar::<i64>("SELECT count(*) FROM receipts").await, 6);
+}

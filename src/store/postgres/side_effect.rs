@@ -10,7 +10,11 @@
 //! - Table form: `INSERT INTO t (c1, c2) SELECT CAST(u.c0 AS type1), ... FROM unnest($1::text[], ...)`, one
 //!   statement for all new records of a batch.
 //! - SQL form: the configured statements with each `:name` replaced by `CAST($n::text AS type)`, run for each new
-//!   record in batch order, as prepared statements (sqlx caches them per connection).
+//!   record in batch order. The fast path runs them for the whole batch in one round trip: a PL/pgSQL function
+//!   in the session's temporary schema ([`SqlLoop`]) loops over the records, one text array holding every value,
+//!   and runs the statements for each record in order, so later records see earlier ones' effects exactly as
+//!   with one round trip per statement. The slow path (a record failed) runs them per record, as prepared
+//!   statements (sqlx caches them per connection), each record in its savepoint.
 //!
 //! # Never through a stale type
 //!
@@ -75,8 +79,78 @@ enum Form {
     /// One set-based `INSERT` per batch: the generated statement, whose parameter `n` is the text array of
     /// column `n`, and the number of columns.
     Table { sql: String, columns: usize },
-    /// Statements run per record.
-    Sql(Vec<PreparedStatement>),
+    /// Statements run per record; with the server-side loop when the statements allow one.
+    Sql { statements: Vec<PreparedStatement>, server_loop: Option<SqlLoop> },
+}
+
+/// The SQL form's statements as one PL/pgSQL function over a batch, so a batch of new records costs one round trip
+/// instead of one per statement and record.
+///
+/// The function is created in `pg_temp` (the session's temporary schema: no privilege but `TEMP`, which PostgreSQL
+/// grants to PUBLIC, and nothing left behind) by [`SqlLoop::ensure`], which every batch transaction runs in its
+/// first round trip: it creates the function only when the session does not have it yet, so it works through a
+/// transaction pooler that hands each batch another server session, and a batch that rolls back takes the
+/// function's creation with it. The name carries a hash of the definition, so statements rebuilt after a schema
+/// change get a function of their own. Functions in `pg_temp` are never found by an unqualified name (PostgreSQL
+/// docs, "search_path"), so the call names the schema.
+///
+/// Its only argument is a text array of `records x width` values, record after record, each record's values in
+/// binding order (`NULL` for SQL NULL). Each statement reads its parameters as `$1[base + slot]` with the same cast
+/// as the per-record statement, runs as a PL/pgSQL SQL statement (planned once per session and kept, PostgreSQL
+/// docs, "PL/pgSQL Under the Hood: Plan Caching"), and an error aborts the call with the statement's own SQLSTATE,
+/// so the sink's slow path takes over exactly as after a per-statement error.
+#[derive(Clone, Debug)]
+pub struct SqlLoop {
+    /// `DO` block that creates the function unless the session has it.
+    ensure: String,
+    /// `SELECT pg_temp.<name>($1::text[])`.
+    call: String,
+    /// Values per record.
+    width: usize,
+}
+
+/// Dollar-quote tags of the function's body and of the `DO` block that creates it.
+const LOOP_TAG: &str = "$idemflow_loop$";
+const ENSURE_TAG: &str = "$idemflow_ensure$";
+
+impl SqlLoop {
+    /// The loop over `bodies` (each statement rendered with `render(n)` for parameter `n` as an expression over
+    /// `$1` and `idemflow_base`), `width` values per record. `None` when a statement's text contains one of the
+    /// dollar-quote tags used here (it could not be quoted).
+    fn new(bodies: &[String], width: usize) -> Option<SqlLoop> {
+        if bodies.iter().any(|b| b.contains(LOOP_TAG) || b.contains(ENSURE_TAG)) {
+            return None;
+        }
+        // `;` on a line of its own: a statement may end in a `--` comment.
+        let statements: String = bodies.iter().map(|b| format!("    {b}\n    ;\n")).collect();
+        let body = format!(
+            "\n#variable_conflict use_column\nDECLARE idemflow_base int;\nBEGIN\n  \
+             FOR idemflow_base IN 0 .. coalesce(array_length($1, 1), 0) - 1 BY {width} LOOP\n{statements}  END LOOP;\nEND\n"
+        );
+        use sha2::Digest as _;
+        let hash = hex::encode(&sha2::Sha256::digest(body.as_bytes())[..8]);
+        let name = format!("idemflow_sql_form_{hash}");
+        let create = format!(
+            "CREATE FUNCTION pg_temp.{name}(text[]) RETURNS void LANGUAGE plpgsql VOLATILE AS {LOOP_TAG}{body}{LOOP_TAG}"
+        );
+        let ensure = format!(
+            "DO {ENSURE_TAG} BEGIN IF to_regprocedure({}) IS NULL THEN EXECUTE {}; END IF; END {ENSURE_TAG}; ",
+            quote_literal(&format!("pg_temp.{name}(text[])")),
+            quote_literal(&create)
+        );
+        Some(SqlLoop { ensure, call: format!("SELECT pg_temp.{name}($1::text[])"), width })
+    }
+
+    /// Runs the statements for every record of `rows`, in order, in one round trip.
+    async fn run(&self, conn: &mut PgConnection, rows: &[&Apply]) -> Result<(), sqlx::Error> {
+        let mut values: Vec<Option<&str>> = Vec::with_capacity(rows.len() * self.width);
+        for row in rows {
+            debug_assert_eq!(row.values.len(), self.width);
+            values.extend(row.values.iter().map(Option::as_deref));
+        }
+        sqlx::query(&self.call).persistent(super::persistent()).bind(values).execute(&mut *conn).await?;
+        Ok(())
+    }
 }
 
 /// One statement of the SQL form, ready to bind.
@@ -267,7 +341,12 @@ impl SideEffect {
     ///
     /// Errors: the database's (a dropped table is SQLSTATE 42P01, fatal).
     pub async fn begin(&self, conn: &mut PgConnection) -> Result<bool, sqlx::Error> {
-        let schema = probe(conn, &format!("{}{}", self.settings, self.probe.sql())).await?;
+        // The SQL form's loop is created after the probe's `PREPARE`s have taken the statements' locks.
+        let ensure = match &self.form {
+            Form::Sql { server_loop: Some(l), .. } => l.ensure.as_str(),
+            _ => "",
+        };
+        let schema = probe(conn, &format!("{}{}{ensure}", self.settings, self.probe.sql())).await?;
         if schema != self.schema {
             tracing::info!(built_for = %self.schema, now = %schema, "the side effect's schema changed");
         }
@@ -278,7 +357,8 @@ impl SideEffect {
     pub async fn apply_all(&self, conn: &mut PgConnection, rows: &[&Apply]) -> Result<(), sqlx::Error> {
         match &self.form {
             Form::Table { sql, columns } => insert_rows(conn, sql, *columns, rows).await,
-            Form::Sql(statements) => {
+            Form::Sql { server_loop: Some(l), .. } if !rows.is_empty() => l.run(conn, rows).await,
+            Form::Sql { statements, .. } => {
                 for row in rows {
                     run_statements(conn, statements, row).await?;
                 }
@@ -291,7 +371,7 @@ impl SideEffect {
     pub async fn apply_one(&self, conn: &mut PgConnection, row: &Apply) -> Result<(), sqlx::Error> {
         match &self.form {
             Form::Table { sql, columns } => insert_rows(conn, sql, *columns, &[row]).await,
-            Form::Sql(statements) => run_statements(conn, statements, row).await,
+            Form::Sql { statements, .. } => run_statements(conn, statements, row).await,
         }
     }
 }
@@ -327,11 +407,12 @@ async fn run_statements(
 }
 
 /// SQL that checks `sql` parses (a server-side `PREPARE`, then `DEALLOCATE`) and returns its parameter types as
-/// an OID array text (`{23,1184}`); inside a transaction its parse analysis keeps the statement's locks.
+/// an OID array text (`{23,1184}`); inside a transaction its parse analysis keeps the statement's locks. The `;`
+/// after `sql` is on a line of its own: a statement may end in a `--` comment.
 fn prepare_probe(sql: &str) -> String {
     let name = probe_name();
     format!(
-        "PREPARE {name} AS {sql}; \
+        "PREPARE {name} AS {sql}\n; \
          SELECT parameter_types::oid[]::text FROM pg_prepared_statements WHERE name = {}; DEALLOCATE {name}; ",
         quote_literal(&name)
     )
@@ -476,6 +557,8 @@ async fn prepare_sql(
     let mut renders: Vec<Option<Render>> = vec![None; params.len()];
     let mut prepared = Vec::new();
     let mut plains = Vec::new();
+    // The statements as the server-side loop runs them; `None` once one of them cannot be looped.
+    let mut bodies = Some(Vec::new());
     for statement in statements {
         let field = statement.origin.clone();
         let plain = statement.render(|n| format!("${}", n + 1));
@@ -488,6 +571,7 @@ async fn prepare_sql(
             .map(|name| params.iter().position(|b| b.name == *name).expect("validated: every parameter is mapped"))
             .collect();
         let mut casts = Vec::with_capacity(types.len());
+        let mut looped = Vec::with_capacity(types.len());
         for (n, (slot, t)) in slots.iter().zip(&types).enumerate() {
             let target = t.target.clone().map_err(|why| {
                 prepare_error(&field, format!("parameter :{}: {why}\n  in: {written}", statement.params[n]))
@@ -499,14 +583,61 @@ async fn prepare_sql(
                 _ => Some(render),
             };
             casts.push(target.cast(&format!("${}::text", n + 1), &t.name));
+            looped.push(target.cast(&format!("$1[idemflow_base + {}]", slot + 1), &t.name));
         }
         let sql = statement.render(|n| casts[n].clone());
         check_parses(conn, &sql).await.map_err(|e| db_error(&field, e, &written))?;
+        if let Some(b) = bodies.as_mut() {
+            b.push(statement.render(|n| looped[n].clone()));
+        }
         // The probe of every batch: the same PREPARE of the statement as written, whose parameter types follow
         // the schema, and which takes the statement's locks.
         plains.push(plain);
         prepared.push(PreparedStatement { sql, slots });
     }
     let bindings = params.iter().cloned().zip(renders.into_iter().map(|r| r.unwrap_or(Render::Text))).collect();
-    Ok((Form::Sql(prepared), Probe::Statements(plains), bindings))
+    let mut server_loop = bodies.and_then(|b| SqlLoop::new(&b, params.len()));
+    if let Some(l) = &server_loop {
+        // Checked and created once here, in a savepoint of the transaction that is rolled back: statements that
+        // return rows (a SELECT, a RETURNING) would need a destination in PL/pgSQL, and a loop PostgreSQL refuses
+        // leaves the per-record round trips, which work wherever the statements do.
+        probe(conn, "SAVEPOINT idemflow_loop").await.map_err(|e| db_error("sink", e, ""))?;
+        let mut refused = None;
+        for (plain, statement) in plains.iter().zip(statements) {
+            match returns_rows(conn, plain, statement.params.len()).await {
+                Ok(false) => {}
+                Ok(true) => refused = Some(format!("{} returns rows", statement.origin)),
+                Err(e) => refused = Some(e.to_string()),
+            }
+            if refused.is_some() {
+                break;
+            }
+        }
+        if refused.is_none() {
+            refused = probe(conn, &l.ensure).await.err().map(|e| e.to_string());
+        }
+        if let Some(why) = refused {
+            tracing::info!(reason = %why, "the SQL form runs one round trip per statement and record, not as a server-side loop");
+            probe(conn, "ROLLBACK TO SAVEPOINT idemflow_loop").await.map_err(|e| db_error("sink", e, ""))?;
+            server_loop = None;
+        }
+    }
+    Ok((Form::Sql { statements: prepared, server_loop }, Probe::Statements(plains), bindings))
+}
+
+/// Whether `sql`, with `params` parameters, returns rows: the top node of its plan (`EXPLAIN (VERBOSE, FORMAT
+/// JSON)` of the prepared statement with every parameter NULL; nothing is executed) is not a `ModifyTable`, or it is
+/// one with an output list (`RETURNING`). PostgreSQL 16's `pg_prepared_statements.result_types` would say it
+/// directly; this works on every version.
+async fn returns_rows(conn: &mut PgConnection, sql: &str, params: usize) -> Result<bool, sqlx::Error> {
+    let name = probe_name();
+    let nulls = vec!["NULL"; params].join(", ");
+    let args = if params == 0 { String::new() } else { format!("({nulls})") };
+    let sql = format!("PREPARE {name} AS {sql}\n; EXPLAIN (VERBOSE, FORMAT JSON) EXECUTE {name}{args}; DEALLOCATE {name}; ");
+    let rows = conn.fetch_all(sqlx::raw_sql(&sql)).await?;
+    // The simple query protocol answers in text; the plan's column is of type json.
+    let text: String = rows.first().map(|r| r.try_get_unchecked(0)).transpose()?.unwrap_or_default();
+    let plan: serde_json::Value = serde_json::from_str(&text).map_err(|e| sqlx::Error::Protocol(format!("EXPLAIN: {e}")))?;
+    let top = &plan[0]["Plan"];
+    Ok(top["Node Type"] != "ModifyTable" || top.get("Output").is_some())
 }
