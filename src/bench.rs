@@ -11,15 +11,25 @@
 //! 5. the broker's ceiling: a consume-only pass (decode and key extraction, no database);
 //! 6. the worker with the per-record SQL form of the same side effect, over a prefix of the stream;
 //! 7. the worker with a Redis sink (`[sink] redis`: each new order as a hash, one script per batch) on a throwaway
-//!    `redis-server` (append-only file, `appendfsync everysec`); skipped when `redis-server` is not installed.
+//!    `redis-server` (append-only file, `appendfsync everysec`); skipped when `redis-server` is not installed;
+//! 8. the worker with the shipped example as it ships, `pipelines/payments.toml` on `pipelines/payments.sql` (the
+//!    SQL form: an `INSERT` into `payments`, with its foreign key and check, and an `UPDATE` of the account's
+//!    balance, per new record), its 10,000 accounts seeded;
+//! 9. the ceiling of what the guarantee needs: `COPY` of the business rows and one dedup row per key (the key text
+//!    as the primary key, nothing else) into fresh tables, no Kafka;
+//! 10. a batched consumer written by hand (2,000 records per transaction: one statement inserts the batch's keys
+//!     into a key table with `ON CONFLICT DO NOTHING` and the business rows of those that were new, from `unnest`
+//!     arrays; then an asynchronous offset commit), no metrics, no dead letters, no duplicate reasons;
+//! 11. the design guides' consumer: one transaction per message (insert its key into the key table, the business
+//!     row if the key was new, `COMMIT`, then a synchronous offset commit), over the prefix of run (2).
 //!
-//! With `--database-url mysql://...` (or `mariadb://`) runs (1), (2), (5) and (6) run on MySQL or MariaDB; (3) and
-//! (4) are PostgreSQL's.
+//! With `--database-url mysql://...` (or `mariadb://`) runs (1), (2), (5) and (6) run on MySQL or MariaDB; (3), (4)
+//! and (8) to (11) are PostgreSQL's.
 //!
 //! With `--source rabbitmq` the same stream is published to quorum queues of a throwaway RabbitMQ node instead
-//! (message-id = order id, persistent, publisher confirms), and two runs compare: (1) the worker, table form, from a
+//! (message-id = order id, persistent, publisher confirms), and these runs compare: (1) the worker, table form, from a
 //! queue; (5) the broker's ceiling, a consume-only pass from a queue with the same prefetch and one `basic.ack` with
-//! `multiple` per batch.
+//! `multiple` per batch; (7) the Redis sink; (8) the shipped payments example from a queue.
 //!
 //! The workers run as child processes (`idemflow run`), so their CPU time comes from `wait4`'s rusage of that
 //! process alone, and their peak RSS from its `/proc/<pid>/status` `VmHWM`, read just before it is stopped. Throughput is taken between the first and the last record received (so start-up
@@ -59,7 +69,7 @@ pub struct BenchOptions {
     pub markdown: PathBuf,
     /// Where the JSON goes.
     pub json: PathBuf,
-    /// Only these runs (1..=7); all when empty (a ratio needs both of its runs).
+    /// Only these runs (1..=11); all when empty (a ratio needs both of its runs).
     pub only: Vec<u8>,
     /// Run each worker under `perf record -g` (output `perf-<run>.data` in the current directory).
     pub perf: bool,
@@ -205,6 +215,50 @@ fn sql_pipeline() -> String {
     let sql = format!("INSERT INTO orders ({}) VALUES ({})", columns.join(", "), params.join(", "));
     pipeline_text(&format!("sql = \"{sql}\""), "sink.params", "")
         .replace("created_at = \"/created_at\"", "created_at = { field = \"/created_at\", type = \"timestamp\" }")
+}
+
+/// The shipped example, `pipelines/payments.toml`, as it ships, on the bench's topic (the stream's orders carry the
+/// fields it reads: `/order/id`, `/order/account`, `/order/amount`, `/order/currency`; `paid_at` and `details`
+/// are optional and absent).
+fn payments_pipeline() -> String {
+    let shipped = include_str!("../pipelines/payments.toml");
+    let text = shipped.replace("topics = [\"payments\"]", &format!("name = \"{PIPELINE}\"\ntopics = [\"{TOPIC}\"]"));
+    assert_ne!(text, shipped, "pipelines/payments.toml names its topic as `topics = [\"payments\"]`");
+    text
+}
+
+/// A database for run (8): migrated, with `pipelines/payments.sql` and the stream's 10,000 accounts.
+async fn payments_database(admin_url: &str, name: &str) -> anyhow::Result<String> {
+    let url = fresh_database(admin_url, name).await?;
+    let mut conn = PgConnection::connect(&url).await?;
+    conn.execute(sqlx::raw_sql(include_str!("../pipelines/payments.sql"))).await?;
+    conn.execute("INSERT INTO accounts SELECT 'ACC-' || lpad(g::text, 5, '0'), 1e12 FROM generate_series(0, 9999) g").await?;
+    Ok(url)
+}
+
+/// The key table of runs (9) to (11): the business key text as the primary key, nothing else.
+const KEYS_SQL: &str = "CREATE TABLE processed_keys (business_key text PRIMARY KEY)";
+
+/// A database for runs (9) to (11): the business table and the key table, no idemflow schema.
+async fn minimal_database(admin_url: &str, name: &str) -> anyhow::Result<String> {
+    let mut admin = PgConnection::connect(admin_url).await.context("connecting to PostgreSQL")?;
+    admin.execute(format!("DROP DATABASE IF EXISTS {name}").as_str()).await?;
+    admin.execute(format!("CREATE DATABASE {name}").as_str()).await?;
+    let base = admin_url.rsplit_once('/').map_or(admin_url, |(b, _)| b);
+    let url = format!("{base}/{name}");
+    let mut conn = PgConnection::connect(&url).await?;
+    conn.execute(TABLE_SQL).await?;
+    conn.execute(KEYS_SQL).await?;
+    Ok(url)
+}
+
+/// The business row of an order payload, as the hand-written consumers and the ceilings read it: order id, account,
+/// amount, currency, created_at.
+fn order_row(payload: &[u8]) -> Option<[String; 5]> {
+    let doc: serde_json::Value = serde_json::from_slice(payload).ok()?;
+    let o = &doc["order"];
+    let text = |v: &serde_json::Value| v.as_str().map(str::to_owned);
+    Some([text(&o["id"])?, text(&o["account"])?, text(&o["amount"])?, text(&o["currency"])?, text(&doc["created_at"])?])
 }
 
 /// The Redis form of the same side effect: each new order as a hash `order:<id>`.
@@ -483,6 +537,183 @@ async fn copy_ceiling(url: &str, s: &Stream, total: usize) -> anyhow::Result<Run
     })
 }
 
+/// Run (9): the business rows and one key row per distinct key, loaded with `COPY` into fresh tables (the key text
+/// as the primary key) in one transaction.
+async fn minimal_copy_ceiling(url: &str, s: &Stream, total: usize) -> anyhow::Result<RunResult> {
+    let mut keys = String::with_capacity(s.firsts.len() * 20);
+    let mut orders = String::with_capacity(s.firsts.len() * 120);
+    for &i in &s.firsts {
+        let row = order_row(&s.records[i].1).context("(9): an order without its fields")?;
+        keys.push_str(&row[0]);
+        keys.push('\n');
+        orders.push_str(&row.join("\t"));
+        orders.push('\n');
+    }
+    let mut conn = PgConnection::connect(url).await?;
+    let started = Instant::now();
+    let mut tx = conn.begin().await?;
+    let mut copy = tx.copy_in_raw("COPY processed_keys (business_key) FROM STDIN").await?;
+    copy.send(keys.as_bytes()).await?;
+    copy.finish().await?;
+    let mut copy = tx.copy_in_raw("COPY orders (order_id, account_id, amount, currency, created_at) FROM STDIN").await?;
+    copy.send(orders.as_bytes()).await?;
+    copy.finish().await?;
+    tx.commit().await?;
+    let secs = started.elapsed().as_secs_f64();
+    Ok(RunResult {
+        id: "(9)".into(),
+        name: "ceiling: COPY of the minimal rows (business rows, one key-text primary key row per key), no Kafka".into(),
+        records: total as u64,
+        seconds: secs,
+        records_per_second: total as f64 / secs,
+        note: format!("{} key rows and {} business rows for {total} records", s.firsts.len(), s.firsts.len()),
+        ..RunResult::default()
+    })
+}
+
+/// A consumer of the bench topic for runs (10) and (11), with the worker's fetch settings.
+fn hand_written_consumer(kafka: &EmbeddedKafka, group: &str) -> anyhow::Result<BaseConsumer> {
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", kafka.bootstrap_servers())
+        .set("group.id", group)
+        .set("enable.auto.commit", "false")
+        .set("auto.offset.reset", "earliest")
+        .set("queued.min.messages", "8000")
+        .set("queued.max.messages.kbytes", "16384")
+        .set("fetch.max.bytes", "8388608")
+        .set("fetch.queue.backoff.ms", "20")
+        .create()?;
+    consumer.subscribe(&[TOPIC])?;
+    Ok(consumer)
+}
+
+/// Run (10): a batched consumer as one would write it by hand (see the module documentation), over `total` records.
+async fn hand_written_batched(kafka: &EmbeddedKafka, url: &str, total: usize) -> anyhow::Result<RunResult> {
+    use rdkafka::consumer::CommitMode;
+    use rdkafka::Message as _;
+    let consumer = hand_written_consumer(kafka, "bench-10")?;
+    let mut conn = PgConnection::connect(url).await?;
+    let (mut n, mut applied, mut t0) = (0usize, 0u64, None);
+    let deadline = Instant::now() + Duration::from_secs(900);
+    let cpu0 = process_cpu_seconds();
+    while n < total {
+        if Instant::now() > deadline {
+            bail!("(10): consumed {n} of {total} records in 15 minutes");
+        }
+        let mut columns: [Vec<String>; 5] = Default::default();
+        let mut seen = std::collections::HashSet::new();
+        let mut taken = 0;
+        let batch_started = Instant::now();
+        while taken < 2000 && n + taken < total && batch_started.elapsed() < Duration::from_millis(20) {
+            match consumer.poll(Duration::from_millis(5)) {
+                Some(Ok(m)) => {
+                    t0.get_or_insert_with(Instant::now);
+                    taken += 1;
+                    if let Some(row) = m.payload().and_then(order_row) {
+                        if seen.insert(row[0].clone()) {
+                            for (c, v) in columns.iter_mut().zip(row) {
+                                c.push(v);
+                            }
+                        }
+                    }
+                }
+                Some(Err(e)) => tracing::debug!(error = %e, "consume error"),
+                None => {}
+            }
+        }
+        if taken == 0 {
+            continue;
+        }
+        let mut tx = conn.begin().await?;
+        let done = sqlx::query(
+            "WITH new AS (INSERT INTO processed_keys (business_key) SELECT unnest($1::text[]) ON CONFLICT DO NOTHING \
+             RETURNING business_key) \
+             INSERT INTO orders (order_id, account_id, amount, currency, created_at) \
+             SELECT u.id, u.account, u.amount::numeric, u.currency, u.created_at::timestamptz \
+             FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[]) AS u(id, account, amount, currency, created_at) \
+             JOIN new ON new.business_key = u.id",
+        )
+        .bind(&columns[0])
+        .bind(&columns[1])
+        .bind(&columns[2])
+        .bind(&columns[3])
+        .bind(&columns[4])
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        applied += done.rows_affected();
+        consumer.commit_consumer_state(CommitMode::Async)?;
+        n += taken;
+    }
+    let mut r = ceiling_result("a batched consumer written by hand (unnest + ON CONFLICT, 2,000 per transaction)", n, t0, format!("{applied} applied"));
+    r.id = "(10)".into();
+    r.cpu_us_per_record = Some((process_cpu_seconds() - cpu0) * 1e6 / n.max(1) as f64);
+    Ok(r)
+}
+
+/// Run (11): the design guides' consumer, one transaction per message, over `total` records.
+async fn per_message(kafka: &EmbeddedKafka, url: &str, total: usize) -> anyhow::Result<RunResult> {
+    use rdkafka::consumer::CommitMode;
+    use rdkafka::Message as _;
+    let consumer = hand_written_consumer(kafka, "bench-11")?;
+    let mut conn = PgConnection::connect(url).await?;
+    let (mut n, mut applied, mut t0) = (0usize, 0u64, None);
+    let deadline = Instant::now() + Duration::from_secs(900);
+    let cpu0 = process_cpu_seconds();
+    while n < total {
+        if Instant::now() > deadline {
+            bail!("(11): consumed {n} of {total} records in 15 minutes");
+        }
+        let m = match consumer.poll(Duration::from_millis(100)) {
+            Some(Ok(m)) => m,
+            Some(Err(e)) => {
+                tracing::debug!(error = %e, "consume error");
+                continue;
+            }
+            None => continue,
+        };
+        t0.get_or_insert_with(Instant::now);
+        if let Some(row) = m.payload().and_then(order_row) {
+            let mut tx = conn.begin().await?;
+            let new = sqlx::query("INSERT INTO processed_keys (business_key) VALUES ($1) ON CONFLICT DO NOTHING")
+                .bind(&row[0])
+                .execute(&mut *tx)
+                .await?
+                .rows_affected();
+            if new == 1 {
+                sqlx::query("INSERT INTO orders (order_id, account_id, amount, currency, created_at) VALUES ($1, $2, $3::numeric, $4, $5::timestamptz)")
+                    .bind(&row[0])
+                    .bind(&row[1])
+                    .bind(&row[2])
+                    .bind(&row[3])
+                    .bind(&row[4])
+                    .execute(&mut *tx)
+                    .await?;
+                applied += 1;
+            }
+            tx.commit().await?;
+        }
+        consumer.commit_message(&m, CommitMode::Sync)?;
+        n += 1;
+    }
+    let mut r = ceiling_result("the guides' consumer: one transaction and one synchronous offset commit per message", n, t0, format!("{applied} applied"));
+    r.id = "(11)".into();
+    r.cpu_us_per_record = Some((process_cpu_seconds() - cpu0) * 1e6 / n.max(1) as f64);
+    Ok(r)
+}
+
+/// CPU seconds (user + system) of this process so far; the hand-written consumers run inside it.
+fn process_cpu_seconds() -> f64 {
+    // SAFETY: getrusage fills a zeroed out-parameter.
+    let usage = unsafe {
+        let mut usage: libc::rusage = std::mem::zeroed();
+        libc::getrusage(libc::RUSAGE_SELF, &mut usage);
+        usage
+    };
+    let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
+    secs(usage.ru_utime) + secs(usage.ru_stime)
+}
+
 /// Run (5): consume the whole topic, decode and extract each key; no database.
 /// The pipeline `text` and its record preparation, checked against the database at `url` as the worker would.
 async fn preparer(url: &str, text: &str) -> anyhow::Result<(crate::config::Pipeline, crate::prepare::Preparer)> {
@@ -656,14 +887,33 @@ pub async fn run(o: BenchOptions) -> anyhow::Result<Report> {
     let report_run = |r: &RunResult| eprintln!("{} {}: {:.0} records/s ({})", r.id, r.name, r.records_per_second, r.note);
 
     // On MySQL/MariaDB, runs (3) and (4) are PostgreSQL's (a COPY ceiling, a preload with generate_series).
-    let want = |n: u8| (o.only.is_empty() || o.only.contains(&n)) && !(mysql && matches!(n, 3 | 4));
+    let want = |n: u8| (o.only.is_empty() || o.only.contains(&n)) && !(mysql && matches!(n, 3 | 4 | 8..=11));
     let perf = o.perf;
     if mysql {
-        eprintln!("MySQL/MariaDB: runs (1), (2), (5) and (6); (3) and (4) are PostgreSQL's");
+        eprintln!("MySQL/MariaDB: runs (1), (2), (5) and (6); (3), (4) and (8) to (11) are PostgreSQL's");
     }
 
-    for n in 1..=7u8 {
+    for n in 1..=11u8 {
         if !want(n) {
+            continue;
+        }
+        if (8..=11).contains(&n) {
+            let r = match n {
+                8 => {
+                    let url = payments_database(&admin_url, "bench_8").await?;
+                    let name = "idemflow, the shipped example pipelines/payments.toml (SQL form: INSERT payments + UPDATE accounts)";
+                    let run = WorkerRun { id: "(8)", name, pipeline: payments_pipeline(), group: "bench-8", target: total };
+                    worker_run(run, &kafka_settings(&kafka), &url, perf).await?
+                }
+                9 => minimal_copy_ceiling(&minimal_database(&admin_url, "bench_9").await?, &s, s.records.len()).await?,
+                10 => hand_written_batched(&kafka, &minimal_database(&admin_url, "bench_10").await?, s.records.len()).await?,
+                _ => {
+                    let single = o.single_records.min(o.records);
+                    per_message(&kafka, &minimal_database(&admin_url, "bench_11").await?, single).await?
+                }
+            };
+            report_run(&r);
+            runs.push(r);
             continue;
         }
         if n == 7 {
@@ -739,6 +989,10 @@ pub async fn run(o: BenchOptions) -> anyhow::Result<Report> {
     ratio("(6) / (1)", rate("(6)"), rate("(1)"), "(measured)");
     ratio("(7) / (1), Redis against the Postgres table form", rate("(7)"), rate("(1)"), ">= 3");
     ratio("(7) / (5), Redis against consume-only", rate("(7)"), rate("(5)"), ">= 0.60");
+    ratio("(8) / (1), the shipped example (SQL form) against the table form", rate("(8)"), rate("(1)"), ">= 0.50");
+    ratio("(1) / (9), the table form against COPY of the minimal rows", rate("(1)"), rate("(9)"), ">= 0.50");
+    ratio("(1) / (10), against a batched consumer written by hand", rate("(1)"), rate("(10)"), "(measured)");
+    ratio("(1) / (11), against the guides' per-message consumer", rate("(1)"), rate("(11)"), "(measured)");
     let report = Report { environment: env, runs, ratios };
     write_outputs(&report, &o.markdown, &o.json)?;
     Ok(report)
@@ -762,7 +1016,7 @@ async fn run_rabbitmq(o: &BenchOptions, admin_url: &str) -> anyhow::Result<Repor
     let messages: Vec<(String, Vec<u8>)> =
         s.records.iter().enumerate().map(|(i, (_, body))| (crate::demo::message_id(i, body), body.clone())).collect();
     let want = |n: u8| o.only.is_empty() || o.only.contains(&n);
-    let runs_wanted: Vec<u8> = [1u8, 5, 7].into_iter().filter(|n| want(*n)).collect();
+    let runs_wanted: Vec<u8> = [1u8, 5, 7, 8].into_iter().filter(|n| want(*n)).collect();
     for n in &runs_wanted {
         let queue = format!("bench-{n}");
         rabbitmq::declare_quorum_queue(&amqp, &queue).await?;
@@ -774,15 +1028,24 @@ async fn run_rabbitmq(o: &BenchOptions, admin_url: &str) -> anyhow::Result<Repor
     let total = s.records.len() as u64;
     let mut runs = Vec::new();
     for n in runs_wanted {
-        let url = fresh_database(admin_url, &format!("bench_rabbitmq_{n}")).await?;
         let queue = format!("bench-{n}");
-        let pipeline = table_pipeline(None).replace(&format!("topics = [\"{TOPIC}\"]"), &format!("[source]\nkind = \"rabbitmq\"\nqueue = \"{queue}\""));
-        let r = if n == 1 {
+        let from_queue = |text: String| text.replace(&format!("topics = [\"{TOPIC}\"]"), &format!("[source]\nkind = \"rabbitmq\"\nqueue = \"{queue}\""));
+        let pipeline = from_queue(table_pipeline(None));
+        let url = if n == 8 {
+            payments_database(admin_url, "bench_rabbitmq_8").await?
+        } else {
+            fresh_database(admin_url, &format!("bench_rabbitmq_{n}")).await?
+        };
+        let r = if n == 8 {
+            let name = "idemflow from a RabbitMQ quorum queue, the shipped example pipelines/payments.toml (SQL form)";
+            let run = WorkerRun { id: "(8)", name, pipeline: from_queue(payments_pipeline()), group: "", target: total };
+            worker_run(run, &broker, &url, o.perf).await?
+        } else if n == 1 {
             let run = WorkerRun { id: "(1)", name: "idemflow from a RabbitMQ quorum queue, default batching (table form)", pipeline, group: "", target: total };
             worker_run(run, &broker, &url, o.perf).await?
         } else if n == 7 {
             let redis = crate::demo::redis::Throwaway::start()?;
-            let pipeline = redis_pipeline().replace(&format!("topics = [\"{TOPIC}\"]"), &format!("[source]\nkind = \"rabbitmq\"\nqueue = \"{queue}\""));
+            let pipeline = from_queue(redis_pipeline());
             let run = WorkerRun { id: "(7)", name: "idemflow from a RabbitMQ quorum queue, Redis sink (one script per batch)", pipeline, group: "", target: total };
             worker_run_on(run, &broker, &format!("[redis]\nurl = \"{}\"\n", redis.url()), o.perf).await?
         } else {
@@ -797,6 +1060,7 @@ async fn run_rabbitmq(o: &BenchOptions, admin_url: &str) -> anyhow::Result<Repor
         ("(1) / (5), RabbitMQ", "(1)", "(5)", "(measured)"),
         ("(7) / (1), RabbitMQ: Redis against the Postgres table form", "(7)", "(1)", ">= 3"),
         ("(7) / (5), RabbitMQ: Redis against consume-only", "(7)", "(5)", ">= 0.60"),
+        ("(8) / (1), RabbitMQ: the shipped example (SQL form) against the table form", "(8)", "(1)", ">= 0.50"),
     ] {
         if let (Some(a), Some(b)) = (rate(a), rate(b)) {
             ratios.push((name.to_owned(), a / b, target.to_owned()));

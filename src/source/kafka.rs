@@ -552,6 +552,11 @@ fn drop_revoked_from(state: &Mutex<Ownership>, pipeline: &str, stash: &mut Vec<R
 /// time without partitions checked).
 const HOUSEKEEPING_EVERY: Duration = Duration::from_secs(1);
 
+/// How long [`KafkaSource::poll_while`] leaves the consumer unpolled once it keeps a full next batch: far below
+/// `max.poll.interval.ms` (300 s by default) and `session.timeout.ms` (heartbeats run on librdkafka's own thread
+/// anyway), long enough for most batch transactions.
+const REST_AT_MOST: Duration = Duration::from_secs(1);
+
 /// How often the lag of every assigned partition is refreshed from the high watermarks librdkafka knows.
 const LAG_EVERY: Duration = Duration::from_secs(5);
 
@@ -581,6 +586,8 @@ pub struct KafkaSource {
     no_partitions_warning: Duration,
     /// The most records [`KafkaSource::poll_while`] keeps before pausing.
     keep: usize,
+    /// `batch.max_records`: once [`KafkaSource::poll_while`] keeps a full next batch, the consumer rests.
+    batch_records: usize,
     /// The pipeline's `max_payload_bytes`: larger values are not kept whole ([`crate::record::bounded`]).
     max_payload_bytes: usize,
     /// Partitions revoked while a batch was in flight ([`KafkaSource::poll_while`]): the batch's records of them are
@@ -643,6 +650,7 @@ impl KafkaSource {
             unassigned_warnings: 0,
             no_partitions_warning: kafka.no_partitions_warning,
             keep: prefetch_records(pipeline),
+            batch_records: pipeline.batch.max_records,
             max_payload_bytes: pipeline.decoder.max_payload_bytes(),
             revoked_in_flight: HashSet::new(),
             reset_to_earliest,
@@ -764,23 +772,30 @@ impl KafkaSource {
 
     /// Runs `work` (a spawned batch transaction) to its end while the consumer keeps polling: rebalance callbacks
     /// are served, `max.poll.interval.ms` is never exceeded however long the database takes, and the source's
-    /// housekeeping goes on. Records that arrive meanwhile are kept for the next batch; once as many are kept as
-    /// the consumer prefetches (4 batches, at least 1,000), consumption is paused until `work` ends, bounding
-    /// memory. (Pausing is not the normal path: librdkafka drops a paused partition's prefetched records and
-    /// fetches them again on resume.) A panic in `work` is resumed here.
+    /// housekeeping goes on. Records that arrive meanwhile are kept for the next batch. Once a full next batch is
+    /// kept the consumer rests (is not polled) for up to [`REST_AT_MOST`]: librdkafka goes on prefetching into its
+    /// own queue, bounded by `queued.min.messages` and `queued.max.messages.kbytes`, so a backlog flows without a
+    /// stall. A longer transaction polls again, and once as many records are kept as the consumer prefetches
+    /// (4 batches, at least 1,000) consumption is paused until `work` ends, bounding memory. (Pausing is not the
+    /// normal path: librdkafka drops a paused partition's prefetched records and fetches them again on resume, which
+    /// stalled a backlog for hundreds of milliseconds per batch when it was.) A panic in `work` is resumed here.
     pub async fn poll_while<T>(&mut self, mut work: tokio::task::JoinHandle<T>) -> T {
         let keep = self.keep;
         let mut paused_here = false;
         let claimed = self.consumer.context().claimed.clone();
         let mut tick = tokio::time::interval(HOUSEKEEPING_EVERY);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let rest_until = tokio::time::Instant::now() + REST_AT_MOST;
+        let mut rested = false;
         let joined = loop {
             let mut full = false;
+            let resting = !rested && self.stash.len() >= self.batch_records;
             tokio::select! {
                 biased;
                 joined = &mut work => break joined,
                 _ = claimed.notified() => self.finish_claim(),
-                m = self.consumer.recv() => {
+                _ = tokio::time::sleep_until(rest_until), if resting => rested = true,
+                m = self.consumer.recv(), if !resting => {
                     // Revocations the callbacks made inside this poll apply to what was kept before it, never to
                     // a record of a partition assigned again since (as `next_batch` does); the batch in flight
                     // learns of them afterwards.
