@@ -75,6 +75,8 @@
 //! under `everysec`); the positions are lost with the effects, each batch checks that the positions it stored last are
 //! still there, and the worker resumes from what Redis kept. A command failing inside the script is not undone: the
 //! record is dead-lettered with the count of its commands that ran, its key kept so no copy runs them again.
+// The worker's futures (a batch polled beside the Kafka consumer's select) nest deeper than the default 128.
+#![recursion_limit = "256"]
 
 pub mod bench;
 pub mod config;
