@@ -525,7 +525,7 @@ async fn dead_letter_ratio_guard_stops_the_pipeline() {
     let db = payments_db(None).await;
     let kafka = Kafka::new();
     kafka.create_topic("payments", 1);
-    let p = shipped().replace("[batch]\nmax_records = 500", "[dead_letters]\nmax_ratio = 0.2\nwindow = 200\nmin_records = 50\n\n[batch]\nmax_records = 20");
+    let p = format!("{}\n[dead_letters]\nmax_ratio = 0.2\nwindow = 200\nmin_records = 50\n", with_max_records(&shipped(), 20));
     let setup = Setup::new(&db, &kafka, &[("payments.toml", &p)]);
     let mut records: Vec<Out> = (0..100).map(|i| Out::json(0, payment(i, 100))).collect();
     records.extend((0..400).map(|i| Out::json(0, format!("<xml>{i}</xml>"))));
@@ -552,7 +552,7 @@ async fn dead_letters_are_produced_to_the_dead_letter_topic() {
     let kafka = Kafka::new();
     kafka.create_topic("payments", 1);
     kafka.create_topic("payments.dlq", 1);
-    let p = shipped().replace("[batch]", "[dead_letters]\ntopic = \"payments.dlq\"\n\n[batch]");
+    let p = format!("{}\n[dead_letters]\ntopic = \"payments.dlq\"\n", shipped());
     let setup = Setup::new(&db, &kafka, &[("payments.toml", &p)]);
     kafka.produce(
         "payments",

@@ -43,7 +43,7 @@ async fn a_crash_between_the_commits_redelivers_nothing_with_the_database_store(
         kafka.create_topic(TOPIC, 2);
         let s = payments(3_000, 2, false);
         kafka.produce(TOPIC, &s.records);
-        let pipeline = pipeline.replace("max_records = 500", "max_records = 200");
+        let pipeline = with_max_records(&pipeline, 200);
         let setup = Setup::with(&db, &kafka, &[("payments.toml", &pipeline)], FAST_GROUP, "");
         let crash = idemflow::worker::Faults { crash_after_commits: Some(3) };
         let w = InProc::start_with_faults(&setup, crash).await;
@@ -87,7 +87,7 @@ async fn sigkills_with_the_database_store_redeliver_nothing() {
     kafka.create_topic(TOPIC, PARTITIONS);
     let s = payments(20_000, PARTITIONS, true);
     kafka.produce(TOPIC, &s.records);
-    let pipeline = stored_positions().replace("max_records = 500", "max_records = 100");
+    let pipeline = with_max_records(&stored_positions(), 100);
     let setups: Vec<Setup> =
         (0..2).map(|_| Setup::with(&db, &kafka, &[("payments.toml", &pipeline)], FAST_GROUP, "")).collect();
     let mut workers: Vec<BinWorker> = setups.iter().map(BinWorker::start).collect();

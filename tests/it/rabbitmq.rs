@@ -338,7 +338,7 @@ async fn two_workers_on_one_queue_apply_each_operation_once() {
     let db = payments_db(None).await;
     let s = payments(5_000, 1, false);
     // Small batches and prefetch, so both workers get deliveries all the time.
-    let text = example(&queue).replace("max_records = 500", "max_records = 50").replace("# prefetch = 1000", "prefetch = 100");
+    let text = with_max_records(&example(&queue).replace("# prefetch = 4000", "prefetch = 100"), 50);
     let setup = Setup::rabbitmq(&db, url, &[("payments.toml", &text)], "");
     let mut w1 = BinWorker::start(&setup);
     let setup2 = Setup::rabbitmq(&db, url, &[("payments.toml", &text)], "");

@@ -180,7 +180,7 @@ async fn crash_loop_sigkill_at_random_moments() {
     let mut producer = Producer::start(ns).await;
     send(&mut producer, &topic, &s, &msgs, 0).await;
     producer.stop().await;
-    let text = example(&topic, "broker").replace("max_records = 500", "max_records = 200");
+    let text = with_max_records(&example(&topic, "broker"), 200);
     let setup = Setup::rocketmq(&db, ns, &[("payments.toml", &text)], "");
     let mut rng = Rng::from_clock();
     let p = [("pipeline", "payments")];
@@ -240,7 +240,7 @@ async fn a_crash_after_commit_replays_the_batch_as_redelivered() {
         let mut producer = Producer::start(ns).await;
         send(&mut producer, &topic, &s, &messages(&s), 0).await;
         producer.stop().await;
-        let text = example(&topic, store).replace("max_records = 500", "max_records = 100");
+        let text = with_max_records(&example(&topic, store), 100);
         let setup = Setup::rocketmq(&db, ns, &[("payments.toml", &text)], "");
         let crashed = InProc::start_with_faults(&setup, idemflow::worker::Faults { crash_after_commits: Some(5) }).await;
         assert!(crashed.stop_when_pipelines_end().await.is_empty());
@@ -269,7 +269,7 @@ async fn two_workers_rebalance_the_queues() {
     let db = payments_db(None).await;
     let s = payments(8_000, 4, true);
     let msgs = messages(&s);
-    let text = example(&topic, "database").replace("max_records = 500", "max_records = 100");
+    let text = with_max_records(&example(&topic, "database"), 100);
     let setup = Setup::rocketmq(&db, ns, &[("payments.toml", &text)], "");
     let setup2 = Setup::rocketmq(&db, ns, &[("payments.toml", &text)], "");
     let mut producer = Producer::start(ns).await;

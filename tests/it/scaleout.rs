@@ -16,7 +16,7 @@ async fn three_workers_killed_and_restarted_while_the_stream_flows() {
     kafka.create_topic("payments", PARTITIONS);
     let s = payments(30_000, PARTITIONS, true);
     let props = "\"session.timeout.ms\" = \"1500\"\n\"heartbeat.interval.ms\" = \"200\"";
-    let pipeline = shipped().replace("max_records = 500", "max_records = 200");
+    let pipeline = with_max_records(&shipped(), 200);
     let setups: Vec<Setup> =
         (0..3).map(|_| Setup::with(&db, &kafka, &[("payments.toml", &pipeline)], props, "")).collect();
     let mut workers: Vec<BinWorker> = setups.iter().map(BinWorker::start).collect();

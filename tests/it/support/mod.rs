@@ -395,3 +395,14 @@ impl InProc {
     }
 
 }
+
+/// `pipeline` (TOML text) with `[batch] max_records = n`: the value replaced when the pipeline sets one, otherwise a
+/// `[batch]` table added at the end (the shipped examples leave batching at its defaults).
+pub fn with_max_records(pipeline: &str, n: usize) -> String {
+    if let Some(at) = pipeline.find("\nmax_records = ") {
+        let end = pipeline[at + 1..].find('\n').map_or(pipeline.len(), |e| at + 1 + e);
+        format!("{}\nmax_records = {n}{}", &pipeline[..at], &pipeline[end..])
+    } else {
+        format!("{pipeline}\n[batch]\nmax_records = {n}\n")
+    }
+}
