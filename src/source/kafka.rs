@@ -588,6 +588,9 @@ pub struct KafkaSource {
     keep: usize,
     /// `batch.max_records`: once [`KafkaSource::poll_while`] keeps a full next batch, the consumer rests.
     batch_records: usize,
+    /// When the consumer was last polled: it rests at most [`REST_AT_MOST`] from then, however many batches the
+    /// kept records fill meanwhile.
+    polled_at: tokio::time::Instant,
     /// The pipeline's `max_payload_bytes`: larger values are not kept whole ([`crate::record::bounded`]).
     max_payload_bytes: usize,
     /// Partitions revoked while a batch was in flight ([`KafkaSource::poll_while`]): the batch's records of them are
@@ -651,6 +654,7 @@ impl KafkaSource {
             no_partitions_warning: kafka.no_partitions_warning,
             keep: prefetch_records(pipeline),
             batch_records: pipeline.batch.max_records,
+            polled_at: tokio::time::Instant::now(),
             max_payload_bytes: pipeline.decoder.max_payload_bytes(),
             revoked_in_flight: HashSet::new(),
             reset_to_earliest,
@@ -698,6 +702,7 @@ impl KafkaSource {
                     _ = shutdown.wait() => break,
                 },
             };
+            self.polled_at = tokio::time::Instant::now();
             drop_revoked(&self.state, &self.pipeline, &mut batch, &mut self.stash);
             match received {
                 Ok(message) => {
@@ -757,6 +762,8 @@ impl KafkaSource {
                 }
             }
         }
+        // Polled all along (a timed-out poll counts: it served the callbacks).
+        self.polled_at = tokio::time::Instant::now();
         drop_revoked(&self.state, &self.pipeline, batch, &mut self.stash);
         self.resume_owned();
         !stopped
@@ -773,7 +780,7 @@ impl KafkaSource {
     /// Runs `work` (a spawned batch transaction) to its end while the consumer keeps polling: rebalance callbacks
     /// are served, `max.poll.interval.ms` is never exceeded however long the database takes, and the source's
     /// housekeeping goes on. Records that arrive meanwhile are kept for the next batch. Once a full next batch is
-    /// kept the consumer rests (is not polled) for up to [`REST_AT_MOST`]: librdkafka goes on prefetching into its
+    /// kept the consumer rests (is not polled) until [`REST_AT_MOST`] after its last poll: librdkafka goes on prefetching into its
     /// own queue, bounded by `queued.min.messages` and `queued.max.messages.kbytes`, so a backlog flows without a
     /// stall. A longer transaction polls again, and once as many records are kept as the consumer prefetches
     /// (4 batches, at least 1,000) consumption is paused until `work` ends, bounding memory. (Pausing is not the
@@ -785,17 +792,17 @@ impl KafkaSource {
         let claimed = self.consumer.context().claimed.clone();
         let mut tick = tokio::time::interval(HOUSEKEEPING_EVERY);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let rest_until = tokio::time::Instant::now() + REST_AT_MOST;
-        let mut rested = false;
         let joined = loop {
             let mut full = false;
-            let resting = !rested && self.stash.len() >= self.batch_records;
+            let rest_until = self.polled_at + REST_AT_MOST;
+            let resting = self.stash.len() >= self.batch_records && tokio::time::Instant::now() < rest_until;
             tokio::select! {
                 biased;
                 joined = &mut work => break joined,
                 _ = claimed.notified() => self.finish_claim(),
-                _ = tokio::time::sleep_until(rest_until), if resting => rested = true,
+                _ = tokio::time::sleep_until(rest_until), if resting => {}
                 m = self.consumer.recv(), if !resting => {
+                    self.polled_at = tokio::time::Instant::now();
                     // Revocations the callbacks made inside this poll apply to what was kept before it, never to
                     // a record of a partition assigned again since (as `next_batch` does); the batch in flight
                     // learns of them afterwards.

@@ -248,7 +248,8 @@ async fn the_sql_form_runs_a_batch_server_side_in_record_order() {
     let db = TestDb::new(
         "CREATE TABLE accounts (account_id text PRIMARY KEY, balance numeric NOT NULL CHECK (balance >= 0));
          INSERT INTO accounts VALUES ('A', 10), ('B', 10);
-         CREATE TABLE ledger (order_id text PRIMARY KEY, account_id text NOT NULL, balance_after numeric NOT NULL);
+         CREATE TABLE ledger (order_id text PRIMARY KEY, account_id text NOT NULL, balance_after numeric NOT NULL,
+                              query text DEFAULT current_query());
          CREATE TABLE receipts (order_id text PRIMARY KEY, amount numeric NOT NULL);",
     )
     .await;
@@ -288,6 +289,11 @@ amount = "/order/amount"
     let functions = "SELECT count(DISTINCT p.proname) FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace \
                      WHERE n.nspname LIKE 'pg_temp%' AND p.proname LIKE 'idemflow_sql_form_%'";
     assert_eq!(db.scalar::<i64>(functions).await, 1, "the ledger pipeline's loop, none for RETURNING");
+    assert_eq!(
+        db.scalar::<i64>("SELECT count(*) FROM ledger WHERE query LIKE 'SELECT pg_temp.idemflow_sql_form_%'").await,
+        3,
+        "o1, o2 and p1 were written by the server-side loop, not by statements of their own"
+    );
     // o3 would take A below zero: dead-lettered alone, and o4 after it sees the balance o3 left untouched.
     let second = vec![order("o3", "A", "5"), order("o4", "A", "2"), order("p2", "B", "8.5")];
     kafka.produce("orders", &second);
@@ -307,4 +313,51 @@ amount = "/order/amount"
     let err: String = db.scalar("SELECT error FROM idemflow.dead_letters WHERE pipeline = 'ledger'").await;
     assert!(err.contains("23514") && err.contains("accounts_balance_check"), "{err}");
     assert_eq!(db.scalar::<i64>("SELECT count(*) FROM receipts").await, 6);
+}
+
+/// A `statement_timeout` that each statement keeps but the whole batch, run server-side as one call, does not: the
+/// batch is redone one statement at a time (each timed on its own) instead of being retried forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_past_statement_timeout_is_redone_one_statement_at_a_time() {
+    let db = TestDb::new(
+        "CREATE TABLE accounts (account_id text PRIMARY KEY, balance numeric NOT NULL);
+         INSERT INTO accounts VALUES ('A', 1000);
+         CREATE TABLE ledger (order_id text PRIMARY KEY, query text DEFAULT current_query());
+         DO $$ BEGIN EXECUTE format('ALTER DATABASE %I SET statement_timeout = %L', current_database(), '1s'); END $$;",
+    )
+    .await;
+    let kafka = Kafka::new();
+    kafka.create_topic("orders", 1);
+    // 10 ms a record: 150 records are 1.5 s as one call, 10 ms a statement.
+    let slow = r#"topics = ["orders"]
+[key]
+field = "/order/id"
+[sink]
+sql = [
+  "UPDATE accounts SET balance = balance - :amount WHERE account_id = 'A' AND pg_sleep(0.01)::text = ''",
+  "INSERT INTO ledger (order_id) VALUES (:order_id)",
+]
+[sink.params]
+order_id = "/order/id"
+amount = "/order/amount"
+[batch]
+max_wait = "500ms"
+"#;
+    let setup = Setup::new(&db, &kafka, &[("slow.toml", slow)]);
+    let records: Vec<Out> = (0..150).map(|i| Out::json(0, format!(r#"{{"order":{{"id":"o{i}","amount":"1"}}}}"#))).collect();
+    kafka.produce("orders", &records);
+    let worker = InProc::start(&setup).await;
+    worker.wait_received("slow", 150).await;
+    wait_until(Duration::from_secs(60), "every record applied", || async {
+        worker.metric("idemflow_records_applied_total", &[("pipeline", "slow")]) == 150.0
+    })
+    .await;
+    assert!(worker.stop().await.is_empty());
+    assert_eq!(db.scalar::<i64>("SELECT count(*) FROM idemflow.dead_letters").await, 0);
+    assert_eq!(db.scalar::<String>("SELECT balance::text FROM accounts").await, "850");
+    assert_eq!(
+        db.scalar::<i64>("SELECT count(*) FROM ledger WHERE query LIKE 'INSERT INTO ledger%'").await,
+        150,
+        "written one statement at a time, after the call was cancelled"
+    );
 }

@@ -98,7 +98,11 @@ enum Form {
 /// binding order (`NULL` for SQL NULL). Each statement reads its parameters as `$1[base + slot]` with the same cast
 /// as the per-record statement, runs as a PL/pgSQL SQL statement (planned once per session and kept, PostgreSQL
 /// docs, "PL/pgSQL Under the Hood: Plan Caching"), and an error aborts the call with the statement's own SQLSTATE,
-/// so the sink's slow path takes over exactly as after a per-statement error.
+/// so the sink's slow path takes over exactly as after a per-statement error. A `statement_timeout` times the whole
+/// call: a call it cancels fails with [`CANCELLED_LOOP`], a record's error, so the slow path redoes the batch one
+/// statement at a time. What differs from one round trip per statement: `current_query()` and
+/// `statement_timestamp()` are the call's for the whole batch, and `pg_stat_statements` and statement logs show the
+/// call (`track = all` shows the statements inside it).
 #[derive(Clone, Debug)]
 pub struct SqlLoop {
     /// `DO` block that creates the function unless the session has it.
@@ -108,6 +112,10 @@ pub struct SqlLoop {
     /// Values per record.
     width: usize,
 }
+
+/// The SQLSTATE of a server-side loop cancelled as a whole (`statement_timeout`): class P0, a record's error, so the
+/// batch is redone record by record.
+pub const CANCELLED_LOOP: &str = "P0I01";
 
 /// Dollar-quote tags of the function's body and of the `DO` block that creates it.
 const LOOP_TAG: &str = "$idemflow_loop$";
@@ -121,11 +129,23 @@ impl SqlLoop {
         if bodies.iter().any(|b| b.contains(LOOP_TAG) || b.contains(ENSURE_TAG)) {
             return None;
         }
+        if width == 0 {
+            // Nothing to loop over: the array would be empty whatever the batch.
+            return None;
+        }
         // `;` on a line of its own: a statement may end in a `--` comment.
         let statements: String = bodies.iter().map(|b| format!("    {b}\n    ;\n")).collect();
+        // A `statement_timeout` now times the whole batch, not each statement: a batch cancelled that way is redone
+        // one statement at a time, each timed on its own (SQLSTATE class P0 is a record's error: the sink's slow
+        // path), instead of being retried as it was, forever. (QUERY_CANCELED is caught only by name, PostgreSQL
+        // docs, "Trapping Errors".)
         let body = format!(
-            "\n#variable_conflict use_column\nDECLARE idemflow_base int;\nBEGIN\n  \
-             FOR idemflow_base IN 0 .. coalesce(array_length($1, 1), 0) - 1 BY {width} LOOP\n{statements}  END LOOP;\nEND\n"
+            "\n-- idemflow {}\n#variable_conflict use_column\nBEGIN\n  \
+             FOR idemflow_base IN 0 .. coalesce(array_length($1, 1), 0) - 1 BY {width} LOOP\n{statements}  END LOOP;\n\
+             EXCEPTION WHEN query_canceled THEN\n  \
+             RAISE EXCEPTION 'the batch''s statements, run as one call, were cancelled (statement_timeout?): redone one at a time' \
+             USING ERRCODE = '{CANCELLED_LOOP}', DETAIL = SQLERRM;\nEND\n",
+            env!("CARGO_PKG_VERSION")
         );
         use sha2::Digest as _;
         let hash = hex::encode(&sha2::Sha256::digest(body.as_bytes())[..8]);
