@@ -528,19 +528,8 @@ async fn copy_ceiling(url: &str, s: &Stream, total: usize) -> anyhow::Result<Run
             doc["created_at"].as_str().unwrap_or_default()
         ));
     }
-    let mut conn = PgConnection::connect(url).await?;
-    let started = Instant::now();
-    let mut tx = conn.begin().await?;
-    let mut copy = tx
-        .copy_in_raw(r#"COPY idemflow.dedup (pipeline, key_digest, business_key, topic, partition, "offset", fingerprint) FROM STDIN"#)
-        .await?;
-    copy.send(dedup.as_bytes()).await?;
-    copy.finish().await?;
-    let mut copy = tx.copy_in_raw("COPY orders (order_id, account_id, amount, currency, created_at) FROM STDIN").await?;
-    copy.send(orders.as_bytes()).await?;
-    copy.finish().await?;
-    tx.commit().await?;
-    let secs = started.elapsed().as_secs_f64();
+    let copy_dedup = r#"COPY idemflow.dedup (pipeline, key_digest, business_key, topic, partition, "offset", fingerprint) FROM STDIN"#;
+    let secs = copy_with_orders(url, copy_dedup, &dedup, &orders).await?;
     Ok(RunResult {
         id: "(3)".into(),
         name: "ceiling: COPY of the same dedup and business rows, no Kafka".into(),
@@ -550,6 +539,21 @@ async fn copy_ceiling(url: &str, s: &Stream, total: usize) -> anyhow::Result<Run
         note: format!("{} dedup rows and {} business rows for {total} records", s.firsts.len(), s.firsts.len()),
         ..RunResult::default()
     })
+}
+
+/// Loads `rows` with `copy` (a `COPY ... FROM STDIN` in text format) and `orders` into the business table, in one
+/// transaction on a new connection to `url`; returns the seconds from `BEGIN` to the end of `COMMIT`.
+async fn copy_with_orders(url: &str, copy: &str, rows: &str, orders: &str) -> anyhow::Result<f64> {
+    let mut conn = PgConnection::connect(url).await?;
+    let started = Instant::now();
+    let mut tx = conn.begin().await?;
+    for (sql, data) in [(copy, rows), ("COPY orders (order_id, account_id, amount, currency, created_at) FROM STDIN", orders)] {
+        let mut copy = tx.copy_in_raw(sql).await?;
+        copy.send(data.as_bytes()).await?;
+        copy.finish().await?;
+    }
+    tx.commit().await?;
+    Ok(started.elapsed().as_secs_f64())
 }
 
 /// Run (9): the business rows and one key row per distinct key, loaded with `COPY` into fresh tables (the key text
@@ -564,17 +568,7 @@ async fn minimal_copy_ceiling(url: &str, s: &Stream, total: usize) -> anyhow::Re
         orders.push_str(&row.join("\t"));
         orders.push('\n');
     }
-    let mut conn = PgConnection::connect(url).await?;
-    let started = Instant::now();
-    let mut tx = conn.begin().await?;
-    let mut copy = tx.copy_in_raw("COPY processed_keys (business_key) FROM STDIN").await?;
-    copy.send(keys.as_bytes()).await?;
-    copy.finish().await?;
-    let mut copy = tx.copy_in_raw("COPY orders (order_id, account_id, amount, currency, created_at) FROM STDIN").await?;
-    copy.send(orders.as_bytes()).await?;
-    copy.finish().await?;
-    tx.commit().await?;
-    let secs = started.elapsed().as_secs_f64();
+    let secs = copy_with_orders(url, "COPY processed_keys (business_key) FROM STDIN", &keys, &orders).await?;
     Ok(RunResult {
         id: "(9)".into(),
         name: "ceiling: COPY of the minimal rows (business rows, one key-text primary key row per key), no Kafka".into(),

@@ -30,12 +30,12 @@ async fn bench_runs_every_baseline_and_writes_markdown_and_json() {
     let (out, report) = bench(args, dir.path(), &json).await;
     let runs = report["runs"].as_array().unwrap();
     let ids: Vec<&str> = runs.iter().map(|r| r["id"].as_str().unwrap()).collect();
-    assert_eq!(ids, ["(1)", "(2)", "(3)", "(4)", "(5)", "(6)", "(7)"]);
+    assert_eq!(ids, ["(1)", "(2)", "(3)", "(4)", "(5)", "(6)", "(7)", "(8)", "(9)", "(10)", "(11)", "(12)"]);
     for r in runs {
         assert!(r["records_per_second"].as_f64().unwrap() > 0.0, "{r}");
         assert!(r["records"].as_u64().unwrap() > 0, "{r}");
     }
-    for worker_run in [0, 1, 3, 5, 6] {
+    for worker_run in [0, 1, 3, 5, 6, 7, 11] {
         let r = &runs[worker_run];
         assert!(r["cpu_us_per_record"].as_f64().unwrap() > 0.0, "{r}");
         assert!(r["peak_rss_mib"].as_f64().unwrap() > 1.0, "{r}");
@@ -51,9 +51,18 @@ async fn bench_runs_every_baseline_and_writes_markdown_and_json() {
             "(4) / (1)",
             "(6) / (1)",
             "(7) / (1), Redis against the Postgres table form",
-            "(7) / (5), Redis against consume-only"
+            "(7) / (5), Redis against consume-only",
+            "(8) / (1), the shipped example (SQL form) against the table form",
+            "(8) / (12), the shipped example: server-side loop against per-record round trips",
+            "(1) / (9), the table form against COPY of the minimal rows",
+            "(1) / (10), against a batched consumer written by hand",
+            "(1) / (11), against the guides' per-message consumer",
         ]
     );
+    assert!(runs[7]["note"].as_str().unwrap().contains("4000 received"), "the shipped example: {}", runs[7]);
+    for hand_written in [9, 10] {
+        assert!(runs[hand_written]["cpu_us_per_record"].as_f64().unwrap() > 0.0, "{}", runs[hand_written]);
+    }
     assert!(runs[6]["note"].as_str().unwrap().contains("4000 received"), "the Redis run: {}", runs[6]);
     let settings = report["environment"].to_string();
     assert!(settings.contains("synchronous_commit") && settings.contains("fsync"), "{settings}");
@@ -62,8 +71,8 @@ async fn bench_runs_every_baseline_and_writes_markdown_and_json() {
     assert!(out.contains("| ratio | measured | target |"), "{out}");
 }
 
-/// `idemflow bench --source rabbitmq`, small: the worker from a quorum queue into PostgreSQL and into Redis, and the
-/// consume-only ceiling, all run and written, with their ratios.
+/// `idemflow bench --source rabbitmq`, small: the worker from a quorum queue into PostgreSQL (table form and the
+/// shipped example) and into Redis, and the consume-only ceiling, all run and written, with their ratios.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bench_on_rabbitmq_runs_the_worker_and_the_consume_only_ceiling() {
     let dir = tempfile::tempdir().unwrap();
@@ -77,7 +86,7 @@ async fn bench_on_rabbitmq_runs_the_worker_and_the_consume_only_ceiling() {
     let (_, report) = bench(args, dir.path(), &json).await;
     let runs = report["runs"].as_array().unwrap();
     let ids: Vec<&str> = runs.iter().map(|r| r["id"].as_str().unwrap()).collect();
-    assert_eq!(ids, ["(1)", "(5)", "(7)"]);
+    assert_eq!(ids, ["(1)", "(5)", "(7)", "(8)"]);
     for r in runs {
         assert!(r["records"].as_u64().unwrap() > 0, "{r}");
         assert!(r["records_per_second"].as_f64().unwrap() > 0.0, "{r}");
@@ -86,6 +95,11 @@ async fn bench_on_rabbitmq_runs_the_worker_and_the_consume_only_ceiling() {
     assert_eq!(report["ratios"][0][0].as_str().unwrap(), "(1) / (5), RabbitMQ");
     assert_eq!(report["ratios"][2][0].as_str().unwrap(), "(7) / (5), RabbitMQ: Redis against consume-only");
     assert!(runs[2]["note"].as_str().unwrap().contains("5000 received"), "the Redis run: {}", runs[2]);
+    assert!(runs[3]["note"].as_str().unwrap().contains("5000 received"), "the shipped example: {}", runs[3]);
+    assert_eq!(
+        report["ratios"][3][0].as_str().unwrap(),
+        "(8) / (1), RabbitMQ: the shipped example (SQL form) against the table form"
+    );
     assert!(std::fs::read_to_string(&md).unwrap().contains("RabbitMQ"));
 }
 
