@@ -299,7 +299,8 @@ async fn a_database_outage_of_30_seconds_requeues_nothing() {
     let all = messages(&s);
     let (first, rest) = all.split_at(all.len() / 3);
     client.publish(&queue, first).await;
-    let setup = Setup::rabbitmq(&db, url, &[("payments.toml", &example(&queue))], "");
+    // Batches of 500, so the prefetch window is 1,000 (twice max_records), a third of the stream.
+    let setup = Setup::rabbitmq(&db, url, &[("payments.toml", &with_max_records(&example(&queue), 500))], "");
     let w = InProc::start(&setup).await;
     w.wait_received("payments", 500).await;
     cluster.stop().unwrap();
