@@ -174,7 +174,7 @@ async fn crash_loop_sigkill_at_random_moments() {
     let ns = rocketmq::shared();
     let topic = format!("payments-{}", unique());
     let db = payments_db(None).await;
-    let s = payments(19_500, 4, false);
+    let s = payments(39_000, 4, false);
     assert!(s.records.len() >= 20_000, "{}", s.records.len());
     let msgs = messages(&s);
     let mut producer = Producer::start(ns).await;
