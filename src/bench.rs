@@ -24,10 +24,13 @@
 //!     row if the key was new, `COMMIT`, then a synchronous offset commit), over the prefix of run (2);
 //! 12. run (8) with one round trip per statement and record, as before the server-side loop: its `INSERT` given a
 //!     `RETURNING` clause (a statement that returns rows keeps the per-record round trips), over the prefix of
-//!     run (2).
+//!     run (2);
+//! 13. the same side effect as (8) in the set-based form, as `examples/batch-sql/payments.toml` ships it
+//!     (`batch_sql`: one `INSERT ... SELECT ... FROM new_records` and one `UPDATE accounts ... FROM` the batch's sums
+//!     per account, per batch), on the same tables.
 //!
 //! With `--database-url mysql://...` (or `mariadb://`) runs (1), (2), (5) and (6) run on MySQL or MariaDB; (3), (4)
-//! and (8) to (12) are PostgreSQL's.
+//! and (8) to (13) are PostgreSQL's.
 //!
 //! With `--source rabbitmq` the same stream is published to quorum queues of a throwaway RabbitMQ node instead
 //! (message-id = order id, persistent, publisher confirms), and these runs compare: (1) the worker, table form, from a
@@ -74,7 +77,7 @@ pub struct BenchOptions {
     pub markdown: PathBuf,
     /// Where the JSON goes.
     pub json: PathBuf,
-    /// Only these runs (1..=12); all when empty (a ratio needs both of its runs).
+    /// Only these runs (1..=13); all when empty (a ratio needs both of its runs).
     pub only: Vec<u8>,
     /// Run each worker under `perf record -g` (output `perf-<run>.data` in the current directory).
     pub perf: bool,
@@ -226,13 +229,22 @@ fn sql_pipeline() -> String {
 /// fields it reads: `/order/id`, `/order/account`, `/order/amount`, `/order/currency`; `paid_at` and `details`
 /// are optional and absent).
 fn payments_pipeline() -> String {
-    let shipped = include_str!("../pipelines/payments.toml");
+    on_bench_topic(include_str!("../pipelines/payments.toml"))
+}
+
+/// The set-based form of the shipped example, `examples/batch-sql/payments.toml`, on the bench's topic.
+fn batch_payments_pipeline() -> String {
+    on_bench_topic(include_str!("../examples/batch-sql/payments.toml"))
+}
+
+/// A payments pipeline file (`topics = ["payments"]`) renamed to the bench's pipeline and moved to its topic.
+fn on_bench_topic(shipped: &str) -> String {
     let text = shipped.replace("topics = [\"payments\"]", &format!("name = \"{PIPELINE}\"\ntopics = [\"{TOPIC}\"]"));
-    assert_ne!(text, shipped, "pipelines/payments.toml names its topic as `topics = [\"payments\"]`");
+    assert_ne!(text, shipped, "a payments pipeline file names its topic as `topics = [\"payments\"]`");
     text
 }
 
-/// A database for run (8): migrated, with `pipelines/payments.sql` and the stream's 10,000 accounts.
+/// A database for runs (8), (12) and (13): migrated, with `pipelines/payments.sql` and the stream's 10,000 accounts.
 async fn payments_database(admin_url: &str, name: &str) -> anyhow::Result<String> {
     let url = fresh_database(admin_url, name).await?;
     let mut conn = PgConnection::connect(&url).await?;
@@ -897,18 +909,24 @@ pub async fn run(o: BenchOptions) -> anyhow::Result<Report> {
     let report_run = |r: &RunResult| eprintln!("{} {}: {:.0} records/s ({})", r.id, r.name, r.records_per_second, r.note);
 
     // On MySQL/MariaDB, runs (3) and (4) are PostgreSQL's (a COPY ceiling, a preload with generate_series).
-    let want = |n: u8| (o.only.is_empty() || o.only.contains(&n)) && !(mysql && matches!(n, 3 | 4 | 8..=12));
+    let want = |n: u8| (o.only.is_empty() || o.only.contains(&n)) && !(mysql && matches!(n, 3 | 4 | 8..=13));
     let perf = o.perf;
     if mysql {
-        eprintln!("MySQL/MariaDB: runs (1), (2), (5) and (6); (3), (4) and (8) to (12) are PostgreSQL's");
+        eprintln!("MySQL/MariaDB: runs (1), (2), (5) and (6); (3), (4) and (8) to (13) are PostgreSQL's");
     }
 
-    for n in 1..=12u8 {
+    for n in 1..=13u8 {
         if !want(n) {
             continue;
         }
-        if (8..=12).contains(&n) {
+        if (8..=13).contains(&n) {
             let r = match n {
+                13 => {
+                    let url = payments_database(&admin_url, "bench_13").await?;
+                    let name = "idemflow, the shipped example in the set-based form, examples/batch-sql/payments.toml (batch_sql)";
+                    let run = WorkerRun { id: "(13)", name, pipeline: batch_payments_pipeline(), group: "bench-13", target: total };
+                    worker_run(run, &kafka_settings(&kafka), &url, perf).await?
+                }
                 12 => {
                     let url = payments_database(&admin_url, "bench_12").await?;
                     let name = "idemflow, the shipped example with one round trip per statement and record (its INSERT given RETURNING)";
@@ -1011,6 +1029,7 @@ pub async fn run(o: BenchOptions) -> anyhow::Result<Report> {
     ratio("(7) / (5), Redis against consume-only", rate("(7)"), rate("(5)"), ">= 0.60");
     ratio("(8) / (1), the shipped example (SQL form) against the table form", rate("(8)"), rate("(1)"), ">= 0.50");
     ratio("(8) / (12), the shipped example: server-side loop against per-record round trips", rate("(8)"), rate("(12)"), "(measured)");
+    ratio("(13) / (1), the shipped example's set-based form (batch_sql) against the table form", rate("(13)"), rate("(1)"), ">= 0.50");
     ratio("(1) / (9), the table form against COPY of the minimal rows", rate("(1)"), rate("(9)"), ">= 0.50");
     ratio("(1) / (10), against a batched consumer written by hand", rate("(1)"), rate("(10)"), "(measured)");
     ratio("(1) / (11), against the guides' per-message consumer", rate("(1)"), rate("(11)"), "(measured)");

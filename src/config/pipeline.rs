@@ -289,6 +289,14 @@ pub enum SinkSpec {
         /// The value of each named parameter.
         params: Vec<Binding>,
     },
+    /// Statements run once per batch over the batch's new records as the relation `new_records` (`[sink]
+    /// batch_sql`, PostgreSQL only): set-based, so a batch costs one round trip per statement whatever its size.
+    BatchSql {
+        /// The statements, without parameters (they read `new_records`).
+        statements: Vec<Statement>,
+        /// The columns of `new_records`, in order, each with its PostgreSQL type in [`Binding::type_name`].
+        columns: Vec<Binding>,
+    },
     /// Redis commands run for each new record, in order, by the batch's script in Redis (`[sink] redis`).
     Redis {
         /// The commands, placeholders located.
@@ -313,7 +321,7 @@ impl SinkSpec {
     /// The store this side effect runs in.
     pub fn store(&self) -> StoreKind {
         match self {
-            SinkSpec::Table { .. } | SinkSpec::Sql { .. } => StoreKind::Database,
+            SinkSpec::Table { .. } | SinkSpec::Sql { .. } | SinkSpec::BatchSql { .. } => StoreKind::Database,
             SinkSpec::Redis { .. } => StoreKind::Redis,
         }
     }
@@ -346,6 +354,9 @@ pub struct Binding {
     /// `type = ...`: the target's type, for the SQL form on a store that does not infer parameter types (MySQL and
     /// MariaDB). PostgreSQL reads every parameter's type from the statement and ignores it.
     pub declared: Option<DeclaredType>,
+    /// `type = ...` of a `batch_sql` column: the PostgreSQL type of that column of `new_records` as written
+    /// (`numeric`, `timestamptz`, `jsonb`); `None` is `text`. Resolved by the server when the pipeline starts.
+    pub type_name: Option<String>,
 }
 
 /// A parameter's declared target type (`type = "decimal" | "integer" | "timestamp" | "datetime" | "json"` in
@@ -527,6 +538,7 @@ struct RawSink {
     on_conflict: Option<OnConflict>,
     conflict_columns: Option<Vec<String>>,
     sql: Option<RawSql>,
+    batch_sql: Option<RawSql>,
     redis: Option<Vec<Vec<String>>>,
     params: Option<BTreeMap<String, toml::Value>>,
     time_zone: Option<String>,
@@ -779,6 +791,7 @@ fn check_bindings_for_source(source: &SourceSpec, sink: &SinkSpec, e: &mut Error
     let (table, bindings) = match sink {
         SinkSpec::Table { columns, .. } => ("sink.columns", columns),
         SinkSpec::Sql { params, .. } | SinkSpec::Redis { params, .. } => ("sink.params", params),
+        SinkSpec::BatchSql { columns, .. } => ("sink.params", columns),
     };
     for b in bindings {
         let why = match (source, &b.source) {
@@ -978,9 +991,13 @@ fn validate_key(raw: &RawKey, e: &mut Errors<'_>) -> Option<KeySpec> {
 }
 
 fn validate_sink(raw: RawSink, dialect: Dialect, e: &mut Errors<'_>) -> Option<SinkSpec> {
-    let forms = [raw.table.is_some(), raw.sql.is_some(), raw.redis.is_some()].iter().filter(|set| **set).count();
+    let forms =
+        [raw.table.is_some(), raw.sql.is_some(), raw.batch_sql.is_some(), raw.redis.is_some()].iter().filter(|set| **set).count();
     if forms != 1 {
-        e.push("sink", "set exactly one of table (with [sink.columns]), sql (with [sink.params]) or redis (with [sink.params])");
+        e.push(
+            "sink",
+            "set exactly one of table (with [sink.columns]), sql or batch_sql (with [sink.params]) or redis (with [sink.params])",
+        );
         return None;
     }
     if let Some(commands) = raw.redis {
@@ -1018,7 +1035,7 @@ fn validate_sink(raw: RawSink, dialect: Dialect, e: &mut Errors<'_>) -> Option<S
                 e.push(&format!("sink.params.{name}"), format!("is not used in sink.redis (no {{{name}}} there)"));
             }
         }
-        let params = bindings(raw_params, "sink.params", e)?;
+        let params = bindings(raw_params, "sink.params", false, e)?;
         return Some(SinkSpec::Redis { commands: parsed, params });
     }
     if let Some(table) = raw.table {
@@ -1036,7 +1053,7 @@ fn validate_sink(raw: RawSink, dialect: Dialect, e: &mut Errors<'_>) -> Option<S
         if columns.is_empty() {
             e.push("sink.columns", "map at least one column to a value");
         }
-        let columns = bindings(columns, "sink.columns", e);
+        let columns = bindings(columns, "sink.columns", false, e);
         return Some(SinkSpec::Table { table, columns: columns?, on_conflict, conflict_columns: raw.conflict_columns });
     }
     for (set, field) in [
@@ -1045,8 +1062,11 @@ fn validate_sink(raw: RawSink, dialect: Dialect, e: &mut Errors<'_>) -> Option<S
         (raw.conflict_columns.is_some(), "sink.conflict_columns"),
     ] {
         if set {
-            e.push(field, "belongs to the table form; the sql form uses [sink.params]");
+            e.push(field, "belongs to the table form; the sql and batch_sql forms use [sink.params]");
         }
+    }
+    if let Some(texts) = raw.batch_sql {
+        return validate_batch_sql(texts, raw.params.unwrap_or_default(), dialect, e);
     }
     let texts = match raw.sql.expect("checked above") {
         RawSql::One(s) => vec![s],
@@ -1083,17 +1103,66 @@ fn validate_sink(raw: RawSink, dialect: Dialect, e: &mut Errors<'_>) -> Option<S
             e.push(&format!("sink.params.{name}"), format!("is not used in sink.sql (no :{name} there)"));
         }
     }
-    let params = bindings(raw_params, "sink.params", e)?;
+    let params = bindings(raw_params, "sink.params", false, e)?;
     Some(SinkSpec::Sql { statements, params })
 }
 
-fn bindings(raw: BTreeMap<String, toml::Value>, table: &str, e: &mut Errors<'_>) -> Option<Vec<Binding>> {
-    let list: Vec<_> = raw.into_iter().map(|(name, v)| binding(&name, v, &format!("{table}.{name}"), e)).collect();
+/// The `batch_sql` form: statements over `new_records`, whose columns are `[sink.params]`.
+fn validate_batch_sql(
+    texts: RawSql,
+    raw_params: BTreeMap<String, toml::Value>,
+    dialect: Dialect,
+    e: &mut Errors<'_>,
+) -> Option<SinkSpec> {
+    if dialect == Dialect::MySql {
+        e.push("sink.batch_sql", "runs on PostgreSQL only: on MySQL/MariaDB write per-record statements in sink.sql");
+        return None;
+    }
+    let texts = match texts {
+        RawSql::One(s) => vec![s],
+        RawSql::Many(v) => v,
+    };
+    let mut statements = Vec::new();
+    for (i, text) in texts.iter().enumerate() {
+        let field = if texts.len() == 1 { "sink.batch_sql".to_owned() } else { format!("sink.batch_sql[{i}]") };
+        match template::parse_in(text, dialect) {
+            Ok(parsed) => {
+                let several = parsed.len() > 1;
+                for (n, mut s) in parsed.into_iter().enumerate() {
+                    s.origin = if several { format!("{field} (statement {})", n + 1) } else { field.clone() };
+                    if let Some(name) = s.params.first() {
+                        e.push(
+                            &s.origin,
+                            format!("reads the batch as the relation new_records: write new_records.{name} (a column), not :{name}"),
+                        );
+                    }
+                    statements.push(s);
+                }
+            }
+            Err(err) => e.push(&field, err.to_string()),
+        }
+    }
+    if statements.is_empty() && e.list.is_empty() {
+        e.push("sink.batch_sql", "holds no statement");
+    }
+    if raw_params.is_empty() {
+        e.push("sink.params", "name at least one column of new_records and where its value comes from");
+    }
+    let columns = bindings(raw_params, "sink.params", true, e)?;
+    Some(SinkSpec::BatchSql { statements, columns })
+}
+
+/// The bindings of one table of the file; `free_types`: `type` names a PostgreSQL type (a `batch_sql` column),
+/// otherwise one of [`DeclaredType`].
+fn bindings(raw: BTreeMap<String, toml::Value>, table: &str, free_types: bool, e: &mut Errors<'_>) -> Option<Vec<Binding>> {
+    let list: Vec<_> =
+        raw.into_iter().map(|(name, v)| binding(&name, v, &format!("{table}.{name}"), free_types, e)).collect();
     list.into_iter().collect()
 }
 
-fn binding(name: &str, value: toml::Value, field: &str, e: &mut Errors<'_>) -> Option<Binding> {
-    let plain = |source| Binding { name: name.to_owned(), source, default: None, optional: false, declared: None };
+fn binding(name: &str, value: toml::Value, field: &str, free_types: bool, e: &mut Errors<'_>) -> Option<Binding> {
+    let plain =
+        |source| Binding { name: name.to_owned(), source, default: None, optional: false, declared: None, type_name: None };
     let table = match value {
         toml::Value::String(path) => return path_or_error(&path, field, e).map(|p| plain(ValueSource::Field(p))),
         toml::Value::Table(table) => table,
@@ -1107,6 +1176,7 @@ fn binding(name: &str, value: toml::Value, field: &str, e: &mut Errors<'_>) -> O
     let mut default = None;
     let mut optional = false;
     let mut declared = None;
+    let mut type_name = None;
     for (k, v) in table {
         let sub = format!("{field}.{k}");
         match (k.as_str(), v) {
@@ -1147,6 +1217,12 @@ fn binding(name: &str, value: toml::Value, field: &str, e: &mut Errors<'_>) -> O
                 other => e.push(&sub, format!("expected a string, number or boolean, found {}", other.type_str())),
             },
             ("optional", toml::Value::Boolean(b)) => optional = b,
+            ("type", toml::Value::String(t)) if free_types => {
+                if t.trim().is_empty() {
+                    e.push(&sub, "must name a PostgreSQL type (such as numeric, timestamptz, jsonb, text[])");
+                }
+                type_name = Some(t);
+            }
             ("type", toml::Value::String(t)) => match DeclaredType::deserialize(toml::Value::String(t.clone())) {
                 Ok(t) => declared = Some(t),
                 Err(_) => e.push(&sub, format!("{t:?} is not one of decimal, integer, timestamp, datetime, json")),
@@ -1167,7 +1243,7 @@ fn binding(name: &str, value: toml::Value, field: &str, e: &mut Errors<'_>) -> O
     if default.is_some() && optional {
         e.push(field, "set default or optional = true, not both (a default already makes the value optional)");
     }
-    Some(Binding { default, optional, declared, ..plain(source?) })
+    Some(Binding { default, optional, declared, type_name, ..plain(source?) })
 }
 
 #[cfg(test)]
@@ -1349,5 +1425,32 @@ msg = { header = "message-id" }
         assert_eq!(by_name("source_topic").source, ValueSource::Meta(Meta::Topic));
         assert_eq!(by_name("rk").source, ValueSource::RecordKey);
         assert_eq!(by_name("msg").source, ValueSource::Header("message-id".into()));
+    }
+
+    #[test]
+    fn batch_sql_reads_new_records_with_typed_columns_on_postgres_only() {
+        let base = "topics = [\"t\"]\n[key]\nfield = \"/id\"\n[sink]\nbatch_sql = [\"INSERT INTO t SELECT id, amount FROM new_records\"]\n\
+                    [sink.params]\nid = \"/id\"\namount = { field = \"/amount\", type = \"numeric(12, 2)\" }\n";
+        let p = load(base).unwrap();
+        let SinkSpec::BatchSql { statements, columns } = &p.sink else { panic!("{:?}", p.sink) };
+        assert_eq!(statements.len(), 1);
+        assert_eq!(statements[0].origin, "sink.batch_sql");
+        assert_eq!(columns.iter().map(|c| (c.name.as_str(), c.type_name.as_deref())).collect::<Vec<_>>(), [("amount", Some("numeric(12, 2)")), ("id", None)]);
+        assert_eq!(p.sink.store(), StoreKind::Database);
+        let fields = |text: &str| load(text).unwrap_err().into_iter().map(|e| format!("{}: {}", e.field, e.message)).collect::<Vec<_>>();
+        let e = fields(&base.replace("FROM new_records", "FROM new_records WHERE amount > :floor"));
+        assert_eq!(e, ["sink.batch_sql: reads the batch as the relation new_records: write new_records.floor (a column), not :floor"]);
+        let e = fields(&base.replace("[sink.params]", "sql = \"SELECT 1\"\n[sink.params]"));
+        assert!(e[0].starts_with("sink: set exactly one of table (with [sink.columns]), sql or batch_sql"), "{e:?}");
+        let e = fields(&base.replace("numeric(12, 2)", " "));
+        assert_eq!(e, ["sink.params.amount.type: must name a PostgreSQL type (such as numeric, timestamptz, jsonb, text[])"]);
+        let e = fields(&format!("{base}[sink.columns]\nid = \"/id\"\n"));
+        assert!(e[0].starts_with("sink.columns: belongs to the table form"), "{e:?}");
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.toml");
+        std::fs::write(&path, base).unwrap();
+        let e = load_file_in(&path, Dialect::MySql).unwrap_err();
+        assert_eq!(e[0].field, "sink.batch_sql");
+        assert!(e[0].message.starts_with("runs on PostgreSQL only"), "{e:?}");
     }
 }

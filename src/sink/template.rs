@@ -101,6 +101,57 @@ pub enum TemplateError {
     },
 }
 
+/// Where a `WITH` list may be extended, when `sql` (PostgreSQL) starts with one: the byte offset just after its
+/// leading `WITH` (or `WITH RECURSIVE`), white space and comments before it skipped. `None` when the statement
+/// starts otherwise. A common table expression put there comes first in the statement's list, and a
+/// non-recursive one may stand in a `WITH RECURSIVE` list (PostgreSQL docs, "WITH Queries").
+pub fn after_leading_with(sql: &str) -> Option<usize> {
+    let word = |at: usize, w: &str| {
+        let end = at + w.len();
+        sql.get(at..end).is_some_and(|s| s.eq_ignore_ascii_case(w))
+            && sql.as_bytes().get(end).is_none_or(|c| !(c.is_ascii_alphanumeric() || *c == b'_' || *c == b'$' || *c >= 0x80))
+    };
+    let at = skip_space_and_comments(sql, 0);
+    if !word(at, "with") {
+        return None;
+    }
+    let after = at + "with".len();
+    let next = skip_space_and_comments(sql, after);
+    Some(if word(next, "recursive") { next + "recursive".len() } else { after })
+}
+
+/// The offset of the first byte at or after `i` that is neither white space nor in a comment (PostgreSQL's
+/// `--` to the end of the line and nested `/* */`); an unterminated comment runs to the end.
+fn skip_space_and_comments(sql: &str, mut i: usize) -> usize {
+    let b = sql.as_bytes();
+    loop {
+        while i < b.len() && b[i].is_ascii_whitespace() {
+            i += 1;
+        }
+        if b[i..].starts_with(b"--") {
+            i = sql[i..].find('\n').map_or(b.len(), |n| i + n + 1);
+        } else if b[i..].starts_with(b"/*") {
+            let mut depth = 0;
+            while i < b.len() {
+                if b[i..].starts_with(b"/*") {
+                    depth += 1;
+                    i += 2;
+                } else if b[i..].starts_with(b"*/") {
+                    depth -= 1;
+                    i += 2;
+                    if depth == 0 {
+                        break;
+                    }
+                } else {
+                    i += 1;
+                }
+            }
+        } else {
+            return i;
+        }
+    }
+}
+
 /// Splits `sql` into statements and locates their named parameters, by PostgreSQL's rules.
 pub fn parse(sql: &str) -> Result<Vec<Statement>, TemplateError> {
     parse_in(sql, Dialect::Postgres)
@@ -321,5 +372,20 @@ mod tests {
     fn array_slices_are_not_parameters() {
         let got = rendered("SELECT a[lo:hi], a[1:2], b[:n] FROM t WHERE c = :c");
         assert_eq!(got[0].1, vec!["n", "c"]);
+    }
+
+    #[test]
+    fn a_leading_with_is_found_after_comments_and_recursive_is_kept() {
+        fn at(sql: &str) -> Option<&str> {
+            after_leading_with(sql).map(|i| &sql[..i])
+        }
+        assert_eq!(at("WITH t AS (SELECT 1) SELECT * FROM t"), Some("WITH"));
+        assert_eq!(at("  -- lead\n /* a /* nested */ comment */ with recursive t AS (SELECT 1) SELECT 1"), Some("  -- lead\n /* a /* nested */ comment */ with recursive"));
+        assert_eq!(at("With\n-- c\nRECURSIVE\tt AS (SELECT 1) SELECT 1"), Some("With\n-- c\nRECURSIVE"));
+        assert_eq!(at("WITH recursive_t AS (SELECT 1) SELECT 1"), Some("WITH"));
+        assert_eq!(at("INSERT INTO t WITH x AS (SELECT 1) SELECT * FROM x"), None);
+        assert_eq!(at("WITHOUT"), None);
+        assert_eq!(at("-- only a comment"), None);
+        assert_eq!(at(""), None);
     }
 }

@@ -361,3 +361,102 @@ max_wait = "500ms"
         "written one statement at a time, after the call was cancelled"
     );
 }
+
+/// `batch_sql`: each statement runs once per batch over the batch's new records as the relation `new_records`
+/// (typed as `[sink.params]` says, put first in a statement's own `WITH` list), and when a statement fails the
+/// batch is redone one record at a time in batch order, so only the failing records are dead-lettered and the
+/// others see exactly what per-record statements would have left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batch_sql_runs_once_per_batch_over_new_records_and_isolates_failing_records() {
+    let db = TestDb::new(
+        "CREATE TABLE accounts (account_id text PRIMARY KEY, balance numeric NOT NULL CHECK (balance >= 0));
+         INSERT INTO accounts VALUES ('A', 10), ('B', 10);
+         CREATE TABLE ledger (order_id text PRIMARY KEY, account_id text NOT NULL REFERENCES accounts,
+                              amount numeric NOT NULL, paid_at timestamptz, details jsonb, query text DEFAULT current_query());",
+    )
+    .await;
+    let kafka = Kafka::new();
+    kafka.create_topic("orders", 1);
+    let pipeline = r#"topics = ["orders"]
+[key]
+field = "/order/id"
+[sink]
+batch_sql = [
+  "INSERT INTO ledger (order_id, account_id, amount, paid_at, details) SELECT order_id, account, amount, paid_at, details FROM new_records -- a comment ends the line",
+  """-- its own WITH list, after a comment
+     with Recursive totals AS (SELECT account, sum(amount) AS total FROM new_records GROUP BY account)
+     UPDATE accounts SET balance = balance - totals.total FROM totals WHERE accounts.account_id = totals.account""",
+]
+[sink.params]
+order_id = "/order/id"
+account = "/order/account"
+amount = { field = "/order/amount", type = "numeric(12, 2)" }
+paid_at = { field = "/paid_at", optional = true, type = "timestamptz" }
+details = { field = "/order/details", optional = true, type = "jsonb" }
+"#;
+    let setup = Setup::new(&db, &kafka, &[("ledger.toml", pipeline)]);
+    let order = |id: &str, account: &str, amount: &str| {
+        Out::json(0, format!(r#"{{"order":{{"id":"{id}","account":"{account}","amount":"{amount}"}}}}"#))
+    };
+    let first = vec![
+        Out::json(
+            0,
+            r#"{"order":{"id":"o1","account":"A","amount":"3","details":{"tags":["a","b"]}},"paid_at":"2026-11-29T10:00:00+01:00"}"#.to_owned(),
+        ),
+        order("o2", "A", "4"),
+        order("o1", "A", "3"),
+        order("p1", "B", "1.5"),
+    ];
+    kafka.produce("orders", &first);
+    let worker = InProc::start(&setup).await;
+    worker.wait_received("ledger", first.len() as u64).await;
+    assert_eq!(
+        db.scalar::<i64>("SELECT count(*) FROM ledger WHERE query LIKE '%WITH new_records AS (SELECT%'").await,
+        3,
+        "o1, o2 and p1 were written by the set-based statement"
+    );
+    assert_eq!(db.scalar::<String>("SELECT string_agg(balance::text, ',' ORDER BY account_id) FROM accounts").await, "3,8.5");
+    assert!(db.scalar::<bool>("SELECT paid_at = '2026-11-29T09:00:00Z' AND details->'tags'->>1 = 'b' FROM ledger WHERE order_id = 'o1'").await);
+    // o3 would take A below zero and q1's account does not exist: the batch's statements fail, and the batch is
+    // redone record by record: o3 and q1 are dead-lettered alone, o4 after o3 sees the balance o3 left untouched.
+    let second = vec![order("o3", "A", "5"), order("o4", "A", "2"), order("q1", "Z", "1"), order("p2", "B", "8.5")];
+    kafka.produce("orders", &second);
+    worker.wait_received("ledger", (first.len() + second.len()) as u64).await;
+    assert_eq!(worker.metric("idemflow_records_applied_total", &[("pipeline", "ledger")]), 5.0);
+    assert_eq!(worker.metric("idemflow_dead_letters_total", &[("pipeline", "ledger"), ("reason", "side_effect_rejected")]), 2.0);
+    assert!(worker.stop().await.is_empty());
+    assert_eq!(db.scalar::<String>("SELECT string_agg(order_id || '=' || amount, ',' ORDER BY order_id) FROM ledger").await, "o1=3,o2=4,o4=2,p1=1.5,p2=8.5");
+    assert_eq!(db.scalar::<String>("SELECT string_agg(balance::text, ',' ORDER BY account_id) FROM accounts").await, "1,0.0");
+    let errors: String = db.scalar("SELECT string_agg(convert_from(payload, 'UTF8') || ' ' || error, ' | ' ORDER BY \"offset\") FROM idemflow.dead_letters WHERE pipeline = 'ledger'").await;
+    let (o3, q1) = errors.split_once(" | ").expect("two dead letters");
+    assert!(o3.contains("\"o3\"") && o3.contains("accounts_balance_check"), "{errors}");
+    assert!(q1.contains("\"q1\"") && q1.contains("23503"), "{errors}");
+}
+
+/// `check` resolves a `batch_sql` column's type in the database and names the parameter whose type does not
+/// exist; a statement that does not parse is named by its place in `sink.batch_sql`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_names_a_batch_sql_column_of_an_unknown_type_and_a_bad_statement() {
+    let db = TestDb::new("CREATE TABLE t (id text PRIMARY KEY, amount numeric);").await;
+    let kafka = Kafka::new();
+    kafka.create_topic("t", 1);
+    let pipeline = |statement: &str, amount_type: &str| {
+        format!("topics = [\"t\"]\n[key]\nfield = \"/id\"\n[sink]\nbatch_sql = [\"{statement}\"]\n[sink.params]\nid = \"/id\"\namount = {{ field = \"/a\", type = \"{amount_type}\" }}\n")
+    };
+    let good = "INSERT INTO t SELECT id, amount FROM new_records";
+    for (text, want) in [
+        (pipeline(good, "numerc"), vec!["sink.params.amount", "type \"numerc\" does not exist"]),
+        (pipeline("INSERT INTO t SELECT id, amount FROM new_record", "numeric"), vec!["sink.batch_sql", "new_record"]),
+    ] {
+        let setup = Setup::new(&db, &kafka, &[("t.toml", &text)]);
+        let (status, out, err) = idemflow(&["check", "--config", setup.config.to_str().unwrap()], setup.dir.path());
+        assert!(!status.success(), "{out}{err}");
+        let all = format!("{out}{err}");
+        for w in want {
+            assert!(all.contains(w), "{w:?} in {all}");
+        }
+    }
+    let setup = Setup::new(&db, &kafka, &[("t.toml", &pipeline(good, "numeric"))]);
+    let (status, out, err) = idemflow(&["check", "--config", setup.config.to_str().unwrap()], setup.dir.path());
+    assert!(status.success(), "{out}{err}");
+}

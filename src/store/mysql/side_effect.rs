@@ -144,6 +144,10 @@ impl SideEffect {
                 prepare_table(conn, table, columns, *on_conflict, conflict_columns.as_deref()).await
             }
             SinkSpec::Sql { statements, params } => prepare_sql(conn, statements, params).await,
+            SinkSpec::BatchSql { .. } => Err(prepare_error(
+                "sink.batch_sql",
+                "runs on PostgreSQL only: on MySQL/MariaDB write per-record statements in sink.sql".to_owned(),
+            )),
             SinkSpec::Redis { .. } => Err(prepare_error("sink.redis", "a Redis side effect runs in [redis], not in the database".to_owned())),
         }
     }

@@ -81,6 +81,9 @@ enum Form {
     Table { sql: String, columns: usize },
     /// Statements run per record; with the server-side loop when the statements allow one.
     Sql { statements: Vec<PreparedStatement>, server_loop: Option<SqlLoop> },
+    /// `batch_sql`: each statement once per batch, `new_records` built from one text array per column (parameter
+    /// `n` is column `n`'s), and the number of columns.
+    Batch { statements: Vec<String>, columns: usize },
 }
 
 /// The SQL form's statements as one PL/pgSQL function over a batch, so a batch of new records costs one round trip
@@ -344,6 +347,7 @@ impl SideEffect {
                 prepare_table(&mut tx, table, columns, *on_conflict, conflict_columns.as_deref()).await
             }
             SinkSpec::Sql { statements, params } => prepare_sql(&mut tx, statements, params).await,
+            SinkSpec::BatchSql { statements, columns } => prepare_batch(&mut tx, statements, columns).await,
             SinkSpec::Redis { .. } => {
                 return Err(PrepareError { field: "sink.redis".into(), message: "a Redis side effect runs in [redis], not in the database".into(), unavailable: false })
             }
@@ -376,7 +380,13 @@ impl SideEffect {
     /// Applies the side effect for all `rows` (the fast path).
     pub async fn apply_all(&self, conn: &mut PgConnection, rows: &[&Apply]) -> Result<(), sqlx::Error> {
         match &self.form {
-            Form::Table { sql, columns } => insert_rows(conn, sql, *columns, rows).await,
+            Form::Table { sql, columns } => run_over_columns(conn, sql, *columns, rows).await,
+            Form::Batch { statements, columns } => {
+                for sql in statements {
+                    run_over_columns(conn, sql, *columns, rows).await?;
+                }
+                Ok(())
+            }
             Form::Sql { server_loop: Some(l), .. } if !rows.is_empty() => l.run(conn, rows).await,
             Form::Sql { statements, .. } => {
                 for row in rows {
@@ -390,14 +400,20 @@ impl SideEffect {
     /// Applies the side effect for one record (the slow path).
     pub async fn apply_one(&self, conn: &mut PgConnection, row: &Apply) -> Result<(), sqlx::Error> {
         match &self.form {
-            Form::Table { sql, columns } => insert_rows(conn, sql, *columns, &[row]).await,
+            Form::Table { sql, columns } => run_over_columns(conn, sql, *columns, &[row]).await,
+            Form::Batch { statements, columns } => {
+                for sql in statements {
+                    run_over_columns(conn, sql, *columns, &[row]).await?;
+                }
+                Ok(())
+            }
             Form::Sql { statements, .. } => run_statements(conn, statements, row).await,
         }
     }
 }
 
-/// The table form: one statement, one text array per column.
-async fn insert_rows(conn: &mut PgConnection, sql: &str, columns: usize, rows: &[&Apply]) -> Result<(), sqlx::Error> {
+/// The table form's statement or one of the `batch_sql` form's: one text array per column, all `rows` at once.
+async fn run_over_columns(conn: &mut PgConnection, sql: &str, columns: usize, rows: &[&Apply]) -> Result<(), sqlx::Error> {
     if rows.is_empty() {
         return Ok(());
     }
@@ -643,6 +659,55 @@ async fn prepare_sql(
         }
     }
     Ok((Form::Sql { statements: prepared, server_loop }, Probe::Statements(plains), bindings))
+}
+
+/// The `batch_sql` form: each statement with `new_records` put first in its `WITH` list, `new_records` being
+/// `SELECT CAST(u.c0 AS type0) AS "name0", ... FROM unnest($1::text[], ...) AS u(c0, ...)`, the types those of
+/// `[sink.params]` (`text` unless given) resolved by the server and cast as the table form casts to a column.
+/// Its rows are the batch's new records in batch order (`unnest` of arrays yields their elements in order, and a
+/// single-reference CTE is inlined), though SQL promises no order to a statement that does not ask for one.
+async fn prepare_batch(
+    conn: &mut PgConnection,
+    statements: &[Statement],
+    columns: &[Binding],
+) -> Result<(Form, Probe, Vec<(Binding, Render)>), PrepareError> {
+    let mut oids = Vec::with_capacity(columns.len());
+    for b in columns {
+        let field = format!("sink.params.{}", b.name);
+        let written = b.type_name.as_deref().unwrap_or("text");
+        // Bound, never spliced: the SQL below names the type by the catalog's own spelling.
+        let oid: Option<i64> = sqlx::query_scalar("SELECT to_regtype($1)::oid::int8")
+            .bind(written)
+            .persistent(super::persistent())
+            .fetch_one(&mut *conn)
+            .await
+            .map_err(|e| db_error(&field, e, &format!("type = {written:?}")))?;
+        let oid = oid.ok_or_else(|| prepare_error(&field, format!("type {written:?} does not exist (or is not visible on the search_path)")))?;
+        oids.push(oid);
+    }
+    let types = target_types(conn, &oids).await.map_err(|e| db_error("sink.params", e, ""))?;
+    let mut casts = Vec::with_capacity(columns.len());
+    for (i, (b, t)) in columns.iter().zip(&types).enumerate() {
+        let target = t.target.as_ref().map_err(|why| prepare_error(format!("sink.params.{}", b.name), why.clone()))?;
+        casts.push(format!("{} AS {}", target.cast(&format!("u.c{i}"), &t.name), quote_ident(&b.name)));
+    }
+    let arrays = (1..=columns.len()).map(|n| format!("${n}::text[]")).collect::<Vec<_>>().join(", ");
+    let aliases = (0..columns.len()).map(|i| format!("c{i}")).collect::<Vec<_>>().join(", ");
+    let relation = format!("new_records AS (SELECT {} FROM unnest({arrays}) AS u({aliases}))", casts.join(", "));
+    let mut prepared = Vec::with_capacity(statements.len());
+    for statement in statements {
+        let written = statement.render(|_| unreachable!("batch_sql statements have no parameters (validated)"));
+        let sql = match crate::sink::template::after_leading_with(&written) {
+            Some(at) => format!("{} {relation},{}", &written[..at], &written[at..]),
+            None => format!("WITH {relation}\n{written}"),
+        };
+        check_parses(conn, &sql).await.map_err(|e| db_error(&statement.origin, e, &written))?;
+        prepared.push(sql);
+    }
+    let bindings = columns.iter().cloned().zip(types.iter().map(|t| t.target.as_ref().expect("checked").render())).collect();
+    // The probe of every batch: a PREPARE of each statement, which takes its locks. Its parameter types are the
+    // text arrays whatever the schema; a change that breaks a statement fails the PREPARE.
+    Ok((Form::Batch { columns: columns.len(), statements: prepared.clone() }, Probe::Statements(prepared), bindings))
 }
 
 /// Whether `sql`, with `params` parameters, returns rows: the top node of its plan (`EXPLAIN (VERBOSE, FORMAT
