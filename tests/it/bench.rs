@@ -30,12 +30,12 @@ async fn bench_runs_every_baseline_and_writes_markdown_and_json() {
     let (out, report) = bench(args, dir.path(), &json).await;
     let runs = report["runs"].as_array().unwrap();
     let ids: Vec<&str> = runs.iter().map(|r| r["id"].as_str().unwrap()).collect();
-    assert_eq!(ids, ["(1)", "(2)", "(3)", "(4)", "(5)", "(6)", "(7)", "(8)", "(9)", "(10)", "(11)", "(12)"]);
+    assert_eq!(ids, ["(1)", "(2)", "(3)", "(4)", "(5)", "(6)", "(7)", "(8)", "(9)", "(10)", "(11)", "(12)", "(13)"]);
     for r in runs {
         assert!(r["records_per_second"].as_f64().unwrap() > 0.0, "{r}");
         assert!(r["records"].as_u64().unwrap() > 0, "{r}");
     }
-    for worker_run in [0, 1, 3, 5, 6, 7, 11] {
+    for worker_run in [0, 1, 3, 5, 6, 7, 11, 12] {
         let r = &runs[worker_run];
         assert!(r["cpu_us_per_record"].as_f64().unwrap() > 0.0, "{r}");
         assert!(r["peak_rss_mib"].as_f64().unwrap() > 1.0, "{r}");
@@ -54,12 +54,17 @@ async fn bench_runs_every_baseline_and_writes_markdown_and_json() {
             "(7) / (5), Redis against consume-only",
             "(8) / (1), the shipped example (SQL form) against the table form",
             "(8) / (12), the shipped example: server-side loop against per-record round trips",
+            "(13) / (1), the shipped example's set-based form (batch_sql) against the table form",
             "(1) / (9), the table form against COPY of the minimal rows",
             "(1) / (10), against a batched consumer written by hand",
             "(1) / (11), against the guides' per-message consumer",
         ]
     );
     assert!(runs[7]["note"].as_str().unwrap().contains("4000 received"), "the shipped example: {}", runs[7]);
+    assert!(runs[12]["note"].as_str().unwrap().contains("4000 received"), "its set-based form: {}", runs[12]);
+    let applied = |r: &serde_json::Value| r["note"].as_str().unwrap().split(" applied").next().unwrap().rsplit(' ').next().unwrap().to_owned();
+    assert!(applied(&runs[7]).parse::<u64>().unwrap() > 3000, "{}", runs[7]);
+    assert_eq!(applied(&runs[12]), applied(&runs[7]), "the set-based form applies what the per-record form does");
     for hand_written in [9, 10] {
         assert!(runs[hand_written]["cpu_us_per_record"].as_f64().unwrap() > 0.0, "{}", runs[hand_written]);
     }

@@ -1,5 +1,5 @@
 //! The built `idemflow` binary, as a user runs it, against the Kafka mock cluster and a real Postgres, with the
-//! shipped `pipelines/payments.toml`.
+//! shipped `pipelines/payments.toml` and its set-based form `examples/batch-sql/payments.toml`.
 
 use crate::support::*;
 use std::time::Duration;
@@ -49,12 +49,25 @@ fn stream() -> Stream {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn binary_applies_each_payment_once_counts_duplicates_and_commits_offsets() {
+    applies_each_payment_once("pipelines/payments.toml").await;
+}
+
+/// The same stream and checks through the set-based form of the example (`batch_sql`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_batch_sql_example_applies_each_payment_once_counts_duplicates_and_commits_offsets() {
+    applies_each_payment_once("examples/batch-sql/payments.toml").await;
+}
+
+/// Runs the binary with the pipeline file `pipeline` (relative to the project root; it reads `payments` and writes
+/// `pipelines/payments.sql`'s tables) over a stream of new, republished and mismatching payments, stops it, rewinds
+/// a partition and runs it again: every payment applied once, exact, duplicates counted by reason.
+async fn applies_each_payment_once(pipeline: &str) {
     let setup_sql = std::fs::read_to_string(project_root().join("pipelines/payments.sql")).unwrap()
         + "INSERT INTO accounts VALUES ('ACC-1', 1000000), ('ACC-2', 1000000), ('ACC-3', 1000000);";
     let db = TestDb::new(&setup_sql).await;
     let kafka = Kafka::new();
     kafka.create_topic(TOPIC, PARTITIONS);
-    let shipped = std::fs::read_to_string(project_root().join("pipelines/payments.toml")).unwrap();
+    let shipped = std::fs::read_to_string(project_root().join(pipeline)).unwrap();
     let setup = Setup::new(&db, &kafka, &[("payments.toml", &shipped)]);
     let s = stream();
     kafka.produce(TOPIC, &s.records);
