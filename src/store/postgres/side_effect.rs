@@ -15,13 +15,16 @@
 //!   and runs the statements for each record in order, so later records see earlier ones' effects exactly as
 //!   with one round trip per statement. The slow path (a record failed) runs them per record, as prepared
 //!   statements (sqlx caches them per connection), each record in its savepoint.
+//! - Batch SQL form (`batch_sql`): the configured statements, each run once per batch with the relation
+//!   `new_records` (the batch's new records, one text array per column cast to the column's declared type) put
+//!   first in its `WITH` list; the slow path runs them once per record, `new_records` holding that record.
 //!
 //! # Never through a stale type
 //!
 //! The types are read when the pipeline starts, and the schema may change while it runs (`ALTER TABLE ... ALTER
 //! COLUMN ... TYPE`). Each batch transaction therefore starts with [`SideEffect::begin`], one round trip that
 //! first takes the locks the side effect's statements take anyway (`LOCK TABLE ... IN ROW EXCLUSIVE MODE` for the
-//! table form; for the SQL form, `PREPARE` of each statement, whose parse analysis takes the same locks as its
+//! table form; for the SQL forms, `PREPARE` of each statement, whose parse analysis takes the same locks as its
 //! execution), so no schema change can commit until the batch does, and then reads the schema again: the table's
 //! identity, columns, types, NOT NULL, defaults and primary key, or each statement's inferred parameter types.
 //! When that differs from what the statements were built from, the batch rolls back with
