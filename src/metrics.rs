@@ -295,6 +295,8 @@ impl Metrics {
             batch_records: self.batch_records.with_label_values(&[p]),
             end_to_end_latency: self.end_to_end_latency.with_label_values(&[p]),
             up: self.pipeline_up.with_label_values(&[p]),
+            lane: 0,
+            lane_partitions: Default::default(),
         }
     }
 
@@ -358,6 +360,10 @@ pub struct PipelineMetrics {
     end_to_end_latency: Histogram,
     redis_script: Histogram,
     up: IntGauge,
+    /// Which of the pipeline's consumers (`batch.concurrency`) this handle is for.
+    lane: usize,
+    /// Partitions assigned to each of the pipeline's consumers; the gauge shows their sum.
+    lane_partitions: std::sync::Arc<std::sync::Mutex<Vec<usize>>>,
 }
 
 impl PipelineMetrics {
@@ -404,9 +410,21 @@ impl PipelineMetrics {
         self.metrics.consumer_lag.with_label_values(&[&self.name, topic, &p]).set(records);
     }
 
-    /// Sets the number of partitions assigned to this worker's consumer.
+    /// The handle of the pipeline's consumer number `lane` (0 for the first; `batch.concurrency` runs several):
+    /// the same series, with [`PipelineMetrics::assigned_partitions`] counted per consumer and summed.
+    pub fn lane(&self, lane: usize) -> PipelineMetrics {
+        PipelineMetrics { lane, ..self.clone() }
+    }
+
+    /// Sets the number of partitions assigned to this handle's consumer; the gauge shows the pipeline's total.
     pub fn assigned_partitions(&self, partitions: usize) {
-        self.metrics.assigned_partitions.with_label_values(&[&self.name]).set(partitions as i64);
+        let mut lanes = self.lane_partitions.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if lanes.len() <= self.lane {
+            lanes.resize(self.lane + 1, 0);
+        }
+        lanes[self.lane] = partitions;
+        let total: usize = lanes.iter().sum();
+        self.metrics.assigned_partitions.with_label_values(&[&self.name]).set(total as i64);
     }
 
     /// Drops the lag series of a partition no longer owned.

@@ -123,6 +123,16 @@ pub async fn run_with_faults(
     shutdown: Shutdown,
     faults: Faults,
 ) -> Vec<PipelineFailure> {
+    if let Some(db) = &settings.database {
+        let transactions: usize = ready.iter().map(|r| r.pipeline.batch.concurrency).sum();
+        if transactions + 1 > db.max_connections as usize {
+            tracing::warn!(
+                max_connections = db.max_connections, transactions,
+                "database.max_connections is below the pipelines' batch transactions at once (the sum of their \
+                 batch.concurrency) plus one for retention: transactions will wait for a connection"
+            );
+        }
+    }
     let mut tasks = tokio::task::JoinSet::new();
     for r in ready {
         let settings = settings.clone();
@@ -177,20 +187,78 @@ async fn purge_loop(
     }
 }
 
+/// Runs one pipeline: one lane, or with `batch.concurrency = N` N lanes at once, each its own consumer in the
+/// pipeline's consumer group and its own batch transactions. Kafka's group assignment gives each partition to one
+/// lane, so partitions are disjoint, each keeps its order, and its offsets are committed by its lane after that
+/// lane's batch commits; a rebalance among the lanes is one among any consumers of the group. A lane that fails
+/// stops the others: the pipeline stops as one.
 async fn run_pipeline(
+    settings: &Settings,
+    r: Ready,
+    metrics: PipelineMetrics,
+    health: Health,
+    shutdown: Shutdown,
+    faults: Faults,
+) -> Result<(), PipelineFailure> {
+    let lanes = r.pipeline.batch.concurrency;
+    if lanes <= 1 {
+        return run_lane(settings, r, metrics, health, shutdown, faults, None).await;
+    }
+    let (stop, lane_shutdown) = crate::shutdown::channel();
+    let stop = std::sync::Arc::new(stop);
+    let forward = {
+        let (stop, mut shutdown) = (stop.clone(), shutdown);
+        tokio::spawn(async move {
+            shutdown.wait().await;
+            stop.trigger();
+        })
+    };
+    let mut set = tokio::task::JoinSet::new();
+    for lane in 0..lanes {
+        let (settings, r, metrics, health) = (settings.clone(), r.clone(), metrics.lane(lane), health.clone());
+        let (shutdown, stop) = (lane_shutdown.clone(), stop.clone());
+        let span = tracing::info_span!("lane", lane);
+        set.spawn(
+            async move {
+                let result = run_lane(&settings, r, metrics, health, shutdown, faults, Some(lane)).await;
+                if result.is_err() {
+                    stop.trigger();
+                }
+                result
+            }
+            .instrument(span),
+        );
+    }
+    let mut outcome = Ok(());
+    while let Some(joined) = set.join_next().await {
+        match joined {
+            Ok(Err(e)) if outcome.is_ok() => outcome = Err(e),
+            Ok(_) => {}
+            Err(e) => std::panic::resume_unwind(e.into_panic()),
+        }
+    }
+    forward.abort();
+    outcome
+}
+
+/// One lane of a pipeline (all of it unless `batch.concurrency` > 1; `lane` is then its number): source ->
+/// prepare -> sink transaction -> offset commit, batch after batch, until shutdown.
+async fn run_lane(
     settings: &Settings,
     r: Ready,
     metrics: PipelineMetrics,
     health: Health,
     mut shutdown: Shutdown,
     faults: Faults,
+    lane: Option<usize>,
 ) -> Result<(), PipelineFailure> {
     let name = r.pipeline.name.clone();
     let mut commits = 0u64;
     let source_error = |message| PipelineFailure::Source { pipeline: name.clone(), message };
+    let owner = lane.map_or_else(owner, |lane| format!("{}/{lane}", owner()));
     let stored = (r.pipeline.offsets == OffsetStore::Database).then(|| StoredStart {
         store: r.store.clone(),
-        owner: owner(),
+        owner: owner.clone(),
         runtime: tokio::runtime::Handle::current(),
         shutdown: shutdown.clone(),
     });
@@ -213,6 +281,7 @@ async fn run_pipeline(
         health: &health,
         window: DeadLetterWindow::new(r.pipeline.dead_letters.clone()),
         dead_letter_out: dead_letter_out.as_ref(),
+        owner,
     };
     let mut outcome = Ok(());
     let mut checked = Instant::now();
@@ -312,6 +381,8 @@ struct Step<'a> {
     health: &'a Health,
     window: DeadLetterWindow,
     dead_letter_out: Option<&'a DeadLetterOut>,
+    /// Recorded as the owner of the partitions this lane claims (`[offsets] store = "database"`).
+    owner: String,
 }
 
 impl Step<'_> {
@@ -330,7 +401,7 @@ impl Step<'_> {
         };
         if !lost.is_empty() {
             tracing::warn!(pipeline = %self.ready.pipeline.name, partitions = ?lost, "the store lost positions this worker had stored (and the effects written with them); resuming them from what it kept");
-            resync(&self.ready, source, lost, batch).await?;
+            resync(&self.ready, &self.owner, source, lost, batch).await?;
         }
         Ok(())
     }
@@ -392,7 +463,7 @@ impl Step<'_> {
                     Disposition::Resync => {
                         let SinkError::Lost { partitions } = &e else { return Err(e) };
                         tracing::warn!(error = %e, "claiming the partitions again");
-                        if resync(&self.ready, source, partitions.clone(), batch).await? {
+                        if resync(&self.ready, &self.owner, source, partitions.clone(), batch).await? {
                             prepared = batch.iter().map(|rec| self.ready.preparer.prepare(rec)).collect();
                         } else {
                             let delay = backoff.next().unwrap_or(MAX_RETRY_DELAY);
@@ -465,9 +536,15 @@ impl Step<'_> {
 ///
 /// Errors: the store holds no position at all for a partition ([`SinkError::PositionsGone`]), or the source could
 /// not be moved.
-async fn resync(ready: &Ready, source: &mut Source, partitions: Vec<(String, i32)>, batch: &mut Vec<Record>) -> Result<bool, SinkError> {
-    let (store, pipeline) = (ready.store.clone(), ready.pipeline.name.clone());
-    let claim = tokio::spawn(async move { store.claim_offsets(&pipeline, &owner(), &partitions).await }.in_current_span());
+async fn resync(
+    ready: &Ready,
+    owner: &str,
+    source: &mut Source,
+    partitions: Vec<(String, i32)>,
+    batch: &mut Vec<Record>,
+) -> Result<bool, SinkError> {
+    let (store, pipeline, owner) = (ready.store.clone(), ready.pipeline.name.clone(), owner.to_owned());
+    let claim = tokio::spawn(async move { store.claim_offsets(&pipeline, &owner, &partitions).await }.in_current_span());
     match source.poll_while(claim).await {
         Ok(claimed) => {
             let gone: Vec<(String, i32)> = claimed.iter().filter(|c| c.next_offset.is_none()).map(|c| (c.topic.clone(), c.partition)).collect();
@@ -503,7 +580,7 @@ impl DeadLetterOut {
 }
 
 /// Who claims partitions, as recorded in `idemflow.offsets.owner`: `$HOSTNAME/pid` (the container name under
-/// Docker and Kubernetes).
+/// Docker and Kubernetes), and `/lane` after it for a pipeline with `batch.concurrency` > 1.
 fn owner() -> String {
     let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "unknown-host".to_owned());
     format!("{host}/{}", std::process::id())

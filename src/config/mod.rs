@@ -62,8 +62,9 @@ fn default_pipelines() -> PathBuf {
 pub struct DatabaseSettings {
     /// A libpq-style URL, `postgres://user:password@host:port/dbname`. Never printed: `Debug` redacts it.
     pub url: SecretUrl,
-    /// Size of the connection pool. Each pipeline holds at most one connection at a time (its batch
-    /// transaction), so pipelines + 1 is enough; 1 works too, pipelines then take turns.
+    /// Size of the connection pool. Each pipeline holds at most `batch.concurrency` connections at a time (its
+    /// batch transactions, 1 by default), so their sum + 1 (retention) is enough; fewer works too, transactions
+    /// then take turns.
     #[serde(default = "default_max_connections")]
     pub max_connections: u32,
     /// How long to wait for a pooled connection before the attempt counts as failed and is retried.

@@ -266,7 +266,15 @@ pub struct BatchSettings {
     pub max_records: usize,
     /// After the first record of a batch arrives, wait at most this long for more.
     pub max_wait: Duration,
+    /// At most this many batch transactions at once, on disjoint partitions (`batch.concurrency`, 1 to
+    /// [`MAX_CONCURRENCY`], default 1): one Kafka consumer per transaction in the pipeline's consumer group, so
+    /// Kafka's group assignment keeps each partition on one of them (its order kept, its offsets committed after its
+    /// own batches commit).
+    pub concurrency: usize,
 }
+
+/// The largest `batch.concurrency`.
+pub const MAX_CONCURRENCY: usize = 64;
 
 /// The side effect of a pipeline.
 #[derive(Clone, Debug)]
@@ -556,6 +564,7 @@ enum RawSql {
 #[serde(deny_unknown_fields)]
 struct RawBatch {
     max_records: Option<usize>,
+    concurrency: Option<usize>,
     #[serde(default, with = "humantime_serde")]
     max_wait: Option<Duration>,
 }
@@ -670,6 +679,16 @@ fn validate(raw: RawPipeline, path: &Path, stem: &str, dialect: Dialect, e: &mut
         e.push("batch.max_records", "must be at least 1");
     }
     let max_wait = raw.batch.max_wait.unwrap_or(DEFAULT_MAX_WAIT);
+    let concurrency = raw.batch.concurrency.unwrap_or(1);
+    if !(1..=MAX_CONCURRENCY).contains(&concurrency) {
+        e.push("batch.concurrency", format!("must be from 1 to {MAX_CONCURRENCY}"));
+    } else if concurrency > 1 && !matches!(source, Some(SourceSpec::Kafka(_)) | None) {
+        e.push(
+            "batch.concurrency",
+            "more than 1 needs a Kafka source, whose partitions Kafka's group assignment spreads over the transactions: \
+             consumers sharing a queue would take its messages out of order (run more workers on more queues instead)",
+        );
+    }
     let d = DeadLetterSettings::default();
     let dead_letters = DeadLetterSettings {
         max_ratio: raw.dead_letters.max_ratio.unwrap_or(d.max_ratio),
@@ -777,7 +796,7 @@ fn validate(raw: RawPipeline, path: &Path, stem: &str, dialect: Dialect, e: &mut
         key: key?,
         tombstones: raw.tombstones,
         sink: sink?,
-        batch: BatchSettings { max_records, max_wait },
+        batch: BatchSettings { max_records, max_wait, concurrency },
         dead_letters,
         dedup,
         offsets,
@@ -1416,7 +1435,7 @@ msg = { header = "message-id" }
         )
         .unwrap();
         assert_eq!(p.source.kafka().unwrap().group_id, "idemflow-payments");
-        assert_eq!(p.batch, BatchSettings { max_records: DEFAULT_MAX_RECORDS, max_wait: Duration::from_millis(20) });
+        assert_eq!(p.batch, BatchSettings { max_records: DEFAULT_MAX_RECORDS, max_wait: Duration::from_millis(20), concurrency: 1 });
         let SinkSpec::Table { columns, on_conflict, .. } = &p.sink else { panic!("table form") };
         assert_eq!(*on_conflict, OnConflict::Nothing);
         let by_name = |n: &str| columns.iter().find(|b| b.name == n).unwrap().clone();
@@ -1452,5 +1471,16 @@ msg = { header = "message-id" }
         let e = load_file_in(&path, Dialect::MySql).unwrap_err();
         assert_eq!(e[0].field, "sink.batch_sql");
         assert!(e[0].message.starts_with("runs on PostgreSQL only"), "{e:?}");
+    }
+
+    #[test]
+    fn batch_concurrency_is_for_kafka_sources() {
+        let rest = "[key]\nfield = \"/id\"\n[sink]\ntable = \"t\"\n[sink.columns]\nid = \"/id\"\n[batch]\nconcurrency = 4\n";
+        assert_eq!(load(&format!("topics = [\"t\"]\n{rest}")).unwrap().batch.concurrency, 4);
+        let fields = |text: &str| load(text).unwrap_err().into_iter().map(|e| format!("{}: {}", e.field, e.message)).collect::<Vec<_>>();
+        let e = fields(&format!("[source]\nkind = \"rabbitmq\"\nqueue = \"q\"\n{rest}"));
+        assert!(e[0].starts_with("batch.concurrency: more than 1 needs a Kafka source"), "{e:?}");
+        let e = fields(&format!("topics = [\"t\"]\n{}", rest.replace("= 4", "= 0")));
+        assert_eq!(e, ["batch.concurrency: must be from 1 to 64"]);
     }
 }

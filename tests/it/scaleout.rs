@@ -46,3 +46,48 @@ async fn three_workers_killed_and_restarted_while_the_stream_flows() {
     }
     assert_exactly_once(&db, &s).await;
 }
+
+/// `batch.concurrency = 3`: one worker process runs three batch transactions at once, on disjoint partitions (three
+/// consumers in the pipeline's group). With operations republished to other partitions (two transactions can hold
+/// the same business key at once) and the worker SIGKILLed once mid-stream, every operation takes effect once,
+/// every offset is committed, and transactions on different connections overlapped in time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_worker_runs_batch_transactions_on_disjoint_partitions_at_once() {
+    const PARTITIONS: i32 = 6;
+    let db = payments_db(None).await;
+    sqlx::raw_sql("CREATE TABLE spans (pid int, started timestamptz, ended timestamptz, PRIMARY KEY (pid, started))")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let kafka = Kafka::new();
+    kafka.create_topic("payments", PARTITIONS);
+    let s = payments(12_000, PARTITIONS, true);
+    // Each transaction leaves its connection's backend, its start and the time of its last record.
+    let span = "  \"INSERT INTO spans VALUES (pg_backend_pid(), now(), clock_timestamp()) ON CONFLICT (pid, started) DO UPDATE SET ended = clock_timestamp()\",\n]";
+    let shipped = shipped();
+    let pipeline = with_max_records(&shipped.replacen("\n]", &format!("\n{span}"), 1), 200) + "concurrency = 3\n";
+    assert!(pipeline.contains("spans") && pipeline.contains("[batch]\nmax_records = 200\nconcurrency = 3"), "{pipeline}");
+    let props = "\"session.timeout.ms\" = \"1500\"\n\"heartbeat.interval.ms\" = \"200\"";
+    let setup = Setup::with(&db, &kafka, &[("payments.toml", &pipeline)], props, "");
+    let (first, rest) = s.records.split_at(s.records.len() / 2);
+    kafka.produce("payments", first);
+    let mut worker = BinWorker::start(&setup);
+    let dedup_rows = || async { db.scalar::<i64>("SELECT count(*) FROM idemflow.dedup").await };
+    wait_until(Duration::from_secs(60), "progress", || async { dedup_rows().await > 1000 }).await;
+    worker.kill();
+    kafka.produce("payments", rest);
+    let mut worker = BinWorker::start(&setup);
+    wait_all_durable_or_report(&db, &kafka, "idemflow-payments", "payments", PARTITIONS, &s, &[&worker]).await;
+    let m = worker.scrape();
+    assert_counters_add_up(&m);
+    assert_eq!(metric(&m, "idemflow_assigned_partitions", &[("pipeline", "payments")]), PARTITIONS as f64, "summed over the consumers");
+    assert!(worker.sigterm().success(), "{}", worker.log_text());
+    assert_exactly_once(&db, &s).await;
+    let overlapping: i64 = db
+        .scalar(
+            "SELECT count(*) FROM spans a JOIN spans b ON a.pid < b.pid \
+             WHERE a.started < b.ended AND b.started < a.ended",
+        )
+        .await;
+    assert!(overlapping > 0, "no two transactions of different connections overlapped");
+}
