@@ -27,10 +27,12 @@
 //!     run (2);
 //! 13. the same side effect as (8) in the set-based form, as `examples/batch-sql/payments.toml` ships it
 //!     (`batch_sql`: one `INSERT ... SELECT ... FROM new_records` and one `UPDATE accounts ... FROM` the batch's sums
-//!     per account, per batch), on the same tables.
+//!     per account, per batch), on the same tables;
+//! 14. and 15. run (1) with `batch.concurrency = 2` and `4`: as many batch transactions at once, on disjoint
+//!     partitions (one consumer each in the pipeline's group).
 //!
 //! With `--database-url mysql://...` (or `mariadb://`) runs (1), (2), (5) and (6) run on MySQL or MariaDB; (3), (4)
-//! and (8) to (13) are PostgreSQL's.
+//! and (8) to (15) are PostgreSQL's.
 //!
 //! With `--source rabbitmq` the same stream is published to quorum queues of a throwaway RabbitMQ node instead
 //! (message-id = order id, persistent, publisher confirms), and these runs compare: (1) the worker, table form, from a
@@ -77,7 +79,7 @@ pub struct BenchOptions {
     pub markdown: PathBuf,
     /// Where the JSON goes.
     pub json: PathBuf,
-    /// Only these runs (1..=13); all when empty (a ratio needs both of its runs).
+    /// Only these runs (1..=15); all when empty (a ratio needs both of its runs).
     pub only: Vec<u8>,
     /// Run each worker under `perf record -g` (output `perf-<run>.data` in the current directory).
     pub perf: bool,
@@ -213,6 +215,11 @@ fn pipeline_text(sink: &str, mapping: &str, batch: &str) -> String {
 fn table_pipeline(max_records: Option<usize>) -> String {
     let batch = max_records.map(|n| format!("[batch]\nmax_records = {n}\n")).unwrap_or_default();
     pipeline_text("table = \"orders\"", "sink.columns", &batch)
+}
+
+/// The table form with default batching and `batch.concurrency = lanes` (runs (14) and (15)).
+fn concurrent_table_pipeline(lanes: usize) -> String {
+    pipeline_text("table = \"orders\"", "sink.columns", &format!("[batch]\nconcurrency = {lanes}\n"))
 }
 
 /// The SQL form of the same side effect: one `INSERT` statement per new record. `created_at` declares its type
@@ -381,7 +388,7 @@ fn kafka_settings(kafka: &EmbeddedKafka) -> String {
 /// Runs the worker as a child process on `pipeline` until it has received `target` records. `broker` is the
 /// broker's section of the settings (`[kafka]` or `[rabbitmq]`).
 async fn worker_run(run: WorkerRun<'_>, broker: &str, url: &str, perf: bool) -> anyhow::Result<RunResult> {
-    worker_run_on(run, broker, &format!("[database]\nurl = \"{url}\"\nmax_connections = 4\n"), perf).await
+    worker_run_on(run, broker, &format!("[database]\nurl = \"{url}\"\nmax_connections = 8\n"), perf).await
 }
 
 /// [`worker_run`] with the store's section of the settings (`[database]` or `[redis]`) given whole.
@@ -909,18 +916,37 @@ pub async fn run(o: BenchOptions) -> anyhow::Result<Report> {
     let report_run = |r: &RunResult| eprintln!("{} {}: {:.0} records/s ({})", r.id, r.name, r.records_per_second, r.note);
 
     // On MySQL/MariaDB, runs (3) and (4) are PostgreSQL's (a COPY ceiling, a preload with generate_series).
-    let want = |n: u8| (o.only.is_empty() || o.only.contains(&n)) && !(mysql && matches!(n, 3 | 4 | 8..=13));
+    let want = |n: u8| (o.only.is_empty() || o.only.contains(&n)) && !(mysql && matches!(n, 3 | 4 | 8..=15));
     let perf = o.perf;
     if mysql {
-        eprintln!("MySQL/MariaDB: runs (1), (2), (5) and (6); (3), (4) and (8) to (13) are PostgreSQL's");
+        eprintln!("MySQL/MariaDB: runs (1), (2), (5) and (6); (3), (4) and (8) to (15) are PostgreSQL's");
     }
 
-    for n in 1..=13u8 {
+    for n in 1..=15u8 {
         if !want(n) {
             continue;
         }
-        if (8..=13).contains(&n) {
+        if (8..=15).contains(&n) {
             let r = match n {
+                14 | 15 => {
+                    let lanes = if n == 14 { 2 } else { 4 };
+                    let url = fresh_database(&admin_url, &format!("bench_{n}")).await?;
+                    let (id, name) = if n == 14 {
+                        ("(14)", "idemflow, default batching (table form), batch.concurrency = 2")
+                    } else {
+                        ("(15)", "idemflow, default batching (table form), batch.concurrency = 4")
+                    };
+                    let group = format!("bench-{n}");
+                    let run = WorkerRun { id, name, pipeline: concurrent_table_pipeline(lanes), group: &group, target: total };
+                    // The lanes' consumers join the new group together, as on a real broker, whose new groups wait
+                    // 3 s for more members before the first assignment; with the mock's 0 they would join one after
+                    // another, each join a rebalance that the mock holds for session.timeout.ms - 1 s while the
+                    // offset commits of the members already consuming are refused.
+                    kafka.set_initial_rebalance_delay(Duration::from_secs(3));
+                    let r = worker_run(run, &kafka_settings(&kafka), &url, perf).await;
+                    kafka.set_initial_rebalance_delay(Duration::ZERO);
+                    r?
+                }
                 13 => {
                     let url = payments_database(&admin_url, "bench_13").await?;
                     let name = "idemflow, the shipped example in the set-based form, examples/batch-sql/payments.toml (batch_sql)";
@@ -1030,6 +1056,8 @@ pub async fn run(o: BenchOptions) -> anyhow::Result<Report> {
     ratio("(8) / (1), the shipped example (SQL form) against the table form", rate("(8)"), rate("(1)"), ">= 0.50");
     ratio("(8) / (12), the shipped example: server-side loop against per-record round trips", rate("(8)"), rate("(12)"), "(measured)");
     ratio("(13) / (1), the shipped example's set-based form (batch_sql) against the table form", rate("(13)"), rate("(1)"), ">= 0.50");
+    ratio("(14) / (1), two batch transactions at once against one", rate("(14)"), rate("(1)"), "(measured)");
+    ratio("(15) / (1), four batch transactions at once against one", rate("(15)"), rate("(1)"), "(measured)");
     ratio("(1) / (9), the table form against COPY of the minimal rows", rate("(1)"), rate("(9)"), ">= 0.50");
     ratio("(1) / (10), against a batched consumer written by hand", rate("(1)"), rate("(10)"), "(measured)");
     ratio("(1) / (11), against the guides' per-message consumer", rate("(1)"), rate("(11)"), "(measured)");

@@ -31,6 +31,16 @@ impl EmbeddedKafka {
         Ok(EmbeddedKafka { producer, bootstrap })
     }
 
+    /// Sets how long a new consumer group waits for more members before its first assignment (Kafka's
+    /// `group.initial.rebalance.delay.ms`, 3,000 ms by default on a real broker; 0 here since [`EmbeddedKafka::start`]).
+    pub fn set_initial_rebalance_delay(&self, delay: Duration) {
+        // SAFETY: the handle belongs to the producer's client, which lives as long as `self`.
+        unsafe {
+            let raw = rdkafka::bindings::rd_kafka_handle_mock_cluster(self.producer.client().native_ptr());
+            rdkafka::bindings::rd_kafka_mock_group_initial_rebalance_delay_ms(raw, delay.as_millis().min(i32::MAX as u128) as i32);
+        }
+    }
+
     /// `host:port` of the broker.
     pub fn bootstrap_servers(&self) -> &str {
         &self.bootstrap

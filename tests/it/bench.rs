@@ -30,12 +30,12 @@ async fn bench_runs_every_baseline_and_writes_markdown_and_json() {
     let (out, report) = bench(args, dir.path(), &json).await;
     let runs = report["runs"].as_array().unwrap();
     let ids: Vec<&str> = runs.iter().map(|r| r["id"].as_str().unwrap()).collect();
-    assert_eq!(ids, ["(1)", "(2)", "(3)", "(4)", "(5)", "(6)", "(7)", "(8)", "(9)", "(10)", "(11)", "(12)", "(13)"]);
+    assert_eq!(ids, ["(1)", "(2)", "(3)", "(4)", "(5)", "(6)", "(7)", "(8)", "(9)", "(10)", "(11)", "(12)", "(13)", "(14)", "(15)"]);
     for r in runs {
         assert!(r["records_per_second"].as_f64().unwrap() > 0.0, "{r}");
         assert!(r["records"].as_u64().unwrap() > 0, "{r}");
     }
-    for worker_run in [0, 1, 3, 5, 6, 7, 11, 12] {
+    for worker_run in [0, 1, 3, 5, 6, 7, 11, 12, 13, 14] {
         let r = &runs[worker_run];
         assert!(r["cpu_us_per_record"].as_f64().unwrap() > 0.0, "{r}");
         assert!(r["peak_rss_mib"].as_f64().unwrap() > 1.0, "{r}");
@@ -55,6 +55,8 @@ async fn bench_runs_every_baseline_and_writes_markdown_and_json() {
             "(8) / (1), the shipped example (SQL form) against the table form",
             "(8) / (12), the shipped example: server-side loop against per-record round trips",
             "(13) / (1), the shipped example's set-based form (batch_sql) against the table form",
+            "(14) / (1), two batch transactions at once against one",
+            "(15) / (1), four batch transactions at once against one",
             "(1) / (9), the table form against COPY of the minimal rows",
             "(1) / (10), against a batched consumer written by hand",
             "(1) / (11), against the guides' per-message consumer",
