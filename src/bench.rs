@@ -502,6 +502,13 @@ async fn worker_run_on(run: WorkerRun<'_>, broker: &str, store: &str, perf: bool
     let processed = total - n0;
     let ms = |v: Option<f64>| v.map(|s| s * 1000.0);
     let dup = sample(&last_scrape, "idemflow_duplicates_skipped_total");
+    // A rebalance during the run redelivers what was committed in the database but not yet in Kafka: say so.
+    let revocations: f64 = last_scrape
+        .lines()
+        .filter(|l| l.starts_with("idemflow_rebalances_total{") && l.contains("event=\"revoke\""))
+        .filter_map(|l| l.rsplit_once(' ').and_then(|(_, v)| v.parse::<f64>().ok()))
+        .sum();
+    let rebalanced = if revocations > 0.0 { format!(" ({revocations} rebalance revocations)") } else { String::new() };
     Ok(RunResult {
         id: id.into(),
         name: name.into(),
@@ -515,7 +522,7 @@ async fn worker_run_on(run: WorkerRun<'_>, broker: &str, store: &str, perf: bool
         e2e_p50_ms: ms(histogram_quantile(&last_scrape, "idemflow_end_to_end_latency_seconds", 0.5)),
         e2e_p99_ms: ms(histogram_quantile(&last_scrape, "idemflow_end_to_end_latency_seconds", 0.99)),
         note: format!(
-            "{total} received, {} applied, {dup} duplicates skipped; CPU {cpu:.2} s to the target, {whole:.2} s with shutdown{short}",
+            "{total} received, {} applied, {dup} duplicates skipped{rebalanced}; CPU {cpu:.2} s to the target, {whole:.2} s with shutdown{short}",
             sample(&last_scrape, "idemflow_records_applied_total")
         ),
     })

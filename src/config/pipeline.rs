@@ -1015,7 +1015,7 @@ fn validate_sink(raw: RawSink, dialect: Dialect, e: &mut Errors<'_>) -> Option<S
     if forms != 1 {
         e.push(
             "sink",
-            "set exactly one of table (with [sink.columns]), sql or batch_sql (with [sink.params]) or redis (with [sink.params])",
+            "set exactly one of table (with [sink.columns]), sql, batch_sql or redis (each with [sink.params])",
         );
         return None;
     }
@@ -1087,24 +1087,7 @@ fn validate_sink(raw: RawSink, dialect: Dialect, e: &mut Errors<'_>) -> Option<S
     if let Some(texts) = raw.batch_sql {
         return validate_batch_sql(texts, raw.params.unwrap_or_default(), dialect, e);
     }
-    let texts = match raw.sql.expect("checked above") {
-        RawSql::One(s) => vec![s],
-        RawSql::Many(v) => v,
-    };
-    let mut statements = Vec::new();
-    for (i, text) in texts.iter().enumerate() {
-        let field = if texts.len() == 1 { "sink.sql".to_owned() } else { format!("sink.sql[{i}]") };
-        match template::parse_in(text, dialect) {
-            Ok(parsed) => {
-                let several = parsed.len() > 1;
-                statements.extend(parsed.into_iter().enumerate().map(|(n, mut s)| {
-                    s.origin = if several { format!("{field} (statement {})", n + 1) } else { field.clone() };
-                    s
-                }))
-            }
-            Err(err) => e.push(&field, err.to_string()),
-        }
-    }
+    let statements = parse_statements(raw.sql.expect("checked above"), "sink.sql", dialect, e);
     if statements.is_empty() && e.list.is_empty() {
         e.push("sink.sql", "holds no statement");
     }
@@ -1126,6 +1109,30 @@ fn validate_sink(raw: RawSink, dialect: Dialect, e: &mut Errors<'_>) -> Option<S
     Some(SinkSpec::Sql { statements, params })
 }
 
+/// The statements of `texts` (`key` in the file: `sink.sql` or `sink.batch_sql`), each named by its place for
+/// error messages: `key`, `key[i]`, or `key[i] (statement n)` when one string holds several.
+fn parse_statements(texts: RawSql, key: &str, dialect: Dialect, e: &mut Errors<'_>) -> Vec<Statement> {
+    let texts = match texts {
+        RawSql::One(s) => vec![s],
+        RawSql::Many(v) => v,
+    };
+    let mut statements = Vec::new();
+    for (i, text) in texts.iter().enumerate() {
+        let field = if texts.len() == 1 { key.to_owned() } else { format!("{key}[{i}]") };
+        match template::parse_in(text, dialect) {
+            Ok(parsed) => {
+                let several = parsed.len() > 1;
+                statements.extend(parsed.into_iter().enumerate().map(|(n, mut s)| {
+                    s.origin = if several { format!("{field} (statement {})", n + 1) } else { field.clone() };
+                    s
+                }))
+            }
+            Err(err) => e.push(&field, err.to_string()),
+        }
+    }
+    statements
+}
+
 /// The `batch_sql` form: statements over `new_records`, whose columns are `[sink.params]`.
 fn validate_batch_sql(
     texts: RawSql,
@@ -1137,28 +1144,10 @@ fn validate_batch_sql(
         e.push("sink.batch_sql", "runs on PostgreSQL only: on MySQL/MariaDB write per-record statements in sink.sql");
         return None;
     }
-    let texts = match texts {
-        RawSql::One(s) => vec![s],
-        RawSql::Many(v) => v,
-    };
-    let mut statements = Vec::new();
-    for (i, text) in texts.iter().enumerate() {
-        let field = if texts.len() == 1 { "sink.batch_sql".to_owned() } else { format!("sink.batch_sql[{i}]") };
-        match template::parse_in(text, dialect) {
-            Ok(parsed) => {
-                let several = parsed.len() > 1;
-                for (n, mut s) in parsed.into_iter().enumerate() {
-                    s.origin = if several { format!("{field} (statement {})", n + 1) } else { field.clone() };
-                    if let Some(name) = s.params.first() {
-                        e.push(
-                            &s.origin,
-                            format!("reads the batch as the relation new_records: write new_records.{name} (a column), not :{name}"),
-                        );
-                    }
-                    statements.push(s);
-                }
-            }
-            Err(err) => e.push(&field, err.to_string()),
+    let statements = parse_statements(texts, "sink.batch_sql", dialect, e);
+    for s in &statements {
+        if let Some(name) = s.params.first() {
+            e.push(&s.origin, format!("reads the batch as the relation new_records: write new_records.{name} (a column), not :{name}"));
         }
     }
     if statements.is_empty() && e.list.is_empty() {
@@ -1294,7 +1283,7 @@ mod tests {
         let e = fields(&base.replace("\"p:{id}\"", "\"p:{id\""));
         assert!(e[0].starts_with("sink.redis[0]: argument 1: \"p:{id\": a '{' without its '}'"), "{e:?}");
         let e = fields(&base.replace("[sink]\n", "[sink]\ntable = \"x\"\n"));
-        assert!(e[0].starts_with("sink: set exactly one of table (with [sink.columns]), sql (with [sink.params]) or redis"), "{e:?}");
+        assert!(e[0].starts_with("sink: set exactly one of table (with [sink.columns]), sql, batch_sql or redis (each with [sink.params])"), "{e:?}");
         let queue = base.replace("topics = [\"t\"]", "[source]\nkind = \"rabbitmq\"\nqueue = \"q\"");
         assert_eq!(load(&queue).unwrap().offsets, OffsetStore::Broker, "a queue has no positions to store");
     }
@@ -1460,7 +1449,7 @@ msg = { header = "message-id" }
         let e = fields(&base.replace("FROM new_records", "FROM new_records WHERE amount > :floor"));
         assert_eq!(e, ["sink.batch_sql: reads the batch as the relation new_records: write new_records.floor (a column), not :floor"]);
         let e = fields(&base.replace("[sink.params]", "sql = \"SELECT 1\"\n[sink.params]"));
-        assert!(e[0].starts_with("sink: set exactly one of table (with [sink.columns]), sql or batch_sql"), "{e:?}");
+        assert!(e[0].starts_with("sink: set exactly one of table (with [sink.columns]), sql, batch_sql or redis"), "{e:?}");
         let e = fields(&base.replace("numeric(12, 2)", " "));
         assert_eq!(e, ["sink.params.amount.type: must name a PostgreSQL type (such as numeric, timestamptz, jsonb, text[])"]);
         let e = fields(&format!("{base}[sink.columns]\nid = \"/id\"\n"));

@@ -131,23 +131,32 @@ fn skip_space_and_comments(sql: &str, mut i: usize) -> usize {
         if b[i..].starts_with(b"--") {
             i = sql[i..].find('\n').map_or(b.len(), |n| i + n + 1);
         } else if b[i..].starts_with(b"/*") {
-            let mut depth = 0;
-            while i < b.len() {
-                if b[i..].starts_with(b"/*") {
-                    depth += 1;
-                    i += 2;
-                } else if b[i..].starts_with(b"*/") {
-                    depth -= 1;
-                    i += 2;
-                    if depth == 0 {
-                        break;
-                    }
-                } else {
-                    i += 1;
-                }
-            }
+            i = skip_nested_comment(b, i).unwrap_or(b.len());
         } else {
             return i;
+        }
+    }
+}
+
+/// The offset just after the PostgreSQL block comment starting at `i` (`/*`), whose comments nest; `None` when it
+/// is not closed.
+fn skip_nested_comment(b: &[u8], mut i: usize) -> Option<usize> {
+    let mut depth = 0usize;
+    loop {
+        if i + 1 >= b.len() {
+            return None;
+        }
+        if b[i] == b'/' && b[i + 1] == b'*' {
+            depth += 1;
+            i += 2;
+        } else if b[i] == b'*' && b[i + 1] == b'/' {
+            depth -= 1;
+            i += 2;
+            if depth == 0 {
+                return Some(i);
+            }
+        } else {
+            i += 1;
         }
     }
 }
@@ -203,25 +212,7 @@ pub fn parse_in(sql: &str, dialect: Dialect) -> Result<Vec<Statement>, TemplateE
                 i = sql[i..].find('\n').map_or(b.len(), |n| i + n + 1);
             }
             b'/' if b.get(i + 1) == Some(&b'*') => {
-                let start = i;
-                let mut depth = 0usize;
-                loop {
-                    if i + 1 >= b.len() {
-                        return Err(TemplateError::Unterminated { what: "comment", at: start });
-                    }
-                    if b[i] == b'/' && b[i + 1] == b'*' {
-                        depth += 1;
-                        i += 2;
-                    } else if b[i] == b'*' && b[i + 1] == b'/' {
-                        depth -= 1;
-                        i += 2;
-                        if depth == 0 {
-                            break;
-                        }
-                    } else {
-                        i += 1;
-                    }
-                }
+                i = skip_nested_comment(b, i).ok_or(TemplateError::Unterminated { what: "comment", at: i })?;
             }
             b'$' => {
                 if b.get(i + 1).is_some_and(u8::is_ascii_digit) && (i == 0 || !is_ident(b[i - 1])) {

@@ -346,6 +346,7 @@ fn prefetch_records(pipeline: &Pipeline) -> usize {
 
 /// The consumer's librdkafka configuration (see [`KafkaSource::new`]).
 pub(crate) fn consumer_config(kafka: &KafkaSettings, pipeline: &Pipeline) -> ClientConfig {
+    let lanes = pipeline.batch.concurrency.max(1);
     let mut config = ClientConfig::new();
     config
         .set("bootstrap.servers", &kafka.bootstrap_servers)
@@ -355,8 +356,11 @@ pub(crate) fn consumer_config(kafka: &KafkaSettings, pipeline: &Pipeline) -> Cli
         // 64 MiB) make a worker that starts behind a large backlog hold hundreds of MiB of records it will not
         // process for minutes, and spend CPU fetching them.
         .set("queued.min.messages", prefetch_records(pipeline).to_string())
-        .set("queued.max.messages.kbytes", "16384")
-        .set("fetch.max.bytes", "8388608")
+        // 16 MiB for the consumer's queue and 8 MiB per fetch response, shared among a pipeline's lanes
+        // (`batch.concurrency`), with 4 and 2 MiB at least each: a lane's 4 batches of 2,000 records of 200 bytes
+        // take 1.6 MiB.
+        .set("queued.max.messages.kbytes", (16_384 / lanes).max(4096).to_string())
+        .set("fetch.max.bytes", (8_388_608 / lanes).max(2_097_152).to_string())
         // When a partition's prefetch reaches those bounds librdkafka postpones its next fetch by this much
         // (default 1 s): with bounds of a few batches that stalled the worker about once a second.
         .set("fetch.queue.backoff.ms", "20");
