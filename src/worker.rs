@@ -213,32 +213,52 @@ async fn run_pipeline(
             stop.trigger();
         })
     };
+    /// Stops the other lanes when its lane ends, however it ends (an error, a panic, an injected crash).
+    struct StopOthers(std::sync::Arc<crate::shutdown::Trigger>);
+    impl Drop for StopOthers {
+        fn drop(&mut self) {
+            self.0.trigger();
+        }
+    }
     let mut set = tokio::task::JoinSet::new();
     for lane in 0..lanes {
-        let (settings, r, metrics, health) = (settings.clone(), r.clone(), metrics.lane(lane), health.clone());
-        let (shutdown, stop) = (lane_shutdown.clone(), stop.clone());
+        let (settings, r, metrics, health) = (lane_settings(settings, lane), r.clone(), metrics.lane(lane), health.clone());
+        let (shutdown, stop) = (lane_shutdown.clone(), StopOthers(stop.clone()));
         let span = tracing::info_span!("lane", lane);
         set.spawn(
             async move {
-                let result = run_lane(&settings, r, metrics, health, shutdown, faults, Some(lane)).await;
-                if result.is_err() {
-                    stop.trigger();
-                }
-                result
+                let _stop = stop;
+                run_lane(&settings, r, metrics, health, shutdown, faults, Some(lane)).await
             }
             .instrument(span),
         );
     }
     let mut outcome = Ok(());
+    let mut panicked = None;
+    // Every lane ends (the first to end stops the others) before the pipeline does, a panic included.
     while let Some(joined) = set.join_next().await {
         match joined {
             Ok(Err(e)) if outcome.is_ok() => outcome = Err(e),
             Ok(_) => {}
-            Err(e) => std::panic::resume_unwind(e.into_panic()),
+            Err(e) if e.is_panic() && panicked.is_none() => panicked = Some(e.into_panic()),
+            Err(_) => {}
         }
     }
     forward.abort();
+    if let Some(payload) = panicked {
+        std::panic::resume_unwind(payload);
+    }
     outcome
+}
+
+/// The settings of lane `lane`: a static group membership (`group.instance.id` in `[kafka.properties]`) gets the
+/// lane's number after it, since Kafka lets one member at a time hold a static id.
+fn lane_settings(settings: &Settings, lane: usize) -> Settings {
+    let mut settings = settings.clone();
+    if let Some(id) = settings.kafka.properties.get_mut("group.instance.id") {
+        *id = crate::config::PropertyValue::Text(format!("{id}-{lane}"));
+    }
+    settings
 }
 
 /// One lane of a pipeline (all of it unless `batch.concurrency` > 1; `lane` is then its number): source ->

@@ -356,11 +356,11 @@ pub(crate) fn consumer_config(kafka: &KafkaSettings, pipeline: &Pipeline) -> Cli
         // 64 MiB) make a worker that starts behind a large backlog hold hundreds of MiB of records it will not
         // process for minutes, and spend CPU fetching them.
         .set("queued.min.messages", prefetch_records(pipeline).to_string())
-        // 16 MiB for the consumer's queue and 8 MiB per fetch response, shared among a pipeline's lanes
-        // (`batch.concurrency`), with 4 and 2 MiB at least each: a lane's 4 batches of 2,000 records of 200 bytes
-        // take 1.6 MiB.
+        // 16 MiB for the consumer's queue and 8 MiB per fetch response, divided among a pipeline's lanes
+        // (`batch.concurrency`) down to 4 and 2 MiB each (a lane's 4 batches of 2,000 records of 200 bytes take
+        // 1.6 MiB), and never below `message.max.bytes`, which librdkafka requires of `fetch.max.bytes`.
         .set("queued.max.messages.kbytes", (16_384 / lanes).max(4096).to_string())
-        .set("fetch.max.bytes", (8_388_608 / lanes).max(2_097_152).to_string())
+        .set("fetch.max.bytes", (8_388_608 / lanes).max(2_097_152).max(max_message_bytes(kafka)).to_string())
         // When a partition's prefetch reaches those bounds librdkafka postpones its next fetch by this much
         // (default 1 s): with bounds of a few batches that stalled the worker about once a second.
         .set("fetch.queue.backoff.ms", "20");
@@ -376,6 +376,11 @@ pub(crate) fn consumer_config(kafka: &KafkaSettings, pipeline: &Pipeline) -> Cli
         .set("enable.auto.commit", "false")
         .set("enable.auto.offset.store", "false");
     config
+}
+
+/// `message.max.bytes` as set in `[kafka.properties]` (librdkafka's default, 1,000,000, otherwise).
+fn max_message_bytes(kafka: &KafkaSettings) -> usize {
+    kafka.properties.get("message.max.bytes").and_then(|v| v.to_string().parse().ok()).unwrap_or(1_000_000)
 }
 
 /// Checks that librdkafka accepts the consumer configuration of `pipeline` (unknown properties, bad values),

@@ -372,7 +372,8 @@ async fn batch_sql_runs_once_per_batch_over_new_records_and_isolates_failing_rec
         "CREATE TABLE accounts (account_id text PRIMARY KEY, balance numeric NOT NULL CHECK (balance >= 0));
          INSERT INTO accounts VALUES ('A', 10), ('B', 10);
          CREATE TABLE ledger (order_id text PRIMARY KEY, account_id text NOT NULL REFERENCES accounts,
-                              amount numeric NOT NULL, paid_at timestamptz, details jsonb, query text DEFAULT current_query());",
+                              amount numeric NOT NULL, paid_at timestamptz, details jsonb, query text DEFAULT current_query(),
+                              batch_records bigint);",
     )
     .await;
     let kafka = Kafka::new();
@@ -382,7 +383,7 @@ async fn batch_sql_runs_once_per_batch_over_new_records_and_isolates_failing_rec
 field = "/order/id"
 [sink]
 batch_sql = [
-  "INSERT INTO ledger (order_id, account_id, amount, paid_at, details) SELECT order_id, account, amount, paid_at, details FROM new_records -- a comment ends the line",
+  "INSERT INTO ledger (order_id, account_id, amount, paid_at, details, batch_records) SELECT order_id, account, amount, paid_at, details, (SELECT count(*) FROM new_records) FROM new_records -- a comment ends the line",
   """-- its own WITH list, after a comment
      with Recursive totals AS (SELECT account, sum(amount) AS total FROM new_records GROUP BY account)
      UPDATE accounts SET balance = balance - totals.total FROM totals WHERE accounts.account_id = totals.account""",
@@ -414,6 +415,10 @@ details = { field = "/order/details", optional = true, type = "jsonb" }
         db.scalar::<i64>("SELECT count(*) FROM ledger WHERE query LIKE '%WITH new_records AS (SELECT%'").await,
         3,
         "o1, o2 and p1 were written by the set-based statement"
+    );
+    assert!(
+        db.scalar::<i64>("SELECT count(*) FROM ledger WHERE batch_records > 1").await >= 2,
+        "records were applied together, not one at a time as the slow path does"
     );
     assert_eq!(db.scalar::<String>("SELECT string_agg(balance::text, ',' ORDER BY account_id) FROM accounts").await, "3,8.5");
     assert!(db.scalar::<bool>("SELECT paid_at = '2026-11-29T09:00:00Z' AND details->'tags'->>1 = 'b' FROM ledger WHERE order_id = 'o1'").await);
@@ -459,4 +464,48 @@ async fn check_names_a_batch_sql_column_of_an_unknown_type_and_a_bad_statement()
     let setup = Setup::new(&db, &kafka, &[("t.toml", &pipeline(good, "numeric"))]);
     let (status, out, err) = idemflow(&["check", "--config", setup.config.to_str().unwrap()], setup.dir.path());
     assert!(status.success(), "{out}{err}");
+}
+
+/// Fixed-length targets keep their length: `char(5)`, `bit(3)` and `char(3)[]` columns get the whole value, in the
+/// table form and in the SQL form (a cast to `character` or `bit`, SQL's `character(1)` and `bit(1)`, would have
+/// kept one character and one bit, silently).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fixed_length_targets_are_not_truncated() {
+    let db = TestDb::new(
+        "CREATE TABLE codes (id text PRIMARY KEY, code char(5), flags bit(3), parts char(3)[]);
+         CREATE TABLE sql_codes (id text PRIMARY KEY, code char(5), flags bit(3));",
+    )
+    .await;
+    let kafka = Kafka::new();
+    kafka.create_topic("codes", 1);
+    let table = r#"topics = ["codes"]
+[key]
+field = "/id"
+[sink]
+table = "codes"
+[sink.columns]
+id = "/id"
+code = "/code"
+flags = "/flags"
+parts = "/parts"
+"#;
+    let sql = r#"topics = ["codes"]
+[key]
+field = "/id"
+[sink]
+sql = "INSERT INTO sql_codes (id, code, flags) VALUES (:id, :code, :flags)"
+[sink.params]
+id = "/id"
+code = "/code"
+flags = "/flags"
+"#;
+    let setup = Setup::new(&db, &kafka, &[("codes.toml", table), ("sql_codes.toml", sql)]);
+    let records = vec![Out::json(0, r#"{"id":"a","code":"abcde","flags":"101","parts":["abc","de"]}"#.to_owned())];
+    kafka.produce("codes", &records);
+    let worker = InProc::start(&setup).await;
+    worker.wait_received("codes", 1).await;
+    worker.wait_received("sql_codes", 1).await;
+    assert!(worker.stop().await.is_empty());
+    assert_eq!(db.scalar::<String>("SELECT code || '|' || flags::text || '|' || parts::text FROM codes").await, "abcde|101|{abc,\"de \"}");
+    assert_eq!(db.scalar::<String>("SELECT code || '|' || flags::text FROM sql_codes").await, "abcde|101");
 }

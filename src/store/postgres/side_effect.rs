@@ -250,7 +250,10 @@ impl Target {
 
 /// The type of a target, as the catalog describes it.
 struct TargetType {
-    /// `format_type`, without modifiers: `numeric`, `text[]`, `timestamp with time zone`.
+    /// `format_type` with the type modifier -1, that is without one: `numeric`, `text[]`, `timestamp with time
+    /// zone`, `bpchar`, `"bit"`. (With `NULL` instead of -1, `format_type` names `bpchar` `character` and `bit`
+    /// `bit`, which SQL reads as `character(1)` and `bit(1)`: a cast to those truncates silently. PostgreSQL's
+    /// `format_type` source says so.)
     name: String,
     target: Result<Target, String>,
 }
@@ -265,7 +268,7 @@ const TIMESTAMPTZ: i64 = 1184;
 async fn target_types(conn: &mut PgConnection, oids: &[i64]) -> Result<Vec<TargetType>, sqlx::Error> {
     type Row = (i64, String, i64, String, String, i64, String);
     let rows: Vec<Row> = sqlx::query_as(
-        "SELECT u.oid::int8, format_type(u.oid::oid, NULL), b.oid::int8, b.typtype::text, b.typcategory::text,
+        "SELECT u.oid::int8, format_type(u.oid::oid, -1), b.oid::int8, b.typtype::text, b.typcategory::text,
                 coalesce(eb.oid::int8, 0), coalesce(eb.typtype::text, '')
          FROM unnest($1::int8[]) AS u(oid)
          JOIN pg_type t ON t.oid = u.oid::oid
@@ -667,8 +670,8 @@ async fn prepare_sql(
 /// The `batch_sql` form: each statement with `new_records` put first in its `WITH` list, `new_records` being
 /// `SELECT CAST(u.c0 AS type0) AS "name0", ... FROM unnest($1::text[], ...) AS u(c0, ...)`, the types those of
 /// `[sink.params]` (`text` unless given) resolved by the server and cast as the table form casts to a column.
-/// Its rows are the batch's new records in batch order (`unnest` of arrays yields their elements in order, and a
-/// single-reference CTE is inlined), though SQL promises no order to a statement that does not ask for one.
+/// Its rows are the batch's new records; like any relation it has no order. Type modifiers in `type`
+/// (`numeric(12, 2)`) are not applied (`to_regtype` drops them): the target column applies its own on assignment.
 async fn prepare_batch(
     conn: &mut PgConnection,
     statements: &[Statement],
@@ -704,7 +707,8 @@ async fn prepare_batch(
             Some(at) => format!("{} {relation},{}", &written[..at], &written[at..]),
             None => format!("WITH {relation}\n{written}"),
         };
-        check_parses(conn, &sql).await.map_err(|e| db_error(&statement.origin, e, &written))?;
+        // The statement as sent: PostgreSQL's error positions count from its start.
+        check_parses(conn, &sql).await.map_err(|e| db_error(&statement.origin, e, &sql))?;
         prepared.push(sql);
     }
     let bindings = columns.iter().cloned().zip(types.iter().map(|t| t.target.as_ref().expect("checked").render())).collect();
