@@ -236,13 +236,18 @@ async fn two_workers_with_cross_partition_duplicates() {
     let kafka = Kafka::new();
     kafka.create_topic("payments", 6);
     let s = payments(20_000, 6, true);
-    kafka.produce("payments", &s.records);
+    // The second half is produced once B has partitions: A alone could finish the whole stream before B joins.
+    let (first, second) = s.records.split_at(s.records.len() / 2);
+    kafka.produce("payments", first);
     let props = "\"session.timeout.ms\" = \"3000\"\n\"heartbeat.interval.ms\" = \"300\"";
     let setups: Vec<Setup> = (0..2).map(|_| Setup::redis(&server, &kafka, &[("payments.toml", &example())], props, "")).collect();
     let received = |w: &BinWorker| metric(&w.scrape(), "idemflow_records_received_total", &[("pipeline", "payments")]);
+    let assigned = |w: &BinWorker| metric(&w.scrape(), "idemflow_assigned_partitions", &[("pipeline", "payments")]);
     let a = BinWorker::start(&setups[0]);
     wait_until(Duration::from_secs(30), "A to start", || async { received(&a) > 0.0 }).await;
     let b = BinWorker::start(&setups[1]);
+    wait_until(Duration::from_secs(30), "B to be assigned partitions", || async { assigned(&b) > 0.0 }).await;
+    kafka.produce("payments", second);
     wait_all_durable(&server, &kafka, 6, &s, &[&a, &b]).await;
     assert_exactly_once(&server, &s);
     let (ma, mb) = (a.scrape(), b.scrape());
