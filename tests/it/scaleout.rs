@@ -53,6 +53,17 @@ async fn three_workers_killed_and_restarted_while_the_stream_flows() {
 /// every offset is committed, and transactions on different connections overlapped in time.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_worker_runs_batch_transactions_on_disjoint_partitions_at_once() {
+    lanes_apply_each_operation_once(false).await;
+}
+
+/// The same with `[offsets] store = "database"`: each lane claims its partitions under an owner of its own
+/// (`host/pid/lane`) and new epochs, and the stored positions reach the end of every partition.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lanes_store_their_positions_in_the_database() {
+    lanes_apply_each_operation_once(true).await;
+}
+
+async fn lanes_apply_each_operation_once(offsets_in_database: bool) {
     const PARTITIONS: i32 = 6;
     let db = payments_db(None).await;
     sqlx::raw_sql("CREATE TABLE spans (pid int, started timestamptz, ended timestamptz, PRIMARY KEY (pid, started))")
@@ -65,8 +76,11 @@ async fn one_worker_runs_batch_transactions_on_disjoint_partitions_at_once() {
     // Each transaction leaves its connection's backend, its start and the time of its last record.
     let span = "  \"INSERT INTO spans VALUES (pg_backend_pid(), now(), clock_timestamp()) ON CONFLICT (pid, started) DO UPDATE SET ended = clock_timestamp()\",\n]";
     let shipped = shipped();
-    let pipeline = with_max_records(&shipped.replacen("\n]", &format!("\n{span}"), 1), 200) + "concurrency = 3\n";
+    let mut pipeline = with_max_records(&shipped.replacen("\n]", &format!("\n{span}"), 1), 200) + "concurrency = 3\n";
     assert!(pipeline.contains("spans") && pipeline.contains("[batch]\nmax_records = 200\nconcurrency = 3"), "{pipeline}");
+    if offsets_in_database {
+        pipeline += "[offsets]\nstore = \"database\"\n";
+    }
     let props = "\"session.timeout.ms\" = \"1500\"\n\"heartbeat.interval.ms\" = \"200\"";
     let setup = Setup::with(&db, &kafka, &[("payments.toml", &pipeline)], props, "");
     let (first, rest) = s.records.split_at(s.records.len() / 2);
@@ -77,7 +91,18 @@ async fn one_worker_runs_batch_transactions_on_disjoint_partitions_at_once() {
     worker.kill();
     kafka.produce("payments", rest);
     let mut worker = BinWorker::start(&setup);
-    wait_all_durable_or_report(&db, &kafka, "idemflow-payments", "payments", PARTITIONS, &s, &[&worker]).await;
+    if offsets_in_database {
+        let end = kafka.end_offsets("payments", PARTITIONS).iter().map(i64::to_string).collect::<Vec<_>>().join(",");
+        let stored = "SELECT coalesce(string_agg(next_offset::text, ',' ORDER BY partition), '') FROM idemflow.offsets";
+        wait_until(Duration::from_secs(120), "every stored position at the end of its partition", || async {
+            db.scalar::<String>(stored).await == end
+        })
+        .await;
+        let owners: i64 = db.scalar("SELECT count(DISTINCT owner) FROM idemflow.offsets WHERE owner ~ '/[0-9]+/[0-2]$'").await;
+        assert!(owners >= 2, "partitions claimed by {owners} lanes");
+    } else {
+        wait_all_durable_or_report(&db, &kafka, "idemflow-payments", "payments", PARTITIONS, &s, &[&worker]).await;
+    }
     let m = worker.scrape();
     assert_counters_add_up(&m);
     assert_eq!(metric(&m, "idemflow_assigned_partitions", &[("pipeline", "payments")]), PARTITIONS as f64, "summed over the consumers");
