@@ -620,6 +620,8 @@ pub async fn check(settings: &RabbitMqSettings, pipeline: &Pipeline) -> Result<V
     let scrub = |e: &dyn std::fmt::Display| settings.url.scrub(&e.to_string());
     let connection = connect(settings, ConnectionProperties::default().with_connection_name("idemflow check".into())).await?;
     let mut lines = Vec::new();
+    // Every answer is waited for at most `connect_timeout`: lapin leaves a request pending forever when its
+    // connection dies under it (seen once in CI: `check` waited with no socket left), and `check` must end.
     let result = async {
         for queue in &spec.queues {
             let channel = connection.create_channel().await.map_err(|e| format!("opening a channel: {}", scrub(&e)))?;
@@ -697,8 +699,11 @@ pub async fn check(settings: &RabbitMqSettings, pipeline: &Pipeline) -> Result<V
             ));
         }
         Ok(())
-    }
-    .await;
-    let _ = connection.close(200, "idemflow check done".into()).await;
+    };
+    let result = match tokio::time::timeout(settings.connect_timeout, result).await {
+        Ok(result) => result,
+        Err(_) => Err(format!("{}: no answer within {:?} while checking the queues", settings.url, settings.connect_timeout)),
+    };
+    let _ = tokio::time::timeout(Duration::from_secs(5), connection.close(200, "idemflow check done".into())).await;
     result.map(|()| lines)
 }
