@@ -58,6 +58,7 @@ idemflow_venv_ready() {
 #   make, gcc          building librdkafka (rdkafka-sys)
 #   pkg-config, libssl-dev  the Kafka client's TLS and SASL/SCRAM (librdkafka against the system OpenSSL)
 #   socat              a TLS-terminating proxy for the Kafka TLS test
+#   iptables           packets dropped on loopback ports for the network fault tests (tests/it/network.rs)
 #   openssl            certificates for the TLS tests
 #   python3-venv       the virtual environment with check-jsonschema and ruamel.yaml (docker-compose.yml checks)
 #                      and noida-db (a second Kafka implementation: DescribeGroups, which the mock cluster lacks)
@@ -78,6 +79,7 @@ idemflow_test_preflight() {
   idemflow_build_packages_missing missing
   command -v openssl >/dev/null 2>&1 || missing+=(openssl)
   command -v socat >/dev/null 2>&1 || missing+=(socat)
+  { command -v iptables || [ -x /usr/sbin/iptables ]; } >/dev/null 2>&1 || missing+=(iptables)
   command -v cc >/dev/null 2>&1 || missing+=(gcc)
   if ! idemflow_venv_ready; then
     [ -x /usr/bin/python3 ] || missing+=(python3)

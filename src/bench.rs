@@ -194,7 +194,7 @@ fn is_mysql(url: &str) -> bool {
 
 /// Connect settings for `url`, for the bench's own connections.
 fn settings_for(url: &str) -> crate::config::DatabaseSettings {
-    crate::config::DatabaseSettings { url: url.to_owned().into(), max_connections: 2, acquire_timeout: Duration::from_secs(30), prepared_statements: true }
+    crate::config::DatabaseSettings { url: url.to_owned().into(), max_connections: 2, acquire_timeout: Duration::from_secs(30), prepared_statements: true, batch_timeout: crate::config::DEFAULT_BATCH_TIMEOUT }
 }
 
 /// The business columns and where their values come from, for both forms of the side effect.

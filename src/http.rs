@@ -93,7 +93,10 @@ fn respond(path: &str, metrics: &Metrics, health: &Health) -> Response<Full<Byte
     let (status, content_type, body) = match path {
         "/metrics" => (StatusCode::OK, "text/plain; version=0.0.4; charset=utf-8", metrics.render()),
         "/healthz" => (StatusCode::OK, "text/plain", b"ok\n".to_vec()),
-        "/readyz" => match health.ready() {
+        "/readyz" => match health.ready().and_then(|()| match metrics.stalls().as_slice() {
+            [] => Ok(()),
+            stalled => Err(format!("stalled (no progress while records wait): {}", stalled.join("; "))),
+        }) {
             Ok(()) => (StatusCode::OK, "text/plain", b"ready\n".to_vec()),
             Err(why) => (StatusCode::SERVICE_UNAVAILABLE, "text/plain", format!("not ready: {why}\n").into_bytes()),
         },

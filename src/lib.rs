@@ -17,7 +17,8 @@
 //!   offsets updated after COMMIT).
 //! - [`record`]: one consumed record (a Kafka record, a RabbitMQ delivery or a RocketMQ message), owned, with its
 //!   position.
-//! - [`field`]: field paths (RFC 6901 JSON Pointers, or the dotted form) and how a JSON value becomes text.
+//! - [`field`]: field paths (RFC 6901 JSON Pointers, or the dotted form) and how a JSON value becomes text;
+//!   [`rounding`]: target columns that would round a value (`numeric(12, 2)`, `timestamptz(0)`), refused instead.
 //! - [`decode`]: payload bytes to a JSON document, with the size limit checked before parsing.
 //! - [`key`]: the business key of a record and its SHA-256 digest.
 //! - [`prepare`]: one record through decode, key and parameter extraction, into what the sink needs.
@@ -64,6 +65,19 @@
 //! - RocketMQ: a queue's consume offset is updated only after COMMIT; a crash before that replays the batch from
 //!   the last consume offset, as for Kafka (see [`source::rocketmq`]).
 //!
+//! - A side effect that ends the transaction itself breaks "one transaction": on MySQL/MariaDB a procedure's
+//!   `START TRANSACTION`/`COMMIT` (or any statement that commits implicitly) would commit the batch's claims at the
+//!   first record, and a later failure would make the redo find every key claimed. So `sink.sql` accepts only
+//!   statements that cannot commit (read past comments; `CALL` only with `allow_procedures`), and before the
+//!   record-by-record redo and before `COMMIT` the worker checks that the transaction it opened is still open
+//!   ([`store::mysql::transaction_open`]); if not, the pipeline stops instead of counting records as duplicates.
+//!   PostgreSQL refuses transaction control inside a function or a procedure called in a transaction block.
+//! - A batch cancelled by `statement_timeout` rolls back like any failed attempt; it is redone record by record
+//!   (each statement timed on its own) rather than retried whole forever, and a record whose side effect alone
+//!   exceeds the timeout is dead-lettered: nothing committed for it, its claim rolled back with its savepoint.
+//! - A value its column would round is refused before the transaction (`param_invalid`): the effect applied is the
+//!   record's, or none.
+//!
 //! The dedup row and the effect are in the same transaction, so "marked as seen" and "applied" are one fact: there
 //! is no window in which a key is claimed but its effect is lost. No cache in memory ever claims a key.
 //! The Kafka offset commit is therefore only an optimisation that bounds how much is replayed.
@@ -74,7 +88,17 @@
 //! before or after the script is as above. What Redis adds: it may lose its last acknowledged writes (a machine crash
 //! under `everysec`); the positions are lost with the effects, each batch checks that the positions it stored last are
 //! still there, and the worker resumes from what Redis kept. A command failing inside the script is not undone: the
-//! record is dead-lettered with the count of its commands that ran, its key kept so no copy runs them again.
+//! record is dead-lettered with the count of its commands that ran, its key kept so no copy runs them again. What
+//! can be known before a record's commands run is checked before them, so that no record is left half applied for
+//! a reason that is not its own: every number a command takes, as Redis parses it (else `param_invalid`, nothing
+//! run), and the ACL (`redis.acl_check_cmd`, Redis 7.0+): a command the user may not run releases the record's key
+//! and refuses the batch, whose positions are then not stored; the pipeline stops, and the records applied before
+//! it in that script are duplicates when the batch comes again. Dead letters decided inside a script cannot be
+//! rolled back: the dead-letter ratio guard counts them after it, and stops the pipeline after that batch.
+//!
+//! With `[offsets] store = "database"` a claim is made only for partitions this worker still owns (checked before
+//! the claim and again after it); a partition fenced by a claim that landed late is claimed again after a delay
+//! while it is still assigned here, and then sought to its stored position, so it is never left paused.
 // The worker's futures (a batch polled beside the Kafka consumer's select) nest deeper than the default 128.
 #![recursion_limit = "256"]
 
@@ -92,6 +116,7 @@ pub mod offsets;
 pub mod prepare;
 pub mod record;
 pub mod retention;
+pub mod rounding;
 pub mod rewind;
 pub mod secret;
 pub mod shutdown;

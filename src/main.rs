@@ -874,6 +874,11 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
                     ),
                 }
             }
+            for r in &ready {
+                for note in &r.notes {
+                    println!("pipeline {:?}: {note}", r.pipeline.name);
+                }
+            }
             for line in source_lines {
                 println!("{line}");
             }
@@ -899,6 +904,7 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
             config::check_sources(&settings, &pipelines).map_err(|e| report(&e))?;
             // Serve /healthz from the start: the process is alive while it waits for the database.
             let metrics = metrics::Metrics::new();
+            metrics.set_stall_after(settings.metrics.stall_after);
             let health = http::Health::default();
             health.database(false);
             let server = http::serve(settings.metrics.listen, metrics.clone(), health.clone())

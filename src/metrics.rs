@@ -10,7 +10,10 @@ use prometheus::{
     Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
     TextEncoder,
 };
-use std::time::Duration;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
 /// Why a duplicate was skipped. Label `reason` of `idemflow_duplicates_skipped_total`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -167,6 +170,28 @@ impl RebalanceEvent {
     }
 }
 
+/// After how long without progress, while records wait, a partition is stalled by default (`[metrics]
+/// stall_after`).
+pub const DEFAULT_STALL_AFTER: Duration = Duration::from_secs(300);
+
+/// Per partition of every pipeline (`(pipeline, topic, partition)`): when its durable position last advanced, or
+/// nothing waited on it.
+#[derive(Debug)]
+struct Stalls {
+    after_secs: AtomicU64,
+    partitions: Mutex<HashMap<(String, String, i32), Progress>>,
+}
+
+#[derive(Debug)]
+struct Progress {
+    /// The last progress (a committed batch of it, or a lag of 0), or when the partition was first seen.
+    since: Instant,
+    /// Its last known lag, in records.
+    lag: i64,
+    /// Whether it was stalled when last looked at (a change is logged).
+    stalled: bool,
+}
+
 /// The registry and every metric family.
 #[derive(Clone)]
 pub struct Metrics {
@@ -187,6 +212,8 @@ pub struct Metrics {
     offset_commits: IntCounterVec,
     rebalances: IntCounterVec,
     pipeline_up: IntGaugeVec,
+    partition_stalled: IntGaugeVec,
+    stalls: Arc<Stalls>,
     /// Held while a batch's counts are added and while the registry is read, so every scrape sees whole batches:
     /// received = applied + duplicates + dead letters + tombstones in any scrape.
     batch_counts: std::sync::Arc<std::sync::Mutex<()>>,
@@ -258,9 +285,55 @@ impl Metrics {
             offset_commits: counter(&r, "idemflow_offset_commits_total", "Kafka offset commits and RabbitMQ acknowledgements after a batch's COMMIT, by result.", &["pipeline", "result"]),
             rebalances: counter(&r, "idemflow_rebalances_total", "Consumer group rebalance events (RabbitMQ: consumers started, assign, and lost with their connection, revoke), by event.", &["pipeline", "event"]),
             pipeline_up,
+            partition_stalled: {
+                let g = IntGaugeVec::new(
+                    Opts::new("idemflow_partition_stalled_seconds", "For every partition (RabbitMQ: queue) assigned to this worker: seconds since its durable position last advanced while records wait on it (its consumer lag above 0); 0 while nothing waits. A partition over [metrics] stall_after is stalled: logged, and /readyz answers 503."),
+                    &["pipeline", "topic", "partition"],
+                )
+                .expect("valid metric");
+                r.register(Box::new(g.clone())).expect("registered once");
+                g
+            },
+            stalls: Arc::new(Stalls { after_secs: AtomicU64::new(DEFAULT_STALL_AFTER.as_secs()), partitions: Mutex::default() }),
             batch_counts: Default::default(),
             registry: r,
         }
+    }
+
+    /// Sets after how long without progress, while records wait, a partition counts as stalled (`[metrics]
+    /// stall_after`; default [`DEFAULT_STALL_AFTER`]). Zero turns the stall signal off (the gauge still shows the
+    /// seconds).
+    pub fn set_stall_after(&self, after: Duration) {
+        self.stalls.after_secs.store(after.as_secs(), Ordering::Relaxed);
+    }
+
+    /// Brings `idemflow_partition_stalled_seconds` up to date and returns the partitions stalled now, one
+    /// description each (`pipeline "p": topic/2: 312 s without progress, 1,200 records waiting`). A partition that
+    /// becomes stalled is logged once as an error, and once more when it moves again. Called by every scrape, by
+    /// `/readyz` and every few seconds by the worker, so a stall is seen whoever looks.
+    pub fn stalls(&self) -> Vec<String> {
+        let after = self.stalls.after_secs.load(Ordering::Relaxed);
+        let now = Instant::now();
+        let mut stalled = Vec::new();
+        let mut partitions = self.stalls.partitions.lock().unwrap_or_else(PoisonError::into_inner);
+        for ((pipeline, topic, partition), p) in partitions.iter_mut() {
+            let waited = if p.lag > 0 { now.duration_since(p.since).as_secs() } else { 0 };
+            self.partition_stalled.with_label_values(&[pipeline, topic, &partition.to_string()]).set(waited as i64);
+            let is = after > 0 && p.lag > 0 && waited >= after;
+            if is && !p.stalled {
+                tracing::error!(pipeline = %pipeline, topic = %topic, partition = *partition, seconds = waited, waiting = p.lag,
+                    "stalled: records wait on this partition and none has been applied since (a batch retried, a paused or \
+                     fenced partition, a consumer that stopped fetching); see the pipeline's earlier warnings for the cause");
+            } else if !is && p.stalled {
+                tracing::info!(pipeline = %pipeline, topic = %topic, partition = *partition, "the stalled partition moves again");
+            }
+            p.stalled = is;
+            if is {
+                stalled.push(format!("pipeline {pipeline:?}: {topic}/{partition}: {waited} s without progress, {} record(s) waiting", p.lag));
+            }
+        }
+        stalled.sort();
+        stalled
     }
 
     /// The handle one pipeline uses, with every one of its series initialised to 0.
@@ -302,6 +375,7 @@ impl Metrics {
 
     /// The text exposition format (version 0.0.4) of every metric.
     pub fn render(&self) -> Vec<u8> {
+        self.stalls();
         let families = {
             let _whole_batches = self.batch_counts.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
             self.registry.gather()
@@ -404,10 +478,29 @@ impl PipelineMetrics {
         }
     }
 
-    /// Sets the lag of one owned partition, in records.
+    /// Sets the lag of one owned partition, in records. A partition with nothing waiting is not stalled (see
+    /// [`Metrics::stalls`]).
     pub fn lag(&self, topic: &str, partition: i32, records: i64) {
         let p = partition.to_string();
         self.metrics.consumer_lag.with_label_values(&[&self.name, topic, &p]).set(records);
+        let now = Instant::now();
+        let mut partitions = self.metrics.stalls.partitions.lock().unwrap_or_else(PoisonError::into_inner);
+        let e = partitions.entry((self.name.clone(), topic.to_owned(), partition)).or_insert(Progress { since: now, lag: 0, stalled: false });
+        e.lag = records;
+        if records <= 0 {
+            e.since = now;
+        }
+    }
+
+    /// Records that a committed batch moved these partitions' durable positions (records of them were applied,
+    /// skipped or dead-lettered): the stall clock of each starts again.
+    pub fn progressed<'a>(&self, partitions: impl IntoIterator<Item = (&'a str, i32)>) {
+        let now = Instant::now();
+        let mut all = self.metrics.stalls.partitions.lock().unwrap_or_else(PoisonError::into_inner);
+        for (topic, partition) in partitions {
+            let e = all.entry((self.name.clone(), topic.to_owned(), partition)).or_insert(Progress { since: now, lag: 0, stalled: false });
+            e.since = now;
+        }
     }
 
     /// The handle of the pipeline's consumer number `lane` (0 for the first; `batch.concurrency` runs several):
@@ -431,6 +524,9 @@ impl PipelineMetrics {
     pub fn forget_lag(&self, topic: &str, partition: i32) {
         let p = partition.to_string();
         let _ = self.metrics.consumer_lag.remove_label_values(&[&self.name, topic, &p]);
+        let _ = self.metrics.partition_stalled.remove_label_values(&[&self.name, topic, &p]);
+        let mut all = self.metrics.stalls.partitions.lock().unwrap_or_else(PoisonError::into_inner);
+        all.remove(&(self.name.clone(), topic.to_owned(), partition));
     }
 
     /// Counts dedup rows deleted by retention.
@@ -451,6 +547,11 @@ impl PipelineMetrics {
     /// Counts one rebalance event.
     pub fn rebalance(&self, event: RebalanceEvent) {
         self.metrics.rebalances.with_label_values(&[&self.name, event.as_str()]).inc();
+    }
+
+    /// [`Metrics::stalls`], for the pipeline's watcher.
+    pub fn stalls(&self) -> Vec<String> {
+        self.metrics.stalls()
     }
 
     /// Marks the pipeline stopped on a fatal error.

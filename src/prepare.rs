@@ -56,6 +56,8 @@ pub struct Preparer {
     tombstones: TombstonePolicy,
     bindings: Vec<(Binding, Render)>,
     refuse_naive: bool,
+    /// The most bytes a record's values may take in the store ([`Preparer::with_max_record_bytes`]).
+    max_record_bytes: Option<u64>,
     /// The pipeline's `time_zone`, for MySQL's time targets ([`field::wall_clock`]); UTC when jiff does not know
     /// the name (a PostgreSQL pipeline, whose server reads the zone itself).
     zone: jiff::tz::TimeZone,
@@ -71,8 +73,15 @@ impl Preparer {
             tombstones: pipeline.tombstones,
             bindings,
             refuse_naive: pipeline.time.naive == crate::config::NaiveTimestamps::DeadLetter,
+            max_record_bytes: None,
             zone: jiff::tz::TimeZone::get(&pipeline.time.zone).unwrap_or(jiff::tz::TimeZone::UTC),
         }
+    }
+
+    /// The same, refusing a record whose values take more than `limit` bytes in all (`param_invalid`): the store
+    /// could not take the statement carrying them (MySQL's `max_allowed_packet`).
+    pub fn with_max_record_bytes(self, limit: Option<u64>) -> Self {
+        Preparer { max_record_bytes: limit, ..self }
     }
 
     /// Decodes the record, takes its key and values. Never fails: failures are dead letters.
@@ -99,15 +108,32 @@ impl Preparer {
         };
         let mut values = Vec::with_capacity(self.bindings.len());
         for (binding, render) in &self.bindings {
-            match value(binding, *render, self.refuse_naive, record, &doc, &key) {
-                Ok(Some(v)) if matches!(render, Render::UtcWallClock | Render::LocalWallClock) => {
-                    match field::wall_clock(v, *render, &self.zone) {
-                        Ok(v) => values.push(Some(v)),
-                        Err(e) => return Prepared::dead(DeadLetterReason::ParamInvalid, format!("{}: {e}", binding.name)),
-                    }
-                }
-                Ok(v) => values.push(v),
+            let v = match value(binding, *render, self.refuse_naive, record, &doc, &key) {
+                Ok(Some(v)) if matches!(render, Render::UtcWallClock | Render::LocalWallClock) => match field::wall_clock(v, *render, &self.zone) {
+                    Ok(v) => Some(v),
+                    Err(e) => return Prepared::dead(DeadLetterReason::ParamInvalid, format!("{}: {e}", binding.name)),
+                },
+                Ok(v) => v,
                 Err(dead) => return dead,
+            };
+            // A value its column would round is refused, unless the column says it may (crate::rounding).
+            if let (Some(v), Some(limit), false) = (&v, &binding.limit, binding.round) {
+                if let Err(why) = limit.check(v) {
+                    return Prepared::dead(DeadLetterReason::ParamInvalid, format!("{}: {why}", binding.name));
+                }
+            }
+            values.push(v);
+        }
+        if let Some(limit) = self.max_record_bytes {
+            let size: u64 = values.iter().flatten().map(|v| v.len() as u64).sum::<u64>() + key.text.len() as u64;
+            if size > limit {
+                return Prepared::dead(
+                    DeadLetterReason::ParamInvalid,
+                    format!(
+                        "the record's key and values take {size} bytes, more than one statement can carry to the server \
+                         ({limit} bytes under its max_allowed_packet): raise max_allowed_packet to apply such records"
+                    ),
+                );
             }
         }
         Prepared::Apply(Apply { key, fingerprint: Sha256::digest(payload).into(), values })

@@ -21,6 +21,14 @@
 //! impossible and the committed offset counts as the end; a timestamp look-up is checked against the record it
 //! points at (Kafka's ListOffsets answers the earliest offset whose timestamp is at or after the target), and a
 //! partition with an impossible answer stays where it is. Each such correction is a warning of the plan.
+//!
+//! A partition the group has no committed position for is not where the target is, but where the group would
+//! start it: its consumer's `auto.offset.reset` ([`Reset`]). With `earliest` (idemflow's default) that is the
+//! partition's log start, so such a partition moves to its log start whatever the target (a timestamp after its
+//! records would otherwise commit its end, and its records, never consumed, would never be); with `latest` the group
+//! would start at the end, and any target at or before it skips nothing. With any other policy (`error`) the plan
+//! cannot tell where the group would start, and such a partition is left out of the plan (not moved), unless the
+//! target is its log start, which skips nothing whatever the policy. Each is a warning of the plan.
 
 use crate::config::{KafkaSettings, Pipeline};
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
@@ -49,6 +57,35 @@ impl std::str::FromStr for Target {
         humantime::parse_rfc3339_weak(s).map(Target::Time).map_err(|e| {
             format!("{s:?} is neither \"earliest\" nor an RFC 3339 timestamp like 2026-11-29T08:00:00Z ({e})")
         })
+    }
+}
+
+/// Where the group starts a partition it has no committed position for: its consumer's `auto.offset.reset`, as
+/// [`crate::source::kafka::consumer_config`] sets it (`earliest` unless `[kafka.properties]` says otherwise).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Reset {
+    /// `earliest` (also `smallest`, `beginning`): at the partition's log start.
+    Earliest,
+    /// `latest` (also `largest`, `end`): at the partition's end when the consumer starts it.
+    Latest,
+    /// Any other value (`error`: the consumer raises an error rather than start the partition), or none: where
+    /// the group would start is unknown. The value as configured.
+    Other(Option<String>),
+}
+
+impl Reset {
+    /// The policy of an `auto.offset.reset` value (librdkafka's names, in any case).
+    pub fn parse(value: Option<&str>) -> Reset {
+        match value.map(|v| v.trim().to_ascii_lowercase()).as_deref() {
+            Some("earliest" | "smallest" | "beginning") => Reset::Earliest,
+            Some("latest" | "largest" | "end") => Reset::Latest,
+            _ => Reset::Other(value.map(str::to_owned)),
+        }
+    }
+
+    /// The policy of `pipeline`'s consumer.
+    pub fn of(kafka_settings: &KafkaSettings, pipeline: &Pipeline) -> Reset {
+        Reset::parse(crate::source::kafka::consumer_config(kafka_settings, pipeline).get("auto.offset.reset"))
     }
 }
 
@@ -163,11 +200,15 @@ pub struct Answers {
     pub target_ms: Option<i64>,
     /// The timestamp (ms) of the record at the `by_time` offset, when it could be read.
     pub found_timestamp_ms: Option<i64>,
+    /// Where the group starts the partition when `position` is `None`.
+    pub reset: Reset,
 }
 
 /// The move of one partition from the broker's answers, never contradicting the group's position, and the
-/// warnings for answers that are impossible (see the module documentation).
-pub fn reconcile(a: &Answers) -> (Move, Vec<String>) {
+/// warnings for answers that are impossible (see the module documentation). A partition without a position is
+/// never moved past where the group's reset policy would start it; `None` (with a warning saying why) when that
+/// policy is unknown and the move would skip records: the partition is then left as it is.
+pub fn reconcile(a: &Answers) -> (Option<Move>, Vec<String>) {
     let tp = format!("{}/{}", a.topic, a.partition);
     let mut warnings = Vec::new();
     let mut end = a.high;
@@ -199,7 +240,47 @@ pub fn reconcile(a: &Answers) -> (Move, Vec<String>) {
         (Some(_), _) => end, // no record at or after the timestamp
         (None, _) => a.low,
     };
-    (Move { topic: a.topic.clone(), partition: a.partition, from: a.position, to, end }.backwards_only(), warnings)
+    let mut m = Move { topic: a.topic.clone(), partition: a.partition, from: a.position, to, end }.backwards_only();
+    if a.position.is_some() || m.to <= a.low {
+        // Where the group is, or a partition moved to its log start: nothing is skipped whatever the policy.
+        return (Some(m), warnings);
+    }
+    match &a.reset {
+        Reset::Earliest => {
+            warnings.push(format!(
+                "{tp}: the group has no committed position here, and auto.offset.reset = earliest starts it at its \
+                 log start {low}: moving it there, not to {to}, which would skip {skipped} record(s) never consumed \
+                 (a partition is never moved forward)",
+                low = a.low,
+                to = m.to,
+                skipped = m.to.min(end) - a.low,
+            ));
+            m.to = a.low;
+            (Some(m), warnings)
+        }
+        // The group would start at the end: a move to it or before it skips nothing.
+        Reset::Latest => {
+            if m.to < end {
+                warnings.push(format!(
+                    "{tp}: the group has no committed position here, and auto.offset.reset = latest would start it at \
+                     its end: from offset {}, {} record(s) the group never consumed will be consumed",
+                    m.to,
+                    end - m.to
+                ));
+            }
+            (Some(m), warnings)
+        }
+        Reset::Other(value) => {
+            let value = value.as_deref().map_or_else(|| "(not set)".to_owned(), |v| format!("{v:?}"));
+            warnings.push(format!(
+                "{tp}: not moved: the group has no committed position here, and auto.offset.reset = {value} does not \
+                 say where the group would start it, so a move to offset {} could skip records never consumed; \
+                 rewind to earliest, or commit a position for it first",
+                m.to
+            ));
+            (None, warnings)
+        }
+    }
 }
 
 /// `ms` since the Unix epoch as an RFC 3339 UTC timestamp with milliseconds.
@@ -258,17 +339,8 @@ pub fn plan(
 ) -> Result<Plan, RewindError> {
     let consumer: BaseConsumer =
         crate::source::kafka::consumer_config(kafka_settings, pipeline).create().map_err(kafka("creating a Kafka client"))?;
-    let mut all = TopicPartitionList::new();
-    for topic in &crate::source::kafka::spec(pipeline).topics {
-        let md = consumer.fetch_metadata(Some(topic), timeout).map_err(kafka(format!("reading metadata of {topic:?}")))?;
-        let t = md.topics().iter().find(|t| t.name() == topic).ok_or_else(|| RewindError::NoTopic(topic.clone()))?;
-        if t.error().is_some() || t.partitions().is_empty() {
-            return Err(RewindError::NoTopic(topic.clone()));
-        }
-        for p in t.partitions() {
-            all.add_partition(topic, p.id());
-        }
-    }
+    let all = partitions_of(&consumer, pipeline, timeout)?;
+    let reset = Reset::of(kafka_settings, pipeline);
     let committed = consumer.committed_offsets(all.clone(), timeout).map_err(kafka("reading the committed offsets"))?;
     let by_time = match target {
         Target::Earliest => None,
@@ -310,9 +382,12 @@ pub fn plan(
             Some(Some(o)) if o < high.max(position.unwrap_or(high)) => record_timestamp(&reader, topic, partition, o, timeout),
             _ => None,
         };
-        let answers = Answers { topic: topic.to_owned(), partition, low, high, position, by_time: found, target_ms, found_timestamp_ms };
+        let answers =
+            Answers { topic: topic.to_owned(), partition, low, high, position, by_time: found, target_ms, found_timestamp_ms, reset: reset.clone() };
         let (m, warnings) = reconcile(&answers);
         plan.warnings.extend(warnings);
+        // A partition left out (see `reconcile`) is not moved.
+        let Some(m) = m else { continue };
         if m.replayed() > 0 {
             let first = if found == Some(Some(m.to)) { found_timestamp_ms } else { record_timestamp(&reader, topic, partition, m.to, timeout) };
             if let Some(ts) = first.filter(|ts| *ts < oldest_kept_ms) {
@@ -330,9 +405,25 @@ pub fn plan(
     Ok(plan)
 }
 
-/// Joins `pipeline`'s consumer group, checks that it was assigned every partition of `moves` (no worker is
-/// running), and runs `before_commit` (the database side of the rewind) and then commits `moves`' offsets as a
-/// group member; leaves the group in any case. Blocking.
+/// Every partition of `pipeline`'s topics, from the cluster's metadata.
+fn partitions_of(consumer: &BaseConsumer, pipeline: &Pipeline, timeout: Duration) -> Result<TopicPartitionList, RewindError> {
+    let mut all = TopicPartitionList::new();
+    for topic in &crate::source::kafka::spec(pipeline).topics {
+        let md = consumer.fetch_metadata(Some(topic), timeout).map_err(kafka(format!("reading metadata of {topic:?}")))?;
+        let t = md.topics().iter().find(|t| t.name() == topic).ok_or_else(|| RewindError::NoTopic(topic.clone()))?;
+        if t.error().is_some() || t.partitions().is_empty() {
+            return Err(RewindError::NoTopic(topic.clone()));
+        }
+        for p in t.partitions() {
+            all.add_partition(topic, p.id());
+        }
+    }
+    Ok(all)
+}
+
+/// Joins `pipeline`'s consumer group, checks that it was assigned every partition of its topics (no worker is
+/// running; a partition left out of the plan counts too), and runs `before_commit` (the database side of the
+/// rewind) and then commits `moves`' offsets as a group member; leaves the group in any case. Blocking.
 ///
 /// Errors: [`RewindError::GroupActive`] when other members hold partitions, [`RewindError::NoAssignment`] after
 /// `timeout` with no assignment, Kafka errors, and [`RewindError::Database`] from `before_commit` (nothing is
@@ -349,6 +440,8 @@ pub fn apply(
     }
     let consumer: BaseConsumer =
         crate::source::kafka::consumer_config(kafka_settings, pipeline).create().map_err(kafka("creating a Kafka client"))?;
+    // Every partition, not only those of `moves`: a worker holding only partitions left out of the plan is running too.
+    let all = partitions_of(&consumer, pipeline, timeout)?;
     let topics: Vec<&str> = crate::source::kafka::spec(pipeline).topics.iter().map(String::as_str).collect();
     consumer.subscribe(&topics).map_err(kafka("joining the consumer group"))?;
     let result = (|| {
@@ -367,13 +460,14 @@ pub fn apply(
             }
         };
         let mine = consumer.assignment().unwrap_or_default();
-        let all_mine = moves.iter().all(|m| mine.find_partition(&m.topic, m.partition).is_some());
+        let all_mine = moves.iter().all(|m| mine.find_partition(&m.topic, m.partition).is_some())
+            && all.elements().iter().all(|e| mine.find_partition(e.topic(), e.partition()).is_some());
         if !all_mine {
             return Err(RewindError::GroupActive {
                 group: crate::source::kafka::spec(pipeline).group_id.clone(),
                 pipeline: pipeline.name.clone(),
                 got: assigned,
-                total: moves.len(),
+                total: all.count().max(moves.len()),
             });
         }
         before_commit().map_err(RewindError::Database)?;
@@ -404,17 +498,33 @@ mod tests {
     }
 
     fn answers(low: i64, high: i64, position: Option<i64>) -> Answers {
-        Answers { topic: "t".into(), partition: 0, low, high, position, by_time: None, target_ms: None, found_timestamp_ms: None }
+        Answers {
+            topic: "t".into(),
+            partition: 0,
+            low,
+            high,
+            position,
+            by_time: None,
+            target_ms: None,
+            found_timestamp_ms: None,
+            reset: Reset::Earliest,
+        }
+    }
+
+    /// `reconcile`'s move, which these answers always give.
+    fn moved(a: &Answers) -> (Move, Vec<String>) {
+        let (m, warnings) = reconcile(a);
+        (m.expect("a move"), warnings)
     }
 
     #[test]
     fn an_under_reported_high_watermark_never_shrinks_the_replay() {
         // A broker that reports 1,292 as the end while the group is at 2,110 (seen on a Kafka-compatible broker).
-        let (m, warnings) = reconcile(&answers(0, 1292, Some(2110)));
+        let (m, warnings) = moved(&answers(0, 1292, Some(2110)));
         assert_eq!((m.to, m.end, m.replayed()), (0, 2110, 2110));
         assert_eq!(warnings.len(), 1);
         assert!(warnings[0].contains("high watermark of 1292 below the group's position 2110"), "{warnings:?}");
-        let (m, warnings) = reconcile(&answers(0, 2110, Some(2110)));
+        let (m, warnings) = moved(&answers(0, 2110, Some(2110)));
         assert_eq!((m.end, m.replayed(), warnings.len()), (2110, 2110, 0));
     }
 
@@ -423,18 +533,70 @@ mod tests {
         // A timestamp after every record resolved to offset 0, whose record is older than the target.
         let target = 1_795_939_200_000;
         let a = Answers { by_time: Some(Some(0)), target_ms: Some(target), found_timestamp_ms: Some(target - 3_600_000), ..answers(0, 500, Some(500)) };
-        let (m, warnings) = reconcile(&a);
+        let (m, warnings) = moved(&a);
         assert_eq!((m.to, m.replayed()), (500, 0));
         assert!(warnings[0].contains("that record's timestamp (2026-11-29T07:00:00.000Z) is before it"), "{warnings:?}");
         // A consistent answer moves it.
         let a = Answers { by_time: Some(Some(120)), target_ms: Some(target), found_timestamp_ms: Some(target + 5), ..answers(0, 500, Some(500)) };
-        let (m, warnings) = reconcile(&a);
+        let (m, warnings) = moved(&a);
         assert_eq!((m.to, m.replayed(), warnings.len()), (120, 380, 0));
         // An offset past the end is impossible too; "no record at or after" means the end.
         let a = Answers { by_time: Some(Some(900)), target_ms: Some(target), ..answers(0, 500, Some(500)) };
-        assert_eq!(reconcile(&a).0.to, 500);
+        assert_eq!(moved(&a).0.to, 500);
         let a = Answers { by_time: Some(None), target_ms: Some(target), ..answers(0, 500, Some(400)) };
-        assert_eq!(reconcile(&a), (Move { topic: "t".into(), partition: 0, from: Some(400), to: 400, end: 500 }, vec![]));
+        assert_eq!(reconcile(&a), (Some(Move { topic: "t".into(), partition: 0, from: Some(400), to: 400, end: 500 }), vec![]));
+    }
+
+    #[test]
+    fn reset_policies_parse() {
+        assert_eq!(Reset::parse(Some("earliest")), Reset::Earliest);
+        assert_eq!(Reset::parse(Some("smallest")), Reset::Earliest);
+        assert_eq!(Reset::parse(Some("Beginning")), Reset::Earliest);
+        assert_eq!(Reset::parse(Some("latest")), Reset::Latest);
+        assert_eq!(Reset::parse(Some("largest")), Reset::Latest);
+        assert_eq!(Reset::parse(Some("end")), Reset::Latest);
+        assert_eq!(Reset::parse(Some("error")), Reset::Other(Some("error".into())));
+        assert_eq!(Reset::parse(None), Reset::Other(None));
+    }
+
+    /// A partition the group never committed (10 records at offsets 0..10): a timestamp after its records
+    /// (ListOffsets: no record at or after it) must not move it to its end, which would skip all 10.
+    #[test]
+    fn a_partition_without_a_position_is_never_moved_past_where_the_group_would_start_it() {
+        let target = 1_795_939_200_000;
+        let after = |reset| Answers { by_time: Some(None), target_ms: Some(target), reset, ..answers(0, 10, None) };
+        // earliest (idemflow's default): its log start, with a warning.
+        let (m, warnings) = reconcile(&after(Reset::Earliest));
+        assert_eq!(m, Some(Move { topic: "t".into(), partition: 0, from: None, to: 0, end: 10 }));
+        assert_eq!(m.unwrap().replayed(), 10);
+        assert_eq!(warnings.len(), 1, "{warnings:?}");
+        assert!(warnings[0].starts_with("t/0: the group has no committed position here, and auto.offset.reset = earliest"), "{warnings:?}");
+        assert!(warnings[0].contains("log start 0: moving it there, not to 10, which would skip 10 record(s)"), "{warnings:?}");
+        // A log start above 0 (records deleted): there, never below it.
+        let a = Answers { by_time: Some(Some(7)), target_ms: Some(target), found_timestamp_ms: Some(target + 1), ..answers(4, 10, None) };
+        let (m, warnings) = moved(&a);
+        assert_eq!((m.to, m.replayed()), (4, 6));
+        assert!(warnings[0].contains("log start 4: moving it there, not to 7, which would skip 3 record(s)"), "{warnings:?}");
+        // An impossible answer leaves a partition "where it is": for one without a position, where the group would
+        // start it.
+        let a = Answers { by_time: Some(Some(90)), target_ms: Some(target), ..answers(0, 10, None) };
+        assert_eq!(moved(&a).0.to, 0);
+        // latest: the group would start at the end, so the target (or the end) skips nothing.
+        let (m, warnings) = moved(&after(Reset::Latest));
+        assert_eq!((m.to, m.replayed(), warnings.len()), (10, 0, 0));
+        let a = Answers { by_time: Some(Some(3)), target_ms: Some(target), found_timestamp_ms: Some(target), reset: Reset::Latest, ..answers(0, 10, None) };
+        let (m, warnings) = moved(&a);
+        assert_eq!((m.to, m.replayed()), (3, 7));
+        assert!(warnings[0].contains("auto.offset.reset = latest would start it at its end"), "{warnings:?}");
+        // Unknown (error): left out, with the reason; earliest skips nothing whatever the policy, so it goes ahead.
+        let (m, warnings) = reconcile(&after(Reset::Other(Some("error".into()))));
+        assert_eq!(m, None);
+        assert!(warnings[0].starts_with("t/0: not moved: the group has no committed position here, and auto.offset.reset = \"error\""), "{warnings:?}");
+        let a = Answers { reset: Reset::Other(Some("error".into())), ..answers(0, 10, None) };
+        assert_eq!(reconcile(&a), (Some(Move { topic: "t".into(), partition: 0, from: None, to: 0, end: 10 }), vec![]));
+        // A partition with a position is unchanged by the policy.
+        let a = Answers { by_time: Some(None), target_ms: Some(target), reset: Reset::Other(None), ..answers(0, 10, Some(6)) };
+        assert_eq!(reconcile(&a), (Some(Move { topic: "t".into(), partition: 0, from: Some(6), to: 6, end: 10 }), vec![]));
     }
 
     #[test]

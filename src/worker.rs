@@ -30,6 +30,8 @@ pub struct Ready {
     pub sink: Sink,
     /// The store (for retention and stored positions).
     pub store: Store,
+    /// What `check` says about the store's limits for this pipeline ([`crate::store::SideEffect::notes`]).
+    pub notes: Vec<String>,
 }
 
 /// Checks every pipeline's side effect against the database (tables, columns, statements and their parameter
@@ -65,7 +67,8 @@ impl Ready {
             store.prepare_side_effect(&p.sink, &p.time).await.map_err(|e| error(e.field, e.message))?;
         Ok(Ready {
             pipeline: p.clone(),
-            preparer: Preparer::new(p, bindings),
+            preparer: Preparer::new(p, bindings).with_max_record_bytes(side_effect.max_record_bytes()),
+            notes: side_effect.notes(),
             sink: Sink::new(p.name.clone(), store.clone(), side_effect, p.dedup.retention),
             store: store.clone(),
         })
@@ -146,6 +149,7 @@ pub async fn run_with_faults(
             let result = tokio::select! {
                 result = run_pipeline(&settings, r, pm.clone(), health.clone(), shutdown, faults) => result,
                 never = purge => match never {},
+                never = stall_watch(pm.clone()) => match never {},
             };
             if let Err(e) = &result {
                 pm.set_fatal();
@@ -164,6 +168,15 @@ pub async fn run_with_faults(
         }
     }
     failures
+}
+
+/// Looks at the stall signal every few seconds ([`crate::metrics::Metrics::stalls`]), so that a stalled partition
+/// is logged even when nothing scrapes `/metrics` or asks `/readyz`. Dropped when its pipeline ends.
+async fn stall_watch(metrics: PipelineMetrics) -> std::convert::Infallible {
+    loop {
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        metrics.stalls();
+    }
 }
 
 /// Purges the pipeline's expired dedup rows every `purge_interval`, forever (it is dropped when its pipeline
@@ -302,6 +315,7 @@ async fn run_lane(
         window: DeadLetterWindow::new(r.pipeline.dead_letters.clone()),
         dead_letter_out: dead_letter_out.as_ref(),
         owner,
+        batch_timeout: settings.database.as_ref().map(|d| d.batch_timeout),
     };
     let mut outcome = Ok(());
     let mut checked = Instant::now();
@@ -375,21 +389,33 @@ impl DeadLetterWindow {
     /// Refuses a batch that would take the ratio over the limit.
     fn check(&self, counts: &BatchCounts) -> Result<(), SinkError> {
         let (records, dead_letters) = self.totals((counts.received, counts.dead_letters.iter().sum()));
-        let over = records >= self.settings.min_records
-            && records > 0
-            && dead_letters as f64 > self.settings.max_ratio * records as f64;
-        if over && self.settings.max_ratio < 1.0 {
+        if self.over(records, dead_letters) {
             return Err(SinkError::DeadLetterRatio { dead_letters, records, max_ratio: self.settings.max_ratio });
         }
         Ok(())
     }
 
-    fn record(&mut self, counts: &BatchCounts) {
+    fn over(&self, records: u64, dead_letters: u64) -> bool {
+        records >= self.settings.min_records
+            && records > 0
+            && dead_letters as f64 > self.settings.max_ratio * records as f64
+            && self.settings.max_ratio < 1.0
+    }
+
+    /// Records a written batch. Its dead letters were checked before `COMMIT` except those decided where nothing
+    /// can be rolled back (inside a Redis script): when those take the ratio over the limit, the pipeline stops now,
+    /// after the batch, rather than go on emptying the stream into the dead letters.
+    fn record(&mut self, counts: &BatchCounts) -> Result<(), SinkError> {
         let newest = (counts.received, counts.dead_letters.iter().sum());
+        let (records, dead_letters) = self.totals(newest);
         self.batches.push_back(newest);
         while self.batches.iter().map(|b| b.0).sum::<u64>() > self.settings.window && self.batches.len() > 1 {
             self.batches.pop_front();
         }
+        if self.over(records, dead_letters) {
+            return Err(SinkError::DeadLetterRatioWritten { dead_letters, records, max_ratio: self.settings.max_ratio });
+        }
+        Ok(())
     }
 }
 
@@ -403,6 +429,8 @@ struct Step<'a> {
     dead_letter_out: Option<&'a DeadLetterOut>,
     /// Recorded as the owner of the partitions this lane claims (`[offsets] store = "database"`).
     owner: String,
+    /// `[database] batch_timeout` (none for Redis, whose client has its own response timeout).
+    batch_timeout: Option<Duration>,
 }
 
 impl Step<'_> {
@@ -438,17 +466,24 @@ impl Step<'_> {
         let mut prepared: Vec<Prepared> = batch.iter().map(|rec| self.ready.preparer.prepare(rec)).collect();
         let started = Instant::now();
         let mut backoff = retry_backoff();
+        let mut attempts = 0u32;
         let outcome = loop {
             if batch.is_empty() {
                 return Ok(true);
             }
             // The transaction runs in its own task while the consumer keeps polling (see `Source::poll_while`).
             let positions = source.positions(batch);
-            let (sink, window) = (self.ready.sink.clone(), self.window.clone());
+            let (sink, window, limit) = (self.ready.sink.clone(), self.window.clone(), self.batch_timeout);
             let (records, records_prepared, presented) = (std::mem::take(batch), std::mem::take(&mut prepared), positions.clone());
             let attempt = tokio::spawn(
                 async move {
-                    let result = sink.apply(&records, &records_prepared, presented.as_ref(), |counts| window.check(counts)).await;
+                    let apply = sink.apply(&records, &records_prepared, presented.as_ref(), |counts| window.check(counts));
+                    // Dropping the attempt on time-out drops its connection: the server rolls back what it did not
+                    // commit (once it hears of it), and the retry's claims wait for that.
+                    let result = match limit {
+                        Some(limit) => tokio::time::timeout(limit, apply).await.unwrap_or(Err(SinkError::TimedOut(limit))),
+                        None => apply.await,
+                    };
                     (records, records_prepared, result)
                 }
                 .in_current_span(),
@@ -463,7 +498,8 @@ impl Step<'_> {
                         self.health.database(false);
                         self.metrics.retry(cause);
                         let delay = backoff.next().unwrap_or(MAX_RETRY_DELAY);
-                        tracing::warn!(error = %e, retry_in = ?delay,
+                        attempts += 1;
+                        tracing::warn!(error = %e, retry_in = ?delay, attempt = attempts, failing_for = ?started.elapsed(),
                             "batch rolled back; retrying with consumption paused (nothing is dead-lettered for this)");
                         let before = batch.len();
                         source.drop_revoked(batch);
@@ -524,7 +560,11 @@ impl Step<'_> {
             }
         };
         self.health.database(true);
-        self.window.record(&outcome.counts);
+        let mut moved: Vec<(&str, i32)> = batch.iter().map(|r| (r.position.topic_name(), r.position.partition)).collect();
+        moved.sort_unstable();
+        moved.dedup();
+        self.metrics.progressed(moved);
+        let guarded = self.window.record(&outcome.counts);
         self.metrics.batch_committed(&outcome.counts, started.elapsed());
         if let Some(rt) = outcome.script_round_trip {
             self.metrics.script_round_trip(rt);
@@ -546,6 +586,7 @@ impl Step<'_> {
                 }
             }
         }
+        guarded?;
         Ok(true)
     }
 }
@@ -563,6 +604,13 @@ async fn resync(
     partitions: Vec<(String, i32)>,
     batch: &mut Vec<Record>,
 ) -> Result<bool, SinkError> {
+    // Only partitions this worker still owns: a claim for one revoked meanwhile would fence its new owner.
+    let owned = source.owned();
+    let partitions: Vec<(String, i32)> = partitions.into_iter().filter(|p| owned.contains(p)).collect();
+    if partitions.is_empty() {
+        source.drop_revoked(batch);
+        return Ok(true);
+    }
     let (store, pipeline, owner) = (ready.store.clone(), ready.pipeline.name.clone(), owner.to_owned());
     let claim = tokio::spawn(async move { store.claim_offsets(&pipeline, &owner, &partitions).await }.in_current_span());
     match source.poll_while(claim).await {

@@ -78,6 +78,20 @@ pub struct DatabaseSettings {
     /// `extra_float_digits` startup parameter is not sent.
     #[serde(default = "default_true")]
     pub prepared_statements: bool,
+    /// The longest one batch attempt (its transaction, `COMMIT` included) may take before the worker abandons it,
+    /// closing its connection, and retries the batch: bounds a hang on a connection whose packets vanish (a
+    /// half-open TCP connection waits for the kernel's retransmission timeout, about 15 minutes). The dedup rows
+    /// make the retry safe whether or not the abandoned attempt committed. Default 2 minutes; raise it above your
+    /// slowest batch.
+    #[serde(default = "default_batch_timeout", with = "humantime_serde")]
+    pub batch_timeout: Duration,
+}
+
+/// `[database] batch_timeout` when unset.
+pub const DEFAULT_BATCH_TIMEOUT: Duration = Duration::from_secs(120);
+
+fn default_batch_timeout() -> Duration {
+    DEFAULT_BATCH_TIMEOUT
 }
 
 fn default_true() -> bool {
@@ -334,6 +348,15 @@ pub struct MetricsSettings {
     /// Address of the HTTP endpoint serving `/metrics`, `/healthz` and `/readyz` (default `127.0.0.1:9464`).
     #[serde(default = "default_listen")]
     pub listen: SocketAddr,
+    /// After how long without progress, while records wait on it, a partition (a queue) counts as stalled: logged
+    /// as an error, `/readyz` answers 503, and `idemflow_partition_stalled_seconds` is over it (default 5 minutes;
+    /// `"0s"` turns it off).
+    #[serde(default = "default_stall_after", with = "humantime_serde")]
+    pub stall_after: std::time::Duration,
+}
+
+fn default_stall_after() -> std::time::Duration {
+    crate::metrics::DEFAULT_STALL_AFTER
 }
 
 fn default_listen() -> SocketAddr {
@@ -342,7 +365,7 @@ fn default_listen() -> SocketAddr {
 
 impl Default for MetricsSettings {
     fn default() -> Self {
-        MetricsSettings { listen: default_listen() }
+        MetricsSettings { listen: default_listen(), stall_after: default_stall_after() }
     }
 }
 

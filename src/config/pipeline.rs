@@ -296,6 +296,10 @@ pub enum SinkSpec {
         statements: Vec<Statement>,
         /// The value of each named parameter.
         params: Vec<Binding>,
+        /// `[sink] allow_procedures`: MySQL/MariaDB run `CALL` statements (a procedure may end the batch
+        /// transaction, which is checked before each `COMMIT`). PostgreSQL always allows `CALL`: it refuses
+        /// transaction control in a procedure called inside a transaction block.
+        allow_procedures: bool,
     },
     /// Statements run once per batch over the batch's new records as the relation `new_records` (`[sink]
     /// batch_sql`, PostgreSQL only): set-based, so a batch costs one round trip per statement whatever its size.
@@ -365,6 +369,12 @@ pub struct Binding {
     /// `type = ...` of a `batch_sql` column: the PostgreSQL type of that column of `new_records` as written
     /// (`numeric`, `timestamptz`, `jsonb`); `None` is `text`. Resolved by the server when the pipeline starts.
     pub type_name: Option<String>,
+    /// `round = true` on a column of the table form: its column may round the value (`numeric(12, 2)`,
+    /// `timestamptz(0)`); otherwise a value it would change is refused ([`crate::rounding`]).
+    pub round: bool,
+    /// What the target column keeps of a value, where it would round the rest: set by the store when the pipeline
+    /// starts (the table form), never from the file.
+    pub limit: Option<crate::rounding::Limit>,
 }
 
 /// A parameter's declared target type (`type = "decimal" | "integer" | "timestamp" | "datetime" | "json"` in
@@ -549,6 +559,7 @@ struct RawSink {
     batch_sql: Option<RawSql>,
     redis: Option<Vec<Vec<String>>>,
     params: Option<BTreeMap<String, toml::Value>>,
+    allow_procedures: Option<bool>,
     time_zone: Option<String>,
     naive_timestamps: Option<NaiveTimestamps>,
 }
@@ -1025,6 +1036,9 @@ fn validate_sink(raw: RawSink, dialect: Dialect, e: &mut Errors<'_>) -> Option<S
         );
         return None;
     }
+    if raw.allow_procedures.is_some() && raw.sql.is_none() {
+        e.push("sink.allow_procedures", "belongs to the sql form (CALL statements in sink.sql)");
+    }
     if let Some(commands) = raw.redis {
         for (set, field) in [
             (raw.columns.is_some(), "sink.columns"),
@@ -1112,7 +1126,7 @@ fn validate_sink(raw: RawSink, dialect: Dialect, e: &mut Errors<'_>) -> Option<S
         }
     }
     let params = bindings(raw_params, "sink.params", false, e)?;
-    Some(SinkSpec::Sql { statements, params })
+    Some(SinkSpec::Sql { statements, params, allow_procedures: raw.allow_procedures.unwrap_or(false) })
 }
 
 /// The statements of `texts` (`key` in the file: `sink.sql` or `sink.batch_sql`), each named by its place for
@@ -1176,7 +1190,7 @@ fn bindings(raw: BTreeMap<String, toml::Value>, table: &str, free_types: bool, e
 
 fn binding(name: &str, value: toml::Value, field: &str, free_types: bool, e: &mut Errors<'_>) -> Option<Binding> {
     let plain =
-        |source| Binding { name: name.to_owned(), source, default: None, optional: false, declared: None, type_name: None };
+        |source| Binding { name: name.to_owned(), source, default: None, optional: false, declared: None, type_name: None, round: false, limit: None };
     let table = match value {
         toml::Value::String(path) => return path_or_error(&path, field, e).map(|p| plain(ValueSource::Field(p))),
         toml::Value::Table(table) => table,
@@ -1191,6 +1205,7 @@ fn binding(name: &str, value: toml::Value, field: &str, free_types: bool, e: &mu
     let mut optional = false;
     let mut declared = None;
     let mut type_name = None;
+    let mut round = false;
     for (k, v) in table {
         let sub = format!("{field}.{k}");
         match (k.as_str(), v) {
@@ -1231,6 +1246,8 @@ fn binding(name: &str, value: toml::Value, field: &str, free_types: bool, e: &mu
                 other => e.push(&sub, format!("expected a string, number or boolean, found {}", other.type_str())),
             },
             ("optional", toml::Value::Boolean(b)) => optional = b,
+            ("round", toml::Value::Boolean(b)) if table_form(field) => round = b,
+            ("round", _) if !table_form(field) => e.push(&sub, "applies to the table form's columns ([sink.columns]) only"),
             ("type", toml::Value::String(t)) if free_types => {
                 if t.trim().is_empty() {
                     e.push(&sub, "must name a PostgreSQL type (such as numeric, timestamptz, jsonb, text[])");
@@ -1241,7 +1258,7 @@ fn binding(name: &str, value: toml::Value, field: &str, free_types: bool, e: &mu
                 Ok(t) => declared = Some(t),
                 Err(_) => e.push(&sub, format!("{t:?} is not one of decimal, integer, timestamp, datetime, json")),
             },
-            (k @ ("field" | "record_key" | "header" | "property" | "meta" | "optional" | "type"), v) => {
+            (k @ ("field" | "record_key" | "header" | "property" | "meta" | "optional" | "type" | "round"), v) => {
                 e.push(&sub, format!("unexpected value {v} for {k}"));
             }
             (k, _) => e.push(
@@ -1257,7 +1274,12 @@ fn binding(name: &str, value: toml::Value, field: &str, free_types: bool, e: &mu
     if default.is_some() && optional {
         e.push(field, "set default or optional = true, not both (a default already makes the value optional)");
     }
-    Some(Binding { default, optional, declared, type_name, ..plain(source?) })
+    Some(Binding { default, optional, declared, type_name, round, ..plain(source?) })
+}
+
+/// Whether `field` is a column of the table form (`sink.columns.x`), where `round` applies.
+fn table_form(field: &str) -> bool {
+    field.starts_with("sink.columns.")
 }
 
 #[cfg(test)]

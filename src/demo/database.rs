@@ -56,6 +56,7 @@ impl DemoDb {
             max_connections: 4,
             acquire_timeout: std::time::Duration::from_secs(10),
             prepared_statements: true,
+            batch_timeout: crate::config::DEFAULT_BATCH_TIMEOUT,
         };
         let db = match crate::config::Dialect::of_url(admin_url) {
             crate::config::Dialect::Postgres => {

@@ -353,7 +353,7 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<bool> {
     properties.insert("heartbeat.interval.ms".to_owned(), PropertyValue::Text("300".into()));
     let settings = Settings {
         pipelines: dir.path().join("pipelines"),
-        database: (!redis).then(|| DatabaseSettings { url: url.clone().into(), max_connections: 4, acquire_timeout: Duration::from_secs(10), prepared_statements: true }),
+        database: (!redis).then(|| DatabaseSettings { url: url.clone().into(), max_connections: 4, acquire_timeout: Duration::from_secs(10), prepared_statements: true, batch_timeout: crate::config::DEFAULT_BATCH_TIMEOUT }),
         redis: redis.then(|| database::DemoDb::redis_settings(&url)),
         kafka: KafkaSettings {
             bootstrap_servers: match &broker {
@@ -375,7 +375,7 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<bool> {
             }),
         },
         rocketmq: None,
-        metrics: MetricsSettings { listen: options.metrics_listen },
+        metrics: MetricsSettings { listen: options.metrics_listen, ..MetricsSettings::default() },
         log: LogSettings::default(),
         shutdown: ShutdownSettings::default(),
     };

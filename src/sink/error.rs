@@ -107,6 +107,38 @@ pub enum SinkError {
         /// The configured limit.
         max_ratio: f64,
     },
+    /// The dead letters of a batch that was already written took the ratio over its limit: dead letters decided
+    /// where nothing can be rolled back (inside a Redis script). The pipeline stops after that batch.
+    #[error(
+        "{dead_letters} of the last {records} records went to the dead letters, over dead_letters.max_ratio = \
+         {max_ratio}; stopping the pipeline (a bad deploy, a changed payload format, a key of the wrong type?). The \
+         last batch was written (Redis cannot roll a script back) and its offsets were not committed; fix the cause \
+         and restart (its records come back as duplicates)"
+    )]
+    DeadLetterRatioWritten {
+        /// Dead letters in the window, the written batch included.
+        dead_letters: u64,
+        /// Records in the window, the written batch included.
+        records: u64,
+        /// The configured limit.
+        max_ratio: f64,
+    },
+    /// The batch attempt took longer than `[database] batch_timeout` (a connection whose packets vanish, a lock
+    /// held elsewhere): it was abandoned, its connection closed (the server rolls back what did not commit), and
+    /// the batch is retried; the dedup rows make that safe whichever way an unanswered `COMMIT` went.
+    #[error("the batch attempt took longer than database.batch_timeout = {0:?}: abandoned (its connection closed) and retried")]
+    TimedOut(std::time::Duration),
+    /// The side effect ended the batch transaction itself (a `COMMIT`, or a statement that commits implicitly,
+    /// inside a procedure): the dedup rows claimed before it may be committed without the effects of the records
+    /// after it. Found before `COMMIT`; the pipeline stops rather than go on.
+    #[error(
+        "the side effect ended the batch transaction itself (a COMMIT, ROLLBACK or a statement that commits \
+         implicitly, run by a procedure or statement of the side effect): the batch's dedup rows may have been \
+         committed without the effects of the records after that point. The pipeline stops. Remove the transaction \
+         control from the procedure; then check the batch's records with `idemflow explain` and replay them \
+         deliberately (idemflow rewind) if effects are missing"
+    )]
+    TransactionEnded,
 }
 
 impl SinkError {
@@ -120,6 +152,13 @@ impl SinkError {
         SinkError::Redis { context, source }
     }
 
+    /// Whether a statement of the batch was cancelled (PostgreSQL `statement_timeout`, SQLSTATE 57014): the
+    /// batch as a whole may be too big for the timeout, so it is redone record by record, each statement timed on
+    /// its own, rather than retried as it is forever.
+    pub fn cancelled(&self) -> bool {
+        matches!(self, SinkError::Database { source, .. } if crate::store::postgres::error::cancelled(source))
+    }
+
     /// How to handle it.
     pub fn disposition(&self) -> Disposition {
         match self {
@@ -127,7 +166,9 @@ impl SinkError {
             SinkError::Redis { source, .. } => crate::store::redis::error::classify(source),
             SinkError::Lost { .. } => Disposition::Resync,
             SinkError::PositionsGone { .. } | SinkError::Source(_) | SinkError::Replayed(_) => Disposition::Fatal,
-            SinkError::DeadLetterRatio { .. } => Disposition::Fatal,
+            SinkError::DeadLetterRatio { .. } | SinkError::DeadLetterRatioWritten { .. } => Disposition::Fatal,
+            SinkError::TransactionEnded => Disposition::Fatal,
+            SinkError::TimedOut(_) => Disposition::Retry(crate::metrics::RetryCause::Connection),
             SinkError::Fenced { .. } => Disposition::Fenced,
             SinkError::SchemaChanged => Disposition::Rebuild,
             SinkError::Schema(_) => Disposition::Fatal,

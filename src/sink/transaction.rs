@@ -159,8 +159,19 @@ impl Sink {
         let (mut tx, processed) = self.begin_replaying(records, replaying, positions).await?;
         let fates = match self.fast_path(&mut tx, records, prepared, &processed).await {
             Ok(fates) => fates,
-            Err(e) if e.disposition() == Disposition::Record => {
-                tracing::debug!(error = %e, "a record's side effect failed; redoing the batch record by record");
+            Err(e) if e.disposition() == Disposition::Record || (e.cancelled() && records.len() > 1) => {
+                if e.cancelled() {
+                    tracing::warn!(pipeline = %self.pipeline, records = records.len(), error = %e,
+                        "the batch's side effect was cancelled (statement_timeout?); redoing it record by record, each statement timed on its own");
+                } else {
+                    tracing::debug!(error = %e, "a record's side effect failed; redoing the batch record by record");
+                }
+                // Redoing it is right only if the claims are still undone: a side effect that committed them
+                // (a procedure's COMMIT) would make every record of the redo a duplicate.
+                if !tx.still_open().await.map_err(|e| SinkError::new("checking that the batch transaction is still open", e))? {
+                    let _ = tx.rollback().await;
+                    return Err(SinkError::TransactionEnded);
+                }
                 tx.rollback().await.map_err(|e| SinkError::new("rolling back", e))?;
                 let (again, processed) = self.begin_replaying(records, replaying, positions).await?;
                 tx = again;
@@ -168,6 +179,13 @@ impl Sink {
             }
             Err(e) => return Err(e),
         };
+        // The side effect may have ended the transaction itself (a procedure's COMMIT on MySQL): whatever it wrote
+        // since was autocommitted, so nothing after this point may be written, and the batch must not be taken for
+        // applied.
+        if !tx.still_open().await.map_err(|e| SinkError::new("checking that the batch transaction is still open", e))? {
+            let _ = tx.rollback().await;
+            return Err(SinkError::TransactionEnded);
+        }
         let mut per_key: HashMap<[u8; 32], i64> = HashMap::new();
         for (p, fate) in prepared.iter().zip(&fates) {
             if let (Prepared::Apply(a), Fate::Duplicate(_)) = (p, fate) {
@@ -464,6 +482,17 @@ impl Sink {
                 Err(e) if super::error::classify(&e) == Disposition::Record => {
                     tx.rollback_to_savepoint().await.map_err(|e| SinkError::new("rolling back a savepoint", e))?;
                     fates.push(Fate::DeadLetter(DeadLetterReason::SideEffectRejected, describe(&e)));
+                }
+                // One record's side effect alone past statement_timeout: the smallest piece the batch can be cut
+                // into, so it is this record's error (the dead-letter ratio guard stops the pipeline should every
+                // record meet it: a lock held elsewhere, a timeout too short for any record).
+                Err(e) if crate::store::postgres::error::cancelled(&e) => {
+                    tx.rollback_to_savepoint().await.map_err(|e| SinkError::new("rolling back a savepoint", e))?;
+                    tracing::warn!(pipeline = %self.pipeline, position = %record.position, "one record's side effect alone was cancelled (statement_timeout?); dead-lettered");
+                    fates.push(Fate::DeadLetter(
+                        DeadLetterReason::SideEffectRejected,
+                        format!("{} (this record's side effect alone ran past statement_timeout)", describe(&e)),
+                    ));
                 }
                 Err(e) => return Err(SinkError::new("applying the side effect", e)),
             }

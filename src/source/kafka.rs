@@ -31,6 +31,16 @@
 //! keeping the member in its group). So a database that is down during a rebalance delays the partitions, never
 //! the consumer's poll. A revoke or a shutdown before the claim finishes drops it.
 //!
+//! A claim can still land after this worker lost the partition (a claim statement already sent when a revoke drops
+//! it; a re-claim after the store lost writes racing a revoke), and it fences the partition's real owner. So a worker
+//! fenced on a partition that the group still assigns to it does not keep it paused until its next rebalance (which
+//! may never come under a cooperative assignor): once [`KafkaSource::fenced_for`] has passed (the group's session
+//! timeout, at least [`FENCED_FOR_MIN`]: by then a worker whose view of the group was stale has learned that it
+//! lost the partition) it claims the partition again, checking just before the claim and again after it that the
+//! partition is still assigned here, and seeks it to its stored position ([`KafkaSource::reclaim_fenced`]). Two
+//! workers that both believe they hold a partition can cost each other a fenced batch (rolled back whole, so nothing
+//! is applied twice), never a record.
+//!
 //! Between records (and once a second while idle) the source does its housekeeping: it commits positions learned
 //! at assignment (the stored positions of `[offsets] store = "database"`, so lag tools reading the group's
 //! committed offsets see no lag that is not there), retries a failed offset commit, exports the lag of every
@@ -71,12 +81,25 @@ struct Ownership {
     epochs: HashMap<Tp, i64>,
     /// Consumption is paused for a retry ([`KafkaSource::pause_for`]).
     paused: bool,
-    /// Partitions given up after a fenced batch ([`KafkaSource::lose`]): kept paused until assigned again.
-    fenced: HashSet<Tp>,
+    /// Partitions given up after a fenced batch ([`KafkaSource::lose`]): kept paused until assigned again, or until
+    /// claimed again when the time here is over while they are still assigned ([`KafkaSource::reclaim_fenced`]).
+    fenced: HashMap<Tp, Instant>,
     /// Durable positions learned at assignment (claimed stored positions) that the group has not committed yet.
     commit_pending: bool,
     /// `[offsets] store = "database"`: an assignment waiting for its claim before the assign call.
     claiming: Option<Claiming>,
+    /// `[offsets] store = "database"`: a new claim of fenced partitions still assigned here.
+    reclaiming: Option<Reclaiming>,
+}
+
+/// A claim of partitions given up after a fenced batch and still assigned here ([`KafkaSource::reclaim_fenced`]).
+struct Reclaiming {
+    /// Which claim this is.
+    id: u64,
+    /// The claim task (aborted by a revoke).
+    task: tokio::task::JoinHandle<()>,
+    /// Its outcome, set by the task before it notifies: `Some(None)` when shutdown came first.
+    outcome: Option<Option<Vec<offsets::Claimed>>>,
 }
 
 /// An assignment whose stored positions are being claimed (see the module documentation).
@@ -95,14 +118,55 @@ struct Claiming {
 
 impl Ownership {
     /// Forgets a partition this consumer no longer owns (revoked, or fenced) and queues it for dropping its
-    /// buffered records; returns its durable position, if it had one.
+    /// buffered records; returns its durable position, if it had one. (A fenced partition is fenced again after.)
     fn give_up(&mut self, tp: Tp) -> Option<i64> {
         self.assigned.remove(&tp);
         self.epochs.remove(&tp);
+        self.fenced.remove(&tp);
         let durable = self.durable.remove(&tp);
         self.revoked.push(tp);
         durable
     }
+
+    /// The fenced partitions to claim again at `now`: those whose time is over, among those the consumer still
+    /// holds (`held`, its assignment as librdkafka has it), sorted. A fenced partition no longer held is forgotten
+    /// (if it is assigned here again, that assignment claims it). The partitions returned stay fenced (paused)
+    /// until they are taken back ([`Ownership::retaken`]).
+    fn due_reclaims(&mut self, now: Instant, held: &HashSet<Tp>) -> Vec<Tp> {
+        self.fenced.retain(|tp, _| held.contains(tp));
+        let mut due: Vec<Tp> = self.fenced.iter().filter(|(_, at)| now >= **at).map(|(tp, _)| tp.clone()).collect();
+        due.sort();
+        due
+    }
+
+    /// Splits a finished new claim of fenced partitions, checked after it: those to take back (still fenced, so no
+    /// rebalance moved them meanwhile, and still held) and those no longer here (revoked or assigned anew while the
+    /// claim ran: left to their owner, whose own claim comes after, or which claims them again once fenced).
+    fn reclaimable(&self, claimed: &[offsets::Claimed], held: &HashSet<Tp>) -> (Vec<offsets::Claimed>, Vec<offsets::Claimed>) {
+        claimed.iter().cloned().partition(|c| {
+            let tp = tp_of(&c.topic, c.partition);
+            self.fenced.contains_key(&tp) && held.contains(&tp)
+        })
+    }
+
+    /// Takes back a fenced partition sought to the position of its new claim `c`: owned again under the new epoch,
+    /// the stored position durable (and to be committed to the group). Returns the partition.
+    fn retaken(&mut self, c: &offsets::Claimed) -> Tp {
+        let tp = tp_of(&c.topic, c.partition);
+        self.fenced.remove(&tp);
+        self.epochs.insert(tp.clone(), c.epoch);
+        if let Some(next) = c.next_offset {
+            self.durable.insert(tp.clone(), next);
+            self.commit_pending = true;
+        }
+        self.assigned.insert(tp.clone());
+        tp
+    }
+}
+
+/// The partitions of `tpl`.
+fn partitions_in(tpl: &TopicPartitionList) -> HashSet<Tp> {
+    tpl.elements().iter().map(|e| tp_of(e.topic(), e.partition())).collect()
 }
 
 
@@ -204,6 +268,11 @@ impl SourceContext {
                 claiming.task.abort();
                 tracing::info!(pipeline = %self.pipeline, "a rebalance came before the claim finished: dropping it");
             }
+            if let Some(reclaiming) = st.reclaiming.take() {
+                // Its partitions may be among the revoked: a claim of them now would fence their next owner.
+                reclaiming.task.abort();
+                tracing::info!(pipeline = %self.pipeline, "a rebalance came before the new claim of fenced partitions finished: dropping it");
+            }
             for e in tpl.elements() {
                 if let Some(next) = st.give_up(tp_of(e.topic(), e.partition())) {
                     let _ = commit.add_partition_offset(e.topic(), e.partition(), Offset::Offset(next));
@@ -238,9 +307,13 @@ impl SourceContext {
         if let Some(claiming) = st.claiming.take() {
             claiming.task.abort();
         }
+        if let Some(reclaiming) = st.reclaiming.take() {
+            reclaiming.task.abort();
+        }
         let lost: Vec<Tp> = st.assigned.drain().collect();
         st.durable.clear();
         st.epochs.clear();
+        st.fenced.clear();
         for (topic, partition) in &lost {
             self.metrics.forget_lag(topic, *partition);
         }
@@ -572,6 +645,15 @@ const LAG_EVERY: Duration = Duration::from_secs(5);
 /// The longest the source waits for the broker when it looks up committed offsets or watermarks for the lag.
 const LOOKUP_TIMEOUT: Duration = Duration::from_secs(2);
 
+/// The shortest time a partition given up after a fenced batch stays given up before this worker claims it again
+/// while the group still assigns it here ([`KafkaSource::fenced_for`] is the group's session timeout when longer):
+/// with a short session timeout, two workers that both believe they hold a partition fence each other at most
+/// every few seconds.
+pub const FENCED_FOR_MIN: Duration = Duration::from_secs(10);
+
+/// How long a fenced partition whose seek to its new claim's position failed waits before it is claimed again.
+const RESEEK_AFTER: Duration = Duration::from_secs(3);
+
 /// One pipeline's consumer.
 pub struct KafkaSource {
     consumer: StreamConsumer<SourceContext>,
@@ -609,6 +691,12 @@ pub struct KafkaSource {
     /// A partition without a committed offset starts at its low watermark (`auto.offset.reset` earliest, the
     /// default), otherwise at its high watermark.
     reset_to_earliest: bool,
+    /// How long a partition given up after a fenced batch stays given up before it is claimed again, if the group
+    /// still assigns it here ([`KafkaSource::reclaim_fenced`]): `session.timeout.ms` (librdkafka's default 45 s), at
+    /// least [`FENCED_FOR_MIN`]. A member whose view of the group is stale learns that it lost its partitions within
+    /// its session timeout (the coordinator's answer to its heartbeat, or librdkafka's own session timer), so after
+    /// that a partition still assigned here is this worker's, and a fence was a claim that came late.
+    fenced_for: Duration,
 }
 
 impl KafkaSource {
@@ -645,6 +733,8 @@ impl KafkaSource {
             config.get("auto.offset.reset"),
             Some("latest" | "largest" | "end" | "error")
         );
+        let session_ms = config.get("session.timeout.ms").and_then(|v| v.trim().parse::<u64>().ok()).unwrap_or(45_000);
+        let fenced_for = Duration::from_millis(session_ms).max(FENCED_FOR_MIN);
         let consumer: StreamConsumer<SourceContext> = config.create_with_context(context).map_err(hide_config_value)?;
         let topics: Vec<&str> = spec(pipeline).topics.iter().map(String::as_str).collect();
         consumer.subscribe(&topics)?;
@@ -667,6 +757,7 @@ impl KafkaSource {
             max_payload_bytes: pipeline.decoder.max_payload_bytes(),
             revoked_in_flight: HashSet::new(),
             reset_to_earliest,
+            fenced_for,
         })
     }
 
@@ -862,10 +953,10 @@ impl KafkaSource {
 
     /// Resumes consumption of every assigned partition except those given up after a fenced batch.
     fn resume_owned(&mut self) {
-        let fenced = {
+        let fenced: HashSet<Tp> = {
             let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
             st.paused = false;
-            st.fenced.clone()
+            st.fenced.keys().cloned().collect()
         };
         let mut owned = TopicPartitionList::new();
         for e in self.consumer.assignment().unwrap_or_default().elements() {
@@ -881,15 +972,17 @@ impl KafkaSource {
     /// Gives up partitions whose stored positions another worker has claimed (a fenced batch): they count as
     /// revoked (buffered records are dropped, no offset is committed for them) and consumption of them stays
     /// paused (retries do not resume them) until the group assigns them to this worker again, which claims them
-    /// anew. (Under a cooperative assignor a partition that does not move is not assigned again: it stays paused
-    /// until the next rebalance that moves it.)
-    /// Their records are removed from `batch` too.
+    /// anew, or until [`KafkaSource::fenced_for`] has passed while the group still assigns them here: they are then
+    /// claimed again and resumed ([`KafkaSource::reclaim_fenced`]; under a cooperative assignor a partition that does
+    /// not move is not assigned again, and a claim that fenced this worker may have come late from a worker that no
+    /// longer holds the partition). Their records are removed from `batch` too.
     ///
     /// A partition that this worker itself claimed again while the batch was in flight (a rebalance that revoked
     /// and re-assigned it; `used` holds the epochs the batch presented) is not given up: only the batch's records
     /// of it are dropped, and they come again from the stored position the new claim started it at.
     pub fn lose(&mut self, partitions: &[(String, i32)], used: Option<&Positions>, batch: &mut Vec<Record>) {
         let mut pause = TopicPartitionList::new();
+        let until = Instant::now() + self.fenced_for;
         {
             let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
             for (t, p) in partitions {
@@ -902,7 +995,7 @@ impl KafkaSource {
                     continue;
                 }
                 st.give_up(tp.clone());
-                st.fenced.insert(tp);
+                st.fenced.insert(tp, until);
                 pause.add_partition(t, *p);
                 self.metrics.offset_commit(CommitResult::Fenced);
                 self.metrics.forget_lag(t, *p);
@@ -934,10 +1027,18 @@ impl KafkaSource {
     /// Errors: a seek librdkafka refused (the partition is then left as it was; the caller stops the pipeline).
     pub fn resync(&mut self, claimed: &[offsets::Claimed], batch: &mut Vec<Record>) -> Result<(), String> {
         let mut moved = HashSet::new();
+        let mut gone = HashSet::new();
         {
             let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
             for c in claimed {
                 let tp = tp_of(&c.topic, c.partition);
+                if !st.assigned.contains(&tp) {
+                    // Revoked (or given up after a fence) while the claim ran: not this worker's to start. If the
+                    // claim fenced the partition's owner, that owner claims it again (see the module documentation).
+                    gone.insert(tp.clone());
+                    moved.insert(tp);
+                    continue;
+                }
                 st.epochs.insert(tp.clone(), c.epoch);
                 if let Some(next) = c.next_offset {
                     st.durable.insert(tp.clone(), next);
@@ -947,6 +1048,11 @@ impl KafkaSource {
         }
         drop_records_of(&moved, &self.pipeline, &mut [batch, &mut self.stash]);
         for c in claimed {
+            if gone.contains(&tp_of(&c.topic, c.partition)) {
+                tracing::warn!(pipeline = %self.pipeline, topic = %c.topic, partition = c.partition,
+                    "claimed again a partition no longer assigned here (revoked meanwhile): leaving it to its owner");
+                continue;
+            }
             let Some(next) = c.next_offset else { continue };
             tokio::task::block_in_place(|| self.consumer.seek(&c.topic, c.partition, Offset::Offset(next), Duration::from_secs(10)))
                 .map_err(|e| format!("cannot seek {}/{} to {next}: {e}", c.topic, c.partition))?;
@@ -992,6 +1098,7 @@ impl KafkaSource {
     /// Assigns the partitions of a finished claim from their stored positions (the assign call librdkafka waits
     /// for); after a shutdown during the claim, assigns nothing. Does nothing while no claim has finished.
     fn finish_claim(&mut self) {
+        self.finish_reclaim();
         let claiming = {
             let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
             match &st.claiming {
@@ -1023,11 +1130,154 @@ impl KafkaSource {
         }
     }
 
+    /// `[offsets] store = "database"`: starts a new claim of the partitions given up after a fenced batch whose
+    /// [`KafkaSource::fenced_for`] is over, among those the group still assigns here (checked just before: the
+    /// consumer's assignment, not lost), as a task that retries while the store is down, like an assignment's claim;
+    /// [`KafkaSource::finish_reclaim`] takes them back. One at a time, and not while an assignment's claim is
+    /// pending. A revoke drops it.
+    fn reclaim_fenced(&self) {
+        let Some(stored) = self.consumer.context().stored.as_ref() else { return };
+        let now = Instant::now();
+        {
+            let st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+            if st.reclaiming.is_some() || st.claiming.is_some() || !st.fenced.values().any(|at| now >= *at) {
+                return;
+            }
+        }
+        // A lost assignment (the session expired) is about to be revoked: nothing of it is claimed.
+        if self.consumer.assignment_lost() {
+            return;
+        }
+        let Ok(assignment) = self.consumer.assignment() else { return };
+        let held = partitions_in(&assignment);
+        // Held until the claim is registered below, so the task cannot record its outcome before it exists.
+        let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        if st.reclaiming.is_some() || st.claiming.is_some() {
+            return;
+        }
+        let due = st.due_reclaims(now, &held);
+        if due.is_empty() {
+            return;
+        }
+        let parts: Vec<(String, i32)> = due.iter().map(|(t, p)| (t.to_string(), *p)).collect();
+        let (store, pipeline, owner) = (stored.store.clone(), self.pipeline.clone(), stored.owner.clone());
+        let (mut shutdown, done, state) = (stored.shutdown.clone(), self.consumer.context().claimed.clone(), self.state.clone());
+        static RECLAIMS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let id = RECLAIMS.fetch_add(1, Ordering::SeqCst);
+        let names: Vec<String> = parts.iter().map(|(t, p)| format!("{t}/{p}")).collect();
+        tracing::info!(pipeline = %self.pipeline, partitions = %names.join(","), after = ?self.fenced_for,
+            "still assigned after being fenced: claiming the partitions again");
+        let task = stored.runtime.spawn(async move {
+            let mut delays = crate::worker::backoff(Duration::from_millis(100), Duration::from_secs(10));
+            let claimed = loop {
+                match store.claim_offsets(&pipeline, &owner, &parts).await {
+                    Ok(claimed) => break Some(claimed),
+                    Err(e) => {
+                        let delay = delays.next().unwrap_or(Duration::from_secs(10));
+                        tracing::warn!(pipeline = %pipeline, error = %e, retry_in = ?delay,
+                            "cannot claim the fenced partitions again; retrying (they stay paused)");
+                        tokio::select! {
+                            _ = tokio::time::sleep(delay) => {}
+                            _ = shutdown.wait() => break None,
+                        }
+                    }
+                }
+            };
+            // The outcome is recorded before the notification, so the source finds it when it wakes up.
+            let mut st = state.lock().unwrap_or_else(PoisonError::into_inner);
+            if let Some(r) = st.reclaiming.as_mut().filter(|r| r.id == id) {
+                r.outcome = Some(claimed);
+            }
+            drop(st);
+            done.notify_one();
+        });
+        st.reclaiming = Some(Reclaiming { id, task, outcome: None });
+    }
+
+    /// Takes back the partitions of a finished [`KafkaSource::reclaim_fenced`] still fenced and still assigned here
+    /// (checked again now: one revoked, or assigned anew, meanwhile is left alone), each sought to its stored position
+    /// (without one: the group's committed offset, else where `auto.offset.reset` starts it) under its new epoch, and
+    /// resumed (unless a retry has consumption paused; its end resumes it). A partition the consumer cannot seek is
+    /// claimed again a few seconds later. Does nothing while no such claim has finished.
+    fn finish_reclaim(&mut self) {
+        let reclaiming = {
+            let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+            match &st.reclaiming {
+                Some(r) if r.outcome.is_some() => st.reclaiming.take(),
+                _ => None,
+            }
+        };
+        let Some(reclaiming) = reclaiming else { return };
+        let Some(claimed) = reclaiming.outcome.flatten() else { return }; // shutdown came first
+        let held = if self.consumer.assignment_lost() {
+            HashSet::new()
+        } else {
+            self.consumer.assignment().map(|a| partitions_in(&a)).unwrap_or_default()
+        };
+        let (take, gone) = self.state.lock().unwrap_or_else(PoisonError::into_inner).reclaimable(&claimed, &held);
+        for c in &gone {
+            tracing::warn!(pipeline = %self.pipeline, topic = %c.topic, partition = c.partition,
+                "claimed again a fenced partition no longer assigned here (revoked meanwhile): leaving it to its owner");
+        }
+        for c in take {
+            let start = match c.next_offset {
+                Some(next) => Some(Offset::Offset(next)),
+                None => self.start_without_stored(&c.topic, c.partition),
+            };
+            let sought = match start {
+                Some(offset) => tokio::task::block_in_place(|| {
+                    self.consumer.seek(&c.topic, c.partition, offset, Duration::from_secs(10))
+                })
+                .map_err(|e| e.to_string()),
+                None => Err("the group's committed offset could not be read".to_owned()),
+            };
+            if let Err(e) = sought {
+                tracing::warn!(pipeline = %self.pipeline, topic = %c.topic, partition = c.partition, error = %e,
+                    "cannot move the consumer to the stored position of a fenced partition; claiming it again in a few seconds");
+                let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+                if let Some(at) = st.fenced.get_mut(&tp_of(&c.topic, c.partition)) {
+                    *at = Instant::now() + RESEEK_AFTER;
+                }
+                continue;
+            }
+            let (paused, owned) = {
+                let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+                st.retaken(&c);
+                (st.paused, st.assigned.len())
+            };
+            self.metrics.assigned_partitions(owned);
+            self.consumer.context().assignment_changed.store(true, Ordering::SeqCst);
+            if !paused {
+                let mut tpl = TopicPartitionList::new();
+                tpl.add_partition(&c.topic, c.partition);
+                if let Err(e) = self.consumer.resume(&tpl) {
+                    tracing::debug!(pipeline = %self.pipeline, error = %e, "resuming a partition claimed again failed");
+                }
+            }
+            tracing::info!(pipeline = %self.pipeline, topic = %c.topic, partition = c.partition, offset = ?c.next_offset,
+                "claimed the fenced partition again: consuming it from its stored position");
+        }
+    }
+
+    /// Where a partition without a stored position starts: the group's committed offset, else where
+    /// `auto.offset.reset` starts it. `None` when the committed offset could not be read.
+    fn start_without_stored(&self, topic: &str, partition: i32) -> Option<Offset> {
+        let mut tpl = TopicPartitionList::new();
+        tpl.add_partition(topic, partition);
+        let committed = tokio::task::block_in_place(|| self.consumer.committed_offsets(tpl, LOOKUP_TIMEOUT)).ok()?;
+        Some(match committed.find_partition(topic, partition).map(|e| e.offset()) {
+            Some(Offset::Offset(next)) => Offset::Offset(next),
+            _ if self.reset_to_earliest => Offset::Beginning,
+            _ => Offset::End,
+        })
+    }
+
     /// The source's work between records: commits positions learned at assignment and retries a failed commit,
     /// refreshes the lag of every assigned partition (at once after a rebalance, otherwise every [`LAG_EVERY`]),
     /// and warns each `[kafka] no_partitions_warning` while the consumer has no partition.
     fn housekeeping(&mut self) {
         self.finish_claim();
+        self.reclaim_fenced();
         let changed = self.consumer.context().assignment_changed.swap(false, Ordering::SeqCst);
         let (pending, owned) = {
             let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
@@ -1197,6 +1447,9 @@ impl KafkaSource {
             let none = TopicPartitionList::new();
             let _ = if claiming.cooperative { consumer.incremental_assign(&none) } else { consumer.assign(&none) };
         }
+        if let Some(reclaiming) = self.state.lock().unwrap_or_else(PoisonError::into_inner).reclaiming.take() {
+            reclaiming.task.abort();
+        }
         if tpl.count() > 0 {
             match tokio::task::block_in_place(|| consumer.commit(&tpl, CommitMode::Sync)) {
                 Ok(()) => tracing::info!(pipeline = %pipeline, offsets = %describe(&tpl), "offsets committed"),
@@ -1250,4 +1503,78 @@ pub async fn topic_retention_ms(kafka: &KafkaSettings, topics: &[String]) -> Kaf
         out.push((topic.clone(), value));
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::offsets::Claimed;
+
+    fn claimed(partition: i32, next_offset: Option<i64>, epoch: i64) -> Claimed {
+        Claimed { topic: "t".into(), partition, next_offset, epoch }
+    }
+
+    /// Owns `partitions` under epoch 1, then is fenced on them until `until` (as [`KafkaSource::lose`] does).
+    fn fenced(partitions: &[i32], until: Instant) -> Ownership {
+        let mut st = Ownership::default();
+        for p in partitions {
+            let tp = tp_of("t", *p);
+            st.assigned.insert(tp.clone());
+            st.epochs.insert(tp.clone(), 1);
+            let _ = st.give_up(tp.clone());
+            st.fenced.insert(tp, until);
+        }
+        st.revoked.clear();
+        st
+    }
+
+    /// A late claim from a worker that no longer holds partition 0 fenced this worker, which the group still
+    /// assigns it to: once its time is over it claims it again and takes it back (before, it stayed paused until
+    /// its next rebalance).
+    #[test]
+    fn a_fenced_partition_still_assigned_here_is_claimed_again_once_its_time_is_over() {
+        let t0 = Instant::now();
+        let mut st = fenced(&[0], t0 + FENCED_FOR_MIN);
+        let p0 = tp_of("t", 0);
+        let held: HashSet<Tp> = [p0.clone()].into_iter().collect();
+        assert!(st.due_reclaims(t0, &held).is_empty(), "not before its time");
+        assert_eq!(st.due_reclaims(t0 + FENCED_FOR_MIN, &held), vec![p0.clone()]);
+        assert!(st.fenced.contains_key(&p0), "paused until taken back");
+        let (take, gone) = st.reclaimable(&[claimed(0, Some(120), 3)], &held);
+        assert_eq!((take.clone(), gone), (vec![claimed(0, Some(120), 3)], vec![]));
+        assert_eq!(st.retaken(&take[0]), p0);
+        assert!(st.assigned.contains(&p0) && st.fenced.is_empty());
+        assert_eq!((st.epochs[&p0], st.durable[&p0], st.commit_pending), (3, 120, true));
+    }
+
+    /// A partition is claimed again only while the consumer holds it, checked before the claim and after it: one
+    /// revoked before its time is forgotten (its next assignment claims it), and a claim whose partition was revoked
+    /// (or revoked and assigned again) while it ran is not taken.
+    #[test]
+    fn a_partition_no_longer_assigned_here_is_neither_claimed_again_nor_taken_back() {
+        let t0 = Instant::now();
+        let due = t0 + FENCED_FOR_MIN;
+        let (p0, p1) = (tp_of("t", 0), tp_of("t", 1));
+        // Before: no longer held.
+        let mut st = fenced(&[0, 1], due);
+        let only_p1: HashSet<Tp> = [p1.clone()].into_iter().collect();
+        assert_eq!(st.due_reclaims(due, &only_p1), vec![p1.clone()]);
+        assert!(!st.fenced.contains_key(&p0), "forgotten: not held");
+        // After: revoked while the claim ran (the revoke gives it up, which ends its fence).
+        let _ = st.give_up(p1.clone());
+        let (take, gone) = st.reclaimable(&[claimed(1, Some(7), 4)], &only_p1);
+        assert_eq!((take.len(), gone.len()), (0, 1));
+        // After: still fenced, but no longer in the consumer's assignment.
+        let mut st = fenced(&[0], due);
+        let (take, gone) = st.reclaimable(&[claimed(0, Some(7), 4)], &HashSet::new());
+        assert_eq!((take.len(), gone.len()), (0, 1));
+        assert!(st.due_reclaims(due, &HashSet::new()).is_empty());
+        // Assigned again (the assignment's own claim takes it): no longer fenced, so the late answer is not taken.
+        let mut st = fenced(&[0], due);
+        st.fenced.remove(&p0);
+        st.assigned.insert(p0.clone());
+        let held: HashSet<Tp> = [p0.clone()].into_iter().collect();
+        let (take, _) = st.reclaimable(&[claimed(0, Some(7), 4)], &held);
+        assert!(take.is_empty());
+    }
 }

@@ -18,7 +18,9 @@
 //! - With `[offsets] store = "database"`, a queue newly assigned is claimed in the store
 //!   ([`crate::store::Store::claim_offsets`], retried while the store is down) and the consumer seeks to its
 //!   stored position; records polled from it before the seek are dropped (the seek clears the client's buffer of
-//!   that queue, and polls and seeks run one after another in this task).
+//!   that queue, and polls and seeks run one after another in this task). A queue given up after a fenced batch is
+//!   paused in the client until it is claimed and sought again, however it comes back (still assigned once
+//!   [`FENCED_FOR`] is over, or revoked and assigned again before that): that start resumes it.
 //! - The client's heartbeats, pulls and rebalances run on a runtime of its own, so a slow database never makes
 //!   the worker miss a heartbeat; while a batch waits, the client buffers at most its flow-control limits
 //!   (1,000 messages per queue).
@@ -58,6 +60,64 @@ const FENCED_FOR: Duration = Duration::from_secs(30);
 
 /// A queue: (`topic/broker`, queue id), as in [`Position`].
 type Queue = (Arc<str>, i32);
+
+/// How long a queue whose seek failed waits before it is claimed again.
+const RESEEK_AFTER: Duration = Duration::from_secs(3);
+
+/// The queues this source paused in the client, and those it gave up with when they may be claimed again
+/// ([`RocketMqSource::lose`], [`RocketMqSource::start_from`]): bookkeeping only, no client calls, so its rule can be
+/// tested. A pause is ended only by a start from a claimed position ([`Holds::started`]), whatever happens in
+/// between: not by a revoke. The source may see a queue go and come back while the client keeps (or has already
+/// renewed) its entry for it, and the pause after a fenced batch can land on the client's new entry of a queue
+/// taken back while the batch was in flight; a queue claimed and sought with its pause still on would never be
+/// pulled again (seen: two queues silent for 120 s until an unrelated rebalance).
+#[derive(Debug, Default)]
+struct Holds {
+    /// Given up after a fenced batch or a failed seek, with when they may be claimed again.
+    given_up: HashMap<Queue, Instant>,
+    /// Paused in the client by this source and not resumed since.
+    paused: HashSet<Queue>,
+}
+
+impl Holds {
+    /// A fenced batch gave `q` up until `until` (a time already set is kept).
+    fn fenced(&mut self, q: &Queue, until: Instant) {
+        self.given_up.entry(q.clone()).or_insert(until);
+    }
+
+    /// `q` is being paused in the client. Returns `false` if it was already.
+    fn pause(&mut self, q: &Queue) -> bool {
+        self.paused.insert(q.clone())
+    }
+
+    /// A seek of `q` failed: it is claimed again at `at` (it is not paused for that: its records are dropped until
+    /// it has an epoch again).
+    fn retry_at(&mut self, q: &Queue, at: Instant) {
+        self.given_up.insert(q.clone(), at);
+    }
+
+    /// `q` was revoked: no claim of it is due any more (if it is assigned again it is claimed then). A pause stays.
+    fn revoked(&mut self, q: &Queue) {
+        self.given_up.remove(q);
+    }
+
+    /// The queues given up whose time is over, given up no more: the caller claims those it still owns.
+    fn due(&mut self, now: Instant) -> Vec<Queue> {
+        let mut due: Vec<Queue> = self.given_up.iter().filter(|(_, at)| now >= **at).map(|(q, _)| q.clone()).collect();
+        due.sort();
+        for q in &due {
+            self.given_up.remove(q);
+        }
+        due
+    }
+
+    /// `q` was started from a claimed position: it is given up no more. Returns whether it must be resumed in the
+    /// client (this source paused it and has not resumed it since).
+    fn started(&mut self, q: &Queue) -> bool {
+        self.given_up.remove(q);
+        self.paused.remove(q)
+    }
+}
 
 /// The RocketMQ client's own runtime (heartbeats, pulls, rebalances, requests), with the client runtime built on
 /// it. One per source, `check` and `rewind`; dropping it stops its tasks.
@@ -196,9 +256,9 @@ pub struct RocketMqSource {
     epochs: HashMap<Queue, i64>,
     /// `[offsets] store = "database"`: queues assigned and not claimed yet.
     to_claim: Vec<Queue>,
-    /// Queues given up after a fenced batch or a failed seek (paused in the client), with when they may be claimed
-    /// again.
-    fenced: HashMap<Queue, Instant>,
+    /// Queues given up after a fenced batch or a failed seek, with when they may be claimed again, and queues
+    /// paused in the client after a fenced batch, until they start again from a claimed position.
+    holds: Holds,
     /// Queues lost (revoked or fenced) while the batch in flight was being applied: no offset is committed for
     /// them and a retry drops their records.
     revoked_in_flight: HashSet<Queue>,
@@ -259,7 +319,7 @@ impl RocketMqSource {
             owned: HashMap::new(),
             epochs: HashMap::new(),
             to_claim: Vec::new(),
-            fenced: HashMap::new(),
+            holds: Holds::default(),
             revoked_in_flight: HashSet::new(),
             stash: Vec::new(),
             topics: HashMap::new(),
@@ -423,11 +483,12 @@ impl RocketMqSource {
         }
     }
 
-    /// Forgets a queue this worker no longer owns: its kept records, epoch, pending claim and offsets, its lag.
+    /// Forgets a queue this worker no longer owns: its kept records, epoch, pending claim and offsets, its lag. A
+    /// pause stays until the queue is started again ([`Holds`]).
     fn give_up(&mut self, q: &Queue) {
         self.owned.remove(q);
         self.epochs.remove(q);
-        self.fenced.remove(q);
+        self.holds.revoked(q);
         self.to_claim.retain(|c| c != q);
         self.unsent.remove(q);
         self.committed.remove(q);
@@ -437,18 +498,19 @@ impl RocketMqSource {
     }
 
     /// [`RocketMqSource::observe`], then the claims due: queues newly assigned, and queues given up after a fence
-    /// whose [`FENCED_FOR`] is over while the group still assigns them here. `false` on shutdown during a claim.
+    /// whose [`FENCED_FOR`] is over while the group still assigns them here. `false` on shutdown during a claim. A
+    /// queue paused after a fenced batch is resumed once its claim has moved it ([`RocketMqSource::start_from`]),
+    /// whichever way it was taken back.
     async fn follow_assignment(&mut self, shutdown: &mut Shutdown) -> bool {
         self.observe().await;
-        let now = Instant::now();
-        let due: Vec<Queue> = self.fenced.iter().filter(|(_, at)| now >= **at).map(|(q, _)| q.clone()).collect();
-        for q in due {
-            self.fenced.remove(&q);
-            tracing::info!(pipeline = %self.pipeline, queue = %describe(std::slice::from_ref(&q)), "still assigned after being given up: claiming it again");
-            if let Some(mq) = self.owned.get(&q) {
-                self.consumer.resume(vec![mq.clone()]).await;
+        for q in self.holds.due(Instant::now()) {
+            if !self.owned.contains_key(&q) {
+                continue;
             }
-            self.to_claim.push(q);
+            tracing::info!(pipeline = %self.pipeline, queue = %describe(std::slice::from_ref(&q)), "still assigned after being given up: claiming it again");
+            if !self.to_claim.contains(&q) {
+                self.to_claim.push(q);
+            }
         }
         if self.stored.is_none() || self.to_claim.is_empty() {
             return true;
@@ -484,7 +546,9 @@ impl RocketMqSource {
     /// Takes the epochs of `claimed` and starts each queue still owned from its stored position, or without one
     /// from the group's consume offset (else its first offset), dropping its kept records. A stored position below
     /// the queue's first offset (its messages expired) starts from the first offset, with a warning. A queue the
-    /// client refuses to move (it is being rebalanced) is given up for a few seconds and claimed again.
+    /// client refuses to move (it is being rebalanced) is given up for a few seconds and claimed again. A queue
+    /// started is given up no more, and resumed if it was paused after a fenced batch ([`Holds`]): this is the one
+    /// place a queue is taken back, after a new assignment, the fence's time, or a resync alike.
     async fn start_from(&mut self, claimed: &[offsets::Claimed]) {
         for c in claimed {
             let q = (self.intern(&c.topic), c.partition);
@@ -510,13 +574,17 @@ impl RocketMqSource {
                     if let Some(n) = next {
                         self.committed.insert(q.clone(), n);
                     }
+                    if self.holds.started(&q) {
+                        self.consumer.resume(vec![mq.clone()]).await;
+                        tracing::info!(pipeline = %self.pipeline, queue = %c.topic, id = c.partition, "resuming the queue paused after a fenced batch");
+                    }
                     tracing::info!(pipeline = %self.pipeline, queue = %c.topic, id = c.partition, offset = ?next, "consuming the queue from its stored position");
                 }
                 Err(e) => {
                     tracing::warn!(pipeline = %self.pipeline, queue = %c.topic, id = c.partition, error = %e,
                         "cannot move the consumer to the stored position (the queue is being rebalanced?); claiming it again in a few seconds");
                     self.epochs.remove(&q);
-                    self.fenced.insert(q, Instant::now() + Duration::from_secs(3));
+                    self.holds.retry_at(&q, Instant::now() + RESEEK_AFTER);
                 }
             }
         }
@@ -593,10 +661,12 @@ impl RocketMqSource {
             }
             tracing::warn!(pipeline = %self.pipeline, queue = %t, id = p, "fenced: another worker claimed this queue; dropping its records");
             self.epochs.remove(&q);
-            self.fenced.entry(q.clone()).or_insert_with(|| Instant::now() + FENCED_FOR);
+            self.holds.fenced(&q, Instant::now() + FENCED_FOR);
             self.unsent.remove(&q);
             self.stash.retain(|r| queue_of(r) != q);
             if let Some(mq) = self.owned.get(&q) {
+                // Paused until started again from a claimed position, however it is taken back.
+                self.holds.pause(&q);
                 pause.push(mq.clone());
             }
             self.revoked_in_flight.insert(q);
@@ -896,12 +966,17 @@ async fn rewind_with(
             let queue = MessageQueue::from_parts(spec.topic.as_str(), qd.broker_name.as_str(), id);
             let name = position_topic(&spec.topic, qd.broker_name.as_str());
             let end = admin.max_offset(addr.clone(), queue.clone(), ms).await.map_err(|e| format!("{name}/{id}: max offset: {e}"))?;
-            let from = match stored {
-                Some(stored) => stored.iter().find(|(t, p, _)| *t == name && *p == id).and_then(|s| s.2),
-                None => offsets
+            let consume_offset = || {
+                offsets
                     .as_ref()
                     .and_then(|s| s.offset_table.iter().find(|(mq, _)| **mq == queue).map(|(_, o)| o.get_consumer_offset()))
-                    .filter(|o| *o >= 0),
+                    .filter(|o| *o >= 0)
+            };
+            // Where the worker would start the queue: with stored positions, a queue without one starts from the
+            // group's consume offset (`RocketMqSource::start_from`), as without them.
+            let from = match stored {
+                Some(stored) => stored.iter().find(|(t, p, _)| *t == name && *p == id).and_then(|s| s.2).or_else(consume_offset),
+                None => consume_offset(),
             };
             let wanted = match target {
                 crate::rewind::Target::Earliest => admin.min_offset(addr.clone(), queue.clone(), ms).await.map_err(|e| format!("{name}/{id}: min offset: {e}"))?,
@@ -912,7 +987,29 @@ async fn rewind_with(
             };
             let to = match from {
                 Some(f) if wanted > f => f, // never forward: that would skip what was never processed
-                _ => wanted.min(end),
+                Some(_) => wanted.min(end),
+                // No consume offset: the group starts the queue at its first offset (the consumer's
+                // ConsumeFromFirstOffset; `seek_to_begin` with stored positions), so it is never moved past that.
+                None => {
+                    let wanted = wanted.min(end);
+                    let first = match target {
+                        crate::rewind::Target::Earliest => wanted,
+                        crate::rewind::Target::Time(_) => {
+                            admin.min_offset(addr.clone(), queue.clone(), ms).await.map_err(|e| format!("{name}/{id}: min offset: {e}"))?
+                        }
+                    };
+                    if wanted > first {
+                        warnings.push(format!(
+                            "{name}/{id}: the group has no consume offset here, and it starts such a queue at its first \
+                             offset {first}: moving it there, not to {wanted}, which would skip {} message(s) never \
+                             consumed (a queue is never moved forward)",
+                            wanted - first
+                        ));
+                        first
+                    } else {
+                        wanted
+                    }
+                }
             };
             plan.push(Planned { broker_addr: addr.to_string(), queue, step: crate::rewind::Move { topic: name, partition: id, from, to, end } });
         }
@@ -933,4 +1030,60 @@ async fn rewind_with(
         }
     }
     Ok((plan.into_iter().map(|p| p.step).collect(), warnings, members))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn q(id: i32) -> Queue {
+        (Arc::from("payments/broker-a"), id)
+    }
+
+    /// The measured case: worker A's batch is fenced while the client revoked the queue and assigned it again (the
+    /// pause lands on the client's new entry); A sees "queues revoked", "queues assigned", claims the queue and
+    /// seeks it to its stored position. That start must resume it, though the fence's timer was dropped with the
+    /// revoke and never comes due.
+    #[test]
+    fn a_queue_paused_after_a_fence_is_resumed_when_taken_back_after_a_revoke() {
+        let mut h = Holds::default();
+        let t0 = Instant::now();
+        h.fenced(&q(0), t0 + FENCED_FOR);
+        assert!(h.pause(&q(0)));
+        assert!(!h.pause(&q(0)), "paused once");
+        h.revoked(&q(0));
+        assert!(h.due(t0 + FENCED_FOR * 2).is_empty(), "a revoked queue is no longer claimed by the timer");
+        assert!(h.started(&q(0)), "claimed after its new assignment and sought: resumed");
+        assert!(!h.started(&q(0)), "resumed once");
+    }
+
+    /// Still assigned when the fence's time is over: due once (claimed again), then resumed by the start.
+    #[test]
+    fn the_fence_timer_claims_the_queue_again_and_its_start_resumes_it() {
+        let mut h = Holds::default();
+        let t0 = Instant::now();
+        h.fenced(&q(1), t0 + FENCED_FOR);
+        h.pause(&q(1));
+        h.fenced(&q(1), t0 + FENCED_FOR * 3);
+        assert!(h.due(t0).is_empty());
+        assert_eq!(h.due(t0 + FENCED_FOR), vec![q(1)], "the first time set is kept");
+        assert!(h.due(t0 + FENCED_FOR * 4).is_empty(), "due once");
+        assert!(h.started(&q(1)));
+    }
+
+    /// A failed seek is retried without a pause; a start that comes first (a resync, a new assignment) ends the
+    /// wait, so the queue is not claimed a second time.
+    #[test]
+    fn a_start_ends_every_wait_and_only_a_pause_is_resumed() {
+        let mut h = Holds::default();
+        let t0 = Instant::now();
+        h.retry_at(&q(2), t0 + RESEEK_AFTER);
+        assert_eq!(h.due(t0 + RESEEK_AFTER), vec![q(2)]);
+        assert!(!h.started(&q(2)), "never paused: nothing to resume");
+        h.fenced(&q(3), t0 + FENCED_FOR);
+        h.pause(&q(3));
+        h.retry_at(&q(3), t0 + RESEEK_AFTER);
+        assert!(h.started(&q(3)));
+        assert!(h.due(t0 + FENCED_FOR).is_empty(), "started: given up no more");
+    }
 }

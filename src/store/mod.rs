@@ -279,6 +279,32 @@ pub enum SideEffect {
     Redis(redis::side_effect::SideEffect),
 }
 
+impl SideEffect {
+    /// The most bytes one record's values may take in the store, if it has a limit: MySQL/MariaDB take statements of
+    /// at most `max_allowed_packet` (see [`mysql::side_effect::SideEffect::max_record_bytes`]).
+    pub fn max_record_bytes(&self) -> Option<u64> {
+        match self {
+            SideEffect::Postgres(_) | SideEffect::Redis(_) => None,
+            SideEffect::MySql(s) => Some(s.max_record_bytes()),
+        }
+    }
+
+    /// What `check` says about the store's limits, one line each.
+    pub fn notes(&self) -> Vec<String> {
+        match self {
+            SideEffect::Postgres(_) | SideEffect::Redis(_) => Vec::new(),
+            SideEffect::MySql(s) => vec![format!(
+                "the server's max_allowed_packet is {} bytes: a record whose values take more than {} bytes goes to the dead \
+                 letters (param_invalid), and a dead letter keeps the first {} bytes of a payload over that with its size and \
+                 SHA-256; raise max_allowed_packet for larger records",
+                s.max_allowed_packet(),
+                s.max_record_bytes(),
+                crate::record::OVERSIZED_PREFIX_BYTES
+            )],
+        }
+    }
+}
+
 /// One open batch transaction. Dropped without [`Tx::commit`], it rolls back.
 pub enum Tx {
     /// PostgreSQL.
@@ -296,6 +322,17 @@ impl Tx {
         match self {
             Tx::Postgres(tx) => tx.commit().await,
             Tx::MySql(tx, _) => tx.commit().await,
+        }
+    }
+
+    /// Whether the batch transaction is still open, just before `COMMIT`: a side effect may have ended it (on
+    /// MySQL/MariaDB a procedure's `COMMIT` or an implicit commit; see [`mysql::transaction_open`]). PostgreSQL
+    /// refuses transaction control inside a function or a procedure called in a transaction block, so it is
+    /// always open there.
+    pub async fn still_open(&mut self) -> Result<bool, sqlx::Error> {
+        match self {
+            Tx::Postgres(_) => Ok(true),
+            Tx::MySql(tx, _) => mysql::transaction_open(tx).await,
         }
     }
 

@@ -11,6 +11,7 @@ mod failures;
 mod hardening;
 mod mariadb;
 mod monitoring;
+mod network;
 mod cases;
 mod cli;
 mod demo;

@@ -838,3 +838,144 @@ async fn statement_binlog_format_is_named_by_migrate_and_check() {
         assert!(err.contains("binlog_format = STATEMENT") && err.contains("ROW"), "{command}: {err}");
     }
 }
+
+/// A procedure that commits the batch transaction (the usual MySQL shape: `START TRANSACTION ... COMMIT`, an exit
+/// handler that rolls back, with or without `RESIGNAL`) must never cost records: `check` refuses `CALL` unless
+/// `allow_procedures = true`, and with it the worker finds that the transaction it opened was ended (before
+/// redoing the batch record by record, and before COMMIT) and stops the pipeline instead of counting the rest of the
+/// batch as duplicates. Comments before a statement are read past (`-- note` + `TRUNCATE`, `/* x */ COMMIT` were
+/// let through before). Issue: exactly-once holes, item 1.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_procedure_that_commits_the_batch_transaction_stops_the_pipeline() {
+    for handler in ["ROLLBACK; RESIGNAL;", "ROLLBACK;"] {
+        procedure_that_commits(handler).await;
+    }
+}
+
+async fn procedure_that_commits(handler: &str) {
+    let db = MyDb::new(&format!(
+        "CREATE TABLE ledger (id VARCHAR(16) PRIMARY KEY, amount DECIMAL(10, 2) NOT NULL) ENGINE = InnoDB;\
+         CREATE PROCEDURE apply_payment(IN p_id VARCHAR(16), IN p_amount VARCHAR(32)) \
+         BEGIN DECLARE EXIT HANDLER FOR SQLEXCEPTION BEGIN {handler} END; \
+         START TRANSACTION; INSERT INTO ledger VALUES (p_id, p_amount); COMMIT; END",
+    ))
+    .await;
+    let kafka = Kafka::new();
+    kafka.create_topic("t", 1);
+    let pipeline = |statement: &str, extra: &str| {
+        format!(
+            "topics = [\"t\"]\n[key]\nfield = \"/id\"\n[sink]\nsql = \"{statement}\"\n{extra}\n[sink.params]\nid = \"/id\"\namount = \"/amount\"\n"
+        )
+    };
+    let check = |pipeline: &str| {
+        let setup = Setup::new(&db, &kafka, &[("t.toml", pipeline)]);
+        let (status, out, err) = idemflow(&["check", "--config", setup.config.to_str().unwrap()], setup.dir.path());
+        (status.success(), format!("{out}{err}"))
+    };
+    let (ok, out) = check(&pipeline("CALL apply_payment(:id, :amount)", ""));
+    assert!(!ok && out.contains("sink.sql") && out.contains("allow_procedures"), "{out}");
+    for hidden in ["-- note\\nTRUNCATE ledger", "/* x */ COMMIT", "/*!50000 COMMIT */"] {
+        let text = pipeline(hidden, "").replace("[sink.params]\nid = \"/id\"\namount = \"/amount\"\n", "");
+        let (ok, out) = check(&text);
+        assert!(!ok && out.contains("sink.sql"), "{hidden}: {out}");
+    }
+
+    // Opted in: 100 records, one of them invalid. The procedure's START TRANSACTION commits the batch's dedup rows
+    // at the first record; the worker must notice and stop, not count the rest as duplicates.
+    let records: Vec<Out> = (0..100)
+        .map(|i| {
+            let amount = if i == 50 { "not a number".to_owned() } else { format!("{i}.00") };
+            Out::json(0, format!(r#"{{"id":"p{i}","amount":"{amount}"}}"#))
+        })
+        .collect();
+    kafka.produce("t", &records);
+    let allowed = pipeline("CALL apply_payment(:id, :amount)", "allow_procedures = true");
+    let setup = Setup::new(&db, &kafka, &[("t.toml", &allowed)]);
+    let (status, out, err) = idemflow(&["check", "--config", setup.config.to_str().unwrap()], setup.dir.path());
+    assert!(status.success(), "allowed: {out}{err}");
+    let w = InProc::start(&setup).await;
+    let failures = tokio::time::timeout(Duration::from_secs(120), w.stop_when_pipelines_end()).await.expect("the pipeline stops");
+    let text: Vec<String> = failures.iter().map(ToString::to_string).collect();
+    assert!(text.iter().any(|f| f.contains("ended the batch transaction itself")), "{handler}: {text:?}");
+    assert_eq!(w_duplicates(&db).await, 0, "{handler}: no record was counted as a duplicate of a claim the procedure committed");
+    let dead: i64 = db.scalar("SELECT COUNT(*) FROM idemflow_dead_letters").await;
+    assert_eq!(dead, 0, "{handler}: nothing was dead-lettered for it");
+}
+
+/// The duplicates counted in the dedup rows (each skipped copy adds 1 to its key's row).
+async fn w_duplicates(db: &MyDb) -> i64 {
+    db.scalar::<i64>("SELECT CAST(COALESCE(SUM(duplicates), 0) AS SIGNED) FROM idemflow_dedup").await
+}
+
+/// MySQL/MariaDB round to a `DECIMAL`'s scale and a `DATETIME`'s fractional digits with a note, not an error, even
+/// in strict mode: the table form refuses such a value (`param_invalid`) rather than store another one, unless the
+/// column says `round = true`. Issue: exactly-once holes, item 4.
+#[tokio::test(flavor = "multi_thread")]
+async fn values_a_column_would_round_are_refused_on_mariadb() {
+    let db = MyDb::new(
+        "CREATE TABLE pays (id VARCHAR(16) PRIMARY KEY, amount DECIMAL(12, 2) NOT NULL, at DATETIME NULL, \
+         rounded DECIMAL(12, 2) NULL) ENGINE = InnoDB;",
+    )
+    .await;
+    let kafka = Kafka::new();
+    kafka.create_topic("pays", 1);
+    let table = "topics = [\"pays\"]\n[key]\nfield = \"/id\"\n[sink]\ntable = \"pays\"\n[sink.columns]\nid = \"/id\"\n\
+                 amount = \"/amount\"\nat = { field = \"/at\", optional = true }\nrounded = { field = \"/rounded\", optional = true, round = true }\n";
+    let setup = Setup::new(&db, &kafka, &[("pays.toml", table)]);
+    kafka.produce("pays", &[
+        Out::json(0, r#"{"id":"exact","amount":"10.550","at":"2026-11-30 10:00:00","rounded":"1.005"}"#),
+        Out::json(0, r#"{"id":"amount","amount":"10.555"}"#),
+        Out::json(0, r#"{"id":"at","amount":"1","at":"2026-11-30 10:00:00.6"}"#),
+    ]);
+    let w = InProc::start(&setup).await;
+    w.wait_received("pays", 3).await;
+    assert!(w.stop().await.is_empty());
+    assert_eq!(
+        db.scalar::<String>("SELECT CAST(GROUP_CONCAT(CONCAT(id, '=', amount, '/', rounded)) AS CHAR) FROM pays").await,
+        "exact=10.55/1.01"
+    );
+    let errors: String = db.scalar("SELECT CAST(GROUP_CONCAT(error ORDER BY id SEPARATOR ' | ') AS CHAR) FROM idemflow_dead_letters").await;
+    assert!(errors.contains("amount: its column is decimal(12,2), which would store \"10.555\" as 10.56"), "{errors}");
+    assert!(errors.contains("at: its column is datetime") && errors.contains("fraction .6"), "{errors}");
+}
+
+/// A record larger than the server's `max_allowed_packet` (1 MiB here, one record of 1.5 MiB) used to break the
+/// connection at every retry and block its partition forever. It is dead-lettered now (`param_invalid`, the dead
+/// letter keeping the payload's head, size and SHA-256), the records around it apply, and `check` says what the
+/// limit means. Issue: exactly-once holes, item 7.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_record_over_max_allowed_packet_is_dead_lettered_and_the_stream_moves_on() {
+    let server = Server::start_with("--max-allowed-packet=1M");
+    let db = MyDb::on(&server.url, "CREATE TABLE docs (id VARCHAR(16) PRIMARY KEY, body LONGTEXT NOT NULL) ENGINE = InnoDB;").await;
+    let kafka = Kafka::new();
+    kafka.create_topic("docs", 1);
+    let pipeline = "topics = [\"docs\"]\nmax_payload_bytes = 4194304\n[key]\nfield = \"/id\"\n[sink]\ntable = \"docs\"\n[sink.columns]\nid = \"/id\"\nbody = \"/body\"\n";
+    let big = "x".repeat(1_500_000);
+    let big_record = format!(r#"{{"id":"big","body":"{big}"}}"#);
+    kafka.produce("docs", &[
+        Out::json(0, r#"{"id":"before","body":"a"}"#),
+        Out::json(0, big_record.clone()),
+        Out::json(0, r#"{"id":"after","body":"b"}"#),
+    ]);
+    let setup = Setup::new(&db, &kafka, &[("docs.toml", pipeline)]);
+    let (status, out, err) = idemflow(&["check", "--config", setup.config.to_str().unwrap()], setup.dir.path());
+    assert!(status.success() && out.contains("max_allowed_packet is 1048576 bytes"), "{out}{err}");
+    let w = InProc::start(&setup).await;
+    w.wait_received("docs", 3).await;
+    wait_until(Duration::from_secs(60), "both small records applied", || async {
+        w.metric("idemflow_records_applied_total", &[("pipeline", "docs")]) == 2.0
+    })
+    .await;
+    assert!(w.stop().await.is_empty());
+    assert_eq!(db.scalar::<String>("SELECT CAST(GROUP_CONCAT(id ORDER BY id) AS CHAR) FROM docs").await, "after,before");
+    let (reason, error, size, kept): (String, String, Option<i64>, i64) = sqlx::query_as(
+        "SELECT CAST(reason AS CHAR), CAST(error AS CHAR), payload_bytes, CAST(LENGTH(payload) AS SIGNED) FROM idemflow_dead_letters",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(reason, "param_invalid");
+    assert!(error.contains("max_allowed_packet"), "{error}");
+    assert_eq!(size, Some(big_record.len() as i64), "the dead letter keeps the payload's size");
+    assert!(kept < 1_048_576, "and only its head: {kept} bytes");
+}

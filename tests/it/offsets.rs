@@ -1,7 +1,7 @@
 //! Consumed positions: `[offsets] store = "database"` (no redelivery after a crash, fencing of a worker that lost
 //! its partitions) and `idemflow rewind`.
 
-use crate::failures::{assert_exactly_once, payments, payments_db, shipped, wait_all_durable, Payments, Rng};
+use crate::failures::{assert_exactly_once, payments, payments_db, shipped, wait_all_durable, wait_all_durable_or_report, Payments, Rng};
 use crate::support::*;
 use idemflow::offsets;
 use std::time::Duration;
@@ -345,5 +345,61 @@ async fn rewind_to_earliest_replays_without_effects() {
         assert_eq!(metric(&m, "idemflow_records_received_total", &[("pipeline", "payments")]), total as f64);
         assert_exactly_once(&db, &s).await;
         assert_eq!(kafka.committed(GROUP, TOPIC, PARTITIONS), end);
+    }
+}
+
+/// `idemflow rewind --to TIME` with a partition the group never committed (its records came while no worker ran):
+/// a timestamp after its records must not move it to its end, which would skip them all (seen: partition 2 moved
+/// to its end, "0 record(s) will be consumed again", its 10 records never applied). The group's reset policy
+/// (`auto.offset.reset = earliest`, idemflow's default) would start it at its log start, so the rewind moves it
+/// there, with a warning; the next run applies every record. Both offset stores.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rewind_to_a_time_never_skips_a_partition_without_a_committed_offset() {
+    for (store, pipeline) in [("kafka", shipped()), ("database", stored_positions())] {
+        const PARTITIONS: i32 = 3;
+        let db = payments_db(None).await;
+        let kafka = Kafka::new();
+        kafka.create_topic(TOPIC, PARTITIONS);
+        let s = payments(300, PARTITIONS, false);
+        // Every copy of an operation is on its own partition (`cross_partition` false): partition 2's operations
+        // come only with its records.
+        let (late, early): (Vec<Out>, Vec<Out>) = s.records.iter().cloned().partition(|r| r.partition == 2);
+        kafka.produce(TOPIC, &early);
+        let setup = Setup::with(&db, &kafka, &[("payments.toml", &pipeline)], FAST_GROUP, "");
+        let mut w = BinWorker::start(&setup);
+        let end = kafka.end_offsets(TOPIC, PARTITIONS);
+        assert_eq!(end[2], 0);
+        wait_until(Duration::from_secs(90), "partitions 0 and 1 consumed and committed", || async {
+            let committed = kafka.committed(GROUP, TOPIC, PARTITIONS);
+            committed[0] == end[0] && committed[1] == end[1]
+        })
+        .await;
+        assert!(w.sigterm().success(), "{}", w.log_text());
+        assert_eq!(kafka.committed(GROUP, TOPIC, PARTITIONS)[2], -1, "the group never committed partition 2");
+
+        // Records on partition 2 while no worker runs, then a rewind to a time after all of them.
+        kafka.produce(TOPIC, &late);
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let after = humantime::format_rfc3339_millis(std::time::SystemTime::now()).to_string();
+        let config = setup.config.to_str().unwrap().to_owned();
+        let args = ["rewind", "--config", &config, "--pipeline", "payments", "--to", &after];
+        let (status, out, err) = idemflow(&args, setup.dir.path());
+        assert!(status.success(), "store {store}: {out}{err}");
+        println!("{out}");
+        let n = late.len();
+        assert!(out.contains(&format!("rewound: {n} record(s) will be consumed again")), "store {store}: {out}");
+        assert!(
+            out.contains("warning: payments/2: the group has no committed position here, and auto.offset.reset = earliest starts it at its log start 0"),
+            "store {store}: {out}"
+        );
+        assert_eq!(kafka.committed(GROUP, TOPIC, PARTITIONS), vec![end[0], end[1], 0], "store {store}: never forward");
+
+        let mut w = BinWorker::start(&setup);
+        wait_all_durable_or_report(&db, &kafka, GROUP, TOPIC, PARTITIONS, &s, &[&w]).await;
+        let m = w.scrape();
+        assert!(w.sigterm().success(), "{}", w.log_text());
+        assert_eq!(metric(&m, "idemflow_records_received_total", &[("pipeline", "payments")]), n as f64, "store {store}");
+        assert_eq!(dup(&m, "redelivered"), 0.0, "store {store}: partitions 0 and 1 stayed where they were");
+        assert_exactly_once(&db, &s).await;
     }
 }

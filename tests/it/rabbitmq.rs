@@ -583,3 +583,28 @@ async fn an_unroutable_dead_letter_exchange_holds_the_ack_until_it_routes() {
     assert_eq!(client.ready(&queue).await, 0, "acknowledged once the dead letter was confirmed");
     assert_eq!(db.scalar::<i64>("SELECT count(*) FROM orders").await, 1);
 }
+
+/// A header name with a NUL (any header a broker can deliver) is kept in the dead letters, and the stream moves on:
+/// PostgreSQL text cannot hold U+0000, and the dead-letter insert used to fail and stop the pipeline. Issue:
+/// exactly-once holes, item 8.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_nul_in_a_header_name_is_dead_lettered_and_the_stream_moves_on() {
+    let url = rabbitmq::shared_url();
+    let queue = format!("nul-header-{}", unique());
+    let client = Client::connect(url).await;
+    client.declare(&queue, "classic", false).await;
+    let db = TestDb::new(ORDERS_TABLE).await;
+    let setup = Setup::rabbitmq(&db, url, &[("orders.toml", &orders_pipeline(&queue, ""))], "");
+    client.publish_with_headers(&queue, &Msg::json("o-1", "{\"amount\": poison"), &[("x-\u{0}trace", "a\u{0}b"), ("plain", "v")]).await;
+    client.publish_with_headers(&queue, &Msg::json("o-2", "{\"amount\": 2}"), &[("x-\u{0}trace", "c")]).await;
+    let w = InProc::start(&setup).await;
+    w.wait_received("orders", 2).await;
+    assert!(w.stop().await.is_empty(), "the pipeline kept running");
+    assert_eq!(db.scalar::<String>("SELECT string_agg(id || '=' || amount, ',') FROM orders").await, "o-2=2");
+    let names: String = db.scalar("SELECT array_to_string(header_names, ',') FROM idemflow.dead_letters").await;
+    let mut names: Vec<&str> = names.split(',').collect();
+    names.sort_unstable();
+    assert_eq!(names, ["plain", "x-\\u0000trace"], "the name kept, its NUL escaped");
+    let (_, out, _) = idemflow(&["dead-letters", "list", "--config", setup.config.to_str().unwrap()], setup.dir.path());
+    assert!(out.contains("1 dead letter(s)"), "{out}");
+}

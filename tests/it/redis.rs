@@ -458,3 +458,84 @@ async fn tls_with_a_private_ca() {
     assert!(!status.success(), "{out}");
     assert!(err.contains("cannot connect to Redis at rediss://localhost:") && err.to_lowercase().contains("certificate"), "{err}");
 }
+
+/// A command the Redis user may not run (an ACL without `~balance:*`) stops the pipeline before any of the record's
+/// commands runs: it is never taken for the record's fault (Redis 7.0 reports it inside a script as `ERR The user
+/// executing the script can't ...`, not `NOPERM`). Nothing is dead-lettered, nothing half applied; once the
+/// permission is granted, a restart applies every record once. Issue: exactly-once holes, item 2.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_command_the_user_may_not_run_stops_the_pipeline() {
+    let server = RedisServer::start();
+    let mut r = server.conn();
+    let _: () = ::redis::cmd("ACL")
+        .arg(&["SETUSER", "worker", "on", ">secret", "~payment:*", "~payments-applied", "~idemflow:*", "+@all"])
+        .query(&mut r)
+        .unwrap();
+    let kafka = Kafka::new();
+    kafka.create_topic("payments", 1);
+    let orders: Vec<Out> = (0..20)
+        .map(|i| Out::json(0, format!(r#"{{"order":{{"id":"O-{i}","account":"ACC-{}","amount":"1.50"}}}}"#, i % 3)))
+        .collect();
+    kafka.produce("payments", &orders);
+    let url = server.url.replace("redis://", "redis://worker:secret@");
+    let section = format!("[redis]\nurl = \"{url}\"\nconnect_timeout = \"2s\"\nresponse_timeout = \"5s\"\n");
+    let setup = Setup::redis_section(&section, &kafka, &[("payments.toml", &example())], "", "");
+    let w = InProc::start_redis(&setup, Default::default()).await;
+    let failures = tokio::time::timeout(Duration::from_secs(60), w.stop_when_pipelines_end()).await.expect("the pipeline stops");
+    let text: Vec<String> = failures.iter().map(ToString::to_string).collect();
+    assert!(text.iter().any(|f| f.to_uppercase().contains("NOPERM") && f.contains("command 2 of 4 (HINCRBYFLOAT)")), "{text:?}");
+    let (payments, _, _, _, applied, dedup, dead) = state(&mut r);
+    assert_eq!((payments, applied, dedup, dead), (0, 0, 0, 0), "nothing half applied, nothing dead-lettered");
+
+    let _: () = ::redis::cmd("ACL").arg(&["SETUSER", "worker", "~balance:*"]).query(&mut r).unwrap();
+    let w = InProc::start_redis(&setup, Default::default()).await;
+    w.wait_received("payments", 20).await;
+    assert!(w.stop().await.is_empty());
+    let (payments, amount, total, count, applied, dedup, dead) = state(&mut r);
+    assert_eq!((payments, amount, total, count, applied, dedup, dead), (20, 3000, 3000, 20, 20, 20, 0));
+}
+
+/// Numbers Redis would refuse are caught before the script, exactly as Redis parses them (`"007"` and `"-0"` for
+/// `INCRBY`, a `ZADD` score `"abc"`, `SET ... EX "abc"`): the record goes to the dead letters as `param_invalid`
+/// with none of its commands run, never half applied. `check` refuses a command whose numeric arguments idemflow
+/// does not know. Issue: exactly-once holes, item 6.
+#[tokio::test(flavor = "multi_thread")]
+async fn numbers_redis_would_refuse_run_nothing_of_the_record() {
+    let server = RedisServer::start();
+    let mut r = server.conn();
+    let kafka = Kafka::new();
+    kafka.create_topic("n", 1);
+    let pipeline = "topics = [\"n\"]\n[key]\nfield = \"/id\"\n[sink]\nredis = [\n  [\"HSET\", \"seen:{id}\", \"at\", \"1\"],\n  \
+                    [\"INCRBY\", \"count:{id}\", \"{n}\"],\n  [\"ZADD\", \"scores\", \"{score}\", \"{id}\"],\n  \
+                    [\"SET\", \"ttl:{id}\", \"1\", \"EX\", \"{ttl}\"],\n]\n[sink.params]\nid = \"/id\"\nn = \"/n\"\nscore = \"/score\"\nttl = \"/ttl\"\n";
+    let record = |id: &str, n: &str, score: &str, ttl: &str| {
+        Out::json(0, format!(r#"{{"id":"{id}","n":"{n}","score":"{score}","ttl":"{ttl}"}}"#))
+    };
+    kafka.produce("n", &[
+        record("good", "7", "1.5", "60"),
+        record("zeros", "007", "1", "60"),
+        record("minus-zero", "-0", "1", "60"),
+        record("score", "1", "abc", "60"),
+        record("ttl", "1", "1", "abc"),
+        record("ttl-zero", "1", "1", "0"),
+        record("inf", "1", "-inf", "60"),
+    ]);
+    let setup = Setup::redis(&server, &kafka, &[("n.toml", pipeline)], "", "");
+    let (status, out, err) = idemflow(&["check", "--config", setup.config.to_str().unwrap()], setup.dir.path());
+    assert!(status.success(), "{out}{err}");
+    let w = InProc::start_redis(&setup, Default::default()).await;
+    w.wait_received("n", 7).await;
+    assert_eq!(w.metric("idemflow_records_applied_total", &[("pipeline", "n")]), 2.0);
+    assert_eq!(w.metric("idemflow_dead_letters_total", &[("pipeline", "n"), ("reason", "param_invalid")]), 5.0);
+    assert_eq!(w.metric("idemflow_dead_letters_total", &[("pipeline", "n"), ("reason", "side_effect_rejected")]), 0.0);
+    assert!(w.stop().await.is_empty());
+    let seen = keys(&mut r, "seen:*");
+    assert_eq!(seen.len(), 2, "only the records Redis takes ran their first command: {seen:?}");
+    let count: i64 = r.get("count:good").unwrap();
+    assert_eq!(count, 7);
+
+    let unknown = "topics = [\"n\"]\n[key]\nfield = \"/id\"\n[sink]\nredis = [[\"BITFIELD\", \"b:{id}\", \"INCRBY\", \"u8\", \"0\", \"1\"]]\n[sink.params]\nid = \"/id\"\n";
+    let setup = Setup::redis(&server, &kafka, &[("u.toml", unknown)], "", "");
+    let (status, out, err) = idemflow(&["check", "--config", setup.config.to_str().unwrap()], setup.dir.path());
+    assert!(!status.success() && err.contains("sink.redis[0]: idemflow does not know where BITFIELD takes numbers"), "{out}{err}");
+}

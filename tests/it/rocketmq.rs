@@ -442,3 +442,36 @@ async fn the_demo_producer_feeds_the_example_pipeline() {
     let expected: String = db.scalar("SELECT sum(amount)::text FROM payments").await;
     assert_eq!(db.scalar::<String>("SELECT (-sum(balance))::text FROM accounts").await, expected, "each deduction once");
 }
+
+/// `idemflow rewind --to TIME` for a group without consume offsets (a new group: the messages came before any
+/// worker ran): a time after every message must not move the queues to their ends, which would skip them all. The
+/// group starts a queue without a consume offset at its first offset, so the rewind moves it no further than that,
+/// and the next run applies every message. Both offset stores.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rewind_to_a_time_never_skips_a_queue_without_a_consume_offset() {
+    let ns = rocketmq::shared();
+    for store in ["broker", "database"] {
+        let topic = format!("payments-{}", unique());
+        let db = payments_db(None).await;
+        let s = payments(200, 4, false);
+        let mut producer = Producer::start(ns).await;
+        send(&mut producer, &topic, &s, &messages(&s), 0).await;
+        producer.stop().await;
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let after = humantime::format_rfc3339_millis(std::time::SystemTime::now()).to_string();
+        let setup = Setup::rocketmq(&db, ns, &[("payments.toml", &example(&topic, store))], "");
+        let config = setup.config.to_str().unwrap();
+        let (status, out, err) = idemflow(&["rewind", "--config", config, "--pipeline", "payments", "--to", &after], setup.dir.path());
+        assert!(status.success(), "store {store}: {out}{err}");
+        println!("store {store}:\n{out}");
+        // However the broker reports a queue without a consume offset (none, or 0), nothing is skipped: every
+        // message is consumed again from the queue's first offset.
+        let (committed, end) = rocketmq::group_progress(ns, &group(&topic), &topic).await;
+        assert_eq!(committed, 0, "store {store}: every queue at its first offset (end {end})\n{out}");
+        let mut w = BinWorker::start(&setup);
+        wait_all_applied(&db, &s, || w.log_text()).await;
+        wait_received(&mut w, s.records.len()).await;
+        assert!(w.sigterm().success(), "{}", w.log_text());
+        assert_exactly_once(&db, &s).await;
+    }
+}

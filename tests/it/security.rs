@@ -172,6 +172,7 @@ async fn postgres_tls_verifies_the_server_certificate() {
         max_connections: 2,
         acquire_timeout: Duration::from_secs(5),
         prepared_statements: true,
+        batch_timeout: idemflow::config::DEFAULT_BATCH_TIMEOUT,
     };
 
     // Accepted: the right CA and host name; the worker's pool is on TLS.

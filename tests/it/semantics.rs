@@ -509,3 +509,77 @@ flags = "/flags"
     assert_eq!(db.scalar::<String>("SELECT code || '|' || flags::text || '|' || parts::text FROM codes").await, "abcde|101|{abc,\"de \"}");
     assert_eq!(db.scalar::<String>("SELECT code || '|' || flags::text FROM sql_codes").await, "abcde|101");
 }
+
+/// The table form (and the batch SQL form) whose one statement the whole batch makes run past `statement_timeout`
+/// (a trigger that takes 10 ms a row: 150 rows are 1.5 s against a 1 s timeout) is redone record by record, each
+/// statement timed on its own, instead of being retried as it is forever; a record whose side effect alone runs
+/// past the timeout is dead-lettered with the reason, and the rest applies. Issue: exactly-once holes, item 3.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_table_form_batch_past_statement_timeout_is_redone_record_by_record() {
+    let db = TestDb::new(
+        "CREATE TABLE orders (id text PRIMARY KEY, amount numeric NOT NULL);
+         CREATE FUNCTION slow() RETURNS trigger LANGUAGE plpgsql AS $$
+           BEGIN PERFORM pg_sleep(CASE WHEN NEW.amount = 999 THEN 1.5 ELSE 0.01 END); RETURN NEW; END $$;
+         CREATE TRIGGER slow BEFORE INSERT ON orders FOR EACH ROW EXECUTE FUNCTION slow();
+         DO $$ BEGIN EXECUTE format('ALTER DATABASE %I SET statement_timeout = %L', current_database(), '1s'); END $$;",
+    )
+    .await;
+    let kafka = Kafka::new();
+    kafka.create_topic("orders", 1);
+    let table = "topics = [\"orders\"]\n[key]\nfield = \"/id\"\n[sink]\ntable = \"orders\"\n[sink.columns]\nid = \"/id\"\namount = \"/amount\"\n[batch]\nmax_wait = \"500ms\"\n";
+    let setup = Setup::new(&db, &kafka, &[("orders.toml", table)]);
+    let records: Vec<Out> = (0..150)
+        .map(|i| Out::json(0, format!(r#"{{"id":"o{i}","amount":"{}"}}"#, if i == 70 { 999 } else { 1 })))
+        .collect();
+    kafka.produce("orders", &records);
+    let worker = InProc::start(&setup).await;
+    wait_until(Duration::from_secs(90), "every record applied or dead-lettered", || async {
+        worker.metric("idemflow_records_applied_total", &[("pipeline", "orders")]) == 149.0
+    })
+    .await;
+    assert!(worker.stop().await.is_empty());
+    assert_eq!(db.scalar::<i64>("SELECT count(*) FROM orders").await, 149);
+    let err: String = db.scalar("SELECT error FROM idemflow.dead_letters").await;
+    assert!(err.contains("57014") && err.contains("alone ran past statement_timeout"), "{err}");
+}
+
+/// A value its column would round (`"10.555"` into `numeric(12, 2)`, `10:00:00.6` into `timestamptz(0)`) is never
+/// changed silently: the table form dead-letters it (`param_invalid`, naming the column and what it would have
+/// become), unless the column says `round = true`. Issue: exactly-once holes, item 4.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn values_a_column_would_round_are_refused_unless_it_may() {
+    let db = TestDb::new(
+        "CREATE DOMAIN money2 AS numeric(12, 2);
+         CREATE TABLE pays (id text PRIMARY KEY, amount numeric(12, 2) NOT NULL, fee money2, at timestamptz(0),
+                            rounded numeric(12, 2));",
+    )
+    .await;
+    let kafka = Kafka::new();
+    kafka.create_topic("pays", 1);
+    let table = "topics = [\"pays\"]\n[key]\nfield = \"/id\"\n[sink]\ntable = \"pays\"\n[sink.columns]\nid = \"/id\"\n\
+                 amount = \"/amount\"\nfee = { field = \"/fee\", optional = true }\nat = { field = \"/at\", optional = true }\n\
+                 rounded = { field = \"/rounded\", optional = true, round = true }\n";
+    let setup = Setup::new(&db, &kafka, &[("pays.toml", table)]);
+    kafka.produce("pays", &[
+        Out::json(0, r#"{"id":"exact","amount":"10.550","at":"2026-11-30T10:00:00.000Z","rounded":"1.005"}"#),
+        Out::json(0, r#"{"id":"amount","amount":"10.555"}"#),
+        Out::json(0, r#"{"id":"number","amount":10.555}"#),
+        Out::json(0, r#"{"id":"fee","amount":"1","fee":"0.001"}"#),
+        Out::json(0, r#"{"id":"at","amount":"1","at":"2026-11-30T10:00:00.6Z"}"#),
+    ]);
+    let worker = InProc::start(&setup).await;
+    worker.wait_received("pays", 5).await;
+    assert!(worker.stop().await.is_empty());
+    assert_eq!(
+        db.scalar::<String>("SELECT string_agg(id || '=' || amount || '/' || coalesce(rounded::text, '-'), ',') FROM pays").await,
+        "exact=10.55/1.01",
+        "only the record whose values fit (or may be rounded) applied"
+    );
+    let errors: Vec<String> =
+        sqlx::query_scalar("SELECT reason || ': ' || error FROM idemflow.dead_letters ORDER BY \"offset\"").fetch_all(&db.pool).await.unwrap();
+    assert_eq!(errors.len(), 4, "{errors:?}");
+    assert!(errors[0].starts_with("param_invalid: amount: its column is numeric(12,2), which would store \"10.555\" as 10.56"), "{errors:?}");
+    assert!(errors[1].contains("as 10.56"), "a JSON number the same: {errors:?}");
+    assert!(errors[2].contains("fee: its column is numeric(12,2)") && errors[2].contains("as 0.00"), "through a domain: {errors:?}");
+    assert!(errors[3].contains("at: its column is timestamp(0) with time zone") && errors[3].contains("fraction .6"), "{errors:?}");
+}

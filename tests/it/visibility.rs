@@ -133,3 +133,38 @@ async fn a_refused_final_offset_commit_says_what_it_means() {
     assert!(line.contains("WARN") && !line.contains("ERROR"), "{line}");
     assert!(line.contains("skipped as duplicates") && line.contains("nothing is lost or applied twice"), "{line}");
 }
+
+/// Nothing stalls without a word: a partition whose records wait and whose batch cannot commit (the dedup table
+/// locked; the same for a batch retried forever, a paused or fenced partition) is exported with the seconds it has
+/// gone without progress, logged once as stalled past `[metrics] stall_after`, and makes `/readyz` answer 503 naming
+/// it; once batches commit again the gauge is 0 and the worker is ready. Issue: exactly-once holes, "nothing stalls
+/// or drains without saying so".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_partition_is_exported_logged_and_not_ready() {
+    let (db, kafka, setup) = fixture(PAYMENTS, "orders", 2, &[("payments.toml", PIPELINE)]).await;
+    let text = std::fs::read_to_string(&setup.config).unwrap().replace("[metrics]\n", "[metrics]\nstall_after = \"2s\"\n");
+    std::fs::write(&setup.config, text).unwrap();
+    let mut lock = db.pool.begin().await.unwrap();
+    sqlx::query("LOCK TABLE idemflow.dedup IN EXCLUSIVE MODE").execute(&mut *lock).await.unwrap();
+    kafka.produce("orders", &orders(2, 50, "s"));
+    let mut worker = BinWorker::start(&setup);
+    wait_until(Duration::from_secs(60), "/readyz names the stalled partitions", || async {
+        http_get(setup.metrics, "/readyz")
+            .is_ok_and(|(status, body)| status == 503 && body.contains("stalled") && body.contains("orders/0") && body.contains("orders/1"))
+    })
+    .await;
+    let m = worker.scrape();
+    let stalled = metric(&m, "idemflow_partition_stalled_seconds", &[("pipeline", "payments"), ("topic", "orders"), ("partition", "0")]);
+    assert!(stalled >= 2.0, "{stalled}\n{m}");
+    assert!(worker.log_text().contains("stalled: records wait on this partition"), "{}", worker.log_text());
+    lock.rollback().await.unwrap();
+    wait_until(Duration::from_secs(60), "ready again once the batches commit", || async {
+        http_get(setup.metrics, "/readyz").is_ok_and(|(status, _)| status == 200)
+    })
+    .await;
+    let m = worker.scrape();
+    assert_eq!(metric(&m, "idemflow_partition_stalled_seconds", &[("pipeline", "payments"), ("topic", "orders"), ("partition", "0")]), 0.0);
+    assert!(worker.log_text().contains("the stalled partition moves again"));
+    assert!(worker.sigterm().success());
+    assert_eq!(db.scalar::<i64>("SELECT count(*) FROM payments").await, 100);
+}

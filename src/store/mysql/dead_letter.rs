@@ -21,6 +21,20 @@ pub async fn write(conn: &mut MySqlConnection, pipeline: &str, record: &Record, 
     let values: Vec<Option<String>> = record.headers.iter().map(|(_, v)| v.as_deref().map(crate::terminal::hex)).collect();
     let property_names: Vec<&str> = record.properties.iter().map(|(k, _)| *k).collect();
     let property_values: Vec<&str> = record.properties.iter().map(|(_, v)| v.as_str()).collect();
+    // A payload the statement could not carry (over max_allowed_packet) keeps its head, size and SHA-256, as an
+    // oversized one does: the dead letter must fit, or the record would block its partition.
+    let mut bounded = None;
+    if let Some(payload) = record.payload.as_deref().filter(|p| p.len() as u64 > super::PACKET_MARGIN) {
+        let packet = super::max_allowed_packet(conn).await?;
+        let room = packet.saturating_sub(super::PACKET_MARGIN + error.len() as u64 + record.key.as_ref().map_or(0, Vec::len) as u64);
+        if payload.len() as u64 > room {
+            bounded = Some(crate::record::bounded(payload, room as usize));
+        }
+    }
+    let (payload, oversized) = match &bounded {
+        Some((head, over)) => (Some(head.as_slice()), over.as_ref()),
+        None => (record.payload.as_deref(), record.oversized.as_ref()),
+    };
     let p = &record.position;
     let done = sqlx::query(INSERT)
         .bind(pipeline)
@@ -32,9 +46,9 @@ pub async fn write(conn: &mut MySqlConnection, pipeline: &str, record: &Record, 
         .bind(json(&values))
         .bind(json(&property_names))
         .bind(json(&property_values))
-        .bind(record.payload.as_deref())
-        .bind(record.oversized.as_ref().map(|o| o.size as i64))
-        .bind(record.oversized.as_ref().map(|o| o.sha256.to_vec()))
+        .bind(payload)
+        .bind(oversized.map(|o| o.size as i64))
+        .bind(oversized.map(|o| o.sha256.to_vec()))
         .bind(reason.as_str())
         .bind(error)
         .execute(&mut *conn)

@@ -130,6 +130,29 @@ fn require_database(settings: &DatabaseSettings) -> Result<(), sqlx::Error> {
     }
 }
 
+/// The server's `max_allowed_packet` in bytes: the largest statement (values included) it accepts. A larger one is
+/// not refused with an error but makes the server close the connection.
+pub async fn max_allowed_packet(conn: &mut sqlx::MySqlConnection) -> Result<u64, sqlx::Error> {
+    sqlx::query_scalar::<_, u64>("SELECT CAST(@@max_allowed_packet AS UNSIGNED)").fetch_one(&mut *conn).await
+}
+
+/// What a statement carries besides one record's values (the SQL text, the dedup row, the dead letter's other
+/// columns), kept free under `max_allowed_packet`.
+pub const PACKET_MARGIN: u64 = 64 << 10;
+
+/// Whether `conn` is still inside a transaction. A `SAVEPOINT` outside one lasts only for its own statement
+/// (autocommit), so `RELEASE SAVEPOINT` then fails with error 1305 (ER_SP_DOES_NOT_EXIST): this tells MySQL and
+/// MariaDB alike that something (a procedure's `COMMIT`, an implicit commit) ended the batch transaction. Two round
+/// trips, once per batch.
+pub async fn transaction_open(conn: &mut sqlx::MySqlConnection) -> Result<bool, sqlx::Error> {
+    conn.execute(sqlx::raw_sql("SAVEPOINT idemflow_open")).await?;
+    match conn.execute(sqlx::raw_sql("RELEASE SAVEPOINT idemflow_open")).await {
+        Ok(_) => Ok(true),
+        Err(sqlx::Error::Database(e)) if e.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>().is_some_and(|m| m.number() == 1305) => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
 /// A pool that connects on first use; every connection gets the [`SESSION`] settings.
 ///
 /// Errors: the URL does not parse or names no database.
@@ -244,7 +267,9 @@ pub(crate) const MAX_PARAMS: usize = 65_535;
 /// about `max_bytes` of bound data (`bytes` of a row), so no statement approaches `max_allowed_packet` (16 MiB
 /// by default on MariaDB, 64 MiB on MySQL 8).
 pub(crate) fn chunks<'a, T>(rows: &'a [T], per_row: usize, bytes: impl Fn(&T) -> usize) -> Vec<&'a [T]> {
-    const MAX_BYTES: usize = 4 << 20;
+    // Well inside the smallest max_allowed_packet in common use (1 MiB): a statement over the server's limit is not
+    // an error the server answers but a connection it closes, which would be retried forever.
+    const MAX_BYTES: usize = 512 << 10;
     let per_row = per_row.max(1);
     // A few placeholders of every statement are not per row (the pipeline name).
     const MAX_PARAMS_PER_STATEMENT: usize = MAX_PARAMS - 16;

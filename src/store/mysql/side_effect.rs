@@ -37,6 +37,8 @@ use sqlx::{Executor as _, MySqlConnection};
 #[derive(Clone, Debug)]
 pub struct SideEffect {
     form: Form,
+    /// The server's `max_allowed_packet` (bytes) when the side effect was prepared.
+    packet: u64,
     /// Run first in every batch transaction: the schema the form depends on.
     probe: Option<Probe>,
     /// What the probe returned when the statements were built.
@@ -74,6 +76,24 @@ struct Column {
     required: bool,
     charset: Option<String>,
     key: String,
+    /// `COLUMN_TYPE`: `decimal(10,2)`, `datetime(3)`.
+    column_type: String,
+    /// `NUMERIC_SCALE` (exact numbers) or `DATETIME_PRECISION` (time types).
+    scale: Option<i64>,
+}
+
+impl Column {
+    /// What the column keeps of a value where it would round the rest ([`crate::rounding`]): `DECIMAL(p, s)` rounds
+    /// to `s` decimals, `DATETIME(p)`, `TIMESTAMP(p)` and `TIME(p)` round fractional seconds to `p` digits (MySQL
+    /// Reference Manual, "Fixed-Point Types" and "Fractional Seconds in Time Values").
+    fn limit(&self) -> Option<crate::rounding::Limit> {
+        let type_name = self.column_type.clone();
+        match (self.data_type.as_str(), self.scale) {
+            ("decimal", Some(scale)) => Some(crate::rounding::Limit::Scale { type_name, scale: scale as i32 }),
+            ("datetime" | "timestamp" | "time", Some(digits)) => Some(crate::rounding::Limit::Fraction { type_name, digits: digits as u32 }),
+            _ => None,
+        }
+    }
 }
 
 /// `schema.table` or `table` (each part optionally in backticks) as `(schema, table)`.
@@ -139,17 +159,31 @@ impl SideEffect {
         if jiff::tz::TimeZone::get(&time.zone).is_err() {
             return Err(prepare_error("sink.time_zone", format!("{:?} is not a time zone idemflow knows (IANA names such as \"Europe/Paris\", or \"UTC\")", time.zone)));
         }
-        match spec {
+        let packet = super::max_allowed_packet(conn).await.map_err(|e| db_error("database", e, ""))?;
+        let prepared = match spec {
             SinkSpec::Table { table, columns, on_conflict, conflict_columns } => {
                 prepare_table(conn, table, columns, *on_conflict, conflict_columns.as_deref()).await
             }
-            SinkSpec::Sql { statements, params } => prepare_sql(conn, statements, params).await,
+            SinkSpec::Sql { statements, params, allow_procedures } => prepare_sql(conn, statements, params, *allow_procedures).await,
             SinkSpec::BatchSql { .. } => Err(prepare_error(
                 "sink.batch_sql",
                 "runs on PostgreSQL only: on MySQL/MariaDB write per-record statements in sink.sql".to_owned(),
             )),
             SinkSpec::Redis { .. } => Err(prepare_error("sink.redis", "a Redis side effect runs in [redis], not in the database".to_owned())),
-        }
+        };
+        prepared.map(|(side_effect, bindings)| (SideEffect { packet, ..side_effect }, bindings))
+    }
+
+    /// The most bytes one record's values may take: what one statement carries to the server is at most its
+    /// `max_allowed_packet`, less [`super::PACKET_MARGIN`]. A record over it is dead-lettered before the batch
+    /// ([`crate::prepare::Preparer::with_max_record_bytes`]) instead of breaking the connection at every retry.
+    pub fn max_record_bytes(&self) -> u64 {
+        self.packet.saturating_sub(super::PACKET_MARGIN)
+    }
+
+    /// The server's `max_allowed_packet` in bytes, for `check`.
+    pub fn max_allowed_packet(&self) -> u64 {
+        self.packet
     }
 
     /// Starts a batch in the open transaction `conn`: takes the tables' metadata locks and checks that the schema
@@ -249,12 +283,13 @@ async fn prepare_table(
             .map_err(|e| db_error("sink.table", e, ""))?
             .ok_or_else(|| prepare_error("sink.table", "no database is selected: name it in [database] url, or write the table as database.table"))?,
     };
-    type Row = (String, String, String, bool, Option<String>, String);
+    type Row = (String, String, String, bool, Option<String>, String, String, Option<i64>);
     let rows: Vec<Row> = sqlx::query_as(
         "SELECT COLUMN_NAME, DATA_TYPE, COLUMN_KEY, \
                 IS_NULLABLE = 'NO' AND COLUMN_DEFAULT IS NULL AND EXTRA NOT LIKE '%auto_increment%' \
                 AND EXTRA NOT LIKE '%GENERATED%' AND EXTRA NOT LIKE '%VIRTUAL%' AND EXTRA NOT LIKE '%PERSISTENT%' AND EXTRA NOT LIKE '%STORED%', \
-                CHARACTER_SET_NAME, EXTRA \
+                CHARACTER_SET_NAME, EXTRA, CAST(COLUMN_TYPE AS CHAR), \
+                CAST(COALESCE(NUMERIC_SCALE, DATETIME_PRECISION) AS SIGNED) \
          FROM information_schema.COLUMNS WHERE BINARY TABLE_SCHEMA = ? AND BINARY TABLE_NAME = ? ORDER BY ORDINAL_POSITION",
     )
     .bind(&schema)
@@ -268,7 +303,15 @@ async fn prepare_table(
     }
     let catalog: Vec<Column> = rows
         .into_iter()
-        .map(|(name, data_type, key, required, charset, _)| Column { name, data_type: data_type.to_lowercase(), required, charset, key })
+        .map(|(name, data_type, key, required, charset, _, column_type, scale)| Column {
+            name,
+            data_type: data_type.to_lowercase(),
+            required,
+            charset,
+            key,
+            column_type,
+            scale,
+        })
         .collect();
     // MariaDB's JSON is LONGTEXT with a CHECK (json_valid(`c`)) named after the column.
     let json_columns: Vec<String> = sqlx::query_scalar(
@@ -385,8 +428,13 @@ async fn prepare_table(
     (&mut *conn).prepare(one.as_str()).await.map_err(|e| db_error("sink", e, &one))?;
     let probe = Probe::new(&qualified, &schema, &name);
     let schema_now = probe.run(conn).await.map_err(|e| db_error("sink.table", e, ""))?;
-    let bindings = columns.iter().cloned().zip(found.iter().map(|c| render_for(c, json_columns.contains(&c.name)))).collect();
-    Ok((SideEffect { form: Form::Table { head, tail, columns: columns.len() }, probe: Some(probe), schema: schema_now }, bindings))
+    let bindings = columns
+        .iter()
+        .cloned()
+        .zip(found.iter().map(|c| (c.limit(), render_for(c, json_columns.contains(&c.name)))))
+        .map(|(b, (limit, render))| (Binding { limit, ..b }, render))
+        .collect();
+    Ok((SideEffect { form: Form::Table { head, tail, columns: columns.len() }, probe: Some(probe), schema: schema_now, packet: 0 }, bindings))
 }
 
 /// The column lists of the primary key and every unique key of a table.
@@ -413,6 +461,7 @@ async fn prepare_sql(
     conn: &mut MySqlConnection,
     statements: &[Statement],
     params: &[Binding],
+    allow_procedures: bool,
 ) -> Result<(SideEffect, Vec<(Binding, Render)>), PrepareError> {
     let mut prepared = Vec::new();
     for statement in statements {
@@ -427,7 +476,7 @@ async fn prepare_sql(
                 Part::Sql(_) => None,
             })
             .collect();
-        if let Some(why) = refused_statement(&written) {
+        if let Some(why) = refused_statement(&written, allow_procedures) {
             return Err(prepare_error(&field, format!("{why}\n  in: {written}")));
         }
         let sql = statement.render(|n| {
@@ -445,29 +494,53 @@ async fn prepare_sql(
         let render = b.declared.map_or(Render::Text, |t| t.render());
         (b, render)
     }).collect();
-    Ok((SideEffect { form: Form::Sql(prepared), probe: None, schema: String::new() }, bindings))
+    Ok((SideEffect { form: Form::Sql(prepared), probe: None, schema: String::new(), packet: 0 }, bindings))
 }
 
-/// Why a statement of the SQL form cannot run inside the batch transaction, or `None`: `IGNORE` (which turns
-/// data errors into warnings and stores 0s and truncations; strict mode is the point) and statements that commit
-/// the transaction implicitly (MySQL Reference Manual, "Statements That Cause an Implicit Commit").
-fn refused_statement(sql: &str) -> Option<String> {
-    let words: Vec<String> = sql
+/// Why a statement of the SQL form cannot run inside the batch transaction, or `None`. Only statements that
+/// change rows or read are let through (`INSERT`, `UPDATE`, `DELETE`, `REPLACE`, `SELECT`, `WITH`, `VALUES`,
+/// `TABLE`), read past leading comments: anything else may commit the transaction implicitly or change the session
+/// (MySQL Reference Manual, "Statements That Cause an Implicit Commit"). `CALL` only with `allow_procedures`: a
+/// procedure may run `START TRANSACTION`, `COMMIT` or a statement that commits implicitly, which would commit the
+/// batch's dedup rows without the effects of the records after it (a stored function or trigger cannot: error
+/// 1422). Executable comments (`/*! ... */`, `/*M! ... */`) run their content, so they are refused. `IGNORE` is
+/// refused: it turns data errors into warnings and stores 0s and truncations (strict mode is the point).
+fn refused_statement(sql: &str, allow_procedures: bool) -> Option<String> {
+    if sql.contains("/*!") || sql.contains("/*M!") {
+        return Some(
+            "an executable comment (/*! ... */ or /*M! ... */) runs its content as SQL, which idemflow cannot check: \
+             write the statement itself"
+                .to_owned(),
+        );
+    }
+    let words: Vec<String> = past_comments(sql)
         .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
         .filter(|w| !w.is_empty())
         .take(6)
         .map(str::to_ascii_uppercase)
         .collect();
     let first = words.first().map(String::as_str).unwrap_or_default();
-    if matches!(
-        first,
-        "CREATE" | "ALTER" | "DROP" | "TRUNCATE" | "RENAME" | "LOCK" | "UNLOCK" | "COMMIT" | "ROLLBACK" | "BEGIN"
-            | "START" | "GRANT" | "REVOKE" | "ANALYZE" | "OPTIMIZE" | "REPAIR" | "FLUSH" | "LOAD" | "SET"
-    ) {
-        return Some(format!(
-            "{first} cannot run in the batch transaction (it commits it, or changes the session): the side effect must be \
-             INSERT, UPDATE, DELETE, REPLACE, SELECT or CALL"
-        ));
+    match first {
+        "INSERT" | "UPDATE" | "DELETE" | "REPLACE" | "SELECT" | "WITH" | "VALUES" | "TABLE" => {}
+        "CALL" if allow_procedures => {}
+        "CALL" => {
+            return Some(
+                "CALL runs a procedure, which may end the batch transaction (START TRANSACTION, COMMIT, ROLLBACK, or \
+                 a statement that commits implicitly): the batch's dedup rows would be committed without the effects \
+                 of the records after it, and those records lost as duplicates. Write the procedure's statements in \
+                 sink.sql, or set allow_procedures = true in [sink] once you are sure the procedure never controls \
+                 transactions (idemflow then checks before every COMMIT that the batch transaction is still open, and \
+                 stops the pipeline if it is not)"
+                    .to_owned(),
+            );
+        }
+        _ => {
+            let first = if first.is_empty() { "an empty statement" } else { first };
+            return Some(format!(
+                "{first} cannot run in the batch transaction (it commits it, or changes the session): the side effect \
+                 must be INSERT, UPDATE, DELETE, REPLACE, SELECT or WITH (CALL with allow_procedures = true)"
+            ));
+        }
     }
     if matches!(first, "INSERT" | "UPDATE" | "DELETE") && words.iter().take(4).any(|w| w == "IGNORE") {
         return Some(format!(
@@ -477,6 +550,21 @@ fn refused_statement(sql: &str) -> Option<String> {
         ));
     }
     None
+}
+
+/// `sql` after its leading white space and comments (`-- ` to the end of the line, `#` likewise, `/* ... */`).
+fn past_comments(mut sql: &str) -> &str {
+    loop {
+        sql = sql.trim_start();
+        let rest = if let Some(r) = sql.strip_prefix("/*") {
+            r.find("*/").map_or("", |end| &r[end + 2..])
+        } else if sql.starts_with('#') || (sql.starts_with("--") && sql[2..].chars().next().is_none_or(|c| c.is_whitespace() || c.is_control())) {
+            sql.find('\n').map_or("", |end| &sql[end + 1..])
+        } else {
+            return sql;
+        };
+        sql = rest;
+    }
 }
 
 #[cfg(test)]
@@ -494,11 +582,27 @@ mod tests {
 
     #[test]
     fn statements_that_cannot_run_in_the_batch() {
-        assert!(refused_statement("INSERT IGNORE INTO t VALUES (:a)").is_some());
-        assert!(refused_statement("update low_priority ignore t set a = :a").is_some());
-        assert!(refused_statement("CREATE TEMPORARY TABLE x (a int)").is_some());
-        assert!(refused_statement("COMMIT").is_some());
-        assert!(refused_statement("INSERT INTO ignore_list VALUES (:a)").is_none());
-        assert!(refused_statement("UPDATE accounts SET balance = balance - :amount").is_none());
+        let refused = |sql: &str| refused_statement(sql, false);
+        assert!(refused("INSERT IGNORE INTO t VALUES (:a)").is_some());
+        assert!(refused("update low_priority ignore t set a = :a").is_some());
+        assert!(refused("CREATE TEMPORARY TABLE x (a int)").is_some());
+        assert!(refused("COMMIT").is_some());
+        assert!(refused("INSERT INTO ignore_list VALUES (:a)").is_none());
+        assert!(refused("UPDATE accounts SET balance = balance - :amount").is_none());
+        // Past comments, whatever their form; executable comments never.
+        assert!(refused("-- note\nTRUNCATE accounts").unwrap().starts_with("TRUNCATE"));
+        assert!(refused("/* x */ COMMIT").unwrap().starts_with("COMMIT"));
+        assert!(refused("# c\n /* a */ -- b\nDROP TABLE t").unwrap().starts_with("DROP"));
+        assert!(refused("/*!50000 COMMIT */").unwrap().contains("executable comment"));
+        assert!(refused("INSERT INTO t VALUES (:a) /*M! ; COMMIT */").is_some());
+        assert!(refused("/* unterminated COMMIT").is_some());
+        assert!(refused("-- x").is_some());
+        assert!(refused("--1\nUPDATE t SET a = 1").is_some(), "--1 is not a comment in MySQL");
+        assert!(refused("/* why */ UPDATE t SET a = :a").is_none());
+        assert!(refused("WITH x AS (SELECT 1) UPDATE t SET a = 1").is_none());
+        // Procedures only when allowed.
+        assert!(refused("CALL apply_payment(:a)").unwrap().contains("allow_procedures"));
+        assert!(refused_statement("CALL apply_payment(:a)", true).is_none());
+        assert!(refused_statement("-- c\nSTART TRANSACTION", true).is_some());
     }
 }

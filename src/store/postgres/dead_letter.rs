@@ -23,9 +23,10 @@ pub async fn write(
     reason: DeadLetterReason,
     error: &str,
 ) -> Result<bool, sqlx::Error> {
-    let names: Vec<&str> = record.headers.iter().map(|(k, _)| k.as_str()).collect();
+    // Postgres text cannot hold U+0000, and a header name can (AMQP and Kafka header names are any text): it is
+    // written `\u0000`, as in the error, rather than the row (and with it the pipeline) failing.
+    let names: Vec<String> = record.headers.iter().map(|(k, _)| k.replace('\0', "\\u0000")).collect();
     let values: Vec<Option<&[u8]>> = record.headers.iter().map(|(_, v)| v.as_deref()).collect();
-    // Postgres text cannot hold U+0000: keep the error readable rather than lose the row.
     let error = error.replace('\0', "\\u0000");
     let done = sqlx::query(INSERT)
         .bind(pipeline)

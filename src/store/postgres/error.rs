@@ -23,6 +23,13 @@ pub fn pooler_hint(error: &sqlx::Error) -> &'static str {
     }
 }
 
+/// Whether `error` is PostgreSQL's `query_canceled` (57014): `statement_timeout`, or a cancel request. A batch
+/// whose one statement is cancelled may simply be too big for the timeout, so the sink redoes it record by record
+/// before retrying it whole (see [`crate::sink`]).
+pub fn cancelled(error: &sqlx::Error) -> bool {
+    matches!(error, sqlx::Error::Database(db) if db.code().as_deref() == Some("57014"))
+}
+
 /// Classifies a SQLSTATE (see the module table).
 pub fn classify_sqlstate(code: &str) -> Disposition {
     use Disposition::*;

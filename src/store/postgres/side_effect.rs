@@ -43,6 +43,7 @@ use crate::store::PrepareError;
 use crate::config::{Binding, OnConflict, SinkSpec, TimeSettings};
 use crate::field::Render;
 use crate::prepare::Apply;
+use crate::rounding::Limit;
 use sqlx::{Connection, Executor, PgConnection, Row};
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -262,6 +263,9 @@ const JSON: i64 = 114;
 const JSONB: i64 = 3802;
 const TIMESTAMP: i64 = 1114;
 const TIMESTAMPTZ: i64 = 1184;
+const NUMERIC: i64 = 1700;
+const TIME: i64 = 1083;
+const TIMETZ: i64 = 1266;
 
 /// Reads how each type OID is bound: domains are looked through to their base type; composites, arrays of
 /// composites and pseudo-types are refused with a reason.
@@ -352,7 +356,7 @@ impl SideEffect {
             SinkSpec::Table { table, columns, on_conflict, conflict_columns } => {
                 prepare_table(&mut tx, table, columns, *on_conflict, conflict_columns.as_deref()).await
             }
-            SinkSpec::Sql { statements, params } => prepare_sql(&mut tx, statements, params).await,
+            SinkSpec::Sql { statements, params, .. } => prepare_sql(&mut tx, statements, params).await,
             SinkSpec::BatchSql { statements, columns } => prepare_batch(&mut tx, statements, columns).await,
             SinkSpec::Redis { .. } => {
                 return Err(PrepareError { field: "sink.redis".into(), message: "a Redis side effect runs in [redis], not in the database".into(), unavailable: false })
@@ -487,9 +491,9 @@ async fn prepare_table(
     let Some((oid, qualified)) = found else {
         return Err(prepare_error("sink.table", format!("table {table:?} does not exist (or is not visible on the search_path)")));
     };
-    let catalog: Vec<(String, i64, bool, bool)> = sqlx::query_as(
+    let catalog: Vec<(String, i64, bool, bool, i32)> = sqlx::query_as(
         "SELECT a.attname::text, a.atttypid::int8, coalesce(a.attnum = ANY(i.indkey), false),
-                a.attnotnull AND NOT a.atthasdef AND a.attidentity = '' AND a.attgenerated = ''
+                a.attnotnull AND NOT a.atthasdef AND a.attidentity = '' AND a.attgenerated = '', a.atttypmod
          FROM pg_attribute a
          LEFT JOIN pg_index i ON i.indrelid = a.attrelid AND i.indisprimary
          WHERE a.attrelid = $1::int8::oid AND a.attnum > 0 AND NOT a.attisdropped ORDER BY a.attnum",
@@ -503,16 +507,20 @@ async fn prepare_table(
     let mut problems = Vec::new();
     let names: Vec<&str> = catalog.iter().map(|(n, ..)| n.as_str()).collect();
     let mut oids = Vec::new();
+    let mut oid_mods = Vec::new();
     for b in columns {
         match catalog.iter().find(|(name, ..)| *name == b.name) {
-            Some((_, oid, ..)) => oids.push(*oid),
+            Some((_, oid, _, _, typmod)) => {
+                oids.push(*oid);
+                oid_mods.push((*oid, *typmod));
+            }
             None => problems.push(prepare_error(
                 format!("sink.columns.{}", b.name),
                 format!("table {qualified} has no column {:?} (its columns: {})", b.name, names.join(", ")),
             )),
         }
     }
-    for (name, ..) in catalog.iter().filter(|(_, _, _, required)| *required) {
+    for (name, ..) in catalog.iter().filter(|(_, _, _, required, _)| *required) {
         if !columns.iter().any(|b| &b.name == name) {
             problems.push(prepare_error(
                 "sink.columns",
@@ -539,7 +547,7 @@ async fn prepare_table(
     }
     let target: Vec<String> = match conflict_columns {
         Some(cols) => cols.to_vec(),
-        None => catalog.iter().filter(|(_, _, pk, _)| *pk).map(|(n, ..)| n.clone()).collect(),
+        None => catalog.iter().filter(|(_, _, pk, ..)| *pk).map(|(n, ..)| n.clone()).collect(),
     };
     let conflict = match on_conflict {
         OnConflict::Error => String::new(),
@@ -587,8 +595,45 @@ async fn prepare_table(
                  FROM pg_class c JOIN pg_attribute a ON a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped \
                  WHERE c.oid = {oid} GROUP BY c.oid); "
     );
-    let bindings = columns.iter().cloned().zip(types.iter().map(|t| t.target.as_ref().expect("checked").render())).collect();
+    let limits = limits(conn, &oid_mods).await.map_err(|e| db_error("sink.table", e, ""))?;
+    let bindings = columns
+        .iter()
+        .cloned()
+        .zip(limits)
+        .map(|(b, limit)| Binding { limit, ..b })
+        .zip(types.iter().map(|t| t.target.as_ref().expect("checked").render()))
+        .collect();
     Ok((Form::Table { sql, columns: columns.len() }, Probe::Table(probe_sql), bindings))
+}
+
+/// What each column (type oid, type modifier) keeps of a value where it would round the rest (see
+/// [`crate::rounding`]): `numeric(p, s)` its scale; `timestamp`, `timestamptz`, `time` and `timetz` their
+/// fractional digits of seconds (6 when unconstrained). Domains over these are read through their base type.
+async fn limits(conn: &mut PgConnection, columns: &[(i64, i32)]) -> Result<Vec<Option<Limit>>, sqlx::Error> {
+    let mut out = Vec::with_capacity(columns.len());
+    for &(oid, typmod) in columns {
+        // A domain's own modifier (`CREATE DOMAIN money2 AS numeric(12, 2)`) is on the domain's type.
+        let (base, typmod, name): (i64, i32, String) = sqlx::query_as(
+            "SELECT CASE WHEN t.typtype = 'd' THEN t.typbasetype::int8 ELSE t.oid::int8 END,
+                    CASE WHEN t.typtype = 'd' THEN t.typtypmod ELSE $2 END,
+                    format_type(CASE WHEN t.typtype = 'd' THEN t.typbasetype ELSE t.oid END,
+                                CASE WHEN t.typtype = 'd' THEN t.typtypmod ELSE $2 END)
+             FROM pg_type t WHERE t.oid = $1::int8::oid",
+        )
+        .bind(oid)
+        .bind(typmod)
+        .persistent(super::persistent())
+        .fetch_one(&mut *conn)
+        .await?;
+        out.push(match base {
+            // typmod = ((precision << 16) | (scale & 0x7ff)) + 4; the scale is an 11-bit signed number (PostgreSQL 15
+            // allows negative scales): src/backend/utils/adt/numeric.c.
+            NUMERIC if typmod >= 4 => Some(Limit::Scale { type_name: name, scale: ((((typmod - 4) & 0x7ff) ^ 1024) - 1024) }),
+            TIMESTAMP | TIMESTAMPTZ | TIME | TIMETZ => Some(Limit::Fraction { type_name: name, digits: if typmod >= 0 { typmod as u32 } else { 6 } }),
+            _ => None,
+        });
+    }
+    Ok(out)
 }
 
 async fn prepare_sql(

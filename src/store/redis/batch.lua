@@ -4,7 +4,7 @@
 --    worker last stored: nothing is written when a partition was claimed by another worker ("fenced") or when
 --    Redis lost writes this worker had seen ("lost").
 -- 2. Records in order. A record to apply claims its dedup key with SET NX PX (insert-then-check); only a new key
---    runs the record's commands, each with redis.pcall so that a failing command (WRONGTYPE, a number that is not
+--    runs the record's commands (after asking the ACL whether the user may run every one of them), each with redis.pcall so that a failing command (WRONGTYPE, a number that is not
 --    one) ends that record only. Redis has no rollback: commands of the record that ran before the failure stay,
 --    the dead letter says how many. A key that existed is a duplicate: its value is returned for classification
 --    and its duplicate count raised (KEEPTTL: the retention clock is the applied record's).
@@ -129,10 +129,30 @@ end
 
 -- Errors of a command that are not the record's fault: the batch is refused and retried (or the pipeline stops),
 -- never a dead letter.
+-- Redis 7.0 reports a permission refused inside a script as "ERR The user executing the script can't ...", not
+-- NOPERM: matched by its text too.
 local function not_the_records(err)
   local code = string.match(err, '^(%u+)')
   return code == 'NOPERM' or code == 'OOM' or code == 'READONLY' or code == 'MASTERDOWN' or code == 'BUSY'
     or code == 'LOADING' or code == 'MISCONF' or code == 'NOREPLICAS' or code == 'TRYAGAIN'
+    or string.find(err, "user executing the script can't", 1, true) ~= nil
+end
+
+-- Whether the user running the script may run commands `from` + 1 to the last with the record's arguments, its keys
+-- included (redis.acl_check_cmd, Redis 7.0+). Asked before any of them runs: a refusal is every record's, never the
+-- record's fault, and must not leave a record half applied. Returns the refusal's text, or nil.
+local function acl_refused(from)
+  if not redis.acl_check_cmd then
+    return nil
+  end
+  for c = from + 1, nc do
+    local ok, allowed = pcall(redis.acl_check_cmd, unpack(cmds[c]))
+    if ok and not allowed then
+      return 'NOPERM the Redis user idemflow connects as may not run command ' .. c .. ' of ' .. nc .. ' (' .. cmds[c][1]
+        .. ') on the keys this record names (ACL): grant it, then restart the pipeline; nothing of this record ran'
+    end
+  end
+  return nil
 end
 
 -- Dead letters being replayed are taken first; one already taken (another replay of it ran) refuses the batch.
@@ -187,6 +207,12 @@ for r = 1, n do
       end
     end
     if redis.call('SET', dk, 'A|' .. now .. '|0||' .. value, 'NX', 'PX', ttl) then
+      local refused = acl_refused(skip)
+      if refused then
+        -- Release the key and refuse the batch (the pipeline stops); what ran before is kept by its keys.
+        redis.call('DEL', dk)
+        return redis.error_reply(refused)
+      end
       local failed = nil
       for c = skip + 1, nc do
         local res = redis.pcall(unpack(cmds[c]))

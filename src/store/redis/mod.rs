@@ -31,6 +31,7 @@ pub mod batch;
 pub mod command;
 pub mod dead_letter;
 pub mod error;
+pub mod numbers;
 pub mod offsets;
 pub mod side_effect;
 

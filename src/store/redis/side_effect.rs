@@ -1,47 +1,13 @@
 //! The side effect of a Redis pipeline: its commands checked against the server and rendered for each record.
 
 use super::command::{Piece, RedisCommand};
+use super::numbers::{self, Number};
 use super::RedisStore;
 use crate::config::{Binding, DeclaredType, SinkSpec};
 use crate::field::Render;
 use crate::prepare::Apply;
 use crate::store::PrepareError;
 use redis::Value;
-
-/// A number a command needs at an argument: Redis answers "value is not an integer or out of range" or "value is not
-/// a valid float" only once the command runs, and by then the record's earlier commands have run too. These are
-/// checked before the script.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Number {
-    /// A signed 64-bit integer.
-    Integer,
-    /// A finite double, as Redis parses one (`strtold`).
-    Float,
-}
-
-/// Numeric arguments of common commands: (command, argument index after the name, kind).
-const NUMERIC: &[(&str, usize, Number)] = &[
-    ("INCRBY", 1, Number::Integer),
-    ("DECRBY", 1, Number::Integer),
-    ("INCRBYFLOAT", 1, Number::Float),
-    ("HINCRBY", 2, Number::Integer),
-    ("HINCRBYFLOAT", 2, Number::Float),
-    ("ZINCRBY", 1, Number::Float),
-    ("EXPIRE", 1, Number::Integer),
-    ("PEXPIRE", 1, Number::Integer),
-    ("EXPIREAT", 1, Number::Integer),
-    ("PEXPIREAT", 1, Number::Integer),
-    ("SETEX", 1, Number::Integer),
-    ("PSETEX", 1, Number::Integer),
-];
-
-fn is_number(text: &str, kind: Number) -> bool {
-    match kind {
-        // Redis's string2ll: an optional '-', digits, no '+', no leading zeros but "0".
-        Number::Integer => !text.starts_with('+') && text.parse::<i64>().is_ok(),
-        Number::Float => text.trim() == text && text.parse::<f64>().is_ok_and(f64::is_finite),
-    }
-}
 
 /// One argument, pieces resolved to binding indexes.
 #[derive(Clone, Debug)]
@@ -86,9 +52,9 @@ impl SideEffect {
                 unavailable: e.is_io_error() || e.is_timeout() || e.is_connection_dropped() || e.is_connection_refusal(),
             })?;
             check_info(c, &info).map_err(refuse)?;
+            let numbers = numbers::schema(&c.name, &c.args).map_err(refuse)?;
             let mut args = Vec::new();
-            for (i, a) in c.args.iter().enumerate() {
-                let number = NUMERIC.iter().find(|(n, at, _)| *n == c.name && *at == i).map(|(_, _, k)| *k);
+            for (i, (a, number)) in c.args.iter().zip(numbers).enumerate() {
                 let parts: Vec<Part> = a
                     .0
                     .iter()
@@ -98,8 +64,8 @@ impl SideEffect {
                     })
                     .collect();
                 if let (Some(kind), Some(literal)) = (number, a.literal()) {
-                    if !is_number(&literal, kind) {
-                        return Err(refuse(format!("argument {} of {} must be {}: {literal:?}", i + 1, c.name, describe(kind))));
+                    if !kind.accepts(&literal) {
+                        return Err(refuse(format!("argument {} of {} must be {}: {literal:?}", i + 1, c.name, kind.describe())));
                     }
                 }
                 args.push((parts, number));
@@ -142,8 +108,8 @@ impl SideEffect {
     pub fn render(&self, apply: &Apply) -> Result<Vec<String>, String> {
         for ((value, number), name) in apply.values.iter().zip(&self.numbers).zip(&self.names) {
             if let (Some(v), Some(kind)) = (value, number) {
-                if !is_number(v, *kind) {
-                    return Err(format!("sink.params.{name}: its type says {}, got {v:?}", describe(*kind)));
+                if !kind.accepts(v) {
+                    return Err(format!("sink.params.{name}: its type says {}, got {v:?}", kind.describe()));
                 }
             }
         }
@@ -161,11 +127,11 @@ impl SideEffect {
                     }
                 }
                 if let Some(kind) = number {
-                    if !is_number(&arg, *kind) {
+                    if !kind.accepts(&arg) {
                         let from: Vec<&str> = parts.iter().filter_map(|p| if let Part::Value(v) = p { Some(self.names[*v].as_str()) } else { None }).collect();
                         return Err(format!(
                             "{}: argument {} of {} must be {}, got {arg:?} (from {})",
-                            c.origin, i + 1, c.name, describe(*kind), from.join(", ")
+                            c.origin, i + 1, c.name, kind.describe(), from.join(", ")
                         ));
                     }
                 }
@@ -173,13 +139,6 @@ impl SideEffect {
             }
         }
         Ok(out)
-    }
-}
-
-fn describe(kind: Number) -> &'static str {
-    match kind {
-        Number::Integer => "an integer",
-        Number::Float => "a number",
     }
 }
 

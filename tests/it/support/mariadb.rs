@@ -43,6 +43,7 @@ impl MyDb {
             max_connections: 4,
             acquire_timeout: std::time::Duration::from_secs(10),
             prepared_statements: true,
+            batch_timeout: idemflow::config::DEFAULT_BATCH_TIMEOUT,
         };
         let pool = idemflow::store::mysql::pool(&settings).unwrap();
         idemflow::store::mysql::MIGRATOR.run(&pool).await.unwrap();

@@ -85,6 +85,23 @@ impl Client {
         let _ = ch.close(200, "done".into()).await;
     }
 
+    /// Publishes one persistent message with these headers (long-string values), with a publisher confirm.
+    pub async fn publish_with_headers(&self, queue: &str, message: &Msg, headers: &[(&str, &str)]) {
+        let ch = self.connection.create_channel().await.unwrap();
+        ch.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
+        let mut table = FieldTable::default();
+        for (k, v) in headers {
+            table.insert((*k).into(), AMQPValue::LongString((*v).into()));
+        }
+        let mut props = BasicProperties::default().with_delivery_mode(2).with_headers(table);
+        if let Some(id) = &message.message_id {
+            props = props.with_message_id(id.as_str().into());
+        }
+        ch.basic_publish("".into(), queue.into(), BasicPublishOptions::default(), &message.body, props).await.unwrap();
+        assert!(ch.wait_for_confirms().await.unwrap().is_empty());
+        let _ = ch.close(200, "done".into()).await;
+    }
+
     /// Declares a direct exchange and a durable classic queue bound to it with `routing_key`.
     pub async fn declare_exchange_with_queue(&self, exchange: &str, queue: &str, routing_key: &str) {
         use lapin::options::{ExchangeDeclareOptions, QueueBindOptions};
