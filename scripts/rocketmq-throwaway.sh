@@ -19,7 +19,11 @@ rocketmq_install() {
   echo "installing the RocketMQ name server and broker $ROCKETMQ_VERSION from crates.io (cargo install, about 20 minutes on 2 cores; once)..." >&2
   # One target directory for both, so their shared dependencies are built once; removed afterwards.
   local target="${XDG_CACHE_HOME:-$HOME/.cache}/idemflow/rocketmq-target"
-  CARGO_TARGET_DIR="$target" cargo install --locked "rocketmq-namesrv@$ROCKETMQ_VERSION" "rocketmq-broker@$ROCKETMQ_VERSION" >&2 \
+  # A cheaper release profile than the crates' own (a test broker needs no LTO nor full optimisation): opt-level 1,
+  # 16 codegen units, no LTO, no debug info, niced so that it yields to other builds.
+  CARGO_TARGET_DIR="$target" CARGO_PROFILE_RELEASE_OPT_LEVEL=1 CARGO_PROFILE_RELEASE_CODEGEN_UNITS=16 \
+    CARGO_PROFILE_RELEASE_LTO=false CARGO_PROFILE_RELEASE_DEBUG=0 CARGO_PROFILE_RELEASE_INCREMENTAL=false \
+    nice -n 10 cargo install --locked "rocketmq-namesrv@$ROCKETMQ_VERSION" "rocketmq-broker@$ROCKETMQ_VERSION" >&2 \
     || return 1
   rm -rf "$target"
 }

@@ -11,9 +11,11 @@ use idemflow::{http, metrics, shutdown, telemetry, worker};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-/// Exactly-once effects from at-least-once Kafka delivery, with Postgres.
+/// Exactly-once effects from at-least-once brokers (Kafka topics, RabbitMQ queues, RocketMQ topics) into
+/// PostgreSQL, MySQL/MariaDB or Redis: per batch one transaction (one script on Redis) writes a dedup row per
+/// business key and applies the side effect only for keys never seen, then the broker's offsets are committed.
 #[derive(Parser)]
-#[command(version, about)]
+#[command(version, about, long_about = None)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -21,24 +23,30 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Create or upgrade the idemflow schema (dedup store, dead letters).
+    /// Create or upgrade idemflow's tables (dedup rows, dead letters, stored positions) in PostgreSQL or
+    /// MySQL/MariaDB; Redis needs none.
     Migrate(ConfigArg),
-    /// Validate the settings and every pipeline, and prepare their SQL against the database.
+    /// Validate the settings and every pipeline, ask each broker (Kafka, RabbitMQ, RocketMQ) for its topics or
+    /// queues, and prepare each side effect against its store (PostgreSQL, MySQL/MariaDB, Redis).
     Check(ConfigArg),
-    /// Run the worker until SIGTERM or SIGINT.
+    /// Run the worker (every pipeline, any broker and store) until SIGTERM or SIGINT; serves /metrics, /healthz and
+    /// /readyz.
     Run(ConfigArg),
-    /// Was this business key applied? When, from which record, and how many duplicates of it were skipped since.
+    /// Was this business key applied? When, from which record, and how many duplicates of it were skipped since
+    /// (any store).
     Explain(ExplainArgs),
-    /// Inspect dead letters and replay them once the cause is fixed.
+    /// Inspect dead letters and replay them once the cause is fixed (any store).
     #[command(subcommand)]
     DeadLetters(DeadLettersCommand),
-    /// Move a pipeline's consumer group back (with its workers stopped) so its topics are consumed again; the
-    /// dedup store skips every record already applied.
+    /// Move a pipeline's consumer group back (with its workers stopped) so its topics are consumed again: Kafka and
+    /// RocketMQ (a RabbitMQ queue has no position to go back to); the dedup store skips every record already applied.
     Rewind(RewindArgs),
-    /// Run one retention pass by hand: delete each pipeline's dedup rows older than its [dedup] retention.
+    /// Run one retention pass by hand: delete each pipeline's dedup rows older than its [dedup] retention
+    /// (PostgreSQL, MySQL/MariaDB; Redis expires its dedup keys by themselves).
     Purge(PurgeArgs),
-    /// See the whole job on this machine: an embedded Kafka broker, a throwaway PostgreSQL, a stream of payments
-    /// with duplicates of every kind, and a summary that checks each payment took effect exactly once.
+    /// See the whole job on this machine: an embedded Kafka broker (or a throwaway RabbitMQ), a throwaway PostgreSQL
+    /// (or MySQL/MariaDB, Redis), a stream of payments with duplicates of every kind, and a summary that checks
+    /// each payment took effect exactly once.
     Demo(DemoArgs),
     /// Measure throughput, CPU, memory and latency against the baselines (one record per transaction, a raw COPY,
     /// a consume-only pass), side by side in one run, on an embedded broker and a throwaway PostgreSQL.

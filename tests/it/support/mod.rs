@@ -264,7 +264,14 @@ impl BinWorker {
 }
 
 impl Drop for BinWorker {
+    /// Kills the worker; when the test is failing (a panic is unwinding), prints the end of the worker's log first,
+    /// so a failure shows what the worker was doing, not only the assertion.
     fn drop(&mut self) {
+        if std::thread::panicking() {
+            let log = self.log_text();
+            let tail: Vec<&str> = log.lines().rev().take(60).collect::<Vec<_>>().into_iter().rev().collect();
+            eprintln!("----- the last {} lines of the worker's log ({}) -----\n{}\n-----", tail.len(), self.log.display(), tail.join("\n"));
+        }
         self.kill();
     }
 }
