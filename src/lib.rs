@@ -91,9 +91,9 @@
 //! record is dead-lettered with the count of its commands that ran, its key kept so no copy runs them again. What
 //! can be known before a record's commands run is checked before them, so that no record is left half applied for
 //! a reason that is not its own: every number a command takes, as Redis parses it (else `param_invalid`, nothing
-//! run), and the ACL (`redis.acl_check_cmd`, Redis 7.0+): a command the user may not run releases the record's key
-//! and refuses the batch, whose positions are then not stored; the pipeline stops, and the records applied before
-//! it in that script are duplicates when the batch comes again. Dead letters decided inside a script cannot be
+//! run), and the ACL (`redis.acl_check_cmd`, Redis 7.0+), asked for every record of the batch before the script
+//! writes anything: a command the user may not run refuses the whole batch with nothing written (no key claimed, no
+//! replayed dead letter taken), and the pipeline stops. Dead letters decided inside a script cannot be
 //! rolled back: the dead-letter ratio guard counts them after it, and stops the pipeline after that batch.
 //!
 //! With `[offsets] store = "database"` a claim is made only for partitions this worker still owns (checked before

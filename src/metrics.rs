@@ -184,12 +184,20 @@ struct Stalls {
 
 #[derive(Debug)]
 struct Progress {
-    /// The last progress (a committed batch of it, or a lag of 0), or when the partition was first seen.
+    /// The last progress (a committed batch of it, or nothing waiting), or when the partition was first seen.
     since: Instant,
-    /// Its last known lag, in records.
-    lag: i64,
+    /// Records waiting that the source knows of ([`PipelineMetrics::waiting`]).
+    waiting: i64,
+    /// Records of it in the batch being applied ([`PipelineMetrics::in_flight`]).
+    in_flight: i64,
     /// Whether it was stalled when last looked at (a change is logged).
     stalled: bool,
+}
+
+impl Progress {
+    fn waiting(&self) -> i64 {
+        self.waiting.max(self.in_flight)
+    }
 }
 
 /// The registry and every metric family.
@@ -317,11 +325,12 @@ impl Metrics {
         let mut stalled = Vec::new();
         let mut partitions = self.stalls.partitions.lock().unwrap_or_else(PoisonError::into_inner);
         for ((pipeline, topic, partition), p) in partitions.iter_mut() {
-            let waited = if p.lag > 0 { now.duration_since(p.since).as_secs() } else { 0 };
+            let waiting = p.waiting();
+            let waited = if waiting > 0 { now.duration_since(p.since).as_secs() } else { 0 };
             self.partition_stalled.with_label_values(&[pipeline, topic, &partition.to_string()]).set(waited as i64);
-            let is = after > 0 && p.lag > 0 && waited >= after;
+            let is = after > 0 && waiting > 0 && waited >= after;
             if is && !p.stalled {
-                tracing::error!(pipeline = %pipeline, topic = %topic, partition = *partition, seconds = waited, waiting = p.lag,
+                tracing::error!(pipeline = %pipeline, topic = %topic, partition = *partition, seconds = waited, waiting,
                     "stalled: records wait on this partition and none has been applied since (a batch retried, a paused or \
                      fenced partition, a consumer that stopped fetching); see the pipeline's earlier warnings for the cause");
             } else if !is && p.stalled {
@@ -329,7 +338,7 @@ impl Metrics {
             }
             p.stalled = is;
             if is {
-                stalled.push(format!("pipeline {pipeline:?}: {topic}/{partition}: {waited} s without progress, {} record(s) waiting", p.lag));
+                stalled.push(format!("pipeline {pipeline:?}: {topic}/{partition}: {waited} s without progress, {waiting} record(s) waiting"));
             }
         }
         stalled.sort();
@@ -478,29 +487,51 @@ impl PipelineMetrics {
         }
     }
 
-    /// Sets the lag of one owned partition, in records. A partition with nothing waiting is not stalled (see
-    /// [`Metrics::stalls`]).
+    /// Sets the lag of one owned partition, in records (`idemflow_consumer_lag_records`).
     pub fn lag(&self, topic: &str, partition: i32, records: i64) {
         let p = partition.to_string();
         self.metrics.consumer_lag.with_label_values(&[&self.name, topic, &p]).set(records);
-        let now = Instant::now();
-        let mut partitions = self.metrics.stalls.partitions.lock().unwrap_or_else(PoisonError::into_inner);
-        let e = partitions.entry((self.name.clone(), topic.to_owned(), partition)).or_insert(Progress { since: now, lag: 0, stalled: false });
-        e.lag = records;
-        if records <= 0 {
-            e.since = now;
+    }
+
+    /// Sets how many records of an owned partition wait to be consumed that nothing is doing anything about, for the
+    /// stall signal ([`Metrics::stalls`]): for Kafka the records past what the consumer has fetched (not the lag:
+    /// a transaction's commit marker after the last record keeps the lag at 1 for good); for a queue the deliveries
+    /// held unacknowledged. A partition with nothing waiting and no batch in flight is never stalled.
+    pub fn waiting(&self, topic: &str, partition: i32, records: i64) {
+        self.progress(topic, partition, |p, now| {
+            p.waiting = records.max(0);
+            if p.waiting == 0 && p.in_flight == 0 {
+                p.since = now;
+            }
+        });
+    }
+
+    /// Records that a batch holding these partitions' records (with their counts) is being applied: they wait until
+    /// it commits ([`PipelineMetrics::progressed`]), whatever the source says.
+    pub fn in_flight<'a>(&self, partitions: impl IntoIterator<Item = (&'a str, i32, i64)>) {
+        for (topic, partition, records) in partitions {
+            self.progress(topic, partition, |p, _| p.in_flight = records);
         }
     }
 
     /// Records that a committed batch moved these partitions' durable positions (records of them were applied,
     /// skipped or dead-lettered): the stall clock of each starts again.
     pub fn progressed<'a>(&self, partitions: impl IntoIterator<Item = (&'a str, i32)>) {
+        for (topic, partition) in partitions {
+            self.progress(topic, partition, |p, now| {
+                p.since = now;
+                p.in_flight = 0;
+            });
+        }
+    }
+
+    fn progress(&self, topic: &str, partition: i32, update: impl FnOnce(&mut Progress, Instant)) {
         let now = Instant::now();
         let mut all = self.metrics.stalls.partitions.lock().unwrap_or_else(PoisonError::into_inner);
-        for (topic, partition) in partitions {
-            let e = all.entry((self.name.clone(), topic.to_owned(), partition)).or_insert(Progress { since: now, lag: 0, stalled: false });
-            e.since = now;
-        }
+        let e = all
+            .entry((self.name.clone(), topic.to_owned(), partition))
+            .or_insert(Progress { since: now, waiting: 0, in_flight: 0, stalled: false });
+        update(e, now);
     }
 
     /// The handle of the pipeline's consumer number `lane` (0 for the first; `batch.concurrency` runs several):

@@ -15,7 +15,7 @@ use crate::source::{Source, StoredStart};
 use crate::config::OffsetStore;
 use backon::{BackoffBuilder, ExponentialBuilder};
 use crate::store::Store;
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, Instant};
 use tracing::Instrument;
 
@@ -315,7 +315,7 @@ async fn run_lane(
         window: DeadLetterWindow::new(r.pipeline.dead_letters.clone()),
         dead_letter_out: dead_letter_out.as_ref(),
         owner,
-        batch_timeout: settings.database.as_ref().map(|d| d.batch_timeout),
+        batch_timeout: settings.database.as_ref().map(|d| d.batch_timeout).filter(|d| !d.is_zero()),
     };
     let mut outcome = Ok(());
     let mut checked = Instant::now();
@@ -464,16 +464,25 @@ impl Step<'_> {
         shutdown: &mut Shutdown,
     ) -> Result<bool, SinkError> {
         let mut prepared: Vec<Prepared> = batch.iter().map(|rec| self.ready.preparer.prepare(rec)).collect();
+        let mut holding: BTreeMap<(&str, i32), i64> = BTreeMap::new();
+        for r in batch.iter() {
+            *holding.entry((r.position.topic_name(), r.position.partition)).or_default() += 1;
+        }
+        self.metrics.in_flight(holding.iter().map(|((t, p), n)| (*t, *p, *n)));
+        drop(holding);
         let started = Instant::now();
         let mut backoff = retry_backoff();
         let mut attempts = 0u32;
+        // Doubled after each attempt that ran out of it: a batch that is merely slow (its record-by-record redo over
+        // a slow link) gets the time it needs; a connection whose packets vanish costs one limit per attempt.
+        let mut attempt_limit = self.batch_timeout;
         let outcome = loop {
             if batch.is_empty() {
                 return Ok(true);
             }
             // The transaction runs in its own task while the consumer keeps polling (see `Source::poll_while`).
             let positions = source.positions(batch);
-            let (sink, window, limit) = (self.ready.sink.clone(), self.window.clone(), self.batch_timeout);
+            let (sink, window, limit) = (self.ready.sink.clone(), self.window.clone(), attempt_limit);
             let (records, records_prepared, presented) = (std::mem::take(batch), std::mem::take(&mut prepared), positions.clone());
             let attempt = tokio::spawn(
                 async move {
@@ -495,6 +504,9 @@ impl Step<'_> {
                 Ok(outcome) => break outcome,
                 Err(e) => match e.disposition() {
                     Disposition::Retry(cause) => {
+                        if let SinkError::TimedOut(limit) = e {
+                            attempt_limit = Some(limit.saturating_mul(2));
+                        }
                         self.health.database(false);
                         self.metrics.retry(cause);
                         let delay = backoff.next().unwrap_or(MAX_RETRY_DELAY);

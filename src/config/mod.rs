@@ -81,8 +81,9 @@ pub struct DatabaseSettings {
     /// The longest one batch attempt (its transaction, `COMMIT` included) may take before the worker abandons it,
     /// closing its connection, and retries the batch: bounds a hang on a connection whose packets vanish (a
     /// half-open TCP connection waits for the kernel's retransmission timeout, about 15 minutes). The dedup rows
-    /// make the retry safe whether or not the abandoned attempt committed. Default 2 minutes; raise it above your
-    /// slowest batch.
+    /// make the retry safe whether or not the abandoned attempt committed. Each attempt of the same batch that runs
+    /// out of it gets twice as long the next time, so a batch that is merely slow still commits. Default 2 minutes;
+    /// `"0s"` turns it off.
     #[serde(default = "default_batch_timeout", with = "humantime_serde")]
     pub batch_timeout: Duration,
 }

@@ -159,7 +159,7 @@ impl Sink {
         let (mut tx, processed) = self.begin_replaying(records, replaying, positions).await?;
         let fates = match self.fast_path(&mut tx, records, prepared, &processed).await {
             Ok(fates) => fates,
-            Err(e) if e.disposition() == Disposition::Record || (e.cancelled() && records.len() > 1) => {
+            Err(e) if e.disposition() == Disposition::Record || e.cancelled() => {
                 if e.cancelled() {
                     tracing::warn!(pipeline = %self.pipeline, records = records.len(), error = %e,
                         "the batch's side effect was cancelled (statement_timeout?); redoing it record by record, each statement timed on its own");
@@ -458,7 +458,7 @@ impl Sink {
                 Ok(new) => !new.is_empty(),
                 Err(e) => match super::error::classify(&e) {
                     Disposition::Record => {
-                        tx.rollback_to_savepoint().await.map_err(|e| SinkError::new("rolling back a savepoint", e))?;
+                        tx.rollback_to_savepoint().await.map_err(savepoint_failed("rolling back a savepoint"))?;
                         fates.push(Fate::DeadLetter(DeadLetterReason::KeyInvalid, describe(&e)));
                         continue;
                     }
@@ -470,24 +470,24 @@ impl Sink {
                     .await
                     .map_err(|e| SinkError::new("reading a dedup row", e))?;
                 let against = stored.into_iter().next().map_or_else(|| occurrence(record, p), |(_, e)| e);
-                tx.release_savepoint().await.map_err(|e| SinkError::new("releasing a savepoint", e))?;
+                tx.release_savepoint().await.map_err(savepoint_failed("releasing a savepoint"))?;
                 fates.push(Fate::Duplicate(self.duplicate(&a.key, &against, record, &a.fingerprint, processed)));
                 continue;
             }
             match tx.apply_one(&self.side_effect, a).await {
                 Ok(()) => {
-                    tx.release_savepoint().await.map_err(|e| SinkError::new("releasing a savepoint", e))?;
+                    tx.release_savepoint().await.map_err(savepoint_failed("releasing a savepoint"))?;
                     fates.push(Fate::Applied);
                 }
                 Err(e) if super::error::classify(&e) == Disposition::Record => {
-                    tx.rollback_to_savepoint().await.map_err(|e| SinkError::new("rolling back a savepoint", e))?;
+                    tx.rollback_to_savepoint().await.map_err(savepoint_failed("rolling back a savepoint"))?;
                     fates.push(Fate::DeadLetter(DeadLetterReason::SideEffectRejected, describe(&e)));
                 }
                 // One record's side effect alone past statement_timeout: the smallest piece the batch can be cut
                 // into, so it is this record's error (the dead-letter ratio guard stops the pipeline should every
                 // record meet it: a lock held elsewhere, a timeout too short for any record).
                 Err(e) if crate::store::postgres::error::cancelled(&e) => {
-                    tx.rollback_to_savepoint().await.map_err(|e| SinkError::new("rolling back a savepoint", e))?;
+                    tx.rollback_to_savepoint().await.map_err(savepoint_failed("rolling back a savepoint"))?;
                     tracing::warn!(pipeline = %self.pipeline, position = %record.position, "one record's side effect alone was cancelled (statement_timeout?); dead-lettered");
                     fates.push(Fate::DeadLetter(
                         DeadLetterReason::SideEffectRejected,
@@ -524,6 +524,12 @@ impl Sink {
         }
         reason
     }
+}
+
+/// A savepoint that failed: on MySQL/MariaDB, error 1305 (the savepoint does not exist) means the side effect ended
+/// the batch transaction itself (a procedure's `COMMIT`).
+fn savepoint_failed(context: &'static str) -> impl FnOnce(sqlx::Error) -> SinkError {
+    move |e| if crate::store::mysql::savepoint_gone(&e) { SinkError::TransactionEnded } else { SinkError::new(context, e) }
 }
 
 fn occurrence(record: &Record, prepared: &Prepared) -> Existing {

@@ -1071,9 +1071,12 @@ impl KafkaSource {
             return;
         }
         // Lag from the high watermarks librdkafka already knows from its fetches (no request).
+        let fetched = self.fetch_positions();
         for e in tpl.elements() {
             if let (Some(high), Offset::Offset(next)) = (self.cached_high_watermark(e.topic(), e.partition()), e.offset()) {
                 self.metrics.lag(e.topic(), e.partition(), (high - next).max(0));
+                let from = fetched.get(&tp_of(e.topic(), e.partition())).copied().unwrap_or(next).max(next);
+                self.metrics.waiting(e.topic(), e.partition(), (high - from).max(0));
             }
         }
         self.commit_list(&tpl);
@@ -1341,6 +1344,7 @@ impl KafkaSource {
         // Look-ups stop after LOOKUP_TIMEOUT in all (an unreachable leader must not hold up the poll); the partitions
         // left keep their lag until the next refresh.
         let deadline = Instant::now() + LOOKUP_TIMEOUT;
+        let fetched = self.fetch_positions();
         for tp in owned {
             let (topic, partition) = (&*tp.0, tp.1);
             let cached = self.cached_high_watermark(topic, partition);
@@ -1364,7 +1368,23 @@ impl KafkaSource {
                 _ => high,
             };
             self.metrics.lag(topic, partition, (high - start).max(0));
+            let from = fetched.get(&tp).copied().unwrap_or(start).max(start);
+            self.metrics.waiting(topic, partition, (high - from).max(0));
         }
+    }
+
+    /// Where the consumer's fetches are, per assigned partition (librdkafka's position: the next offset it hands
+    /// out; local, no request). Records before it were fetched: in a batch or kept, which the worker accounts for.
+    fn fetch_positions(&self) -> HashMap<Tp, i64> {
+        let positions = self.consumer.position().unwrap_or_default();
+        positions
+            .elements()
+            .iter()
+            .filter_map(|e| match e.offset() {
+                Offset::Offset(o) => Some((tp_of(e.topic(), e.partition()), o)),
+                _ => None,
+            })
+            .collect()
     }
 
     /// Commits every durable position of the partitions still owned again, after a failed commit.

@@ -430,7 +430,9 @@ impl RabbitMqSource {
                     // This worker's share of the ready messages, so that the sum over the workers of a queue (as
                     // the dashboard and the alerts take it) is the queue's depth.
                     let share = i64::from(q.message_count()) / i64::from(q.consumer_count().max(1));
-                    self.metrics.lag(queue, NO_PARTITION, share + live.unacked[i] as i64)
+                    self.metrics.lag(queue, NO_PARTITION, share + live.unacked[i] as i64);
+                    // Only what this worker holds: a standby (single active consumer) never gets ready messages.
+                    self.metrics.waiting(queue, NO_PARTITION, live.unacked[i] as i64)
                 }
                 Ok(Err(e)) => {
                     tracing::debug!(pipeline = %self.pipeline, queue = %queue, error = %e, "reading the queue depth failed");

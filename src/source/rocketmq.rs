@@ -608,6 +608,7 @@ impl RocketMqSource {
         for (q, max) in answers {
             if let (Ok(max), Some(next)) = (max, self.committed.get(&q)) {
                 self.metrics.lag(&q.0, q.1, (max - next).max(0));
+                self.metrics.waiting(&q.0, q.1, (max - next).max(0));
             }
         }
     }

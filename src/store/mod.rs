@@ -137,7 +137,9 @@ impl Store {
                 // The claim form first: reading it takes a connection of its own (once), which a pool of one could
                 // not give while the transaction holds it.
                 let form = s.claim_form().await?;
-                Tx::MySql(s.pool.begin().await?, form)
+                let mut tx = s.pool.begin().await?;
+                mysql::mark_transaction(&mut tx).await?;
+                Tx::MySql(tx, form)
             }
             Store::Redis(_) => return Err(sqlx::Error::Configuration(NOT_REDIS.into())),
         })

@@ -136,7 +136,7 @@ async fn every_dashboard_and_alert_query_returns_data_from_a_real_prometheus() {
         .iter()
         .map(|r| (r["name"].as_str().unwrap().to_owned(), r["query"].as_str().unwrap().to_owned()))
         .collect();
-    assert_eq!(rules.len(), 8, "{rules:?}");
+    assert_eq!(rules.len(), 9, "{rules:?}");
     for (name, q) in &rules {
         let v = query(addr, q);
         for metric in metric_names(q) {

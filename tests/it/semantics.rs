@@ -537,9 +537,15 @@ async fn a_table_form_batch_past_statement_timeout_is_redone_record_by_record() 
         worker.metric("idemflow_records_applied_total", &[("pipeline", "orders")]) == 149.0
     })
     .await;
+    // A batch of that one record alone: the same outcome, not a retry forever.
+    kafka.produce("orders", &[Out::json(0, r#"{"id":"alone","amount":"999"}"#)]);
+    wait_until(Duration::from_secs(60), "the lone slow record dead-lettered", || async {
+        worker.metric("idemflow_dead_letters_total", &[("pipeline", "orders"), ("reason", "side_effect_rejected")]) == 2.0
+    })
+    .await;
     assert!(worker.stop().await.is_empty());
     assert_eq!(db.scalar::<i64>("SELECT count(*) FROM orders").await, 149);
-    let err: String = db.scalar("SELECT error FROM idemflow.dead_letters").await;
+    let err: String = db.scalar("SELECT min(error) FROM idemflow.dead_letters").await;
     assert!(err.contains("57014") && err.contains("alone ran past statement_timeout"), "{err}");
 }
 

@@ -26,7 +26,12 @@ pub async fn write(conn: &mut MySqlConnection, pipeline: &str, record: &Record, 
     let mut bounded = None;
     if let Some(payload) = record.payload.as_deref().filter(|p| p.len() as u64 > super::PACKET_MARGIN) {
         let packet = super::max_allowed_packet(conn).await?;
-        let room = packet.saturating_sub(super::PACKET_MARGIN + error.len() as u64 + record.key.as_ref().map_or(0, Vec::len) as u64);
+        // Everything else the row carries: the key, the error, the headers (values as hex: twice their size) and the
+        // properties, as JSON.
+        let headers: usize = record.headers.iter().map(|(k, v)| k.len() + 2 * v.as_ref().map_or(0, Vec::len) + 8).sum();
+        let properties: usize = record.properties.iter().map(|(k, v)| k.len() + v.len() + 8).sum();
+        let rest = (error.len() + record.key.as_ref().map_or(0, Vec::len) + headers + properties) as u64;
+        let room = packet.saturating_sub(super::PACKET_MARGIN + rest);
         if payload.len() as u64 > room {
             bounded = Some(crate::record::bounded(payload, room as usize));
         }

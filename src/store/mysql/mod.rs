@@ -36,7 +36,8 @@ pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("migrations/mysql"
 
 /// The session settings run on every new connection (see the module documentation).
 pub const SESSION: &str = "SET SESSION sql_mode = 'STRICT_ALL_TABLES,NO_ZERO_IN_DATE,NO_ZERO_DATE,ERROR_FOR_DIVISION_BY_ZERO,NO_ENGINE_SUBSTITUTION,PIPES_AS_CONCAT', \
-     SESSION group_concat_max_len = 1048576; SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED";
+     SESSION group_concat_max_len = 1048576, SESSION autocommit = 1, SESSION completion_type = 0; \
+     SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED";
 
 /// How the claim learns which keys were new (see [`dedup`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -140,17 +141,31 @@ pub async fn max_allowed_packet(conn: &mut sqlx::MySqlConnection) -> Result<u64,
 /// columns), kept free under `max_allowed_packet`.
 pub const PACKET_MARGIN: u64 = 64 << 10;
 
-/// Whether `conn` is still inside a transaction. A `SAVEPOINT` outside one lasts only for its own statement
-/// (autocommit), so `RELEASE SAVEPOINT` then fails with error 1305 (ER_SP_DOES_NOT_EXIST): this tells MySQL and
-/// MariaDB alike that something (a procedure's `COMMIT`, an implicit commit) ended the batch transaction. Two round
-/// trips, once per batch.
+/// The savepoint set right after `BEGIN` of every batch transaction ([`mark_transaction`]).
+const BATCH_SAVEPOINT: &str = "idemflow_batch";
+
+/// Marks the batch transaction just opened: a savepoint that any end of the transaction deletes (`COMMIT`,
+/// `ROLLBACK`, an implicit commit), even when a new transaction was started after it (a procedure's `COMMIT; START
+/// TRANSACTION`, `completion_type = CHAIN`).
+pub async fn mark_transaction(conn: &mut sqlx::MySqlConnection) -> Result<(), sqlx::Error> {
+    conn.execute(sqlx::raw_sql(&format!("SAVEPOINT {BATCH_SAVEPOINT}"))).await.map(drop)
+}
+
+/// Whether `conn` is still inside the batch transaction [`mark_transaction`] marked: its savepoint is still there
+/// (`RELEASE SAVEPOINT` fails with error 1305, ER_SP_DOES_NOT_EXIST, once anything ended that transaction). It
+/// releases the mark, so it is asked once, before `COMMIT` or before the batch is rolled back to be redone.
 pub async fn transaction_open(conn: &mut sqlx::MySqlConnection) -> Result<bool, sqlx::Error> {
-    conn.execute(sqlx::raw_sql("SAVEPOINT idemflow_open")).await?;
-    match conn.execute(sqlx::raw_sql("RELEASE SAVEPOINT idemflow_open")).await {
+    match conn.execute(sqlx::raw_sql(&format!("RELEASE SAVEPOINT {BATCH_SAVEPOINT}"))).await {
         Ok(_) => Ok(true),
-        Err(sqlx::Error::Database(e)) if e.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>().is_some_and(|m| m.number() == 1305) => Ok(false),
+        Err(e) if savepoint_gone(&e) => Ok(false),
         Err(e) => Err(e),
     }
+}
+
+/// Whether `e` is MySQL's error 1305 for a savepoint: it no longer exists, because the transaction it belonged to
+/// ended.
+pub fn savepoint_gone(e: &sqlx::Error) -> bool {
+    matches!(e, sqlx::Error::Database(d) if d.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>().is_some_and(|m| m.number() == 1305))
 }
 
 /// A pool that connects on first use; every connection gets the [`SESSION`] settings.

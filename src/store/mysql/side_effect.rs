@@ -84,13 +84,18 @@ struct Column {
 
 impl Column {
     /// What the column keeps of a value where it would round the rest ([`crate::rounding`]): `DECIMAL(p, s)` rounds
-    /// to `s` decimals, `DATETIME(p)`, `TIMESTAMP(p)` and `TIME(p)` round fractional seconds to `p` digits (MySQL
-    /// Reference Manual, "Fixed-Point Types" and "Fractional Seconds in Time Values").
+    /// to `s` decimals (a `DECIMAL` without a scale is `DECIMAL(10, 0)`), `DATETIME(p)`, `TIMESTAMP(p)` and `TIME(p)`
+    /// with a declared precision round fractional seconds to `p` digits (MySQL Reference Manual, "Fixed-Point
+    /// Types" and "Fractional Seconds in Time Values").
     fn limit(&self) -> Option<crate::rounding::Limit> {
         let type_name = self.column_type.clone();
         match (self.data_type.as_str(), self.scale) {
             ("decimal", Some(scale)) => Some(crate::rounding::Limit::Scale { type_name, scale: scale as i32 }),
-            ("datetime" | "timestamp" | "time", Some(digits)) => Some(crate::rounding::Limit::Fraction { type_name, digits: digits as u32 }),
+            // Only a declared precision (`DATETIME(3)`): `DATETIME` alone keeps whole seconds, and refusing every
+            // timestamp with milliseconds for that would be a worse surprise than the rounding.
+            ("datetime" | "timestamp" | "time", Some(digits)) if self.column_type.contains('(') => {
+                Some(crate::rounding::Limit::Fraction { type_name, digits: digits as u32 })
+            }
             _ => None,
         }
     }

@@ -23,11 +23,13 @@ pub fn pooler_hint(error: &sqlx::Error) -> &'static str {
     }
 }
 
-/// Whether `error` is PostgreSQL's `query_canceled` (57014): `statement_timeout`, or a cancel request. A batch
-/// whose one statement is cancelled may simply be too big for the timeout, so the sink redoes it record by record
-/// before retrying it whole (see [`crate::sink`]).
+/// Whether `error` is PostgreSQL's `query_canceled` (57014) by `statement_timeout`. A batch whose statement is
+/// cancelled that way may simply be too big for the timeout, so the sink redoes it record by record, and a record
+/// alone past the timeout is dead-lettered (see [`crate::sink`]); lock waits end as 55P03 before that (the batch
+/// sets a shorter `lock_timeout`), and a cancel request is retried.
 pub fn cancelled(error: &sqlx::Error) -> bool {
-    matches!(error, sqlx::Error::Database(db) if db.code().as_deref() == Some("57014"))
+    // 57014 is also a cancel request (pg_cancel_backend, "due to user request"): that one is retried as it is.
+    matches!(error, sqlx::Error::Database(db) if db.code().as_deref() == Some("57014") && db.message().contains("statement timeout"))
 }
 
 /// Classifies a SQLSTATE (see the module table).

@@ -323,6 +323,9 @@ async fn probe(conn: &mut PgConnection, sql: &str) -> Result<String, sqlx::Error
     Ok(out.join("\n"))
 }
 
+/// With a `statement_timeout`, a `lock_timeout` at 90% of it for the batch (unless a shorter one is set): a wait
+/// for a lock held elsewhere then ends as 55P03, retried, and not as a cancelled statement, which the sink takes for
+/// a batch or a record too slow for the timeout ([`crate::store::postgres::error::cancelled`]).
 /// `SET CONSTRAINTS ALL IMMEDIATE` (deferred constraints are checked at each statement, not at `COMMIT`, so a
 /// record violating one is isolated by the slow path like any other constraint error), the time zone, and, on
 /// PostgreSQL 14 and later, `client_connection_check_interval` for the batch: a worker killed while its batch waits
@@ -332,7 +335,13 @@ fn settings_sql(time: &TimeSettings) -> String {
     format!(
         "SET CONSTRAINTS ALL IMMEDIATE; SET LOCAL TIME ZONE {}; \
          DO $idemflow$ BEGIN IF current_setting('server_version_num')::int >= 140000 THEN \
-         PERFORM set_config('client_connection_check_interval', '1000', true); END IF; END $idemflow$; ",
+         PERFORM set_config('client_connection_check_interval', '1000', true); END IF; \
+         IF current_setting('statement_timeout')::interval > '0'::interval \
+            AND (current_setting('lock_timeout')::interval = '0'::interval \
+                 OR current_setting('lock_timeout')::interval >= current_setting('statement_timeout')::interval) THEN \
+         PERFORM set_config('lock_timeout', \
+             greatest(1, floor(extract(epoch FROM current_setting('statement_timeout')::interval) * 900))::bigint::text || 'ms', true); \
+         END IF; END $idemflow$; ",
         quote_literal(&time.zone)
     )
 }
@@ -607,8 +616,9 @@ async fn prepare_table(
 }
 
 /// What each column (type oid, type modifier) keeps of a value where it would round the rest (see
-/// [`crate::rounding`]): `numeric(p, s)` its scale; `timestamp`, `timestamptz`, `time` and `timetz` their
-/// fractional digits of seconds (6 when unconstrained). Domains over these are read through their base type.
+/// [`crate::rounding`]): `numeric(p, s)` its scale; `timestamp(p)`, `timestamptz(p)`, `time(p)` and `timetz(p)`
+/// their declared fractional digits of seconds (unconstrained ones keep microseconds and are not checked). Domains
+/// over these are read through their base type.
 async fn limits(conn: &mut PgConnection, columns: &[(i64, i32)]) -> Result<Vec<Option<Limit>>, sqlx::Error> {
     let mut out = Vec::with_capacity(columns.len());
     for &(oid, typmod) in columns {
@@ -629,7 +639,9 @@ async fn limits(conn: &mut PgConnection, columns: &[(i64, i32)]) -> Result<Vec<O
             // typmod = ((precision << 16) | (scale & 0x7ff)) + 4; the scale is an 11-bit signed number (PostgreSQL 15
             // allows negative scales): src/backend/utils/adt/numeric.c.
             NUMERIC if typmod >= 4 => Some(Limit::Scale { type_name: name, scale: ((((typmod - 4) & 0x7ff) ^ 1024) - 1024) }),
-            TIMESTAMP | TIMESTAMPTZ | TIME | TIMETZ => Some(Limit::Fraction { type_name: name, digits: if typmod >= 0 { typmod as u32 } else { 6 } }),
+            // Only a declared precision: an unconstrained one keeps microseconds, and refusing every nanosecond
+            // timestamp (Go's RFC3339Nano, .NET) for that would be a worse surprise than the rounding.
+            TIMESTAMP | TIMESTAMPTZ | TIME | TIMETZ if typmod >= 0 => Some(Limit::Fraction { type_name: name, digits: typmod as u32 }),
             _ => None,
         });
     }

@@ -4,7 +4,7 @@
 --    worker last stored: nothing is written when a partition was claimed by another worker ("fenced") or when
 --    Redis lost writes this worker had seen ("lost").
 -- 2. Records in order. A record to apply claims its dedup key with SET NX PX (insert-then-check); only a new key
---    runs the record's commands (after asking the ACL whether the user may run every one of them), each with redis.pcall so that a failing command (WRONGTYPE, a number that is not
+--    runs the record's commands (the ACL was asked first, for every record of the batch, before any write), each with redis.pcall so that a failing command (WRONGTYPE, a number that is not
 --    one) ends that record only. Redis has no rollback: commands of the record that ran before the failure stay,
 --    the dead letter says how many. A key that existed is a duplicate: its value is returned for classification
 --    and its duplicate count raised (KEEPTTL: the retention clock is the applied record's).
@@ -155,6 +155,36 @@ local function acl_refused(from)
   return nil
 end
 
+-- Before anything is written: the ACL, for every record to apply, with its own arguments. A refusal is never a
+-- record's fault and must leave nothing behind: not a record half applied, not a replayed dead letter taken.
+do
+  local j = i
+  local n = tonumber(ARGV[j]); j = j + 1
+  for _ = 1, n do
+    local kind = ARGV[j]
+    j = j + 3
+    if kind == 'D' or kind == 'DR' then
+      j = j + 5
+    else
+      j = j + 2
+      for c = 1, nc do
+        for _, a in ipairs(holes[c]) do
+          cmds[c][a] = ARGV[j]
+          j = j + 1
+        end
+      end
+      local skip = 0
+      if kind ~= 'A' then
+        skip = tonumber(string.sub(kind, 2))
+      end
+      local refused = acl_refused(skip)
+      if refused then
+        return redis.error_reply(refused)
+      end
+    end
+  end
+end
+
 -- Dead letters being replayed are taken first; one already taken (another replay of it ran) refuses the batch.
 for r = 1, nr do
   if redis.call('XDEL', stream, replays[r]) == 0 then
@@ -207,12 +237,6 @@ for r = 1, n do
       end
     end
     if redis.call('SET', dk, 'A|' .. now .. '|0||' .. value, 'NX', 'PX', ttl) then
-      local refused = acl_refused(skip)
-      if refused then
-        -- Release the key and refuse the batch (the pipeline stops); what ran before is kept by its keys.
-        redis.call('DEL', dk)
-        return redis.error_reply(refused)
-      end
       local failed = nil
       for c = skip + 1, nc do
         local res = redis.pcall(unpack(cmds[c]))

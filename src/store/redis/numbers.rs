@@ -53,7 +53,7 @@ impl Number {
             Number::Seconds { positive } => integer(text).is_some_and(|n| (!positive || n > 0) && n.checked_mul(1000).is_some_and(fits_from_now)),
             Number::Millis { positive } => integer(text).is_some_and(|n| (!positive || n > 0) && fits_from_now(n)),
             Number::Float => float(text).is_some_and(f64::is_finite),
-            Number::Score => float(text).is_some(),
+            Number::Score => float(text).is_some_and(|f| score_in_range(text, f)),
             Number::NonNegative => integer(text).is_some_and(|n| n >= 0),
             Number::BitOffset => integer(text).is_some_and(|n| (0..1 << 32).contains(&n)),
             Number::Bit => text == "0" || text == "1",
@@ -110,6 +110,14 @@ pub fn float(text: &str) -> Option<f64> {
     text.parse::<f64>().ok().filter(|f| !f.is_nan())
 }
 
+/// Redis's `string2d` refuses what `strtod` reads out of range (`ERANGE`): an overflow to infinity (`1e400`, where
+/// `inf` written out is taken) and an underflow to zero (`1e-400`).
+fn score_in_range(text: &str, f: f64) -> bool {
+    let spelled_infinite = text.trim_start_matches(['+', '-']).to_ascii_lowercase().starts_with("inf");
+    let nonzero_digit = text.split(['e', 'E']).next().is_some_and(|m| m.bytes().any(|b| (b'1'..=b'9').contains(&b)));
+    (f.is_finite() || spelled_infinite) && !(f == 0.0 && nonzero_digit)
+}
+
 /// `<ms>`, `<ms>-<seq>` (and `<ms>-*` where `auto_seq`), each part an unsigned 64-bit decimal.
 fn stream_id(text: &str, auto_seq: bool) -> Option<(u64, Option<u64>)> {
     let part = |p: &str| (!p.is_empty() && p.bytes().all(|c| c.is_ascii_digit())).then(|| p.parse::<u64>().ok()).flatten();
@@ -122,9 +130,9 @@ fn stream_id(text: &str, auto_seq: bool) -> Option<(u64, Option<u64>)> {
 
 /// Commands idemflow accepts whose arguments hold no number (keys, fields, members and values are any text).
 const PLAIN: &[&str] = &[
-    "APPEND", "DECR", "DEL", "EXISTS", "GET", "GETDEL", "HDEL", "HGET", "HMSET", "HSET", "HSETNX", "INCR", "LPUSH",
-    "LPUSHX", "MSET", "MSETNX", "PERSIST", "PFADD", "PUBLISH", "RPUSH", "RPUSHX", "SADD", "SETNX", "SMOVE", "SREM",
-    "UNLINK", "ZREM",
+    "APPEND", "DECR", "DEL", "EXISTS", "GET", "GETDEL", "GETSET", "HDEL", "HGET", "HMSET", "HSET", "HSETNX", "INCR",
+    "LPUSH", "LPUSHX", "MSET", "MSETNX", "PERSIST", "PFADD", "PFMERGE", "PUBLISH", "RENAME", "RENAMENX", "RPUSH",
+    "RPUSHX", "SADD", "SDIFFSTORE", "SETNX", "SINTERSTORE", "SMOVE", "SREM", "SUNIONSTORE", "UNLINK", "ZREM",
 ];
 
 /// Commands with numbers at fixed places: (command, the argument index after the name, what it must be).
@@ -146,6 +154,10 @@ const FIXED: &[(&str, &[(usize, Number)])] = &[
     ("LTRIM", &[(1, Number::Integer), (2, Number::Integer)]),
     ("SETRANGE", &[(1, Number::NonNegative)]),
     ("SETBIT", &[(1, Number::BitOffset), (2, Number::Bit)]),
+    ("LPOP", &[(1, Number::NonNegative)]),
+    ("RPOP", &[(1, Number::NonNegative)]),
+    ("SPOP", &[(1, Number::NonNegative)]),
+    ("ZREMRANGEBYRANK", &[(1, Number::Integer), (2, Number::Integer)]),
 ];
 
 /// Every command [`schema`] knows, for messages.
@@ -275,6 +287,8 @@ mod tests {
         }
         assert!(Number::Score.accepts("inf") && Number::Score.accepts("-inf") && Number::Score.accepts("1.5"));
         assert!(!Number::Score.accepts("abc") && !Number::Score.accepts("nan"));
+        assert!(!Number::Score.accepts("1e400") && !Number::Score.accepts("1e-400"), "out of range for strtod");
+        assert!(Number::Score.accepts("+inf") && Number::Score.accepts("0.0") && Number::Score.accepts("0e5"));
         let ex = Number::Seconds { positive: true };
         assert!(ex.accepts("60") && !ex.accepts("0") && !ex.accepts("-5") && !ex.accepts("abc") && !ex.accepts("9223372036854775807"));
         assert!(Number::Seconds { positive: false }.accepts("-5"));
