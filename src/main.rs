@@ -258,13 +258,18 @@ fn main() -> ExitCode {
 }
 
 fn load(path: &std::path::Path) -> anyhow::Result<Settings> {
+    load_quieting(path, &[])
+}
+
+/// [`load`], with the log targets `quiet` turned off (see [`telemetry::init_quieting`]).
+fn load_quieting(path: &std::path::Path, quiet: &[&str]) -> anyhow::Result<Settings> {
     // Only the default settings file may be absent (settings then come from IDEMFLOW_* variables alone): a file
     // named with --config that is not there is a mistake, not a fallback.
     if !path.exists() && path != std::path::Path::new(DEFAULT_CONFIG) {
         bail!("{}: no such settings file (given with --config)", path.display());
     }
     let loaded = config::load_settings(path)?;
-    telemetry::init(&loaded.settings.log);
+    telemetry::init_quieting(&loaded.settings.log, quiet);
     for w in &loaded.warnings {
         tracing::warn!("{w}");
     }
@@ -564,9 +569,26 @@ fn store_of(settings: &Settings, config: &std::path::Path, kind: StoreKind) -> a
     })
 }
 
+/// `settings`, with `[database] prepared_statements` off when the URL leads to PgBouncer: named prepared
+/// statements collide behind a pooler in transaction mode, and whether they do depends on which server connection a
+/// statement lands on; unnamed ones work in every mode (idemflow's statements are a few per batch).
+async fn behind_pgbouncer(settings: &Settings, kind: StoreKind) -> Settings {
+    let mut settings = settings.clone();
+    if let (StoreKind::Database, Some(db)) = (kind, settings.database.as_mut()) {
+        if db.prepared_statements && config::Dialect::of_url(db.url.expose()) == config::Dialect::Postgres {
+            if let Some(what) = idemflow::store::postgres::pgbouncer(db).await {
+                tracing::info!(pooler = %what, "the database URL leads to PgBouncer: statements are not prepared by name (as with prepared_statements = false)");
+                db.prepared_statements = false;
+            }
+        }
+    }
+    settings
+}
+
 /// The store of `kind`, reachable and with idemflow's schema (the database) or a usable server (Redis).
 async fn open_store(settings: &Settings, config: &std::path::Path, kind: StoreKind) -> anyhow::Result<Store> {
     reachable(settings, config, kind).await?;
+    let settings = &behind_pgbouncer(settings, kind).await;
     let store = store_of(settings, config, kind)?;
     if let Err(why) = store.check_schema().await {
         let what = if kind == StoreKind::Redis { "redis" } else { "database" };
@@ -781,9 +803,12 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
                 return Ok(());
             };
             reachable(&settings, &a.config, StoreKind::Database).await?;
-            if !database.prepared_statements {
+            let pooled = config::Dialect::of_url(database.url.expose()) == config::Dialect::Postgres
+                && idemflow::store::postgres::pgbouncer(database).await.is_some();
+            if !database.prepared_statements || pooled {
                 bail!(
-                    "{}: database.prepared_statements = false (a transaction-pooling proxy such as PgBouncer): run \
+                    "{}: the database URL leads to a pooler (PgBouncer answers there, or database.prepared_statements = \
+                     false says so): run \
                      `idemflow migrate` with a URL to PostgreSQL itself (IDEMFLOW_DATABASE__URL=... idemflow migrate): \
                      migrations take a session-level lock that a transaction pooler cannot keep",
                     a.config.display()
@@ -795,7 +820,8 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Check(a) => {
-            let settings = load(&a.config)?;
+            // The brokers' client libraries log each failed connection attempt; check reports them itself.
+            let settings = load_quieting(&a.config, &["librdkafka=off", "rdkafka=off", "rocketmq=off"])?;
             let pipelines = config::load_pipelines_for(&settings).map_err(|e| report(&e))?;
             config::check_sources(&settings, &pipelines).map_err(|e| report(&e))?;
             let mut source_lines = Vec::new();
@@ -851,9 +877,10 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
             };
             let ready = match database.await {
                 Ok(ready) => ready,
+                Err(e) if broker_problems.is_empty() => return Err(e),
                 Err(e) => {
                     brokers(&broker_problems);
-                    return Err(e);
+                    bail!("{e}, and {} problem(s) with the brokers", broker_problems.len());
                 }
             };
             if !broker_problems.is_empty() {

@@ -42,7 +42,7 @@ pub async fn prepare(store: &Store, pipelines: &[Pipeline]) -> Result<Vec<Ready>
     for p in pipelines {
         match Ready::prepare(store, p).await {
             Ok(r) => ready.push(r),
-            Err(e) => errors.push(e),
+            Err(e) => errors.extend(e.split()),
         }
     }
     if errors.is_empty() {

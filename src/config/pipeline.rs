@@ -451,6 +451,25 @@ pub struct PipelineError {
     pub message: String,
 }
 
+impl PipelineError {
+    /// The problems it holds, one each: a store that checked the whole side effect at once reports several under
+    /// `sink`, one per line (`sink.columns.x: ...`), so `check` shows and counts each on its own line.
+    pub fn split(self) -> Vec<PipelineError> {
+        let parts: Vec<&str> = self.message.split("\n  ").collect();
+        let fields: Option<Vec<(&str, &str)>> = parts
+            .iter()
+            .map(|p| p.split_once(": ").filter(|(f, _)| f.starts_with("sink") && !f.contains(char::is_whitespace)))
+            .collect();
+        match fields {
+            Some(fields) if self.field == "sink" && fields.len() > 1 => fields
+                .into_iter()
+                .map(|(field, message)| PipelineError { file: self.file.clone(), pipeline: self.pipeline.clone(), field: field.to_owned(), message: message.to_owned() })
+                .collect(),
+            _ => vec![self],
+        }
+    }
+}
+
 impl std::fmt::Display for PipelineError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{}: ", self.file)?;
@@ -615,7 +634,16 @@ pub fn load_file_in(path: &Path, dialect: Dialect) -> Result<Pipeline, Vec<Pipel
             return Err(errors.list);
         }
     };
-    let raw: RawPipeline = match toml::from_str(&text) {
+    load_text_in(&text, path, dialect)
+}
+
+/// [`load_file_in`] for a pipeline file's text already read (`path` names it in errors and gives the default
+/// pipeline name). Never panics, whatever the text (fuzzed: `fuzz/fuzz_targets/pipeline.rs`).
+pub fn load_text_in(text: &str, path: &Path, dialect: Dialect) -> Result<Pipeline, Vec<PipelineError>> {
+    let file = path.display().to_string();
+    let stem = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+    let mut errors = Errors { file: &file, pipeline: stem.clone(), list: Vec::new() };
+    let raw: RawPipeline = match toml::from_str(text) {
         Ok(raw) => raw,
         Err(e) => {
             errors.push("", e.to_string().trim_end().replace('\n', "\n    "));
@@ -1061,19 +1089,7 @@ fn validate_sink(raw: RawSink, dialect: Dialect, e: &mut Errors<'_>) -> Option<S
             e.push("sink.redis", "holds no command: write [[\"HSET\", \"payment:{id}\", \"amount\", \"{amount}\"], ...]");
         }
         let raw_params = raw.params.unwrap_or_default();
-        let mut used: Vec<&str> = parsed.iter().flat_map(RedisCommand::params).collect();
-        used.sort_unstable();
-        used.dedup();
-        for name in &used {
-            if !raw_params.contains_key(*name) {
-                e.push("sink.params", format!("{{{name}}} is used in sink.redis but has no entry in [sink.params]"));
-            }
-        }
-        for name in raw_params.keys() {
-            if used.binary_search(&name.as_str()).is_err() {
-                e.push(&format!("sink.params.{name}"), format!("is not used in sink.redis (no {{{name}}} there)"));
-            }
-        }
+        match_params(parsed.iter().flat_map(RedisCommand::params).collect(), &raw_params, "sink.redis", |n| format!("{{{n}}}"), e);
         let params = bindings(raw_params, "sink.params", false, e)?;
         return Some(SinkSpec::Redis { commands: parsed, params });
     }
@@ -1112,21 +1128,31 @@ fn validate_sink(raw: RawSink, dialect: Dialect, e: &mut Errors<'_>) -> Option<S
         e.push("sink.sql", "holds no statement");
     }
     let raw_params = raw.params.unwrap_or_default();
-    let mut used: Vec<&str> = statements.iter().flat_map(|s| s.params.iter().map(String::as_str)).collect();
-    used.sort_unstable();
-    used.dedup();
-    for name in &used {
-        if !raw_params.contains_key(*name) {
-            e.push("sink.params", format!(":{name} is used in sink.sql but has no entry in [sink.params]"));
-        }
-    }
-    for name in raw_params.keys() {
-        if used.binary_search(&name.as_str()).is_err() {
-            e.push(&format!("sink.params.{name}"), format!("is not used in sink.sql (no :{name} there)"));
-        }
-    }
+    match_params(statements.iter().flat_map(|s| s.params.iter().map(String::as_str)).collect(), &raw_params, "sink.sql", |n| format!(":{n}"), e);
     let params = bindings(raw_params, "sink.params", false, e)?;
     Some(SinkSpec::Sql { statements, params, allow_procedures: raw.allow_procedures.unwrap_or(false) })
+}
+
+/// Checks that every placeholder `used` in `form` (`sink.sql`, `sink.redis`; written as `written(name)`) has its
+/// `[sink.params]` entry and every entry is used, with a "did you mean" where a misspelling is likely.
+fn match_params(mut used: Vec<&str>, params: &BTreeMap<String, toml::Value>, form: &str, written: impl Fn(&str) -> String, e: &mut Errors<'_>) {
+    used.sort_unstable();
+    used.dedup();
+    let unused: Vec<&str> = params.keys().map(String::as_str).filter(|n| used.binary_search(n).is_err()).collect();
+    for name in &used {
+        if !params.contains_key(*name) {
+            let hint = crate::secret::closest(name, unused.iter().copied())
+                .map(|c| format!(" (did you mean sink.params.{c}?)"))
+                .unwrap_or_default();
+            e.push("sink.params", format!("{} is used in {form} but has no entry in [sink.params]{hint}", written(name)));
+        }
+    }
+    for name in &unused {
+        let hint = crate::secret::closest(name, used.iter().copied().filter(|u| !params.contains_key(*u)))
+            .map(|c| format!(" (did you mean {}?)", written(c)))
+            .unwrap_or_default();
+        e.push(&format!("sink.params.{name}"), format!("is not used in {form} (no {} there){hint}", written(name)));
+    }
 }
 
 /// The statements of `texts` (`key` in the file: `sink.sql` or `sink.batch_sql`), each named by its place for
@@ -1306,8 +1332,11 @@ mod tests {
         let e = fields(&format!("{base}[dedup]\npurge_batch = 10\n"));
         assert!(e[0].starts_with("dedup.purge_batch: a Redis sink's dedup keys expire by themselves"), "{e:?}");
         let e = fields(&base.replace("{amount}", "{amt}"));
-        assert!(e.iter().any(|e| e == "sink.params: {amt} is used in sink.redis but has no entry in [sink.params]"), "{e:?}");
-        assert!(e.iter().any(|e| e == "sink.params.amount: is not used in sink.redis (no {amount} there)"), "{e:?}");
+        assert!(e.iter().any(|e| e.starts_with("sink.params: {amt} is used in sink.redis but has no entry in [sink.params]")), "{e:?}");
+        assert!(e.iter().any(|e| e.starts_with("sink.params.amount: is not used in sink.redis (no {amount} there)")), "{e:?}");
+        let e = fields(&base.replace("{amount}", "{amuont}"));
+        assert!(e.iter().any(|e| e.ends_with("has no entry in [sink.params] (did you mean sink.params.amount?)")), "{e:?}");
+        assert!(e.iter().any(|e| e.ends_with("(no {amount} there) (did you mean {amuont}?)")), "{e:?}");
         let e = fields(&base.replace("\"p:{id}\"", "\"p:{id\""));
         assert!(e[0].starts_with("sink.redis[0]: argument 1: \"p:{id\": a '{' without its '}'"), "{e:?}");
         let e = fields(&base.replace("[sink]\n", "[sink]\ntable = \"x\"\n"));

@@ -8,6 +8,7 @@ mod support;
 mod bench;
 mod e2e;
 mod failures;
+mod fuzz_corpus;
 mod hardening;
 mod mariadb;
 mod monitoring;

@@ -1,6 +1,7 @@
-//! Behind PgBouncer in transaction pooling mode (Debian's `pgbouncer`): with `[database] prepared_statements =
-//! false`, `check` and `run` work, a worker killed mid-batch and a PgBouncer restart lose nothing and apply nothing
-//! twice; without it, the error names the setting.
+//! Behind PgBouncer in transaction pooling mode (Debian's `pgbouncer`): found by its admin database whatever the
+//! settings, so named statements are never used through it and the outcome never depends on which server connection
+//! a statement lands on; with `[database] prepared_statements = false` too, `check` and `run` work, a worker killed
+//! mid-batch and a PgBouncer restart lose nothing and apply nothing twice.
 
 use crate::failures::{assert_counters_add_up, assert_exactly_once, payments, payments_db, shipped};
 use crate::support::*;
@@ -116,20 +117,37 @@ async fn behind_pgbouncer_in_transaction_mode() {
     let kafka = Kafka::new();
     kafka.create_topic("payments", 4);
     let s = payments(6000, 4, false);
-    let setup = Setup::new(&db, &kafka, &[("payments.toml", &shipped())]);
-    let config = setup.config.to_str().unwrap().to_owned();
 
-    // Without the setting: named statements collide, and the error says which setting to change.
-    through(&setup, &db, &bouncer.url(&db), true);
-    let (status, out, err) = idemflow(&["check", "--config", &config], setup.dir.path());
-    let first = format!("{out}{err}");
-    let (status2, out2, err2) = idemflow(&["check", "--config", &config], setup.dir.path());
-    let second = format!("{out2}{err2}");
-    assert!(
-        (!status.success() && first.contains("prepared_statements = false"))
-            || (!status2.success() && second.contains("prepared_statements = false")),
-        "{first}\n{second}"
-    );
+    // Without the setting: PgBouncer is found (its admin database answers), named statements are not used, and
+    // `check` passes every time, whichever server connection its statements land on; `migrate` is refused. Two
+    // workers with the default settings, their connections sharing PgBouncer's one server connection, apply a
+    // stream of their own (another database and broker) with no collision.
+    {
+        let db = payments_db(None).await;
+        let kafka = Kafka::new();
+        kafka.create_topic("payments", 4);
+        let s = payments(2000, 4, false);
+        let setup = Setup::new(&db, &kafka, &[("payments.toml", &shipped())]);
+        let config = setup.config.to_str().unwrap().to_owned();
+        through(&setup, &db, &bouncer.url(&db), true);
+        for _ in 0..3 {
+            let (status, out, err) = idemflow(&["check", "--config", &config], setup.dir.path());
+            assert!(status.success(), "{out}{err}");
+        }
+        let (status, out, err) = idemflow(&["migrate", "--config", &config], setup.dir.path());
+        assert!(!status.success() && err.contains("PostgreSQL itself"), "{out}{err}");
+        let second = Setup::new(&db, &kafka, &[("payments.toml", &shipped())]);
+        through(&second, &db, &bouncer.url(&db), true);
+        kafka.produce("payments", &s.records);
+        let (mut a, mut b) = (BinWorker::start(&setup), BinWorker::start(&second));
+        crate::failures::wait_all_durable_or_report(&db, &kafka, "idemflow-payments", "payments", 4, &s, &[&a, &b]).await;
+        assert!(a.sigterm().success() && b.sigterm().success());
+        for w in [&a, &b] {
+            let log = w.log_text();
+            assert!(log.contains("leads to PgBouncer") && !log.contains("already exists") && !log.contains("does not exist"), "{log}");
+        }
+        assert_exactly_once(&db, &s).await;
+    }
 
     // With it: check, run, a SIGKILL mid-batch, a PgBouncer restart.
     let setup = Setup::new(&db, &kafka, &[("payments.toml", &shipped())]);

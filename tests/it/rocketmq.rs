@@ -454,23 +454,29 @@ async fn rewind_to_a_time_never_skips_a_queue_without_a_consume_offset() {
         let topic = format!("payments-{}", unique());
         let db = payments_db(None).await;
         let s = payments(200, 4, false);
+        let msgs = messages(&s);
+        let setup = Setup::rocketmq(&db, ns, &[("payments.toml", &example(&topic, store))], "");
+        let config = setup.config.to_str().unwrap();
+        // The group exists and has consumed queue 0's first message only: the other queues have no consume offset.
         let mut producer = Producer::start(ns).await;
-        send(&mut producer, &topic, &s, &messages(&s), 0).await;
+        send(&mut producer, &topic, &s, &msgs[..1], 0).await;
+        let mut w = BinWorker::start(&setup);
+        wait_received(&mut w, 1).await;
+        assert!(w.sigterm().success(), "{}", w.log_text());
+        send(&mut producer, &topic, &s, &msgs[1..], 1).await;
         producer.stop().await;
         tokio::time::sleep(Duration::from_millis(1500)).await;
         let after = humantime::format_rfc3339_millis(std::time::SystemTime::now()).to_string();
-        let setup = Setup::rocketmq(&db, ns, &[("payments.toml", &example(&topic, store))], "");
-        let config = setup.config.to_str().unwrap();
         let (status, out, err) = idemflow(&["rewind", "--config", config, "--pipeline", "payments", "--to", &after], setup.dir.path());
         assert!(status.success(), "store {store}: {out}{err}");
         println!("store {store}:\n{out}");
-        // However the broker reports a queue without a consume offset (none, or 0), nothing is skipped: every
-        // message is consumed again from the queue's first offset.
+        // However the broker reports a queue without a consume offset (none, or 0), nothing is skipped: the queues
+        // never consumed start at their first offset, queue 0 where it was (1).
         let (committed, end) = rocketmq::group_progress(ns, &group(&topic), &topic).await;
-        assert_eq!(committed, 0, "store {store}: every queue at its first offset (end {end})\n{out}");
+        assert!(committed <= 1, "store {store}: no queue moved past what was consumed: {committed} (end {end})\n{out}");
         let mut w = BinWorker::start(&setup);
         wait_all_applied(&db, &s, || w.log_text()).await;
-        wait_received(&mut w, s.records.len()).await;
+        wait_received(&mut w, s.records.len() - 1).await;
         assert!(w.sigterm().success(), "{}", w.log_text());
         assert_exactly_once(&db, &s).await;
     }

@@ -82,6 +82,29 @@ pub async fn ping(settings: &DatabaseSettings) -> Result<(), String> {
     }
 }
 
+/// Whether `settings.url` leads to PgBouncer rather than to PostgreSQL itself, and if so what it said. PgBouncer
+/// answers for its admin database `pgbouncer` (its version for an admin user, `not allowed` for another, or
+/// `unsupported startup parameter` before either); PostgreSQL has no such database (`3D000`). The answer does not
+/// depend on which server connection a statement would land on, so a pooler in transaction mode is found before
+/// any named prepared statement could collide. `None` also when the question cannot be answered in 5 s (the caller
+/// keeps the settings as they are).
+pub async fn pgbouncer(settings: &DatabaseSettings) -> Option<String> {
+    use sqlx::Connection as _;
+    let options = connect_options(settings).ok()?.database("pgbouncer");
+    match tokio::time::timeout(std::time::Duration::from_secs(5), sqlx::PgConnection::connect_with(&options)).await {
+        Ok(Ok(mut conn)) => {
+            let rows = sqlx::Executor::fetch_all(&mut conn, sqlx::raw_sql("SHOW VERSION")).await.ok()?;
+            let version: String = rows.first().and_then(|r| sqlx::Row::try_get(r, 0).ok())?;
+            let _ = conn.close().await;
+            version.contains("PgBouncer").then_some(version)
+        }
+        Ok(Err(sqlx::Error::Database(e))) if e.message() == "not allowed" || e.message().starts_with("unsupported startup parameter") => {
+            Some(format!("PgBouncer (its admin database answered: {})", e.message()))
+        }
+        _ => None,
+    }
+}
+
 /// Whether the idemflow schema is migrated to the latest version this binary knows.
 ///
 /// Errors: the database is unreachable, or the schema is missing or older (`run idemflow migrate`).

@@ -1,0 +1,119 @@
+//! What each fuzz target exercises, with the invariants it checks beyond "no panic". Shared by the fuzz targets
+//! (`fuzz/fuzz_targets/*.rs`, run with `cargo fuzz run <target>`) and by the test that replays the corpus
+//! (`tests/it/fuzz_corpus.rs`), so a finding kept in `fuzz/corpus/<target>/` stays a regression test.
+
+use idemflow::config::Dialect;
+use idemflow::decode::{Decoder, Format};
+use idemflow::field::{self, FieldPath, Render};
+use idemflow::record::{Position, Record};
+use idemflow::rounding;
+use idemflow::sink::template;
+use idemflow::store::redis::{command, numbers};
+use std::path::Path;
+use std::sync::Arc;
+
+/// A pipeline file's text: validated for both SQL dialects, never a panic.
+pub fn pipeline(data: &[u8]) {
+    let Ok(text) = std::str::from_utf8(data) else { return };
+    for dialect in [Dialect::Postgres, Dialect::MySql] {
+        if let Ok(p) = idemflow::config::pipeline::load_text_in(text, Path::new("fuzz.toml"), dialect) {
+            assert!(!p.name.is_empty());
+        }
+    }
+}
+
+/// SQL statements as `sink.sql` holds them (named parameters, comments, dollar quotes, strings): scanned for both
+/// dialects; every parameter is a plain name, and rendering a statement back with its `:name`s gives text the
+/// scanner reads to the same parameters.
+pub fn sql(data: &[u8]) {
+    let Ok(text) = std::str::from_utf8(data) else { return };
+    let _ = template::after_leading_with(text);
+    for dialect in [Dialect::Postgres, Dialect::MySql] {
+        let Ok(statements) = template::parse_in(text, dialect) else { continue };
+        for s in &statements {
+            for name in &s.params {
+                assert!(!name.is_empty() && name.chars().all(|c| c.is_alphanumeric() || c == '_'), "{name:?}");
+            }
+            let written = s.render(|n| format!(":{}", s.params[n]));
+            if let Ok(again) = template::parse_in(&written, dialect) {
+                let names: Vec<&String> = again.iter().flat_map(|a| &a.params).collect();
+                for name in &s.params {
+                    assert!(names.contains(&name), "{name:?} lost when {written:?} was read again");
+                }
+            }
+        }
+    }
+}
+
+/// A field path (the first line) and a payload (the rest): decoded, looked up, rendered for every kind of target,
+/// keys and decimals made canonical, and the rounding check of a column: never a panic; a canonical decimal is its
+/// own canonical form; a value rounded for a column fits it.
+pub fn values(data: &[u8]) {
+    let (path, payload) = match data.iter().position(|b| *b == b'\n') {
+        Some(at) => (&data[..at], &data[at + 1..]),
+        None => (data, &b""[..]),
+    };
+    let Ok(path) = std::str::from_utf8(path) else { return };
+    let decoder = Decoder::new(Format::Json, 1 << 16);
+    let Ok(doc) = decoder.decode(payload) else { return };
+    let found = FieldPath::parse(path).ok().and_then(|p| p.lookup(&doc).cloned()).unwrap_or(doc);
+    for render in [Render::Text, Render::Json, Render::Zoned, Render::Array { json: false }, Render::Array { json: true }, Render::Numeric] {
+        for refuse_naive in [false, true] {
+            if let Ok(text) = field::render(&found, render, refuse_naive) {
+                check_decimal(&text);
+            }
+        }
+    }
+    let record = Record {
+        position: Position { topic: Arc::from("t"), partition: 0, offset: 0 },
+        timestamp_ms: None,
+        key: Some(payload.to_vec()),
+        headers: vec![("h".to_owned(), Some(payload.to_vec()))],
+        payload: Some(payload.to_vec()),
+        oversized: None,
+        properties: Vec::new(),
+        delivered_before: None,
+    };
+    let text = format!("topics = [\"t\"]\n[key]\nfield = {}\n[sink]\ntable = \"t\"\n[sink.columns]\na = \"/a\"\n", toml_string(path));
+    if let Ok(p) = idemflow::config::pipeline::load_text_in(&text, Path::new("fuzz.toml"), Dialect::Postgres) {
+        let _ = p.key.extract(&record, &found);
+    }
+}
+
+fn check_decimal(text: &str) {
+    if let Some(c) = field::canonical_decimal(text) {
+        assert_eq!(field::canonical_decimal(&c).as_deref(), Some(c.as_str()), "canonical form of {text:?}");
+    }
+    let _ = field::plain_decimal(text);
+    for scale in [-2, 0, 2, 6] {
+        if let Some(rounded) = rounding::round_decimal(text, scale) {
+            assert_eq!(rounding::round_decimal(&rounded, scale), None, "{text:?} rounded at {scale} to {rounded:?}, which does not fit");
+        }
+    }
+    let _ = rounding::excess_fraction(text, 0);
+}
+
+fn toml_string(s: &str) -> String {
+    serde_json::to_string(s).unwrap_or_default()
+}
+
+/// A `[sink] redis` argument and a number: parsed and written back to the same argument; numbers checked as Redis
+/// parses them, never a panic, and an integer Redis takes is one Rust reads the same.
+pub fn redis(data: &[u8]) {
+    let Ok(text) = std::str::from_utf8(data) else { return };
+    if let Ok(arg) = command::parse_arg(text) {
+        let again = command::parse_arg(&arg.to_string()).expect("an argument written back parses");
+        assert_eq!(again, arg, "{text:?}");
+    }
+    if let Some(n) = numbers::integer(text) {
+        assert_eq!(n.to_string(), text, "string2ll takes only the canonical form");
+    }
+    let _ = numbers::float(text);
+    let words: Vec<&str> = text.split(' ').collect();
+    if let Some((name, rest)) = words.split_first() {
+        let args: Vec<command::Arg> = rest.iter().filter_map(|w| command::parse_arg(w).ok()).collect();
+        if let Ok(slots) = numbers::schema(&name.to_ascii_uppercase(), &args) {
+            assert_eq!(slots.len(), args.len());
+        }
+    }
+}
