@@ -164,6 +164,32 @@ impl Ownership {
     }
 }
 
+/// Claims `parts` for `owner` (`[offsets] store = "database"`), retrying with backoff while the store cannot be
+/// reached (`waiting` is logged at each retry). `None` when shutdown came first.
+async fn claim_while_down(
+    store: &crate::store::Store,
+    pipeline: &str,
+    owner: &str,
+    parts: &[(String, i32)],
+    shutdown: &mut Shutdown,
+    waiting: &str,
+) -> Option<Vec<offsets::Claimed>> {
+    let mut delays = crate::worker::backoff(Duration::from_millis(100), Duration::from_secs(10));
+    loop {
+        match store.claim_offsets(pipeline, owner, parts).await {
+            Ok(claimed) => return Some(claimed),
+            Err(e) => {
+                let delay = delays.next().unwrap_or(Duration::from_secs(10));
+                tracing::warn!(pipeline = %pipeline, error = %e, retry_in = ?delay, "{waiting}");
+                tokio::select! {
+                    _ = tokio::time::sleep(delay) => {}
+                    _ = shutdown.wait() => return None,
+                }
+            }
+        }
+    }
+}
+
 /// The partitions of `tpl`.
 fn partitions_in(tpl: &TopicPartitionList) -> HashSet<Tp> {
     tpl.elements().iter().map(|e| tp_of(e.topic(), e.partition())).collect()
@@ -363,21 +389,8 @@ impl SourceContext {
         // Held until the claim is registered below, so the task cannot record its outcome before it exists.
         let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         let task = stored.runtime.spawn(async move {
-            let mut delays = crate::worker::backoff(Duration::from_millis(100), Duration::from_secs(10));
-            let claimed = loop {
-                match store.claim_offsets(&pipeline, &owner, &parts).await {
-                    Ok(claimed) => break Some(claimed),
-                    Err(e) => {
-                        let delay = delays.next().unwrap_or(Duration::from_secs(10));
-                        tracing::warn!(pipeline = %pipeline, error = %e, retry_in = ?delay,
-                            "cannot claim the stored positions of the assigned partitions; retrying (the consumer stays in its group)");
-                        tokio::select! {
-                            _ = tokio::time::sleep(delay) => {}
-                            _ = shutdown.wait() => break None,
-                        }
-                    }
-                }
-            };
+            let waiting = "cannot claim the stored positions of the assigned partitions; retrying (the consumer stays in its group)";
+            let claimed = claim_while_down(&store, &pipeline, &owner, &parts, &mut shutdown, waiting).await;
             // The outcome is recorded before the notification, so the source finds it when it wakes up.
             let mut st = state.lock().unwrap_or_else(PoisonError::into_inner);
             if let Some(c) = st.claiming.as_mut().filter(|c| c.id == id) {
@@ -1171,21 +1184,8 @@ impl KafkaSource {
         tracing::info!(pipeline = %self.pipeline, partitions = %names.join(","), after = ?self.fenced_for,
             "still assigned after being fenced: claiming the partitions again");
         let task = stored.runtime.spawn(async move {
-            let mut delays = crate::worker::backoff(Duration::from_millis(100), Duration::from_secs(10));
-            let claimed = loop {
-                match store.claim_offsets(&pipeline, &owner, &parts).await {
-                    Ok(claimed) => break Some(claimed),
-                    Err(e) => {
-                        let delay = delays.next().unwrap_or(Duration::from_secs(10));
-                        tracing::warn!(pipeline = %pipeline, error = %e, retry_in = ?delay,
-                            "cannot claim the fenced partitions again; retrying (they stay paused)");
-                        tokio::select! {
-                            _ = tokio::time::sleep(delay) => {}
-                            _ = shutdown.wait() => break None,
-                        }
-                    }
-                }
-            };
+            let waiting = "cannot claim the fenced partitions again; retrying (they stay paused)";
+            let claimed = claim_while_down(&store, &pipeline, &owner, &parts, &mut shutdown, waiting).await;
             // The outcome is recorded before the notification, so the source finds it when it wakes up.
             let mut st = state.lock().unwrap_or_else(PoisonError::into_inner);
             if let Some(r) = st.reclaiming.as_mut().filter(|r| r.id == id) {

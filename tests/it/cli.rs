@@ -66,8 +66,10 @@ async fn bad_configuration_names_file_pipeline_and_field() {
     let (status, out, err) = idemflow(&["check", "--config", "idemflow.toml"], dir.path());
     assert!(!status.success(), "{out}{err}");
     // The misspelled column is named even though a NOT NULL column is unmapped too; both files in one pass.
-    assert!(err.contains("a.toml: pipeline \"a\": sink: sink.columns.nope: table payments has no column \"nope\""), "{err}");
-    assert!(err.contains("column \"due\" is NOT NULL without a default"), "{err}");
+    // Each on its own line, each counted (three problems, not two).
+    assert!(err.contains("a.toml: pipeline \"a\": sink.columns.nope: table payments has no column \"nope\""), "{err}");
+    assert!(err.contains("a.toml: pipeline \"a\": sink.columns: table payments's column \"due\" is NOT NULL without a default"), "{err}");
+    assert!(err.contains("3 problem(s) in the pipelines"), "{err}");
     assert!(err.contains("b.toml: pipeline \"b\": sink.sql: ") && err.contains("nowhere"), "{err}");
     assert!(!err.contains(&db.url), "the database URL (with its password) is never printed: {err}");
 
