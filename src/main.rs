@@ -258,18 +258,13 @@ fn main() -> ExitCode {
 }
 
 fn load(path: &std::path::Path) -> anyhow::Result<Settings> {
-    load_quieting(path, &[])
-}
-
-/// [`load`], with the log targets `quiet` turned off (see [`telemetry::init_quieting`]).
-fn load_quieting(path: &std::path::Path, quiet: &[&str]) -> anyhow::Result<Settings> {
     // Only the default settings file may be absent (settings then come from IDEMFLOW_* variables alone): a file
     // named with --config that is not there is a mistake, not a fallback.
     if !path.exists() && path != std::path::Path::new(DEFAULT_CONFIG) {
         bail!("{}: no such settings file (given with --config)", path.display());
     }
     let loaded = config::load_settings(path)?;
-    telemetry::init_quieting(&loaded.settings.log, quiet);
+    telemetry::init(&loaded.settings.log);
     for w in &loaded.warnings {
         tracing::warn!("{w}");
     }
@@ -820,8 +815,7 @@ async fn dispatch(command: Command) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Check(a) => {
-            // The brokers' client libraries log each failed connection attempt; check reports them itself.
-            let settings = load_quieting(&a.config, &["librdkafka=off", "rdkafka=off", "rocketmq=off"])?;
+            let settings = load(&a.config)?;
             let pipelines = config::load_pipelines_for(&settings).map_err(|e| report(&e))?;
             config::check_sources(&settings, &pipelines).map_err(|e| report(&e))?;
             let mut source_lines = Vec::new();

@@ -15,16 +15,10 @@ const SAID_BY_THE_CALLER: [&str; 1] = ["lapin=off"];
 
 /// Installs the global subscriber. `RUST_LOG`, when set, overrides `log.level`.
 pub fn init(settings: &LogSettings) {
-    init_quieting(settings, &[]);
-}
-
-/// [`init`], with more targets turned off (`"librdkafka=off"`): those whose failures the command reports itself, in
-/// its own words (`check` says a broker cannot be reached; the Kafka client's own error lines would come first).
-pub fn init_quieting(settings: &LogSettings, said_by_the_command: &[&str]) {
     let mut filter = EnvFilter::try_from_default_env()
         .or_else(|_| EnvFilter::try_new(&settings.level))
         .unwrap_or_else(|_| EnvFilter::new("info"));
-    for directive in QUOTES_VALUES.into_iter().chain(SAID_BY_THE_CALLER).chain(said_by_the_command.iter().copied()) {
+    for directive in QUOTES_VALUES.into_iter().chain(SAID_BY_THE_CALLER) {
         filter = filter.add_directive(directive.parse().expect("a valid directive"));
     }
     use std::io::IsTerminal;
