@@ -168,10 +168,7 @@ impl Sink {
                 }
                 // Redoing it is right only if the claims are still undone: a side effect that committed them
                 // (a procedure's COMMIT) would make every record of the redo a duplicate.
-                if !tx.still_open().await.map_err(|e| SinkError::new("checking that the batch transaction is still open", e))? {
-                    let _ = tx.rollback().await;
-                    return Err(SinkError::TransactionEnded);
-                }
+                tx = still_open(tx).await?;
                 tx.rollback().await.map_err(|e| SinkError::new("rolling back", e))?;
                 let (again, processed) = self.begin_replaying(records, replaying, positions).await?;
                 tx = again;
@@ -182,10 +179,7 @@ impl Sink {
         // The side effect may have ended the transaction itself (a procedure's COMMIT on MySQL): whatever it wrote
         // since was autocommitted, so nothing after this point may be written, and the batch must not be taken for
         // applied.
-        if !tx.still_open().await.map_err(|e| SinkError::new("checking that the batch transaction is still open", e))? {
-            let _ = tx.rollback().await;
-            return Err(SinkError::TransactionEnded);
-        }
+        let mut tx = still_open(tx).await?;
         let mut per_key: HashMap<[u8; 32], i64> = HashMap::new();
         for (p, fate) in prepared.iter().zip(&fates) {
             if let (Prepared::Apply(a), Fate::Duplicate(_)) = (p, fate) {
@@ -524,6 +518,16 @@ impl Sink {
         }
         reason
     }
+}
+
+/// `tx` back when the batch transaction is still the one opened; otherwise (the side effect ended it itself, a
+/// procedure's `COMMIT`) it is rolled back and the error is [`SinkError::TransactionEnded`].
+async fn still_open(mut tx: Tx) -> Result<Tx, SinkError> {
+    if tx.still_open().await.map_err(|e| SinkError::new("checking that the batch transaction is still open", e))? {
+        return Ok(tx);
+    }
+    let _ = tx.rollback().await;
+    Err(SinkError::TransactionEnded)
 }
 
 /// A savepoint that failed: on MySQL/MariaDB, error 1305 (the savepoint does not exist) means the side effect ended
