@@ -14,7 +14,9 @@
 //!   member: batches, partition ownership across rebalances, offset commits) and [`source::rabbitmq`] (a consumer
 //!   per queue: batches acknowledged with `basic.ack` after COMMIT, reconnection after a lost channel) and
 //!   [`source::rocketmq`] (a lite pull consumer in clustering mode: queues followed across rebalances, consume
-//!   offsets updated after COMMIT).
+//!   offsets updated after COMMIT). Each broker's folder also holds its `check`, its dead-letter publisher
+//!   (`[dead_letters] topic` for Kafka, `exchange` for RabbitMQ) and its half of `idemflow rewind`;
+//!   [`source::rewind`] is what every rewind shares (never forward, never past the reset policy).
 //! - [`record`]: one consumed record (a Kafka record, a RabbitMQ delivery or a RocketMQ message), owned, with its
 //!   position.
 //! - [`field`]: field paths (RFC 6901 JSON Pointers, or the dotted form) and how a JSON value becomes text;
@@ -24,13 +26,10 @@
 //! - [`prepare`]: one record through decode, key and parameter extraction, into what the sink needs.
 //! - [`sink`]: the batch protocol, once for every store: dedup claim, side effect, dead letters, duplicate and
 //!   failure classification.
-//! - [`dead_letter_topic`]: the optional Kafka topic that also receives every dead letter;
-//!   [`dead_letter_exchange`]: the same for RabbitMQ pipelines, an exchange with publisher confirms.
 //! - [`offsets`]: the next offset of each partition after a batch (the only place that adds 1), and the fenced
 //!   positions stored in Postgres with `[offsets] store = "database"`.
 //! - [`retention`]: purging dedup rows older than the pipeline's retention, in bounded batches.
 //! - [`bench`](mod@bench): `idemflow bench`, the benchmark against its baselines.
-//! - [`rewind`]: moving a stopped pipeline's group back to replay its topics (`idemflow rewind`).
 //! - [`metrics`]: every Prometheus metric; [`http`]: `/metrics`, `/healthz`, `/readyz`.
 //! - [`worker`]: runs every pipeline until shutdown; [`shutdown`]: the signal that stops it.
 //! - [`store`]: the database that holds the business data and idemflow's tables, one module per database behind
@@ -104,8 +103,7 @@
 
 pub mod bench;
 pub mod config;
-pub mod dead_letter_exchange;
-pub mod dead_letter_topic;
+pub mod dead_letter;
 pub mod decode;
 pub mod demo;
 pub mod field;
@@ -116,8 +114,8 @@ pub mod offsets;
 pub mod prepare;
 pub mod record;
 pub mod retention;
+pub mod retry;
 pub mod rounding;
-pub mod rewind;
 pub mod secret;
 pub mod shutdown;
 pub mod sink;

@@ -153,7 +153,7 @@ struct RewindArgs {
     pipeline: String,
     /// `earliest`, or an RFC 3339 timestamp (the first record at or after it), e.g. 2026-11-29T08:00:00Z.
     #[arg(long)]
-    to: idemflow::rewind::Target,
+    to: idemflow::source::rewind::Target,
     /// Print the plan and change nothing.
     #[arg(long)]
     dry_run: bool,
@@ -373,7 +373,7 @@ async fn dead_letters(cmd: DeadLettersCommand) -> anyhow::Result<()> {
 
 async fn rewind(a: RewindArgs) -> anyhow::Result<()> {
     use idemflow::config::OffsetStore;
-    use idemflow::rewind;
+    use idemflow::source::kafka::rewind;
     let settings = load(&a.config)?;
     let pipelines = config::load_pipelines_for(&settings).map_err(|e| report(&e))?;
     let p = named(&pipelines, &a.pipeline, &settings)?.clone();
@@ -408,7 +408,7 @@ async fn rewind(a: RewindArgs) -> anyhow::Result<()> {
     for w in &plan.warnings {
         println!("warning: {w}");
     }
-    let total: i64 = moves.iter().map(rewind::Move::replayed).sum();
+    let total: i64 = moves.iter().map(idemflow::source::rewind::Move::replayed).sum();
     if a.dry_run {
         let (kafka, pp) = (settings.kafka.clone(), p.clone());
         let members = tokio::task::spawn_blocking(move || rewind::active_members(&kafka, &pp, a.timeout)).await?;
@@ -468,7 +468,7 @@ async fn rewind_rocketmq(settings: &Settings, a: &RewindArgs, p: &config::Pipeli
     for w in &warnings {
         println!("warning: {w}");
     }
-    let total: i64 = moves.iter().map(idemflow::rewind::Move::replayed).sum();
+    let total: i64 = moves.iter().map(idemflow::source::rewind::Move::replayed).sum();
     if a.dry_run {
         match members {
             0 => println!("the group has no members online: a real run would go ahead"),
@@ -671,7 +671,7 @@ fn named<'p>(pipelines: &'p [config::Pipeline], name: &str, settings: &Settings)
 /// with exponential backoff, saying why on every attempt.
 async fn wait_for_stores(settings: &Settings, kinds: &[StoreKind]) {
     for kind in kinds {
-        let mut backoff = worker::backoff(std::time::Duration::from_millis(200), std::time::Duration::from_secs(10));
+        let mut backoff = idemflow::retry::backoff(std::time::Duration::from_millis(200), std::time::Duration::from_secs(10));
         loop {
             let (what, result) = match kind {
                 StoreKind::Database => ("database", Store::ping(settings.database.as_ref().expect("checked by check_sources")).await),

@@ -2,8 +2,6 @@
 //! batch, until shutdown.
 
 use crate::config::{DeadLetterSettings, Pipeline, PipelineError, Settings};
-use crate::dead_letter_exchange::DeadLetterExchange;
-use crate::dead_letter_topic::DeadLetterTopic;
 use crate::metrics::BatchCounts;
 use crate::http::Health;
 use crate::metrics::{Metrics, PipelineMetrics};
@@ -11,9 +9,9 @@ use crate::prepare::{Prepared, Preparer};
 use crate::record::Record;
 use crate::shutdown::Shutdown;
 use crate::sink::{Disposition, Sink, SinkError};
-use crate::source::{Source, StoredStart};
+use crate::source::{DeadLetterOut, Source, StoredStart};
 use crate::config::OffsetStore;
-use backon::{BackoffBuilder, ExponentialBuilder};
+use crate::retry::backoff;
 use crate::store::Store;
 use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, Instant};
@@ -296,17 +294,7 @@ async fn run_lane(
         shutdown: shutdown.clone(),
     });
     let mut source = Source::new(settings, &r.pipeline, metrics.clone(), stored).map_err(source_error)?;
-    let dl = &r.pipeline.dead_letters;
-    let dead_letter_out = match (&dl.topic, &dl.exchange, &settings.rabbitmq) {
-        (Some(topic), _, _) => Some(DeadLetterOut::Topic(DeadLetterTopic::new(&settings.kafka, &name, topic).map_err(|e| {
-            source_error(format!("cannot create the dead-letter topic's producer: {}", crate::source::kafka::describe_kafka_error(&e)))
-        })?)),
-        (None, Some(exchange), Some(rabbitmq)) => {
-            let routing_key = dl.routing_key.as_deref().unwrap_or(&name);
-            Some(DeadLetterOut::Exchange(DeadLetterExchange::new(rabbitmq, &name, exchange, routing_key)))
-        }
-        _ => None,
-    };
+    let dead_letter_out = DeadLetterOut::new(settings, &r.pipeline).map_err(source_error)?;
     tracing::info!(pipeline = %name, source = r.pipeline.source.kind(), streams = ?r.pipeline.source.streams(), "pipeline started");
     let mut step = Step {
         ready: r.clone(),
@@ -641,24 +629,6 @@ async fn resync(
     }
 }
 
-/// Where dead letters also go besides `idemflow.dead_letters`, before the batch's offsets are committed or its
-/// deliveries acknowledged.
-enum DeadLetterOut {
-    /// A Kafka topic (`[dead_letters] topic`).
-    Topic(DeadLetterTopic),
-    /// A RabbitMQ exchange (`[dead_letters] exchange`).
-    Exchange(DeadLetterExchange),
-}
-
-impl DeadLetterOut {
-    async fn publish(&self, batch: &[Record], dead: &[crate::sink::DeadLettered]) -> Result<(), String> {
-        match self {
-            DeadLetterOut::Topic(t) => t.publish(batch, dead).await.map_err(|e| e.to_string()),
-            DeadLetterOut::Exchange(x) => x.publish(batch, dead).await,
-        }
-    }
-}
-
 /// Who claims partitions, as recorded in `idemflow.offsets.owner`: `$HOSTNAME/pid` (the container name under
 /// Docker and Kubernetes), and `/lane` after it for a pipeline with `batch.concurrency` > 1.
 fn owner() -> String {
@@ -673,9 +643,4 @@ const LOST_POSITIONS_EVERY: Duration = Duration::from_secs(1);
 
 fn retry_backoff() -> impl Iterator<Item = Duration> {
     backoff(Duration::from_millis(100), MAX_RETRY_DELAY)
-}
-
-/// Exponential delays with jitter from `min` doubling up to `max`, without end (the backon crate).
-pub fn backoff(min: Duration, max: Duration) -> impl Iterator<Item = Duration> {
-    ExponentialBuilder::default().with_min_delay(min).with_max_delay(max).with_jitter().without_max_times().build()
 }

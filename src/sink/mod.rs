@@ -2,16 +2,17 @@
 //! claims business keys, applies the side effect for the new ones, writes the dead letters and commits.
 //!
 //! - [`dedup`]: what a claim returns and how duplicates are classified.
-//! - [`dead_letter`]: what a dead letter keeps.
+//! - [`dead_letter`] (a leaf the stores and the dead-letter publishers share): what a dead letter keeps.
 //! - [`error`]: how every database failure is classified: retry, dead-letter the record, or fatal.
 //! - [`template`]: named parameters in `sink.sql`.
 //! - [`transaction`]: the batch transaction that ties them together.
 
-pub mod dead_letter;
+pub use crate::dead_letter;
 pub mod dedup;
 pub mod error;
 pub mod template;
 pub mod transaction;
 
 pub use error::{Disposition, SinkError};
-pub use transaction::{BatchOutcome, DeadLettered, Sink};
+pub use crate::dead_letter::DeadLettered;
+pub use transaction::{BatchOutcome, Sink};

@@ -29,6 +29,7 @@ use crate::metrics::{BatchCounts, DeadLetterReason, DuplicateReason};
 use crate::offsets::{NextOffsets, Positions, Processed};
 use crate::prepare::{Apply, Prepared};
 use crate::record::Record;
+use crate::dead_letter::DeadLettered;
 use crate::store::redis::batch::{Item, ItemResult, Refused};
 use crate::store::redis::RedisStore;
 use crate::store::{SideEffect, Store, Tx};
@@ -55,19 +56,6 @@ pub struct BatchOutcome {
     pub dead_letters: Vec<DeadLettered>,
     /// Redis: the batch script's round trip.
     pub script_round_trip: Option<Duration>,
-}
-
-/// One dead-lettered record of a committed batch.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct DeadLettered {
-    /// Index of the record in the batch.
-    pub index: usize,
-    /// Why.
-    pub reason: DeadLetterReason,
-    /// The error text.
-    pub error: String,
-    /// Whether this position was dead-lettered for the first time.
-    pub new: bool,
 }
 
 /// The fate of one record inside an attempt, before commit.

@@ -12,6 +12,7 @@
 
 pub mod kafka;
 pub mod rabbitmq;
+pub mod rewind;
 pub mod rocketmq;
 
 use crate::config::{BatchSettings, Pipeline, Settings, SourceSpec};
@@ -189,6 +190,46 @@ impl Source {
             Source::Kafka(s) => s.close(),
             Source::RabbitMq(s) => s.close().await,
             Source::RocketMq(s) => s.close().await,
+        }
+    }
+}
+
+/// Where a pipeline's dead letters also go besides the store's dead-letter table, before the batch's offsets are
+/// committed or its deliveries acknowledged: the broker's own dead-letter publisher, when the pipeline names one.
+pub enum DeadLetterOut {
+    /// A Kafka topic (`[dead_letters] topic`).
+    Topic(kafka::dead_letters::DeadLetterTopic),
+    /// A RabbitMQ exchange (`[dead_letters] exchange`), with publisher confirms.
+    Exchange(rabbitmq::dead_letters::DeadLetterExchange),
+}
+
+impl DeadLetterOut {
+    /// The publisher `pipeline`'s `[dead_letters]` names, if any.
+    ///
+    /// Errors: the Kafka producer could not be created, as text.
+    pub fn new(settings: &Settings, pipeline: &Pipeline) -> Result<Option<DeadLetterOut>, String> {
+        let dl = &pipeline.dead_letters;
+        Ok(match (&dl.topic, &dl.exchange, &settings.rabbitmq) {
+            (Some(topic), _, _) => Some(DeadLetterOut::Topic(
+                kafka::dead_letters::DeadLetterTopic::new(&settings.kafka, &pipeline.name, topic).map_err(|e| {
+                    format!("cannot create the dead-letter topic's producer: {}", kafka::describe_kafka_error(&e))
+                })?,
+            )),
+            (None, Some(exchange), Some(rabbitmq)) => {
+                let routing_key = dl.routing_key.as_deref().unwrap_or(&pipeline.name);
+                Some(DeadLetterOut::Exchange(rabbitmq::dead_letters::DeadLetterExchange::new(rabbitmq, &pipeline.name, exchange, routing_key)))
+            }
+            _ => None,
+        })
+    }
+
+    /// Publishes `dead` (indexes into `batch`), confirmed by the broker.
+    ///
+    /// Errors: the broker refused or did not confirm, as text; the worker retries the batch's end.
+    pub async fn publish(&self, batch: &[Record], dead: &[crate::dead_letter::DeadLettered]) -> Result<(), String> {
+        match self {
+            DeadLetterOut::Topic(t) => t.publish(batch, dead).await.map_err(|e| e.to_string()),
+            DeadLetterOut::Exchange(x) => x.publish(batch, dead).await,
         }
     }
 }

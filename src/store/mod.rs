@@ -28,7 +28,7 @@ use crate::offsets::{Claimed, NextOffsets, Positions, Processed};
 use crate::prepare::Apply;
 use crate::record::Record;
 use crate::retention::PurgeOutcome;
-use crate::sink::dead_letter::Stored;
+use crate::dead_letter::Stored;
 use crate::sink::dedup::{Claim, Existing, Explained};
 use crate::metrics::DeadLetterReason;
 use std::collections::HashSet;

@@ -4,7 +4,7 @@
 
 use crate::metrics::DeadLetterReason;
 use crate::record::{Record, NO_PARTITION};
-use crate::sink::dead_letter::Stored;
+use crate::dead_letter::Stored;
 use sqlx::MySqlConnection;
 
 const INSERT: &str = "INSERT INTO idemflow_dead_letters \

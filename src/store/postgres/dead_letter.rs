@@ -2,7 +2,7 @@
 
 use crate::metrics::DeadLetterReason;
 use crate::record::Record;
-use crate::sink::dead_letter::Stored;
+use crate::dead_letter::Stored;
 use sqlx::PgConnection;
 
 const INSERT: &str = r#"

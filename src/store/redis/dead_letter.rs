@@ -5,7 +5,7 @@
 
 use super::batch::Meta;
 use super::RedisStore;
-use crate::sink::dead_letter::Stored;
+use crate::dead_letter::Stored;
 use std::collections::HashMap;
 
 type Entry = (String, Vec<(String, Vec<u8>)>);

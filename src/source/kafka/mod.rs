@@ -47,6 +47,9 @@
 //! assigned partition from the moment it is assigned (`idemflow_consumer_lag_records`), and warns when the
 //! consumer has had no partition for `[kafka] no_partitions_warning`.
 
+pub mod dead_letters;
+pub mod rewind;
+
 use crate::config::{BatchSettings, KafkaSettings, Pipeline};
 use crate::metrics::{CommitResult, PipelineMetrics, RebalanceEvent};
 use crate::offsets::NextOffsets;
@@ -174,7 +177,7 @@ async fn claim_while_down(
     shutdown: &mut Shutdown,
     waiting: &str,
 ) -> Option<Vec<offsets::Claimed>> {
-    let mut delays = crate::worker::backoff(Duration::from_millis(100), Duration::from_secs(10));
+    let mut delays = crate::retry::backoff(Duration::from_millis(100), Duration::from_secs(10));
     loop {
         match store.claim_offsets(pipeline, owner, parts).await {
             Ok(claimed) => return Some(claimed),

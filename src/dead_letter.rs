@@ -3,6 +3,7 @@
 //! batch so nothing is lost between "failed" and "recorded". A dead-lettered record writes no
 //! dedup row, so the same operation, fixed and replayed, is applied then.
 
+use crate::metrics::DeadLetterReason;
 use crate::record::Record;
 
 /// One stored dead letter.
@@ -72,4 +73,17 @@ impl Stored {
             delivered_before: (self.partition == crate::record::NO_PARTITION).then_some(false),
         }
     }
+}
+
+/// One dead-lettered record of a committed batch.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeadLettered {
+    /// Index of the record in the batch.
+    pub index: usize,
+    /// Why.
+    pub reason: DeadLetterReason,
+    /// The error text.
+    pub error: String,
+    /// Whether this position was dead-lettered for the first time.
+    pub new: bool,
 }

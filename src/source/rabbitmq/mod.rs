@@ -36,6 +36,8 @@
 //! A delivery has no stable position: records carry the queue name, [`NO_PARTITION`] and their delivery tag, and
 //! [`Record::delivered_before`] holds the broker's redelivery mark, from which duplicates are classified.
 
+pub mod dead_letters;
+
 use crate::config::{BatchSettings, Pipeline, RabbitMqSettings, RabbitMqSpec};
 use crate::metrics::{CommitResult, PipelineMetrics, RebalanceEvent};
 use crate::record::{Position, Record, NO_PARTITION};
@@ -466,7 +468,7 @@ impl RabbitMqSource {
 }
 
 fn reconnect_backoff() -> impl Iterator<Item = Duration> + Send {
-    crate::worker::backoff(Duration::from_millis(200), Duration::from_secs(30))
+    crate::retry::backoff(Duration::from_millis(200), Duration::from_secs(30))
 }
 
 /// Opens a connection with the settings' heartbeat (unless the URL sets one) and connection timeout.
