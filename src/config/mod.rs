@@ -8,7 +8,7 @@
 pub mod pipeline;
 
 pub use pipeline::{BatchSettings, Binding, DeadLetterSettings, DeclaredType, DedupSettings, KafkaSpec, Meta, OffsetStore, OnConflict, Pipeline, RedisCommand, StoreKind, PipelineError, QueueType, RabbitMqSpec, RocketMqSpec, SinkSpec, SourceSpec, NaiveTimestamps, TimeSettings, TombstonePolicy, ValueSource};
-pub use crate::sink::template::Dialect;
+pub use crate::store::template::Dialect;
 
 use figment::providers::{Format as _, Toml};
 use figment::Figment;

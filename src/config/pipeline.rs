@@ -6,7 +6,7 @@
 use crate::decode::{Decoder, Format};
 use crate::field::FieldPath;
 use crate::key::{KeySource, KeySpec};
-use crate::sink::template::{self, Dialect, Statement};
+use crate::store::template::{self, Dialect, Statement};
 use serde::Deserialize;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

@@ -1,34 +1,7 @@
-//! Every database failure is classified once, here, and the code path follows the class. Each store maps its own
-//! codes into these dispositions: Postgres's SQLSTATEs in [`crate::store::postgres::error`], MySQL's and MariaDB's
-//! error numbers in [`crate::store::mysql::error`], Redis's error codes in [`crate::store::redis::error`]. For every
-//! store:
-//!
-//! | failure | disposition |
-//! |---|---|
-//! | I/O errors, a connection lost (during `COMMIT` too: the dedup rows decide on the retry), a deadlock, a lock wait timeout, the server shutting down or out of connections | retry the batch |
-//! | pool acquire timeout | retry the batch |
-//! | a data error or a constraint violated by one record's side effect | dead-letter that record (`side_effect_rejected`), the rest of the batch commits |
-//! | a missing table or column, a syntax error, a permission refused, and anything else | fatal: the pipeline stops |
+//! Why a batch did not commit ([`SinkError`]) and what the worker does about it: the disposition of each failure
+//! is decided once, in [`crate::store::error`], for every store.
 
-use crate::metrics::RetryCause;
-
-/// What to do about a failure.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Disposition {
-    /// Roll back and retry the whole batch after a backoff.
-    Retry(RetryCause),
-    /// The record being applied is at fault: isolate it and dead-letter it.
-    Record,
-    /// Stop the pipeline.
-    Fatal,
-    /// Some partitions of the batch belong to another worker now: drop their records and redo the rest.
-    Fenced,
-    /// The side effect's schema changed: build its statements again, prepare the records again, redo the batch.
-    Rebuild,
-    /// The store lost positions this worker had stored (Redis after a crash that lost its last writes): claim the
-    /// partitions again and consume them from the positions the store kept.
-    Resync,
-}
+pub use crate::store::error::{classify, describe, Disposition};
 
 /// Why a batch did not commit.
 #[derive(Debug, thiserror::Error)]
@@ -173,51 +146,5 @@ impl SinkError {
             SinkError::SchemaChanged => Disposition::Rebuild,
             SinkError::Schema(_) => Disposition::Fatal,
         }
-    }
-}
-
-/// Classifies a sqlx error (see the module table).
-pub fn classify(error: &sqlx::Error) -> Disposition {
-    use Disposition::*;
-    match error {
-        sqlx::Error::Database(db) => match db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>() {
-            Some(my) => crate::store::mysql::error::classify(my),
-            None => match db.code() {
-                Some(code) => crate::store::postgres::error::classify_sqlstate(&code),
-                None => Fatal,
-            },
-        },
-        sqlx::Error::Io(_) | sqlx::Error::Tls(_) | sqlx::Error::Protocol(_) | sqlx::Error::WorkerCrashed => {
-            Retry(RetryCause::Connection)
-        }
-        sqlx::Error::PoolTimedOut => Retry(RetryCause::PoolTimeout),
-        sqlx::Error::PoolClosed => Fatal,
-        _ => Fatal,
-    }
-}
-
-/// An error's text for the dead letters and logs, with its code: `SQLSTATE 23505: ...` (Postgres) or
-/// `MySQL error 1366 (22007): ...` (MySQL and MariaDB).
-pub fn describe(error: &sqlx::Error) -> String {
-    match error {
-        sqlx::Error::Database(db) => match db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>() {
-            Some(my) => crate::store::mysql::error::describe(my),
-            None => match db.code() {
-                Some(code) => format!("SQLSTATE {code}: {}", db.message()),
-                None => db.message().to_owned(),
-            },
-        },
-        other => other.to_string(),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn errors_without_a_database_code() {
-        assert_eq!(classify(&sqlx::Error::PoolTimedOut), Disposition::Retry(RetryCause::PoolTimeout));
-        assert_eq!(classify(&sqlx::Error::Io(std::io::ErrorKind::ConnectionReset.into())), Disposition::Retry(RetryCause::Connection));
     }
 }

@@ -10,7 +10,7 @@
 pub use crate::dead_letter;
 pub mod dedup;
 pub mod error;
-pub mod template;
+pub use crate::store::template;
 pub mod transaction;
 
 pub use error::{Disposition, SinkError};

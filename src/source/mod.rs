@@ -152,7 +152,7 @@ impl Source {
         }
     }
 
-    /// The store lost positions this worker had stored (see [`crate::sink::SinkError::Lost`]): starts the partitions
+    /// The store lost positions this worker had stored (see the sink's `SinkError::Lost`): starts the partitions
     /// of `claimed` again from the positions it kept, dropping their records from `batch`. Only sources with stored
     /// positions (Kafka, RocketMQ) can lose them.
     ///

@@ -3,20 +3,23 @@
 //!
 //! - [`Store`]: a connection pool, and what runs outside a batch: migrations, the schema check, stored positions
 //!   (claim, read, reset), retention, `explain`, the dead-letter listing.
-//! - [`Tx`]: one open batch transaction, and every step the batch protocol ([`crate::sink`]) takes in it: the
+//! - [`Tx`]: one open batch transaction, and every step the batch protocol (the sink) takes in it: the
 //!   claim, the lookup of existing dedup rows, the side effect, the dead letters, the fenced positions, the
 //!   processed marks, savepoints, `COMMIT`.
 //! - [`SideEffect`]: a pipeline's side effect, checked against the store's tables and statements.
 //!
-//! The protocol and the duplicate classification are written once, in [`crate::sink`]; a store provides only the
-//! statements. Each store maps its error codes into the same dispositions ([`crate::sink::error`]).
+//! The protocol and the duplicate classification are written once, in the sink; a store provides only the
+//! statements. Each store maps its error codes into the same dispositions ([`crate::store::error`]).
 //!
 //! - [`postgres`]: PostgreSQL (`postgres://`, `postgresql://`).
 //! - [`mysql`]: MySQL and MariaDB (`mysql://`, `mariadb://`).
 //! - [`redis`]: Redis (`[redis] url`), a store whose side effect is Redis commands. It has no interactive
 //!   transaction: the whole batch runs as one script ([`redis::batch`]), so it has no [`Tx`]; the sink runs the
-//!   same protocol through it ([`crate::sink::Sink`]).
+//!   same protocol through it (the sink's `Sink`).
 
+pub mod error;
+pub mod rows;
+pub mod template;
 pub mod mysql;
 pub mod postgres;
 pub mod redis;
@@ -29,7 +32,7 @@ use crate::prepare::Apply;
 use crate::record::Record;
 use crate::retention::PurgeOutcome;
 use crate::dead_letter::Stored;
-use crate::sink::dedup::{Claim, Existing, Explained};
+use crate::store::rows::{Claim, Existing, Explained};
 use crate::metrics::DeadLetterReason;
 use std::collections::HashSet;
 use std::time::Duration;

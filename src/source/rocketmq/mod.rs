@@ -689,7 +689,7 @@ impl RocketMqSource {
     }
 
     /// Starts queues again from positions claimed anew after the store lost positions this worker had stored
-    /// (see [`crate::sink::SinkError::Lost`]), dropping their records from `batch`. A queue the client cannot move
+    /// (see the sink's `SinkError::Lost`), dropping their records from `batch`. A queue the client cannot move
     /// now is claimed again a few seconds later.
     pub async fn resync(&mut self, claimed: &[offsets::Claimed], batch: &mut Vec<Record>) -> Result<(), String> {
         self.start_from(claimed).await;

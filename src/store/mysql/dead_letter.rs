@@ -1,4 +1,4 @@
-//! The MySQL and MariaDB dead letters: `idemflow_dead_letters` (see [`crate::sink::dead_letter`] for what they
+//! The MySQL and MariaDB dead letters: `idemflow_dead_letters` (see [`crate::dead_letter`] for what they
 //! keep). Headers and properties are JSON arrays (header values as hex strings, or null); a queue's dead letter
 //! has a NULL `offset` and is numbered by its id.
 

@@ -16,7 +16,7 @@
 
 use super::{chunks, marks, rows, ClaimForm};
 use crate::record::Position;
-use crate::sink::dedup::{Claim, Existing, Explained};
+use crate::store::rows::{Claim, Existing, Explained};
 use sha2::{Digest, Sha256};
 use sqlx::MySqlConnection;
 use std::collections::HashSet;
@@ -133,7 +133,7 @@ pub async fn count_duplicates(conn: &mut MySqlConnection, pipeline: &str, counts
 
 /// Looks a business key up by its canonical text. Times are UTC.
 pub async fn explain(conn: &mut MySqlConnection, pipeline: &str, key: &crate::key::BusinessKey) -> Result<Option<Explained>, sqlx::Error> {
-    let row: Option<crate::sink::dedup::ExplainedRow> = sqlx::query_as(
+    let row: Option<crate::store::rows::ExplainedRow> = sqlx::query_as(
         "SELECT CAST(business_key AS CHAR), DATE_FORMAT(applied_at, '%Y-%m-%d %H:%i:%s.%f+00'), CAST(topic AS CHAR), `partition`, `offset`, \
                 LOWER(HEX(fingerprint)), duplicates, DATE_FORMAT(last_duplicate_at, '%Y-%m-%d %H:%i:%s.%f+00') \
          FROM idemflow_dedup WHERE pipeline = ? AND key_digest = ?",

@@ -10,7 +10,7 @@
 //! | a missing table or column, a syntax error, a permission refused, and anything else | 1146, 1054, 1064, 1142, 1143, 1044, 1045, ... | fatal: the pipeline stops |
 
 use crate::metrics::RetryCause;
-use crate::sink::Disposition;
+use crate::store::error::Disposition;
 use sqlx::mysql::MySqlDatabaseError;
 
 /// Classifies a MySQL or MariaDB error by its number (see the module table).

@@ -22,14 +22,14 @@
 //! Each batch transaction starts with [`SideEffect::begin`]: a `SELECT ... LIMIT 0` from each table of the table
 //! form takes its shared metadata lock, which an `ALTER TABLE` must wait for until the batch commits (MySQL
 //! Reference Manual, "Metadata Locking"), and then the table's columns are read again; when they differ from what
-//! the statement was built from, the batch rolls back with [`crate::sink::SinkError::SchemaChanged`] and the worker
+//! the statement was built from, the batch rolls back with `SinkError::SchemaChanged` (the sink) and the worker
 //! rebuilds it. A dropped table is error 1146, fatal.
 
 use super::marks;
 use crate::config::{Binding, DeclaredType, OnConflict, SinkSpec, TimeSettings};
 use crate::field::Render;
 use crate::prepare::Apply;
-use crate::sink::template::{Part, Statement};
+use crate::store::template::{Part, Statement};
 use crate::store::PrepareError;
 use sqlx::{Executor as _, MySqlConnection};
 
@@ -58,8 +58,8 @@ fn prepare_error(field: impl Into<String>, message: impl Into<String>) -> Prepar
 }
 
 fn db_error(field: impl Into<String>, e: sqlx::Error, context: &str) -> PrepareError {
-    let unavailable = matches!(crate::sink::error::classify(&e), crate::sink::Disposition::Retry(_));
-    let e = crate::sink::error::describe(&e);
+    let unavailable = matches!(crate::store::error::classify(&e), crate::store::error::Disposition::Retry(_));
+    let e = crate::store::error::describe(&e);
     let message = if context.is_empty() { e } else { format!("{e}\n  in: {context}") };
     PrepareError { field: field.into(), message, unavailable }
 }

@@ -1,4 +1,4 @@
-//! The Postgres dead letters: `idemflow.dead_letters` (see [`crate::sink::dead_letter`] for what they keep).
+//! The Postgres dead letters: `idemflow.dead_letters` (see [`crate::dead_letter`] for what they keep).
 
 use crate::metrics::DeadLetterReason;
 use crate::record::Record;

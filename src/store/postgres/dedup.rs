@@ -5,7 +5,7 @@
 //! CONFLICT").
 
 use crate::record::Position;
-use crate::sink::dedup::{Claim, Existing, Explained};
+use crate::store::rows::{Claim, Existing, Explained};
 use sqlx::PgConnection;
 use std::collections::HashSet;
 
@@ -98,7 +98,7 @@ pub async fn count_duplicates(
 
 /// Looks a business key up by its canonical text.
 pub async fn explain(conn: &mut PgConnection, pipeline: &str, key: &crate::key::BusinessKey) -> Result<Option<Explained>, sqlx::Error> {
-    let row: Option<crate::sink::dedup::ExplainedRow> = sqlx::query_as(
+    let row: Option<crate::store::rows::ExplainedRow> = sqlx::query_as(
         r#"SELECT business_key, applied_at::text AS applied_at, topic, partition, "offset", encode(fingerprint, 'hex') AS fingerprint,
                   duplicates, last_duplicate_at::text AS last_duplicate_at
            FROM idemflow.dedup WHERE pipeline = $1 AND key_digest = $2"#,

@@ -9,7 +9,7 @@
 //! | class 42 (syntax error or access rule violation: the configured SQL or table is wrong), 0A, 3F, 28, and anything else | fatal: the pipeline stops |
 
 use crate::metrics::RetryCause;
-use crate::sink::Disposition;
+use crate::store::error::Disposition;
 
 /// A sentence for the errors a transaction-pooling proxy causes when named prepared statements are used
 /// (SQLSTATE 42P05 duplicate prepared statement, 26000 invalid statement name); empty for every other error.
@@ -25,7 +25,7 @@ pub fn pooler_hint(error: &sqlx::Error) -> &'static str {
 
 /// Whether `error` is PostgreSQL's `query_canceled` (57014) by `statement_timeout`. A batch whose statement is
 /// cancelled that way may simply be too big for the timeout, so the sink redoes it record by record, and a record
-/// alone past the timeout is dead-lettered (see [`crate::sink`]); lock waits end as 55P03 before that (the batch
+/// alone past the timeout is dead-lettered (see the sink); lock waits end as 55P03 before that (the batch
 /// sets a shorter `lock_timeout`), and a cancel request is retried.
 pub fn cancelled(error: &sqlx::Error) -> bool {
     // 57014 is also a cancel request (pg_cancel_backend, "due to user request"): that one is retried as it is.

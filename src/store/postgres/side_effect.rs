@@ -28,7 +28,7 @@
 //! execution), so no schema change can commit until the batch does, and then reads the schema again: the table's
 //! identity, columns, types, NOT NULL, defaults and primary key, or each statement's inferred parameter types.
 //! When that differs from what the statements were built from, the batch rolls back with
-//! [`crate::sink::SinkError::SchemaChanged`] and the worker rebuilds the statements and prepares the records again,
+//! `SinkError::SchemaChanged` (the sink) and the worker rebuilds the statements and prepares the records again,
 //! before anything was written (PostgreSQL docs, "Explicit Locking": locks are held until the transaction ends).
 //!
 //! # Time zones
@@ -38,7 +38,7 @@
 //! "dead_letter"`), and a value with an offset for a `timestamp` (without time zone) target is converted to that
 //! zone's local time instead of having its offset dropped, which is what PostgreSQL's own cast does.
 
-use crate::sink::template::Statement;
+use crate::store::template::Statement;
 use crate::store::PrepareError;
 use crate::config::{Binding, OnConflict, SinkSpec, TimeSettings};
 use crate::field::Render;
@@ -195,7 +195,7 @@ fn prepare_error(field: impl Into<String>, message: impl Into<String>) -> Prepar
 
 /// A database error met while preparing: a configuration error unless the database itself was unavailable.
 fn db_error(field: impl Into<String>, e: sqlx::Error, context: &str) -> PrepareError {
-    let unavailable = matches!(crate::sink::error::classify(&e), crate::sink::Disposition::Retry(_));
+    let unavailable = matches!(crate::store::error::classify(&e), crate::store::error::Disposition::Retry(_));
     let hint = super::error::pooler_hint(&e);
     let message = if context.is_empty() { format!("{e}{hint}") } else { format!("{e}{hint}\n  in: {context}") };
     PrepareError { field: field.into(), message, unavailable }
@@ -760,7 +760,7 @@ async fn prepare_batch(
     let mut prepared = Vec::with_capacity(statements.len());
     for statement in statements {
         let written = statement.render(|_| unreachable!("batch_sql statements have no parameters (validated)"));
-        let sql = match crate::sink::template::after_leading_with(&written) {
+        let sql = match crate::store::template::after_leading_with(&written) {
             Some(at) => format!("{} {relation},{}", &written[..at], &written[at..]),
             None => format!("WITH {relation}\n{written}"),
         };

@@ -22,7 +22,7 @@ use super::{DedupValue, RedisStore};
 use crate::metrics::DeadLetterReason;
 use crate::offsets::{Positions, Processed};
 use crate::record::{Position, Record, NO_PARTITION};
-use crate::sink::dedup::Existing;
+use crate::store::rows::Existing;
 use redis::Value;
 use serde::{Deserialize, Serialize};
 use std::time::{Duration, Instant};

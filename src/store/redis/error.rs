@@ -1,4 +1,4 @@
-//! Redis failures, classified into the dispositions every store shares ([`crate::sink::error`]).
+//! Redis failures, classified into the dispositions every store shares ([`crate::store::error`]).
 //!
 //! | failure | disposition |
 //! |---|---|
@@ -12,7 +12,7 @@
 //! that error, and the batch follows this table. Since Redis 7.0 an error inside a script keeps its code.
 
 use crate::metrics::RetryCause;
-use crate::sink::Disposition;
+use crate::store::error::Disposition;
 
 /// The disposition of a Redis error.
 pub fn classify(e: &redis::RedisError) -> Disposition {

@@ -37,7 +37,7 @@ pub mod side_effect;
 
 use crate::config::RedisSettings;
 use crate::key::BusinessKey;
-use crate::sink::dedup::Explained;
+use crate::store::rows::Explained;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};

@@ -1,0 +1,56 @@
+//! The rows the batch protocol reads and writes in every store: a key claim, the dedup row found for a key
+//! already claimed (classified by [`crate::store::rows::classify`]), and what `idemflow explain` shows.
+
+use crate::key::BusinessKey;
+use crate::record::Position;
+
+/// A key claim for one record.
+pub struct Claim<'a> {
+    /// The key.
+    pub key: &'a BusinessKey,
+    /// Where the record is.
+    pub position: &'a Position,
+    /// SHA-256 of its payload.
+    pub fingerprint: &'a [u8; 32],
+}
+
+/// The dedup row that was already there for a key.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Existing {
+    /// Where the applied record was.
+    pub position: Position,
+    /// Its payload fingerprint.
+    pub fingerprint: Vec<u8>,
+}
+
+/// What the dedup store knows of one business key (`idemflow explain`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Explained {
+    /// The key's canonical text.
+    pub business_key: String,
+    /// When it was applied (the batch transaction's start).
+    pub applied_at: String,
+    /// Where the applied record was.
+    pub topic: String,
+    /// Its partition.
+    pub partition: i32,
+    /// Its offset.
+    pub offset: i64,
+    /// SHA-256 of its payload, hex.
+    pub fingerprint: String,
+    /// Duplicates of it skipped since.
+    pub duplicates: i64,
+    /// When the last one was skipped.
+    pub last_duplicate_at: Option<String>,
+}
+
+/// An [`Explained`] as the stores read it: `(business_key, applied_at, topic, partition, offset, fingerprint,
+/// duplicates, last_duplicate_at)`.
+pub type ExplainedRow = (String, String, String, i32, i64, String, i64, Option<String>);
+
+impl From<ExplainedRow> for Explained {
+    fn from(row: ExplainedRow) -> Self {
+        let (business_key, applied_at, topic, partition, offset, fingerprint, duplicates, last_duplicate_at) = row;
+        Explained { business_key, applied_at, topic, partition, offset, fingerprint, duplicates, last_duplicate_at }
+    }
+}
