@@ -87,3 +87,29 @@ pub struct DeadLettered {
     /// Whether this position was dead-lettered for the first time.
     pub new: bool,
 }
+
+/// `[dead_letters]`: the guard against dead-lettering a whole stream, and the optional dead-letter topic.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DeadLetterSettings {
+    /// Stop the pipeline (fatal) rather than commit a batch that takes the share of dead letters among the last
+    /// `window` records above this (0 to 1; default 0.5). 1 disables the guard.
+    pub max_ratio: f64,
+    /// How many recent records the ratio is taken over (default 1000).
+    pub window: u64,
+    /// The guard acts only once the window holds at least this many records (default 100).
+    pub min_records: u64,
+    /// Also produce every dead letter to this Kafka topic, with provenance headers, before the batch's offsets
+    /// are committed. `None` (the default): the `idemflow.dead_letters` table only. Kafka pipelines only.
+    pub topic: Option<String>,
+    /// RabbitMQ pipelines: also publish every dead letter to this exchange (with `routing_key`), with publisher
+    /// confirms, before the batch is acknowledged ([`crate::dead_letter_exchange`]).
+    pub exchange: Option<String>,
+    /// The routing key of those publishes (default: the pipeline's name).
+    pub routing_key: Option<String>,
+}
+
+impl Default for DeadLetterSettings {
+    fn default() -> Self {
+        DeadLetterSettings { max_ratio: 0.5, window: 1000, min_records: 100, topic: None, exchange: None, routing_key: None }
+    }
+}

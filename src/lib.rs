@@ -101,6 +101,7 @@
 // The worker's futures (a batch polled beside the Kafka consumer's select) nest deeper than the default 128.
 #![recursion_limit = "256"]
 
+pub mod batch;
 pub mod bench;
 pub mod config;
 pub mod dead_letter;

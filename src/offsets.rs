@@ -13,6 +13,7 @@
 //! batch of the previous owner that comes after the claim finds the epoch changed and rolls back whole (the store
 //! reports it fenced).
 
+use serde::Deserialize;
 use crate::record::Record;
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -98,4 +99,21 @@ impl Processed {
     pub fn before(&self, position: &crate::record::Position) -> bool {
         self.0.get(&(position.topic.clone(), position.partition)).is_some_and(|next| position.offset < *next)
     }
+}
+
+/// `[offsets] store`: where a pipeline keeps the consumed position of each partition.
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum OffsetStore {
+    /// The consumer group's committed offsets in the broker (Kafka, or a RocketMQ broker's consumer offsets),
+    /// committed after each batch's transaction. A crash between the two redelivers that batch, and its records
+    /// are skipped as `redelivered` duplicates. Written `"broker"` or `"kafka"`.
+    #[default]
+    #[serde(alias = "kafka")]
+    Broker,
+    /// The `idemflow.offsets` table, written in each batch's transaction and fenced by an owner epoch; on
+    /// assignment the worker starts each partition from its stored position, so a crash or a rebalance
+    /// redelivers nothing. The Kafka commit is still made afterwards, for lag monitoring and as the fallback
+    /// for partitions with no stored position yet.
+    Database,
 }

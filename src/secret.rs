@@ -1,6 +1,9 @@
 //! Keeping credentials out of everything idemflow prints: URLs with their passwords masked, and configuration
 //! errors that name a key without echoing its value.
 
+use serde::Deserialize;
+use std::fmt;
+
 /// Query parameters of a connection URL whose value is a credential (libpq's `password` and `sslpassword`, and the
 /// forms other drivers accept: `pass`, `secret`, `token`, `auth`...): any name containing one of these.
 const SECRET_PARAMETERS: [&str; 5] = ["pass", "secret", "token", "auth", "credential"];
@@ -96,5 +99,74 @@ mod tests {
         let names = ["sasl.password", "sasl.username", "session.timeout.ms"];
         assert_eq!(closest("sasl.pasword", names), Some("sasl.password"));
         assert_eq!(closest("zzz", names), None);
+    }
+}
+
+/// A database URL whose `Debug` and `Display` hide the password.
+#[derive(Clone, Deserialize)]
+#[serde(transparent)]
+pub struct SecretUrl(String);
+
+impl SecretUrl {
+    /// The URL itself, to connect with. Do not log it.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl From<String> for SecretUrl {
+    fn from(url: String) -> Self {
+        SecretUrl(url)
+    }
+}
+
+impl SecretUrl {
+    /// `text` (an error of another library, say) with this URL's credentials replaced by `***`.
+    pub fn scrub(&self, text: &str) -> String {
+        let mut out = text.to_owned();
+        if let Ok(url) = url::Url::parse(&self.0) {
+            if let Some(password) = url.password() {
+                out = scrub(&out, password);
+                let decoded = url::form_urlencoded::parse(format!("p={password}").as_bytes()).next().map(|(_, v)| v.into_owned());
+                out = scrub(&out, decoded.as_deref().unwrap_or_default());
+            }
+            for (k, v) in url.query_pairs() {
+                if is_secret_name(&k) {
+                    out = scrub(&out, &v);
+                }
+            }
+        }
+        out
+    }
+}
+
+impl fmt::Display for SecretUrl {
+    /// The URL with its credentials masked ([`mask_url`]).
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&mask_url(&self.0))
+    }
+}
+
+impl fmt::Debug for SecretUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "SecretUrl({self})")
+    }
+}
+
+/// A credential read from the settings: `Debug` and `Display` print `***`.
+#[derive(Clone, Deserialize, PartialEq, Eq)]
+#[serde(transparent)]
+pub struct Secret(String);
+
+impl Secret {
+    /// The credential itself, for the client that sends it.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("***")
     }
 }

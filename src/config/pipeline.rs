@@ -8,14 +8,18 @@ use crate::field::FieldPath;
 use crate::key::{KeySource, KeySpec};
 use crate::store::template::{self, Dialect, Statement};
 use serde::Deserialize;
+pub use crate::batch::{BatchSettings, DEFAULT_MAX_RECORDS, DEFAULT_MAX_WAIT, MAX_CONCURRENCY};
+pub use crate::dead_letter::DeadLetterSettings;
+pub use crate::offsets::OffsetStore;
+pub use crate::source::kafka::KafkaSpec;
+pub use crate::source::rabbitmq::{QueueType, RabbitMqSpec};
+pub use crate::source::rocketmq::RocketMqSpec;
+pub use crate::source::spec::SourceSpec;
+pub use crate::store::spec::{Binding, DeclaredType, Meta, NaiveTimestamps, OnConflict, RedisCommand, SinkSpec, StoreKind, TimeSettings, ValueSource};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-/// Default `batch.max_records`.
-pub const DEFAULT_MAX_RECORDS: usize = 2000;
-/// Default `batch.max_wait`.
-pub const DEFAULT_MAX_WAIT: Duration = Duration::from_millis(20);
 /// Default `max_payload_bytes`: 4 MiB (Kafka's own default record limit is about 1 MiB).
 pub const DEFAULT_MAX_PAYLOAD_BYTES: usize = 4 << 20;
 
@@ -49,157 +53,6 @@ pub struct Pipeline {
     pub time: TimeSettings,
 }
 
-/// `[source]`: where a pipeline's records come from. `kind = "kafka"` is the default, and the top-level `topics`
-/// and `group_id` of earlier versions still mean a Kafka source.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum SourceSpec {
-    /// Kafka topics read by a consumer group.
-    Kafka(KafkaSpec),
-    /// RabbitMQ queues read by one consumer each (AMQP 0-9-1).
-    RabbitMq(RabbitMqSpec),
-    /// A RocketMQ topic read by a consumer group in clustering mode.
-    RocketMq(RocketMqSpec),
-}
-
-/// A RocketMQ source.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct RocketMqSpec {
-    /// The topic to consume.
-    pub topic: String,
-    /// The consumer group (default `idemflow-<name>`); its queues are shared among its workers (clustering).
-    pub consumer_group: String,
-    /// Which tags to consume: `*` (all, the default) or `TagA || TagB` (RocketMQ's tag subscription expression,
-    /// filtered by the broker).
-    pub tag_expression: String,
-}
-
-/// A Kafka source.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct KafkaSpec {
-    /// Topics to consume.
-    pub topics: Vec<String>,
-    /// Kafka consumer group (default `idemflow-<name>`).
-    pub group_id: String,
-}
-
-/// A RabbitMQ source.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct RabbitMqSpec {
-    /// Queues to consume (declared by the user; `idemflow check` checks they exist). One channel each.
-    pub queues: Vec<String>,
-    /// Unacknowledged deliveries the broker may send per queue (`basic.qos` prefetch count). Default: twice
-    /// `batch.max_records` (a batch in its transaction and the next one arriving), at most 65535; never below
-    /// `batch.max_records`, or a batch could never fill.
-    pub prefetch: u16,
-    /// What `idemflow check` requires of each queue's type (`x-queue-type`); `None`: any type.
-    pub queue_type: Option<QueueType>,
-    /// Whether `idemflow check` requires each queue to have single active consumer (`x-single-active-consumer`),
-    /// the way to keep a queue's order with several workers.
-    pub single_active_consumer: bool,
-}
-
-/// `[source] queue_type`: a RabbitMQ queue type (`x-queue-type`).
-#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
-#[serde(rename_all = "snake_case")]
-pub enum QueueType {
-    /// A replicated Raft queue (the type the RabbitMQ documentation recommends for data safety).
-    Quorum,
-    /// A classic queue.
-    Classic,
-}
-
-impl QueueType {
-    /// The `x-queue-type` argument value.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            QueueType::Quorum => "quorum",
-            QueueType::Classic => "classic",
-        }
-    }
-}
-
-impl SourceSpec {
-    /// The Kafka source, for what only Kafka has (topic retention, dead-letter topics).
-    pub fn kafka(&self) -> Option<&KafkaSpec> {
-        match self {
-            SourceSpec::Kafka(k) => Some(k),
-            SourceSpec::RabbitMq(_) | SourceSpec::RocketMq(_) => None,
-        }
-    }
-
-    /// Whether its records have stable positions a worker can seek to (Kafka partitions, RocketMQ queues), which
-    /// is what `[offsets] store = "database"`, `rewind` and a Redis sink need. A RabbitMQ queue has none.
-    pub fn positional(&self) -> bool {
-        !matches!(self, SourceSpec::RabbitMq(_))
-    }
-
-    /// The source's kind as written in `[source] kind`.
-    pub fn kind(&self) -> &'static str {
-        match self {
-            SourceSpec::Kafka(_) => "kafka",
-            SourceSpec::RabbitMq(_) => "rabbitmq",
-            SourceSpec::RocketMq(_) => "rocketmq",
-        }
-    }
-
-    /// Its topics or queues, for logs and `check`.
-    pub fn streams(&self) -> &[String] {
-        match self {
-            SourceSpec::Kafka(k) => &k.topics,
-            SourceSpec::RabbitMq(r) => &r.queues,
-            SourceSpec::RocketMq(r) => std::slice::from_ref(&r.topic),
-        }
-    }
-}
-
-/// `[sink] time_zone` and `naive_timestamps`: how time values meet `timestamptz` and `timestamp` targets.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct TimeSettings {
-    /// The IANA time zone (as PostgreSQL's `TimeZone` setting names it: `UTC`, `Europe/Berlin`) in which a value
-    /// without a UTC offset is read for a `timestamptz` target, and into which a value with an offset is converted
-    /// for a `timestamp` (without time zone) target. Default `UTC`. Set for each batch with `SET LOCAL TIME ZONE`,
-    /// so the database's or the role's own setting plays no part.
-    pub zone: String,
-    /// What a value without a UTC offset for a `timestamptz` target does.
-    pub naive: NaiveTimestamps,
-}
-
-impl Default for TimeSettings {
-    fn default() -> Self {
-        TimeSettings { zone: "UTC".to_owned(), naive: NaiveTimestamps::default() }
-    }
-}
-
-/// `[sink] naive_timestamps`: what a value without a UTC offset (`2024-03-10T02:30:00`) does when its target is
-/// `timestamptz`.
-#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
-#[serde(rename_all = "snake_case")]
-pub enum NaiveTimestamps {
-    /// It is read in `time_zone` (default UTC). In a zone with daylight saving time, a local time in the spring
-    /// gap or the autumn overlap is resolved as PostgreSQL resolves it.
-    #[default]
-    TimeZone,
-    /// The record is dead-lettered (`param_invalid`): the producer must say which instant it means.
-    DeadLetter,
-}
-
-/// `[offsets] store`: where a pipeline keeps the consumed position of each partition.
-#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
-#[serde(rename_all = "snake_case")]
-pub enum OffsetStore {
-    /// The consumer group's committed offsets in the broker (Kafka, or a RocketMQ broker's consumer offsets),
-    /// committed after each batch's transaction. A crash between the two redelivers that batch, and its records
-    /// are skipped as `redelivered` duplicates. Written `"broker"` or `"kafka"`.
-    #[default]
-    #[serde(alias = "kafka")]
-    Broker,
-    /// The `idemflow.offsets` table, written in each batch's transaction and fenced by an owner epoch; on
-    /// assignment the worker starts each partition from its stored position, so a crash or a rebalance
-    /// redelivers nothing. The Kafka commit is still made afterwards, for lag monitoring and as the fallback
-    /// for partitions with no stored position yet.
-    Database,
-}
-
 /// `[dedup]`: how long dedup rows are kept, and how they are purged.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DedupSettings {
@@ -222,32 +75,6 @@ impl Default for DedupSettings {
     }
 }
 
-/// `[dead_letters]`: the guard against dead-lettering a whole stream, and the optional dead-letter topic.
-#[derive(Clone, Debug, PartialEq)]
-pub struct DeadLetterSettings {
-    /// Stop the pipeline (fatal) rather than commit a batch that takes the share of dead letters among the last
-    /// `window` records above this (0 to 1; default 0.5). 1 disables the guard.
-    pub max_ratio: f64,
-    /// How many recent records the ratio is taken over (default 1000).
-    pub window: u64,
-    /// The guard acts only once the window holds at least this many records (default 100).
-    pub min_records: u64,
-    /// Also produce every dead letter to this Kafka topic, with provenance headers, before the batch's offsets
-    /// are committed. `None` (the default): the `idemflow.dead_letters` table only. Kafka pipelines only.
-    pub topic: Option<String>,
-    /// RabbitMQ pipelines: also publish every dead letter to this exchange (with `routing_key`), with publisher
-    /// confirms, before the batch is acknowledged ([`crate::dead_letter_exchange`]).
-    pub exchange: Option<String>,
-    /// The routing key of those publishes (default: the pipeline's name).
-    pub routing_key: Option<String>,
-}
-
-impl Default for DeadLetterSettings {
-    fn default() -> Self {
-        DeadLetterSettings { max_ratio: 0.5, window: 1000, min_records: 100, topic: None, exchange: None, routing_key: None }
-    }
-}
-
 /// What the worker does with a record whose value is null (a tombstone on a compacted topic).
 #[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
 #[serde(rename_all = "snake_case")]
@@ -257,185 +84,6 @@ pub enum TombstonePolicy {
     Skip,
     /// Send it to the dead letters with reason `tombstone`.
     DeadLetter,
-}
-
-/// How many records a batch may hold and how long the worker waits to fill it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct BatchSettings {
-    /// At most this many records per batch (and per transaction), at least 1.
-    pub max_records: usize,
-    /// After the first record of a batch arrives, wait at most this long for more.
-    pub max_wait: Duration,
-    /// At most this many batch transactions at once, on disjoint partitions (`batch.concurrency`, 1 to
-    /// [`MAX_CONCURRENCY`], default 1): one Kafka consumer per transaction in the pipeline's consumer group, so
-    /// Kafka's group assignment keeps each partition on one of them (its order kept, its offsets committed after its
-    /// own batches commit).
-    pub concurrency: usize,
-}
-
-/// The largest `batch.concurrency`.
-pub const MAX_CONCURRENCY: usize = 64;
-
-/// The side effect of a pipeline.
-#[derive(Clone, Debug)]
-pub enum SinkSpec {
-    /// A generated set-based `INSERT` of all new records of a batch in one statement.
-    Table {
-        /// The target table as written (`payments` or `schema.payments`).
-        table: String,
-        /// Target columns and the values that fill them.
-        columns: Vec<Binding>,
-        /// What a conflict with an existing business row does.
-        on_conflict: OnConflict,
-        /// Conflict target for `on_conflict = "update"`; `None`: the table's primary key.
-        conflict_columns: Option<Vec<String>>,
-    },
-    /// Statements with named parameters, run for each new record, in order, inside the batch transaction.
-    Sql {
-        /// The statements, parameters already located.
-        statements: Vec<Statement>,
-        /// The value of each named parameter.
-        params: Vec<Binding>,
-        /// `[sink] allow_procedures`: MySQL/MariaDB run `CALL` statements (a procedure may end the batch
-        /// transaction, which is checked before each `COMMIT`). PostgreSQL always allows `CALL`: it refuses
-        /// transaction control in a procedure called inside a transaction block.
-        allow_procedures: bool,
-    },
-    /// Statements run once per batch over the batch's new records as the relation `new_records` (`[sink]
-    /// batch_sql`, PostgreSQL only): set-based, so a batch costs one round trip per statement whatever its size.
-    BatchSql {
-        /// The statements, without parameters (they read `new_records`).
-        statements: Vec<Statement>,
-        /// The columns of `new_records`, in order, each with its PostgreSQL type in [`Binding::type_name`].
-        columns: Vec<Binding>,
-    },
-    /// Redis commands run for each new record, in order, by the batch's script in Redis (`[sink] redis`).
-    Redis {
-        /// The commands, placeholders located.
-        commands: Vec<RedisCommand>,
-        /// The value of each placeholder.
-        params: Vec<Binding>,
-    },
-}
-
-pub use crate::store::redis::command::RedisCommand;
-
-/// Which store a side effect runs in.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum StoreKind {
-    /// The database of `[database]` (the table and SQL forms).
-    Database,
-    /// Redis (`[redis]`).
-    Redis,
-}
-
-impl SinkSpec {
-    /// The store this side effect runs in.
-    pub fn store(&self) -> StoreKind {
-        match self {
-            SinkSpec::Table { .. } | SinkSpec::Sql { .. } | SinkSpec::BatchSql { .. } => StoreKind::Database,
-            SinkSpec::Redis { .. } => StoreKind::Redis,
-        }
-    }
-}
-
-/// `on_conflict` of the table form.
-#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
-#[serde(rename_all = "snake_case")]
-pub enum OnConflict {
-    /// A conflicting business row is an error for that record (dead-lettered as `side_effect_rejected`).
-    #[default]
-    Error,
-    /// A conflicting business row is left as it is.
-    Nothing,
-    /// A conflicting business row is updated with the new values (`ON CONFLICT (...) DO UPDATE`).
-    Update,
-}
-
-/// A named value bound into the side effect: a column of the table form or a parameter of the SQL form.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Binding {
-    /// Column or parameter name.
-    pub name: String,
-    /// Where the value comes from.
-    pub source: ValueSource,
-    /// Text used when the value is missing or null.
-    pub default: Option<String>,
-    /// Whether a missing or null value binds NULL (`true`) or dead-letters the record as `param_missing`.
-    pub optional: bool,
-    /// `type = ...`: the target's type, for the SQL form on a store that does not infer parameter types (MySQL and
-    /// MariaDB). PostgreSQL reads every parameter's type from the statement and ignores it.
-    pub declared: Option<DeclaredType>,
-    /// `type = ...` of a `batch_sql` column: the PostgreSQL type of that column of `new_records` as written
-    /// (`numeric`, `timestamptz`, `jsonb`); `None` is `text`. Resolved by the server when the pipeline starts.
-    pub type_name: Option<String>,
-    /// `round = true` on a column of the table form: its column may round the value (`numeric(12, 2)`,
-    /// `timestamptz(0)`); otherwise a value it would change is refused ([`crate::rounding`]).
-    pub round: bool,
-    /// What the target column keeps of a value, where it would round the rest: set by the store when the pipeline
-    /// starts (the table form), never from the file.
-    pub limit: Option<crate::rounding::Limit>,
-}
-
-/// A parameter's declared target type (`type = "decimal" | "integer" | "timestamp" | "datetime" | "json"` in
-/// `[sink.params]`).
-#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
-#[serde(rename_all = "snake_case")]
-pub enum DeclaredType {
-    /// An exact number: on MySQL the parameter is `CAST(? AS DECIMAL(65, 30))`, so arithmetic and comparisons with
-    /// it are exact (a text parameter in an expression is converted to a floating-point DOUBLE by MySQL).
-    Decimal,
-    /// An integer: on MySQL `CAST(? AS SIGNED)`, exact beyond 2^53 in comparisons and arithmetic.
-    Integer,
-    /// A MySQL `TIMESTAMP`: a value with a UTC offset is converted to UTC ([`crate::field::Render::UtcWallClock`]).
-    Timestamp,
-    /// A MySQL `DATETIME`: a value with a UTC offset is converted to the pipeline's `time_zone`.
-    Datetime,
-    /// A `JSON` column: the value's JSON text, a string quoted.
-    Json,
-}
-
-impl DeclaredType {
-    /// How a value of this type is rendered.
-    pub fn render(self) -> crate::field::Render {
-        match self {
-            DeclaredType::Timestamp => crate::field::Render::UtcWallClock,
-            DeclaredType::Datetime => crate::field::Render::LocalWallClock,
-            DeclaredType::Json => crate::field::Render::Json,
-            DeclaredType::Decimal | DeclaredType::Integer => crate::field::Render::Numeric,
-        }
-    }
-}
-
-/// Where a bound value comes from.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum ValueSource {
-    /// A field of the payload.
-    Field(FieldPath),
-    /// The Kafka record key (UTF-8).
-    RecordKey,
-    /// A Kafka header's value (UTF-8; the last header with this name).
-    Header(String),
-    /// A message property (RabbitMQ's `message_id`, `correlation_id`, ...: see [`crate::record::PROPERTIES`]).
-    Property(String),
-    /// Something about the record rather than in it.
-    Meta(Meta),
-}
-
-/// Record metadata that can be bound.
-#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
-#[serde(rename_all = "snake_case")]
-pub enum Meta {
-    /// The topic name.
-    Topic,
-    /// The partition number.
-    Partition,
-    /// The record's offset.
-    Offset,
-    /// The record timestamp as RFC 3339 UTC text with milliseconds (bind it to `timestamptz`).
-    Timestamp,
-    /// The business key's canonical text.
-    BusinessKey,
 }
 
 /// A problem with one pipeline file.

@@ -14,6 +14,7 @@ pub mod kafka;
 pub mod rabbitmq;
 pub mod rewind;
 pub mod rocketmq;
+pub mod spec;
 
 use crate::config::{BatchSettings, Pipeline, Settings, SourceSpec};
 use crate::metrics::PipelineMetrics;

@@ -19,12 +19,14 @@
 
 pub mod error;
 pub mod rows;
+pub mod spec;
 pub mod template;
 pub mod mysql;
 pub mod postgres;
 pub mod redis;
 
-use crate::config::{Binding, DatabaseSettings, Dialect, SinkSpec, TimeSettings};
+use crate::store::spec::{Binding, DatabaseSettings, SinkSpec, TimeSettings};
+use crate::store::template::Dialect;
 use crate::field::Render;
 use crate::key::BusinessKey;
 use crate::offsets::{Claimed, NextOffsets, Positions, Processed};
@@ -88,7 +90,7 @@ impl Store {
     /// A Redis store for `settings` that connects on first use.
     ///
     /// Errors: the URL does not parse, or a TLS file cannot be read.
-    pub fn redis(settings: &crate::config::RedisSettings) -> Result<Store, String> {
+    pub fn redis(settings: &crate::store::spec::RedisSettings) -> Result<Store, String> {
         redis::RedisStore::new(settings).map(Store::Redis)
     }
 

@@ -5,7 +5,7 @@
 //! Headers added to the original ones: `idemflow.pipeline`, `idemflow.topic`, `idemflow.partition`,
 //! `idemflow.offset`, `idemflow.reason`, `idemflow.error`. Key and value are the original record's, byte for byte.
 
-use crate::config::KafkaSettings;
+use super::KafkaSettings;
 use crate::record::Record;
 use crate::dead_letter::DeadLettered;
 use rdkafka::config::ClientConfig;

@@ -50,7 +50,11 @@
 pub mod dead_letters;
 pub mod rewind;
 
-use crate::config::{BatchSettings, KafkaSettings, Pipeline};
+mod spec;
+pub use spec::{KafkaSettings, KafkaSpec, PropertyValue};
+
+use crate::batch::BatchSettings;
+use crate::config::Pipeline;
 use crate::metrics::{CommitResult, PipelineMetrics, RebalanceEvent};
 use crate::offsets::NextOffsets;
 use crate::record::Record;
@@ -425,7 +429,7 @@ fn describe(tpl: &TopicPartitionList) -> String {
 /// at most 100,000. [`KafkaSource::poll_while`] keeps at most as many records while a batch is in flight.
 /// The Kafka source of a pipeline. Only Kafka pipelines reach this module (the worker and the commands dispatch on
 /// [`crate::config::SourceSpec`] first).
-pub fn spec(pipeline: &Pipeline) -> &crate::config::KafkaSpec {
+pub fn spec(pipeline: &Pipeline) -> &KafkaSpec {
     pipeline.source.kafka().expect("only Kafka pipelines use the Kafka source")
 }
 

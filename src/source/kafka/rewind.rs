@@ -31,7 +31,8 @@
 //! target is its log start, which skips nothing whatever the policy. Each is a warning of the plan.
 
 use super::{consumer_config, hide_config_value, spec};
-use crate::config::{KafkaSettings, Pipeline};
+use super::KafkaSettings;
+use crate::config::Pipeline;
 use crate::source::rewind::{reconcile, rfc3339_ms, Answers, Move, Plan, Reset, Target};
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
 use rdkafka::error::KafkaError;

@@ -38,7 +38,11 @@
 
 pub mod dead_letters;
 
-use crate::config::{BatchSettings, Pipeline, RabbitMqSettings, RabbitMqSpec};
+mod spec;
+pub use spec::{QueueType, RabbitMqSettings, RabbitMqSpec};
+
+use crate::batch::BatchSettings;
+use crate::config::Pipeline;
 use crate::metrics::{CommitResult, PipelineMetrics, RebalanceEvent};
 use crate::record::{Position, Record, NO_PARTITION};
 use crate::shutdown::Shutdown;
@@ -126,7 +130,7 @@ impl RabbitMqSource {
     /// [`RabbitMqSource::next_batch`], and again with backoff whenever the connection is lost.
     pub fn new(settings: &RabbitMqSettings, pipeline: &Pipeline, metrics: PipelineMetrics) -> Self {
         let spec = match &pipeline.source {
-            crate::config::SourceSpec::RabbitMq(r) => r.clone(),
+            crate::source::spec::SourceSpec::RabbitMq(r) => r.clone(),
             _ => unreachable!("only RabbitMQ pipelines use the RabbitMQ source"),
         };
         RabbitMqSource {
@@ -618,7 +622,7 @@ async fn redeclare(connection: &Connection, queue: &str, arguments: FieldTable) 
 /// Errors: the first problem that stops the pipeline from running, as a sentence.
 pub async fn check(settings: &RabbitMqSettings, pipeline: &Pipeline) -> Result<Vec<String>, String> {
     let spec = match &pipeline.source {
-        crate::config::SourceSpec::RabbitMq(r) => r,
+        crate::source::spec::SourceSpec::RabbitMq(r) => r,
         _ => return Ok(Vec::new()),
     };
     let scrub = |e: &dyn std::fmt::Display| settings.url.scrub(&e.to_string());

@@ -31,7 +31,12 @@
 mod rewind;
 pub use rewind::rewind;
 
-use crate::config::{BatchSettings, Pipeline, RocketMqSettings, RocketMqSpec, SourceSpec};
+mod spec;
+pub use spec::{RocketMqSettings, RocketMqSpec};
+
+use crate::batch::BatchSettings;
+use crate::config::Pipeline;
+use crate::source::spec::SourceSpec;
 use crate::metrics::{CommitResult, PipelineMetrics, RebalanceEvent};
 use crate::offsets::{self, NextOffsets, Positions};
 use crate::record::{Position, Record};

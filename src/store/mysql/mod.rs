@@ -25,7 +25,7 @@ pub mod offsets;
 pub mod retention;
 pub mod side_effect;
 
-use crate::config::DatabaseSettings;
+use crate::store::spec::DatabaseSettings;
 use sqlx::mysql::{MySqlConnectOptions, MySqlPool, MySqlPoolOptions};
 use sqlx::{ConnectOptions as _, Executor as _};
 use std::sync::Arc;

@@ -26,7 +26,7 @@
 //! rebuilds it. A dropped table is error 1146, fatal.
 
 use super::marks;
-use crate::config::{Binding, DeclaredType, OnConflict, SinkSpec, TimeSettings};
+use crate::store::spec::{Binding, DeclaredType, OnConflict, SinkSpec, TimeSettings};
 use crate::field::Render;
 use crate::prepare::Apply;
 use crate::store::template::{Part, Statement};

@@ -15,7 +15,7 @@ pub mod offsets;
 pub mod retention;
 pub mod side_effect;
 
-use crate::config::DatabaseSettings;
+use crate::store::spec::DatabaseSettings;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::ConnectOptions as _;
 use std::sync::atomic::{AtomicBool, Ordering};

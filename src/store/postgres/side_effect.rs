@@ -40,7 +40,7 @@
 
 use crate::store::template::Statement;
 use crate::store::PrepareError;
-use crate::config::{Binding, OnConflict, SinkSpec, TimeSettings};
+use crate::store::spec::{Binding, OnConflict, SinkSpec, TimeSettings};
 use crate::field::Render;
 use crate::prepare::Apply;
 use crate::rounding::Limit;

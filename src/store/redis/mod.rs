@@ -35,7 +35,7 @@ pub mod numbers;
 pub mod offsets;
 pub mod side_effect;
 
-use crate::config::RedisSettings;
+use crate::store::spec::RedisSettings;
 use crate::key::BusinessKey;
 use crate::store::rows::Explained;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};

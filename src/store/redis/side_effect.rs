@@ -3,7 +3,7 @@
 use super::command::{Piece, RedisCommand};
 use super::numbers::{self, Number};
 use super::RedisStore;
-use crate::config::{Binding, DeclaredType, SinkSpec};
+use crate::store::spec::{Binding, DeclaredType, SinkSpec};
 use crate::field::Render;
 use crate::prepare::Apply;
 use crate::store::PrepareError;

@@ -1,0 +1,74 @@
+//! Kafka's `[kafka]` settings and the `[source]` of a Kafka pipeline.
+
+use serde::Deserialize;
+use std::collections::BTreeMap;
+use std::fmt;
+use std::time::Duration;
+
+/// `[kafka]`.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KafkaSettings {
+    /// `host:port[,host:port...]`. Required when a pipeline has a Kafka source.
+    #[serde(default)]
+    pub bootstrap_servers: String,
+    /// librdkafka properties passed through as they are (see librdkafka's CONFIGURATION.md), for example
+    /// `"session.timeout.ms" = "6000"` or `"security.protocol" = "ssl"`. Values may be strings, numbers or
+    /// booleans. The worker owns `group.id`, `enable.auto.commit` and `enable.auto.offset.store`.
+    #[serde(default)]
+    pub properties: BTreeMap<String, PropertyValue>,
+    /// How long a pipeline's consumer may stay without any assigned partition before the worker warns (and warns
+    /// again after each further period): a broker that never answers the JoinGroup, or a group stuck behind a
+    /// member that does not finish its rebalance, otherwise looks like an idle worker. `idemflow_assigned_partitions`
+    /// shows the same at any time. Default 2 minutes.
+    #[serde(default = "default_no_partitions_warning", with = "humantime_serde")]
+    pub no_partitions_warning: Duration,
+}
+
+impl Default for KafkaSettings {
+    fn default() -> Self {
+        KafkaSettings {
+            bootstrap_servers: String::new(),
+            properties: BTreeMap::new(),
+            no_partitions_warning: default_no_partitions_warning(),
+        }
+    }
+}
+
+fn default_no_partitions_warning() -> Duration {
+    Duration::from_secs(120)
+}
+
+/// A librdkafka property value as written in TOML.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(untagged)]
+pub enum PropertyValue {
+    /// `"6000"`.
+    Text(String),
+    /// `6000`.
+    Integer(i64),
+    /// `true`.
+    Bool(bool),
+    /// `0.5`.
+    Float(f64),
+}
+
+impl fmt::Display for PropertyValue {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            PropertyValue::Text(s) => f.write_str(s),
+            PropertyValue::Integer(i) => write!(f, "{i}"),
+            PropertyValue::Bool(b) => write!(f, "{b}"),
+            PropertyValue::Float(x) => write!(f, "{x}"),
+        }
+    }
+}
+
+/// A Kafka source.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KafkaSpec {
+    /// Topics to consume.
+    pub topics: Vec<String>,
+    /// Kafka consumer group (default `idemflow-<name>`).
+    pub group_id: String,
+}

@@ -1,0 +1,80 @@
+//! RabbitMQ's `[rabbitmq]` settings and the `[source]` of a RabbitMQ pipeline.
+
+use crate::secret::SecretUrl;
+use serde::Deserialize;
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// `[rabbitmq]`: the broker of the pipelines with `[source] kind = "rabbitmq"`.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RabbitMqSettings {
+    /// An AMQP 0-9-1 URI (RabbitMQ's URI spec): `amqp://user:password@host:5672/vhost`, or `amqps://...` for TLS
+    /// (server certificates checked against the system's roots). The vhost is URL-encoded (`/` is `%2f`; no path
+    /// means the default vhost `/`). Query parameters of the spec (`heartbeat`, `connection_timeout`,
+    /// `channel_max`, `frame_max`, `auth_mechanism`) are honoured. Never printed: `Debug` and `Display` mask it.
+    pub url: SecretUrl,
+    /// The AMQP heartbeat interval proposed to the broker, unless the URL sets `heartbeat` (default 30 s; 0 turns
+    /// heartbeats off, which the RabbitMQ documentation advises against). A lost connection is noticed within
+    /// about two intervals.
+    #[serde(default = "default_heartbeat", with = "humantime_serde")]
+    pub heartbeat: Duration,
+    /// How long one connection attempt may take before it is retried (default 10 s).
+    #[serde(default = "default_connect_timeout", with = "humantime_serde")]
+    pub connect_timeout: Duration,
+    /// With `amqps://`: a PEM file of CA certificates to trust for the broker's certificate, for a private CA
+    /// (default: the system's roots only).
+    #[serde(default)]
+    pub tls_ca_file: Option<PathBuf>,
+    /// With `amqps://`: a PEM client certificate (chain) for brokers that require one (`ssl_options.verify =
+    /// verify_peer` with `fail_if_no_peer_cert`); with `tls_key_file`.
+    #[serde(default)]
+    pub tls_cert_file: Option<PathBuf>,
+    /// The client certificate's private key, PEM (PKCS#8, `-----BEGIN PRIVATE KEY-----`).
+    #[serde(default)]
+    pub tls_key_file: Option<PathBuf>,
+}
+
+fn default_heartbeat() -> Duration {
+    Duration::from_secs(30)
+}
+
+fn default_connect_timeout() -> Duration {
+    Duration::from_secs(10)
+}
+
+/// A RabbitMQ source.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RabbitMqSpec {
+    /// Queues to consume (declared by the user; `idemflow check` checks they exist). One channel each.
+    pub queues: Vec<String>,
+    /// Unacknowledged deliveries the broker may send per queue (`basic.qos` prefetch count). Default: twice
+    /// `batch.max_records` (a batch in its transaction and the next one arriving), at most 65535; never below
+    /// `batch.max_records`, or a batch could never fill.
+    pub prefetch: u16,
+    /// What `idemflow check` requires of each queue's type (`x-queue-type`); `None`: any type.
+    pub queue_type: Option<QueueType>,
+    /// Whether `idemflow check` requires each queue to have single active consumer (`x-single-active-consumer`),
+    /// the way to keep a queue's order with several workers.
+    pub single_active_consumer: bool,
+}
+
+/// `[source] queue_type`: a RabbitMQ queue type (`x-queue-type`).
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum QueueType {
+    /// A replicated Raft queue (the type the RabbitMQ documentation recommends for data safety).
+    Quorum,
+    /// A classic queue.
+    Classic,
+}
+
+impl QueueType {
+    /// The `x-queue-type` argument value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            QueueType::Quorum => "quorum",
+            QueueType::Classic => "classic",
+        }
+    }
+}

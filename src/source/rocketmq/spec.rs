@@ -1,0 +1,40 @@
+//! RocketMQ's `[rocketmq]` settings and the `[source]` of a RocketMQ pipeline.
+
+use crate::secret::Secret;
+use serde::Deserialize;
+use std::time::Duration;
+
+/// `[rocketmq]`: the name servers of the pipelines with `[source] kind = "rocketmq"`.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RocketMqSettings {
+    /// Name server addresses, `host:port`, several separated by `;` (RocketMQ's `namesrvAddr` form). The brokers
+    /// are found through the topic's route.
+    pub name_server: String,
+    /// ACL 1.0 credentials, for brokers with `aclEnable=true`: the access key (with `secret_key`). Every request
+    /// is signed with them (HMAC-SHA1, as the Java client's `AclClientRPCHook` does).
+    #[serde(default)]
+    pub access_key: Option<String>,
+    /// The secret key of `access_key`. Never printed.
+    #[serde(default)]
+    pub secret_key: Option<Secret>,
+    /// How long `idemflow check` waits for the name server and the brokers (default 10 s).
+    #[serde(default = "default_connect_timeout", with = "humantime_serde")]
+    pub timeout: Duration,
+}
+
+/// A RocketMQ source.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RocketMqSpec {
+    /// The topic to consume.
+    pub topic: String,
+    /// The consumer group (default `idemflow-<name>`); its queues are shared among its workers (clustering).
+    pub consumer_group: String,
+    /// Which tags to consume: `*` (all, the default) or `TagA || TagB` (RocketMQ's tag subscription expression,
+    /// filtered by the broker).
+    pub tag_expression: String,
+}
+
+fn default_connect_timeout() -> Duration {
+    Duration::from_secs(10)
+}
