@@ -293,8 +293,9 @@ async fn run_lane(
         runtime: tokio::runtime::Handle::current(),
         shutdown: shutdown.clone(),
     });
-    let mut source = Source::new(settings, &r.pipeline, metrics.clone(), stored).map_err(source_error)?;
-    let dead_letter_out = DeadLetterOut::new(settings, &r.pipeline).map_err(source_error)?;
+    let (brokers, context) = (settings.brokers(), r.pipeline.source_context());
+    let mut source = Source::new(&brokers, &context, metrics.clone(), stored).map_err(source_error)?;
+    let dead_letter_out = DeadLetterOut::new(&brokers, &context).map_err(source_error)?;
     tracing::info!(pipeline = %name, source = r.pipeline.source.kind(), streams = ?r.pipeline.source.streams(), "pipeline started");
     let mut step = Step {
         ready: r.clone(),

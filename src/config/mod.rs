@@ -59,6 +59,23 @@ fn default_pipelines() -> PathBuf {
     PathBuf::from("pipelines")
 }
 
+impl Settings {
+    /// The stores' settings, as the stores take them ([`crate::store::Stores`]).
+    pub fn stores(&self) -> crate::store::Stores {
+        crate::store::Stores { database: self.database.clone(), redis: self.redis.clone() }
+    }
+
+    /// The brokers' settings, as the sources take them ([`crate::source::Brokers`]).
+    pub fn brokers(&self) -> crate::source::Brokers {
+        crate::source::Brokers {
+            kafka: self.kafka.clone(),
+            rabbitmq: self.rabbitmq.clone(),
+            rocketmq: self.rocketmq.clone(),
+            shutdown_timeout: self.shutdown.timeout,
+        }
+    }
+}
+
 /// `[metrics]`.
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]

@@ -86,6 +86,26 @@ pub enum TombstonePolicy {
     DeadLetter,
 }
 
+impl Pipeline {
+    /// What its store's durability report needs of it ([`crate::store::Tenant`]).
+    pub fn tenant(&self) -> crate::store::Tenant {
+        crate::store::Tenant { name: self.name.clone(), retention: self.dedup.retention, has_positions: self.source.positional() }
+    }
+
+    /// What its source is given of it ([`crate::source::SourceContext`]).
+    pub fn source_context(&self) -> crate::source::SourceContext {
+        crate::source::SourceContext {
+            name: self.name.clone(),
+            source: self.source.clone(),
+            batch: self.batch,
+            max_payload_bytes: self.decoder.max_payload_bytes(),
+            dedup_retention: self.dedup.retention,
+            dead_letters: self.dead_letters.clone(),
+            offsets: self.offsets,
+        }
+    }
+}
+
 /// A problem with one pipeline file.
 #[derive(Debug, PartialEq, Eq)]
 pub struct PipelineError {

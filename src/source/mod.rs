@@ -10,13 +10,17 @@
 //! RabbitMQ channel). What only some sources can do (rewind, stored offsets, topic retention) is refused for the
 //! others by the configuration checks, with the reason. A new broker is a new module here and a new variant.
 
+pub mod check;
 pub mod kafka;
 pub mod rabbitmq;
 pub mod rewind;
 pub mod rocketmq;
 pub mod spec;
 
-use crate::config::{BatchSettings, Pipeline, Settings, SourceSpec};
+use crate::batch::BatchSettings;
+use crate::dead_letter::DeadLetterSettings;
+use crate::offsets::OffsetStore;
+use spec::SourceSpec;
 use crate::metrics::PipelineMetrics;
 use crate::offsets::{NextOffsets, Positions};
 use crate::record::Record;
@@ -24,8 +28,45 @@ use crate::shutdown::Shutdown;
 use std::time::Duration;
 
 pub use kafka::KafkaSource;
+pub use kafka::KafkaSettings;
+pub use rabbitmq::RabbitMqSettings;
+pub use rocketmq::RocketMqSettings;
 pub use rabbitmq::RabbitMqSource;
 pub use rocketmq::RocketMqSource;
+
+/// What a source is given of its pipeline: the pipeline's name and `[source]`, and what of the rest of the file
+/// decides how it reads. The configuration builds it (`Pipeline::source_context`); a source never sees the rest.
+#[derive(Clone, Debug)]
+pub struct SourceContext {
+    /// The pipeline's name: the default consumer group's suffix, the `pipeline` label of its metrics.
+    pub name: String,
+    /// `[source]`.
+    pub source: SourceSpec,
+    /// `[batch]`: a batch's bounds and the number of lanes (prefetch bounds follow from them).
+    pub batch: BatchSettings,
+    /// `max_payload_bytes`: larger payloads are not kept whole ([`crate::record::bounded`]).
+    pub max_payload_bytes: usize,
+    /// `[dedup] retention`, which a rewind and the topics' retention are compared with.
+    pub dedup_retention: Duration,
+    /// `[dead_letters]`: the broker's own dead-letter publisher, when the pipeline names one.
+    pub dead_letters: DeadLetterSettings,
+    /// `[offsets] store`: where the consumed positions are kept.
+    pub offsets: OffsetStore,
+}
+
+/// The brokers' settings (`[kafka]`, `[rabbitmq]`, `[rocketmq]`), and the shutdown deadline their clients must
+/// leave their groups within (`[shutdown] timeout`).
+#[derive(Clone, Debug, Default)]
+pub struct Brokers {
+    /// `[kafka]` (defaults when absent: a Kafka pipeline's own checks then say what is missing).
+    pub kafka: KafkaSettings,
+    /// `[rabbitmq]`, required by RabbitMQ pipelines.
+    pub rabbitmq: Option<RabbitMqSettings>,
+    /// `[rocketmq]`, required by RocketMQ pipelines.
+    pub rocketmq: Option<RocketMqSettings>,
+    /// `[shutdown] timeout`.
+    pub shutdown_timeout: Duration,
+}
 
 /// What a source needs to start partitions (Kafka) or queues (RocketMQ) from their stored positions
 /// (`[offsets] store = "database"`).
@@ -55,8 +96,8 @@ impl Source {
     ///
     /// Errors: the consumer could not be created (a bad librdkafka property, a missing broker section), as text.
     pub fn new(
-        settings: &Settings,
-        pipeline: &Pipeline,
+        settings: &Brokers,
+        pipeline: &SourceContext,
         metrics: PipelineMetrics,
         stored: Option<StoredStart>,
     ) -> Result<Source, String> {
@@ -208,7 +249,7 @@ impl DeadLetterOut {
     /// The publisher `pipeline`'s `[dead_letters]` names, if any.
     ///
     /// Errors: the Kafka producer could not be created, as text.
-    pub fn new(settings: &Settings, pipeline: &Pipeline) -> Result<Option<DeadLetterOut>, String> {
+    pub fn new(settings: &Brokers, pipeline: &SourceContext) -> Result<Option<DeadLetterOut>, String> {
         let dl = &pipeline.dead_letters;
         Ok(match (&dl.topic, &dl.exchange, &settings.rabbitmq) {
             (Some(topic), _, _) => Some(DeadLetterOut::Topic(

@@ -202,6 +202,43 @@ pub struct Plan {
     pub warnings: Vec<String>,
 }
 
+/// What `idemflow rewind` was asked.
+#[derive(Clone, Copy, Debug)]
+pub struct Request {
+    /// Where to.
+    pub to: Target,
+    /// Print the plan and whether a real run would go ahead; change nothing.
+    pub dry_run: bool,
+    /// How long to wait for each broker request (and, on Kafka, for the group's assignment).
+    pub timeout: Duration,
+}
+
+/// Rewinds `pipeline`'s group (and its stored positions in `store`, with `[offsets] store = "database"`), printing
+/// the plan, one line per partition or queue, and what happened.
+///
+/// Errors: the source has no positions (a queue), the group has members, a broker or store request failed; the
+/// message names the pipeline's file where it is about the pipeline.
+pub async fn run(
+    brokers: &super::Brokers,
+    pipeline: &super::SourceContext,
+    file: &std::path::Path,
+    request: Request,
+    store: Option<&crate::store::Store>,
+) -> anyhow::Result<()> {
+    match &pipeline.source {
+        super::spec::SourceSpec::Kafka(_) => super::kafka::rewind::run(&brokers.kafka, pipeline, request, store).await,
+        super::spec::SourceSpec::RocketMq(_) => super::rocketmq::rewind::run(brokers.rocketmq.as_ref(), pipeline, file, request, store).await,
+        super::spec::SourceSpec::RabbitMq(_) => anyhow::bail!(
+            "{}: pipeline {:?} has a {} source: rewind moves a consumer group back; a queue has no positions to go \
+             back to (an acknowledged message has left it). Publish the messages again instead: the dedup store skips \
+             those already applied",
+            file.display(),
+            pipeline.name,
+            pipeline.source.kind()
+        ),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -18,9 +18,12 @@
 //!   same protocol through it (the sink's `Sink`).
 
 pub mod error;
+pub mod open;
 pub mod rows;
 pub mod spec;
 pub mod template;
+
+pub use open::{Stores, Tenant};
 pub mod mysql;
 pub mod postgres;
 pub mod redis;

@@ -54,7 +54,7 @@ mod spec;
 pub use spec::{KafkaSettings, KafkaSpec, PropertyValue};
 
 use crate::batch::BatchSettings;
-use crate::config::Pipeline;
+use crate::source::SourceContext;
 use crate::metrics::{CommitResult, PipelineMetrics, RebalanceEvent};
 use crate::offsets::NextOffsets;
 use crate::record::Record;
@@ -204,7 +204,7 @@ fn partitions_in(tpl: &TopicPartitionList) -> HashSet<Tp> {
 
 
 /// The consumer context: rebalance and commit callbacks, and librdkafka's log lines into tracing.
-pub struct SourceContext {
+pub struct GroupContext {
     pipeline: String,
     state: Arc<Mutex<Ownership>>,
     metrics: PipelineMetrics,
@@ -221,7 +221,7 @@ fn tp_of(topic: &str, partition: i32) -> Tp {
     (Arc::from(topic), partition)
 }
 
-impl ClientContext for SourceContext {
+impl ClientContext for GroupContext {
     fn log(&self, level: RDKafkaLogLevel, fac: &str, log_message: &str) {
         let p = &self.pipeline;
         match level {
@@ -241,7 +241,7 @@ impl ClientContext for SourceContext {
     }
 }
 
-impl ConsumerContext for SourceContext {
+impl ConsumerContext for GroupContext {
     /// librdkafka's rebalance callback (it runs inside the consumer's poll). Replaces rdkafka's default only for
     /// `[offsets] store = "database"`: an assignment is not made here but after its stored positions are claimed
     /// (see the module documentation); otherwise it does what the default does.
@@ -285,7 +285,7 @@ impl ConsumerContext for SourceContext {
     }
 }
 
-impl SourceContext {
+impl GroupContext {
     fn report(&self, result: KafkaResult<()>) {
         if let Err(e) = result {
             tracing::warn!(pipeline = %self.pipeline, error = %e, "applying the rebalance failed");
@@ -429,16 +429,16 @@ fn describe(tpl: &TopicPartitionList) -> String {
 /// at most 100,000. [`KafkaSource::poll_while`] keeps at most as many records while a batch is in flight.
 /// The Kafka source of a pipeline. Only Kafka pipelines reach this module (the worker and the commands dispatch on
 /// [`crate::config::SourceSpec`] first).
-pub fn spec(pipeline: &Pipeline) -> &KafkaSpec {
+pub fn spec(pipeline: &SourceContext) -> &KafkaSpec {
     pipeline.source.kafka().expect("only Kafka pipelines use the Kafka source")
 }
 
-fn prefetch_records(pipeline: &Pipeline) -> usize {
+fn prefetch_records(pipeline: &SourceContext) -> usize {
     (4 * pipeline.batch.max_records).clamp(1000, 100_000)
 }
 
 /// The consumer's librdkafka configuration (see [`KafkaSource::new`]).
-pub(crate) fn consumer_config(kafka: &KafkaSettings, pipeline: &Pipeline) -> ClientConfig {
+pub(crate) fn consumer_config(kafka: &KafkaSettings, pipeline: &SourceContext) -> ClientConfig {
     let lanes = pipeline.batch.concurrency.max(1);
     let mut config = ClientConfig::new();
     config
@@ -478,7 +478,7 @@ fn max_message_bytes(kafka: &KafkaSettings) -> usize {
 
 /// Checks that librdkafka accepts the consumer configuration of `pipeline` (unknown properties, bad values),
 /// without connecting. The error never contains a property's value ([`hide_config_value`]).
-pub fn check_properties(kafka: &KafkaSettings, pipeline: &Pipeline) -> KafkaResult<()> {
+pub fn check_properties(kafka: &KafkaSettings, pipeline: &SourceContext) -> KafkaResult<()> {
     consumer_config(kafka, pipeline).create_native_config().map(drop).map_err(hide_config_value)
 }
 
@@ -547,7 +547,7 @@ pub fn describe_kafka_error(e: &KafkaError) -> String {
 /// them as warnings). Unset librdkafka properties count with librdkafka's defaults (`session.timeout.ms` 45000,
 /// `heartbeat.interval.ms` 3000). (`max.poll.interval.ms` below `session.timeout.ms` is refused by librdkafka
 /// itself; a slow database cannot exceed the poll interval, see the module documentation.)
-pub fn timing_warnings(settings: &crate::config::Settings, pipeline: &Pipeline) -> Vec<String> {
+pub fn timing_warnings(settings: &super::Brokers, pipeline: &SourceContext) -> Vec<String> {
     let config = consumer_config(&settings.kafka, pipeline);
     let ms = |key: &str, default: u64| config.get(key).and_then(|v| v.parse::<u64>().ok()).unwrap_or(default);
     let (session, heartbeat) = (ms("session.timeout.ms", 45_000), ms("heartbeat.interval.ms", 3_000));
@@ -559,7 +559,7 @@ pub fn timing_warnings(settings: &crate::config::Settings, pipeline: &Pipeline) 
              {session}: one late heartbeat can expire the member and force a rebalance (Kafka's guidance: at most a third)"
         ));
     }
-    let stop = settings.shutdown.timeout;
+    let stop = settings.shutdown_timeout;
     if stop <= LEAVE_TIMEOUT {
         out.push(format!(
             "[shutdown] timeout = {stop:?} leaves no time after the {LEAVE_TIMEOUT:?} the consumer may wait to leave \
@@ -591,7 +591,7 @@ pub enum TopicCheckError {
 ///
 /// Errors: [`TopicCheckError`] for an unreachable cluster (or one that refuses the configuration) and for each
 /// missing topic, the first found.
-pub fn check_topics(kafka: &KafkaSettings, pipeline: &Pipeline, timeout: Duration) -> Result<(), TopicCheckError> {
+pub fn check_topics(kafka: &KafkaSettings, pipeline: &SourceContext, timeout: Duration) -> Result<(), TopicCheckError> {
     let unreachable = |source| TopicCheckError::Unreachable { servers: kafka.bootstrap_servers.clone(), source: hide_config_value(source) };
     let consumer: BaseConsumer = consumer_config(kafka, pipeline).create().map_err(unreachable)?;
     let metadata = consumer.fetch_metadata(None, timeout).map_err(unreachable)?;
@@ -676,7 +676,7 @@ const RESEEK_AFTER: Duration = Duration::from_secs(3);
 
 /// One pipeline's consumer.
 pub struct KafkaSource {
-    consumer: StreamConsumer<SourceContext>,
+    consumer: StreamConsumer<GroupContext>,
     /// Records received while a batch was being retried, handed out first by the next batch.
     stash: Vec<Record>,
     /// Consume errors in a row, for backing off.
@@ -733,14 +733,14 @@ impl KafkaSource {
     /// position starts from the group's committed offset.
     pub fn new(
         kafka: &KafkaSettings,
-        pipeline: &Pipeline,
+        pipeline: &SourceContext,
         metrics: PipelineMetrics,
         stored: Option<StoredStart>,
     ) -> KafkaResult<Self> {
         let config = consumer_config(kafka, pipeline);
         let state = Arc::new(Mutex::new(Ownership::default()));
         let context =
-            SourceContext {
+            GroupContext {
             pipeline: pipeline.name.clone(),
             state: state.clone(),
             metrics: metrics.clone(),
@@ -755,7 +755,7 @@ impl KafkaSource {
         );
         let session_ms = config.get("session.timeout.ms").and_then(|v| v.trim().parse::<u64>().ok()).unwrap_or(45_000);
         let fenced_for = Duration::from_millis(session_ms).max(FENCED_FOR_MIN);
-        let consumer: StreamConsumer<SourceContext> = config.create_with_context(context).map_err(hide_config_value)?;
+        let consumer: StreamConsumer<GroupContext> = config.create_with_context(context).map_err(hide_config_value)?;
         let topics: Vec<&str> = spec(pipeline).topics.iter().map(String::as_str).collect();
         consumer.subscribe(&topics)?;
         Ok(KafkaSource {
@@ -774,7 +774,7 @@ impl KafkaSource {
             keep: prefetch_records(pipeline),
             batch_records: pipeline.batch.max_records,
             polled_at: tokio::time::Instant::now(),
-            max_payload_bytes: pipeline.decoder.max_payload_bytes(),
+            max_payload_bytes: pipeline.max_payload_bytes,
             revoked_in_flight: HashSet::new(),
             reset_to_earliest,
             fenced_for,
@@ -1530,6 +1530,28 @@ pub async fn topic_retention_ms(kafka: &KafkaSettings, topics: &[String]) -> Kaf
         out.push((topic.clone(), value));
     }
     Ok(out)
+}
+
+/// Compares `dedup_retention` with each of `topics`' `retention.ms` (read within 8 s): one line per topic,
+/// `warning: ...` where the dedup rows would be purged before the broker drops the records they guard, or where the
+/// broker did not say.
+pub async fn retention_report(kafka: &KafkaSettings, pipeline: &str, topics: &[String], dedup_retention: Duration) -> Vec<String> {
+    let read = tokio::time::timeout(Duration::from_secs(8), topic_retention_ms(kafka, topics)).await;
+    match read {
+        Ok(Ok(topics)) => topics
+            .into_iter()
+            .map(|(topic, ms)| match ms {
+                Some(ms) => crate::retention::window_warning(pipeline, &topic, ms, dedup_retention)
+                    .map(|w| format!("warning: {w}"))
+                    .unwrap_or_else(|| format!("pipeline {pipeline:?}: topic {topic:?}: dedup retention covers the topic's retention")),
+                None => format!("warning: pipeline {pipeline:?}: topic {topic:?}: the broker did not return retention.ms"),
+            })
+            .collect(),
+        Ok(Err(e)) => vec![format!(
+            "warning: pipeline {pipeline:?}: could not read the topics' retention.ms to compare with [dedup] retention: {e}"
+        )],
+        Err(_) => vec![format!("warning: pipeline {pipeline:?}: could not read the topics' retention.ms (no answer from Kafka in 8 s)")],
+    }
 }
 
 #[cfg(test)]

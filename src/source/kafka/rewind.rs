@@ -32,7 +32,7 @@
 
 use super::{consumer_config, hide_config_value, spec};
 use super::KafkaSettings;
-use crate::config::Pipeline;
+use crate::source::SourceContext;
 use crate::source::rewind::{reconcile, rfc3339_ms, Answers, Move, Plan, Reset, Target};
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
 use rdkafka::error::KafkaError;
@@ -41,7 +41,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 /// Where `pipeline`'s consumer starts a partition it has no committed position for ([`Reset`]): its
 /// `auto.offset.reset`, as [`consumer_config`] sets it (`earliest` unless `[kafka.properties]` says otherwise).
-pub fn reset_policy(kafka_settings: &KafkaSettings, pipeline: &Pipeline) -> Reset {
+pub fn reset_policy(kafka_settings: &KafkaSettings, pipeline: &SourceContext) -> Reset {
     Reset::parse(consumer_config(kafka_settings, pipeline).get("auto.offset.reset"))
 }
 
@@ -108,7 +108,7 @@ fn kafka(what: impl Into<String>) -> impl FnOnce(KafkaError) -> RewindError {
 /// Whether the group has members now, from Kafka's DescribeGroups, without joining it: `Some(members)` when the
 /// broker answered, `None` when it could not tell (the broker does not support the request, or did not answer
 /// within `timeout`).
-pub fn active_members(kafka_settings: &KafkaSettings, pipeline: &Pipeline, timeout: Duration) -> Option<usize> {
+pub fn active_members(kafka_settings: &KafkaSettings, pipeline: &SourceContext, timeout: Duration) -> Option<usize> {
     let consumer: BaseConsumer = consumer_config(kafka_settings, pipeline).create().ok()?;
     let groups = consumer.fetch_group_list(Some(&spec(pipeline).group_id), timeout).ok()?;
     let group = groups.groups().iter().find(|g| g.name() == spec(pipeline).group_id)?;
@@ -140,7 +140,7 @@ fn record_timestamp(consumer: &BaseConsumer, topic: &str, partition: i32, offset
 /// to replay of each partition); `timeout` per request.
 pub fn plan(
     kafka_settings: &KafkaSettings,
-    pipeline: &Pipeline,
+    pipeline: &SourceContext,
     target: Target,
     positions: Option<&[(String, i32, Option<i64>)]>,
     timeout: Duration,
@@ -168,7 +168,7 @@ pub fn plan(
     let reader: BaseConsumer =
         consumer_config(kafka_settings, pipeline).create().map_err(kafka("creating a Kafka client"))?;
     let mut plan = Plan::default();
-    let oldest_kept = SystemTime::now().checked_sub(pipeline.dedup.retention).unwrap_or(UNIX_EPOCH);
+    let oldest_kept = SystemTime::now().checked_sub(pipeline.dedup_retention).unwrap_or(UNIX_EPOCH);
     let oldest_kept_ms = oldest_kept.duration_since(UNIX_EPOCH).unwrap_or_default().as_millis() as i64;
     for e in all.elements() {
         let (topic, partition) = (e.topic(), e.partition());
@@ -204,7 +204,7 @@ pub fn plan(
                      {}: dedup rows of operations that old may have been purged, and those would be applied again",
                     rfc3339_ms(ts),
                     m.to,
-                    humantime::format_duration(pipeline.dedup.retention),
+                    humantime::format_duration(pipeline.dedup_retention),
                 ));
             }
         }
@@ -214,7 +214,7 @@ pub fn plan(
 }
 
 /// Every partition of `pipeline`'s topics, from the cluster's metadata.
-fn partitions_of(consumer: &BaseConsumer, pipeline: &Pipeline, timeout: Duration) -> Result<TopicPartitionList, RewindError> {
+fn partitions_of(consumer: &BaseConsumer, pipeline: &SourceContext, timeout: Duration) -> Result<TopicPartitionList, RewindError> {
     let mut all = TopicPartitionList::new();
     for topic in &spec(pipeline).topics {
         let md = consumer.fetch_metadata(Some(topic), timeout).map_err(kafka(format!("reading metadata of {topic:?}")))?;
@@ -238,7 +238,7 @@ fn partitions_of(consumer: &BaseConsumer, pipeline: &Pipeline, timeout: Duration
 /// committed to Kafka then).
 pub fn apply(
     kafka_settings: &KafkaSettings,
-    pipeline: &Pipeline,
+    pipeline: &SourceContext,
     moves: &[Move],
     timeout: Duration,
     before_commit: impl FnOnce() -> Result<(), String>,
@@ -290,4 +290,60 @@ pub fn apply(
     consumer.unsubscribe();
     drop(consumer); // closes the consumer: it leaves the group
     result
+}
+
+/// `idemflow rewind` for a Kafka pipeline: the plan from the group's committed offsets (or the stored positions in
+/// `store`), printed; with `dry_run`, whether the group has members; otherwise the stored positions rewound and
+/// the group's offsets committed by a member that holds every partition ([`apply`]).
+///
+/// Errors: [`RewindError`], and a store that cannot be read.
+pub async fn run(kafka: &KafkaSettings, pipeline: &SourceContext, request: crate::source::rewind::Request, store: Option<&crate::store::Store>) -> anyhow::Result<()> {
+    let positions = match store {
+        Some(store) => Some(store.stored_offsets(&pipeline.name).await?),
+        None => None,
+    };
+    let (settings, p) = (kafka.clone(), pipeline.clone());
+    let plan = tokio::task::spawn_blocking(move || plan(&settings, &p, request.to, positions.as_deref(), request.timeout)).await??;
+    let moves = plan.moves;
+    println!("pipeline {:?}, consumer group {:?}{}", pipeline.name, spec(pipeline).group_id, if store.is_some() { ", stored positions too" } else { "" });
+    println!("{:<32} {:>12} {:>12} {:>12} {:>12}", "partition", "from", "to", "end", "replayed");
+    for m in &moves {
+        let from = m.from.map_or("-".to_owned(), |o| o.to_string());
+        let tp = format!("{}/{}", m.topic, m.partition);
+        println!("{tp:<32} {from:>12} {:>12} {:>12} {:>12}", m.to, m.end, m.replayed());
+    }
+    for w in &plan.warnings {
+        println!("warning: {w}");
+    }
+    let total: i64 = moves.iter().map(Move::replayed).sum();
+    if request.dry_run {
+        let (settings, p) = (kafka.clone(), pipeline.clone());
+        let members = tokio::task::spawn_blocking(move || active_members(&settings, &p, request.timeout)).await?;
+        match members {
+            Some(0) => println!("the group has no active members: a real run would go ahead"),
+            Some(n) => println!("a real run would be refused: the group has {n} active member(s); stop every worker of the pipeline first"),
+            None => println!(
+                "the broker does not describe groups (DescribeGroups): a real run joins the group and is refused if a worker \
+                 still holds a partition"
+            ),
+        }
+        println!("dry run: nothing changed; {total} record(s) would be consumed again");
+        return Ok(());
+    }
+    let runtime = tokio::runtime::Handle::current();
+    let (settings, p, mv, store) = (kafka.clone(), pipeline.clone(), moves.clone(), store.cloned());
+    tokio::task::spawn_blocking(move || {
+        apply(&settings, &p, &mv, request.timeout, || match &store {
+            Some(store) => {
+                let positions: Vec<(String, i32, i64)> = mv.iter().map(|m| (m.topic.clone(), m.partition, m.to)).collect();
+                runtime.block_on(store.reset_offsets(&p.name, &positions)).map(drop).map_err(|e| e.to_string())
+            }
+            None => Ok(()),
+        })
+    })
+    .await??;
+    println!(
+        "rewound: {total} record(s) will be consumed again when the workers start; those already applied are skipped as duplicates (idemflow_duplicates_skipped_total)"
+    );
+    Ok(())
 }

@@ -42,7 +42,7 @@ mod spec;
 pub use spec::{QueueType, RabbitMqSettings, RabbitMqSpec};
 
 use crate::batch::BatchSettings;
-use crate::config::Pipeline;
+use crate::source::SourceContext;
 use crate::metrics::{CommitResult, PipelineMetrics, RebalanceEvent};
 use crate::record::{Position, Record, NO_PARTITION};
 use crate::shutdown::Shutdown;
@@ -128,7 +128,7 @@ pub struct RabbitMqSource {
 impl RabbitMqSource {
     /// A source for `pipeline` (which must have a RabbitMQ source). It connects on the first
     /// [`RabbitMqSource::next_batch`], and again with backoff whenever the connection is lost.
-    pub fn new(settings: &RabbitMqSettings, pipeline: &Pipeline, metrics: PipelineMetrics) -> Self {
+    pub fn new(settings: &RabbitMqSettings, pipeline: &SourceContext, metrics: PipelineMetrics) -> Self {
         let spec = match &pipeline.source {
             crate::source::spec::SourceSpec::RabbitMq(r) => r.clone(),
             _ => unreachable!("only RabbitMQ pipelines use the RabbitMQ source"),
@@ -139,7 +139,7 @@ impl RabbitMqSource {
             spec,
             pipeline: pipeline.name.clone(),
             metrics,
-            max_payload_bytes: pipeline.decoder.max_payload_bytes(),
+            max_payload_bytes: pipeline.max_payload_bytes,
             live: None,
             generation: 0,
             stash: VecDeque::new(),
@@ -620,7 +620,7 @@ async fn redeclare(connection: &Connection, queue: &str, arguments: FieldTable) 
 /// could not be verified).
 ///
 /// Errors: the first problem that stops the pipeline from running, as a sentence.
-pub async fn check(settings: &RabbitMqSettings, pipeline: &Pipeline) -> Result<Vec<String>, String> {
+pub async fn check(settings: &RabbitMqSettings, pipeline: &SourceContext) -> Result<Vec<String>, String> {
     let spec = match &pipeline.source {
         crate::source::spec::SourceSpec::RabbitMq(r) => r,
         _ => return Ok(Vec::new()),

@@ -28,14 +28,14 @@
 //! A poll is never cancelled (a dropped poll could lose the messages it had taken from the client's buffer):
 //! polls are short (at most [`POLL_MS`]) and shutdown is checked between them.
 
-mod rewind;
+pub mod rewind;
 pub use rewind::rewind;
 
 mod spec;
 pub use spec::{RocketMqSettings, RocketMqSpec};
 
 use crate::batch::BatchSettings;
-use crate::config::Pipeline;
+use crate::source::SourceContext;
 use crate::source::spec::SourceSpec;
 use crate::metrics::{CommitResult, PipelineMetrics, RebalanceEvent};
 use crate::offsets::{self, NextOffsets, Positions};
@@ -174,7 +174,7 @@ pub fn acl_hook(settings: &RocketMqSettings) -> Result<Option<Arc<AclClientRPCHo
 }
 
 /// The RocketMQ source of a pipeline.
-pub fn spec(pipeline: &Pipeline) -> &RocketMqSpec {
+pub fn spec(pipeline: &SourceContext) -> &RocketMqSpec {
     match &pipeline.source {
         SourceSpec::RocketMq(r) => r,
         _ => unreachable!("only RocketMQ pipelines use the RocketMQ source"),
@@ -289,7 +289,7 @@ impl RocketMqSource {
     /// Errors: the client runtime or the consumer could not be built, or only one of the ACL keys is set, as text.
     pub fn new(
         settings: &RocketMqSettings,
-        pipeline: &Pipeline,
+        pipeline: &SourceContext,
         metrics: PipelineMetrics,
         stored: Option<StoredStart>,
     ) -> Result<RocketMqSource, String> {
@@ -318,7 +318,7 @@ impl RocketMqSource {
             listener: Some(Arc::new(AssignmentEvents { topic: spec.topic.clone(), sender })),
             spec,
             metrics,
-            max_payload_bytes: pipeline.decoder.max_payload_bytes(),
+            max_payload_bytes: pipeline.max_payload_bytes,
             runtime: Some(runtime),
             consumer,
             events,
@@ -811,7 +811,7 @@ pub async fn admin(runtime: &Runtime, settings: &RocketMqSettings) -> Result<roc
 ///
 /// Errors: the first problem that stops the pipeline from running (no name server, no such topic, a queue with no
 /// readable broker), as a sentence.
-pub async fn check(settings: &RocketMqSettings, pipeline: &Pipeline) -> Result<Vec<String>, String> {
+pub async fn check(settings: &RocketMqSettings, pipeline: &SourceContext) -> Result<Vec<String>, String> {
     use rocketmq_client_rust::{ConsumerAdmin, TopicAdmin};
     let SourceSpec::RocketMq(spec) = &pipeline.source else { return Ok(Vec::new()) };
     let runtime = Runtime::new("check")?;

@@ -22,7 +22,7 @@ struct Planned {
 /// rewind; stop every worker of the pipeline first.
 pub async fn rewind(
     settings: &RocketMqSettings,
-    pipeline: &Pipeline,
+    pipeline: &SourceContext,
     target: Target,
     stored: Option<&[(String, i32, Option<i64>)]>,
     dry_run: bool,
@@ -43,7 +43,7 @@ pub async fn rewind(
 async fn rewind_with(
     admin: &rocketmq_client_rust::DefaultMQAdminExt,
     settings: &RocketMqSettings,
-    pipeline: &Pipeline,
+    pipeline: &SourceContext,
     target: Target,
     stored: Option<&[(String, i32, Option<i64>)]>,
     dry_run: bool,
@@ -149,3 +149,51 @@ async fn rewind_with(
     Ok((plan.into_iter().map(|p| p.step).collect(), warnings, members))
 }
 
+/// `idemflow rewind` for a RocketMQ pipeline: the plan from the group's consume offsets (or the stored positions in
+/// `store`), printed; unless `dry_run`, the group's offsets set (refused while members are online) and the stored
+/// positions rewound too.
+///
+/// Errors: `[rocketmq]` is missing, a broker or store request failed, the group has members online.
+pub async fn run(
+    settings: Option<&RocketMqSettings>,
+    pipeline: &SourceContext,
+    file: &std::path::Path,
+    request: crate::source::rewind::Request,
+    store: Option<&crate::store::Store>,
+) -> anyhow::Result<()> {
+    let settings = settings.ok_or_else(|| anyhow::anyhow!("a RocketMQ source needs [rocketmq] name_server"))?;
+    let positions = match store {
+        Some(store) => Some(store.stored_offsets(&pipeline.name).await?),
+        None => None,
+    };
+    let (moves, warnings, members) = rewind(settings, pipeline, request.to, positions.as_deref(), request.dry_run, request.timeout)
+        .await
+        .map_err(|e| anyhow::anyhow!("{}: pipeline {:?}: rocketmq: {e}", file.display(), pipeline.name))?;
+    println!("pipeline {:?}, consumer group {:?}{}", pipeline.name, spec(pipeline).consumer_group, if store.is_some() { ", stored positions too" } else { "" });
+    println!("{:<40} {:>12} {:>12} {:>12} {:>12}", "queue", "from", "to", "end", "replayed");
+    for m in &moves {
+        let from = m.from.map_or("-".to_owned(), |o| o.to_string());
+        let q = format!("{}/{}", m.topic, m.partition);
+        println!("{q:<40} {from:>12} {:>12} {:>12} {:>12}", m.to, m.end, m.replayed());
+    }
+    for w in &warnings {
+        println!("warning: {w}");
+    }
+    let total: i64 = moves.iter().map(Move::replayed).sum();
+    if request.dry_run {
+        match members {
+            0 => println!("the group has no members online: a real run would go ahead"),
+            n => println!("a real run would be refused: the group has {n} member(s) online; stop every worker of the pipeline first"),
+        }
+        println!("dry run: nothing changed; {total} record(s) would be consumed again");
+        return Ok(());
+    }
+    if let Some(store) = store {
+        let positions: Vec<(String, i32, i64)> = moves.iter().map(|m| (m.topic.clone(), m.partition, m.to)).collect();
+        store.reset_offsets(&pipeline.name, &positions).await?;
+    }
+    println!(
+        "rewound: {total} record(s) will be consumed again when the workers start; those already applied are skipped as duplicates (idemflow_duplicates_skipped_total)"
+    );
+    Ok(())
+}

@@ -318,6 +318,51 @@ pub struct ServerFacts {
 }
 
 impl RedisStore {
+    /// What this server's durability means for `pipelines` (those writing to it), for `check` and `run`: one line
+    /// each, warnings prefixed `warning: `.
+    pub async fn durability(&self, pipelines: &[crate::store::open::Tenant]) -> Vec<String> {
+        let mut lines = Vec::new();
+        let facts = match self.check_server().await {
+            Ok(f) => f,
+            Err(why) => return vec![format!("warning: redis: {why}")],
+        };
+        let fsync = facts.appendfsync.clone().unwrap_or_else(|| "unknown (CONFIG GET is not allowed)".to_owned());
+        lines.push(format!("redis {}: appendonly {}, appendfsync {fsync}", facts.version, if facts.aof { "yes" } else { "no" }));
+        match &facts.eviction {
+            Some((policy, true)) if policy != "noeviction" => lines.push(format!(
+                "warning: redis: maxmemory-policy {policy} with maxmemory set: Redis may evict dedup keys (they all have a TTL) \
+                 or stored positions before their time, and an operation whose key was evicted is applied again when it comes \
+                 back. Set maxmemory-policy noeviction (a full Redis then refuses writes, and the worker waits and retries)"
+            )),
+            None => lines.push("warning: redis: cannot read maxmemory-policy (CONFIG GET is not allowed): make sure it is noeviction".to_owned()),
+            _ => {}
+        }
+        if !facts.aof {
+            lines.push(
+                "warning: redis: appendonly is off: a restart loses every dedup key, stored position and effect written since the \
+                 last snapshot; a pipeline with positions then stops (its positions are gone) and a RabbitMQ pipeline loses what \
+                 it acknowledged. Set appendonly yes"
+                    .to_owned(),
+            );
+        }
+        for p in pipelines {
+            lines.push(format!(
+                "pipeline {:?}: nothing to purge: its dedup keys expire by themselves after [dedup] retention = {}",
+                p.name,
+                humantime::format_duration(p.retention)
+            ));
+            if !p.has_positions && facts.appendfsync.as_deref() != Some("always") {
+                lines.push(format!(
+                    "warning: pipeline {:?}: a queue has no position to resume from: a message is acknowledged once its batch's \
+                     script ran, and a crash of Redis before it wrote that script to disk (appendfsync {fsync}) loses its effect \
+                     for good. Set appendfsync always on the Redis server",
+                    p.name
+                ));
+            }
+        }
+        lines
+    }
+
     /// Checks the server idemflow runs on: version, not a Cluster node. Returns what it found (for the warnings
     /// about durability, [`ServerFacts`]).
     ///

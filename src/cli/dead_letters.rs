@@ -1,0 +1,158 @@
+//! `idemflow dead-letters`: list, show and replay dead letters, in any store.
+
+use super::{load, open_store, report};
+use anyhow::{bail, Context as _};
+use clap::Subcommand;
+use idemflow::config::{self, StoreKind};
+use idemflow::terminal::{escape, printable};
+use idemflow::worker;
+use std::path::PathBuf;
+
+#[derive(Subcommand)]
+pub enum DeadLettersCommand {
+    /// The newest dead letters: id, pipeline, position, reason, time, error.
+    List {
+        /// The settings file.
+        #[arg(long, short, default_value = "idemflow.toml")]
+        config: PathBuf,
+        /// Only this pipeline.
+        #[arg(long)]
+        pipeline: Option<String>,
+        /// How many.
+        #[arg(long, default_value_t = 50)]
+        limit: i64,
+        /// The dead letters of Redis pipelines (the `<key_prefix>dead-letters` stream), when `[database]` is set too.
+        #[arg(long)]
+        redis: bool,
+    },
+    /// One dead letter in full: key, headers, payload (as text when it is UTF-8, else hex), error.
+    Show {
+        /// The settings file.
+        #[arg(long, short, default_value = "idemflow.toml")]
+        config: PathBuf,
+        /// Its id.
+        id: i64,
+        /// A dead letter of a Redis pipeline, when `[database]` is set too.
+        #[arg(long)]
+        redis: bool,
+    },
+    /// Apply a dead letter through the pipeline's transactional path; its row is removed in the same transaction
+    /// (if it fails again, it is dead-lettered again with the new error).
+    Replay {
+        /// The settings file.
+        #[arg(long, short, default_value = "idemflow.toml")]
+        config: PathBuf,
+        /// Its id.
+        id: i64,
+        /// Replace the stored payload with this file's bytes (a fixed record).
+        #[arg(long)]
+        payload: Option<PathBuf>,
+        /// A dead letter of a Redis pipeline, when `[database]` is set too.
+        #[arg(long)]
+        redis: bool,
+    },
+}
+
+/// Where a dead letter came from: `topic/partition@offset`, or `queue NAME` (a queue has no stable position; the
+/// stored "offset" of a queue's dead letter only numbers it).
+fn stored_position(d: &idemflow::sink::dead_letter::Stored) -> String {
+    if d.partition == idemflow::record::NO_PARTITION {
+        format!("queue {}", d.topic)
+    } else {
+        d.record().position.to_string()
+    }
+}
+
+/// Runs one `dead-letters` subcommand.
+///
+/// Errors: the settings, the store or the pipeline cannot be read, no dead letter has that id, or a replay failed
+/// again.
+pub async fn run(cmd: DeadLettersCommand) -> anyhow::Result<()> {
+    let (config, redis) = match &cmd {
+        DeadLettersCommand::List { config, redis, .. } | DeadLettersCommand::Show { config, redis, .. } | DeadLettersCommand::Replay { config, redis, .. } => {
+            (config.clone(), *redis)
+        }
+    };
+    let settings = load(&config)?;
+    let kind = if redis || settings.database.is_none() { StoreKind::Redis } else { StoreKind::Database };
+    let store = open_store(&settings, &config, kind).await?;
+    match cmd {
+        DeadLettersCommand::List { pipeline, limit, .. } => {
+            let rows = store.dead_letters(pipeline.as_deref(), limit).await?;
+            println!("{:>8}  {:<16} {:<28} {:<22} {:<32} error", "id", "pipeline", "position", "reason", "created_at");
+            for d in &rows {
+                let error: String = escape(&d.error).chars().take(100).collect();
+                let position = stored_position(&d);
+                println!("{:>8}  {:<16} {:<28} {:<22} {:<32} {error}", d.id, d.pipeline, position, d.reason, d.created_at);
+            }
+            println!("{} dead letter(s)", rows.len());
+            Ok(())
+        }
+        DeadLettersCommand::Show { id, .. } => {
+            let Some(d) = store.dead_letter(id).await? else { bail!("no dead letter with id {id}") };
+            println!("id          {}", d.id);
+            println!("pipeline    {}", d.pipeline);
+            println!("position    {}", stored_position(&d));
+            println!("reason      {}", d.reason);
+            println!("error       {}", escape(&d.error));
+            println!("created_at  {}", d.created_at);
+            println!("key         {}", d.record_key.as_deref().map_or("(none)".to_owned(), printable));
+            for (k, v) in d.property_names.iter().zip(&d.property_values) {
+                println!("property    {}: {}", escape(k), escape(v));
+            }
+            for (k, v) in d.header_names.iter().zip(&d.header_values) {
+                println!("header      {}: {}", escape(k), v.as_deref().map_or("(null)".to_owned(), printable));
+            }
+            println!("payload     {}", d.payload.as_deref().map_or("(null: a tombstone)".to_owned(), printable));
+            if let (Some(size), Some(sha256)) = (d.payload_bytes, &d.payload_sha256) {
+                let hex = idemflow::terminal::hex(sha256);
+                println!(
+                    "            (the first {} of {size} bytes; sha256 of the whole payload {hex}; replay it with --payload FILE)",
+                    d.payload.as_ref().map_or(0, Vec::len)
+                );
+            }
+            Ok(())
+        }
+        DeadLettersCommand::Replay { id, payload, .. } => {
+            let Some(d) = store.dead_letter(id).await? else { bail!("no dead letter with id {id}") };
+            let pipelines = config::load_pipelines_for(&settings).map_err(|e| report(&e))?;
+            let Some(p) = pipelines.into_iter().find(|p| p.name == d.pipeline) else {
+                bail!("dead letter {id} belongs to pipeline {:?}, which is not configured in {}", d.pipeline, settings.pipelines.display());
+            };
+            let ready = worker::prepare(&store, std::slice::from_ref(&p)).await.map_err(|e| report(&e))?;
+            let r = &ready[0];
+            let mut record = d.record();
+            if let Some(file) = payload {
+                record.payload = Some(std::fs::read(&file).with_context(|| format!("reading {}", file.display()))?);
+                record.oversized = None;
+            } else if let Some(o) = &record.oversized {
+                let hex = idemflow::terminal::hex(&o.sha256);
+                bail!(
+                    "dead letter {id} kept only the first {} of its {} payload bytes: replay it with --payload FILE (the \
+                     whole payload's sha256 was {hex})",
+                    record.payload.as_ref().map_or(0, Vec::len),
+                    o.size
+                );
+            }
+            let prepared = r.preparer.prepare(&record);
+            let outcome = r
+                .sink
+                .apply_replaying(std::slice::from_ref(&record), std::slice::from_ref(&prepared), |_| Ok(()), &[id])
+                .await?;
+            let c = &outcome.counts;
+            if c.applied == 1 {
+                println!("dead letter {id}: applied; its row is removed");
+            } else if c.duplicates.iter().sum::<u64>() == 1 {
+                println!("dead letter {id}: its business key was applied already (a duplicate); its row is removed");
+            } else if let Some(again) = outcome.dead_letters.first() {
+                println!("dead letter {id}: failed again ({}: {}); kept as a new dead letter", again.reason.as_str(), escape(&again.error));
+                store.close().await;
+                bail!("replay failed");
+            } else {
+                println!("dead letter {id}: skipped (a tombstone); its row is removed");
+            }
+            store.close().await;
+            Ok(())
+        }
+    }
+}

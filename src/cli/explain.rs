@@ -1,0 +1,49 @@
+//! `idemflow explain`: was this business key applied, when, from which record, and how many duplicates of it
+//! were skipped since (any store).
+
+use super::{load, named, open_store, report};
+use idemflow::config;
+use std::path::PathBuf;
+
+#[derive(clap::Args)]
+pub struct ExplainArgs {
+    /// The settings file.
+    #[arg(long, short, default_value = "idemflow.toml")]
+    config: PathBuf,
+    /// The pipeline.
+    #[arg(long)]
+    pipeline: String,
+    /// The business key's canonical text (a composite key as its JSON array, e.g. '["o-1","3"]').
+    #[arg(long)]
+    key: String,
+}
+
+/// Runs `explain`.
+///
+/// Errors: the settings, the pipeline or the store cannot be read.
+pub async fn run(a: ExplainArgs) -> anyhow::Result<()> {
+    let settings = load(&a.config)?;
+    let pipelines = config::load_pipelines_for(&settings).map_err(|e| report(&e))?;
+    let p = named(&pipelines, &a.pipeline, &settings)?;
+    let store = open_store(&settings, &a.config, p.sink.store()).await?;
+    let key = idemflow::key::BusinessKey::new(a.key.clone());
+    println!("pipeline {:?}, business key {:?}", p.name, a.key);
+    match store.explain(&p.name, &key).await? {
+        Some(e) => {
+            println!("  applied at         {}", e.applied_at);
+            let position = idemflow::record::Position { topic: e.topic.as_str().into(), partition: e.partition, offset: e.offset };
+            println!("  from               {position}");
+            println!("  payload sha256     {}", e.fingerprint);
+            match e.last_duplicate_at {
+                Some(at) => println!("  duplicates skipped {} since (the last at {at})", e.duplicates),
+                None => println!("  duplicates skipped 0 since"),
+            }
+        }
+        None => println!(
+            "  not in the dedup store: never applied, dead-lettered (see `idemflow dead-letters list`), or purged after \
+             [dedup] retention = {}",
+            humantime::format_duration(p.dedup.retention)
+        ),
+    }
+    Ok(())
+}

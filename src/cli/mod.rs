@@ -1,0 +1,165 @@
+//! The commands of the `idemflow` binary, one file each, and what they share: reading the settings, naming a
+//! pipeline, opening its store. `main.rs` parses the command line and calls [`dispatch`].
+
+mod check;
+mod dead_letters;
+mod explain;
+mod migrate;
+mod purge;
+mod rewind;
+mod run;
+mod tools;
+
+use anyhow::bail;
+use clap::{Parser, Subcommand};
+use idemflow::config::{self, PipelineError, Settings, StoreKind};
+use idemflow::store::Store;
+use idemflow::{telemetry, worker};
+use std::path::{Path, PathBuf};
+
+/// Exactly-once effects from at-least-once brokers (Kafka topics, RabbitMQ queues, RocketMQ topics) into
+/// PostgreSQL, MySQL/MariaDB or Redis: per batch one transaction (one script on Redis) writes a dedup row per
+/// business key and applies the side effect only for keys never seen, then the broker's offsets are committed.
+#[derive(Parser)]
+#[command(version, about, long_about = None)]
+pub struct Cli {
+    #[command(subcommand)]
+    /// The command to run.
+    pub command: Command,
+}
+
+#[derive(Subcommand)]
+pub enum Command {
+    /// Create or upgrade idemflow's tables (dedup rows, dead letters, stored positions) in PostgreSQL or
+    /// MySQL/MariaDB; Redis needs none.
+    Migrate(ConfigArg),
+    /// Validate the settings and every pipeline, ask each broker (Kafka, RabbitMQ, RocketMQ) for its topics or
+    /// queues, and prepare each side effect against its store (PostgreSQL, MySQL/MariaDB, Redis).
+    Check(ConfigArg),
+    /// Run the worker (every pipeline, any broker and store) until SIGTERM or SIGINT; serves /metrics, /healthz and
+    /// /readyz.
+    Run(ConfigArg),
+    /// Was this business key applied? When, from which record, and how many duplicates of it were skipped since
+    /// (any store).
+    Explain(explain::ExplainArgs),
+    /// Inspect dead letters and replay them once the cause is fixed (any store).
+    #[command(subcommand)]
+    DeadLetters(dead_letters::DeadLettersCommand),
+    /// Move a pipeline's consumer group back (with its workers stopped) so its topics are consumed again: Kafka and
+    /// RocketMQ (a RabbitMQ queue has no position to go back to); the dedup store skips every record already applied.
+    Rewind(rewind::RewindArgs),
+    /// Run one retention pass by hand: delete each pipeline's dedup rows older than its [dedup] retention
+    /// (PostgreSQL, MySQL/MariaDB; Redis expires its dedup keys by themselves).
+    Purge(purge::PurgeArgs),
+    /// See the whole job on this machine: an embedded Kafka broker (or a throwaway RabbitMQ), a throwaway PostgreSQL
+    /// (or MySQL/MariaDB, Redis), a stream of payments with duplicates of every kind, and a summary that checks
+    /// each payment took effect exactly once.
+    Demo(tools::DemoArgs),
+    /// Measure throughput, CPU, memory and latency against the baselines (one record per transaction, a raw COPY,
+    /// a consume-only pass), side by side in one run, on an embedded broker and a throwaway PostgreSQL.
+    Bench(tools::BenchArgs),
+    /// Send the demo's stream of payments (with duplicates) to a real Kafka or RocketMQ, continuously (for
+    /// docker-compose, and for trying a pipeline on your own broker).
+    DemoProducer(tools::DemoProducerArgs),
+}
+
+/// `--config`, for the commands that need nothing else.
+#[derive(clap::Args)]
+pub struct ConfigArg {
+    /// The settings file.
+    #[arg(long, short, default_value = "idemflow.toml")]
+    config: PathBuf,
+}
+
+/// Runs `command`.
+///
+/// Errors: the command's, with the settings file or pipeline it is about.
+pub async fn dispatch(command: Command) -> anyhow::Result<()> {
+    match command {
+        Command::Migrate(a) => migrate::run(a).await,
+        Command::Check(a) => check::run(a).await,
+        Command::Run(a) => run::run(a).await,
+        Command::Explain(a) => explain::run(a).await,
+        Command::DeadLetters(cmd) => dead_letters::run(cmd).await,
+        Command::Rewind(a) => rewind::run(a).await,
+        Command::Purge(a) => purge::run(a).await,
+        Command::Demo(a) => tools::demo(a).await,
+        Command::Bench(a) => tools::bench(a).await,
+        Command::DemoProducer(a) => tools::demo_producer(a).await,
+    }
+}
+
+/// The settings of `path` (and `IDEMFLOW_*` variables), with logging set up from them.
+///
+/// Errors: a `--config` file that is not there, or settings that do not parse (file, line and key named).
+fn load(path: &Path) -> anyhow::Result<Settings> {
+    // Only the default settings file may be absent (settings then come from IDEMFLOW_* variables alone): a file
+    // named with --config that is not there is a mistake, not a fallback.
+    if !path.exists() && path != Path::new(DEFAULT_CONFIG) {
+        bail!("{}: no such settings file (given with --config)", path.display());
+    }
+    let loaded = config::load_settings(path)?;
+    telemetry::init(&loaded.settings.log);
+    for w in &loaded.warnings {
+        tracing::warn!("{w}");
+    }
+    Ok(loaded.settings)
+}
+
+/// The settings file read when `--config` is not given.
+const DEFAULT_CONFIG: &str = "idemflow.toml";
+
+/// Prints every pipeline problem, one per line; the error counts them.
+fn report(errors: &[PipelineError]) -> anyhow::Error {
+    for e in errors {
+        eprintln!("{e}");
+    }
+    anyhow::anyhow!("{} problem(s) in the pipelines", errors.len())
+}
+
+/// The pipeline named `name`, or an error saying where pipelines were looked for.
+fn named<'p>(pipelines: &'p [config::Pipeline], name: &str, settings: &Settings) -> anyhow::Result<&'p config::Pipeline> {
+    pipelines
+        .iter()
+        .find(|p| p.name == name)
+        .ok_or_else(|| anyhow::anyhow!("no pipeline named {name:?} in {}", settings.pipelines.display()))
+}
+
+/// The store of `kind`, reachable and with idemflow's schema, or the reason against the settings file `config`.
+async fn open_store(settings: &Settings, config: &Path, kind: StoreKind) -> anyhow::Result<Store> {
+    settings.stores().open(kind).await.map_err(|why| anyhow::anyhow!("{}: {why}", config.display()))
+}
+
+/// Every store `pipelines` write to, opened, the database first.
+async fn open_stores(settings: &Settings, config: &Path, pipelines: &[config::Pipeline]) -> anyhow::Result<Vec<(StoreKind, Store)>> {
+    let mut stores = Vec::new();
+    for kind in idemflow::store::open::needed(pipelines.iter().map(|p| p.sink.store())) {
+        stores.push((kind, open_store(settings, config, kind).await?));
+    }
+    Ok(stores)
+}
+
+/// What each store's durability means for the pipelines writing to it: one line each, `warning: ` first where it
+/// is one.
+async fn durability(stores: &[(StoreKind, Store)], pipelines: &[config::Pipeline]) -> Vec<String> {
+    let mut lines = Vec::new();
+    for (kind, store) in stores {
+        let tenants: Vec<idemflow::store::Tenant> = pipelines.iter().filter(|p| p.sink.store() == *kind).map(|p| p.tenant()).collect();
+        lines.extend(store.durability(&tenants).await);
+    }
+    lines
+}
+
+/// Checks every pipeline against its store, all problems at once.
+async fn prepare_all(stores: &[(StoreKind, Store)], pipelines: &[config::Pipeline]) -> Result<Vec<worker::Ready>, Vec<PipelineError>> {
+    let mut ready = Vec::new();
+    let mut errors = Vec::new();
+    for (kind, store) in stores {
+        let mine: Vec<config::Pipeline> = pipelines.iter().filter(|p| p.sink.store() == *kind).cloned().collect();
+        match worker::prepare(store, &mine).await {
+            Ok(r) => ready.extend(r),
+            Err(e) => errors.extend(e),
+        }
+    }
+    if errors.is_empty() { Ok(ready) } else { Err(errors) }
+}

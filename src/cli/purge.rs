@@ -1,0 +1,51 @@
+//! `idemflow purge`: one retention pass by hand (PostgreSQL, MySQL/MariaDB; Redis expires its dedup keys by
+//! themselves).
+
+use super::{load, named, open_store, report};
+use idemflow::config::{self, StoreKind};
+use std::path::PathBuf;
+
+#[derive(clap::Args)]
+pub struct PurgeArgs {
+    /// The settings file.
+    #[arg(long, short, default_value = "idemflow.toml")]
+    config: PathBuf,
+    /// Only this pipeline.
+    #[arg(long)]
+    pipeline: Option<String>,
+}
+
+/// Runs `purge`.
+///
+/// Errors: the settings, the pipelines or the database cannot be read, or a purge transaction failed.
+pub async fn run(a: PurgeArgs) -> anyhow::Result<()> {
+    let settings = load(&a.config)?;
+    let pipelines = config::load_pipelines_for(&settings).map_err(|e| report(&e))?;
+    if let Some(name) = &a.pipeline {
+        named(&pipelines, name, &settings)?;
+    }
+    let chosen: Vec<&config::Pipeline> = pipelines.iter().filter(|p| a.pipeline.as_ref().is_none_or(|n| *n == p.name)).collect();
+    for p in chosen.iter().filter(|p| p.sink.store().expires_dedup_keys()) {
+        println!(
+            "pipeline {:?}: nothing to purge, its dedup keys in Redis expire by themselves after [dedup] retention = {}",
+            p.name, humantime::format_duration(p.dedup.retention)
+        );
+    }
+    let chosen: Vec<&config::Pipeline> = chosen.into_iter().filter(|p| !p.sink.store().expires_dedup_keys()).collect();
+    if chosen.is_empty() {
+        return Ok(());
+    }
+    let store = open_store(&settings, &a.config, StoreKind::Database).await?;
+    for p in chosen {
+        let o = store.purge(&p.name, p.dedup.retention, p.dedup.purge_batch, |_| {}).await?;
+        if o.skipped_locked {
+            println!("pipeline {:?}: skipped, another process is purging it", p.name);
+        } else {
+            println!(
+                "pipeline {:?}: purged {} dedup rows older than {} in {} batch(es)",
+                p.name, o.purged, humantime::format_duration(p.dedup.retention), o.batches
+            );
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,79 @@
+//! `idemflow run`: the worker, every pipeline, until SIGTERM or SIGINT; `/metrics`, `/healthz` and `/readyz`
+//! served from the start.
+
+use super::{durability, load, open_stores, prepare_all, report, ConfigArg};
+use anyhow::{bail, Context as _};
+use idemflow::{config, http, metrics, shutdown, worker};
+
+/// Runs the worker.
+///
+/// Errors: the settings or a pipeline are wrong, a store cannot be opened, or pipelines failed.
+pub async fn run(a: ConfigArg) -> anyhow::Result<()> {
+    let settings = load(&a.config)?;
+    let pipelines = config::load_pipelines_for(&settings).map_err(|e| report(&e))?;
+    config::check_sources(&settings, &pipelines).map_err(|e| report(&e))?;
+    // Serve /healthz from the start: the process is alive while it waits for the database.
+    let metrics = metrics::Metrics::new();
+    metrics.set_stall_after(settings.metrics.stall_after);
+    let health = http::Health::default();
+    health.database(false);
+    let server = http::serve(settings.metrics.listen, metrics.clone(), health.clone())
+        .with_context(|| format!("binding metrics.listen = {}", settings.metrics.listen))?;
+    tracing::info!(address = %server.addr(), "serving /metrics, /healthz and /readyz");
+    let (trigger, mut stop) = shutdown::channel();
+    let timeout = settings.shutdown.timeout;
+    tokio::spawn(async move {
+        shutdown::signals().await;
+        trigger.trigger();
+        tokio::time::sleep(timeout).await;
+        eprintln!("shutdown took longer than shutdown.timeout = {timeout:?}; exiting");
+        std::process::exit(1);
+    });
+    let needed = idemflow::store::open::needed(pipelines.iter().map(|p| p.sink.store()));
+    let stores = settings.stores();
+    tokio::select! {
+        _ = stores.wait_for(&needed) => {}
+        _ = stop.wait() => {
+            tracing::info!("stopped before the stores were reachable");
+            return Ok(());
+        }
+    }
+    health.database(true);
+    let stores = open_stores(&settings, &a.config, &pipelines).await?;
+    for line in durability(&stores, &pipelines).await {
+        log_line(&line);
+    }
+    let ready = prepare_all(&stores, &pipelines).await.map_err(|e| report(&e))?;
+    for p in &pipelines {
+        let (brokers, context) = (settings.brokers(), p.source_context());
+        tokio::spawn(async move {
+            for line in idemflow::source::check::retention_report(&brokers, &context).await {
+                log_line(&line);
+            }
+        });
+    }
+    let failures = worker::run(&settings, ready, &metrics, &health, stop.clone()).await;
+    if !failures.is_empty() && !stop.is_triggered() {
+        // Every pipeline stopped on a fatal error: keep /metrics and /readyz up (pipeline_up 0, not ready)
+        // so monitoring sees why, rather than exiting into a restart loop. Exit 1 on SIGTERM/SIGINT.
+        tracing::error!("every pipeline has stopped on a fatal error; serving /metrics until stopped");
+        stop.wait().await;
+    }
+    for (_, store) in &stores {
+        store.close().await;
+    }
+    if failures.is_empty() {
+        tracing::info!("stopped cleanly");
+        Ok(())
+    } else {
+        bail!("{} pipeline(s) failed: {}", failures.len(), failures.iter().map(|f| f.to_string()).collect::<Vec<_>>().join("; "))
+    }
+}
+
+/// A line of a report, logged as a warning when it is one (`warning: ...`).
+fn log_line(line: &str) {
+    match line.strip_prefix("warning: ") {
+        Some(w) => tracing::warn!("{w}"),
+        None => tracing::info!("{line}"),
+    }
+}

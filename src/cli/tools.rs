@@ -1,0 +1,144 @@
+//! The tools beside the worker: `idemflow demo`, `idemflow demo-producer` and `idemflow bench`.
+
+use anyhow::bail;
+use idemflow::{config, telemetry};
+use std::path::PathBuf;
+
+#[derive(clap::Args)]
+pub struct DemoProducerArgs {
+    /// Kafka bootstrap servers.
+    #[arg(long, env = "IDEMFLOW_KAFKA__BOOTSTRAP_SERVERS", required_unless_present = "rocketmq_name_server")]
+    bootstrap_servers: Option<String>,
+    /// A RocketMQ name server (`host:port`) instead of Kafka: each payment is sent with its order id as the
+    /// message's KEYS, tag `pay`.
+    #[arg(long, conflicts_with = "bootstrap_servers")]
+    rocketmq_name_server: Option<String>,
+    /// The topic.
+    #[arg(long, default_value = "payments")]
+    topic: String,
+    /// Records per second.
+    #[arg(long, default_value_t = 200)]
+    rate: u32,
+}
+
+#[derive(clap::Args)]
+pub struct DemoArgs {
+    /// How many records to produce.
+    #[arg(long, default_value_t = 100_000)]
+    records: usize,
+    /// Use this server instead of a throwaway PostgreSQL cluster (a new database is created on it): postgres://...,
+    /// or mysql://... / mariadb://... to run the demo on MySQL or MariaDB (through examples/mysql/payments.toml).
+    #[arg(long, env = "DATABASE_URL")]
+    database_url: Option<String>,
+    /// The broker: an embedded Kafka, or a throwaway RabbitMQ node (needs Debian's rabbitmq-server).
+    #[arg(long, value_enum, default_value = "kafka")]
+    source: idemflow::demo::DemoSource,
+    /// The pipeline to run (default pipelines/payments.toml, or examples/rabbitmq/payments.toml with --source
+    /// rabbitmq); its tables are in the `.sql` file beside it.
+    #[arg(long)]
+    pipeline: Option<PathBuf>,
+    /// Where to serve /metrics while the demo runs.
+    #[arg(long, default_value = "127.0.0.1:9464")]
+    metrics_listen: std::net::SocketAddr,
+    /// Keep the worker and /metrics up after the summary, until Ctrl-C.
+    #[arg(long)]
+    keep_running: bool,
+    /// Redis as the store, through examples/redis/payments.toml: a throwaway redis-server (needs Debian's
+    /// redis-server), or the server of a redis:// --database-url (its keys are written as they are: use a spare
+    /// database number, redis://host:port/15).
+    #[arg(long)]
+    redis: bool,
+}
+
+#[derive(clap::Args)]
+pub struct BenchArgs {
+    /// Records in the stream (about 190 bytes of JSON each, 2% duplicates).
+    #[arg(long, default_value_t = 1_000_000)]
+    records: usize,
+    /// Records for run (2), one transaction per record (the per-message pattern).
+    #[arg(long, default_value_t = 20_000)]
+    single_records: usize,
+    /// Records for run (6), the per-record SQL form.
+    #[arg(long, default_value_t = 200_000)]
+    sql_records: usize,
+    /// Dedup keys preloaded for run (4).
+    #[arg(long, default_value_t = 10_000_000)]
+    preload: u64,
+    /// Use this server instead of a throwaway PostgreSQL cluster (databases bench_1.. are created on it): postgres://...,
+    /// or mysql://... / mariadb://... for runs (1), (2), (5) and (6) on MySQL or MariaDB.
+    #[arg(long)]
+    database_url: Option<String>,
+    /// Where to write the Markdown table.
+    #[arg(long, default_value = "target/bench/bench.md")]
+    markdown: PathBuf,
+    /// Where to write the JSON.
+    #[arg(long, default_value = "target/bench/bench.json")]
+    json: PathBuf,
+    /// Only these runs, e.g. `--only 1,5,7` (a ratio needs both of its runs).
+    #[arg(long, value_delimiter = ',')]
+    only: Vec<u8>,
+    /// Profile each worker run with `perf record -g` (writes perf-N.data here; CPU figures then include perf).
+    #[arg(long)]
+    perf: bool,
+    /// The broker: the embedded Kafka (runs 1-6), or a throwaway RabbitMQ node (runs 1 and 5 from quorum queues;
+    /// needs Debian's rabbitmq-server).
+    #[arg(long, value_enum, default_value = "kafka")]
+    source: idemflow::demo::DemoSource,
+}
+
+/// Runs `bench`.
+///
+/// Errors: a run could not be set up or failed.
+pub async fn bench(a: BenchArgs) -> anyhow::Result<()> {
+    telemetry::init(&config::LogSettings { level: "warn".into(), ..Default::default() });
+    let options = idemflow::bench::BenchOptions {
+        records: a.records,
+        single_records: a.single_records,
+        sql_records: a.sql_records,
+        preload: a.preload,
+        database_url: a.database_url,
+        markdown: a.markdown.clone(),
+        json: a.json.clone(),
+        only: a.only,
+        perf: a.perf,
+        source: a.source,
+    };
+    let report = idemflow::bench::run(options).await?;
+    println!("{}", idemflow::bench::markdown(&report));
+    println!("written to {} and {}", a.markdown.display(), a.json.display());
+    Ok(())
+}
+
+/// Runs `demo-producer` until stopped.
+///
+/// Errors: the producer could not be created.
+pub async fn demo_producer(a: DemoProducerArgs) -> anyhow::Result<()> {
+    use idemflow::demo::ProducerTarget;
+    let target = match (a.rocketmq_name_server, a.bootstrap_servers) {
+        (Some(ns), _) => ProducerTarget::RocketMq(ns),
+        (None, Some(bootstrap)) => ProducerTarget::Kafka(bootstrap),
+        (None, None) => bail!("give --bootstrap-servers (Kafka) or --rocketmq-name-server"),
+    };
+    idemflow::demo::produce_forever(&target, &a.topic, a.rate).await
+}
+
+/// Runs `demo`.
+///
+/// Errors: the demo could not be set up, or its exactly-once check failed.
+pub async fn demo(a: DemoArgs) -> anyhow::Result<()> {
+    telemetry::init(&config::LogSettings { level: "error".into(), ..Default::default() });
+    let options = idemflow::demo::DemoOptions {
+        records: a.records,
+        database_url: a.database_url,
+        source: a.source,
+        pipeline: a.pipeline,
+        metrics_listen: a.metrics_listen,
+        keep_running: a.keep_running,
+        redis: a.redis,
+    };
+    if idemflow::demo::run(options).await? {
+        Ok(())
+    } else {
+        bail!("the exactly-once check failed")
+    }
+}

@@ -1,0 +1,89 @@
+//! What `idemflow check` and `idemflow run` ask of every source, whatever its broker: reach the broker and find
+//! the pipeline's topics or queues ([`check`]), one line saying what the pipeline reads ([`summary`]), settings that
+//! work against each other ([`timing_warnings`]), and whether the dedup retention outlasts how long the broker
+//! keeps messages ([`retention_report`]). One match per question, one arm per broker.
+
+use super::spec::SourceSpec;
+use super::{kafka, rabbitmq, rocketmq, Brokers, SourceContext};
+use crate::offsets::OffsetStore;
+use std::time::Duration;
+
+/// Why `check` refuses a pipeline's source.
+#[derive(Debug)]
+pub enum CheckError {
+    /// The settings file is wrong (a librdkafka property the client refuses): reported against the settings file,
+    /// at once.
+    Settings(String),
+    /// The broker is unreachable or lacks what the pipeline needs (a missing topic or queue): reported with the
+    /// pipeline's file, after the store's problems are collected too.
+    Broker(String),
+}
+
+/// Checks `pipeline`'s source against its broker; the lines to print (`warning: ...` for what could not be
+/// verified).
+///
+/// Errors: [`CheckError`].
+pub async fn check(brokers: &Brokers, pipeline: &SourceContext) -> Result<Vec<String>, CheckError> {
+    match &pipeline.source {
+        SourceSpec::Kafka(_) => {
+            kafka::check_properties(&brokers.kafka, pipeline).map_err(|e| CheckError::Settings(kafka::describe_kafka_error(&e)))?;
+            let (settings, pipeline) = (brokers.kafka.clone(), pipeline.clone());
+            let topics = tokio::task::spawn_blocking(move || kafka::check_topics(&settings, &pipeline, Duration::from_secs(5)));
+            match topics.await {
+                Ok(Ok(())) => Ok(Vec::new()),
+                Ok(Err(e)) => Err(CheckError::Broker(e.to_string())),
+                Err(e) => Err(CheckError::Broker(e.to_string())),
+            }
+        }
+        SourceSpec::RabbitMq(_) => {
+            let settings = brokers.rabbitmq.as_ref().ok_or_else(|| CheckError::Broker("[rabbitmq] url is not set".to_owned()))?;
+            rabbitmq::check(settings, pipeline).await.map_err(CheckError::Broker)
+        }
+        SourceSpec::RocketMq(_) => {
+            let settings = brokers.rocketmq.as_ref().ok_or_else(|| CheckError::Broker("[rocketmq] name_server is not set".to_owned()))?;
+            rocketmq::check(settings, pipeline).await.map_err(CheckError::Broker)
+        }
+    }
+}
+
+/// What the pipeline reads, for `check`'s `ok` line: `topics [..], group ".."` and the like.
+pub fn summary(pipeline: &SourceContext) -> String {
+    match &pipeline.source {
+        SourceSpec::Kafka(k) => format!("topics {:?}, group {:?}", k.topics, k.group_id),
+        SourceSpec::RabbitMq(q) => format!("queues {:?}, prefetch {}", q.queues, q.prefetch),
+        SourceSpec::RocketMq(r) => format!(
+            "topic {:?}, consumer group {:?}, offsets in {}",
+            r.topic,
+            r.consumer_group,
+            if pipeline.offsets == OffsetStore::Database { "the store" } else { "the broker" }
+        ),
+    }
+}
+
+/// Settings of `pipeline` and of its broker's client that work against each other, one sentence each (`check`
+/// prints them as warnings). Only Kafka's consumer has such timings.
+pub fn timing_warnings(brokers: &Brokers, pipeline: &SourceContext) -> Vec<String> {
+    match &pipeline.source {
+        SourceSpec::Kafka(_) => kafka::timing_warnings(brokers, pipeline),
+        SourceSpec::RabbitMq(_) | SourceSpec::RocketMq(_) => Vec::new(),
+    }
+}
+
+/// Compares `pipeline`'s dedup retention with how long its broker keeps messages: one line per topic
+/// (`warning: ...` where the retention falls short or could not be read).
+pub async fn retention_report(brokers: &Brokers, pipeline: &SourceContext) -> Vec<String> {
+    let retention = humantime::format_duration(pipeline.dedup_retention);
+    match &pipeline.source {
+        SourceSpec::RocketMq(r) => vec![format!(
+            "pipeline {:?}: topic {:?}: a RocketMQ broker keeps messages for its fileReservedTime (72 h by default); \
+             [dedup] retention = {retention} must outlast it, or a replay of older messages (a rewind) would apply them again",
+            pipeline.name, r.topic,
+        )],
+        SourceSpec::RabbitMq(_) => vec![format!(
+            "pipeline {:?}: a queue has no retention.ms to compare with; [dedup] retention = {retention} must outlast the longest \
+             time a message can wait in its queues (a message redelivered after its dedup row was purged is applied again)",
+            pipeline.name,
+        )],
+        SourceSpec::Kafka(k) => kafka::retention_report(&brokers.kafka, &pipeline.name, &k.topics, pipeline.dedup_retention).await,
+    }
+}

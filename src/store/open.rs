@@ -1,0 +1,147 @@
+//! Opening the stores a set of pipelines writes to, whatever they are: which stores are needed ([`needed`]),
+//! waiting for them at start-up ([`wait_for`]), connecting with idemflow's schema checked ([`open`]), whether a
+//! database URL leads to a pooler ([`behind_pooler`]), and what a store's durability means for the pipelines on
+//! it ([`Store::durability`]). One match per question, one arm per store.
+
+use super::spec::{DatabaseSettings, RedisSettings, StoreKind};
+use super::template::Dialect;
+use super::Store;
+use std::time::Duration;
+
+/// The stores' settings (`[database]`, `[redis]`), as the stores take them.
+#[derive(Clone, Debug, Default)]
+pub struct Stores {
+    /// `[database]`: PostgreSQL, MySQL or MariaDB.
+    pub database: Option<DatabaseSettings>,
+    /// `[redis]`.
+    pub redis: Option<RedisSettings>,
+}
+
+/// What a store's durability report needs to know of one pipeline writing to it.
+#[derive(Clone, Debug)]
+pub struct Tenant {
+    /// The pipeline's name.
+    pub name: String,
+    /// `[dedup] retention`.
+    pub retention: Duration,
+    /// Whether its source has positions to resume from (a queue has none: an acknowledged message is gone).
+    pub has_positions: bool,
+}
+
+impl StoreKind {
+    /// Every store kind, the database first (the order `check` and `run` open them in).
+    pub const ALL: [StoreKind; 2] = [StoreKind::Database, StoreKind::Redis];
+
+    /// The store's name in messages: `database` or `redis`.
+    pub fn name(self) -> &'static str {
+        match self {
+            StoreKind::Database => "database",
+            StoreKind::Redis => "redis",
+        }
+    }
+
+    /// Whether its dedup keys expire by themselves after the retention (Redis), so `purge` has nothing to do.
+    pub fn expires_dedup_keys(self) -> bool {
+        match self {
+            StoreKind::Database => false,
+            StoreKind::Redis => true,
+        }
+    }
+}
+
+/// The store kinds among `kinds` (one per pipeline), each once, the database first.
+pub fn needed(kinds: impl IntoIterator<Item = StoreKind>) -> Vec<StoreKind> {
+    let kinds: Vec<StoreKind> = kinds.into_iter().collect();
+    StoreKind::ALL.into_iter().filter(|k| kinds.contains(k)).collect()
+}
+
+impl Stores {
+    fn database(&self) -> Result<&DatabaseSettings, String> {
+        self.database.as_ref().ok_or_else(|| "missing [database] (or IDEMFLOW_DATABASE__URL)".to_owned())
+    }
+
+    fn redis(&self) -> Result<&RedisSettings, String> {
+        self.redis.as_ref().ok_or_else(|| "missing [redis] (or IDEMFLOW_REDIS__URL)".to_owned())
+    }
+
+    /// One direct connection attempt to the store of `kind`.
+    ///
+    /// Errors: its section is missing, or it cannot be reached (`database: ...`, `redis: ...`).
+    pub async fn reachable(&self, kind: StoreKind) -> Result<(), String> {
+        let result = match kind {
+            StoreKind::Database => Store::ping(self.database()?).await,
+            StoreKind::Redis => super::redis::ping(self.redis()?).await,
+        };
+        result.map_err(|why| format!("{}: {why}", kind.name()))
+    }
+
+    /// A pool for the store of `kind`, without connecting.
+    ///
+    /// Errors: its section is missing or its URL is refused.
+    pub fn pool(&self, kind: StoreKind) -> Result<Store, String> {
+        match kind {
+            StoreKind::Database => Store::connect(self.database()?).map_err(|e| e.to_string()),
+            StoreKind::Redis => Store::redis(self.redis()?),
+        }
+    }
+
+    /// These settings with `[database] prepared_statements` off when the URL leads to PgBouncer: named prepared
+    /// statements collide behind a pooler in transaction mode, and whether they do depends on which server
+    /// connection a statement lands on; unnamed ones work in every mode (idemflow's statements are a few per batch).
+    pub async fn behind_pgbouncer(&self) -> Stores {
+        let mut stores = self.clone();
+        if let Some(db) = stores.database.as_mut() {
+            if db.prepared_statements && Dialect::of_url(db.url.expose()) == Dialect::Postgres {
+                if let Some(what) = super::postgres::pgbouncer(db).await {
+                    tracing::info!(pooler = %what, "the database URL leads to PgBouncer: statements are not prepared by name (as with prepared_statements = false)");
+                    db.prepared_statements = false;
+                }
+            }
+        }
+        stores
+    }
+
+    /// The store of `kind`, reachable and with idemflow's schema (the database) or a usable server (Redis).
+    ///
+    /// Errors: as [`Stores::reachable`] and [`Stores::pool`], or the schema is missing or behind
+    /// (`database: ...`).
+    pub async fn open(&self, kind: StoreKind) -> Result<Store, String> {
+        self.reachable(kind).await?;
+        let store = self.behind_pgbouncer().await.pool(kind)?;
+        store.check_schema().await.map_err(|why| format!("{}: {why}", kind.name()))?;
+        Ok(store)
+    }
+
+    /// At start-up the stores may not be up yet (a compose file starts everything at once): waits for each of
+    /// `kinds`, with exponential backoff, saying why on every attempt.
+    pub async fn wait_for(&self, kinds: &[StoreKind]) {
+        for kind in kinds {
+            let mut backoff = crate::retry::backoff(Duration::from_millis(200), Duration::from_secs(10));
+            loop {
+                let Err(why) = self.reachable(*kind).await else { break };
+                let delay = backoff.next().unwrap_or(Duration::from_secs(10));
+                tracing::warn!(retry_in = ?delay, "{why}");
+                tokio::time::sleep(delay).await;
+            }
+        }
+    }
+}
+
+/// Whether `database` leads to a connection pooler rather than the database itself: `prepared_statements = false`
+/// says so, or PgBouncer answers at the URL. Migrations take a session-level lock that a transaction pooler cannot
+/// keep.
+pub async fn behind_pooler(database: &DatabaseSettings) -> bool {
+    !database.prepared_statements
+        || (Dialect::of_url(database.url.expose()) == Dialect::Postgres && super::postgres::pgbouncer(database).await.is_some())
+}
+
+impl Store {
+    /// What this store's durability means for `pipelines` (those writing to it): one line each, warnings prefixed
+    /// `warning: `. The databases make every COMMIT durable and say nothing; Redis depends on its settings.
+    pub async fn durability(&self, pipelines: &[Tenant]) -> Vec<String> {
+        match self {
+            Store::Postgres(_) | Store::MySql(_) => Vec::new(),
+            Store::Redis(redis) => redis.durability(pipelines).await,
+        }
+    }
+}
