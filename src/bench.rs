@@ -801,7 +801,7 @@ async fn consume_only(kafka: &EmbeddedKafka, url: &str, total: usize) -> anyhow:
             match consumer.poll(Duration::from_millis(100)) {
                 Some(Ok(m)) => {
                     t0.get_or_insert_with(Instant::now);
-                    let record = crate::record::Record::from_message(&m, topic.clone(), max_payload_bytes);
+                    let record = crate::source::kafka::to_record(&m, topic.clone(), max_payload_bytes);
                     if matches!(preparer.prepare(&record), crate::prepare::Prepared::Apply(_)) {
                         applied += 1;
                     }

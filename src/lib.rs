@@ -102,10 +102,12 @@
 #![recursion_limit = "256"]
 
 pub mod batch;
+#[cfg(feature = "tools")]
 pub mod bench;
 pub mod config;
 pub mod dead_letter;
 pub mod decode;
+#[cfg(feature = "tools")]
 pub mod demo;
 pub mod field;
 pub mod http;
@@ -136,3 +138,9 @@ pub fn install_tls_provider() {
         let _ = rustls::crypto::ring::default_provider().install_default();
     });
 }
+
+#[cfg(not(feature = "postgres"))]
+compile_error!(
+    "idemflow needs the `postgres` feature: PostgreSQL is the store every build has (the reference batch protocol and \
+     the tools run on it); leave out the others: cargo build --no-default-features --features kafka,postgres"
+);

@@ -1,6 +1,5 @@
 //! One consumed record (a Kafka record or a RabbitMQ delivery), owned and detached from its consumer.
 
-use rdkafka::message::{BorrowedMessage, Headers, Message};
 use std::fmt;
 use std::sync::Arc;
 
@@ -122,26 +121,6 @@ pub fn bounded(payload: &[u8], max_payload_bytes: usize) -> (Vec<u8>, Option<Ove
 }
 
 impl Record {
-    /// Copies a message out of the consumer. `topic` is the interned topic name of the message; a value over
-    /// `max_payload_bytes` is kept as [`bounded`] says.
-    pub fn from_message(message: &BorrowedMessage<'_>, topic: Arc<str>, max_payload_bytes: usize) -> Self {
-        let headers = message
-            .headers()
-            .map(|hs| hs.iter().map(|h| (h.key.to_owned(), h.value.map(<[u8]>::to_vec))).collect())
-            .unwrap_or_default();
-        Record {
-            position: Position { topic, partition: message.partition(), offset: message.offset() },
-            timestamp_ms: message.timestamp().to_millis(),
-            key: message.key().map(<[u8]>::to_vec),
-            headers,
-            payload: None,
-            oversized: None,
-            properties: Vec::new(),
-            delivered_before: None,
-        }
-        .with_payload(message.payload(), max_payload_bytes)
-    }
-
     /// Sets the payload, kept as [`bounded`] says.
     pub fn with_payload(mut self, payload: Option<&[u8]>, max_payload_bytes: usize) -> Self {
         if let Some(p) = payload {

@@ -8,6 +8,7 @@ mod migrate;
 mod purge;
 mod rewind;
 mod run;
+#[cfg(feature = "tools")]
 mod tools;
 
 use anyhow::bail;
@@ -54,12 +55,15 @@ pub enum Command {
     /// See the whole job on this machine: an embedded Kafka broker (or a throwaway RabbitMQ), a throwaway PostgreSQL
     /// (or MySQL/MariaDB, Redis), a stream of payments with duplicates of every kind, and a summary that checks
     /// each payment took effect exactly once.
+    #[cfg(feature = "tools")]
     Demo(tools::DemoArgs),
     /// Measure throughput, CPU, memory and latency against the baselines (one record per transaction, a raw COPY,
     /// a consume-only pass), side by side in one run, on an embedded broker and a throwaway PostgreSQL.
+    #[cfg(feature = "tools")]
     Bench(tools::BenchArgs),
     /// Send the demo's stream of payments (with duplicates) to a real Kafka or RocketMQ, continuously (for
     /// docker-compose, and for trying a pipeline on your own broker).
+    #[cfg(feature = "tools")]
     DemoProducer(tools::DemoProducerArgs),
 }
 
@@ -83,8 +87,11 @@ pub async fn dispatch(command: Command) -> anyhow::Result<()> {
         Command::DeadLetters(cmd) => dead_letters::run(cmd).await,
         Command::Rewind(a) => rewind::run(a).await,
         Command::Purge(a) => purge::run(a).await,
+        #[cfg(feature = "tools")]
         Command::Demo(a) => tools::demo(a).await,
+        #[cfg(feature = "tools")]
         Command::Bench(a) => tools::bench(a).await,
+        #[cfg(feature = "tools")]
         Command::DemoProducer(a) => tools::demo_producer(a).await,
     }
 }

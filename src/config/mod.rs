@@ -446,6 +446,12 @@ pub fn check_sources(settings: &Settings, pipelines: &[Pipeline]) -> Result<(), 
         if let Some(message) = store {
             errors.push(dup_error(p, "sink", message.to_owned()));
         }
+        if let Err(why) = p.source.built() {
+            errors.push(dup_error(p, "source.kind", why));
+        }
+        if let Err(why) = settings.stores().built(p.sink.store()) {
+            errors.push(dup_error(p, "sink", why));
+        }
     }
     if errors.is_empty() {
         Ok(())

@@ -16,6 +16,7 @@ pub enum SinkError {
         source: sqlx::Error,
     },
     /// A Redis failure, with what was being done.
+    #[cfg(feature = "redis")]
     #[error("{context}: {source}")]
     Redis {
         /// What was being done.
@@ -121,6 +122,7 @@ impl SinkError {
     }
 
     /// Wraps a Redis error with what was being done.
+    #[cfg(feature = "redis")]
     pub fn redis(context: &'static str, source: redis::RedisError) -> Self {
         SinkError::Redis { context, source }
     }
@@ -136,6 +138,7 @@ impl SinkError {
     pub fn disposition(&self) -> Disposition {
         match self {
             SinkError::Database { source, .. } => classify(source),
+            #[cfg(feature = "redis")]
             SinkError::Redis { source, .. } => crate::store::redis::error::classify(source),
             SinkError::Lost { .. } => Disposition::Resync,
             SinkError::PositionsGone { .. } | SinkError::Source(_) | SinkError::Replayed(_) => Disposition::Fatal,

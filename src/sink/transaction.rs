@@ -30,7 +30,9 @@ use crate::offsets::{NextOffsets, Positions, Processed};
 use crate::prepare::{Apply, Prepared};
 use crate::record::Record;
 use crate::dead_letter::DeadLettered;
+#[cfg(feature = "redis")]
 use crate::store::redis::batch::{Item, ItemResult, Refused};
+#[cfg(feature = "redis")]
 use crate::store::redis::RedisStore;
 use crate::store::{SideEffect, Store, Tx};
 use std::collections::{HashMap, HashSet};
@@ -43,6 +45,7 @@ pub struct Sink {
     store: Store,
     side_effect: SideEffect,
     /// How long dedup keys are kept (Redis: their TTL).
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
     retention: Duration,
 }
 
@@ -141,6 +144,7 @@ impl Sink {
         guard: impl Fn(&BatchCounts) -> Result<(), SinkError>,
         replaying: &[i64],
     ) -> Result<BatchOutcome, SinkError> {
+        #[cfg(feature = "redis")]
         if let Store::Redis(redis) = &self.store {
             return self.run_script(redis, records, prepared, positions, guard, replaying).await;
         }
@@ -221,6 +225,7 @@ impl Sink {
     }
 
     /// The batch as one Redis script (see the module documentation).
+    #[cfg(feature = "redis")]
     async fn run_script(
         &self,
         redis: &RedisStore,
@@ -521,7 +526,7 @@ async fn still_open(mut tx: Tx) -> Result<Tx, SinkError> {
 /// A savepoint that failed: on MySQL/MariaDB, error 1305 (the savepoint does not exist) means the side effect ended
 /// the batch transaction itself (a procedure's `COMMIT`).
 fn savepoint_failed(context: &'static str) -> impl FnOnce(sqlx::Error) -> SinkError {
-    move |e| if crate::store::mysql::savepoint_gone(&e) { SinkError::TransactionEnded } else { SinkError::new(context, e) }
+    move |e| if crate::store::error::savepoint_gone(&e) { SinkError::TransactionEnded } else { SinkError::new(context, e) }
 }
 
 fn occurrence(record: &Record, prepared: &Prepared) -> Existing {

@@ -3,8 +3,17 @@
 //! work against each other ([`timing_warnings`]), and whether the dedup retention outlasts how long the broker
 //! keeps messages ([`retention_report`]). One match per question, one arm per broker.
 
+// A build without some brokers leaves their arms out: the parameters and imports only they use are then unused.
+#![cfg_attr(not(all(feature = "kafka", feature = "rabbitmq", feature = "rocketmq")), allow(unused_variables, unused_imports))]
+
 use super::spec::SourceSpec;
-use super::{kafka, rabbitmq, rocketmq, Brokers, SourceContext};
+#[cfg(feature = "kafka")]
+use super::kafka;
+#[cfg(feature = "rabbitmq")]
+use super::rabbitmq;
+#[cfg(feature = "rocketmq")]
+use super::rocketmq;
+use super::{Brokers, SourceContext};
 use crate::offsets::OffsetStore;
 use std::time::Duration;
 
@@ -25,6 +34,7 @@ pub enum CheckError {
 /// Errors: [`CheckError`].
 pub async fn check(brokers: &Brokers, pipeline: &SourceContext) -> Result<Vec<String>, CheckError> {
     match &pipeline.source {
+        #[cfg(feature = "kafka")]
         SourceSpec::Kafka(_) => {
             kafka::check_properties(&brokers.kafka, pipeline).map_err(|e| CheckError::Settings(kafka::describe_kafka_error(&e)))?;
             let (settings, pipeline) = (brokers.kafka.clone(), pipeline.clone());
@@ -35,14 +45,22 @@ pub async fn check(brokers: &Brokers, pipeline: &SourceContext) -> Result<Vec<St
                 Err(e) => Err(CheckError::Broker(e.to_string())),
             }
         }
+        #[cfg(feature = "rabbitmq")]
         SourceSpec::RabbitMq(_) => {
             let settings = brokers.rabbitmq.as_ref().ok_or_else(|| CheckError::Broker("[rabbitmq] url is not set".to_owned()))?;
             rabbitmq::check(settings, pipeline).await.map_err(CheckError::Broker)
         }
+        #[cfg(feature = "rocketmq")]
         SourceSpec::RocketMq(_) => {
             let settings = brokers.rocketmq.as_ref().ok_or_else(|| CheckError::Broker("[rocketmq] name_server is not set".to_owned()))?;
             rocketmq::check(settings, pipeline).await.map_err(CheckError::Broker)
         }
+        #[cfg(not(feature = "kafka"))]
+        SourceSpec::Kafka(_) => Err(CheckError::Broker(super::not_built("Kafka", "kafka"))),
+        #[cfg(not(feature = "rabbitmq"))]
+        SourceSpec::RabbitMq(_) => Err(CheckError::Broker(super::not_built("RabbitMQ", "rabbitmq"))),
+        #[cfg(not(feature = "rocketmq"))]
+        SourceSpec::RocketMq(_) => Err(CheckError::Broker(super::not_built("RocketMQ", "rocketmq"))),
     }
 }
 
@@ -62,15 +80,20 @@ pub fn summary(pipeline: &SourceContext) -> String {
 
 /// Settings of `pipeline` and of its broker's client that work against each other, one sentence each (`check`
 /// prints them as warnings). Only Kafka's consumer has such timings.
+#[cfg_attr(not(feature = "kafka"), allow(unused_variables))]
 pub fn timing_warnings(brokers: &Brokers, pipeline: &SourceContext) -> Vec<String> {
     match &pipeline.source {
+        #[cfg(feature = "kafka")]
         SourceSpec::Kafka(_) => kafka::timing_warnings(brokers, pipeline),
+        #[cfg(not(feature = "kafka"))]
+        SourceSpec::Kafka(_) => Vec::new(),
         SourceSpec::RabbitMq(_) | SourceSpec::RocketMq(_) => Vec::new(),
     }
 }
 
 /// Compares `pipeline`'s dedup retention with how long its broker keeps messages: one line per topic
 /// (`warning: ...` where the retention falls short or could not be read).
+#[cfg_attr(not(feature = "kafka"), allow(unused_variables))]
 pub async fn retention_report(brokers: &Brokers, pipeline: &SourceContext) -> Vec<String> {
     let retention = humantime::format_duration(pipeline.dedup_retention);
     match &pipeline.source {
@@ -84,6 +107,9 @@ pub async fn retention_report(brokers: &Brokers, pipeline: &SourceContext) -> Ve
              time a message can wait in its queues (a message redelivered after its dedup row was purged is applied again)",
             pipeline.name,
         )],
+        #[cfg(feature = "kafka")]
         SourceSpec::Kafka(k) => kafka::retention_report(&brokers.kafka, &pipeline.name, &k.topics, pipeline.dedup_retention).await,
+        #[cfg(not(feature = "kafka"))]
+        SourceSpec::Kafka(_) => vec![format!("warning: pipeline {:?}: {}", pipeline.name, super::not_built("Kafka", "kafka"))],
     }
 }

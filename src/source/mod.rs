@@ -10,6 +10,9 @@
 //! RabbitMQ channel). What only some sources can do (rewind, stored offsets, topic retention) is refused for the
 //! others by the configuration checks, with the reason. A new broker is a new module here and a new variant.
 
+// A build without some brokers leaves their arms out: the parameters and imports only they use are then unused.
+#![cfg_attr(not(all(feature = "kafka", feature = "rabbitmq", feature = "rocketmq")), allow(unused_variables, unused_imports))]
+
 pub mod check;
 pub mod kafka;
 pub mod rabbitmq;
@@ -27,11 +30,14 @@ use crate::record::Record;
 use crate::shutdown::Shutdown;
 use std::time::Duration;
 
+#[cfg(feature = "kafka")]
 pub use kafka::KafkaSource;
 pub use kafka::KafkaSettings;
 pub use rabbitmq::RabbitMqSettings;
 pub use rocketmq::RocketMqSettings;
+#[cfg(feature = "rabbitmq")]
 pub use rabbitmq::RabbitMqSource;
+#[cfg(feature = "rocketmq")]
 pub use rocketmq::RocketMqSource;
 
 /// What a source is given of its pipeline: the pipeline's name and `[source]`, and what of the rest of the file
@@ -84,10 +90,13 @@ pub struct StoredStart {
 /// A pipeline's source.
 pub enum Source {
     /// Kafka topics.
+    #[cfg(feature = "kafka")]
     Kafka(KafkaSource),
     /// RabbitMQ queues.
+    #[cfg(feature = "rabbitmq")]
     RabbitMq(RabbitMqSource),
     /// A RocketMQ topic.
+    #[cfg(feature = "rocketmq")]
     RocketMq(RocketMqSource),
 }
 
@@ -102,17 +111,26 @@ impl Source {
         stored: Option<StoredStart>,
     ) -> Result<Source, String> {
         match &pipeline.source {
+            #[cfg(feature = "kafka")]
             SourceSpec::Kafka(_) => KafkaSource::new(&settings.kafka, pipeline, metrics, stored)
                 .map(Source::Kafka)
                 .map_err(|e| format!("cannot create the Kafka consumer: {}", kafka::describe_kafka_error(&e))),
+            #[cfg(feature = "rabbitmq")]
             SourceSpec::RabbitMq(_) => {
                 let rabbitmq = settings.rabbitmq.as_ref().ok_or("[rabbitmq] url is not set")?;
                 Ok(Source::RabbitMq(RabbitMqSource::new(rabbitmq, pipeline, metrics)))
             }
+            #[cfg(feature = "rocketmq")]
             SourceSpec::RocketMq(_) => {
                 let rocketmq = settings.rocketmq.as_ref().ok_or("[rocketmq] name_server is not set")?;
                 RocketMqSource::new(rocketmq, pipeline, metrics, stored).map(Source::RocketMq)
             }
+            #[cfg(not(feature = "kafka"))]
+            SourceSpec::Kafka(_) => Err(not_built("Kafka", "kafka")),
+            #[cfg(not(feature = "rabbitmq"))]
+            SourceSpec::RabbitMq(_) => Err(not_built("RabbitMQ", "rabbitmq")),
+            #[cfg(not(feature = "rocketmq"))]
+            SourceSpec::RocketMq(_) => Err(not_built("RocketMQ", "rocketmq")),
         }
     }
 
@@ -121,8 +139,11 @@ impl Source {
     /// `None` once shutdown comes while waiting for a first record.
     pub async fn next_batch(&mut self, settings: BatchSettings, shutdown: &mut Shutdown) -> Option<Vec<Record>> {
         match self {
+            #[cfg(feature = "kafka")]
             Source::Kafka(s) => s.next_batch(settings, shutdown).await,
+            #[cfg(feature = "rabbitmq")]
             Source::RabbitMq(s) => s.next_batch(settings, shutdown).await,
+            #[cfg(feature = "rocketmq")]
             Source::RocketMq(s) => s.next_batch(settings, shutdown).await,
         }
     }
@@ -131,8 +152,11 @@ impl Source {
     /// broker meanwhile; drops from `batch` what this worker no longer owns. `false` if shutdown came first.
     pub async fn pause_for(&mut self, delay: Duration, batch: &mut Vec<Record>, shutdown: &mut Shutdown) -> bool {
         match self {
+            #[cfg(feature = "kafka")]
             Source::Kafka(s) => s.pause_for(delay, batch, shutdown).await,
+            #[cfg(feature = "rabbitmq")]
             Source::RabbitMq(s) => s.pause_for(delay, batch, shutdown).await,
+            #[cfg(feature = "rocketmq")]
             Source::RocketMq(s) => s.pause_for(delay, batch, shutdown).await,
         }
     }
@@ -140,8 +164,11 @@ impl Source {
     /// The positions a batch stores in its transaction (`[offsets] store = "database"`; Kafka and RocketMQ).
     pub fn positions(&self, batch: &[Record]) -> Option<Positions> {
         match self {
+            #[cfg(feature = "kafka")]
             Source::Kafka(s) => s.positions(&NextOffsets::after(batch)),
+            #[cfg(feature = "rocketmq")]
             Source::RocketMq(s) => s.positions(&NextOffsets::after(batch)),
+            #[cfg(feature = "rabbitmq")]
             Source::RabbitMq(_) => None,
         }
     }
@@ -149,8 +176,11 @@ impl Source {
     /// Runs `work` (the batch transaction, spawned) to its end while the source keeps serving its broker.
     pub async fn poll_while<T>(&mut self, work: tokio::task::JoinHandle<T>) -> T {
         match self {
+            #[cfg(feature = "kafka")]
             Source::Kafka(s) => s.poll_while(work).await,
+            #[cfg(feature = "rabbitmq")]
             Source::RabbitMq(s) => s.poll_while(work).await,
+            #[cfg(feature = "rocketmq")]
             Source::RocketMq(s) => s.poll_while(work).await,
         }
     }
@@ -159,8 +189,11 @@ impl Source {
     /// (a RabbitMQ stream found where a queue was expected, a RocketMQ consumer that could not start).
     pub fn fatal(&self) -> Option<String> {
         match self {
+            #[cfg(feature = "kafka")]
             Source::Kafka(_) => None,
+            #[cfg(feature = "rabbitmq")]
             Source::RabbitMq(s) => s.fatal().map(str::to_owned),
+            #[cfg(feature = "rocketmq")]
             Source::RocketMq(s) => s.fatal().map(str::to_owned),
         }
     }
@@ -168,8 +201,11 @@ impl Source {
     /// Drops from `batch` the records this worker no longer owns (partitions revoked, a lost channel).
     pub fn drop_revoked(&mut self, batch: &mut Vec<Record>) {
         match self {
+            #[cfg(feature = "kafka")]
             Source::Kafka(s) => s.drop_revoked(batch),
+            #[cfg(feature = "rabbitmq")]
             Source::RabbitMq(s) => s.drop_revoked(batch),
+            #[cfg(feature = "rocketmq")]
             Source::RocketMq(s) => s.drop_revoked(batch),
         }
     }
@@ -178,8 +214,11 @@ impl Source {
     /// Only sources with positions (Kafka, RocketMQ) store them, so only they can be fenced.
     pub async fn lose(&mut self, partitions: &[(String, i32)], used: Option<&Positions>, batch: &mut Vec<Record>) {
         match self {
+            #[cfg(feature = "kafka")]
             Source::Kafka(s) => s.lose(partitions, used, batch),
+            #[cfg(feature = "rocketmq")]
             Source::RocketMq(s) => s.lose(partitions, used, batch).await,
+            #[cfg(feature = "rabbitmq")]
             Source::RabbitMq(_) => {}
         }
     }
@@ -188,8 +227,11 @@ impl Source {
     /// a RabbitMQ queue.
     pub fn owned(&self) -> Vec<(String, i32)> {
         match self {
+            #[cfg(feature = "kafka")]
             Source::Kafka(s) => s.owned(),
+            #[cfg(feature = "rocketmq")]
             Source::RocketMq(s) => s.owned(),
+            #[cfg(feature = "rabbitmq")]
             Source::RabbitMq(_) => Vec::new(),
         }
     }
@@ -201,8 +243,11 @@ impl Source {
     /// Errors: the consumer could not be moved.
     pub async fn resync(&mut self, claimed: &[crate::offsets::Claimed], batch: &mut Vec<Record>) -> Result<(), String> {
         match self {
+            #[cfg(feature = "kafka")]
             Source::Kafka(s) => s.resync(claimed, batch),
+            #[cfg(feature = "rocketmq")]
             Source::RocketMq(s) => s.resync(claimed, batch).await,
+            #[cfg(feature = "rabbitmq")]
             Source::RabbitMq(_) => Ok(()),
         }
     }
@@ -211,8 +256,11 @@ impl Source {
     /// deliveries acknowledged, RocketMQ consume offsets updated.
     pub async fn commit(&mut self, batch: &[Record]) {
         match self {
+            #[cfg(feature = "kafka")]
             Source::Kafka(s) => s.commit(&NextOffsets::after(batch)),
+            #[cfg(feature = "rocketmq")]
             Source::RocketMq(s) => s.commit(&NextOffsets::after(batch)).await,
+            #[cfg(feature = "rabbitmq")]
             Source::RabbitMq(s) => s.commit(batch).await,
         }
     }
@@ -220,8 +268,11 @@ impl Source {
     /// Ends without telling the broker anything more (an injected crash).
     pub async fn abandon(self) {
         match self {
+            #[cfg(feature = "kafka")]
             Source::Kafka(s) => s.abandon(),
+            #[cfg(feature = "rabbitmq")]
             Source::RabbitMq(s) => s.abandon().await,
+            #[cfg(feature = "rocketmq")]
             Source::RocketMq(s) => s.abandon().await,
         }
     }
@@ -229,19 +280,29 @@ impl Source {
     /// Ends cleanly: commits what is durable (Kafka), leaves the group or closes the connection.
     pub async fn close(self) {
         match self {
+            #[cfg(feature = "kafka")]
             Source::Kafka(s) => s.close(),
+            #[cfg(feature = "rabbitmq")]
             Source::RabbitMq(s) => s.close().await,
+            #[cfg(feature = "rocketmq")]
             Source::RocketMq(s) => s.close().await,
         }
     }
+}
+
+/// Why a broker this build leaves out cannot be used: `what` (the broker) and the cargo `feature` to build with.
+pub fn not_built(what: &str, feature: &str) -> String {
+    format!("this idemflow was built without {what} (build it with `cargo build --release --features {feature}`, or with the default features)")
 }
 
 /// Where a pipeline's dead letters also go besides the store's dead-letter table, before the batch's offsets are
 /// committed or its deliveries acknowledged: the broker's own dead-letter publisher, when the pipeline names one.
 pub enum DeadLetterOut {
     /// A Kafka topic (`[dead_letters] topic`).
+    #[cfg(feature = "kafka")]
     Topic(kafka::dead_letters::DeadLetterTopic),
     /// A RabbitMQ exchange (`[dead_letters] exchange`), with publisher confirms.
+    #[cfg(feature = "rabbitmq")]
     Exchange(rabbitmq::dead_letters::DeadLetterExchange),
 }
 
@@ -252,15 +313,21 @@ impl DeadLetterOut {
     pub fn new(settings: &Brokers, pipeline: &SourceContext) -> Result<Option<DeadLetterOut>, String> {
         let dl = &pipeline.dead_letters;
         Ok(match (&dl.topic, &dl.exchange, &settings.rabbitmq) {
+            #[cfg(feature = "kafka")]
             (Some(topic), _, _) => Some(DeadLetterOut::Topic(
                 kafka::dead_letters::DeadLetterTopic::new(&settings.kafka, &pipeline.name, topic).map_err(|e| {
                     format!("cannot create the dead-letter topic's producer: {}", kafka::describe_kafka_error(&e))
                 })?,
             )),
+            #[cfg(not(feature = "kafka"))]
+            (Some(_), _, _) => return Err(not_built("Kafka (for [dead_letters] topic)", "kafka")),
+            #[cfg(feature = "rabbitmq")]
             (None, Some(exchange), Some(rabbitmq)) => {
                 let routing_key = dl.routing_key.as_deref().unwrap_or(&pipeline.name);
                 Some(DeadLetterOut::Exchange(rabbitmq::dead_letters::DeadLetterExchange::new(rabbitmq, &pipeline.name, exchange, routing_key)))
             }
+            #[cfg(not(feature = "rabbitmq"))]
+            (None, Some(_), Some(_)) => return Err(not_built("RabbitMQ (for [dead_letters] exchange)", "rabbitmq")),
             _ => None,
         })
     }
@@ -268,10 +335,13 @@ impl DeadLetterOut {
     /// Publishes `dead` (indexes into `batch`), confirmed by the broker.
     ///
     /// Errors: the broker refused or did not confirm, as text; the worker retries the batch's end.
+    #[cfg_attr(not(any(feature = "kafka", feature = "rabbitmq")), allow(unused_variables))]
     pub async fn publish(&self, batch: &[Record], dead: &[crate::dead_letter::DeadLettered]) -> Result<(), String> {
-        match self {
-            DeadLetterOut::Topic(t) => t.publish(batch, dead).await.map_err(|e| e.to_string()),
-            DeadLetterOut::Exchange(x) => x.publish(batch, dead).await,
+        match *self {
+            #[cfg(feature = "kafka")]
+            DeadLetterOut::Topic(ref t) => t.publish(batch, dead).await.map_err(|e| e.to_string()),
+            #[cfg(feature = "rabbitmq")]
+            DeadLetterOut::Exchange(ref x) => x.publish(batch, dead).await,
         }
     }
 }

@@ -218,6 +218,7 @@ pub struct Request {
 ///
 /// Errors: the source has no positions (a queue), the group has members, a broker or store request failed; the
 /// message names the pipeline's file where it is about the pipeline.
+#[cfg_attr(not(all(feature = "kafka", feature = "rocketmq")), allow(unused_variables))]
 pub async fn run(
     brokers: &super::Brokers,
     pipeline: &super::SourceContext,
@@ -226,8 +227,14 @@ pub async fn run(
     store: Option<&crate::store::Store>,
 ) -> anyhow::Result<()> {
     match &pipeline.source {
+        #[cfg(feature = "kafka")]
         super::spec::SourceSpec::Kafka(_) => super::kafka::rewind::run(&brokers.kafka, pipeline, request, store).await,
+        #[cfg(feature = "rocketmq")]
         super::spec::SourceSpec::RocketMq(_) => super::rocketmq::rewind::run(brokers.rocketmq.as_ref(), pipeline, file, request, store).await,
+        #[cfg(not(feature = "kafka"))]
+        super::spec::SourceSpec::Kafka(_) => anyhow::bail!("{}: {}", file.display(), super::not_built("Kafka", "kafka")),
+        #[cfg(not(feature = "rocketmq"))]
+        super::spec::SourceSpec::RocketMq(_) => anyhow::bail!("{}: {}", file.display(), super::not_built("RocketMQ", "rocketmq")),
         super::spec::SourceSpec::RabbitMq(_) => anyhow::bail!(
             "{}: pipeline {:?} has a {} source: rewind moves a consumer group back; a queue has no positions to go \
              back to (an acknowledged message has left it). Publish the messages again instead: the dedup store skips \

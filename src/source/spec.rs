@@ -48,4 +48,16 @@ impl SourceSpec {
             SourceSpec::RocketMq(r) => std::slice::from_ref(&r.topic),
         }
     }
+
+    /// Whether this build has the source's connector (its cargo feature).
+    ///
+    /// Errors: the broker and the feature to build with ([`crate::source::not_built`]).
+    pub fn built(&self) -> Result<(), String> {
+        let (what, feature, built) = match self {
+            SourceSpec::Kafka(_) => ("Kafka", "kafka", cfg!(feature = "kafka")),
+            SourceSpec::RabbitMq(_) => ("RabbitMQ", "rabbitmq", cfg!(feature = "rabbitmq")),
+            SourceSpec::RocketMq(_) => ("RocketMQ", "rocketmq", cfg!(feature = "rocketmq")),
+        };
+        if built { Ok(()) } else { Err(crate::source::not_built(what, feature)) }
+    }
 }

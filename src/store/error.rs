@@ -34,13 +34,16 @@ pub enum Disposition {
 pub fn classify(error: &sqlx::Error) -> Disposition {
     use Disposition::*;
     match error {
-        sqlx::Error::Database(db) => match db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>() {
-            Some(my) => crate::store::mysql::error::classify(my),
-            None => match db.code() {
+        sqlx::Error::Database(db) => {
+            #[cfg(feature = "mysql")]
+            if let Some(my) = db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>() {
+                return crate::store::mysql::error::classify(my);
+            }
+            match db.code() {
                 Some(code) => crate::store::postgres::error::classify_sqlstate(&code),
                 None => Fatal,
-            },
-        },
+            }
+        }
         sqlx::Error::Io(_) | sqlx::Error::Tls(_) | sqlx::Error::Protocol(_) | sqlx::Error::WorkerCrashed => {
             Retry(RetryCause::Connection)
         }
@@ -54,14 +57,30 @@ pub fn classify(error: &sqlx::Error) -> Disposition {
 /// `MySQL error 1366 (22007): ...` (MySQL and MariaDB).
 pub fn describe(error: &sqlx::Error) -> String {
     match error {
-        sqlx::Error::Database(db) => match db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>() {
-            Some(my) => crate::store::mysql::error::describe(my),
-            None => match db.code() {
+        sqlx::Error::Database(db) => {
+            #[cfg(feature = "mysql")]
+            if let Some(my) = db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>() {
+                return crate::store::mysql::error::describe(my);
+            }
+            match db.code() {
                 Some(code) => format!("SQLSTATE {code}: {}", db.message()),
                 None => db.message().to_owned(),
-            },
-        },
+            }
+        }
         other => other.to_string(),
+    }
+}
+
+/// Whether a failed savepoint statement means the batch transaction was ended by the side effect itself: on
+/// MySQL/MariaDB error 1305, the savepoint does not exist (a procedure's `COMMIT`). PostgreSQL refuses transaction
+/// control inside a transaction block, so there it never is.
+pub fn savepoint_gone(error: &sqlx::Error) -> bool {
+    #[cfg(feature = "mysql")]
+    return crate::store::mysql::savepoint_gone(error);
+    #[cfg(not(feature = "mysql"))]
+    {
+        let _ = error;
+        false
     }
 }
 

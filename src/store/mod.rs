@@ -24,6 +24,7 @@ pub mod spec;
 pub mod template;
 
 pub use open::{Stores, Tenant};
+#[cfg(feature = "mysql")]
 pub mod mysql;
 pub mod postgres;
 pub mod redis;
@@ -48,8 +49,10 @@ pub enum Store {
     /// PostgreSQL.
     Postgres(sqlx::PgPool),
     /// MySQL or MariaDB.
+    #[cfg(feature = "mysql")]
     MySql(mysql::MySqlStore),
     /// Redis.
+    #[cfg(feature = "redis")]
     Redis(redis::RedisStore),
 }
 
@@ -61,10 +64,17 @@ pub enum StoreError {
     Sql(#[from] sqlx::Error),
     /// Redis's.
     #[error("redis: {0}")]
+    #[cfg(feature = "redis")]
     Redis(#[from] ::redis::RedisError),
 }
 
+/// Why a store this build leaves out cannot be used: `what` (the store) and the cargo `feature` to build with.
+pub fn not_built(what: &str, feature: &str) -> String {
+    format!("this idemflow was built without {what} (build it with `cargo build --release --features {feature}`, or with the default features)")
+}
+
 /// What Redis cannot do that a caller asked for.
+#[cfg(feature = "redis")]
 const NOT_REDIS: &str = "a Redis store has no SQL transaction: its batches run as scripts";
 
 /// Why a side effect does not fit the database. Each is a configuration error naming the field.
@@ -86,7 +96,10 @@ impl Store {
     pub fn connect(settings: &DatabaseSettings) -> Result<Store, sqlx::Error> {
         Ok(match Dialect::of_url(settings.url.expose()) {
             Dialect::Postgres => Store::Postgres(postgres::pool(settings)?),
+            #[cfg(feature = "mysql")]
             Dialect::MySql => Store::MySql(mysql::MySqlStore::new(mysql::pool(settings)?)),
+            #[cfg(not(feature = "mysql"))]
+            Dialect::MySql => return Err(sqlx::Error::Configuration(not_built("MySQL/MariaDB", "mysql").into())),
         })
     }
 
@@ -94,7 +107,13 @@ impl Store {
     ///
     /// Errors: the URL does not parse, or a TLS file cannot be read.
     pub fn redis(settings: &crate::store::spec::RedisSettings) -> Result<Store, String> {
-        redis::RedisStore::new(settings).map(Store::Redis)
+        #[cfg(feature = "redis")]
+        return redis::RedisStore::new(settings).map(Store::Redis);
+        #[cfg(not(feature = "redis"))]
+        {
+            let _ = settings;
+            Err(not_built("Redis", "redis"))
+        }
     }
 
     /// Connects once, directly, to tell whether the database is reachable, with the server's or the network's
@@ -102,7 +121,10 @@ impl Store {
     pub async fn ping(settings: &DatabaseSettings) -> Result<(), String> {
         match Dialect::of_url(settings.url.expose()) {
             Dialect::Postgres => postgres::ping(settings).await,
+            #[cfg(feature = "mysql")]
             Dialect::MySql => mysql::ping(settings).await,
+            #[cfg(not(feature = "mysql"))]
+            Dialect::MySql => Err(not_built("MySQL/MariaDB", "mysql")),
         }
     }
 
@@ -115,12 +137,14 @@ impl Store {
                 postgres::MIGRATOR.run(pool).await?;
                 Ok(postgres::MIGRATOR.iter().map(|m| m.version).max().unwrap_or_default())
             }
+            #[cfg(feature = "mysql")]
             Store::MySql(s) => {
                 mysql::check_binlog(&s.pool).await.map_err(|why| sqlx::migrate::MigrateError::Execute(sqlx::Error::Configuration(why.into())))?;
                 mysql::MIGRATOR.run(&s.pool).await?;
                 Ok(mysql::MIGRATOR.iter().map(|m| m.version).max().unwrap_or_default())
             }
             // Redis has no schema: its keys are created by the batches.
+            #[cfg(feature = "redis")]
             Store::Redis(_) => Ok(0),
         }
     }
@@ -132,7 +156,9 @@ impl Store {
     pub async fn check_schema(&self) -> Result<(), String> {
         match self {
             Store::Postgres(pool) => postgres::check_schema(pool).await,
+            #[cfg(feature = "mysql")]
             Store::MySql(s) => mysql::check_schema(&s.pool).await,
+            #[cfg(feature = "redis")]
             Store::Redis(r) => r.check_server().await.map(drop),
         }
     }
@@ -141,6 +167,7 @@ impl Store {
     pub async fn begin(&self) -> Result<Tx, sqlx::Error> {
         Ok(match self {
             Store::Postgres(pool) => Tx::Postgres(pool.begin().await?),
+            #[cfg(feature = "mysql")]
             Store::MySql(s) => {
                 // The claim form first: reading it takes a connection of its own (once), which a pool of one could
                 // not give while the transaction holds it.
@@ -149,6 +176,7 @@ impl Store {
                 mysql::mark_transaction(&mut tx).await?;
                 Tx::MySql(tx, form)
             }
+            #[cfg(feature = "redis")]
             Store::Redis(_) => return Err(sqlx::Error::Configuration(NOT_REDIS.into())),
         })
     }
@@ -157,7 +185,9 @@ impl Store {
     pub async fn close(&self) {
         match self {
             Store::Postgres(pool) => pool.close().await,
+            #[cfg(feature = "mysql")]
             Store::MySql(s) => s.pool.close().await,
+            #[cfg(feature = "redis")]
             Store::Redis(_) => {}
         }
     }
@@ -179,11 +209,13 @@ impl Store {
                 let (s, b) = postgres::side_effect::SideEffect::prepare(&mut conn, spec, time).await?;
                 Ok((SideEffect::Postgres(s), b))
             }
+            #[cfg(feature = "mysql")]
             Store::MySql(store) => {
                 let mut conn = store.pool.acquire().await.map_err(unavailable)?;
                 let (s, b) = mysql::side_effect::SideEffect::prepare(&mut conn, spec, time).await?;
                 Ok((SideEffect::MySql(s), b))
             }
+            #[cfg(feature = "redis")]
             Store::Redis(r) => {
                 let (s, b) = redis::side_effect::SideEffect::prepare(r, spec).await?;
                 Ok((SideEffect::Redis(s), b))
@@ -198,7 +230,9 @@ impl Store {
     pub async fn claim_offsets(&self, pipeline: &str, owner: &str, partitions: &[(String, i32)]) -> Result<Vec<Claimed>, StoreError> {
         Ok(match self {
             Store::Postgres(pool) => postgres::offsets::claim(pool, pipeline, owner, partitions).await?,
+            #[cfg(feature = "mysql")]
             Store::MySql(s) => mysql::offsets::claim(&s.pool, pipeline, owner, partitions).await?,
+            #[cfg(feature = "redis")]
             Store::Redis(r) => r.claim_offsets(pipeline, owner, partitions).await?,
         })
     }
@@ -206,9 +240,13 @@ impl Store {
     /// Partitions of `pipeline`, among `owned` (assigned to this worker), whose positions as this worker stored
     /// them the store no longer holds: Redis after it lost its last writes. Always none for the databases, which keep
     /// what they committed.
+    #[cfg_attr(not(feature = "redis"), allow(unused_variables))]
     pub async fn lost_positions(&self, pipeline: &str, owned: &[(String, i32)]) -> Result<Vec<(String, i32)>, StoreError> {
         Ok(match self {
-            Store::Postgres(_) | Store::MySql(_) => Vec::new(),
+            Store::Postgres(_) => Vec::new(),
+            #[cfg(feature = "mysql")]
+            Store::MySql(_) => Vec::new(),
+            #[cfg(feature = "redis")]
             Store::Redis(r) => r.lost_positions(pipeline, owned).await?,
         })
     }
@@ -217,7 +255,9 @@ impl Store {
     pub async fn stored_offsets(&self, pipeline: &str) -> Result<Vec<(String, i32, Option<i64>)>, StoreError> {
         Ok(match self {
             Store::Postgres(pool) => postgres::offsets::stored(pool, pipeline).await?,
+            #[cfg(feature = "mysql")]
             Store::MySql(s) => mysql::offsets::stored(&s.pool, pipeline).await?,
+            #[cfg(feature = "redis")]
             Store::Redis(r) => r.stored_offsets(pipeline).await?,
         })
     }
@@ -227,7 +267,9 @@ impl Store {
     pub async fn reset_offsets(&self, pipeline: &str, positions: &[(String, i32, i64)]) -> Result<u64, StoreError> {
         Ok(match self {
             Store::Postgres(pool) => postgres::offsets::reset(pool, pipeline, positions).await?,
+            #[cfg(feature = "mysql")]
             Store::MySql(s) => mysql::offsets::reset(&s.pool, pipeline, positions).await?,
+            #[cfg(feature = "redis")]
             Store::Redis(r) => r.reset_offsets(pipeline, positions).await?,
         })
     }
@@ -241,7 +283,9 @@ impl Store {
     pub async fn purge(&self, pipeline: &str, retention: Duration, batch: u32, on_batch: impl FnMut(u64)) -> Result<PurgeOutcome, StoreError> {
         Ok(match self {
             Store::Postgres(pool) => postgres::retention::purge(pool, pipeline, retention, batch, on_batch).await?,
+            #[cfg(feature = "mysql")]
             Store::MySql(s) => mysql::retention::purge(&s.pool, pipeline, retention, batch, on_batch).await?,
+            #[cfg(feature = "redis")]
             Store::Redis(_) => PurgeOutcome::default(),
         })
     }
@@ -254,7 +298,9 @@ impl Store {
                 let mut tx = pool.begin().await?;
                 postgres::dedup::explain(&mut tx, pipeline, key).await?
             }
+            #[cfg(feature = "mysql")]
             Store::MySql(s) => mysql::dedup::explain(&mut *s.pool.acquire().await?, pipeline, key).await?,
+            #[cfg(feature = "redis")]
             Store::Redis(r) => r.explain(pipeline, key).await?,
         })
     }
@@ -263,7 +309,9 @@ impl Store {
     pub async fn dead_letters(&self, pipeline: Option<&str>, limit: i64) -> Result<Vec<Stored>, StoreError> {
         Ok(match self {
             Store::Postgres(pool) => postgres::dead_letter::list(&mut *pool.begin().await?, pipeline, limit).await?,
+            #[cfg(feature = "mysql")]
             Store::MySql(s) => mysql::dead_letter::list(&mut *s.pool.acquire().await?, pipeline, limit).await?,
+            #[cfg(feature = "redis")]
             Store::Redis(r) => r.dead_letters(pipeline, limit).await?,
         })
     }
@@ -272,7 +320,9 @@ impl Store {
     pub async fn dead_letter(&self, id: i64) -> Result<Option<Stored>, StoreError> {
         Ok(match self {
             Store::Postgres(pool) => postgres::dead_letter::get(&mut *pool.begin().await?, id).await?,
+            #[cfg(feature = "mysql")]
             Store::MySql(s) => mysql::dead_letter::get(&mut *s.pool.acquire().await?, id).await?,
+            #[cfg(feature = "redis")]
             Store::Redis(r) => r.dead_letter(id).await?,
         })
     }
@@ -284,8 +334,10 @@ pub enum SideEffect {
     /// See [`postgres::side_effect`].
     Postgres(postgres::side_effect::SideEffect),
     /// See [`mysql::side_effect`].
+    #[cfg(feature = "mysql")]
     MySql(mysql::side_effect::SideEffect),
     /// See [`redis::side_effect`].
+    #[cfg(feature = "redis")]
     Redis(redis::side_effect::SideEffect),
 }
 
@@ -294,7 +346,10 @@ impl SideEffect {
     /// at most `max_allowed_packet` (see [`mysql::side_effect::SideEffect::max_record_bytes`]).
     pub fn max_record_bytes(&self) -> Option<u64> {
         match self {
-            SideEffect::Postgres(_) | SideEffect::Redis(_) => None,
+            SideEffect::Postgres(_) => None,
+            #[cfg(feature = "redis")]
+            SideEffect::Redis(_) => None,
+            #[cfg(feature = "mysql")]
             SideEffect::MySql(s) => Some(s.max_record_bytes()),
         }
     }
@@ -302,7 +357,10 @@ impl SideEffect {
     /// What `check` says about the store's limits, one line each.
     pub fn notes(&self) -> Vec<String> {
         match self {
-            SideEffect::Postgres(_) | SideEffect::Redis(_) => Vec::new(),
+            SideEffect::Postgres(_) => Vec::new(),
+            #[cfg(feature = "redis")]
+            SideEffect::Redis(_) => Vec::new(),
+            #[cfg(feature = "mysql")]
             SideEffect::MySql(s) => vec![format!(
                 "the server's max_allowed_packet is {} bytes: a record whose values take more than {} bytes goes to the dead \
                  letters (param_invalid), and a dead letter keeps the first {} bytes of a payload over that with its size and \
@@ -320,10 +378,12 @@ pub enum Tx {
     /// PostgreSQL.
     Postgres(sqlx::Transaction<'static, sqlx::Postgres>),
     /// MySQL or MariaDB, with how its claim learns which keys were new.
+    #[cfg(feature = "mysql")]
     MySql(sqlx::Transaction<'static, sqlx::MySql>, mysql::ClaimForm),
 }
 
 /// A side effect is always built by the store its transactions come from (a pipeline has one store).
+#[cfg(any(feature = "mysql", feature = "redis"))]
 const SAME_STORE: &str = "a side effect runs in a transaction of the store that built it";
 
 impl Tx {
@@ -331,6 +391,7 @@ impl Tx {
     pub async fn commit(self) -> Result<(), sqlx::Error> {
         match self {
             Tx::Postgres(tx) => tx.commit().await,
+            #[cfg(feature = "mysql")]
             Tx::MySql(tx, _) => tx.commit().await,
         }
     }
@@ -342,6 +403,7 @@ impl Tx {
     pub async fn still_open(&mut self) -> Result<bool, sqlx::Error> {
         match self {
             Tx::Postgres(_) => Ok(true),
+            #[cfg(feature = "mysql")]
             Tx::MySql(tx, _) => mysql::transaction_open(tx).await,
         }
     }
@@ -350,6 +412,7 @@ impl Tx {
     pub async fn rollback(self) -> Result<(), sqlx::Error> {
         match self {
             Tx::Postgres(tx) => tx.rollback().await,
+            #[cfg(feature = "mysql")]
             Tx::MySql(tx, _) => tx.rollback().await,
         }
     }
@@ -360,6 +423,7 @@ impl Tx {
         use sqlx::Executor as _;
         match self {
             Tx::Postgres(tx) => tx.execute(sqlx::raw_sql(sql)).await.map(drop),
+            #[cfg(feature = "mysql")]
             Tx::MySql(tx, _) => tx.execute(sqlx::raw_sql(sql)).await.map(drop),
         }
     }
@@ -385,7 +449,9 @@ impl Tx {
     pub async fn begin_side_effect(&mut self, side_effect: &SideEffect) -> Result<bool, sqlx::Error> {
         match (self, side_effect) {
             (Tx::Postgres(tx), SideEffect::Postgres(s)) => s.begin(tx).await,
+            #[cfg(feature = "mysql")]
             (Tx::MySql(tx, _), SideEffect::MySql(s)) => s.begin(tx).await,
+            #[cfg(any(feature = "mysql", feature = "redis"))]
             _ => unreachable!("{SAME_STORE}"),
         }
     }
@@ -394,7 +460,9 @@ impl Tx {
     pub async fn apply_all(&mut self, side_effect: &SideEffect, rows: &[&Apply]) -> Result<(), sqlx::Error> {
         match (self, side_effect) {
             (Tx::Postgres(tx), SideEffect::Postgres(s)) => s.apply_all(tx, rows).await,
+            #[cfg(feature = "mysql")]
             (Tx::MySql(tx, _), SideEffect::MySql(s)) => s.apply_all(tx, rows).await,
+            #[cfg(any(feature = "mysql", feature = "redis"))]
             _ => unreachable!("{SAME_STORE}"),
         }
     }
@@ -403,7 +471,9 @@ impl Tx {
     pub async fn apply_one(&mut self, side_effect: &SideEffect, row: &Apply) -> Result<(), sqlx::Error> {
         match (self, side_effect) {
             (Tx::Postgres(tx), SideEffect::Postgres(s)) => s.apply_one(tx, row).await,
+            #[cfg(feature = "mysql")]
             (Tx::MySql(tx, _), SideEffect::MySql(s)) => s.apply_one(tx, row).await,
+            #[cfg(any(feature = "mysql", feature = "redis"))]
             _ => unreachable!("{SAME_STORE}"),
         }
     }
@@ -412,6 +482,7 @@ impl Tx {
     pub async fn claim(&mut self, pipeline: &str, claims: &[Claim<'_>]) -> Result<HashSet<[u8; 32]>, sqlx::Error> {
         match self {
             Tx::Postgres(tx) => postgres::dedup::claim(tx, pipeline, claims).await,
+            #[cfg(feature = "mysql")]
             Tx::MySql(tx, form) => mysql::dedup::claim(tx, *form, pipeline, claims).await,
         }
     }
@@ -420,6 +491,7 @@ impl Tx {
     pub async fn existing(&mut self, pipeline: &str, digests: &[&[u8]]) -> Result<Vec<([u8; 32], Existing)>, sqlx::Error> {
         match self {
             Tx::Postgres(tx) => postgres::dedup::existing(tx, pipeline, digests).await,
+            #[cfg(feature = "mysql")]
             Tx::MySql(tx, _) => mysql::dedup::existing(tx, pipeline, digests).await,
         }
     }
@@ -428,6 +500,7 @@ impl Tx {
     pub async fn count_duplicates(&mut self, pipeline: &str, counts: &[([u8; 32], i64)]) -> Result<(), sqlx::Error> {
         match self {
             Tx::Postgres(tx) => postgres::dedup::count_duplicates(tx, pipeline, counts).await,
+            #[cfg(feature = "mysql")]
             Tx::MySql(tx, _) => mysql::dedup::count_duplicates(tx, pipeline, counts).await,
         }
     }
@@ -436,6 +509,7 @@ impl Tx {
     pub async fn write_dead_letter(&mut self, pipeline: &str, record: &Record, reason: DeadLetterReason, error: &str) -> Result<bool, sqlx::Error> {
         match self {
             Tx::Postgres(tx) => postgres::dead_letter::write(tx, pipeline, record, reason, error).await,
+            #[cfg(feature = "mysql")]
             Tx::MySql(tx, _) => mysql::dead_letter::write(tx, pipeline, record, reason, error).await,
         }
     }
@@ -444,6 +518,7 @@ impl Tx {
     pub async fn delete_dead_letters(&mut self, pipeline: &str, ids: &[i64]) -> Result<u64, sqlx::Error> {
         match self {
             Tx::Postgres(tx) => postgres::dead_letter::delete(tx, pipeline, ids).await,
+            #[cfg(feature = "mysql")]
             Tx::MySql(tx, _) => mysql::dead_letter::delete(tx, pipeline, ids).await,
         }
     }
@@ -453,6 +528,7 @@ impl Tx {
     pub async fn advance_offsets(&mut self, pipeline: &str, positions: &Positions) -> Result<Vec<(String, i32)>, sqlx::Error> {
         match self {
             Tx::Postgres(tx) => postgres::offsets::advance(tx, pipeline, positions).await,
+            #[cfg(feature = "mysql")]
             Tx::MySql(tx, _) => mysql::offsets::advance(tx, pipeline, positions).await,
         }
     }
@@ -462,6 +538,7 @@ impl Tx {
     pub async fn processed(&mut self, pipeline: &str, next: &NextOffsets) -> Result<Processed, sqlx::Error> {
         match self {
             Tx::Postgres(tx) => postgres::offsets::processed(tx, pipeline, next).await,
+            #[cfg(feature = "mysql")]
             Tx::MySql(tx, _) => mysql::offsets::processed(tx, pipeline, next).await,
         }
     }

@@ -56,6 +56,19 @@ pub fn needed(kinds: impl IntoIterator<Item = StoreKind>) -> Vec<StoreKind> {
 }
 
 impl Stores {
+    /// Whether this build has the store of `kind` (its cargo feature; for the database, the driver its URL names).
+    ///
+    /// Errors: the store and the feature to build with ([`super::not_built`]).
+    pub fn built(&self, kind: StoreKind) -> Result<(), String> {
+        let mysql = self.database.as_ref().is_some_and(|d| Dialect::of_url(d.url.expose()) == Dialect::MySql);
+        match kind {
+            StoreKind::Database if mysql && !cfg!(feature = "mysql") => Err(super::not_built("MySQL/MariaDB", "mysql")),
+            StoreKind::Database => Ok(()),
+            StoreKind::Redis if !cfg!(feature = "redis") => Err(super::not_built("Redis", "redis")),
+            StoreKind::Redis => Ok(()),
+        }
+    }
+
     fn database(&self) -> Result<&DatabaseSettings, String> {
         self.database.as_ref().ok_or_else(|| "missing [database] (or IDEMFLOW_DATABASE__URL)".to_owned())
     }
@@ -70,7 +83,10 @@ impl Stores {
     pub async fn reachable(&self, kind: StoreKind) -> Result<(), String> {
         let result = match kind {
             StoreKind::Database => Store::ping(self.database()?).await,
+            #[cfg(feature = "redis")]
             StoreKind::Redis => super::redis::ping(self.redis()?).await,
+            #[cfg(not(feature = "redis"))]
+            StoreKind::Redis => self.redis().and(Err(super::not_built("Redis", "redis"))),
         };
         result.map_err(|why| format!("{}: {why}", kind.name()))
     }
@@ -138,9 +154,13 @@ pub async fn behind_pooler(database: &DatabaseSettings) -> bool {
 impl Store {
     /// What this store's durability means for `pipelines` (those writing to it): one line each, warnings prefixed
     /// `warning: `. The databases make every COMMIT durable and say nothing; Redis depends on its settings.
+    #[cfg_attr(not(feature = "redis"), allow(unused_variables))]
     pub async fn durability(&self, pipelines: &[Tenant]) -> Vec<String> {
         match self {
-            Store::Postgres(_) | Store::MySql(_) => Vec::new(),
+            Store::Postgres(_) => Vec::new(),
+            #[cfg(feature = "mysql")]
+            Store::MySql(_) => Vec::new(),
+            #[cfg(feature = "redis")]
             Store::Redis(redis) => redis.durability(pipelines).await,
         }
     }

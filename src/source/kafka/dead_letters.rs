@@ -34,7 +34,7 @@ impl DeadLetterTopic {
             .set("enable.idempotence", "true")
             .set("client.id", format!("idemflow-{pipeline}-dead-letters"));
         // Consumer-only properties in [kafka.properties] make librdkafka warn, not fail.
-        Ok(DeadLetterTopic { producer: config.create().map_err(super::hide_config_value)?, topic: topic.to_owned(), pipeline: pipeline.to_owned() })
+        Ok(DeadLetterTopic { producer: config.create().map_err(super::consumer::hide_config_value)?, topic: topic.to_owned(), pipeline: pipeline.to_owned() })
     }
 
     /// Produces the dead letters of a committed batch and waits for every acknowledgement.

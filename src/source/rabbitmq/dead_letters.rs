@@ -55,7 +55,7 @@ impl DeadLetterExchange {
     async fn publish_on(&self, open: &mut Option<(Connection, Channel)>, batch: &[Record], dead: &[DeadLettered]) -> Result<(), String> {
         if open.is_none() {
             let props = ConnectionProperties::default().with_connection_name(format!("idemflow {} dead letters", self.pipeline).into());
-            let connection = super::connect(&self.settings, props).await?;
+            let connection = super::consumer::connect(&self.settings, props).await?;
             let channel = connection.create_channel().await.map_err(|e| e.to_string())?;
             channel.confirm_select(ConfirmSelectOptions::default()).await.map_err(|e| e.to_string())?;
             *open = Some((connection, channel));
