@@ -102,7 +102,7 @@ pub struct DeadLetterSettings {
     /// are committed. `None` (the default): the `idemflow.dead_letters` table only. Kafka pipelines only.
     pub topic: Option<String>,
     /// RabbitMQ pipelines: also publish every dead letter to this exchange (with `routing_key`), with publisher
-    /// confirms, before the batch is acknowledged ([`crate::dead_letter_exchange`]).
+    /// confirms, before the batch is acknowledged (`source::rabbitmq::dead_letters`).
     pub exchange: Option<String>,
     /// The routing key of those publishes (default: the pipeline's name).
     pub routing_key: Option<String>,

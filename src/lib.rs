@@ -29,14 +29,45 @@
 //! - [`offsets`]: the next offset of each partition after a batch (the only place that adds 1), and the fenced
 //!   positions stored in Postgres with `[offsets] store = "database"`.
 //! - [`retention`]: purging dedup rows older than the pipeline's retention, in bounded batches.
-//! - [`bench`](mod@bench): `idemflow bench`, the benchmark against its baselines.
 //! - [`metrics`]: every Prometheus metric; [`http`]: `/metrics`, `/healthz`, `/readyz`.
 //! - [`worker`]: runs every pipeline until shutdown; [`shutdown`]: the signal that stops it.
 //! - [`store`]: the database that holds the business data and idemflow's tables, one module per database behind
 //!   one enum: [`store::postgres`], [`store::mysql`] (MySQL and MariaDB) and [`store::redis`] (a store whose
 //!   side effect is Redis commands, a batch one script). [`telemetry`]: logging.
-//! - [`demo`]: `idemflow demo`, the whole job on an embedded broker and a throwaway Postgres (or a MySQL/MariaDB
-//!   server, or a throwaway Redis).
+//! - Small leaves every layer may use: [`batch`] (batch settings), [`retry`] (backoff), [`dead_letter`] (what a
+//!   dead letter keeps), [`secret`] (credentials never printed), [`terminal`], [`shutdown`].
+//! - The tools, beside the worker's layers and above them (`tools` feature): `bench` (`idemflow bench`, the
+//!   benchmark against its baselines) and `demo` (`idemflow demo`, the whole job on an embedded broker and a
+//!   throwaway store).
+//!
+//! The binary (`src/main.rs`) parses the command line; `src/cli/` has one file per command. Layers point one way:
+//!
+//! ```text
+//! main -> cli -> tools (bench, demo) -> worker -> sink -> prepare -> config -> {source, store} -> leaves
+//! ```
+//!
+//! Sources and stores never import the worker, the sink or `config`: they take what they need of a pipeline
+//! ([`source::SourceContext`], [`store::spec`]) and of the settings ([`source::Brokers`], [`store::Stores`]).
+//!
+//! # Where things go: a new broker or store
+//!
+//! A broker is one folder, `src/source/<broker>/`:
+//!
+//! - `mod.rs`: the folder's map; `spec.rs` (always built): its `[<broker>]` settings and its `[source]` spec, the
+//!   types `config` reads the TOML into;
+//! - behind its cargo feature: `consumer.rs` (the runtime the worker drives: batches, `pause_for`, `commit`,
+//!   `drop_revoked`, and `positions`/`lose`/`resync` where it has positions; record conversion; `check`), and where
+//!   it has them `rewind.rs` (its half of `idemflow rewind`, with [`source::rewind`]) and `dead_letters.rs` (its
+//!   dead-letter publisher).
+//!
+//! Then one variant in each closed enum the compiler lists: [`source::Source`], [`source::spec::SourceSpec`]
+//! (with [`source::spec::SourceSpec::built`]), the arms of [`source::check`] and [`source::rewind::run`], the field
+//! of [`source::Brokers`] and of the settings, the raw `[source]` fields and their validation in
+//! `config/pipeline.rs`, a feature in `Cargo.toml`, and its row of the guarantee matrix (`tests/it/matrix.rs`:
+//! publish, and the settings section). A store is the same under `src/store/<store>/`: its settings and `[sink]`
+//! form in [`store::spec`], one variant of [`store::Store`], [`store::SideEffect`] and [`store::Tx`] (or a batch as
+//! one script, as Redis), its error codes mapped into [`store::error::Disposition`], its arms in [`store::open`],
+//! and its column of the matrix (how its state is read).
 //!
 //! # Why a crash can neither lose a record nor apply it twice
 //!

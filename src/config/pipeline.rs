@@ -193,6 +193,25 @@ struct RawSource {
     tag_expression: Option<String>,
 }
 
+impl RawSource {
+    /// The `[source]` keys this file sets (`kind` aside), as the brokers' capabilities list them.
+    fn set_fields(&self) -> Vec<&'static str> {
+        let set = [
+            ("topics", self.topics.is_some()),
+            ("group_id", self.group_id.is_some()),
+            ("queue", self.queue.is_some()),
+            ("queues", self.queues.is_some()),
+            ("prefetch", self.prefetch.is_some()),
+            ("queue_type", self.queue_type.is_some()),
+            ("single_active_consumer", self.single_active_consumer.is_some()),
+            ("topic", self.topic.is_some()),
+            ("consumer_group", self.consumer_group.is_some()),
+            ("tag_expression", self.tag_expression.is_some()),
+        ];
+        set.into_iter().filter(|(_, set)| *set).map(|(f, _)| f).collect()
+    }
+}
+
 #[derive(Deserialize, Default)]
 #[serde(deny_unknown_fields)]
 struct RawOffsets {
@@ -395,12 +414,8 @@ fn validate(raw: RawPipeline, path: &Path, stem: &str, dialect: Dialect, e: &mut
             "more than 1 is not supported with a Redis sink yet (its stored positions are checked per consumer): \
              run more workers instead",
         );
-    } else if concurrency > 1 && !matches!(source, Some(SourceSpec::Kafka(_)) | None) {
-        e.push(
-            "batch.concurrency",
-            "more than 1 needs a Kafka source, whose partitions Kafka's group assignment spreads over the transactions: \
-             consumers sharing a queue would take its messages out of order (run more workers on more queues instead)",
-        );
+    } else if let (true, Some(Err(why))) = (concurrency > 1, source.as_ref().map(|s| s.capabilities().lanes)) {
+        e.push("batch.concurrency", why);
     }
     let d = DeadLetterSettings::default();
     let dead_letters = DeadLetterSettings {
@@ -411,11 +426,6 @@ fn validate(raw: RawPipeline, path: &Path, stem: &str, dialect: Dialect, e: &mut
         exchange: raw.dead_letters.exchange,
         routing_key: raw.dead_letters.routing_key,
     };
-    if matches!(source, Some(SourceSpec::Kafka(_))) {
-        if dead_letters.exchange.is_some() {
-            e.push("dead_letters.exchange", "is a RabbitMQ exchange; a Kafka pipeline can also produce its dead letters to dead_letters.topic");
-        }
-    }
     if dead_letters.routing_key.is_some() && dead_letters.exchange.is_none() {
         e.push("dead_letters.routing_key", "only applies with dead_letters.exchange");
     }
@@ -425,51 +435,25 @@ fn validate(raw: RawPipeline, path: &Path, stem: &str, dialect: Dialect, e: &mut
     if dead_letters.window == 0 {
         e.push("dead_letters.window", "must be at least 1");
     }
-    if let (Some(t), Some(SourceSpec::Kafka(k))) = (&dead_letters.topic, &source) {
-        if k.topics.contains(t) {
+    if let (Some(t), Some(source)) = (&dead_letters.topic, &source) {
+        if source.capabilities().dead_letter_topic.is_ok() && source.consumes(t) {
             e.push("dead_letters.topic", format!("{t:?} is also a source topic: dead letters would be consumed again"));
         }
     }
-    if let Some(SourceSpec::Kafka(_)) = &source {
-        if raw.key.message_id == Some(true) || raw.key.message_key == Some(true) || raw.key.property.is_some() {
-            e.push("key", "a Kafka record has no message properties: use field, fields, record_key = true or header");
-        }
-    }
-    if let Some(SourceSpec::RocketMq(_)) = &source {
-        if dead_letters.exchange.is_some() {
-            e.push("dead_letters.exchange", "is a RabbitMQ exchange; a RocketMQ pipeline keeps its dead letters in the store");
-        }
-        if dead_letters.topic.is_some() {
-            e.push("dead_letters.topic", "is a Kafka topic; a RocketMQ pipeline keeps its dead letters in the store");
-        }
-        if raw.key.record_key == Some(true) {
-            e.push(
-                "key.record_key",
-                "a RocketMQ message has no record key: use message_key = true (its KEYS), message_id = true, property, header or field",
-            );
-        }
-    }
-    if let Some(SourceSpec::RabbitMq(_)) = &source {
-        if raw.key.message_key == Some(true) {
-            e.push("key.message_key", "is RocketMQ's KEYS property; for a RabbitMQ message use message_id = true or property");
-        }
-    }
-    if let Some(SourceSpec::RabbitMq(_)) = &source {
-        if raw.offsets.store == Some(OffsetStore::Database) {
-            e.push(
-                "offsets.store",
-                "\"database\" is for sources with positions a worker can seek to (Kafka, RocketMQ); a RabbitMQ queue has none \
-                 (an acknowledged delivery leaves the queue, an unacknowledged one is requeued), so there is nothing to store",
-            );
-        }
-        if dead_letters.topic.is_some() {
-            e.push(
-                "dead_letters.topic",
-                "is a Kafka topic; a RabbitMQ pipeline keeps its dead letters in idemflow.dead_letters",
-            );
-        }
-        if raw.key.record_key == Some(true) {
-            e.push("key.record_key", "a RabbitMQ message has no record key: use message_id = true, property, header or field");
+    if let Some(caps) = source.as_ref().map(SourceSpec::capabilities) {
+        // What the pipeline asks of its source, refused with the source's own reason where it cannot.
+        let asks = [
+            (dead_letters.exchange.is_some(), "dead_letters.exchange", caps.dead_letter_exchange),
+            (dead_letters.topic.is_some(), "dead_letters.topic", caps.dead_letter_topic),
+            (raw.key.message_id == Some(true) || raw.key.message_key == Some(true) || raw.key.property.is_some(), "key", caps.key_properties),
+            (raw.key.message_key == Some(true), "key.message_key", caps.key_message_key),
+            (raw.key.record_key == Some(true), "key.record_key", caps.key_record_key),
+            (raw.offsets.store == Some(OffsetStore::Database), "offsets.store", caps.positions),
+        ];
+        for (asked, field, can) in asks {
+            if let (true, Err(why)) = (asked, can) {
+                e.push(field, why);
+            }
         }
     }
     if redis && positional && dead_letters.topic.is_some() {
@@ -526,18 +510,14 @@ fn check_bindings_for_source(source: &SourceSpec, sink: &SinkSpec, e: &mut Error
         SinkSpec::BatchSql { columns, .. } => ("sink.params", columns),
     };
     for b in bindings {
-        let why = match (source, &b.source) {
-            (SourceSpec::Kafka(_), ValueSource::Property(_)) => Some("a Kafka record has no message properties"),
-            (SourceSpec::RabbitMq(_), ValueSource::RecordKey) => Some("a RabbitMQ message has no record key"),
-            (SourceSpec::RocketMq(_), ValueSource::RecordKey) => {
-                Some("a RocketMQ message has no record key: its KEYS are { property = \"keys\" }")
-            }
-            (SourceSpec::RabbitMq(_), ValueSource::Meta(Meta::Partition | Meta::Offset)) => {
-                Some("a RabbitMQ message has no partition or offset (a delivery tag numbers deliveries on one channel only)")
-            }
-            _ => None,
+        let caps = source.capabilities();
+        let can = match &b.source {
+            ValueSource::Property(_) => caps.bind_property,
+            ValueSource::RecordKey => caps.bind_record_key,
+            ValueSource::Meta(Meta::Partition | Meta::Offset) => caps.bind_partition,
+            ValueSource::Field(_) | ValueSource::Header(_) | ValueSource::Meta(_) => Ok(()),
         };
-        if let Some(why) = why {
+        if let Err(why) = can {
             e.push(&format!("{table}.{}", b.name), why);
         }
     }
@@ -551,23 +531,17 @@ fn validate_source(raw: &RawPipeline, name: &str, max_records: usize, e: &mut Er
         e.push("topics", "set the source in [source] or with the top-level topics and group_id, not both");
         return None;
     }
-    let has = |set: bool, field: &str, e: &mut Errors<'_>, which: &str| {
-        if set {
-            e.push(&format!("source.{field}"), format!("belongs to a {which} source, not to kind = {kind:?}"));
+    // A key of another broker's [source] is refused with that broker's name.
+    if let (Some(s), Some(mine)) = (s, crate::source::spec::by_kind(kind)) {
+        let set = s.set_fields();
+        for other in crate::source::spec::ALL.iter().filter(|c| c.kind != kind) {
+            for field in other.fields.iter().filter(|f| set.contains(f) && !mine.fields.contains(f)) {
+                e.push(&format!("source.{field}"), format!("belongs to a {} source, not to kind = {kind:?}", other.kind));
+            }
         }
-    };
+    }
     match kind {
         "kafka" => {
-            if let Some(s) = s {
-                has(s.queue.is_some(), "queue", e, "rabbitmq");
-                has(s.queues.is_some(), "queues", e, "rabbitmq");
-                has(s.prefetch.is_some(), "prefetch", e, "rabbitmq");
-                has(s.queue_type.is_some(), "queue_type", e, "rabbitmq");
-                has(s.single_active_consumer.is_some(), "single_active_consumer", e, "rabbitmq");
-                has(s.topic.is_some(), "topic", e, "rocketmq");
-                has(s.consumer_group.is_some(), "consumer_group", e, "rocketmq");
-                has(s.tag_expression.is_some(), "tag_expression", e, "rocketmq");
-            }
             let (topics, field) = match s.and_then(|s| s.topics.clone()) {
                 Some(t) => (t, "source.topics"),
                 None => (raw.topics.clone().unwrap_or_default(), "topics"),
@@ -591,11 +565,6 @@ fn validate_source(raw: &RawPipeline, name: &str, max_records: usize, e: &mut Er
         }
         "rabbitmq" => {
             let s = s.expect("kind comes from [source]");
-            has(s.topics.is_some(), "topics", e, "kafka");
-            has(s.group_id.is_some(), "group_id", e, "kafka");
-            has(s.topic.is_some(), "topic", e, "rocketmq");
-            has(s.consumer_group.is_some(), "consumer_group", e, "rocketmq");
-            has(s.tag_expression.is_some(), "tag_expression", e, "rocketmq");
             let queues = match (&s.queue, &s.queues) {
                 (Some(q), None) => vec![q.clone()],
                 (None, Some(qs)) if !qs.is_empty() => qs.clone(),
@@ -636,13 +605,6 @@ fn validate_source(raw: &RawPipeline, name: &str, max_records: usize, e: &mut Er
         }
         "rocketmq" => {
             let s = s.expect("kind comes from [source]");
-            has(s.topics.is_some(), "topics", e, "kafka");
-            has(s.group_id.is_some(), "group_id", e, "kafka");
-            has(s.queue.is_some(), "queue", e, "rabbitmq");
-            has(s.queues.is_some(), "queues", e, "rabbitmq");
-            has(s.prefetch.is_some(), "prefetch", e, "rabbitmq");
-            has(s.queue_type.is_some(), "queue_type", e, "rabbitmq");
-            has(s.single_active_consumer.is_some(), "single_active_consumer", e, "rabbitmq");
             // RocketMQ topic and group names: at most 127 characters of [%|a-zA-Z0-9_-] (the brokers'
             // TopicValidator); '/' never occurs, which positions rely on (see `record::Position`).
             let valid = |n: &str| !n.is_empty() && n.len() <= 127 && n.bytes().all(|b| b.is_ascii_alphanumeric() || b"%|_-".contains(&b));

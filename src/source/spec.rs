@@ -16,7 +16,64 @@ pub enum SourceSpec {
     RocketMq(RocketMqSpec),
 }
 
+/// What a broker's source can do, asked by the configuration's checks instead of which broker it is: one const per
+/// broker, in its `spec.rs`. Each `Err` holds the reason given to a pipeline that asks for it, as `check` prints it.
+#[derive(Debug)]
+pub struct Capabilities {
+    /// `[source] kind`.
+    pub kind: &'static str,
+    /// Its `[source]` keys besides `kind`: a key of another broker's list is refused with that broker's name.
+    pub fields: &'static [&'static str],
+    /// Positions a worker can seek to: `[offsets] store = "database"`, `rewind`, a Redis sink's stored positions.
+    pub positions: Result<(), &'static str>,
+    /// `batch.concurrency` above 1.
+    pub lanes: Result<(), &'static str>,
+    /// `[dead_letters] topic`, a Kafka topic.
+    pub dead_letter_topic: Result<(), &'static str>,
+    /// `[dead_letters] exchange`, a RabbitMQ exchange.
+    pub dead_letter_exchange: Result<(), &'static str>,
+    /// Message properties as the business key (`key.message_id`, `key.message_key`, `key.property`): refused with
+    /// the field `key` when the source has none.
+    pub key_properties: Result<(), &'static str>,
+    /// `key.message_key` (RocketMQ's KEYS).
+    pub key_message_key: Result<(), &'static str>,
+    /// `key.record_key`.
+    pub key_record_key: Result<(), &'static str>,
+    /// A bound value from a message property (`{ property = ... }`).
+    pub bind_property: Result<(), &'static str>,
+    /// A bound value from the record key (`{ record_key = true }`).
+    pub bind_record_key: Result<(), &'static str>,
+    /// A bound partition or offset (`{ meta = "partition" }`, `"offset"`).
+    pub bind_partition: Result<(), &'static str>,
+}
+
+/// Why `batch.concurrency` above 1 needs a source whose partitions a group assignment spreads (Kafka).
+pub(crate) const LANES: &str = "more than 1 needs a Kafka source, whose partitions Kafka's group assignment spreads over the transactions: \
+     consumers sharing a queue would take its messages out of order (run more workers on more queues instead)";
+
+/// Every broker's capabilities, in the order their names are listed in messages.
+pub const ALL: [&Capabilities; 3] = [&super::kafka::CAPABILITIES, &super::rabbitmq::CAPABILITIES, &super::rocketmq::CAPABILITIES];
+
+/// The capabilities of the broker named `kind` in `[source] kind`, if there is one.
+pub fn by_kind(kind: &str) -> Option<&'static Capabilities> {
+    ALL.into_iter().find(|c| c.kind == kind)
+}
+
 impl SourceSpec {
+    /// What this source can do ([`Capabilities`]).
+    pub fn capabilities(&self) -> &'static Capabilities {
+        match self {
+            SourceSpec::Kafka(_) => &super::kafka::CAPABILITIES,
+            SourceSpec::RabbitMq(_) => &super::rabbitmq::CAPABILITIES,
+            SourceSpec::RocketMq(_) => &super::rocketmq::CAPABILITIES,
+        }
+    }
+
+    /// Whether `topic` is one it consumes (a dead-letter topic must not be).
+    pub fn consumes(&self, topic: &str) -> bool {
+        self.streams().iter().any(|t| t == topic)
+    }
+
     /// The Kafka source, for what only Kafka has (topic retention, dead-letter topics).
     pub fn kafka(&self) -> Option<&KafkaSpec> {
         match self {
@@ -28,16 +85,12 @@ impl SourceSpec {
     /// Whether its records have stable positions a worker can seek to (Kafka partitions, RocketMQ queues), which
     /// is what `[offsets] store = "database"`, `rewind` and a Redis sink need. A RabbitMQ queue has none.
     pub fn positional(&self) -> bool {
-        !matches!(self, SourceSpec::RabbitMq(_))
+        self.capabilities().positions.is_ok()
     }
 
     /// The source's kind as written in `[source] kind`.
     pub fn kind(&self) -> &'static str {
-        match self {
-            SourceSpec::Kafka(_) => "kafka",
-            SourceSpec::RabbitMq(_) => "rabbitmq",
-            SourceSpec::RocketMq(_) => "rocketmq",
-        }
+        self.capabilities().kind
     }
 
     /// Its topics or queues, for logs and `check`.

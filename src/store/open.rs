@@ -1,5 +1,5 @@
 //! Opening the stores a set of pipelines writes to, whatever they are: which stores are needed ([`needed`]),
-//! waiting for them at start-up ([`wait_for`]), connecting with idemflow's schema checked ([`open`]), whether a
+//! waiting for them at start-up ([`Stores::wait_for`]), connecting with idemflow's schema checked ([`Stores::open`]), whether a
 //! database URL leads to a pooler ([`behind_pooler`]), and what a store's durability means for the pipelines on
 //! it ([`Store::durability`]). One match per question, one arm per store.
 

@@ -11,6 +11,7 @@ mod failures;
 mod fuzz_corpus;
 mod hardening;
 mod mariadb;
+mod matrix;
 mod monitoring;
 mod network;
 mod cases;

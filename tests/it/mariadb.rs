@@ -14,7 +14,7 @@ fn example() -> String {
 }
 
 /// The example's tables and 100 accounts at 0, on `server` (the shared one when `None`).
-async fn payments_db(server: Option<&str>) -> MyDb {
+pub(crate) async fn payments_db(server: Option<&str>) -> MyDb {
     let accounts: Vec<String> = (0..100).map(|i| format!("('ACC-{i}', 0)")).collect();
     let sql = std::fs::read_to_string(project_root().join("examples/mysql/payments.sql")).unwrap()
         + &format!("\nINSERT INTO accounts VALUES {};", accounts.join(", "));

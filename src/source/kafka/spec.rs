@@ -1,5 +1,6 @@
 //! Kafka's `[kafka]` settings and the `[source]` of a Kafka pipeline.
 
+use crate::source::spec::Capabilities;
 use serde::Deserialize;
 use std::collections::BTreeMap;
 use std::fmt;
@@ -72,3 +73,19 @@ pub struct KafkaSpec {
     /// Kafka consumer group (default `idemflow-<name>`).
     pub group_id: String,
 }
+
+/// What a Kafka source can do ([`crate::source::spec::Capabilities`]).
+pub const CAPABILITIES: Capabilities = Capabilities {
+    kind: "kafka",
+    fields: &["topics", "group_id"],
+    positions: Ok(()),
+    lanes: Ok(()),
+    dead_letter_topic: Ok(()),
+    dead_letter_exchange: Err("is a RabbitMQ exchange; a Kafka pipeline can also produce its dead letters to dead_letters.topic"),
+    key_properties: Err("a Kafka record has no message properties: use field, fields, record_key = true or header"),
+    key_message_key: Ok(()),
+    key_record_key: Ok(()),
+    bind_property: Err("a Kafka record has no message properties"),
+    bind_record_key: Ok(()),
+    bind_partition: Ok(()),
+};

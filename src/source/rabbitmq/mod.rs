@@ -3,7 +3,7 @@
 //! `check` and dead-letter publisher.
 
 mod spec;
-pub use spec::{QueueType, RabbitMqSettings, RabbitMqSpec};
+pub use spec::{CAPABILITIES, QueueType, RabbitMqSettings, RabbitMqSpec};
 
 #[cfg(feature = "rabbitmq")]
 mod consumer;

@@ -1,5 +1,6 @@
 //! RabbitMQ's `[rabbitmq]` settings and the `[source]` of a RabbitMQ pipeline.
 
+use crate::source::spec::Capabilities;
 use crate::secret::SecretUrl;
 use serde::Deserialize;
 use std::path::PathBuf;
@@ -78,3 +79,22 @@ impl QueueType {
         }
     }
 }
+
+/// What a RabbitMQ source can do ([`crate::source::spec::Capabilities`]).
+pub const CAPABILITIES: Capabilities = Capabilities {
+    kind: "rabbitmq",
+    fields: &["queue", "queues", "prefetch", "queue_type", "single_active_consumer"],
+    positions: Err(
+        "\"database\" is for sources with positions a worker can seek to (Kafka, RocketMQ); a RabbitMQ queue has none \
+         (an acknowledged delivery leaves the queue, an unacknowledged one is requeued), so there is nothing to store",
+    ),
+    lanes: Err(crate::source::spec::LANES),
+    dead_letter_topic: Err("is a Kafka topic; a RabbitMQ pipeline keeps its dead letters in idemflow.dead_letters"),
+    dead_letter_exchange: Ok(()),
+    key_properties: Ok(()),
+    key_message_key: Err("is RocketMQ's KEYS property; for a RabbitMQ message use message_id = true or property"),
+    key_record_key: Err("a RabbitMQ message has no record key: use message_id = true, property, header or field"),
+    bind_property: Ok(()),
+    bind_record_key: Err("a RabbitMQ message has no record key"),
+    bind_partition: Err("a RabbitMQ message has no partition or offset (a delivery tag numbers deliveries on one channel only)"),
+};

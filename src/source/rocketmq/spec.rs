@@ -1,5 +1,6 @@
 //! RocketMQ's `[rocketmq]` settings and the `[source]` of a RocketMQ pipeline.
 
+use crate::source::spec::Capabilities;
 use crate::secret::Secret;
 use serde::Deserialize;
 use std::time::Duration;
@@ -38,3 +39,21 @@ pub struct RocketMqSpec {
 fn default_connect_timeout() -> Duration {
     Duration::from_secs(10)
 }
+
+/// What a RocketMQ source can do ([`crate::source::spec::Capabilities`]).
+pub const CAPABILITIES: Capabilities = Capabilities {
+    kind: "rocketmq",
+    fields: &["topic", "consumer_group", "tag_expression"],
+    positions: Ok(()),
+    lanes: Err(crate::source::spec::LANES),
+    dead_letter_topic: Err("is a Kafka topic; a RocketMQ pipeline keeps its dead letters in the store"),
+    dead_letter_exchange: Err("is a RabbitMQ exchange; a RocketMQ pipeline keeps its dead letters in the store"),
+    key_properties: Ok(()),
+    key_message_key: Ok(()),
+    key_record_key: Err(
+        "a RocketMQ message has no record key: use message_key = true (its KEYS), message_id = true, property, header or field",
+    ),
+    bind_property: Ok(()),
+    bind_record_key: Err("a RocketMQ message has no record key: its KEYS are { property = \"keys\" }"),
+    bind_partition: Ok(()),
+};

@@ -6,6 +6,7 @@ pub mod noida;
 pub mod postgres;
 pub mod rabbitmq;
 pub mod redis;
+pub mod relay;
 pub mod rocketmq;
 
 use std::io::{Read, Write};
@@ -141,6 +142,10 @@ impl Setup {
     }
 
     /// Writes the pipelines and `idemflow.toml` with the store's section, the broker's and more settings (`extra`).
+    pub fn sections(store: &str, broker: &str, pipelines: &[(&str, &str)], extra: &str) -> Setup {
+        Self::write_sections(store, broker, pipelines, extra)
+    }
+
     fn write_sections(store: &str, broker: &str, pipelines: &[(&str, &str)], extra: &str) -> Setup {
         let dir = tempfile::tempdir().unwrap();
         std::fs::create_dir(dir.path().join("pipelines")).unwrap();

@@ -1,0 +1,550 @@
+//! The guarantee matrix: one set of black-box scenarios, written once, run through the binary on the real servers
+//! against every source x store pair idemflow supports (Kafka, RabbitMQ, RocketMQ x PostgreSQL, MariaDB, Redis).
+//! Each scenario asserts the guarantee itself: every operation applied once with exact amounts, exact duplicate
+//! counters where the scenario makes them exact, every poison record dead-lettered with its reason, nothing
+//! dead-lettered for an outage. What differs per pair is only how a record is published and how the store is read:
+//! [`Src`] and [`Dst`].
+//!
+//! | scenario | test |
+//! |---|---|
+//! | (a) the core duplicates (republished, payload mismatch, redelivered after a restart) with exact counters, and (d) poison records dead-lettered with their reason while the stream moves on | `core_<source>_<store>` |
+//! | (b) a crash loop of SIGKILLs while the stream flows | `crash_loop_<source>_<store>` |
+//! | (c) the store unavailable mid-stream | `store_cut_<source>_<store>` |
+//! | (e) a second worker joining and leaving | `second_worker_<source>_<store>` |
+//!
+//! A queue (RabbitMQ) cannot be rewound, so "redelivered after a restart" is not forced there with an exact count:
+//! redeliveries of a queue show up in the crash loop, where each one is counted and nothing is applied twice.
+//! The README's table is made from the test names here (`the_readme_table_is_made_from_the_matrix`).
+
+use crate::failures::{assert_counters_add_up, payments, Payments, Rng};
+use crate::support::mariadb::MyDb;
+use crate::support::redis::RedisServer;
+use crate::support::relay::Relay;
+use crate::support::rocketmq::{self, Producer};
+use crate::support::{rabbitmq, *};
+use std::collections::HashSet;
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+/// Operations in a scenario's stream (and 2% republished, 1% mismatched, poison records among them).
+const DISTINCT: usize = 600;
+
+/// A pair's broker.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Broker {
+    Kafka,
+    RabbitMq,
+    RocketMq,
+}
+
+/// A pair's store.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Db {
+    Postgres,
+    MariaDb,
+    Redis,
+}
+
+/// The broker side of a pair, for one test: its topic or queue, its settings section, and publishing.
+enum Src {
+    Kafka(Kafka),
+    RabbitMq { client: rabbitmq::Client, queue: String },
+    RocketMq { producer: Producer, topic: String },
+}
+
+/// Partitions (Kafka) or queues (RocketMQ) of a scenario's topic.
+const PARTITIONS: i32 = 3;
+
+impl Src {
+    async fn new(broker: Broker) -> Src {
+        match broker {
+            Broker::Kafka => {
+                let kafka = Kafka::new();
+                kafka.create_topic("payments", PARTITIONS);
+                Src::Kafka(kafka)
+            }
+            Broker::RabbitMq => {
+                let client = rabbitmq::Client::connect(rabbitmq::shared_url()).await;
+                let queue = format!("matrix-{}", unique());
+                client.declare(&queue, "quorum", false).await;
+                Src::RabbitMq { client, queue }
+            }
+            Broker::RocketMq => {
+                let producer = Producer::start(rocketmq::shared()).await;
+                Src::RocketMq { producer, topic: format!("matrix-{}", unique()) }
+            }
+        }
+    }
+
+    /// The pipeline's source: what replaces `topics = ["payments"]` in a shipped example.
+    fn source(&self) -> String {
+        match self {
+            Src::Kafka(_) => "topics = [\"payments\"]".to_owned(),
+            Src::RabbitMq { queue, .. } => format!("[source]\nkind = \"rabbitmq\"\nqueue = \"{queue}\""),
+            Src::RocketMq { topic, .. } => {
+                format!("[source]\nkind = \"rocketmq\"\ntopic = \"{topic}\"\nconsumer_group = \"idemflow-{topic}\"")
+            }
+        }
+    }
+
+    /// The settings' broker section.
+    fn section(&self) -> String {
+        match self {
+            Src::Kafka(kafka) => format!("[kafka]\nbootstrap_servers = \"{}\"\n[kafka.properties]{}\n", kafka.bootstrap(), TEST_KAFKA_PROPERTIES),
+            Src::RabbitMq { .. } => rabbitmq::settings(rabbitmq::shared_url()),
+            Src::RocketMq { .. } => rocketmq::settings(rocketmq::shared()),
+        }
+    }
+
+    /// The stream for this broker: a queue has one partition.
+    fn stream(&self) -> Payments {
+        payments(DISTINCT, if matches!(self, Src::RabbitMq { .. }) { 1 } else { PARTITIONS }, false)
+    }
+
+    /// Publishes `s.records[range]`, each to its record's partition (Kafka) or queue (RocketMQ).
+    async fn publish(&mut self, s: &Payments, range: std::ops::Range<usize>) {
+        match self {
+            Src::Kafka(kafka) => kafka.produce("payments", &s.records[range]),
+            Src::RabbitMq { client, queue } => client.publish(queue, &crate::rabbitmq::messages(s)[range]).await,
+            Src::RocketMq { producer, topic } => {
+                let from = range.start;
+                let msgs: Vec<rocketmq::Msg> = crate::rabbitmq::messages(s)[range]
+                    .iter()
+                    .map(|m| rocketmq::Msg::keyed(m.message_id.as_deref().unwrap(), String::from_utf8(m.body.clone()).unwrap()))
+                    .collect();
+                producer.send(topic, &msgs, |i| s.records[from + i].partition).await;
+            }
+        }
+    }
+
+    /// Whether its records have positions a rewind can go back to.
+    fn positional(&self) -> bool {
+        !matches!(self, Src::RabbitMq { .. })
+    }
+}
+
+/// The store side of a pair, for one test: a fresh database (or Redis server) with the shipped example's tables.
+enum Dst {
+    Postgres(TestDb),
+    MariaDb(MyDb),
+    Redis(RedisServer),
+}
+
+impl Dst {
+    async fn new(db: Db) -> Dst {
+        match db {
+            Db::Postgres => Dst::Postgres(crate::failures::payments_db(None).await),
+            Db::MariaDb => Dst::MariaDb(crate::mariadb::payments_db(None).await),
+            Db::Redis => Dst::Redis(RedisServer::start()),
+        }
+    }
+
+    /// The shipped example pipeline of this store, reading `source`.
+    fn pipeline(&self, source: &str) -> String {
+        let file = match self {
+            Dst::Postgres(_) => "pipelines/payments.toml",
+            Dst::MariaDb(_) => "examples/mysql/payments.toml",
+            Dst::Redis(_) => "examples/redis/payments.toml",
+        };
+        let text = std::fs::read_to_string(project_root().join(file)).unwrap();
+        assert!(text.contains("topics = [\"payments\"]"), "{file} reads topic payments");
+        text.replace("topics = [\"payments\"]", source)
+    }
+
+    /// Whether the store keeps each partition's processed mark beside the stored positions (the databases), so a
+    /// record replayed at a position already processed is a redelivery whatever its payload. Redis tells a
+    /// redelivery by its dedup key's position only: a replayed copy counts under its own reason again.
+    fn keeps_processed_marks(&self) -> bool {
+        match self {
+            Dst::Postgres(_) | Dst::MariaDb(_) => true,
+            Dst::Redis(_) => false,
+        }
+    }
+
+    /// Where the store listens.
+    fn addr(&self) -> SocketAddr {
+        let url = match self {
+            Dst::Postgres(db) => db.url.clone(),
+            Dst::MariaDb(db) => db.url.clone(),
+            Dst::Redis(r) => r.url.clone(),
+        };
+        let u = url::Url::parse(&url).unwrap();
+        SocketAddr::new(u.host_str().unwrap().parse().unwrap(), u.port().unwrap())
+    }
+
+    /// The settings' store section, through `relay` when given.
+    fn section(&self, relay: Option<&Relay>) -> String {
+        let url = |url: &str| match relay {
+            Some(r) => {
+                let mut u = url::Url::parse(url).unwrap();
+                u.set_port(Some(r.addr.port())).unwrap();
+                u.to_string()
+            }
+            None => url.to_owned(),
+        };
+        match self {
+            Dst::Postgres(db) => format!("[database]\nurl = \"{}\"\nmax_connections = 4\nacquire_timeout = \"2s\"\n", url(&db.url)),
+            Dst::MariaDb(db) => format!("[database]\nurl = \"{}\"\nmax_connections = 4\nacquire_timeout = \"2s\"\n", url(&db.url)),
+            Dst::Redis(r) => format!("[redis]\nurl = \"{}\"\nconnect_timeout = \"2s\"\nresponse_timeout = \"5s\"\n", url(&r.url)),
+        }
+    }
+
+    /// Dedup rows (keys) and the distinct payloads among the dead letters, or `None` when the store cannot be read.
+    async fn progress(&self) -> Option<(i64, i64)> {
+        match self {
+            Dst::Postgres(db) => {
+                let rows = sqlx::query_scalar("SELECT count(*) FROM idemflow.dedup").fetch_one(&db.pool).await.ok()?;
+                let dead = sqlx::query_scalar("SELECT count(DISTINCT payload) FROM idemflow.dead_letters").fetch_one(&db.pool).await.ok()?;
+                Some((rows, dead))
+            }
+            Dst::MariaDb(db) => {
+                let rows = sqlx::query_scalar("SELECT COUNT(*) FROM idemflow_dedup").fetch_one(&db.pool).await.ok()?;
+                let dead = sqlx::query_scalar("SELECT COUNT(DISTINCT payload) FROM idemflow_dead_letters").fetch_one(&db.pool).await.ok()?;
+                Some((rows, dead))
+            }
+            Dst::Redis(r) => {
+                let mut c = ::redis::Client::open(r.url.as_str()).ok()?.get_connection().ok()?;
+                let keys: Vec<String> = ::redis::cmd("KEYS").arg("idemflow:payments:k:*").query(&mut c).ok()?;
+                Some((keys.len() as i64, redis_dead_payloads(&mut c).len() as i64))
+            }
+        }
+    }
+
+    /// Every operation applied once with exact amounts, one dedup row each, every poison payload dead-lettered
+    /// (once per position; a queue's redelivered poison message may be recorded again, never another payload).
+    async fn assert_exactly_once(&self, s: &Payments) {
+        let expected = s.expected_amount();
+        match self {
+            Dst::Postgres(db) => {
+                assert_eq!(db.scalar::<i64>("SELECT count(*) FROM payments").await, s.distinct as i64, "one payment per operation");
+                assert_eq!(db.scalar::<String>("SELECT sum(amount)::text FROM payments").await, expected, "amounts exact");
+                assert_eq!(db.scalar::<String>("SELECT (-sum(balance))::text FROM accounts").await, expected, "each deduction once");
+                assert_eq!(db.scalar::<i64>("SELECT count(*) FROM idemflow.dedup").await, s.distinct as i64);
+                assert_eq!(db.scalar::<i64>("SELECT count(DISTINCT payload) FROM idemflow.dead_letters").await, s.poison as i64);
+                let reasons: Vec<String> = sqlx::query_scalar("SELECT DISTINCT reason FROM idemflow.dead_letters").fetch_all(&db.pool).await.unwrap();
+                assert_eq!(reasons, ["decode_failed"], "poison records only, with their reason");
+            }
+            Dst::MariaDb(db) => {
+                assert_eq!(db.scalar::<i64>("SELECT COUNT(*) FROM payments").await, s.distinct as i64, "one payment per operation");
+                assert_eq!(db.scalar::<String>("SELECT CAST(SUM(amount) AS CHAR) FROM payments").await, expected, "amounts exact");
+                assert_eq!(db.scalar::<String>("SELECT CAST(-SUM(balance) AS CHAR) FROM accounts").await, expected, "each deduction once");
+                assert_eq!(db.scalar::<i64>("SELECT COUNT(*) FROM idemflow_dedup").await, s.distinct as i64);
+                assert_eq!(db.scalar::<i64>("SELECT COUNT(DISTINCT payload) FROM idemflow_dead_letters").await, s.poison as i64);
+                let reasons: Vec<String> = sqlx::query_scalar("SELECT DISTINCT CAST(reason AS CHAR) FROM idemflow_dead_letters").fetch_all(&db.pool).await.unwrap();
+                assert_eq!(reasons, ["decode_failed"], "poison records only, with their reason");
+            }
+            Dst::Redis(r) => {
+                crate::redis::assert_applied_once(r, s);
+                let mut c = r.conn();
+                let dead = redis_dead_payloads(&mut c);
+                assert_eq!(dead.len(), s.poison, "one dead-lettered payload per poison record");
+                let reasons: HashSet<String> = redis_dead_field(&mut c, "reason").into_iter().collect();
+                assert_eq!(reasons, HashSet::from(["decode_failed".to_owned()]), "poison records only, with their reason");
+            }
+        }
+    }
+}
+
+/// A field of every entry of the Redis dead-letter stream.
+fn redis_dead_field(c: &mut ::redis::Connection, field: &str) -> Vec<String> {
+    let entries: Vec<(String, Vec<(String, String)>)> =
+        ::redis::cmd("XRANGE").arg("idemflow:dead-letters").arg("-").arg("+").query(c).unwrap_or_default();
+    entries.into_iter().filter_map(|(_, fields)| fields.into_iter().find(|(k, _)| k == field).map(|(_, v)| v)).collect()
+}
+
+/// The distinct payloads of the Redis dead-letter stream.
+fn redis_dead_payloads(c: &mut ::redis::Connection) -> HashSet<String> {
+    redis_dead_field(c, "payload").into_iter().collect()
+}
+
+/// One pair, live for a test: its broker, its store, the stream, and settings for the worker(s).
+struct Pair {
+    src: Src,
+    dst: Dst,
+    s: Payments,
+}
+
+impl Pair {
+    async fn new(broker: Broker, db: Db) -> Pair {
+        let src = Src::new(broker).await;
+        let dst = Dst::new(db).await;
+        let s = src.stream();
+        Pair { src, dst, s }
+    }
+
+    /// Settings and the pipeline for one worker (each worker gets its own `/metrics` port), through `relay` when
+    /// given.
+    fn setup(&self, relay: Option<&Relay>) -> Setup {
+        let pipeline = self.dst.pipeline(&self.src.source());
+        Setup::sections(&self.dst.section(relay), &self.src.section(), &[("payments.toml", &pipeline)], "")
+    }
+
+    /// Waits (at most 240 s) until every operation has its dedup row and every poison payload its dead letter,
+    /// and `received` says the worker has seen at least `at_least` records; the workers' logs if not.
+    async fn wait_done(&self, workers: &[&BinWorker], at_least: f64) {
+        let deadline = Instant::now() + Duration::from_secs(240);
+        loop {
+            let progress = self.dst.progress().await;
+            let received: f64 = workers.iter().map(|w| received(&w.scrape())).sum();
+            if progress == Some((self.s.distinct as i64, self.s.poison as i64)) && received >= at_least {
+                return;
+            }
+            if Instant::now() > deadline {
+                let tails: Vec<String> = workers.iter().map(|w| w.log_text().lines().rev().take(40).collect::<Vec<_>>().join("\n")).collect();
+                panic!(
+                    "timed out: (dedup rows, dead-lettered payloads) = {progress:?} of ({}, {}), received {received} of at least \
+                     {at_least}\n{}",
+                    self.s.distinct,
+                    self.s.poison,
+                    tails.join("\n=====\n")
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.s.records.len()
+    }
+}
+
+const P: [(&str, &str); 1] = [("pipeline", "payments")];
+
+fn received(m: &str) -> f64 {
+    metric(m, "idemflow_records_received_total", &P)
+}
+
+fn duplicates(m: &str, reason: &str) -> f64 {
+    metric(m, "idemflow_duplicates_skipped_total", &[("pipeline", "payments"), ("reason", reason)])
+}
+
+/// (a) and (d): the whole stream through one worker: every duplicate counted under its reason, exactly; every
+/// poison record dead-lettered with its reason while the rest commits. Then, where the source has positions, the
+/// group rewound with `idemflow rewind` and the stream consumed again by a new worker: every original counted
+/// `redelivered`, every copy under its reason again, nothing applied twice.
+async fn core(broker: Broker, db: Db) {
+    let mut pair = Pair::new(broker, db).await;
+    let n = pair.len();
+    pair.src.publish(&pair.s, 0..n).await;
+    let setup = pair.setup(None);
+    let mut w = BinWorker::start(&setup);
+    pair.wait_done(&[&w], n as f64).await;
+    let m = w.scrape();
+    assert_counters_add_up(&m);
+    assert_eq!(received(&m), n as f64, "each record delivered once to a lone worker");
+    assert_eq!(metric(&m, "idemflow_records_applied_total", &P), pair.s.distinct as f64);
+    assert_eq!(duplicates(&m, "republished"), pair.s.republished as f64, "republished copies");
+    assert_eq!(duplicates(&m, "payload_mismatch"), pair.s.mismatched as f64, "copies with another payload");
+    assert_eq!(duplicates(&m, "redelivered"), 0.0);
+    assert_eq!(
+        metric(&m, "idemflow_dead_letters_total", &[("pipeline", "payments"), ("reason", "decode_failed")]),
+        pair.s.poison as f64,
+        "poison records dead-lettered with their reason"
+    );
+    assert!(w.sigterm().success(), "{}", w.log_text());
+    pair.dst.assert_exactly_once(&pair.s).await;
+    if !pair.src.positional() {
+        return;
+    }
+    let config = setup.config.to_str().unwrap().to_owned();
+    let (status, out, err) = idemflow(&["rewind", "--config", &config, "--pipeline", "payments", "--to", "earliest"], setup.dir.path());
+    assert!(status.success(), "rewind: {out}{err}");
+    let mut w = BinWorker::start(&setup);
+    pair.wait_done(&[&w], n as f64).await;
+    let m = w.scrape();
+    assert_counters_add_up(&m);
+    assert_eq!(received(&m), n as f64, "the whole stream replayed");
+    assert_eq!(metric(&m, "idemflow_records_applied_total", &P), 0.0, "nothing applied twice");
+    if pair.dst.keeps_processed_marks() {
+        // Every record comes again at its own position: all of them are redeliveries, copies included.
+        assert_eq!(duplicates(&m, "redelivered"), n as f64, "every record redelivered at its position");
+        assert_eq!(duplicates(&m, "republished") + duplicates(&m, "payload_mismatch"), 0.0);
+    } else {
+        // Redis keeps no processed marks: a copy is told by its dedup key's position, the original's.
+        assert_eq!(duplicates(&m, "redelivered"), (pair.s.distinct + pair.s.poison) as f64, "every original redelivered at its position");
+        assert_eq!(duplicates(&m, "republished"), pair.s.republished as f64);
+        assert_eq!(duplicates(&m, "payload_mismatch"), pair.s.mismatched as f64);
+    }
+    assert!(w.sigterm().success(), "{}", w.log_text());
+    pair.dst.assert_exactly_once(&pair.s).await;
+}
+
+/// (b): the worker SIGKILLed at random moments while it applies, a third of the stream published before each of
+/// three workers; a last worker finishes: every operation applied once.
+async fn crash_loop(broker: Broker, db: Db) {
+    let mut pair = Pair::new(broker, db).await;
+    let n = pair.len();
+    let setup = pair.setup(None);
+    let mut rng = Rng::from_clock();
+    for third in 0..3 {
+        pair.src.publish(&pair.s, n * third / 3..n * (third + 1) / 3).await;
+        let mut w = BinWorker::start(&setup);
+        let start = Instant::now();
+        while received(&w.scrape()) == 0.0 {
+            assert!(start.elapsed() < Duration::from_secs(120), "no progress in 120 s:\n{}", w.log_text());
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(rng.below(400))).await;
+        w.kill();
+    }
+    let mut w = BinWorker::start(&setup);
+    pair.wait_done(&[&w], 0.0).await;
+    assert_counters_add_up(&w.scrape());
+    assert!(w.sigterm().success(), "{}", w.log_text());
+    pair.dst.assert_exactly_once(&pair.s).await;
+}
+
+/// (c): the store unreachable for 8 s mid-stream (every connection to it cut, new ones refused): the worker waits
+/// and retries; nothing is dead-lettered for it, nothing lost, nothing applied twice.
+async fn store_cut(broker: Broker, db: Db) {
+    let mut pair = Pair::new(broker, db).await;
+    let n = pair.len();
+    let relay = Relay::start(pair.dst.addr());
+    pair.src.publish(&pair.s, 0..n / 2).await;
+    let setup = pair.setup(Some(&relay));
+    let mut w = BinWorker::start(&setup);
+    let start = Instant::now();
+    while metric(&w.scrape(), "idemflow_records_applied_total", &P) == 0.0 {
+        assert!(start.elapsed() < Duration::from_secs(120), "nothing applied in 120 s:\n{}", w.log_text());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    relay.cut();
+    pair.src.publish(&pair.s, n / 2..n).await;
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    relay.heal();
+    pair.wait_done(&[&w], 0.0).await;
+    assert_counters_add_up(&w.scrape());
+    assert!(w.sigterm().success(), "{}", w.log_text());
+    pair.dst.assert_exactly_once(&pair.s).await;
+}
+
+/// (e): a second worker joins the first mid-stream (the group, or the queue's consumers, rebalance), then the
+/// first leaves (SIGTERM): every operation applied once.
+async fn second_worker(broker: Broker, db: Db) {
+    let mut pair = Pair::new(broker, db).await;
+    let n = pair.len();
+    pair.src.publish(&pair.s, 0..n / 2).await;
+    let (one, two) = (pair.setup(None), pair.setup(None));
+    let mut a = BinWorker::start(&one);
+    let start = Instant::now();
+    while received(&a.scrape()) == 0.0 {
+        assert!(start.elapsed() < Duration::from_secs(120), "no progress in 120 s:\n{}", a.log_text());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let mut b = BinWorker::start(&two);
+    pair.src.publish(&pair.s, n / 2..n).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(a.sigterm().success(), "{}", a.log_text());
+    pair.wait_done(&[&b], 0.0).await;
+    assert_counters_add_up(&b.scrape());
+    assert!(b.sigterm().success(), "{}", b.log_text());
+    pair.dst.assert_exactly_once(&pair.s).await;
+}
+
+macro_rules! matrix {
+    ($($name:ident: $scenario:ident($broker:ident, $db:ident);)*) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() {
+                $scenario(Broker::$broker, Db::$db).await;
+            }
+        )*
+    };
+}
+
+matrix! {
+    core_kafka_postgres: core(Kafka, Postgres);
+    core_kafka_mariadb: core(Kafka, MariaDb);
+    core_kafka_redis: core(Kafka, Redis);
+    core_rabbitmq_postgres: core(RabbitMq, Postgres);
+    core_rabbitmq_mariadb: core(RabbitMq, MariaDb);
+    core_rabbitmq_redis: core(RabbitMq, Redis);
+    core_rocketmq_postgres: core(RocketMq, Postgres);
+    core_rocketmq_mariadb: core(RocketMq, MariaDb);
+    core_rocketmq_redis: core(RocketMq, Redis);
+    crash_loop_kafka_postgres: crash_loop(Kafka, Postgres);
+    crash_loop_kafka_mariadb: crash_loop(Kafka, MariaDb);
+    crash_loop_kafka_redis: crash_loop(Kafka, Redis);
+    crash_loop_rabbitmq_postgres: crash_loop(RabbitMq, Postgres);
+    crash_loop_rabbitmq_mariadb: crash_loop(RabbitMq, MariaDb);
+    crash_loop_rabbitmq_redis: crash_loop(RabbitMq, Redis);
+    crash_loop_rocketmq_postgres: crash_loop(RocketMq, Postgres);
+    crash_loop_rocketmq_mariadb: crash_loop(RocketMq, MariaDb);
+    crash_loop_rocketmq_redis: crash_loop(RocketMq, Redis);
+    store_cut_kafka_postgres: store_cut(Kafka, Postgres);
+    store_cut_kafka_mariadb: store_cut(Kafka, MariaDb);
+    store_cut_kafka_redis: store_cut(Kafka, Redis);
+    store_cut_rabbitmq_postgres: store_cut(RabbitMq, Postgres);
+    store_cut_rabbitmq_mariadb: store_cut(RabbitMq, MariaDb);
+    store_cut_rabbitmq_redis: store_cut(RabbitMq, Redis);
+    store_cut_rocketmq_postgres: store_cut(RocketMq, Postgres);
+    store_cut_rocketmq_mariadb: store_cut(RocketMq, MariaDb);
+    store_cut_rocketmq_redis: store_cut(RocketMq, Redis);
+    second_worker_kafka_postgres: second_worker(Kafka, Postgres);
+    second_worker_kafka_mariadb: second_worker(Kafka, MariaDb);
+    second_worker_kafka_redis: second_worker(Kafka, Redis);
+    second_worker_rabbitmq_postgres: second_worker(RabbitMq, Postgres);
+    second_worker_rabbitmq_mariadb: second_worker(RabbitMq, MariaDb);
+    second_worker_rabbitmq_redis: second_worker(RabbitMq, Redis);
+    second_worker_rocketmq_postgres: second_worker(RocketMq, Postgres);
+    second_worker_rocketmq_mariadb: second_worker(RocketMq, MariaDb);
+    second_worker_rocketmq_redis: second_worker(RocketMq, Redis);
+}
+
+/// The README's table of the matrix (scenario x pair -> test), between `<!-- matrix -->` and `<!-- /matrix -->`,
+/// made from the `matrix!` invocation above; `IDEMFLOW_WRITE_README=1` writes it.
+#[test]
+fn the_readme_table_is_made_from_the_matrix() {
+    let source = std::fs::read_to_string(project_root().join("tests/it/matrix.rs")).unwrap();
+    let body = source.split("matrix! {\n").nth(1).unwrap().split("\n}").next().unwrap();
+    let tests: Vec<(String, String, String, String)> = body
+        .lines()
+        .filter_map(|l| {
+            let (name, call) = l.trim().trim_end_matches(';').split_once(": ")?;
+            let (scenario, args) = call.split_once('(')?;
+            let (broker, db) = args.trim_end_matches(')').split_once(", ")?;
+            Some((name.to_owned(), scenario.to_owned(), broker.to_owned(), db.to_owned()))
+        })
+        .collect();
+    assert_eq!(tests.len(), 36, "every scenario on every pair");
+    let scenarios = [
+        ("core", "(a) duplicates counted exactly (republished, payload mismatch, redelivered after a rewind) and (d) poison records dead-lettered with their reason"),
+        ("crash_loop", "(b) SIGKILLs while the stream flows"),
+        ("store_cut", "(c) the store unreachable mid-stream"),
+        ("second_worker", "(e) a second worker joins, the first leaves"),
+    ];
+    let pairs: Vec<(String, String)> = tests.iter().filter(|t| t.1 == "core").map(|t| (t.2.clone(), t.3.clone())).collect();
+    let name = |s: &str| match s {
+        "Kafka" => "Kafka",
+        "RabbitMq" => "RabbitMQ",
+        "RocketMq" => "RocketMQ",
+        "Postgres" => "PostgreSQL",
+        "MariaDb" => "MySQL/MariaDB",
+        other => other,
+    };
+    let mut table = String::from("| scenario |");
+    for (b, d) in &pairs {
+        table += &format!(" {} x {} |", name(b), name(d));
+    }
+    table += "\n|---|";
+    table += &"---|".repeat(pairs.len());
+    for (scenario, what) in scenarios {
+        table += &format!("\n| {what} |");
+        for (b, d) in &pairs {
+            let t = tests.iter().find(|t| t.1 == scenario && &t.2 == b && &t.3 == d).expect("every pair runs every scenario");
+            table += &format!(" `matrix::{}` |", t.0);
+        }
+    }
+    table += "\n";
+    let readme_path = project_root().join("README.md");
+    let readme = std::fs::read_to_string(&readme_path).unwrap();
+    let (before, rest) = readme.split_once("<!-- matrix -->\n").expect("README has <!-- matrix -->");
+    let (current, after) = rest.split_once("<!-- /matrix -->").expect("README has <!-- /matrix -->");
+    if current != table {
+        if std::env::var("IDEMFLOW_WRITE_README").as_deref() == Ok("1") {
+            std::fs::write(&readme_path, format!("{before}<!-- matrix -->\n{table}<!-- /matrix -->{after}")).unwrap();
+        } else {
+            panic!("the README's matrix table is not the matrix's: run IDEMFLOW_WRITE_README=1 scripts/test matrix::the_readme_table\n{table}");
+        }
+    }
+}
