@@ -560,6 +560,20 @@ impl Step<'_> {
                 },
             }
         };
+        self.finish(source, batch, &outcome, started, shutdown).await
+    }
+
+    /// After the batch's COMMIT: its metrics, the dead letters published where the pipeline also sends them (before
+    /// the broker's commit or ack, retried until they are), and the dead-letter guard's verdict. `Ok(false)` if
+    /// shutdown came while publishing.
+    async fn finish(
+        &mut self,
+        source: &mut Source,
+        batch: &[Record],
+        outcome: &crate::sink::BatchOutcome,
+        started: Instant,
+        shutdown: &mut Shutdown,
+    ) -> Result<bool, SinkError> {
         self.health.database(true);
         let mut moved: Vec<(&str, i32)> = batch.iter().map(|r| (r.position.topic_name(), r.position.partition)).collect();
         moved.sort_unstable();
@@ -581,7 +595,7 @@ impl Step<'_> {
             while let Err(e) = out.publish(batch, &outcome.dead_letters).await {
                 let delay = backoff.next().unwrap_or(MAX_RETRY_DELAY);
                 tracing::warn!(error = %e, retry_in = ?delay, "publishing dead letters failed; the batch's offset commit or ack waits");
-                let mut keep = batch.clone();
+                let mut keep = batch.to_vec();
                 if !source.pause_for(delay, &mut keep, shutdown).await {
                     return Ok(false);
                 }

@@ -386,23 +386,8 @@ pub fn load_pipelines_in(dir: &Path, dialect: Dialect) -> Result<Vec<Pipeline>, 
                 errors.push(dup_error(p, "name", format!("{:?} is also the name in {file}", p.name)));
                 continue;
             }
-            match (&other.source, &p.source) {
-                (SourceSpec::Kafka(a), SourceSpec::Kafka(b)) if a.group_id == b.group_id => {
-                    errors.push(dup_error(p, "group_id", format!("{:?} is also used by {file}", b.group_id)))
-                }
-                (SourceSpec::RocketMq(a), SourceSpec::RocketMq(b)) if a.consumer_group == b.consumer_group => errors.push(
-                    dup_error(p, "source.consumer_group", format!("{:?} is also used by {file}", b.consumer_group)),
-                ),
-                (SourceSpec::RabbitMq(a), SourceSpec::RabbitMq(b)) => {
-                    if let Some(q) = b.queues.iter().find(|q| a.queues.contains(q)) {
-                        errors.push(dup_error(
-                            p,
-                            "source.queues",
-                            format!("{q:?} is also consumed by {file}: competing pipelines would each see only part of its messages"),
-                        ))
-                    }
-                }
-                _ => {}
+            if let Some((field, what, why)) = p.source.conflict_with(&other.source) {
+                errors.push(dup_error(p, field, format!("{what} {file}{why}")));
             }
         }
         seen.push(p);
@@ -418,19 +403,9 @@ pub fn load_pipelines_in(dir: &Path, dialect: Dialect) -> Result<Vec<Pipeline>, 
 /// `[rabbitmq] url` for a RabbitMQ one. Errors name the pipeline's file and the missing section.
 pub fn check_sources(settings: &Settings, pipelines: &[Pipeline]) -> Result<(), Vec<PipelineError>> {
     let mut errors = Vec::new();
+    let brokers = settings.brokers();
     for p in pipelines {
-        let missing = match &p.source {
-            SourceSpec::Kafka(_) if settings.kafka.bootstrap_servers.trim().is_empty() => {
-                Some("a Kafka source needs [kafka] bootstrap_servers in the settings (or IDEMFLOW_KAFKA__BOOTSTRAP_SERVERS)")
-            }
-            SourceSpec::RabbitMq(_) if settings.rabbitmq.is_none() => {
-                Some("a RabbitMQ source needs [rabbitmq] url in the settings (or IDEMFLOW_RABBITMQ__URL)")
-            }
-            SourceSpec::RocketMq(_) if settings.rocketmq.is_none() => {
-                Some("a RocketMQ source needs [rocketmq] name_server in the settings (or IDEMFLOW_ROCKETMQ__NAME_SERVER)")
-            }
-            _ => None,
-        };
+        let missing = p.source.settings_missing(&brokers);
         if let Some(message) = missing {
             errors.push(dup_error(p, "source", message.to_owned()));
         }

@@ -417,44 +417,9 @@ fn validate(raw: RawPipeline, path: &Path, stem: &str, dialect: Dialect, e: &mut
     } else if let (true, Some(Err(why))) = (concurrency > 1, source.as_ref().map(|s| s.capabilities().lanes)) {
         e.push("batch.concurrency", why);
     }
-    let d = DeadLetterSettings::default();
-    let dead_letters = DeadLetterSettings {
-        max_ratio: raw.dead_letters.max_ratio.unwrap_or(d.max_ratio),
-        window: raw.dead_letters.window.unwrap_or(d.window),
-        min_records: raw.dead_letters.min_records.unwrap_or(d.min_records),
-        topic: raw.dead_letters.topic,
-        exchange: raw.dead_letters.exchange,
-        routing_key: raw.dead_letters.routing_key,
-    };
-    if dead_letters.routing_key.is_some() && dead_letters.exchange.is_none() {
-        e.push("dead_letters.routing_key", "only applies with dead_letters.exchange");
-    }
-    if !(0.0..=1.0).contains(&dead_letters.max_ratio) {
-        e.push("dead_letters.max_ratio", format!("{} is not between 0 and 1", dead_letters.max_ratio));
-    }
-    if dead_letters.window == 0 {
-        e.push("dead_letters.window", "must be at least 1");
-    }
-    if let (Some(t), Some(source)) = (&dead_letters.topic, &source) {
-        if source.capabilities().dead_letter_topic.is_ok() && source.consumes(t) {
-            e.push("dead_letters.topic", format!("{t:?} is also a source topic: dead letters would be consumed again"));
-        }
-    }
-    if let Some(caps) = source.as_ref().map(SourceSpec::capabilities) {
-        // What the pipeline asks of its source, refused with the source's own reason where it cannot.
-        let asks = [
-            (dead_letters.exchange.is_some(), "dead_letters.exchange", caps.dead_letter_exchange),
-            (dead_letters.topic.is_some(), "dead_letters.topic", caps.dead_letter_topic),
-            (raw.key.message_id == Some(true) || raw.key.message_key == Some(true) || raw.key.property.is_some(), "key", caps.key_properties),
-            (raw.key.message_key == Some(true), "key.message_key", caps.key_message_key),
-            (raw.key.record_key == Some(true), "key.record_key", caps.key_record_key),
-            (raw.offsets.store == Some(OffsetStore::Database), "offsets.store", caps.positions),
-        ];
-        for (asked, field, can) in asks {
-            if let (true, Err(why)) = (asked, can) {
-                e.push(field, why);
-            }
-        }
+    let dead_letters = validate_dead_letters(raw.dead_letters, source.as_ref(), e);
+    if let Some(source) = &source {
+        check_capabilities(source, &raw.key, raw.offsets.store, &dead_letters, e);
     }
     if redis && positional && dead_letters.topic.is_some() {
         e.push(
@@ -470,21 +435,7 @@ fn validate(raw: RawPipeline, path: &Path, stem: &str, dialect: Dialect, e: &mut
              replayed after a crash, so a dead letter not yet produced to the topic would never be",
         );
     }
-    let dd = DedupSettings::default();
-    let dedup = DedupSettings {
-        retention: raw.dedup.retention.unwrap_or(dd.retention),
-        purge_interval: raw.dedup.purge_interval.unwrap_or(dd.purge_interval),
-        purge_batch: raw.dedup.purge_batch.unwrap_or(dd.purge_batch),
-    };
-    if dedup.retention.is_zero() {
-        e.push("dedup.retention", "must be longer than 0");
-    }
-    if dedup.purge_interval.is_zero() {
-        e.push("dedup.purge_interval", "must be longer than 0");
-    }
-    if dedup.purge_batch == 0 {
-        e.push("dedup.purge_batch", "must be at least 1");
-    }
+    let dedup = validate_dedup(&raw.dedup, e);
     Some(Pipeline {
         name,
         file: path.to_owned(),
@@ -521,6 +472,73 @@ fn check_bindings_for_source(source: &SourceSpec, sink: &SinkSpec, e: &mut Error
             e.push(&format!("{table}.{}", b.name), why);
         }
     }
+}
+
+/// `[dead_letters]`: the guard's limits and where dead letters also go, checked.
+fn validate_dead_letters(raw: RawDeadLetters, source: Option<&SourceSpec>, e: &mut Errors<'_>) -> DeadLetterSettings {
+    let d = DeadLetterSettings::default();
+    let dead_letters = DeadLetterSettings {
+        max_ratio: raw.max_ratio.unwrap_or(d.max_ratio),
+        window: raw.window.unwrap_or(d.window),
+        min_records: raw.min_records.unwrap_or(d.min_records),
+        topic: raw.topic,
+        exchange: raw.exchange,
+        routing_key: raw.routing_key,
+    };
+    if dead_letters.routing_key.is_some() && dead_letters.exchange.is_none() {
+        e.push("dead_letters.routing_key", "only applies with dead_letters.exchange");
+    }
+    if !(0.0..=1.0).contains(&dead_letters.max_ratio) {
+        e.push("dead_letters.max_ratio", format!("{} is not between 0 and 1", dead_letters.max_ratio));
+    }
+    if dead_letters.window == 0 {
+        e.push("dead_letters.window", "must be at least 1");
+    }
+    if let (Some(t), Some(source)) = (&dead_letters.topic, source) {
+        if source.capabilities().dead_letter_topic.is_ok() && source.consumes(t) {
+            e.push("dead_letters.topic", format!("{t:?} is also a source topic: dead letters would be consumed again"));
+        }
+    }
+    dead_letters
+}
+
+/// What the pipeline asks of its source (a dead-letter topic or exchange, a key from properties or the record key,
+/// stored positions), refused with the source's own reason where it cannot ([`crate::source::spec::Capabilities`]).
+fn check_capabilities(source: &SourceSpec, key: &RawKey, offsets: Option<OffsetStore>, dead_letters: &DeadLetterSettings, e: &mut Errors<'_>) {
+    let caps = source.capabilities();
+    let asks = [
+        (dead_letters.exchange.is_some(), "dead_letters.exchange", caps.dead_letter_exchange),
+        (dead_letters.topic.is_some(), "dead_letters.topic", caps.dead_letter_topic),
+        (key.message_id == Some(true) || key.message_key == Some(true) || key.property.is_some(), "key", caps.key_properties),
+        (key.message_key == Some(true), "key.message_key", caps.key_message_key),
+        (key.record_key == Some(true), "key.record_key", caps.key_record_key),
+        (offsets == Some(OffsetStore::Database), "offsets.store", caps.positions),
+    ];
+    for (asked, field, can) in asks {
+        if let (true, Err(why)) = (asked, can) {
+            e.push(field, why);
+        }
+    }
+}
+
+/// `[dedup]`: retention and purging, checked.
+fn validate_dedup(raw: &RawDedup, e: &mut Errors<'_>) -> DedupSettings {
+    let dd = DedupSettings::default();
+    let dedup = DedupSettings {
+        retention: raw.retention.unwrap_or(dd.retention),
+        purge_interval: raw.purge_interval.unwrap_or(dd.purge_interval),
+        purge_batch: raw.purge_batch.unwrap_or(dd.purge_batch),
+    };
+    if dedup.retention.is_zero() {
+        e.push("dedup.retention", "must be longer than 0");
+    }
+    if dedup.purge_interval.is_zero() {
+        e.push("dedup.purge_interval", "must be longer than 0");
+    }
+    if dedup.purge_batch == 0 {
+        e.push("dedup.purge_batch", "must be at least 1");
+    }
+    dedup
 }
 
 fn validate_source(raw: &RawPipeline, name: &str, max_records: usize, e: &mut Errors<'_>) -> Option<SourceSpec> {

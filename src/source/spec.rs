@@ -69,6 +69,39 @@ impl SourceSpec {
         }
     }
 
+    /// Why its broker's settings are missing, if they are: the sentence `check` and `run` print.
+    pub fn settings_missing(&self, brokers: &super::Brokers) -> Option<&'static str> {
+        match self {
+            SourceSpec::Kafka(_) if brokers.kafka.bootstrap_servers.trim().is_empty() => {
+                Some("a Kafka source needs [kafka] bootstrap_servers in the settings (or IDEMFLOW_KAFKA__BOOTSTRAP_SERVERS)")
+            }
+            SourceSpec::RabbitMq(_) if brokers.rabbitmq.is_none() => {
+                Some("a RabbitMQ source needs [rabbitmq] url in the settings (or IDEMFLOW_RABBITMQ__URL)")
+            }
+            SourceSpec::RocketMq(_) if brokers.rocketmq.is_none() => {
+                Some("a RocketMQ source needs [rocketmq] name_server in the settings (or IDEMFLOW_ROCKETMQ__NAME_SERVER)")
+            }
+            SourceSpec::Kafka(_) | SourceSpec::RabbitMq(_) | SourceSpec::RocketMq(_) => None,
+        }
+    }
+
+    /// What this source shares with `earlier` (another pipeline's) that two pipelines must not: a consumer group,
+    /// or a queue. `(field, what, why)` for the message `<what> <earlier's file><why>`.
+    pub fn conflict_with(&self, earlier: &SourceSpec) -> Option<(&'static str, String, &'static str)> {
+        match (earlier, self) {
+            (SourceSpec::Kafka(a), SourceSpec::Kafka(b)) if a.group_id == b.group_id => {
+                Some(("group_id", format!("{:?} is also used by", b.group_id), ""))
+            }
+            (SourceSpec::RocketMq(a), SourceSpec::RocketMq(b)) if a.consumer_group == b.consumer_group => {
+                Some(("source.consumer_group", format!("{:?} is also used by", b.consumer_group), ""))
+            }
+            (SourceSpec::RabbitMq(a), SourceSpec::RabbitMq(b)) => b.queues.iter().find(|q| a.queues.contains(q)).map(|q| {
+                ("source.queues", format!("{q:?} is also consumed by"), ": competing pipelines would each see only part of its messages")
+            }),
+            _ => None,
+        }
+    }
+
     /// Whether `topic` is one it consumes (a dead-letter topic must not be).
     pub fn consumes(&self, topic: &str) -> bool {
         self.streams().iter().any(|t| t == topic)

@@ -27,7 +27,7 @@ fn xlen(r: &mut ::redis::Connection, key: &str) -> usize {
 }
 
 /// Cents from a `123.45` text.
-fn cents(text: &str) -> i64 {
+pub(crate) fn cents(text: &str) -> i64 {
     let (units, frac) = text.split_once('.').unwrap_or((text, "0"));
     let frac = format!("{frac:0<2}");
     let sign = if units.starts_with('-') { -1 } else { 1 };
@@ -36,7 +36,7 @@ fn cents(text: &str) -> i64 {
 
 /// What the example wrote: (payment hashes, sum of their amounts in cents, sum of the balances rounded to cents,
 /// sum of the payment counts, entries in `payments-applied`, dedup keys, dead letters).
-fn state(r: &mut ::redis::Connection) -> (usize, i64, i64, i64, usize, usize, usize) {
+pub(crate) fn state(r: &mut ::redis::Connection) -> (usize, i64, i64, i64, usize, usize, usize) {
     let payments: Vec<String> = keys(r, "payment:*");
     let mut amount = 0;
     for p in &payments {
@@ -56,7 +56,7 @@ fn state(r: &mut ::redis::Connection) -> (usize, i64, i64, i64, usize, usize, us
     (payments.len(), amount, total, count, applied, dedup.len(), dead)
 }
 
-fn expected_cents(s: &Payments) -> i64 {
+pub(crate) fn expected_cents(s: &Payments) -> i64 {
     cents(&s.expected_amount())
 }
 
