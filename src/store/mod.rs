@@ -89,6 +89,17 @@ pub struct PrepareError {
     pub unavailable: bool,
 }
 
+impl PrepareError {
+    /// Every problem found at once, as one error: a single problem keeps its field; several are listed under
+    /// `sink`, one per line.
+    pub fn all(mut problems: Vec<PrepareError>) -> PrepareError {
+        let message = problems.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n  ");
+        let field = if problems.len() == 1 { problems.remove(0).field } else { "sink".to_owned() };
+        let message = if field == "sink" { message } else { message.split_once(": ").map_or(message.clone(), |m| m.1.to_owned()) };
+        PrepareError { field, message, unavailable: false }
+    }
+}
+
 impl Store {
     /// A pool for `settings.url` that connects on first use, so the worker can start before the database is up.
     ///

@@ -288,36 +288,8 @@ async fn prepare_table(
             .map_err(|e| db_error("sink.table", e, ""))?
             .ok_or_else(|| prepare_error("sink.table", "no database is selected: name it in [database] url, or write the table as database.table"))?,
     };
-    type Row = (String, String, String, bool, Option<String>, String, String, Option<i64>);
-    let rows: Vec<Row> = sqlx::query_as(
-        "SELECT COLUMN_NAME, DATA_TYPE, COLUMN_KEY, \
-                IS_NULLABLE = 'NO' AND COLUMN_DEFAULT IS NULL AND EXTRA NOT LIKE '%auto_increment%' \
-                AND EXTRA NOT LIKE '%GENERATED%' AND EXTRA NOT LIKE '%VIRTUAL%' AND EXTRA NOT LIKE '%PERSISTENT%' AND EXTRA NOT LIKE '%STORED%', \
-                CHARACTER_SET_NAME, EXTRA, CAST(COLUMN_TYPE AS CHAR), \
-                CAST(COALESCE(NUMERIC_SCALE, DATETIME_PRECISION) AS SIGNED) \
-         FROM information_schema.COLUMNS WHERE BINARY TABLE_SCHEMA = ? AND BINARY TABLE_NAME = ? ORDER BY ORDINAL_POSITION",
-    )
-    .bind(&schema)
-    .bind(&name)
-    .fetch_all(&mut *conn)
-    .await
-    .map_err(|e| db_error("sink.table", e, ""))?;
     let qualified = format!("{}.{}", quote_ident(&schema), quote_ident(&name));
-    if rows.is_empty() {
-        return Err(prepare_error("sink.table", format!("table {qualified} does not exist (or is not visible to this user)")));
-    }
-    let catalog: Vec<Column> = rows
-        .into_iter()
-        .map(|(name, data_type, key, required, charset, _, column_type, scale)| Column {
-            name,
-            data_type: data_type.to_lowercase(),
-            required,
-            charset,
-            key,
-            column_type,
-            scale,
-        })
-        .collect();
+    let catalog = read_columns(conn, &schema, &name, &qualified).await?;
     // MariaDB's JSON is LONGTEXT with a CHECK (json_valid(`c`)) named after the column.
     let json_columns: Vec<String> = sqlx::query_scalar(
         "SELECT CONSTRAINT_NAME FROM information_schema.CHECK_CONSTRAINTS \
@@ -328,55 +300,7 @@ async fn prepare_table(
     .fetch_all(&mut *conn)
     .await
     .unwrap_or_default(); // MySQL has no TABLE_NAME there, and a real JSON type.
-    let mut problems = Vec::new();
-    let names: Vec<&str> = catalog.iter().map(|c| c.name.as_str()).collect();
-    let mut found = Vec::new();
-    for b in columns {
-        match catalog.iter().find(|c| c.name == b.name) {
-            Some(c) => {
-                if matches!(c.charset.as_deref(), Some("utf8mb3" | "utf8" | "ucs2")) {
-                    problems.push(prepare_error(
-                        format!("sink.columns.{}", b.name),
-                        format!(
-                            "column {:?} of {qualified} is CHARACTER SET {}, which cannot hold every UTF-8 character (emoji and \
-                             other 4-byte characters would be refused or mangled): convert it to utf8mb4 (ALTER TABLE ... \
-                             MODIFY {} ... CHARACTER SET utf8mb4)",
-                            b.name,
-                            c.charset.as_deref().unwrap_or_default(),
-                            quote_ident(&b.name)
-                        ),
-                    ));
-                }
-                if c.data_type == "bit" {
-                    problems.push(prepare_error(
-                        format!("sink.columns.{}", b.name),
-                        format!("column {:?} of {qualified} is a BIT column, which idemflow cannot bind from text: use TINYINT, BOOLEAN or BIGINT", b.name),
-                    ));
-                }
-                found.push(c);
-            }
-            None => problems.push(prepare_error(
-                format!("sink.columns.{}", b.name),
-                format!("table {qualified} has no column {:?} (its columns: {})", b.name, names.join(", ")),
-            )),
-        }
-    }
-    for c in catalog.iter().filter(|c| c.required) {
-        if !columns.iter().any(|b| b.name == c.name) {
-            problems.push(prepare_error("sink.columns", format!("table {qualified}'s column {:?} is NOT NULL without a default: map it to a value", c.name)));
-        }
-    }
-    for c in conflict_columns.unwrap_or_default() {
-        if !catalog.iter().any(|k| &k.name == c) {
-            problems.push(prepare_error("sink.conflict_columns", format!("table {qualified} has no column {c:?}")));
-        }
-    }
-    if !problems.is_empty() {
-        let message = problems.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n  ");
-        let field = if problems.len() == 1 { problems.remove(0).field } else { "sink".to_owned() };
-        let message = if field == "sink" { message } else { message.split_once(": ").map_or(message.clone(), |m| m.1.to_owned()) };
-        return Err(prepare_error(field, message));
-    }
+    let found = check_columns(columns, &catalog, conflict_columns, &qualified)?;
     let unique = unique_keys(conn, &schema, &name).await.map_err(|e| db_error("sink.table", e, ""))?;
     if on_conflict != OnConflict::Error && unique.len() > 1 {
         return Err(prepare_error(
@@ -440,6 +364,101 @@ async fn prepare_table(
         .map(|(b, (limit, render))| (Binding { limit, ..b }, render))
         .collect();
     Ok((SideEffect { form: Form::Table { head, tail, columns: columns.len() }, probe: Some(probe), schema: schema_now, packet: 0 }, bindings))
+}
+
+/// The columns of table `schema.name` (`qualified`, for messages), in order.
+///
+/// Errors: the catalog cannot be read, or the table does not exist.
+async fn read_columns(conn: &mut MySqlConnection, schema: &str, name: &str, qualified: &str) -> Result<Vec<Column>, PrepareError> {
+    type Row = (String, String, String, bool, Option<String>, String, String, Option<i64>);
+    let rows: Vec<Row> = sqlx::query_as(
+        "SELECT COLUMN_NAME, DATA_TYPE, COLUMN_KEY, \
+                IS_NULLABLE = 'NO' AND COLUMN_DEFAULT IS NULL AND EXTRA NOT LIKE '%auto_increment%' \
+                AND EXTRA NOT LIKE '%GENERATED%' AND EXTRA NOT LIKE '%VIRTUAL%' AND EXTRA NOT LIKE '%PERSISTENT%' AND EXTRA NOT LIKE '%STORED%', \
+                CHARACTER_SET_NAME, EXTRA, CAST(COLUMN_TYPE AS CHAR), \
+                CAST(COALESCE(NUMERIC_SCALE, DATETIME_PRECISION) AS SIGNED) \
+         FROM information_schema.COLUMNS WHERE BINARY TABLE_SCHEMA = ? AND BINARY TABLE_NAME = ? ORDER BY ORDINAL_POSITION",
+    )
+    .bind(schema)
+    .bind(name)
+    .fetch_all(&mut *conn)
+    .await
+    .map_err(|e| db_error("sink.table", e, ""))?;
+    if rows.is_empty() {
+        return Err(prepare_error("sink.table", format!("table {qualified} does not exist (or is not visible to this user)")));
+    }
+    Ok(rows
+        .into_iter()
+        .map(|(name, data_type, key, required, charset, _, column_type, scale)| Column {
+            name,
+            data_type: data_type.to_lowercase(),
+            required,
+            charset,
+            key,
+            column_type,
+            scale,
+        })
+        .collect())
+}
+
+/// The catalog's column of each of `columns`, in their order, once every column exists, can hold every UTF-8
+/// character and can be bound from text, every NOT NULL column without a default is mapped, and the conflict columns
+/// exist.
+///
+/// Errors: every problem at once (one problem names its field).
+fn check_columns<'c>(
+    columns: &[Binding],
+    catalog: &'c [Column],
+    conflict_columns: Option<&[String]>,
+    qualified: &str,
+) -> Result<Vec<&'c Column>, PrepareError> {
+    let mut problems = Vec::new();
+    let names: Vec<&str> = catalog.iter().map(|c| c.name.as_str()).collect();
+    let mut found = Vec::new();
+    for b in columns {
+        match catalog.iter().find(|c| c.name == b.name) {
+            Some(c) => {
+                if matches!(c.charset.as_deref(), Some("utf8mb3" | "utf8" | "ucs2")) {
+                    problems.push(prepare_error(
+                        format!("sink.columns.{}", b.name),
+                        format!(
+                            "column {:?} of {qualified} is CHARACTER SET {}, which cannot hold every UTF-8 character (emoji and \
+                             other 4-byte characters would be refused or mangled): convert it to utf8mb4 (ALTER TABLE ... \
+                             MODIFY {} ... CHARACTER SET utf8mb4)",
+                            b.name,
+                            c.charset.as_deref().unwrap_or_default(),
+                            quote_ident(&b.name)
+                        ),
+                    ));
+                }
+                if c.data_type == "bit" {
+                    problems.push(prepare_error(
+                        format!("sink.columns.{}", b.name),
+                        format!("column {:?} of {qualified} is a BIT column, which idemflow cannot bind from text: use TINYINT, BOOLEAN or BIGINT", b.name),
+                    ));
+                }
+                found.push(c);
+            }
+            None => problems.push(prepare_error(
+                format!("sink.columns.{}", b.name),
+                format!("table {qualified} has no column {:?} (its columns: {})", b.name, names.join(", ")),
+            )),
+        }
+    }
+    for c in catalog.iter().filter(|c| c.required) {
+        if !columns.iter().any(|b| b.name == c.name) {
+            problems.push(prepare_error("sink.columns", format!("table {qualified}'s column {:?} is NOT NULL without a default: map it to a value", c.name)));
+        }
+    }
+    for c in conflict_columns.unwrap_or_default() {
+        if !catalog.iter().any(|k| &k.name == c) {
+            problems.push(prepare_error("sink.conflict_columns", format!("table {qualified} has no column {c:?}")));
+        }
+    }
+    if !problems.is_empty() {
+        return Err(PrepareError::all(problems));
+    }
+    Ok(found)
 }
 
 /// The column lists of the primary key and every unique key of a table.

@@ -549,38 +549,13 @@ async fn prepare_table(
         }
     }
     if !problems.is_empty() {
-        let message = problems.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n  ");
-        let field = if problems.len() == 1 { problems.remove(0).field } else { "sink".to_owned() };
-        let message = if field == "sink" { message } else { message.split_once(": ").map_or(message.clone(), |m| m.1.to_owned()) };
-        return Err(prepare_error(field, message));
+        return Err(PrepareError::all(problems));
     }
     let target: Vec<String> = match conflict_columns {
         Some(cols) => cols.to_vec(),
         None => catalog.iter().filter(|(_, _, pk, ..)| *pk).map(|(n, ..)| n.clone()).collect(),
     };
-    let conflict = match on_conflict {
-        OnConflict::Error => String::new(),
-        OnConflict::Nothing => " ON CONFLICT DO NOTHING".to_owned(),
-        OnConflict::Update => {
-            if target.is_empty() {
-                return Err(prepare_error(
-                    "sink.conflict_columns",
-                    format!("table {qualified} has no primary key: list the conflict columns (a unique index's)"),
-                ));
-            }
-            let sets: Vec<String> = columns
-                .iter()
-                .filter(|b| !target.contains(&b.name))
-                .map(|b| format!("{0} = EXCLUDED.{0}", quote_ident(&b.name)))
-                .collect();
-            let target = target.iter().map(|c| quote_ident(c)).collect::<Vec<_>>().join(", ");
-            if sets.is_empty() {
-                format!(" ON CONFLICT ({target}) DO NOTHING")
-            } else {
-                format!(" ON CONFLICT ({target}) DO UPDATE SET {}", sets.join(", "))
-            }
-        }
-    };
+    let conflict = conflict_clause(on_conflict, &target, columns, &qualified)?;
     let names = columns.iter().map(|b| quote_ident(&b.name)).collect::<Vec<_>>().join(", ");
     let casts = types
         .iter()
@@ -613,6 +588,36 @@ async fn prepare_table(
         .zip(types.iter().map(|t| t.target.as_ref().expect("checked").render()))
         .collect();
     Ok((Form::Table { sql, columns: columns.len() }, Probe::Table(probe_sql), bindings))
+}
+
+/// The `ON CONFLICT` clause of the table form's statement: none for `on_conflict = "error"`, `DO NOTHING`, or
+/// `DO UPDATE SET` every column but the conflict `target`'s.
+///
+/// Errors: an update without a conflict target (no primary key and no `conflict_columns`).
+fn conflict_clause(on_conflict: OnConflict, target: &[String], columns: &[Binding], qualified: &str) -> Result<String, PrepareError> {
+    Ok(match on_conflict {
+        OnConflict::Error => String::new(),
+        OnConflict::Nothing => " ON CONFLICT DO NOTHING".to_owned(),
+        OnConflict::Update => {
+            if target.is_empty() {
+                return Err(prepare_error(
+                    "sink.conflict_columns",
+                    format!("table {qualified} has no primary key: list the conflict columns (a unique index's)"),
+                ));
+            }
+            let sets: Vec<String> = columns
+                .iter()
+                .filter(|b| !target.contains(&b.name))
+                .map(|b| format!("{0} = EXCLUDED.{0}", quote_ident(&b.name)))
+                .collect();
+            let target = target.iter().map(|c| quote_ident(c)).collect::<Vec<_>>().join(", ");
+            if sets.is_empty() {
+                format!(" ON CONFLICT ({target}) DO NOTHING")
+            } else {
+                format!(" ON CONFLICT ({target}) DO UPDATE SET {}", sets.join(", "))
+            }
+        }
+    })
 }
 
 /// What each column (type oid, type modifier) keeps of a value where it would round the rest (see
