@@ -246,6 +246,30 @@ pub async fn run(
     }
 }
 
+/// Prints a plan, whatever the broker: the group, then one line per partition (`unit` = "partition") or queue
+/// ("queue") with where it is, where it goes, its end and how many records it replays, then the plan's warnings.
+/// Returns how many records the plan replays.
+pub fn print_plan(pipeline: &str, group: &str, stored: bool, unit: &str, width: usize, moves: &[Move], warnings: &[String]) -> i64 {
+    println!("pipeline {pipeline:?}, consumer group {group:?}{}", if stored { ", stored positions too" } else { "" });
+    println!("{unit:<width$} {:>12} {:>12} {:>12} {:>12}", "from", "to", "end", "replayed");
+    for m in moves {
+        let from = m.from.map_or("-".to_owned(), |o| o.to_string());
+        let at = format!("{}/{}", m.topic, m.partition);
+        println!("{at:<width$} {from:>12} {:>12} {:>12} {:>12}", m.to, m.end, m.replayed());
+    }
+    for w in warnings {
+        println!("warning: {w}");
+    }
+    moves.iter().map(Move::replayed).sum()
+}
+
+/// The last line of a rewind that went ahead.
+pub fn print_rewound(total: i64) {
+    println!(
+        "rewound: {total} record(s) will be consumed again when the workers start; those already applied are skipped as duplicates (idemflow_duplicates_skipped_total)"
+    );
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -305,17 +305,7 @@ pub async fn run(kafka: &KafkaSettings, pipeline: &SourceContext, request: crate
     let (settings, p) = (kafka.clone(), pipeline.clone());
     let plan = tokio::task::spawn_blocking(move || plan(&settings, &p, request.to, positions.as_deref(), request.timeout)).await??;
     let moves = plan.moves;
-    println!("pipeline {:?}, consumer group {:?}{}", pipeline.name, spec(pipeline).group_id, if store.is_some() { ", stored positions too" } else { "" });
-    println!("{:<32} {:>12} {:>12} {:>12} {:>12}", "partition", "from", "to", "end", "replayed");
-    for m in &moves {
-        let from = m.from.map_or("-".to_owned(), |o| o.to_string());
-        let tp = format!("{}/{}", m.topic, m.partition);
-        println!("{tp:<32} {from:>12} {:>12} {:>12} {:>12}", m.to, m.end, m.replayed());
-    }
-    for w in &plan.warnings {
-        println!("warning: {w}");
-    }
-    let total: i64 = moves.iter().map(Move::replayed).sum();
+    let total = crate::source::rewind::print_plan(&pipeline.name, &spec(pipeline).group_id, store.is_some(), "partition", 32, &moves, &plan.warnings);
     if request.dry_run {
         let (settings, p) = (kafka.clone(), pipeline.clone());
         let members = tokio::task::spawn_blocking(move || active_members(&settings, &p, request.timeout)).await?;
@@ -342,8 +332,6 @@ pub async fn run(kafka: &KafkaSettings, pipeline: &SourceContext, request: crate
         })
     })
     .await??;
-    println!(
-        "rewound: {total} record(s) will be consumed again when the workers start; those already applied are skipped as duplicates (idemflow_duplicates_skipped_total)"
-    );
+    crate::source::rewind::print_rewound(total);
     Ok(())
 }

@@ -169,17 +169,7 @@ pub async fn run(
     let (moves, warnings, members) = rewind(settings, pipeline, request.to, positions.as_deref(), request.dry_run, request.timeout)
         .await
         .map_err(|e| anyhow::anyhow!("{}: pipeline {:?}: rocketmq: {e}", file.display(), pipeline.name))?;
-    println!("pipeline {:?}, consumer group {:?}{}", pipeline.name, spec(pipeline).consumer_group, if store.is_some() { ", stored positions too" } else { "" });
-    println!("{:<40} {:>12} {:>12} {:>12} {:>12}", "queue", "from", "to", "end", "replayed");
-    for m in &moves {
-        let from = m.from.map_or("-".to_owned(), |o| o.to_string());
-        let q = format!("{}/{}", m.topic, m.partition);
-        println!("{q:<40} {from:>12} {:>12} {:>12} {:>12}", m.to, m.end, m.replayed());
-    }
-    for w in &warnings {
-        println!("warning: {w}");
-    }
-    let total: i64 = moves.iter().map(Move::replayed).sum();
+    let total = crate::source::rewind::print_plan(&pipeline.name, &spec(pipeline).consumer_group, store.is_some(), "queue", 40, &moves, &warnings);
     if request.dry_run {
         match members {
             0 => println!("the group has no members online: a real run would go ahead"),
@@ -192,8 +182,6 @@ pub async fn run(
         let positions: Vec<(String, i32, i64)> = moves.iter().map(|m| (m.topic.clone(), m.partition, m.to)).collect();
         store.reset_offsets(&pipeline.name, &positions).await?;
     }
-    println!(
-        "rewound: {total} record(s) will be consumed again when the workers start; those already applied are skipped as duplicates (idemflow_duplicates_skipped_total)"
-    );
+    crate::source::rewind::print_rewound(total);
     Ok(())
 }
