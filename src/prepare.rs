@@ -22,16 +22,7 @@ pub enum Prepared {
     Tombstone,
 }
 
-/// A record ready to claim and apply.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Apply {
-    /// The business key.
-    pub key: BusinessKey,
-    /// SHA-256 of the raw payload bytes: equal for a producer retry, different for another payload.
-    pub fingerprint: [u8; 32],
-    /// One value per binding of the sink, in binding order; `None` binds SQL NULL.
-    pub values: Vec<Option<String>>,
-}
+pub use crate::store::rows::Apply;
 
 /// A record that cannot be applied.
 #[derive(Clone, Debug, PartialEq, Eq)]

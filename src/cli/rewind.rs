@@ -34,10 +34,10 @@ pub async fn run(a: RewindArgs) -> anyhow::Result<()> {
     let context = p.source_context();
     if !p.source.positional() {
         // Said before the store is opened: a queue has nothing to rewind, whatever the store.
-        return idemflow::source::rewind::run(&settings.brokers(), &context, &p.file, request(&a), None).await;
+        return idemflow::source::rewind_group(&settings.brokers(), &context, &p.file, request(&a), None).await;
     }
     let store = if p.offsets == OffsetStore::Database { Some(open_store(&settings, &a.config, p.sink.store()).await?) } else { None };
-    idemflow::source::rewind::run(&settings.brokers(), &context, &p.file, request(&a), store.as_ref()).await
+    idemflow::source::rewind_group(&settings.brokers(), &context, &p.file, request(&a), store.as_ref()).await
 }
 
 fn request(a: &RewindArgs) -> idemflow::source::rewind::Request {

@@ -290,6 +290,39 @@ impl Source {
     }
 }
 
+/// Rewinds `pipeline`'s group (and its stored positions in `store`, with `[offsets] store = "database"`), printing
+/// the plan, one line per partition or queue, and what happened.
+///
+/// Errors: the source has no positions (a queue), the group has members, a broker or store request failed; the
+/// message names the pipeline's file where it is about the pipeline.
+#[cfg_attr(not(all(feature = "kafka", feature = "rocketmq")), allow(unused_variables))]
+pub async fn rewind_group(
+    brokers: &Brokers,
+    pipeline: &SourceContext,
+    file: &std::path::Path,
+    request: rewind::Request,
+    store: Option<&crate::store::Store>,
+) -> anyhow::Result<()> {
+    match &pipeline.source {
+        #[cfg(feature = "kafka")]
+        SourceSpec::Kafka(_) => kafka::rewind::run(&brokers.kafka, pipeline, request, store).await,
+        #[cfg(feature = "rocketmq")]
+        SourceSpec::RocketMq(_) => rocketmq::rewind::run(brokers.rocketmq.as_ref(), pipeline, file, request, store).await,
+        #[cfg(not(feature = "kafka"))]
+        SourceSpec::Kafka(_) => anyhow::bail!("{}: {}", file.display(), not_built("Kafka", "kafka")),
+        #[cfg(not(feature = "rocketmq"))]
+        SourceSpec::RocketMq(_) => anyhow::bail!("{}: {}", file.display(), not_built("RocketMQ", "rocketmq")),
+        SourceSpec::RabbitMq(_) => anyhow::bail!(
+            "{}: pipeline {:?} has a {} source: rewind moves a consumer group back; a queue has no positions to go \
+             back to (an acknowledged message has left it). Publish the messages again instead: the dedup store skips \
+             those already applied",
+            file.display(),
+            pipeline.name,
+            pipeline.source.kind()
+        ),
+    }
+}
+
 /// Why a broker this build leaves out cannot be used: `what` (the broker) and the cargo `feature` to build with.
 pub fn not_built(what: &str, feature: &str) -> String {
     format!("this idemflow was built without {what} (build it with `cargo build --release --features {feature}`, or with the default features)")

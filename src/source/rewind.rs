@@ -213,39 +213,6 @@ pub struct Request {
     pub timeout: Duration,
 }
 
-/// Rewinds `pipeline`'s group (and its stored positions in `store`, with `[offsets] store = "database"`), printing
-/// the plan, one line per partition or queue, and what happened.
-///
-/// Errors: the source has no positions (a queue), the group has members, a broker or store request failed; the
-/// message names the pipeline's file where it is about the pipeline.
-#[cfg_attr(not(all(feature = "kafka", feature = "rocketmq")), allow(unused_variables))]
-pub async fn run(
-    brokers: &super::Brokers,
-    pipeline: &super::SourceContext,
-    file: &std::path::Path,
-    request: Request,
-    store: Option<&crate::store::Store>,
-) -> anyhow::Result<()> {
-    match &pipeline.source {
-        #[cfg(feature = "kafka")]
-        super::spec::SourceSpec::Kafka(_) => super::kafka::rewind::run(&brokers.kafka, pipeline, request, store).await,
-        #[cfg(feature = "rocketmq")]
-        super::spec::SourceSpec::RocketMq(_) => super::rocketmq::rewind::run(brokers.rocketmq.as_ref(), pipeline, file, request, store).await,
-        #[cfg(not(feature = "kafka"))]
-        super::spec::SourceSpec::Kafka(_) => anyhow::bail!("{}: {}", file.display(), super::not_built("Kafka", "kafka")),
-        #[cfg(not(feature = "rocketmq"))]
-        super::spec::SourceSpec::RocketMq(_) => anyhow::bail!("{}: {}", file.display(), super::not_built("RocketMQ", "rocketmq")),
-        super::spec::SourceSpec::RabbitMq(_) => anyhow::bail!(
-            "{}: pipeline {:?} has a {} source: rewind moves a consumer group back; a queue has no positions to go \
-             back to (an acknowledged message has left it). Publish the messages again instead: the dedup store skips \
-             those already applied",
-            file.display(),
-            pipeline.name,
-            pipeline.source.kind()
-        ),
-    }
-}
-
 /// Prints a plan, whatever the broker: the group, then one line per partition (`unit` = "partition") or queue
 /// ("queue") with where it is, where it goes, its end and how many records it replays, then the plan's warnings.
 /// Returns how many records the plan replays.

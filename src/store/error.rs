@@ -12,23 +12,7 @@
 
 use crate::metrics::RetryCause;
 
-/// What to do about a failure.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Disposition {
-    /// Roll back and retry the whole batch after a backoff.
-    Retry(RetryCause),
-    /// The record being applied is at fault: isolate it and dead-letter it.
-    Record,
-    /// Stop the pipeline.
-    Fatal,
-    /// Some partitions of the batch belong to another worker now: drop their records and redo the rest.
-    Fenced,
-    /// The side effect's schema changed: build its statements again, prepare the records again, redo the batch.
-    Rebuild,
-    /// The store lost positions this worker had stored (Redis after a crash that lost its last writes): claim the
-    /// partitions again and consume them from the positions the store kept.
-    Resync,
-}
+pub use super::disposition::Disposition;
 
 /// Classifies a sqlx error (see the module table).
 pub fn classify(error: &sqlx::Error) -> Disposition {
@@ -76,7 +60,7 @@ pub fn describe(error: &sqlx::Error) -> String {
 /// control inside a transaction block, so there it never is.
 pub fn savepoint_gone(error: &sqlx::Error) -> bool {
     #[cfg(feature = "mysql")]
-    return crate::store::mysql::savepoint_gone(error);
+    return crate::store::mysql::error::savepoint_gone(error);
     #[cfg(not(feature = "mysql"))]
     {
         let _ = error;

@@ -17,6 +17,7 @@
 //!   transaction: the whole batch runs as one script ([`redis::batch`]), so it has no [`Tx`]; the sink runs the
 //!   same protocol through it (the sink's `Sink`).
 
+pub mod disposition;
 pub mod error;
 pub mod open;
 pub mod rows;
@@ -34,7 +35,7 @@ use crate::store::template::Dialect;
 use crate::field::Render;
 use crate::key::BusinessKey;
 use crate::offsets::{Claimed, NextOffsets, Positions, Processed};
-use crate::prepare::Apply;
+use crate::store::rows::Apply;
 use crate::record::Record;
 use crate::retention::PurgeOutcome;
 use crate::dead_letter::Stored;

@@ -54,3 +54,14 @@ impl From<ExplainedRow> for Explained {
         Explained { business_key, applied_at, topic, partition, offset, fingerprint, duplicates, last_duplicate_at }
     }
 }
+
+/// A record ready to claim and apply.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Apply {
+    /// The business key.
+    pub key: BusinessKey,
+    /// SHA-256 of the raw payload bytes: equal for a producer retry, different for another payload.
+    pub fingerprint: [u8; 32],
+    /// One value per binding of the sink, in binding order; `None` binds SQL NULL.
+    pub values: Vec<Option<String>>,
+}

@@ -10,7 +10,7 @@
 //! | a missing table or column, a syntax error, a permission refused, and anything else | 1146, 1054, 1064, 1142, 1143, 1044, 1045, ... | fatal: the pipeline stops |
 
 use crate::metrics::RetryCause;
-use crate::store::error::Disposition;
+use crate::store::disposition::Disposition;
 use sqlx::mysql::MySqlDatabaseError;
 
 /// Classifies a MySQL or MariaDB error by its number (see the module table).
@@ -36,6 +36,12 @@ pub fn classify_number(number: u16) -> Disposition {
 /// The error as the dead letters and logs show it: `MySQL error 1366 (22007): Incorrect decimal value: ...`.
 pub fn describe(error: &MySqlDatabaseError) -> String {
     format!("MySQL error {} ({}): {}", error.number(), error.code().unwrap_or("HY000"), error.message())
+}
+
+/// Whether `e` is MySQL's error 1305 for a savepoint: it no longer exists, because the transaction it belonged to
+/// ended.
+pub fn savepoint_gone(e: &sqlx::Error) -> bool {
+    matches!(e, sqlx::Error::Database(d) if d.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>().is_some_and(|m| m.number() == 1305))
 }
 
 #[cfg(test)]

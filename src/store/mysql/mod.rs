@@ -21,6 +21,7 @@
 pub mod dead_letter;
 pub mod dedup;
 pub mod error;
+pub use error::savepoint_gone;
 pub mod offsets;
 pub mod retention;
 pub mod side_effect;
@@ -160,12 +161,6 @@ pub async fn transaction_open(conn: &mut sqlx::MySqlConnection) -> Result<bool, 
         Err(e) if savepoint_gone(&e) => Ok(false),
         Err(e) => Err(e),
     }
-}
-
-/// Whether `e` is MySQL's error 1305 for a savepoint: it no longer exists, because the transaction it belonged to
-/// ended.
-pub fn savepoint_gone(e: &sqlx::Error) -> bool {
-    matches!(e, sqlx::Error::Database(d) if d.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>().is_some_and(|m| m.number() == 1305))
 }
 
 /// A pool that connects on first use; every connection gets the [`SESSION`] settings.

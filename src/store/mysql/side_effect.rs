@@ -28,7 +28,7 @@
 use super::marks;
 use crate::store::spec::{Binding, DeclaredType, OnConflict, SinkSpec, TimeSettings};
 use crate::field::Render;
-use crate::prepare::Apply;
+use crate::store::rows::Apply;
 use crate::store::template::{Part, Statement};
 use crate::store::PrepareError;
 use sqlx::{Executor as _, MySqlConnection};

@@ -9,7 +9,7 @@
 //! | class 42 (syntax error or access rule violation: the configured SQL or table is wrong), 0A, 3F, 28, and anything else | fatal: the pipeline stops |
 
 use crate::metrics::RetryCause;
-use crate::store::error::Disposition;
+use crate::store::disposition::Disposition;
 
 /// A sentence for the errors a transaction-pooling proxy causes when named prepared statements are used
 /// (SQLSTATE 42P05 duplicate prepared statement, 26000 invalid statement name); empty for every other error.

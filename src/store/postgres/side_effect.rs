@@ -42,7 +42,7 @@ use crate::store::template::Statement;
 use crate::store::PrepareError;
 use crate::store::spec::{Binding, OnConflict, SinkSpec, TimeSettings};
 use crate::field::Render;
-use crate::prepare::Apply;
+use crate::store::rows::Apply;
 use crate::rounding::Limit;
 use sqlx::{Connection, Executor, PgConnection, Row};
 use std::sync::atomic::{AtomicU64, Ordering};

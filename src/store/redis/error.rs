@@ -12,7 +12,7 @@
 //! that error, and the batch follows this table. Since Redis 7.0 an error inside a script keeps its code.
 
 use crate::metrics::RetryCause;
-use crate::store::error::Disposition;
+use crate::store::disposition::Disposition;
 
 /// The disposition of a Redis error.
 pub fn classify(e: &redis::RedisError) -> Disposition {

@@ -5,7 +5,7 @@ use super::numbers::{self, Number};
 use super::RedisStore;
 use crate::store::spec::{Binding, DeclaredType, SinkSpec};
 use crate::field::Render;
-use crate::prepare::Apply;
+use crate::store::rows::Apply;
 use crate::store::PrepareError;
 use redis::Value;
 

@@ -1,0 +1,22 @@
+//! What the worker does about a failure of the store: the dispositions every store maps its own codes into
+//! ([`crate::store::error`] has the table). A leaf: the stores' error modules and the sink share it.
+
+use crate::metrics::RetryCause;
+
+/// What to do about a failure.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Disposition {
+    /// Roll back and retry the whole batch after a backoff.
+    Retry(RetryCause),
+    /// The record being applied is at fault: isolate it and dead-letter it.
+    Record,
+    /// Stop the pipeline.
+    Fatal,
+    /// Some partitions of the batch belong to another worker now: drop their records and redo the rest.
+    Fenced,
+    /// The side effect's schema changed: build its statements again, prepare the records again, redo the batch.
+    Rebuild,
+    /// The store lost positions this worker had stored (Redis after a crash that lost its last writes): claim the
+    /// partitions again and consume them from the positions the store kept.
+    Resync,
+}
