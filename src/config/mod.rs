@@ -403,21 +403,13 @@ pub fn load_pipelines_in(dir: &Path, dialect: Dialect) -> Result<Vec<Pipeline>, 
 /// `[rabbitmq] url` for a RabbitMQ one. Errors name the pipeline's file and the missing section.
 pub fn check_sources(settings: &Settings, pipelines: &[Pipeline]) -> Result<(), Vec<PipelineError>> {
     let mut errors = Vec::new();
-    let brokers = settings.brokers();
+    let (brokers, stores) = (settings.brokers(), settings.stores());
     for p in pipelines {
         let missing = p.source.settings_missing(&brokers);
         if let Some(message) = missing {
             errors.push(dup_error(p, "source", message.to_owned()));
         }
-        let store = match p.sink.store() {
-            StoreKind::Database if settings.database.is_none() => Some(
-                "a SQL side effect (sink.table or sink.sql) needs [database] url in the settings (or IDEMFLOW_DATABASE__URL)",
-            ),
-            StoreKind::Redis if settings.redis.is_none() => {
-                Some("a Redis side effect (sink.redis) needs [redis] url in the settings (or IDEMFLOW_REDIS__URL)")
-            }
-            _ => None,
-        };
+        let store = stores.settings_missing(p.sink.store());
         if let Some(message) = store {
             errors.push(dup_error(p, "sink", message.to_owned()));
         }

@@ -56,6 +56,19 @@ pub fn needed(kinds: impl IntoIterator<Item = StoreKind>) -> Vec<StoreKind> {
 }
 
 impl Stores {
+    /// Why the settings of the store of `kind` are missing, if they are: the sentence `check` and `run` print.
+    pub fn settings_missing(&self, kind: StoreKind) -> Option<&'static str> {
+        match kind {
+            StoreKind::Database if self.database.is_none() => Some(
+                "a SQL side effect (sink.table or sink.sql) needs [database] url in the settings (or IDEMFLOW_DATABASE__URL)",
+            ),
+            StoreKind::Redis if self.redis.is_none() => {
+                Some("a Redis side effect (sink.redis) needs [redis] url in the settings (or IDEMFLOW_REDIS__URL)")
+            }
+            StoreKind::Database | StoreKind::Redis => None,
+        }
+    }
+
     /// Whether this build has the store of `kind` (its cargo feature; for the database, the driver its URL names).
     ///
     /// Errors: the store and the feature to build with ([`super::not_built`]).
