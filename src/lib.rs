@@ -156,6 +156,7 @@ pub mod sink;
 pub mod source;
 pub mod store;
 pub mod telemetry;
+pub mod validate;
 pub mod terminal;
 pub mod worker;
 

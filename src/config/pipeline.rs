@@ -8,6 +8,8 @@ use crate::field::FieldPath;
 use crate::key::{KeySource, KeySpec};
 use crate::store::template::{self, Dialect, Statement};
 use serde::Deserialize;
+use crate::source::spec::RawSource;
+use crate::validate::Problems as _;
 pub use crate::batch::{BatchSettings, DEFAULT_MAX_RECORDS, DEFAULT_MAX_WAIT, MAX_CONCURRENCY};
 pub use crate::dead_letter::DeadLetterSettings;
 pub use crate::offsets::OffsetStore;
@@ -177,40 +179,7 @@ struct RawPipeline {
     offsets: RawOffsets,
 }
 
-#[derive(Deserialize, Default)]
-#[serde(deny_unknown_fields)]
-struct RawSource {
-    kind: Option<String>,
-    topics: Option<Vec<String>>,
-    group_id: Option<String>,
-    queue: Option<String>,
-    queues: Option<Vec<String>>,
-    prefetch: Option<u32>,
-    queue_type: Option<QueueType>,
-    single_active_consumer: Option<bool>,
-    topic: Option<String>,
-    consumer_group: Option<String>,
-    tag_expression: Option<String>,
-}
 
-impl RawSource {
-    /// The `[source]` keys this file sets (`kind` aside), as the brokers' capabilities list them.
-    fn set_fields(&self) -> Vec<&'static str> {
-        let set = [
-            ("topics", self.topics.is_some()),
-            ("group_id", self.group_id.is_some()),
-            ("queue", self.queue.is_some()),
-            ("queues", self.queues.is_some()),
-            ("prefetch", self.prefetch.is_some()),
-            ("queue_type", self.queue_type.is_some()),
-            ("single_active_consumer", self.single_active_consumer.is_some()),
-            ("topic", self.topic.is_some()),
-            ("consumer_group", self.consumer_group.is_some()),
-            ("tag_expression", self.tag_expression.is_some()),
-        ];
-        set.into_iter().filter(|(_, set)| *set).map(|(f, _)| f).collect()
-    }
-}
 
 #[derive(Deserialize, Default)]
 #[serde(deny_unknown_fields)]
@@ -293,7 +262,7 @@ struct Errors<'a> {
     list: Vec<PipelineError>,
 }
 
-impl Errors<'_> {
+impl crate::validate::Problems for Errors<'_> {
     fn push(&mut self, field: &str, message: impl Into<String>) {
         self.list.push(PipelineError {
             file: self.file.to_owned(),
@@ -358,7 +327,7 @@ fn validate(raw: RawPipeline, path: &Path, stem: &str, dialect: Dialect, e: &mut
         e.push(field, format!("{name:?} must be 1 to 63 characters of a-z, 0-9, '_' or '-'"));
     }
     let max_records = raw.batch.max_records.unwrap_or(DEFAULT_MAX_RECORDS);
-    let source = validate_source(&raw, &name, max_records, e);
+    let source = crate::source::spec::parse(raw.source.as_ref(), raw.topics.as_ref(), raw.group_id.as_ref(), &name, max_records, e);
     let max_payload_bytes = raw.max_payload_bytes.unwrap_or(DEFAULT_MAX_PAYLOAD_BYTES);
     if max_payload_bytes == 0 {
         e.push("max_payload_bytes", "must be at least 1");
@@ -539,115 +508,6 @@ fn validate_dedup(raw: &RawDedup, e: &mut Errors<'_>) -> DedupSettings {
         e.push("dedup.purge_batch", "must be at least 1");
     }
     dedup
-}
-
-fn validate_source(raw: &RawPipeline, name: &str, max_records: usize, e: &mut Errors<'_>) -> Option<SourceSpec> {
-    let s = raw.source.as_ref();
-    let kind = s.and_then(|s| s.kind.as_deref()).unwrap_or("kafka");
-    let top_level = raw.topics.is_some() || raw.group_id.is_some();
-    if top_level && s.is_some_and(|s| s.topics.is_some() || s.group_id.is_some() || kind != "kafka") {
-        e.push("topics", "set the source in [source] or with the top-level topics and group_id, not both");
-        return None;
-    }
-    // A key of another broker's [source] is refused with that broker's name.
-    if let (Some(s), Some(mine)) = (s, crate::source::spec::by_kind(kind)) {
-        let set = s.set_fields();
-        for other in crate::source::spec::ALL.iter().filter(|c| c.kind != kind) {
-            for field in other.fields.iter().filter(|f| set.contains(f) && !mine.fields.contains(f)) {
-                e.push(&format!("source.{field}"), format!("belongs to a {} source, not to kind = {kind:?}", other.kind));
-            }
-        }
-    }
-    match kind {
-        "kafka" => {
-            let (topics, field) = match s.and_then(|s| s.topics.clone()) {
-                Some(t) => (t, "source.topics"),
-                None => (raw.topics.clone().unwrap_or_default(), "topics"),
-            };
-            if topics.is_empty() {
-                e.push(field, "at least one topic is required");
-            }
-            for (i, t) in topics.iter().enumerate() {
-                if t.is_empty() || t.len() > 249 || !t.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b)) {
-                    e.push(&format!("{field}[{i}]"), format!("{t:?} is not a valid Kafka topic name"));
-                }
-            }
-            let (group_id, field) = match s.and_then(|s| s.group_id.clone()) {
-                Some(g) => (g, "source.group_id"),
-                None => (raw.group_id.clone().unwrap_or_else(|| format!("idemflow-{name}")), "group_id"),
-            };
-            if group_id.is_empty() {
-                e.push(field, "must not be empty");
-            }
-            Some(SourceSpec::Kafka(KafkaSpec { topics, group_id }))
-        }
-        "rabbitmq" => {
-            let s = s.expect("kind comes from [source]");
-            let queues = match (&s.queue, &s.queues) {
-                (Some(q), None) => vec![q.clone()],
-                (None, Some(qs)) if !qs.is_empty() => qs.clone(),
-                _ => {
-                    e.push("source.queue", "set exactly one of queue or queues (a non-empty list)");
-                    return None;
-                }
-            };
-            for (i, q) in queues.iter().enumerate() {
-                // AMQP 0-9-1 queue names are short strings: at most 255 bytes. Names starting with "amq." are
-                // reserved for the broker.
-                if q.is_empty() || q.len() > 255 {
-                    e.push(&format!("source.queues[{i}]"), format!("{q:?} is not a RabbitMQ queue name (1 to 255 bytes)"));
-                }
-            }
-            let mut sorted = queues.clone();
-            sorted.sort();
-            sorted.dedup();
-            if sorted.len() != queues.len() {
-                e.push("source.queues", "lists a queue twice");
-            }
-            let default = (max_records.saturating_mul(2)).min(u16::MAX as usize) as u32;
-            let prefetch = s.prefetch.unwrap_or(default);
-            if prefetch > u32::from(u16::MAX) || prefetch == 0 {
-                e.push("source.prefetch", format!("{prefetch} is not between 1 and 65535 (basic.qos prefetch count)"));
-            } else if (prefetch as usize) < max_records {
-                e.push(
-                    "source.prefetch",
-                    format!("{prefetch} is below batch.max_records = {max_records}: the broker would stop sending before a batch fills"),
-                );
-            }
-            Some(SourceSpec::RabbitMq(RabbitMqSpec {
-                queues,
-                prefetch: prefetch.clamp(1, u32::from(u16::MAX)) as u16,
-                queue_type: s.queue_type,
-                single_active_consumer: s.single_active_consumer.unwrap_or(false),
-            }))
-        }
-        "rocketmq" => {
-            let s = s.expect("kind comes from [source]");
-            // RocketMQ topic and group names: at most 127 characters of [%|a-zA-Z0-9_-] (the brokers'
-            // TopicValidator); '/' never occurs, which positions rely on (see `record::Position`).
-            let valid = |n: &str| !n.is_empty() && n.len() <= 127 && n.bytes().all(|b| b.is_ascii_alphanumeric() || b"%|_-".contains(&b));
-            let Some(topic) = s.topic.clone() else {
-                e.push("source.topic", "a RocketMQ source needs its topic");
-                return None;
-            };
-            if !valid(&topic) {
-                e.push("source.topic", format!("{topic:?} is not a valid RocketMQ topic name (1 to 127 of a-z, A-Z, 0-9, %, |, _, -)"));
-            }
-            let consumer_group = s.consumer_group.clone().unwrap_or_else(|| format!("idemflow-{name}"));
-            if !valid(&consumer_group) || consumer_group == "DEFAULT_CONSUMER" {
-                e.push("source.consumer_group", format!("{consumer_group:?} is not a valid RocketMQ consumer group name"));
-            }
-            let tag_expression = s.tag_expression.clone().unwrap_or_else(|| "*".to_owned());
-            if tag_expression.trim().is_empty() {
-                e.push("source.tag_expression", "must not be empty: \"*\" consumes every tag");
-            }
-            Some(SourceSpec::RocketMq(RocketMqSpec { topic, consumer_group, tag_expression: tag_expression.trim().to_owned() }))
-        }
-        other => {
-            e.push("source.kind", format!("{other:?} is not a source kind: kafka, rabbitmq or rocketmq"));
-            None
-        }
-    }
 }
 
 fn path_or_error(text: &str, field: &str, e: &mut Errors<'_>) -> Option<FieldPath> {

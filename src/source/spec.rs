@@ -3,6 +3,9 @@
 use super::kafka::KafkaSpec;
 use super::rabbitmq::RabbitMqSpec;
 use super::rocketmq::RocketMqSpec;
+use super::rabbitmq::QueueType;
+use crate::validate::Problems;
+use serde::Deserialize;
 
 /// `[source]`: where a pipeline's records come from. `kind = "kafka"` is the default, and the top-level `topics`
 /// and `group_id` of earlier versions still mean a Kafka source.
@@ -145,5 +148,89 @@ impl SourceSpec {
             SourceSpec::RocketMq(_) => ("RocketMQ", "rocketmq", cfg!(feature = "rocketmq")),
         };
         if built { Ok(()) } else { Err(crate::source::not_built(what, feature)) }
+    }
+}
+
+/// `[source]` as written (`kind` and every broker's keys), before validation by the broker it names.
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct RawSource {
+    /// `kind`: `kafka` (the default), `rabbitmq` or `rocketmq`.
+    pub kind: Option<String>,
+    /// `topics`.
+    pub topics: Option<Vec<String>>,
+    /// `group_id`.
+    pub group_id: Option<String>,
+    /// `queue`.
+    pub queue: Option<String>,
+    /// `queues`.
+    pub queues: Option<Vec<String>>,
+    /// `prefetch`.
+    pub prefetch: Option<u32>,
+    /// `queue_type`.
+    pub queue_type: Option<QueueType>,
+    /// `single_active_consumer`.
+    pub single_active_consumer: Option<bool>,
+    /// `topic`.
+    pub topic: Option<String>,
+    /// `consumer_group`.
+    pub consumer_group: Option<String>,
+    /// `tag_expression`.
+    pub tag_expression: Option<String>,
+}
+
+impl RawSource {
+    /// The `[source]` keys this file sets (`kind` aside), as the brokers' capabilities list them.
+    pub fn set_fields(&self) -> Vec<&'static str> {
+        let set = [
+            ("topics", self.topics.is_some()),
+            ("group_id", self.group_id.is_some()),
+            ("queue", self.queue.is_some()),
+            ("queues", self.queues.is_some()),
+            ("prefetch", self.prefetch.is_some()),
+            ("queue_type", self.queue_type.is_some()),
+            ("single_active_consumer", self.single_active_consumer.is_some()),
+            ("topic", self.topic.is_some()),
+            ("consumer_group", self.consumer_group.is_some()),
+            ("tag_expression", self.tag_expression.is_some()),
+        ];
+        set.into_iter().filter(|(_, set)| *set).map(|(f, _)| f).collect()
+    }
+}
+
+/// A pipeline's source from its `[source]` (`s`, or none) and the top-level `topics` and `group_id` of earlier
+/// versions: the keys checked against the kind's ([`Capabilities::fields`]), then the broker's own rules. Every
+/// problem goes to `e`; `None` when the spec cannot be built.
+pub fn parse(
+    s: Option<&RawSource>,
+    legacy_topics: Option<&Vec<String>>,
+    legacy_group: Option<&String>,
+    name: &str,
+    max_records: usize,
+    e: &mut impl Problems,
+) -> Option<SourceSpec> {
+    let kind = s.and_then(|s| s.kind.as_deref()).unwrap_or("kafka");
+    let top_level = legacy_topics.is_some() || legacy_group.is_some();
+    if top_level && s.is_some_and(|s| s.topics.is_some() || s.group_id.is_some() || kind != "kafka") {
+        e.push("topics", "set the source in [source] or with the top-level topics and group_id, not both");
+        return None;
+    }
+    // A key of another broker's [source] is refused with that broker's name.
+    if let (Some(s), Some(mine)) = (s, by_kind(kind)) {
+        let set = s.set_fields();
+        for other in ALL.iter().filter(|c| c.kind != kind) {
+            for field in other.fields.iter().filter(|f| set.contains(f) && !mine.fields.contains(f)) {
+                e.push(&format!("source.{field}"), format!("belongs to a {} source, not to kind = {kind:?}", other.kind));
+            }
+        }
+    }
+    match kind {
+        "kafka" => super::kafka::parse(s, legacy_topics, legacy_group, name, e).map(SourceSpec::Kafka),
+        "rabbitmq" => super::rabbitmq::parse(s.expect("kind comes from [source]"), max_records, e).map(SourceSpec::RabbitMq),
+        "rocketmq" => super::rocketmq::parse(s.expect("kind comes from [source]"), name, e).map(SourceSpec::RocketMq),
+        other => {
+            e.push("source.kind", format!("{other:?} is not a source kind: kafka, rabbitmq or rocketmq"));
+            None
+        }
     }
 }

@@ -3,7 +3,7 @@
 //! `check`, rewind and dead-letter publisher.
 
 mod spec;
-pub use spec::{CAPABILITIES, KafkaSettings, KafkaSpec, PropertyValue};
+pub use spec::{parse, CAPABILITIES, KafkaSettings, KafkaSpec, PropertyValue};
 
 #[cfg(feature = "kafka")]
 mod consumer;

@@ -1,6 +1,7 @@
 //! Kafka's `[kafka]` settings and the `[source]` of a Kafka pipeline.
 
-use crate::source::spec::Capabilities;
+use crate::source::spec::{Capabilities, RawSource};
+use crate::validate::Problems;
 use serde::Deserialize;
 use std::collections::BTreeMap;
 use std::fmt;
@@ -89,3 +90,35 @@ pub const CAPABILITIES: Capabilities = Capabilities {
     bind_record_key: Ok(()),
     bind_partition: Ok(()),
 };
+
+/// The `[source]` of a Kafka pipeline named `name`: its topics and consumer group, from `[source]` (`s`) or from the
+/// top-level `topics` and `group_id` of earlier versions (`legacy_topics`, `legacy_group`). Every problem goes to
+/// `e`; `None` when the spec cannot be built.
+pub fn parse(
+    s: Option<&RawSource>,
+    legacy_topics: Option<&Vec<String>>,
+    legacy_group: Option<&String>,
+    name: &str,
+    e: &mut impl Problems,
+) -> Option<KafkaSpec> {
+    let (topics, field) = match s.and_then(|s| s.topics.clone()) {
+        Some(t) => (t, "source.topics"),
+        None => (legacy_topics.cloned().unwrap_or_default(), "topics"),
+    };
+    if topics.is_empty() {
+        e.push(field, "at least one topic is required");
+    }
+    for (i, t) in topics.iter().enumerate() {
+        if t.is_empty() || t.len() > 249 || !t.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b)) {
+            e.push(&format!("{field}[{i}]"), format!("{t:?} is not a valid Kafka topic name"));
+        }
+    }
+    let (group_id, field) = match s.and_then(|s| s.group_id.clone()) {
+        Some(g) => (g, "source.group_id"),
+        None => (legacy_group.cloned().unwrap_or_else(|| format!("idemflow-{name}")), "group_id"),
+    };
+    if group_id.is_empty() {
+        e.push(field, "must not be empty");
+    }
+    Some(KafkaSpec { topics, group_id })
+}

@@ -1,6 +1,7 @@
 //! RabbitMQ's `[rabbitmq]` settings and the `[source]` of a RabbitMQ pipeline.
 
-use crate::source::spec::Capabilities;
+use crate::source::spec::{Capabilities, RawSource};
+use crate::validate::Problems;
 use crate::secret::SecretUrl;
 use serde::Deserialize;
 use std::path::PathBuf;
@@ -98,3 +99,45 @@ pub const CAPABILITIES: Capabilities = Capabilities {
     bind_record_key: Err("a RabbitMQ message has no record key"),
     bind_partition: Err("a RabbitMQ message has no partition or offset (a delivery tag numbers deliveries on one channel only)"),
 };
+
+/// The `[source]` of a RabbitMQ pipeline (`s`), its prefetch defaulting from `max_records`. Every problem goes to
+/// `e`; `None` when the spec cannot be built.
+pub fn parse(s: &RawSource, max_records: usize, e: &mut impl Problems) -> Option<RabbitMqSpec> {
+    let queues = match (&s.queue, &s.queues) {
+        (Some(q), None) => vec![q.clone()],
+        (None, Some(qs)) if !qs.is_empty() => qs.clone(),
+        _ => {
+            e.push("source.queue", "set exactly one of queue or queues (a non-empty list)");
+            return None;
+        }
+    };
+    for (i, q) in queues.iter().enumerate() {
+        // AMQP 0-9-1 queue names are short strings: at most 255 bytes. Names starting with "amq." are
+        // reserved for the broker.
+        if q.is_empty() || q.len() > 255 {
+            e.push(&format!("source.queues[{i}]"), format!("{q:?} is not a RabbitMQ queue name (1 to 255 bytes)"));
+        }
+    }
+    let mut sorted = queues.clone();
+    sorted.sort();
+    sorted.dedup();
+    if sorted.len() != queues.len() {
+        e.push("source.queues", "lists a queue twice");
+    }
+    let default = (max_records.saturating_mul(2)).min(u16::MAX as usize) as u32;
+    let prefetch = s.prefetch.unwrap_or(default);
+    if prefetch > u32::from(u16::MAX) || prefetch == 0 {
+        e.push("source.prefetch", format!("{prefetch} is not between 1 and 65535 (basic.qos prefetch count)"));
+    } else if (prefetch as usize) < max_records {
+        e.push(
+            "source.prefetch",
+            format!("{prefetch} is below batch.max_records = {max_records}: the broker would stop sending before a batch fills"),
+        );
+    }
+    Some(RabbitMqSpec {
+        queues,
+        prefetch: prefetch.clamp(1, u32::from(u16::MAX)) as u16,
+        queue_type: s.queue_type,
+        single_active_consumer: s.single_active_consumer.unwrap_or(false),
+    })
+}

@@ -3,7 +3,7 @@
 //! `check`, rewind.
 
 mod spec;
-pub use spec::{CAPABILITIES, RocketMqSettings, RocketMqSpec};
+pub use spec::{parse, CAPABILITIES, RocketMqSettings, RocketMqSpec};
 
 #[cfg(feature = "rocketmq")]
 mod consumer;

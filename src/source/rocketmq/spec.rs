@@ -1,6 +1,7 @@
 //! RocketMQ's `[rocketmq]` settings and the `[source]` of a RocketMQ pipeline.
 
-use crate::source::spec::Capabilities;
+use crate::source::spec::{Capabilities, RawSource};
+use crate::validate::Problems;
 use crate::secret::Secret;
 use serde::Deserialize;
 use std::time::Duration;
@@ -57,3 +58,27 @@ pub const CAPABILITIES: Capabilities = Capabilities {
     bind_record_key: Err("a RocketMQ message has no record key: its KEYS are { property = \"keys\" }"),
     bind_partition: Ok(()),
 };
+
+/// The `[source]` of a RocketMQ pipeline named `name` (`s`). Every problem goes to `e`; `None` when the spec cannot
+/// be built.
+pub fn parse(s: &RawSource, name: &str, e: &mut impl Problems) -> Option<RocketMqSpec> {
+    // RocketMQ topic and group names: at most 127 characters of [%|a-zA-Z0-9_-] (the brokers'
+    // TopicValidator); '/' never occurs, which positions rely on (see `record::Position`).
+    let valid = |n: &str| !n.is_empty() && n.len() <= 127 && n.bytes().all(|b| b.is_ascii_alphanumeric() || b"%|_-".contains(&b));
+    let Some(topic) = s.topic.clone() else {
+        e.push("source.topic", "a RocketMQ source needs its topic");
+        return None;
+    };
+    if !valid(&topic) {
+        e.push("source.topic", format!("{topic:?} is not a valid RocketMQ topic name (1 to 127 of a-z, A-Z, 0-9, %, |, _, -)"));
+    }
+    let consumer_group = s.consumer_group.clone().unwrap_or_else(|| format!("idemflow-{name}"));
+    if !valid(&consumer_group) || consumer_group == "DEFAULT_CONSUMER" {
+        e.push("source.consumer_group", format!("{consumer_group:?} is not a valid RocketMQ consumer group name"));
+    }
+    let tag_expression = s.tag_expression.clone().unwrap_or_else(|| "*".to_owned());
+    if tag_expression.trim().is_empty() {
+        e.push("source.tag_expression", "must not be empty: \"*\" consumes every tag");
+    }
+    Some(RocketMqSpec { topic, consumer_group, tag_expression: tag_expression.trim().to_owned() })
+}
