@@ -341,28 +341,25 @@ fn validate(raw: RawPipeline, path: &Path, stem: &str, dialect: Dialect, e: &mut
     if time.zone.is_empty() || time.zone.len() > 64 || !time.zone.chars().all(zone_chars) {
         e.push("sink.time_zone", format!("{:?} is not a time zone name (like \"UTC\" or \"America/New_York\")", time.zone));
     }
-    let redis = raw.sink.redis.is_some();
+    let store = if raw.sink.redis.is_some() { StoreKind::Redis } else { StoreKind::Database };
+    let caps = store.capabilities();
     let positional = source.as_ref().is_some_and(SourceSpec::positional);
+    // A store that keeps the positions with its effects (Redis): what it loses (its last writes, with `appendfsync
+    // everysec`) it loses together, and the worker resumes from what it kept.
+    let keeps_positions = positional && caps.keeps_positions.is_err();
     let offsets = match raw.offsets.store {
-        // A Redis sink keeps the positions with its effects: what Redis loses (its last writes, with `appendfsync
-        // everysec`) it loses together, and the worker resumes from what it kept.
-        None if redis && positional => OffsetStore::Database,
+        None if keeps_positions => OffsetStore::Database,
         None => OffsetStore::Broker,
-        Some(OffsetStore::Broker) if redis && positional => {
-            e.push(
-                "offsets.store",
-                "a Redis sink keeps the consumed positions in Redis, written by the same script as the effects (\"database\", \
-                 the default): Redis can lose its last writes in a crash (appendfsync everysec), and positions committed to \
-                 Kafka would then skip the effects it lost. Remove the setting",
-            );
+        Some(OffsetStore::Broker) if keeps_positions => {
+            e.push("offsets.store", caps.keeps_positions.err().unwrap_or_default());
             OffsetStore::Broker
         }
         Some(store) => store,
     };
-    if redis {
+    if let Err(why) = caps.purge_settings {
         for (set, field) in [(raw.dedup.purge_interval.is_some(), "dedup.purge_interval"), (raw.dedup.purge_batch.is_some(), "dedup.purge_batch")] {
             if set {
-                e.push(field, "a Redis sink's dedup keys expire by themselves (their TTL is dedup.retention): there is nothing to purge");
+                e.push(field, why);
             }
         }
     }
@@ -377,12 +374,8 @@ fn validate(raw: RawPipeline, path: &Path, stem: &str, dialect: Dialect, e: &mut
     let concurrency = raw.batch.concurrency.unwrap_or(1);
     if !(1..=MAX_CONCURRENCY).contains(&concurrency) {
         e.push("batch.concurrency", format!("must be from 1 to {MAX_CONCURRENCY}"));
-    } else if concurrency > 1 && matches!(sink, Some(SinkSpec::Redis { .. })) {
-        e.push(
-            "batch.concurrency",
-            "more than 1 is not supported with a Redis sink yet (its stored positions are checked per consumer): \
-             run more workers instead",
-        );
+    } else if let (true, Err(why)) = (concurrency > 1, caps.lanes) {
+        e.push("batch.concurrency", why);
     } else if let (true, Some(Err(why))) = (concurrency > 1, source.as_ref().map(|s| s.capabilities().lanes)) {
         e.push("batch.concurrency", why);
     }
@@ -390,13 +383,8 @@ fn validate(raw: RawPipeline, path: &Path, stem: &str, dialect: Dialect, e: &mut
     if let Some(source) = &source {
         check_capabilities(source, &raw.key, raw.offsets.store, &dead_letters, e);
     }
-    if redis && positional && dead_letters.topic.is_some() {
-        e.push(
-            "dead_letters.topic",
-            "a Redis sink keeps its dead letters in a Redis stream (<key_prefix>dead-letters), written by the batch's \
-             script; its positions are stored with them, so a dead letter not yet produced to a topic after a crash \
-             would never be",
-        );
+    if let (true, true, Err(why)) = (positional, dead_letters.topic.is_some(), caps.dead_letter_topic) {
+        e.push("dead_letters.topic", why);
     } else if offsets == OffsetStore::Database && dead_letters.topic.is_some() {
         e.push(
             "offsets.store",

@@ -24,7 +24,7 @@ pub mod rows;
 pub mod spec;
 pub mod template;
 
-pub use open::{Stores, Tenant};
+pub use open::{StoreCapabilities, Stores, Tenant};
 #[cfg(feature = "mysql")]
 pub mod mysql;
 pub mod postgres;

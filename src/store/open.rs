@@ -28,7 +28,51 @@ pub struct Tenant {
     pub has_positions: bool,
 }
 
+/// What a store asks of the pipelines writing to it, asked by the configuration's checks instead of which store it
+/// is. Each `Err` holds the reason given to a pipeline that asks otherwise.
+#[derive(Debug)]
+pub struct StoreCapabilities {
+    /// The store keeps a positional source's positions itself, written with the effects by the same step (Redis,
+    /// whose last writes can be lost together with the positions): `[offsets] store` defaults to `"database"`, and
+    /// `"broker"` is refused with this reason.
+    pub keeps_positions: Result<(), &'static str>,
+    /// `[dedup] purge_interval` and `purge_batch` (a store whose dedup keys expire by themselves has none).
+    pub purge_settings: Result<(), &'static str>,
+    /// `batch.concurrency` above 1.
+    pub lanes: Result<(), &'static str>,
+    /// `[dead_letters] topic` for a positional source.
+    pub dead_letter_topic: Result<(), &'static str>,
+}
+
+const DATABASE: StoreCapabilities = StoreCapabilities { keeps_positions: Ok(()), purge_settings: Ok(()), lanes: Ok(()), dead_letter_topic: Ok(()) };
+
+const REDIS: StoreCapabilities = StoreCapabilities {
+    keeps_positions: Err(
+        "a Redis sink keeps the consumed positions in Redis, written by the same script as the effects (\"database\", \
+         the default): Redis can lose its last writes in a crash (appendfsync everysec), and positions committed to \
+         Kafka would then skip the effects it lost. Remove the setting",
+    ),
+    purge_settings: Err("a Redis sink's dedup keys expire by themselves (their TTL is dedup.retention): there is nothing to purge"),
+    lanes: Err(
+        "more than 1 is not supported with a Redis sink yet (its stored positions are checked per consumer): \
+         run more workers instead",
+    ),
+    dead_letter_topic: Err(
+        "a Redis sink keeps its dead letters in a Redis stream (<key_prefix>dead-letters), written by the batch's \
+         script; its positions are stored with them, so a dead letter not yet produced to a topic after a crash \
+         would never be",
+    ),
+};
+
 impl StoreKind {
+    /// What the store asks of its pipelines ([`StoreCapabilities`]).
+    pub fn capabilities(self) -> &'static StoreCapabilities {
+        match self {
+            StoreKind::Database => &DATABASE,
+            StoreKind::Redis => &REDIS,
+        }
+    }
+
     /// Every store kind, the database first (the order `check` and `run` open them in).
     pub const ALL: [StoreKind; 2] = [StoreKind::Database, StoreKind::Redis];
 
