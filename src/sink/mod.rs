@@ -11,6 +11,8 @@ pub use crate::dead_letter;
 pub mod dedup;
 pub mod error;
 pub use crate::store::template;
+#[cfg(feature = "redis")]
+mod script;
 pub mod transaction;
 
 pub use error::{Disposition, SinkError};

@@ -30,10 +30,6 @@ use crate::offsets::{NextOffsets, Positions, Processed};
 use crate::prepare::{Apply, Prepared};
 use crate::record::Record;
 use crate::dead_letter::DeadLettered;
-#[cfg(feature = "redis")]
-use crate::store::redis::batch::{Item, ItemResult, Refused};
-#[cfg(feature = "redis")]
-use crate::store::redis::RedisStore;
 use crate::store::{SideEffect, Store, Tx};
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
@@ -41,12 +37,12 @@ use std::time::Duration;
 /// The sink of one pipeline.
 #[derive(Clone, Debug)]
 pub struct Sink {
-    pipeline: String,
-    store: Store,
-    side_effect: SideEffect,
+    pub(super) pipeline: String,
+    pub(super) store: Store,
+    pub(super) side_effect: SideEffect,
     /// How long dedup keys are kept (Redis: their TTL).
     #[cfg_attr(not(feature = "redis"), allow(dead_code))]
-    retention: Duration,
+    pub(super) retention: Duration,
 }
 
 /// What a committed batch did.
@@ -62,7 +58,7 @@ pub struct BatchOutcome {
 }
 
 /// The fate of one record inside an attempt, before commit.
-enum Fate {
+pub(super) enum Fate {
     Applied,
     Duplicate(DuplicateReason),
     DeadLetter(DeadLetterReason, String),
@@ -146,7 +142,7 @@ impl Sink {
     ) -> Result<BatchOutcome, SinkError> {
         #[cfg(feature = "redis")]
         if let Store::Redis(redis) = &self.store {
-            return self.run_script(redis, records, prepared, positions, guard, replaying).await;
+            return super::script::run(self, redis, records, prepared, positions, guard, replaying).await;
         }
         let (mut tx, processed) = self.begin_replaying(records, replaying, positions).await?;
         let fates = match self.fast_path(&mut tx, records, prepared, &processed).await {
@@ -214,7 +210,7 @@ impl Sink {
         Ok(BatchOutcome { counts, dead_letters, script_round_trip: None })
     }
 
-    fn log_dead_letters(&self, records: &[Record], dead_letters: &[DeadLettered]) {
+    pub(super) fn log_dead_letters(&self, records: &[Record], dead_letters: &[DeadLettered]) {
         for d in dead_letters.iter().filter(|d| d.new) {
             let p = &records[d.index].position;
             tracing::warn!(
@@ -224,99 +220,7 @@ impl Sink {
         }
     }
 
-    /// The batch as one Redis script (see the module documentation).
-    #[cfg(feature = "redis")]
-    async fn run_script(
-        &self,
-        redis: &RedisStore,
-        records: &[Record],
-        prepared: &[Prepared],
-        positions: Option<&Positions>,
-        guard: impl Fn(&BatchCounts) -> Result<(), SinkError>,
-        replaying: &[i64],
-    ) -> Result<BatchOutcome, SinkError> {
-        let SideEffect::Redis(side_effect) = &self.side_effect else { unreachable!("a Redis sink has a Redis side effect") };
-        // A replayed dead letter does not run again the commands that took effect when it failed.
-        let mut skip = None;
-        if let Some(id) = replaying.first() {
-            let stored = redis.dead_letter(*id).await.map_err(|e| SinkError::redis("reading the replayed dead letter", e))?;
-            skip = Some(stored.and_then(|d| d.commands_done).unwrap_or(0));
-        }
-        let mut fates: Vec<Option<Fate>> = Vec::with_capacity(records.len());
-        let mut rendered: Vec<Option<Result<Vec<String>, String>>> = Vec::with_capacity(records.len());
-        for p in prepared {
-            let (fate, commands) = match p {
-                Prepared::Tombstone => (Some(Fate::Tombstone), None),
-                Prepared::DeadLetter(d) => (Some(Fate::DeadLetter(d.reason, d.error.clone())), None),
-                Prepared::Apply(a) => match side_effect.render(a) {
-                    Ok(c) => (None, Some(Ok(c))),
-                    Err(why) => (Some(Fate::DeadLetter(DeadLetterReason::ParamInvalid, why)), None),
-                },
-            };
-            fates.push(fate);
-            rendered.push(commands);
-        }
-        let mut before = BatchCounts { received: records.len() as u64, ..BatchCounts::default() };
-        for f in fates.iter().flatten() {
-            if let Fate::DeadLetter(reason, _) = f {
-                before.dead_letter(*reason);
-            }
-        }
-        guard(&before)?;
-        let mut items = Vec::new();
-        let mut sent = Vec::new();
-        for (i, (record, fate)) in records.iter().zip(&fates).enumerate() {
-            let item = match (fate, &prepared[i], rendered[i].take()) {
-                (Some(Fate::DeadLetter(reason, error)), _, _) => Item::DeadLetter { record, reason: *reason, error, replayed: skip.is_some() },
-                (None, Prepared::Apply(a), Some(Ok(values))) => {
-                    Item::Apply { record, digest: a.key.digest, fingerprint: a.fingerprint, values, replay_skip: skip }
-                }
-                _ => continue,
-            };
-            items.push(item);
-            sent.push(i);
-        }
-        let ran = match redis.run_batch(&self.pipeline, self.retention, positions, replaying, &side_effect.template(), &items).await {
-            Ok(ran) => ran,
-            Err(Refused::Redis(e)) => return Err(SinkError::redis("running the batch script", e)),
-            Err(Refused::Fenced(partitions)) => return Err(SinkError::Fenced { partitions }),
-            Err(Refused::Lost(partitions)) => return Err(SinkError::Lost { partitions }),
-            Err(Refused::Replayed(id)) => return Err(SinkError::Replayed(id)),
-            Err(Refused::Unexpected(why)) => return Err(SinkError::Schema(why)),
-        };
-        let mut counts = BatchCounts { received: records.len() as u64, ..BatchCounts::default() };
-        let mut dead_letters = Vec::new();
-        let mut results = sent.iter().copied().zip(ran.results);
-        let mut next = results.next();
-        for (index, (record, fate)) in records.iter().zip(fates).enumerate() {
-            let result = match &next {
-                Some((at, _)) if *at == index => next.take().map(|(_, r)| r),
-                _ => None,
-            };
-            if result.is_some() {
-                next = results.next();
-            }
-            match (fate, result) {
-                (Some(Fate::Tombstone), _) => counts.tombstones += 1,
-                (_, Some(ItemResult::Applied)) => counts.applied += 1,
-                (_, Some(ItemResult::Duplicate(existing))) => {
-                    let Prepared::Apply(a) = &prepared[index] else { unreachable!("only records to apply are claimed") };
-                    counts.duplicate(self.duplicate(&a.key, &existing, record, &a.fingerprint, &ran.marks));
-                }
-                (_, Some(ItemResult::Failed { new, error, .. })) => {
-                    self.tally_dead_letter(&mut counts, &mut dead_letters, index, DeadLetterReason::SideEffectRejected, error, new);
-                }
-                (Some(Fate::DeadLetter(reason, error)), Some(ItemResult::DeadLettered(new))) => {
-                    self.tally_dead_letter(&mut counts, &mut dead_letters, index, reason, error, new)
-                }
-                (fate, result) => unreachable!("record {index}: {:?} answered {result:?}", fate.is_some()),
-            }
-        }
-        self.log_dead_letters(records, &dead_letters);
-        Ok(BatchOutcome { counts, dead_letters, script_round_trip: Some(ran.round_trip) })
-    }
-
-    fn tally_dead_letter(
+    pub(super) fn tally_dead_letter(
         &self,
         counts: &mut BatchCounts,
         dead_letters: &mut Vec<DeadLettered>,
@@ -487,7 +391,7 @@ impl Sink {
         Ok(fates)
     }
 
-    fn duplicate(
+    pub(super) fn duplicate(
         &self,
         key: &BusinessKey,
         against: &Existing,

@@ -1,0 +1,106 @@
+//! A batch on Redis: one Lua script that Redis runs atomically ([`crate::store::redis::batch`]) takes the place of
+//! the SQL transaction, with the same steps in the same order (positions fenced, keys claimed, the effect for new
+//! keys only, dead letters, positions stored), and its answer is counted and classified by the same rules as the
+//! SQL path ([`super::transaction`]).
+
+use super::error::SinkError;
+use super::transaction::{BatchOutcome, Fate, Sink};
+use crate::metrics::{BatchCounts, DeadLetterReason};
+use crate::offsets::Positions;
+use crate::prepare::Prepared;
+use crate::record::Record;
+use crate::store::redis::batch::{Item, ItemResult, Refused};
+use crate::store::redis::RedisStore;
+use crate::store::SideEffect;
+
+/// The batch as one Redis script (see [`super::transaction`]): the same steps as the SQL transaction, in the same
+/// order, run by Redis atomically; what it answers is classified as the SQL path classifies.
+pub(super) async fn run(
+    sink: &Sink,
+    redis: &RedisStore,
+    records: &[Record],
+    prepared: &[Prepared],
+    positions: Option<&Positions>,
+    guard: impl Fn(&BatchCounts) -> Result<(), SinkError>,
+    replaying: &[i64],
+) -> Result<BatchOutcome, SinkError> {
+    let SideEffect::Redis(side_effect) = &sink.side_effect else { unreachable!("a Redis sink has a Redis side effect") };
+    // A replayed dead letter does not run again the commands that took effect when it failed.
+    let mut skip = None;
+    if let Some(id) = replaying.first() {
+        let stored = redis.dead_letter(*id).await.map_err(|e| SinkError::redis("reading the replayed dead letter", e))?;
+        skip = Some(stored.and_then(|d| d.commands_done).unwrap_or(0));
+    }
+    let mut fates: Vec<Option<Fate>> = Vec::with_capacity(records.len());
+    let mut rendered: Vec<Option<Result<Vec<String>, String>>> = Vec::with_capacity(records.len());
+    for p in prepared {
+        let (fate, commands) = match p {
+            Prepared::Tombstone => (Some(Fate::Tombstone), None),
+            Prepared::DeadLetter(d) => (Some(Fate::DeadLetter(d.reason, d.error.clone())), None),
+            Prepared::Apply(a) => match side_effect.render(a) {
+                Ok(c) => (None, Some(Ok(c))),
+                Err(why) => (Some(Fate::DeadLetter(DeadLetterReason::ParamInvalid, why)), None),
+            },
+        };
+        fates.push(fate);
+        rendered.push(commands);
+    }
+    let mut before = BatchCounts { received: records.len() as u64, ..BatchCounts::default() };
+    for f in fates.iter().flatten() {
+        if let Fate::DeadLetter(reason, _) = f {
+            before.dead_letter(*reason);
+        }
+    }
+    guard(&before)?;
+    let mut items = Vec::new();
+    let mut sent = Vec::new();
+    for (i, (record, fate)) in records.iter().zip(&fates).enumerate() {
+        let item = match (fate, &prepared[i], rendered[i].take()) {
+            (Some(Fate::DeadLetter(reason, error)), _, _) => Item::DeadLetter { record, reason: *reason, error, replayed: skip.is_some() },
+            (None, Prepared::Apply(a), Some(Ok(values))) => {
+                Item::Apply { record, digest: a.key.digest, fingerprint: a.fingerprint, values, replay_skip: skip }
+            }
+            _ => continue,
+        };
+        items.push(item);
+        sent.push(i);
+    }
+    let ran = match redis.run_batch(&sink.pipeline, sink.retention, positions, replaying, &side_effect.template(), &items).await {
+        Ok(ran) => ran,
+        Err(Refused::Redis(e)) => return Err(SinkError::redis("running the batch script", e)),
+        Err(Refused::Fenced(partitions)) => return Err(SinkError::Fenced { partitions }),
+        Err(Refused::Lost(partitions)) => return Err(SinkError::Lost { partitions }),
+        Err(Refused::Replayed(id)) => return Err(SinkError::Replayed(id)),
+        Err(Refused::Unexpected(why)) => return Err(SinkError::Schema(why)),
+    };
+    let mut counts = BatchCounts { received: records.len() as u64, ..BatchCounts::default() };
+    let mut dead_letters = Vec::new();
+    let mut results = sent.iter().copied().zip(ran.results);
+    let mut next = results.next();
+    for (index, (record, fate)) in records.iter().zip(fates).enumerate() {
+        let result = match &next {
+            Some((at, _)) if *at == index => next.take().map(|(_, r)| r),
+            _ => None,
+        };
+        if result.is_some() {
+            next = results.next();
+        }
+        match (fate, result) {
+            (Some(Fate::Tombstone), _) => counts.tombstones += 1,
+            (_, Some(ItemResult::Applied)) => counts.applied += 1,
+            (_, Some(ItemResult::Duplicate(existing))) => {
+                let Prepared::Apply(a) = &prepared[index] else { unreachable!("only records to apply are claimed") };
+                counts.duplicate(sink.duplicate(&a.key, &existing, record, &a.fingerprint, &ran.marks));
+            }
+            (_, Some(ItemResult::Failed { new, error, .. })) => {
+                sink.tally_dead_letter(&mut counts, &mut dead_letters, index, DeadLetterReason::SideEffectRejected, error, new);
+            }
+            (Some(Fate::DeadLetter(reason, error)), Some(ItemResult::DeadLettered(new))) => {
+                sink.tally_dead_letter(&mut counts, &mut dead_letters, index, reason, error, new)
+            }
+            (fate, result) => unreachable!("record {index}: {:?} answered {result:?}", fate.is_some()),
+        }
+    }
+    sink.log_dead_letters(records, &dead_letters);
+    Ok(BatchOutcome { counts, dead_letters, script_round_trip: Some(ran.round_trip) })
+}
