@@ -4,7 +4,7 @@
 //! SQL path ([`super::transaction`]).
 
 use super::error::SinkError;
-use super::transaction::{BatchOutcome, Fate, Sink};
+use super::{BatchOutcome, Fate, Sink};
 use crate::metrics::{BatchCounts, DeadLetterReason};
 use crate::offsets::Positions;
 use crate::prepare::Prepared;
