@@ -61,7 +61,7 @@
 //!   dead-letter publisher).
 //!
 //! Then one variant in each closed enum the compiler lists: [`source::Source`], [`source::spec::SourceSpec`]
-//! (with [`source::spec::SourceSpec::built`]), the arms of [`source::check`] and [`source::rewind::run`], the field
+//! (with [`source::spec::SourceSpec::built`]), the arms of [`source::check`] and [`source::rewind_group`], the field
 //! of [`source::Brokers`] and of the settings, the raw `[source]` fields and their validation in
 //! `config/pipeline.rs`, a feature in `Cargo.toml`, and its row of the guarantee matrix (`tests/it/matrix.rs`:
 //! publish, and the settings section). A store is the same under `src/store/<store>/`: its settings and `[sink]`

@@ -1,5 +1,5 @@
 //! The rows the batch protocol reads and writes in every store: a key claim, the dedup row found for a key
-//! already claimed (classified by [`crate::store::rows::classify`]), and what `idemflow explain` shows.
+//! already claimed (classified by the sink, `sink::dedup::classify`), and what `idemflow explain` shows.
 
 use crate::key::BusinessKey;
 use crate::record::Position;
