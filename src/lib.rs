@@ -53,21 +53,25 @@
 //!
 //! A broker is one folder, `src/source/<broker>/`:
 //!
-//! - `mod.rs`: the folder's map; `spec.rs` (always built): its `[<broker>]` settings and its `[source]` spec, the
-//!   types `config` reads the TOML into;
+//! - `mod.rs`: the folder's map; `spec.rs` (always built): its `[<broker>]` settings, its `[source]` spec with
+//!   `parse` (the raw `[source]` keys to the spec, by the broker's own rules) and its `CAPABILITIES` (what it can
+//!   do, asked by the configuration's checks instead of its name);
 //! - behind its cargo feature: `consumer.rs` (the runtime the worker drives: batches, `pause_for`, `commit`,
 //!   `drop_revoked`, and `positions`/`lose`/`resync` where it has positions; record conversion; `check`), and where
 //!   it has them `rewind.rs` (its half of `idemflow rewind`, with [`source::rewind`]) and `dead_letters.rs` (its
 //!   dead-letter publisher).
 //!
 //! Then one variant in each closed enum the compiler lists: [`source::Source`], [`source::spec::SourceSpec`]
-//! (with [`source::spec::SourceSpec::built`]), the arms of [`source::check`] and [`source::rewind_group`], the field
-//! of [`source::Brokers`] and of the settings, the raw `[source]` fields and their validation in
-//! `config/pipeline.rs`, a feature in `Cargo.toml`, and its row of the guarantee matrix (`tests/it/matrix.rs`:
-//! publish, and the settings section). A store is the same under `src/store/<store>/`: its settings and `[sink]`
-//! form in [`store::spec`], one variant of [`store::Store`], [`store::SideEffect`] and [`store::Tx`] (or a batch as
-//! one script, as Redis), its error codes mapped into [`store::error::Disposition`], its arms in [`store::open`],
-//! and its column of the matrix (how its state is read).
+//! (with [`source::spec::SourceSpec::built`]), [`source::spec::ALL`], the arms of [`source::spec::parse`],
+//! [`source::check`] and [`source::rewind_group`], its keys in [`source::spec::RawSource`], the field of
+//! [`source::Brokers`] and of the settings, a feature in `Cargo.toml`, and its row of the guarantee matrix
+//! (`tests/it/matrix.rs`: how to publish, and the settings section).
+//!
+//! A store is the same under `src/store/<store>/`: its settings and `[sink]` form in [`store::spec`], one variant
+//! of [`store::Store`], [`store::SideEffect`] and [`store::Tx`] (or a batch as one script, as Redis:
+//! `sink/script.rs`), its error codes mapped into [`store::disposition::Disposition`], its arms in [`store::open`]
+//! with its [`store::StoreCapabilities`], a feature in `Cargo.toml`, and its column of the matrix (how its state is
+//! read).
 //!
 //! # Why a crash can neither lose a record nor apply it twice
 //!

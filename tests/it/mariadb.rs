@@ -133,22 +133,26 @@ async fn connections_killed_mid_run() {
     let w = BinWorker::start(&setup);
     let database: String = db.scalar("SELECT DATABASE()").await;
     let mut killed = 0;
+    // One connection of the test's own for the killing: `ID <> CONNECTION_ID()` spares only the connection asking, so
+    // the pool's other connections would be killed under the test's feet.
+    let mut own = db.pool.acquire().await.unwrap();
     let deadline = Instant::now() + Duration::from_secs(120);
     while kafka.committed("idemflow-payments", "payments", 3) != kafka.end_offsets("payments", 3) && Instant::now() < deadline {
         let ids: Vec<i64> = sqlx::query_scalar(
             "SELECT CAST(ID AS SIGNED) FROM information_schema.PROCESSLIST WHERE DB = ? AND ID <> CONNECTION_ID()",
         )
         .bind(&database)
-        .fetch_all(&db.pool)
+        .fetch_all(&mut *own)
         .await
         .unwrap();
         for id in ids {
-            if sqlx::query(&format!("KILL CONNECTION {id}")).execute(&db.pool).await.is_ok() {
+            if sqlx::query(&format!("KILL CONNECTION {id}")).execute(&mut *own).await.is_ok() {
                 killed += 1;
             }
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    drop(own);
     assert!(killed > 3, "killed only {killed} connections");
     wait_all_durable(&db, &kafka, 3, &s, &[&w]).await;
     assert_exactly_once(&db, &s).await;
