@@ -180,7 +180,11 @@ impl Stores {
     /// (`database: ...`).
     pub async fn open(&self, kind: StoreKind) -> Result<Store, String> {
         self.reachable(kind).await?;
-        let store = self.behind_pgbouncer().await.pool(kind)?;
+        // Only the database can be behind PgBouncer: opening Redis asks nothing of it.
+        let store = match kind {
+            StoreKind::Database => self.behind_pgbouncer().await.pool(kind)?,
+            StoreKind::Redis => self.pool(kind)?,
+        };
         store.check_schema().await.map_err(|why| format!("{}: {why}", kind.name()))?;
         Ok(store)
     }
