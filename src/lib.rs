@@ -68,7 +68,7 @@
 //! (`tests/it/matrix.rs`: how to publish, and the settings section).
 //!
 //! A store is the same under `src/store/<store>/`: its settings and `[sink]` form in [`store::spec`], one variant
-//! of [`store::Store`], [`store::SideEffect`] and [`store::Tx`] (or a batch as one script, as Redis:
+//! of [`store::Store`], [`store::SqlSideEffect`] and [`store::Tx`] (or of [`store::SideEffect`] for a batch as one script, as Redis:
 //! `sink/script.rs`), its error codes mapped into [`store::disposition::Disposition`], its arms in [`store::open`]
 //! with its [`store::StoreCapabilities`], a feature in `Cargo.toml`, and its column of the matrix (how its state is
 //! read).

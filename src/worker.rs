@@ -67,7 +67,7 @@ impl Ready {
             pipeline: p.clone(),
             preparer: Preparer::new(p, bindings).with_max_record_bytes(side_effect.max_record_bytes()),
             notes: side_effect.notes(),
-            sink: Sink::new(p.name.clone(), store.clone(), side_effect, p.dedup.retention),
+            sink: Sink::new(p.name.clone(), side_effect, p.dedup.retention),
             store: store.clone(),
         })
     }

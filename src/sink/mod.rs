@@ -24,14 +24,14 @@ use crate::offsets::{Positions, Processed};
 use crate::prepare::Prepared;
 use crate::record::Record;
 use crate::store::rows::Existing;
-use crate::store::{SideEffect, Store};
+use crate::store::SideEffect;
 use std::time::Duration;
 
 /// The sink of one pipeline.
 #[derive(Clone, Debug)]
 pub struct Sink {
     pub(super) pipeline: String,
-    pub(super) store: Store,
+    /// The side effect, bound to the store that runs it.
     pub(super) side_effect: SideEffect,
     /// How long dedup keys are kept (Redis: their TTL).
     #[cfg_attr(not(feature = "redis"), allow(dead_code))]
@@ -59,10 +59,10 @@ pub(super) enum Fate {
 }
 
 impl Sink {
-    /// A sink writing to `store` for `pipeline`, keeping dedup keys for `retention` (Redis; the databases purge
-    /// theirs in [`crate::retention`]).
-    pub fn new(pipeline: String, store: Store, side_effect: SideEffect, retention: Duration) -> Self {
-        Sink { pipeline, store, side_effect, retention }
+    /// A sink running `side_effect` (built by its store, [`crate::store::Store::prepare_side_effect`]) for
+    /// `pipeline`, keeping dedup keys for `retention` (Redis; the databases purge theirs in [`crate::retention`]).
+    pub fn new(pipeline: String, side_effect: SideEffect, retention: Duration) -> Self {
+        Sink { pipeline, side_effect, retention }
     }
 
     /// Runs one batch in one transaction. `prepared[i]` belongs to `records[i]`. `positions`, with
@@ -157,10 +157,10 @@ impl Sink {
         guard: impl Fn(&BatchCounts) -> Result<(), SinkError>,
         replaying: &[i64],
     ) -> Result<BatchOutcome, SinkError> {
-        #[cfg(feature = "redis")]
-        if let Store::Redis(redis) = &self.store {
-            return script::run(self, redis, records, prepared, positions, guard, replaying).await;
+        match &self.side_effect {
+            SideEffect::Sql(sql) => self.run_sql(sql, records, prepared, positions, guard, replaying).await,
+            #[cfg(feature = "redis")]
+            SideEffect::Script(redis, commands) => script::run(self, redis, commands, records, prepared, positions, guard, replaying).await,
         }
-        self.run_sql(records, prepared, positions, guard, replaying).await
     }
 }

@@ -11,20 +11,20 @@ use crate::prepare::Prepared;
 use crate::record::Record;
 use crate::store::redis::batch::{Item, ItemResult, Refused};
 use crate::store::redis::RedisStore;
-use crate::store::SideEffect;
+use crate::store::redis::side_effect::SideEffect;
 
 /// The batch as one Redis script (see [`super::transaction`]): the same steps as the SQL transaction, in the same
 /// order, run by Redis atomically; what it answers is classified as the SQL path classifies.
 pub(super) async fn run(
     sink: &Sink,
     redis: &RedisStore,
+    side_effect: &SideEffect,
     records: &[Record],
     prepared: &[Prepared],
     positions: Option<&Positions>,
     guard: impl Fn(&BatchCounts) -> Result<(), SinkError>,
     replaying: &[i64],
 ) -> Result<BatchOutcome, SinkError> {
-    let SideEffect::Redis(side_effect) = &sink.side_effect else { unreachable!("a Redis sink has a Redis side effect") };
     // A replayed dead letter does not run again the commands that took effect when it failed.
     let mut skip = None;
     if let Some(id) = replaying.first() {

@@ -29,19 +29,20 @@ use crate::offsets::{NextOffsets, Positions, Processed};
 use crate::prepare::{Apply, Prepared};
 use crate::record::Record;
 use super::{BatchOutcome, Fate, Sink};
-use crate::store::Tx;
+use crate::store::{SqlSideEffect, Tx};
 use std::collections::{HashMap, HashSet};
 
 impl Sink {
     /// Opens the batch transaction; returns it with the processed marks as they were before this batch (none
     /// when replaying dead letters, whose positions are old by definition).
-    async fn begin_replaying(
+    async fn begin_replaying<'a>(
         &self,
+        side_effect: &'a SqlSideEffect,
         records: &[Record],
         replaying: &[i64],
         positions: Option<&Positions>,
-    ) -> Result<(Tx, Processed), SinkError> {
-        let mut tx = self.begin().await?;
+    ) -> Result<(Tx<'a>, Processed), SinkError> {
+        let mut tx = self.begin(side_effect).await?;
         if let Some(positions) = positions {
             let fenced = tx.advance_offsets(&self.pipeline, positions)
                 .await
@@ -66,13 +67,14 @@ impl Sink {
     /// The batch in one SQL transaction (see the module documentation).
     pub(super) async fn run_sql(
         &self,
+        side_effect: &SqlSideEffect,
         records: &[Record],
         prepared: &[Prepared],
         positions: Option<&Positions>,
         guard: impl Fn(&BatchCounts) -> Result<(), SinkError>,
         replaying: &[i64],
     ) -> Result<BatchOutcome, SinkError> {
-        let (mut tx, processed) = self.begin_replaying(records, replaying, positions).await?;
+        let (mut tx, processed) = self.begin_replaying(side_effect, records, replaying, positions).await?;
         let fates = match self.fast_path(&mut tx, records, prepared, &processed).await {
             Ok(fates) => fates,
             Err(e) if e.disposition() == Disposition::Record || e.cancelled() => {
@@ -86,7 +88,7 @@ impl Sink {
                 // (a procedure's COMMIT) would make every record of the redo a duplicate.
                 tx = still_open(tx).await?;
                 tx.rollback().await.map_err(|e| SinkError::new("rolling back", e))?;
-                let (again, processed) = self.begin_replaying(records, replaying, positions).await?;
+                let (again, processed) = self.begin_replaying(side_effect, records, replaying, positions).await?;
                 tx = again;
                 self.slow_path(&mut tx, records, prepared, &processed).await?
             }
@@ -141,9 +143,9 @@ impl Sink {
     /// Opens a batch transaction and starts the side effect in it ([`Tx::begin_side_effect`]).
     ///
     /// Errors: [`SinkError::SchemaChanged`] (rolled back) when the side effect's schema changed since it was built.
-    async fn begin(&self) -> Result<Tx, SinkError> {
-        let mut tx = self.store.begin().await.map_err(|e| SinkError::new("opening the batch transaction", e))?;
-        let current = tx.begin_side_effect(&self.side_effect).await.map_err(|e| SinkError::new("starting the side effect", e))?;
+    async fn begin<'a>(&self, side_effect: &'a SqlSideEffect) -> Result<Tx<'a>, SinkError> {
+        let mut tx = side_effect.begin().await.map_err(|e| SinkError::new("opening the batch transaction", e))?;
+        let current = tx.begin_side_effect().await.map_err(|e| SinkError::new("starting the side effect", e))?;
         if !current {
             tx.rollback().await.map_err(|e| SinkError::new("rolling back", e))?;
             return Err(SinkError::SchemaChanged);
@@ -153,7 +155,7 @@ impl Sink {
 
     async fn fast_path(
         &self,
-        tx: &mut Tx,
+        tx: &mut Tx<'_>,
         records: &[Record],
         prepared: &[Prepared],
         processed: &Processed,
@@ -217,7 +219,7 @@ impl Sink {
             };
             fates.push(fate);
         }
-        tx.apply_all(&self.side_effect, &to_apply)
+        tx.apply_all(&to_apply)
             .await
             .map_err(|e| SinkError::new("applying the side effect", e))?;
         Ok(fates)
@@ -225,7 +227,7 @@ impl Sink {
 
     async fn slow_path(
         &self,
-        tx: &mut Tx,
+        tx: &mut Tx<'_>,
         records: &[Record],
         prepared: &[Prepared],
         processed: &Processed,
@@ -265,7 +267,7 @@ impl Sink {
                 fates.push(Fate::Duplicate(self.duplicate(&a.key, &against, record, &a.fingerprint, processed)));
                 continue;
             }
-            match tx.apply_one(&self.side_effect, a).await {
+            match tx.apply_one(a).await {
                 Ok(()) => {
                     tx.release_savepoint().await.map_err(savepoint_failed("releasing a savepoint"))?;
                     fates.push(Fate::Applied);
@@ -295,7 +297,7 @@ impl Sink {
 
 /// `tx` back when the batch transaction is still the one opened; otherwise (the side effect ended it itself, a
 /// procedure's `COMMIT`) it is rolled back and the error is [`SinkError::TransactionEnded`].
-async fn still_open(mut tx: Tx) -> Result<Tx, SinkError> {
+async fn still_open(mut tx: Tx<'_>) -> Result<Tx<'_>, SinkError> {
     if tx.still_open().await.map_err(|e| SinkError::new("checking that the batch transaction is still open", e))? {
         return Ok(tx);
     }

@@ -3,10 +3,12 @@
 //!
 //! - [`Store`]: a connection pool, and what runs outside a batch: migrations, the schema check, stored positions
 //!   (claim, read, reset), retention, `explain`, the dead-letter listing.
-//! - [`Tx`]: one open batch transaction, and every step the batch protocol (the sink) takes in it: the
-//!   claim, the lookup of existing dedup rows, the side effect, the dead letters, the fenced positions, the
-//!   processed marks, savepoints, `COMMIT`.
-//! - [`SideEffect`]: a pipeline's side effect, checked against the store's tables and statements.
+//! - [`SideEffect`]: a pipeline's side effect, checked against the store's tables and statements and bound to the
+//!   store that built it: batches are opened through it ([`SqlSideEffect::begin`]), so there is no way to run a
+//!   side effect in another store's transaction.
+//! - [`Tx`]: one open batch transaction with the side effect it runs, and every step the batch protocol (the
+//!   sink) takes in it: the claim, the lookup of existing dedup rows, the side effect, the dead letters, the
+//!   fenced positions, the processed marks, savepoints, `COMMIT`.
 //!
 //! The protocol and the duplicate classification are written once, in the sink; a store provides only the
 //! statements. Each store maps its error codes into the same dispositions ([`crate::store::error`]).
@@ -14,8 +16,8 @@
 //! - [`postgres`]: PostgreSQL (`postgres://`, `postgresql://`).
 //! - [`mysql`]: MySQL and MariaDB (`mysql://`, `mariadb://`).
 //! - [`redis`]: Redis (`[redis] url`), a store whose side effect is Redis commands. It has no interactive
-//!   transaction: the whole batch runs as one script ([`redis::batch`]), so it has no [`Tx`]; the sink runs the
-//!   same protocol through it (the sink's `Sink`).
+//!   transaction: the whole batch runs as one script ([`redis::batch`]), so its side effect is
+//!   [`SideEffect::Script`] and it has no [`Tx`]; the sink runs the same protocol through the script.
 
 pub mod disposition;
 pub mod error;
@@ -73,10 +75,6 @@ pub enum StoreError {
 pub fn not_built(what: &str, feature: &str) -> String {
     format!("this idemflow was built without {what} (build it with `cargo build --release --features {feature}`, or with the default features)")
 }
-
-/// What Redis cannot do that a caller asked for.
-#[cfg(feature = "redis")]
-const NOT_REDIS: &str = "a Redis store has no SQL transaction: its batches run as scripts";
 
 /// Why a side effect does not fit the database. Each is a configuration error naming the field.
 #[derive(Debug, thiserror::Error)]
@@ -175,24 +173,6 @@ impl Store {
         }
     }
 
-    /// Opens a batch transaction.
-    pub async fn begin(&self) -> Result<Tx, sqlx::Error> {
-        Ok(match self {
-            Store::Postgres(pool) => Tx::Postgres(pool.begin().await?),
-            #[cfg(feature = "mysql")]
-            Store::MySql(s) => {
-                // The claim form first: reading it takes a connection of its own (once), which a pool of one could
-                // not give while the transaction holds it.
-                let form = s.claim_form().await?;
-                let mut tx = s.pool.begin().await?;
-                mysql::mark_transaction(&mut tx).await?;
-                Tx::MySql(tx, form)
-            }
-            #[cfg(feature = "redis")]
-            Store::Redis(_) => return Err(sqlx::Error::Configuration(NOT_REDIS.into())),
-        })
-    }
-
     /// Closes the pool, waiting for connections in use to be returned.
     pub async fn close(&self) {
         match self {
@@ -219,18 +199,18 @@ impl Store {
             Store::Postgres(pool) => {
                 let mut conn = pool.acquire().await.map_err(unavailable)?;
                 let (s, b) = postgres::side_effect::SideEffect::prepare(&mut conn, spec, time).await?;
-                Ok((SideEffect::Postgres(s), b))
+                Ok((SideEffect::Sql(SqlSideEffect::Postgres(pool.clone(), s)), b))
             }
             #[cfg(feature = "mysql")]
             Store::MySql(store) => {
                 let mut conn = store.pool.acquire().await.map_err(unavailable)?;
                 let (s, b) = mysql::side_effect::SideEffect::prepare(&mut conn, spec, time).await?;
-                Ok((SideEffect::MySql(s), b))
+                Ok((SideEffect::Sql(SqlSideEffect::MySql(store.clone(), s)), b))
             }
             #[cfg(feature = "redis")]
             Store::Redis(r) => {
                 let (s, b) = redis::side_effect::SideEffect::prepare(r, spec).await?;
-                Ok((SideEffect::Redis(s), b))
+                Ok((SideEffect::Script(r.clone(), s), b))
             }
         }
     }
@@ -340,17 +320,48 @@ impl Store {
     }
 }
 
-/// A pipeline's side effect, built for its store.
+/// A pipeline's side effect, built by its store ([`Store::prepare_side_effect`]) and bound to that store's pool:
+/// batches are opened through it, so a side effect runs only where it was built, and a transaction carries the side
+/// effect it runs ([`Tx`]).
 #[derive(Clone, Debug)]
 pub enum SideEffect {
+    /// A database with interactive transactions: each batch is one [`Tx`].
+    Sql(SqlSideEffect),
+    /// Redis, which has no interactive transaction: each batch is one script ([`redis::batch`]) that runs these
+    /// commands. See [`redis::side_effect`].
+    #[cfg(feature = "redis")]
+    Script(redis::RedisStore, redis::side_effect::SideEffect),
+}
+
+/// A side effect on a database with interactive transactions, with the pool its transactions come from.
+#[derive(Clone, Debug)]
+pub enum SqlSideEffect {
     /// See [`postgres::side_effect`].
-    Postgres(postgres::side_effect::SideEffect),
+    Postgres(sqlx::PgPool, postgres::side_effect::SideEffect),
     /// See [`mysql::side_effect`].
     #[cfg(feature = "mysql")]
-    MySql(mysql::side_effect::SideEffect),
-    /// See [`redis::side_effect`].
-    #[cfg(feature = "redis")]
-    Redis(redis::side_effect::SideEffect),
+    MySql(mysql::MySqlStore, mysql::side_effect::SideEffect),
+}
+
+impl SqlSideEffect {
+    /// Opens a batch transaction that runs this side effect. The caller then starts the side effect in it
+    /// ([`Tx::begin_side_effect`]).
+    ///
+    /// Errors: the database's (no connection within the pool's timeout, the connection lost).
+    pub async fn begin(&self) -> Result<Tx<'_>, sqlx::Error> {
+        Ok(match self {
+            SqlSideEffect::Postgres(pool, effect) => Tx::Postgres(pool.begin().await?, effect),
+            #[cfg(feature = "mysql")]
+            SqlSideEffect::MySql(store, effect) => {
+                // The claim form first: reading it takes a connection of its own (once), which a pool of one could
+                // not give while the transaction holds it.
+                let form = store.claim_form().await?;
+                let mut tx = store.pool.begin().await?;
+                mysql::mark_transaction(&mut tx).await?;
+                Tx::MySql(tx, form, effect)
+            }
+        })
+    }
 }
 
 impl SideEffect {
@@ -358,22 +369,22 @@ impl SideEffect {
     /// at most `max_allowed_packet` (see [`mysql::side_effect::SideEffect::max_record_bytes`]).
     pub fn max_record_bytes(&self) -> Option<u64> {
         match self {
-            SideEffect::Postgres(_) => None,
+            SideEffect::Sql(SqlSideEffect::Postgres(..)) => None,
             #[cfg(feature = "redis")]
-            SideEffect::Redis(_) => None,
+            SideEffect::Script(..) => None,
             #[cfg(feature = "mysql")]
-            SideEffect::MySql(s) => Some(s.max_record_bytes()),
+            SideEffect::Sql(SqlSideEffect::MySql(_, s)) => Some(s.max_record_bytes()),
         }
     }
 
     /// What `check` says about the store's limits, one line each.
     pub fn notes(&self) -> Vec<String> {
         match self {
-            SideEffect::Postgres(_) => Vec::new(),
+            SideEffect::Sql(SqlSideEffect::Postgres(..)) => Vec::new(),
             #[cfg(feature = "redis")]
-            SideEffect::Redis(_) => Vec::new(),
+            SideEffect::Script(..) => Vec::new(),
             #[cfg(feature = "mysql")]
-            SideEffect::MySql(s) => vec![format!(
+            SideEffect::Sql(SqlSideEffect::MySql(_, s)) => vec![format!(
                 "the server's max_allowed_packet is {} bytes: a record whose values take more than {} bytes goes to the dead \
                  letters (param_invalid), and a dead letter keeps the first {} bytes of a payload over that with its size and \
                  SHA-256; raise max_allowed_packet for larger records",
@@ -385,26 +396,23 @@ impl SideEffect {
     }
 }
 
-/// One open batch transaction. Dropped without [`Tx::commit`], it rolls back.
-pub enum Tx {
+/// One open batch transaction with the side effect it runs ([`SqlSideEffect::begin`]). Dropped without
+/// [`Tx::commit`], it rolls back.
+pub enum Tx<'a> {
     /// PostgreSQL.
-    Postgres(sqlx::Transaction<'static, sqlx::Postgres>),
+    Postgres(sqlx::Transaction<'static, sqlx::Postgres>, &'a postgres::side_effect::SideEffect),
     /// MySQL or MariaDB, with how its claim learns which keys were new.
     #[cfg(feature = "mysql")]
-    MySql(sqlx::Transaction<'static, sqlx::MySql>, mysql::ClaimForm),
+    MySql(sqlx::Transaction<'static, sqlx::MySql>, mysql::ClaimForm, &'a mysql::side_effect::SideEffect),
 }
 
-/// A side effect is always built by the store its transactions come from (a pipeline has one store).
-#[cfg(any(feature = "mysql", feature = "redis"))]
-const SAME_STORE: &str = "a side effect runs in a transaction of the store that built it";
-
-impl Tx {
+impl Tx<'_> {
     /// `COMMIT`.
     pub async fn commit(self) -> Result<(), sqlx::Error> {
         match self {
-            Tx::Postgres(tx) => tx.commit().await,
+            Tx::Postgres(tx, _) => tx.commit().await,
             #[cfg(feature = "mysql")]
-            Tx::MySql(tx, _) => tx.commit().await,
+            Tx::MySql(tx, _, _) => tx.commit().await,
         }
     }
 
@@ -414,18 +422,18 @@ impl Tx {
     /// always open there.
     pub async fn still_open(&mut self) -> Result<bool, sqlx::Error> {
         match self {
-            Tx::Postgres(_) => Ok(true),
+            Tx::Postgres(..) => Ok(true),
             #[cfg(feature = "mysql")]
-            Tx::MySql(tx, _) => mysql::transaction_open(tx).await,
+            Tx::MySql(tx, _, _) => mysql::transaction_open(tx).await,
         }
     }
 
     /// `ROLLBACK`.
     pub async fn rollback(self) -> Result<(), sqlx::Error> {
         match self {
-            Tx::Postgres(tx) => tx.rollback().await,
+            Tx::Postgres(tx, _) => tx.rollback().await,
             #[cfg(feature = "mysql")]
-            Tx::MySql(tx, _) => tx.rollback().await,
+            Tx::MySql(tx, _, _) => tx.rollback().await,
         }
     }
 
@@ -434,9 +442,9 @@ impl Tx {
     async fn raw(&mut self, sql: &str) -> Result<(), sqlx::Error> {
         use sqlx::Executor as _;
         match self {
-            Tx::Postgres(tx) => tx.execute(sqlx::raw_sql(sql)).await.map(drop),
+            Tx::Postgres(tx, _) => tx.execute(sqlx::raw_sql(sql)).await.map(drop),
             #[cfg(feature = "mysql")]
-            Tx::MySql(tx, _) => tx.execute(sqlx::raw_sql(sql)).await.map(drop),
+            Tx::MySql(tx, _, _) => tx.execute(sqlx::raw_sql(sql)).await.map(drop),
         }
     }
 
@@ -458,80 +466,74 @@ impl Tx {
 
     /// Starts the side effect in this transaction (settings, locks, and a check that the schema is still the one
     /// its statements were built for). Returns `false` when it changed: roll back and prepare again.
-    pub async fn begin_side_effect(&mut self, side_effect: &SideEffect) -> Result<bool, sqlx::Error> {
-        match (self, side_effect) {
-            (Tx::Postgres(tx), SideEffect::Postgres(s)) => s.begin(tx).await,
+    pub async fn begin_side_effect(&mut self) -> Result<bool, sqlx::Error> {
+        match self {
+            Tx::Postgres(tx, s) => s.begin(tx).await,
             #[cfg(feature = "mysql")]
-            (Tx::MySql(tx, _), SideEffect::MySql(s)) => s.begin(tx).await,
-            #[cfg(any(feature = "mysql", feature = "redis"))]
-            _ => unreachable!("{SAME_STORE}"),
+            Tx::MySql(tx, _, s) => s.begin(tx).await,
         }
     }
 
     /// Applies the side effect for all `rows` (the fast path).
-    pub async fn apply_all(&mut self, side_effect: &SideEffect, rows: &[&Apply]) -> Result<(), sqlx::Error> {
-        match (self, side_effect) {
-            (Tx::Postgres(tx), SideEffect::Postgres(s)) => s.apply_all(tx, rows).await,
+    pub async fn apply_all(&mut self, rows: &[&Apply]) -> Result<(), sqlx::Error> {
+        match self {
+            Tx::Postgres(tx, s) => s.apply_all(tx, rows).await,
             #[cfg(feature = "mysql")]
-            (Tx::MySql(tx, _), SideEffect::MySql(s)) => s.apply_all(tx, rows).await,
-            #[cfg(any(feature = "mysql", feature = "redis"))]
-            _ => unreachable!("{SAME_STORE}"),
+            Tx::MySql(tx, _, s) => s.apply_all(tx, rows).await,
         }
     }
 
     /// Applies the side effect for one record (the slow path).
-    pub async fn apply_one(&mut self, side_effect: &SideEffect, row: &Apply) -> Result<(), sqlx::Error> {
-        match (self, side_effect) {
-            (Tx::Postgres(tx), SideEffect::Postgres(s)) => s.apply_one(tx, row).await,
+    pub async fn apply_one(&mut self, row: &Apply) -> Result<(), sqlx::Error> {
+        match self {
+            Tx::Postgres(tx, s) => s.apply_one(tx, row).await,
             #[cfg(feature = "mysql")]
-            (Tx::MySql(tx, _), SideEffect::MySql(s)) => s.apply_one(tx, row).await,
-            #[cfg(any(feature = "mysql", feature = "redis"))]
-            _ => unreachable!("{SAME_STORE}"),
+            Tx::MySql(tx, _, s) => s.apply_one(tx, row).await,
         }
     }
 
     /// Claims distinct keys in one statement, insert-then-check. Returns the digests that were new.
     pub async fn claim(&mut self, pipeline: &str, claims: &[Claim<'_>]) -> Result<HashSet<[u8; 32]>, sqlx::Error> {
         match self {
-            Tx::Postgres(tx) => postgres::dedup::claim(tx, pipeline, claims).await,
+            Tx::Postgres(tx, _) => postgres::dedup::claim(tx, pipeline, claims).await,
             #[cfg(feature = "mysql")]
-            Tx::MySql(tx, form) => mysql::dedup::claim(tx, *form, pipeline, claims).await,
+            Tx::MySql(tx, form, _) => mysql::dedup::claim(tx, *form, pipeline, claims).await,
         }
     }
 
     /// Reads the dedup rows of keys that the claim did not return.
     pub async fn existing(&mut self, pipeline: &str, digests: &[&[u8]]) -> Result<Vec<([u8; 32], Existing)>, sqlx::Error> {
         match self {
-            Tx::Postgres(tx) => postgres::dedup::existing(tx, pipeline, digests).await,
+            Tx::Postgres(tx, _) => postgres::dedup::existing(tx, pipeline, digests).await,
             #[cfg(feature = "mysql")]
-            Tx::MySql(tx, _) => mysql::dedup::existing(tx, pipeline, digests).await,
+            Tx::MySql(tx, _, _) => mysql::dedup::existing(tx, pipeline, digests).await,
         }
     }
 
     /// Adds skipped duplicates to their keys' dedup rows, in digest order (two workers cannot deadlock on them).
     pub async fn count_duplicates(&mut self, pipeline: &str, counts: &[([u8; 32], i64)]) -> Result<(), sqlx::Error> {
         match self {
-            Tx::Postgres(tx) => postgres::dedup::count_duplicates(tx, pipeline, counts).await,
+            Tx::Postgres(tx, _) => postgres::dedup::count_duplicates(tx, pipeline, counts).await,
             #[cfg(feature = "mysql")]
-            Tx::MySql(tx, _) => mysql::dedup::count_duplicates(tx, pipeline, counts).await,
+            Tx::MySql(tx, _, _) => mysql::dedup::count_duplicates(tx, pipeline, counts).await,
         }
     }
 
     /// Writes one dead letter. Returns `false` when this position was already dead-lettered (a redelivery).
     pub async fn write_dead_letter(&mut self, pipeline: &str, record: &Record, reason: DeadLetterReason, error: &str) -> Result<bool, sqlx::Error> {
         match self {
-            Tx::Postgres(tx) => postgres::dead_letter::write(tx, pipeline, record, reason, error).await,
+            Tx::Postgres(tx, _) => postgres::dead_letter::write(tx, pipeline, record, reason, error).await,
             #[cfg(feature = "mysql")]
-            Tx::MySql(tx, _) => mysql::dead_letter::write(tx, pipeline, record, reason, error).await,
+            Tx::MySql(tx, _, _) => mysql::dead_letter::write(tx, pipeline, record, reason, error).await,
         }
     }
 
     /// Deletes dead letters of `pipeline` by id (their replay is under way in this transaction).
     pub async fn delete_dead_letters(&mut self, pipeline: &str, ids: &[i64]) -> Result<u64, sqlx::Error> {
         match self {
-            Tx::Postgres(tx) => postgres::dead_letter::delete(tx, pipeline, ids).await,
+            Tx::Postgres(tx, _) => postgres::dead_letter::delete(tx, pipeline, ids).await,
             #[cfg(feature = "mysql")]
-            Tx::MySql(tx, _) => mysql::dead_letter::delete(tx, pipeline, ids).await,
+            Tx::MySql(tx, _, _) => mysql::dead_letter::delete(tx, pipeline, ids).await,
         }
     }
 
@@ -539,9 +541,9 @@ impl Tx {
     /// were fenced; the caller must then roll the whole transaction back.
     pub async fn advance_offsets(&mut self, pipeline: &str, positions: &Positions) -> Result<Vec<(String, i32)>, sqlx::Error> {
         match self {
-            Tx::Postgres(tx) => postgres::offsets::advance(tx, pipeline, positions).await,
+            Tx::Postgres(tx, _) => postgres::offsets::advance(tx, pipeline, positions).await,
             #[cfg(feature = "mysql")]
-            Tx::MySql(tx, _) => mysql::offsets::advance(tx, pipeline, positions).await,
+            Tx::MySql(tx, _, _) => mysql::offsets::advance(tx, pipeline, positions).await,
         }
     }
 
@@ -549,9 +551,9 @@ impl Tx {
     /// they were before.
     pub async fn processed(&mut self, pipeline: &str, next: &NextOffsets) -> Result<Processed, sqlx::Error> {
         match self {
-            Tx::Postgres(tx) => postgres::offsets::processed(tx, pipeline, next).await,
+            Tx::Postgres(tx, _) => postgres::offsets::processed(tx, pipeline, next).await,
             #[cfg(feature = "mysql")]
-            Tx::MySql(tx, _) => mysql::offsets::processed(tx, pipeline, next).await,
+            Tx::MySql(tx, _, _) => mysql::offsets::processed(tx, pipeline, next).await,
         }
     }
 }
