@@ -86,6 +86,9 @@
 //!   committed, so the records are delivered again and applied then.
 //! - Crash between the database commit and the offset commit: the records come back, their dedup rows exist, the
 //!   claim returns nothing for them, and the side effect does not run again. They are counted as `redelivered`.
+//!   The guarantee matrix kills the binary at exactly this point for every broker x store pair
+//!   ([`worker::CRASH_AFTER_COMMITS_VAR`], `tests/it/matrix.rs`, scenario (b)): the batch comes back as
+//!   `redelivered` where the broker keeps the positions, and nothing comes back where they are stored with it.
 //! - A connection lost during `COMMIT` (outcome unknown): the batch is retried on a new connection. Whichever way
 //!   the first commit went, the dedup rows decide: applied once.
 //! - Rebalance: records buffered for a revoked partition are dropped before processing, and an offset is committed

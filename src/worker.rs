@@ -101,6 +101,27 @@ pub struct Faults {
     /// are committed to Kafka, as a crash at that point would: the consumer is closed without committing them, so
     /// the batch is redelivered to whoever owns its partitions next.
     pub crash_after_commits: Option<u64>,
+    /// With `crash_after_commits`: end the whole process there with `abort()` (nothing closed, flushed, committed
+    /// or acknowledged), as a SIGKILL at that moment would, instead of ending the pipeline alone.
+    pub abort: bool,
+}
+
+/// The variable that injects [`Faults`] into `idemflow run`: `IDEMFLOW_FAULT_CRASH_AFTER_COMMITS=N` aborts the
+/// process right after the Nth batch's `COMMIT`, before its offset commit or acknowledgement. For tests (the
+/// guarantee matrix kills the binary at exactly that point); a worker started with it says so loudly.
+pub const CRASH_AFTER_COMMITS_VAR: &str = "IDEMFLOW_FAULT_CRASH_AFTER_COMMITS";
+
+impl Faults {
+    /// The faults `idemflow run` is asked for through [`CRASH_AFTER_COMMITS_VAR`]; none when it is unset.
+    ///
+    /// Errors: the variable is set but is not a positive whole number.
+    pub fn from_env() -> Result<Faults, String> {
+        let Ok(text) = std::env::var(CRASH_AFTER_COMMITS_VAR) else { return Ok(Faults::default()) };
+        match text.trim().parse::<u64>() {
+            Ok(n) if n > 0 => Ok(Faults { crash_after_commits: Some(n), abort: true }),
+            _ => Err(format!("{CRASH_AFTER_COMMITS_VAR} = {text:?}: expected a number of batches, 1 or more")),
+        }
+    }
 }
 
 /// Runs all pipelines until `shutdown`, each in its own task. A pipeline that fails fatally stops alone (its
@@ -331,6 +352,10 @@ async fn run_lane(
             Ok(true) => {
                 commits += 1;
                 if faults.crash_after_commits == Some(commits) {
+                    if faults.abort {
+                        eprintln!("injected crash ({CRASH_AFTER_COMMITS_VAR}): pipeline {name} aborts the process after the database commit, before the offset commit");
+                        std::process::abort();
+                    }
                     tracing::warn!(pipeline = %name, "injected crash: stopping after the database commit, before the offset commit");
                     source.abandon().await; // closes the consumer without committing or acknowledging this batch
                     return Ok(());

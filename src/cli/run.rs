@@ -52,7 +52,11 @@ pub async fn run(a: ConfigArg) -> anyhow::Result<()> {
             }
         });
     }
-    let failures = worker::run(&settings, ready, &metrics, &health, stop.clone()).await;
+    let faults = worker::Faults::from_env().map_err(anyhow::Error::msg)?;
+    if faults != worker::Faults::default() {
+        tracing::warn!(?faults, "FAULT INJECTION ON ({}): this worker will crash on purpose; for tests only", worker::CRASH_AFTER_COMMITS_VAR);
+    }
+    let failures = worker::run_with_faults(&settings, ready, &metrics, &health, stop.clone(), faults).await;
     if !failures.is_empty() && !stop.is_triggered() {
         // Every pipeline stopped on a fatal error: keep /metrics and /readyz up (pipeline_up 0, not ready)
         // so monitoring sees why, rather than exiting into a restart loop. Exit 1 on SIGTERM/SIGINT.

@@ -413,7 +413,7 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<bool> {
     let mut progress = Progress::new(total);
     let pipelines = config::load_pipelines_for(&settings).map_err(|e| lines(&e))?;
     let ready = worker::prepare(&db.store(), &pipelines).await.map_err(|e| lines(&e))?;
-    let mut a = start_worker(&settings, &ready, &metrics, &health, Faults { crash_after_commits: Some(batches_before_crash) });
+    let mut a = start_worker(&settings, &ready, &metrics, &health, Faults { crash_after_commits: Some(batches_before_crash), ..Default::default() });
     let mut b: Option<DemoWorker> = None;
     let (mut crashed, mut joined, mut left) = (false, false, false);
     let deadline = Instant::now() + Duration::from_secs(30 * 60);

@@ -24,6 +24,19 @@ pub(crate) async fn payments_db(server: Option<&str>) -> MyDb {
     }
 }
 
+/// The shipped MariaDB example's side effect, prepared by `store` (whose database has the example's tables, as
+/// [`payments_db`] makes it): batch transactions are opened through a side effect.
+async fn example_side_effect(store: &idemflow::store::Store) -> idemflow::store::SqlSideEffect {
+    let text = std::fs::read_to_string(project_root().join("examples/mysql/payments.toml")).unwrap();
+    let path = std::path::Path::new("payments.toml");
+    let p = idemflow::config::pipeline::load_text_in(&text, path, idemflow::config::Dialect::MySql).unwrap();
+    match store.prepare_side_effect(&p.sink, &p.time).await.unwrap().0 {
+        idemflow::store::SideEffect::Sql(sql) => sql,
+        #[allow(unreachable_patterns)]
+        _ => panic!("a MariaDB side effect runs in SQL transactions"),
+    }
+}
+
 /// Every operation applied once, amounts exact, every poison record dead-lettered once.
 async fn assert_exactly_once(db: &MyDb, s: &Payments) {
     assert_eq!(db.scalar::<i64>("SELECT COUNT(*) FROM payments").await, s.distinct as i64);
@@ -397,8 +410,9 @@ async fn stored_positions_fenced_and_rewound_on_mariadb() {
 #[tokio::test(flavor = "multi_thread")]
 async fn mysqls_claim_without_returning_tells_new_keys_from_old() {
     use idemflow::store::mysql::{ClaimForm, MySqlStore};
-    let db = MyDb::new("").await;
+    let db = payments_db(None).await;
     let store = idemflow::store::Store::MySql(MySqlStore::with_claim_form(db.pool.clone(), ClaimForm::Token));
+    let effect = example_side_effect(&store).await;
     let keys: Vec<idemflow::key::BusinessKey> = (0..5).map(|i| idemflow::key::BusinessKey::new(format!("k-{i}"))).collect();
     let position = idemflow::record::Position { topic: "t".into(), partition: 0, offset: 1 };
     fn claims<'a>(
@@ -407,10 +421,10 @@ async fn mysqls_claim_without_returning_tells_new_keys_from_old() {
     ) -> Vec<idemflow::sink::dedup::Claim<'a>> {
         ks.iter().map(|k| idemflow::sink::dedup::Claim { key: k, position, fingerprint: &[7; 32] }).collect()
     }
-    let mut tx = store.begin().await.unwrap();
+    let mut tx = effect.begin().await.unwrap();
     assert_eq!(tx.claim("p", &claims(&keys[..3], &position)).await.unwrap().len(), 3);
     tx.commit().await.unwrap();
-    let mut tx = store.begin().await.unwrap();
+    let mut tx = effect.begin().await.unwrap();
     let new = tx.claim("p", &claims(&keys, &position)).await.unwrap();
     assert_eq!(new.len(), 2, "only k-3 and k-4 are new");
     assert!(new.contains(&keys[3].digest) && new.contains(&keys[4].digest));
@@ -669,7 +683,7 @@ async fn the_token_claim_end_to_end_with_a_crash() {
     let (db, kafka, setup, s) = fixture(3_000, true, None).await;
     let settings = idemflow::config::load_settings_from(&setup.config, []).unwrap().settings;
     let token = || idemflow::store::Store::MySql(MySqlStore::with_claim_form(idemflow::store::mysql::pool(settings.database.as_ref().unwrap()).unwrap(), ClaimForm::Token));
-    let crashed = InProc::start_on(&setup, token(), idemflow::worker::Faults { crash_after_commits: Some(2) }).await;
+    let crashed = InProc::start_on(&setup, token(), idemflow::worker::Faults { crash_after_commits: Some(2), ..Default::default() }).await;
     assert!(crashed.stop_when_pipelines_end().await.is_empty());
     let w = InProc::start_on(&setup, token(), idemflow::worker::Faults::default()).await;
     let end = kafka.end_offsets("payments", 3);
@@ -694,13 +708,14 @@ async fn the_token_claim_end_to_end_with_a_crash() {
 /// backwards, and the new owner's claim waits for the old owner's batch in flight.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_worker_that_lost_its_partition_is_fenced() {
-    let db = MyDb::new("").await;
+    let db = payments_db(None).await;
     let store = idemflow::store::Store::MySql(idemflow::store::mysql::MySqlStore::new(db.pool.clone()));
+    let effect = example_side_effect(&store).await;
     let p0 = [("payments".to_owned(), 0)];
     let a = store.claim_offsets("payments", "worker-a", &p0).await.unwrap();
     assert_eq!((a[0].next_offset, a[0].epoch), (None, 1));
     let positions = |next: i64, epoch: i64| idemflow::offsets::Positions(vec![("payments".into(), 0, next, epoch)]);
-    let mut tx = store.begin().await.unwrap();
+    let mut tx = effect.begin().await.unwrap();
     assert!(tx.advance_offsets("payments", &positions(100, 1)).await.unwrap().is_empty());
     let claim_b = tokio::spawn({
         let store = store.clone();
@@ -712,10 +727,10 @@ async fn a_worker_that_lost_its_partition_is_fenced() {
     tx.commit().await.unwrap();
     let b = claim_b.await.unwrap();
     assert_eq!((b[0].next_offset, b[0].epoch), (Some(100), 2), "B starts right after A's committed batch");
-    let mut tx = store.begin().await.unwrap();
+    let mut tx = effect.begin().await.unwrap();
     assert_eq!(tx.advance_offsets("payments", &positions(150, 1)).await.unwrap(), vec![("payments".to_owned(), 0)]);
     tx.rollback().await.unwrap();
-    let mut tx = store.begin().await.unwrap();
+    let mut tx = effect.begin().await.unwrap();
     assert!(tx.advance_offsets("payments", &positions(130, 2)).await.unwrap().is_empty());
     tx.commit().await.unwrap();
     assert_eq!(db.scalar::<i64>("SELECT next_offset FROM idemflow_offsets").await, 130);

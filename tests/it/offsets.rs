@@ -45,7 +45,7 @@ async fn a_crash_between_the_commits_redelivers_nothing_with_the_database_store(
         kafka.produce(TOPIC, &s.records);
         let pipeline = with_max_records(&pipeline, 200);
         let setup = Setup::with(&db, &kafka, &[("payments.toml", &pipeline)], FAST_GROUP, "");
-        let crash = idemflow::worker::Faults { crash_after_commits: Some(3) };
+        let crash = idemflow::worker::Faults { crash_after_commits: Some(3), ..Default::default() };
         let w = InProc::start_with_faults(&setup, crash).await;
         let stopped = tokio::time::timeout(Duration::from_secs(60), w.stop_when_pipelines_end()).await;
         let crashed = stopped.expect("the injected crash ends the pipeline");

@@ -242,7 +242,7 @@ async fn a_crash_after_commit_replays_the_batch_as_redelivered() {
         producer.stop().await;
         let text = with_max_records(&example(&topic, store), 100);
         let setup = Setup::rocketmq(&db, ns, &[("payments.toml", &text)], "");
-        let crashed = InProc::start_with_faults(&setup, idemflow::worker::Faults { crash_after_commits: Some(5) }).await;
+        let crashed = InProc::start_with_faults(&setup, idemflow::worker::Faults { crash_after_commits: Some(5), ..Default::default() }).await;
         assert!(crashed.stop_when_pipelines_end().await.is_empty());
         let w = InProc::start(&setup).await;
         wait_all_applied(&db, &s, String::new).await;

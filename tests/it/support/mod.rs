@@ -188,12 +188,18 @@ pub fn idemflow(args: &[&str], cwd: &Path) -> (ExitStatus, String, String) {
 impl BinWorker {
     /// Starts `idemflow run --config <setup>`, appending its log to the setup's log file.
     pub fn start(setup: &Setup) -> BinWorker {
+        BinWorker::start_with_env(setup, &[])
+    }
+
+    /// [`BinWorker::start`] with environment variables set for the worker (fault injection, overrides).
+    pub fn start_with_env(setup: &Setup, vars: &[(&str, &str)]) -> BinWorker {
         let log = setup.log();
         let file = std::fs::OpenOptions::new().create(true).append(true).open(&log).unwrap();
         let child = Command::new(env!("CARGO_BIN_EXE_idemflow"))
             .args(["run", "--config"])
             .arg(&setup.config)
             .env_remove("RUST_LOG")
+            .envs(vars.iter().copied())
             .stdout(Stdio::null())
             .stderr(file)
             .spawn()
@@ -215,6 +221,20 @@ impl BinWorker {
                 panic!("the worker did not exit within 30 s of SIGTERM; log:\n{}", self.log_text());
             }
             std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Waits (at most `timeout`) for the worker to exit by itself and returns its status; the log if it does not.
+    pub fn wait_exit(&mut self, timeout: Duration) -> ExitStatus {
+        let child = self.child.as_mut().expect("running");
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                self.child = None;
+                return status;
+            }
+            assert!(Instant::now() < deadline, "the worker did not exit within {timeout:?}; log:\n{}", self.log_text());
+            std::thread::sleep(Duration::from_millis(20));
         }
     }
 
