@@ -214,14 +214,15 @@ impl Dst {
 
     /// Every operation applied once with exact amounts, one dedup row each, every poison payload dead-lettered
     /// (once per position; a queue's redelivered poison message may be recorded again, never another payload).
-    async fn assert_exactly_once(&self, s: &Payments) {
-        self.assert_once(s, Order::Kept).await
+    async fn assert_exactly_once(&self, s: &Payments, positional: bool) {
+        self.assert_once(s, Order::Kept, positional).await
     }
 
     /// [`Dst::assert_exactly_once`], where with [`Order::Lost`] the copy with another amount may be the first to
     /// arrive (two consumers sharing a queue), so each operation's amount is its original's or its copy's, and
-    /// the deductions are exactly the applied amounts.
-    async fn assert_once(&self, s: &Payments, order: Order) {
+    /// the deductions are exactly the applied amounts. With a `positional` source dead letters are counted
+    /// exactly (one per poison record: a redelivered one has the same position); from a queue, by distinct payload.
+    async fn assert_once(&self, s: &Payments, order: Order, positional: bool) {
         let expected = s.expected_amount();
         let cents = |text: &str| crate::redis::cents(text);
         let amount_ok = |applied: &str| match order {
@@ -236,6 +237,9 @@ impl Dst {
                 assert_eq!(db.scalar::<String>("SELECT (-sum(balance))::text FROM accounts").await, applied, "each deduction once");
                 assert_eq!(db.scalar::<i64>("SELECT count(*) FROM idemflow.dedup").await, s.distinct as i64);
                 assert_eq!(db.scalar::<i64>("SELECT count(DISTINCT payload) FROM idemflow.dead_letters").await, s.poison as i64);
+                if positional {
+                    assert_eq!(db.scalar::<i64>("SELECT count(*) FROM idemflow.dead_letters").await, s.poison as i64, "one dead letter per position");
+                }
                 let reasons: Vec<String> = sqlx::query_scalar("SELECT DISTINCT reason FROM idemflow.dead_letters").fetch_all(&db.pool).await.unwrap();
                 assert_eq!(reasons, ["decode_failed"], "poison records only, with their reason");
             }
@@ -246,6 +250,9 @@ impl Dst {
                 assert_eq!(db.scalar::<String>("SELECT CAST(-SUM(balance) AS CHAR) FROM accounts").await, applied, "each deduction once");
                 assert_eq!(db.scalar::<i64>("SELECT COUNT(*) FROM idemflow_dedup").await, s.distinct as i64);
                 assert_eq!(db.scalar::<i64>("SELECT COUNT(DISTINCT payload) FROM idemflow_dead_letters").await, s.poison as i64);
+                if positional {
+                    assert_eq!(db.scalar::<i64>("SELECT COUNT(*) FROM idemflow_dead_letters").await, s.poison as i64, "one dead letter per position");
+                }
                 let reasons: Vec<String> = sqlx::query_scalar("SELECT DISTINCT CAST(reason AS CHAR) FROM idemflow_dead_letters").fetch_all(&db.pool).await.unwrap();
                 assert_eq!(reasons, ["decode_failed"], "poison records only, with their reason");
             }
@@ -261,6 +268,9 @@ impl Dst {
                 assert_eq!(dedup, s.distinct, "one dedup key per operation");
                 let dead = redis_dead_payloads(&mut c);
                 assert_eq!(dead.len(), s.poison, "one dead-lettered payload per poison record");
+                if positional {
+                    assert_eq!(redis_dead_field(&mut c, "payload").len(), s.poison, "one dead letter per position");
+                }
                 let reasons: HashSet<String> = redis_dead_field(&mut c, "reason").into_iter().collect();
                 assert_eq!(reasons, HashSet::from(["decode_failed".to_owned()]), "poison records only, with their reason");
             }
@@ -298,6 +308,11 @@ struct Pair {
 }
 
 impl Pair {
+    /// [`Dst::assert_exactly_once`] for this pair's source.
+    async fn assert_exactly_once(&self) {
+        self.dst.assert_exactly_once(&self.s, self.src.positional()).await
+    }
+
     async fn new(broker: Broker, db: Db) -> Pair {
         let src = Src::new(broker).await;
         let dst = Dst::new(db).await;
@@ -413,7 +428,7 @@ async fn core(broker: Broker, db: Db) {
         "poison records dead-lettered with their reason"
     );
     assert!(w.sigterm().success(), "{}", w.log_text());
-    pair.dst.assert_exactly_once(&pair.s).await;
+    pair.assert_exactly_once().await;
     if !pair.src.positional() {
         return;
     }
@@ -438,7 +453,7 @@ async fn core(broker: Broker, db: Db) {
         assert_eq!(duplicates(&m, "payload_mismatch"), pair.s.mismatched as f64);
     }
     assert!(w.sigterm().success(), "{}", w.log_text());
-    pair.dst.assert_exactly_once(&pair.s).await;
+    pair.assert_exactly_once().await;
 }
 
 /// (b): crashes at both kinds of moment while the stream flows, a third of the stream published before each worker.
@@ -493,7 +508,7 @@ async fn crash_loop(broker: Broker, db: Db) {
     }
     println!("crash loop {broker:?} x {db:?}: {committed} keys committed before the abort, {redelivered} counted redelivered after it and 2 SIGKILLs");
     stop(w, broker);
-    pair.dst.assert_exactly_once(&pair.s).await;
+    pair.assert_exactly_once().await;
 }
 
 /// (c): the store unreachable for 8 s mid-stream (every connection to it cut, new ones refused): the worker waits
@@ -521,7 +536,7 @@ async fn store_cut(broker: Broker, db: Db) {
     let retries: f64 = m.lines().filter(|l| l.starts_with("idemflow_db_retries_total{")).filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok()).sum();
     assert!(retries > 0.0, "the batches that met the cut store were retried:\n{m}");
     assert!(w.sigterm().success(), "{}", w.log_text());
-    pair.dst.assert_exactly_once(&pair.s).await;
+    pair.assert_exactly_once().await;
 }
 
 /// (e): a second worker joins the first mid-stream (the group, or the queue's consumers, rebalance) and receives
@@ -551,7 +566,7 @@ async fn second_worker(broker: Broker, db: Db) {
     assert_counters_add_up(&b.scrape());
     stop(b, broker);
     // Two consumers of one queue take its messages in any order: a copy with another amount may come first.
-    pair.dst.assert_once(&pair.s, if pair.src.positional() { Order::Kept } else { Order::Lost }).await;
+    pair.dst.assert_once(&pair.s, if pair.src.positional() { Order::Kept } else { Order::Lost }, pair.src.positional()).await;
 }
 
 macro_rules! matrix {
