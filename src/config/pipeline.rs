@@ -682,8 +682,8 @@ fn validate_batch_sql(
     dialect: Dialect,
     e: &mut Errors<'_>,
 ) -> Option<SinkSpec> {
-    if dialect == Dialect::MySql {
-        e.push("sink.batch_sql", "runs on PostgreSQL only: on MySQL/MariaDB write per-record statements in sink.sql");
+    if let Err(why) = dialect.batch_sql() {
+        e.push("sink.batch_sql", why);
         return None;
     }
     let statements = parse_statements(texts, "sink.batch_sql", dialect, e);

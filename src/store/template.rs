@@ -33,6 +33,15 @@ impl Dialect {
             Dialect::Postgres
         }
     }
+
+    /// Whether the store runs `[sink] batch_sql` (statements once per batch over the relation `new_records`, built
+    /// from arrays with `unnest`), and why not when it does not.
+    pub fn batch_sql(self) -> Result<(), &'static str> {
+        match self {
+            Dialect::Postgres => Ok(()),
+            Dialect::MySql => Err("runs on PostgreSQL only: on MySQL/MariaDB write per-record statements in sink.sql"),
+        }
+    }
 }
 
 /// A piece of a statement.
