@@ -51,6 +51,11 @@ impl FieldPath {
         Ok(FieldPath { tokens })
     }
 
+    /// The path's member names (array indexes as their decimal text), in order from the root.
+    pub fn tokens(&self) -> &[String] {
+        &self.tokens
+    }
+
     /// The value at this path, or `None` when any step is missing (a missing member, an index out of range, or a
     /// step into a scalar).
     pub fn lookup<'v>(&self, root: &'v Value) -> Option<&'v Value> {
@@ -63,7 +68,7 @@ impl FieldPath {
 }
 
 /// RFC 6901 section 4: an array index is `0` or a decimal number without leading zeros.
-fn array_index(token: &str) -> Option<usize> {
+pub(crate) fn array_index(token: &str) -> Option<usize> {
     if token.len() > 1 && token.starts_with('0') {
         return None;
     }

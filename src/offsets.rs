@@ -28,10 +28,25 @@ impl NextOffsets {
     /// stable positions (RabbitMQ: [`Record::delivered_before`] is set) have none and are left out.
     pub fn after(records: &[Record]) -> Self {
         let mut next = BTreeMap::new();
+        let mut raise = |p: &crate::record::Position, to: i64| {
+            let e = next.entry((p.topic.clone(), p.partition)).or_insert(to);
+            *e = (*e).max(to);
+        };
+        // A batch holds runs of records of one partition: each run is entered into the map once.
+        let mut run: Option<(&crate::record::Position, i64)> = None;
         for r in records.iter().filter(|r| r.delivered_before.is_none()) {
             let p = &r.position;
-            let e = next.entry((p.topic.clone(), p.partition)).or_insert(p.offset + 1);
-            *e = (*e).max(p.offset + 1);
+            match &mut run {
+                Some((q, to)) if q.same_partition(p) => *to = (*to).max(p.offset + 1),
+                _ => {
+                    if let Some((q, to)) = run.replace((p, p.offset + 1)) {
+                        raise(q, to);
+                    }
+                }
+            }
+        }
+        if let Some((q, to)) = run {
+            raise(q, to);
         }
         NextOffsets(next)
     }

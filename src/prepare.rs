@@ -2,9 +2,9 @@
 //! transaction opens, so a bad record is classified without touching the database.
 
 use crate::config::{Binding, Meta, Pipeline, TombstonePolicy, ValueSource};
-use crate::decode::{DecodeError, Decoder};
-use crate::field::{self, Render};
-use crate::key::{BusinessKey, KeyError, KeySpec};
+use crate::decode::{DecodeError, Decoder, Selection};
+use crate::field::{self, FieldPath, Render};
+use crate::key::{BusinessKey, KeyError, KeySource, KeySpec};
 use crate::metrics::DeadLetterReason;
 use crate::record::Record;
 use serde_json::Value;
@@ -43,6 +43,8 @@ impl Prepared {
 #[derive(Clone, Debug)]
 pub struct Preparer {
     decoder: Decoder,
+    /// The members of a payload the key and the values read: decoding keeps only these.
+    selection: Selection,
     key: KeySpec,
     tombstones: TombstonePolicy,
     bindings: Vec<(Binding, Render)>,
@@ -58,8 +60,22 @@ impl Preparer {
     /// A preparer for `pipeline`, whose sink binds `bindings` in this order, each rendered as given (from the
     /// target's type: JSON text for `json`/`jsonb`, array literals for arrays, see [`Render`]).
     pub fn new(pipeline: &Pipeline, bindings: Vec<(Binding, Render)>) -> Self {
+        let mut selection = Selection::default();
+        let key_paths: Vec<&FieldPath> = match &pipeline.key.source {
+            KeySource::Field(path) => vec![path],
+            KeySource::Fields(paths) => paths.iter().collect(),
+            KeySource::RecordKey | KeySource::Header(_) | KeySource::Property(_) => Vec::new(),
+        };
+        let value_paths = bindings.iter().filter_map(|(b, _)| match &b.source {
+            ValueSource::Field(path) => Some(path),
+            _ => None,
+        });
+        for path in key_paths.into_iter().chain(value_paths) {
+            selection.add(path.tokens());
+        }
         Preparer {
             decoder: pipeline.decoder.clone(),
+            selection,
             key: pipeline.key.clone(),
             tombstones: pipeline.tombstones,
             bindings,
@@ -87,7 +103,7 @@ impl Preparer {
             let e = DecodeError::TooLarge { size: o.size as usize, limit: self.decoder.max_payload_bytes() };
             return Prepared::dead(DeadLetterReason::PayloadTooLarge, e);
         }
-        let doc = match self.decoder.decode(payload) {
+        let doc = match self.decoder.decode_selected(payload, &self.selection) {
             Ok(doc) => doc,
             Err(e @ DecodeError::TooLarge { .. }) => return Prepared::dead(DeadLetterReason::PayloadTooLarge, e),
             Err(e) => return Prepared::dead(DeadLetterReason::DecodeFailed, e),

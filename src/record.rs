@@ -31,6 +31,15 @@ impl Position {
     }
 }
 
+impl Position {
+    /// Whether `other` is in the same partition (queue) of the same topic. A batch holds runs of records of one
+    /// partition: callers that tally per partition group them with `chunk_by(|a, b| ...same_partition...)` and
+    /// enter each run once, not each record.
+    pub fn same_partition(&self, other: &Position) -> bool {
+        self.partition == other.partition && self.topic == other.topic
+    }
+}
+
 impl fmt::Display for Position {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         if self.partition == NO_PARTITION {

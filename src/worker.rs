@@ -479,8 +479,8 @@ impl Step<'_> {
     ) -> Result<bool, SinkError> {
         let mut prepared: Vec<Prepared> = batch.iter().map(|rec| self.ready.preparer.prepare(rec)).collect();
         let mut holding: BTreeMap<(&str, i32), i64> = BTreeMap::new();
-        for r in batch.iter() {
-            *holding.entry((r.position.topic_name(), r.position.partition)).or_default() += 1;
+        for run in batch.chunk_by(|a, b| a.position.same_partition(&b.position)) {
+            *holding.entry((run[0].position.topic_name(), run[0].position.partition)).or_default() += run.len() as i64;
         }
         self.metrics.in_flight(holding.iter().map(|((t, p), n)| (*t, *p, *n)));
         drop(holding);
@@ -600,7 +600,10 @@ impl Step<'_> {
         shutdown: &mut Shutdown,
     ) -> Result<bool, SinkError> {
         self.health.database(true);
-        let mut moved: Vec<(&str, i32)> = batch.iter().map(|r| (r.position.topic_name(), r.position.partition)).collect();
+        let mut moved: Vec<(&str, i32)> = batch
+            .chunk_by(|a, b| a.position.same_partition(&b.position))
+            .map(|run| (run[0].position.topic_name(), run[0].position.partition))
+            .collect();
         moved.sort_unstable();
         moved.dedup();
         self.metrics.progressed(moved);

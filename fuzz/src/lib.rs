@@ -60,6 +60,18 @@ pub fn values(data: &[u8]) {
     };
     let Ok(path) = std::str::from_utf8(path) else { return };
     let decoder = Decoder::new(Format::Json, 1 << 16);
+    // The selected decode (what the worker runs) refuses what the whole one refuses, with the same error, and
+    // finds what the whole one finds at the selected path.
+    if let Ok(p) = FieldPath::parse(path) {
+        let mut selection = idemflow::decode::Selection::default();
+        selection.add(p.tokens());
+        let (whole, part) = (decoder.decode(payload), decoder.decode_selected(payload, &selection));
+        match (&whole, &part) {
+            (Ok(w), Ok(s)) => assert_eq!(p.lookup(w), p.lookup(s), "{path}"),
+            (Err(a), Err(b)) => assert_eq!(a.to_string(), b.to_string()),
+            _ => panic!("whole {whole:?}, selected {part:?}"),
+        }
+    }
     let Ok(doc) = decoder.decode(payload) else { return };
     let found = FieldPath::parse(path).ok().and_then(|p| p.lookup(&doc).cloned()).unwrap_or(doc);
     for render in [Render::Text, Render::Json, Render::Zoned, Render::Array { json: false }, Render::Array { json: true }, Render::Numeric] {

@@ -30,7 +30,7 @@ use crate::prepare::{Apply, Prepared};
 use crate::record::Record;
 use super::{BatchOutcome, Fate, Sink};
 use crate::store::{SqlSideEffect, Tx};
-use std::collections::{HashMap, HashSet};
+use crate::store::rows::{DigestMap, Digests};
 
 impl Sink {
     /// Opens the batch transaction; returns it with the processed marks as they were before this batch (none
@@ -98,7 +98,7 @@ impl Sink {
         // since was autocommitted, so nothing after this point may be written, and the batch must not be taken for
         // applied.
         let mut tx = still_open(tx).await?;
-        let mut per_key: HashMap<[u8; 32], i64> = HashMap::new();
+        let mut per_key: DigestMap<i64> = DigestMap::default();
         for (p, fate) in prepared.iter().zip(&fates) {
             if let (Prepared::Apply(a), Fate::Duplicate(_)) = (p, fate) {
                 *per_key.entry(a.key.digest).or_default() += 1;
@@ -161,7 +161,7 @@ impl Sink {
         processed: &Processed,
     ) -> Result<Vec<Fate>, SinkError> {
         // The first occurrence of each key in the batch is the one that claims it.
-        let mut first: HashMap<[u8; 32], usize> = HashMap::new();
+        let mut first: DigestMap<usize> = DigestMap::default();
         let mut claims = Vec::new();
         for (i, p) in prepared.iter().enumerate() {
             if let Prepared::Apply(a) = p {
@@ -175,13 +175,13 @@ impl Sink {
         // take the unique index's locks in the same order and wait for each other instead of deadlocking.
         claims.sort_unstable_by_key(|c| c.key.digest);
         let new = if claims.is_empty() {
-            HashSet::new()
+            Digests::default()
         } else {
             tx.claim(&self.pipeline, &claims).await.map_err(|e| SinkError::new("claiming business keys", e))?
         };
         let old: Vec<&[u8]> = claims.iter().map(|c| &c.key.digest[..]).filter(|d| !new.contains(*d)).collect();
-        let stored: HashMap<[u8; 32], Existing> = if old.is_empty() {
-            HashMap::new()
+        let stored: DigestMap<Existing> = if old.is_empty() {
+            DigestMap::default()
         } else {
             tx.existing(&self.pipeline, &old)
                 .await

@@ -43,7 +43,6 @@ use crate::retention::PurgeOutcome;
 use crate::dead_letter::Stored;
 use crate::store::rows::{Claim, Existing, Explained};
 use crate::metrics::DeadLetterReason;
-use std::collections::HashSet;
 use std::time::Duration;
 
 /// A store's connection pool. Cheap to clone (the pool is shared).
@@ -493,7 +492,7 @@ impl Tx<'_> {
     }
 
     /// Claims distinct keys in one statement, insert-then-check. Returns the digests that were new.
-    pub async fn claim(&mut self, pipeline: &str, claims: &[Claim<'_>]) -> Result<HashSet<[u8; 32]>, sqlx::Error> {
+    pub async fn claim(&mut self, pipeline: &str, claims: &[Claim<'_>]) -> Result<crate::store::rows::Digests, sqlx::Error> {
         match self {
             Tx::Postgres(tx, _) => postgres::dedup::claim(tx, pipeline, claims).await,
             #[cfg(feature = "mysql")]

@@ -4,6 +4,13 @@
 use crate::key::BusinessKey;
 use crate::record::Position;
 
+/// A set of key digests (SHA-256). Digests are uniformly distributed, so the hasher is foldhash's fast one, seeded
+/// per process (bucket order is not predictable from outside), instead of the standard SipHash.
+pub type Digests = std::collections::HashSet<[u8; 32], foldhash::fast::RandomState>;
+
+/// A map keyed by key digests, hashed as [`Digests`].
+pub type DigestMap<V> = std::collections::HashMap<[u8; 32], V, foldhash::fast::RandomState>;
+
 /// A key claim for one record.
 pub struct Claim<'a> {
     /// The key.

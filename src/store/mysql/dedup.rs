@@ -19,13 +19,13 @@ use crate::record::Position;
 use crate::store::rows::{Claim, Existing, Explained};
 use sha2::{Digest, Sha256};
 use sqlx::MySqlConnection;
-use std::collections::HashSet;
+
 
 const COLUMNS: &str = "pipeline, key_digest, business_key, topic, `partition`, `offset`, fingerprint";
 
 /// Claims distinct keys. Returns the digests that were new.
-pub async fn claim(conn: &mut MySqlConnection, form: ClaimForm, pipeline: &str, claims: &[Claim<'_>]) -> Result<HashSet<[u8; 32]>, sqlx::Error> {
-    let mut new = HashSet::new();
+pub async fn claim(conn: &mut MySqlConnection, form: ClaimForm, pipeline: &str, claims: &[Claim<'_>]) -> Result<crate::store::rows::Digests, sqlx::Error> {
+    let mut new = crate::store::rows::Digests::default();
     for part in chunks(claims, 8, |c| c.key.text.len() + 128) {
         let rows = rows(&format!("({})", marks(if form == ClaimForm::Token { 8 } else { 7 })), part.len());
         let token = (form == ClaimForm::Token).then(claim_token);

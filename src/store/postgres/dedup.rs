@@ -7,7 +7,6 @@
 use crate::record::Position;
 use crate::store::rows::{Claim, Existing, Explained};
 use sqlx::PgConnection;
-use std::collections::HashSet;
 
 const CLAIM: &str = r#"
 INSERT INTO idemflow.dedup (pipeline, key_digest, business_key, topic, partition, "offset", fingerprint)
@@ -27,7 +26,7 @@ pub async fn claim(
     conn: &mut PgConnection,
     pipeline: &str,
     claims: &[Claim<'_>],
-) -> Result<HashSet<[u8; 32]>, sqlx::Error> {
+) -> Result<crate::store::rows::Digests, sqlx::Error> {
     let n = claims.len();
     let (mut digests, mut keys, mut topics) = (Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n));
     let (mut partitions, mut offsets, mut prints) = (Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n));
