@@ -775,8 +775,10 @@ impl Cluster {
         }
         let mut conn = PgConnection::connect(url).await.ok()?;
         let backend: i32 = sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&mut conn).await.ok()?;
+        // Read while the backend lives: it ends with the connection.
+        let stat = std::fs::read_to_string(format!("/proc/{backend}/stat")).ok();
         let _ = conn.close().await;
-        let stat = std::fs::read_to_string(format!("/proc/{backend}/stat")).ok()?;
+        let stat = stat?;
         let postmaster: i32 = stat.rsplit_once(')')?.1.split_whitespace().nth(1)?.parse().ok()?;
         Some(Cluster(postmaster))
     }
