@@ -59,6 +59,8 @@ async fn bench_runs_every_baseline_and_writes_markdown_and_json() {
             "(15) / (1), four batch transactions at once against one",
             "(1) / (9), the table form against COPY of the minimal rows",
             "(1) / (10), against a batched consumer written by hand",
+            "(14) / (10), two batch transactions at once against the hand-written consumer",
+            "PostgreSQL CPU per record, (1) / (10)",
             "(1) / (11), against the guides' per-message consumer",
         ]
     );
@@ -70,6 +72,11 @@ async fn bench_runs_every_baseline_and_writes_markdown_and_json() {
     for hand_written in [9, 10] {
         assert!(runs[hand_written]["cpu_us_per_record"].as_f64().unwrap() > 0.0, "{}", runs[hand_written]);
     }
+    // The PostgreSQL cluster's CPU over each run on it: every worker run but Redis's, and the hand-written (10).
+    for on_postgres in [0, 1, 3, 5, 7, 9, 11, 12, 13, 14] {
+        assert!(runs[on_postgres]["db_cpu_us_per_record"].as_f64().unwrap() > 0.0, "{}", runs[on_postgres]);
+    }
+    assert!(runs[6]["db_cpu_us_per_record"].is_null(), "the Redis run has no PostgreSQL: {}", runs[6]);
     assert!(runs[6]["note"].as_str().unwrap().contains("4000 received"), "the Redis run: {}", runs[6]);
     let settings = report["environment"].to_string();
     assert!(settings.contains("synchronous_commit") && settings.contains("fsync"), "{settings}");
