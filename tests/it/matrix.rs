@@ -396,6 +396,20 @@ fn stop(mut w: BinWorker, broker: Broker) {
     }
 }
 
+/// The worker's `/metrics`, scraped again (for at most 10 s) when a scrape comes back empty (a busy machine): for
+/// the assertions at the end of a scenario, which must not read an empty scrape as zero counts.
+async fn scrape_whole(w: &BinWorker) -> String {
+    let start = Instant::now();
+    loop {
+        let m = w.scrape();
+        if m.contains("idemflow_records_received_total") {
+            return m;
+        }
+        assert!(start.elapsed() < Duration::from_secs(10), "/metrics answered nothing for 10 s:\n{}", w.log_text());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 fn received(m: &str) -> f64 {
     metric(m, "idemflow_records_received_total", &P)
 }
@@ -415,7 +429,7 @@ async fn core(broker: Broker, db: Db) {
     let setup = pair.setup(None);
     let mut w = BinWorker::start(&setup);
     pair.wait_done(&[&w], n as f64).await;
-    let m = w.scrape();
+    let m = scrape_whole(&w).await;
     assert_counters_add_up(&m);
     assert_eq!(received(&m), n as f64, "each record delivered once to a lone worker");
     assert_eq!(metric(&m, "idemflow_records_applied_total", &P), pair.s.distinct as f64);
@@ -438,7 +452,7 @@ async fn core(broker: Broker, db: Db) {
     println!("{out}");
     let mut w = BinWorker::start(&setup);
     pair.wait_done(&[&w], n as f64).await;
-    let m = w.scrape();
+    let m = scrape_whole(&w).await;
     assert_counters_add_up(&m);
     assert_eq!(received(&m), n as f64, "the whole stream replayed");
     assert_eq!(metric(&m, "idemflow_records_applied_total", &P), 0.0, "nothing applied twice");
@@ -500,7 +514,7 @@ async fn crash_loop(broker: Broker, db: Db) {
     let w = BinWorker::start(&setup);
     wait_up(&w).await;
     pair.wait_done(&[&w], 0.0).await;
-    let m = w.scrape();
+    let m = scrape_whole(&w).await;
     assert_counters_add_up(&m);
     redelivered += duplicates(&m, "redelivered");
     if !pair.replays_a_committed_batch() {
@@ -531,7 +545,7 @@ async fn store_cut(broker: Broker, db: Db) {
     tokio::time::sleep(Duration::from_secs(8)).await;
     relay.heal();
     pair.wait_done(&[&w], 0.0).await;
-    let m = w.scrape();
+    let m = scrape_whole(&w).await;
     assert_counters_add_up(&m);
     let retries: f64 = m.lines().filter(|l| l.starts_with("idemflow_db_retries_total{")).filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok()).sum();
     assert!(retries > 0.0, "the batches that met the cut store were retried:\n{m}");
@@ -563,7 +577,7 @@ async fn second_worker(broker: Broker, db: Db) {
     }
     assert!(a.sigterm().success(), "{}", a.log_text());
     pair.wait_done(&[&b], 0.0).await;
-    assert_counters_add_up(&b.scrape());
+    assert_counters_add_up(&scrape_whole(&b).await);
     stop(b, broker);
     // Two consumers of one queue take its messages in any order: a copy with another amount may come first.
     pair.dst.assert_once(&pair.s, if pair.src.positional() { Order::Kept } else { Order::Lost }, pair.src.positional()).await;
