@@ -172,14 +172,30 @@ impl<'de> Visitor<'de> for Select<'_> {
 
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
         let mut members = Map::new();
-        while let Some(picked) = map.next_key_seed(Pick(self.0))? {
+        let mut first = true;
+        while let Some(picked) = map.next_key_seed(Pick { selection: self.0, first })? {
+            first = false;
             match picked {
+                Picked::Number => {
+                    // A number (no selected path goes through it), or an object posing as one: checked as
+                    // serde_json's own `Value` checks it.
+                    let text: String = map.next_value()?;
+                    text.parse::<serde_json::Number>().map_err(serde::de::Error::custom)?;
+                    return Ok(Value::Null);
+                }
+                Picked::Raw => {
+                    // serde_json's `Value` reads the member's text as a document of its own: so do we.
+                    let text: String = map.next_value()?;
+                    let mut de = serde_json::Deserializer::from_str(&text);
+                    let inner = Select(self.0).deserialize(&mut de).and_then(|v| de.end().map(|()| v));
+                    return inner.map_err(serde::de::Error::custom);
+                }
                 // A member named twice keeps its last value, in its first place, as the whole document's map does.
-                Some((name, child)) => {
+                Picked::Member(name, child) => {
                     let value = map.next_value_seed(Select(child))?;
                     members.insert(name, value);
                 }
-                None => {
+                Picked::Other => {
                     map.next_value::<Skip>()?;
                 }
             }
@@ -188,11 +204,36 @@ impl<'de> Visitor<'de> for Select<'_> {
     }
 }
 
-/// A member name, with its part of the selection when it is selected (owned only then).
-struct Pick<'s>(&'s Selection);
+/// serde_json's private member names: with `arbitrary_precision` every number reaches a visitor as an object whose
+/// only member is named [`NUMBER`], and with `raw_value` an object whose first member is named [`RAW`] is read as
+/// the document in that member's text. serde_json's `Value` treats them so as the **first** member of any object,
+/// a payload's own included; the selected decode does the same, so that it refuses and finds what the whole one
+/// does.
+const NUMBER: &str = "$serde_json::private::Number";
+/// See [`NUMBER`].
+const RAW: &str = "$serde_json::private::RawValue";
+
+/// What a member name is to the selected decode.
+enum Picked<'s> {
+    /// Selected, with its part of the selection.
+    Member(String, &'s Selection),
+    /// Not selected.
+    Other,
+    /// [`NUMBER`] as the first member.
+    Number,
+    /// [`RAW`] as the first member.
+    Raw,
+}
+
+/// A member name, with its part of the selection when it is selected (owned only then); `first` for an object's
+/// first member (see [`NUMBER`]).
+struct Pick<'s> {
+    selection: &'s Selection,
+    first: bool,
+}
 
 impl<'de, 's> DeserializeSeed<'de> for Pick<'s> {
-    type Value = Option<(String, &'s Selection)>;
+    type Value = Picked<'s>;
 
     fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Self::Value, D::Error> {
         deserializer.deserialize_str(self)
@@ -200,16 +241,23 @@ impl<'de, 's> DeserializeSeed<'de> for Pick<'s> {
 }
 
 impl<'de, 's> Visitor<'de> for Pick<'s> {
-    type Value = Option<(String, &'s Selection)>;
+    type Value = Picked<'s>;
 
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("a member name")
     }
 
     fn visit_str<E>(self, name: &str) -> Result<Self::Value, E> {
-        Ok(self.0.members.get_key_value(name).map(|(k, child)| (k.clone(), child)))
+        Ok(match name {
+            NUMBER if self.first => Picked::Number,
+            RAW if self.first => Picked::Raw,
+            _ => self.selection.members.get_key_value(name).map_or(Picked::Other, |(k, child)| Picked::Member(k.clone(), child)),
+        })
     }
 }
+
+/// The empty selection, for [`Skip`]'s member names.
+static NOTHING: Selection = Selection { whole: false, members: BTreeMap::new() };
 
 /// A value parsed and checked as any other (strings decoded and validated, numbers read), then dropped. Unlike
 /// [`serde::de::IgnoredAny`], which serde_json skips without decoding its escapes (a lone surrogate passes), this
@@ -253,8 +301,25 @@ impl<'de> Visitor<'de> for SkipVisitor {
         Ok(Skip)
     }
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Skip, A::Error> {
-        while map.next_key::<Skip>()?.is_some() {
-            map.next_value::<Skip>()?;
+        let mut first = true;
+        while let Some(picked) = map.next_key_seed(Pick { selection: &NOTHING, first })? {
+            first = false;
+            match picked {
+                Picked::Number => {
+                    let text: String = map.next_value()?;
+                    text.parse::<serde_json::Number>().map_err(serde::de::Error::custom)?;
+                    return Ok(Skip);
+                }
+                Picked::Raw => {
+                    let text: String = map.next_value()?;
+                    let mut de = serde_json::Deserializer::from_str(&text);
+                    let inner = Skip::deserialize(&mut de).and_then(|_| de.end());
+                    return inner.map(|()| Skip).map_err(serde::de::Error::custom);
+                }
+                Picked::Member(..) | Picked::Other => {
+                    map.next_value::<Skip>()?;
+                }
+            }
         }
         Ok(Skip)
     }
@@ -327,6 +392,20 @@ mod tests {
         }
         let deep = format!(r#"{{"order":{{"id":"x"}},"skipped":{}{}}}"#, "[".repeat(200), "]".repeat(200));
         same(deep.as_bytes(), &paths);
+        // serde_json's private names as a payload's own members (see NUMBER).
+        let private: &[&[u8]] = &[
+            br#"{"$serde_json::private::RawValue":"{\"order\":{\"id\":\"A\"}}"}"#,
+            br#"{"order":{"id":"A"},"x":{"$serde_json::private::Number":"zz"}}"#,
+            br#"{"order":{"id":"A"},"x":{"$serde_json::private::Number":"12.5"}}"#,
+            br#"{"$serde_json::private::RawValue":"nope","order":{"id":"A"}}"#,
+            br#"{"order":{"$serde_json::private::RawValue":"{\"id\":7}"}}"#,
+            br#"{"order":{"id":"A"},"x":{"$serde_json::private::RawValue":"[1,"}}"#,
+            br#"{"order":{"id":"A","$serde_json::private::Number":"zz"}}"#,
+            br#"{"$serde_json::private::Number":"1","order":{"id":"A"}}"#,
+        ];
+        for doc in private {
+            same(doc, &paths);
+        }
     }
 
     #[test]

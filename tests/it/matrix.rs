@@ -508,7 +508,7 @@ async fn crash_loop(broker: Broker, db: Db) {
             }
         }
         tokio::time::sleep(Duration::from_millis(rng.below(400))).await;
-        redelivered += duplicates(&w.scrape(), "redelivered");
+        redelivered += duplicates(&scrape_whole(&w).await, "redelivered");
         w.kill();
     }
     let w = BinWorker::start(&setup);
@@ -568,6 +568,13 @@ async fn second_worker(broker: Broker, db: Db) {
     }
     let b = BinWorker::start(&two);
     wait_up(&b).await;
+    // Publish once the group has given the newcomer partitions (queues): published before, they could all be
+    // drained by the first worker while the group rebalances.
+    let start = Instant::now();
+    while pair.src.positional() && metric(&b.scrape(), "idemflow_assigned_partitions", &P) == 0.0 {
+        assert!(start.elapsed() < Duration::from_secs(120), "the second worker was assigned nothing in 120 s:\n{}", b.log_text());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     pair.src.publish(&pair.s, n / 2..n).await;
     // Both work: the group gives the newcomer partitions (queues), or the queue its share of the messages.
     let start = Instant::now();
