@@ -176,20 +176,8 @@ impl<'de> Visitor<'de> for Select<'_> {
         while let Some(picked) = map.next_key_seed(Pick { selection: self.0, first })? {
             first = false;
             match picked {
-                Picked::Number => {
-                    // A number (no selected path goes through it), or an object posing as one: checked as
-                    // serde_json's own `Value` checks it.
-                    let text: String = map.next_value()?;
-                    text.parse::<serde_json::Number>().map_err(serde::de::Error::custom)?;
-                    return Ok(Value::Null);
-                }
-                Picked::Raw => {
-                    // serde_json's `Value` reads the member's text as a document of its own: so do we.
-                    let text: String = map.next_value()?;
-                    let mut de = serde_json::Deserializer::from_str(&text);
-                    let inner = Select(self.0).deserialize(&mut de).and_then(|v| de.end().map(|()| v));
-                    return inner.map_err(serde::de::Error::custom);
-                }
+                // A number (no selected path goes through it), or an object posing as one or as a raw value.
+                Picked::Number | Picked::Raw => return private_member(&mut map, &picked, Select(self.0), Value::Null),
                 // A member named twice keeps its last value, in its first place, as the whole document's map does.
                 Picked::Member(name, child) => {
                     let value = map.next_value_seed(Select(child))?;
@@ -212,6 +200,34 @@ impl<'de> Visitor<'de> for Select<'_> {
 const NUMBER: &str = "$serde_json::private::Number";
 /// See [`NUMBER`].
 const RAW: &str = "$serde_json::private::RawValue";
+
+/// The value of a first member named [`NUMBER`] or [`RAW`], read as serde_json's `Value` reads it: a number's text
+/// is checked (and `number` stands for it), a raw value's text is decoded with `seed` as a document of its own.
+fn private_member<'de, A, S, V>(map: &mut A, picked: &Picked<'_>, seed: S, number: V) -> Result<V, A::Error>
+where
+    A: MapAccess<'de>,
+    S: for<'t> DeserializeSeed<'t, Value = V>,
+{
+    let text: String = map.next_value()?;
+    if let Picked::Number = picked {
+        text.parse::<serde_json::Number>().map_err(serde::de::Error::custom)?;
+        return Ok(number);
+    }
+    let mut de = serde_json::Deserializer::from_str(&text);
+    let inner = seed.deserialize(&mut de).and_then(|v| de.end().map(|()| v));
+    inner.map_err(serde::de::Error::custom)
+}
+
+/// [`Skip`] as a seed.
+struct PhantomSkip;
+
+impl<'de> DeserializeSeed<'de> for PhantomSkip {
+    type Value = Skip;
+
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Skip, D::Error> {
+        Skip::deserialize(deserializer)
+    }
+}
 
 /// What a member name is to the selected decode.
 enum Picked<'s> {
@@ -305,17 +321,7 @@ impl<'de> Visitor<'de> for SkipVisitor {
         while let Some(picked) = map.next_key_seed(Pick { selection: &NOTHING, first })? {
             first = false;
             match picked {
-                Picked::Number => {
-                    let text: String = map.next_value()?;
-                    text.parse::<serde_json::Number>().map_err(serde::de::Error::custom)?;
-                    return Ok(Skip);
-                }
-                Picked::Raw => {
-                    let text: String = map.next_value()?;
-                    let mut de = serde_json::Deserializer::from_str(&text);
-                    let inner = Skip::deserialize(&mut de).and_then(|_| de.end());
-                    return inner.map(|()| Skip).map_err(serde::de::Error::custom);
-                }
+                Picked::Number | Picked::Raw => return private_member(&mut map, &picked, PhantomSkip, Skip),
                 Picked::Member(..) | Picked::Other => {
                     map.next_value::<Skip>()?;
                 }
