@@ -55,6 +55,8 @@ idemflow_venv_ready() {
 #   mariadb-server, mariadb-client  the MySQL/MariaDB store against a real server (a throwaway server per test run,
 #                      see scripts/mariadb-throwaway.sh)
 #   redis-server       the Redis store against a real server (each Redis test starts its own, in about 0.2 s)
+#   nats-server        NATS JetStream pipelines against a real server (each NATS test starts its own, with
+#                      JetStream on, in well under a second)
 #   make, gcc          building librdkafka (rdkafka-sys)
 #   pkg-config, libssl-dev  the Kafka client's TLS and SASL/SCRAM (librdkafka against the system OpenSSL)
 #   socat              a TLS-terminating proxy for the Kafka TLS test
@@ -75,6 +77,7 @@ idemflow_test_preflight() {
   [ -x /usr/sbin/mariadbd ] || missing+=(mariadb-server)
   { command -v mariadb && command -v mariadb-install-db; } >/dev/null 2>&1 || missing+=(mariadb-client)
   command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+  [ -x /usr/sbin/nats-server ] || command -v nats-server >/dev/null 2>&1 || missing+=(nats-server)
   command -v make >/dev/null 2>&1 || missing+=(make)
   idemflow_build_packages_missing missing
   command -v openssl >/dev/null 2>&1 || missing+=(openssl)

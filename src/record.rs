@@ -63,7 +63,8 @@ pub const MESSAGE_TAGS: &str = "tags";
 /// The message properties a record may carry, by the names a pipeline uses (`[key] property`, `{ property = ... }`).
 /// RabbitMQ: the AMQP 0-9-1 basic properties that hold text, and the exchange and routing key a message was
 /// published with. RocketMQ: `message_id` (the producer's unique id, `UNIQ_KEY`), `keys`, `tags`; its user
-/// properties are headers. A Kafka record has none.
+/// properties are headers. NATS JetStream: `subject`, and `message_id` (its `Nats-Msg-Id` header). A Kafka record
+/// has none.
 pub const PROPERTIES: &[&str] = &[
     MESSAGE_ID,
     "correlation_id",
@@ -79,6 +80,7 @@ pub const PROPERTIES: &[&str] = &[
     "routing_key",
     MESSAGE_KEYS,
     MESSAGE_TAGS,
+    "subject",
 ];
 
 /// One record as consumed: position, timestamp, key, headers and payload, all owned.

@@ -13,6 +13,7 @@ pub use crate::secret::{Secret, SecretUrl};
 pub use crate::source::kafka::{KafkaSettings, PropertyValue};
 pub use crate::source::rabbitmq::RabbitMqSettings;
 pub use crate::source::rocketmq::RocketMqSettings;
+pub use crate::source::nats::NatsSettings;
 pub use crate::store::spec::{DatabaseSettings, RedisSettings, DEFAULT_BATCH_TIMEOUT};
 
 use figment::providers::{Format as _, Toml};
@@ -23,7 +24,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 /// Top-level sections that may be set from the environment.
-const SECTIONS: [&str; 9] = ["database", "redis", "kafka", "rabbitmq", "rocketmq", "metrics", "log", "pipelines", "shutdown"];
+const SECTIONS: [&str; 10] = ["database", "redis", "kafka", "rabbitmq", "rocketmq", "nats", "metrics", "log", "pipelines", "shutdown"];
 
 /// The worker's settings, from `idemflow.toml` and the environment.
 #[derive(Clone, Debug, Deserialize)]
@@ -44,6 +45,8 @@ pub struct Settings {
     pub rabbitmq: Option<RabbitMqSettings>,
     /// RocketMQ, for pipelines with a RocketMQ source (required then).
     pub rocketmq: Option<RocketMqSettings>,
+    /// NATS, for pipelines with a NATS JetStream source (required then).
+    pub nats: Option<NatsSettings>,
     /// The `/metrics` endpoint.
     #[serde(default)]
     pub metrics: MetricsSettings,
@@ -71,6 +74,7 @@ impl Settings {
             kafka: self.kafka.clone(),
             rabbitmq: self.rabbitmq.clone(),
             rocketmq: self.rocketmq.clone(),
+            nats: self.nats.clone(),
             shutdown_timeout: self.shutdown.timeout,
         }
     }

@@ -375,6 +375,7 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<bool> {
             }),
         },
         rocketmq: None,
+        nats: None,
         metrics: MetricsSettings { listen: options.metrics_listen, ..MetricsSettings::default() },
         log: LogSettings::default(),
         shutdown: ShutdownSettings::default(),

@@ -4,7 +4,7 @@
 //! keeps messages ([`retention_report`]). One match per question, one arm per broker.
 
 // A build without some brokers leaves their arms out: the parameters and imports only they use are then unused.
-#![cfg_attr(not(all(feature = "kafka", feature = "rabbitmq", feature = "rocketmq")), allow(unused_variables, unused_imports))]
+#![cfg_attr(not(all(feature = "kafka", feature = "rabbitmq", feature = "rocketmq", feature = "nats")), allow(unused_variables, unused_imports))]
 
 use super::spec::SourceSpec;
 #[cfg(feature = "kafka")]
@@ -13,6 +13,8 @@ use super::kafka;
 use super::rabbitmq;
 #[cfg(feature = "rocketmq")]
 use super::rocketmq;
+#[cfg(feature = "nats")]
+use super::nats;
 use super::{Brokers, SourceContext};
 use crate::offsets::OffsetStore;
 use std::time::Duration;
@@ -55,6 +57,13 @@ pub async fn check(brokers: &Brokers, pipeline: &SourceContext) -> Result<Vec<St
             let settings = brokers.rocketmq.as_ref().ok_or_else(|| CheckError::Broker("[rocketmq] name_server is not set".to_owned()))?;
             rocketmq::check(settings, pipeline).await.map_err(CheckError::Broker)
         }
+        #[cfg(feature = "nats")]
+        SourceSpec::Nats(_) => {
+            let settings = brokers.nats.as_ref().ok_or_else(|| CheckError::Broker("[nats] url is not set".to_owned()))?;
+            nats::check(settings, pipeline).await.map_err(CheckError::Broker)
+        }
+        #[cfg(not(feature = "nats"))]
+        SourceSpec::Nats(_) => Err(CheckError::Broker(super::not_built("NATS JetStream", "nats"))),
         #[cfg(not(feature = "kafka"))]
         SourceSpec::Kafka(_) => Err(CheckError::Broker(super::not_built("Kafka", "kafka"))),
         #[cfg(not(feature = "rabbitmq"))]
@@ -75,6 +84,13 @@ pub fn summary(pipeline: &SourceContext) -> String {
             r.consumer_group,
             if pipeline.offsets == OffsetStore::Database { "the store" } else { "the broker" }
         ),
+        SourceSpec::Nats(n) => format!(
+            "stream {:?}, durable consumer {:?}, ack_wait {}, max_ack_pending {}",
+            n.stream,
+            n.consumer,
+            humantime::format_duration(n.ack_wait),
+            n.max_ack_pending
+        ),
     }
 }
 
@@ -87,7 +103,7 @@ pub fn timing_warnings(brokers: &Brokers, pipeline: &SourceContext) -> Vec<Strin
         SourceSpec::Kafka(_) => kafka::timing_warnings(brokers, pipeline),
         #[cfg(not(feature = "kafka"))]
         SourceSpec::Kafka(_) => Vec::new(),
-        SourceSpec::RabbitMq(_) | SourceSpec::RocketMq(_) => Vec::new(),
+        SourceSpec::RabbitMq(_) | SourceSpec::RocketMq(_) | SourceSpec::Nats(_) => Vec::new(),
     }
 }
 
@@ -106,6 +122,12 @@ pub async fn retention_report(brokers: &Brokers, pipeline: &SourceContext) -> Ve
             "pipeline {:?}: a queue has no retention.ms to compare with; [dedup] retention = {retention} must outlast the longest \
              time a message can wait in its queues (a message redelivered after its dedup row was purged is applied again)",
             pipeline.name,
+        )],
+        // `check` compares the stream's max_age with the retention when it reads the stream (see `nats::check`).
+        SourceSpec::Nats(n) => vec![format!(
+            "pipeline {:?}: stream {:?}: [dedup] retention = {retention} must outlast how long the stream keeps a message \
+             (max_age) and the longest a message can stay unacknowledged",
+            pipeline.name, n.stream,
         )],
         #[cfg(feature = "kafka")]
         SourceSpec::Kafka(k) => kafka::retention_report(&brokers.kafka, &pipeline.name, &k.topics, pipeline.dedup_retention).await,

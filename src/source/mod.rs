@@ -4,6 +4,8 @@
 //! - [`rabbitmq`]: one consumer per queue; a batch is acknowledged (`basic.ack` with `multiple`) after it commits.
 //! - [`rocketmq`]: a consumer-group member (clustering); positions are (topic/broker, queue id, queue offset), the
 //!   consume offsets updated after each batch.
+//! - [`nats`]: a durable JetStream pull consumer; positions are (stream, 0, stream sequence), each delivery
+//!   acknowledged with a double ack after its batch commits.
 //!
 //! The worker drives every source through [`Source`], a closed enum over them: batches in, "durable up to here"
 //! out, pauses while the store retries, and the records to drop when ownership moves (a Kafka rebalance, a lost
@@ -11,10 +13,11 @@
 //! others by the configuration checks, with the reason. A new broker is a new module here and a new variant.
 
 // A build without some brokers leaves their arms out: the parameters and imports only they use are then unused.
-#![cfg_attr(not(all(feature = "kafka", feature = "rabbitmq", feature = "rocketmq")), allow(unused_variables, unused_imports))]
+#![cfg_attr(not(all(feature = "kafka", feature = "rabbitmq", feature = "rocketmq", feature = "nats")), allow(unused_variables, unused_imports))]
 
 pub mod check;
 pub mod kafka;
+pub mod nats;
 pub mod rabbitmq;
 pub mod rewind;
 pub mod rocketmq;
@@ -39,6 +42,9 @@ pub use rocketmq::RocketMqSettings;
 pub use rabbitmq::RabbitMqSource;
 #[cfg(feature = "rocketmq")]
 pub use rocketmq::RocketMqSource;
+pub use nats::NatsSettings;
+#[cfg(feature = "nats")]
+pub use nats::NatsSource;
 
 /// What a source is given of its pipeline: the pipeline's name and `[source]`, and what of the rest of the file
 /// decides how it reads. The configuration builds it (`Pipeline::source_context`); a source never sees the rest.
@@ -70,6 +76,8 @@ pub struct Brokers {
     pub rabbitmq: Option<RabbitMqSettings>,
     /// `[rocketmq]`, required by RocketMQ pipelines.
     pub rocketmq: Option<RocketMqSettings>,
+    /// `[nats]`, required by NATS JetStream pipelines.
+    pub nats: Option<NatsSettings>,
     /// `[shutdown] timeout`.
     pub shutdown_timeout: Duration,
 }
@@ -98,6 +106,9 @@ pub enum Source {
     /// A RocketMQ topic.
     #[cfg(feature = "rocketmq")]
     RocketMq(RocketMqSource),
+    /// A NATS JetStream durable consumer.
+    #[cfg(feature = "nats")]
+    Nats(NatsSource),
 }
 
 impl Source {
@@ -125,6 +136,13 @@ impl Source {
                 let rocketmq = settings.rocketmq.as_ref().ok_or("[rocketmq] name_server is not set")?;
                 RocketMqSource::new(rocketmq, pipeline, metrics, stored).map(Source::RocketMq)
             }
+            #[cfg(feature = "nats")]
+            SourceSpec::Nats(_) => {
+                let nats = settings.nats.as_ref().ok_or("[nats] url is not set")?;
+                NatsSource::new(nats, pipeline, metrics).map(Source::Nats)
+            }
+            #[cfg(not(feature = "nats"))]
+            SourceSpec::Nats(_) => Err(not_built("NATS JetStream", "nats")),
             #[cfg(not(feature = "kafka"))]
             SourceSpec::Kafka(_) => Err(not_built("Kafka", "kafka")),
             #[cfg(not(feature = "rabbitmq"))]
@@ -145,6 +163,8 @@ impl Source {
             Source::RabbitMq(s) => s.next_batch(settings, shutdown).await,
             #[cfg(feature = "rocketmq")]
             Source::RocketMq(s) => s.next_batch(settings, shutdown).await,
+            #[cfg(feature = "nats")]
+            Source::Nats(s) => s.next_batch(settings, shutdown).await,
         }
     }
 
@@ -158,6 +178,8 @@ impl Source {
             Source::RabbitMq(s) => s.pause_for(delay, batch, shutdown).await,
             #[cfg(feature = "rocketmq")]
             Source::RocketMq(s) => s.pause_for(delay, batch, shutdown).await,
+            #[cfg(feature = "nats")]
+            Source::Nats(s) => s.pause_for(delay, batch, shutdown).await,
         }
     }
 
@@ -170,6 +192,8 @@ impl Source {
             Source::RocketMq(s) => s.positions(&NextOffsets::after(batch)),
             #[cfg(feature = "rabbitmq")]
             Source::RabbitMq(_) => None,
+            #[cfg(feature = "nats")]
+            Source::Nats(_) => None,
         }
     }
 
@@ -182,6 +206,8 @@ impl Source {
             Source::RabbitMq(s) => s.poll_while(work).await,
             #[cfg(feature = "rocketmq")]
             Source::RocketMq(s) => s.poll_while(work).await,
+            #[cfg(feature = "nats")]
+            Source::Nats(s) => s.poll_while(work).await,
         }
     }
 
@@ -195,6 +221,8 @@ impl Source {
             Source::RabbitMq(s) => s.fatal().map(str::to_owned),
             #[cfg(feature = "rocketmq")]
             Source::RocketMq(s) => s.fatal().map(str::to_owned),
+            #[cfg(feature = "nats")]
+            Source::Nats(s) => s.fatal().map(str::to_owned),
         }
     }
 
@@ -207,6 +235,8 @@ impl Source {
             Source::RabbitMq(s) => s.drop_revoked(batch),
             #[cfg(feature = "rocketmq")]
             Source::RocketMq(s) => s.drop_revoked(batch),
+            #[cfg(feature = "nats")]
+            Source::Nats(_) => {}
         }
     }
 
@@ -220,6 +250,8 @@ impl Source {
             Source::RocketMq(s) => s.lose(partitions, used, batch).await,
             #[cfg(feature = "rabbitmq")]
             Source::RabbitMq(_) => {}
+            #[cfg(feature = "nats")]
+            Source::Nats(_) => {}
         }
     }
 
@@ -233,6 +265,8 @@ impl Source {
             Source::RocketMq(s) => s.owned(),
             #[cfg(feature = "rabbitmq")]
             Source::RabbitMq(_) => Vec::new(),
+            #[cfg(feature = "nats")]
+            Source::Nats(_) => Vec::new(),
         }
     }
 
@@ -249,11 +283,13 @@ impl Source {
             Source::RocketMq(s) => s.resync(claimed, batch).await,
             #[cfg(feature = "rabbitmq")]
             Source::RabbitMq(_) => Ok(()),
+            #[cfg(feature = "nats")]
+            Source::Nats(_) => Ok(()),
         }
     }
 
     /// Tells the broker that `batch` (committed in the store) is done: Kafka offsets are committed, RabbitMQ
-    /// deliveries acknowledged, RocketMQ consume offsets updated.
+    /// deliveries acknowledged, RocketMQ consume offsets updated, JetStream deliveries double-acked.
     pub async fn commit(&mut self, batch: &[Record]) {
         match self {
             #[cfg(feature = "kafka")]
@@ -262,6 +298,8 @@ impl Source {
             Source::RocketMq(s) => s.commit(&NextOffsets::after(batch)).await,
             #[cfg(feature = "rabbitmq")]
             Source::RabbitMq(s) => s.commit(batch).await,
+            #[cfg(feature = "nats")]
+            Source::Nats(s) => s.commit(batch).await,
         }
     }
 
@@ -274,6 +312,8 @@ impl Source {
             Source::RabbitMq(s) => s.abandon().await,
             #[cfg(feature = "rocketmq")]
             Source::RocketMq(s) => s.abandon().await,
+            #[cfg(feature = "nats")]
+            Source::Nats(s) => s.abandon().await,
         }
     }
 
@@ -286,6 +326,8 @@ impl Source {
             Source::RabbitMq(s) => s.close().await,
             #[cfg(feature = "rocketmq")]
             Source::RocketMq(s) => s.close().await,
+            #[cfg(feature = "nats")]
+            Source::Nats(s) => s.close().await,
         }
     }
 }
@@ -312,6 +354,16 @@ pub async fn rewind_group(
         SourceSpec::Kafka(_) => anyhow::bail!("{}: {}", file.display(), not_built("Kafka", "kafka")),
         #[cfg(not(feature = "rocketmq"))]
         SourceSpec::RocketMq(_) => anyhow::bail!("{}: {}", file.display(), not_built("RocketMQ", "rocketmq")),
+        SourceSpec::Nats(n) => anyhow::bail!(
+            "{}: pipeline {:?} has a {} source: rewind moves a consumer's stored position back; a JetStream durable \
+             consumer's position is its ack floor on the server, which cannot be moved back. To replay stream {:?}, create \
+             a new consumer with a start sequence or time (`nats consumer add --deliver <seq|time>`) and point [source] \
+             consumer at it: the dedup store skips every message already applied",
+            file.display(),
+            pipeline.name,
+            pipeline.source.kind(),
+            n.stream
+        ),
         SourceSpec::RabbitMq(_) => anyhow::bail!(
             "{}: pipeline {:?} has a {} source: rewind moves a consumer group back; a queue has no positions to go \
              back to (an acknowledged message has left it). Publish the messages again instead: the dedup store skips \

@@ -3,6 +3,7 @@
 use super::kafka::KafkaSpec;
 use super::rabbitmq::RabbitMqSpec;
 use super::rocketmq::RocketMqSpec;
+use super::nats::NatsSpec;
 use super::rabbitmq::QueueType;
 use crate::validate::Problems;
 use serde::Deserialize;
@@ -17,6 +18,8 @@ pub enum SourceSpec {
     RabbitMq(RabbitMqSpec),
     /// A RocketMQ topic read by a consumer group in clustering mode.
     RocketMq(RocketMqSpec),
+    /// A NATS JetStream stream read through a durable pull consumer.
+    Nats(NatsSpec),
 }
 
 /// What a broker's source can do, asked by the configuration's checks instead of which broker it is: one const per
@@ -55,7 +58,8 @@ pub(crate) const LANES: &str = "more than 1 needs a Kafka source, whose partitio
      consumers sharing a queue would take its messages out of order (run more workers on more queues instead)";
 
 /// Every broker's capabilities, in the order their names are listed in messages.
-pub const ALL: [&Capabilities; 3] = [&super::kafka::CAPABILITIES, &super::rabbitmq::CAPABILITIES, &super::rocketmq::CAPABILITIES];
+pub const ALL: [&Capabilities; 4] =
+    [&super::kafka::CAPABILITIES, &super::rabbitmq::CAPABILITIES, &super::rocketmq::CAPABILITIES, &super::nats::CAPABILITIES];
 
 /// The capabilities of the broker named `kind` in `[source] kind`, if there is one.
 pub fn by_kind(kind: &str) -> Option<&'static Capabilities> {
@@ -69,6 +73,7 @@ impl SourceSpec {
             SourceSpec::Kafka(_) => &super::kafka::CAPABILITIES,
             SourceSpec::RabbitMq(_) => &super::rabbitmq::CAPABILITIES,
             SourceSpec::RocketMq(_) => &super::rocketmq::CAPABILITIES,
+            SourceSpec::Nats(_) => &super::nats::CAPABILITIES,
         }
     }
 
@@ -84,7 +89,10 @@ impl SourceSpec {
             SourceSpec::RocketMq(_) if brokers.rocketmq.is_none() => {
                 Some("a RocketMQ source needs [rocketmq] name_server in the settings (or IDEMFLOW_ROCKETMQ__NAME_SERVER)")
             }
-            SourceSpec::Kafka(_) | SourceSpec::RabbitMq(_) | SourceSpec::RocketMq(_) => None,
+            SourceSpec::Nats(_) if brokers.nats.is_none() => {
+                Some("a NATS JetStream source needs [nats] url in the settings (or IDEMFLOW_NATS__URL)")
+            }
+            SourceSpec::Kafka(_) | SourceSpec::RabbitMq(_) | SourceSpec::RocketMq(_) | SourceSpec::Nats(_) => None,
         }
     }
 
@@ -98,6 +106,11 @@ impl SourceSpec {
             (SourceSpec::RocketMq(a), SourceSpec::RocketMq(b)) if a.consumer_group == b.consumer_group => {
                 Some(("source.consumer_group", format!("{:?} is also used by", b.consumer_group), ""))
             }
+            (SourceSpec::Nats(a), SourceSpec::Nats(b)) if a.stream == b.stream && a.consumer == b.consumer => Some((
+                "source.consumer",
+                format!("{:?} of stream {:?} is also consumed by", b.consumer, b.stream),
+                ": two pipelines on one durable consumer would each see only part of its messages",
+            )),
             (SourceSpec::RabbitMq(a), SourceSpec::RabbitMq(b)) => b.queues.iter().find(|q| a.queues.contains(q)).map(|q| {
                 ("source.queues", format!("{q:?} is also consumed by"), ": competing pipelines would each see only part of its messages")
             }),
@@ -114,7 +127,7 @@ impl SourceSpec {
     pub fn kafka(&self) -> Option<&KafkaSpec> {
         match self {
             SourceSpec::Kafka(k) => Some(k),
-            SourceSpec::RabbitMq(_) | SourceSpec::RocketMq(_) => None,
+            SourceSpec::RabbitMq(_) | SourceSpec::RocketMq(_) | SourceSpec::Nats(_) => None,
         }
     }
 
@@ -135,6 +148,7 @@ impl SourceSpec {
             SourceSpec::Kafka(k) => &k.topics,
             SourceSpec::RabbitMq(r) => &r.queues,
             SourceSpec::RocketMq(r) => std::slice::from_ref(&r.topic),
+            SourceSpec::Nats(n) => std::slice::from_ref(&n.stream),
         }
     }
 
@@ -146,6 +160,7 @@ impl SourceSpec {
             SourceSpec::Kafka(_) => ("Kafka", "kafka", cfg!(feature = "kafka")),
             SourceSpec::RabbitMq(_) => ("RabbitMQ", "rabbitmq", cfg!(feature = "rabbitmq")),
             SourceSpec::RocketMq(_) => ("RocketMQ", "rocketmq", cfg!(feature = "rocketmq")),
+            SourceSpec::Nats(_) => ("NATS JetStream", "nats", cfg!(feature = "nats")),
         };
         if built { Ok(()) } else { Err(crate::source::not_built(what, feature)) }
     }
@@ -155,7 +170,7 @@ impl SourceSpec {
 #[derive(Deserialize, Default)]
 #[serde(deny_unknown_fields)]
 pub struct RawSource {
-    /// `kind`: `kafka` (the default), `rabbitmq` or `rocketmq`.
+    /// `kind`: `kafka` (the default), `rabbitmq`, `rocketmq` or `nats`.
     pub kind: Option<String>,
     /// `topics`.
     pub topics: Option<Vec<String>>,
@@ -177,6 +192,17 @@ pub struct RawSource {
     pub consumer_group: Option<String>,
     /// `tag_expression`.
     pub tag_expression: Option<String>,
+    /// `stream`.
+    pub stream: Option<String>,
+    /// `consumer`.
+    pub consumer: Option<String>,
+    /// `filter_subjects`.
+    pub filter_subjects: Option<Vec<String>>,
+    /// `ack_wait`.
+    #[serde(default, with = "humantime_serde")]
+    pub ack_wait: Option<std::time::Duration>,
+    /// `max_ack_pending`.
+    pub max_ack_pending: Option<i64>,
 }
 
 impl RawSource {
@@ -193,6 +219,11 @@ impl RawSource {
             ("topic", self.topic.is_some()),
             ("consumer_group", self.consumer_group.is_some()),
             ("tag_expression", self.tag_expression.is_some()),
+            ("stream", self.stream.is_some()),
+            ("consumer", self.consumer.is_some()),
+            ("filter_subjects", self.filter_subjects.is_some()),
+            ("ack_wait", self.ack_wait.is_some()),
+            ("max_ack_pending", self.max_ack_pending.is_some()),
         ];
         set.into_iter().filter(|(_, set)| *set).map(|(f, _)| f).collect()
     }
@@ -228,8 +259,9 @@ pub fn parse(
         "kafka" => super::kafka::parse(s, legacy_topics, legacy_group, name, e).map(SourceSpec::Kafka),
         "rabbitmq" => super::rabbitmq::parse(s.expect("kind comes from [source]"), max_records, e).map(SourceSpec::RabbitMq),
         "rocketmq" => super::rocketmq::parse(s.expect("kind comes from [source]"), name, e).map(SourceSpec::RocketMq),
+        "nats" => super::nats::parse(s.expect("kind comes from [source]"), name, max_records, e).map(SourceSpec::Nats),
         other => {
-            e.push("source.kind", format!("{other:?} is not a source kind: kafka, rabbitmq or rocketmq"));
+            e.push("source.kind", format!("{other:?} is not a source kind: kafka, rabbitmq, rocketmq or nats"));
             None
         }
     }

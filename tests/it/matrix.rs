@@ -1,5 +1,6 @@
 //! The guarantee matrix: one set of black-box scenarios, written once, run through the binary on the real servers
-//! against every source x store pair idemflow supports (Kafka, RabbitMQ, RocketMQ x PostgreSQL, MariaDB, Redis).
+//! against every source x store pair idemflow supports (Kafka, RabbitMQ, RocketMQ, NATS JetStream x PostgreSQL,
+//! MariaDB, Redis).
 //! Each scenario asserts the guarantee itself: every operation applied once with exact amounts, exact duplicate
 //! counters where the scenario makes them exact, every poison record dead-lettered with its reason, nothing
 //! dead-lettered for an outage. What differs per pair is only how a record is published and how the store is read:
@@ -12,12 +13,15 @@
 //! | (c) the store unavailable mid-stream | `store_cut_<source>_<store>` |
 //! | (e) a second worker joining and leaving | `second_worker_<source>_<store>` |
 //!
-//! A queue (RabbitMQ) cannot be rewound, so "redelivered after a restart" is not forced there with an exact count:
-//! redeliveries of a queue show up in the crash loop, where each one is counted and nothing is applied twice.
+//! A queue (RabbitMQ) and a JetStream durable consumer cannot be rewound, so "redelivered after a restart" is not
+//! forced there with an exact count: their redeliveries show up in the crash loop, where each one is counted and
+//! nothing is applied twice. JetStream pairs run with `ack_wait = "4s"`, shorter than the store outage of (c):
+//! there the in-progress acks must keep every held delivery from being redelivered.
 //! The README's table is made from the test names here (`the_readme_table_is_made_from_the_matrix`).
 
 use crate::failures::{assert_counters_add_up, payments, Payments, Rng};
 use crate::support::mariadb::MyDb;
+use crate::support::nats::NatsServer;
 use crate::support::redis::RedisServer;
 use crate::support::relay::Relay;
 use crate::support::rocketmq::{self, Producer};
@@ -35,6 +39,7 @@ enum Broker {
     Kafka,
     RabbitMq,
     RocketMq,
+    Nats,
 }
 
 /// A pair's store.
@@ -50,7 +55,12 @@ enum Src {
     Kafka(Kafka),
     RabbitMq { client: rabbitmq::Client, queue: String },
     RocketMq { producer: Producer, topic: String },
+    Nats { server: NatsServer, stream: String },
 }
+
+/// The `ack_wait` of the JetStream pairs' consumer: shorter than the store outage of (c), longer than a batch's
+/// `max_wait`; the crash loop's held deliveries come back after it.
+const NATS_ACK_WAIT: &str = "4s";
 
 /// Partitions (Kafka) or queues (RocketMQ) of a scenario's topic.
 const PARTITIONS: i32 = 3;
@@ -73,6 +83,12 @@ impl Src {
                 let producer = Producer::start(rocketmq::shared()).await;
                 Src::RocketMq { producer, topic: format!("matrix-{}", unique()) }
             }
+            Broker::Nats => {
+                let server = NatsServer::start();
+                let stream = "PAYMENTS".to_owned();
+                server.create_stream(&stream).await;
+                Src::Nats { server, stream }
+            }
         }
     }
 
@@ -86,6 +102,7 @@ impl Src {
             Src::RocketMq { topic, .. } => format!(
                 "[source]\nkind = \"rocketmq\"\ntopic = \"{topic}\"\nconsumer_group = \"idemflow-{topic}\"\n[offsets]\nstore = \"database\""
             ),
+            Src::Nats { stream, .. } => format!("[source]\nkind = \"nats\"\nstream = \"{stream}\"\nack_wait = \"{NATS_ACK_WAIT}\""),
         }
     }
 
@@ -95,12 +112,13 @@ impl Src {
             Src::Kafka(kafka) => format!("[kafka]\nbootstrap_servers = \"{}\"\n[kafka.properties]{}\n", kafka.bootstrap(), TEST_KAFKA_PROPERTIES),
             Src::RabbitMq { .. } => rabbitmq::settings(rabbitmq::shared_url()),
             Src::RocketMq { .. } => rocketmq::settings(rocketmq::shared()),
+            Src::Nats { server, .. } => server.settings(),
         }
     }
 
     /// The stream for this broker: a queue has one partition.
     fn stream(&self) -> Payments {
-        payments(DISTINCT, if matches!(self, Src::RabbitMq { .. }) { 1 } else { PARTITIONS }, false)
+        payments(DISTINCT, if matches!(self, Src::RabbitMq { .. } | Src::Nats { .. }) { 1 } else { PARTITIONS }, false)
     }
 
     /// Publishes `s.records[range]`, each to its record's partition (Kafka) or queue (RocketMQ).
@@ -116,12 +134,20 @@ impl Src {
                     .collect();
                 producer.send(topic, &msgs, |i| s.records[from + i].partition).await;
             }
+            // Without Nats-Msg-Id: the copies stand for a producer publishing again after the stream's duplicate
+            // window, which only idemflow's dedup rows catch.
+            Src::Nats { server, stream } => {
+                let msgs: Vec<(Option<String>, Vec<u8>)> = crate::rabbitmq::messages(s)[range].iter().map(|m| (None, m.body.clone())).collect();
+                server.publish(&format!("{stream}.payments"), &msgs).await;
+            }
         }
     }
 
-    /// Whether its records have positions a rewind can go back to.
+    /// Whether its records have positions a rewind can go back to, and the store keeps them (a JetStream stream
+    /// sequence classifies a redelivery, but the consumer's position is on the server: a redelivered poison
+    /// message gets a second dead letter, as from a queue).
     fn positional(&self) -> bool {
-        !matches!(self, Src::RabbitMq { .. })
+        !matches!(self, Src::RabbitMq { .. } | Src::Nats { .. })
     }
 }
 
@@ -322,11 +348,11 @@ impl Pair {
 
     /// Whether a batch committed in the store whose offset commit or acknowledgement a crash prevented comes back
     /// to the next worker: yes where the broker keeps the positions (Kafka's group offsets beside a database,
-    /// RabbitMQ's acknowledgements); no where the positions are stored with each batch (the RocketMQ pairs use
+    /// RabbitMQ's and JetStream's acknowledgements); no where the positions are stored with each batch (the RocketMQ pairs use
     /// `[offsets] store = "database"`; a Redis sink keeps a Kafka consumer's positions in Redis).
     fn replays_a_committed_batch(&self) -> bool {
         match (self.broker, self.db) {
-            (Broker::RabbitMq, _) => true,
+            (Broker::RabbitMq | Broker::Nats, _) => true,
             (Broker::Kafka, Db::Postgres | Db::MariaDb) => true,
             (Broker::Kafka, Db::Redis) | (Broker::RocketMq, _) => false,
         }
@@ -549,6 +575,11 @@ async fn store_cut(broker: Broker, db: Db) {
     assert_counters_add_up(&m);
     let retries: f64 = m.lines().filter(|l| l.starts_with("idemflow_db_retries_total{")).filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok()).sum();
     assert!(retries > 0.0, "the batches that met the cut store were retried:\n{m}");
+    if broker == Broker::Nats {
+        // The outage (8 s) outlasts ack_wait (4 s): the in-progress acks kept every held delivery from coming back.
+        assert_eq!(duplicates(&m, "redelivered"), 0.0, "in-progress acks held the deliveries through the outage");
+        assert_eq!(received(&m), n as f64, "each message delivered once");
+    }
     assert!(w.sigterm().success(), "{}", w.log_text());
     pair.assert_exactly_once().await;
 }
@@ -638,6 +669,18 @@ matrix! {
     second_worker_rocketmq_postgres: second_worker(RocketMq, Postgres);
     second_worker_rocketmq_mariadb: second_worker(RocketMq, MariaDb);
     second_worker_rocketmq_redis: second_worker(RocketMq, Redis);
+    core_nats_postgres: core(Nats, Postgres);
+    core_nats_mariadb: core(Nats, MariaDb);
+    core_nats_redis: core(Nats, Redis);
+    crash_loop_nats_postgres: crash_loop(Nats, Postgres);
+    crash_loop_nats_mariadb: crash_loop(Nats, MariaDb);
+    crash_loop_nats_redis: crash_loop(Nats, Redis);
+    store_cut_nats_postgres: store_cut(Nats, Postgres);
+    store_cut_nats_mariadb: store_cut(Nats, MariaDb);
+    store_cut_nats_redis: store_cut(Nats, Redis);
+    second_worker_nats_postgres: second_worker(Nats, Postgres);
+    second_worker_nats_mariadb: second_worker(Nats, MariaDb);
+    second_worker_nats_redis: second_worker(Nats, Redis);
 }
 
 /// The README's table of the matrix (scenario x pair -> test), between `<!-- matrix -->` and `<!-- /matrix -->`,
@@ -655,7 +698,7 @@ fn the_readme_table_is_made_from_the_matrix() {
             Some((name.to_owned(), scenario.to_owned(), broker.to_owned(), db.to_owned()))
         })
         .collect();
-    assert_eq!(tests.len(), 36, "every scenario on every pair");
+    assert_eq!(tests.len(), 48, "every scenario on every pair");
     let scenarios = [
         ("core", "(a) duplicates counted exactly (republished, payload mismatch, redelivered after a rewind) and (d) poison records dead-lettered with their reason"),
         ("crash_loop", "(b) a crash after COMMIT, then SIGKILLs while the stream flows"),
@@ -667,6 +710,7 @@ fn the_readme_table_is_made_from_the_matrix() {
         match s {
             "RabbitMq" => "RabbitMQ",
             "RocketMq" => "RocketMQ",
+            "Nats" => "NATS JetStream",
             "Postgres" => "PostgreSQL",
             "MariaDb" => "MySQL/MariaDB",
             other => other,

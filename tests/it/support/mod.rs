@@ -2,6 +2,7 @@
 
 pub mod kafka;
 pub mod mariadb;
+pub mod nats;
 pub mod noida;
 pub mod postgres;
 pub mod rabbitmq;

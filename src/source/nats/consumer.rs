@@ -1,0 +1,770 @@
+//! The NATS JetStream source of one pipeline ([`crate::source::Source::Nats`]): a durable pull consumer on a stream
+//! (the async-nats crate), whose deliveries are acknowledged one by one, each with a double ack, only after their
+//! batch's transaction committed.
+//!
+//! # Why nothing is lost or applied twice
+//!
+//! - The consumer has explicit acks (`ack_policy = explicit`, checked): the server keeps every delivery pending
+//!   until it is acknowledged, and redelivers it once `ack_wait` passes without an ack, or to the next worker when
+//!   this one is gone. Acks are per message, never `ack_policy = all`: with several workers on one consumer, an ack
+//!   of all below a sequence would acknowledge deliveries another worker still holds.
+//! - After the store's COMMIT, every delivery of the batch is acknowledged with a **double ack** (the server
+//!   confirms it; JetStream's `AckSync`). A failed or unconfirmed ack is retried (three attempts); one still
+//!   unconfirmed is logged and counted (`idemflow_offset_commits_total{result="error"}`), never fatal: the server
+//!   redelivers it after `ack_wait` and its dedup row skips it as `redelivered`.
+//! - A crash anywhere before the acks: the server redelivers every pending delivery after `ack_wait`. The ones
+//!   whose transaction committed are skipped by their dedup rows.
+//! - While a batch is in its transaction, or waits to retry it through a database outage, and while deliveries
+//!   wait in the stash for the next batch, the source sends an in-progress ack (`+WPI`) for each of them every third
+//!   of `ack_wait`: the server restarts their ack timers, so a slow or retried transaction never lets `ack_wait`
+//!   expire silently, and a delivery's count of deliveries (`max_deliver`) does not grow while it waits.
+//! - Memory is bounded by the consumer's `max_ack_pending` (default twice `batch.max_records`, checked): the
+//!   server sends no more than that many unacknowledged deliveries.
+//!
+//! # Positions and duplicates
+//!
+//! A delivery's stream sequence is a stable position: the same message redelivered has the same sequence, a
+//! message published again has a new one. Records carry the stream's name, partition 0 and the stream sequence,
+//! so a duplicate is classified by position as for Kafka (`redelivered` at the same sequence, `republished` or
+//! `payload_mismatch` at another). The consumer's position itself (its ack floor) lives on the server: there is
+//! no offset to store or seek, so `[offsets] store = "database"` and `rewind` are refused.
+//!
+//! # Order
+//!
+//! A stream delivers in sequence order to one worker. Several workers on one durable consumer share its
+//! deliveries (competing consumers) and may commit their effects in any order; a redelivery comes after later
+//! messages.
+
+use super::{NatsSettings, NatsSpec};
+use crate::batch::BatchSettings;
+use crate::metrics::{CommitResult, PipelineMetrics, RebalanceEvent};
+use crate::record::{Position, Record};
+use crate::shutdown::Shutdown;
+use crate::source::SourceContext;
+use async_nats::jetstream::{self, consumer::pull, consumer::AckPolicy, message::Acker, AckKind};
+use futures_util::StreamExt;
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+
+/// A delivery's attempts at a double ack before it is left to be redelivered.
+const ACK_ATTEMPTS: u32 = 3;
+
+/// How many double acks are in flight at once.
+const ACKS_IN_FLIGHT: usize = 256;
+
+/// The header JetStream deduplicates a publisher's retries on (within the stream's duplicate window); idemflow's
+/// `message_id` property.
+pub const MSG_ID_HEADER: &str = "Nats-Msg-Id";
+
+/// What the forwarding task hands the source.
+enum Event {
+    /// A delivery.
+    Message(jetstream::Message),
+    /// The pull stream ended or failed: it is started again (deliveries held keep their acks: an ack names its
+    /// delivery, not the stream it came through).
+    Lost(String),
+    /// The consumer is gone from the server (deleted under the worker): the pipeline stops.
+    Deleted,
+}
+
+/// A pull stream on the consumer, read by a forwarding task.
+struct Live {
+    events: mpsc::UnboundedReceiver<Event>,
+    forwarder: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Live {
+    fn drop(&mut self) {
+        self.forwarder.abort();
+    }
+}
+
+/// One pipeline's JetStream consumer.
+pub struct NatsSource {
+    settings: NatsSettings,
+    spec: NatsSpec,
+    pipeline: String,
+    metrics: PipelineMetrics,
+    max_payload_bytes: usize,
+    max_records: usize,
+    max_wait: Duration,
+    stream: Arc<str>,
+    client: Option<async_nats::Client>,
+    live: Option<Live>,
+    /// Deliveries received and not yet in a batch, in arrival order.
+    stash: VecDeque<Record>,
+    /// The ack handle of every delivery received and not yet acknowledged (stashed or in a batch), by stream
+    /// sequence (a redelivery of a held sequence replaces the older handle: either acknowledges the message).
+    held: HashMap<u64, Acker>,
+    /// When in-progress acks were last sent for `held`.
+    progress_sent: Instant,
+    reconnect: Box<dyn Iterator<Item = Duration> + Send>,
+    /// Set when the pipeline must stop (see [`NatsSource::fatal`]).
+    fatal: Option<String>,
+}
+
+impl NatsSource {
+    /// A source for `pipeline` (which must have a JetStream source). It connects on the first
+    /// [`NatsSource::next_batch`], and starts its pull stream again with backoff whenever it fails.
+    pub fn new(settings: &NatsSettings, pipeline: &SourceContext, metrics: PipelineMetrics) -> Result<Self, String> {
+        let crate::source::spec::SourceSpec::Nats(spec) = &pipeline.source else {
+            return Err("not a NATS JetStream pipeline".to_owned());
+        };
+        Ok(NatsSource {
+            settings: settings.clone(),
+            stream: Arc::from(spec.stream.as_str()),
+            spec: spec.clone(),
+            pipeline: pipeline.name.clone(),
+            metrics,
+            max_payload_bytes: pipeline.max_payload_bytes,
+            max_records: pipeline.batch.max_records,
+            max_wait: pipeline.batch.max_wait,
+            client: None,
+            live: None,
+            stash: VecDeque::new(),
+            held: HashMap::new(),
+            progress_sent: Instant::now(),
+            reconnect: Box::new(reconnect_backoff()),
+            fatal: None,
+        })
+    }
+
+    /// Connects (once: the client reconnects by itself), binds to the durable consumer or creates it, checks its
+    /// settings, and starts a pull stream read by a forwarding task.
+    async fn start(&mut self) -> Result<(), String> {
+        let client = match &self.client {
+            Some(c) => c.clone(),
+            None => {
+                let c = connect(&self.settings, &format!("idemflow {}", self.pipeline)).await?;
+                self.client = Some(c.clone());
+                c
+            }
+        };
+        let js = context(&self.settings, client);
+        let stream = js.get_stream(&self.spec.stream).await.map_err(|e| stream_error(&self.spec.stream, &e.to_string()))?;
+        let consumer: jetstream::consumer::PullConsumer = match stream.get_consumer(&self.spec.consumer).await {
+            Ok(c) => c,
+            Err(e) if e.to_string().contains("10014") || e.to_string().contains("not found") => {
+                let created = stream.create_consumer(consumer_config(&self.spec)).await.map_err(|e| {
+                    format!("creating the durable consumer {:?} on stream {:?}: {e}", self.spec.consumer, self.spec.stream)
+                })?;
+                tracing::info!(pipeline = %self.pipeline, stream = %self.spec.stream, consumer = %self.spec.consumer,
+                    ack_wait = ?self.spec.ack_wait, max_ack_pending = self.spec.max_ack_pending, "created the durable consumer");
+                created
+            }
+            Err(e) => return Err(format!("binding to the durable consumer {:?} on stream {:?}: {e}", self.spec.consumer, self.spec.stream)),
+        };
+        let info = consumer.cached_info();
+        if let Err(why) = verify_consumer(&info.config, &self.spec, self.max_records, self.max_wait, true) {
+            self.fatal = Some(why.clone());
+            return Err(why);
+        }
+        let messages = consumer
+            .stream()
+            .max_messages_per_batch(self.max_records.max(1))
+            .heartbeat(Duration::from_secs(5))
+            .expires(Duration::from_secs(30))
+            .messages()
+            .await
+            .map_err(|e| format!("starting to pull from consumer {:?}: {e}", self.spec.consumer))?;
+        let (tx, events) = mpsc::unbounded_channel();
+        let forwarder = tokio::spawn(forward(messages, tx));
+        self.live = Some(Live { events, forwarder });
+        self.metrics.assigned_partitions(1);
+        self.metrics.rebalance(RebalanceEvent::Assign);
+        tracing::info!(pipeline = %self.pipeline, stream = %self.spec.stream, consumer = %self.spec.consumer,
+            pending = info.num_pending, ack_pending = info.num_ack_pending, "consuming from NATS JetStream");
+        Ok(())
+    }
+
+    /// Starts the pull stream until it works or shutdown comes (`false`), with backoff, saying why on every attempt.
+    async fn ensure_started(&mut self, shutdown: &mut Shutdown) -> bool {
+        while self.live.is_none() {
+            if self.fatal.is_some() {
+                return false;
+            }
+            let attempt = tokio::select! {
+                r = self.start() => r,
+                _ = shutdown.wait() => return false,
+            };
+            match attempt {
+                Ok(()) => self.reconnect = Box::new(reconnect_backoff()),
+                Err(_) if self.fatal.is_some() => return false,
+                Err(why) => {
+                    let delay = self.reconnect.next().unwrap_or(Duration::from_secs(30));
+                    tracing::warn!(pipeline = %self.pipeline, error = %self.settings.url.scrub(&why), retry_in = ?delay,
+                        "cannot consume from NATS JetStream; retrying");
+                    if !self.sleep_serving(delay, shutdown).await {
+                        return false;
+                    }
+                }
+            }
+        }
+        true
+    }
+
+    /// Sleeps `delay`, sending in-progress acks for what is held when they are due. `false` if shutdown came.
+    async fn sleep_serving(&mut self, delay: Duration, shutdown: &mut Shutdown) -> bool {
+        let until = Instant::now() + delay;
+        loop {
+            self.progress().await;
+            let next = (self.progress_sent + self.progress_every()).min(until);
+            tokio::select! {
+                _ = tokio::time::sleep_until(next) => {}
+                _ = shutdown.wait() => return false,
+            }
+            if Instant::now() >= until {
+                return true;
+            }
+        }
+    }
+
+    /// How often in-progress acks are sent: a third of `ack_wait`, so one lost in-progress ack is not enough for
+    /// the server to redeliver.
+    fn progress_every(&self) -> Duration {
+        self.spec.ack_wait / 3
+    }
+
+    /// Sends an in-progress ack for every held delivery when a third of `ack_wait` has passed since the last ones.
+    /// A failed one is logged: the next round (or the delivery's redelivery, a skipped duplicate) covers it.
+    async fn progress(&mut self) {
+        if self.held.is_empty() || self.progress_sent.elapsed() < self.progress_every() {
+            return;
+        }
+        self.progress_sent = Instant::now();
+        let mut failed = 0usize;
+        for acker in self.held.values() {
+            if acker.ack_with(AckKind::Progress).await.is_err() {
+                failed += 1;
+            }
+        }
+        if failed > 0 {
+            tracing::warn!(pipeline = %self.pipeline, failed, held = self.held.len(),
+                "in-progress acks failed: the server may redeliver those deliveries, which are then skipped as duplicates");
+        } else {
+            tracing::debug!(pipeline = %self.pipeline, held = self.held.len(), "in-progress acks sent");
+        }
+    }
+
+    /// Why the pipeline cannot go on: the consumer was deleted under the worker, or its settings cannot keep the
+    /// guarantee.
+    pub fn fatal(&self) -> Option<&str> {
+        self.fatal.as_deref()
+    }
+
+    /// Handles one event: a delivery goes to the stash.
+    fn event(&mut self, event: Option<Event>) {
+        match event {
+            Some(Event::Message(m)) => {
+                if let Some(r) = self.record(m) {
+                    self.stash.push_back(r);
+                }
+            }
+            Some(Event::Lost(why)) => self.lost(&why),
+            Some(Event::Deleted) => {
+                self.fatal = Some(format!(
+                    "the durable consumer {:?} of stream {:?} was deleted on the server while the worker consumed from it: \
+                     its position and pending deliveries are gone. Nothing committed is lost and nothing is applied twice \
+                     (the dedup rows skip what comes again), but a new consumer decides where to start: create it again \
+                     deliberately (`nats consumer add`), or let `idemflow run` create it (it starts at the stream's first \
+                     message; every message already applied is skipped as a duplicate)",
+                    self.spec.consumer, self.spec.stream
+                ));
+                self.live = None;
+            }
+            None => self.lost("the pull stream ended"),
+        }
+    }
+
+    fn lost(&mut self, why: &str) {
+        if self.live.take().is_some() {
+            tracing::warn!(pipeline = %self.pipeline, error = %self.settings.url.scrub(why), held = self.held.len(),
+                "the JetStream pull stream failed; starting it again (held deliveries keep their acks)");
+            self.metrics.rebalance(RebalanceEvent::Revoke);
+            self.metrics.assigned_partitions(0);
+        }
+    }
+
+    /// A delivery as a record, its ack handle held; `None` (logged) for a message that is not a JetStream delivery.
+    fn record(&mut self, m: jetstream::Message) -> Option<Record> {
+        let (seq, pending, published_ns) = match m.info() {
+            Ok(info) => (info.stream_sequence, info.pending, info.published.unix_timestamp_nanos()),
+            Err(e) => {
+                tracing::warn!(pipeline = %self.pipeline, subject = %m.subject, error = %e, "a message without JetStream metadata; ignored");
+                return None;
+            }
+        };
+        let (message, acker) = m.split();
+        self.held.insert(seq, acker);
+        let held = self.held.len() as i64;
+        self.metrics.lag(&self.stream, 0, pending as i64 + held);
+        self.metrics.waiting(&self.stream, 0, held);
+        Some(to_record(self.stream.clone(), seq, published_ns, message, self.max_payload_bytes))
+    }
+
+    /// Waits for the next batch: at least one delivery, then up to `max_records`, for at most `max_wait` after the
+    /// first. Starts the pull stream (again) first when needed. `None` once `shutdown` is triggered while waiting
+    /// for a first delivery, or when the pipeline must stop ([`NatsSource::fatal`]).
+    pub async fn next_batch(&mut self, settings: BatchSettings, shutdown: &mut Shutdown) -> Option<Vec<Record>> {
+        'start: loop {
+            if !self.ensure_started(shutdown).await {
+                return None;
+            }
+            let mut batch: Vec<Record> = Vec::new();
+            let take = self.stash.len().min(settings.max_records);
+            batch.extend(self.stash.drain(..take));
+            let mut deadline = (!batch.is_empty()).then(|| Instant::now() + settings.max_wait);
+            while batch.len() < settings.max_records {
+                self.progress().await;
+                let tick = self.progress_sent + self.progress_every();
+                let live = self.live.as_mut().expect("started above");
+                let event = match deadline {
+                    None => tokio::select! {
+                        e = live.events.recv() => e,
+                        _ = shutdown.wait() => return None,
+                        _ = tokio::time::sleep_until(tick) => continue,
+                    },
+                    Some(at) => tokio::select! {
+                        e = live.events.recv() => e,
+                        _ = tokio::time::sleep_until(at) => break,
+                        _ = tokio::time::sleep_until(tick) => continue,
+                    },
+                };
+                match event {
+                    Some(Event::Message(m)) => {
+                        if let Some(r) = self.record(m) {
+                            batch.push(r);
+                            deadline.get_or_insert_with(|| Instant::now() + settings.max_wait);
+                        }
+                    }
+                    other => {
+                        self.event(other);
+                        // Deliveries already taken stay held: they go back to the stash, in order.
+                        for r in batch.drain(..).rev() {
+                            self.stash.push_front(r);
+                        }
+                        continue 'start;
+                    }
+                }
+            }
+            return Some(batch);
+        }
+    }
+
+    /// Waits `delay` before a retry of `batch`, taking deliveries into the stash (at most `max_ack_pending` are
+    /// outstanding) and keeping every held delivery from expiring. `false` if shutdown came first.
+    pub async fn pause_for(&mut self, delay: Duration, _batch: &mut Vec<Record>, shutdown: &mut Shutdown) -> bool {
+        let until = Instant::now() + delay;
+        loop {
+            self.progress().await;
+            let tick = (self.progress_sent + self.progress_every()).min(until);
+            match self.live.as_mut() {
+                Some(live) => tokio::select! {
+                    _ = tokio::time::sleep_until(tick) => {}
+                    _ = shutdown.wait() => return false,
+                    e = live.events.recv() => self.event(e),
+                },
+                None => tokio::select! {
+                    _ = tokio::time::sleep_until(tick) => {}
+                    _ = shutdown.wait() => return false,
+                },
+            }
+            if Instant::now() >= until {
+                return true;
+            }
+        }
+    }
+
+    /// Runs `work` (a spawned batch transaction) to its end, meanwhile taking deliveries into the stash and sending
+    /// in-progress acks for everything held. A panic in `work` is resumed here.
+    pub async fn poll_while<T>(&mut self, mut work: tokio::task::JoinHandle<T>) -> T {
+        let joined = loop {
+            self.progress().await;
+            let tick = self.progress_sent + self.progress_every();
+            match self.live.as_mut() {
+                Some(live) => tokio::select! {
+                    biased;
+                    joined = &mut work => break joined,
+                    e = live.events.recv() => self.event(e),
+                    _ = tokio::time::sleep_until(tick) => {}
+                },
+                None => tokio::select! {
+                    joined = &mut work => break joined,
+                    _ = tokio::time::sleep_until(tick) => {}
+                },
+            }
+        };
+        match joined {
+            Ok(value) => value,
+            Err(e) => std::panic::resume_unwind(e.into_panic()),
+        }
+    }
+
+    /// Acknowledges a committed batch: a double ack per delivery (the server confirms each), [`ACKS_IN_FLIGHT`] at a
+    /// time, each retried up to [`ACK_ATTEMPTS`] times. One still unconfirmed is logged and counted, never fatal:
+    /// the server redelivers it and its dedup row skips it.
+    pub async fn commit(&mut self, batch: &[Record]) {
+        let ackers: Vec<(u64, Acker)> =
+            batch.iter().filter_map(|r| u64::try_from(r.position.offset).ok()).filter_map(|seq| self.held.remove(&seq).map(|a| (seq, a))).collect();
+        if ackers.is_empty() {
+            return;
+        }
+        let mut failed: Vec<(u64, String)> = Vec::new();
+        let mut acked = 0usize;
+        for chunk in ackers.chunks(ACKS_IN_FLIGHT) {
+            let results = futures_util::future::join_all(chunk.iter().map(|(seq, acker)| async move {
+                let mut last = String::new();
+                for attempt in 0..ACK_ATTEMPTS {
+                    match acker.double_ack().await {
+                        Ok(()) => return Ok(()),
+                        Err(e) => last = e.to_string(),
+                    }
+                    tokio::time::sleep(Duration::from_millis(100 << attempt)).await;
+                }
+                Err((*seq, last))
+            }))
+            .await;
+            for r in results {
+                match r {
+                    Ok(()) => acked += 1,
+                    Err(f) => failed.push(f),
+                }
+            }
+        }
+        let held = self.held.len() as i64;
+        self.metrics.waiting(&self.stream, 0, held);
+        if failed.is_empty() {
+            self.metrics.offset_commit(CommitResult::Ok);
+        } else {
+            self.metrics.offset_commit(CommitResult::Error);
+            let (seq, why) = &failed[0];
+            tracing::warn!(pipeline = %self.pipeline, acked, unconfirmed = failed.len(), first_sequence = seq,
+                error = %self.settings.url.scrub(why),
+                "double acks of a committed batch were not confirmed: the server redelivers those messages after ack_wait and they are skipped as duplicates");
+        }
+    }
+
+    /// Ends without acknowledging anything more (an injected crash): the server redelivers what was held once
+    /// `ack_wait` passes.
+    pub async fn abandon(mut self) {
+        self.live = None;
+        if let Some(c) = self.client.take() {
+            drop(c);
+        }
+    }
+
+    /// Stops pulling and closes the connection, after flushing what was sent. Deliveries held and not acknowledged
+    /// (none of them applied) are redelivered by the server after `ack_wait`.
+    pub async fn close(mut self) {
+        self.live = None;
+        if let Some(c) = self.client.take() {
+            let _ = tokio::time::timeout(Duration::from_secs(5), c.flush()).await;
+            tracing::info!(pipeline = %self.pipeline, unacknowledged = self.held.len(), "NATS connection closed");
+            drop(c);
+        }
+        self.metrics.assigned_partitions(0);
+    }
+}
+
+/// Forwards the pull stream's deliveries and failures to the source; ends when the source is gone.
+async fn forward(mut messages: pull::Stream, tx: mpsc::UnboundedSender<Event>) {
+    while let Some(m) = messages.next().await {
+        let event = match m {
+            Ok(m) => Event::Message(m),
+            Err(e) => match e.kind() {
+                // The client issues a new pull request after a missed heartbeat: keep reading.
+                pull::MessagesErrorKind::MissingHeartbeat => {
+                    tracing::debug!(error = %e, "JetStream pull stream missed a heartbeat");
+                    continue;
+                }
+                pull::MessagesErrorKind::ConsumerDeleted => Event::Deleted,
+                _ => Event::Lost(e.to_string()),
+            },
+        };
+        let end = !matches!(event, Event::Message(_));
+        if tx.send(event).is_err() || end {
+            return;
+        }
+    }
+    let _ = tx.send(Event::Lost("the pull stream ended".to_owned()));
+}
+
+fn reconnect_backoff() -> impl Iterator<Item = Duration> + Send {
+    crate::retry::backoff(Duration::from_millis(200), Duration::from_secs(30))
+}
+
+/// The durable pull consumer idemflow creates when `spec.consumer` does not exist: explicit acks, the spec's
+/// `ack_wait` and `max_ack_pending`, no delivery limit (a message is never dropped by the server for its
+/// redeliveries), from the stream's first message.
+pub fn consumer_config(spec: &NatsSpec) -> pull::Config {
+    let (filter_subject, filter_subjects) = match spec.filter_subjects.as_slice() {
+        [one] => (one.clone(), Vec::new()),
+        many => (String::new(), many.to_vec()),
+    };
+    pull::Config {
+        durable_name: Some(spec.consumer.clone()),
+        description: Some("idemflow: exactly-once effects, acknowledged after the store's COMMIT".to_owned()),
+        ack_policy: AckPolicy::Explicit,
+        ack_wait: spec.ack_wait,
+        max_ack_pending: spec.max_ack_pending,
+        max_deliver: -1,
+        filter_subject,
+        filter_subjects,
+        ..Default::default()
+    }
+}
+
+/// What a consumer's settings must be for the guarantee, as `check` and `run` verify them: a pull consumer with
+/// explicit acks, an `ack_wait` above the batch's `max_wait`, a bounded `max_ack_pending` of at least a batch, and
+/// the filter subjects the pipeline names (when it names any). `strict`: also refused when the server ignored
+/// filter subjects it was asked for (a consumer idemflow created on a server older than 2.10).
+///
+/// Errors: the first setting that cannot work, as a sentence naming the consumer.
+pub fn verify_consumer(
+    config: &async_nats::jetstream::consumer::Config,
+    spec: &NatsSpec,
+    max_records: usize,
+    max_wait: Duration,
+    strict: bool,
+) -> Result<(), String> {
+    let name = &spec.consumer;
+    if config.deliver_subject.is_some() {
+        return Err(format!("consumer {name:?} is a push consumer (it has a deliver subject): idemflow needs a pull consumer"));
+    }
+    if config.ack_policy != AckPolicy::Explicit {
+        return Err(format!(
+            "consumer {name:?} has ack_policy {:?}: idemflow needs explicit acks (with `none` the server forgets a delivery \
+             when it sends it; with `all` one worker's ack would acknowledge what another still holds)",
+            config.ack_policy
+        ));
+    }
+    if config.ack_wait <= max_wait {
+        return Err(format!(
+            "consumer {name:?} has ack_wait {:?}, not above batch.max_wait = {max_wait:?}: its deliveries would be redelivered \
+             while their batch is still being cut",
+            config.ack_wait
+        ));
+    }
+    if config.max_ack_pending < 0 {
+        return Err(format!(
+            "consumer {name:?} has no max_ack_pending limit (-1): the server would send without bound while a batch waits \
+             for the database; set it to at least batch.max_records = {max_records}"
+        ));
+    }
+    if (config.max_ack_pending as usize) < max_records && config.max_ack_pending != 0 {
+        return Err(format!(
+            "consumer {name:?} has max_ack_pending {}, below batch.max_records = {max_records}: the server would stop \
+             delivering before a batch fills",
+            config.max_ack_pending
+        ));
+    }
+    if strict && !spec.filter_subjects.is_empty() {
+        let mut has: Vec<String> = config.filter_subjects.clone();
+        if !config.filter_subject.is_empty() {
+            has.push(config.filter_subject.clone());
+        }
+        let (mut want, mut got) = (spec.filter_subjects.clone(), has);
+        want.sort();
+        got.sort();
+        if want != got {
+            return Err(format!(
+                "consumer {name:?} filters {got:?}, not [source] filter_subjects = {want:?} (several filter subjects need a \
+                 2.10 server; an existing consumer's filter is changed with `nats consumer edit`)"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// A stream lookup's error as a sentence: a missing stream, JetStream not enabled, or the server's answer.
+fn stream_error(stream: &str, text: &str) -> String {
+    if text.contains("10059") || text.contains("stream not found") {
+        format!("stream {stream:?} does not exist: create it first (`nats stream add`); idemflow consumes streams, it does not create them")
+    } else if text.contains("10076") || text.contains("10039") || text.contains("no responders") {
+        format!("JetStream is not enabled on the server (or for this account): {text}; start nats-server with -js")
+    } else {
+        format!("reading stream {stream:?}: {text}")
+    }
+}
+
+/// A JetStream context on `client` whose API requests wait at most `request_timeout`.
+fn context(settings: &NatsSettings, client: async_nats::Client) -> jetstream::Context {
+    let mut js = jetstream::new(client);
+    js.set_timeout(settings.request_timeout);
+    js
+}
+
+/// Connects with `[nats]`'s credentials and TLS settings, as `name` (shown by the server's monitoring).
+///
+/// Errors: the problem as text, with the URL's credentials masked.
+pub async fn connect(settings: &NatsSettings, name: &str) -> Result<async_nats::Client, String> {
+    crate::install_tls_provider();
+    let scrub = |e: &dyn std::fmt::Display| settings.url.scrub(&e.to_string());
+    let mut options = async_nats::ConnectOptions::new()
+        .name(name)
+        .connection_timeout(settings.connect_timeout)
+        .request_timeout(Some(settings.request_timeout))
+        .event_callback(|event| async move {
+            match event {
+                async_nats::Event::Disconnected => tracing::warn!("NATS connection lost; the client reconnects"),
+                async_nats::Event::Connected => tracing::info!("NATS connection (re)established"),
+                other => tracing::debug!(event = %other, "NATS client event"),
+            }
+        });
+    match (&settings.user, &settings.password) {
+        (Some(user), Some(password)) => options = options.user_and_password(user.clone(), password.expose().to_owned()),
+        (None, None) => {}
+        _ => return Err("[nats] user and password go together".to_owned()),
+    }
+    if let Some(token) = &settings.token {
+        options = options.token(token.expose().to_owned());
+    }
+    if let Some(seed) = &settings.nkey_seed {
+        options = options.nkey(seed.expose().to_owned());
+    }
+    if let Some(path) = &settings.credentials_file {
+        options = options
+            .credentials_file(path)
+            .await
+            .map_err(|e| format!("[nats] credentials_file = {:?}: cannot read it: {e}", path.display()))?;
+    }
+    if let Some(ca) = &settings.tls_ca_file {
+        if !ca.is_file() {
+            return Err(format!("[nats] tls_ca_file = {:?}: no such file", ca.display()));
+        }
+        options = options.add_root_certificates(ca.clone()).require_tls(true);
+    }
+    match (&settings.tls_cert_file, &settings.tls_key_file) {
+        (Some(cert), Some(key)) => options = options.add_client_certificate(cert.clone(), key.clone()).require_tls(true),
+        (None, None) => {}
+        _ => return Err("[nats] tls_cert_file and tls_key_file go together".to_owned()),
+    }
+    let servers: Vec<async_nats::ServerAddr> = settings
+        .url
+        .expose()
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(|s| s.parse::<async_nats::ServerAddr>().map_err(|e| format!("[nats] url {}: {}", settings.url, scrub(&e))))
+        .collect::<Result<_, _>>()?;
+    if servers.is_empty() {
+        return Err("[nats] url names no server".to_owned());
+    }
+    match tokio::time::timeout(settings.connect_timeout + Duration::from_secs(1), options.connect(servers)).await {
+        Ok(Ok(c)) => Ok(c),
+        Ok(Err(e)) => Err(format!("connecting to {}: {}", settings.url, scrub(&e))),
+        Err(_) => Err(format!("connecting to {}: no answer within {:?}", settings.url, settings.connect_timeout)),
+    }
+}
+
+/// A delivery as a [`Record`]: the stream, partition 0 and the stream sequence as its position, the time the
+/// server stored it (milliseconds), its headers (a repeated header once per value), its subject as the `subject`
+/// property and its `Nats-Msg-Id` header as the `message_id` property.
+pub fn to_record(stream: Arc<str>, seq: u64, published_ns: i128, m: async_nats::Message, max_payload_bytes: usize) -> Record {
+    let mut headers: Vec<(String, Option<Vec<u8>>)> = Vec::new();
+    let mut properties: Vec<(&'static str, String)> = vec![("subject", m.subject.to_string())];
+    if let Some(h) = &m.headers {
+        for (name, values) in h.iter() {
+            for v in values {
+                let bytes: &[u8] = v.as_ref();
+                headers.push((name.to_string(), Some(bytes.to_vec())));
+            }
+        }
+        if let Some(id) = h.get(MSG_ID_HEADER) {
+            properties.push((crate::record::MESSAGE_ID, id.as_str().to_owned()));
+        }
+    }
+    Record {
+        position: Position { topic: stream, partition: 0, offset: seq.min(i64::MAX as u64) as i64 },
+        timestamp_ms: i64::try_from(published_ns / 1_000_000).ok(),
+        key: None,
+        headers,
+        payload: None,
+        oversized: None,
+        properties,
+        delivered_before: None,
+    }
+    .with_payload(Some(&m.payload), max_payload_bytes)
+}
+
+/// What `idemflow check` reports about a JetStream pipeline: it connects, finds the stream and the consumer, and
+/// verifies the consumer's settings ([`verify_consumer`]); a missing consumer is reported as the one `run` will
+/// create. Returns lines to print (`warning: ...` for what could not keep the guarantee by itself).
+///
+/// Errors: the first problem that stops the pipeline from running, as a sentence.
+pub async fn check(settings: &NatsSettings, pipeline: &SourceContext) -> Result<Vec<String>, String> {
+    let crate::source::spec::SourceSpec::Nats(spec) = &pipeline.source else {
+        return Ok(Vec::new());
+    };
+    let scrub = |e: &str| settings.url.scrub(e);
+    let client = connect(settings, "idemflow check").await?;
+    let js = context(settings, client.clone());
+    let name = &pipeline.name;
+    let result = async {
+        let mut lines = Vec::new();
+        let mut stream = js.get_stream(&spec.stream).await.map_err(|e| stream_error(&spec.stream, &scrub(&e.to_string())))?;
+        let info = stream.info().await.map_err(|e| format!("reading stream {:?}: {}", spec.stream, scrub(&e.to_string())))?;
+        let config = info.config.clone();
+        lines.push(format!(
+            "pipeline {name:?}: stream {:?}: {} message(s), subjects {:?}",
+            spec.stream, info.state.messages, config.subjects
+        ));
+        let retention = pipeline.dedup_retention;
+        if !config.max_age.is_zero() && config.max_age > retention {
+            lines.push(format!(
+                "warning: pipeline {name:?}: stream {:?} keeps messages for {} (max_age), longer than [dedup] retention = {}: a \
+                 message redelivered or replayed after its dedup row was purged would be applied again",
+                spec.stream,
+                humantime::format_duration(config.max_age),
+                humantime::format_duration(retention)
+            ));
+        }
+        lines.push(format!(
+            "pipeline {name:?}: stream {:?}: the server drops a publisher's retries with the same Nats-Msg-Id within {} \
+             (duplicate_window); copies published later, and every redelivery, are skipped by idemflow's dedup rows for {}",
+            spec.stream,
+            humantime::format_duration(config.duplicate_window),
+            humantime::format_duration(retention)
+        ));
+        match stream.consumer_info(&spec.consumer).await {
+            Ok(c) => {
+                verify_consumer(&c.config, spec, pipeline.batch.max_records, pipeline.batch.max_wait, true)?;
+                lines.push(format!(
+                    "pipeline {name:?}: consumer {:?}: pull, explicit acks, ack_wait {}, max_ack_pending {}; {} pending, {} awaiting ack",
+                    spec.consumer,
+                    humantime::format_duration(c.config.ack_wait),
+                    c.config.max_ack_pending,
+                    c.num_pending,
+                    c.num_ack_pending
+                ));
+                if c.config.max_deliver > 0 {
+                    lines.push(format!(
+                        "warning: pipeline {name:?}: consumer {:?} has max_deliver {}: the server stops delivering a message after \
+                         that many attempts (a crash loop, a worker killed mid-batch again and again) and only reports it in an \
+                         advisory; idemflow's in-progress acks keep an outage from counting, but a lost message is lost: \
+                         max_deliver = -1 is the safe setting",
+                        spec.consumer, c.config.max_deliver
+                    ));
+                }
+            }
+            Err(e) if e.to_string().contains("10014") || e.to_string().contains("not found") => lines.push(format!(
+                "pipeline {name:?}: consumer {:?} does not exist yet: `idemflow run` creates it (durable, pull, explicit acks, \
+                 ack_wait {}, max_ack_pending {}, from the stream's first message)",
+                spec.consumer,
+                humantime::format_duration(spec.ack_wait),
+                spec.max_ack_pending
+            )),
+            Err(e) => return Err(format!("reading consumer {:?}: {}", spec.consumer, scrub(&e.to_string()))),
+        }
+        Ok(lines)
+    };
+    let result = match tokio::time::timeout(settings.connect_timeout, result).await {
+        Ok(r) => r,
+        Err(_) => Err(format!("{}: no answer within {:?} while checking the stream and consumer", settings.url, settings.connect_timeout)),
+    };
+    drop(client);
+    result
+}

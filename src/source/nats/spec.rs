@@ -1,0 +1,155 @@
+//! NATS's `[nats]` settings and the `[source]` of a JetStream pipeline.
+
+use crate::secret::{Secret, SecretUrl};
+use crate::source::spec::{Capabilities, RawSource};
+use crate::validate::Problems;
+use serde::Deserialize;
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// `[nats]`: the servers of the pipelines with `[source] kind = "nats"`.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NatsSettings {
+    /// The servers: `nats://host:4222`, several separated by commas (`nats://a:4222,nats://b:4222`; the client
+    /// also learns the cluster's other servers from the one it reaches). `tls://host:4222` requires TLS. Credentials
+    /// may be in the URL (`nats://user:password@host:4222`). Never printed: `Debug` and `Display` mask it.
+    pub url: SecretUrl,
+    /// User, for servers with user/password authorization (with `password`).
+    #[serde(default)]
+    pub user: Option<String>,
+    /// The password of `user`. Never printed.
+    #[serde(default)]
+    pub password: Option<Secret>,
+    /// A token, for servers with token authorization. Never printed.
+    #[serde(default)]
+    pub token: Option<Secret>,
+    /// An NKey seed (`SU...`), for servers with NKey authorization. Never printed.
+    #[serde(default)]
+    pub nkey_seed: Option<Secret>,
+    /// A `.creds` file (a user JWT and its NKey seed), for servers in decentralized JWT mode.
+    #[serde(default)]
+    pub credentials_file: Option<PathBuf>,
+    /// A PEM file of CA certificates to trust for the server's certificate, for a private CA (default: the
+    /// system's roots). Setting it requires TLS.
+    #[serde(default)]
+    pub tls_ca_file: Option<PathBuf>,
+    /// A PEM client certificate, for servers that verify clients (with `tls_key_file`).
+    #[serde(default)]
+    pub tls_cert_file: Option<PathBuf>,
+    /// The client certificate's private key, PEM.
+    #[serde(default)]
+    pub tls_key_file: Option<PathBuf>,
+    /// How long one connection attempt, and `idemflow check` as a whole, may take (default 10 s).
+    #[serde(default = "default_connect_timeout", with = "humantime_serde")]
+    pub connect_timeout: Duration,
+    /// How long a JetStream API request (stream and consumer info, a double ack) may wait for its answer
+    /// (default 5 s).
+    #[serde(default = "default_request_timeout", with = "humantime_serde")]
+    pub request_timeout: Duration,
+}
+
+fn default_connect_timeout() -> Duration {
+    Duration::from_secs(10)
+}
+
+fn default_request_timeout() -> Duration {
+    Duration::from_secs(5)
+}
+
+/// A NATS JetStream source: a durable pull consumer on a stream, with explicit acknowledgements.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NatsSpec {
+    /// The stream (created by the user; `idemflow check` checks it exists).
+    pub stream: String,
+    /// The durable consumer's name (default `idemflow-<pipeline>`). Bound to when it exists (its settings checked),
+    /// created with the settings below when it does not.
+    pub consumer: String,
+    /// Subjects the created consumer takes (none: the whole stream). More than one needs a 2.10 server.
+    pub filter_subjects: Vec<String>,
+    /// How long the server waits for a delivery's ack before it redelivers it (`ack_wait`, default 30 s). While a
+    /// batch waits for its transaction, in-progress acks keep its deliveries from being redelivered.
+    pub ack_wait: Duration,
+    /// Deliveries the server may have outstanding to this consumer (`max_ack_pending`). Default twice
+    /// `batch.max_records`; never below `batch.max_records`, or a batch could never fill.
+    pub max_ack_pending: i64,
+}
+
+/// What a JetStream source can do ([`crate::source::spec::Capabilities`]).
+pub const CAPABILITIES: Capabilities = Capabilities {
+    kind: "nats",
+    fields: &["stream", "consumer", "filter_subjects", "ack_wait", "max_ack_pending"],
+    positions: Err(
+        "\"database\" is for sources a worker positions itself in (Kafka, RocketMQ); a JetStream durable consumer keeps \
+         its position on the server (its ack floor and pending deliveries), which a worker cannot seek",
+    ),
+    lanes: Err(crate::source::spec::LANES),
+    dead_letter_topic: Err("is a Kafka topic; a JetStream pipeline keeps its dead letters in the store"),
+    dead_letter_exchange: Err("is a RabbitMQ exchange; a JetStream pipeline keeps its dead letters in the store"),
+    key_properties: Ok(()),
+    key_message_key: Err("is RocketMQ's KEYS property; for a JetStream message use message_id = true (its Nats-Msg-Id) or header"),
+    key_record_key: Err("a JetStream message has no record key: use message_id = true (its Nats-Msg-Id), header or field"),
+    bind_property: Ok(()),
+    bind_record_key: Err("a JetStream message has no record key"),
+    bind_partition: Ok(()),
+};
+
+/// Whether `name` is a valid stream or consumer name: JetStream refuses whitespace, `.`, `*`, `>`, path
+/// separators and non-printable characters (nats-server's `isValidName`); at most 255 bytes here. Positions rely on
+/// the missing `/` (see [`crate::record::Position`]).
+fn valid_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 255
+        && name.chars().all(|c| !c.is_whitespace() && !c.is_control() && !matches!(c, '.' | '*' | '>' | '/' | '\\'))
+}
+
+/// The `[source]` of a JetStream pipeline named `name` (`s`), its `max_ack_pending` defaulting from
+/// `max_records`. Every problem goes to `e`; `None` when the spec cannot be built.
+pub fn parse(s: &RawSource, name: &str, max_records: usize, e: &mut impl Problems) -> Option<NatsSpec> {
+    let Some(stream) = s.stream.clone() else {
+        e.push("source.stream", "a NATS JetStream source needs its stream");
+        return None;
+    };
+    if !valid_name(&stream) {
+        e.push("source.stream", format!("{stream:?} is not a JetStream stream name (no whitespace, '.', '*', '>', '/' or '\\')"));
+    }
+    let consumer = s.consumer.clone().unwrap_or_else(|| format!("idemflow-{name}"));
+    if !valid_name(&consumer) {
+        e.push("source.consumer", format!("{consumer:?} is not a JetStream consumer name (no whitespace, '.', '*', '>', '/' or '\\')"));
+    }
+    let filter_subjects = s.filter_subjects.clone().unwrap_or_default();
+    for (i, f) in filter_subjects.iter().enumerate() {
+        if f.is_empty() || f.contains(char::is_whitespace) || f.starts_with('.') || f.ends_with('.') || f.contains("..") {
+            e.push(&format!("source.filter_subjects[{i}]"), format!("{f:?} is not a NATS subject"));
+        }
+    }
+    let ack_wait = s.ack_wait.unwrap_or(Duration::from_secs(30));
+    if ack_wait < Duration::from_secs(1) {
+        e.push("source.ack_wait", "must be at least 1s: in-progress acks are sent every third of it while a batch commits");
+    }
+    let default = max_records.saturating_mul(2).min(i64::MAX as usize) as i64;
+    let max_ack_pending = s.max_ack_pending.unwrap_or(default);
+    if max_ack_pending < 1 {
+        e.push("source.max_ack_pending", format!("{max_ack_pending} is not a positive number of deliveries"));
+    } else if (max_ack_pending as usize) < max_records {
+        e.push(
+            "source.max_ack_pending",
+            format!("{max_ack_pending} is below batch.max_records = {max_records}: the server would stop delivering before a batch fills"),
+        );
+    }
+    Some(NatsSpec { stream, consumer, filter_subjects, ack_wait, max_ack_pending })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_follow_the_servers_rules() {
+        assert!(valid_name("PAYMENTS"));
+        assert!(valid_name("idemflow-payments_1"));
+        for bad in ["", "a.b", "a b", "a*", "a>", "a/b", "a\\b", "a\u{7}"] {
+            assert!(!valid_name(bad), "{bad:?}");
+        }
+    }
+}
