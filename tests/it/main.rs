@@ -12,6 +12,7 @@ mod fuzz_corpus;
 mod hardening;
 mod mariadb;
 mod matrix;
+mod nats;
 mod monitoring;
 mod network;
 mod cases;

@@ -102,6 +102,9 @@ pub struct NatsSource {
     /// When in-progress acks were last sent for `held`.
     progress_sent: Instant,
     reconnect: Box<dyn Iterator<Item = Duration> + Send>,
+    /// Whether this worker has bound to (or created) the consumer: one missing afterwards was deleted under it, and
+    /// is never created again silently.
+    bound: bool,
     /// Set when the pipeline must stop (see [`NatsSource::fatal`]).
     fatal: Option<String>,
 }
@@ -128,6 +131,7 @@ impl NatsSource {
             held: HashMap::new(),
             progress_sent: Instant::now(),
             reconnect: Box::new(reconnect_backoff()),
+            bound: false,
             fatal: None,
         })
     }
@@ -147,7 +151,11 @@ impl NatsSource {
         let stream = js.get_stream(&self.spec.stream).await.map_err(|e| stream_error(&self.spec.stream, &e.to_string()))?;
         let consumer: jetstream::consumer::PullConsumer = match stream.get_consumer(&self.spec.consumer).await {
             Ok(c) => c,
-            Err(e) if e.to_string().contains("10014") || e.to_string().contains("not found") => {
+            Err(e) if self.bound && not_found(&e.to_string()) => {
+                self.event(Some(Event::Deleted));
+                return Err(self.fatal.clone().unwrap_or_default());
+            }
+            Err(e) if not_found(&e.to_string()) => {
                 let created = stream.create_consumer(consumer_config(&self.spec)).await.map_err(|e| {
                     format!("creating the durable consumer {:?} on stream {:?}: {e}", self.spec.consumer, self.spec.stream)
                 })?;
@@ -157,6 +165,7 @@ impl NatsSource {
             }
             Err(e) => return Err(format!("binding to the durable consumer {:?} on stream {:?}: {e}", self.spec.consumer, self.spec.stream)),
         };
+        self.bound = true;
         let info = consumer.cached_info();
         if let Err(why) = verify_consumer(&info.config, &self.spec, self.max_records, self.max_wait, true) {
             self.fatal = Some(why.clone());
@@ -579,12 +588,22 @@ pub fn verify_consumer(
     Ok(())
 }
 
+/// Whether a consumer lookup's error says the consumer does not exist (JetStream error 10014).
+fn not_found(text: &str) -> bool {
+    text.contains("10014") || text.contains("consumer not found")
+}
+
 /// A stream lookup's error as a sentence: a missing stream, JetStream not enabled, or the server's answer.
 fn stream_error(stream: &str, text: &str) -> String {
     if text.contains("10059") || text.contains("stream not found") {
         format!("stream {stream:?} does not exist: create it first (`nats stream add`); idemflow consumes streams, it does not create them")
-    } else if text.contains("10076") || text.contains("10039") || text.contains("no responders") {
-        format!("JetStream is not enabled on the server (or for this account): {text}; start nats-server with -js")
+    } else if text.contains("10076")
+        || text.contains("10039")
+        || text.contains("no responders")
+        // async-nats's words for "no responders" to a JetStream API request: nothing serves JetStream there.
+        || text.contains("requested JetStream resource does not exist")
+    {
+        format!("JetStream is not enabled on the server (or for this account): nothing answered the JetStream API ({text}); start nats-server with -js (or enable JetStream for the account)")
     } else {
         format!("reading stream {stream:?}: {text}")
     }
@@ -750,7 +769,7 @@ pub async fn check(settings: &NatsSettings, pipeline: &SourceContext) -> Result<
                     ));
                 }
             }
-            Err(e) if e.to_string().contains("10014") || e.to_string().contains("not found") => lines.push(format!(
+            Err(e) if not_found(&e.to_string()) => lines.push(format!(
                 "pipeline {name:?}: consumer {:?} does not exist yet: `idemflow run` creates it (durable, pull, explicit acks, \
                  ack_wait {}, max_ack_pending {}, from the stream's first message)",
                 spec.consumer,

@@ -109,6 +109,11 @@ impl Setup {
         Self::write(db, &kafka, pipelines, extra)
     }
 
+    /// Settings for NATS JetStream pipelines only: `[nats]` of `server`, no `[kafka]` section at all.
+    pub fn nats(db: &dyn Database, server: &nats::NatsServer, pipelines: &[(&str, &str)], extra: &str) -> Setup {
+        Self::write(db, &server.settings(), pipelines, extra)
+    }
+
     /// Settings for RabbitMQ pipelines only: `[rabbitmq]` for `url`, no `[kafka]` section at all.
     pub fn rabbitmq(db: &dyn Database, url: &str, pipelines: &[(&str, &str)], extra: &str) -> Setup {
         Self::write(db, &rabbitmq::settings(url), pipelines, extra)
