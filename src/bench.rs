@@ -957,8 +957,8 @@ pub async fn run(o: BenchOptions) -> anyhow::Result<Report> {
             throwaway.url()
         }
     };
-    if o.source == crate::demo::DemoSource::Rabbitmq {
-        return run_rabbitmq(&o, &admin_url).await;
+    if o.source != crate::demo::DemoSource::Kafka {
+        return run_one_stream(&o, &admin_url).await;
     }
     let mysql = is_mysql(&admin_url);
     let kafka = EmbeddedKafka::start()?;
@@ -1138,17 +1138,102 @@ pub async fn run(o: BenchOptions) -> anyhow::Result<Report> {
     Ok(report)
 }
 
-/// `idemflow bench --source rabbitmq`: the stream published to two quorum queues of a throwaway RabbitMQ node, then
-/// (1) the worker (table form, default batching) from one, and (5) a consume-only pass from the other.
-async fn run_rabbitmq(o: &BenchOptions, admin_url: &str) -> anyhow::Result<Report> {
-    use crate::demo::rabbitmq;
-    eprintln!("starting a throwaway RabbitMQ node (Debian's rabbitmq-server)...");
-    let node = rabbitmq::Throwaway::start()?;
-    let amqp = node.url();
+/// A broker the bench reads through one queue or stream per run, its messages published before timing starts:
+/// RabbitMQ (`--source rabbitmq`, a quorum queue per run) or NATS JetStream (`--source nats`, a stream per run,
+/// read by a durable pull consumer the worker creates).
+enum OneStream {
+    RabbitMq(crate::demo::rabbitmq::Throwaway),
+    Nats(crate::demo::nats::Throwaway),
+}
+
+impl OneStream {
+    fn start(source: crate::demo::DemoSource) -> anyhow::Result<OneStream> {
+        Ok(if source == crate::demo::DemoSource::Nats {
+            eprintln!("starting a throwaway NATS server with JetStream (Debian's nats-server)...");
+            OneStream::Nats(crate::demo::nats::Throwaway::start()?)
+        } else {
+            eprintln!("starting a throwaway RabbitMQ node (Debian's rabbitmq-server)...");
+            OneStream::RabbitMq(crate::demo::rabbitmq::Throwaway::start()?)
+        })
+    }
+
+    /// The broker's line of the environment table.
+    fn describe(&self) -> String {
+        match self {
+            OneStream::RabbitMq(node) => format!("RabbitMQ {} (throwaway node, quorum queues)", node.ctl(&["version"]).unwrap_or_default().trim()),
+            OneStream::Nats(_) => {
+                let version = std::process::Command::new("/usr/sbin/nats-server").arg("--version").output();
+                let version = version.map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned()).unwrap_or_default();
+                format!("{version} (throwaway server, JetStream file storage, a durable pull consumer with explicit acks)")
+            }
+        }
+    }
+
+    /// Where run `n` reads, in the runs' names.
+    fn what(&self) -> &'static str {
+        match self {
+            OneStream::RabbitMq(_) => "a RabbitMQ quorum queue",
+            OneStream::Nats(_) => "a NATS JetStream stream",
+        }
+    }
+
+    fn name(n: u8) -> String {
+        format!("bench-{n}")
+    }
+
+    /// Creates run `n`'s queue or stream and publishes `messages` to it, each confirmed by the broker. A JetStream
+    /// publish carries no Nats-Msg-Id: the stream keeps the republished copies, as the Kafka and RabbitMQ runs do.
+    async fn publish(&self, n: u8, messages: &[(String, Vec<u8>)]) -> anyhow::Result<()> {
+        match self {
+            OneStream::RabbitMq(node) => {
+                crate::demo::rabbitmq::declare_quorum_queue(&node.url(), &Self::name(n)).await?;
+                crate::demo::rabbitmq::publish(&node.url(), &Self::name(n), messages).await
+            }
+            OneStream::Nats(server) => {
+                let stream = format!("BENCH_{n}");
+                crate::demo::nats::create_stream(&server.url(), &stream, &stream).await?;
+                let js = async_nats::jetstream::new(async_nats::connect(server.url()).await?);
+                for chunk in messages.chunks(1000) {
+                    let mut acks = Vec::with_capacity(chunk.len());
+                    for (_, body) in chunk {
+                        acks.push(js.publish(format!("{stream}.payments"), body.clone().into()).await?);
+                    }
+                    for ack in acks {
+                        ack.await.map_err(|e| anyhow::anyhow!("a publish was not acknowledged: {e}"))?;
+                    }
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// The `[source]` of run `n`.
+    fn source(&self, n: u8) -> String {
+        match self {
+            OneStream::RabbitMq(_) => format!("[source]\nkind = \"rabbitmq\"\nqueue = \"{}\"", Self::name(n)),
+            OneStream::Nats(_) => format!("[source]\nkind = \"nats\"\nstream = \"BENCH_{n}\""),
+        }
+    }
+
+    /// The settings' broker section.
+    fn section(&self) -> String {
+        match self {
+            OneStream::RabbitMq(node) => format!("[rabbitmq]\nurl = \"{}\"\n", node.url()),
+            OneStream::Nats(server) => format!("[nats]\nurl = \"{}\"\n", server.url()),
+        }
+    }
+}
+
+/// `idemflow bench --source rabbitmq` or `--source nats`: the stream published to a queue (a stream) per run of a
+/// throwaway RabbitMQ node (NATS server), then (1) the worker (table form, default batching), (5) a consume-only
+/// pass, (7) the Redis sink and (8) the shipped example, each from its own queue (stream).
+async fn run_one_stream(o: &BenchOptions, admin_url: &str) -> anyhow::Result<Report> {
+    let broker = OneStream::start(o.source)?;
+    let what = broker.what();
     let mut env = environment(admin_url, o.database_url.is_none(), o, 1).await?;
     env.retain(|(k, _)| k != "kafka" && k != "stream");
-    env.push(("stream".into(), format!("{} records, published to each run's quorum queue before timing starts", o.records)));
-    env.push(("broker".into(), format!("RabbitMQ {} (throwaway node, quorum queues)", node.ctl(&["version"]).unwrap_or_default().trim())));
+    env.push(("stream".into(), format!("{} records, published to each run's queue or stream before timing starts", o.records)));
+    env.push(("broker".into(), broker.describe()));
     for (k, v) in &env {
         eprintln!("{k}: {v}");
     }
@@ -1158,57 +1243,108 @@ async fn run_rabbitmq(o: &BenchOptions, admin_url: &str) -> anyhow::Result<Repor
     let want = |n: u8| o.only.is_empty() || o.only.contains(&n);
     let runs_wanted: Vec<u8> = [1u8, 5, 7, 8].into_iter().filter(|n| want(*n)).collect();
     for n in &runs_wanted {
-        let queue = format!("bench-{n}");
-        rabbitmq::declare_quorum_queue(&amqp, &queue).await?;
         let started = Instant::now();
-        rabbitmq::publish(&amqp, &queue, &messages).await?;
-        eprintln!("published {} messages to {queue} in {:.1} s", messages.len(), started.elapsed().as_secs_f64());
+        broker.publish(*n, &messages).await?;
+        eprintln!("published {} messages for run ({n}) in {:.1} s", messages.len(), started.elapsed().as_secs_f64());
     }
-    let broker = format!("[rabbitmq]\nurl = \"{amqp}\"\n");
+    let section = broker.section();
     let total = s.records.len() as u64;
+    let tag = if matches!(broker, OneStream::Nats(_)) { "nats" } else { "rabbitmq" };
     let mut runs = Vec::new();
     for n in runs_wanted {
-        let queue = format!("bench-{n}");
-        let from_queue = |text: String| text.replace(&format!("topics = [\"{TOPIC}\"]"), &format!("[source]\nkind = \"rabbitmq\"\nqueue = \"{queue}\""));
+        let from_queue = |text: String| text.replace(&format!("topics = [\"{TOPIC}\"]"), &broker.source(n));
         let pipeline = from_queue(table_pipeline(None));
         let url = if n == 8 {
-            payments_database(admin_url, "bench_rabbitmq_8").await?
+            payments_database(admin_url, &format!("bench_{tag}_8")).await?
         } else {
-            fresh_database(admin_url, &format!("bench_rabbitmq_{n}")).await?
+            fresh_database(admin_url, &format!("bench_{tag}_{n}")).await?
         };
         let r = if n == 8 {
-            let name = "idemflow from a RabbitMQ quorum queue, the shipped example pipelines/payments.toml (SQL form)";
-            let run = WorkerRun { id: "(8)", name, pipeline: from_queue(payments_pipeline()), group: "", target: total };
-            worker_run(run, &broker, &url, o.perf).await?
+            let name = format!("idemflow from {what}, the shipped example pipelines/payments.toml (SQL form)");
+            let run = WorkerRun { id: "(8)", name: &name, pipeline: from_queue(payments_pipeline()), group: "", target: total };
+            worker_run(run, &section, &url, o.perf).await?
         } else if n == 1 {
-            let run = WorkerRun { id: "(1)", name: "idemflow from a RabbitMQ quorum queue, default batching (table form)", pipeline, group: "", target: total };
-            worker_run(run, &broker, &url, o.perf).await?
+            let name = format!("idemflow from {what}, default batching (table form)");
+            let run = WorkerRun { id: "(1)", name: &name, pipeline, group: "", target: total };
+            worker_run(run, &section, &url, o.perf).await?
         } else if n == 7 {
             let redis = crate::demo::redis::Throwaway::start()?;
-            let pipeline = from_queue(redis_pipeline());
-            let run = WorkerRun { id: "(7)", name: "idemflow from a RabbitMQ quorum queue, Redis sink (one script per batch)", pipeline, group: "", target: total };
-            worker_run_on(run, &broker, &format!("[redis]\nurl = \"{}\"\n", redis.url()), o.perf, None).await?
+            let name = format!("idemflow from {what}, Redis sink (one script per batch)");
+            let run = WorkerRun { id: "(7)", name: &name, pipeline: from_queue(redis_pipeline()), group: "", target: total };
+            worker_run_on(run, &section, &format!("[redis]\nurl = \"{}\"\n", redis.url()), o.perf, None).await?
         } else {
-            consume_only_rabbitmq(&amqp, &queue, &url, &pipeline, s.records.len()).await?
+            match &broker {
+                OneStream::RabbitMq(node) => consume_only_rabbitmq(&node.url(), &OneStream::name(n), &url, &pipeline, s.records.len()).await?,
+                OneStream::Nats(server) => consume_only_nats(&server.url(), &format!("BENCH_{n}"), &url, &pipeline, s.records.len()).await?,
+            }
         };
         eprintln!("{} {}: {:.0} records/s ({})", r.id, r.name, r.records_per_second, r.note);
         runs.push(r);
     }
     let rate = |id: &str| runs.iter().find(|r| r.id == id).map(|r| r.records_per_second);
+    let broker_name = if tag == "nats" { "NATS JetStream" } else { "RabbitMQ" };
     let mut ratios = Vec::new();
     for (name, a, b, target) in [
-        ("(1) / (5), RabbitMQ", "(1)", "(5)", "(measured)"),
-        ("(7) / (1), RabbitMQ: Redis against the Postgres table form", "(7)", "(1)", ">= 3"),
-        ("(7) / (5), RabbitMQ: Redis against consume-only", "(7)", "(5)", ">= 0.60"),
-        ("(8) / (1), RabbitMQ: the shipped example (SQL form) against the table form", "(8)", "(1)", ">= 0.50"),
+        (format!("(1) / (5), {broker_name}"), "(1)", "(5)", "(measured)"),
+        (format!("(7) / (1), {broker_name}: Redis against the Postgres table form"), "(7)", "(1)", ">= 3"),
+        (format!("(7) / (5), {broker_name}: Redis against consume-only"), "(7)", "(5)", ">= 0.60"),
+        (format!("(8) / (1), {broker_name}: the shipped example (SQL form) against the table form"), "(8)", "(1)", ">= 0.50"),
     ] {
         if let (Some(a), Some(b)) = (rate(a), rate(b)) {
-            ratios.push((name.to_owned(), a / b, target.to_owned()));
+            ratios.push((name, a / b, target.to_owned()));
         }
     }
     let report = Report { environment: env, runs, ratios };
     write_outputs(&report, &o.markdown, &o.json)?;
     Ok(report)
+}
+
+/// Run (5) on NATS JetStream: consume `total` messages from `stream` through a durable pull consumer with the
+/// worker's settings (explicit acks, max_ack_pending twice a batch), decode each and take its key as the worker
+/// would, and double-ack each batch of 2,000 (every message, confirmed, as the worker acknowledges).
+async fn consume_only_nats(url: &str, stream: &str, db_url: &str, pipeline_text: &str, total: usize) -> anyhow::Result<RunResult> {
+    use futures_util::StreamExt;
+    let (pipeline, preparer) = preparer(db_url, pipeline_text).await?;
+    let crate::config::SourceSpec::Nats(spec) = &pipeline.source else { bail!("(5): not a NATS pipeline") };
+    let js = async_nats::jetstream::new(async_nats::connect(url).await?);
+    let consumer = js.get_stream(stream).await?.create_consumer(crate::source::nats::consumer_config(spec)).await?;
+    let mut messages = consumer.stream().max_messages_per_batch(2000).messages().await?;
+    let stream_name: std::sync::Arc<str> = std::sync::Arc::from(stream);
+    let (mut n, mut applied, mut t0) = (0usize, 0usize, None);
+    let max_payload_bytes = pipeline.decoder.max_payload_bytes();
+    let mut ackers = Vec::with_capacity(2000);
+    while n < total {
+        let next = tokio::time::timeout(Duration::from_secs(60), messages.next()).await;
+        let message = match next {
+            Ok(Some(Ok(m))) => m,
+            Ok(Some(Err(e))) => bail!("(5): consuming failed: {e}"),
+            Ok(None) | Err(_) => bail!("(5): consumed {n} of {total} messages, then nothing for 60 s"),
+        };
+        t0.get_or_insert_with(Instant::now);
+        let (seq, published) = {
+            let info = message.info().map_err(|e| anyhow::anyhow!("(5): {e}"))?;
+            (info.stream_sequence, info.published.unix_timestamp_nanos())
+        };
+        let (message, acker) = message.split();
+        ackers.push(acker);
+        let record = crate::source::nats::to_record(stream_name.clone(), seq, published, message, max_payload_bytes);
+        if matches!(preparer.prepare(&record), crate::prepare::Prepared::Apply(_)) {
+            applied += 1;
+        }
+        n += 1;
+        if n % 2000 == 0 || n == total {
+            for r in futures_util::future::join_all(ackers.iter().map(|a| a.double_ack())).await {
+                r.map_err(|e| anyhow::anyhow!("(5): a double ack failed: {e}"))?;
+            }
+            ackers.clear();
+        }
+    }
+    Ok(ceiling_result(
+        "ceiling: consume-only pass from a NATS JetStream stream (decode and key extraction, a double ack per message, no database)",
+        n,
+        t0,
+        format!("{applied} records prepared for applying; max_ack_pending {}", spec.max_ack_pending),
+    ))
 }
 
 /// Run (5) on RabbitMQ: consume `total` messages from `queue` with the worker's default prefetch, decode each and

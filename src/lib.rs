@@ -1,4 +1,5 @@
-//! idemflow: exactly-once *effects* from at-least-once delivery (Kafka topics, RabbitMQ queues, RocketMQ topics).
+//! idemflow: exactly-once *effects* from at-least-once delivery (Kafka topics, RabbitMQ queues, RocketMQ topics,
+//! NATS JetStream streams).
 //!
 //! # Layout
 //!
@@ -14,7 +15,8 @@
 //!   member: batches, partition ownership across rebalances, offset commits) and [`source::rabbitmq`] (a consumer
 //!   per queue: batches acknowledged with `basic.ack` after COMMIT, reconnection after a lost channel) and
 //!   [`source::rocketmq`] (a lite pull consumer in clustering mode: queues followed across rebalances, consume
-//!   offsets updated after COMMIT). Each broker's folder also holds its `check`, its dead-letter publisher
+//!   offsets updated after COMMIT) and [`source::nats`] (a durable JetStream pull consumer: each delivery
+//!   double-acked after COMMIT, in-progress acks while it waits). Each broker's folder also holds its `check`, its dead-letter publisher
 //!   (`[dead_letters] topic` for Kafka, `exchange` for RabbitMQ) and its half of `idemflow rewind`;
 //!   [`source::rewind`] is what every rewind shares (never forward, never past the reset policy).
 //! - [`record`]: one consumed record (a Kafka record, a RabbitMQ delivery or a RocketMQ message), owned, with its
@@ -101,6 +103,13 @@
 //!   before that makes the broker requeue it, and the dedup rows skip what was applied (see [`source::rabbitmq`]).
 //! - RocketMQ: a queue's consume offset is updated only after COMMIT; a crash before that replays the batch from
 //!   the last consume offset, as for Kafka (see [`source::rocketmq`]).
+//! - NATS JetStream: every delivery of a batch is acknowledged with a double ack (the server confirms it) only after
+//!   COMMIT; the consumer must have explicit acks (checked by `check` and `run`). A crash, a lost connection or an
+//!   unconfirmed ack before that leaves the delivery pending on the server, which redelivers it after `ack_wait`
+//!   with the same stream sequence: its dedup row skips it as `redelivered`. While a batch waits for its
+//!   transaction (or retries through an outage), in-progress acks every third of `ack_wait` keep the server from
+//!   redelivering it meanwhile; one that expires anyway is only a redelivery, skipped the same way. A consumer
+//!   deleted under the worker stops the pipeline: it is never created again silently (see [`source::nats`]).
 //!
 //! - A side effect that ends the transaction itself breaks "one transaction": on MySQL/MariaDB a procedure's
 //!   `START TRANSACTION`/`COMMIT` (or any statement that commits implicitly) would commit the batch's claims at the

@@ -30,11 +30,12 @@ pub struct DemoArgs {
     /// or mysql://... / mariadb://... to run the demo on MySQL or MariaDB (through examples/mysql/payments.toml).
     #[arg(long, env = "DATABASE_URL")]
     database_url: Option<String>,
-    /// The broker: an embedded Kafka, or a throwaway RabbitMQ node (needs Debian's rabbitmq-server).
+    /// The broker: an embedded Kafka, a throwaway RabbitMQ node (needs Debian's rabbitmq-server), or a throwaway NATS
+    /// server with JetStream (needs Debian's nats-server).
     #[arg(long, value_enum, default_value = "kafka")]
     source: idemflow::demo::DemoSource,
     /// The pipeline to run (default pipelines/payments.toml, or examples/rabbitmq/payments.toml with --source
-    /// rabbitmq); its tables are in the `.sql` file beside it.
+    /// rabbitmq, examples/nats/payments.toml with --source nats); its tables are in the `.sql` file beside it.
     #[arg(long)]
     pipeline: Option<PathBuf>,
     /// Where to serve /metrics while the demo runs.
@@ -80,8 +81,9 @@ pub struct BenchArgs {
     /// Profile each worker run with `perf record -g` (writes perf-N.data here; CPU figures then include perf).
     #[arg(long)]
     perf: bool,
-    /// The broker: the embedded Kafka (runs 1-6), or a throwaway RabbitMQ node (runs 1 and 5 from quorum queues;
-    /// needs Debian's rabbitmq-server).
+    /// The broker: the embedded Kafka (runs 1-15), a throwaway RabbitMQ node (runs 1, 5, 7 and 8 from quorum queues;
+    /// needs Debian's rabbitmq-server), or a throwaway NATS server (the same runs from JetStream streams; needs
+    /// Debian's nats-server).
     #[arg(long, value_enum, default_value = "kafka")]
     source: idemflow::demo::DemoSource,
 }

@@ -1,7 +1,8 @@
 //! `idemflow demo`: the whole job on one machine, with nothing to set up.
 //!
 //! An embedded Kafka broker ([`kafka`]), or with `--source rabbitmq` a throwaway RabbitMQ node ([`rabbitmq`], from
-//! Debian's `rabbitmq-server`) and a quorum queue, and a throwaway PostgreSQL cluster ([`postgres`], or a server given with
+//! Debian's `rabbitmq-server`) and a quorum queue, or with `--source nats` a throwaway NATS server with JetStream
+//! ([`nats`], Debian's `nats-server`) and a stream, and a throwaway PostgreSQL cluster ([`postgres`], or a server given with
 //! `--database-url`) carry a stream of payment deductions through the shipped `pipelines/payments.toml`, on the
 //! real worker code path ([`crate::worker`]). Duplicates happen the three ways they happen in production:
 //!
@@ -16,6 +17,7 @@
 
 pub mod database;
 pub mod kafka;
+pub mod nats;
 pub mod postgres;
 pub mod rabbitmq;
 pub mod redis;
@@ -40,6 +42,9 @@ use tokio::task::JoinHandle;
 const SHIPPED_PIPELINE: &str = include_str!("../../pipelines/payments.toml");
 const SHIPPED_TABLES: &str = include_str!("../../pipelines/payments.sql");
 const SHIPPED_RABBITMQ_PIPELINE: &str = include_str!("../../examples/rabbitmq/payments.toml");
+const SHIPPED_NATS_PIPELINE: &str = include_str!("../../examples/nats/payments.toml");
+/// The stream of the NATS demo (the shipped example's), on subjects `payments.>`.
+const NATS_STREAM: &str = "PAYMENTS";
 const SHIPPED_MYSQL_PIPELINE: &str = include_str!("../../examples/mysql/payments.toml");
 const SHIPPED_MYSQL_TABLES: &str = include_str!("../../examples/mysql/payments.sql");
 const SHIPPED_REDIS_PIPELINE: &str = include_str!("../../examples/redis/payments.toml");
@@ -77,12 +82,15 @@ pub enum DemoSource {
     Kafka,
     /// A throwaway RabbitMQ node (Debian's `rabbitmq-server`) with a quorum queue.
     Rabbitmq,
+    /// A throwaway NATS server with JetStream (Debian's `nats-server`) with a stream.
+    Nats,
 }
 
 /// The running broker of a demo.
 enum Broker {
     Kafka(kafka::EmbeddedKafka),
     RabbitMq(rabbitmq::Throwaway),
+    Nats(nats::Throwaway),
 }
 
 /// The message-id a payment is published with: its order id (a retry keeps it); a poison message gets its own.
@@ -254,19 +262,24 @@ fn counter(metrics: &Metrics, name: &str, reason: Option<&str>) -> u64 {
 
 /// Runs the demo; `Ok(true)` when the final check passed.
 pub async fn run(options: DemoOptions) -> anyhow::Result<bool> {
-    let rabbit = options.source == DemoSource::Rabbitmq;
+    let nats = options.source == DemoSource::Nats;
+    // A queue, or a JetStream consumer shared by two workers: deliveries without a kept order (competing consumers).
+    let rabbit = options.source == DemoSource::Rabbitmq || nats;
+    let source_flag = if nats { "--source nats" } else { "--source rabbitmq" };
     let mysql = options.database_url.as_deref().is_some_and(|u| config::Dialect::of_url(u) == config::Dialect::MySql);
     if rabbit && mysql {
-        bail!("the demo runs RabbitMQ with PostgreSQL, and MySQL/MariaDB with Kafka: choose one of --source rabbitmq and a mysql:// --database-url");
+        bail!("the demo runs RabbitMQ and NATS with PostgreSQL, and MySQL/MariaDB with Kafka: choose one of {source_flag} and a mysql:// --database-url");
     }
     let redis_url = options.database_url.as_deref().filter(|u| u.starts_with("redis://") || u.starts_with("rediss://"));
     let redis = options.redis || redis_url.is_some();
     let mysql = mysql && !redis;
     if redis && rabbit {
-        bail!("the Redis demo runs with Kafka: drop --source rabbitmq");
+        bail!("the Redis demo runs with Kafka: drop {source_flag}");
     }
     let (default_file, built_in, shipped_tables) = if redis {
         ("examples/redis/payments.toml", SHIPPED_REDIS_PIPELINE, "")
+    } else if nats {
+        ("examples/nats/payments.toml", SHIPPED_NATS_PIPELINE, SHIPPED_TABLES)
     } else if rabbit {
         ("examples/rabbitmq/payments.toml", SHIPPED_RABBITMQ_PIPELINE, SHIPPED_TABLES)
     } else if mysql {
@@ -320,7 +333,13 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<bool> {
     // Kafka: the embedded broker, with enough partitions for the mock's per-partition limit. RabbitMQ: a node of
     // this demo and a quorum queue.
     let partitions = if rabbit { 1 } else { ((options.records * 200) / (3 << 20) + 1).max(4) as i32 };
-    let broker = if rabbit {
+    let broker = if nats {
+        eprintln!("starting a throwaway NATS server with JetStream (Debian's nats-server)...");
+        let server = nats::Throwaway::start()?;
+        nats::create_stream(&server.url(), NATS_STREAM, TOPIC).await?;
+        eprintln!("NATS server on {} (stream {NATS_STREAM}, subjects {TOPIC}.>)", server.url());
+        Broker::Nats(server)
+    } else if rabbit {
         eprintln!("starting a throwaway RabbitMQ node (Debian's rabbitmq-server)...");
         let node = rabbitmq::Throwaway::start()?;
         rabbitmq::declare_quorum_queue(&node.url(), TOPIC).await.context("declaring the queue")?;
@@ -358,13 +377,13 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<bool> {
         kafka: KafkaSettings {
             bootstrap_servers: match &broker {
                 Broker::Kafka(kafka) => kafka.bootstrap_servers().to_owned(),
-                Broker::RabbitMq(_) => String::new(),
+                Broker::RabbitMq(_) | Broker::Nats(_) => String::new(),
             },
             properties,
             no_partitions_warning: Duration::from_secs(120),
         },
         rabbitmq: match &broker {
-            Broker::Kafka(_) => None,
+            Broker::Kafka(_) | Broker::Nats(_) => None,
             Broker::RabbitMq(node) => Some(config::RabbitMqSettings {
                 url: node.url().into(),
                 heartbeat: Duration::from_secs(10),
@@ -375,7 +394,22 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<bool> {
             }),
         },
         rocketmq: None,
-        nats: None,
+        nats: match &broker {
+            Broker::Nats(server) => Some(config::NatsSettings {
+                url: server.url().into(),
+                user: None,
+                password: None,
+                token: None,
+                nkey_seed: None,
+                credentials_file: None,
+                tls_ca_file: None,
+                tls_cert_file: None,
+                tls_key_file: None,
+                connect_timeout: Duration::from_secs(5),
+                request_timeout: Duration::from_secs(5),
+            }),
+            Broker::Kafka(_) | Broker::RabbitMq(_) => None,
+        },
         metrics: MetricsSettings { listen: options.metrics_listen, ..MetricsSettings::default() },
         log: LogSettings::default(),
         shutdown: ShutdownSettings::default(),
@@ -383,6 +417,8 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<bool> {
     db.setup(&tables_sql, ACCOUNTS, OPENING_BALANCE_CENTS).await?;
 
     let s = stream(options.records, partitions);
+    // Publishes the NATS demo drops as duplicates of an id seen within the stream's duplicate window.
+    let mut dropped = 0u64;
     match &broker {
         Broker::Kafka(kafka) => {
             for (partition, value) in &s.records {
@@ -395,12 +431,23 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<bool> {
                 s.records.iter().enumerate().map(|(i, (_, body))| (message_id(i, body), body.clone())).collect();
             rabbitmq::publish(&node.url(), TOPIC, &messages).await.context("publishing")?;
         }
+        Broker::Nats(server) => {
+            let messages: Vec<(String, Vec<u8>)> =
+                s.records.iter().enumerate().map(|(i, (_, body))| (message_id(i, body), body.clone())).collect();
+            dropped = nats::publish(&server.url(), &format!("{TOPIC}.created"), &messages).await.context("publishing")?;
+        }
     }
     eprintln!(
         "{} {} records: {} operations, {} {} retries, {} reused order ids, {} poison records",
         if rabbit { "published" } else { "produced" },
         s.records.len(), s.distinct, s.retries, if rabbit { "publisher" } else { "producer" }, s.mismatches, s.poison
     );
+    if nats {
+        eprintln!(
+            "the stream dropped {dropped} of them itself: a Nats-Msg-Id it had seen within its duplicate window (2 minutes), \
+             reused order ids with another amount among them (JetStream compares the id only); idemflow sees the rest"
+        );
+    }
 
     let metrics = Metrics::new();
     let health = Health::default();
@@ -427,12 +474,14 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<bool> {
         if !crashed && a.handle.is_finished() {
             crashed = true;
             a = start_worker(&settings, &ready, &metrics, &health, Faults::default());
-            let durable_at = if rabbit { "acknowledgement" } else { "offset commit" };
+            let durable_at = if nats { "acks" } else if rabbit { "acknowledgement" } else { "offset commit" };
             event = Some(format!("worker A stopped abruptly after a database commit, before its {durable_at}; restarted"));
         } else if crashed && !joined && consumed >= total * 2 / 5 {
             joined = true;
             b = Some(start_worker(&settings, &ready, &metrics, &health, Faults::default()));
-            event = Some(if rabbit {
+            event = Some(if nats {
+                "worker B started on the same durable consumer: a competing consumer".to_owned()
+            } else if rabbit {
                 "worker B started on the same queue: a competing consumer".to_owned()
             } else {
                 "worker B joined the consumer group: rebalance".to_owned()
@@ -447,7 +496,7 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<bool> {
         progress.update(consumed, applied, duplicates, event.as_deref());
         // Distinct payloads: a queue records a poison message redelivered after the crash a second time.
         let done = db.progress().await?;
-        if left && done == (s.distinct as i64, s.poison as i64) && consumed >= total {
+        if left && done == (s.distinct as i64, s.poison as i64) && consumed >= total - dropped {
             break;
         }
         if Instant::now() > deadline {
@@ -473,6 +522,9 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<bool> {
     println!();
     println!("idemflow demo summary");
     line("records produced", total);
+    if nats {
+        line("dropped by the stream (duplicate window)", dropped);
+    }
     line("distinct operations", s.distinct);
     line("applied (business effects)", counter(&metrics, "idemflow_records_applied_total", None));
     println!("  duplicates skipped");
@@ -525,10 +577,17 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<bool> {
     let queue_lines = [
         first.clone(),
         (skipped + dead + total == s.retries + s.mismatches + s.poison + consumed,
-            format!(
-                "duplicates skipped {skipped} + dead letters {dead} = retries {} + reused order ids {} + poison {} + consumed again {} (consumed {consumed} - published {total})",
-                s.retries, s.mismatches, s.poison, consumed.saturating_sub(total)
-            )),
+            if nats {
+                format!(
+                    "duplicates skipped {skipped} + dead letters {dead} + dropped by the stream {dropped} = retries {} + reused order ids {} + poison {} + consumed again {} (consumed {consumed} - stored {})",
+                    s.retries, s.mismatches, s.poison, consumed.saturating_sub(total - dropped), total - dropped
+                )
+            } else {
+                format!(
+                    "duplicates skipped {skipped} + dead letters {dead} = retries {} + reused order ids {} + poison {} + consumed again {} (consumed {consumed} - published {total})",
+                    s.retries, s.mismatches, s.poison, consumed.saturating_sub(total)
+                )
+            }),
     ];
     let reconciled = if rabbit { queue_lines.to_vec() } else { vec![
         first,
@@ -553,6 +612,7 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<bool> {
                 eprintln!("  Kafka (embedded broker): {} (topic {TOPIC}, consumer group idemflow-payments)", kafka.bootstrap_servers())
             }
             Broker::RabbitMq(node) => eprintln!("  RabbitMQ: {} (queue {TOPIC}; user guest, from localhost only)", crate::secret::mask_url(&node.url())),
+            Broker::Nats(server) => eprintln!("  NATS: {} (stream {NATS_STREAM}, durable consumer idemflow-payments)", server.url()),
         }
         match &throwaway {
             Some(cluster) => eprintln!(

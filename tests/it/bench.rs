@@ -89,10 +89,22 @@ async fn bench_runs_every_baseline_and_writes_markdown_and_json() {
 /// shipped example) and into Redis, and the consume-only ceiling, all run and written, with their ratios.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bench_on_rabbitmq_runs_the_worker_and_the_consume_only_ceiling() {
+    bench_on_one_stream("rabbitmq", "RabbitMQ").await
+}
+
+/// `idemflow bench --source nats`, small: the same runs from JetStream streams of a throwaway nats-server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bench_on_nats_runs_the_worker_and_the_consume_only_ceiling() {
+    bench_on_one_stream("nats", "NATS JetStream").await
+}
+
+/// Runs (1), (5), (7) and (8) of `idemflow bench --source <source>` over 5,000 records, each with every record
+/// received, and the ratios named after `broker`.
+async fn bench_on_one_stream(source: &str, broker: &str) {
     let dir = tempfile::tempdir().unwrap();
     let (md, json) = (dir.path().join("bench.md"), dir.path().join("bench.json"));
     let args: Vec<String> = [
-        "bench", "--source", "rabbitmq", "--records", "5000", "--database-url", postgres::server_url(), "--markdown",
+        "bench", "--source", source, "--records", "5000", "--database-url", postgres::server_url(), "--markdown",
         md.to_str().unwrap(), "--json", json.to_str().unwrap(),
     ]
     .map(String::from)
@@ -106,15 +118,15 @@ async fn bench_on_rabbitmq_runs_the_worker_and_the_consume_only_ceiling() {
         assert!(r["records_per_second"].as_f64().unwrap() > 0.0, "{r}");
     }
     assert!(runs[0]["note"].as_str().unwrap().contains("5000 received"), "{}", runs[0]);
-    assert_eq!(report["ratios"][0][0].as_str().unwrap(), "(1) / (5), RabbitMQ");
-    assert_eq!(report["ratios"][2][0].as_str().unwrap(), "(7) / (5), RabbitMQ: Redis against consume-only");
+    assert_eq!(report["ratios"][0][0].as_str().unwrap(), format!("(1) / (5), {broker}"));
+    assert_eq!(report["ratios"][2][0].as_str().unwrap(), format!("(7) / (5), {broker}: Redis against consume-only"));
     assert!(runs[2]["note"].as_str().unwrap().contains("5000 received"), "the Redis run: {}", runs[2]);
     assert!(runs[3]["note"].as_str().unwrap().contains("5000 received"), "the shipped example: {}", runs[3]);
     assert_eq!(
         report["ratios"][3][0].as_str().unwrap(),
-        "(8) / (1), RabbitMQ: the shipped example (SQL form) against the table form"
+        format!("(8) / (1), {broker}: the shipped example (SQL form) against the table form")
     );
-    assert!(std::fs::read_to_string(&md).unwrap().contains("RabbitMQ"));
+    assert!(std::fs::read_to_string(&md).unwrap().contains(broker));
 }
 
 /// `idemflow bench --database-url mysql://...`, small: runs (1), (2), (5) and (6) on MariaDB, with its settings and

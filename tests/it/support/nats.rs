@@ -68,11 +68,6 @@ impl NatsServer {
         std::fs::read_to_string(self.dir.path().join("server.log")).unwrap_or_default()
     }
 
-    /// Where it listens.
-    pub fn addr(&self) -> std::net::SocketAddr {
-        std::net::SocketAddr::from(([127, 0, 0, 1], self.port))
-    }
-
     /// The settings' `[nats]` section.
     pub fn settings(&self) -> String {
         format!("[nats]\nurl = \"{}\"\nconnect_timeout = \"5s\"\nrequest_timeout = \"5s\"\n", self.url)

@@ -1,0 +1,96 @@
+//! A throwaway NATS server with JetStream for `idemflow demo --source nats`: Debian's `nats-server`, run with its
+//! own store directory and a free loopback port, killed and removed on drop; and the demo's stream, created and
+//! published to with the official client, as a user's producer would.
+
+use anyhow::{bail, Context as _};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// Where Debian's package puts the server (not on a regular user's PATH).
+const BINARIES: [&str; 3] = ["/usr/sbin/nats-server", "/usr/bin/nats-server", "/usr/local/bin/nats-server"];
+
+/// A nats-server of this process, with JetStream on.
+pub struct Throwaway {
+    _dir: tempfile::TempDir,
+    port: u16,
+    child: Child,
+}
+
+impl Throwaway {
+    /// Starts a server on a free loopback port and waits (at most 30 s) until it accepts connections.
+    ///
+    /// Errors: `nats-server` is not installed (the message says how to install it), or it did not start (its output
+    /// is included).
+    pub fn start() -> anyhow::Result<Throwaway> {
+        let Some(binary) = BINARIES.iter().find(|b| std::path::Path::new(b).exists()) else {
+            bail!("nats-server is not installed: apt-get update && apt-get install -y --no-install-recommends nats-server");
+        };
+        let dir = tempfile::Builder::new().prefix("idemflow-nats.").tempdir()?;
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+        let out = dir.path().join("server.log");
+        let log = std::fs::File::create(&out)?;
+        let child = Command::new(binary)
+            .args(["-js", "-a", "127.0.0.1", "-p", &port.to_string(), "-sd"])
+            .arg(dir.path().join("store"))
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .with_context(|| format!("starting {binary}"))?;
+        let mut server = Throwaway { _dir: dir, port, child };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            if Instant::now() > deadline || server.child.try_wait().ok().flatten().is_some() {
+                bail!("nats-server did not start; its output:\n{}", std::fs::read_to_string(&out).unwrap_or_default());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(server)
+    }
+
+    /// Its URL.
+    pub fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+}
+
+impl Drop for Throwaway {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Creates stream `name` on subjects `<subject prefix>.>` (file storage, the server's default 2-minute duplicate
+/// window).
+///
+/// Errors: the server refused it or cannot be reached.
+pub async fn create_stream(url: &str, name: &str, subjects: &str) -> anyhow::Result<()> {
+    let js = async_nats::jetstream::new(async_nats::connect(url).await?);
+    js.create_stream(async_nats::jetstream::stream::Config { name: name.to_owned(), subjects: vec![format!("{subjects}.>")], ..Default::default() })
+        .await
+        .map_err(|e| anyhow::anyhow!("creating stream {name}: {e}"))?;
+    Ok(())
+}
+
+/// Publishes `messages` (Nats-Msg-Id, body) to `subject`, each acknowledged by the stream (a JetStream publish):
+/// returns how many the stream dropped as duplicates of an id it had seen within its duplicate window.
+///
+/// Errors: a publish was not acknowledged, or the server cannot be reached.
+pub async fn publish(url: &str, subject: &str, messages: &[(String, Vec<u8>)]) -> anyhow::Result<u64> {
+    let js = async_nats::jetstream::new(async_nats::connect(url).await?);
+    let mut dropped = 0;
+    for chunk in messages.chunks(1000) {
+        let mut acks = Vec::with_capacity(chunk.len());
+        for (id, body) in chunk {
+            let mut headers = async_nats::HeaderMap::new();
+            headers.insert(crate::source::nats::MSG_ID_HEADER, id.as_str());
+            acks.push(js.publish_with_headers(subject.to_owned(), headers, body.clone().into()).await?);
+        }
+        for ack in acks {
+            if ack.await.map_err(|e| anyhow::anyhow!("a publish was not acknowledged: {e}"))?.duplicate {
+                dropped += 1;
+            }
+        }
+    }
+    Ok(dropped)
+}
