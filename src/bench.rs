@@ -1321,13 +1321,13 @@ async fn consume_only_nats(url: &str, stream: &str, db_url: &str, pipeline_text:
             Ok(None) | Err(_) => bail!("(5): consumed {n} of {total} messages, then nothing for 60 s"),
         };
         t0.get_or_insert_with(Instant::now);
-        let (seq, published) = {
+        let (seq, published, delivered) = {
             let info = message.info().map_err(|e| anyhow::anyhow!("(5): {e}"))?;
-            (info.stream_sequence, info.published.unix_timestamp_nanos())
+            (info.stream_sequence, info.published.unix_timestamp_nanos(), info.delivered)
         };
         let (message, acker) = message.split();
         ackers.push(acker);
-        let record = crate::source::nats::to_record(stream_name.clone(), seq, published, message, max_payload_bytes);
+        let record = crate::source::nats::to_record(stream_name.clone(), seq, published, delivered, message, max_payload_bytes);
         if matches!(preparer.prepare(&record), crate::prepare::Prepared::Apply(_)) {
             applied += 1;
         }

@@ -25,7 +25,7 @@ pub struct NextOffsets(pub BTreeMap<(Arc<str>, i32), i64>);
 impl NextOffsets {
     /// The positions to commit once `records` (every record of a committed batch, dead letters and skipped
     /// duplicates included) are durable: per partition, the highest offset + 1. Records of sources without
-    /// stable positions (RabbitMQ: [`Record::delivered_before`] is set) have none and are left out.
+    /// positions to commit (RabbitMQ, NATS JetStream: [`Record::delivered_before`] is set) are left out.
     pub fn after(records: &[Record]) -> Self {
         let mut next = BTreeMap::new();
         let mut raise = |p: &crate::record::Position, to: i64| {

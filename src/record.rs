@@ -102,8 +102,9 @@ pub struct Record {
     pub oversized: Option<Oversized>,
     /// Message properties by name (see [`PROPERTIES`]); empty for a Kafka record.
     pub properties: Vec<(&'static str, String)>,
-    /// Whether the broker says this message was delivered before, for sources without stable positions: RabbitMQ's
-    /// `redelivered` flag, or an `x-delivery-count` above 0 (quorum queues). `None` for sources whose position
+    /// Whether the broker says this message was delivered before, for sources whose deliveries do not follow their
+    /// positions: RabbitMQ's `redelivered` flag, or an `x-delivery-count` above 0 (quorum queues); a JetStream
+    /// delivery count above 1. `None` for sources whose position
     /// identifies a record (Kafka): there, a record at a position processed before is a redelivery.
     pub delivered_before: Option<bool>,
 }

@@ -12,9 +12,10 @@ use crate::record::Position;
 pub use crate::store::rows::{Claim, Existing, Explained, ExplainedRow};
 
 /// Classifies a record against the dedup row of its key (see [`DuplicateReason`]). `delivered_before` is the
-/// broker's own redelivery mark for sources without stable positions ([`crate::record::Record::delivered_before`]):
-/// there a marked delivery with the applied payload is `redelivered`, and positions are never compared (a delivery
-/// tag identifies nothing). A marked delivery with another payload stays `payload_mismatch`: a reconnect returns
+/// broker's own redelivery mark for sources whose deliveries do not follow their positions (a queue, a JetStream
+/// consumer: [`crate::record::Record::delivered_before`]): there a marked delivery with the applied payload is
+/// `redelivered`, and positions are never compared (a delivery tag identifies nothing; a stream sequence below
+/// later ones proves nothing). A marked delivery with another payload stays `payload_mismatch`: a reconnect returns
 /// the whole prefetch window marked, so the mark alone must not hide a payload that was never applied.
 pub fn classify(existing: &Existing, position: &Position, delivered_before: Option<bool>, fingerprint: &[u8; 32]) -> DuplicateReason {
     let redelivered = match delivered_before {

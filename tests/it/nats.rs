@@ -228,6 +228,7 @@ async fn check_refuses_what_cannot_work() {
     stream.create_consumer(pull_consumer("small", &|c| c.max_ack_pending = 100)).await.unwrap();
     stream.create_consumer(pull_consumer("limited", &|c| c.max_deliver = 5)).await.unwrap();
     stream.create_consumer(pull_consumer("other-filter", &|c| c.filter_subject = "PAYMENTS.other".into())).await.unwrap();
+    stream.create_consumer(pull_consumer("headers", &|c| c.headers_only = true)).await.unwrap();
     stream
         .create_consumer(push::Config { durable_name: Some("pushed".into()), deliver_subject: "deliver.here".into(), ack_policy: AckPolicy::Explicit, ..Default::default() })
         .await
@@ -250,11 +251,32 @@ async fn check_refuses_what_cannot_work() {
     refused("consumer = \"small\"", "PAYMENTS", "below batch.max_records");
     refused("consumer = \"pushed\"", "PAYMENTS", "is a push consumer");
     refused("consumer = \"other-filter\"\nfilter_subjects = [\"PAYMENTS.created\"]", "PAYMENTS", "not [source] filter_subjects");
-    let (ok, text) = check("consumer = \"limited\"", "PAYMENTS");
-    assert!(ok && text.contains("has max_deliver 5"), "max_deliver is a warning:\n{text}");
+    refused("consumer = \"limited\"", "PAYMENTS", "has max_deliver 5");
+    refused("consumer = \"headers\"", "PAYMENTS", "delivers headers only");
+    // Several filter subjects need a 2.10 server; this one is 2.9.
+    refused("filter_subjects = [\"PAYMENTS.a\", \"PAYMENTS.b\"]", "PAYMENTS", "needs nats-server 2.10 or later");
     let (ok, text) = check("", "PAYMENTS");
     assert!(ok && text.contains("does not exist yet: `idemflow run` creates it"), "{text}");
     assert!(text.contains("duplicate_window"), "the server's duplicate window is reported:\n{text}");
+    assert!(text.contains("keeps messages until its limits"), "a stream without max_age outlasts the retention:\n{text}");
+    // A stream holding messages older than the dedup retention: `check` and `run` refuse to create a consumer from
+    // its first message (the dedup rows of the oldest may be gone); the worker stops with the reason.
+    server.publish("PAYMENTS.created", &[(None, b"{}".to_vec())]).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let old = example("PAYMENTS", "").replace("[key]", "[dedup]\nretention = \"2s\"\n\n[key]");
+    assert!(old.contains("retention = \"2s\""), "{old}");
+    let setup = Setup::nats(&db, &server, &[("payments.toml", &old)], "");
+    let (status, out, err) = idemflow(&["check", "--config", setup.config.to_str().unwrap()], setup.dir.path());
+    assert!(!status.success() && format!("{out}{err}").contains("older than [dedup] retention"), "{out}{err}");
+    let mut w = BinWorker::start(&setup);
+    let start = Instant::now();
+    while !w.log_text().contains("pipeline stopped") {
+        assert!(start.elapsed() < Duration::from_secs(60), "the pipeline did not stop:\n{}", w.log_text());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(w.log_text().contains("nats consumer add PAYMENTS idemflow-payments"), "{}", w.log_text());
+    w.kill();
+    assert!(stream.consumer_info("idemflow-payments").await.is_err(), "no consumer was created");
     // The pipeline file's own mistakes, before any server is asked.
     refused("[offsets]\nstore = \"database\"", "PAYMENTS", "a JetStream durable consumer keeps its position on the server");
     refused("max_ack_pending = 10", "PAYMENTS", "source.max_ack_pending");

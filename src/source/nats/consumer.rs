@@ -4,36 +4,47 @@
 //!
 //! # Why nothing is lost or applied twice
 //!
-//! - The consumer has explicit acks (`ack_policy = explicit`, checked): the server keeps every delivery pending
-//!   until it is acknowledged, and redelivers it once `ack_wait` passes without an ack, or to the next worker when
-//!   this one is gone. Acks are per message, never `ack_policy = all`: with several workers on one consumer, an ack
-//!   of all below a sequence would acknowledge deliveries another worker still holds.
-//! - After the store's COMMIT, every delivery of the batch is acknowledged with a **double ack** (the server
-//!   confirms it; JetStream's `AckSync`). A failed or unconfirmed ack is retried (three attempts); one still
-//!   unconfirmed is logged and counted (`idemflow_offset_commits_total{result="error"}`), never fatal: the server
-//!   redelivers it after `ack_wait` and its dedup row skips it as `redelivered`.
-//! - A crash anywhere before the acks: the server redelivers every pending delivery after `ack_wait`. The ones
-//!   whose transaction committed are skipped by their dedup rows.
-//! - While a batch is in its transaction, or waits to retry it through a database outage, and while deliveries
-//!   wait in the stash for the next batch, the source sends an in-progress ack (`+WPI`) for each of them every third
-//!   of `ack_wait`: the server restarts their ack timers, so a slow or retried transaction never lets `ack_wait`
-//!   expire silently, and a delivery's count of deliveries (`max_deliver`) does not grow while it waits.
-//! - Memory is bounded by the consumer's `max_ack_pending` (default twice `batch.max_records`, checked): the
-//!   server sends no more than that many unacknowledged deliveries.
+//! - The consumer has explicit acks, no delivery limit and whole payloads (checked by `check` and `run`,
+//!   [`verify_consumer`]): the server keeps every delivery pending until it is acknowledged, and redelivers it once
+//!   `ack_wait` passes without an ack (to this worker or another on the consumer; never sooner, a lost connection
+//!   included). Acks are per message, never `ack_policy = all`: with several workers on one consumer, an ack of all
+//!   below a sequence would acknowledge deliveries another worker still holds. A `max_deliver` limit is refused: the
+//!   server would drop a message delivered that many times (a crash loop) and only say so in an advisory.
+//! - After the store's COMMIT, every delivery of the batch is acknowledged with a double ack (JetStream's
+//!   `AckSync`: the server answers it). A failed or unanswered ack is retried (three attempts, each bounded by
+//!   `request_timeout`); one still unanswered is logged and counted (`idemflow_offset_commits_total{result="error"}`),
+//!   never fatal: the server redelivers it after `ack_wait` and its dedup row skips it. An answer is not proof the
+//!   ack was recorded (a 2.9 server answers an ack of a delivery it no longer had pending too): the dedup rows, not
+//!   the ack, make a redelivery harmless.
+//! - A crash anywhere before the acks: the server redelivers every pending delivery after `ack_wait`; the ones whose
+//!   transaction committed are skipped by their dedup rows.
+//! - While deliveries are held (in a batch in its transaction, in a batch retried through a database outage, or in
+//!   the stash for the next batch), the source sends an in-progress ack (`+WPI`) for each every third of the
+//!   consumer's `ack_wait`: the server restarts their ack timers, so a slow or retried transaction does not let
+//!   `ack_wait` expire. One that expires anyway (a round that could not be sent) is only a redelivery.
+//! - Memory is bounded by the consumer's `max_ack_pending` (default twice `batch.max_records`; a consumer without a
+//!   limit is refused): the server sends no more than that many unacknowledged deliveries, plus copies of held
+//!   ones it redelivers after an expiry.
+//! - A consumer idemflow creates starts at the stream's first message; it is created only when every message in
+//!   the stream is younger than `[dedup] retention` ([`creation_refusal`]), and never again after it disappeared
+//!   under a running worker (the pipeline stops instead: a new consumer decides where to start).
 //!
 //! # Positions and duplicates
 //!
-//! A delivery's stream sequence is a stable position: the same message redelivered has the same sequence, a
-//! message published again has a new one. Records carry the stream's name, partition 0 and the stream sequence,
-//! so a duplicate is classified by position as for Kafka (`redelivered` at the same sequence, `republished` or
-//! `payload_mismatch` at another). The consumer's position itself (its ack floor) lives on the server: there is
-//! no offset to store or seek, so `[offsets] store = "database"` and `rewind` are refused.
+//! A delivery's position is its stream sequence (stream, partition 0, sequence), shown in dead letters and
+//! `explain`. Deliveries do not follow sequence order (a redelivery comes after later messages, workers on one
+//! consumer share its deliveries), so duplicates are classified by the server's own mark, as for a queue
+//! ([`Record::delivered_before`]: delivered more than once): a delivered-before copy with the applied payload is
+//! `redelivered`, a first delivery `republished`, another payload `payload_mismatch`; no processed marks are kept.
+//! The consumer's position (its ack floor) lives on the server: there is no offset to store or seek, so
+//! `[offsets] store = "database"` and `rewind` are refused.
 //!
 //! # Order
 //!
 //! A stream delivers in sequence order to one worker. Several workers on one durable consumer share its
-//! deliveries (competing consumers) and may commit their effects in any order; a redelivery comes after later
-//! messages.
+//! deliveries (competing consumers) and may commit their effects in any order. `max_ack_pending` is the
+//! consumer's, shared by its workers: a worker that cannot reach its database keeps its deliveries (as a RabbitMQ
+//! consumer keeps its prefetch, or a Kafka member its partitions), and they count against the others' share.
 
 use super::{NatsSettings, NatsSpec};
 use crate::batch::BatchSettings;
@@ -41,7 +52,7 @@ use crate::metrics::{CommitResult, PipelineMetrics, RebalanceEvent};
 use crate::record::{Position, Record};
 use crate::shutdown::Shutdown;
 use crate::source::SourceContext;
-use async_nats::jetstream::{self, consumer::pull, consumer::AckPolicy, message::Acker, AckKind};
+use async_nats::jetstream::{self, consumer::pull, consumer::AckPolicy, consumer::IntoConsumerConfig, message::Acker, AckKind};
 use futures_util::StreamExt;
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -68,6 +79,8 @@ enum Event {
     Lost(String),
     /// The consumer is gone from the server (deleted under the worker): the pipeline stops.
     Deleted,
+    /// The server refuses what the pull stream asks, and always will: the pipeline stops with the reason.
+    Refused(String),
 }
 
 /// A pull stream on the consumer, read by a forwarding task.
@@ -101,6 +114,10 @@ pub struct NatsSource {
     held: HashMap<u64, Acker>,
     /// When in-progress acks were last sent for `held`.
     progress_sent: Instant,
+    /// The consumer's `ack_wait` (the pipeline's until bound): in-progress acks go every third of it.
+    ack_wait: Duration,
+    /// `[dedup] retention`: a consumer created from the stream's first message must not reach older messages.
+    retention: Duration,
     reconnect: Box<dyn Iterator<Item = Duration> + Send>,
     /// Whether this worker has bound to (or created) the consumer: one missing afterwards was deleted under it, and
     /// is never created again silently.
@@ -130,14 +147,17 @@ impl NatsSource {
             stash: VecDeque::new(),
             held: HashMap::new(),
             progress_sent: Instant::now(),
+            ack_wait: spec.ack_wait,
+            retention: pipeline.dedup_retention,
             reconnect: Box::new(reconnect_backoff()),
             bound: false,
             fatal: None,
         })
     }
 
-    /// Connects (once: the client reconnects by itself), binds to the durable consumer or creates it, checks its
-    /// settings, and starts a pull stream read by a forwarding task.
+    /// Connects (once: the client reconnects by itself), binds to the durable consumer or creates it (after
+    /// [`creation_refusal`]), checks its settings ([`verify_consumer`]), and starts a pull stream read by a
+    /// forwarding task. A setting that cannot keep the guarantee sets [`NatsSource::fatal`].
     async fn start(&mut self) -> Result<(), String> {
         let client = match &self.client {
             Some(c) => c.clone(),
@@ -147,35 +167,51 @@ impl NatsSource {
                 c
             }
         };
+        let version = client.server_info().version;
         let js = context(&self.settings, client);
-        let stream = js.get_stream(&self.spec.stream).await.map_err(|e| stream_error(&self.spec.stream, &e.to_string()))?;
-        let consumer: jetstream::consumer::PullConsumer = match stream.get_consumer(&self.spec.consumer).await {
-            Ok(c) => c,
+        let mut stream = js.get_stream(&self.spec.stream).await.map_err(|e| stream_error(&self.spec.stream, &e.to_string()))?;
+        let info = match stream.consumer_info(&self.spec.consumer).await {
+            Ok(info) => info,
             Err(e) if self.bound && not_found(&e.to_string()) => {
                 self.event(Some(Event::Deleted));
                 return Err(self.fatal.clone().unwrap_or_default());
             }
             Err(e) if not_found(&e.to_string()) => {
+                let stream_info = stream.info().await.map_err(|e| format!("reading stream {:?}: {e}", self.spec.stream))?.clone();
+                if let Some(why) = creation_refusal(&stream_info, &self.spec, self.batch(), self.retention, &version) {
+                    self.fatal = Some(why.clone());
+                    return Err(why);
+                }
                 let created = stream.create_consumer(consumer_config(&self.spec)).await.map_err(|e| {
                     format!("creating the durable consumer {:?} on stream {:?}: {e}", self.spec.consumer, self.spec.stream)
                 })?;
                 tracing::info!(pipeline = %self.pipeline, stream = %self.spec.stream, consumer = %self.spec.consumer,
                     ack_wait = ?self.spec.ack_wait, max_ack_pending = self.spec.max_ack_pending, "created the durable consumer");
-                created
+                created.cached_info().clone()
             }
-            Err(e) => return Err(format!("binding to the durable consumer {:?} on stream {:?}: {e}", self.spec.consumer, self.spec.stream)),
+            Err(e) => return Err(format!("reading the durable consumer {:?} of stream {:?}: {e}", self.spec.consumer, self.spec.stream)),
         };
         self.bound = true;
-        let info = consumer.cached_info();
-        if let Err(why) = verify_consumer(&info.config, &self.spec, self.max_records, self.max_wait, true) {
+        if let Err(why) = verify_consumer(&info.config, &self.spec, self.batch()) {
             self.fatal = Some(why.clone());
             return Err(why);
         }
+        if info.config.ack_wait != self.spec.ack_wait {
+            tracing::warn!(pipeline = %self.pipeline, consumer = %self.spec.consumer, consumer_ack_wait = ?info.config.ack_wait,
+                pipeline_ack_wait = ?self.spec.ack_wait,
+                "the consumer's ack_wait is not the pipeline's: [source] ack_wait applies only to a consumer idemflow creates; in-progress acks follow the consumer's (change it with `nats consumer edit`)");
+        }
+        self.ack_wait = info.config.ack_wait;
+        let consumer: jetstream::consumer::PullConsumer = stream
+            .get_consumer(&self.spec.consumer)
+            .await
+            .map_err(|e| format!("binding to the durable consumer {:?} of stream {:?}: {e}", self.spec.consumer, self.spec.stream))?;
+        let (batch, expires) = pull_request(&info.config, self.max_records);
         let messages = consumer
             .stream()
-            .max_messages_per_batch(self.max_records.max(1))
-            .heartbeat(Duration::from_secs(5))
-            .expires(Duration::from_secs(30))
+            .max_messages_per_batch(batch)
+            .expires(expires)
+            .heartbeat(expires / 6)
             .messages()
             .await
             .map_err(|e| format!("starting to pull from consumer {:?}: {e}", self.spec.consumer))?;
@@ -185,8 +221,13 @@ impl NatsSource {
         self.metrics.assigned_partitions(1);
         self.metrics.rebalance(RebalanceEvent::Assign);
         tracing::info!(pipeline = %self.pipeline, stream = %self.spec.stream, consumer = %self.spec.consumer,
-            pending = info.num_pending, ack_pending = info.num_ack_pending, "consuming from NATS JetStream");
+            pending = info.num_pending, ack_pending = info.num_ack_pending, ack_wait = ?self.ack_wait, "consuming from NATS JetStream");
         Ok(())
+    }
+
+    /// The batch bounds, as [`verify_consumer`] and [`creation_refusal`] take them.
+    fn batch(&self) -> (usize, Duration) {
+        (self.max_records, self.max_wait)
     }
 
     /// Starts the pull stream until it works or shutdown comes (`false`), with backoff, saying why on every attempt.
@@ -200,7 +241,9 @@ impl NatsSource {
                 _ = shutdown.wait() => return false,
             };
             match attempt {
-                Ok(()) => self.reconnect = Box::new(reconnect_backoff()),
+                // The backoff starts over only once a delivery arrives (see `record`): a pull stream the server
+                // ends at once must not be started again in a tight loop.
+                Ok(()) => {}
                 Err(_) if self.fatal.is_some() => return false,
                 Err(why) => {
                     let delay = self.reconnect.next().unwrap_or(Duration::from_secs(30));
@@ -234,20 +277,29 @@ impl NatsSource {
     /// How often in-progress acks are sent: a third of `ack_wait`, so one lost in-progress ack is not enough for
     /// the server to redeliver.
     fn progress_every(&self) -> Duration {
-        self.spec.ack_wait / 3
+        (self.ack_wait / 3).max(Duration::from_millis(100))
     }
 
     /// Sends an in-progress ack for every held delivery when a third of `ack_wait` has passed since the last ones.
     /// A failed one is logged: the next round (or the delivery's redelivery, a skipped duplicate) covers it.
     async fn progress(&mut self) {
-        if self.held.is_empty() || self.progress_sent.elapsed() < self.progress_every() {
+        if self.progress_sent.elapsed() < self.progress_every() {
             return;
         }
+        // Also with nothing held: the next round is due a third of ack_wait from now, never in the past (the
+        // waits below sleep until it).
         self.progress_sent = Instant::now();
+        if self.held.is_empty() {
+            return;
+        }
         let mut failed = 0usize;
+        // Each in-progress ack is a publish: while the client reconnects, its command queue fills and a publish
+        // waits. The round is given at most a third of ack_wait; what it could not send counts as failed.
+        let deadline = Instant::now() + self.progress_every();
         for acker in self.held.values() {
-            if acker.ack_with(AckKind::Progress).await.is_err() {
-                failed += 1;
+            match tokio::time::timeout_at(deadline, acker.ack_with(AckKind::Progress)).await {
+                Ok(Ok(())) => {}
+                _ => failed += 1,
             }
         }
         if failed > 0 {
@@ -284,6 +336,10 @@ impl NatsSource {
                 ));
                 self.live = None;
             }
+            Some(Event::Refused(why)) => {
+                self.fatal = Some(why);
+                self.live = None;
+            }
             None => self.lost("the pull stream ended"),
         }
     }
@@ -299,19 +355,20 @@ impl NatsSource {
 
     /// A delivery as a record, its ack handle held; `None` (logged) for a message that is not a JetStream delivery.
     fn record(&mut self, m: jetstream::Message) -> Option<Record> {
-        let (seq, pending, published_ns) = match m.info() {
-            Ok(info) => (info.stream_sequence, info.pending, info.published.unix_timestamp_nanos()),
+        let (seq, pending, published_ns, delivered) = match m.info() {
+            Ok(info) => (info.stream_sequence, info.pending, info.published.unix_timestamp_nanos(), info.delivered),
             Err(e) => {
                 tracing::warn!(pipeline = %self.pipeline, subject = %m.subject, error = %e, "a message without JetStream metadata; ignored");
                 return None;
             }
         };
+        self.reconnect = Box::new(reconnect_backoff());
         let (message, acker) = m.split();
         self.held.insert(seq, acker);
         let held = self.held.len() as i64;
         self.metrics.lag(&self.stream, 0, pending as i64 + held);
         self.metrics.waiting(&self.stream, 0, held);
-        Some(to_record(self.stream.clone(), seq, published_ns, message, self.max_payload_bytes))
+        Some(to_record(self.stream.clone(), seq, published_ns, delivered, message, self.max_payload_bytes))
     }
 
     /// Waits for the next batch: at least one delivery, then up to `max_records`, for at most `max_wait` after the
@@ -423,13 +480,16 @@ impl NatsSource {
         }
         let mut failed: Vec<(u64, String)> = Vec::new();
         let mut acked = 0usize;
+        let request_timeout = self.settings.request_timeout;
         for chunk in ackers.chunks(ACKS_IN_FLIGHT) {
             let results = futures_util::future::join_all(chunk.iter().map(|(seq, acker)| async move {
                 let mut last = String::new();
                 for attempt in 0..ACK_ATTEMPTS {
-                    match acker.double_ack().await {
-                        Ok(()) => return Ok(()),
-                        Err(e) => last = e.to_string(),
+                    // Bounded: while the client reconnects a publish waits for room in its command queue.
+                    match tokio::time::timeout(request_timeout, acker.double_ack()).await {
+                        Ok(Ok(())) => return Ok(()),
+                        Ok(Err(e)) => last = e.to_string(),
+                        Err(_) => last = format!("no confirmation within {request_timeout:?}"),
                     }
                     tokio::time::sleep(Duration::from_millis(100 << attempt)).await;
                 }
@@ -484,12 +544,14 @@ async fn forward(mut messages: pull::Stream, tx: mpsc::UnboundedSender<Event>) {
         let event = match m {
             Ok(m) => Event::Message(m),
             Err(e) => match e.kind() {
-                // The client issues a new pull request after a missed heartbeat: keep reading.
-                pull::MessagesErrorKind::MissingHeartbeat => {
-                    tracing::debug!(error = %e, "JetStream pull stream missed a heartbeat");
-                    continue;
-                }
+                // A missed idle heartbeat: the pull request may be lost (a server restart); the stream is started
+                // again, which sends a new one.
+                pull::MessagesErrorKind::MissingHeartbeat => Event::Lost(e.to_string()),
                 pull::MessagesErrorKind::ConsumerDeleted => Event::Deleted,
+                pull::MessagesErrorKind::RequestLimitExceeded => Event::Refused(format!(
+                    "the server refused the pull request: {e} (the consumer's max_batch, max_expires or max_bytes; \
+                     idemflow asks for at most batch.max_records messages)"
+                )),
                 _ => Event::Lost(e.to_string()),
             },
         };
@@ -526,22 +588,25 @@ pub fn consumer_config(spec: &NatsSpec) -> pull::Config {
     }
 }
 
-/// What a consumer's settings must be for the guarantee, as `check` and `run` verify them: a pull consumer with
-/// explicit acks, an `ack_wait` above the batch's `max_wait`, a bounded `max_ack_pending` of at least a batch, and
-/// the filter subjects the pipeline names (when it names any). `strict`: also refused when the server ignored
-/// filter subjects it was asked for (a consumer idemflow created on a server older than 2.10).
+/// What a consumer's settings must be for the guarantee, as `check` and `run` verify them (`batch`: the pipeline's
+/// `max_records` and `max_wait`):
 ///
-/// Errors: the first setting that cannot work, as a sentence naming the consumer.
-pub fn verify_consumer(
-    config: &async_nats::jetstream::consumer::Config,
-    spec: &NatsSpec,
-    max_records: usize,
-    max_wait: Duration,
-    strict: bool,
-) -> Result<(), String> {
+/// - a pull consumer (no deliver subject) with explicit acks: with `none` the server forgets a delivery when it
+///   sends it; with `all`, one worker's ack would acknowledge what another still holds;
+/// - every message delivered whole (`headers_only` off);
+/// - no delivery limit (`max_deliver` -1): the server drops a message delivered that many times and only publishes
+///   an advisory, so a crash loop would lose it (a `backoff` list needs a limit, so it is refused with it);
+/// - an `ack_wait` above `max_wait`, or deliveries would expire while their batch is still being cut;
+/// - a bounded `max_ack_pending` (the memory a worker may hold) of at least `max_records`, or no batch could fill;
+/// - when the pipeline names filter subjects, exactly those.
+///
+/// Errors: the first setting that cannot work, as a sentence naming the consumer and the way to change it.
+pub fn verify_consumer(config: &async_nats::jetstream::consumer::Config, spec: &NatsSpec, batch: (usize, Duration)) -> Result<(), String> {
+    let (max_records, max_wait) = batch;
     let name = &spec.consumer;
+    let edit = "(change it with `nats consumer edit`, or name another consumer in [source] consumer)";
     if config.deliver_subject.is_some() {
-        return Err(format!("consumer {name:?} is a push consumer (it has a deliver subject): idemflow needs a pull consumer"));
+        return Err(format!("consumer {name:?} is a push consumer (it has a deliver subject): idemflow needs a pull consumer {edit}"));
     }
     if config.ack_policy != AckPolicy::Explicit {
         return Err(format!(
@@ -550,27 +615,38 @@ pub fn verify_consumer(
             config.ack_policy
         ));
     }
+    if config.headers_only {
+        return Err(format!("consumer {name:?} delivers headers only: idemflow needs every message's payload {edit}"));
+    }
+    if config.max_deliver > 0 {
+        return Err(format!(
+            "consumer {name:?} has max_deliver {}: the server stops delivering a message after that many attempts (a crash \
+             loop, a worker killed mid-batch again and again) and only reports it in an advisory, so the message would \
+             never be applied; set max_deliver = -1 {edit}",
+            config.max_deliver
+        ));
+    }
     if config.ack_wait <= max_wait {
         return Err(format!(
             "consumer {name:?} has ack_wait {:?}, not above batch.max_wait = {max_wait:?}: its deliveries would be redelivered \
-             while their batch is still being cut",
+             while their batch is still being cut {edit}",
             config.ack_wait
         ));
     }
     if config.max_ack_pending < 0 {
         return Err(format!(
             "consumer {name:?} has no max_ack_pending limit (-1): the server would send without bound while a batch waits \
-             for the database; set it to at least batch.max_records = {max_records}"
+             for the database; set it to at least batch.max_records = {max_records} {edit}"
         ));
     }
-    if (config.max_ack_pending as usize) < max_records && config.max_ack_pending != 0 {
+    if (config.max_ack_pending as usize) < max_records {
         return Err(format!(
-            "consumer {name:?} has max_ack_pending {}, below batch.max_records = {max_records}: the server would stop \
-             delivering before a batch fills",
+            "consumer {name:?} has max_ack_pending {}, below batch.max_records = {max_records}: no batch could fill, every \
+             one would wait batch.max_wait {edit}",
             config.max_ack_pending
         ));
     }
-    if strict && !spec.filter_subjects.is_empty() {
+    if !spec.filter_subjects.is_empty() {
         let mut has: Vec<String> = config.filter_subjects.clone();
         if !config.filter_subject.is_empty() {
             has.push(config.filter_subject.clone());
@@ -579,13 +655,75 @@ pub fn verify_consumer(
         want.sort();
         got.sort();
         if want != got {
-            return Err(format!(
-                "consumer {name:?} filters {got:?}, not [source] filter_subjects = {want:?} (several filter subjects need a \
-                 2.10 server; an existing consumer's filter is changed with `nats consumer edit`)"
-            ));
+            return Err(format!("consumer {name:?} filters {got:?}, not [source] filter_subjects = {want:?} {edit}"));
         }
     }
     Ok(())
+}
+
+/// Why idemflow must not create `spec`'s consumer on `stream` itself, if it must not: the consumer it would create
+/// fails [`verify_consumer`]; several filter subjects on a server older than 2.10 (`version`), which would ignore
+/// them; or a stream holding messages older than `[dedup] retention`. A created consumer starts at the stream's
+/// first message: messages older than the retention may have had their dedup rows purged (or were applied before
+/// idemflow), and would be applied again. Then the user creates the consumer, with the start they mean.
+pub fn creation_refusal(
+    stream: &async_nats::jetstream::stream::Info,
+    spec: &NatsSpec,
+    batch: (usize, Duration),
+    retention: Duration,
+    version: &str,
+) -> Option<String> {
+    let create = format!(
+        "create the consumer yourself (`nats consumer add {} {} --pull --ack explicit --max-deliver=-1 --deliver <all|new|seq|time>`) \
+         and run again",
+        spec.stream, spec.consumer
+    );
+    if let Err(why) = verify_consumer(&consumer_config(spec).into_consumer_config(), spec, batch) {
+        return Some(format!("the consumer idemflow would create cannot work: {why}"));
+    }
+    if spec.filter_subjects.len() > 1 && !at_least_2_10(version) {
+        return Some(format!(
+            "[source] filter_subjects names {} subjects: a consumer with several filter subjects needs nats-server 2.10 or \
+             later (this server is {version}); name one subject, or a wildcard",
+            spec.filter_subjects.len()
+        ));
+    }
+    let oldest = stream.state.first_timestamp.unix_timestamp();
+    let now = jiff::Timestamp::now().as_second();
+    let age = Duration::from_secs(u64::try_from(now - oldest).unwrap_or(0));
+    if stream.state.messages > 0 && age > retention {
+        return Some(format!(
+            "consumer {:?} does not exist, and stream {:?} holds messages from {} ago, older than [dedup] retention = {}: a \
+             consumer idemflow creates starts at the stream's first message, and a message older than the retention may have \
+             had its dedup row purged (or been applied before idemflow) and would be applied again; {create}",
+            spec.consumer,
+            spec.stream,
+            humantime::format_duration(Duration::from_secs(age.as_secs())),
+            humantime::format_duration(retention)
+        ));
+    }
+    None
+}
+
+/// Whether a server `version` (`2.9.10`) is 2.10 or later.
+fn at_least_2_10(version: &str) -> bool {
+    let mut parts = version.split('.').map(|p| p.parse::<u64>().unwrap_or(0));
+    let (major, minor) = (parts.next().unwrap_or(0), parts.next().unwrap_or(0));
+    (major, minor) >= (2, 10)
+}
+
+/// The pull requests the worker sends a consumer: at most `max_records` messages (and the consumer's `max_batch`),
+/// expiring after 30 s (or the consumer's `max_expires`, if shorter), so the server never refuses them.
+fn pull_request(config: &async_nats::jetstream::consumer::Config, max_records: usize) -> (usize, Duration) {
+    let mut batch = max_records.max(1);
+    if config.max_batch > 0 {
+        batch = batch.min(config.max_batch as usize);
+    }
+    let mut expires = Duration::from_secs(30);
+    if !config.max_expires.is_zero() {
+        expires = expires.min(config.max_expires);
+    }
+    (batch, expires.max(Duration::from_secs(1)))
 }
 
 /// Whether a consumer lookup's error says the consumer does not exist (JetStream error 10014).
@@ -681,8 +819,9 @@ pub async fn connect(settings: &NatsSettings, name: &str) -> Result<async_nats::
 
 /// A delivery as a [`Record`]: the stream, partition 0 and the stream sequence as its position, the time the
 /// server stored it (milliseconds), its headers (a repeated header once per value), its subject as the `subject`
-/// property and its `Nats-Msg-Id` header as the `message_id` property.
-pub fn to_record(stream: Arc<str>, seq: u64, published_ns: i128, m: async_nats::Message, max_payload_bytes: usize) -> Record {
+/// property, its `Nats-Msg-Id` header as the `message_id` property, and whether the server delivered it before
+/// (`delivered`, its count of deliveries, above 1).
+pub fn to_record(stream: Arc<str>, seq: u64, published_ns: i128, delivered: i64, m: async_nats::Message, max_payload_bytes: usize) -> Record {
     let mut headers: Vec<(String, Option<Vec<u8>>)> = Vec::new();
     let mut properties: Vec<(&'static str, String)> = vec![("subject", m.subject.to_string())];
     if let Some(h) = &m.headers {
@@ -704,14 +843,15 @@ pub fn to_record(stream: Arc<str>, seq: u64, published_ns: i128, m: async_nats::
         payload: None,
         oversized: None,
         properties,
-        delivered_before: None,
+        delivered_before: Some(delivered > 1),
     }
     .with_payload(Some(&m.payload), max_payload_bytes)
 }
 
 /// What `idemflow check` reports about a JetStream pipeline: it connects, finds the stream and the consumer, and
-/// verifies the consumer's settings ([`verify_consumer`]); a missing consumer is reported as the one `run` will
-/// create. Returns lines to print (`warning: ...` for what could not keep the guarantee by itself).
+/// verifies the consumer's settings ([`verify_consumer`], as `run` does); a missing consumer is reported as the one
+/// `run` will create, or refused as `run` would refuse to create it ([`creation_refusal`]). Returns lines to print
+/// (`warning: ...` for what could not keep the guarantee by itself).
 ///
 /// Errors: the first problem that stops the pipeline from running, as a sentence.
 pub async fn check(settings: &NatsSettings, pipeline: &SourceContext) -> Result<Vec<String>, String> {
@@ -720,24 +860,31 @@ pub async fn check(settings: &NatsSettings, pipeline: &SourceContext) -> Result<
     };
     let scrub = |e: &str| settings.url.scrub(e);
     let client = connect(settings, "idemflow check").await?;
+    let version = client.server_info().version;
     let js = context(settings, client.clone());
     let name = &pipeline.name;
+    let batch = (pipeline.batch.max_records, pipeline.batch.max_wait);
     let result = async {
         let mut lines = Vec::new();
         let mut stream = js.get_stream(&spec.stream).await.map_err(|e| stream_error(&spec.stream, &scrub(&e.to_string())))?;
-        let info = stream.info().await.map_err(|e| format!("reading stream {:?}: {}", spec.stream, scrub(&e.to_string())))?;
-        let config = info.config.clone();
+        let info = stream.info().await.map_err(|e| format!("reading stream {:?}: {}", spec.stream, scrub(&e.to_string())))?.clone();
+        let config = &info.config;
         lines.push(format!(
-            "pipeline {name:?}: stream {:?}: {} message(s), subjects {:?}",
+            "pipeline {name:?}: stream {:?} on nats-server {version}: {} message(s), subjects {:?}",
             spec.stream, info.state.messages, config.subjects
         ));
         let retention = pipeline.dedup_retention;
-        if !config.max_age.is_zero() && config.max_age > retention {
+        if config.max_age.is_zero() || config.max_age > retention {
+            let kept = if config.max_age.is_zero() {
+                "until its limits on messages or bytes are reached (no max_age)".to_owned()
+            } else {
+                format!("for {} (max_age)", humantime::format_duration(config.max_age))
+            };
             lines.push(format!(
-                "warning: pipeline {name:?}: stream {:?} keeps messages for {} (max_age), longer than [dedup] retention = {}: a \
-                 message redelivered or replayed after its dedup row was purged would be applied again",
+                "warning: pipeline {name:?}: stream {:?} keeps messages {kept}, longer than [dedup] retention = {}: a message \
+                 redelivered or replayed (a consumer created again from an early start) after its dedup row was purged would \
+                 be applied again",
                 spec.stream,
-                humantime::format_duration(config.max_age),
                 humantime::format_duration(retention)
             ));
         }
@@ -750,7 +897,7 @@ pub async fn check(settings: &NatsSettings, pipeline: &SourceContext) -> Result<
         ));
         match stream.consumer_info(&spec.consumer).await {
             Ok(c) => {
-                verify_consumer(&c.config, spec, pipeline.batch.max_records, pipeline.batch.max_wait, true)?;
+                verify_consumer(&c.config, spec, batch)?;
                 lines.push(format!(
                     "pipeline {name:?}: consumer {:?}: pull, explicit acks, ack_wait {}, max_ack_pending {}; {} pending, {} awaiting ack",
                     spec.consumer,
@@ -759,23 +906,28 @@ pub async fn check(settings: &NatsSettings, pipeline: &SourceContext) -> Result<
                     c.num_pending,
                     c.num_ack_pending
                 ));
-                if c.config.max_deliver > 0 {
+                if c.config.ack_wait != spec.ack_wait {
                     lines.push(format!(
-                        "warning: pipeline {name:?}: consumer {:?} has max_deliver {}: the server stops delivering a message after \
-                         that many attempts (a crash loop, a worker killed mid-batch again and again) and only reports it in an \
-                         advisory; idemflow's in-progress acks keep an outage from counting, but a lost message is lost: \
-                         max_deliver = -1 is the safe setting",
-                        spec.consumer, c.config.max_deliver
+                        "warning: pipeline {name:?}: consumer {:?} has ack_wait {}, not [source] ack_wait = {}: the pipeline's \
+                         applies only to a consumer idemflow creates; in-progress acks follow the consumer's",
+                        spec.consumer,
+                        humantime::format_duration(c.config.ack_wait),
+                        humantime::format_duration(spec.ack_wait)
                     ));
                 }
             }
-            Err(e) if not_found(&e.to_string()) => lines.push(format!(
-                "pipeline {name:?}: consumer {:?} does not exist yet: `idemflow run` creates it (durable, pull, explicit acks, \
-                 ack_wait {}, max_ack_pending {}, from the stream's first message)",
-                spec.consumer,
-                humantime::format_duration(spec.ack_wait),
-                spec.max_ack_pending
-            )),
+            Err(e) if not_found(&e.to_string()) => {
+                if let Some(why) = creation_refusal(&info, spec, batch, retention, &version) {
+                    return Err(why);
+                }
+                lines.push(format!(
+                    "pipeline {name:?}: consumer {:?} does not exist yet: `idemflow run` creates it (durable, pull, explicit \
+                     acks, no delivery limit, ack_wait {}, max_ack_pending {}, from the stream's first message)",
+                    spec.consumer,
+                    humantime::format_duration(spec.ack_wait),
+                    spec.max_ack_pending
+                ));
+            }
             Err(e) => return Err(format!("reading consumer {:?}: {}", spec.consumer, scrub(&e.to_string()))),
         }
         Ok(lines)

@@ -67,11 +67,12 @@ pub struct NatsSpec {
     pub consumer: String,
     /// Subjects the created consumer takes (none: the whole stream). More than one needs a 2.10 server.
     pub filter_subjects: Vec<String>,
-    /// How long the server waits for a delivery's ack before it redelivers it (`ack_wait`, default 30 s). While a
-    /// batch waits for its transaction, in-progress acks keep its deliveries from being redelivered.
+    /// How long the server waits for a delivery's ack before it redelivers it (`ack_wait`, default 30 s), for the
+    /// consumer idemflow creates (an existing consumer keeps its own; `check` warns when they differ). While a batch
+    /// waits for its transaction, in-progress acks keep its deliveries from being redelivered.
     pub ack_wait: Duration,
-    /// Deliveries the server may have outstanding to this consumer (`max_ack_pending`). Default twice
-    /// `batch.max_records`; never below `batch.max_records`, or a batch could never fill.
+    /// Deliveries the server may have outstanding to the consumer it creates (`max_ack_pending`, shared by every
+    /// worker on it). Default twice `batch.max_records`; never below `batch.max_records`, or no batch could fill.
     pub max_ack_pending: i64,
 }
 
@@ -134,7 +135,7 @@ pub fn parse(s: &RawSource, name: &str, max_records: usize, e: &mut impl Problem
     } else if (max_ack_pending as usize) < max_records {
         e.push(
             "source.max_ack_pending",
-            format!("{max_ack_pending} is below batch.max_records = {max_records}: the server would stop delivering before a batch fills"),
+            format!("{max_ack_pending} is below batch.max_records = {max_records}: no batch could fill, every one would wait batch.max_wait"),
         );
     }
     Some(NatsSpec { stream, consumer, filter_subjects, ack_wait, max_ack_pending })
