@@ -12,8 +12,12 @@ const SECRET_PARAMETERS: [&str; 5] = ["pass", "secret", "token", "auth", "creden
 /// also `redis://:***@host`), and the value of every query parameter named like a credential
 /// (`?password=***`, `sslpassword=***`). Works for every scheme idemflow connects with (postgres, postgresql,
 /// mysql, mariadb, amqp, amqps, redis, rediss). A string that is not a URL is masked as a libpq keyword/value
-/// connection string (`password=***`).
+/// connection string (`password=***`). A comma-separated list of URLs (NATS's several servers) is masked URL by
+/// URL.
 pub fn mask_url(url: &str) -> String {
+    if url.contains(',') && url.matches("://").count() > 1 {
+        return url.split(',').map(|u| mask_url(u.trim())).collect::<Vec<_>>().join(",");
+    }
     match url::Url::parse(url) {
         Ok(mut parsed) if parsed.has_host() || parsed.password().is_some() => {
             if parsed.password().is_some() {
@@ -87,6 +91,7 @@ mod tests {
             ("redis://:s3cret@cache:6379/0", "redis://:***@cache:6379/0"),
             ("host=h user=u password=s3cret dbname=d", "host=h user=u password=*** dbname=d"),
             ("postgres://h/db", "postgres://h/db"),
+            ("nats://u:s3cret@a:4222,nats://u:s3cret@b:4222", "nats://u:***@a:4222,nats://u:***@b:4222"),
         ];
         for (url, masked) in cases {
             assert_eq!(mask_url(url), masked, "{url}");
@@ -121,10 +126,13 @@ impl From<String> for SecretUrl {
 }
 
 impl SecretUrl {
-    /// `text` (an error of another library, say) with this URL's credentials replaced by `***`.
+    /// `text` (an error of another library, say) with this URL's credentials replaced by `***` (every URL's, for a
+    /// comma-separated list).
     pub fn scrub(&self, text: &str) -> String {
         let mut out = text.to_owned();
-        if let Ok(url) = url::Url::parse(&self.0) {
+        let whole = std::iter::once(self.0.as_str());
+        let parts = self.0.split(',').filter(|_| self.0.matches("://").count() > 1);
+        for url in whole.chain(parts).filter_map(|u| url::Url::parse(u.trim()).ok()) {
             if let Some(password) = url.password() {
                 out = scrub(&out, password);
                 let decoded = url::form_urlencoded::parse(format!("p={password}").as_bytes()).next().map(|(_, v)| v.into_owned());

@@ -309,3 +309,67 @@ async fn check_refuses_what_cannot_work() {
     let (status, out, err) = idemflow(&["rewind", "--config", setup.config.to_str().unwrap(), "--pipeline", "payments", "--to", "earliest"], setup.dir.path());
     assert!(!status.success() && err.contains("nats consumer add --deliver"), "{out}{err}");
 }
+
+/// `[nats]` credentials and TLS: user and password (in the settings or in the URL), a token, and TLS with a private
+/// CA; a wrong password or an unrelated CA is refused with the reason, and no credential is ever printed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn credentials_and_tls_with_a_private_ca() {
+    let db = payments_db(None).await;
+    let check = |section: &str| {
+        let setup = Setup::sections(
+            &format!("[database]\nurl = \"{}\"\n", db.url),
+            &format!("[nats]\n{section}connect_timeout = \"3s\"\nrequest_timeout = \"2s\"\n"),
+            &[("payments.toml", &example("PAYMENTS", ""))],
+            "",
+        );
+        let (status, out, err) = idemflow(&["check", "--config", setup.config.to_str().unwrap()], setup.dir.path());
+        (status.success(), format!("{out}{err}"))
+    };
+    // User and password.
+    let server = NatsServer::start_with(&["--user", "idem", "--pass", "s3cret-pw"]);
+    let js = async_nats::jetstream::new(
+        async_nats::ConnectOptions::with_user_and_password("idem".into(), "s3cret-pw".into()).connect(&server.url).await.unwrap(),
+    );
+    js.create_stream(async_nats::jetstream::stream::Config { name: "PAYMENTS".into(), subjects: vec!["payments.>".into()], ..Default::default() })
+        .await
+        .unwrap();
+    let url = &server.url;
+    let (ok, text) = check(&format!("url = \"{url}\"\nuser = \"idem\"\npassword = \"s3cret-pw\"\n"));
+    assert!(ok && text.contains("consumer \"idemflow-payments\" does not exist yet"), "{text}");
+    let in_url = url.replace("nats://", "nats://idem:s3cret-pw@");
+    let (ok, text) = check(&format!("url = \"{in_url}\"\n"));
+    assert!(ok, "credentials in the URL: {text}");
+    let (ok, text) = check(&format!("url = \"{url}\"\nuser = \"idem\"\npassword = \"wr0ng-pw\"\n"));
+    assert!(!ok && text.to_lowercase().contains("authorization"), "a wrong password is refused with the reason: {text}");
+    for (what, t) in [("right", &text)] {
+        assert!(!t.contains("s3cret-pw") && !t.contains("wr0ng-pw"), "{what}: no password printed: {t}");
+    }
+    drop(server);
+    // A token.
+    let server = NatsServer::start_with(&["--auth", "t0ken-xyz"]);
+    let js = async_nats::jetstream::new(async_nats::ConnectOptions::with_token("t0ken-xyz".into()).connect(&server.url).await.unwrap());
+    js.create_stream(async_nats::jetstream::stream::Config { name: "PAYMENTS".into(), subjects: vec!["payments.>".into()], ..Default::default() })
+        .await
+        .unwrap();
+    let (ok, text) = check(&format!("url = \"{}\"\ntoken = \"t0ken-xyz\"\n", server.url));
+    assert!(ok && !text.contains("t0ken-xyz"), "{text}");
+    drop(server);
+    // TLS with a private CA: the server's certificate names localhost, signed by the test CA (the test's own client
+    // needs the process's TLS provider, as the worker installs it).
+    idemflow::install_tls_provider();
+    let certs = tempfile::tempdir().unwrap();
+    crate::security::certificates(certs.path());
+    let file = |name: &str| certs.path().join(name).display().to_string();
+    let server = NatsServer::start_with(&["--tls", "--tlscert", &file("server.crt"), "--tlskey", &file("server.key")]);
+    let tls_url = format!("tls://localhost:{}", server.port());
+    let js = async_nats::jetstream::new(
+        async_nats::ConnectOptions::new().add_root_certificates(certs.path().join("ca.crt")).require_tls(true).connect(&tls_url).await.unwrap(),
+    );
+    js.create_stream(async_nats::jetstream::stream::Config { name: "PAYMENTS".into(), subjects: vec!["payments.>".into()], ..Default::default() })
+        .await
+        .unwrap();
+    let (ok, text) = check(&format!("url = \"{tls_url}\"\ntls_ca_file = \"{}\"\n", file("ca.crt")));
+    assert!(ok && text.contains("stream \"PAYMENTS\""), "TLS with the private CA: {text}");
+    let (ok, text) = check(&format!("url = \"{tls_url}\"\ntls_ca_file = \"{}\"\n", file("other-ca.crt")));
+    assert!(!ok, "a certificate from another CA is refused: {text}");
+}

@@ -810,6 +810,18 @@ pub async fn connect(settings: &NatsSettings, name: &str) -> Result<async_nats::
     if servers.is_empty() {
         return Err("[nats] url names no server".to_owned());
     }
+    // The client does not read credentials from a server URL itself: the first URL's user and password are the
+    // connection's, unless the settings give a user.
+    if settings.user.is_none() {
+        if let Some(addr) = servers.iter().find(|a| a.has_user_pass()) {
+            let decode = |text: &str| {
+                let text = text.replace('+', "%2B");
+                url::form_urlencoded::parse(format!("v={text}").as_bytes()).next().map(|(_, v)| v.into_owned()).unwrap_or_default()
+            };
+            let user = decode(addr.username().unwrap_or_default());
+            options = options.user_and_password(user, decode(addr.password().unwrap_or_default()));
+        }
+    }
     match tokio::time::timeout(settings.connect_timeout + Duration::from_secs(1), options.connect(servers)).await {
         Ok(Ok(c)) => Ok(c),
         Ok(Err(e)) => Err(format!("connecting to {}: {}", settings.url, scrub(&e))),

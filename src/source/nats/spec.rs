@@ -13,7 +13,8 @@ use std::time::Duration;
 pub struct NatsSettings {
     /// The servers: `nats://host:4222`, several separated by commas (`nats://a:4222,nats://b:4222`; the client
     /// also learns the cluster's other servers from the one it reaches). `tls://host:4222` requires TLS. Credentials
-    /// may be in the URL (`nats://user:password@host:4222`). Never printed: `Debug` and `Display` mask it.
+    /// may be in the URL (`nats://user:password@host:4222`, percent-encoded; `user` and `password` take precedence).
+    /// Never printed: `Debug` and `Display` mask it.
     pub url: SecretUrl,
     /// User, for servers with user/password authorization (with `password`).
     #[serde(default)]

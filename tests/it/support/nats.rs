@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 pub struct NatsServer {
     dir: tempfile::TempDir,
     port: u16,
+    extra: Vec<String>,
     child: Option<Child>,
     /// `nats://127.0.0.1:PORT`.
     pub url: String,
@@ -30,10 +31,26 @@ fn binary() -> PathBuf {
 impl NatsServer {
     /// Starts a server with JetStream on, its store in a directory of its own.
     pub fn start() -> NatsServer {
+        Self::start_with(&[])
+    }
+
+    /// [`NatsServer::start`] with more command-line options (`--user`, `--tls`, ...).
+    pub fn start_with(extra: &[&str]) -> NatsServer {
         let port = super::free_port();
-        let mut s = NatsServer { dir: tempfile::tempdir().unwrap(), port, child: None, url: format!("nats://127.0.0.1:{port}") };
+        let mut s = NatsServer {
+            dir: tempfile::tempdir().unwrap(),
+            port,
+            extra: extra.iter().map(|e| (*e).to_owned()).collect(),
+            child: None,
+            url: format!("nats://127.0.0.1:{port}"),
+        };
         s.start_again();
         s
+    }
+
+    /// Its port.
+    pub fn port(&self) -> u16 {
+        self.port
     }
 
     /// Starts the server (again, after [`NatsServer::stop`]) on the same port and store, and waits until it listens.
@@ -43,6 +60,7 @@ impl NatsServer {
         let child = Command::new(binary())
             .args(["-js", "-a", "127.0.0.1", "-p", &self.port.to_string(), "-sd"])
             .arg(self.dir.path().join("store"))
+            .args(&self.extra)
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
