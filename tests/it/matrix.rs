@@ -599,10 +599,11 @@ async fn second_worker(broker: Broker, db: Db) {
     }
     let b = BinWorker::start(&two);
     wait_up(&b).await;
-    // Publish once the group has given the newcomer partitions (queues): published before, they could all be
-    // drained by the first worker while the group rebalances.
+    // Publish once the newcomer has partitions (queues) from its group, or consumes its queue or pull consumer
+    // (`idemflow_assigned_partitions` counts those too): published before, they could all be taken by the first
+    // worker meanwhile.
     let start = Instant::now();
-    while pair.src.positional() && metric(&b.scrape(), "idemflow_assigned_partitions", &P) == 0.0 {
+    while metric(&b.scrape(), "idemflow_assigned_partitions", &P) == 0.0 {
         assert!(start.elapsed() < Duration::from_secs(120), "the second worker was assigned nothing in 120 s:\n{}", b.log_text());
         tokio::time::sleep(Duration::from_millis(20)).await;
     }

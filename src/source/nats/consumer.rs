@@ -11,7 +11,8 @@
 //!   below a sequence would acknowledge deliveries another worker still holds. A `max_deliver` limit is refused: the
 //!   server would drop a message delivered that many times (a crash loop) and only say so in an advisory.
 //! - After the store's COMMIT, every delivery of the batch is acknowledged with a double ack (JetStream's
-//!   `AckSync`: the server answers it). A failed or unanswered ack is retried (three attempts, each bounded by
+//!   `AckSync`: the server answers it), in a task that runs while the next batch is cut and applied (one batch's
+//!   acks in flight at most; a clean stop waits for them). A failed or unanswered ack is retried (three attempts, each bounded by
 //!   `request_timeout`); one still unanswered is logged and counted (`idemflow_offset_commits_total{result="error"}`),
 //!   never fatal: the server redelivers it after `ack_wait` and its dedup row skips it. An answer is not proof the
 //!   ack was recorded (a 2.9 server answers an ack of a delivery it no longer had pending too): the dedup rows, not
@@ -63,8 +64,9 @@ use tokio::time::Instant;
 /// A delivery's attempts at a double ack before it is left to be redelivered.
 const ACK_ATTEMPTS: u32 = 3;
 
-/// How many double acks are in flight at once.
-const ACKS_IN_FLIGHT: usize = 256;
+/// How many double acks are in flight at once: a whole default batch (each is a request the server answers; sent
+/// together, their round trips overlap).
+const ACKS_IN_FLIGHT: usize = 2048;
 
 /// The header JetStream deduplicates a publisher's retries on (within the stream's duplicate window); idemflow's
 /// `message_id` property.
@@ -114,6 +116,10 @@ pub struct NatsSource {
     held: HashMap<u64, Acker>,
     /// When in-progress acks were last sent for `held`.
     progress_sent: Instant,
+    /// The messages the server had for the consumer beyond the last delivery (its `pending` count).
+    pending: u64,
+    /// The double acks of the last committed batch, in flight (see [`NatsSource::commit`]).
+    acking: Option<tokio::task::JoinHandle<(usize, Vec<(u64, String)>)>>,
     /// The consumer's `ack_wait` (the pipeline's until bound): in-progress acks go every third of it.
     ack_wait: Duration,
     /// `[dedup] retention`: a consumer created from the stream's first message must not reach older messages.
@@ -147,6 +153,8 @@ impl NatsSource {
             stash: VecDeque::new(),
             held: HashMap::new(),
             progress_sent: Instant::now(),
+            pending: 0,
+            acking: None,
             ack_wait: spec.ack_wait,
             retention: pipeline.dedup_retention,
             reconnect: Box::new(reconnect_backoff()),
@@ -365,9 +373,7 @@ impl NatsSource {
         self.reconnect = Box::new(reconnect_backoff());
         let (message, acker) = m.split();
         self.held.insert(seq, acker);
-        let held = self.held.len() as i64;
-        self.metrics.lag(&self.stream, 0, pending as i64 + held);
-        self.metrics.waiting(&self.stream, 0, held);
+        self.pending = pending;
         Some(to_record(self.stream.clone(), seq, published_ns, delivered, message, self.max_payload_bytes))
     }
 
@@ -416,8 +422,17 @@ impl NatsSource {
                     }
                 }
             }
+            self.gauges();
             return Some(batch);
         }
+    }
+
+    /// Sets the lag gauge (the messages the server has for the consumer, as of the last delivery, plus those this
+    /// worker holds) and the waiting gauge (those it holds): once a batch, not once a message.
+    fn gauges(&self) {
+        let held = self.held.len() as i64;
+        self.metrics.lag(&self.stream, 0, i64::try_from(self.pending).unwrap_or(i64::MAX).saturating_add(held));
+        self.metrics.waiting(&self.stream, 0, held);
     }
 
     /// Waits `delay` before a retry of `batch`, taking deliveries into the stash (at most `max_ack_pending` are
@@ -469,42 +484,29 @@ impl NatsSource {
         }
     }
 
-    /// Acknowledges a committed batch: a double ack per delivery (the server confirms each), [`ACKS_IN_FLIGHT`] at a
-    /// time, each retried up to [`ACK_ATTEMPTS`] times. One still unconfirmed is logged and counted, never fatal:
-    /// the server redelivers it and its dedup row skips it.
+    /// Acknowledges a committed batch: a double ack per delivery (the server answers each), [`ACKS_IN_FLIGHT`] at a
+    /// time, each retried up to [`ACK_ATTEMPTS`] times. The acks run in a task of their own while the next batch is
+    /// cut and applied (the server answers 2,000 double acks in about the time of a transaction; waiting for them
+    /// would halve the rate); the previous batch's acks are awaited first, so one batch's acks at most are in flight.
+    /// One still unanswered is logged and counted, never fatal: the server redelivers it and its dedup row skips it.
     pub async fn commit(&mut self, batch: &[Record]) {
+        self.settle_acks().await;
         let ackers: Vec<(u64, Acker)> =
             batch.iter().filter_map(|r| u64::try_from(r.position.offset).ok()).filter_map(|seq| self.held.remove(&seq).map(|a| (seq, a))).collect();
+        self.gauges();
         if ackers.is_empty() {
             return;
         }
-        let mut failed: Vec<(u64, String)> = Vec::new();
-        let mut acked = 0usize;
-        let request_timeout = self.settings.request_timeout;
-        for chunk in ackers.chunks(ACKS_IN_FLIGHT) {
-            let results = futures_util::future::join_all(chunk.iter().map(|(seq, acker)| async move {
-                let mut last = String::new();
-                for attempt in 0..ACK_ATTEMPTS {
-                    // Bounded: while the client reconnects a publish waits for room in its command queue.
-                    match tokio::time::timeout(request_timeout, acker.double_ack()).await {
-                        Ok(Ok(())) => return Ok(()),
-                        Ok(Err(e)) => last = e.to_string(),
-                        Err(_) => last = format!("no confirmation within {request_timeout:?}"),
-                    }
-                    tokio::time::sleep(Duration::from_millis(100 << attempt)).await;
-                }
-                Err((*seq, last))
-            }))
-            .await;
-            for r in results {
-                match r {
-                    Ok(()) => acked += 1,
-                    Err(f) => failed.push(f),
-                }
-            }
-        }
-        let held = self.held.len() as i64;
-        self.metrics.waiting(&self.stream, 0, held);
+        self.acking = Some(tokio::spawn(double_ack_all(ackers, self.settings.request_timeout)));
+    }
+
+    /// Waits for the acks in flight (see [`NatsSource::commit`]) and counts their outcome.
+    async fn settle_acks(&mut self) {
+        let Some(task) = self.acking.take() else { return };
+        let (acked, failed) = match task.await {
+            Ok(outcome) => outcome,
+            Err(e) => (0, vec![(0, format!("the ack task ended: {e}"))]),
+        };
         if failed.is_empty() {
             self.metrics.offset_commit(CommitResult::Ok);
         } else {
@@ -512,7 +514,7 @@ impl NatsSource {
             let (seq, why) = &failed[0];
             tracing::warn!(pipeline = %self.pipeline, acked, unconfirmed = failed.len(), first_sequence = seq,
                 error = %self.settings.url.scrub(why),
-                "double acks of a committed batch were not confirmed: the server redelivers those messages after ack_wait and they are skipped as duplicates");
+                "double acks of a committed batch were not answered: the server redelivers those messages after ack_wait and they are skipped as duplicates");
         }
     }
 
@@ -520,15 +522,22 @@ impl NatsSource {
     /// `ack_wait` passes.
     pub async fn abandon(mut self) {
         self.live = None;
+        if let Some(task) = self.acking.take() {
+            task.abort();
+        }
         if let Some(c) = self.client.take() {
             drop(c);
         }
     }
 
-    /// Stops pulling and closes the connection, after flushing what was sent. Deliveries held and not acknowledged
-    /// (none of them applied) are redelivered by the server after `ack_wait`.
+    /// Stops pulling, waits (at most 10 s) for the acks in flight, and closes the connection after flushing what
+    /// was sent. Deliveries held and not acknowledged (none of them applied) are redelivered by the server after
+    /// `ack_wait`.
     pub async fn close(mut self) {
         self.live = None;
+        if tokio::time::timeout(Duration::from_secs(10), self.settle_acks()).await.is_err() {
+            tracing::warn!(pipeline = %self.pipeline, "the last batch's acks were not all answered in 10 s: the server redelivers those messages after ack_wait, and they are skipped as duplicates");
+        }
         if let Some(c) = self.client.take() {
             let _ = tokio::time::timeout(Duration::from_secs(5), c.flush()).await;
             tracing::info!(pipeline = %self.pipeline, unacknowledged = self.held.len(), "NATS connection closed");
@@ -536,6 +545,36 @@ impl NatsSource {
         }
         self.metrics.assigned_partitions(0);
     }
+}
+
+/// Double-acks every delivery of `ackers` (by stream sequence), [`ACKS_IN_FLIGHT`] at a time, each attempt bounded
+/// by `request_timeout` (while the client reconnects a publish waits for room in its command queue) and retried up
+/// to [`ACK_ATTEMPTS`] times. Returns how many were answered, and the sequence and last error of each that was not.
+async fn double_ack_all(ackers: Vec<(u64, Acker)>, request_timeout: Duration) -> (usize, Vec<(u64, String)>) {
+    let mut failed: Vec<(u64, String)> = Vec::new();
+    let mut acked = 0usize;
+    for chunk in ackers.chunks(ACKS_IN_FLIGHT) {
+        let results = futures_util::future::join_all(chunk.iter().map(|(seq, acker)| async move {
+            let mut last = String::new();
+            for attempt in 0..ACK_ATTEMPTS {
+                match tokio::time::timeout(request_timeout, acker.double_ack()).await {
+                    Ok(Ok(())) => return Ok(()),
+                    Ok(Err(e)) => last = e.to_string(),
+                    Err(_) => last = format!("no answer within {request_timeout:?}"),
+                }
+                tokio::time::sleep(Duration::from_millis(100 << attempt)).await;
+            }
+            Err((*seq, last))
+        }))
+        .await;
+        for r in results {
+            match r {
+                Ok(()) => acked += 1,
+                Err(f) => failed.push(f),
+            }
+        }
+    }
+    (acked, failed)
 }
 
 /// Forwards the pull stream's deliveries and failures to the source; ends when the source is gone.
