@@ -43,7 +43,7 @@ idemflow_build_packages_missing() {
 }
 
 idemflow_venv_ready() {
-  "$IDEMFLOW_VENV/bin/python3" -c 'import check_jsonschema, ruamel.yaml' >/dev/null 2>&1 && [ -x "$IDEMFLOW_VENV/bin/noida-db" ]
+  "$IDEMFLOW_VENV/bin/python3" -c 'import check_jsonschema, ruamel.yaml, kubernetes_validate, yaml' >/dev/null 2>&1 && [ -x "$IDEMFLOW_VENV/bin/noida-db" ]
 }
 
 # Everything the test suite needs:
@@ -62,7 +62,8 @@ idemflow_venv_ready() {
 #   socat              a TLS-terminating proxy for the Kafka TLS test
 #   iptables           packets dropped on loopback ports for the network fault tests (tests/it/network.rs)
 #   openssl            certificates for the TLS tests
-#   python3-venv       the virtual environment with check-jsonschema and ruamel.yaml (docker-compose.yml checks)
+#   python3-venv       the virtual environment with check-jsonschema and ruamel.yaml (docker-compose.yml checks),
+#                      kubernetes-validate (deploy/kubernetes/ against the Kubernetes schemas)
 #                      and noida-db (a second Kafka implementation: DescribeGroups, which the mock cluster lacks)
 idemflow_test_preflight() {
   if ! command -v cargo >/dev/null 2>&1; then
@@ -91,10 +92,10 @@ idemflow_test_preflight() {
   idemflow_apt_install "${missing[@]}" || return 1
 
   if ! idemflow_venv_ready; then
-    echo "creating $IDEMFLOW_VENV with check-jsonschema and noida-db from PyPI" >&2
+    echo "creating $IDEMFLOW_VENV with check-jsonschema, noida-db and kubernetes-validate from PyPI" >&2
     /usr/bin/python3 -m venv --clear "$IDEMFLOW_VENV" || return 1
-    "$IDEMFLOW_VENV/bin/python3" -m pip install --quiet --disable-pip-version-check check-jsonschema noida-db==0.2.3 || return 1
-    idemflow_venv_ready || { echo "$IDEMFLOW_VENV: check-jsonschema or noida-db did not install" >&2; return 1; }
+    "$IDEMFLOW_VENV/bin/python3" -m pip install --quiet --disable-pip-version-check check-jsonschema noida-db==0.2.3 kubernetes-validate==1.37.0 || return 1
+    idemflow_venv_ready || { echo "$IDEMFLOW_VENV: check-jsonschema, noida-db or kubernetes-validate did not install" >&2; return 1; }
   fi
   # The tests run `python3 -m check_jsonschema` and scripts/check-compose.py: the environment's python3 first.
   PATH="$IDEMFLOW_VENV/bin:$PATH"

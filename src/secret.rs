@@ -100,6 +100,18 @@ mod tests {
     }
 
     #[test]
+    fn a_secret_given_as_a_number_or_a_boolean_is_its_text() {
+        #[derive(Deserialize)]
+        struct S {
+            token: Secret,
+        }
+        for (toml, text) in [("token = 123456", "123456"), ("token = true", "true"), ("token = \"s3cret\"", "s3cret")] {
+            let s: S = toml::from_str(toml).unwrap();
+            assert_eq!(s.token.expose(), text);
+        }
+    }
+
+    #[test]
     fn closest_suggests_a_near_name_only() {
         let names = ["sasl.password", "sasl.username", "session.timeout.ms"];
         assert_eq!(closest("sasl.pasword", names), Some("sasl.password"));
@@ -161,10 +173,39 @@ impl fmt::Debug for SecretUrl {
     }
 }
 
-/// A credential read from the settings: `Debug` and `Display` print `***`.
-#[derive(Clone, Deserialize, PartialEq, Eq)]
-#[serde(transparent)]
+/// A credential read from the settings: `Debug` and `Display` print `***`. A value the environment gives as a
+/// number or a boolean (`IDEMFLOW_NATS__TOKEN=123456`: figment reads such a variable as a number) is taken as its
+/// text.
+#[derive(Clone, PartialEq, Eq)]
 pub struct Secret(String);
+
+impl<'de> Deserialize<'de> for Secret {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Text;
+        impl serde::de::Visitor<'_> for Text {
+            type Value = String;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a string")
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<String, E> {
+                Ok(v.to_owned())
+            }
+            fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<String, E> {
+                Ok(v.to_string())
+            }
+            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<String, E> {
+                Ok(v.to_string())
+            }
+            fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<String, E> {
+                Ok(v.to_string())
+            }
+            fn visit_bool<E: serde::de::Error>(self, v: bool) -> Result<String, E> {
+                Ok(v.to_string())
+            }
+        }
+        d.deserialize_any(Text).map(Secret)
+    }
+}
 
 impl Secret {
     /// The credential itself, for the client that sends it.

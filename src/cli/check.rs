@@ -1,78 +1,166 @@
 //! `idemflow check`: the settings and every pipeline validated, each broker asked for its topics or queues, each
-//! side effect prepared against its store; every problem reported at once.
+//! side effect prepared against its store; every problem reported at once, as text for people or as one JSON
+//! object for a CI job (`--format json`).
 
-use super::{durability, load, open_stores, prepare_all, report, ConfigArg};
-use anyhow::bail;
+use super::{durability, load, open_stores, prepare_all};
 use idemflow::config;
 use idemflow::source;
+use std::path::PathBuf;
+
+/// `idemflow check`'s arguments.
+#[derive(clap::Args)]
+pub struct CheckArgs {
+    /// The settings file.
+    #[arg(long, short, default_value = "idemflow.toml")]
+    config: PathBuf,
+    /// `text` (problems on stderr, the rest on stdout) or `json` (one object on stdout: `ok`, `problems`,
+    /// `pipelines`, `warnings`, `notes`; the exit status is the same).
+    #[arg(long, value_enum, default_value = "text")]
+    format: Format,
+}
+
+/// How `check` prints what it found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum Format {
+    Text,
+    Json,
+}
+
+/// What `check` found: problems (each a line naming its file, pipeline and field), the pipelines that passed with
+/// what they read, and the other lines (`warning: ...` first where they are warnings).
+#[derive(Default, serde::Serialize)]
+struct Findings {
+    ok: bool,
+    problems: Vec<String>,
+    pipelines: Vec<PipelineOk>,
+    warnings: Vec<String>,
+    notes: Vec<String>,
+    /// Whether the stores were reached and every pipeline's side effect prepared against them (the problems are
+    /// then the brokers' only).
+    #[serde(skip)]
+    stores_ok: bool,
+}
+
+/// A pipeline that passed.
+#[derive(serde::Serialize)]
+struct PipelineOk {
+    name: String,
+    file: String,
+    source: String,
+}
+
+impl Findings {
+    fn problems(problems: impl IntoIterator<Item = String>) -> Findings {
+        Findings { problems: problems.into_iter().collect(), ..Findings::default() }
+    }
+
+    /// A line of the report: a warning or a note.
+    fn line(&mut self, line: String) {
+        match line.strip_prefix("warning: ") {
+            Some(w) => self.warnings.push(w.to_owned()),
+            None => self.notes.push(line),
+        }
+    }
+}
 
 /// Runs `check`.
 ///
-/// Errors: a problem with the settings, a pipeline, a broker or a store (all of them printed first).
-pub async fn run(a: ConfigArg) -> anyhow::Result<()> {
-    let settings = load(&a.config)?;
-    let pipelines = config::load_pipelines_for(&settings).map_err(|e| report(&e))?;
-    config::check_sources(&settings, &pipelines).map_err(|e| report(&e))?;
-    let mut source_lines = Vec::new();
-    // A broker problem does not hide the database's: every pipeline's statements are still checked, and all
-    // problems are reported together.
-    let mut broker_problems: Vec<String> = Vec::new();
-    let brokers = settings.brokers();
-    for p in &pipelines {
-        match source::check::check(&brokers, &p.source_context()).await {
-            Ok(lines) => source_lines.extend(lines),
-            Err(source::check::CheckError::Settings(e)) => bail!("{}: {e}", a.config.display()),
-            Err(source::check::CheckError::Broker(e)) => {
-                broker_problems.push(format!("{}: pipeline {:?}: {}: {e}", p.file.display(), p.name, p.source.kind()))
+/// Errors: a problem with the settings, a pipeline, a broker or a store (all of them printed first), counted.
+pub async fn run(a: CheckArgs) -> anyhow::Result<()> {
+    let mut findings = find(&a).await;
+    findings.ok = findings.problems.is_empty();
+    match a.format {
+        Format::Json => println!("{}", serde_json::to_string_pretty(&findings)?),
+        Format::Text => {
+            for problem in &findings.problems {
+                eprintln!("{problem}");
+            }
+            for p in &findings.pipelines {
+                println!("pipeline {:?} ({}): ok, {}", p.name, p.file, p.source);
+            }
+            for note in &findings.notes {
+                println!("{note}");
+            }
+            for w in &findings.warnings {
+                println!("warning: {w}");
             }
         }
     }
-    let print_problems = |problems: &[String]| {
-        for problem in problems {
-            eprintln!("{problem}");
+    match findings.problems.len() {
+        0 => Ok(()),
+        n if findings.stores_ok => {
+            anyhow::bail!("{n} problem(s) with the brokers (the database, its schema and every pipeline's statements are right)")
         }
+        n => anyhow::bail!("{n} problem(s) in the pipelines, their settings, brokers and stores"),
+    }
+}
+
+/// Everything `check` finds, nothing printed. A broker problem does not hide the database's: every pipeline's
+/// statements are still checked, and all problems are reported together.
+async fn find(a: &CheckArgs) -> Findings {
+    let settings = match load(&a.config) {
+        Ok(s) => s,
+        Err(e) => return Findings::problems([format!("{e:#}")]),
     };
-    let database = async {
-        let stores = open_stores(&settings, &a.config, &pipelines).await?;
-        source_lines.extend(durability(&stores, &pipelines).await);
-        prepare_all(&stores, &pipelines).await.map_err(|e| report(&e))
+    let lines = |errors: Vec<config::PipelineError>| errors.into_iter().flat_map(config::PipelineError::split).map(|e| e.to_string());
+    let pipelines = match config::load_pipelines_for(&settings) {
+        Ok(p) => p,
+        Err(e) => return Findings::problems(lines(e)),
     };
-    let ready = match database.await {
-        Ok(ready) => ready,
-        Err(e) if broker_problems.is_empty() => return Err(e),
+    if let Err(e) = config::check_sources(&settings, &pipelines) {
+        return Findings::problems(lines(e));
+    }
+    let mut findings = Findings::default();
+    let brokers = settings.brokers();
+    for p in &pipelines {
+        match source::check::check(&brokers, &p.source_context()).await {
+            Ok(found) => found.into_iter().for_each(|l| findings.line(l)),
+            Err(source::check::CheckError::Settings(e)) => {
+                findings.problems.push(format!("{}: {e}", a.config.display()));
+                return findings;
+            }
+            Err(source::check::CheckError::Broker(e)) => {
+                findings.problems.push(format!("{}: pipeline {:?}: {}: {e}", p.file.display(), p.name, p.source.kind()))
+            }
+        }
+    }
+    let stores = match open_stores(&settings, &a.config, &pipelines).await {
+        Ok(s) => s,
         Err(e) => {
-            print_problems(&broker_problems);
-            bail!("{e}, and {} problem(s) with the brokers", broker_problems.len());
+            findings.problems.push(format!("{e:#}"));
+            return findings;
         }
     };
-    if !broker_problems.is_empty() {
-        print_problems(&broker_problems);
-        bail!(
-            "{} problem(s) with the brokers (the database, its schema and every pipeline's statements are right)",
-            broker_problems.len()
-        );
+    durability(&stores, &pipelines).await.into_iter().for_each(|l| findings.line(l));
+    let ready = match prepare_all(&stores, &pipelines).await {
+        Ok(ready) => ready,
+        Err(e) => {
+            findings.problems.extend(lines(e));
+            return findings;
+        }
+    };
+    findings.stores_ok = true;
+    if !findings.problems.is_empty() {
+        return findings;
     }
     for r in &ready {
         let p = &r.pipeline;
-        println!("pipeline {:?} ({}): ok, {}", p.name, p.file.display(), source::check::summary(&p.source_context()));
-    }
-    for r in &ready {
+        findings.pipelines.push(PipelineOk {
+            name: p.name.clone(),
+            file: p.file.display().to_string(),
+            source: source::check::summary(&p.source_context()),
+        });
         for note in &r.notes {
-            println!("pipeline {:?}: {note}", r.pipeline.name);
+            findings.line(format!("pipeline {:?}: {note}", r.pipeline.name));
         }
-    }
-    for line in source_lines {
-        println!("{line}");
     }
     let mut timing: Vec<String> = pipelines.iter().flat_map(|p| source::check::timing_warnings(&brokers, &p.source_context())).collect();
     timing.dedup();
-    for w in timing {
-        println!("warning: {w}");
-    }
+    timing.into_iter().for_each(|w| findings.warnings.push(w));
     for p in &pipelines {
         for line in source::check::retention_report(&brokers, &p.source_context()).await {
-            println!("{line}");
+            findings.line(line);
         }
     }
-    Ok(())
+    findings
 }

@@ -18,9 +18,10 @@ use idemflow::store::Store;
 use idemflow::{telemetry, worker};
 use std::path::{Path, PathBuf};
 
-/// Exactly-once effects from at-least-once brokers (Kafka topics, RabbitMQ queues, RocketMQ topics) into
-/// PostgreSQL, MySQL/MariaDB or Redis: per batch one transaction (one script on Redis) writes a dedup row per
-/// business key and applies the side effect only for keys never seen, then the broker's offsets are committed.
+/// Exactly-once effects from at-least-once brokers (Kafka topics, RabbitMQ queues, RocketMQ topics, NATS JetStream
+/// streams) into PostgreSQL, MySQL/MariaDB or Redis: per batch one transaction (one script on Redis) writes a dedup
+/// row per business key and applies the side effect only for keys never seen; only then are the broker's offsets
+/// committed or its deliveries acknowledged.
 #[derive(Parser)]
 #[command(version, about, long_about = None)]
 pub struct Cli {
@@ -34,9 +35,10 @@ pub enum Command {
     /// Create or upgrade idemflow's tables (dedup rows, dead letters, stored positions) in PostgreSQL or
     /// MySQL/MariaDB; Redis needs none.
     Migrate(ConfigArg),
-    /// Validate the settings and every pipeline, ask each broker (Kafka, RabbitMQ, RocketMQ) for its topics or
-    /// queues, and prepare each side effect against its store (PostgreSQL, MySQL/MariaDB, Redis).
-    Check(ConfigArg),
+    /// Validate the settings and every pipeline, ask each broker (Kafka, RabbitMQ, RocketMQ, NATS JetStream) for its
+    /// topics, queues or stream and consumer, and prepare each side effect against its store (PostgreSQL,
+    /// MySQL/MariaDB, Redis).
+    Check(check::CheckArgs),
     /// Run the worker (every pipeline, any broker and store) until SIGTERM or SIGINT; serves /metrics, /healthz and
     /// /readyz.
     Run(ConfigArg),
@@ -47,20 +49,29 @@ pub enum Command {
     #[command(subcommand)]
     DeadLetters(dead_letters::DeadLettersCommand),
     /// Move a pipeline's consumer group back (with its workers stopped) so its topics are consumed again: Kafka and
-    /// RocketMQ (a RabbitMQ queue has no position to go back to); the dedup store skips every record already applied.
+    /// RocketMQ (a RabbitMQ queue has no position to go back to, a JetStream consumer keeps its own on the server);
+    /// the dedup store skips every record already applied.
     Rewind(rewind::RewindArgs),
     /// Run one retention pass by hand: delete each pipeline's dedup rows older than its [dedup] retention
     /// (PostgreSQL, MySQL/MariaDB; Redis expires its dedup keys by themselves).
     Purge(purge::PurgeArgs),
-    /// See the whole job on this machine: an embedded Kafka broker (or a throwaway RabbitMQ), a throwaway PostgreSQL
-    /// (or MySQL/MariaDB, Redis), a stream of payments with duplicates of every kind, and a summary that checks
+    /// See the whole job on this machine: an embedded Kafka broker (or a throwaway RabbitMQ or NATS), a throwaway
+    /// PostgreSQL (or MySQL/MariaDB, Redis), a stream of payments with duplicates of every kind, and a summary that checks
     /// each payment took effect exactly once.
     #[cfg(feature = "tools")]
     Demo(tools::DemoArgs),
     /// Measure throughput, CPU, memory and latency against the baselines (one record per transaction, a raw COPY,
-    /// a consume-only pass), side by side in one run, on an embedded broker and a throwaway PostgreSQL.
+    /// a consume-only pass), side by side in one run, on an embedded Kafka (or a throwaway RabbitMQ or NATS) and a
+    /// throwaway PostgreSQL.
     #[cfg(feature = "tools")]
     Bench(tools::BenchArgs),
+    /// Print a shell completion script for idemflow's commands and options: `idemflow completions bash >
+    /// /etc/bash_completion.d/idemflow` (or zsh, fish, elvish, powershell).
+    Completions {
+        /// The shell.
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
     /// Send the demo's stream of payments (with duplicates) to a real Kafka or RocketMQ, continuously (for
     /// docker-compose, and for trying a pipeline on your own broker).
     #[cfg(feature = "tools")]
@@ -87,6 +98,11 @@ pub async fn dispatch(command: Command) -> anyhow::Result<()> {
         Command::DeadLetters(cmd) => dead_letters::run(cmd).await,
         Command::Rewind(a) => rewind::run(a).await,
         Command::Purge(a) => purge::run(a).await,
+        Command::Completions { shell } => {
+            use clap::CommandFactory;
+            clap_complete::generate(shell, &mut Cli::command(), "idemflow", &mut std::io::stdout());
+            Ok(())
+        }
         #[cfg(feature = "tools")]
         Command::Demo(a) => tools::demo(a).await,
         #[cfg(feature = "tools")]
@@ -112,6 +128,7 @@ fn load(path: &Path) -> anyhow::Result<Settings> {
     }
     Ok(loaded.settings)
 }
+
 
 /// The settings file read when `--config` is not given.
 const DEFAULT_CONFIG: &str = "idemflow.toml";

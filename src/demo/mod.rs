@@ -475,7 +475,9 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<bool> {
             crashed = true;
             a = start_worker(&settings, &ready, &metrics, &health, Faults::default());
             let durable_at = if nats { "acks" } else if rabbit { "acknowledgement" } else { "offset commit" };
-            event = Some(format!("worker A stopped abruptly after a database commit, before its {durable_at}; restarted"));
+            // Redis has no commit: a batch is durable once its script ran (the positions went with it).
+            let committed = if redis { "its batch's Redis script ran" } else { "a database commit" };
+            event = Some(format!("worker A stopped abruptly after {committed}, before its {durable_at}; restarted"));
         } else if crashed && !joined && consumed >= total * 2 / 5 {
             joined = true;
             b = Some(start_worker(&settings, &ready, &metrics, &health, Faults::default()));
@@ -600,6 +602,15 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<bool> {
     println!("  reconciliation with what was injected");
     for (ok, text) in &reconciled {
         println!("    {text}: {}", verdict(*ok));
+    }
+    if rabbit {
+        let marked = if nats { "delivered more than once (JetStream's delivery count)" } else { "redelivered (RabbitMQ's mark)" };
+        println!(
+            "  why the reasons do not match the injected counts one by one: a {} has no positions that say what was \
+             processed, so a copy is classified by the broker's own mark; after the crash, every delivery the worker \
+             held comes back {marked}, the retries among them too, and counts as redelivered; the sum above matches",
+            if nats { "JetStream consumer" } else { "queue" }
+        );
     }
     let reconciled = reconciled.iter().all(|(ok, _)| *ok);
 

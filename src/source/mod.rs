@@ -357,12 +357,13 @@ pub async fn rewind_group(
         SourceSpec::Nats(n) => anyhow::bail!(
             "{}: pipeline {:?} has a {} source: rewind moves a consumer's stored position back; a JetStream durable \
              consumer's position is its ack floor on the server, which cannot be moved back. To replay stream {:?}, create \
-             a new consumer with a start sequence or time (`nats consumer add --deliver <seq|time>`) and point [source] \
-             consumer at it: the dedup store skips every message already applied",
+             a new consumer with the start you mean ({}, under a new name) and name it in [source] consumer: the dedup \
+             store skips every message already applied within [dedup] retention",
             file.display(),
             pipeline.name,
             pipeline.source.kind(),
-            n.stream
+            n.stream,
+            nats_add_command(n, pipeline.batch.max_records)
         ),
         SourceSpec::RabbitMq(_) => anyhow::bail!(
             "{}: pipeline {:?} has a {} source: rewind moves a consumer group back; a queue has no positions to go \
@@ -373,6 +374,15 @@ pub async fn rewind_group(
             pipeline.source.kind()
         ),
     }
+}
+
+/// The natscli command that creates a JetStream pipeline's consumer (see `nats::add_command`), also in a build
+/// without the NATS client.
+fn nats_add_command(spec: &nats::NatsSpec, max_records: usize) -> String {
+    #[cfg(feature = "nats")]
+    return nats::add_command(spec, max_records);
+    #[cfg(not(feature = "nats"))]
+    return format!("`nats consumer add {} <name> --pull --ack explicit --max-deliver=-1 --deliver <start>`", spec.stream);
 }
 
 /// Why a broker this build leaves out cannot be used: `what` (the broker) and the cargo `feature` to build with.

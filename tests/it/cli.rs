@@ -37,6 +37,36 @@ async fn migrate_then_check_every_shipped_pipeline() {
     let files = std::fs::read_dir(&shipped).unwrap().filter(|e| e.as_ref().unwrap().path().extension().is_some_and(|x| x == "toml")).count();
     assert!(files >= 1);
     assert_eq!(out.matches(": ok,").count(), files, "every shipped pipeline checks: {out}");
+
+    // The same for a CI job: one JSON object on stdout, ok, every pipeline with what it reads.
+    let (status, out, err) = idemflow(&["check", "--config", cfg, "--format", "json"], dir.path());
+    assert!(status.success(), "{out}{err}");
+    let report: serde_json::Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"));
+    assert_eq!(report["ok"], true, "{report}");
+    assert_eq!(report["problems"].as_array().unwrap().len(), 0, "{report}");
+    assert_eq!(report["pipelines"].as_array().unwrap().len(), files, "{report}");
+    assert!(report["pipelines"][0]["source"].as_str().unwrap().contains("group"), "{report}");
+    // And a failing one: the problems in the object, the exit status non-zero.
+    sqlx::raw_sql("DROP TABLE payments CASCADE").execute(&db.pool).await.unwrap();
+    let (status, out, _) = idemflow(&["check", "--config", cfg, "--format", "json"], dir.path());
+    assert!(!status.success());
+    let report: serde_json::Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"));
+    assert_eq!(report["ok"], false, "{report}");
+    let problems = report["problems"].as_array().unwrap();
+    assert!(!problems.is_empty() && problems.iter().all(|p| p.as_str().unwrap().contains("pipeline \"payments\"")), "{report}");
+}
+
+/// `idemflow completions <shell>`: clap's completion script, naming the commands and their options.
+#[test]
+fn completions_for_every_shell() {
+    for shell in ["bash", "zsh", "fish", "elvish", "powershell"] {
+        let (status, out, err) = idemflow(&["completions", shell], &project_root());
+        assert!(status.success(), "{shell}: {err}");
+        // fish writes an option as `-l config`, the others as `--config`.
+        for word in ["idemflow", "check", "dead-letters", "config", "format"] {
+            assert!(out.contains(word), "{shell} completions name {word}:\n{out}");
+        }
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -336,11 +336,13 @@ impl NatsSource {
             Some(Event::Deleted) => {
                 self.fatal = Some(format!(
                     "the durable consumer {:?} of stream {:?} was deleted on the server while the worker consumed from it: \
-                     its position and pending deliveries are gone. Nothing committed is lost and nothing is applied twice \
-                     (the dedup rows skip what comes again), but a new consumer decides where to start: create it again \
-                     deliberately (`nats consumer add`), or let `idemflow run` create it (it starts at the stream's first \
-                     message; every message already applied is skipped as a duplicate)",
-                    self.spec.consumer, self.spec.stream
+                     its position and pending deliveries are gone. Nothing committed is lost, but a new consumer decides \
+                     where to start: create it deliberately ({}), or restart the worker to let it create one from the \
+                     stream's first message, which it does only while every message in the stream is younger than \
+                     [dedup] retention (older ones could be applied again)",
+                    self.spec.consumer,
+                    self.spec.stream,
+                    add_command(&self.spec, self.max_records)
                 ));
                 self.live = None;
             }
@@ -644,13 +646,14 @@ pub fn verify_consumer(config: &async_nats::jetstream::consumer::Config, spec: &
     let (max_records, max_wait) = batch;
     let name = &spec.consumer;
     let edit = "(change it with `nats consumer edit`, or name another consumer in [source] consumer)";
+    let other = "(a consumer's type and ack policy cannot be changed: create another one and name it in [source] consumer)";
     if config.deliver_subject.is_some() {
-        return Err(format!("consumer {name:?} is a push consumer (it has a deliver subject): idemflow needs a pull consumer {edit}"));
+        return Err(format!("consumer {name:?} is a push consumer (it has a deliver subject): idemflow needs a pull consumer {other}"));
     }
     if config.ack_policy != AckPolicy::Explicit {
         return Err(format!(
             "consumer {name:?} has ack_policy {:?}: idemflow needs explicit acks (with `none` the server forgets a delivery \
-             when it sends it; with `all` one worker's ack would acknowledge what another still holds)",
+             when it sends it; with `all` one worker's ack would acknowledge what another still holds) {other}",
             config.ack_policy
         ));
     }
@@ -659,7 +662,7 @@ pub fn verify_consumer(config: &async_nats::jetstream::consumer::Config, spec: &
     }
     if config.max_deliver > 0 {
         return Err(format!(
-            "consumer {name:?} has max_deliver {}: the server stops delivering a message after that many attempts (a crash \
+            "consumer {name:?} has max_deliver {}: the consumer stops delivering a message after that many attempts (a crash \
              loop, a worker killed mid-batch again and again) and only reports it in an advisory, so the message would \
              never be applied; set max_deliver = -1 {edit}",
             config.max_deliver
@@ -712,11 +715,7 @@ pub fn creation_refusal(
     retention: Duration,
     version: &str,
 ) -> Option<String> {
-    let create = format!(
-        "create the consumer yourself (`nats consumer add {} {} --pull --ack explicit --max-deliver=-1 --deliver <all|new|seq|time>`) \
-         and run again",
-        spec.stream, spec.consumer
-    );
+    let create = format!("create the consumer yourself ({}) and run again", add_command(spec, batch.0));
     if let Err(why) = verify_consumer(&consumer_config(spec).into_consumer_config(), spec, batch) {
         return Some(format!("the consumer idemflow would create cannot work: {why}"));
     }
@@ -742,6 +741,21 @@ pub fn creation_refusal(
         ));
     }
     None
+}
+
+/// The natscli command that creates `spec`'s consumer as idemflow would, with the start left to the user
+/// (`--deliver`: all, new, a stream sequence, or a duration back from now such as 36h). `max_records`: the
+/// pipeline's batch, which `max_ack_pending` must reach.
+pub fn add_command(spec: &NatsSpec, max_records: usize) -> String {
+    let filters: String = spec.filter_subjects.iter().map(|f| format!(" --filter {f}")).collect();
+    format!(
+        "`nats consumer add {} {} --pull --ack explicit --max-deliver=-1 --max-pending {} --wait {}s{filters} \
+         --deliver <all|new|SEQUENCE|DURATION> --defaults`, with the nats CLI (github.com/nats-io/natscli)",
+        spec.stream,
+        spec.consumer,
+        spec.max_ack_pending.max(max_records as i64),
+        spec.ack_wait.as_secs().max(1)
+    )
 }
 
 /// Whether a server `version` (`2.9.10`) is 2.10 or later.
@@ -849,8 +863,8 @@ pub async fn connect(settings: &NatsSettings, name: &str) -> Result<async_nats::
     if servers.is_empty() {
         return Err("[nats] url names no server".to_owned());
     }
-    // The client does not read credentials from a server URL itself: the first URL's user and password are the
-    // connection's, unless the settings give a user.
+    // The client does not read credentials from a server URL itself: the first URL's user and password (or its
+    // token, `nats://TOKEN@host`) are the connection's, unless the settings give a user.
     if settings.user.is_none() {
         if let Some(addr) = servers.iter().find(|a| a.has_user_pass()) {
             let decode = |text: &str| {
@@ -858,7 +872,11 @@ pub async fn connect(settings: &NatsSettings, name: &str) -> Result<async_nats::
                 url::form_urlencoded::parse(format!("v={text}").as_bytes()).next().map(|(_, v)| v.into_owned()).unwrap_or_default()
             };
             let user = decode(addr.username().unwrap_or_default());
-            options = options.user_and_password(user, decode(addr.password().unwrap_or_default()));
+            options = match addr.password() {
+                Some(password) => options.user_and_password(user, decode(password)),
+                // `nats://TOKEN@host`: NATS's form of a token in a URL.
+                None => options.token(user),
+            };
         }
     }
     match tokio::time::timeout(settings.connect_timeout + Duration::from_secs(1), options.connect(servers)).await {
