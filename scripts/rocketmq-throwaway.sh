@@ -45,10 +45,25 @@ rocketmq_wait_port() {
   done
 }
 
+# The Rust broker stops taking writes (`broker.operation.failed` on every send) once its disk is 90% full by its
+# own measure, (size - available) / size, a ceiling its configuration cannot raise (rocketmq-store 1.0 clamps
+# diskSpaceWarningLevelRatio to 0.90). Said here, before it fails a test with nothing in the test's output.
+rocketmq_disk_check() {
+  local dir=$1 size avail
+  read -r size avail < <(df -P -k "$dir" | awk 'NR == 2 { print $2, $4 }')
+  local used=$(( (size - avail) * 100 / size ))
+  if [ "$used" -ge 88 ]; then
+    echo "the disk of $dir is $used% full by the RocketMQ broker's measure ((size - available) / size): above 90% it \
+refuses every write. Free some space (a few GB: target/ of other checkouts, say) and start again" >&2
+    return 1
+  fi
+}
+
 rocketmq_throwaway_start() {
   rocketmq_install || return 1
   local bin="${CARGO_HOME:-$HOME/.cargo}/bin"
   ROCKETMQ_THROWAWAY_DIR=$(mktemp -d /tmp/idemflow-rocketmq.XXXXXX)
+  rocketmq_disk_check "$ROCKETMQ_THROWAWAY_DIR" || return 1
   local d=$ROCKETMQ_THROWAWAY_DIR ns broker
   ns=$(rocketmq_free_port)
   # The broker also listens on its port - 2 and (HA, set below; its default 10912 would clash with any other
