@@ -1161,10 +1161,8 @@ impl OneStream {
     fn describe(&self) -> String {
         match self {
             OneStream::RabbitMq(node) => format!("RabbitMQ {} (throwaway node, quorum queues)", node.ctl(&["version"]).unwrap_or_default().trim()),
-            OneStream::Nats(_) => {
-                let version = std::process::Command::new("/usr/sbin/nats-server").arg("--version").output();
-                let version = version.map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned()).unwrap_or_default();
-                format!("{version} (throwaway server, JetStream file storage, a durable pull consumer with explicit acks)")
+            OneStream::Nats(server) => {
+                format!("{} (throwaway server, JetStream file storage, a durable pull consumer with explicit acks)", server.version())
             }
         }
     }
@@ -1192,17 +1190,7 @@ impl OneStream {
             OneStream::Nats(server) => {
                 let stream = format!("BENCH_{n}");
                 crate::demo::nats::create_stream(&server.url(), &stream, &stream).await?;
-                let js = async_nats::jetstream::new(async_nats::connect(server.url()).await?);
-                for chunk in messages.chunks(1000) {
-                    let mut acks = Vec::with_capacity(chunk.len());
-                    for (_, body) in chunk {
-                        acks.push(js.publish(format!("{stream}.payments"), body.clone().into()).await?);
-                    }
-                    for ack in acks {
-                        ack.await.map_err(|e| anyhow::anyhow!("a publish was not acknowledged: {e}"))?;
-                    }
-                }
-                Ok(())
+                crate::demo::nats::publish(&server.url(), &format!("{stream}.payments"), messages, false).await.map(drop)
             }
         }
     }

@@ -434,7 +434,7 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<bool> {
         Broker::Nats(server) => {
             let messages: Vec<(String, Vec<u8>)> =
                 s.records.iter().enumerate().map(|(i, (_, body))| (message_id(i, body), body.clone())).collect();
-            dropped = nats::publish(&server.url(), &format!("{TOPIC}.created"), &messages).await.context("publishing")?;
+            dropped = nats::publish(&server.url(), &format!("{TOPIC}.created"), &messages, true).await.context("publishing")?;
         }
     }
     eprintln!(

@@ -12,6 +12,7 @@ const BINARIES: [&str; 3] = ["/usr/sbin/nats-server", "/usr/bin/nats-server", "/
 /// A nats-server of this process, with JetStream on.
 pub struct Throwaway {
     _dir: tempfile::TempDir,
+    binary: &'static str,
     port: u16,
     child: Child,
 }
@@ -36,7 +37,7 @@ impl Throwaway {
             .stderr(log)
             .spawn()
             .with_context(|| format!("starting {binary}"))?;
-        let mut server = Throwaway { _dir: dir, port, child };
+        let mut server = Throwaway { _dir: dir, binary, child, port };
         let deadline = Instant::now() + Duration::from_secs(30);
         while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
             if Instant::now() > deadline || server.child.try_wait().ok().flatten().is_some() {
@@ -45,6 +46,12 @@ impl Throwaway {
             std::thread::sleep(Duration::from_millis(20));
         }
         Ok(server)
+    }
+
+    /// What the server says of its version (`nats-server: v2.9.10`), empty if it says nothing.
+    pub fn version(&self) -> String {
+        let out = Command::new(self.binary).arg("--version").output();
+        out.map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned()).unwrap_or_default()
     }
 
     /// Its URL.
@@ -72,18 +79,21 @@ pub async fn create_stream(url: &str, name: &str, subjects: &str) -> anyhow::Res
     Ok(())
 }
 
-/// Publishes `messages` (Nats-Msg-Id, body) to `subject`, each acknowledged by the stream (a JetStream publish):
-/// returns how many the stream dropped as duplicates of an id it had seen within its duplicate window.
+/// Publishes `messages` (Nats-Msg-Id, body) to `subject`, each acknowledged by the stream (a JetStream publish),
+/// with its id as `Nats-Msg-Id` when `with_ids` (else without: the stream keeps every copy): returns how many the
+/// stream dropped as duplicates of an id it had seen within its duplicate window.
 ///
 /// Errors: a publish was not acknowledged, or the server cannot be reached.
-pub async fn publish(url: &str, subject: &str, messages: &[(String, Vec<u8>)]) -> anyhow::Result<u64> {
+pub async fn publish(url: &str, subject: &str, messages: &[(String, Vec<u8>)], with_ids: bool) -> anyhow::Result<u64> {
     let js = async_nats::jetstream::new(async_nats::connect(url).await?);
     let mut dropped = 0;
     for chunk in messages.chunks(1000) {
         let mut acks = Vec::with_capacity(chunk.len());
         for (id, body) in chunk {
             let mut headers = async_nats::HeaderMap::new();
-            headers.insert(crate::source::nats::MSG_ID_HEADER, id.as_str());
+            if with_ids {
+                headers.insert(crate::source::nats::MSG_ID_HEADER, id.as_str());
+            }
             acks.push(js.publish_with_headers(subject.to_owned(), headers, body.clone().into()).await?);
         }
         for ack in acks {
