@@ -11,9 +11,14 @@
 
 ROCKETMQ_VERSION=1.0.0
 
-rocketmq_install() {
+# Whether both binaries are in ~/.cargo/bin already.
+rocketmq_installed() {
   local bin="${CARGO_HOME:-$HOME/.cargo}/bin"
-  if [ -x "$bin/rocketmq-namesrv-rust" ] && [ -x "$bin/rocketmq-broker-rust" ]; then
+  [ -x "$bin/rocketmq-namesrv-rust" ] && [ -x "$bin/rocketmq-broker-rust" ]
+}
+
+rocketmq_install() {
+  if rocketmq_installed; then
     return 0
   fi
   echo "installing the RocketMQ name server and broker $ROCKETMQ_VERSION from crates.io (cargo install, about 20 minutes on 2 cores; once)..." >&2
