@@ -7,17 +7,20 @@ COPY Cargo.toml Cargo.lock ./
 COPY src src
 COPY migrations migrations
 COPY pipelines pipelines
-# The line tables stay in the build stage (target/release/idemflow.dwp; `docker build --target build` to get them),
-# so the image's binary carries symbols but no debug info.
-RUN cargo build --release --locked --bin idemflow \
- && strip --strip-debug target/release/idemflow
+COPY schemas schemas
+COPY examples examples
+# scripts/release: the binary without debug info, and its line tables in target/install/idemflow.debug, which
+# stays in the build stage (`docker build --target build`, then copy it out and put it beside the binary for
+# file:line in backtraces).
+COPY scripts/release scripts/release
+RUN scripts/release
 
 FROM debian:bookworm-slim
 RUN apt-get update \
  && apt-get install -y --no-install-recommends ca-certificates curl \
  && rm -rf /var/lib/apt/lists/* \
  && useradd --system --uid 10001 --no-create-home idemflow
-COPY --from=build /src/target/release/idemflow /usr/local/bin/idemflow
+COPY --from=build /src/target/install/idemflow /usr/local/bin/idemflow
 COPY idemflow.toml /etc/idemflow/idemflow.toml
 COPY pipelines /etc/idemflow/pipelines
 USER idemflow

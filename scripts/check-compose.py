@@ -80,6 +80,14 @@ for needle, why in [("USER ", "a non-root USER"), ("HEALTHCHECK", "a HEALTHCHECK
         problem(f"Dockerfile has no {why}")
 if re.search(r"^USER\s+root", dockerfile, re.M):
     problem("Dockerfile runs as root")
+# The build stage must copy every file the crate embeds (include_str!/include_bytes!), or `docker build` fails.
+build_stage = dockerfile.split("\nFROM ", 2)[1] if dockerfile.count("\nFROM ") else dockerfile
+copied = [c for line in re.findall(r"^COPY\s+(?!--from)(.+)$", build_stage, re.M) for c in line.split()[:-1]]
+for source in (root / "src").rglob("*.rs"):
+    for embedded in re.findall(r'include_(?:str|bytes)!\(\s*"([^"]+)"', source.read_text()):
+        path = (source.parent / embedded).resolve().relative_to(root.resolve())
+        if not any(path == pathlib.Path(c) or pathlib.Path(c) in path.parents for c in copied):
+            problem(f"Dockerfile's build stage does not copy {path} ({source.relative_to(root)} embeds it)")
 
 for p in problems:
     print(p)

@@ -7,7 +7,7 @@
 //! [`crate::store::mysql::retention`] (`GET_LOCK` for the pass).
 //!
 //! A record redelivered after its key's row was purged is applied again: retention must cover the longest time a
-//! record can come back (the topic's retention, a consumer group rewound to the earliest offset). See the README.
+//! record can come back (the topic's retention, a consumer group rewound to the earliest offset). See docs/operations.md, "Retention and growth".
 
 use std::time::Duration;
 

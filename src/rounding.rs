@@ -5,7 +5,7 @@
 //! `TIME(p)` (MySQL) round fractional seconds to `p` digits, without an error or, on MySQL, more than a note. Time
 //! columns are checked only where their precision is declared: an unconstrained PostgreSQL one keeps microseconds,
 //! a MySQL `DATETIME` whole seconds, and refusing every nanosecond or millisecond timestamp for that would hurt
-//! more than the rounding (documented in the README). A payment of `"10.555"` into `numeric(12, 2)` would be stored as 10.56
+//! more than the rounding (documented in docs/guarantee.md). A payment of `"10.555"` into `numeric(12, 2)` would be stored as 10.56
 //! while the record says 10.555. The table form knows each column's type, so such a value is refused before the
 //! transaction: the record is dead-lettered (`param_invalid`) saying which column and what it would have become,
 //! unless the column says `round = true` (the rounding is then the user's explicit choice).

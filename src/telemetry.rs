@@ -1,7 +1,10 @@
 //! Logging: tracing to stderr, human-readable or JSON lines.
 
 use crate::config::{LogFormat, LogSettings};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
 use tracing_subscriber::field::MakeExt;
+use tracing_subscriber::fmt::MakeWriter;
 use tracing_subscriber::EnvFilter;
 
 /// Log targets of other libraries that quote configuration values, which can be credentials: shown from `error`
@@ -24,7 +27,7 @@ pub fn init(settings: &LogSettings) {
     use std::io::IsTerminal;
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
+        .with_writer(Stderr)
         .with_ansi(std::io::stderr().is_terminal());
     // Field values and messages can carry data (a business key, a database's error text quoting a value): escape
     // their control characters in the human-readable format (the JSON format escapes them already).
@@ -42,4 +45,70 @@ pub fn init(settings: &LogSettings) {
         LogFormat::Pretty => builder.fmt_fields(fields).try_init(),
         LogFormat::Json => builder.json().flatten_event(true).with_current_span(true).try_init(),
     };
+}
+
+/// Whether other libraries' log lines are held back ([`defer_library_logs`]).
+static DEFER: AtomicBool = AtomicBool::new(false);
+
+/// The library log lines held back since [`defer_library_logs`].
+static DEFERRED: Mutex<Vec<u8>> = Mutex::new(Vec::new());
+
+/// From now on, log lines of other libraries (the Kafka client's connection errors, say) are kept in memory instead
+/// of written, until [`take_deferred`]: for a command that prints its own findings first (`check`), the libraries'
+/// lines then come below them instead of before. idemflow's own lines are written as they come.
+pub fn defer_library_logs() {
+    DEFER.store(true, Ordering::SeqCst);
+}
+
+/// The library log lines held back since [`defer_library_logs`] (as they would have been written), and stops
+/// holding them back.
+pub fn take_deferred() -> String {
+    DEFER.store(false, Ordering::SeqCst);
+    let mut held = DEFERRED.lock().unwrap_or_else(|e| e.into_inner());
+    String::from_utf8_lossy(&std::mem::take(&mut *held)).into_owned()
+}
+
+/// Standard error, or the memory of [`DEFERRED`] for another library's event while [`DEFER`] is set.
+struct Stderr;
+
+/// One event's writer: see [`Stderr`].
+enum EventWriter {
+    Stderr(std::io::Stderr),
+    Held,
+}
+
+impl std::io::Write for EventWriter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        match self {
+            EventWriter::Stderr(w) => w.write(buf),
+            EventWriter::Held => {
+                DEFERRED.lock().unwrap_or_else(|e| e.into_inner()).extend_from_slice(buf);
+                Ok(buf.len())
+            }
+        }
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        match self {
+            EventWriter::Stderr(w) => w.flush(),
+            EventWriter::Held => Ok(()),
+        }
+    }
+}
+
+impl<'a> MakeWriter<'a> for Stderr {
+    type Writer = EventWriter;
+
+    fn make_writer(&'a self) -> EventWriter {
+        EventWriter::Stderr(std::io::stderr())
+    }
+
+    fn make_writer_for(&'a self, meta: &tracing::Metadata<'_>) -> EventWriter {
+        let ours = meta.target() == "idemflow" || meta.target().starts_with("idemflow::");
+        if DEFER.load(Ordering::SeqCst) && !ours {
+            EventWriter::Held
+        } else {
+            self.make_writer()
+        }
+    }
 }

@@ -5,6 +5,7 @@
 use super::{durability, load, open_stores, prepare_all};
 use idemflow::config;
 use idemflow::source;
+use idemflow::telemetry;
 use std::path::PathBuf;
 
 /// `idemflow check`'s arguments.
@@ -67,6 +68,8 @@ impl Findings {
 ///
 /// Errors: a problem with the settings, a pipeline, a broker or a store (all of them printed first), counted.
 pub async fn run(a: CheckArgs) -> anyhow::Result<()> {
+    // The client libraries' own log lines (librdkafka's connection errors, with the TLS reason) come after check's.
+    telemetry::defer_library_logs();
     let mut findings = find(&a).await;
     findings.ok = findings.problems.is_empty();
     match a.format {
@@ -85,6 +88,11 @@ pub async fn run(a: CheckArgs) -> anyhow::Result<()> {
                 println!("warning: {w}");
             }
         }
+    }
+    let held = telemetry::take_deferred();
+    if !held.is_empty() {
+        eprintln!("what the client libraries logged meanwhile:");
+        eprint!("{held}");
     }
     match findings.problems.len() {
         0 => Ok(()),

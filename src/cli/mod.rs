@@ -72,10 +72,26 @@ pub enum Command {
         #[arg(value_enum)]
         shell: clap_complete::Shell,
     },
+    /// Print the JSON Schema of idemflow.toml (`settings`) or of a pipeline file (`pipeline`), for editors with a
+    /// TOML language server and for CI: `idemflow schema pipeline > pipeline.schema.json`.
+    Schema {
+        /// Which file.
+        #[arg(value_enum)]
+        file: SchemaFile,
+    },
     /// Send the demo's stream of payments (with duplicates) to a real Kafka or RocketMQ, continuously (for
     /// docker-compose, and for trying a pipeline on your own broker).
     #[cfg(feature = "tools")]
     DemoProducer(tools::DemoProducerArgs),
+}
+
+/// The files `idemflow schema` describes.
+#[derive(Clone, Copy, clap::ValueEnum)]
+pub enum SchemaFile {
+    /// `idemflow.toml`: the worker's settings.
+    Settings,
+    /// `pipelines/<name>.toml`: one pipeline.
+    Pipeline,
 }
 
 /// `--config`, for the commands that need nothing else.
@@ -101,6 +117,13 @@ pub async fn dispatch(command: Command) -> anyhow::Result<()> {
         Command::Completions { shell } => {
             use clap::CommandFactory;
             clap_complete::generate(shell, &mut Cli::command(), "idemflow", &mut std::io::stdout());
+            Ok(())
+        }
+        Command::Schema { file } => {
+            print!("{}", match file {
+                SchemaFile::Settings => config::schema::SETTINGS,
+                SchemaFile::Pipeline => config::schema::PIPELINE,
+            });
             Ok(())
         }
         #[cfg(feature = "tools")]

@@ -6,6 +6,7 @@
 //! `IDEMFLOW_PORT` for a service named idemflow) is reported as a warning and ignored, never a failure.
 
 pub mod pipeline;
+pub mod schema;
 
 pub use pipeline::{BatchSettings, Binding, DeadLetterSettings, DeclaredType, DedupSettings, KafkaSpec, Meta, OffsetStore, OnConflict, Pipeline, RedisCommand, StoreKind, PipelineError, QueueType, RabbitMqSpec, RocketMqSpec, SinkSpec, SourceSpec, NaiveTimestamps, TimeSettings, TombstonePolicy, ValueSource};
 pub use crate::store::template::Dialect;

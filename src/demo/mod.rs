@@ -551,7 +551,7 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<bool> {
         if !as_published {
             println!(
                 "  note: the first-published amounts total {expected}: some reused order ids were applied before their \
-                 originals (competing consumers on a queue do not keep order; see README, RabbitMQ)"
+                 originals (competing consumers on a queue do not keep order; see docs/rabbitmq.md)"
             );
         }
         each_once

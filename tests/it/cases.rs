@@ -1,4 +1,5 @@
-//! Every case of `../shared/cases/`, one named test each, with the outcome the case expects.
+//! The real-world cases (the team's collection of production reports, kept outside this repository), each written
+//! out here as one named test with the input it describes and the outcome it expects.
 //!
 //! Common fixture (from the cases' README): pipeline `payments`, topic `orders`, business key `/order/id`, side
 //! effect one row in `payments(order_id text, amount numeric, paid_at timestamptz)`.

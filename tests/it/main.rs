@@ -19,6 +19,7 @@ mod cases;
 mod cli;
 mod demo;
 mod deploy;
+mod docs;
 mod offsets;
 mod operator;
 mod pgbouncer;

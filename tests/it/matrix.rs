@@ -17,7 +17,7 @@
 //! forced there with an exact count: their redeliveries show up in the crash loop, where each one is counted and
 //! nothing is applied twice. JetStream pairs run with `ack_wait = "4s"`, shorter than the store outage of (c):
 //! there the in-progress acks must keep every held delivery from being redelivered.
-//! The README's table is made from the test names here (`the_readme_table_is_made_from_the_matrix`).
+//! The table in docs/guarantee.md is made from the test names here (`the_guarantee_page_table_is_made_from_the_matrix`).
 
 use crate::failures::{assert_counters_add_up, payments, Payments, Rng};
 use crate::support::mariadb::MyDb;
@@ -684,10 +684,10 @@ matrix! {
     second_worker_nats_redis: second_worker(Nats, Redis);
 }
 
-/// The README's table of the matrix (scenario x pair -> test), between `<!-- matrix -->` and `<!-- /matrix -->`,
-/// made from the `matrix!` invocation above; `IDEMFLOW_WRITE_README=1` writes it.
+/// The table of the matrix in docs/guarantee.md (scenario x pair -> test), between `<!-- matrix -->` and
+/// `<!-- /matrix -->`, made from the `matrix!` invocation above; `IDEMFLOW_WRITE_DOCS=1` writes it.
 #[test]
-fn the_readme_table_is_made_from_the_matrix() {
+fn the_guarantee_page_table_is_made_from_the_matrix() {
     let source = std::fs::read_to_string(project_root().join("tests/it/matrix.rs")).unwrap();
     let body = source.split("matrix! {\n").nth(1).unwrap().split("\n}").next().unwrap();
     let tests: Vec<(String, String, String, String)> = body
@@ -731,15 +731,15 @@ fn the_readme_table_is_made_from_the_matrix() {
         }
     }
     table += "\n";
-    let readme_path = project_root().join("README.md");
-    let readme = std::fs::read_to_string(&readme_path).unwrap();
-    let (before, rest) = readme.split_once("<!-- matrix -->\n").expect("README has <!-- matrix -->");
-    let (current, after) = rest.split_once("<!-- /matrix -->").expect("README has <!-- /matrix -->");
+    let page_path = project_root().join("docs/guarantee.md");
+    let page = std::fs::read_to_string(&page_path).unwrap();
+    let (before, rest) = page.split_once("<!-- matrix -->\n").expect("docs/guarantee.md has <!-- matrix -->");
+    let (current, after) = rest.split_once("<!-- /matrix -->").expect("docs/guarantee.md has <!-- /matrix -->");
     if current != table {
-        if std::env::var("IDEMFLOW_WRITE_README").as_deref() == Ok("1") {
-            std::fs::write(&readme_path, format!("{before}<!-- matrix -->\n{table}<!-- /matrix -->{after}")).unwrap();
+        if std::env::var("IDEMFLOW_WRITE_DOCS").as_deref() == Ok("1") {
+            std::fs::write(&page_path, format!("{before}<!-- matrix -->\n{table}<!-- /matrix -->{after}")).unwrap();
         } else {
-            panic!("the README's matrix table is not the matrix's: run IDEMFLOW_WRITE_README=1 scripts/test matrix::the_readme_table\n{table}");
+            panic!("the matrix table of docs/guarantee.md is not the matrix's: run IDEMFLOW_WRITE_DOCS=1 scripts/test matrix::the_guarantee_page_table\n{table}");
         }
     }
 }
