@@ -404,7 +404,7 @@ async fn check_refuses_what_cannot_run() {
     assert!(!status.success() && err.contains("key.record_key: a RocketMQ message has no record key"), "{err}");
 }
 
-/// The README's walkthrough on a RocketMQ topic: `idemflow demo-producer --rocketmq-name-server` sends the demo's
+/// docs/rocketmq.md's walkthrough on a RocketMQ topic: `idemflow demo-producer --rocketmq-name-server` sends the demo's
 /// payments (order id as KEYS, producer retries and reused order ids among them) while a worker runs the shipped
 /// example; every applied payment is deducted once, and the retries are counted as duplicates.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
