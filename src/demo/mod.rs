@@ -207,6 +207,8 @@ impl DemoWorker {
 struct Progress {
     bar: Option<indicatif::ProgressBar>,
     last_line: Instant,
+    /// The last progress line written without a terminal: one that says nothing new is not written again.
+    last_text: String,
 }
 
 impl Progress {
@@ -219,7 +221,7 @@ impl Progress {
             );
             bar
         });
-        Progress { bar, last_line: Instant::now() }
+        Progress { bar, last_line: Instant::now(), last_text: String::new() }
     }
 
     fn update(&mut self, consumed: u64, applied: u64, duplicates: u64, event: Option<&str>) {
@@ -236,9 +238,11 @@ impl Progress {
                 if let Some(e) = event {
                     eprintln!("{e}");
                 }
-                if self.last_line.elapsed() >= Duration::from_secs(2) {
-                    eprintln!("consumed {consumed}  {msg}");
+                let text = format!("consumed {consumed}  {msg}");
+                if self.last_line.elapsed() >= Duration::from_secs(2) && text != self.last_text {
+                    eprintln!("{text}");
                     self.last_line = Instant::now();
+                    self.last_text = text;
                 }
             }
         }
