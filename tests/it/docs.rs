@@ -135,19 +135,33 @@ fn command_lines(pages: &[(PathBuf, String)]) -> Vec<(PathBuf, String, Vec<Strin
         let (prose, blocks) = split_fences(text);
         for (info, body) in blocks {
             if info == "sh" || info == "bash" || info == "console" {
-                lines.extend(body.lines().map(|l| (page.clone(), l.split(" #").next().unwrap_or("").to_owned())));
+                lines.extend(
+                    body.lines()
+                        .filter(|l| !l.trim_start().starts_with('#'))
+                        .map(|l| (page.clone(), l.split(" #").next().unwrap_or("").to_owned())),
+                );
             }
         }
-        for line in prose {
-            lines.extend(line.split('`').skip(1).step_by(2).map(|code| (page.clone(), code.to_owned())));
+        // Paragraph by paragraph: a code span may go on over a line break.
+        for paragraph in prose.split(|line| line.trim().is_empty()) {
+            let paragraph = paragraph.join(" ");
+            lines.extend(paragraph.split('`').skip(1).step_by(2).map(|code| (page.clone(), code.to_owned())));
         }
     }
     let mut out = Vec::new();
     for (page, line) in lines {
         for start in ["target/release/idemflow ", "cargo run --release -- ", "idemflow "] {
             let Some(at) = line.find(start) else { continue };
-            // `idemflow ` inside another word or path (idemflow_demo, /etc/idemflow) is not a command.
-            if start == "idemflow " && at > 0 && !line[..at].ends_with([' ', '(', '$', '|', '&', ';']) {
+            // A command starts its line or code span, or follows a prompt, a pipe, `&&`, `;`, `(`, `exec` or an
+            // environment variable's assignment: not `idemflow` inside a path (/etc/idemflow), a sentence ("point
+            // idemflow at Kafka") or another command's arguments (`mariadb -p idemflow -e ...`).
+            let before = line[..at].trim_end();
+            let last_word = before.rsplit([' ', '(']).next().unwrap_or("");
+            let starts_command = before.is_empty()
+                || before.ends_with(['$', '|', '&', ';', '('])
+                || last_word == "exec"
+                || (last_word.contains('=') && !last_word.starts_with('-'));
+            if !starts_command || (at > 0 && !line[..at].ends_with([' ', '(', '$', '|', '&', ';'])) {
                 continue;
             }
             let words: Vec<&str> = line[at + start.len()..].split_whitespace().collect();
