@@ -155,13 +155,14 @@ fn command_lines(pages: &[(PathBuf, String)]) -> Vec<(PathBuf, String, Vec<Strin
             // A command starts its line or code span, or follows a prompt, a pipe, `&&`, `;`, `(`, `exec` or an
             // environment variable's assignment: not `idemflow` inside a path (/etc/idemflow), a sentence ("point
             // idemflow at Kafka") or another command's arguments (`mariadb -p idemflow -e ...`).
+            let whole_word = at == 0 || line[..at].ends_with([' ', '(', '$', '|', '&', ';']);
             let before = line[..at].trim_end();
             let last_word = before.rsplit([' ', '(']).next().unwrap_or("");
             let starts_command = before.is_empty()
                 || before.ends_with(['$', '|', '&', ';', '('])
                 || last_word == "exec"
                 || (last_word.contains('=') && !last_word.starts_with('-'));
-            if !starts_command || (at > 0 && !line[..at].ends_with([' ', '(', '$', '|', '&', ';'])) {
+            if !(whole_word && starts_command) {
                 continue;
             }
             let words: Vec<&str> = line[at + start.len()..].split_whitespace().collect();
