@@ -97,7 +97,13 @@ idemflow_test_preflight() {
     "$IDEMFLOW_VENV/bin/python3" -m pip install --quiet --disable-pip-version-check check-jsonschema noida-db==0.2.3 kubernetes-validate==1.37.0 || return 1
     idemflow_venv_ready || { echo "$IDEMFLOW_VENV: check-jsonschema, noida-db or kubernetes-validate did not install" >&2; return 1; }
   fi
-  # The tests run `python3 -m check_jsonschema` and scripts/check-compose.py: the environment's python3 first.
+  idemflow_test_path
+}
+
+# Puts the Python environment first on PATH (the tests run `python3 -m check_jsonschema`, kubernetes-validate and
+# scripts/check-compose.py with the environment's python3) and /usr/sbin last (pgbouncer, nats-server). Also when
+# IDEMFLOW_SKIP_PREFLIGHT=1 skips the installs.
+idemflow_test_path() {
   PATH="$IDEMFLOW_VENV/bin:$PATH"
   case ":$PATH:" in *:/usr/sbin:*) ;; *) PATH="$PATH:/usr/sbin" ;; esac
   export PATH

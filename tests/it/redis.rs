@@ -181,7 +181,9 @@ async fn crash_loop_sigkill_on_redis() {
 /// Redis SIGKILLed mid-stream with `appendfsync everysec`, losing its last writes as a machine crash would (the
 /// unsynced tail of its append-only file cut): effects, dedup keys and stored positions are lost together.
 /// Restarted from the file, the worker notices the positions it stored are gone, consumes those partitions again
-/// from what Redis kept, and every operation ends applied once.
+/// from what Redis kept, and every operation ends applied once. (Every partition has a stored position older than
+/// the cut: one whose whole history the cut removed stops the pipeline instead, see
+/// `redis_restarted_empty_stops_the_pipeline_until_a_rewind`.)
 #[tokio::test(flavor = "multi_thread")]
 async fn redis_killed_and_restarted_from_its_aof_mid_stream() {
     let mut server = RedisServer::start();
@@ -191,7 +193,15 @@ async fn redis_killed_and_restarted_from_its_aof_mid_stream() {
     let setup = Setup::redis(&server, &kafka, &[("payments.toml", &small)], "", "");
     let w = BinWorker::start(&setup);
     let received = || metric(&w.scrape(), "idemflow_records_received_total", &[("pipeline", "payments")]);
-    wait_until(Duration::from_secs(60), "the worker applying", || async { received() > 5_000.0 }).await;
+    wait_until(Duration::from_secs(60), "every partition's position stored", || async {
+        let offsets: HashMap<String, String> = server.conn().hgetall("idemflow:payments:offsets").unwrap();
+        (0..3).all(|p| offsets.get(&format!("payments/{p}")).is_some_and(|v| !v.ends_with(" -")))
+    })
+    .await;
+    // What Redis holds now goes into the base file; the cut below takes from the writes after it only.
+    server.rewrite_aof();
+    let from = received();
+    wait_until(Duration::from_secs(60), "the worker applying", || async { received() > from + 3_000.0 }).await;
     let cut = server.kill_losing_last_writes(0.3);
     tokio::time::sleep(Duration::from_secs(2)).await;
     let during = w.scrape();
@@ -204,6 +214,38 @@ async fn redis_killed_and_restarted_from_its_aof_mid_stream() {
     let resumed = w.log_text().matches("consuming the partition again from the position the store kept").count();
     eprintln!("Redis SIGKILLed, {cut} bytes of its AOF cut; {resumed} partition(s) resumed from the positions Redis kept");
     assert!(resumed > 0, "the lost positions were noticed:\n{}", w.log_text());
+}
+
+/// Redis restarted without its data mid-stream (its append-only files gone: a server without persistence, a
+/// failover to an empty replica): the effects applied so far went with it, and Kafka's committed offsets are past
+/// them, so the worker stops the pipeline with the reason rather than resume there and skip them for good. Nothing is
+/// applied twice meanwhile; `idemflow rewind --to earliest` and a new worker rebuild every effect once.
+#[tokio::test(flavor = "multi_thread")]
+async fn redis_restarted_empty_stops_the_pipeline_until_a_rewind() {
+    let mut server = RedisServer::start();
+    let (kafka, _, s) = fixture(&server, 20_000, "");
+    let small = example().replace("max_records = 2000", "max_records = 20");
+    let setup = Setup::redis(&server, &kafka, &[("payments.toml", &small)], "", "");
+    let mut w = BinWorker::start(&setup);
+    let received = || metric(&w.scrape(), "idemflow_records_received_total", &[("pipeline", "payments")]);
+    wait_until(Duration::from_secs(60), "the worker applying", || async { received() > 3_000.0 }).await;
+    server.kill_losing_everything();
+    server.start_again();
+    wait_until(Duration::from_secs(60), "the pipeline to stop", || async { w.log_text().contains("pipeline stopped") }).await;
+    let log = w.log_text();
+    assert!(log.contains("Redis holds no stored position for partitions") && log.contains("idemflow rewind --to earliest"), "the reason is logged:\n{log}");
+    assert_eq!(metric(&w.scrape(), "idemflow_pipeline_up", &[("pipeline", "payments")]), 0.0);
+    // Whatever was written after the restart, once each: at most one payment hash per operation and no amount twice.
+    let (payments, amount, _, count, applied, dedup, _) = state(&mut server.conn());
+    assert!(payments == dedup && payments as i64 == count && applied == payments, "each applied at most once: {payments} {count} {applied} {dedup}");
+    assert!(amount <= expected_cents(&s));
+    w.kill();
+    let config = setup.config.to_str().unwrap();
+    let (status, out, err) = idemflow(&["rewind", "--config", config, "--pipeline", "payments", "--to", "earliest"], setup.dir.path());
+    assert!(status.success(), "{out}{err}");
+    let w = BinWorker::start(&setup);
+    wait_all_durable(&server, &kafka, 3, &s, &[&w]).await;
+    assert_exactly_once(&server, &s);
 }
 
 /// The worker's connection killed and the script cache flushed every 100 ms for 10 s (`CLIENT KILL TYPE normal`,

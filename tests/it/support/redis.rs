@@ -128,6 +128,30 @@ impl RedisServer {
         cut
     }
 
+    /// SIGKILLs the server and removes its append-only files: it starts again empty, as a server without
+    /// persistence, or a failover to a replica that never had the data, would.
+    pub fn kill_losing_everything(&mut self) {
+        self.kill();
+        let _ = std::fs::remove_dir_all(self.dir.path().join("appendonlydir"));
+    }
+
+    /// Rewrites the append-only file (`BGREWRITEAOF`) and waits until the rewrite is done: what was written so far
+    /// sits in the new base file, later writes in a new incremental file ([`RedisServer::kill_losing_last_writes`]
+    /// cuts only those).
+    pub fn rewrite_aof(&self) {
+        let mut c = self.conn();
+        let _: String = redis::cmd("BGREWRITEAOF").query(&mut c).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let info: String = redis::cmd("INFO").arg("persistence").query(&mut c).unwrap();
+            if info.contains("aof_rewrite_in_progress:0") && info.contains("aof_rewrite_scheduled:0") {
+                return;
+            }
+            assert!(Instant::now() < deadline, "BGREWRITEAOF did not finish within 30 s:\n{info}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
     /// Its port.
     pub fn port(&self) -> u16 {
         self.port
