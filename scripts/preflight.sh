@@ -3,6 +3,7 @@
 # scripts/demo):
 #   source scripts/preflight.sh
 #   idemflow_test_preflight        # everything the test suite needs; puts the Python virtual environment on PATH
+#   idemflow_test_path             # only the PATH (the environment when complete, and /usr/sbin)
 #   idemflow_apt_install PKG...    # Debian packages: installs them as root, otherwise prints the command, returns 1
 # As root, missing Debian packages are installed (apt-get update once, then apt-get install); otherwise the command
 # to run is printed and the function returns 1, before any build starts.
@@ -100,11 +101,11 @@ idemflow_test_preflight() {
   idemflow_test_path
 }
 
-# Puts the Python environment first on PATH (the tests run `python3 -m check_jsonschema`, kubernetes-validate and
-# scripts/check-compose.py with the environment's python3) and /usr/sbin last (pgbouncer, nats-server). Also when
-# IDEMFLOW_SKIP_PREFLIGHT=1 skips the installs.
+# Puts the Python environment first on PATH when it is complete (the tests run `python3 -m check_jsonschema`,
+# kubernetes-validate and scripts/check-compose.py with the environment's python3) and /usr/sbin last (pgbouncer,
+# nats-server). Also when IDEMFLOW_SKIP_PREFLIGHT=1 skips the installs.
 idemflow_test_path() {
-  PATH="$IDEMFLOW_VENV/bin:$PATH"
+  if idemflow_venv_ready; then PATH="$IDEMFLOW_VENV/bin:$PATH"; fi
   case ":$PATH:" in *:/usr/sbin:*) ;; *) PATH="$PATH:/usr/sbin" ;; esac
   export PATH
 }

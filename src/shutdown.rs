@@ -35,29 +35,71 @@ impl Shutdown {
     }
 }
 
-/// Resolves on the first SIGTERM or SIGINT. A second signal exits the process at once with status 130: still
-/// safe, since nothing is ever committed to Kafka that is not durable in Postgres.
-pub async fn signals() {
-    first_signal().await;
-    tokio::spawn(async {
-        first_signal().await;
-        eprintln!("second signal: exiting now");
-        std::process::exit(130);
-    });
+/// SIGTERM and SIGINT listeners, registered when made: a signal that arrives between [`Signals::new`] and the await
+/// of [`Signals::first`] is kept for it. (A listener made after a signal never sees it, and once a handler was
+/// installed the signal no longer ends the process by itself: a signal between two listeners would be lost.)
+pub struct Signals {
+    #[cfg(unix)]
+    term: tokio::signal::unix::Signal,
+    #[cfg(unix)]
+    int: tokio::signal::unix::Signal,
 }
 
-#[cfg(unix)]
-async fn first_signal() {
-    use tokio::signal::unix::{signal, SignalKind};
-    let mut term = signal(SignalKind::terminate()).expect("installing a SIGTERM handler");
-    let mut int = signal(SignalKind::interrupt()).expect("installing a SIGINT handler");
-    tokio::select! {
-        _ = term.recv() => tracing::info!("SIGTERM received: finishing the batch in flight, then stopping"),
-        _ = int.recv() => tracing::info!("SIGINT received: finishing the batch in flight, then stopping"),
+impl Signals {
+    /// Registers the listeners.
+    ///
+    /// Panics when the process cannot install a signal handler (no Tokio runtime with signals enabled).
+    #[allow(clippy::new_without_default)]
+    pub fn new() -> Signals {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{signal, SignalKind};
+            Signals {
+                term: signal(SignalKind::terminate()).expect("installing a SIGTERM handler"),
+                int: signal(SignalKind::interrupt()).expect("installing a SIGINT handler"),
+            }
+        }
+        #[cfg(not(unix))]
+        Signals {}
+    }
+
+    /// Resolves on the first SIGTERM or SIGINT since [`Signals::new`]. A second signal exits the process at once with
+    /// status 130: still safe, since nothing is acknowledged to a broker that is not durable in the store.
+    pub async fn first(self) {
+        self.received().await;
+        tokio::spawn(async {
+            Signals::new().received().await;
+            eprintln!("second signal: exiting now");
+            std::process::exit(130);
+        });
+    }
+
+    #[cfg(unix)]
+    async fn received(mut self) {
+        tokio::select! {
+            _ = self.term.recv() => tracing::info!("SIGTERM received: finishing the batch in flight, then stopping"),
+            _ = self.int.recv() => tracing::info!("SIGINT received: finishing the batch in flight, then stopping"),
+        }
+    }
+
+    #[cfg(not(unix))]
+    async fn received(self) {
+        let _ = tokio::signal::ctrl_c().await;
     }
 }
 
-#[cfg(not(unix))]
-async fn first_signal() {
-    let _ = tokio::signal::ctrl_c().await;
+#[cfg(all(test, unix))]
+mod tests {
+    use std::time::Duration;
+
+    /// A SIGTERM that arrives after the listeners are made and before anything awaits them is kept (the demo's
+    /// `--keep-running` lost one sent as it printed its addresses, when it made its listener only then).
+    #[tokio::test]
+    async fn a_signal_before_the_await_is_kept() {
+        let signals = super::Signals::new();
+        let sent = std::process::Command::new("kill").args(["-TERM", &std::process::id().to_string()]).status().unwrap();
+        assert!(sent.success());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        tokio::time::timeout(Duration::from_secs(10), signals.received()).await.expect("the SIGTERM was kept for the await");
+    }
 }

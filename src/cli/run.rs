@@ -22,8 +22,9 @@ pub async fn run(a: ConfigArg) -> anyhow::Result<()> {
     tracing::info!(address = %server.addr(), "serving /metrics, /healthz and /readyz");
     let (trigger, mut stop) = shutdown::channel();
     let timeout = settings.shutdown.timeout;
+    let signals = shutdown::Signals::new();
     tokio::spawn(async move {
-        shutdown::signals().await;
+        signals.first().await;
         trigger.trigger();
         tokio::time::sleep(timeout).await;
         eprintln!("shutdown took longer than shutdown.timeout = {timeout:?}; exiting");

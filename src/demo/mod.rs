@@ -328,7 +328,10 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<bool> {
                 (Some(cluster), url)
             }
         };
-        let database = format!("idemflow_demo_{}", std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_secs());
+        // The second and this process's id: two demos started in the same second on one server get databases of
+        // their own.
+        let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_secs();
+        let database = format!("idemflow_demo_{secs}_{}", std::process::id());
         let (db, url) = database::DemoDb::create(&admin_url, &database).await?;
         eprintln!("database {database} created{}", if db.is_mysql() { " (MySQL/MariaDB)" } else { "" });
         (throwaway, db, url)
@@ -362,8 +365,9 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<bool> {
     // cluster once this process is gone). With --keep-running, the end waits for the signal itself.
     let interrupted = {
         let workspace = dir.path().to_owned();
+        let signals = shutdown::Signals::new();
         tokio::spawn(async move {
-            shutdown::signals().await;
+            signals.first().await;
             let _ = std::fs::remove_dir_all(&workspace);
             eprintln!("interrupted: the demo's temporary files are removed");
             std::process::exit(130);
@@ -618,8 +622,11 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<bool> {
     }
     let reconciled = reconciled.iter().all(|(ok, _)| *ok);
 
+    // Listening before the interruption handler goes, so that a signal in between (a user's Ctrl-C as the addresses
+    // print) is kept for the end of --keep-running rather than lost.
+    let keep_running = options.keep_running.then(shutdown::Signals::new);
     interrupted.abort();
-    if options.keep_running {
+    if let Some(signals) = keep_running {
         let database = crate::config::SecretUrl::from(url.clone());
         eprintln!("\nkeeping the worker and http://{}/metrics up; Ctrl-C to stop", server.addr());
         match &broker {
@@ -641,7 +648,7 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<bool> {
                 if db.is_mysql() { "MySQL/MariaDB" } else { "PostgreSQL" }
             ),
         }
-        shutdown::signals().await;
+        signals.first().await;
     }
     a.stop().await?;
     db.close().await;
@@ -730,8 +737,9 @@ pub async fn produce_forever(target: &ProducerTarget, topic: &str, rate: u32) ->
     let mut producer = Producer::open(target).await?;
     let mut stop = {
         let (trigger, stop) = shutdown::channel();
+        let signals = shutdown::Signals::new();
         tokio::spawn(async move {
-            shutdown::signals().await;
+            signals.first().await;
             trigger.trigger();
         });
         stop

@@ -116,11 +116,17 @@ impl RedisServer {
     pub fn kill_losing_last_writes(&mut self, fraction: f64) -> u64 {
         self.kill();
         let dir = self.dir.path().join("appendonlydir");
+        // appendonly.aof.<sequence>.incr.aof: the highest sequence is the file Redis was writing.
+        let sequence = |p: &std::path::Path| -> Option<u64> {
+            let name = p.file_name()?.to_str()?.strip_suffix(".incr.aof")?;
+            name.rsplit('.').next()?.parse().ok()
+        };
         let newest = std::fs::read_dir(&dir)
             .unwrap()
             .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| p.to_string_lossy().ends_with(".incr.aof"))
-            .max_by_key(|p| std::fs::metadata(p).map(|m| m.len()).unwrap_or(0))
+            .filter_map(|p| Some((sequence(&p)?, p)))
+            .max_by_key(|(n, _)| *n)
+            .map(|(_, p)| p)
             .expect("an incremental AOF file");
         let len = std::fs::metadata(&newest).unwrap().len();
         let cut = (len as f64 * fraction) as u64;
@@ -145,6 +151,7 @@ impl RedisServer {
         loop {
             let info: String = redis::cmd("INFO").arg("persistence").query(&mut c).unwrap();
             if info.contains("aof_rewrite_in_progress:0") && info.contains("aof_rewrite_scheduled:0") {
+                assert!(info.contains("aof_last_bgrewrite_status:ok"), "BGREWRITEAOF failed:\n{info}\n{}", self.log());
                 return;
             }
             assert!(Instant::now() < deadline, "BGREWRITEAOF did not finish within 30 s:\n{info}");
