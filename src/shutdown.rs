@@ -35,8 +35,8 @@ impl Shutdown {
     }
 }
 
-/// SIGTERM and SIGINT listeners, registered when made: a signal that arrives between [`Signals::new`] and the await
-/// of [`Signals::first`] is kept for it. (A listener made after a signal never sees it, and once a handler was
+/// SIGTERM and SIGINT listeners, registered when made (on Unix; elsewhere Ctrl-C, listened for once awaited): a
+/// signal that arrives between [`Signals::new`] and the await of [`Signals::first`] is kept for it. (A listener made after a signal never sees it, and once a handler was
 /// installed the signal no longer ends the process by itself: a signal between two listeners would be lost.)
 pub struct Signals {
     #[cfg(unix)]
@@ -65,17 +65,18 @@ impl Signals {
 
     /// Resolves on the first SIGTERM or SIGINT since [`Signals::new`]. A second signal exits the process at once with
     /// status 130: still safe, since nothing is acknowledged to a broker that is not durable in the store.
-    pub async fn first(self) {
+    pub async fn first(mut self) {
         self.received().await;
-        tokio::spawn(async {
-            Signals::new().received().await;
+        // The same listeners wait for the second: one made only now would miss a signal that came in between.
+        tokio::spawn(async move {
+            self.received().await;
             eprintln!("second signal: exiting now");
             std::process::exit(130);
         });
     }
 
     #[cfg(unix)]
-    async fn received(mut self) {
+    async fn received(&mut self) {
         tokio::select! {
             _ = self.term.recv() => tracing::info!("SIGTERM received: finishing the batch in flight, then stopping"),
             _ = self.int.recv() => tracing::info!("SIGINT received: finishing the batch in flight, then stopping"),
@@ -83,7 +84,7 @@ impl Signals {
     }
 
     #[cfg(not(unix))]
-    async fn received(self) {
+    async fn received(&mut self) {
         let _ = tokio::signal::ctrl_c().await;
     }
 }
@@ -96,7 +97,7 @@ mod tests {
     /// `--keep-running` lost one sent as it printed its addresses, when it made its listener only then).
     #[tokio::test]
     async fn a_signal_before_the_await_is_kept() {
-        let signals = super::Signals::new();
+        let mut signals = super::Signals::new();
         let sent = std::process::Command::new("kill").args(["-TERM", &std::process::id().to_string()]).status().unwrap();
         assert!(sent.success());
         tokio::time::sleep(Duration::from_millis(200)).await;

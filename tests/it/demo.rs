@@ -43,9 +43,9 @@ fn demo_keep_running_prints_the_broker_and_database_addresses() {
         cmd.env("DATABASE_URL", postgres::server_url());
     }
     let mut child = cmd.stdout(std::process::Stdio::null()).stderr(std::process::Stdio::piped()).spawn().unwrap();
-    let stderr = std::io::BufReader::new(child.stderr.take().unwrap());
+    let mut lines = std::io::BufReader::new(child.stderr.take().unwrap()).lines();
     let mut seen = Vec::new();
-    for line in stderr.lines() {
+    for line in lines.by_ref() {
         let line = line.unwrap();
         let done = line.trim_start().starts_with("PostgreSQL:");
         seen.push(line);
@@ -53,6 +53,8 @@ fn demo_keep_running_prints_the_broker_and_database_addresses() {
             break;
         }
     }
+    // The rest of its output read on, so that nothing it prints while it stops meets a closed pipe.
+    std::thread::spawn(move || lines.for_each(drop));
     // Sent right after the addresses print: the demo listens before it prints them, so this signal is not lost.
     std::process::Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap();
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
