@@ -35,9 +35,10 @@ impl Shutdown {
     }
 }
 
-/// SIGTERM and SIGINT listeners, registered when made (on Unix; elsewhere Ctrl-C, listened for once awaited): a
-/// signal that arrives between [`Signals::new`] and the await of [`Signals::first`] is kept for it. (A listener made after a signal never sees it, and once a handler was
-/// installed the signal no longer ends the process by itself: a signal between two listeners would be lost.)
+/// SIGTERM and SIGINT listeners, registered when made (on Unix; elsewhere Ctrl-C, listened for once awaited): a signal
+/// that arrives between [`Signals::new`] and the await of [`Signals::first`] is kept for it. (A listener made after a
+/// signal never sees it, and once a handler was installed the signal no longer ends the process by itself: a signal
+/// between two listeners would be lost.)
 pub struct Signals {
     #[cfg(unix)]
     term: tokio::signal::unix::Signal,

@@ -56,18 +56,8 @@ fn demo_keep_running_prints_the_broker_and_database_addresses() {
     // The rest of its output read on, so that nothing it prints while it stops meets a closed pipe.
     std::thread::spawn(move || lines.for_each(drop));
     // Sent right after the addresses print: the demo listens before it prints them, so this signal is not lost.
-    std::process::Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap();
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if std::time::Instant::now() > deadline {
-            let _ = child.kill();
-            panic!("the demo did not stop within 60 s of SIGTERM: {seen:?}");
-        }
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    };
+    let status = sigterm_child(&mut child, std::time::Duration::from_secs(60))
+        .unwrap_or_else(|| panic!("the demo did not stop within 60 s of SIGTERM: {seen:?}"));
     assert!(status.success(), "{seen:?}");
     let text = seen.join("\n");
     let kafka = seen.iter().find(|l| l.contains("Kafka (embedded broker): 127.0.0.1:")).unwrap_or_else(|| panic!("{text}"));

@@ -109,11 +109,18 @@ async fn wait_all_durable(server: &RedisServer, kafka: &Kafka, partitions: i32, 
 
 /// The payments stream on a 3-partition topic, the example pipeline, and its settings.
 fn fixture(server: &RedisServer, distinct: usize, props: &str) -> (Kafka, Setup, Payments) {
+    fixture_in_batches(server, distinct, props, 2000)
+}
+
+/// [`fixture`] with the example's batches of `max_records` instead of its 2,000: smaller batches make the stream
+/// last, so that a crash lands in the middle of it.
+fn fixture_in_batches(server: &RedisServer, distinct: usize, props: &str, max_records: usize) -> (Kafka, Setup, Payments) {
     let kafka = Kafka::new();
     kafka.create_topic("payments", 3);
     let s = payments(distinct, 3, false);
     kafka.produce("payments", &s.records);
-    let setup = Setup::redis(server, &kafka, &[("payments.toml", &example())], props, "");
+    let pipeline = example().replace("max_records = 2000", &format!("max_records = {max_records}"));
+    let setup = Setup::redis(server, &kafka, &[("payments.toml", &pipeline)], props, "");
     (kafka, setup, s)
 }
 
@@ -167,9 +174,7 @@ async fn core_duplicates_exactly_once_on_redis() {
 async fn crash_loop_sigkill_on_redis() {
     let server = RedisServer::start();
     let props = "\"session.timeout.ms\" = \"1500\"\n\"heartbeat.interval.ms\" = \"200\"";
-    let (kafka, _, s) = fixture(&server, 30_000, props);
-    let small = example().replace("max_records = 2000", "max_records = 100");
-    let setup = Setup::redis(&server, &kafka, &[("payments.toml", &small)], props, "");
+    let (kafka, setup, s) = fixture_in_batches(&server, 30_000, props, 100);
     let kills = kill_repeatedly(&setup, &kafka, 3, 12, 20, 150).await;
     assert!(kills >= 10, "only {kills} kills before the stream ended");
     let w = BinWorker::start(&setup);
@@ -187,10 +192,7 @@ async fn crash_loop_sigkill_on_redis() {
 #[tokio::test(flavor = "multi_thread")]
 async fn redis_killed_and_restarted_from_its_aof_mid_stream() {
     let mut server = RedisServer::start();
-    let (kafka, _, s) = fixture(&server, 30_000, "");
-    // Small batches, so the stream lasts a few seconds and the crash lands in the middle.
-    let small = example().replace("max_records = 2000", "max_records = 20");
-    let setup = Setup::redis(&server, &kafka, &[("payments.toml", &small)], "", "");
+    let (kafka, setup, s) = fixture_in_batches(&server, 30_000, "", 20);
     let w = BinWorker::start(&setup);
     let received = || metric(&w.scrape(), "idemflow_records_received_total", &[("pipeline", "payments")]);
     wait_until(Duration::from_secs(60), "every partition's position stored", || async {
@@ -224,9 +226,7 @@ async fn redis_killed_and_restarted_from_its_aof_mid_stream() {
 #[tokio::test(flavor = "multi_thread")]
 async fn redis_restarted_empty_stops_the_pipeline_until_a_rewind() {
     let mut server = RedisServer::start();
-    let (kafka, _, s) = fixture(&server, 20_000, "");
-    let small = example().replace("max_records = 2000", "max_records = 20");
-    let setup = Setup::redis(&server, &kafka, &[("payments.toml", &small)], "", "");
+    let (kafka, setup, s) = fixture_in_batches(&server, 20_000, "", 20);
     let mut w = BinWorker::start(&setup);
     let received = || metric(&w.scrape(), "idemflow_records_received_total", &[("pipeline", "payments")]);
     wait_until(Duration::from_secs(60), "the worker applying", || async { received() > 3_000.0 }).await;

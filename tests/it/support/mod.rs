@@ -216,32 +216,16 @@ impl BinWorker {
     /// Sends SIGTERM and waits (at most 30 s) for the exit status.
     pub fn sigterm(&mut self) -> ExitStatus {
         let mut child = self.child.take().expect("running");
-        Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap();
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            if let Some(status) = child.try_wait().unwrap() {
-                return status;
-            }
-            if Instant::now() > deadline {
-                let _ = child.kill();
-                panic!("the worker did not exit within 30 s of SIGTERM; log:\n{}", self.log_text());
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        sigterm_child(&mut child, Duration::from_secs(30))
+            .unwrap_or_else(|| panic!("the worker did not exit within 30 s of SIGTERM; log:\n{}", self.log_text()))
     }
 
     /// Waits (at most `timeout`) for the worker to exit by itself and returns its status; the log if it does not.
     pub fn wait_exit(&mut self, timeout: Duration) -> ExitStatus {
-        let child = self.child.as_mut().expect("running");
-        let deadline = Instant::now() + timeout;
-        loop {
-            if let Some(status) = child.try_wait().unwrap() {
-                self.child = None;
-                return status;
-            }
-            assert!(Instant::now() < deadline, "the worker did not exit within {timeout:?}; log:\n{}", self.log_text());
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        let status = wait_child(self.child.as_mut().expect("running"), timeout);
+        let status = status.unwrap_or_else(|| panic!("the worker did not exit within {timeout:?}; log:\n{}", self.log_text()));
+        self.child = None;
+        status
     }
 
     /// [`BinWorker::start`] with a limit on the worker's open file descriptors (`RLIMIT_NOFILE`).
@@ -340,6 +324,32 @@ pub fn metric(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
         }
     }
     0.0
+}
+
+/// Waits (at most `timeout`) for `child` to exit; its status, or `None` if it still runs.
+pub fn wait_child(child: &mut Child, timeout: Duration) -> Option<ExitStatus> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return Some(status);
+        }
+        if Instant::now() > deadline {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Sends SIGTERM to `child` and waits (at most `timeout`) for its exit status; `None`, with the child SIGKILLed, if it
+/// did not exit in time.
+pub fn sigterm_child(child: &mut Child, timeout: Duration) -> Option<ExitStatus> {
+    Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap();
+    let status = wait_child(child, timeout);
+    if status.is_none() {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    status
 }
 
 /// Polls `check` every 100 ms until it returns true; panics with `what` after `timeout`.
