@@ -552,7 +552,7 @@ async fn copy_ceiling(url: &str, s: &Stream, total: usize) -> anyhow::Result<Run
         let fingerprint: [u8; 32] = Sha256::digest(payload).into();
         dedup.push_str(&format!(
             "{PIPELINE}\t\\\\x{}\t{id}\t{TOPIC}\t{partition}\t{i}\t\\\\x{}\n",
-            hex(&key.digest),
+            hex(&key.key_id()),
             hex(&fingerprint)
         ));
         orders.push_str(&format!(
@@ -563,7 +563,7 @@ async fn copy_ceiling(url: &str, s: &Stream, total: usize) -> anyhow::Result<Run
             doc["created_at"].as_str().unwrap_or_default()
         ));
     }
-    let copy_dedup = r#"COPY idemflow.dedup (pipeline, key_digest, business_key, topic, partition, "offset", fingerprint) FROM STDIN"#;
+    let copy_dedup = r#"COPY idemflow.dedup (pipeline, key_id, business_key, topic, partition, "offset", fingerprint) FROM STDIN"#;
     let secs = copy_with_orders(url, copy_dedup, &dedup, &orders).await?;
     Ok(RunResult {
         id: "(3)".into(),
@@ -931,8 +931,8 @@ async fn preload(url: &str, keys: u64) -> anyhow::Result<f64> {
     let mut conn = PgConnection::connect(url).await?;
     eprintln!("(4) preloading {keys} dedup keys...");
     sqlx::query(
-        r#"INSERT INTO idemflow.dedup (pipeline, key_digest, business_key, topic, partition, "offset", fingerprint)
-           SELECT $1, sha256(convert_to('PRE-' || g, 'UTF8')), 'PRE-' || g, 'preload', 0, g, sha256(convert_to(g::text, 'UTF8'))
+        r#"INSERT INTO idemflow.dedup (pipeline, key_id, business_key, topic, partition, "offset", fingerprint)
+           SELECT $1, convert_to('PRE-' || g, 'UTF8'), 'PRE-' || g, 'preload', 0, g, sha256(convert_to(g::text, 'UTF8'))
            FROM generate_series(1, $2::int8) g"#,
     )
     .bind(PIPELINE)

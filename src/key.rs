@@ -13,13 +13,27 @@
 //! - The Kafka record key and a header value must be UTF-8.
 //! - U+0000 is rejected everywhere (`key_invalid`), as it is for bound values: Postgres text cannot store it.
 //!
-//! The dedup store's unique index holds the SHA-256 digest of the canonical text (32 bytes), so keys of any length
-//! fit the btree entry limit; comparison is exact, byte for byte, with no Unicode normalisation.
+//! # Identity in the dedup stores
+//!
+//! Comparison is exact, byte for byte, with no Unicode normalisation. Two forms of the canonical text serve as the
+//! key's identity, each where it is cheaper:
+//!
+//! - The SHA-256 digest (32 bytes, [`BusinessKey::digest`]): the worker's own sets and maps, and Redis's dedup keys
+//!   (a hash table has no order to keep).
+//! - The key id ([`BusinessKey::key_id`]): the primary key of the SQL dedup stores (PostgreSQL, MySQL/MariaDB).
+//!   A key of at most [`KEY_ID_MAX_BYTES`] bytes is its own id, so the B-tree keeps the keys' order: business keys
+//!   that grow (order numbers, time-ordered ids) land on the same few leaf pages batch after batch, where a digest
+//!   would scatter each batch's inserts over the whole index (a random leaf, and after a checkpoint a full page
+//!   image in the WAL, per key). A longer key is its first [`KEY_ID_PREFIX_BYTES`] bytes, a zero byte and its
+//!   SHA-256: at most 64 bytes, so keys of any length fit a B-tree entry, and still ordered by their start. The zero
+//!   byte keeps the two forms apart (no key contains U+0000, see above), and two long keys with the same id have the
+//!   same start and the same digest.
 
 use crate::field::FieldPath;
 use crate::record::Record;
 use serde_json::Value;
 use sha2::{Digest, Sha256};
+use std::borrow::Cow;
 
 /// Where a pipeline takes its business key from.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -56,11 +70,33 @@ pub struct BusinessKey {
     pub digest: [u8; 32],
 }
 
+/// The longest key, in bytes of canonical text, that is its own [`BusinessKey::key_id`]; also the longest key id.
+pub const KEY_ID_MAX_BYTES: usize = 64;
+
+/// How many bytes of a longer key's text start its key id (then a zero byte and the 32-byte digest: 64 in all).
+pub const KEY_ID_PREFIX_BYTES: usize = KEY_ID_MAX_BYTES - 1 - 32;
+
 impl BusinessKey {
     /// A key from its canonical text.
     pub fn new(text: String) -> Self {
         let digest = Sha256::digest(text.as_bytes()).into();
         BusinessKey { text, digest }
+    }
+
+    /// The key's id in the SQL dedup stores (column `key_id`, see the module documentation): the text's bytes when
+    /// there are at most [`KEY_ID_MAX_BYTES`] of them (borrowed), otherwise the first [`KEY_ID_PREFIX_BYTES`], a
+    /// zero byte and the digest. The migrations that moved stored rows to it compute the same in SQL
+    /// (`migrations/postgres/0007_ordered_key_ids.sql`, `migrations/mysql/0002_ordered_key_ids.sql`).
+    pub fn key_id(&self) -> Cow<'_, [u8]> {
+        let text = self.text.as_bytes();
+        if text.len() <= KEY_ID_MAX_BYTES {
+            return Cow::Borrowed(text);
+        }
+        let mut id = Vec::with_capacity(KEY_ID_MAX_BYTES);
+        id.extend_from_slice(&text[..KEY_ID_PREFIX_BYTES]);
+        id.push(0);
+        id.extend_from_slice(&self.digest);
+        Cow::Owned(id)
     }
 }
 
@@ -220,6 +256,25 @@ mod tests {
         let mut no_key = record();
         no_key.key = None;
         assert!(matches!(spec(KeySource::RecordKey).extract(&no_key, &doc), Err(KeyError::Missing { .. })));
+    }
+
+    #[test]
+    fn short_keys_are_their_own_ids_and_long_ones_a_prefix_and_digest() {
+        let short = BusinessKey::new("o-1".into());
+        assert_eq!(&*short.key_id(), b"o-1");
+        let at_limit = BusinessKey::new("é".repeat(32));
+        assert_eq!(at_limit.key_id().len(), 64);
+        assert_eq!(&*at_limit.key_id(), at_limit.text.as_bytes());
+        let long = BusinessKey::new(format!("{}x", "é".repeat(32)));
+        let id = long.key_id();
+        assert_eq!(id.len(), 64);
+        assert_eq!(&id[..31], &long.text.as_bytes()[..31], "the start of the text, cut at a byte, not a character");
+        assert_eq!(id[31], 0);
+        assert_eq!(&id[32..], &long.digest[..]);
+        let other = BusinessKey::new(format!("{}y", "é".repeat(32)));
+        assert_ne!(other.key_id(), id, "same start, another digest");
+        assert!(short.key_id() < BusinessKey::new("o-2".into()).key_id(), "ids keep the keys' order");
+        assert_eq!(&*BusinessKey::new(String::new()).key_id(), b"");
     }
 
     #[test]

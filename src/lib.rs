@@ -79,7 +79,7 @@
 //!
 //! For every batch, one database transaction inserts one dedup row per business key (on PostgreSQL
 //! `INSERT ... ON CONFLICT DO NOTHING RETURNING`, on MySQL/MariaDB `INSERT IGNORE ... RETURNING` or its token form,
-//! always on the primary key `(pipeline, key_digest)`), runs the side effect only for the keys that insert
+//! always on the primary key `(pipeline, key_id)`, [`key::BusinessKey::key_id`]), runs the side effect only for the keys that insert
 //! returned, writes the dead letters, and commits. The argument below is PostgreSQL's wording; InnoDB gives the same
 //! guarantees (a rolled-back transaction, an insert waiting for another's uncommitted duplicate key). Only after the commit are
 //! the Kafka offsets committed, and an offset is only ever committed for records whose outcome is durable.
@@ -98,6 +98,14 @@
 //!   durable; the dedup rows skip them.
 //! - Two workers with the same key at once: the unique constraint makes the second `INSERT` wait for the first
 //!   transaction; if it commits, the second claims nothing; if it rolls back, the second claims the key.
+//! - Two workers that compute a key's identity differently would each claim it once: the unique index only sees
+//!   bytes. So a change of identity (migration 0007 on PostgreSQL, 0002 on MySQL/MariaDB: from a SHA-256 digest to
+//!   the ordered `key_id`) moves every stored row to the new identity and renames the column in the same step: a
+//!   worker of the previous version, still running in a rolling upgrade, fails every batch from then on (its claim
+//!   names `key_digest`) and applies nothing; its batch under way when the migration starts is waited for and
+//!   moved with the rest (PostgreSQL's DDL is transactional; on MySQL the rename is the first statement, and this
+//!   version's workers refuse a schema whose migration is not recorded as complete). Tested with the previous
+//!   version's claim held open across the migration (`tests/it/upgrade.rs`).
 //!
 //! - RabbitMQ: a batch is acknowledged (`basic.ack`, `multiple`) only after its COMMIT; a crash or a lost channel
 //!   before that makes the broker requeue it, and the dedup rows skip what was applied (see [`source::rabbitmq`]).

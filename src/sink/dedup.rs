@@ -1,6 +1,6 @@
 //! Claiming business keys and classifying duplicates: what every store's dedup rows mean.
 //!
-//! The claim is insert-then-check on a unique index over `(pipeline, key_digest)`, never check-then-insert: each
+//! The claim is insert-then-check on a unique index over `(pipeline, key_id)`, never check-then-insert: each
 //! store inserts the batch's keys in one statement and learns which rows were new (see
 //! [`crate::store::postgres::dedup`] and [`crate::store::mysql::dedup`]). The side effect runs for those only.
 //! When another transaction holds an uncommitted row for the same key, the database makes the insert wait for it,

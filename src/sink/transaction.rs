@@ -27,6 +27,7 @@ use super::error::{describe, Disposition, SinkError};
 use crate::metrics::{BatchCounts, DeadLetterReason};
 use crate::offsets::{NextOffsets, Positions, Processed};
 use crate::prepare::{Apply, Prepared};
+use crate::key::BusinessKey;
 use crate::record::Record;
 use super::{BatchOutcome, Fate, Sink};
 use crate::store::{SqlSideEffect, Tx};
@@ -98,13 +99,13 @@ impl Sink {
         // since was autocommitted, so nothing after this point may be written, and the batch must not be taken for
         // applied.
         let mut tx = still_open(tx).await?;
-        let mut per_key: DigestMap<i64> = DigestMap::default();
+        let mut per_key: DigestMap<(&BusinessKey, i64)> = DigestMap::default();
         for (p, fate) in prepared.iter().zip(&fates) {
             if let (Prepared::Apply(a), Fate::Duplicate(_)) = (p, fate) {
-                *per_key.entry(a.key.digest).or_default() += 1;
+                per_key.entry(a.key.digest).or_insert((&a.key, 0)).1 += 1;
             }
         }
-        let per_key: Vec<([u8; 32], i64)> = per_key.into_iter().collect();
+        let per_key: Vec<(&BusinessKey, i64)> = per_key.into_values().collect();
         tx.count_duplicates(&self.pipeline, &per_key)
             .await
             .map_err(|e| SinkError::new("counting duplicates", e))?;
@@ -171,15 +172,16 @@ impl Sink {
                 });
             }
         }
-        // Claim in digest order: two workers claiming overlapping keys (the same operation on two partitions) then
-        // take the unique index's locks in the same order and wait for each other instead of deadlocking.
-        claims.sort_unstable_by_key(|c| c.key.digest);
+        // Claim in key id order, the unique index's: two workers claiming overlapping keys (the same operation on two
+        // partitions) then take its locks in the same order and wait for each other instead of deadlocking, and the
+        // inserts walk the index's leaves in order.
+        claims.sort_by_cached_key(|c| c.key.key_id());
         let new = if claims.is_empty() {
             Digests::default()
         } else {
             tx.claim(&self.pipeline, &claims).await.map_err(|e| SinkError::new("claiming business keys", e))?
         };
-        let old: Vec<&[u8]> = claims.iter().map(|c| &c.key.digest[..]).filter(|d| !new.contains(*d)).collect();
+        let old: Vec<&BusinessKey> = claims.iter().map(|c| c.key).filter(|k| !new.contains(&k.digest)).collect();
         let stored: DigestMap<Existing> = if old.is_empty() {
             DigestMap::default()
         } else {
@@ -259,7 +261,7 @@ impl Sink {
                 },
             };
             if !new {
-                let stored = tx.existing(&self.pipeline, &[&a.key.digest[..]])
+                let stored = tx.existing(&self.pipeline, &[&a.key])
                     .await
                     .map_err(|e| SinkError::new("reading a dedup row", e))?;
                 let against = stored.into_iter().next().map_or_else(|| occurrence(record, p), |(_, e)| e);

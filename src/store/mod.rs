@@ -491,7 +491,7 @@ impl Tx<'_> {
         }
     }
 
-    /// Claims distinct keys in one statement, insert-then-check. Returns the digests that were new.
+    /// Claims distinct keys in one statement, insert-then-check. Returns the digests of the keys that were new.
     pub async fn claim(&mut self, pipeline: &str, claims: &[Claim<'_>]) -> Result<crate::store::rows::Digests, sqlx::Error> {
         match self {
             Tx::Postgres(tx, _) => postgres::dedup::claim(tx, pipeline, claims).await,
@@ -500,17 +500,17 @@ impl Tx<'_> {
         }
     }
 
-    /// Reads the dedup rows of keys that the claim did not return.
-    pub async fn existing(&mut self, pipeline: &str, digests: &[&[u8]]) -> Result<Vec<([u8; 32], Existing)>, sqlx::Error> {
+    /// Reads the dedup rows of keys that the claim did not return, by their keys' digests.
+    pub async fn existing(&mut self, pipeline: &str, keys: &[&BusinessKey]) -> Result<Vec<([u8; 32], Existing)>, sqlx::Error> {
         match self {
-            Tx::Postgres(tx, _) => postgres::dedup::existing(tx, pipeline, digests).await,
+            Tx::Postgres(tx, _) => postgres::dedup::existing(tx, pipeline, keys).await,
             #[cfg(feature = "mysql")]
-            Tx::MySql(tx, _, _) => mysql::dedup::existing(tx, pipeline, digests).await,
+            Tx::MySql(tx, _, _) => mysql::dedup::existing(tx, pipeline, keys).await,
         }
     }
 
-    /// Adds skipped duplicates to their keys' dedup rows, in digest order (two workers cannot deadlock on them).
-    pub async fn count_duplicates(&mut self, pipeline: &str, counts: &[([u8; 32], i64)]) -> Result<(), sqlx::Error> {
+    /// Adds skipped duplicates to their keys' dedup rows, in key id order (two workers cannot deadlock on them).
+    pub async fn count_duplicates(&mut self, pipeline: &str, counts: &[(&BusinessKey, i64)]) -> Result<(), sqlx::Error> {
         match self {
             Tx::Postgres(tx, _) => postgres::dedup::count_duplicates(tx, pipeline, counts).await,
             #[cfg(feature = "mysql")]

@@ -11,6 +11,32 @@ pub type Digests = std::collections::HashSet<[u8; 32], foldhash::fast::RandomSta
 /// A map keyed by key digests, hashed as [`Digests`].
 pub type DigestMap<V> = std::collections::HashMap<[u8; 32], V, foldhash::fast::RandomState>;
 
+/// The key ids of keys ([`BusinessKey::key_id`], the SQL dedup stores' primary key), in their order, and the way
+/// back from an id a statement returned to the key's digest (the batch protocol's sets and maps are keyed by
+/// digests; a store that returns ids answers in digests).
+pub struct KeyIds<'k> {
+    ids: Vec<std::borrow::Cow<'k, [u8]>>,
+    digests: Vec<[u8; 32]>,
+}
+
+impl<'k> KeyIds<'k> {
+    /// The ids of `keys`.
+    pub fn new(keys: impl IntoIterator<Item = &'k BusinessKey>) -> Self {
+        let (ids, digests) = keys.into_iter().map(|k| (k.key_id(), k.digest)).unzip();
+        KeyIds { ids, digests }
+    }
+
+    /// The ids, in the keys' order, for binding.
+    pub fn ids(&self) -> Vec<&[u8]> {
+        self.ids.iter().map(|id| &id[..]).collect()
+    }
+
+    /// From id to digest, for the ids a statement returns. An id that is not one of these keys' is not in it.
+    pub fn digests(&self) -> std::collections::HashMap<&[u8], [u8; 32], foldhash::fast::RandomState> {
+        self.ids.iter().map(|id| &id[..]).zip(self.digests.iter().copied()).collect()
+    }
+}
+
 /// A key claim for one record.
 pub struct Claim<'a> {
     /// The key.

@@ -259,12 +259,12 @@ async fn check_refuses_a_dedup_store_without_its_unique_index() {
     sqlx::raw_sql("ALTER TABLE idemflow.dedup DROP CONSTRAINT dedup_pkey").execute(&db.pool).await.unwrap();
     let (status, out, err) = idemflow(&["check", "--config", &config], setup.dir.path());
     assert!(!status.success(), "{out}{err}");
-    assert!(err.contains("no valid unique index on (pipeline, key_digest)") && err.contains("ADD PRIMARY KEY"), "{err}");
+    assert!(err.contains("no valid unique index on (pipeline, key_id)") && err.contains("ADD PRIMARY KEY"), "{err}");
     // A unique index on other columns does not count.
     sqlx::raw_sql("CREATE UNIQUE INDEX ON idemflow.dedup (pipeline, business_key)").execute(&db.pool).await.unwrap();
     let (status, _, err) = idemflow(&["check", "--config", &config], setup.dir.path());
     assert!(!status.success() && err.contains("no valid unique index"), "{err}");
-    sqlx::raw_sql("ALTER TABLE idemflow.dedup ADD PRIMARY KEY (pipeline, key_digest)").execute(&db.pool).await.unwrap();
+    sqlx::raw_sql("ALTER TABLE idemflow.dedup ADD PRIMARY KEY (pipeline, key_id)").execute(&db.pool).await.unwrap();
     let (status, out, err) = idemflow(&["check", "--config", &config], setup.dir.path());
     assert!(status.success(), "{out}{err}");
 }

@@ -30,4 +30,5 @@ mod retention;
 mod scaleout;
 mod security;
 mod semantics;
+mod upgrade;
 mod visibility;

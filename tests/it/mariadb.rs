@@ -26,7 +26,7 @@ pub(crate) async fn payments_db(server: Option<&str>) -> MyDb {
 
 /// The shipped MariaDB example's side effect, prepared by `store` (whose database has the example's tables, as
 /// [`payments_db`] makes it): batch transactions are opened through a side effect.
-async fn example_side_effect(store: &idemflow::store::Store) -> idemflow::store::SqlSideEffect {
+pub(crate) async fn example_side_effect(store: &idemflow::store::Store) -> idemflow::store::SqlSideEffect {
     let text = std::fs::read_to_string(project_root().join("examples/mysql/payments.toml")).unwrap();
     let path = std::path::Path::new("payments.toml");
     let p = idemflow::config::pipeline::load_text_in(&text, path, idemflow::config::Dialect::MySql).unwrap();
@@ -354,7 +354,7 @@ async fn migrate_explain_dead_letters_replay_and_purge_on_mariadb() {
     let (status, _, err) = run(&["check"]);
     assert!(!status.success() && err.contains("idemflow migrate"), "{err}");
     let (status, out, err) = run(&["migrate"]);
-    assert!(status.success() && out.contains("version 1"), "{out}{err}");
+    assert!(status.success() && out.contains("version 2"), "{out}{err}");
     let (status, out, err) = run(&["check"]);
     assert!(status.success(), "{out}{err}");
     kafka.produce("orders", &[Out::json(0, r#"{"id":"o-1","amount":"12.50"}"#), Out::json(0, r#"{"id":"o-2","amount":"abc"}"#)]);
@@ -820,11 +820,11 @@ async fn declared_decimals_are_exact_and_unsafe_statements_are_refused() {
 async fn purge_deletes_in_bounded_batches_one_purger_at_a_time() {
     let db = MyDb::new("").await;
     let rows: Vec<String> = (0..7)
-        .map(|i| format!("('p', UNHEX(SHA2('k{i}', 256)), 'k{i}', 't', 0, {i}, UNHEX(SHA2('{i}', 256)), NOW(6) - INTERVAL 8 DAY)"))
+        .map(|i| format!("('p', 'k{i}', 'k{i}', 't', 0, {i}, UNHEX(SHA2('{i}', 256)), NOW(6) - INTERVAL 8 DAY)"))
         .collect();
     db.exec(&format!(
-        "INSERT INTO idemflow_dedup (pipeline, key_digest, business_key, topic, `partition`, `offset`, fingerprint, applied_at) VALUES {}, \
-         ('p', UNHEX(SHA2('fresh', 256)), 'fresh', 't', 0, 9, UNHEX(SHA2('9', 256)), NOW(6))",
+        "INSERT INTO idemflow_dedup (pipeline, key_id, business_key, topic, `partition`, `offset`, fingerprint, applied_at) VALUES {}, \
+         ('p', 'fresh', 'fresh', 't', 0, 9, UNHEX(SHA2('9', 256)), NOW(6))",
         rows.join(", ")
     ))
     .await;

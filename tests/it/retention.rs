@@ -5,8 +5,8 @@ use std::time::Duration;
 
 async fn insert_rows(db: &TestDb, pipeline: &str, n: i32, age: &str) {
     sqlx::query(
-        "INSERT INTO idemflow.dedup (pipeline, key_digest, business_key, topic, partition, \"offset\", fingerprint, applied_at) \
-         SELECT $1, sha256(($1 || $3 || g)::bytea), $3 || g, 't', 0, g, '\\x00', now() - $2::interval FROM generate_series(1, $4) g",
+        "INSERT INTO idemflow.dedup (pipeline, key_id, business_key, topic, partition, \"offset\", fingerprint, applied_at) \
+         SELECT $1, convert_to($3 || g, 'UTF8'), $3 || g, 't', 0, g, '\\x00', now() - $2::interval FROM generate_series(1, $4) g",
     )
     .bind(pipeline)
     .bind(age)

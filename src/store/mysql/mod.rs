@@ -43,7 +43,7 @@ pub const SESSION: &str = "SET SESSION sql_mode = 'STRICT_ALL_TABLES,NO_ZERO_IN_
 /// How the claim learns which keys were new (see [`dedup`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ClaimForm {
-    /// MariaDB 10.5 and later: `INSERT IGNORE ... RETURNING key_digest` returns only the rows it inserted.
+    /// MariaDB 10.5 and later: `INSERT IGNORE ... RETURNING key_id` returns only the rows it inserted.
     Returning,
     /// MySQL (no `RETURNING`): the rows are inserted with a token unique to the claim, then the rows carrying it
     /// are read back.
@@ -212,7 +212,7 @@ pub async fn check_binlog(pool: &MySqlPool) -> Result<(), String> {
 }
 
 /// Whether idemflow's tables are migrated to the latest version this binary knows, and `idemflow_dedup` still has
-/// its primary key `(pipeline, key_digest)`, which the claim depends on (and the binary log's format suits it,
+/// its primary key `(pipeline, key_id)`, which the claim depends on (and the binary log's format suits it,
 /// [`check_binlog`]).
 ///
 /// Errors: what is missing and what to run.
@@ -243,11 +243,11 @@ pub async fn check_schema(pool: &MySqlPool) -> Result<(), String> {
     .fetch_all(pool)
     .await
     .map_err(|e| format!("cannot read the dedup store's indexes: {e}"))?;
-    if key == ["pipeline", "key_digest"] {
+    if key == ["pipeline", "key_id"] {
         Ok(())
     } else {
-        Err("idemflow_dedup has no primary key on (pipeline, key_digest), which the claim needs to apply each key \
-             once: restore it (ALTER TABLE idemflow_dedup ADD PRIMARY KEY (pipeline, key_digest))"
+        Err("idemflow_dedup has no primary key on (pipeline, key_id), which the claim needs to apply each key \
+             once: restore it (ALTER TABLE idemflow_dedup ADD PRIMARY KEY (pipeline, key_id))"
             .to_owned())
     }
 }

@@ -1,37 +1,38 @@
 //! The Postgres dedup store: the claim is one multi-row `INSERT ... ON CONFLICT DO NOTHING RETURNING` over the
-//! primary key `(pipeline, key_digest)`; the rows it returns are the keys that were new. A key already present is
+//! primary key `(pipeline, key_id)` ([`crate::key::BusinessKey::key_id`]); the rows it returns are the keys that were new. A key already present is
 //! never an error (a unique violation would abort the Postgres transaction). When another transaction holds an
 //! uncommitted row for the same key, Postgres makes this `INSERT` wait for it (PostgreSQL docs, "INSERT ... ON
 //! CONFLICT").
 
 use crate::record::Position;
-use crate::store::rows::{Claim, Existing, Explained};
+use crate::key::BusinessKey;
+use crate::store::rows::{Claim, Existing, Explained, KeyIds};
 use sqlx::PgConnection;
 
 const CLAIM: &str = r#"
-INSERT INTO idemflow.dedup (pipeline, key_digest, business_key, topic, partition, "offset", fingerprint)
-SELECT $1, u.key_digest, u.business_key, u.topic, u.partition, u."offset", u.fingerprint
+INSERT INTO idemflow.dedup (pipeline, key_id, business_key, topic, partition, "offset", fingerprint)
+SELECT $1, u.key_id, u.business_key, u.topic, u.partition, u."offset", u.fingerprint
 FROM unnest($2::bytea[], $3::text[], $4::text[], $5::int4[], $6::int8[], $7::bytea[])
-     AS u(key_digest, business_key, topic, partition, "offset", fingerprint)
-ON CONFLICT (pipeline, key_digest) DO NOTHING
-RETURNING key_digest"#;
+     AS u(key_id, business_key, topic, partition, "offset", fingerprint)
+ON CONFLICT (pipeline, key_id) DO NOTHING
+RETURNING key_id"#;
 
 const EXISTING: &str = r#"
-SELECT key_digest, topic, partition, "offset", fingerprint
+SELECT key_id, topic, partition, "offset", fingerprint
 FROM idemflow.dedup
-WHERE pipeline = $1 AND key_digest = ANY($2::bytea[])"#;
+WHERE pipeline = $1 AND key_id = ANY($2::bytea[])"#;
 
-/// Claims distinct keys in one statement. Returns the digests that were new.
+/// Claims distinct keys in one statement. Returns the digests of the keys that were new.
 pub async fn claim(
     conn: &mut PgConnection,
     pipeline: &str,
     claims: &[Claim<'_>],
 ) -> Result<crate::store::rows::Digests, sqlx::Error> {
     let n = claims.len();
-    let (mut digests, mut keys, mut topics) = (Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n));
+    let ids = KeyIds::new(claims.iter().map(|c| c.key));
+    let (mut keys, mut topics) = (Vec::with_capacity(n), Vec::with_capacity(n));
     let (mut partitions, mut offsets, mut prints) = (Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n));
     for c in claims {
-        digests.push(&c.key.digest[..]);
         keys.push(c.key.text.as_str());
         topics.push(&*c.position.topic);
         partitions.push(c.position.partition);
@@ -40,7 +41,7 @@ pub async fn claim(
     }
     let rows: Vec<Vec<u8>> = sqlx::query_scalar(CLAIM)
         .bind(pipeline)
-        .bind(&digests)
+        .bind(ids.ids())
         .bind(&keys)
         .bind(&topics)
         .bind(&partitions)
@@ -49,22 +50,25 @@ pub async fn claim(
         .persistent(super::persistent())
         .fetch_all(&mut *conn)
         .await?;
-    Ok(rows.into_iter().filter_map(|d| d.try_into().ok()).collect())
+    let digests = ids.digests();
+    Ok(rows.iter().filter_map(|id| digests.get(&id[..]).copied()).collect())
 }
 
-/// Reads the dedup rows of keys that the claim did not return.
+/// Reads the dedup rows of keys that the claim did not return, by their keys' digests.
 pub async fn existing(
     conn: &mut PgConnection,
     pipeline: &str,
-    digests: &[&[u8]],
+    keys: &[&BusinessKey],
 ) -> Result<Vec<([u8; 32], Existing)>, sqlx::Error> {
     type Row = (Vec<u8>, String, i32, i64, Vec<u8>);
+    let ids = KeyIds::new(keys.iter().copied());
     let rows: Vec<Row> =
-        sqlx::query_as(EXISTING).bind(pipeline).bind(digests).persistent(super::persistent()).fetch_all(&mut *conn).await?;
+        sqlx::query_as(EXISTING).bind(pipeline).bind(ids.ids()).persistent(super::persistent()).fetch_all(&mut *conn).await?;
+    let digests = ids.digests();
     Ok(rows
         .into_iter()
-        .filter_map(|(digest, topic, partition, offset, fingerprint)| {
-            let digest: [u8; 32] = digest.try_into().ok()?;
+        .filter_map(|(id, topic, partition, offset, fingerprint)| {
+            let digest = *digests.get(&id[..])?;
             Some((digest, Existing { position: Position { topic: topic.into(), partition, offset }, fingerprint }))
         })
         .collect())
@@ -73,37 +77,37 @@ pub async fn existing(
 const COUNT_DUPLICATES: &str = r#"
 UPDATE idemflow.dedup AS d
 SET duplicates = d.duplicates + u.n, last_duplicate_at = now()
-FROM unnest($2::bytea[], $3::int8[]) AS u(key_digest, n)
-WHERE d.pipeline = $1 AND d.key_digest = u.key_digest"#;
+FROM unnest($2::bytea[], $3::int8[]) AS u(key_id, n)
+WHERE d.pipeline = $1 AND d.key_id = u.key_id"#;
 
 /// Adds skipped duplicates to their keys' dedup rows (`duplicates`, `last_duplicate_at`), one statement for a
 /// batch. Keys whose row is not there (a duplicate of a dead-lettered record) are left alone.
 pub async fn count_duplicates(
     conn: &mut PgConnection,
     pipeline: &str,
-    counts: &[([u8; 32], i64)],
+    counts: &[(&BusinessKey, i64)],
 ) -> Result<(), sqlx::Error> {
     if counts.is_empty() {
         return Ok(());
     }
-    // Rows are updated in digest order, so two workers updating the same keys cannot deadlock.
-    let mut sorted: Vec<&([u8; 32], i64)> = counts.iter().collect();
-    sorted.sort_unstable_by_key(|(d, _)| *d);
-    let digests: Vec<&[u8]> = sorted.iter().map(|(d, _)| &d[..]).collect();
+    // Rows are updated in key id order, so two workers updating the same keys cannot deadlock.
+    let mut sorted: Vec<(std::borrow::Cow<'_, [u8]>, i64)> = counts.iter().map(|(k, n)| (k.key_id(), *n)).collect();
+    sorted.sort_unstable();
+    let ids: Vec<&[u8]> = sorted.iter().map(|(id, _)| &id[..]).collect();
     let ns: Vec<i64> = sorted.iter().map(|(_, n)| *n).collect();
-    sqlx::query(COUNT_DUPLICATES).bind(pipeline).bind(&digests).bind(&ns).persistent(super::persistent()).execute(&mut *conn).await?;
+    sqlx::query(COUNT_DUPLICATES).bind(pipeline).bind(&ids).bind(&ns).persistent(super::persistent()).execute(&mut *conn).await?;
     Ok(())
 }
 
 /// Looks a business key up by its canonical text.
-pub async fn explain(conn: &mut PgConnection, pipeline: &str, key: &crate::key::BusinessKey) -> Result<Option<Explained>, sqlx::Error> {
+pub async fn explain(conn: &mut PgConnection, pipeline: &str, key: &BusinessKey) -> Result<Option<Explained>, sqlx::Error> {
     let row: Option<crate::store::rows::ExplainedRow> = sqlx::query_as(
         r#"SELECT business_key, applied_at::text AS applied_at, topic, partition, "offset", encode(fingerprint, 'hex') AS fingerprint,
                   duplicates, last_duplicate_at::text AS last_duplicate_at
-           FROM idemflow.dedup WHERE pipeline = $1 AND key_digest = $2"#,
+           FROM idemflow.dedup WHERE pipeline = $1 AND key_id = $2"#,
     )
     .bind(pipeline)
-    .bind(&key.digest[..])
+    .bind(&key.key_id()[..])
     .persistent(super::persistent())
     .fetch_optional(&mut *conn)
     .await?;

@@ -129,8 +129,8 @@ pub async fn check_schema(pool: &PgPool) -> Result<(), String> {
     }
 }
 
-/// Whether `idemflow.dedup` still has the unique index the claim depends on: `(pipeline, key_digest)`, valid and
-/// unique (`INSERT ... ON CONFLICT (pipeline, key_digest)` needs it; without it nothing would stop a key from being
+/// Whether `idemflow.dedup` still has the unique index the claim depends on: `(pipeline, key_id)`, valid and
+/// unique (`INSERT ... ON CONFLICT (pipeline, key_id)` needs it; without it nothing would stop a key from being
 /// applied twice, and the first batch would fail with SQLSTATE 42P10).
 ///
 /// Errors: the index is missing or unusable, with what to do; or the catalog cannot be read.
@@ -141,7 +141,7 @@ pub async fn check_dedup_key(pool: &PgPool) -> Result<(), String> {
             "SELECT EXISTS (SELECT FROM pg_index i WHERE i.indrelid = 'idemflow.dedup'::regclass AND i.indisunique \
              AND i.indisvalid AND i.indpred IS NULL AND i.indexprs IS NULL AND i.indnkeyatts = 2 \
              AND (SELECT array_agg(a.attname::text ORDER BY a.attname) FROM pg_attribute a \
-                  WHERE a.attrelid = i.indrelid AND a.attnum = ANY(i.indkey)) = ARRAY['key_digest', 'pipeline'])",
+                  WHERE a.attrelid = i.indrelid AND a.attnum = ANY(i.indkey)) = ARRAY['key_id', 'pipeline'])",
         ),
     )
     .await
@@ -150,8 +150,8 @@ pub async fn check_dedup_key(pool: &PgPool) -> Result<(), String> {
     if usable {
         Ok(())
     } else {
-        Err("idemflow.dedup has no valid unique index on (pipeline, key_digest), which the claim needs to apply each \
-             key once: restore it (ALTER TABLE idemflow.dedup ADD PRIMARY KEY (pipeline, key_digest))"
+        Err("idemflow.dedup has no valid unique index on (pipeline, key_id), which the claim needs to apply each \
+             key once: restore it (ALTER TABLE idemflow.dedup ADD PRIMARY KEY (pipeline, key_id))"
             .to_owned())
     }
 }

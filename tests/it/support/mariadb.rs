@@ -32,6 +32,16 @@ impl MyDb {
 
     /// The same on the server at `url` (for example a [`Server`] of the test's own).
     pub async fn on(url: &str, setup: &str) -> MyDb {
+        Self::migrated(url, setup, None).await
+    }
+
+    /// A database on the shared server with idemflow's tables as an older version left them: migrated up to
+    /// `version` (upgrade tests).
+    pub async fn at_version(version: i64, setup: &str) -> MyDb {
+        Self::migrated(&server_url(), setup, Some(version)).await
+    }
+
+    async fn migrated(url: &str, setup: &str, version: Option<i64>) -> MyDb {
         let name = format!("t_{}", super::unique());
         let base = url.rsplit_once('/').map(|(b, _)| b).unwrap_or(url);
         let admin: sqlx::MySqlPool = sqlx::MySqlPool::connect(&format!("{base}/")).await.expect("connecting to MariaDB");
@@ -46,7 +56,10 @@ impl MyDb {
             batch_timeout: idemflow::config::DEFAULT_BATCH_TIMEOUT,
         };
         let pool = idemflow::store::mysql::pool(&settings).unwrap();
-        idemflow::store::mysql::MIGRATOR.run(&pool).await.unwrap();
+        match version {
+            None => idemflow::store::mysql::MIGRATOR.run(&pool).await.unwrap(),
+            Some(v) => super::migrator_up_to("migrations/mysql", v).await.run(&pool).await.unwrap(),
+        }
         if !setup.is_empty() {
             sqlx::raw_sql(setup).execute(&pool).await.unwrap_or_else(|e| panic!("{setup}: {e}"));
         }

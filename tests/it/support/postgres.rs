@@ -41,13 +41,26 @@ impl TestDb {
 
     /// The same on the server at `admin` (for example a [`Cluster`] of the test's own).
     pub async fn on(admin: &str, setup: &str) -> TestDb {
+        Self::migrated(admin, setup, None).await
+    }
+
+    /// A database on the shared test server with the idemflow schema as an older version left it: migrated up to
+    /// `version` (upgrade tests).
+    pub async fn at_version(version: i64, setup: &str) -> TestDb {
+        Self::migrated(server_url(), setup, Some(version)).await
+    }
+
+    async fn migrated(admin: &str, setup: &str, version: Option<i64>) -> TestDb {
         let name = format!("t_{}", super::unique());
         let mut conn: sqlx::PgConnection = sqlx::Connection::connect(admin).await.expect("connecting to the test server");
         sqlx::Executor::execute(&mut conn, format!("CREATE DATABASE {name}").as_str()).await.unwrap();
         let base = admin.rsplit_once('/').map(|(b, _)| b).unwrap_or(admin);
         let url = format!("{base}/{name}");
         let pool = sqlx::postgres::PgPoolOptions::new().max_connections(4).connect(&url).await.unwrap();
-        idemflow::store::postgres::MIGRATOR.run(&pool).await.unwrap();
+        match version {
+            None => idemflow::store::postgres::MIGRATOR.run(&pool).await.unwrap(),
+            Some(v) => super::migrator_up_to("migrations/postgres", v).await.run(&pool).await.unwrap(),
+        }
         if !setup.is_empty() {
             sqlx::raw_sql(setup).execute(&pool).await.unwrap();
         }

@@ -1,0 +1,223 @@
+//! Upgrading a dedup store in place (issue 28's migration from SHA-256 digests to ordered key ids): rows written by
+//! the previous version's claim, then `idemflow migrate`, then the same keys delivered to this version are still
+//! duplicates; a batch of the previous version under way is waited for and moved with the rest; after it, the
+//! previous version's claim fails instead of claiming a key a second time under its old identity.
+
+use crate::support::mariadb::MyDb;
+use crate::support::*;
+use idemflow::key::BusinessKey;
+use sha2::{Digest, Sha256};
+use std::time::Duration;
+
+/// Keys on both sides of the 64-byte limit, one cut inside a two-byte character, a number, and long ones that
+/// share their first 31 bytes.
+fn keys() -> Vec<String> {
+    vec![
+        "o-1".into(),
+        "o-2".into(),
+        "9007199254740993".into(),
+        "ключ-🙂".into(),
+        "k".repeat(64),
+        "é".repeat(40),
+        format!("{}-a", "p".repeat(100)),
+        format!("{}-b", "p".repeat(100)),
+        random_text(300, 7),
+    ]
+}
+
+fn payload(key: &str) -> String {
+    format!(r#"{{"order":{{"id":{},"amount":"1.00"}}}}"#, serde_json::to_string(key).unwrap())
+}
+
+fn sha256(bytes: &[u8]) -> Vec<u8> {
+    Sha256::digest(bytes).to_vec()
+}
+
+/// The claim of the version before migration 0007, as it shipped.
+const PREVIOUS_POSTGRES_CLAIM: &str = r#"
+INSERT INTO idemflow.dedup (pipeline, key_digest, business_key, topic, partition, "offset", fingerprint)
+SELECT $1, u.key_digest, u.business_key, u.topic, u.partition, u."offset", u.fingerprint
+FROM unnest($2::bytea[], $3::text[], $4::text[], $5::int4[], $6::int8[], $7::bytea[])
+     AS u(key_digest, business_key, topic, partition, "offset", fingerprint)
+ON CONFLICT (pipeline, key_digest) DO NOTHING
+RETURNING key_digest"#;
+
+/// A batch of the previous version claiming `keys` (pipeline `payments`, topic `orders`), on `conn`.
+async fn previous_postgres_claim(conn: &mut sqlx::PgConnection, keys: &[String], first_offset: i64) -> Result<usize, sqlx::Error> {
+    let n = keys.len();
+    let digests: Vec<Vec<u8>> = keys.iter().map(|k| sha256(k.as_bytes())).collect();
+    let prints: Vec<Vec<u8>> = keys.iter().map(|k| sha256(payload(k).as_bytes())).collect();
+    let offsets: Vec<i64> = (first_offset..first_offset + n as i64).collect();
+    let rows: Vec<Vec<u8>> = sqlx::query_scalar(PREVIOUS_POSTGRES_CLAIM)
+        .bind("payments")
+        .bind(&digests)
+        .bind(keys)
+        .bind(vec!["orders"; n])
+        .bind(vec![0i32; n])
+        .bind(&offsets)
+        .bind(&prints)
+        .fetch_all(conn)
+        .await?;
+    Ok(rows.len())
+}
+
+const PIPELINE: &str = r#"topics = ["orders"]
+[key]
+field = "/order/id"
+[sink]
+table = "payments"
+[sink.columns]
+order_id = "/order/id"
+amount = "/order/amount"
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_upgrade_keeps_every_stored_key_a_duplicate_and_fences_the_previous_version() {
+    let db = TestDb::at_version(6, "CREATE TABLE payments (order_id text PRIMARY KEY, amount numeric NOT NULL);").await;
+    let kafka = Kafka::new();
+    kafka.create_topic("orders", 1);
+    let setup = Setup::new(&db, &kafka, &[("payments.toml", PIPELINE)]);
+    let config = setup.config.to_str().unwrap().to_owned();
+    let keys = keys();
+    let mut conn = db.pool.acquire().await.unwrap();
+    assert_eq!(previous_postgres_claim(&mut conn, &keys, 0).await.unwrap(), keys.len());
+    drop(conn);
+
+    // This version refuses the old schema.
+    let (status, out, err) = idemflow(&["check", "--config", &config], setup.dir.path());
+    assert!(!status.success() && err.contains("this binary needs 7"), "{out}{err}");
+
+    // A batch of the previous version is under way (its claim made, not committed) when the migration starts.
+    let mut held = db.pool.begin().await.unwrap();
+    let held_key = vec!["o-held".to_owned()];
+    assert_eq!(previous_postgres_claim(&mut held, &held_key, 100).await.unwrap(), 1);
+    let mut migrate = std::process::Command::new(env!("CARGO_BIN_EXE_idemflow"))
+        .args(["migrate", "--config", &config])
+        .current_dir(setup.dir.path())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(migrate.try_wait().unwrap().is_none(), "the migration waits for the previous version's batch");
+    held.commit().await.unwrap();
+    let status = wait_child(&mut migrate, Duration::from_secs(60)).expect("idemflow migrate finishes once the batch ended");
+    let out = migrate.wait_with_output().unwrap();
+    assert!(status.success(), "{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+
+    // Every stored row, the held batch's too, is at the id this version computes for its key.
+    let rows: Vec<(String, Vec<u8>)> = sqlx::query_as("SELECT business_key, key_id FROM idemflow.dedup").fetch_all(&db.pool).await.unwrap();
+    assert_eq!(rows.len(), keys.len() + 1);
+    for (text, id) in &rows {
+        assert_eq!(&id[..], &*BusinessKey::new(text.clone()).key_id(), "{text:?}");
+    }
+
+    // The previous version's claim fails now, before it could claim anything.
+    let mut conn = db.pool.acquire().await.unwrap();
+    let e = previous_postgres_claim(&mut conn, &["o-late".to_owned()], 200).await.unwrap_err();
+    assert_eq!(e.as_database_error().and_then(|d| d.code()).as_deref(), Some("42703"), "{e}");
+    drop(conn);
+
+    // The same keys delivered to this version are duplicates, classified against the stored rows; only the new key
+    // is applied.
+    let mut records: Vec<Out> = keys.iter().chain(&held_key).map(|k| Out::json(0, payload(k))).collect();
+    records.push(Out::json(0, payload("o-new")));
+    kafka.produce("orders", &records);
+    let worker = InProc::start(&setup).await;
+    worker.wait_received("payments", records.len() as u64).await;
+    assert_eq!(worker.metric("idemflow_records_applied_total", &[("pipeline", "payments")]), 1.0);
+    let skipped = |reason| worker.metric("idemflow_duplicates_skipped_total", &[("pipeline", "payments"), ("reason", reason)]);
+    // Stored at the positions they are delivered at again: redelivered; the held batch's key was stored at offset
+    // 100 and is at another offset now: republished.
+    assert_eq!(skipped("redelivered"), keys.len() as f64);
+    assert_eq!(skipped("republished"), 1.0);
+    assert_eq!(skipped("payload_mismatch"), 0.0);
+    assert!(worker.stop().await.is_empty());
+    assert_eq!(db.scalar::<String>("SELECT string_agg(order_id, ',') FROM payments").await, "o-new");
+    assert_eq!(db.scalar::<i64>("SELECT sum(duplicates)::int8 FROM idemflow.dedup").await, (keys.len() + 1) as i64);
+
+    // `explain` finds a long key by its text.
+    let long = &keys[keys.len() - 1];
+    let (status, out, err) = idemflow(&["explain", "--config", &config, "--pipeline", "payments", &format!("--key={long}")], setup.dir.path());
+    assert!(status.success() && out.contains("duplicates skipped 1 since"), "{out}{err}");
+}
+
+/// The MariaDB claim of the version before migration 0002 (its `INSERT IGNORE ... RETURNING` form), as it shipped.
+async fn previous_mysql_claim(conn: &mut sqlx::MySqlConnection, keys: &[String], first_offset: i64) -> Result<usize, sqlx::Error> {
+    let marks = vec!["(?, ?, ?, ?, ?, ?, ?)"; keys.len()].join(", ");
+    let sql = format!(
+        "INSERT IGNORE INTO idemflow_dedup (pipeline, key_digest, business_key, topic, `partition`, `offset`, fingerprint) \
+         VALUES {marks} RETURNING key_digest"
+    );
+    let mut q = sqlx::query_scalar::<_, Vec<u8>>(&sql);
+    for (i, k) in keys.iter().enumerate() {
+        q = q
+            .bind("payments")
+            .bind(sha256(k.as_bytes()))
+            .bind(k.as_str())
+            .bind("orders")
+            .bind(0i32)
+            .bind(first_offset + i as i64)
+            .bind(sha256(payload(k).as_bytes()));
+    }
+    Ok(q.fetch_all(conn).await?.len())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn mariadb_upgrade_keeps_every_stored_key_a_duplicate_and_fences_the_previous_version() {
+    let sql = std::fs::read_to_string(project_root().join("examples/mysql/payments.sql")).unwrap();
+    let db = MyDb::at_version(1, &sql).await;
+    let keys = keys();
+    let mut conn = db.pool.acquire().await.unwrap();
+    assert_eq!(previous_mysql_claim(&mut conn, &keys, 0).await.unwrap(), keys.len());
+    drop(conn);
+    let err = idemflow::store::mysql::check_schema(&db.pool).await.unwrap_err();
+    assert!(err.contains("this binary needs 2"), "{err}");
+
+    // A batch of the previous version under way when the migration starts: the migration waits for it.
+    let mut held = db.pool.begin().await.unwrap();
+    let held_key = vec!["o-held".to_owned()];
+    assert_eq!(previous_mysql_claim(&mut held, &held_key, 100).await.unwrap(), 1);
+    let pool = db.pool.clone();
+    let migrate = tokio::spawn(async move { idemflow::store::mysql::MIGRATOR.run(&pool).await });
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(!migrate.is_finished(), "the migration waits for the previous version's batch");
+    held.commit().await.unwrap();
+    tokio::time::timeout(Duration::from_secs(60), migrate).await.expect("the migration ends").unwrap().unwrap();
+    idemflow::store::mysql::check_schema(&db.pool).await.unwrap();
+
+    let rows: Vec<(String, Vec<u8>)> =
+        sqlx::query_as("SELECT CAST(business_key AS CHAR), key_id FROM idemflow_dedup").fetch_all(&db.pool).await.unwrap();
+    assert_eq!(rows.len(), keys.len() + 1);
+    for (text, id) in &rows {
+        assert_eq!(&id[..], &*BusinessKey::new(text.clone()).key_id(), "{text:?}");
+    }
+
+    // The previous version's claim fails now (unknown column).
+    let mut conn = db.pool.acquire().await.unwrap();
+    let e = previous_mysql_claim(&mut conn, &["o-late".to_owned()], 200).await.unwrap_err();
+    assert_eq!(e.as_database_error().and_then(|d| d.code()).as_deref(), Some("42S22"), "{e}");
+    drop(conn);
+
+    // This version's claim of the same keys and a new one: only the new one is claimed, the others are found.
+    let store = idemflow::store::Store::MySql(idemflow::store::mysql::MySqlStore::new(db.pool.clone()));
+    let effect = crate::mariadb::example_side_effect(&store).await;
+    let mut all: Vec<BusinessKey> = keys.iter().chain(&held_key).map(|k| BusinessKey::new(k.clone())).collect();
+    all.push(BusinessKey::new("o-new".into()));
+    let position = idemflow::record::Position { topic: "orders".into(), partition: 0, offset: 500 };
+    let claims: Vec<idemflow::sink::dedup::Claim<'_>> =
+        all.iter().map(|k| idemflow::sink::dedup::Claim { key: k, position: &position, fingerprint: &[7; 32] }).collect();
+    let mut tx = effect.begin().await.unwrap();
+    let new = tx.claim("payments", &claims).await.unwrap();
+    assert_eq!(new.len(), 1);
+    assert!(new.contains(&all[all.len() - 1].digest));
+    let old: Vec<&BusinessKey> = all[..all.len() - 1].iter().collect();
+    let found = tx.existing("payments", &old).await.unwrap();
+    assert_eq!(found.len(), old.len());
+    tx.rollback().await.unwrap();
+
+    // A migration recorded as incomplete (it stopped between its statements) keeps this version's workers out.
+    db.exec("UPDATE _sqlx_migrations SET success = FALSE WHERE version = 2").await;
+    let err = idemflow::store::mysql::check_schema(&db.pool).await.unwrap_err();
+    assert!(err.contains("this binary needs 2"), "{err}");
+}
