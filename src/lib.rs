@@ -103,9 +103,11 @@
 //!   the ordered `key_id`) moves every stored row to the new identity and renames the column in the same step: a
 //!   worker of the previous version, still running in a rolling upgrade, fails every batch from then on (its claim
 //!   names `key_digest`) and applies nothing; its batch under way when the migration starts is waited for and
-//!   moved with the rest (PostgreSQL's DDL is transactional; on MySQL the rename is the first statement, and this
-//!   version's workers refuse a schema whose migration is not recorded as complete). Tested with the previous
-//!   version's claim held open across the migration (`tests/it/upgrade.rs`).
+//!   moved with the rest (PostgreSQL's DDL is transactional; on MySQL the rename is the first change, and this
+//!   version's workers refuse a schema whose migration is not recorded as complete). A stored row whose key text is
+//!   not what its digest was made of (a non-UTF8 database encoding, a hand edit) would get an id the worker never
+//!   computes: the migration checks every row first and stops, changing nothing, if one is not. Tested with the
+//!   previous version's claim held open across the migration, and with an edited key (`tests/it/upgrade.rs`).
 //!
 //! - RabbitMQ: a batch is acknowledged (`basic.ack`, `multiple`) only after its COMMIT; a crash or a lost channel
 //!   before that makes the broker requeue it, and the dedup rows skip what was applied (see [`source::rabbitmq`]).

@@ -31,9 +31,25 @@ impl<'k> KeyIds<'k> {
         self.ids.iter().map(|id| &id[..]).collect()
     }
 
-    /// From id to digest, for the ids a statement returns. An id that is not one of these keys' is not in it.
-    pub fn digests(&self) -> std::collections::HashMap<&[u8], [u8; 32], foldhash::fast::RandomState> {
-        self.ids.iter().map(|id| &id[..]).zip(self.digests.iter().copied()).collect()
+    /// From id to digest, for the ids a statement returns.
+    pub fn digests(&self) -> IdDigests<'_> {
+        IdDigests(self.ids.iter().map(|id| &id[..]).zip(self.digests.iter().copied()).collect())
+    }
+}
+
+/// From key id to digest ([`KeyIds::digests`]).
+pub struct IdDigests<'a>(std::collections::HashMap<&'a [u8], [u8; 32], foldhash::fast::RandomState>);
+
+impl IdDigests<'_> {
+    /// The digest of the key whose id a statement returned.
+    ///
+    /// Errors: `sqlx::Error::Decode` (which stops the pipeline) for an id that is none of these keys': the store
+    /// returned other bytes than it was sent. Skipping it instead would take a key this batch inserted for one
+    /// that was there before, and its record would never be applied.
+    pub fn get(&self, id: &[u8]) -> Result<[u8; 32], sqlx::Error> {
+        self.0.get(id).copied().ok_or_else(|| {
+            sqlx::Error::Decode(format!("the dedup store returned the key id {} that no key of the statement has", crate::terminal::hex(id)).into())
+        })
     }
 }
 

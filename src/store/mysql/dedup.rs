@@ -69,7 +69,9 @@ pub async fn claim(conn: &mut MySqlConnection, form: ClaimForm, pipeline: &str, 
             }
         };
         let digests = ids.digests();
-        new.extend(inserted.iter().filter_map(|id| digests.get(&id[..]).copied()));
+        for id in &inserted {
+            new.insert(digests.get(id)?);
+        }
     }
     Ok(new)
 }
@@ -104,9 +106,7 @@ pub async fn existing(conn: &mut MySqlConnection, pipeline: &str, keys: &[&Busin
         }
         let digests = ids.digests();
         for (id, topic, partition, offset, fingerprint) in q.fetch_all(&mut *conn).await? {
-            if let Some(digest) = digests.get(&id[..]) {
-                out.push((*digest, Existing { position: Position { topic: topic.into(), partition, offset }, fingerprint }));
-            }
+            out.push((digests.get(&id)?, Existing { position: Position { topic: topic.into(), partition, offset }, fingerprint }));
         }
     }
     Ok(out)

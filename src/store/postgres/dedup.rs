@@ -51,7 +51,7 @@ pub async fn claim(
         .fetch_all(&mut *conn)
         .await?;
     let digests = ids.digests();
-    Ok(rows.iter().filter_map(|id| digests.get(&id[..]).copied()).collect())
+    rows.iter().map(|id| digests.get(id)).collect()
 }
 
 /// Reads the dedup rows of keys that the claim did not return, by their keys' digests.
@@ -65,13 +65,11 @@ pub async fn existing(
     let rows: Vec<Row> =
         sqlx::query_as(EXISTING).bind(pipeline).bind(ids.ids()).persistent(super::persistent()).fetch_all(&mut *conn).await?;
     let digests = ids.digests();
-    Ok(rows
-        .into_iter()
-        .filter_map(|(id, topic, partition, offset, fingerprint)| {
-            let digest = *digests.get(&id[..])?;
-            Some((digest, Existing { position: Position { topic: topic.into(), partition, offset }, fingerprint }))
+    rows.into_iter()
+        .map(|(id, topic, partition, offset, fingerprint)| {
+            Ok((digests.get(&id)?, Existing { position: Position { topic: topic.into(), partition, offset }, fingerprint }))
         })
-        .collect())
+        .collect()
 }
 
 const COUNT_DUPLICATES: &str = r#"
