@@ -145,6 +145,19 @@ async fn postgres_upgrade_keeps_every_stored_key_a_duplicate_and_fences_the_prev
     let long = &keys[keys.len() - 1];
     let (status, out, err) = idemflow(&["explain", "--config", &config, "--pipeline", "payments", &format!("--key={long}")], setup.dir.path());
     assert!(status.success() && out.contains("duplicates skipped 1 since"), "{out}{err}");
+
+    // Going back (docs/operations.md): the rollback script, then the previous version's claim works again and
+    // finds every key applied before and after the upgrade; this version refuses the schema.
+    let rollback = std::fs::read_to_string(project_root().join("migrations/rollback/postgres-0007.sql")).unwrap();
+    let mut tx = db.pool.begin().await.unwrap();
+    sqlx::raw_sql(&rollback).execute(&mut *tx).await.unwrap();
+    tx.commit().await.unwrap();
+    let mut conn = db.pool.acquire().await.unwrap();
+    let again: Vec<String> = keys.iter().chain(&held_key).cloned().chain(["o-new".to_owned(), "o-rolled-back".to_owned()]).collect();
+    assert_eq!(previous_postgres_claim(&mut conn, &again, 300).await.unwrap(), 1, "only o-rolled-back is new");
+    drop(conn);
+    let (status, out, err) = idemflow(&["check", "--config", &config], setup.dir.path());
+    assert!(!status.success() && err.contains("this binary needs 7"), "{out}{err}");
 }
 
 /// The MariaDB claim of the version before migration 0002 (its `INSERT IGNORE ... RETURNING` form), as it shipped.
@@ -222,6 +235,13 @@ async fn mariadb_upgrade_keeps_every_stored_key_a_duplicate_and_fences_the_previ
     db.exec("UPDATE _sqlx_migrations SET success = FALSE WHERE version = 2").await;
     let err = idemflow::store::mysql::check_schema(&db.pool).await.unwrap_err();
     assert!(err.contains("this binary needs 2"), "{err}");
+
+    // Going back (docs/operations.md): the rollback script, then the previous version's claim finds every key
+    // again (o-new was only claimed in a transaction rolled back above).
+    db.exec(&std::fs::read_to_string(project_root().join("migrations/rollback/mysql-0002.sql")).unwrap()).await;
+    let mut conn = db.pool.acquire().await.unwrap();
+    let again: Vec<String> = keys.iter().chain(&held_key).cloned().chain(["o-new".to_owned(), "o-rolled-back".to_owned()]).collect();
+    assert_eq!(previous_mysql_claim(&mut conn, &again, 300).await.unwrap(), 2, "only o-new and o-rolled-back are new");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
