@@ -106,8 +106,10 @@
 //!   moved with the rest (PostgreSQL's DDL is transactional; on MySQL the rename is the first change, and this
 //!   version's workers refuse a schema whose migration is not recorded as complete). A stored row whose key text is
 //!   not what its digest was made of (a non-UTF8 database encoding, a hand edit) would get an id the worker never
-//!   computes: the migration checks every row first and stops, changing nothing, if one is not. Tested with the
-//!   previous version's claim held open across the migration, and with an edited key (`tests/it/upgrade.rs`).
+//!   computes: the migration checks every row first and stops, changing nothing, if one is not. Its rollback
+//!   (`migrations/rollback/`) renames the column back, which fences this version the same way. Tested with the
+//!   previous version's claim held open across the migration, with an edited key, and after the rollback
+//!   (`tests/it/upgrade.rs`).
 //!
 //! - RabbitMQ: a batch is acknowledged (`basic.ack`, `multiple`) only after its COMMIT; a crash or a lost channel
 //!   before that makes the broker requeue it, and the dedup rows skip what was applied (see [`source::rabbitmq`]).
