@@ -29,14 +29,6 @@ fn payload(key: &str) -> String {
     format!(r#"{{"order":{{"id":{},"amount":"1.00"}}}}"#, serde_json::to_string(key).unwrap())
 }
 
-/// `rows` (key text, stored id) are `n`, each at the id this version computes for its key.
-fn assert_ids_are_this_versions(rows: &[(String, Vec<u8>)], n: usize) {
-    assert_eq!(rows.len(), n);
-    for (text, id) in rows {
-        assert_eq!(&id[..], &*BusinessKey::new(text.clone()).key_id(), "{text:?}");
-    }
-}
-
 fn sha256(bytes: &[u8]) -> Vec<u8> {
     Sha256::digest(bytes).to_vec()
 }
@@ -115,7 +107,7 @@ async fn postgres_upgrade_keeps_every_stored_key_a_duplicate_and_fences_the_prev
 
     // Every stored row, the held batch's too, is at the id this version computes for its key.
     let rows: Vec<(String, Vec<u8>)> = sqlx::query_as("SELECT business_key, key_id FROM idemflow.dedup").fetch_all(&db.pool).await.unwrap();
-    assert_ids_are_this_versions(&rows, keys.len() + 1);
+    assert_key_ids(&rows, keys.len() + 1);
 
     // The previous version's claim fails now, before it could claim anything.
     let mut conn = db.pool.acquire().await.unwrap();
@@ -206,7 +198,7 @@ async fn mariadb_upgrade_keeps_every_stored_key_a_duplicate_and_fences_the_previ
 
     let rows: Vec<(String, Vec<u8>)> =
         sqlx::query_as("SELECT CAST(business_key AS CHAR), key_id FROM idemflow_dedup").fetch_all(&db.pool).await.unwrap();
-    assert_ids_are_this_versions(&rows, keys.len() + 1);
+    assert_key_ids(&rows, keys.len() + 1);
 
     // The previous version's claim fails now (unknown column).
     let mut conn = db.pool.acquire().await.unwrap();

@@ -94,17 +94,17 @@ fn claim_token() -> [u8; 16] {
 pub async fn existing(conn: &mut MySqlConnection, pipeline: &str, keys: &[&BusinessKey]) -> Result<Vec<([u8; 32], Existing)>, sqlx::Error> {
     type Row = (Vec<u8>, String, i32, i64, Vec<u8>);
     let mut out = Vec::with_capacity(keys.len());
-    for part in chunks(keys, 1, |k| k.key_id().len()) {
+    let ids = KeyIds::new(keys.iter().copied());
+    let digests = ids.digests();
+    for part in chunks(&ids.ids(), 1, |id| id.len()) {
         let sql = format!(
             "SELECT key_id, CAST(topic AS CHAR), `partition`, `offset`, fingerprint FROM idemflow_dedup WHERE pipeline = ? AND key_id IN ({})",
             marks(part.len())
         );
-        let ids = KeyIds::new(part.iter().copied());
         let mut q = sqlx::query_as::<_, Row>(&sql).bind(pipeline);
-        for id in ids.ids() {
-            q = q.bind(id);
+        for id in part {
+            q = q.bind(*id);
         }
-        let digests = ids.digests();
         for (id, topic, partition, offset, fingerprint) in q.fetch_all(&mut *conn).await? {
             out.push((digests.get(&id)?, Existing { position: Position { topic: topic.into(), partition, offset }, fingerprint }));
         }

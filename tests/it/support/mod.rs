@@ -80,6 +80,15 @@ pub async fn migrator_up_to(dir: &str, version: i64) -> sqlx::migrate::Migrator 
     migrator
 }
 
+/// Dedup rows read back as (key text, stored `key_id`): there are `n`, each at the id this version computes for its
+/// key ([`idemflow::key::BusinessKey::key_id`]).
+pub fn assert_key_ids(rows: &[(String, Vec<u8>)], n: usize) {
+    assert_eq!(rows.len(), n);
+    for (text, id) in rows {
+        assert_eq!(&id[..], &*idemflow::key::BusinessKey::new(text.clone()).key_id(), "{text:?}");
+    }
+}
+
 /// The usual start of a test: a fresh database with `setup_sql`, a mock cluster with `topic`, and the settings
 /// with `pipelines`.
 pub async fn fixture(setup_sql: &str, topic: &str, partitions: i32, pipelines: &[(&str, &str)]) -> (TestDb, Kafka, Setup) {
