@@ -83,8 +83,24 @@ pub struct BenchOptions {
     pub only: Vec<u8>,
     /// Run each worker under `perf record -g` (output `perf-<run>.data` in the current directory).
     pub perf: bool,
-    /// The broker: the embedded Kafka (all six runs), or a throwaway RabbitMQ node (runs 1 and 5).
-    pub source: crate::demo::DemoSource,
+    /// The broker: the embedded Kafka (every run), or a throwaway RabbitMQ node, NATS server or RocketMQ name
+    /// server and broker (runs 1, 5, 7 and 8).
+    pub source: BenchSource,
+}
+
+/// The broker a bench reads from.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum BenchSource {
+    /// An embedded Kafka broker (librdkafka's mock cluster).
+    #[default]
+    Kafka,
+    /// A throwaway RabbitMQ node (Debian's `rabbitmq-server`) with a quorum queue per run.
+    Rabbitmq,
+    /// A throwaway NATS server with JetStream (Debian's `nats-server`) with a stream per run.
+    Nats,
+    /// A throwaway RocketMQ name server and broker (the Rust ones from crates.io, `scripts/rocketmq-throwaway.sh`
+    /// installs them) with a topic of 4 queues per run.
+    Rocketmq,
 }
 
 /// One run's figures.
@@ -957,7 +973,7 @@ pub async fn run(o: BenchOptions) -> anyhow::Result<Report> {
             throwaway.url()
         }
     };
-    if o.source != crate::demo::DemoSource::Kafka {
+    if o.source != BenchSource::Kafka {
         return run_one_stream(&o, &admin_url).await;
     }
     let mysql = is_mysql(&admin_url);
@@ -1139,22 +1155,40 @@ pub async fn run(o: BenchOptions) -> anyhow::Result<Report> {
 }
 
 /// A broker the bench reads through one queue or stream per run, its messages published before timing starts:
-/// RabbitMQ (`--source rabbitmq`, a quorum queue per run) or NATS JetStream (`--source nats`, a stream per run,
-/// read by a durable pull consumer the worker creates).
+/// RabbitMQ (`--source rabbitmq`, a quorum queue per run), NATS JetStream (`--source nats`, a stream per run,
+/// read by a durable pull consumer the worker creates) or RocketMQ (`--source rocketmq`, a topic of 4 queues per
+/// run, read by the worker's pull consumer in clustering mode).
 enum OneStream {
     RabbitMq(crate::demo::rabbitmq::Throwaway),
     Nats(crate::demo::nats::Throwaway),
+    RocketMq(crate::demo::rocketmq::Throwaway),
 }
 
 impl OneStream {
-    fn start(source: crate::demo::DemoSource) -> anyhow::Result<OneStream> {
-        Ok(if source == crate::demo::DemoSource::Nats {
-            eprintln!("starting a throwaway NATS server with JetStream (Debian's nats-server)...");
-            OneStream::Nats(crate::demo::nats::Throwaway::start()?)
-        } else {
-            eprintln!("starting a throwaway RabbitMQ node (Debian's rabbitmq-server)...");
-            OneStream::RabbitMq(crate::demo::rabbitmq::Throwaway::start()?)
+    fn start(source: BenchSource) -> anyhow::Result<OneStream> {
+        Ok(match source {
+            BenchSource::Nats => {
+                eprintln!("starting a throwaway NATS server with JetStream (Debian's nats-server)...");
+                OneStream::Nats(crate::demo::nats::Throwaway::start()?)
+            }
+            BenchSource::Rocketmq => {
+                eprintln!("starting a throwaway RocketMQ name server and broker (rocketmq-namesrv-rust, rocketmq-broker-rust)...");
+                OneStream::RocketMq(crate::demo::rocketmq::Throwaway::start()?)
+            }
+            BenchSource::Rabbitmq | BenchSource::Kafka => {
+                eprintln!("starting a throwaway RabbitMQ node (Debian's rabbitmq-server)...");
+                OneStream::RabbitMq(crate::demo::rabbitmq::Throwaway::start()?)
+            }
         })
+    }
+
+    /// Its name in the runs' names and ratios, and in database names.
+    fn tag(&self) -> (&'static str, &'static str) {
+        match self {
+            OneStream::RabbitMq(_) => ("rabbitmq", "RabbitMQ"),
+            OneStream::Nats(_) => ("nats", "NATS JetStream"),
+            OneStream::RocketMq(_) => ("rocketmq", "RocketMQ"),
+        }
     }
 
     /// The broker's line of the environment table.
@@ -1164,6 +1198,7 @@ impl OneStream {
             OneStream::Nats(server) => {
                 format!("{} (throwaway server, JetStream file storage, a durable pull consumer with explicit acks)", server.version())
             }
+            OneStream::RocketMq(_) => "RocketMQ name server and broker, the Rust implementation from crates.io (throwaway, one broker, a topic of 4 queues per run, consume offsets kept by the broker)".to_owned(),
         }
     }
 
@@ -1172,6 +1207,7 @@ impl OneStream {
         match self {
             OneStream::RabbitMq(_) => "a RabbitMQ quorum queue",
             OneStream::Nats(_) => "a NATS JetStream stream",
+            OneStream::RocketMq(_) => "a RocketMQ topic",
         }
     }
 
@@ -1192,6 +1228,10 @@ impl OneStream {
                 crate::demo::nats::create_stream(&server.url(), &stream, &stream).await?;
                 crate::demo::nats::publish(&server.url(), &format!("{stream}.payments"), messages, false).await.map(drop)
             }
+            OneStream::RocketMq(node) => {
+                let bodies: Vec<Vec<u8>> = messages.iter().map(|(_, body)| body.clone()).collect();
+                crate::demo::rocketmq::publish(&node.name_server(), &Self::name(n), &bodies).await
+            }
         }
     }
 
@@ -1200,6 +1240,7 @@ impl OneStream {
         match self {
             OneStream::RabbitMq(_) => format!("[source]\nkind = \"rabbitmq\"\nqueue = \"{}\"", Self::name(n)),
             OneStream::Nats(_) => format!("[source]\nkind = \"nats\"\nstream = \"BENCH_{n}\""),
+            OneStream::RocketMq(_) => format!("[source]\nkind = \"rocketmq\"\ntopic = \"{}\"", Self::name(n)),
         }
     }
 
@@ -1208,6 +1249,7 @@ impl OneStream {
         match self {
             OneStream::RabbitMq(node) => format!("[rabbitmq]\nurl = \"{}\"\n", node.url()),
             OneStream::Nats(server) => format!("[nats]\nurl = \"{}\"\n", server.url()),
+            OneStream::RocketMq(node) => format!("[rocketmq]\nname_server = \"{}\"\n", node.name_server()),
         }
     }
 }
@@ -1237,7 +1279,7 @@ async fn run_one_stream(o: &BenchOptions, admin_url: &str) -> anyhow::Result<Rep
     }
     let section = broker.section();
     let total = s.records.len() as u64;
-    let tag = if matches!(broker, OneStream::Nats(_)) { "nats" } else { "rabbitmq" };
+    let (tag, broker_name) = broker.tag();
     let mut runs = Vec::new();
     for n in runs_wanted {
         let from_queue = |text: String| text.replace(&format!("topics = [\"{TOPIC}\"]"), &broker.source(n));
@@ -1264,13 +1306,13 @@ async fn run_one_stream(o: &BenchOptions, admin_url: &str) -> anyhow::Result<Rep
             match &broker {
                 OneStream::RabbitMq(node) => consume_only_rabbitmq(&node.url(), &OneStream::name(n), &url, &pipeline, s.records.len()).await?,
                 OneStream::Nats(server) => consume_only_nats(&server.url(), &format!("BENCH_{n}"), &url, &pipeline, s.records.len()).await?,
+                OneStream::RocketMq(node) => consume_only_rocketmq(&node.name_server(), &url, &pipeline, s.records.len()).await?,
             }
         };
         eprintln!("{} {}: {:.0} records/s ({})", r.id, r.name, r.records_per_second, r.note);
         runs.push(r);
     }
     let rate = |id: &str| runs.iter().find(|r| r.id == id).map(|r| r.records_per_second);
-    let broker_name = if tag == "nats" { "NATS JetStream" } else { "RabbitMQ" };
     let mut ratios = Vec::new();
     for (name, a, b, target) in [
         (format!("(1) / (5), {broker_name}"), "(1)", "(5)", "(measured)"),
@@ -1333,6 +1375,53 @@ async fn consume_only_nats(url: &str, stream: &str, db_url: &str, pipeline_text:
         t0,
         format!("{applied} records prepared for applying; max_ack_pending {}", spec.max_ack_pending),
     ))
+}
+
+/// Run (5) on RocketMQ: the worker's own pull consumer ([`crate::source::Source`], the consumer group's offsets
+/// kept by the broker) reads `total` messages in the worker's batches, each decoded and keyed as the worker would,
+/// each batch's consume offsets committed after it, as the worker commits them; no database.
+async fn consume_only_rocketmq(name_server: &str, db_url: &str, pipeline_text: &str, total: usize) -> anyhow::Result<RunResult> {
+    let (pipeline, preparer) = preparer(db_url, pipeline_text).await?;
+    let rocketmq = crate::config::RocketMqSettings {
+        name_server: name_server.to_owned(),
+        access_key: None,
+        secret_key: None,
+        timeout: Duration::from_secs(10),
+    };
+    let brokers = crate::source::Brokers {
+        kafka: crate::config::KafkaSettings::default(),
+        rabbitmq: None,
+        rocketmq: Some(rocketmq),
+        nats: None,
+        shutdown_timeout: Duration::from_secs(10),
+    };
+    let metrics = crate::metrics::Metrics::new().pipeline(&pipeline.name);
+    let mut source = crate::source::Source::new(&brokers, &pipeline.source_context(), metrics, None).map_err(anyhow::Error::msg)?;
+    let (_stop, mut shutdown) = crate::shutdown::channel();
+    let (mut n, mut applied, mut t0) = (0usize, 0usize, None);
+    let mut progressed = Instant::now();
+    while n < total {
+        let Some(batch) = source.next_batch(pipeline.batch, &mut shutdown).await else {
+            bail!("(5): the RocketMQ consumer stopped after {n} of {total} messages: {}", source.fatal().unwrap_or_default());
+        };
+        if batch.is_empty() {
+            anyhow::ensure!(progressed.elapsed() < Duration::from_secs(60), "(5): consumed {n} of {total} messages, then nothing for 60 s");
+            continue;
+        }
+        progressed = Instant::now();
+        t0.get_or_insert_with(Instant::now);
+        applied += batch.iter().filter(|r| matches!(preparer.prepare(r), crate::prepare::Prepared::Apply(_))).count();
+        n += batch.len();
+        source.commit(&batch).await;
+    }
+    let result = ceiling_result(
+        "ceiling: consume-only pass from a RocketMQ topic (the worker's pull consumer, decode and key extraction, consume offsets committed per batch, no database)",
+        n,
+        t0,
+        format!("{applied} records prepared for applying"),
+    );
+    source.close().await;
+    Ok(result)
 }
 
 /// Run (5) on RabbitMQ: consume `total` messages from `queue` with the worker's default prefetch, decode each and

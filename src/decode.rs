@@ -9,11 +9,13 @@
 //! [`Decoder::decode_selected`] keeps only those: the whole document is parsed and checked exactly as
 //! [`Decoder::decode`] checks it (the same parser, the same errors: UTF-8, escapes, lone surrogates, nesting,
 //! trailing characters), but members outside the selection are never built into values, so they cost no
-//! allocation. Looking a selected path up in the result gives what it gives in the whole document.
+//! allocation. Each selected path has a slot, numbered when the selection is built, and the decode puts the value
+//! at that path straight into it ([`Selected`]): no objects or member names are built on the way, and the slot
+//! holds what looking the path up in the whole document gives.
 
 use serde::de::{DeserializeSeed, MapAccess, SeqAccess, Visitor};
 use serde::{Deserialize, Deserializer};
-use serde_json::{Map, Value};
+use serde_json::Value;
 use std::collections::BTreeMap;
 use std::fmt;
 
@@ -72,123 +74,190 @@ impl Decoder {
     }
 
     /// Decodes one non-null payload as [`Decoder::decode`] does, keeping only the members in `selection` (see the
-    /// module documentation): the same payloads are refused with the same errors, and every selected path looks up
-    /// the same value.
-    pub fn decode_selected(&self, payload: &[u8], selection: &Selection) -> Result<Value, DecodeError> {
+    /// module documentation): the same payloads are refused with the same errors, and each selected path's slot
+    /// holds what looking it up in the whole document gives.
+    pub fn decode_selected(&self, payload: &[u8], selection: &Selection) -> Result<Selected, DecodeError> {
         if payload.len() > self.max_payload_bytes {
             return Err(DecodeError::TooLarge { size: payload.len(), limit: self.max_payload_bytes });
         }
         match self.format {
             Format::Json => {
                 let mut de = serde_json::Deserializer::from_slice(payload);
-                let doc = Select(selection).deserialize(&mut de)?;
+                let mut slots = vec![None; selection.slots];
+                Select { selection, slots: &mut slots }.deserialize(&mut de)?;
                 de.end()?;
-                Ok(doc)
+                Ok(Selected { slots })
             }
         }
     }
 }
 
 /// The members of a document a pipeline reads: a tree of member names (array indexes as decimal text) whose leaves
-/// are kept whole. Built from the pipeline's field paths ([`Selection::add`]).
+/// are kept whole, each path with its slot. Built from the pipeline's field paths ([`Selection::add`]).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Selection {
-    /// Keep this value whole (a path ends here).
-    whole: bool,
+    /// Keep this value whole, in this slot (a path ends here).
+    whole: Option<usize>,
     /// The members to descend into.
     members: BTreeMap<String, Selection>,
+    /// Every slot of this part of the tree (its own and its members'): emptied before a member named twice is read
+    /// again, since the whole document keeps the last value of such a member.
+    below: Vec<usize>,
+    /// How many slots the tree has (the root's count; 0 in the other nodes).
+    slots: usize,
 }
 
 impl Selection {
-    /// Adds the path `tokens` (as [`crate::field::FieldPath::tokens`] gives them); an empty path selects the whole
-    /// document.
-    pub fn add(&mut self, tokens: &[String]) {
-        match tokens.split_first() {
-            None => self.whole = true,
-            Some((first, rest)) => self.members.entry(first.clone()).or_default().add(rest),
+    /// Adds the path `tokens` (as [`crate::field::FieldPath::tokens`] gives them; an empty path selects the whole
+    /// document) and returns its slot in what [`Decoder::decode_selected`] returns: a new one, or the slot of the
+    /// same path added before.
+    pub fn add(&mut self, tokens: &[String]) -> usize {
+        let fresh = self.slots;
+        let slot = self.add_at(tokens, fresh);
+        if slot == fresh {
+            self.slots += 1;
+        }
+        slot
+    }
+
+    fn add_at(&mut self, tokens: &[String], fresh: usize) -> usize {
+        let slot = match tokens.split_first() {
+            None => *self.whole.get_or_insert(fresh),
+            Some((first, rest)) => self.members.entry(first.clone()).or_default().add_at(rest, fresh),
+        };
+        if slot == fresh {
+            self.below.push(slot);
+        }
+        slot
+    }
+
+    /// Empties every slot of this part of the tree.
+    fn clear(&self, slots: &mut [Option<Value>]) {
+        for s in &self.below {
+            slots[*s] = None;
+        }
+    }
+
+    /// Fills the slots below this node from `value`, the whole value at this node (paths selected inside a path
+    /// selected whole), as looking them up in it would.
+    fn fill(&self, value: &Value, slots: &mut [Option<Value>]) {
+        for (name, child) in &self.members {
+            let found = match value {
+                Value::Object(map) => map.get(name.as_str()),
+                Value::Array(items) => crate::field::array_index(name).and_then(|i| items.get(i)),
+                _ => None,
+            };
+            if let Some(found) = found {
+                if let Some(s) = child.whole {
+                    slots[s] = Some(found.clone());
+                }
+                child.fill(found, slots);
+            }
         }
     }
 }
 
-/// Deserializes a value keeping only `self.0`'s members.
-struct Select<'s>(&'s Selection);
+/// What [`Decoder::decode_selected`] found: the value at each selected path, by the slot [`Selection::add`] gave
+/// it.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Selected {
+    slots: Vec<Option<Value>>,
+}
 
-impl<'de> DeserializeSeed<'de> for Select<'_> {
-    type Value = Value;
+impl Selected {
+    /// The value at the path of `slot`; `None` when the document has nothing there (a missing member, an index out
+    /// of range, a step into a scalar) or `slot` is not the selection's.
+    pub fn get(&self, slot: usize) -> Option<&Value> {
+        self.slots.get(slot).and_then(Option::as_ref)
+    }
+}
 
-    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Value, D::Error> {
-        if self.0.whole {
-            return Value::deserialize(deserializer);
+/// Deserializes a value into `slots`, keeping only `selection`'s members. The caller empties the slots below
+/// `selection` first.
+struct Select<'s, 'v> {
+    selection: &'s Selection,
+    slots: &'v mut [Option<Value>],
+}
+
+impl<'de> DeserializeSeed<'de> for Select<'_, '_> {
+    type Value = ();
+
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<(), D::Error> {
+        if let Some(slot) = self.selection.whole {
+            let value = Value::deserialize(deserializer)?;
+            self.selection.fill(&value, self.slots);
+            self.slots[slot] = Some(value);
+            return Ok(());
         }
         deserializer.deserialize_any(self)
     }
 }
 
-impl<'de> Visitor<'de> for Select<'_> {
-    type Value = Value;
+impl<'de> Visitor<'de> for Select<'_, '_> {
+    type Value = ();
 
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("a JSON value")
     }
 
     // A scalar where the selection goes deeper: no selected path goes through it, whatever it is.
-    fn visit_bool<E>(self, _: bool) -> Result<Value, E> {
-        Ok(Value::Null)
+    fn visit_bool<E>(self, _: bool) -> Result<(), E> {
+        Ok(())
     }
-    fn visit_i64<E>(self, _: i64) -> Result<Value, E> {
-        Ok(Value::Null)
+    fn visit_i64<E>(self, _: i64) -> Result<(), E> {
+        Ok(())
     }
-    fn visit_u64<E>(self, _: u64) -> Result<Value, E> {
-        Ok(Value::Null)
+    fn visit_u64<E>(self, _: u64) -> Result<(), E> {
+        Ok(())
     }
-    fn visit_f64<E>(self, _: f64) -> Result<Value, E> {
-        Ok(Value::Null)
+    fn visit_f64<E>(self, _: f64) -> Result<(), E> {
+        Ok(())
     }
-    fn visit_str<E>(self, _: &str) -> Result<Value, E> {
-        Ok(Value::Null)
+    fn visit_str<E>(self, _: &str) -> Result<(), E> {
+        Ok(())
     }
-    fn visit_unit<E>(self) -> Result<Value, E> {
-        Ok(Value::Null)
+    fn visit_unit<E>(self) -> Result<(), E> {
+        Ok(())
     }
 
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Value, A::Error> {
-        // Items up to the last selected index are kept in place (the unselected ones as nulls, never looked up);
-        // the rest are checked and dropped.
-        let last = self.0.members.keys().filter_map(|k| crate::field::array_index(k)).max();
-        let mut items = Vec::new();
-        while last.is_some_and(|l| items.len() <= l) {
-            let item = match self.0.members.get(items.len().to_string().as_str()) {
-                Some(child) => seq.next_element_seed(Select(child))?,
-                None => seq.next_element::<Skip>()?.map(|_| Value::Null),
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+        // Items up to the last selected index are read into their slots, the others checked and dropped.
+        let last = self.selection.members.keys().filter_map(|k| crate::field::array_index(k)).max();
+        let mut index = 0;
+        while last.is_some_and(|l| index <= l) {
+            let more = match self.selection.members.get(index.to_string().as_str()) {
+                Some(child) => seq.next_element_seed(Select { selection: child, slots: &mut *self.slots })?.is_some(),
+                None => seq.next_element::<Skip>()?.is_some(),
             };
-            match item {
-                Some(item) => items.push(item),
-                None => return Ok(Value::Array(items)),
+            if !more {
+                return Ok(());
             }
+            index += 1;
         }
         while seq.next_element::<Skip>()?.is_some() {}
-        Ok(Value::Array(items))
+        Ok(())
     }
 
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
-        let mut members = Map::new();
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
         let mut first = true;
-        while let Some(picked) = map.next_key_seed(Pick { selection: self.0, first })? {
+        while let Some(picked) = map.next_key_seed(Pick { selection: self.selection, first })? {
             first = false;
             match picked {
                 // A number (no selected path goes through it), or an object posing as one or as a raw value.
-                Picked::Number | Picked::Raw => return private_member(&mut map, &picked, Select(self.0), Value::Null),
-                // A member named twice keeps its last value, in its first place, as the whole document's map does.
-                Picked::Member(name, child) => {
-                    let value = map.next_value_seed(Select(child))?;
-                    members.insert(name, value);
+                Picked::Number | Picked::Raw => {
+                    return private_member(&mut map, &picked, Select { selection: self.selection, slots: self.slots }, ());
+                }
+                // A member named twice keeps its last value, as the whole document's map does.
+                Picked::Member(child) => {
+                    child.clear(self.slots);
+                    map.next_value_seed(Select { selection: child, slots: &mut *self.slots })?;
                 }
                 Picked::Other => {
                     map.next_value::<Skip>()?;
                 }
             }
         }
-        Ok(Value::Object(members))
+        Ok(())
     }
 }
 
@@ -232,7 +301,7 @@ impl<'de> DeserializeSeed<'de> for PhantomSkip {
 /// What a member name is to the selected decode.
 enum Picked<'s> {
     /// Selected, with its part of the selection.
-    Member(String, &'s Selection),
+    Member(&'s Selection),
     /// Not selected.
     Other,
     /// [`NUMBER`] as the first member.
@@ -241,7 +310,7 @@ enum Picked<'s> {
     Raw,
 }
 
-/// A member name, with its part of the selection when it is selected (owned only then); `first` for an object's
+/// A member name, with its part of the selection when it is selected (never allocated); `first` for an object's
 /// first member (see [`NUMBER`]).
 struct Pick<'s> {
     selection: &'s Selection,
@@ -267,13 +336,13 @@ impl<'de, 's> Visitor<'de> for Pick<'s> {
         Ok(match name {
             NUMBER if self.first => Picked::Number,
             RAW if self.first => Picked::Raw,
-            _ => self.selection.members.get_key_value(name).map_or(Picked::Other, |(k, child)| Picked::Member(k.clone(), child)),
+            _ => self.selection.members.get(name).map_or(Picked::Other, Picked::Member),
         })
     }
 }
 
 /// The empty selection, for [`Skip`]'s member names.
-static NOTHING: Selection = Selection { whole: false, members: BTreeMap::new() };
+static NOTHING: Selection = Selection { whole: None, members: BTreeMap::new(), below: Vec::new(), slots: 0 };
 
 /// A value parsed and checked as any other (strings decoded and validated, numbers read), then dropped. Unlike
 /// [`serde::de::IgnoredAny`], which serde_json skips without decoding its escapes (a lone surrogate passes), this
@@ -347,24 +416,23 @@ mod tests {
         assert!(d.decode(br#"{"a":1}"#).is_ok());
     }
 
-    fn selection(paths: &[&str]) -> Selection {
+    /// The selection of `paths`, and each path's slot.
+    fn selection(paths: &[&str]) -> (Selection, Vec<usize>) {
         let mut s = Selection::default();
-        for p in paths {
-            s.add(crate::field::FieldPath::parse(p).unwrap().tokens());
-        }
-        s
+        let slots = paths.iter().map(|p| s.add(crate::field::FieldPath::parse(p).unwrap().tokens())).collect();
+        (s, slots)
     }
 
-    /// Every selected path looks up the same value in the selected decode as in the whole one, and a document is
-    /// refused by both or by neither, with the same message.
+    /// Every selected path's slot holds what looking it up in the whole document gives, and a document is refused
+    /// by both decodes or by neither, with the same message.
     fn same(doc: &[u8], paths: &[&str]) {
         let d = Decoder::new(Format::Json, 1 << 20);
-        let sel = selection(paths);
+        let (sel, slots) = selection(paths);
         match (d.decode(doc), d.decode_selected(doc, &sel)) {
             (Ok(whole), Ok(part)) => {
-                for p in paths {
+                for (p, slot) in paths.iter().zip(&slots) {
                     let path = crate::field::FieldPath::parse(p).unwrap();
-                    assert_eq!(path.lookup(&whole), path.lookup(&part), "{p} in {}", String::from_utf8_lossy(doc));
+                    assert_eq!(path.lookup(&whole), part.get(*slot), "{p} in {}", String::from_utf8_lossy(doc));
                 }
             }
             (Err(a), Err(b)) => assert_eq!(a.to_string(), b.to_string(), "{}", String::from_utf8_lossy(doc)),
@@ -372,13 +440,32 @@ mod tests {
         }
     }
 
+    /// The whole document selected (the empty path), with a path inside it.
+    fn whole_document(doc: &[u8]) {
+        let d = Decoder::new(Format::Json, 1 << 20);
+        let mut sel = Selection::default();
+        let root = sel.add(&[]);
+        let path = crate::field::FieldPath::parse("/order/id").unwrap();
+        let id = sel.add(path.tokens());
+        if let (Ok(whole), Ok(part)) = (d.decode(doc), d.decode_selected(doc, &sel)) {
+            assert_eq!(part.get(root), Some(&whole));
+            assert_eq!(part.get(id), path.lookup(&whole));
+        }
+    }
+
     #[test]
     fn a_selected_decode_finds_what_the_whole_one_finds_and_refuses_what_it_refuses() {
         let paths = ["/order/id", "/order/amount", "/items/1/sku", "/n", "/deep/a/b", "/0", "/list/0"];
+        // Paths selected whole with paths inside them, and the whole document.
+        let nested = ["/order", "/order/id", "/items/1", "/items/1/sku", "/deep/a/b/c/1/d", "/deep"];
         let docs: &[&[u8]] = &[
             br#"{"order":{"id":"A-1","amount":12.50,"note":"x"},"items":[{"sku":"a"},{"sku":"b"},{"sku":"c"}],"n":9007199254740993}"#,
             br#"{"order":{"id":1e400,"amount":"100.000000000000000001"},"n":null,"deep":{"a":5}}"#,
             br#"{"order":{"id":"first"},"order":{"id":"second"}}"#,
+            br#"{"order":{"id":"first","amount":5},"order":{"id":"second"}}"#,
+            br#"{"order":{"id":"first"},"order":"scalar"}"#,
+            br#"{"order":"scalar","order":{"amount":1}}"#,
+            br#"{"items":[{"sku":"a"},{"sku":"b"}],"items":[{"sku":"c"}]}"#,
             br#"{"items":[{"sku":"a"}],"0":"zero","list":[[1,2],3]}"#,
             br#"{"order":"scalar","items":"no","deep":{"a":{"b":{"c":[1,{"d":true}]}}}}"#,
             br#"[{"order":1},2]"#,
@@ -395,6 +482,8 @@ mod tests {
         ];
         for doc in docs {
             same(doc, &paths);
+            same(doc, &nested);
+            whole_document(doc);
         }
         let deep = format!(r#"{{"order":{{"id":"x"}},"skipped":{}{}}}"#, "[".repeat(200), "]".repeat(200));
         same(deep.as_bytes(), &paths);
@@ -415,11 +504,14 @@ mod tests {
     }
 
     #[test]
-    fn members_outside_the_selection_are_not_kept() {
+    fn a_path_added_twice_has_one_slot_and_the_rest_is_not_kept() {
         let d = Decoder::new(Format::Json, 1 << 20);
-        let doc = d.decode_selected(br#"{"order":{"id":"A","note":"long text"},"other":[1,2,3]}"#, &selection(&["/order/id"])).unwrap();
-        assert_eq!(doc, serde_json::json!({"order": {"id": "A"}}));
+        let (sel, slots) = selection(&["/order/id", "/order/amount", "/order/id"]);
+        assert_eq!(slots, [0, 1, 0]);
+        let doc = d.decode_selected(br#"{"order":{"id":"A","note":"long text"},"other":[1,2,3]}"#, &sel).unwrap();
+        assert_eq!(doc, Selected { slots: vec![Some(serde_json::json!("A")), None] });
+        assert_eq!(doc.get(2), None, "a slot the selection does not have");
         let doc = d.decode_selected(br#"{"order":{"id":"A"}}"#, &Selection::default()).unwrap();
-        assert_eq!(doc, serde_json::json!({}));
+        assert_eq!(doc, Selected::default());
     }
 }

@@ -120,21 +120,31 @@ pub enum KeyError {
 impl KeySpec {
     /// Takes the business key from a record and its decoded payload.
     pub fn extract(&self, record: &Record, doc: &Value) -> Result<BusinessKey, KeyError> {
+        self.extract_found(record, |i| self.paths().get(i).and_then(|p| p.lookup(doc)))
+    }
+
+    /// The payload paths the key is made of, in order (none for a key from the record key, a header or a property).
+    pub fn paths(&self) -> &[FieldPath] {
+        match &self.source {
+            KeySource::Field(path) => std::slice::from_ref(path),
+            KeySource::Fields(paths) => paths,
+            KeySource::RecordKey | KeySource::Header(_) | KeySource::Property(_) => &[],
+        }
+    }
+
+    /// [`KeySpec::extract`], with the payload's values already looked up: `found(i)` is the value at
+    /// `self.paths()[i]`, `None` when the payload has nothing there (the worker's selected decode,
+    /// [`crate::decode::Selected`]).
+    pub fn extract_found<'v>(&self, record: &Record, found: impl Fn(usize) -> Option<&'v Value>) -> Result<BusinessKey, KeyError> {
         let text = match &self.source {
-            KeySource::Field(path) => self.part(path, doc)?,
+            KeySource::Field(path) => self.part(path, found(0))?,
             KeySource::Fields(paths) => {
-                let parts = paths.iter().map(|p| self.part(p, doc)).collect::<Result<Vec<_>, _>>()?;
+                let parts = paths.iter().enumerate().map(|(i, p)| self.part(p, found(i))).collect::<Result<Vec<_>, _>>()?;
                 serde_json::to_string(&parts).expect("a list of strings serialises")
             }
-            KeySource::RecordKey => self.bytes("(the record key)", record.key.as_deref())?,
-            KeySource::Header(name) => {
-                let what = format!("(header {name:?})");
-                self.bytes(&what, record.header(name).flatten())?
-            }
-            KeySource::Property(name) => {
-                let what = format!("(property {name})");
-                self.bytes(&what, record.property(name).map(str::as_bytes))?
-            }
+            KeySource::RecordKey => self.bytes(&"(the record key)", record.key.as_deref())?,
+            KeySource::Header(name) => self.bytes(&format_args!("(header {name:?})"), record.header(name).flatten())?,
+            KeySource::Property(name) => self.bytes(&format_args!("(property {name})"), record.property(name).map(str::as_bytes))?,
         };
         if let Some(max) = self.max_bytes {
             if text.len() > max {
@@ -144,8 +154,8 @@ impl KeySpec {
         Ok(BusinessKey::new(text))
     }
 
-    fn part(&self, path: &FieldPath, doc: &Value) -> Result<String, KeyError> {
-        let text = match path.lookup(doc) {
+    fn part(&self, path: &FieldPath, found: Option<&Value>) -> Result<String, KeyError> {
+        let text = match found {
             None => return Err(KeyError::Missing { what: format!("{path} is missing") }),
             Some(Value::Null) => return Err(KeyError::Missing { what: format!("{path} is null") }),
             Some(Value::String(s)) => s.clone(),
@@ -161,17 +171,18 @@ impl KeySpec {
                 return Err(KeyError::Invalid { why: format!("{path} is {kind}, not a string or number") });
             }
         };
-        self.check_text(&path.to_string(), text)
+        self.check_text(path, text)
     }
 
-    fn bytes(&self, what: &str, bytes: Option<&[u8]>) -> Result<String, KeyError> {
+    fn bytes(&self, what: &dyn std::fmt::Display, bytes: Option<&[u8]>) -> Result<String, KeyError> {
         let bytes = bytes.ok_or_else(|| KeyError::Missing { what: format!("{what} is missing") })?;
         let text = std::str::from_utf8(bytes)
             .map_err(|e| KeyError::Invalid { why: format!("{what} is not UTF-8: {e}") })?;
         self.check_text(what, text.to_owned())
     }
 
-    fn check_text(&self, what: &str, text: String) -> Result<String, KeyError> {
+    /// `what` names the key's source in an error; it is formatted only then.
+    fn check_text(&self, what: &dyn std::fmt::Display, text: String) -> Result<String, KeyError> {
         if text.is_empty() && !self.allow_empty {
             return Err(KeyError::Missing { what: format!("{what} is empty") });
         }

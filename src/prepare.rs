@@ -3,8 +3,8 @@
 
 use crate::config::{Binding, Meta, Pipeline, TombstonePolicy, ValueSource};
 use crate::decode::{DecodeError, Decoder, Selection};
-use crate::field::{self, FieldPath, Render};
-use crate::key::{BusinessKey, KeyError, KeySource, KeySpec};
+use crate::field::{self, Render};
+use crate::key::{BusinessKey, KeyError, KeySpec};
 use crate::metrics::DeadLetterReason;
 use crate::record::Record;
 use serde_json::Value;
@@ -46,8 +46,11 @@ pub struct Preparer {
     /// The members of a payload the key and the values read: decoding keeps only these.
     selection: Selection,
     key: KeySpec,
+    /// The slot of each of the key's paths ([`KeySpec::paths`]) in the selected decode.
+    key_slots: Vec<usize>,
     tombstones: TombstonePolicy,
-    bindings: Vec<(Binding, Render)>,
+    /// Each value the sink binds, rendered as given, with the slot of its path when it comes from the payload.
+    bindings: Vec<(Binding, Render, Option<usize>)>,
     refuse_naive: bool,
     /// The most bytes a record's values may take in the store ([`Preparer::with_max_record_bytes`]).
     max_record_bytes: Option<u64>,
@@ -61,22 +64,22 @@ impl Preparer {
     /// target's type: JSON text for `json`/`jsonb`, array literals for arrays, see [`Render`]).
     pub fn new(pipeline: &Pipeline, bindings: Vec<(Binding, Render)>) -> Self {
         let mut selection = Selection::default();
-        let key_paths: Vec<&FieldPath> = match &pipeline.key.source {
-            KeySource::Field(path) => vec![path],
-            KeySource::Fields(paths) => paths.iter().collect(),
-            KeySource::RecordKey | KeySource::Header(_) | KeySource::Property(_) => Vec::new(),
-        };
-        let value_paths = bindings.iter().filter_map(|(b, _)| match &b.source {
-            ValueSource::Field(path) => Some(path),
-            _ => None,
-        });
-        for path in key_paths.into_iter().chain(value_paths) {
-            selection.add(path.tokens());
-        }
+        let key_slots = pipeline.key.paths().iter().map(|path| selection.add(path.tokens())).collect();
+        let bindings = bindings
+            .into_iter()
+            .map(|(b, render)| {
+                let slot = match &b.source {
+                    ValueSource::Field(path) => Some(selection.add(path.tokens())),
+                    _ => None,
+                };
+                (b, render, slot)
+            })
+            .collect();
         Preparer {
             decoder: pipeline.decoder.clone(),
             selection,
             key: pipeline.key.clone(),
+            key_slots,
             tombstones: pipeline.tombstones,
             bindings,
             refuse_naive: pipeline.time.naive == crate::config::NaiveTimestamps::DeadLetter,
@@ -108,14 +111,15 @@ impl Preparer {
             Err(e @ DecodeError::TooLarge { .. }) => return Prepared::dead(DeadLetterReason::PayloadTooLarge, e),
             Err(e) => return Prepared::dead(DeadLetterReason::DecodeFailed, e),
         };
-        let key = match self.key.extract(record, &doc) {
+        let key = match self.key.extract_found(record, |i| self.key_slots.get(i).and_then(|s| doc.get(*s))) {
             Ok(key) => key,
             Err(e @ KeyError::Missing { .. }) => return Prepared::dead(DeadLetterReason::KeyMissing, e),
             Err(e @ KeyError::Invalid { .. }) => return Prepared::dead(DeadLetterReason::KeyInvalid, e),
         };
         let mut values = Vec::with_capacity(self.bindings.len());
-        for (binding, render) in &self.bindings {
-            let v = match value(binding, *render, self.refuse_naive, record, &doc, &key) {
+        for (binding, render, slot) in &self.bindings {
+            let found = slot.and_then(|s| doc.get(s));
+            let v = match value(binding, *render, self.refuse_naive, record, found, &key) {
                 Ok(Some(v)) if matches!(render, Render::UtcWallClock | Render::LocalWallClock) => match field::wall_clock(v, *render, &self.zone) {
                     Ok(v) => Some(v),
                     Err(e) => return Prepared::dead(DeadLetterReason::ParamInvalid, format!("{}: {e}", binding.name)),
@@ -147,12 +151,14 @@ impl Preparer {
     }
 }
 
+/// The value `binding` binds for `record`; `field` is what the payload holds at the binding's path, for a value
+/// from the payload.
 fn value(
     binding: &Binding,
     render: Render,
     refuse_naive: bool,
     record: &Record,
-    doc: &Value,
+    field: Option<&Value>,
     key: &BusinessKey,
 ) -> Result<Option<String>, Prepared> {
     let invalid = |e: &dyn std::fmt::Display| {
@@ -169,7 +175,7 @@ fn value(
             .transpose()
     };
     let found: Option<String> = match &binding.source {
-        ValueSource::Field(path) => match path.lookup(doc) {
+        ValueSource::Field(_) => match field {
             None | Some(Value::Null) => None,
             Some(v) => Some(field::render(v, render, refuse_naive).map_err(|e| invalid(&e))?),
         },

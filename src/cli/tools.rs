@@ -82,10 +82,11 @@ pub struct BenchArgs {
     #[arg(long)]
     perf: bool,
     /// The broker: the embedded Kafka (runs 1-15), a throwaway RabbitMQ node (runs 1, 5, 7 and 8 from quorum queues;
-    /// needs Debian's rabbitmq-server), or a throwaway NATS server (the same runs from JetStream streams; needs
-    /// Debian's nats-server).
+    /// needs Debian's rabbitmq-server), a throwaway NATS server (the same runs from JetStream streams; needs Debian's
+    /// nats-server), or a throwaway RocketMQ name server and broker (the same runs from topics; needs
+    /// rocketmq-namesrv-rust and rocketmq-broker-rust: scripts/rocketmq-throwaway.sh installs them).
     #[arg(long, value_enum, default_value = "kafka")]
-    source: idemflow::demo::DemoSource,
+    source: idemflow::bench::BenchSource,
 }
 
 /// Runs `bench`.

@@ -21,6 +21,7 @@ pub mod nats;
 pub mod postgres;
 pub mod rabbitmq;
 pub mod redis;
+pub mod rocketmq;
 
 use crate::config::{
     self, DatabaseSettings, KafkaSettings, LogSettings, MetricsSettings, PropertyValue, Settings, ShutdownSettings,

@@ -33,16 +33,7 @@ pub fn settings(name_server: &str) -> String {
 }
 
 fn binary(name: &str) -> PathBuf {
-    let home = std::env::var("CARGO_HOME").map(PathBuf::from).unwrap_or_else(|_| PathBuf::from(std::env::var("HOME").unwrap()).join(".cargo"));
-    let in_cargo = home.join("bin").join(name);
-    if in_cargo.exists() {
-        return in_cargo;
-    }
-    which(name).unwrap_or_else(|| panic!("{name} not found: run scripts/rocketmq-throwaway.sh install (cargo install rocketmq-namesrv rocketmq-broker, about 20 minutes)"))
-}
-
-fn which(name: &str) -> Option<PathBuf> {
-    std::env::var_os("PATH").and_then(|p| std::env::split_paths(&p).map(|d| d.join(name)).find(|f| f.exists()))
+    idemflow::demo::rocketmq::binary(name).unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// A name server and one broker in a temporary directory, on free ports. Killed on drop.
@@ -59,14 +50,7 @@ impl Cluster {
     pub fn start() -> Cluster {
         let dir = tempfile::tempdir().unwrap();
         let ns_port = super::free_port();
-        // The broker also listens on listenPort - 2, - 9 and + 1 (HA): keep those free too.
-        let broker_port = loop {
-            let p = super::free_port();
-            let free = |q: u16| std::net::TcpListener::bind(("127.0.0.1", q)).is_ok();
-            if p > 20_000 && p < 65_000 && free(p - 2) && free(p - 9) && free(p + 1) {
-                break p;
-            }
-        };
+        let broker_port = idemflow::demo::rocketmq::free_broker_port().unwrap();
         let mut c = Cluster { dir, ns_port, broker_port, namesrv: None, broker: None };
         c.start_namesrv();
         c.start_broker();
@@ -92,7 +76,7 @@ impl Cluster {
     pub fn start_broker(&mut self) {
         let d = self.dir.path();
         let props = d.join("broker.properties");
-        std::fs::write(&props, broker_properties(d, self.broker_port, self.ns_port)).unwrap();
+        std::fs::write(&props, idemflow::demo::rocketmq::broker_properties(d, self.broker_port, self.ns_port)).unwrap();
         let log = std::fs::OpenOptions::new().create(true).append(true).open(d.join("broker.log")).unwrap();
         let child = Command::new(binary("rocketmq-broker-rust"))
             .arg("-c")
@@ -135,21 +119,6 @@ impl Drop for Cluster {
             let _ = n.wait();
         }
     }
-}
-
-/// The broker's settings: one broker of cluster `idemflow`, advertising 127.0.0.1, its HA port beside its port
-/// (the default, 10912, would be shared by every broker of the machine), topics created on first use, small
-/// store files (the default commit log file is 1 GiB).
-pub fn broker_properties(dir: &Path, port: u16, ns_port: u16) -> String {
-    format!(
-        "brokerClusterName=idemflow\nbrokerName=broker-a\nbrokerId=0\nbrokerIP1=127.0.0.1\nlistenPort={port}\n\
-         haListenPort={}\nnamesrvAddr=127.0.0.1:{ns_port}\nstorePathRootDir={}\nstorePathCommitLog={}\nautoCreateTopicEnable=true\n\
-         autoCreateSubscriptionGroup=true\nmappedFileSizeCommitLog=67108864\n\
-         mappedFileSizeConsumeQueue=600000\n",
-        port + 1,
-        dir.join("store").display(),
-        dir.join("store/commitlog").display()
-    )
 }
 
 fn wait_port(port: u16, log: &Path) {
