@@ -170,6 +170,11 @@ impl Selected {
     pub fn get(&self, slot: usize) -> Option<&Value> {
         self.slots.get(slot).and_then(Option::as_ref)
     }
+
+    /// The value at the path of `slot`, taken out: [`Selected::get`] finds nothing there afterwards.
+    pub fn take(&mut self, slot: usize) -> Option<Value> {
+        self.slots.get_mut(slot).and_then(Option::take)
+    }
 }
 
 /// Deserializes a value into `slots`, keeping only `selection`'s members. The caller empties the slots below

@@ -162,17 +162,33 @@ pub enum ValueError {
 /// business keys, see [`crate::key`]); [`ValueError::NotAnArray`] for an array target given an object, number or
 /// boolean; [`ValueError::Naive`].
 pub fn render(value: &Value, render: Render, refuse_naive: bool) -> Result<String, ValueError> {
-    if contains_nul(value) {
+    render_cow(std::borrow::Cow::Borrowed(value), render, refuse_naive)
+}
+
+/// [`render`], taking the value: a string rendered as text is moved, not copied (the worker's values, each read
+/// from its slot of the decoded payload).
+///
+/// Errors: as [`render`]'s.
+pub fn render_owned(value: Value, render: Render, refuse_naive: bool) -> Result<String, ValueError> {
+    render_cow(std::borrow::Cow::Owned(value), render, refuse_naive)
+}
+
+fn render_cow(value: std::borrow::Cow<'_, Value>, render: Render, refuse_naive: bool) -> Result<String, ValueError> {
+    if contains_nul(&value) {
         return Err(ValueError::Nul);
     }
-    Ok(match (value, render) {
+    Ok(match (&*value, render) {
         (Value::String(s), Render::Zoned | Render::UtcWallClock) if refuse_naive && !has_utc_offset(s) => {
             return Err(ValueError::Naive(s.chars().take(64).collect()))
         }
         (
-            Value::String(s),
+            Value::String(_),
             Render::Text | Render::Zoned | Render::Array { .. } | Render::UtcWallClock | Render::LocalWallClock | Render::Numeric,
-        ) => s.clone(),
+        ) => match value {
+            std::borrow::Cow::Owned(Value::String(s)) => s,
+            std::borrow::Cow::Borrowed(Value::String(s)) => s.clone(),
+            _ => unreachable!("matched as a string above"),
+        },
         (Value::Bool(b), Render::Numeric) => u8::from(*b).to_string(),
         (Value::Array(items), Render::Array { json }) => {
             let mut out = String::new();
@@ -182,7 +198,7 @@ pub fn render(value: &Value, render: Render, refuse_naive: bool) -> Result<Strin
         (other, Render::Array { .. }) => return Err(ValueError::NotAnArray(kind(other))),
         (Value::Number(n), _) => plain_decimal(&n.to_string()),
         (Value::Bool(b), _) => b.to_string(),
-        _ => value.to_string(),
+        (other, _) => other.to_string(),
     })
 }
 

@@ -8,6 +8,7 @@ use crate::key::{BusinessKey, KeyError, KeySpec};
 use crate::metrics::DeadLetterReason;
 use crate::record::Record;
 use serde_json::Value;
+use std::borrow::Cow;
 use sha2::{Digest, Sha256};
 use std::time::{Duration, SystemTime};
 
@@ -23,6 +24,14 @@ pub enum Prepared {
 }
 
 pub use crate::store::rows::Apply;
+
+/// Where a value from the payload is in the selected decode.
+#[derive(Clone, Copy, Debug)]
+struct Slot {
+    slot: usize,
+    /// No later binding reads this slot: the value is taken, not copied.
+    last: bool,
+}
 
 /// A record that cannot be applied.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -50,7 +59,7 @@ pub struct Preparer {
     key_slots: Vec<usize>,
     tombstones: TombstonePolicy,
     /// Each value the sink binds, rendered as given, with the slot of its path when it comes from the payload.
-    bindings: Vec<(Binding, Render, Option<usize>)>,
+    bindings: Vec<(Binding, Render, Option<Slot>)>,
     refuse_naive: bool,
     /// The most bytes a record's values may take in the store ([`Preparer::with_max_record_bytes`]).
     max_record_bytes: Option<u64>,
@@ -65,16 +74,23 @@ impl Preparer {
     pub fn new(pipeline: &Pipeline, bindings: Vec<(Binding, Render)>) -> Self {
         let mut selection = Selection::default();
         let key_slots = pipeline.key.paths().iter().map(|path| selection.add(path.tokens())).collect();
-        let bindings = bindings
+        let mut bindings: Vec<(Binding, Render, Option<Slot>)> = bindings
             .into_iter()
             .map(|(b, render)| {
                 let slot = match &b.source {
-                    ValueSource::Field(path) => Some(selection.add(path.tokens())),
+                    ValueSource::Field(path) => Some(Slot { slot: selection.add(path.tokens()), last: false }),
                     _ => None,
                 };
                 (b, render, slot)
             })
             .collect();
+        // The last binding to read a slot takes its value; the ones before it copy it.
+        let mut seen = std::collections::HashSet::new();
+        for (_, _, slot) in bindings.iter_mut().rev() {
+            if let Some(s) = slot {
+                s.last = seen.insert(s.slot);
+            }
+        }
         Preparer {
             decoder: pipeline.decoder.clone(),
             selection,
@@ -106,7 +122,7 @@ impl Preparer {
             let e = DecodeError::TooLarge { size: o.size as usize, limit: self.decoder.max_payload_bytes() };
             return Prepared::dead(DeadLetterReason::PayloadTooLarge, e);
         }
-        let doc = match self.decoder.decode_selected(payload, &self.selection) {
+        let mut doc = match self.decoder.decode_selected(payload, &self.selection) {
             Ok(doc) => doc,
             Err(e @ DecodeError::TooLarge { .. }) => return Prepared::dead(DeadLetterReason::PayloadTooLarge, e),
             Err(e) => return Prepared::dead(DeadLetterReason::DecodeFailed, e),
@@ -118,7 +134,11 @@ impl Preparer {
         };
         let mut values = Vec::with_capacity(self.bindings.len());
         for (binding, render, slot) in &self.bindings {
-            let found = slot.and_then(|s| doc.get(s));
+            let found = match slot {
+                Some(Slot { slot, last: true }) => doc.take(*slot).map(Cow::Owned),
+                Some(Slot { slot, last: false }) => doc.get(*slot).map(Cow::Borrowed),
+                None => None,
+            };
             let v = match value(binding, *render, self.refuse_naive, record, found, &key) {
                 Ok(Some(v)) if matches!(render, Render::UtcWallClock | Render::LocalWallClock) => match field::wall_clock(v, *render, &self.zone) {
                     Ok(v) => Some(v),
@@ -158,7 +178,7 @@ fn value(
     render: Render,
     refuse_naive: bool,
     record: &Record,
-    field: Option<&Value>,
+    field: Option<Cow<'_, Value>>,
     key: &BusinessKey,
 ) -> Result<Option<String>, Prepared> {
     let invalid = |e: &dyn std::fmt::Display| {
@@ -169,15 +189,17 @@ fn value(
             .map(|b| match std::str::from_utf8(b) {
                 Ok(s) if s.contains('\0') => Err(invalid(&field::ValueError::Nul)),
                 Ok(s) if render == Render::Json => Ok(Value::String(s.to_owned()).to_string()),
-                Ok(s) => field::render(&Value::String(s.to_owned()), render, refuse_naive).map_err(|e| invalid(&e)),
+                Ok(s) => field::render_owned(Value::String(s.to_owned()), render, refuse_naive).map_err(|e| invalid(&e)),
                 Err(e) => Err(invalid(&format!("not UTF-8: {e}"))),
             })
             .transpose()
     };
     let found: Option<String> = match &binding.source {
         ValueSource::Field(_) => match field {
-            None | Some(Value::Null) => None,
-            Some(v) => Some(field::render(v, render, refuse_naive).map_err(|e| invalid(&e))?),
+            None => None,
+            Some(v) if v.is_null() => None,
+            Some(Cow::Owned(v)) => Some(field::render_owned(v, render, refuse_naive).map_err(|e| invalid(&e))?),
+            Some(Cow::Borrowed(v)) => Some(field::render(v, render, refuse_naive).map_err(|e| invalid(&e))?),
         },
         ValueSource::RecordKey => utf8(record.key.as_deref())?,
         ValueSource::Header(name) => utf8(record.header(name).flatten())?,
@@ -222,5 +244,54 @@ fn describe(source: &ValueSource) -> String {
         ValueSource::Header(h) => format!("header {h:?}"),
         ValueSource::Property(p) => format!("property {p}"),
         ValueSource::Meta(m) => format!("{m:?}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Dialect;
+    use crate::record::Position;
+    use std::path::Path;
+    use std::sync::Arc;
+
+    fn binding(name: &str, path: &str) -> (Binding, Render) {
+        let source = ValueSource::Field(crate::field::FieldPath::parse(path).unwrap());
+        let b = Binding { name: name.into(), source, default: None, optional: true, declared: None, type_name: None, round: false, limit: None };
+        (b, Render::Text)
+    }
+
+    fn record(payload: &str) -> Record {
+        Record {
+            position: Position { topic: Arc::from("t"), partition: 0, offset: 7 },
+            timestamp_ms: None,
+            key: None,
+            headers: Vec::new(),
+            payload: Some(payload.as_bytes().to_vec()),
+            oversized: None,
+            properties: Vec::new(),
+            delivered_before: None,
+        }
+    }
+
+    /// A path the key and several values read is read once and given to each (the last reader takes it, the others
+    /// copy it); a path the payload lacks, or holds a scalar on the way to, binds NULL.
+    #[test]
+    fn values_sharing_a_path_each_get_it() {
+        let text = "topics = [\"t\"]\n[key]\nfield = \"/order/id\"\n[sink]\ntable = \"t\"\n[sink.columns]\na = \"/a\"\n";
+        let pipeline = crate::config::pipeline::load_text_in(text, Path::new("p.toml"), Dialect::Postgres).unwrap();
+        let bindings = vec![
+            binding("id", "/order/id"),
+            binding("again", "/order/id"),
+            binding("amount", "/order/amount"),
+            binding("missing", "/order/note"),
+            binding("through", "/order/id/x"),
+            binding("id_last", "/order/id"),
+        ];
+        let p = Preparer::new(&pipeline, bindings);
+        let Prepared::Apply(a) = p.prepare(&record(r#"{"order":{"id":"A-1","amount":12.50},"other":[1]}"#)) else { panic!() };
+        assert_eq!(a.key.text, "A-1");
+        let some = |s: &str| Some(s.to_owned());
+        assert_eq!(a.values, [some("A-1"), some("A-1"), some("12.50"), None, None, some("A-1")]);
     }
 }
