@@ -677,12 +677,7 @@ impl Producer {
                 rdkafka::ClientConfig::new().set("bootstrap.servers", bootstrap).set("acks", "all").set("linger.ms", "20").create()?,
             ),
             ProducerTarget::RocketMq(name_server) => {
-                let runtime = crate::source::rocketmq::Runtime::new("demo-producer").map_err(anyhow::Error::msg)?;
-                let mut producer = rocketmq_client_rust::DefaultMQProducer::builder(runtime.client())
-                    .producer_group("idemflow-demo-producer")
-                    .name_server_addr(name_server.clone())
-                    .build();
-                producer.start().await.map_err(|e| anyhow::anyhow!("starting the RocketMQ producer: {e}"))?;
+                let (runtime, producer) = rocketmq::start_producer(name_server, "idemflow-demo-producer").await?;
                 Producer::RocketMq(runtime, producer)
             }
         })

@@ -121,21 +121,32 @@ impl Drop for Throwaway {
     }
 }
 
+/// A started producer of group `group` on `name_server`, with the client runtime it runs on (shut both down when
+/// done: `producer.shutdown()`, then `runtime.shutdown()`).
+///
+/// Errors: the runtime or the producer could not start.
+pub async fn start_producer(
+    name_server: &str,
+    group: &str,
+) -> anyhow::Result<(crate::source::rocketmq::Runtime, rocketmq_client_rust::DefaultMQProducer)> {
+    let runtime = crate::source::rocketmq::Runtime::new(group).map_err(anyhow::Error::msg)?;
+    let mut producer = rocketmq_client_rust::DefaultMQProducer::builder(runtime.client())
+        .producer_group(group)
+        .name_server_addr(name_server.to_owned())
+        .build();
+    producer.start().await.map_err(|e| anyhow::anyhow!("starting a RocketMQ producer on {name_server}: {e}"))?;
+    Ok((runtime, producer))
+}
+
 /// Publishes `bodies` to `topic` in order, in batches of 500 spread over the topic's 4 queues in turn (one
 /// synchronous batch send each: every message stored by the broker before the next batch), retrying the first
 /// while the topic is being created (at most 30 s).
 ///
 /// Errors: a send failed (after the topic exists), or the producer could not start.
 pub async fn publish(name_server: &str, topic: &str, bodies: &[Vec<u8>]) -> anyhow::Result<()> {
-    use rocketmq_client_rust::DefaultMQProducer;
     use rocketmq_model::common::message::message_queue::MessageQueue;
     use rocketmq_model::common::message::message_single::Message;
-    let runtime = crate::source::rocketmq::Runtime::new("bench-producer").map_err(anyhow::Error::msg)?;
-    let mut producer = DefaultMQProducer::builder(runtime.client())
-        .producer_group(format!("idemflow-bench-{}", std::process::id()))
-        .name_server_addr(name_server.to_owned())
-        .build();
-    producer.start().await.map_err(|e| anyhow::anyhow!("starting a RocketMQ producer: {e}"))?;
+    let (runtime, mut producer) = start_producer(name_server, &format!("idemflow-bench-{}", std::process::id())).await?;
     let messages = |chunk: &[Vec<u8>]| -> anyhow::Result<Vec<Message>> {
         chunk.iter().map(|b| Message::builder().topic(topic).body_slice(b).build().map_err(|e| anyhow::anyhow!("{e}"))).collect()
     };
