@@ -98,6 +98,13 @@ async fn bench_on_nats_runs_the_worker_and_the_consume_only_ceiling() {
     bench_on_one_stream("nats", "NATS JetStream").await
 }
 
+/// `idemflow bench --source rocketmq`, small: the same runs from topics of a throwaway RocketMQ name server and
+/// broker, (5) through the worker's own pull consumer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bench_on_rocketmq_runs_the_worker_and_the_consume_only_ceiling() {
+    bench_on_one_stream("rocketmq", "RocketMQ").await
+}
+
 /// Runs (1), (5), (7) and (8) of `idemflow bench --source <source>` over 5,000 records, each with every record
 /// received, and the ratios named after `broker`.
 async fn bench_on_one_stream(source: &str, broker: &str) {
