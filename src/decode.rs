@@ -282,14 +282,44 @@ where
     A: MapAccess<'de>,
     S: for<'t> DeserializeSeed<'t, Value = V>,
 {
-    let text: String = map.next_value()?;
-    if let Picked::Number = picked {
-        text.parse::<serde_json::Number>().map_err(serde::de::Error::custom)?;
+    let is_number = matches!(picked, Picked::Number);
+    let text = map.next_value_seed(PrivateText { number: is_number })?;
+    if is_number {
         return Ok(number);
     }
     let mut de = serde_json::Deserializer::from_str(&text);
     let inner = seed.deserialize(&mut de).and_then(|v| de.end().map(|()| v));
     inner.map_err(serde::de::Error::custom)
+}
+
+/// The text of a private member's value, read as serde_json's `Value` reads it (its `NumberFromString` and
+/// `BoxedFromString`): a string, refused with serde_json's own words when it is not one, and for [`NUMBER`] checked
+/// as a number's text while it is read.
+struct PrivateText {
+    number: bool,
+}
+
+impl<'de> DeserializeSeed<'de> for PrivateText {
+    type Value = String;
+
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<String, D::Error> {
+        deserializer.deserialize_str(self)
+    }
+}
+
+impl<'de> Visitor<'de> for PrivateText {
+    type Value = String;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(if self.number { "string containing a number" } else { "raw value" })
+    }
+
+    fn visit_str<E: serde::de::Error>(self, text: &str) -> Result<String, E> {
+        if self.number {
+            text.parse::<serde_json::Number>().map_err(E::custom)?;
+        }
+        Ok(text.to_owned())
+    }
 }
 
 /// [`Skip`] as a seed.
@@ -502,6 +532,11 @@ mod tests {
             br#"{"order":{"id":"A"},"x":{"$serde_json::private::RawValue":"[1,"}}"#,
             br#"{"order":{"id":"A","$serde_json::private::Number":"zz"}}"#,
             br#"{"$serde_json::private::Number":"1","order":{"id":"A"}}"#,
+            // Not strings: refused with serde_json's own words.
+            br#"{"order":{"id":"A"},"x":{"$serde_json::private::Number":1}}"#,
+            br#"{"$serde_json::private::RawValue":null}"#,
+            br#"{"order":{"$serde_json::private::RawValue":["x"]}}"#,
+            br#"{"order":{"id":"A"},"x":{"$serde_json::private::Number":"1x"}}"#,
         ];
         for doc in private {
             same(doc, &paths);

@@ -50,28 +50,35 @@ pub fn sql(data: &[u8]) {
     }
 }
 
-/// A field path (the first line) and a payload (the rest): decoded, looked up, rendered for every kind of target,
-/// keys and decimals made canonical, and the rounding check of a column: never a panic; a canonical decimal is its
-/// own canonical form; a value rounded for a column fits it.
+/// A field path (the first line; several separated by tabs for the selected decode) and a payload (the rest):
+/// decoded, looked up, rendered for every kind of target, keys and decimals made canonical, and the rounding check
+/// of a column: never a panic; a canonical decimal is its own canonical form; a value rounded for a column fits it.
 pub fn values(data: &[u8]) {
-    let (path, payload) = match data.iter().position(|b| *b == b'\n') {
+    let (line, payload) = match data.iter().position(|b| *b == b'\n') {
         Some(at) => (&data[..at], &data[at + 1..]),
         None => (data, &b""[..]),
     };
-    let Ok(path) = std::str::from_utf8(path) else { return };
+    let Ok(line) = std::str::from_utf8(line) else { return };
     let decoder = Decoder::new(Format::Json, 1 << 16);
     // The selected decode (what the worker runs) refuses what the whole one refuses, with the same error, and
-    // finds what the whole one finds at the selected path.
-    if let Ok(p) = FieldPath::parse(path) {
+    // finds what the whole one finds at each selected path (paths inside one another, and a path given twice,
+    // share the decode).
+    let paths: Vec<FieldPath> = line.split('\t').take(4).filter_map(|p| FieldPath::parse(p).ok()).collect();
+    if !paths.is_empty() {
         let mut selection = idemflow::decode::Selection::default();
-        let slot = selection.add(p.tokens());
+        let slots: Vec<usize> = paths.iter().map(|p| selection.add(p.tokens())).collect();
         let (whole, part) = (decoder.decode(payload), decoder.decode_selected(payload, &selection));
         match (&whole, &part) {
-            (Ok(w), Ok(s)) => assert_eq!(p.lookup(w), s.get(slot), "{path}"),
+            (Ok(w), Ok(s)) => {
+                for (p, slot) in paths.iter().zip(&slots) {
+                    assert_eq!(p.lookup(w), s.get(*slot), "{p}");
+                }
+            }
             (Err(a), Err(b)) => assert_eq!(a.to_string(), b.to_string()),
             _ => panic!("whole {whole:?}, selected {part:?}"),
         }
     }
+    let path = line.split('\t').next().unwrap_or_default();
     let Ok(doc) = decoder.decode(payload) else { return };
     let found = FieldPath::parse(path).ok().and_then(|p| p.lookup(&doc).cloned()).unwrap_or(doc);
     for render in [Render::Text, Render::Json, Render::Zoned, Render::Array { json: false }, Render::Array { json: true }, Render::Numeric] {

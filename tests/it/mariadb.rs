@@ -109,10 +109,11 @@ async fn core_duplicates_exactly_once_on_mariadb() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn crash_loop_sigkill_on_mariadb() {
-    let (db, kafka, _, s) = fixture(24_000, false, None).await;
+    let (db, kafka, _, s) = fixture(40_000, false, None).await;
     let props = "\"session.timeout.ms\" = \"1500\"\n\"heartbeat.interval.ms\" = \"200\"";
     // Batches of 500, not 2,000: the stream lasts long enough for ten kills also on a quiet machine (with 2,000 a
-    // worker run could finish it after nine), and kills land inside and between more transactions.
+    // worker run could finish it after nine), and kills land inside and between more transactions. 40,000 records:
+    // with 24,000 a quiet machine and the worker's faster decode (issue 28) finished it after nine kills.
     let small = format!("{}\n[batch]\nmax_records = 500\n", example());
     let setup = Setup::with(&db, &kafka, &[("payments.toml", &small)], props, "");
     let kills = kill_repeatedly(&setup, &kafka, 3, 12, 50, 350).await;
