@@ -52,9 +52,9 @@ async fn bench_runs_every_baseline_and_writes_markdown_and_json() {
             "(6) / (1)",
             "(7) / (1), Redis against the Postgres table form",
             "(7) / (5), Redis against consume-only",
-            "(8) / (1), the shipped example (SQL form) against the table form",
-            "(8) / (12), the shipped example: server-side loop against per-record round trips",
-            "(13) / (1), the shipped example's set-based form (batch_sql) against the table form",
+            "(8) / (1), the shipped example (batch SQL form) against the table form",
+            "(8) / (13), the shipped example against its per-record SQL form",
+            "(13) / (12), the per-record SQL form: server-side loop against per-record round trips",
             "(14) / (1), two batch transactions at once against one",
             "(15) / (1), four batch transactions at once against one",
             "(1) / (9), the table form against COPY of the minimal rows",
@@ -65,10 +65,10 @@ async fn bench_runs_every_baseline_and_writes_markdown_and_json() {
         ]
     );
     assert!(runs[7]["note"].as_str().unwrap().contains("4000 received"), "the shipped example: {}", runs[7]);
-    assert!(runs[12]["note"].as_str().unwrap().contains("4000 received"), "its set-based form: {}", runs[12]);
+    assert!(runs[12]["note"].as_str().unwrap().contains("4000 received"), "its per-record form: {}", runs[12]);
     let applied = |r: &serde_json::Value| r["note"].as_str().unwrap().split(" applied").next().unwrap().rsplit(' ').next().unwrap().to_owned();
     assert!(applied(&runs[7]).parse::<u64>().unwrap() > 3000, "{}", runs[7]);
-    assert_eq!(applied(&runs[12]), applied(&runs[7]), "the set-based form applies what the per-record form does");
+    assert_eq!(applied(&runs[12]), applied(&runs[7]), "the per-record form applies what the batch SQL form does");
     for hand_written in [9, 10] {
         assert!(runs[hand_written]["cpu_us_per_record"].as_f64().unwrap() > 0.0, "{}", runs[hand_written]);
     }
@@ -131,7 +131,7 @@ async fn bench_on_one_stream(source: &str, broker: &str) {
     assert!(runs[3]["note"].as_str().unwrap().contains("5000 received"), "the shipped example: {}", runs[3]);
     assert_eq!(
         report["ratios"][3][0].as_str().unwrap(),
-        format!("(8) / (1), {broker}: the shipped example (SQL form) against the table form")
+        format!("(8) / (1), {broker}: the shipped example (batch SQL form) against the table form")
     );
     assert!(std::fs::read_to_string(&md).unwrap().contains(broker));
 }

@@ -1,5 +1,6 @@
 //! The built `idemflow` binary, as a user runs it, against the Kafka mock cluster and a real Postgres, with the
-//! shipped `pipelines/payments.toml` and its set-based form `examples/batch-sql/payments.toml`.
+//! shipped `pipelines/payments.toml` (the batch SQL form) and its per-record SQL form
+//! `examples/per-record-sql/payments.toml`.
 
 use crate::support::*;
 use std::time::Duration;
@@ -52,10 +53,10 @@ async fn binary_applies_each_payment_once_counts_duplicates_and_commits_offsets(
     applies_each_payment_once("pipelines/payments.toml").await;
 }
 
-/// The same stream and checks through the set-based form of the example (`batch_sql`).
+/// The same stream and checks through the per-record SQL form of the example (`sql`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_batch_sql_example_applies_each_payment_once_counts_duplicates_and_commits_offsets() {
-    applies_each_payment_once("examples/batch-sql/payments.toml").await;
+async fn the_per_record_sql_example_applies_each_payment_once_counts_duplicates_and_commits_offsets() {
+    applies_each_payment_once("examples/per-record-sql/payments.toml").await;
 }
 
 /// Runs the binary with the pipeline file `pipeline` (relative to the project root; it reads `payments` and writes
