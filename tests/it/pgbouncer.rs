@@ -110,8 +110,22 @@ fn through(setup: &Setup, db: &TestDb, url: &str, prepared_statements: bool) {
     std::fs::write(&setup.config, text).unwrap();
 }
 
+/// The shipped example (the batch SQL form) behind PgBouncer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn behind_pgbouncer_in_transaction_mode() {
+    behind_pgbouncer(&shipped()).await;
+}
+
+/// The per-record SQL form behind PgBouncer: its server-side loop is a function each server session creates in
+/// its `pg_temp`, and two workers' connections share one server session here.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_per_record_sql_form_behind_pgbouncer_in_transaction_mode() {
+    let per_record = std::fs::read_to_string(project_root().join("examples/per-record-sql/payments.toml")).unwrap();
+    assert!(per_record.contains("\nsql = ["), "the per-record example runs statements per record");
+    behind_pgbouncer(&per_record).await;
+}
+
+async fn behind_pgbouncer(pipeline: &str) {
     let mut bouncer = PgBouncer::start();
     let db = payments_db(None).await;
     let kafka = Kafka::new();
@@ -127,7 +141,7 @@ async fn behind_pgbouncer_in_transaction_mode() {
         let kafka = Kafka::new();
         kafka.create_topic("payments", 4);
         let s = payments(2000, 4, false);
-        let setup = Setup::new(&db, &kafka, &[("payments.toml", &shipped())]);
+        let setup = Setup::new(&db, &kafka, &[("payments.toml", pipeline)]);
         let config = setup.config.to_str().unwrap().to_owned();
         through(&setup, &db, &bouncer.url(&db), true);
         for _ in 0..3 {
@@ -136,7 +150,7 @@ async fn behind_pgbouncer_in_transaction_mode() {
         }
         let (status, out, err) = idemflow(&["migrate", "--config", &config], setup.dir.path());
         assert!(!status.success() && err.contains("PostgreSQL itself"), "{out}{err}");
-        let second = Setup::new(&db, &kafka, &[("payments.toml", &shipped())]);
+        let second = Setup::new(&db, &kafka, &[("payments.toml", pipeline)]);
         through(&second, &db, &bouncer.url(&db), true);
         kafka.produce("payments", &s.records);
         let (mut a, mut b) = (BinWorker::start(&setup), BinWorker::start(&second));
@@ -150,7 +164,7 @@ async fn behind_pgbouncer_in_transaction_mode() {
     }
 
     // With it: check, run, a SIGKILL mid-batch, a PgBouncer restart.
-    let setup = Setup::new(&db, &kafka, &[("payments.toml", &shipped())]);
+    let setup = Setup::new(&db, &kafka, &[("payments.toml", pipeline)]);
     let config = setup.config.to_str().unwrap().to_owned();
     through(&setup, &db, &bouncer.url(&db), false);
     let (status, out, err) = idemflow(&["check", "--config", &config], setup.dir.path());
