@@ -142,12 +142,7 @@ impl Selection {
     /// selected whole), as looking them up in it would.
     fn fill(&self, value: &Value, slots: &mut [Option<Value>]) {
         for (name, child) in &self.members {
-            let found = match value {
-                Value::Object(map) => map.get(name.as_str()),
-                Value::Array(items) => crate::field::array_index(name).and_then(|i| items.get(i)),
-                _ => None,
-            };
-            if let Some(found) = found {
+            if let Some(found) = crate::field::step(value, name) {
                 if let Some(s) = child.whole {
                     slots[s] = Some(found.clone());
                 }

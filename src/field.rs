@@ -59,11 +59,17 @@ impl FieldPath {
     /// The value at this path, or `None` when any step is missing (a missing member, an index out of range, or a
     /// step into a scalar).
     pub fn lookup<'v>(&self, root: &'v Value) -> Option<&'v Value> {
-        self.tokens.iter().try_fold(root, |node, token| match node {
-            Value::Object(map) => map.get(token.as_str()),
-            Value::Array(items) => array_index(token).and_then(|i| items.get(i)),
-            _ => None,
-        })
+        self.tokens.iter().try_fold(root, |node, token| step(node, token))
+    }
+}
+
+/// One step of a path: the member `token` of an object, the item at index `token` of an array (RFC 6901 section 4,
+/// see [`array_index`]); `None` when there is none, or `node` is a scalar.
+pub(crate) fn step<'v>(node: &'v Value, token: &str) -> Option<&'v Value> {
+    match node {
+        Value::Object(map) => map.get(token),
+        Value::Array(items) => array_index(token).and_then(|i| items.get(i)),
+        _ => None,
     }
 }
 
@@ -165,15 +171,11 @@ pub fn render(value: &Value, render: Render, refuse_naive: bool) -> Result<Strin
     render_cow(std::borrow::Cow::Borrowed(value), render, refuse_naive)
 }
 
-/// [`render`], taking the value: a string rendered as text is moved, not copied (the worker's values, each read
-/// from its slot of the decoded payload).
+/// [`render`], taking the value borrowed or owned: an owned string rendered as text is moved, not copied (the
+/// worker's values, each taken from its slot of the decoded payload by the last binding that reads it).
 ///
 /// Errors: as [`render`]'s.
-pub fn render_owned(value: Value, render: Render, refuse_naive: bool) -> Result<String, ValueError> {
-    render_cow(std::borrow::Cow::Owned(value), render, refuse_naive)
-}
-
-fn render_cow(value: std::borrow::Cow<'_, Value>, render: Render, refuse_naive: bool) -> Result<String, ValueError> {
+pub fn render_cow(value: std::borrow::Cow<'_, Value>, render: Render, refuse_naive: bool) -> Result<String, ValueError> {
     if contains_nul(&value) {
         return Err(ValueError::Nul);
     }

@@ -189,7 +189,7 @@ fn value(
             .map(|b| match std::str::from_utf8(b) {
                 Ok(s) if s.contains('\0') => Err(invalid(&field::ValueError::Nul)),
                 Ok(s) if render == Render::Json => Ok(Value::String(s.to_owned()).to_string()),
-                Ok(s) => field::render_owned(Value::String(s.to_owned()), render, refuse_naive).map_err(|e| invalid(&e)),
+                Ok(s) => field::render_cow(Cow::Owned(Value::String(s.to_owned())), render, refuse_naive).map_err(|e| invalid(&e)),
                 Err(e) => Err(invalid(&format!("not UTF-8: {e}"))),
             })
             .transpose()
@@ -198,8 +198,7 @@ fn value(
         ValueSource::Field(_) => match field {
             None => None,
             Some(v) if v.is_null() => None,
-            Some(Cow::Owned(v)) => Some(field::render_owned(v, render, refuse_naive).map_err(|e| invalid(&e))?),
-            Some(Cow::Borrowed(v)) => Some(field::render(v, render, refuse_naive).map_err(|e| invalid(&e))?),
+            Some(v) => Some(field::render_cow(v, render, refuse_naive).map_err(|e| invalid(&e))?),
         },
         ValueSource::RecordKey => utf8(record.key.as_deref())?,
         ValueSource::Header(name) => utf8(record.header(name).flatten())?,
