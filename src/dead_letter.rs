@@ -71,6 +71,7 @@ impl Stored {
                 .filter_map(|(k, v)| crate::record::PROPERTIES.iter().find(|p| **p == k).map(|p| (*p, v.clone())))
                 .collect(),
             delivered_before: (self.partition == crate::record::NO_PARTITION).then_some(false),
+            receipt: crate::record::Receipt::NONE,
         }
     }
 }

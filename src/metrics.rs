@@ -217,6 +217,7 @@ pub struct Metrics {
     assigned_partitions: IntGaugeVec,
     dedup_rows_purged: IntCounterVec,
     db_retries: IntCounterVec,
+    prepared_ahead: IntCounterVec,
     offset_commits: IntCounterVec,
     rebalances: IntCounterVec,
     pipeline_up: IntGaugeVec,
@@ -290,6 +291,7 @@ impl Metrics {
             },
             dedup_rows_purged: counter(&r, "idemflow_dedup_rows_purged_total", "Dedup rows deleted by retention.", &["pipeline"]),
             db_retries: counter(&r, "idemflow_db_retries_total", "Batch attempts that failed with a retryable database error, by cause.", &["pipeline", "cause"]),
+            prepared_ahead: counter(&r, "idemflow_records_prepared_ahead_total", "Records prepared (decoded, keyed, their values taken) while the batch before theirs was in its transaction, by result: used for their batch, or dropped unused (their partition revoked or channel lost before it, the statements rebuilt).", &["pipeline", "result"]),
             offset_commits: counter(&r, "idemflow_offset_commits_total", "Kafka offset commits and RabbitMQ acknowledgements after a batch's COMMIT, by result.", &["pipeline", "result"]),
             rebalances: counter(&r, "idemflow_rebalances_total", "Consumer group rebalance events (RabbitMQ: consumers started, assign, and lost with their connection, revoke), by event.", &["pipeline", "event"]),
             pipeline_up,
@@ -359,6 +361,9 @@ impl Metrics {
         }
         for result in CommitResult::ALL {
             self.offset_commits.with_label_values(&[p, result.as_str()]);
+        }
+        for result in ["used", "dropped"] {
+            self.prepared_ahead.with_label_values(&[p, result]);
         }
         for event in RebalanceEvent::ALL {
             self.rebalances.with_label_values(&[p, event.as_str()]);
@@ -568,6 +573,15 @@ impl PipelineMetrics {
     /// Counts one failed, retryable batch attempt.
     pub fn retry(&self, cause: RetryCause) {
         self.metrics.db_retries.with_label_values(&[&self.name, cause.as_str()]).inc();
+    }
+
+    /// Counts records prepared ahead ([`crate::prepare::Ahead::tally`]): `(used, dropped)`.
+    pub fn prepared_ahead(&self, (used, dropped): (u64, u64)) {
+        for (result, n) in [("used", used), ("dropped", dropped)] {
+            if n > 0 {
+                self.metrics.prepared_ahead.with_label_values(&[&self.name, result]).inc_by(n);
+            }
+        }
     }
 
     /// Counts one offset commit outcome.

@@ -93,6 +93,7 @@ mod tests {
             oversized: None,
             properties: Vec::new(),
             delivered_before: None,
+            receipt: crate::record::Receipt::NONE,
         }
     }
 

@@ -6,7 +6,8 @@ use crate::decode::{DecodeError, Decoder, Selection};
 use crate::field::{self, Render};
 use crate::key::{BusinessKey, KeyError, KeySpec};
 use crate::metrics::DeadLetterReason;
-use crate::record::Record;
+use crate::record::{Receipt, Record};
+use std::collections::VecDeque;
 use serde_json::Value;
 use std::borrow::Cow;
 use sha2::{Digest, Sha256};
@@ -171,6 +172,75 @@ impl Preparer {
     }
 }
 
+/// Records prepared before their batch is cut. While a batch is in its transaction the worker prepares the
+/// records its source receives meanwhile ([`crate::source::Source::poll_while_receiving`]), so that the next
+/// batch's decoding, keys and values are done when that transaction ends instead of after it; at most one batch's
+/// worth is kept ([`Ahead::new`]).
+///
+/// An entry is used only for the very record it was prepared from: it is found by the record's [`Receipt`] (never
+/// given twice in a process), and [`Preparer::prepare`] depends on nothing but the record and the preparer. A
+/// record dropped before its batch (its partition revoked, its channel lost) leaves its entry unused; a batch drops
+/// every entry received before the records it takes. The entries belong to the preparer that made them: the worker
+/// clears them ([`Ahead::clear`]) when it rebuilds its statements after a schema change.
+#[derive(Debug, Default)]
+pub struct Ahead {
+    /// In the order the records were received (increasing receipts).
+    entries: VecDeque<(Receipt, Prepared)>,
+    limit: usize,
+    /// Entries used for their record, and dropped unused, since [`Ahead::tally`] was last asked.
+    used: u64,
+    dropped: u64,
+}
+
+impl Ahead {
+    /// Keeps at most `limit` prepared records (the pipeline's `batch.max_records`).
+    pub fn new(limit: usize) -> Self {
+        Ahead { limit, ..Ahead::default() }
+    }
+
+    /// Prepares `record` now, for its batch later, unless it has no receipt or the limit is reached.
+    pub fn offer(&mut self, record: &Record, preparer: &Preparer) {
+        let newest = self.entries.back().map_or(Receipt::NONE, |(r, _)| *r);
+        if record.receipt == Receipt::NONE || self.entries.len() >= self.limit || record.receipt <= newest {
+            return;
+        }
+        self.entries.push_back((record.receipt, preparer.prepare(record)));
+    }
+
+    /// What `preparer` makes of each record of `batch`: prepared ahead where it was, now otherwise. Entries of
+    /// records received before the batch's last one and not in it are dropped (their records were dropped).
+    pub fn take(&mut self, batch: &[Record], preparer: &Preparer) -> Vec<Prepared> {
+        batch
+            .iter()
+            .map(|record| {
+                while self.entries.front().is_some_and(|(r, _)| *r < record.receipt) {
+                    self.entries.pop_front();
+                    self.dropped += 1;
+                }
+                match self.entries.front() {
+                    // Never an entry for Receipt::NONE (see `offer`).
+                    Some((r, _)) if *r == record.receipt => {
+                        self.used += 1;
+                        self.entries.pop_front().map_or_else(|| preparer.prepare(record), |(_, p)| p)
+                    }
+                    _ => preparer.prepare(record),
+                }
+            })
+            .collect()
+    }
+
+    /// Drops every entry: they were made by a preparer the worker no longer uses.
+    pub fn clear(&mut self) {
+        self.dropped += self.entries.len() as u64;
+        self.entries.clear();
+    }
+
+    /// Entries used and dropped since the last call (for `idemflow_records_prepared_ahead_total`).
+    pub fn tally(&mut self) -> (u64, u64) {
+        (std::mem::take(&mut self.used), std::mem::take(&mut self.dropped))
+    }
+}
+
 /// The value `binding` binds for `record`; `field` is what the payload holds at the binding's path, for a value
 /// from the payload.
 fn value(
@@ -270,6 +340,7 @@ mod tests {
             oversized: None,
             properties: Vec::new(),
             delivered_before: None,
+            receipt: crate::record::Receipt::NONE,
         }
     }
 
@@ -292,5 +363,41 @@ mod tests {
         assert_eq!(a.key.text, "A-1");
         let some = |s: &str| Some(s.to_owned());
         assert_eq!(a.values, [some("A-1"), some("A-1"), some("12.50"), None, None, some("A-1")]);
+    }
+
+    /// A record prepared ahead is found again only by its own receipt: the batch gets exactly what preparing it now
+    /// would give; entries of records dropped before their batch are dropped, records without a receipt and past
+    /// the limit are prepared when their batch comes, and `clear` drops everything (a rebuilt preparer).
+    #[test]
+    fn records_prepared_ahead_are_used_only_for_themselves() {
+        use crate::record::Receipt;
+        let text = "topics = [\"t\"]\n[key]\nfield = \"/id\"\n[sink]\ntable = \"t\"\n[sink.columns]\na = \"/a\"\n";
+        let pipeline = crate::config::pipeline::load_text_in(text, Path::new("p.toml"), Dialect::Postgres).unwrap();
+        let p = Preparer::new(&pipeline, vec![binding("a", "/a")]);
+        let received = |id: &str| Record { receipt: Receipt::next(), ..record(&format!(r#"{{"id":"{id}","a":"{id}"}}"#)) };
+        let (r1, r2, r3, r4) = (received("1"), received("2"), received("3"), received("4"));
+        let mut ahead = Ahead::new(3);
+        for r in [&r1, &r2, &r3, &r4] {
+            ahead.offer(r, &p);
+        }
+        ahead.offer(&r2, &p); // already offered: not twice
+        // r1 was dropped (its partition revoked); r4 was past the limit; a record without a receipt is never found.
+        let unnumbered = record(r#"{"id":"x","a":"x"}"#);
+        let batch = [r2.clone(), r3.clone(), r4.clone(), unnumbered.clone()];
+        let got = ahead.take(&batch, &p);
+        assert_eq!(got, batch.iter().map(|r| p.prepare(r)).collect::<Vec<_>>());
+        assert_eq!(ahead.tally(), (2, 1), "r2 and r3 used, r1 dropped");
+        // Another record at r2's position, received again (a new channel): prepared anew, not r2's entry.
+        let again = Record { receipt: Receipt::next(), ..record(r#"{"id":"other","a":"other"}"#) };
+        let mut ahead = Ahead::new(10);
+        ahead.offer(&r2, &p);
+        let got = ahead.take(std::slice::from_ref(&again), &p);
+        let Prepared::Apply(a) = &got[0] else { panic!() };
+        assert_eq!(a.key.text, "other");
+        assert_eq!(ahead.tally(), (0, 1));
+        ahead.offer(&received("5"), &p);
+        ahead.clear();
+        assert_eq!(ahead.tally(), (0, 1));
+        assert!(ahead.entries.is_empty());
     }
 }

@@ -1,6 +1,7 @@
 //! One consumed record (a Kafka record or a RabbitMQ delivery), owned and detached from its consumer.
 
 use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 /// Where a record sits in its source: a Kafka topic, partition and offset; for a RocketMQ message, `topic/broker`
@@ -107,6 +108,26 @@ pub struct Record {
     /// delivery count above 1. `None` for sources whose position
     /// identifies a record (Kafka): there, a record at a position processed before is a redelivery.
     pub delivered_before: Option<bool>,
+    /// Which reception this is ([`Receipt::next`]); [`Receipt::NONE`] for a record not received from a broker.
+    pub receipt: Receipt,
+}
+
+/// The number of one reception of a record from its broker, in the order the process received them: never given
+/// twice in a process (a record received again, after a rebalance or on a new channel, gets a new one; copies of
+/// one `Record` share it). What the worker prepares ahead for a record is found again by it
+/// (`prepare::Ahead`): a position alone would not do, as RabbitMQ numbers deliveries per channel.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Receipt(u64);
+
+impl Receipt {
+    /// A record not received from a broker (a dead letter replayed, a test): never matches a prepared entry.
+    pub const NONE: Receipt = Receipt(0);
+
+    /// The next number, from 1. Each connector numbers a record when it converts the broker's message.
+    pub fn next() -> Receipt {
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        Receipt(NEXT.fetch_add(1, Ordering::Relaxed))
+    }
 }
 
 /// How many bytes of an oversized value are kept (for the dead letter's row and for people to look at).

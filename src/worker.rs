@@ -5,7 +5,7 @@ use crate::config::{DeadLetterSettings, Pipeline, PipelineError, Settings};
 use crate::metrics::BatchCounts;
 use crate::http::Health;
 use crate::metrics::{Metrics, PipelineMetrics};
-use crate::prepare::{Prepared, Preparer};
+use crate::prepare::{Ahead, Prepared, Preparer};
 use crate::record::Record;
 use crate::shutdown::Shutdown;
 use crate::sink::{Disposition, Sink, SinkError};
@@ -326,6 +326,7 @@ async fn run_lane(
         dead_letter_out: dead_letter_out.as_ref(),
         owner,
         batch_timeout: settings.database.as_ref().map(|d| d.batch_timeout).filter(|d| !d.is_zero()),
+        ahead: Ahead::new(r.pipeline.batch.max_records),
     };
     let mut outcome = Ok(());
     let mut checked = Instant::now();
@@ -445,6 +446,8 @@ struct Step<'a> {
     owner: String,
     /// `[database] batch_timeout` (none for Redis, whose client has its own response timeout).
     batch_timeout: Option<Duration>,
+    /// The records received while a batch is in its transaction, prepared for the next one then.
+    ahead: Ahead,
 }
 
 impl Step<'_> {
@@ -477,7 +480,8 @@ impl Step<'_> {
         batch: &mut Vec<Record>,
         shutdown: &mut Shutdown,
     ) -> Result<bool, SinkError> {
-        let mut prepared: Vec<Prepared> = batch.iter().map(|rec| self.ready.preparer.prepare(rec)).collect();
+        let mut prepared: Vec<Prepared> = self.ahead.take(batch, &self.ready.preparer);
+        self.metrics.prepared_ahead(self.ahead.tally());
         let mut holding: BTreeMap<(&str, i32), i64> = BTreeMap::new();
         for run in batch.chunk_by(|a, b| a.position.same_partition(&b.position)) {
             *holding.entry((run[0].position.topic_name(), run[0].position.partition)).or_default() += run.len() as i64;
@@ -511,7 +515,11 @@ impl Step<'_> {
                 }
                 .in_current_span(),
             );
-            let (records, records_prepared, result) = source.poll_while(attempt).await;
+            // Meanwhile the records received for the next batch are prepared (decoded, keyed, their values taken):
+            // the worker's share of that batch is done when this transaction ends.
+            let (preparer, ahead) = (&self.ready.preparer, &mut self.ahead);
+            let (records, records_prepared, result) =
+                source.poll_while_receiving(attempt, &mut |record| ahead.offer(record, preparer)).await;
             (*batch, prepared) = (records, records_prepared);
             let r = &self.ready;
             match result {
@@ -565,6 +573,7 @@ impl Step<'_> {
                             Ok(rebuilt) => {
                                 tracing::warn!("the side effect's tables or statements changed: statements rebuilt");
                                 self.ready = rebuilt;
+                                self.ahead.clear(); // prepared through the statements as they were
                                 source.drop_revoked(batch);
                                 prepared = batch.iter().map(|rec| self.ready.preparer.prepare(rec)).collect();
                             }

@@ -97,6 +97,7 @@ pub fn values(data: &[u8]) {
         oversized: None,
         properties: Vec::new(),
         delivered_before: None,
+        receipt: idemflow::record::Receipt::NONE,
     };
     let text = format!("topics = [\"t\"]\n[key]\nfield = {}\n[sink]\ntable = \"t\"\n[sink.columns]\na = \"/a\"\n", toml_string(path));
     if let Ok(p) = idemflow::config::pipeline::load_text_in(&text, Path::new("fuzz.toml"), Dialect::Postgres) {

@@ -197,17 +197,34 @@ impl Source {
         }
     }
 
-    /// Runs `work` (the batch transaction, spawned) to its end while the source keeps serving its broker.
+    /// Runs `work` (spawned: a claim, a rebuild of the statements) to its end while the source keeps serving its
+    /// broker.
     pub async fn poll_while<T>(&mut self, work: tokio::task::JoinHandle<T>) -> T {
+        self.poll_while_receiving(work, &mut |_| {}).await
+    }
+
+    /// Runs `work` (the batch transaction, spawned) to its end while the source keeps serving its broker, calling
+    /// `received` once for each record the source receives meanwhile and keeps for a later batch (in the order
+    /// received; the worker prepares them ahead, see [`crate::prepare::Ahead`]). A record passed to `received` may
+    /// still be dropped before its batch (its partition revoked, its channel lost). RocketMQ's client buffers
+    /// what it pulls on its own runtime: nothing is received here, and nothing is passed.
+    pub async fn poll_while_receiving<T>(
+        &mut self,
+        work: tokio::task::JoinHandle<T>,
+        received: &mut (dyn FnMut(&Record) + Send),
+    ) -> T {
         match self {
             #[cfg(feature = "kafka")]
-            Source::Kafka(s) => s.poll_while(work).await,
+            Source::Kafka(s) => s.poll_while(work, received).await,
             #[cfg(feature = "rabbitmq")]
-            Source::RabbitMq(s) => s.poll_while(work).await,
+            Source::RabbitMq(s) => s.poll_while(work, received).await,
             #[cfg(feature = "rocketmq")]
-            Source::RocketMq(s) => s.poll_while(work).await,
+            Source::RocketMq(s) => {
+                let _ = received;
+                s.poll_while(work).await
+            }
             #[cfg(feature = "nats")]
-            Source::Nats(s) => s.poll_while(work).await,
+            Source::Nats(s) => s.poll_while(work, received).await,
         }
     }
 

@@ -2,6 +2,7 @@
 //! send (arrays), and the classification of replays.
 
 use crate::support::*;
+use std::time::Duration;
 
 fn dead_letters(worker: &InProc, pipeline: &str, reason: &str) -> f64 {
     worker.metric("idemflow_dead_letters_total", &[("pipeline", pipeline), ("reason", reason)])
@@ -67,6 +68,55 @@ paid_at = "/paid_at"
 "#,
     )
     .await;
+}
+
+/// Records received while a batch is in its transaction are prepared then, for their own batch (the worker's share
+/// of the next batch overlaps the database's of this one). A batch stalled on a lock: the record produced meanwhile
+/// is prepared ahead and used (`result="used"`). Stalled again, and the table's column types change before the lock
+/// goes: what was prepared ahead was bound for the old types (2.50 for an integer column), so it is dropped with the
+/// statements (`result="dropped"`) and the record is prepared again for the new ones: 2.50 lands in the numeric
+/// column, nothing is dead-lettered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn records_prepared_while_a_batch_waits_follow_a_schema_change() {
+    let (db, kafka, setup) = fixture(PAYMENTS, "orders", 1, &[("payments.toml", TABLE_PIPELINE)]).await;
+    kafka.produce("orders", &[payment("o-1", "5", "2026-11-29T10:00:00")]);
+    let worker = InProc::start(&setup).await;
+    worker.wait_received("payments", 1).await;
+    let ahead = |result: &str| worker.metric("idemflow_records_prepared_ahead_total", &[("pipeline", "payments"), ("result", result)]);
+    for alter in [false, true] {
+        let (first, second) = if alter { ("o-4", "o-5") } else { ("o-2", "o-3") };
+        let mut lock = db.pool.begin().await.unwrap();
+        sqlx::raw_sql("LOCK TABLE payments IN SHARE ROW EXCLUSIVE MODE").execute(&mut *lock).await.unwrap();
+        kafka.produce("orders", &[payment(first, "7", "2026-11-29T10:00:00")]);
+        wait_until(Duration::from_secs(30), "the worker's batch waits for the lock", || async {
+            db.scalar::<i64>("SELECT count(*) FROM pg_locks WHERE NOT granted AND relation = 'payments'::regclass").await > 0
+        })
+        .await;
+        kafka.produce("orders", &[payment(second, "2.50", "2026-11-29T10:00:00Z")]);
+        // The consumer is polled while the batch waits: the record arrives and is prepared meanwhile.
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        if alter {
+            sqlx::raw_sql(ALTER).execute(&mut *lock).await.unwrap();
+            lock.commit().await.unwrap();
+        } else {
+            lock.rollback().await.unwrap();
+        }
+        let received = if alter { 5 } else { 3 };
+        worker.wait_received("payments", received).await;
+        if !alter {
+            assert_eq!(ahead("used"), 1.0, "{second} was prepared while {first}'s batch waited");
+            // Prepared for the integer column: dead-lettered there, as it would have been after its batch was cut.
+            assert_eq!(dead_letters(&worker, "payments", "param_invalid") + dead_letters(&worker, "payments", "side_effect_rejected"), 1.0);
+        }
+    }
+    let refused = dead_letters(&worker, "payments", "param_invalid") + dead_letters(&worker, "payments", "side_effect_rejected");
+    assert_eq!(refused, 1.0, "o-3 only: o-5 is bound for the new column types, not as it was prepared for the old");
+    assert_eq!(ahead("dropped"), 1.0, "o-5, prepared for the old column types, was dropped with them");
+    assert_eq!(ahead("used"), 1.0);
+    assert!(worker.stop().await.is_empty());
+    assert_eq!(db.scalar::<String>("SELECT amount::text FROM payments WHERE order_id = 'o-5'").await, "2.50");
+    assert_eq!(db.scalar::<String>("SELECT amount::text FROM payments WHERE order_id = 'o-4'").await, "7");
+    assert_eq!(db.scalar::<i64>("SELECT count(*) FROM idemflow.dead_letters").await, 1, "o-3 only");
 }
 
 /// A mapped column dropped while the worker runs: the pipeline stops loudly (a fatal error naming the column)

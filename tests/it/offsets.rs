@@ -274,6 +274,7 @@ async fn a_worker_that_lost_its_partition_is_fenced() {
         oversized: None,
         properties: Vec::new(),
         delivered_before: None,
+        receipt: idemflow::record::Receipt::NONE,
     };
     let prepared = r.preparer.prepare(&record);
     let stale = positions(131, 1);

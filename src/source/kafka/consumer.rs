@@ -903,7 +903,8 @@ impl KafkaSource {
     /// (4 batches, at least 1,000) consumption is paused until `work` ends, bounding memory. (Pausing is not the
     /// normal path: librdkafka drops a paused partition's prefetched records and fetches them again on resume, which
     /// stalled a backlog for hundreds of milliseconds per batch when it was.) A panic in `work` is resumed here.
-    pub async fn poll_while<T>(&mut self, mut work: tokio::task::JoinHandle<T>) -> T {
+    /// Each record kept is passed to `received` ([`crate::source::Source::poll_while_receiving`]).
+    pub async fn poll_while<T>(&mut self, mut work: tokio::task::JoinHandle<T>, received: &mut (dyn FnMut(&Record) + Send)) -> T {
         let keep = self.keep;
         let mut paused_here = false;
         let claimed = self.consumer.context().claimed.clone();
@@ -927,7 +928,9 @@ impl KafkaSource {
                     match m {
                         Ok(message) => {
                             let topic = intern(&mut self.topics, rdkafka::Message::topic(&message));
-                            self.stash.push(to_record(&message, topic, self.max_payload_bytes));
+                            let record = to_record(&message, topic, self.max_payload_bytes);
+                            received(&record);
+                            self.stash.push(record);
                             full = self.stash.len() >= keep;
                         }
                         Err(e) => tracing::debug!(pipeline = %self.pipeline, error = %e, "consume error while a batch is in flight"),
@@ -1546,6 +1549,7 @@ pub fn to_record(message: &rdkafka::message::BorrowedMessage<'_>, topic: Arc<str
         oversized: None,
         properties: Vec::new(),
         delivered_before: None,
+        receipt: crate::record::Receipt::next(),
     }
     .with_payload(message.payload(), max_payload_bytes)
 }

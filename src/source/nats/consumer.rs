@@ -463,7 +463,8 @@ impl NatsSource {
 
     /// Runs `work` (a spawned batch transaction) to its end, meanwhile taking deliveries into the stash and sending
     /// in-progress acks for everything held. A panic in `work` is resumed here.
-    pub async fn poll_while<T>(&mut self, mut work: tokio::task::JoinHandle<T>) -> T {
+    /// Each delivery kept is passed to `received` ([`crate::source::Source::poll_while_receiving`]).
+    pub async fn poll_while<T>(&mut self, mut work: tokio::task::JoinHandle<T>, received: &mut (dyn FnMut(&Record) + Send)) -> T {
         let joined = loop {
             self.progress().await;
             let tick = self.progress_sent + self.progress_every();
@@ -471,7 +472,11 @@ impl NatsSource {
                 Some(live) => tokio::select! {
                     biased;
                     joined = &mut work => break joined,
-                    e = live.events.recv() => self.event(e),
+                    e = live.events.recv() => {
+                        let kept = self.stash.len();
+                        self.event(e);
+                        self.stash.iter().skip(kept).for_each(&mut *received);
+                    }
                     _ = tokio::time::sleep_until(tick) => {}
                 },
                 None => tokio::select! {
@@ -913,6 +918,7 @@ pub fn to_record(stream: Arc<str>, seq: u64, published_ns: i128, delivered: i64,
         oversized: None,
         properties,
         delivered_before: Some(delivered > 1),
+        receipt: crate::record::Receipt::next(),
     }
     .with_payload(Some(&m.payload), max_payload_bytes)
 }

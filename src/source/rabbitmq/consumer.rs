@@ -351,13 +351,18 @@ impl RabbitMqSource {
 
     /// Runs `work` (a spawned batch transaction) to its end, meanwhile taking deliveries into the stash (at most
     /// the prefetch window) and noticing a lost connection. A panic in `work` is resumed here.
-    pub async fn poll_while<T>(&mut self, mut work: tokio::task::JoinHandle<T>) -> T {
+    /// Each delivery kept is passed to `received` ([`crate::source::Source::poll_while_receiving`]).
+    pub async fn poll_while<T>(&mut self, mut work: tokio::task::JoinHandle<T>, received: &mut (dyn FnMut(&Record) + Send)) -> T {
         let joined = loop {
             let Some(live) = self.live.as_mut() else { break (&mut work).await };
             tokio::select! {
                 biased;
                 joined = &mut work => break joined,
-                e = live.events.recv() => self.event(e),
+                e = live.events.recv() => {
+                    let kept = self.stash.len();
+                    self.event(e);
+                    self.stash.iter().skip(kept).for_each(&mut *received);
+                }
             }
         };
         match joined {
@@ -567,6 +572,7 @@ pub fn to_record(queue: Arc<str>, d: lapin::message::Delivery, max_payload_bytes
         oversized: None,
         properties,
         delivered_before: Some(d.redelivered || delivery_count > 0),
+        receipt: crate::record::Receipt::next(),
     }
     .with_payload(Some(&d.data), max_payload_bytes)
 }

@@ -220,6 +220,7 @@ fn record_of(m: &MessageExt, topic: Arc<str>, max_payload_bytes: usize) -> Recor
         oversized: None,
         properties,
         delivered_before: None,
+        receipt: crate::record::Receipt::next(),
     }
     .with_payload(Some(message.body_slice()), max_payload_bytes)
 }
