@@ -135,6 +135,14 @@
 //!   exceeds the timeout is dead-lettered: nothing committed for it, its claim rolled back with its savepoint.
 //! - A value its column would round is refused before the transaction (`param_invalid`): the effect applied is the
 //!   record's, or none.
+//! - Records prepared ahead: while a batch is in its transaction, the records received meanwhile are decoded, keyed
+//!   and their values taken ([`prepare::Ahead`]); nothing is claimed, written or acknowledged for them then. A
+//!   batch uses an entry only for the record it was made from (found by its [`record::Receipt`], never given twice
+//!   in a process; a record received again, on a new channel or after a rebalance, is a new receipt), and preparing
+//!   depends on nothing but the record and the statements: what the batch binds is what preparing it then would
+//!   give. A rebuild of the statements (a schema change) drops every entry; a record dropped before its batch
+//!   leaves its entry unused. Tested with a batch stalled on a lock while the table's column types change
+//!   (`tests/it/hardening.rs`).
 //!
 //! The dedup row and the effect are in the same transaction, so "marked as seen" and "applied" are one fact: there
 //! is no window in which a key is claimed but its effect is lost. No cache in memory ever claims a key.
