@@ -1,7 +1,8 @@
 //! Upgrading a dedup store in place (issue 28's migration from SHA-256 digests to ordered key ids): rows written by
 //! the previous version's claim, then `idemflow migrate`, then the same keys delivered to this version are still
 //! duplicates; a batch of the previous version under way is waited for and moved with the rest; after it, the
-//! previous version's claim fails instead of claiming a key a second time under its old identity.
+//! previous version's claim fails instead of claiming a key a second time under its old identity. And migration 8
+//! (the dedup store's `pipeline` compared bytewise), which needs no fence.
 
 use crate::support::mariadb::MyDb;
 use crate::support::*;
@@ -85,7 +86,7 @@ async fn postgres_upgrade_keeps_every_stored_key_a_duplicate_and_fences_the_prev
 
     // This version refuses the old schema.
     let (status, out, err) = idemflow(&["check", "--config", &config], setup.dir.path());
-    assert!(!status.success() && err.contains("this binary needs 7"), "{out}{err}");
+    assert!(!status.success() && err.contains("this binary needs 8"), "{out}{err}");
 
     // A batch of the previous version is under way (its claim made, not committed) when the migration starts.
     let mut held = db.pool.begin().await.unwrap();
@@ -138,18 +139,118 @@ async fn postgres_upgrade_keeps_every_stored_key_a_duplicate_and_fences_the_prev
     let (status, out, err) = idemflow(&["explain", "--config", &config, "--pipeline", "payments", &format!("--key={long}")], setup.dir.path());
     assert!(status.success() && out.contains("duplicates skipped 1 since"), "{out}{err}");
 
-    // Going back (docs/operations.md): the rollback script, then the previous version's claim works again and
-    // finds every key applied before and after the upgrade; this version refuses the schema.
-    let rollback = std::fs::read_to_string(project_root().join("migrations/rollback/postgres-0007.sql")).unwrap();
-    let mut tx = db.pool.begin().await.unwrap();
-    sqlx::raw_sql(&rollback).execute(&mut *tx).await.unwrap();
-    tx.commit().await.unwrap();
+    // Going back (docs/operations.md): the rollback scripts, the last migration's first, then the previous version's
+    // claim works again and finds every key applied before and after the upgrade; this version refuses the schema.
+    for script in ["postgres-0008.sql", "postgres-0007.sql"] {
+        let rollback = std::fs::read_to_string(project_root().join("migrations/rollback").join(script)).unwrap();
+        let mut tx = db.pool.begin().await.unwrap();
+        sqlx::raw_sql(&rollback).execute(&mut *tx).await.unwrap();
+        tx.commit().await.unwrap();
+    }
     let mut conn = db.pool.acquire().await.unwrap();
     let again: Vec<String> = keys.iter().chain(&held_key).cloned().chain(["o-new".to_owned(), "o-rolled-back".to_owned()]).collect();
     assert_eq!(previous_postgres_claim(&mut conn, &again, 300).await.unwrap(), 1, "only o-rolled-back is new");
     drop(conn);
     let (status, out, err) = idemflow(&["check", "--config", &config], setup.dir.path());
-    assert!(!status.success() && err.contains("this binary needs 7"), "{out}{err}");
+    assert!(!status.success() && err.contains("this binary needs 8"), "{out}{err}");
+}
+
+/// The claim of the versions from migration 0007 to 0008, as it shipped (key ids, `src/key.rs`).
+const V7_POSTGRES_CLAIM: &str = r#"
+INSERT INTO idemflow.dedup (pipeline, key_id, business_key, topic, partition, "offset", fingerprint)
+SELECT $1, u.key_id, u.business_key, u.topic, u.partition, u."offset", u.fingerprint
+FROM unnest($2::bytea[], $3::text[], $4::text[], $5::int4[], $6::int8[], $7::bytea[])
+     AS u(key_id, business_key, topic, partition, "offset", fingerprint)
+ON CONFLICT (pipeline, key_id) DO NOTHING
+RETURNING key_id"#;
+
+/// A batch of a version before migration 8 claiming `keys` (pipeline `payments`, topic `orders`), on `conn`.
+async fn v7_postgres_claim(conn: &mut sqlx::PgConnection, keys: &[String], first_offset: i64) -> Result<usize, sqlx::Error> {
+    let n = keys.len();
+    let ids: Vec<Vec<u8>> = keys.iter().map(|k| BusinessKey::new(k.clone()).key_id().into_owned()).collect();
+    let prints: Vec<Vec<u8>> = keys.iter().map(|k| sha256(payload(k).as_bytes())).collect();
+    let offsets: Vec<i64> = (first_offset..first_offset + n as i64).collect();
+    let rows: Vec<Vec<u8>> = sqlx::query_scalar(V7_POSTGRES_CLAIM)
+        .bind("payments")
+        .bind(&ids)
+        .bind(keys)
+        .bind(vec!["orders"; n])
+        .bind(vec![0i32; n])
+        .bind(&offsets)
+        .bind(&prints)
+        .fetch_all(conn)
+        .await?;
+    Ok(rows.len())
+}
+
+/// Migration 8 (the dedup store's `pipeline` compared bytewise, `COLLATE "C"`): it waits for a batch under way, keeps
+/// every stored key a duplicate, and the claim of the version before it goes on working on the migrated table (no
+/// fence is needed: equality is the same); its rollback puts the database's collation back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_migration_8_compares_pipelines_bytewise_and_keeps_every_key() {
+    let db = TestDb::at_version(7, "CREATE TABLE payments (order_id text PRIMARY KEY, amount numeric NOT NULL);").await;
+    let kafka = Kafka::new();
+    kafka.create_topic("orders", 1);
+    let setup = Setup::new(&db, &kafka, &[("payments.toml", PIPELINE)]);
+    let config = setup.config.to_str().unwrap().to_owned();
+    let collation = "SELECT coalesce(collation_name, 'default') FROM information_schema.columns \
+                     WHERE table_schema = 'idemflow' AND table_name = 'dedup' AND column_name = 'pipeline'";
+    assert_eq!(db.scalar::<String>(collation).await, "default");
+    let keys = keys();
+    let mut conn = db.pool.acquire().await.unwrap();
+    assert_eq!(v7_postgres_claim(&mut conn, &keys, 0).await.unwrap(), keys.len());
+    drop(conn);
+    let (status, out, err) = idemflow(&["check", "--config", &config], setup.dir.path());
+    assert!(!status.success() && err.contains("at version 7, this binary needs 8"), "{out}{err}");
+
+    let mut held = db.pool.begin().await.unwrap();
+    let held_key = vec!["o-held".to_owned()];
+    assert_eq!(v7_postgres_claim(&mut held, &held_key, 100).await.unwrap(), 1);
+    let mut migrate = std::process::Command::new(env!("CARGO_BIN_EXE_idemflow"))
+        .args(["migrate", "--config", &config])
+        .current_dir(setup.dir.path())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(migrate.try_wait().unwrap().is_none(), "the migration waits for the batch under way");
+    held.commit().await.unwrap();
+    let status = wait_child(&mut migrate, Duration::from_secs(60)).expect("idemflow migrate finishes once the batch ended");
+    let out = migrate.wait_with_output().unwrap();
+    assert!(status.success(), "{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert_eq!(db.scalar::<String>(collation).await, "C");
+    let rows: Vec<(String, Vec<u8>)> = sqlx::query_as("SELECT business_key, key_id FROM idemflow.dedup").fetch_all(&db.pool).await.unwrap();
+    assert_key_ids(&rows, keys.len() + 1);
+
+    // A worker of the version before, still running in a rolling upgrade: its claim finds every stored key and
+    // claims a new one, once.
+    let mut conn = db.pool.acquire().await.unwrap();
+    let mixed: Vec<String> = keys.iter().cloned().chain(["o-v7-late".to_owned()]).collect();
+    assert_eq!(v7_postgres_claim(&mut conn, &mixed, 0).await.unwrap(), 1, "only o-v7-late is new");
+    drop(conn);
+
+    // This version: the stored keys are duplicates, only the new key is applied.
+    let mut records: Vec<Out> = keys.iter().chain(&held_key).map(|k| Out::json(0, payload(k))).collect();
+    records.push(Out::json(0, payload("o-v7-late")));
+    records.push(Out::json(0, payload("o-new")));
+    kafka.produce("orders", &records);
+    let worker = InProc::start(&setup).await;
+    worker.wait_received("payments", records.len() as u64).await;
+    assert_eq!(worker.metric("idemflow_records_applied_total", &[("pipeline", "payments")]), 1.0);
+    assert!(worker.stop().await.is_empty());
+    assert_eq!(db.scalar::<String>("SELECT string_agg(order_id, ',') FROM payments").await, "o-new");
+
+    let rollback = std::fs::read_to_string(project_root().join("migrations/rollback/postgres-0008.sql")).unwrap();
+    let mut tx = db.pool.begin().await.unwrap();
+    sqlx::raw_sql(&rollback).execute(&mut *tx).await.unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(db.scalar::<String>(collation).await, "default");
+    let mut conn = db.pool.acquire().await.unwrap();
+    assert_eq!(v7_postgres_claim(&mut conn, &["o-new".to_owned(), "o-rolled-back".to_owned()], 300).await.unwrap(), 1);
+    drop(conn);
+    let (status, out, err) = idemflow(&["check", "--config", &config], setup.dir.path());
+    assert!(!status.success() && err.contains("at version 7, this binary needs 8"), "{out}{err}");
 }
 
 /// The MariaDB claim of the version before migration 0002 (its `INSERT IGNORE ... RETURNING` form), as it shipped.

@@ -1,0 +1,15 @@
+-- The dedup store's pipeline column compares bytewise (COLLATE "C") instead of under the database's collation.
+--
+-- The primary key (pipeline, key_id) compares the pipeline first on every step down the index, for every key a
+-- batch claims; under a linguistic collation (en_US.UTF-8, C.UTF-8 from libc) each comparison goes through strcoll
+-- (PostgreSQL's profile during a claim showed varstr_cmp, bttextcmp and pg_newlocale_from_collation there). Under
+-- "C" it is a memcmp. Equality is unchanged: a database's default collation is deterministic, so two pipeline
+-- names were equal exactly when their bytes were, before and after. Every stored row keeps its key; the claim
+-- (ON CONFLICT (pipeline, key_id)) and every query of the previous version work the same on the migrated table,
+-- so a rolling upgrade needs no fence.
+--
+-- The column's type is unchanged (text): the table is not rewritten, its two indexes (the primary key and
+-- (pipeline, applied_at) for retention) are rebuilt, holding an ACCESS EXCLUSIVE lock on idemflow.dedup meanwhile
+-- (about 6 s per million rows on a 2-core machine): workers' batches wait for it. A batch under way when it
+-- starts is waited for.
+ALTER TABLE idemflow.dedup ALTER COLUMN pipeline TYPE text COLLATE "C";
