@@ -291,7 +291,7 @@ impl Metrics {
             },
             dedup_rows_purged: counter(&r, "idemflow_dedup_rows_purged_total", "Dedup rows deleted by retention.", &["pipeline"]),
             db_retries: counter(&r, "idemflow_db_retries_total", "Batch attempts that failed with a retryable database error, by cause.", &["pipeline", "cause"]),
-            prepared_ahead: counter(&r, "idemflow_records_prepared_ahead_total", "Records prepared (decoded, keyed, their values taken) while the batch before theirs was in its transaction, by result: used for their batch, or dropped unused (their partition revoked or channel lost before it, the statements rebuilt).", &["pipeline", "result"]),
+            prepared_ahead: counter(&r, "idemflow_records_prepared_ahead_total", "Records prepared (decoded, keyed, their values taken) while the batch before theirs was in its transaction, by result: used for their batch, or dropped unused (their partition revoked, fenced or resynced, or their channel lost, before it; the statements rebuilt).", &["pipeline", "result"]),
             offset_commits: counter(&r, "idemflow_offset_commits_total", "Kafka offset commits and RabbitMQ acknowledgements after a batch's COMMIT, by result.", &["pipeline", "result"]),
             rebalances: counter(&r, "idemflow_rebalances_total", "Consumer group rebalance events (RabbitMQ: consumers started, assign, and lost with their connection, revoke), by event.", &["pipeline", "event"]),
             pipeline_up,

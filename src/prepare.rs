@@ -174,8 +174,10 @@ impl Preparer {
 
 /// Records prepared before their batch is cut. While a batch is in its transaction the worker prepares the
 /// records its source receives meanwhile ([`crate::source::Source::poll_while_receiving`]), so that the next
-/// batch's decoding, keys and values are done when that transaction ends instead of after it; at most one batch's
-/// worth is kept ([`Ahead::new`]).
+/// batch's decoding, keys and values are done when that transaction ends instead of after it. At most one batch's
+/// worth is kept ([`Ahead::new`]), the first records received: when the source already keeps more than a batch
+/// (a Kafka backlog during a long transaction), the later ones are prepared with their batch. The memory this
+/// takes is one batch's decoded values and keys per lane, beside the records the source keeps.
 ///
 /// An entry is used only for the very record it was prepared from: it is found by the record's [`Receipt`] (never
 /// given twice in a process), and [`Preparer::prepare`] depends on nothing but the record and the preparer. A
@@ -204,7 +206,11 @@ impl Ahead {
         if record.receipt == Receipt::NONE || self.entries.len() >= self.limit || record.receipt <= newest {
             return;
         }
-        self.entries.push_back((record.receipt, preparer.prepare(record)));
+        // A panic here (a bug) would unwind while the batch before is in its transaction: the record is left to be
+        // prepared with its batch instead, where a panic stops the pipeline before anything of it is written.
+        if let Ok(prepared) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| preparer.prepare(record))) {
+            self.entries.push_back((record.receipt, prepared));
+        }
     }
 
     /// What `preparer` makes of each record of `batch`: prepared ahead where it was, now otherwise. Entries of

@@ -451,6 +451,13 @@ struct Step<'a> {
 }
 
 impl Step<'_> {
+    /// Takes the pipeline rebuilt after a schema change. What was prepared ahead was prepared through the statements
+    /// as they were: dropped with them (the only place `ready` changes).
+    fn rebuilt(&mut self, ready: Ready) {
+        self.ready = ready;
+        self.ahead.clear();
+    }
+
     /// Between batches: resumes the partitions whose stored positions the store lost ([`Store::lost_positions`])
     /// from what it kept, dropping their records from `batch` (not applied yet). A failure to ask is left to the next
     /// check.
@@ -572,8 +579,7 @@ impl Step<'_> {
                         match source.poll_while(rebuild).await {
                             Ok(rebuilt) => {
                                 tracing::warn!("the side effect's tables or statements changed: statements rebuilt");
-                                self.ready = rebuilt;
-                                self.ahead.clear(); // prepared through the statements as they were
+                                self.rebuilt(rebuilt);
                                 source.drop_revoked(batch);
                                 prepared = batch.iter().map(|rec| self.ready.preparer.prepare(rec)).collect();
                             }

@@ -9,7 +9,6 @@
 -- so a rolling upgrade needs no fence.
 --
 -- The column's type is unchanged (text): the table is not rewritten, its two indexes (the primary key and
--- (pipeline, applied_at) for retention) are rebuilt, holding an ACCESS EXCLUSIVE lock on idemflow.dedup meanwhile
--- (about 6 s per million rows on a 2-core machine): workers' batches wait for it. A batch under way when it
--- starts is waited for.
+-- (pipeline, applied_at) for retention) are rebuilt, holding an ACCESS EXCLUSIVE lock on idemflow.dedup meanwhile:
+-- workers' batches wait for it. A batch under way when it starts is waited for.
 ALTER TABLE idemflow.dedup ALTER COLUMN pipeline TYPE text COLLATE "C";
