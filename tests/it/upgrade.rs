@@ -62,6 +62,32 @@ async fn previous_postgres_claim(conn: &mut sqlx::PgConnection, keys: &[String],
     Ok(rows.len())
 }
 
+/// `idemflow migrate` started while `held` (a batch's transaction with its claim made) is open: the migration must
+/// wait for it, then finish once it commits.
+async fn migrate_while_open(setup: &Setup, held: sqlx::Transaction<'_, sqlx::Postgres>) {
+    let mut migrate = std::process::Command::new(env!("CARGO_BIN_EXE_idemflow"))
+        .args(["migrate", "--config", setup.config.to_str().unwrap()])
+        .current_dir(setup.dir.path())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(migrate.try_wait().unwrap().is_none(), "the migration waits for the batch under way");
+    held.commit().await.unwrap();
+    let status = wait_child(&mut migrate, Duration::from_secs(60)).expect("idemflow migrate finishes once the batch ended");
+    let out = migrate.wait_with_output().unwrap();
+    assert!(status.success(), "{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+}
+
+/// Runs `migrations/rollback/<script>` in one transaction, as docs/operations.md says.
+async fn roll_back(db: &TestDb, script: &str) {
+    let rollback = std::fs::read_to_string(project_root().join("migrations/rollback").join(script)).unwrap();
+    let mut tx = db.pool.begin().await.unwrap();
+    sqlx::raw_sql(&rollback).execute(&mut *tx).await.unwrap();
+    tx.commit().await.unwrap();
+}
+
 const PIPELINE: &str = r#"topics = ["orders"]
 [key]
 field = "/order/id"
@@ -92,19 +118,7 @@ async fn postgres_upgrade_keeps_every_stored_key_a_duplicate_and_fences_the_prev
     let mut held = db.pool.begin().await.unwrap();
     let held_key = vec!["o-held".to_owned()];
     assert_eq!(previous_postgres_claim(&mut held, &held_key, 100).await.unwrap(), 1);
-    let mut migrate = std::process::Command::new(env!("CARGO_BIN_EXE_idemflow"))
-        .args(["migrate", "--config", &config])
-        .current_dir(setup.dir.path())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    assert!(migrate.try_wait().unwrap().is_none(), "the migration waits for the previous version's batch");
-    held.commit().await.unwrap();
-    let status = wait_child(&mut migrate, Duration::from_secs(60)).expect("idemflow migrate finishes once the batch ended");
-    let out = migrate.wait_with_output().unwrap();
-    assert!(status.success(), "{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    migrate_while_open(&setup, held).await;
 
     // Every stored row, the held batch's too, is at the id this version computes for its key.
     let rows: Vec<(String, Vec<u8>)> = sqlx::query_as("SELECT business_key, key_id FROM idemflow.dedup").fetch_all(&db.pool).await.unwrap();
@@ -142,10 +156,7 @@ async fn postgres_upgrade_keeps_every_stored_key_a_duplicate_and_fences_the_prev
     // Going back (docs/operations.md): the rollback scripts, the last migration's first, then the previous version's
     // claim works again and finds every key applied before and after the upgrade; this version refuses the schema.
     for script in ["postgres-0008.sql", "postgres-0007.sql"] {
-        let rollback = std::fs::read_to_string(project_root().join("migrations/rollback").join(script)).unwrap();
-        let mut tx = db.pool.begin().await.unwrap();
-        sqlx::raw_sql(&rollback).execute(&mut *tx).await.unwrap();
-        tx.commit().await.unwrap();
+        roll_back(&db, script).await;
     }
     let mut conn = db.pool.acquire().await.unwrap();
     let again: Vec<String> = keys.iter().chain(&held_key).cloned().chain(["o-new".to_owned(), "o-rolled-back".to_owned()]).collect();
@@ -206,19 +217,7 @@ async fn postgres_migration_8_compares_pipelines_bytewise_and_keeps_every_key() 
     let mut held = db.pool.begin().await.unwrap();
     let held_key = vec!["o-held".to_owned()];
     assert_eq!(v7_postgres_claim(&mut held, &held_key, 100).await.unwrap(), 1);
-    let mut migrate = std::process::Command::new(env!("CARGO_BIN_EXE_idemflow"))
-        .args(["migrate", "--config", &config])
-        .current_dir(setup.dir.path())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    assert!(migrate.try_wait().unwrap().is_none(), "the migration waits for the batch under way");
-    held.commit().await.unwrap();
-    let status = wait_child(&mut migrate, Duration::from_secs(60)).expect("idemflow migrate finishes once the batch ended");
-    let out = migrate.wait_with_output().unwrap();
-    assert!(status.success(), "{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    migrate_while_open(&setup, held).await;
     assert_eq!(db.scalar::<String>(collation).await, "C");
     let rows: Vec<(String, Vec<u8>)> = sqlx::query_as("SELECT business_key, key_id FROM idemflow.dedup").fetch_all(&db.pool).await.unwrap();
     assert_key_ids(&rows, keys.len() + 1);
@@ -241,10 +240,7 @@ async fn postgres_migration_8_compares_pipelines_bytewise_and_keeps_every_key() 
     assert!(worker.stop().await.is_empty());
     assert_eq!(db.scalar::<String>("SELECT string_agg(order_id, ',') FROM payments").await, "o-new");
 
-    let rollback = std::fs::read_to_string(project_root().join("migrations/rollback/postgres-0008.sql")).unwrap();
-    let mut tx = db.pool.begin().await.unwrap();
-    sqlx::raw_sql(&rollback).execute(&mut *tx).await.unwrap();
-    tx.commit().await.unwrap();
+    roll_back(&db, "postgres-0008.sql").await;
     assert_eq!(db.scalar::<String>(collation).await, "default");
     let mut conn = db.pool.acquire().await.unwrap();
     assert_eq!(v7_postgres_claim(&mut conn, &["o-new".to_owned(), "o-rolled-back".to_owned()], 300).await.unwrap(), 1);
