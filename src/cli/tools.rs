@@ -87,6 +87,11 @@ pub struct BenchArgs {
     /// rocketmq-namesrv-rust and rocketmq-broker-rust: scripts/rocketmq-throwaway.sh installs them).
     #[arg(long, value_enum, default_value = "kafka")]
     source: idemflow::bench::BenchSource,
+    /// Make the selected runs this many times, one repetition after another, and give each ratio as the median of
+    /// the repetitions' with their range (e.g. `--only 1,10 --repeat 5`: a shared machine's load moves one run's
+    /// figures by up to 2x). The embedded Kafka only.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=100))]
+    repeat: u32,
 }
 
 /// Runs `bench`.
@@ -105,6 +110,7 @@ pub async fn bench(a: BenchArgs) -> anyhow::Result<()> {
         only: a.only,
         perf: a.perf,
         source: a.source,
+        repeat: a.repeat,
     };
     let report = idemflow::bench::run(options).await?;
     println!("{}", idemflow::bench::markdown(&report));

@@ -42,7 +42,7 @@ async fn bench_runs_every_baseline_and_writes_markdown_and_json() {
         assert!(r["batch_p50_ms"].as_f64().is_some(), "{r}");
     }
     assert!(runs[3]["note"].as_str().unwrap().starts_with("20000 preloaded keys"), "{}", runs[3]);
-    let ratios: Vec<&str> = report["ratios"].as_array().unwrap().iter().map(|r| r[0].as_str().unwrap()).collect();
+    let ratios: Vec<&str> = report["ratios"].as_array().unwrap().iter().map(|r| r["name"].as_str().unwrap()).collect();
     assert_eq!(
         ratios,
         [
@@ -61,6 +61,7 @@ async fn bench_runs_every_baseline_and_writes_markdown_and_json() {
             "(1) / (10), against a batched consumer written by hand",
             "(14) / (10), two batch transactions at once against the hand-written consumer",
             "PostgreSQL CPU per record, (1) / (10)",
+            "PostgreSQL WAL bytes per record, (1) / (10)",
             "(1) / (11), against the guides' per-message consumer",
         ]
     );
@@ -75,14 +76,58 @@ async fn bench_runs_every_baseline_and_writes_markdown_and_json() {
     // The PostgreSQL cluster's CPU over each run on it: every worker run but Redis's, and the hand-written (10).
     for on_postgres in [0, 1, 3, 5, 7, 9, 11, 12, 13, 14] {
         assert!(runs[on_postgres]["db_cpu_us_per_record"].as_f64().unwrap() > 0.0, "{}", runs[on_postgres]);
+        // Every record's dedup row, at least its key, goes through the WAL.
+        assert!(runs[on_postgres]["wal_bytes_per_record"].as_f64().unwrap() > 10.0, "{}", runs[on_postgres]);
     }
     assert!(runs[6]["db_cpu_us_per_record"].is_null(), "the Redis run has no PostgreSQL: {}", runs[6]);
+    assert!(runs[6]["wal_bytes_per_record"].is_null(), "the Redis run has no PostgreSQL: {}", runs[6]);
     assert!(runs[6]["note"].as_str().unwrap().contains("4000 received"), "the Redis run: {}", runs[6]);
     let settings = report["environment"].to_string();
     assert!(settings.contains("synchronous_commit") && settings.contains("fsync"), "{settings}");
     let table = std::fs::read_to_string(&md).unwrap();
     assert!(table.contains("| (1) | idemflow, default batching (table form) |"), "{table}");
     assert!(out.contains("| ratio | measured | target |"), "{out}");
+}
+
+/// `idemflow bench --only 1,10 --repeat 3`, small: the two runs three times in turn, each repetition reading the
+/// whole stream in its own consumer groups, and each ratio the median of the three with their range.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bench_repeats_runs_in_turn_and_gives_the_median_ratio() {
+    let dir = tempfile::tempdir().unwrap();
+    let (md, json) = (dir.path().join("bench.md"), dir.path().join("bench.json"));
+    let args: Vec<String> = [
+        "bench", "--records", "3000", "--only", "1,10", "--repeat", "3", "--database-url", postgres::server_url(),
+        "--markdown", md.to_str().unwrap(), "--json", json.to_str().unwrap(),
+    ]
+    .map(String::from)
+    .into();
+    let (out, report) = bench(args, dir.path(), &json).await;
+    let runs = report["runs"].as_array().unwrap();
+    let seen: Vec<(String, u64)> =
+        runs.iter().map(|r| (r["id"].as_str().unwrap().to_owned(), r["repetition"].as_u64().unwrap())).collect();
+    let expected: Vec<(String, u64)> =
+        [("(1)", 1), ("(10)", 1), ("(1)", 2), ("(10)", 2), ("(1)", 3), ("(10)", 3)].map(|(i, n)| (i.to_owned(), n)).into();
+    assert_eq!(seen, expected);
+    for r in runs {
+        // Each repetition read the whole stream: its groups were new, not resumed from the one before.
+        let whole = if r["id"] == "(1)" { r["note"].as_str().unwrap().contains("3000 received") } else { r["records"] == 3000 };
+        assert!(whole, "{r}");
+        assert!(r["wal_bytes_per_record"].as_f64().unwrap() > 10.0, "{r}");
+    }
+    let ratio = |name: &str| report["ratios"].as_array().unwrap().iter().find(|r| r["name"] == name).cloned().unwrap();
+    let rates: Vec<f64> = [0, 2, 4]
+        .map(|i| runs[i]["records_per_second"].as_f64().unwrap() / runs[i + 1]["records_per_second"].as_f64().unwrap())
+        .into();
+    let mut sorted = rates.clone();
+    sorted.sort_by(f64::total_cmp);
+    let against = ratio("(1) / (10), against a batched consumer written by hand");
+    assert_eq!(against["repetitions"], 3, "{against}");
+    assert!((against["value"].as_f64().unwrap() - sorted[1]).abs() < 1e-9, "the median of {rates:?}: {against}");
+    assert!((against["low"].as_f64().unwrap() - sorted[0]).abs() < 1e-9, "{against}");
+    assert!((against["high"].as_f64().unwrap() - sorted[2]).abs() < 1e-9, "{against}");
+    assert_eq!(ratio("PostgreSQL WAL bytes per record, (1) / (10)")["repetitions"], 3);
+    assert!(out.contains("(median of 3;"), "{out}");
+    assert!(std::fs::read_to_string(&md).unwrap().contains("| (10) #3 |"));
 }
 
 /// `idemflow bench --source rabbitmq`, small: the worker from a quorum queue into PostgreSQL (table form and the
@@ -125,12 +170,12 @@ async fn bench_on_one_stream(source: &str, broker: &str) {
         assert!(r["records_per_second"].as_f64().unwrap() > 0.0, "{r}");
     }
     assert!(runs[0]["note"].as_str().unwrap().contains("5000 received"), "{}", runs[0]);
-    assert_eq!(report["ratios"][0][0].as_str().unwrap(), format!("(1) / (5), {broker}"));
-    assert_eq!(report["ratios"][2][0].as_str().unwrap(), format!("(7) / (5), {broker}: Redis against consume-only"));
+    assert_eq!(report["ratios"][0]["name"].as_str().unwrap(), format!("(1) / (5), {broker}"));
+    assert_eq!(report["ratios"][2]["name"].as_str().unwrap(), format!("(7) / (5), {broker}: Redis against consume-only"));
     assert!(runs[2]["note"].as_str().unwrap().contains("5000 received"), "the Redis run: {}", runs[2]);
     assert!(runs[3]["note"].as_str().unwrap().contains("5000 received"), "the shipped example: {}", runs[3]);
     assert_eq!(
-        report["ratios"][3][0].as_str().unwrap(),
+        report["ratios"][3]["name"].as_str().unwrap(),
         format!("(8) / (1), {broker}: the shipped example (batch SQL form) against the table form")
     );
     assert!(std::fs::read_to_string(&md).unwrap().contains(broker));
@@ -157,7 +202,7 @@ async fn bench_on_mariadb_runs_the_worker_runs_and_the_consume_only_ceiling() {
     }
     let applied = runs[3]["note"].as_str().unwrap();
     assert!(applied.contains("applied"), "the SQL form applies records on MySQL: {applied}");
-    let ratios: Vec<&str> = report["ratios"].as_array().unwrap().iter().map(|r| r[0].as_str().unwrap()).collect();
+    let ratios: Vec<&str> = report["ratios"].as_array().unwrap().iter().map(|r| r["name"].as_str().unwrap()).collect();
     assert_eq!(ratios, ["(1) / (5)", "(1) / (2)", "(6) / (1)"]);
     let settings = report["environment"].to_string();
     assert!(settings.contains("MariaDB") && settings.contains("innodb_flush_log_at_trx_commit"), "{settings}");
