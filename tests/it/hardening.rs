@@ -119,6 +119,47 @@ async fn records_prepared_while_a_batch_waits_follow_a_schema_change() {
     assert_eq!(db.scalar::<i64>("SELECT count(*) FROM idemflow.dead_letters").await, 1, "o-3 only");
 }
 
+/// The business table of [`records_prepared_ahead_from_a_queue_bind_their_own_values`].
+pub(crate) const ORDERS: &str = "CREATE TABLE orders (id text PRIMARY KEY, amount numeric NOT NULL);";
+
+/// Prepare ahead from a queue (RabbitMQ, NATS JetStream), whose connectors call the hook from their own stash: a
+/// running worker on `setup` (a table-form pipeline `payments` keyed by message id, `id` and `amount` mapped into
+/// [`ORDERS`]); a batch stalled on a table lock; a message published meanwhile is prepared ahead (`result="used"`)
+/// and lands with its own amount, and a message published after the lock goes with its own. `publish(id, amount)`
+/// publishes one message with that message id and body `{"amount": amount}`.
+pub(crate) async fn records_prepared_ahead_from_a_queue_bind_their_own_values<F, Fut>(setup: &Setup, db: &TestDb, publish: F)
+where
+    F: Fn(&'static str, &'static str) -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    publish("o-1", "1").await;
+    let worker = InProc::start(setup).await;
+    worker.wait_received("payments", 1).await;
+    let mut lock = db.pool.begin().await.unwrap();
+    sqlx::raw_sql("LOCK TABLE orders IN SHARE ROW EXCLUSIVE MODE").execute(&mut *lock).await.unwrap();
+    publish("o-2", "2").await;
+    wait_until(Duration::from_secs(30), "the worker's batch waits for the lock", || async {
+        db.scalar::<i64>("SELECT count(*) FROM pg_locks WHERE NOT granted AND relation = 'orders'::regclass").await > 0
+    })
+    .await;
+    publish("o-3", "3.25").await;
+    // The source is polled while the batch waits: o-3 arrives and is prepared meanwhile.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    lock.rollback().await.unwrap();
+    worker.wait_received("payments", 3).await;
+    publish("o-4", "4.5").await;
+    worker.wait_received("payments", 4).await;
+    let ahead = |result: &str| worker.metric("idemflow_records_prepared_ahead_total", &[("pipeline", "payments"), ("result", result)]);
+    assert_eq!(ahead("used"), 1.0, "o-3 was prepared while o-2's batch waited, and used");
+    assert_eq!(ahead("dropped"), 0.0);
+    assert!(worker.stop().await.is_empty());
+    let rows: Vec<(String, String)> =
+        sqlx::query_as("SELECT id, amount::text FROM orders ORDER BY id").fetch_all(&db.pool).await.unwrap();
+    let expected = [("o-1", "1"), ("o-2", "2"), ("o-3", "3.25"), ("o-4", "4.5")].map(|(i, a)| (i.to_owned(), a.to_owned()));
+    assert_eq!(rows, expected, "each message applied once, with its own amount");
+    assert_eq!(db.scalar::<i64>("SELECT count(*) FROM idemflow.dead_letters").await, 0);
+}
+
 /// A mapped column dropped while the worker runs: the pipeline stops loudly (a fatal error naming the column)
 /// instead of dead-lettering the stream, and nothing of the batch is committed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -373,3 +373,20 @@ async fn credentials_and_tls_with_a_private_ca() {
     let (ok, text) = check(&format!("url = \"{tls_url}\"\ntls_ca_file = \"{}\"\n", file("other-ca.crt")));
     assert!(!ok, "a certificate from another CA is refused: {text}");
 }
+
+/// Messages fetched while a batch is in its transaction are prepared ahead from the connector's own stash, each for
+/// itself (see [`crate::hardening::records_prepared_ahead_from_a_queue_bind_their_own_values`]).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_fetched_while_a_batch_waits_are_prepared_ahead() {
+    let server = NatsServer::start();
+    server.create_stream("ORDERS").await;
+    let db = TestDb::new(crate::hardening::ORDERS).await;
+    let pipeline = "[source]\nkind = \"nats\"\nstream = \"ORDERS\"\n[key]\nmessage_id = true\n[sink]\ntable = \"orders\"\n\
+        [sink.columns]\nid = { property = \"message_id\" }\namount = \"/amount\"\n";
+    let setup = Setup::nats(&db, &server, &[("payments.toml", pipeline)], "");
+    let publish = |id: &'static str, amount: &'static str| {
+        let server = &server;
+        async move { server.publish("ORDERS.created", &[(Some(id.to_owned()), format!("{{\"amount\": {amount}}}").into_bytes())]).await }
+    };
+    crate::hardening::records_prepared_ahead_from_a_queue_bind_their_own_values(&setup, &db, publish).await;
+}

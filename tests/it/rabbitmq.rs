@@ -609,3 +609,20 @@ async fn a_nul_in_a_header_name_is_dead_lettered_and_the_stream_moves_on() {
     let (_, out, _) = idemflow(&["dead-letters", "list", "--config", setup.config.to_str().unwrap()], setup.dir.path());
     assert!(out.contains("1 dead letter(s)"), "{out}");
 }
+
+/// Messages delivered while a batch is in its transaction are prepared ahead from the connector's own stash, each
+/// for itself (see [`crate::hardening::records_prepared_ahead_from_a_queue_bind_their_own_values`]).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_delivered_while_a_batch_waits_are_prepared_ahead() {
+    let url = rabbitmq::shared_url();
+    let queue = format!("ahead-{}", unique());
+    let client = Client::connect(url).await;
+    client.declare(&queue, "quorum", false).await;
+    let db = TestDb::new(crate::hardening::ORDERS).await;
+    let setup = Setup::rabbitmq(&db, url, &[("payments.toml", &orders_pipeline(&queue, ""))], "");
+    let publish = |id: &'static str, amount: &'static str| {
+        let (client, queue) = (&client, &queue);
+        async move { client.publish(queue, &[Msg::json(id, format!("{{\"amount\": {amount}}}"))]).await }
+    };
+    crate::hardening::records_prepared_ahead_from_a_queue_bind_their_own_values(&setup, &db, publish).await;
+}
