@@ -133,8 +133,8 @@ pub struct RunResult {
     pub db_cpu_us_per_record: Option<f64>,
     /// Bytes of write-ahead log the PostgreSQL server wrote over the run (`pg_current_wal_lsn()` before and after,
     /// the whole server's: checkpoints' full-page images and autovacuum included), per record received. Unlike CPU
-    /// time it does not move with the host's load: it is what a run makes the server write and flush. `None` on
-    /// MySQL/MariaDB and Redis.
+    /// time it does not move with the host's load (it is what a run makes the server write and flush), but a
+    /// checkpoint inside the run adds the full-page images written after it. `None` on MySQL/MariaDB and Redis.
     pub wal_bytes_per_record: Option<f64>,
     /// Batch duration p50 / p99, milliseconds.
     pub batch_p50_ms: Option<f64>,
