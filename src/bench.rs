@@ -1113,8 +1113,8 @@ pub async fn run(o: BenchOptions) -> anyhow::Result<Report> {
             if !want(n) {
                 continue;
             }
-            if (8..=15).contains(&n) {
-                let r = match n {
+            let r = if (8..=15).contains(&n) {
+                match n {
                     14 | 15 => {
                         let lanes = if n == 14 { 2 } else { 4 };
                         let url = fresh_database(&admin_url, &format!("bench_{n}")).await?;
@@ -1162,13 +1162,8 @@ pub async fn run(o: BenchOptions) -> anyhow::Result<Report> {
                         let single = o.single_records.min(o.records);
                         per_message(&kafka, &minimal_database(&admin_url, "bench_11").await?, single, &group(11)).await?
                     }
-                };
-                let r = RunResult { repetition, ..r };
-                report_run(&r);
-                runs.push(r);
-                continue;
-            }
-            if n == 7 {
+                }
+            } else if n == 7 {
                 if mysql {
                     continue;
                 }
@@ -1182,35 +1177,32 @@ pub async fn run(o: BenchOptions) -> anyhow::Result<Report> {
                 eprintln!("redis: {} (throwaway server, appendonly yes, appendfsync everysec)", redis.version());
                 let run = WorkerRun { id: "(7)", name: "idemflow, Redis sink (one script per batch)", pipeline: redis_pipeline(), group: &group(7), target: total };
                 let store = format!("[redis]\nurl = \"{}\"\n", redis.url());
-                let r = worker_run_on(run, &kafka_settings(&kafka), &store, perf, &Probe::default()).await?;
-                let r = RunResult { repetition, ..r };
-                report_run(&r);
-                runs.push(r);
-                continue;
-            }
-            let url = fresh_database(&admin_url, &format!("bench_{n}")).await?;
-            let run_group = group(n);
-            let worker = |id, name, pipeline, target| WorkerRun { id, name, pipeline, group: &run_group, target };
-            let r = match n {
-                1 => worker_run(worker("(1)", "idemflow, default batching (table form)", table_pipeline(None), total), &kafka_settings(&kafka), &url, perf).await?,
-                2 => {
-                    let single = o.single_records.min(o.records) as u64;
-                    let name = "idemflow, one record per transaction (max_records = 1)";
-                    worker_run(worker("(2)", name, table_pipeline(Some(1)), single), &kafka_settings(&kafka), &url, perf).await?
-                }
-                3 => copy_ceiling(&url, &s, s.records.len()).await?,
-                4 => {
-                    let preload_secs = preload(&url, o.preload).await?;
-                    let name = "idemflow, default batching, dedup store preloaded";
-                    let mut r = worker_run(worker("(4)", name, table_pipeline(None), total), &kafka_settings(&kafka), &url, perf).await?;
-                    r.note = format!("{} preloaded keys (in {preload_secs:.1} s); {}", o.preload, r.note);
-                    r
-                }
-                5 => consume_only(&kafka, &url, s.records.len(), &group(5)).await?,
-                _ => {
-                    let sql = o.sql_records.min(o.records) as u64;
-                    let name = "idemflow, default batching, per-record SQL form";
-                    worker_run(worker("(6)", name, sql_pipeline(), sql), &kafka_settings(&kafka), &url, perf).await?
+                worker_run_on(run, &kafka_settings(&kafka), &store, perf, &Probe::default()).await?
+            } else {
+                let url = fresh_database(&admin_url, &format!("bench_{n}")).await?;
+                let run_group = group(n);
+                let worker = |id, name, pipeline, target| WorkerRun { id, name, pipeline, group: &run_group, target };
+                match n {
+                    1 => worker_run(worker("(1)", "idemflow, default batching (table form)", table_pipeline(None), total), &kafka_settings(&kafka), &url, perf).await?,
+                    2 => {
+                        let single = o.single_records.min(o.records) as u64;
+                        let name = "idemflow, one record per transaction (max_records = 1)";
+                        worker_run(worker("(2)", name, table_pipeline(Some(1)), single), &kafka_settings(&kafka), &url, perf).await?
+                    }
+                    3 => copy_ceiling(&url, &s, s.records.len()).await?,
+                    4 => {
+                        let preload_secs = preload(&url, o.preload).await?;
+                        let name = "idemflow, default batching, dedup store preloaded";
+                        let mut r = worker_run(worker("(4)", name, table_pipeline(None), total), &kafka_settings(&kafka), &url, perf).await?;
+                        r.note = format!("{} preloaded keys (in {preload_secs:.1} s); {}", o.preload, r.note);
+                        r
+                    }
+                    5 => consume_only(&kafka, &url, s.records.len(), &group(5)).await?,
+                    _ => {
+                        let sql = o.sql_records.min(o.records) as u64;
+                        let name = "idemflow, default batching, per-record SQL form";
+                        worker_run(worker("(6)", name, sql_pipeline(), sql), &kafka_settings(&kafka), &url, perf).await?
+                    }
                 }
             };
             let r = RunResult { repetition, ..r };
