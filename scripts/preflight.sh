@@ -63,6 +63,8 @@ idemflow_venv_ready() {
 #   socat              a TLS-terminating proxy for the Kafka TLS test
 #   iptables           packets dropped on loopback ports for the network fault tests (tests/it/network.rs)
 #   openssl            certificates for the TLS tests
+#   locales            the de_DE.UTF-8 locale, generated here, for PostgreSQL with its messages in German (a time
+#                      limit told by its SQLSTATE, not its words: tests/it/semantics.rs)
 #   python3-venv       the virtual environment with check-jsonschema and ruamel.yaml (docker-compose.yml checks),
 #                      kubernetes-validate (deploy/kubernetes/ against the Kubernetes schemas)
 #                      and noida-db (a second Kafka implementation: DescribeGroups, which the mock cluster lacks)
@@ -86,11 +88,21 @@ idemflow_test_preflight() {
   command -v socat >/dev/null 2>&1 || missing+=(socat)
   { command -v iptables || [ -x /usr/sbin/iptables ]; } >/dev/null 2>&1 || missing+=(iptables)
   command -v cc >/dev/null 2>&1 || missing+=(gcc)
+  [ -d /usr/share/i18n/locales ] && command -v localedef >/dev/null 2>&1 || missing+=(locales)
   if ! idemflow_venv_ready; then
     [ -x /usr/bin/python3 ] || missing+=(python3)
     /usr/bin/python3 -c 'import ensurepip' >/dev/null 2>&1 || missing+=(python3-venv)
   fi
   idemflow_apt_install "${missing[@]}" || return 1
+  if ! locale -a 2>/dev/null | grep -qix 'de_DE.utf8'; then
+    if [ "$(id -u)" -eq 0 ]; then
+      echo "generating the locale de_DE.UTF-8 (localedef)" >&2
+      localedef -i de_DE -f UTF-8 de_DE.UTF-8 || return 1
+    else
+      echo "missing the locale de_DE.UTF-8: generate it with: sudo localedef -i de_DE -f UTF-8 de_DE.UTF-8" >&2
+      return 1
+    fi
+  fi
 
   if ! idemflow_venv_ready; then
     echo "creating $IDEMFLOW_VENV with check-jsonschema, noida-db and kubernetes-validate from PyPI" >&2

@@ -130,9 +130,21 @@
 //!   record-by-record redo and before `COMMIT` the worker checks that the transaction it opened is still open
 //!   ([`store::mysql::transaction_open`]); if not, the pipeline stops instead of counting records as duplicates.
 //!   PostgreSQL refuses transaction control inside a function or a procedure called in a transaction block.
-//! - A batch cancelled by `statement_timeout` rolls back like any failed attempt; it is redone record by record
-//!   (each statement timed on its own) rather than retried whole forever, and a record whose side effect alone
-//!   exceeds the timeout is dead-lettered: nothing committed for it, its claim rolled back with its savepoint.
+//! - A batch stopped by the server's time limit for one statement (PostgreSQL `statement_timeout`, MariaDB
+//!   `max_statement_time`, MySQL `max_execution_time`; told by SQLSTATE or error number, never by the message,
+//!   [`store::error::time_limit`]) rolls back like any failed attempt; it is redone record by record (each statement
+//!   timed on its own) rather than retried whole forever. A record whose side effect alone exceeds the limit rolls
+//!   the attempt back and the batch is retried ([`sink::SOLO_TIME_LIMIT_ATTEMPTS`]): a lock wait or a stall is not
+//!   the record's fault; only slow alone in every one of those attempts is it dead-lettered, nothing committed for
+//!   it, its claim rolled back with its savepoint.
+//! - A worker that vanishes mid-batch (no FIN, no RST) holds nothing for long: its transaction is ended by the
+//!   server once idle past [`store::spec::IDLE_IN_TRANSACTION_TIMEOUT`], or once TCP keepalives find the peer gone
+//!   while a statement runs; a rollback like any crash. A live worker whose session the server ended that way
+//!   (FATAL 25P03, 25P04) retries the batch as after a lost connection.
+//! - Each record is applied with its own values: a batch's prepared forms are made again whenever the batch
+//!   changed between attempts (records dropped during a back-off, a fenced or lost partition's records taken out),
+//!   found by the records' receipts ([`prepare::realign`]); the sink refuses a batch whose records and prepared
+//!   forms differ in number, and the pipeline stops.
 //! - A value its column would round is refused before the transaction (`param_invalid`): the effect applied is the
 //!   record's, or none.
 //! - Records prepared ahead: while a batch is in its transaction, the records received meanwhile are decoded, keyed
@@ -143,6 +155,16 @@
 //!   give. A rebuild of the statements (a schema change) drops every entry; a record dropped before its batch
 //!   leaves its entry unused. Tested with a batch stalled on a lock while the table's column types change
 //!   (`tests/it/hardening.rs`).
+//!
+//! - A consumer group that starts over (its committed offsets expired after `offsets.retention.minutes`, a new
+//!   `group_id`) replays records whose dedup rows may have been purged since. Every batch's transaction raises its
+//!   partitions' processed marks and their floor ([`offsets::Mark`]) and reads them as they were, under the rows'
+//!   locks: a record below the floor was processed by a committed batch, so it is neither claimed nor applied
+//!   again, whatever its dedup row says (counted `redelivered`); only `idemflow rewind` lowers the floor (the
+//!   operator's replay, applied where no dedup row covers it). A record below the floor that was produced after
+//!   the mark was last raised is not the one processed there (the topic was created again): the partition's marks
+//!   are renewed in the same transaction and the record applied as new ([`offsets::Replay`]). Tested with a purge
+//!   and a new group, a rewind, and a topic created again (`tests/it/offsets.rs`).
 //!
 //! The dedup row and the effect are in the same transaction, so "marked as seen" and "applied" are one fact: there
 //! is no window in which a key is claimed but its effect is lost. No cache in memory ever claims a key.

@@ -97,6 +97,27 @@ mod tests {
         }
     }
 
+    /// A record below the floor is processed when it was produced before the mark was last raised, a record of a
+    /// topic created again when after; at or above the floor, or where the store keeps no floor, it is new.
+    #[test]
+    fn a_record_below_the_floor_was_processed_unless_it_is_newer_than_the_mark() {
+        let at = |offset: i64, ts: Option<i64>| Record { timestamp_ms: ts, ..rec("t", 0, offset) };
+        let mark = Mark { next: 100, floor: Some(80), raised_at_ms: Some(5_000) };
+        let mut processed = Processed([(("t".into(), 0), mark)].into_iter().collect());
+        assert_eq!(processed.replay(&at(79, Some(4_000))), Replay::Processed);
+        assert_eq!(processed.replay(&at(79, None)), Replay::Processed, "no timestamp: processed");
+        assert_eq!(processed.replay(&at(0, Some(5_000))), Replay::Processed, "produced as the mark was raised");
+        assert_eq!(processed.replay(&at(0, Some(5_001))), Replay::Recreated);
+        assert_eq!(processed.replay(&at(80, Some(1))), Replay::New, "at the floor: a rewind's replay");
+        assert_eq!(processed.replay(&at(95, Some(1))), Replay::New);
+        assert!(processed.before(&at(95, None).position), "still a redelivery by its position");
+        assert_eq!(processed.replay(&rec("t", 1, 0)), Replay::New, "another partition: no mark");
+        processed.0.insert(("t".into(), 1), Mark { next: 10, floor: None, raised_at_ms: None });
+        assert_eq!(processed.replay(&rec("t", 1, 0)), Replay::New, "no floor kept (Redis)");
+        processed.forget(&[("t".into(), 0)]);
+        assert_eq!(processed.replay(&at(0, Some(1))), Replay::New);
+    }
+
     #[test]
     fn next_offset_is_highest_plus_one_per_partition() {
         let n = NextOffsets::after(&[rec("a", 0, 5), rec("a", 1, 2), rec("a", 0, 7), rec("b", 0, 0)]);
@@ -105,15 +126,67 @@ mod tests {
     }
 }
 
-/// Per partition, one past the highest offset this pipeline had processed before the batch (`idemflow.processed`).
-/// A record below its partition's mark was processed before: it is a redelivery.
+/// Per partition, what this pipeline had processed before the batch (`idemflow.processed`): see [`Mark`].
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Processed(pub std::collections::HashMap<(Arc<str>, i32), i64>);
+pub struct Processed(pub std::collections::HashMap<(Arc<str>, i32), Mark>);
+
+/// What a pipeline had processed of one partition before a batch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Mark {
+    /// One past the highest offset whose batch committed. A record below it was processed before: it is a
+    /// redelivery (counted `redelivered`), whatever its dedup row says.
+    pub next: i64,
+    /// Where the pipeline may consume the partition from again without an operator's `idemflow rewind`: the mark
+    /// itself, or lower after a rewind, raised again by the batches of the replay. A record below it that comes
+    /// back (the consumer group's offsets expired, a new `group_id`, `auto.offset.reset` to the log start) is not
+    /// claimed nor applied again, even when its dedup row was purged: it was processed, and only an operator's
+    /// rewind asks for it again. `None` where the store keeps no floor (Redis, whose stored positions are where
+    /// the consumer starts).
+    pub floor: Option<i64>,
+    /// When a batch last raised the mark, in milliseconds since the Unix epoch on the store's clock; `None` where
+    /// the store does not say.
+    pub raised_at_ms: Option<i64>,
+}
+
+/// What a record's position says about it, against its partition's [`Mark`] ([`Processed::replay`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Replay {
+    /// At or above the floor (or no mark): claimed and applied if its key is new.
+    New,
+    /// Below the floor and produced before the mark was last raised: processed before; skipped as `redelivered`,
+    /// neither claimed nor applied.
+    Processed,
+    /// Below the floor but produced after the mark was last raised (its timestamp is later): not the record this
+    /// pipeline processed at that position. The topic was deleted and created again (or its log truncated and
+    /// refilled), so the partition's mark is from before: it is dropped and the record processed as new.
+    Recreated,
+}
 
 impl Processed {
     /// Whether the record at `position` was processed by an earlier batch.
     pub fn before(&self, position: &crate::record::Position) -> bool {
-        self.0.get(&(position.topic.clone(), position.partition)).is_some_and(|next| position.offset < *next)
+        self.0.get(&(position.topic.clone(), position.partition)).is_some_and(|m| position.offset < m.next)
+    }
+
+    /// Where `record` stands against its partition's mark (see [`Replay`]). A record without a timestamp, or a mark
+    /// without its time, below the floor counts as processed.
+    pub fn replay(&self, record: &Record) -> Replay {
+        let p = &record.position;
+        let Some(mark) = self.0.get(&(p.topic.clone(), p.partition)) else { return Replay::New };
+        match mark.floor {
+            Some(floor) if p.offset < floor => match (record.timestamp_ms, mark.raised_at_ms) {
+                (Some(produced), Some(raised)) if produced > raised => Replay::Recreated,
+                _ => Replay::Processed,
+            },
+            _ => Replay::New,
+        }
+    }
+
+    /// Drops the marks of `partitions` (their topic was created again: see [`Replay::Recreated`]).
+    pub fn forget(&mut self, partitions: &[(Arc<str>, i32)]) {
+        for p in partitions {
+            self.0.remove(p);
+        }
     }
 }
 

@@ -322,6 +322,20 @@ fn describe(source: &ValueSource) -> String {
     }
 }
 
+/// Keeps a batch's prepared forms in step with its records: `prepared[i]` was made for the record whose receipt is
+/// `made_for[i]`. When `batch` is not exactly those records, in that order (records dropped during a back-off, a
+/// fenced or lost partition's records taken out; `made_for` emptied after the statements were rebuilt), every record
+/// of `batch` is prepared again. Returns whether it was. Records without a receipt ([`Receipt::NONE`]) are told apart
+/// by their number only.
+pub fn realign(batch: &[Record], prepared: &mut Vec<Prepared>, made_for: &mut Vec<Receipt>, preparer: &Preparer) -> bool {
+    if prepared.len() == batch.len() && batch.iter().map(|r| r.receipt).eq(made_for.iter().copied()) {
+        return false;
+    }
+    *prepared = batch.iter().map(|r| preparer.prepare(r)).collect();
+    *made_for = batch.iter().map(|r| r.receipt).collect();
+    true
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -405,5 +419,36 @@ mod tests {
         ahead.clear();
         assert_eq!(ahead.tally(), (0, 1));
         assert!(ahead.entries.is_empty());
+    }
+
+    /// A batch that lost records in the middle, was reordered, or whose statements were rebuilt is prepared again
+    /// record by record; one unchanged is not: each record ends up with its own values, on every path.
+    #[test]
+    fn a_changed_batch_is_prepared_again_for_its_records() {
+        use crate::record::Receipt;
+        let text = "topics = [\"t\"]\n[key]\nfield = \"/id\"\n[sink]\ntable = \"t\"\n[sink.columns]\na = \"/a\"\n";
+        let pipeline = crate::config::pipeline::load_text_in(text, Path::new("p.toml"), Dialect::Postgres).unwrap();
+        let p = Preparer::new(&pipeline, vec![binding("a", "/a")]);
+        let received = |id: &str| Record { receipt: Receipt::next(), ..record(&format!(r#"{{"id":"{id}","a":"{id}"}}"#)) };
+        let mut batch = vec![received("1"), received("2"), received("3")];
+        let mut prepared: Vec<Prepared> = batch.iter().map(|r| p.prepare(r)).collect();
+        let mut made_for: Vec<Receipt> = batch.iter().map(|r| r.receipt).collect();
+        let keys = |prepared: &[Prepared]| -> Vec<String> {
+            prepared.iter().map(|x| match x { Prepared::Apply(a) => a.key.text.clone(), _ => "-".into() }).collect()
+        };
+        assert!(!realign(&batch, &mut prepared, &mut made_for, &p), "unchanged: kept");
+        batch.remove(1);
+        assert!(realign(&batch, &mut prepared, &mut made_for, &p), "a record dropped in the middle");
+        assert_eq!(keys(&prepared), ["1", "3"]);
+        batch.swap(0, 1);
+        assert!(realign(&batch, &mut prepared, &mut made_for, &p), "the same records in another order");
+        assert_eq!(keys(&prepared), ["3", "1"]);
+        // The same number of records, one of them received anew in another's place.
+        batch[1] = received("4");
+        assert!(realign(&batch, &mut prepared, &mut made_for, &p));
+        assert_eq!(keys(&prepared), ["3", "4"]);
+        made_for.clear();
+        assert!(realign(&batch, &mut prepared, &mut made_for, &p), "statements rebuilt");
+        assert_eq!(prepared, batch.iter().map(|r| p.prepare(r)).collect::<Vec<_>>());
     }
 }

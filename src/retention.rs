@@ -22,25 +22,59 @@ pub struct PurgeOutcome {
     pub skipped_locked: bool,
 }
 
-/// Whether a topic can redeliver a record after its dedup row was purged: a warning to show, or `None` when the
-/// dedup retention covers the topic's retention. `topic_retention_ms` is the topic's `retention.ms` (`-1`: forever).
-pub fn window_warning(pipeline: &str, topic: &str, topic_retention_ms: i64, dedup_retention: Duration) -> Option<String> {
+/// What a Kafka topic says about how long it keeps a record (its topic configuration, Kafka's "Topic Configs").
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TopicRetention {
+    /// `retention.ms`: how long a closed log segment is kept after its newest record (`-1`: forever).
+    pub retention_ms: Option<i64>,
+    /// `segment.ms`: how long a segment stays open before it rolls (7 days by default).
+    pub segment_ms: Option<i64>,
+    /// `cleanup.policy`: `delete`, `compact`, or `compact,delete`.
+    pub cleanup_policy: Option<String>,
+}
+
+impl TopicRetention {
+    /// How long a record can stay readable: a segment is deleted whole, once its newest record is older than
+    /// `retention.ms`, and a segment takes records for up to `segment.ms` before it rolls; so the first record of a
+    /// segment can live `retention.ms + segment.ms`. `None` for forever (`retention.ms = -1`); `segment.ms` counts
+    /// as 0 when the broker did not say.
+    pub fn longest_ms(&self, retention_ms: i64) -> Option<i64> {
+        (retention_ms >= 0).then(|| retention_ms.saturating_add(self.segment_ms.unwrap_or(0).max(0)))
+    }
+}
+
+/// Whether a topic can redeliver a record after its dedup row was purged: warnings to show, none when the dedup
+/// retention covers what the topic can hold (its [`TopicRetention::longest_ms`]). A compacted topic keeps the
+/// newest record of every key for good, so it always warns.
+pub fn window_warnings(pipeline: &str, topic: &str, kept: &TopicRetention, dedup_retention: Duration) -> Vec<String> {
     let dedup = humantime::format_duration(dedup_retention);
-    if topic_retention_ms < 0 {
-        return Some(format!(
-            "pipeline {pipeline:?}: topic {topic:?} keeps records forever (retention.ms = -1) but dedup rows are kept \
-             {dedup}: a consumer group rewound past that would apply older operations again"
+    let mut out = Vec::new();
+    if kept.cleanup_policy.as_deref().is_some_and(|p| p.split(',').any(|p| p.trim() == "compact")) {
+        out.push(format!(
+            "pipeline {pipeline:?}: topic {topic:?} is compacted (cleanup.policy = {}): it keeps the newest record of every \
+             key for good, but dedup rows are kept {dedup}: a consumer group that starts over (its offsets expired, a new \
+             group_id, a rewind to earliest) would apply those records again once their dedup rows are purged",
+            kept.cleanup_policy.as_deref().unwrap_or_default()
         ));
     }
-    let topic_retention = Duration::from_millis(topic_retention_ms as u64);
-    (topic_retention > dedup_retention).then(|| {
-        format!(
-            "pipeline {pipeline:?}: topic {topic:?} keeps records for {} (retention.ms) but dedup rows are kept {dedup}: \
-             a record redelivered after {dedup} (a rewind, a long outage) would be applied again; raise [dedup] \
-             retention to at least the topic's retention",
-            humantime::format_duration(topic_retention)
-        )
-    })
+    let Some(retention_ms) = kept.retention_ms else { return out };
+    match kept.longest_ms(retention_ms) {
+        None => out.push(format!(
+            "pipeline {pipeline:?}: topic {topic:?} keeps records forever (retention.ms = -1) but dedup rows are kept \
+             {dedup}: a consumer group rewound past that would apply older operations again"
+        )),
+        Some(longest) if Duration::from_millis(longest as u64) > dedup_retention => out.push(format!(
+            "pipeline {pipeline:?}: topic {topic:?} can keep a record for {} (retention.ms {} + segment.ms {}: a segment is \
+             deleted whole once its newest record is past retention.ms) but dedup rows are kept {dedup}: a record \
+             redelivered after {dedup} (a rewind, a long outage) would be applied again; raise [dedup] retention to at \
+             least that",
+            humantime::format_duration(Duration::from_millis(longest as u64)),
+            humantime::format_duration(Duration::from_millis(retention_ms as u64)),
+            kept.segment_ms.map_or_else(|| "unknown".to_owned(), |ms| humantime::format_duration(Duration::from_millis(ms.max(0) as u64)).to_string()),
+        )),
+        Some(_) => {}
+    }
+    out
 }
 
 #[cfg(test)]
@@ -49,11 +83,25 @@ mod tests {
 
     #[test]
     fn warns_when_the_topic_outlives_the_dedup_rows() {
+        let day = 24 * 3600 * 1000;
         let week = Duration::from_secs(7 * 24 * 3600);
-        assert_eq!(window_warning("p", "t", 7 * 24 * 3600 * 1000, week), None);
-        assert_eq!(window_warning("p", "t", 3600 * 1000, week), None);
-        let w = window_warning("p", "t", 14 * 24 * 3600 * 1000, week).unwrap();
-        assert!(w.contains("14days") && w.contains("7days"), "{w}");
-        assert!(window_warning("p", "t", -1, week).unwrap().contains("forever"));
+        let kept = |retention: i64, segment: Option<i64>, policy: &str| TopicRetention {
+            retention_ms: Some(retention),
+            segment_ms: segment,
+            cleanup_policy: Some(policy.to_owned()),
+        };
+        assert!(window_warnings("p", "t", &kept(3 * day, Some(day), "delete"), week).is_empty());
+        assert!(window_warnings("p", "t", &kept(3600 * 1000, None, "delete"), week).is_empty());
+        // Kafka's defaults: 7 days of retention.ms and 7 days of segment.ms hold a record up to 14 days.
+        let w = window_warnings("p", "t", &kept(7 * day, Some(7 * day), "delete"), week);
+        assert_eq!(w.len(), 1, "{w:?}");
+        assert!(w[0].contains("14days") && w[0].contains("segment.ms 7days") && w[0].contains("kept 7days"), "{w:?}");
+        assert!(window_warnings("p", "t", &kept(14 * day, None, "delete"), week)[0].contains("segment.ms unknown"));
+        assert!(window_warnings("p", "t", &kept(-1, Some(day), "delete"), week)[0].contains("forever"));
+        let compacted = window_warnings("p", "t", &kept(day, Some(day), "compact,delete"), week);
+        assert_eq!(compacted.len(), 1, "{compacted:?}");
+        assert!(compacted[0].contains("is compacted (cleanup.policy = compact,delete)"), "{compacted:?}");
+        assert_eq!(window_warnings("p", "t", &kept(-1, None, "compact"), week).len(), 2);
+        assert!(window_warnings("p", "t", &TopicRetention::default(), week).is_empty(), "nothing said, nothing to compare");
     }
 }

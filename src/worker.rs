@@ -6,9 +6,9 @@ use crate::metrics::BatchCounts;
 use crate::http::Health;
 use crate::metrics::{Metrics, PipelineMetrics};
 use crate::prepare::{Ahead, Prepared, Preparer};
-use crate::record::Record;
+use crate::record::{Receipt, Record};
 use crate::shutdown::Shutdown;
-use crate::sink::{Disposition, Sink, SinkError};
+use crate::sink::{Attempt, Disposition, Earlier, Sink, SinkError};
 use crate::source::{DeadLetterOut, Source, StoredStart};
 use crate::config::OffsetStore;
 use crate::retry::backoff;
@@ -104,6 +104,10 @@ pub struct Faults {
     /// With `crash_after_commits`: end the whole process there with `abort()` (nothing closed, flushed, committed
     /// or acknowledged), as a SIGKILL at that moment would, instead of ending the pipeline alone.
     pub abort: bool,
+    /// The answer of the Nth batch's `COMMIT` is lost: the commit goes through in the store, and the attempt fails
+    /// as if the connection had broken before the answer came (SQL stores). The batch is retried; the next attempt
+    /// must find out from the store that it committed.
+    pub lose_commit_answer: Option<u64>,
 }
 
 /// The variable that injects [`Faults`] into `idemflow run`: `IDEMFLOW_FAULT_CRASH_AFTER_COMMITS=N` aborts the
@@ -111,16 +115,25 @@ pub struct Faults {
 /// guarantee matrix kills the binary at exactly that point); a worker started with it says so loudly.
 pub const CRASH_AFTER_COMMITS_VAR: &str = "IDEMFLOW_FAULT_CRASH_AFTER_COMMITS";
 
+/// The variable that makes the answer of the Nth batch's `COMMIT` lost in `idemflow run` ([`Faults::lose_commit_answer`]):
+/// `IDEMFLOW_FAULT_LOSE_COMMIT_ANSWER=N`. For tests; a worker started with it says so loudly.
+pub const LOSE_COMMIT_ANSWER_VAR: &str = "IDEMFLOW_FAULT_LOSE_COMMIT_ANSWER";
+
 impl Faults {
-    /// The faults `idemflow run` is asked for through [`CRASH_AFTER_COMMITS_VAR`]; none when it is unset.
+    /// The faults `idemflow run` is asked for through [`CRASH_AFTER_COMMITS_VAR`] and [`LOSE_COMMIT_ANSWER_VAR`];
+    /// none when they are unset.
     ///
-    /// Errors: the variable is set but is not a positive whole number.
+    /// Errors: a variable is set but is not a positive whole number.
     pub fn from_env() -> Result<Faults, String> {
-        let Ok(text) = std::env::var(CRASH_AFTER_COMMITS_VAR) else { return Ok(Faults::default()) };
-        match text.trim().parse::<u64>() {
-            Ok(n) if n > 0 => Ok(Faults { crash_after_commits: Some(n), abort: true }),
-            _ => Err(format!("{CRASH_AFTER_COMMITS_VAR} = {text:?}: expected a number of batches, 1 or more")),
-        }
+        let batch = |var: &str| -> Result<Option<u64>, String> {
+            let Ok(text) = std::env::var(var) else { return Ok(None) };
+            match text.trim().parse::<u64>() {
+                Ok(n) if n > 0 => Ok(Some(n)),
+                _ => Err(format!("{var} = {text:?}: expected a number of batches, 1 or more")),
+            }
+        };
+        let crash_after_commits = batch(CRASH_AFTER_COMMITS_VAR)?;
+        Ok(Faults { crash_after_commits, abort: crash_after_commits.is_some(), lose_commit_answer: batch(LOSE_COMMIT_ANSWER_VAR)? })
     }
 }
 
@@ -327,8 +340,10 @@ async fn run_lane(
         owner,
         batch_timeout: settings.database.as_ref().map(|d| d.batch_timeout).filter(|d| !d.is_zero()),
         ahead: Ahead::new(r.pipeline.batch.max_records),
+        lose_commit_answer: false,
     };
     let mut outcome = Ok(());
+    let mut batches = 0u64;
     let mut checked = Instant::now();
     while let Some(mut batch) = source.next_batch(r.pipeline.batch, &mut shutdown).await {
         // Once a second (between batches, or idle), a store that can lose acknowledged writes (Redis, after a crash
@@ -348,6 +363,8 @@ async fn run_lane(
             "batch", pipeline = %name, records = batch.len(),
             first = %batch[0].position, last = %batch[batch.len() - 1].position
         );
+        batches += 1;
+        step.lose_commit_answer = faults.lose_commit_answer == Some(batches);
         let done = step.process(&mut source, &mut batch, &mut shutdown).instrument(span).await;
         match done {
             Ok(true) => {
@@ -448,6 +465,8 @@ struct Step<'a> {
     batch_timeout: Option<Duration>,
     /// The records received while a batch is in its transaction, prepared for the next one then.
     ahead: Ahead,
+    /// Fault injection: the answer of the next batch's first `COMMIT` is lost ([`Faults::lose_commit_answer`]).
+    lose_commit_answer: bool,
 }
 
 impl Step<'_> {
@@ -501,17 +520,32 @@ impl Step<'_> {
         // Doubled after each attempt that ran out of it: a batch that is merely slow (its record-by-record redo over
         // a slow link) gets the time it needs; a connection whose packets vanish costs one limit per attempt.
         let mut attempt_limit = self.batch_timeout;
+        // The records `prepared` was made for, by receipt: wherever the batch changed since (records of a revoked
+        // partition dropped during a back-off, a fenced or lost partition's records taken out, a source moved back),
+        // the batch is prepared again before the attempt, so a record is never paired with another's values.
+        let mut prepared_for: Vec<Receipt> = batch.iter().map(|r| r.receipt).collect();
+        // The attempts of this batch that failed, for the next one to ask the store whether one committed after all.
+        let mut earlier: Vec<Earlier> = Vec::new();
         let outcome = loop {
             if batch.is_empty() {
                 return Ok(true);
             }
+            crate::prepare::realign(batch, &mut prepared, &mut prepared_for, &self.ready.preparer);
             // The transaction runs in its own task while the consumer keeps polling (see `Source::poll_while`).
             let positions = source.positions(batch);
             let (sink, window, limit) = (self.ready.sink.clone(), self.window.clone(), attempt_limit);
             let (records, records_prepared, presented) = (std::mem::take(batch), std::mem::take(&mut prepared), positions.clone());
+            let this = Attempt {
+                owner: self.owner.as_str().into(),
+                id: Attempt::next_id(),
+                earlier: earlier.clone(),
+                committing: Default::default(),
+                lose_commit_answer: std::mem::take(&mut self.lose_commit_answer),
+            };
+            let (this_id, committing) = (this.id, this.committing.clone());
             let attempt = tokio::spawn(
                 async move {
-                    let apply = sink.apply(&records, &records_prepared, presented.as_ref(), |counts| window.check(counts));
+                    let apply = sink.apply(&records, &records_prepared, presented.as_ref(), |counts| window.check(counts), &this);
                     // Dropping the attempt on time-out drops its connection: the server rolls back what it did not
                     // commit (once it hears of it), and the retry's claims wait for that.
                     let result = match limit {
@@ -529,6 +563,11 @@ impl Step<'_> {
                 source.poll_while_receiving(attempt, &mut |record| ahead.offer(record, preparer)).await;
             (*batch, prepared) = (records, records_prepared);
             let r = &self.ready;
+            if result.is_err() {
+                // The next attempt learns from the store whether this one committed after all.
+                let sent = committing.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take();
+                earlier.push(Earlier { id: this_id, committing: sent.map(|o| (o, prepared_for.clone())) });
+            }
             match result {
                 Ok(outcome) => break outcome,
                 Err(e) => match e.disposition() {
@@ -542,27 +581,20 @@ impl Step<'_> {
                         attempts += 1;
                         tracing::warn!(error = %e, retry_in = ?delay, attempt = attempts, failing_for = ?started.elapsed(),
                             "batch rolled back; retrying with consumption paused (nothing is dead-lettered for this)");
-                        let before = batch.len();
                         source.drop_revoked(batch);
                         if !source.pause_for(delay, batch, shutdown).await {
                             return Ok(false);
-                        }
-                        if batch.len() != before {
-                            prepared = batch.iter().map(|rec| self.ready.preparer.prepare(rec)).collect();
                         }
                     }
                     Disposition::Fenced => {
                         if let SinkError::Fenced { partitions } = &e {
                             source.lose(partitions, positions.as_ref(), batch).await;
-                            prepared = batch.iter().map(|rec| self.ready.preparer.prepare(rec)).collect();
                         }
                     }
                     Disposition::Resync => {
                         let SinkError::Lost { partitions } = &e else { return Err(e) };
                         tracing::warn!(error = %e, "claiming the partitions again");
-                        if resync(&self.ready, &self.owner, source, partitions.clone(), batch).await? {
-                            prepared = batch.iter().map(|rec| self.ready.preparer.prepare(rec)).collect();
-                        } else {
+                        if !resync(&self.ready, &self.owner, source, partitions.clone(), batch).await? {
                             let delay = backoff.next().unwrap_or(MAX_RETRY_DELAY);
                             if !source.pause_for(delay, batch, shutdown).await {
                                 return Ok(false);
@@ -575,22 +607,19 @@ impl Step<'_> {
                         // like any other; a schema the pipeline can no longer run on stops it.
                         let (store, pipeline) = (r.store.clone(), r.pipeline.clone());
                         let rebuild = tokio::spawn(async move { Ready::prepare(&store, &pipeline).await }.in_current_span());
-                        let before = batch.len();
                         match source.poll_while(rebuild).await {
                             Ok(rebuilt) => {
                                 tracing::warn!("the side effect's tables or statements changed: statements rebuilt");
                                 self.rebuilt(rebuilt);
                                 source.drop_revoked(batch);
-                                prepared = batch.iter().map(|rec| self.ready.preparer.prepare(rec)).collect();
+                                // Prepared through the old statements: made again whatever the batch holds.
+                                prepared_for.clear();
                             }
                             Err(problem) if problem.field == "database" => {
                                 let delay = backoff.next().unwrap_or(MAX_RETRY_DELAY);
                                 tracing::warn!(error = %problem, retry_in = ?delay, "rebuilding the side effect failed; retrying");
                                 if !source.pause_for(delay, batch, shutdown).await {
                                     return Ok(false);
-                                }
-                                if batch.len() != before {
-                                    prepared = batch.iter().map(|rec| self.ready.preparer.prepare(rec)).collect();
                                 }
                             }
                             Err(problem) => return Err(SinkError::Schema(problem.to_string())),

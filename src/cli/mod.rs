@@ -3,6 +3,7 @@
 
 mod check;
 mod dead_letters;
+mod dedup;
 mod explain;
 mod migrate;
 mod purge;
@@ -48,6 +49,10 @@ pub enum Command {
     /// Inspect dead letters and replay them once the cause is fixed (any store).
     #[command(subcommand)]
     DeadLetters(dead_letters::DeadLettersCommand),
+    /// Operate on the dedup store: `forget` keys whose effects never ran (after a side effect that ended the batch
+    /// transaction itself), so their records are applied when they come again (PostgreSQL, MySQL/MariaDB).
+    #[command(subcommand)]
+    Dedup(dedup::DedupCommand),
     /// Move a pipeline's consumer group back (with its workers stopped) so its topics are consumed again: Kafka and
     /// RocketMQ (a RabbitMQ queue has no position to go back to, a JetStream consumer keeps its own on the server);
     /// the dedup store skips every record already applied.
@@ -112,6 +117,7 @@ pub async fn dispatch(command: Command) -> anyhow::Result<()> {
         Command::Run(a) => run::run(a).await,
         Command::Explain(a) => explain::run(a).await,
         Command::DeadLetters(cmd) => dead_letters::run(cmd).await,
+        Command::Dedup(cmd) => dedup::run(cmd).await,
         Command::Rewind(a) => rewind::run(a).await,
         Command::Purge(a) => purge::run(a).await,
         Command::Completions { shell } => {

@@ -36,8 +36,11 @@ pub async fn run(a: RewindArgs) -> anyhow::Result<()> {
         // Said before the store is opened: a queue has nothing to rewind, whatever the store.
         return idemflow::source::rewind_group(&settings.brokers(), &context, &p.file, request(&a), None).await;
     }
-    let store = if p.offsets == OffsetStore::Database { Some(open_store(&settings, &a.config, p.sink.store()).await?) } else { None };
-    idemflow::source::rewind_group(&settings.brokers(), &context, &p.file, request(&a), store.as_ref()).await
+    // The store always: its processed marks' floors go down with the group (a replay below them would be skipped),
+    // and with `[offsets] store = "database"` it holds the positions themselves.
+    let store = open_store(&settings, &a.config, p.sink.store()).await?;
+    let side = idemflow::source::rewind::StoreSide { store: &store, positions: p.offsets == OffsetStore::Database };
+    idemflow::source::rewind_group(&settings.brokers(), &context, &p.file, request(&a), Some(side)).await
 }
 
 fn request(a: &RewindArgs) -> idemflow::source::rewind::Request {

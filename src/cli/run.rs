@@ -55,7 +55,7 @@ pub async fn run(a: ConfigArg) -> anyhow::Result<()> {
     }
     let faults = worker::Faults::from_env().map_err(anyhow::Error::msg)?;
     if faults != worker::Faults::default() {
-        tracing::warn!(?faults, "FAULT INJECTION ON ({}): this worker will crash on purpose; for tests only", worker::CRASH_AFTER_COMMITS_VAR);
+        tracing::warn!(?faults, "FAULT INJECTION ON ({} or {}): this worker will fail on purpose; for tests only", worker::CRASH_AFTER_COMMITS_VAR, worker::LOSE_COMMIT_ANSWER_VAR);
     }
     let failures = worker::run_with_faults(&settings, ready, &metrics, &health, stop.clone(), faults).await;
     if !failures.is_empty() && !stop.is_triggered() {

@@ -113,6 +113,34 @@ pub enum SinkError {
          deliberately (idemflow rewind) if effects are missing"
     )]
     TransactionEnded,
+    /// The batch's records and their prepared forms are not as many: nothing was written, and the pipeline stops
+    /// (a defect of the worker, never a retry: applying would pair records with other records' values).
+    #[error("internal error: a batch of {records} records came with {prepared} prepared forms; nothing was written")]
+    Misaligned {
+        /// Records in the batch.
+        records: usize,
+        /// Prepared forms handed with them.
+        prepared: usize,
+    },
+    /// One record's side effect alone ran past the server's time limit for one statement, in fewer consecutive
+    /// attempts than [`crate::sink::SOLO_TIME_LIMIT_ATTEMPTS`]: a lock wait or an I/O stall can make a good record
+    /// slow once, so the batch is rolled back and retried before the record is taken for the cause and
+    /// dead-lettered.
+    #[error(
+        "the side effect of the record at {position} alone ran past the statement time limit ({attempts} of \
+         {limit} attempts in a row): {source}; the batch was rolled back and is retried before the record is \
+         dead-lettered",
+        limit = crate::sink::SOLO_TIME_LIMIT_ATTEMPTS
+    )]
+    RecordTimeLimit {
+        /// The record's position.
+        position: crate::record::Position,
+        /// The consecutive attempts in which it did, this one included.
+        attempts: u32,
+        /// The error from the database.
+        #[source]
+        source: sqlx::Error,
+    },
 }
 
 impl SinkError {
@@ -127,11 +155,12 @@ impl SinkError {
         SinkError::Redis { context, source }
     }
 
-    /// Whether a statement of the batch was cancelled (PostgreSQL `statement_timeout`, SQLSTATE 57014): the
-    /// batch as a whole may be too big for the timeout, so it is redone record by record, each statement timed on
-    /// its own, rather than retried as it is forever.
-    pub fn cancelled(&self) -> bool {
-        matches!(self, SinkError::Database { source, .. } if crate::store::postgres::error::cancelled(source))
+    /// Whether a statement of the batch was stopped by the server's time limit for one statement
+    /// ([`crate::store::error::time_limit`]: PostgreSQL 57014, MySQL 3024, MariaDB 1969): the batch as a whole may be
+    /// too big for the limit, so it is redone record by record, each statement timed on its own, rather than
+    /// retried as it is forever.
+    pub fn time_limit(&self) -> bool {
+        matches!(self, SinkError::Database { source, .. } if crate::store::error::time_limit(source))
     }
 
     /// How to handle it.
@@ -143,8 +172,9 @@ impl SinkError {
             SinkError::Lost { .. } => Disposition::Resync,
             SinkError::PositionsGone { .. } | SinkError::Source(_) | SinkError::Replayed(_) => Disposition::Fatal,
             SinkError::DeadLetterRatio { .. } | SinkError::DeadLetterRatioWritten { .. } => Disposition::Fatal,
-            SinkError::TransactionEnded => Disposition::Fatal,
+            SinkError::TransactionEnded | SinkError::Misaligned { .. } => Disposition::Fatal,
             SinkError::TimedOut(_) => Disposition::Retry(crate::metrics::RetryCause::Connection),
+            SinkError::RecordTimeLimit { .. } => Disposition::Retry(crate::metrics::RetryCause::Unavailable),
             SinkError::Fenced { .. } => Disposition::Fenced,
             SinkError::SchemaChanged => Disposition::Rebuild,
             SinkError::Schema(_) => Disposition::Fatal,

@@ -22,8 +22,9 @@ use crate::key::BusinessKey;
 use crate::metrics::{BatchCounts, DeadLetterReason, DuplicateReason};
 use crate::offsets::{Positions, Processed};
 use crate::prepare::Prepared;
-use crate::record::Record;
+use crate::record::{Position, Receipt, Record};
 use crate::store::rows::Existing;
+use std::collections::HashMap;
 use crate::store::SideEffect;
 use std::time::Duration;
 
@@ -36,7 +37,19 @@ pub struct Sink {
     /// How long dedup keys are kept (Redis: their TTL).
     #[cfg_attr(not(feature = "redis"), allow(dead_code))]
     pub(super) retention: Duration,
+    /// The records whose side effect alone ran past the statement time limit in the last attempts of their batch,
+    /// with how many attempts in a row it did ([`SOLO_TIME_LIMIT_ATTEMPTS`]). Shared by the clones of the sink that
+    /// run one lane's attempts; an entry goes when its batch commits.
+    pub(super) solo_time_limits: std::sync::Arc<std::sync::Mutex<HashMap<(Receipt, Position), u32>>>,
 }
+
+/// In how many consecutive attempts of its batch a record's side effect must run past the server's statement time
+/// limit on its own before the record is dead-lettered as the cause (`side_effect_rejected`). A lock wait or an I/O
+/// stall makes a good record slow once; a record too slow for the limit is slow every time. Between the attempts
+/// the batch is rolled back and the worker backs off as for any retry (0.1 s, then 0.2 s: about a third of a second
+/// before the third). A record not received from a broker (a dead letter replayed by `idemflow dead-letters
+/// replay`, which retries nothing) is dead-lettered at the first.
+pub const SOLO_TIME_LIMIT_ATTEMPTS: u32 = 3;
 
 /// What a committed batch did.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -48,6 +61,69 @@ pub struct BatchOutcome {
     pub dead_letters: Vec<DeadLettered>,
     /// Redis: the batch script's round trip.
     pub script_round_trip: Option<Duration>,
+}
+
+/// One attempt at a batch, as the sink sees it ([`Sink::apply`]): the lane that makes it, its number, and the
+/// attempts of the same batch before it. Its number is recorded first in the batch transaction (the store's
+/// attempts table, one row per lane and pipeline), and what was recorded before is read back: when that is an
+/// earlier attempt of this batch, that attempt committed though its answer never came (a connection lost during
+/// `COMMIT`, `[database] batch_timeout`), and the batch is not run again.
+#[derive(Clone, Debug, Default)]
+pub struct Attempt {
+    /// The lane (`host/pid[/lane]`), whose row in the attempts table this attempt writes.
+    pub owner: std::sync::Arc<str>,
+    /// This attempt's number: never given twice ([`Attempt::next_id`]).
+    pub id: i64,
+    /// The earlier attempts of the same batch, oldest first.
+    pub earlier: Vec<Earlier>,
+    /// Set just before this attempt sends `COMMIT`: the outcome it commits. The worker keeps it with the attempt's
+    /// number for the next attempt ([`Earlier::committing`]), also when the attempt was abandoned on a time-out.
+    pub committing: std::sync::Arc<std::sync::Mutex<Option<BatchOutcome>>>,
+    /// Fault injection ([`crate::worker::Faults::lose_commit_answer`]): the `COMMIT` goes through and the attempt
+    /// then fails as if the connection had been lost before its answer came.
+    pub lose_commit_answer: bool,
+}
+
+/// An earlier attempt of a batch ([`Attempt::earlier`]).
+#[derive(Clone, Debug)]
+pub struct Earlier {
+    /// Its number.
+    pub id: i64,
+    /// What it was committing when it sent `COMMIT`, with the receipts of the records it was made for (the batch
+    /// may have lost records since: a partition revoked during the back-off); `None` if it failed before.
+    pub committing: Option<(BatchOutcome, Vec<Receipt>)>,
+}
+
+impl Attempt {
+    /// A number for a new attempt: the process's start in microseconds since the Unix epoch, then one more each
+    /// time, so no two attempts of a lane (whose name holds the process id) ever share one, across restarts too.
+    pub fn next_id() -> i64 {
+        use std::sync::atomic::{AtomicI64, Ordering};
+        static NEXT: std::sync::OnceLock<AtomicI64> = std::sync::OnceLock::new();
+        NEXT.get_or_init(|| {
+            let micros = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_micros());
+            AtomicI64::new(i64::try_from(micros).unwrap_or(i64::MAX / 2))
+        })
+        .fetch_add(1, Ordering::Relaxed)
+    }
+}
+
+impl BatchOutcome {
+    /// The outcome an earlier attempt committed, for `records` (the batch as it is now): its counts as they were,
+    /// and its dead letters of records still in the batch, at their indexes now.
+    fn recovered(committed: &BatchOutcome, receipts: &[Receipt], records: &[Record]) -> BatchOutcome {
+        let mut outcome = committed.clone();
+        outcome.dead_letters = committed
+            .dead_letters
+            .iter()
+            .filter_map(|d| {
+                let receipt = receipts.get(d.index)?;
+                let index = records.iter().position(|r| r.receipt == *receipt)?;
+                Some(DeadLettered { index, ..d.clone() })
+            })
+            .collect();
+        outcome
+    }
 }
 
 /// The fate of one record inside an attempt, before commit.
@@ -62,16 +138,38 @@ impl Sink {
     /// A sink running `side_effect` (built by its store, [`crate::store::Store::prepare_side_effect`]) for
     /// `pipeline`, keeping dedup keys for `retention` (Redis; the databases purge theirs in [`crate::retention`]).
     pub fn new(pipeline: String, side_effect: SideEffect, retention: Duration) -> Self {
-        Sink { pipeline, side_effect, retention }
+        Sink { pipeline, side_effect, retention, solo_time_limits: Default::default() }
+    }
+
+    /// Counts one more attempt in which `record`'s side effect alone ran past the statement time limit; returns how
+    /// many in a row it has now.
+    pub(super) fn solo_time_limit(&self, record: &Record) -> u32 {
+        let mut seen = self.solo_time_limits.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let n = seen.entry((record.receipt, record.position.clone())).or_insert(0);
+        *n += 1;
+        *n
+    }
+
+    /// Forgets the time-limit attempts of a committed batch's records.
+    pub(super) fn committed(&self, records: &[Record]) {
+        let mut seen = self.solo_time_limits.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if !seen.is_empty() {
+            for r in records {
+                seen.remove(&(r.receipt, r.position.clone()));
+            }
+        }
     }
 
     /// Runs one batch in one transaction. `prepared[i]` belongs to `records[i]`. `positions`, with
     /// `[offsets] store = "database"`, are stored in the same transaction (first, so a fenced batch stops early).
     /// `guard` sees the batch's counts just before `COMMIT` and may refuse them (the dead-letter ratio limit),
-    /// which rolls the batch back.
+    /// which rolls the batch back. `attempt` says which attempt this is and which came before it: when one of those
+    /// committed though its answer was lost, the batch is not run again and its outcome is that attempt's (SQL
+    /// stores; on Redis the dedup keys make the retry safe, and it counts the batch's records as duplicates).
     ///
     /// Errors: a [`SinkError`] whose [`SinkError::disposition`] is `Retry` (roll back, back off, call again with
-    /// the same batch: the dedup rows make that safe even when a lost `COMMIT` had in fact committed), `Fenced`
+    /// the same batch, the failed attempt added to the next one's [`Attempt::earlier`]: the dedup rows make that
+    /// safe even when a lost `COMMIT` had in fact committed), `Fenced`
     /// (drop the records of the partitions named, call again with the rest) or `Fatal`.
     pub async fn apply(
         &self,
@@ -79,8 +177,9 @@ impl Sink {
         prepared: &[Prepared],
         positions: Option<&Positions>,
         guard: impl Fn(&BatchCounts) -> Result<(), SinkError>,
+        attempt: &Attempt,
     ) -> Result<BatchOutcome, SinkError> {
-        self.run(records, prepared, positions, guard, &[]).await
+        self.run(records, prepared, positions, guard, &[], Some(attempt)).await
     }
 
     /// [`Sink::apply`] for dead letters being replayed: the dead-letter rows `replaying` are deleted in the same
@@ -92,7 +191,7 @@ impl Sink {
         guard: impl Fn(&BatchCounts) -> Result<(), SinkError>,
         replaying: &[i64],
     ) -> Result<BatchOutcome, SinkError> {
-        self.run(records, prepared, None, guard, replaying).await
+        self.run(records, prepared, None, guard, replaying, None).await
     }
 
     pub(super) fn log_dead_letters(&self, records: &[Record], dead_letters: &[DeadLettered]) {
@@ -156,9 +255,16 @@ impl Sink {
         positions: Option<&Positions>,
         guard: impl Fn(&BatchCounts) -> Result<(), SinkError>,
         replaying: &[i64],
+        attempt: Option<&Attempt>,
     ) -> Result<BatchOutcome, SinkError> {
+        // Each prepared form belongs to the record beside it; a batch whose parts fell out of step would bind one
+        // record's values at another's position. The worker re-prepares wherever the batch changes; this stops the
+        // pipeline should a path ever miss it.
+        if records.len() != prepared.len() {
+            return Err(SinkError::Misaligned { records: records.len(), prepared: prepared.len() });
+        }
         match &self.side_effect {
-            SideEffect::Sql(sql) => self.run_sql(sql, records, prepared, positions, guard, replaying).await,
+            SideEffect::Sql(sql) => self.run_sql(sql, records, prepared, positions, guard, replaying, attempt).await,
             #[cfg(feature = "redis")]
             SideEffect::Script(redis, commands) => script::run(self, redis, commands, records, prepared, positions, guard, replaying).await,
         }

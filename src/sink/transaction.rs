@@ -24,26 +24,46 @@
 
 use super::dedup::{Claim, Existing};
 use super::error::{describe, Disposition, SinkError};
-use crate::metrics::{BatchCounts, DeadLetterReason};
-use crate::offsets::{NextOffsets, Positions, Processed};
+use crate::metrics::{BatchCounts, DeadLetterReason, DuplicateReason};
+use crate::offsets::{NextOffsets, Positions, Processed, Replay};
 use crate::prepare::{Apply, Prepared};
 use crate::key::BusinessKey;
 use crate::record::Record;
-use super::{BatchOutcome, Fate, Sink};
+use super::{Attempt, BatchOutcome, Earlier, Fate, Sink};
+
+/// A batch transaction just begun ([`Sink::begin_replaying`]).
+enum Begun<'a, 'e> {
+    /// Open, with the processed marks as they were.
+    Open(Tx<'a>, Processed),
+    /// Rolled back: this earlier attempt of the batch is found committed.
+    Committed(&'e Earlier),
+}
 use crate::store::{SqlSideEffect, Tx};
 use crate::store::rows::{DigestMap, Digests};
 
 impl Sink {
     /// Opens the batch transaction; returns it with the processed marks as they were before this batch (none
-    /// when replaying dead letters, whose positions are old by definition).
-    async fn begin_replaying<'a>(
+    /// when replaying dead letters, whose positions are old by definition). With an `attempt`, records it first
+    /// ([`Tx::mark_attempt`]); when the attempt recorded before it is an earlier attempt of this batch, that one
+    /// committed: the transaction is rolled back and the earlier attempt is returned instead.
+    async fn begin_replaying<'a, 'e>(
         &self,
         side_effect: &'a SqlSideEffect,
         records: &[Record],
         replaying: &[i64],
         positions: Option<&Positions>,
-    ) -> Result<(Tx<'a>, Processed), SinkError> {
+        attempt: Option<&'e Attempt>,
+    ) -> Result<Begun<'a, 'e>, SinkError> {
         let mut tx = self.begin(side_effect).await?;
+        if let Some(attempt) = attempt {
+            let before = tx.mark_attempt(&self.pipeline, &attempt.owner, attempt.id)
+                .await
+                .map_err(|e| SinkError::new("recording the batch attempt", e))?;
+            if let Some(committed) = before.and_then(|id| attempt.earlier.iter().find(|e| e.id == id)) {
+                tx.rollback().await.map_err(|e| SinkError::new("rolling back", e))?;
+                return Ok(Begun::Committed(committed));
+            }
+        }
         if let Some(positions) = positions {
             let fenced = tx.advance_offsets(&self.pipeline, positions)
                 .await
@@ -57,12 +77,48 @@ impl Sink {
             tx.delete_dead_letters(&self.pipeline, replaying)
                 .await
                 .map_err(|e| SinkError::new("removing replayed dead letters", e))?;
-            return Ok((tx, Processed::default()));
+            return Ok(Begun::Open(tx, Processed::default()));
         }
-        let processed = tx.processed(&self.pipeline, &NextOffsets::after(records))
+        let next = NextOffsets::after(records);
+        let mut processed = tx.processed(&self.pipeline, &next)
             .await
             .map_err(|e| SinkError::new("raising the processed positions", e))?;
-        Ok((tx, processed))
+        let recreated = recreated(records, &processed);
+        if !recreated.is_empty() {
+            let renew: Vec<(&str, i32, i64)> =
+                recreated.iter().filter_map(|(t, p)| next.0.get(&(t.clone(), *p)).map(|n| (&**t, *p, *n))).collect();
+            tx.renew_processed(&self.pipeline, &renew)
+                .await
+                .map_err(|e| SinkError::new("renewing the processed positions of a topic created again", e))?;
+            for (topic, partition) in &recreated {
+                let mark = processed.0.get(&(topic.clone(), *partition));
+                tracing::warn!(pipeline = %self.pipeline, topic = %topic, partition, mark = ?mark.map(|m| m.next),
+                    "records below this pipeline's processed mark were produced after the mark was last raised: the topic \
+                     was deleted and created again (or its log truncated); the marks from before are dropped and its \
+                     records processed as new");
+            }
+            processed.forget(&recreated);
+        }
+        Ok(Begun::Open(tx, processed))
+    }
+
+    /// What an earlier attempt that is found committed means: its outcome, when it had sent `COMMIT` (its answer
+    /// was lost); when it had not, the side effect ended that attempt's transaction itself (a procedure's `COMMIT`
+    /// on MySQL/MariaDB), and part of the batch may be committed without the rest: the pipeline stops.
+    fn committed_before(&self, earlier: &Earlier, records: &[Record]) -> Result<BatchOutcome, SinkError> {
+        match &earlier.committing {
+            Some((outcome, receipts)) => {
+                tracing::info!(pipeline = %self.pipeline, attempt = earlier.id,
+                    "an earlier attempt of this batch committed though its answer was lost: the batch is not run again");
+                self.committed(records);
+                Ok(BatchOutcome::recovered(outcome, receipts, records))
+            }
+            None => {
+                tracing::error!(pipeline = %self.pipeline, attempt = earlier.id,
+                    "an earlier attempt of this batch failed before its COMMIT, yet it is committed: the side effect ended its transaction itself");
+                Err(SinkError::TransactionEnded)
+            }
+        }
     }
 
     /// The batch in one SQL transaction (see the module documentation).
@@ -74,14 +130,18 @@ impl Sink {
         positions: Option<&Positions>,
         guard: impl Fn(&BatchCounts) -> Result<(), SinkError>,
         replaying: &[i64],
+        attempt: Option<&Attempt>,
     ) -> Result<BatchOutcome, SinkError> {
-        let (mut tx, processed) = self.begin_replaying(side_effect, records, replaying, positions).await?;
+        let (mut tx, processed) = match self.begin_replaying(side_effect, records, replaying, positions, attempt).await? {
+            Begun::Open(tx, processed) => (tx, processed),
+            Begun::Committed(earlier) => return self.committed_before(earlier, records),
+        };
         let fates = match self.fast_path(&mut tx, records, prepared, &processed).await {
             Ok(fates) => fates,
-            Err(e) if e.disposition() == Disposition::Record || e.cancelled() => {
-                if e.cancelled() {
+            Err(e) if e.disposition() == Disposition::Record || e.time_limit() => {
+                if e.time_limit() {
                     tracing::warn!(pipeline = %self.pipeline, records = records.len(), error = %e,
-                        "the batch's side effect was cancelled (statement_timeout?); redoing it record by record, each statement timed on its own");
+                        "the batch ran past the statement time limit (statement_timeout, max_statement_time, max_execution_time) or was cancelled; redoing it record by record, each statement timed on its own");
                 } else {
                     tracing::debug!(error = %e, "a record's side effect failed; redoing the batch record by record");
                 }
@@ -89,8 +149,13 @@ impl Sink {
                 // (a procedure's COMMIT) would make every record of the redo a duplicate.
                 tx = still_open(tx).await?;
                 tx.rollback().await.map_err(|e| SinkError::new("rolling back", e))?;
-                let (again, processed) = self.begin_replaying(side_effect, records, replaying, positions).await?;
-                tx = again;
+                let processed = match self.begin_replaying(side_effect, records, replaying, positions, attempt).await? {
+                    Begun::Open(again, processed) => {
+                        tx = again;
+                        processed
+                    }
+                    Begun::Committed(earlier) => return self.committed_before(earlier, records),
+                };
                 self.slow_path(&mut tx, records, prepared, &processed).await?
             }
             Err(e) => return Err(e),
@@ -136,9 +201,18 @@ impl Sink {
             tx.rollback().await.map_err(|e| SinkError::new("rolling back", e))?;
             return Err(refused);
         }
+        let outcome = BatchOutcome { counts, dead_letters, script_round_trip: None };
+        if let Some(attempt) = attempt {
+            *attempt.committing.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(outcome.clone());
+        }
         tx.commit().await.map_err(|e| SinkError::new("committing the batch", e))?;
-        self.log_dead_letters(records, &dead_letters);
-        Ok(BatchOutcome { counts, dead_letters, script_round_trip: None })
+        if attempt.is_some_and(|a| a.lose_commit_answer) {
+            tracing::warn!(pipeline = %self.pipeline, "injected fault: the COMMIT went through, its answer is taken for lost");
+            return Err(SinkError::new("committing the batch", sqlx::Error::Io(std::io::ErrorKind::ConnectionReset.into())));
+        }
+        self.committed(records);
+        self.log_dead_letters(records, &outcome.dead_letters);
+        Ok(outcome)
     }
 
     /// Opens a batch transaction and starts the side effect in it ([`Tx::begin_side_effect`]).
@@ -161,10 +235,16 @@ impl Sink {
         prepared: &[Prepared],
         processed: &Processed,
     ) -> Result<Vec<Fate>, SinkError> {
+        // Records below their partition's floor were processed before: neither claimed nor applied again.
+        let below = below_floor(records, processed);
+        self.log_below_floor(&below);
         // The first occurrence of each key in the batch is the one that claims it.
         let mut first: DigestMap<usize> = DigestMap::default();
         let mut claims = Vec::new();
         for (i, p) in prepared.iter().enumerate() {
+            if below.get(i).copied().unwrap_or(false) {
+                continue;
+            }
             if let Prepared::Apply(a) = p {
                 first.entry(a.key.digest).or_insert_with(|| {
                     claims.push(Claim { key: &a.key, position: &records[i].position, fingerprint: &a.fingerprint });
@@ -197,6 +277,7 @@ impl Sink {
             let fate = match p {
                 Prepared::Tombstone => Fate::Tombstone,
                 Prepared::DeadLetter(d) => Fate::DeadLetter(d.reason, d.error.clone()),
+                Prepared::Apply(_) if below.get(i).copied().unwrap_or(false) => Fate::Duplicate(DuplicateReason::Redelivered),
                 Prepared::Apply(a) => {
                     let f = first[&a.key.digest];
                     if i == f && new.contains(&a.key.digest) {
@@ -235,7 +316,13 @@ impl Sink {
         processed: &Processed,
     ) -> Result<Vec<Fate>, SinkError> {
         let mut fates = Vec::with_capacity(prepared.len());
-        for (record, p) in records.iter().zip(prepared) {
+        let below = below_floor(records, processed);
+        self.log_below_floor(&below);
+        for ((record, p), below) in records.iter().zip(prepared).zip(below.iter().copied().chain(std::iter::repeat(false))) {
+            if below && matches!(p, Prepared::Apply(_)) {
+                fates.push(Fate::Duplicate(DuplicateReason::Redelivered));
+                continue;
+            }
             let a = match p {
                 Prepared::Tombstone => {
                     fates.push(Fate::Tombstone);
@@ -278,15 +365,24 @@ impl Sink {
                     tx.rollback_to_savepoint().await.map_err(savepoint_failed("rolling back a savepoint"))?;
                     fates.push(Fate::DeadLetter(DeadLetterReason::SideEffectRejected, describe(&e)));
                 }
-                // One record's side effect alone past statement_timeout: the smallest piece the batch can be cut
-                // into, so it is this record's error (the dead-letter ratio guard stops the pipeline should every
-                // record meet it: a lock held elsewhere, a timeout too short for any record).
-                Err(e) if crate::store::postgres::error::cancelled(&e) => {
+                // One record's side effect alone past the statement time limit: the smallest piece the batch can be
+                // cut into. Slow in attempt after attempt, it is this record's error (the dead-letter ratio guard
+                // stops the pipeline should every record meet it: a timeout too short for any record); slow once
+                // may be a lock wait or a stall that was not its own, so the batch is retried first.
+                Err(e) if crate::store::error::time_limit(&e) => {
                     tx.rollback_to_savepoint().await.map_err(savepoint_failed("rolling back a savepoint"))?;
-                    tracing::warn!(pipeline = %self.pipeline, position = %record.position, "one record's side effect alone was cancelled (statement_timeout?); dead-lettered");
+                    let attempts = self.solo_time_limit(record);
+                    if attempts < super::SOLO_TIME_LIMIT_ATTEMPTS && record.receipt != crate::record::Receipt::NONE {
+                        return Err(SinkError::RecordTimeLimit { position: record.position.clone(), attempts, source: e });
+                    }
+                    tracing::warn!(pipeline = %self.pipeline, position = %record.position, attempts,
+                        "one record's side effect alone ran past the statement time limit in every attempt; dead-lettered");
                     fates.push(Fate::DeadLetter(
                         DeadLetterReason::SideEffectRejected,
-                        format!("{} (this record's side effect alone ran past statement_timeout)", describe(&e)),
+                        format!(
+                            "{} (this record's side effect alone ran past the statement time limit, in {attempts} attempts in a row)",
+                            describe(&e)
+                        ),
                     ));
                 }
                 Err(e) => return Err(SinkError::new("applying the side effect", e)),
@@ -295,6 +391,50 @@ impl Sink {
         Ok(fates)
     }
 
+}
+
+/// For each record, whether it lies below its partition's floor and was processed before ([`Replay::Processed`]);
+/// empty when none does (the common case: nothing allocated per record).
+fn below_floor(records: &[Record], processed: &Processed) -> Vec<bool> {
+    // A batch holds runs of one partition's records in offset order: only a run that starts below its floor can
+    // hold such a record.
+    let starts_below = records.chunk_by(|a, b| a.position.same_partition(&b.position)).any(|run| {
+        let p = &run[0].position;
+        processed.0.get(&(p.topic.clone(), p.partition)).and_then(|m| m.floor).is_some_and(|floor| p.offset < floor)
+    });
+    if !starts_below {
+        return Vec::new();
+    }
+    let below: Vec<bool> = records.iter().map(|r| processed.replay(r) == Replay::Processed).collect();
+    if below.contains(&true) { below } else { Vec::new() }
+}
+
+/// The partitions of `records` whose topic was created again since their marks were raised ([`Replay::Recreated`]).
+fn recreated(records: &[Record], processed: &Processed) -> Vec<(std::sync::Arc<str>, i32)> {
+    let mut out: Vec<(std::sync::Arc<str>, i32)> = Vec::new();
+    if processed.0.is_empty() {
+        return out;
+    }
+    for r in records {
+        let tp = (r.position.topic.clone(), r.position.partition);
+        if !out.contains(&tp) && processed.replay(r) == Replay::Recreated {
+            out.push(tp);
+        }
+    }
+    out
+}
+
+impl Sink {
+    /// Says how many records of the batch were below their floor and skipped, once per batch.
+    fn log_below_floor(&self, below: &[bool]) {
+        let n = below.iter().filter(|b| **b).count();
+        if n > 0 {
+            tracing::warn!(pipeline = %self.pipeline, records = n,
+                "records consumed again from below where this pipeline had processed (the consumer group's offsets \
+                 expired or were reset, a new group_id, auto.offset.reset to the log start): skipped as redelivered, \
+                 neither claimed nor applied; `idemflow rewind` is the way to consume a range again");
+        }
+    }
 }
 
 /// `tx` back when the batch transaction is still the one opened; otherwise (the side effect ended it itself, a

@@ -360,7 +360,7 @@ pub async fn rewind_group(
     pipeline: &SourceContext,
     file: &std::path::Path,
     request: rewind::Request,
-    store: Option<&crate::store::Store>,
+    store: Option<rewind::StoreSide<'_>>,
 ) -> anyhow::Result<()> {
     match &pipeline.source {
         #[cfg(feature = "kafka")]

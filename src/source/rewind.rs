@@ -202,6 +202,37 @@ pub struct Plan {
     pub warnings: Vec<String>,
 }
 
+/// The store's side of a rewind: the pipeline's store, whose processed marks' floors are lowered to where the group
+/// moves ([`crate::store::Store::lower_floors`]: without that, the worker would skip the replayed records it had
+/// processed before, as after a consumer group's offsets expired), and with `[offsets] store = "database"`
+/// (`positions`) whose stored positions are the ones planned from and rewound.
+#[derive(Clone, Copy, Debug)]
+pub struct StoreSide<'a> {
+    /// The pipeline's store.
+    pub store: &'a crate::store::Store,
+    /// Whether it keeps the consumed positions (`[offsets] store = "database"`).
+    pub positions: bool,
+}
+
+impl<'a> StoreSide<'a> {
+    /// The store when it keeps the positions.
+    pub fn positions(&self) -> Option<&'a crate::store::Store> {
+        self.positions.then_some(self.store)
+    }
+
+    /// Rewinds the store's side to `moves`: the stored positions (when it keeps them), then the floors.
+    ///
+    /// Errors: the store's.
+    pub async fn rewind(&self, pipeline: &str, moves: &[Move]) -> Result<(), crate::store::StoreError> {
+        let positions: Vec<(String, i32, i64)> = moves.iter().map(|m| (m.topic.clone(), m.partition, m.to)).collect();
+        if self.positions {
+            self.store.reset_offsets(pipeline, &positions).await?;
+        }
+        self.store.lower_floors(pipeline, &positions).await?;
+        Ok(())
+    }
+}
+
 /// What `idemflow rewind` was asked.
 #[derive(Clone, Copy, Debug)]
 pub struct Request {

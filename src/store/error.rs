@@ -55,6 +55,20 @@ pub fn describe(error: &sqlx::Error) -> String {
     }
 }
 
+/// Whether `error` is a statement stopped by the server's time limit for one statement: PostgreSQL's SQLSTATE 57014
+/// (`query_canceled`: `statement_timeout`, or a cancel request), MySQL's error 3024 (`max_execution_time`) or
+/// MariaDB's 1969 (`max_statement_time`). Decided by the code alone, never by the message, which a server with
+/// `lc_messages` in another language words in that language. A batch stopped that way may simply be too big for the
+/// limit: the sink redoes it record by record, each statement timed on its own (see [`crate::sink::transaction`]).
+pub fn time_limit(error: &sqlx::Error) -> bool {
+    let sqlx::Error::Database(db) = error else { return false };
+    #[cfg(feature = "mysql")]
+    if let Some(my) = db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>() {
+        return crate::store::mysql::error::time_limit(my.number());
+    }
+    db.code().as_deref() == Some(crate::store::postgres::error::QUERY_CANCELED)
+}
+
 /// Whether a failed savepoint statement means the batch transaction was ended by the side effect itself: on
 /// MySQL/MariaDB error 1305, the savepoint does not exist (a procedure's `COMMIT`). PostgreSQL refuses transaction
 /// control inside a transaction block, so there it never is.

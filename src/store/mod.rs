@@ -68,6 +68,9 @@ pub enum StoreError {
     #[error("redis: {0}")]
     #[cfg(feature = "redis")]
     Redis(#[from] ::redis::RedisError),
+    /// The request was refused, and why (`idemflow dedup forget` while a worker runs, or on Redis).
+    #[error("{0}")]
+    Refused(String),
 }
 
 /// Why a store this build leaves out cannot be used: `what` (the store) and the cargo `feature` to build with.
@@ -265,6 +268,56 @@ impl Store {
         })
     }
 
+    /// `idemflow dedup forget`: deletes the dedup rows of `pipeline` that `what` names (only reads them with
+    /// `dry_run`) and lowers the processed floors of their partitions to the lowest offset forgotten, in one
+    /// transaction; returns the rows as they were. Refused while a worker of the pipeline recorded a batch attempt
+    /// within [`FORGET_REFUSED_WITHIN`].
+    ///
+    /// Errors: the database's; [`StoreError::Refused`] for Redis (its dedup keys are `SET NX PX` keys: delete them with
+    /// `DEL`) and while a worker runs.
+    pub async fn forget(&self, pipeline: &str, what: &rows::Forget, dry_run: bool) -> Result<Vec<Explained>, StoreError> {
+        let running = match self {
+            Store::Postgres(pool) => postgres::dedup::recent_attempts(pool, pipeline, FORGET_REFUSED_WITHIN).await?,
+            #[cfg(feature = "mysql")]
+            Store::MySql(s) => mysql::dedup::recent_attempts(&s.pool, pipeline, FORGET_REFUSED_WITHIN).await?,
+            #[cfg(feature = "redis")]
+            Store::Redis(_) => {
+                return Err(StoreError::Refused(
+                    "a Redis store keeps its dedup keys as keys with a TTL, and no processed floors: delete a key with \
+                     redis-cli DEL <key_prefix><pipeline>:k:<sha256 of the business key, hex>"
+                        .to_owned(),
+                ))
+            }
+        };
+        if running > 0 && !dry_run {
+            return Err(StoreError::Refused(format!(
+                "{running} worker lane(s) of pipeline {pipeline:?} ran a batch within the last {}s: stop every worker of the \
+                 pipeline first (a batch in flight would raise the floor again, and a forgotten key could be claimed meanwhile)",
+                FORGET_REFUSED_WITHIN.as_secs()
+            )));
+        }
+        Ok(match self {
+            Store::Postgres(pool) => postgres::dedup::forget(pool, pipeline, what, dry_run).await?,
+            #[cfg(feature = "mysql")]
+            Store::MySql(s) => mysql::dedup::forget(&s.pool, pipeline, what, dry_run).await?,
+            #[cfg(feature = "redis")]
+            Store::Redis(_) => unreachable!("refused above"),
+        })
+    }
+
+    /// Lowers the floors of `pipeline`'s processed marks to where `idemflow rewind` moves its consumer group
+    /// (`(topic, partition, offset)`; see [`crate::offsets::Mark::floor`]), so the replay is consumed and applied
+    /// where no dedup row covers it any more. Returns how many marks changed. Redis keeps no floor: nothing to do.
+    pub async fn lower_floors(&self, pipeline: &str, positions: &[(String, i32, i64)]) -> Result<u64, StoreError> {
+        Ok(match self {
+            Store::Postgres(pool) => postgres::offsets::lower_floors(pool, pipeline, positions).await?,
+            #[cfg(feature = "mysql")]
+            Store::MySql(s) => mysql::offsets::lower_floors(&s.pool, pipeline, positions).await?,
+            #[cfg(feature = "redis")]
+            Store::Redis(_) => 0,
+        })
+    }
+
     /// Deletes the dedup rows of `pipeline` older than `retention`, `batch` rows per transaction, until none is
     /// left (see [`crate::retention`]). `on_batch` is called after each committed batch with the rows it deleted.
     ///
@@ -273,9 +326,17 @@ impl Store {
     /// Errors: the database's; a pass interrupted by one leaves the store consistent (each batch is atomic).
     pub async fn purge(&self, pipeline: &str, retention: Duration, batch: u32, on_batch: impl FnMut(u64)) -> Result<PurgeOutcome, StoreError> {
         Ok(match self {
-            Store::Postgres(pool) => postgres::retention::purge(pool, pipeline, retention, batch, on_batch).await?,
+            Store::Postgres(pool) => {
+                let outcome = postgres::retention::purge(pool, pipeline, retention, batch, on_batch).await?;
+                postgres::offsets::forget_attempts(pool, pipeline, ATTEMPT_ROWS_KEPT).await?;
+                outcome
+            }
             #[cfg(feature = "mysql")]
-            Store::MySql(s) => mysql::retention::purge(&s.pool, pipeline, retention, batch, on_batch).await?,
+            Store::MySql(s) => {
+                let outcome = mysql::retention::purge(&s.pool, pipeline, retention, batch, on_batch).await?;
+                mysql::offsets::forget_attempts(&s.pool, pipeline, ATTEMPT_ROWS_KEPT).await?;
+                outcome
+            }
             #[cfg(feature = "redis")]
             Store::Redis(_) => PurgeOutcome::default(),
         })
@@ -331,6 +392,13 @@ pub enum SideEffect {
     #[cfg(feature = "redis")]
     Script(redis::RedisStore, redis::side_effect::SideEffect),
 }
+
+/// `idemflow dedup forget` is refused while a lane of the pipeline recorded a batch attempt this recently.
+pub const FORGET_REFUSED_WITHIN: Duration = Duration::from_secs(60);
+
+/// How long a lane's row in the attempts table is kept after its last batch (see [`Tx::mark_attempt`]): the purge
+/// deletes older ones, left by workers that stopped.
+pub const ATTEMPT_ROWS_KEPT: Duration = Duration::from_secs(24 * 3600);
 
 /// A side effect on a database with interactive transactions, with the pool its transactions come from.
 #[derive(Clone, Debug)]
@@ -553,6 +621,27 @@ impl Tx<'_> {
             Tx::Postgres(tx, _) => postgres::offsets::processed(tx, pipeline, next).await,
             #[cfg(feature = "mysql")]
             Tx::MySql(tx, _, _) => mysql::offsets::processed(tx, pipeline, next).await,
+        }
+    }
+
+    /// Records `attempt` as lane `owner`'s latest batch attempt of `pipeline` (first in the batch transaction) and
+    /// returns the one recorded before it: the latest attempt of that lane that committed. A previous attempt still
+    /// open on the server is waited for.
+    pub async fn mark_attempt(&mut self, pipeline: &str, owner: &str, attempt: i64) -> Result<Option<i64>, sqlx::Error> {
+        match self {
+            Tx::Postgres(tx, _) => postgres::offsets::mark_attempt(tx, pipeline, owner, attempt).await,
+            #[cfg(feature = "mysql")]
+            Tx::MySql(tx, _, _) => mysql::offsets::mark_attempt(tx, pipeline, owner, attempt).await,
+        }
+    }
+
+    /// Sets the processed marks and floors of `partitions` (`(topic, partition, next offset)`) afresh: their topic
+    /// was created again since the marks were raised ([`crate::offsets::Replay::Recreated`]).
+    pub async fn renew_processed(&mut self, pipeline: &str, partitions: &[(&str, i32, i64)]) -> Result<(), sqlx::Error> {
+        match self {
+            Tx::Postgres(tx, _) => postgres::offsets::renew_processed(tx, pipeline, partitions).await,
+            #[cfg(feature = "mysql")]
+            Tx::MySql(tx, _, _) => mysql::offsets::renew_processed(tx, pipeline, partitions).await,
         }
     }
 }

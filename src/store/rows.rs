@@ -93,6 +93,34 @@ pub struct Explained {
     pub last_duplicate_at: Option<String>,
 }
 
+/// Which dedup rows `idemflow dedup forget` takes out of a pipeline's dedup store.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Forget {
+    /// These business keys.
+    Keys(Vec<BusinessKey>),
+    /// The keys applied from the records of one partition between two offsets, both included.
+    Positions {
+        /// Topic.
+        topic: String,
+        /// Partition.
+        partition: i32,
+        /// First offset.
+        from: i64,
+        /// Last offset.
+        to: i64,
+    },
+}
+
+/// The lowest offset of `rows` on each of their partitions.
+pub fn lowest_per_partition(rows: &[Explained]) -> std::collections::BTreeMap<(&str, i32), i64> {
+    let mut lowest = std::collections::BTreeMap::new();
+    for r in rows {
+        let e = lowest.entry((r.topic.as_str(), r.partition)).or_insert(r.offset);
+        *e = (*e).min(r.offset);
+    }
+    lowest
+}
+
 /// An [`Explained`] as the stores read it: `(business_key, applied_at, topic, partition, offset, fingerprint,
 /// duplicates, last_duplicate_at)`.
 pub type ExplainedRow = (String, String, String, i32, i64, String, i64, Option<String>);

@@ -40,6 +40,27 @@ pub struct DatabaseSettings {
     pub batch_timeout: Duration,
 }
 
+/// How long a batch transaction may sit idle between two of its statements before the server ends its session
+/// (PostgreSQL `idle_in_transaction_session_timeout`, MariaDB `idle_transaction_timeout`), unless the server is set
+/// to a shorter time. A worker sends a batch's statements back to back, so the gap it leaves is its own stall; a
+/// worker whose host vanished (power lost, a network cut: no FIN, no RST) would otherwise leave its transaction
+/// open, holding the batch's dedup, processed-mark and offset row locks, until TCP gave up on the connection (over
+/// two hours with Linux's defaults), and the partition's next owner would wait as long. Should a live worker stall
+/// that long, the server's FATAL (SQLSTATE 25P03) is a lost connection: the batch is retried.
+pub const IDLE_IN_TRANSACTION_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// TCP keepalives of the server's end of a batch's connection (PostgreSQL `tcp_keepalives_idle`, `_interval` and
+/// `_count`, unless the server is set to shorter ones): a first probe after this many seconds of silence, then one
+/// every [`TCP_KEEPALIVE_INTERVAL_SECS`], [`TCP_KEEPALIVE_COUNT`] unanswered in all: a server session whose worker
+/// vanished while a statement ran (a lock wait) is ended within about 30 seconds of the last packet, instead of
+/// when the kernel's defaults give up (over two hours). The server notices the dead connection at
+/// `client_connection_check_interval`, which the batch sets to 1 s (PostgreSQL 14 and later).
+pub const TCP_KEEPALIVE_IDLE_SECS: u32 = 15;
+/// See [`TCP_KEEPALIVE_IDLE_SECS`].
+pub const TCP_KEEPALIVE_INTERVAL_SECS: u32 = 5;
+/// See [`TCP_KEEPALIVE_IDLE_SECS`].
+pub const TCP_KEEPALIVE_COUNT: u32 = 3;
+
 /// `[database] batch_timeout` when unset.
 pub const DEFAULT_BATCH_TIMEOUT: Duration = Duration::from_secs(120);
 

@@ -423,3 +423,41 @@ async fn check_warns_about_timing_settings_that_cannot_work_together() {
     assert!(out.contains("warning: [shutdown] timeout = 5s leaves no time"), "{out}");
     drop(db);
 }
+
+/// A `COMMIT` that went through but whose answer was lost (here injected: the commit is made, then the attempt fails
+/// as on a lost connection) used to make the retry count its own batch as duplicates (`redelivered`). The retry now
+/// reads the attempt recorded in the store: the earlier attempt committed, so the batch is not run again and its
+/// counts are that attempt's: every record applied once, no duplicate counted, one retry. Issue 42, item 10.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_whose_answer_was_lost_is_recognised_by_the_retry() {
+    let db = TestDb::new("CREATE TABLE paid (id text PRIMARY KEY, amount numeric NOT NULL);").await;
+    let kafka = Kafka::new();
+    kafka.create_topic("pay", 1);
+    let pipeline = "topics = [\"pay\"]\n[key]\nfield = \"/id\"\n[sink]\ntable = \"paid\"\n[sink.columns]\nid = \"/id\"\namount = \"/amount\"\n\
+                    [batch]\nmax_wait = \"500ms\"\n";
+    let mut records: Vec<Out> = (0..30).map(|i| Out::json(0, format!(r#"{{"id":"p{i}","amount":"1"}}"#))).collect();
+    records.push(Out::json(0, "not json"));
+    kafka.produce("pay", &records);
+    let setup = Setup::new(&db, &kafka, &[("pay.toml", pipeline)]);
+    let faults = idemflow::worker::Faults { lose_commit_answer: Some(1), ..Default::default() };
+    let w = InProc::start_with_faults(&setup, faults).await;
+    w.wait_received("pay", 31).await;
+    wait_until(Duration::from_secs(30), "the batch committed", || async {
+        w.metric("idemflow_records_applied_total", &[("pipeline", "pay")]) == 30.0
+    })
+    .await;
+    let metric = |name: &str, labels: &[(&str, &str)]| w.metric(name, labels);
+    let duplicates: f64 = ["redelivered", "republished", "payload_mismatch"]
+        .iter()
+        .map(|r| metric("idemflow_duplicates_skipped_total", &[("pipeline", "pay"), ("reason", r)]))
+        .sum();
+    let dead = metric("idemflow_dead_letters_total", &[("pipeline", "pay"), ("reason", "decode_failed")]);
+    let retries = metric("idemflow_db_retries_total", &[("pipeline", "pay"), ("cause", "connection")]);
+    assert!(w.stop().await.is_empty());
+    assert_eq!(duplicates, 0.0, "the batch's own records are not counted as duplicates");
+    assert_eq!(dead, 1.0, "its dead letter counted once");
+    assert_eq!(retries, 1.0);
+    assert_eq!(db.scalar::<i64>("SELECT count(*) FROM paid").await, 30);
+    assert_eq!(db.scalar::<i64>("SELECT count(*) FROM idemflow.dead_letters").await, 1);
+    assert_eq!(db.scalar::<i64>("SELECT coalesce(sum(duplicates), 0)::int8 FROM idemflow.dedup").await, 0);
+}

@@ -1008,3 +1008,142 @@ async fn a_record_over_max_allowed_packet_is_dead_lettered_and_the_stream_moves_
     assert_eq!(size, Some(big_record.len() as i64), "the dead letter keeps the payload's size");
     assert!(kept < 1_048_576, "and only its head: {kept} bytes");
 }
+
+/// MariaDB's `max_statement_time` (error 1969) stops a statement the way PostgreSQL's `statement_timeout` does, and is
+/// handled the same way instead of being retried as it is forever: a table-form batch that a 10 ms trigger makes too
+/// slow as one statement (150 rows against 0.5 s) is redone record by record, and a record whose statement alone
+/// runs past the limit (in the table form, and in the SQL form among 10) is dead-lettered after three attempts in a
+/// row, the rest applied. Issue 42, item 5.
+#[tokio::test(flavor = "multi_thread")]
+async fn max_statement_time_redoes_the_batch_record_by_record() {
+    let server = Server::start_with("--max-statement-time=0.5");
+    let db = MyDb::on(
+        &server.url,
+        "CREATE TABLE orders (id VARCHAR(16) PRIMARY KEY, amount DECIMAL(12, 2) NOT NULL) ENGINE = InnoDB;
+         CREATE TRIGGER slow BEFORE INSERT ON orders FOR EACH ROW SET @slept = SLEEP(IF(NEW.amount = 999, 1, 0.01));
+         CREATE TABLE ledger (id VARCHAR(16) PRIMARY KEY) ENGINE = InnoDB;",
+    )
+    .await;
+    let kafka = Kafka::new();
+    kafka.create_topic("orders", 1);
+    kafka.create_topic("ledger", 1);
+    let table = "topics = [\"orders\"]\n[key]\nfield = \"/id\"\n[sink]\ntable = \"orders\"\n[sink.columns]\nid = \"/id\"\n\
+                 amount = \"/amount\"\n[batch]\nmax_wait = \"500ms\"\n";
+    let sql = "topics = [\"ledger\"]\n[key]\nfield = \"/id\"\n[sink]\n\
+               sql = [\"INSERT INTO ledger (id) SELECT :id FROM DUAL WHERE SLEEP(IF(:amount = 999, 1, 0)) = 0\"]\n\
+               [sink.params]\nid = \"/id\"\namount = \"/amount\"\n[batch]\nmax_wait = \"500ms\"\n";
+    let setup = Setup::new(&db, &kafka, &[("orders.toml", table), ("ledger.toml", sql)]);
+    let amount = |i: usize, slow: usize| if i == slow { 999 } else { 1 };
+    let orders: Vec<Out> = (0..150).map(|i| Out::json(0, format!(r#"{{"id":"o{i}","amount":"{}"}}"#, amount(i, 70)))).collect();
+    let ledger: Vec<Out> = (0..10).map(|i| Out::json(0, format!(r#"{{"id":"l{i}","amount":"{}"}}"#, amount(i, 4)))).collect();
+    kafka.produce("orders", &orders);
+    kafka.produce("ledger", &ledger);
+    let w = InProc::start(&setup).await;
+    let settled = |pipeline: &'static str, applied: f64| {
+        let w = &w;
+        async move {
+            w.metric("idemflow_records_applied_total", &[("pipeline", pipeline)]) == applied
+                && w.metric("idemflow_dead_letters_total", &[("pipeline", pipeline), ("reason", "side_effect_rejected")]) == 1.0
+        }
+    };
+    wait_until(Duration::from_secs(120), "the table form: 149 applied, the slow record dead-lettered", || settled("orders", 149.0)).await;
+    wait_until(Duration::from_secs(60), "the SQL form: 9 applied, the slow record dead-lettered", || settled("ledger", 9.0)).await;
+    assert!(w.stop().await.is_empty());
+    assert_eq!(db.scalar::<i64>("SELECT COUNT(*) FROM orders").await, 149);
+    assert_eq!(db.scalar::<i64>("SELECT COUNT(*) FROM ledger").await, 9);
+    let errors: String =
+        db.scalar("SELECT CAST(GROUP_CONCAT(CONCAT(pipeline, ': ', error) ORDER BY pipeline SEPARATOR ' | ') AS CHAR) FROM idemflow_dead_letters").await;
+    assert_eq!(errors.matches("MySQL error 1969").count(), 2, "{errors}");
+    assert_eq!(errors.matches("alone ran past the statement time limit, in 3 attempts in a row").count(), 2, "{errors}");
+}
+
+/// A `COMMIT` whose answer was lost though it committed (injected) is recognised by the retry on MariaDB as on
+/// PostgreSQL: every record applied once, none counted as a duplicate. Issue 42, item 10.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_commit_whose_answer_was_lost_is_recognised_on_mariadb() {
+    let db = MyDb::new("CREATE TABLE paid (id VARCHAR(16) PRIMARY KEY, amount DECIMAL(10, 2) NOT NULL) ENGINE = InnoDB;").await;
+    let kafka = Kafka::new();
+    kafka.create_topic("pay", 1);
+    let pipeline = "topics = [\"pay\"]\n[key]\nfield = \"/id\"\n[sink]\ntable = \"paid\"\n[sink.columns]\nid = \"/id\"\namount = \"/amount\"\n\
+                    [batch]\nmax_wait = \"500ms\"\n";
+    kafka.produce("pay", &(0..30).map(|i| Out::json(0, format!(r#"{{"id":"p{i}","amount":"1"}}"#))).collect::<Vec<_>>());
+    let setup = Setup::new(&db, &kafka, &[("pay.toml", pipeline)]);
+    let faults = idemflow::worker::Faults { lose_commit_answer: Some(1), ..Default::default() };
+    let w = InProc::start_with_faults(&setup, faults).await;
+    w.wait_received("pay", 30).await;
+    wait_until(Duration::from_secs(30), "the batch committed", || async {
+        w.metric("idemflow_records_applied_total", &[("pipeline", "pay")]) == 30.0
+    })
+    .await;
+    let retries = w.metric("idemflow_db_retries_total", &[("pipeline", "pay"), ("cause", "connection")]);
+    let redelivered = w.metric("idemflow_duplicates_skipped_total", &[("pipeline", "pay"), ("reason", "redelivered")]);
+    assert!(w.stop().await.is_empty());
+    assert_eq!((retries, redelivered), (1.0, 0.0));
+    assert_eq!(db.scalar::<i64>("SELECT COUNT(*) FROM paid").await, 30);
+    assert_eq!(w_duplicates(&db).await, 0);
+}
+
+/// `allow_procedures`: a procedure that commits at every record (its own `START TRANSACTION ... COMMIT`), then a
+/// retryable failure later in the batch (a lock wait timeout, error 1205, on record 50's row held by another
+/// session, `innodb_lock_wait_timeout = 2`). The batch's claims were committed by the first procedure call, so the
+/// retry would have found every key claimed and counted the records never applied as duplicates: 50 applied, 100
+/// duplicates, the pipeline up. The retry reads the attempt recorded in the store: the earlier attempt, which never
+/// reached its COMMIT, is committed, so the side effect ended its transaction: the pipeline stops, nothing counted
+/// as a duplicate. Issue 42, item 2.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_procedure_that_commits_then_a_lock_wait_timeout_stops_the_pipeline() {
+    let server = Server::start_with("--innodb-lock-wait-timeout=2");
+    let db = MyDb::on(
+        &server.url,
+        "CREATE TABLE ledger (id VARCHAR(16) PRIMARY KEY, amount DECIMAL(10, 2) NOT NULL) ENGINE = InnoDB;\
+         CREATE PROCEDURE apply_payment(IN p_id VARCHAR(16), IN p_amount VARCHAR(32)) \
+         BEGIN START TRANSACTION; INSERT INTO ledger VALUES (p_id, p_amount); COMMIT; END",
+    )
+    .await;
+    let kafka = Kafka::new();
+    kafka.create_topic("t", 1);
+    let pipeline = "topics = [\"t\"]\n[key]\nfield = \"/id\"\n[sink]\nsql = \"CALL apply_payment(:id, :amount)\"\nallow_procedures = true\n\
+                    [sink.params]\nid = \"/id\"\namount = \"/amount\"\n[batch]\nmax_wait = \"500ms\"\n";
+    // Another session holds record 50's row.
+    let mut held = db.pool.begin().await.unwrap();
+    sqlx::query("INSERT INTO ledger VALUES ('p50', 0)").execute(&mut *held).await.unwrap();
+    kafka.produce("t", &(0..100).map(|i| Out::json(0, format!(r#"{{"id":"p{i}","amount":"{i}.00"}}"#))).collect::<Vec<_>>());
+    let setup = Setup::new(&db, &kafka, &[("t.toml", pipeline)]);
+    let w = InProc::start(&setup).await;
+    let failures = tokio::time::timeout(Duration::from_secs(120), w.stop_when_pipelines_end()).await.expect("the pipeline stops");
+    let text: Vec<String> = failures.iter().map(ToString::to_string).collect();
+    assert!(text.iter().any(|f| f.contains("ended the batch transaction itself")), "{text:?}");
+    held.rollback().await.unwrap();
+    assert_eq!(w_duplicates(&db).await, 0, "no record was counted as a duplicate of a claim the procedure committed");
+    assert_eq!(db.scalar::<i64>("SELECT COUNT(*) FROM ledger").await, 50, "the records before the lock, committed by the procedure");
+    assert_eq!(db.scalar::<i64>("SELECT COUNT(*) FROM idemflow_dedup").await, 100, "every key of the batch stayed claimed");
+
+    // The way out (docs/mysql.md): the transaction control taken out of the procedure, then the keys whose effects
+    // never ran forgotten, and the pipeline started again: each payment applied once.
+    db.exec("DROP PROCEDURE apply_payment").await;
+    db.exec("CREATE PROCEDURE apply_payment(IN p_id VARCHAR(16), IN p_amount VARCHAR(32)) BEGIN INSERT INTO ledger VALUES (p_id, p_amount); END").await;
+    let config = setup.config.to_str().unwrap().to_owned();
+    let forget = |extra: &[&str]| {
+        let mut args = vec!["dedup", "forget", "--config", &config, "--pipeline", "t", "--topic", "t", "--partition", "0", "--offsets", "50-99"];
+        args.extend_from_slice(extra);
+        idemflow(&args, setup.dir.path())
+    };
+    let (status, out, err) = forget(&[]);
+    assert!(!status.success() && err.contains("ran a batch within the last 60s: stop every worker"), "refused just after a batch: {out}{err}");
+    let (status, out, err) = forget(&["--dry-run"]);
+    assert!(status.success() && out.contains("would forget 50 dedup row(s)") && out.contains("dry run: nothing changed"), "{out}{err}");
+    // A minute later (the lane's attempt row aged by hand), the same command goes ahead.
+    db.exec("UPDATE idemflow_attempts SET updated_at = NOW(6) - INTERVAL 2 MINUTE").await;
+    let (status, out, err) = forget(&[]);
+    assert!(status.success() && out.contains("forgot 50 dedup row(s)") && out.contains("\"p99\" applied at"), "{out}{err}");
+    assert_eq!(db.scalar::<i64>("SELECT COUNT(*) FROM idemflow_dedup").await, 50);
+    let w = InProc::start(&setup).await;
+    w.wait_received("t", 100).await;
+    wait_until(Duration::from_secs(60), "the forgotten records applied", || async {
+        w.metric("idemflow_records_applied_total", &[("pipeline", "t")]) == 50.0
+    })
+    .await;
+    assert!(w.stop().await.is_empty());
+    assert_eq!(db.scalar::<i64>("SELECT COUNT(*) FROM ledger").await, 100, "each payment once");
+    assert_eq!(db.scalar::<String>("SELECT CAST(SUM(amount) AS CHAR) FROM ledger").await, "4950.00");
+}

@@ -114,3 +114,149 @@ async fn packets_dropped_to_the_database_and_the_broker_then_healed() {
 fn broker_port(kafka: &Kafka) -> u16 {
     kafka.bootstrap().split(',').next().unwrap().rsplit_once(':').unwrap().1.parse().unwrap()
 }
+
+/// Drops every packet of one TCP connection on loopback (by the client's port) while it lives: the peer of that
+/// connection vanishes without a FIN or an RST, as a host does that loses power or its network.
+struct Cut {
+    client_port: u16,
+}
+
+impl Cut {
+    fn rules(port: u16) -> [Vec<String>; 2] {
+        let p = port.to_string();
+        [
+            ["INPUT", "-i", "lo", "-p", "tcp", "--sport", &p, "-j", "DROP"].map(str::to_owned).to_vec(),
+            ["INPUT", "-i", "lo", "-p", "tcp", "--dport", &p, "-j", "DROP"].map(str::to_owned).to_vec(),
+        ]
+    }
+
+    fn start(client_port: u16) -> Cut {
+        for rule in Self::rules(client_port) {
+            let status = Command::new("iptables").arg("-I").args(&rule).status().expect("iptables (Debian package iptables; root)");
+            assert!(status.success(), "iptables -I {rule:?}: run the suite as root");
+        }
+        Cut { client_port }
+    }
+}
+
+impl Drop for Cut {
+    fn drop(&mut self) {
+        for rule in Self::rules(self.client_port) {
+            let _ = Command::new("iptables").arg("-D").args(&rule).status();
+        }
+    }
+}
+
+/// Thirty payments from one account through the SQL form, one account row every batch updates.
+const LOCKED_PIPELINE: &str = r#"topics = ["pay"]
+[key]
+field = "/id"
+[sink]
+sql = [
+  "UPDATE accounts SET balance = balance - :amount WHERE account_id = 'A'",
+  "INSERT INTO paid (id, amount) VALUES (:id, :amount)",
+]
+[sink.params]
+id = "/id"
+amount = { field = "/amount", type = "decimal" }
+[batch]
+max_wait = "200ms"
+"#;
+
+async fn locked_fixture() -> (TestDb, Kafka, Setup) {
+    let db = TestDb::new(
+        "CREATE TABLE accounts (account_id text PRIMARY KEY, balance numeric NOT NULL);
+         INSERT INTO accounts VALUES ('A', 1000);
+         CREATE TABLE paid (id text PRIMARY KEY, amount numeric NOT NULL);",
+    )
+    .await;
+    let kafka = Kafka::new();
+    kafka.create_topic("pay", 1);
+    let setup = Setup::new(&db, &kafka, &[("pay.toml", LOCKED_PIPELINE)]);
+    let records: Vec<Out> = (0..30).map(|i| Out::json(0, format!(r#"{{"id":"p{i}","amount":"1"}}"#))).collect();
+    kafka.produce("pay", &records);
+    (db, kafka, setup)
+}
+
+/// Holds the account row's lock from a session of the test's own until dropped or committed.
+async fn hold_account_lock(db: &TestDb) -> sqlx::Transaction<'static, sqlx::Postgres> {
+    let mut tx = db.pool.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM accounts WHERE account_id = 'A' FOR UPDATE").execute(&mut *tx).await.unwrap();
+    tx
+}
+
+/// The client port of the worker's session whose batch waits for the account's lock, once it does.
+async fn session_waiting_for_the_lock(db: &TestDb) -> (i32, u16) {
+    let query = "SELECT pid, client_port FROM pg_stat_activity WHERE datname = current_database() \
+                 AND wait_event_type = 'Lock' AND pid <> pg_backend_pid()";
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        if let Some((pid, port)) = sqlx::query_as::<_, (i32, i32)>(query).fetch_optional(&db.pool).await.unwrap() {
+            return (pid, port as u16);
+        }
+        assert!(std::time::Instant::now() < deadline, "no batch of the worker came to wait for the account's lock");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+async fn session_alive(db: &TestDb, pid: i32) -> bool {
+    sqlx::query_scalar::<_, i64>("SELECT count(*) FROM pg_stat_activity WHERE pid = $1").bind(pid).fetch_one(&db.pool).await.unwrap() > 0
+}
+
+/// A worker host that vanishes (its packets to PostgreSQL dropped, then the process SIGKILLed: no FIN, no RST) while
+/// its batch waits inside its transaction used to leave that transaction open on the server, holding the batch's
+/// dedup and processed-mark row locks, until TCP keepalive ended the session (over two hours with Linux's
+/// defaults): the partition's next owner waited all that time. The batch's `idle_in_transaction_session_timeout`
+/// (15 s) ends the abandoned session once its statement is done, so the next worker applies every payment, each
+/// once, within the bound: 15 s for the session, 6 s for the group's session timeout, and the worker's start.
+/// Issue 42, item 9.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_that_vanishes_mid_transaction_holds_its_locks_for_a_bounded_time() {
+    let (db, _kafka, setup) = locked_fixture().await;
+    let lock = hold_account_lock(&db).await;
+    let mut first = BinWorker::start(&setup);
+    let (pid, port) = session_waiting_for_the_lock(&db).await;
+    let cut = Cut::start(port);
+    first.kill();
+    // The lock goes; the vanished worker's statement completes, its answer lost, and its session sits idle in
+    // its transaction, holding the dedup rows it claimed.
+    lock.commit().await.unwrap();
+    let killed = std::time::Instant::now();
+    let second = BinWorker::start(&setup);
+    let bound = Duration::from_secs(45);
+    wait_until(bound, "every payment applied by the next worker", || async {
+        db.scalar::<i64>("SELECT count(*) FROM paid").await == 30
+    })
+    .await;
+    assert!(!session_alive(&db, pid).await, "the vanished worker's session was ended");
+    eprintln!("applied by the next worker {:?} after the kill", killed.elapsed());
+    drop(cut);
+    drop(second);
+    assert_eq!(db.scalar::<String>("SELECT balance::text FROM accounts").await, "970", "each payment once");
+}
+
+/// A worker frozen inside its batch transaction (SIGSTOP) for longer than the server's
+/// `idle_in_transaction_session_timeout` (1 s, set for the database: shorter than the batch's own, so kept) finds
+/// its session ended by the server when it wakes (FATAL, SQLSTATE 25P03): a lost connection, so the batch is
+/// retried and applies, instead of the pipeline stopping. Issue 42, item 8.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_ended_by_idle_in_transaction_session_timeout_is_retried() {
+    let (db, _kafka, setup) = locked_fixture().await;
+    sqlx::raw_sql("DO $$ BEGIN EXECUTE format('ALTER DATABASE %I SET idle_in_transaction_session_timeout = %L', current_database(), '1s'); END $$")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let lock = hold_account_lock(&db).await;
+    let worker = BinWorker::start(&setup);
+    let (pid, _) = session_waiting_for_the_lock(&db).await;
+    worker.signal("STOP");
+    lock.commit().await.unwrap();
+    wait_until(Duration::from_secs(30), "the frozen worker's session ended by the server", || async { !session_alive(&db, pid).await }).await;
+    worker.signal("CONT");
+    wait_until(Duration::from_secs(60), "every payment applied", || async { db.scalar::<i64>("SELECT count(*) FROM paid").await == 30 }).await;
+    assert_eq!(db.scalar::<String>("SELECT balance::text FROM accounts").await, "970", "each payment once");
+    let scrape = worker.scrape();
+    assert!(metric(&scrape, "idemflow_db_retries_total", &[("pipeline", "pay"), ("cause", "connection")]) >= 1.0, "{scrape}");
+    let log = worker.log_text();
+    assert!(!log.contains("pipeline stopped"), "{log}");
+}

@@ -278,12 +278,14 @@ async fn a_worker_that_lost_its_partition_is_fenced() {
     };
     let prepared = r.preparer.prepare(&record);
     let stale = positions(131, 1);
-    let e = r.sink.apply(std::slice::from_ref(&record), std::slice::from_ref(&prepared), Some(&stale), |_| Ok(())).await;
+    let attempt = idemflow::sink::Attempt { owner: "test/1".into(), id: idemflow::sink::Attempt::next_id(), ..Default::default() };
+    let e = r.sink.apply(std::slice::from_ref(&record), std::slice::from_ref(&prepared), Some(&stale), |_| Ok(()), &attempt).await;
     assert!(matches!(e, Err(idemflow::sink::SinkError::Fenced { .. })), "{e:?}");
     assert_eq!(db.scalar::<i64>("SELECT count(*) FROM payments").await, 0);
     assert_eq!(db.scalar::<i64>("SELECT count(*) FROM idemflow.dedup").await, 0);
     let current = positions(131, 2);
-    let done = r.sink.apply(std::slice::from_ref(&record), std::slice::from_ref(&prepared), Some(&current), |_| Ok(())).await;
+    let attempt = idemflow::sink::Attempt { owner: "test/1".into(), id: idemflow::sink::Attempt::next_id(), ..Default::default() };
+    let done = r.sink.apply(std::slice::from_ref(&record), std::slice::from_ref(&prepared), Some(&current), |_| Ok(()), &attempt).await;
     assert_eq!(done.unwrap().counts.applied, 1);
     assert_eq!(db.scalar::<i64>("SELECT next_offset FROM idemflow.offsets WHERE partition = 0").await, 131);
 }
@@ -403,4 +405,144 @@ async fn rewind_to_a_time_never_skips_a_partition_without_a_committed_offset() {
         assert_eq!(dup(&m, "redelivered"), 0.0, "store {store}: partitions 0 and 1 stayed where they were");
         assert_exactly_once(&db, &s).await;
     }
+}
+
+/// `check` compares `[dedup] retention` with what each topic can keep: `retention.ms` plus `segment.ms` (Kafka deletes
+/// a segment whole, once its newest record is past `retention.ms`, so its first record can live both), and warns on
+/// a compacted topic, which keeps every key's newest record for good; a topic whose window the dedup rows cover is
+/// said to be covered. Read from a broker that answers DescribeConfigs (noida-db). Issue 42, item 1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_compares_the_dedup_retention_with_what_each_topic_can_keep() {
+    let noida = noida::Noida::start();
+    let day = (24 * 3600 * 1000).to_string();
+    let three_days = (3 * 24 * 3600 * 1000).to_string();
+    noida.create_topic_with("covered", 1, &[("retention.ms", &day), ("segment.ms", &day)]).await;
+    noida.create_topic_with("segments", 1, &[("retention.ms", &three_days), ("segment.ms", &three_days)]).await;
+    noida.create_topic_with("compacted", 1, &[("cleanup.policy", "compact"), ("retention.ms", &day), ("segment.ms", &day)]).await;
+    let db = TestDb::new("CREATE TABLE payments (order_id text PRIMARY KEY);").await;
+    let pipeline = |topic: &str| {
+        format!("topics = [\"{topic}\"]\n[key]\nfield = \"/id\"\n[dedup]\nretention = \"5d\"\n[sink]\ntable = \"payments\"\n[sink.columns]\norder_id = \"/id\"\n")
+    };
+    let (covered, segments, compacted) = (pipeline("covered"), pipeline("segments"), pipeline("compacted"));
+    let setup = Setup::with_bootstrap(
+        &db,
+        noida.bootstrap(),
+        &[("covered.toml", &covered), ("segments.toml", &segments), ("compacted.toml", &compacted)],
+        "",
+        "",
+    );
+    let (status, out, err) = idemflow(&["check", "--config", setup.config.to_str().unwrap()], setup.dir.path());
+    assert!(status.success(), "{out}{err}");
+    assert!(out.contains("pipeline \"covered\": topic \"covered\": dedup retention covers what the topic can keep"), "{out}");
+    assert!(
+        out.contains("warning: pipeline \"segments\": topic \"segments\" can keep a record for 6days (retention.ms 3days + segment.ms 3days")
+            && out.contains("but dedup rows are kept 5days"),
+        "3 days of retention.ms are covered by 5 days, 3 + 3 are not: {out}"
+    );
+    assert!(out.contains("warning: pipeline \"compacted\": topic \"compacted\" is compacted (cleanup.policy = compact)"), "{out}");
+}
+
+/// A pipeline whose consumer group's offsets are gone (Kafka deletes them `offsets.retention.minutes` after the group
+/// became empty: a pipeline stopped for a week; or a new `group_id`) starts its partitions again from the log start,
+/// and the purge had removed the dedup rows of what it had applied. Those records were applied a second time; now
+/// they are below the partitions' processed floor: skipped as `redelivered`, neither claimed nor applied, and only
+/// the records after them are applied. An operator's `idemflow rewind` lowers the floor: what it replays is applied
+/// where no dedup row covers it (the rebuild a rewind is for, after effects were lost). Issue 42, item 1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_whose_offsets_are_gone_does_not_apply_purged_records_again() {
+    let db = TestDb::new(
+        "CREATE TABLE accounts (account_id text PRIMARY KEY, balance numeric NOT NULL);
+         INSERT INTO accounts VALUES ('A', 0);
+         CREATE TABLE paid (id text PRIMARY KEY, amount numeric NOT NULL);",
+    )
+    .await;
+    let kafka = Kafka::new();
+    kafka.create_topic("pay", 2);
+    let pipeline = |group: &str| {
+        format!(
+            "topics = [\"pay\"]\ngroup_id = \"{group}\"\n[key]\nfield = \"/id\"\n[dedup]\nretention = \"1h\"\n[sink]\nsql = [\n  \
+             \"INSERT INTO paid (id, amount) VALUES (:id, :amount)\",\n  \
+             \"UPDATE accounts SET balance = balance + :amount WHERE account_id = 'A'\",\n]\n\
+             [sink.params]\nid = \"/id\"\namount = {{ field = \"/amount\", type = \"decimal\" }}\n[batch]\nmax_wait = \"200ms\"\n"
+        )
+    };
+    let first: Vec<Out> = (0..300).map(|i| Out::json(i % 2, format!(r#"{{"id":"p{i}","amount":"1"}}"#))).collect();
+    kafka.produce("pay", &first);
+    let setup = Setup::new(&db, &kafka, &[("pay.toml", &pipeline("pay-v1"))]);
+    let worker = InProc::start(&setup).await;
+    worker.wait_received("pay", 300).await;
+    assert!(worker.stop().await.is_empty());
+    assert_eq!(db.scalar::<String>("SELECT balance::text FROM accounts").await, "300");
+
+    // A week later: the dedup rows are past retention and purged; the group's offsets are gone (a new group_id is
+    // the same state), so its consumer starts at the log start.
+    sqlx::query("UPDATE idemflow.dedup SET applied_at = now() - interval '8 days'").execute(&db.pool).await.unwrap();
+    let (status, out, err) = idemflow(&["purge", "--config", setup.config.to_str().unwrap()], setup.dir.path());
+    assert!(status.success() && out.contains("purged 300 dedup rows"), "{out}{err}");
+    let second: Vec<Out> = (300..320).map(|i| Out::json(i % 2, format!(r#"{{"id":"p{i}","amount":"1"}}"#))).collect();
+    kafka.produce("pay", &second);
+    let setup = Setup::new(&db, &kafka, &[("pay.toml", &pipeline("pay-v2"))]);
+    let worker = InProc::start(&setup).await;
+    worker.wait_received("pay", 320).await;
+    let applied = worker.metric("idemflow_records_applied_total", &[("pipeline", "pay")]);
+    let redelivered = worker.metric("idemflow_duplicates_skipped_total", &[("pipeline", "pay"), ("reason", "redelivered")]);
+    assert!(worker.stop().await.is_empty());
+    assert_eq!(applied, 20.0, "only the records after the floor");
+    assert_eq!(redelivered, 300.0, "the records below the floor: skipped as redelivered");
+    assert_eq!(db.scalar::<String>("SELECT balance::text FROM accounts").await, "320", "each payment once");
+    assert_eq!(db.scalar::<i64>("SELECT count(*) FROM idemflow.dedup").await, 20, "nothing claimed below the floor");
+
+    // The operator's rewind to the log start, to rebuild effects that were lost (here: taken out by hand): the replay
+    // is applied where dedup rows no longer cover it.
+    sqlx::raw_sql("DELETE FROM paid WHERE id NOT IN (SELECT business_key FROM idemflow.dedup); UPDATE accounts SET balance = 20")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let config = setup.config.to_str().unwrap().to_owned();
+    let (status, out, err) =
+        idemflow(&["rewind", "--config", &config, "--pipeline", "pay", "--to", "earliest"], setup.dir.path());
+    assert!(status.success(), "{out}{err}");
+    assert_eq!(
+        db.scalar::<i64>("SELECT min(resume_from) FROM idemflow.processed WHERE pipeline = 'pay'").await,
+        0,
+        "the floors go down with the group"
+    );
+    let worker = InProc::start(&setup).await;
+    worker.wait_received("pay", 320).await;
+    let applied = worker.metric("idemflow_records_applied_total", &[("pipeline", "pay")]);
+    assert!(worker.stop().await.is_empty());
+    assert_eq!(applied, 300.0, "the purged records applied again, as the rewind asked; the 20 others are duplicates");
+    assert_eq!(db.scalar::<String>("SELECT balance::text FROM accounts").await, "320");
+    assert_eq!(db.scalar::<i64>("SELECT count(*) FROM paid").await, 320);
+}
+
+/// A topic deleted and created again under the same name (here: another broker's topic of that name, its offsets
+/// from 0 again) reuses the positions below the pipeline's processed marks. Its records were produced after the
+/// marks were last raised, so they are not what the pipeline processed there: the marks are dropped, said in the
+/// log, and the new topic's records are applied, none skipped for a position of the old one. Issue 42, items 1
+/// and 4.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_topic_created_again_is_processed_from_its_start() {
+    let db = TestDb::new("CREATE TABLE paid (id text PRIMARY KEY);").await;
+    let pipeline = "topics = [\"pay\"]\n[key]\nfield = \"/id\"\n[sink]\ntable = \"paid\"\n[sink.columns]\nid = \"/id\"\n[batch]\nmax_wait = \"200ms\"\n";
+    let old = Kafka::new();
+    old.create_topic("pay", 1);
+    old.produce("pay", &(0..50).map(|i| Out::json(0, format!(r#"{{"id":"old-{i}"}}"#))).collect::<Vec<_>>());
+    let setup = Setup::new(&db, &old, &[("pay.toml", pipeline)]);
+    let worker = InProc::start(&setup).await;
+    worker.wait_received("pay", 50).await;
+    assert!(worker.stop().await.is_empty());
+    drop(old);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let new = Kafka::new();
+    new.create_topic("pay", 1);
+    new.produce("pay", &(0..20).map(|i| Out::json(0, format!(r#"{{"id":"new-{i}"}}"#))).collect::<Vec<_>>());
+    let setup = Setup::new(&db, &new, &[("pay.toml", pipeline)]);
+    let worker = InProc::start(&setup).await;
+    worker.wait_received("pay", 20).await;
+    let applied = worker.metric("idemflow_records_applied_total", &[("pipeline", "pay")]);
+    assert!(worker.stop().await.is_empty());
+    assert_eq!(applied, 20.0, "every record of the new topic applied");
+    assert_eq!(db.scalar::<i64>("SELECT count(*) FROM paid WHERE id LIKE 'new-%'").await, 20);
+    assert_eq!(db.scalar::<i64>("SELECT next_offset FROM idemflow.processed WHERE pipeline = 'pay'").await, 20, "the marks renewed");
 }

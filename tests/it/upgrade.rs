@@ -112,7 +112,7 @@ async fn postgres_upgrade_keeps_every_stored_key_a_duplicate_and_fences_the_prev
 
     // This version refuses the old schema.
     let (status, out, err) = idemflow(&["check", "--config", &config], setup.dir.path());
-    assert!(!status.success() && err.contains("this binary needs 8"), "{out}{err}");
+    assert!(!status.success() && err.contains("this binary needs 9"), "{out}{err}");
 
     // A batch of the previous version is under way (its claim made, not committed) when the migration starts.
     let mut held = db.pool.begin().await.unwrap();
@@ -155,7 +155,7 @@ async fn postgres_upgrade_keeps_every_stored_key_a_duplicate_and_fences_the_prev
 
     // Going back (docs/operations.md): the rollback scripts, the last migration's first, then the previous version's
     // claim works again and finds every key applied before and after the upgrade; this version refuses the schema.
-    for script in ["postgres-0008.sql", "postgres-0007.sql"] {
+    for script in ["postgres-0009.sql", "postgres-0008.sql", "postgres-0007.sql"] {
         roll_back(&db, script).await;
     }
     let mut conn = db.pool.acquire().await.unwrap();
@@ -163,7 +163,7 @@ async fn postgres_upgrade_keeps_every_stored_key_a_duplicate_and_fences_the_prev
     assert_eq!(previous_postgres_claim(&mut conn, &again, 300).await.unwrap(), 1, "only o-rolled-back is new");
     drop(conn);
     let (status, out, err) = idemflow(&["check", "--config", &config], setup.dir.path());
-    assert!(!status.success() && err.contains("this binary needs 8"), "{out}{err}");
+    assert!(!status.success() && err.contains("this binary needs 9"), "{out}{err}");
 }
 
 /// The claim of the versions from migration 0007 to 0008, as it shipped (key ids, `src/key.rs`).
@@ -212,7 +212,7 @@ async fn postgres_migration_8_compares_pipelines_bytewise_and_keeps_every_key() 
     assert_eq!(v7_postgres_claim(&mut conn, &keys, 0).await.unwrap(), keys.len());
     drop(conn);
     let (status, out, err) = idemflow(&["check", "--config", &config], setup.dir.path());
-    assert!(!status.success() && err.contains("at version 7, this binary needs 8"), "{out}{err}");
+    assert!(!status.success() && err.contains("at version 7, this binary needs 9"), "{out}{err}");
 
     let mut held = db.pool.begin().await.unwrap();
     let held_key = vec!["o-held".to_owned()];
@@ -240,13 +240,14 @@ async fn postgres_migration_8_compares_pipelines_bytewise_and_keeps_every_key() 
     assert!(worker.stop().await.is_empty());
     assert_eq!(db.scalar::<String>("SELECT string_agg(order_id, ',') FROM payments").await, "o-new");
 
+    roll_back(&db, "postgres-0009.sql").await;
     roll_back(&db, "postgres-0008.sql").await;
     assert_eq!(db.scalar::<String>(collation).await, "default");
     let mut conn = db.pool.acquire().await.unwrap();
     assert_eq!(v7_postgres_claim(&mut conn, &["o-new".to_owned(), "o-rolled-back".to_owned()], 300).await.unwrap(), 1);
     drop(conn);
     let (status, out, err) = idemflow(&["check", "--config", &config], setup.dir.path());
-    assert!(!status.success() && err.contains("at version 7, this binary needs 8"), "{out}{err}");
+    assert!(!status.success() && err.contains("at version 7, this binary needs 9"), "{out}{err}");
 }
 
 /// The MariaDB claim of the version before migration 0002 (its `INSERT IGNORE ... RETURNING` form), as it shipped.
@@ -279,7 +280,7 @@ async fn mariadb_upgrade_keeps_every_stored_key_a_duplicate_and_fences_the_previ
     assert_eq!(previous_mysql_claim(&mut conn, &keys, 0).await.unwrap(), keys.len());
     drop(conn);
     let err = idemflow::store::mysql::check_schema(&db.pool).await.unwrap_err();
-    assert!(err.contains("this binary needs 2"), "{err}");
+    assert!(err.contains("this binary needs 3"), "{err}");
 
     // A batch of the previous version under way when the migration starts: the migration waits for it.
     let mut held = db.pool.begin().await.unwrap();
@@ -321,13 +322,15 @@ async fn mariadb_upgrade_keeps_every_stored_key_a_duplicate_and_fences_the_previ
     tx.rollback().await.unwrap();
 
     // A migration recorded as incomplete (it stopped between its statements) keeps this version's workers out.
-    db.exec("UPDATE _sqlx_migrations SET success = FALSE WHERE version = 2").await;
+    db.exec("UPDATE _sqlx_migrations SET success = FALSE WHERE version = 3").await;
     let err = idemflow::store::mysql::check_schema(&db.pool).await.unwrap_err();
-    assert!(err.contains("this binary needs 2"), "{err}");
+    assert!(err.contains("this binary needs 3"), "{err}");
 
     // Going back (docs/operations.md): the rollback script, then the previous version's claim finds every key
     // again (o-new was only claimed in a transaction rolled back above).
-    db.exec(&std::fs::read_to_string(project_root().join("migrations/rollback/mysql-0002.sql")).unwrap()).await;
+    for script in ["mysql-0003.sql", "mysql-0002.sql"] {
+        db.exec(&std::fs::read_to_string(project_root().join("migrations/rollback").join(script)).unwrap()).await;
+    }
     let mut conn = db.pool.acquire().await.unwrap();
     let again: Vec<String> = keys.iter().chain(&held_key).cloned().chain(["o-new".to_owned(), "o-rolled-back".to_owned()]).collect();
     assert_eq!(previous_mysql_claim(&mut conn, &again, 300).await.unwrap(), 2, "only o-new and o-rolled-back are new");

@@ -1503,11 +1503,11 @@ impl KafkaSource {
 /// How long [`KafkaSource::close`] waits for the consumer to leave its group.
 pub const LEAVE_TIMEOUT: Duration = Duration::from_secs(8);
 
-/// Each topic's `retention.ms` (Kafka topic config; `-1` means forever), read with the admin API's
-/// DescribeConfigs. `None` for a topic whose value the broker did not return.
+/// Each topic's `retention.ms`, `segment.ms` and `cleanup.policy` (Kafka topic configs), read with the admin API's
+/// DescribeConfigs; a value the broker did not return is `None`.
 ///
 /// Errors: the broker is unreachable or does not support DescribeConfigs (librdkafka's mock cluster does not).
-pub async fn topic_retention_ms(kafka: &KafkaSettings, topics: &[String]) -> KafkaResult<Vec<(String, Option<i64>)>> {
+pub async fn topic_retention(kafka: &KafkaSettings, topics: &[String]) -> KafkaResult<Vec<(String, crate::retention::TopicRetention)>> {
     use rdkafka::admin::{AdminClient, AdminOptions, ResourceSpecifier};
     use rdkafka::client::DefaultClientContext;
     let mut config = ClientConfig::new();
@@ -1523,11 +1523,15 @@ pub async fn topic_retention_ms(kafka: &KafkaSettings, topics: &[String]) -> Kaf
     let results = admin.describe_configs(&specs, &options).await?;
     let mut out = Vec::new();
     for (topic, result) in topics.iter().zip(results) {
-        let value = result
-            .ok()
-            .and_then(|r| r.get("retention.ms").and_then(|e| e.value.clone()))
-            .and_then(|v| v.parse::<i64>().ok());
-        out.push((topic.clone(), value));
+        let r = result.ok();
+        let value = |name: &str| r.as_ref().and_then(|r| r.get(name).and_then(|e| e.value.clone()));
+        let number = |name: &str| value(name).and_then(|v| v.parse::<i64>().ok());
+        let kept = crate::retention::TopicRetention {
+            retention_ms: number("retention.ms"),
+            segment_ms: number("segment.ms"),
+            cleanup_policy: value("cleanup.policy"),
+        };
+        out.push((topic.clone(), kept));
     }
     Ok(out)
 }
@@ -1554,19 +1558,26 @@ pub fn to_record(message: &rdkafka::message::BorrowedMessage<'_>, topic: Arc<str
     .with_payload(message.payload(), max_payload_bytes)
 }
 
-/// Compares `dedup_retention` with each of `topics`' `retention.ms` (read within 8 s): one line per topic,
-/// `warning: ...` where the dedup rows would be purged before the broker drops the records they guard, or where the
-/// broker did not say.
+/// Compares `dedup_retention` with what each of `topics` can keep (`retention.ms` + `segment.ms`, and whether it is
+/// compacted; read within 8 s): one line per topic, or `warning: ...` lines where the dedup rows could be purged
+/// before the broker drops the records they guard, or where the broker did not say.
 pub async fn retention_report(kafka: &KafkaSettings, pipeline: &str, topics: &[String], dedup_retention: Duration) -> Vec<String> {
-    let read = tokio::time::timeout(Duration::from_secs(8), topic_retention_ms(kafka, topics)).await;
+    let read = tokio::time::timeout(Duration::from_secs(8), topic_retention(kafka, topics)).await;
     match read {
         Ok(Ok(topics)) => topics
             .into_iter()
-            .map(|(topic, ms)| match ms {
-                Some(ms) => crate::retention::window_warning(pipeline, &topic, ms, dedup_retention)
-                    .map(|w| format!("warning: {w}"))
-                    .unwrap_or_else(|| format!("pipeline {pipeline:?}: topic {topic:?}: dedup retention covers the topic's retention")),
-                None => format!("warning: pipeline {pipeline:?}: topic {topic:?}: the broker did not return retention.ms"),
+            .flat_map(|(topic, kept)| {
+                if kept.retention_ms.is_none() {
+                    return vec![format!("warning: pipeline {pipeline:?}: topic {topic:?}: the broker did not return retention.ms")];
+                }
+                let warnings = crate::retention::window_warnings(pipeline, &topic, &kept, dedup_retention);
+                if warnings.is_empty() {
+                    vec![format!(
+                        "pipeline {pipeline:?}: topic {topic:?}: dedup retention covers what the topic can keep (retention.ms + segment.ms)"
+                    )]
+                } else {
+                    warnings.into_iter().map(|w| format!("warning: {w}")).collect()
+                }
             })
             .collect(),
         Ok(Err(e)) => vec![format!(

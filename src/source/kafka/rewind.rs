@@ -297,7 +297,13 @@ pub fn apply(
 /// the group's offsets committed by a member that holds every partition ([`apply`]).
 ///
 /// Errors: [`RewindError`], and a store that cannot be read.
-pub async fn run(kafka: &KafkaSettings, pipeline: &SourceContext, request: crate::source::rewind::Request, store: Option<&crate::store::Store>) -> anyhow::Result<()> {
+pub async fn run(
+    kafka: &KafkaSettings,
+    pipeline: &SourceContext,
+    request: crate::source::rewind::Request,
+    side: Option<crate::source::rewind::StoreSide<'_>>,
+) -> anyhow::Result<()> {
+    let store = side.and_then(|s| s.positions());
     let positions = match store {
         Some(store) => Some(store.stored_offsets(&pipeline.name).await?),
         None => None,
@@ -321,12 +327,13 @@ pub async fn run(kafka: &KafkaSettings, pipeline: &SourceContext, request: crate
         return Ok(());
     }
     let runtime = tokio::runtime::Handle::current();
-    let (settings, p, mv, store) = (kafka.clone(), pipeline.clone(), moves.clone(), store.cloned());
+    let (settings, p, mv) = (kafka.clone(), pipeline.clone(), moves.clone());
+    let side = side.map(|s| (s.store.clone(), s.positions));
     tokio::task::spawn_blocking(move || {
-        apply(&settings, &p, &mv, request.timeout, || match &store {
-            Some(store) => {
-                let positions: Vec<(String, i32, i64)> = mv.iter().map(|m| (m.topic.clone(), m.partition, m.to)).collect();
-                runtime.block_on(store.reset_offsets(&p.name, &positions)).map(drop).map_err(|e| e.to_string())
+        apply(&settings, &p, &mv, request.timeout, || match &side {
+            Some((store, positions)) => {
+                let side = crate::source::rewind::StoreSide { store, positions: *positions };
+                runtime.block_on(side.rewind(&p.name, &mv)).map_err(|e| e.to_string())
             }
             None => Ok(()),
         })

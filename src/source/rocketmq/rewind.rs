@@ -159,9 +159,10 @@ pub async fn run(
     pipeline: &SourceContext,
     file: &std::path::Path,
     request: crate::source::rewind::Request,
-    store: Option<&crate::store::Store>,
+    side: Option<crate::source::rewind::StoreSide<'_>>,
 ) -> anyhow::Result<()> {
     let settings = settings.ok_or_else(|| anyhow::anyhow!("a RocketMQ source needs [rocketmq] name_server"))?;
+    let store = side.and_then(|s| s.positions());
     let positions = match store {
         Some(store) => Some(store.stored_offsets(&pipeline.name).await?),
         None => None,
@@ -178,9 +179,8 @@ pub async fn run(
         println!("dry run: nothing changed; {total} record(s) would be consumed again");
         return Ok(());
     }
-    if let Some(store) = store {
-        let positions: Vec<(String, i32, i64)> = moves.iter().map(|m| (m.topic.clone(), m.partition, m.to)).collect();
-        store.reset_offsets(&pipeline.name, &positions).await?;
+    if let Some(side) = side {
+        side.rewind(&pipeline.name, &moves).await?;
     }
     crate::source::rewind::print_rewound(total);
     Ok(())

@@ -17,7 +17,7 @@
 use super::{chunks, marks, rows, ClaimForm};
 use crate::record::Position;
 use crate::key::BusinessKey;
-use crate::store::rows::{Claim, Existing, Explained, KeyIds};
+use crate::store::rows::{lowest_per_partition, Claim, Existing, Explained, Forget, KeyIds};
 use sha2::{Digest, Sha256};
 use sqlx::MySqlConnection;
 
@@ -150,3 +150,73 @@ pub async fn explain(conn: &mut MySqlConnection, pipeline: &str, key: &BusinessK
     .await?;
     Ok(row.map(Explained::from))
 }
+
+/// `idemflow dedup forget` on MySQL/MariaDB: the rows `what` names read with a locking read, then deleted (unless
+/// `dry_run`), and the processed floors of their partitions lowered to the lowest offset forgotten on each, in one
+/// transaction (see [`crate::store::postgres::dedup::forget`]).
+///
+/// Errors: the database's.
+pub async fn forget(pool: &sqlx::MySqlPool, pipeline: &str, what: &Forget, dry_run: bool) -> Result<Vec<Explained>, sqlx::Error> {
+    const COLUMNS: &str = "CAST(business_key AS CHAR), DATE_FORMAT(applied_at, '%Y-%m-%d %H:%i:%s.%f+00'), CAST(topic AS CHAR), `partition`, \
+                           `offset`, LOWER(HEX(fingerprint)), duplicates, DATE_FORMAT(last_duplicate_at, '%Y-%m-%d %H:%i:%s.%f+00')";
+    let mut tx = pool.begin().await?;
+    let (filter, ids): (String, Vec<Vec<u8>>) = match what {
+        Forget::Keys(keys) => (
+            format!("pipeline = ? AND key_id IN ({})", vec!["?"; keys.len().max(1)].join(", ")),
+            keys.iter().map(|k| k.key_id().to_vec()).collect(),
+        ),
+        Forget::Positions { .. } => ("pipeline = ? AND topic = ? AND `partition` = ? AND `offset` BETWEEN ? AND ?".to_owned(), Vec::new()),
+    };
+    fn bind<'q>(sql: &'q str, pipeline: &str, what: &Forget, ids: &[Vec<u8>]) -> sqlx::query::Query<'q, sqlx::MySql, sqlx::mysql::MySqlArguments> {
+        let mut q = sqlx::query(sql).bind(pipeline.to_owned());
+        match what {
+            Forget::Keys(_) => {
+                if ids.is_empty() {
+                    q = q.bind(Vec::<u8>::new());
+                }
+                for id in ids {
+                    q = q.bind(id.clone());
+                }
+            }
+            Forget::Positions { topic, partition, from, to } => q = q.bind(topic.clone()).bind(*partition).bind(*from).bind(*to),
+        }
+        q
+    }
+    let select = format!("SELECT {COLUMNS} FROM idemflow_dedup WHERE {filter} FOR UPDATE");
+    let rows: Vec<Explained> = bind(&select, pipeline, what, &ids)
+        .fetch_all(&mut *tx)
+        .await?
+        .into_iter()
+        .map(|row| <crate::store::rows::ExplainedRow as sqlx::FromRow<_>>::from_row(&row).map(Explained::from))
+        .collect::<Result<_, _>>()?;
+    if !dry_run {
+        bind(&format!("DELETE FROM idemflow_dedup WHERE {filter}"), pipeline, what, &ids).execute(&mut *tx).await?;
+        for ((topic, partition), lowest) in lowest_per_partition(&rows) {
+            sqlx::query(
+                "UPDATE idemflow_processed SET resume_from = ? \
+                 WHERE pipeline = ? AND topic = ? AND `partition` = ? AND COALESCE(resume_from, next_offset) > ?",
+            )
+            .bind(lowest)
+            .bind(pipeline)
+            .bind(topic)
+            .bind(partition)
+            .bind(lowest)
+            .execute(&mut *tx)
+            .await?;
+        }
+    }
+    tx.commit().await?;
+    Ok(rows)
+}
+
+/// The lanes of `pipeline` that recorded a batch attempt within `within` (a worker running).
+///
+/// Errors: the database's.
+pub async fn recent_attempts(pool: &sqlx::MySqlPool, pipeline: &str, within: std::time::Duration) -> Result<i64, sqlx::Error> {
+    sqlx::query_scalar("SELECT COUNT(*) FROM idemflow_attempts WHERE pipeline = ? AND updated_at > NOW(6) - INTERVAL ? SECOND")
+        .bind(pipeline)
+        .bind(within.as_secs())
+        .fetch_one(pool)
+        .await
+}
+

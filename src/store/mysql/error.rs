@@ -5,7 +5,7 @@
 //! |---|---|---|
 //! | the connection lost or killed (also during `COMMIT`: the dedup rows decide on the retry), a network error | 2002, 2003, 2006, 2013, 2055, 1927 (MariaDB: connection killed), 1053 (server shutdown), 1152, 1184, 1158-1161, 1180 (error during COMMIT), 3101 (Group Replication: certification failed at COMMIT), 1047 (Galera: node not ready) | retry the batch |
 //! | deadlock, lock wait timeout | 1213, 1205 | retry the batch |
-//! | the server busy, out of resources or read-only (a failover), a statement interrupted, over its time limit, or to be prepared again after a schema change | 1040 (too many connections), 1203, 1226, 1637, 1021, 1114, 1037, 1038, 1041, 1135, 1461, 1290 (`--read-only`; the same number covers other `--option` refusals), 1792 (read-only transaction), 1836 (read-only mode), 1317, 3024 and 1969 (statement time limit: like PostgreSQL's 57014, retried), 4031 (idle session timed out), 1615, 1412 | retry the batch |
+//! | the server busy, out of resources or read-only (a failover), a statement interrupted, over its time limit, or to be prepared again after a schema change | 1040 (too many connections), 1203, 1226, 1637, 1021, 1114, 1037, 1038, 1041, 1135, 1461, 1290 (`--read-only`; the same number covers other `--option` refusals), 1792 (read-only transaction), 1836 (read-only mode), 1317, 3024 and 1969 (statement time limit: like PostgreSQL's 57014, the batch redone record by record, [`time_limit`]), 4031 (idle session timed out), 1615, 1412 | retry the batch |
 //! | a data error or a constraint of one record | 1062, 1586, 1022, 1169, 1859 (duplicate key on a business table), 1048 and 1263 (NULL into NOT NULL), 1264 (out of range), 1265 (truncated), 1292 (incorrect date/time/number), 1366 (incorrect value for the column), 1367, 1406 (too long), 1411 and 1441 (bad date or time value), 1365 (division by 0), 1690, 1916 (MariaDB: overflow), 1451, 1452, 1216, 1217, 1830, 1834 (foreign key), 3819 (MySQL CHECK), 4025 (MariaDB CHECK, JSON validity), 3140, 3141, 3156 (JSON, MySQL), 1242 and 1172 (a subquery returned more than one row), 1300 (invalid character string), 1153 (a record larger than `max_allowed_packet`), 1644 (`SIGNAL` raised by a trigger or procedure) | dead-letter that record (`side_effect_rejected`) |
 //! | a missing table or column, a syntax error, a permission refused, and anything else | 1146, 1054, 1064, 1142, 1143, 1044, 1045, ... | fatal: the pipeline stops |
 
@@ -31,6 +31,12 @@ pub fn classify_number(number: u16) -> Disposition {
         | 1644 => Record,
         _ => Fatal,
     }
+}
+
+/// Whether error `number` is a statement stopped by its time limit: 3024 (MySQL, `max_execution_time`) or 1969
+/// (MariaDB, `max_statement_time`). 1317 (`KILL QUERY`) is not: it is retried as it is.
+pub fn time_limit(number: u16) -> bool {
+    matches!(number, 3024 | 1969)
 }
 
 /// The error as the dead letters and logs show it: `MySQL error 1366 (22007): Incorrect decimal value: ...`.

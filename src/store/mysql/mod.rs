@@ -37,7 +37,8 @@ pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("migrations/mysql"
 
 /// The session settings run on every new connection (see the module documentation).
 pub const SESSION: &str = "SET SESSION sql_mode = 'STRICT_ALL_TABLES,NO_ZERO_IN_DATE,NO_ZERO_DATE,ERROR_FOR_DIVISION_BY_ZERO,NO_ENGINE_SUBSTITUTION,PIPES_AS_CONCAT', \
-     SESSION group_concat_max_len = 1048576, SESSION autocommit = 1, SESSION completion_type = 0; \
+     SESSION group_concat_max_len = 1048576, SESSION autocommit = 1, SESSION completion_type = 0 \
+     /*M!100300 , SESSION idle_transaction_timeout = 15 */; \
      SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED";
 
 /// How the claim learns which keys were new (see [`dedup`]).

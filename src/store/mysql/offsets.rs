@@ -4,7 +4,7 @@
 //! the end of the batch transaction (InnoDB locking reads, MySQL Reference Manual "Locking Reads").
 
 use super::{marks, rows};
-use crate::offsets::{Claimed, NextOffsets, Positions, Processed};
+use crate::offsets::{Claimed, Mark, NextOffsets, Positions, Processed};
 use sqlx::{MySqlConnection, MySqlPool};
 use std::collections::HashMap;
 
@@ -134,29 +134,115 @@ pub async fn processed(conn: &mut MySqlConnection, pipeline: &str, next: &NextOf
         return Ok(Processed::default());
     }
     let sql = format!(
-        "SELECT CAST(topic AS CHAR), `partition`, next_offset FROM idemflow_processed WHERE pipeline = ? AND {} FOR UPDATE",
+        "SELECT CAST(topic AS CHAR), `partition`, next_offset, COALESCE(resume_from, next_offset), \
+         CAST(ROUND(UNIX_TIMESTAMP(updated_at) * 1000) AS SIGNED) FROM idemflow_processed WHERE pipeline = ? AND {} FOR UPDATE",
         partitions_in(next.0.len())
     );
-    let mut q = sqlx::query_as::<_, (String, i32, i64)>(&sql).bind(pipeline);
+    let mut q = sqlx::query_as::<_, (String, i32, i64, i64, i64)>(&sql).bind(pipeline);
     for (t, p) in next.0.keys() {
         q = q.bind(&**t).bind(p);
     }
     let before = q.fetch_all(&mut *conn).await?;
     let sql = format!(
-        "INSERT INTO idemflow_processed (pipeline, topic, `partition`, next_offset) VALUES {} \
-         ON DUPLICATE KEY UPDATE next_offset = GREATEST(next_offset, VALUES(next_offset)), updated_at = CURRENT_TIMESTAMP(6)",
-        rows(&format!("({})", marks(4)), next.0.len())
+        "INSERT INTO idemflow_processed (pipeline, topic, `partition`, next_offset, resume_from) VALUES {} \
+         ON DUPLICATE KEY UPDATE resume_from = GREATEST(COALESCE(resume_from, next_offset), VALUES(next_offset)), \
+         next_offset = GREATEST(next_offset, VALUES(next_offset)), updated_at = CURRENT_TIMESTAMP(6)",
+        rows(&format!("({})", marks(5)), next.0.len())
     );
     let mut q = sqlx::query(&sql);
     for ((t, p), o) in &next.0 {
-        q = q.bind(pipeline).bind(&**t).bind(p).bind(o);
+        q = q.bind(pipeline).bind(&**t).bind(p).bind(o).bind(o);
     }
     q.execute(&mut *conn).await?;
     let mut marks = HashMap::new();
-    for (topic, partition, mark) in before {
+    for (topic, partition, next_offset, floor, raised_at_ms) in before {
         if let Some(((t, _), _)) = next.0.iter().find(|((t, p), _)| **t == *topic && *p == partition) {
+            let mark = Mark { next: next_offset, floor: Some(floor), raised_at_ms: Some(raised_at_ms) };
             marks.insert((t.clone(), partition), mark);
         }
     }
     Ok(Processed(marks))
+}
+
+/// Sets the processed marks and floors of `partitions` to `next` (their topic was created again: see
+/// [`crate::offsets::Replay::Recreated`]), inside the batch transaction.
+///
+/// Errors: the database's.
+pub async fn renew_processed(conn: &mut MySqlConnection, pipeline: &str, partitions: &[(&str, i32, i64)]) -> sqlx::Result<()> {
+    for (topic, partition, next) in partitions {
+        sqlx::query(
+            "UPDATE idemflow_processed SET next_offset = ?, resume_from = ?, updated_at = CURRENT_TIMESTAMP(6) \
+             WHERE pipeline = ? AND topic = ? AND `partition` = ?",
+        )
+        .bind(next)
+        .bind(next)
+        .bind(pipeline)
+        .bind(topic)
+        .bind(partition)
+        .execute(&mut *conn)
+        .await?;
+    }
+    Ok(())
+}
+
+/// Lowers the floors of `partitions` (`(topic, partition, offset)`) to where `idemflow rewind` moves the consumer
+/// group (never raises one; partitions without a mark are left alone). Returns how many marks changed.
+///
+/// Errors: the database's.
+pub async fn lower_floors(pool: &MySqlPool, pipeline: &str, partitions: &[(String, i32, i64)]) -> sqlx::Result<u64> {
+    let mut tx = pool.begin().await?;
+    let mut changed = 0;
+    for (topic, partition, to) in partitions {
+        changed += sqlx::query(
+            "UPDATE idemflow_processed SET resume_from = ? \
+             WHERE pipeline = ? AND topic = ? AND `partition` = ? AND COALESCE(resume_from, next_offset) > ?",
+        )
+        .bind(to)
+        .bind(pipeline)
+        .bind(topic)
+        .bind(partition)
+        .bind(to)
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+    }
+    tx.commit().await?;
+    Ok(changed)
+}
+
+/// Records `attempt` as the lane `owner`'s latest batch attempt of `pipeline`, first in the batch transaction, and
+/// returns the attempt recorded before it: the latest one that committed. An upsert, then a read of the row this
+/// transaction now holds locked: InnoDB waits for a previous attempt's transaction still open and updates the row
+/// as that transaction left it ("Locking Reads": writes use the latest committed version).
+///
+/// Errors: the database's.
+pub async fn mark_attempt(conn: &mut MySqlConnection, pipeline: &str, owner: &str, attempt: i64) -> sqlx::Result<Option<i64>> {
+    sqlx::query(
+        "INSERT INTO idemflow_attempts (pipeline, owner, attempt) VALUES (?, ?, ?) \
+         ON DUPLICATE KEY UPDATE previous = attempt, attempt = VALUES(attempt), updated_at = CURRENT_TIMESTAMP(6)",
+    )
+    .bind(pipeline)
+    .bind(owner)
+    .bind(attempt)
+    .execute(&mut *conn)
+    .await?;
+    let previous: Option<Option<i64>> = sqlx::query_scalar("SELECT previous FROM idemflow_attempts WHERE pipeline = ? AND owner = ? AND attempt = ?")
+        .bind(pipeline)
+        .bind(owner)
+        .bind(attempt)
+        .fetch_optional(&mut *conn)
+        .await?;
+    Ok(previous.flatten())
+}
+
+/// Deletes `pipeline`'s attempt rows of lanes that wrote none for `idle`. Returns how many.
+///
+/// Errors: the database's.
+pub async fn forget_attempts(pool: &MySqlPool, pipeline: &str, idle: std::time::Duration) -> sqlx::Result<u64> {
+    let done = sqlx::query("DELETE FROM idemflow_attempts WHERE pipeline = ? AND updated_at < NOW(6) - INTERVAL ? SECOND")
+        .bind(pipeline)
+        .bind(idle.as_secs())
+        .execute(pool)
+        .await?;
+    Ok(done.rows_affected())
 }

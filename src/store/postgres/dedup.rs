@@ -6,7 +6,7 @@
 
 use crate::record::Position;
 use crate::key::BusinessKey;
-use crate::store::rows::{Claim, Existing, Explained, KeyIds};
+use crate::store::rows::{lowest_per_partition, Claim, Existing, Explained, Forget, KeyIds};
 use sqlx::PgConnection;
 
 const CLAIM: &str = r#"
@@ -110,5 +110,72 @@ pub async fn explain(conn: &mut PgConnection, pipeline: &str, key: &BusinessKey)
     .fetch_optional(&mut *conn)
     .await?;
     Ok(row.map(Explained::from))
+}
+
+/// `idemflow dedup forget`: the dedup rows of `pipeline` that `what` names, deleted (or only read, with `dry_run`)
+/// in one transaction, with the processed floors of their partitions lowered to the lowest offset forgotten on each
+/// (else a record below the floor would be skipped as processed: see [`crate::offsets::Mark::floor`]). Returns the
+/// rows as they were.
+///
+/// Errors: the database's.
+pub async fn forget(pool: &sqlx::PgPool, pipeline: &str, what: &Forget, dry_run: bool) -> Result<Vec<Explained>, sqlx::Error> {
+    let verb = if dry_run { "SELECT business_key, applied_at::text, topic, partition, \"offset\", encode(fingerprint, 'hex'), duplicates, last_duplicate_at::text FROM idemflow.dedup" } else { "DELETE FROM idemflow.dedup" };
+    let tail = if dry_run { "" } else { " RETURNING business_key, applied_at::text, topic, partition, \"offset\", encode(fingerprint, 'hex'), duplicates, last_duplicate_at::text" };
+    let mut tx = pool.begin().await?;
+    let rows: Vec<crate::store::rows::ExplainedRow> = match what {
+        Forget::Keys(keys) => {
+            let ids: Vec<Vec<u8>> = keys.iter().map(|k| k.key_id().to_vec()).collect();
+            sqlx::query_as(&format!("{verb} WHERE pipeline = $1 AND key_id = ANY($2){tail}"))
+                .bind(pipeline)
+                .bind(&ids)
+                .persistent(super::persistent())
+                .fetch_all(&mut *tx)
+                .await?
+        }
+        Forget::Positions { topic, partition, from, to } => {
+            sqlx::query_as(&format!("{verb} WHERE pipeline = $1 AND topic = $2 AND partition = $3 AND \"offset\" BETWEEN $4 AND $5{tail}"))
+                .bind(pipeline)
+                .bind(topic)
+                .bind(partition)
+                .bind(from)
+                .bind(to)
+                .persistent(super::persistent())
+                .fetch_all(&mut *tx)
+                .await?
+        }
+    };
+    let rows: Vec<Explained> = rows.into_iter().map(Explained::from).collect();
+    if !dry_run {
+        for ((topic, partition), lowest) in lowest_per_partition(&rows) {
+            sqlx::query(
+                "UPDATE idemflow.processed SET resume_from = $4 \
+                 WHERE pipeline = $1 AND topic = $2 AND partition = $3 AND coalesce(resume_from, next_offset) > $4",
+            )
+            .bind(pipeline)
+            .bind(topic)
+            .bind(partition)
+            .bind(lowest)
+            .persistent(super::persistent())
+            .execute(&mut *tx)
+            .await?;
+        }
+    }
+    tx.commit().await?;
+    Ok(rows)
+}
+
+/// The lanes of `pipeline` that recorded a batch attempt within `within` (a worker running).
+///
+/// Errors: the database's.
+pub async fn recent_attempts(pool: &sqlx::PgPool, pipeline: &str, within: std::time::Duration) -> Result<i64, sqlx::Error> {
+    let mut tx = pool.begin().await?;
+    let n = sqlx::query_scalar("SELECT count(*) FROM idemflow.attempts WHERE pipeline = $1 AND updated_at > now() - make_interval(secs => $2)")
+        .bind(pipeline)
+        .bind(within.as_secs_f64())
+        .persistent(super::persistent())
+        .fetch_one(&mut *tx)
+        .await?;
+    tx.commit().await?;
+    Ok(n)
 }
 

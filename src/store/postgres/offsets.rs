@@ -1,7 +1,7 @@
 //! The Postgres positions: `idemflow.offsets` (stored positions, fenced by an owner epoch) and `idemflow.processed`
 //! (the processed marks). What they mean is in [`crate::offsets`].
 
-use crate::offsets::{Claimed, NextOffsets, Positions, Processed};
+use crate::offsets::{Claimed, Mark, NextOffsets, Positions, Processed};
 use sqlx::{PgConnection, PgPool};
 
 /// Takes ownership of `partitions` for `pipeline` in one statement: increments each one's epoch (creating the
@@ -120,15 +120,19 @@ const PROCESSED: &str = r#"
 WITH batch AS (
     SELECT * FROM unnest($2::text[], $3::int4[], $4::int8[]) AS u(topic, partition, next_offset)
 ), before AS (
-    SELECT p.topic, p.partition, p.next_offset FROM idemflow.processed p
+    SELECT p.topic, p.partition, p.next_offset, coalesce(p.resume_from, p.next_offset) AS floor,
+           (extract(epoch FROM p.updated_at) * 1000)::int8 AS raised_at_ms
+    FROM idemflow.processed p
     JOIN batch b ON p.pipeline = $1 AND p.topic = b.topic AND p.partition = b.partition
 ), raised AS (
-    INSERT INTO idemflow.processed AS p (pipeline, topic, partition, next_offset)
-    SELECT $1, topic, partition, next_offset FROM batch ORDER BY topic, partition
+    INSERT INTO idemflow.processed AS p (pipeline, topic, partition, next_offset, resume_from)
+    SELECT $1, topic, partition, next_offset, next_offset FROM batch ORDER BY topic, partition
     ON CONFLICT (pipeline, topic, partition) DO UPDATE
-    SET next_offset = greatest(p.next_offset, EXCLUDED.next_offset), updated_at = now()
+    SET next_offset = greatest(p.next_offset, EXCLUDED.next_offset),
+        resume_from = greatest(coalesce(p.resume_from, p.next_offset), EXCLUDED.next_offset),
+        updated_at = now()
 )
-SELECT topic, partition, next_offset FROM before"#;
+SELECT topic, partition, next_offset, floor, raised_at_ms FROM before"#;
 
 /// Raises the processed marks of the batch's partitions to `next` (never lowers them) and returns the marks as
 /// they were before, in one statement inside the batch transaction (a data-modifying CTE's sibling reads the
@@ -147,7 +151,7 @@ pub async fn processed(conn: &mut PgConnection, pipeline: &str, next: &NextOffse
         partitions.push(*p);
         offsets.push(*o);
     }
-    let rows: Vec<(String, i32, i64)> = sqlx::query_as(PROCESSED)
+    let rows: Vec<(String, i32, i64, i64, i64)> = sqlx::query_as(PROCESSED)
         .bind(pipeline)
         .bind(&topics)
         .bind(&partitions)
@@ -156,10 +160,93 @@ pub async fn processed(conn: &mut PgConnection, pipeline: &str, next: &NextOffse
         .fetch_all(&mut *conn)
         .await?;
     let mut marks = std::collections::HashMap::new();
-    for (topic, partition, mark) in rows {
+    for (topic, partition, next_offset, floor, raised_at_ms) in rows {
         if let Some(((t, _), _)) = next.0.iter().find(|((t, p), _)| **t == *topic && *p == partition) {
+            let mark = Mark { next: next_offset, floor: Some(floor), raised_at_ms: Some(raised_at_ms) };
             marks.insert((t.clone(), partition), mark);
         }
     }
     Ok(Processed(marks))
+}
+
+/// Sets the processed marks and floors of `partitions` to `next` (their topic was created again: the marks were of
+/// the topic before it, see [`crate::offsets::Replay::Recreated`]), inside the batch transaction.
+///
+/// Errors: the database's.
+pub async fn renew_processed(conn: &mut PgConnection, pipeline: &str, partitions: &[(&str, i32, i64)]) -> sqlx::Result<()> {
+    for (topic, partition, next) in partitions {
+        sqlx::query(
+            "UPDATE idemflow.processed SET next_offset = $4, resume_from = $4, updated_at = now() \
+             WHERE pipeline = $1 AND topic = $2 AND partition = $3",
+        )
+        .bind(pipeline)
+        .bind(topic)
+        .bind(partition)
+        .bind(next)
+        .persistent(super::persistent())
+        .execute(&mut *conn)
+        .await?;
+    }
+    Ok(())
+}
+
+/// Lowers the floors of `partitions` (`(topic, partition, offset)`) to where `idemflow rewind` moves the consumer
+/// group, so that the replay from there is consumed and applied where dedup rows no longer cover it. Never raises a
+/// floor; partitions without a mark are left alone. Returns how many marks changed.
+///
+/// Errors: the database's.
+pub async fn lower_floors(pool: &PgPool, pipeline: &str, partitions: &[(String, i32, i64)]) -> sqlx::Result<u64> {
+    let mut tx = pool.begin().await?;
+    let mut changed = 0;
+    for (topic, partition, to) in partitions {
+        changed += sqlx::query(
+            "UPDATE idemflow.processed SET resume_from = $4 \
+             WHERE pipeline = $1 AND topic = $2 AND partition = $3 AND coalesce(resume_from, next_offset) > $4",
+        )
+        .bind(pipeline)
+        .bind(topic)
+        .bind(partition)
+        .bind(to)
+        .persistent(super::persistent())
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+    }
+    tx.commit().await?;
+    Ok(changed)
+}
+
+/// Records `attempt` as the lane `owner`'s latest batch attempt of `pipeline`, first in the batch transaction, and
+/// returns the attempt recorded before it: the latest one that committed. A previous attempt whose transaction is
+/// still open on the server (its `COMMIT` unanswered) is waited for, and its row, committed or not, is the one read
+/// (`ON CONFLICT DO UPDATE` locks and updates the newest version of the row, visible to this statement's snapshot
+/// or not: PostgreSQL docs, "INSERT", "ON CONFLICT Clause").
+///
+/// Errors: the database's.
+pub async fn mark_attempt(conn: &mut PgConnection, pipeline: &str, owner: &str, attempt: i64) -> sqlx::Result<Option<i64>> {
+    sqlx::query_scalar(
+        "INSERT INTO idemflow.attempts AS a (pipeline, owner, attempt) VALUES ($1, $2, $3) \
+         ON CONFLICT (pipeline, owner) DO UPDATE SET previous = a.attempt, attempt = EXCLUDED.attempt, updated_at = now() \
+         RETURNING previous",
+    )
+    .bind(pipeline)
+    .bind(owner)
+    .bind(attempt)
+    .persistent(super::persistent())
+    .fetch_one(&mut *conn)
+    .await
+}
+
+/// Deletes `pipeline`'s attempt rows of lanes that wrote none for `idle` (gone: a worker that stopped, or a pid of
+/// a process long ended). Returns how many.
+///
+/// Errors: the database's.
+pub async fn forget_attempts(pool: &PgPool, pipeline: &str, idle: std::time::Duration) -> sqlx::Result<u64> {
+    let done = sqlx::query("DELETE FROM idemflow.attempts WHERE pipeline = $1 AND updated_at < now() - make_interval(secs => $2)")
+        .bind(pipeline)
+        .bind(idle.as_secs_f64())
+        .persistent(super::persistent())
+        .execute(pool)
+        .await?;
+    Ok(done.rows_affected())
 }

@@ -40,7 +40,10 @@
 
 use crate::store::template::Statement;
 use crate::store::PrepareError;
-use crate::store::spec::{Binding, OnConflict, SinkSpec, TimeSettings};
+use crate::store::spec::{
+    Binding, OnConflict, SinkSpec, TimeSettings, IDLE_IN_TRANSACTION_TIMEOUT, TCP_KEEPALIVE_COUNT, TCP_KEEPALIVE_IDLE_SECS,
+    TCP_KEEPALIVE_INTERVAL_SECS,
+};
 use crate::field::Render;
 use crate::store::rows::Apply;
 use crate::rounding::Limit;
@@ -325,13 +328,26 @@ async fn probe(conn: &mut PgConnection, sql: &str) -> Result<String, sqlx::Error
 
 /// With a `statement_timeout`, a `lock_timeout` at 90% of it for the batch (unless a shorter one is set): a wait
 /// for a lock held elsewhere then ends as 55P03, retried, and not as a cancelled statement, which the sink takes for
-/// a batch or a record too slow for the timeout ([`crate::store::postgres::error::cancelled`]).
+/// a batch or a record too slow for the timeout ([`crate::store::error::time_limit`]).
 /// `SET CONSTRAINTS ALL IMMEDIATE` (deferred constraints are checked at each statement, not at `COMMIT`, so a
 /// record violating one is isolated by the slow path like any other constraint error), the time zone, and, on
 /// PostgreSQL 14 and later, `client_connection_check_interval` for the batch: a worker killed while its batch waits
 /// for a lock would otherwise leave its server session holding the batch's locks until that wait ends (PostgreSQL
 /// notices a closed client connection only when it next reads from it; "Connection Settings" in its manual).
+/// A worker that vanishes without closing its connection (no FIN: a power loss, a network cut) is bounded by
+/// `idle_in_transaction_session_timeout` ([`IDLE_IN_TRANSACTION_TIMEOUT`]) and the server's TCP keepalives
+/// ([`TCP_KEEPALIVE_IDLE_SECS`] and after), each for the batch only and only where the server's own is longer or
+/// off.
 fn settings_sql(time: &TimeSettings) -> String {
+    let idle_ms = IDLE_IN_TRANSACTION_TIMEOUT.as_millis();
+    // Sets `name` to `to` for the transaction where it is 0 ("off" for the timeout, "the system's default" for the
+    // keepalives: both longer than ours) or longer; `cast` is how its current value compares (`interval`, `int`).
+    let lower = |name: &str, to: String, cast: &str| {
+        format!(
+            "IF current_setting('{name}')::{cast} = '0'::{cast} OR current_setting('{name}')::{cast} > '{to}'::{cast} THEN \
+             PERFORM set_config('{name}', '{to}', true); END IF; "
+        )
+    };
     format!(
         "SET CONSTRAINTS ALL IMMEDIATE; SET LOCAL TIME ZONE {}; \
          DO $idemflow$ BEGIN IF current_setting('server_version_num')::int >= 140000 THEN \
@@ -341,8 +357,12 @@ fn settings_sql(time: &TimeSettings) -> String {
                  OR current_setting('lock_timeout')::interval >= current_setting('statement_timeout')::interval) THEN \
          PERFORM set_config('lock_timeout', \
              greatest(1, floor(extract(epoch FROM current_setting('statement_timeout')::interval) * 900))::bigint::text || 'ms', true); \
-         END IF; END $idemflow$; ",
-        quote_literal(&time.zone)
+         END IF; {}{}{}{}END $idemflow$; ",
+        quote_literal(&time.zone),
+        lower("idle_in_transaction_session_timeout", format!("{idle_ms}ms"), "interval"),
+        lower("tcp_keepalives_idle", format!("{TCP_KEEPALIVE_IDLE_SECS}s"), "interval"),
+        lower("tcp_keepalives_interval", format!("{TCP_KEEPALIVE_INTERVAL_SECS}s"), "interval"),
+        lower("tcp_keepalives_count", TCP_KEEPALIVE_COUNT.to_string(), "int"),
     )
 }
 

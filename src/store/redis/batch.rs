@@ -261,7 +261,8 @@ impl RedisStore {
                 .zip(ran.0)
                 .filter_map(|((field, _), mark)| {
                     let (t, p) = parse_field(field)?;
-                    Some(((t.as_str().into(), p), mark?))
+                    let next = mark?;
+                    Some(((t.as_str().into(), p), crate::offsets::Mark { next, floor: None, raised_at_ms: None }))
                 })
                 .collect(),
         );

@@ -49,10 +49,19 @@ impl Noida {
 
     /// Creates a topic (auto-created topics get one partition).
     pub async fn create_topic(&self, topic: &str, partitions: i32) {
+        self.create_topic_with(topic, partitions, &[]).await
+    }
+
+    /// Creates a topic with topic configs (`("retention.ms", "86400000")`, ...).
+    pub async fn create_topic_with(&self, topic: &str, partitions: i32, configs: &[(&str, &str)]) {
+        let mut new = NewTopic::new(topic, partitions, TopicReplication::Fixed(1));
+        for (k, v) in configs {
+            new = new.set(k, v);
+        }
         let admin: AdminClient<DefaultClientContext> =
             ClientConfig::new().set("bootstrap.servers", &self.bootstrap).create().unwrap();
         let results = admin
-            .create_topics(&[NewTopic::new(topic, partitions, TopicReplication::Fixed(1))], &AdminOptions::new())
+            .create_topics(&[new], &AdminOptions::new())
             .await
             .unwrap();
         for r in results {
