@@ -154,6 +154,28 @@ impl KeySpec {
         Ok(BusinessKey::new(text))
     }
 
+    /// The canonical text of a key an operator typed (`idemflow explain --key`, `dedup forget --key`): for a
+    /// composite key, a JSON array whose parts are strings or numbers becomes the array of their canonical texts, as
+    /// records' keys are made (`["O-1",1]` is the key `["O-1","1"]`); anything else is taken as it is.
+    pub fn canonical_text(&self, typed: &str) -> String {
+        if !matches!(self.source, KeySource::Fields(_)) {
+            return typed.to_owned();
+        }
+        let Ok(Value::Array(parts)) = serde_json::from_str::<Value>(typed) else { return typed.to_owned() };
+        let texts: Option<Vec<String>> = parts
+            .iter()
+            .map(|v| match v {
+                Value::String(s) => Some(s.clone()),
+                Value::Number(n) => crate::field::canonical_decimal(&n.to_string()),
+                _ => None,
+            })
+            .collect();
+        match texts {
+            Some(texts) => serde_json::to_string(&texts).expect("a list of strings serialises"),
+            None => typed.to_owned(),
+        }
+    }
+
     fn part(&self, path: &FieldPath, found: Option<&Value>) -> Result<String, KeyError> {
         let text = match found {
             None => return Err(KeyError::Missing { what: format!("{path} is missing") }),
@@ -228,6 +250,21 @@ mod tests {
         let s = spec(field("/s")).extract(&record(), &doc).unwrap();
         assert_eq!(n.text, "9007199254740993");
         assert_eq!(n, s);
+    }
+
+    /// A composite key typed as JSON with number parts is looked up as a record's key would be made (issue 47,
+    /// item 6); a single key, or text that is not such an array, is taken as typed.
+    #[test]
+    fn a_typed_composite_key_is_canonical_like_a_records() {
+        let composite = spec(KeySource::Fields(vec![FieldPath::parse("/a").unwrap(), FieldPath::parse("/b").unwrap()]));
+        let doc: Value = serde_json::from_str(r#"{"a": "O-1", "b": 1.0}"#).unwrap();
+        let made = composite.extract(&record(), &doc).unwrap();
+        assert_eq!(composite.canonical_text(r#"["O-1",1]"#), made.text);
+        assert_eq!(composite.canonical_text(r#"[ "O-1", 1e0 ]"#), made.text);
+        assert_eq!(composite.canonical_text(r#"["O-1","1"]"#), made.text);
+        assert_eq!(composite.canonical_text("not json"), "not json");
+        assert_eq!(composite.canonical_text(r#"["O-1",true]"#), r#"["O-1",true]"#);
+        assert_eq!(spec(field("/id")).canonical_text(r#"["O-1",1]"#), r#"["O-1",1]"#, "a single key is its text");
     }
 
     #[test]

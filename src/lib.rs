@@ -91,8 +91,18 @@
 //!   The guarantee matrix kills the binary at exactly this point for every broker x store pair
 //!   ([`worker::CRASH_AFTER_COMMITS_VAR`], `tests/it/matrix.rs`, scenario (b)): the batch comes back as
 //!   `redelivered` where the broker keeps the positions, and nothing comes back where they are stored with it.
-//! - A connection lost during `COMMIT` (outcome unknown): the batch is retried on a new connection. Whichever way
-//!   the first commit went, the dedup rows decide: applied once.
+//! - A connection lost during `COMMIT` (outcome unknown), or an attempt abandoned at `[database] batch_timeout`: the
+//!   batch is retried on a new connection. Whichever way the first commit went, the dedup rows decide: applied once.
+//!   The counts are right too: every batch transaction first records its attempt's number in the lane's row of the
+//!   attempts table ([`store::Tx::mark_attempt`]), which waits for a previous attempt still open on the server and
+//!   returns the last committed number. When that is an earlier attempt of this batch that had sent its `COMMIT`, the
+//!   retry is rolled back and the batch's outcome is that attempt's ([`sink::Attempt`]): no `redelivered` or
+//!   `republished` for the worker's own records, no dead letter counted twice. When it is one that never reached
+//!   its `COMMIT` (a side effect that ended the transaction itself, then a retryable failure), the pipeline stops:
+//!   part of the batch may be committed without the rest. Tested with a lost answer injected
+//!   ([`worker::Faults::lose_commit_answer`]) on PostgreSQL and MariaDB, and a procedure's `COMMIT` followed by a
+//!   lock wait timeout (`tests/it/hardening.rs`, `tests/it/mariadb.rs`). Redis's script has no such record: a lost
+//!   answer's retry counts the batch as duplicates (effects once).
 //! - Rebalance: records buffered for a revoked partition are dropped before processing, and an offset is committed
 //!   only for partitions this consumer still owns. The new owner may receive records whose effects are already
 //!   durable; the dedup rows skip them.
@@ -125,18 +135,21 @@
 //!
 //! - A side effect that ends the transaction itself breaks "one transaction": on MySQL/MariaDB a procedure's
 //!   `START TRANSACTION`/`COMMIT` (or any statement that commits implicitly) would commit the batch's claims at the
-//!   first record, and a later failure would make the redo find every key claimed. So `sink.sql` accepts only
+//!   first record, and a later failure would make the redo (or a retry) find every key claimed. So `sink.sql` accepts only
 //!   statements that cannot commit (read past comments; `CALL` only with `allow_procedures`), and before the
 //!   record-by-record redo and before `COMMIT` the worker checks that the transaction it opened is still open
 //!   ([`store::mysql::transaction_open`]); if not, the pipeline stops instead of counting records as duplicates.
-//!   PostgreSQL refuses transaction control inside a function or a procedure called in a transaction block.
+//!   Before a retry, the attempt record (above) tells the same: an earlier attempt found committed that never sent
+//!   its `COMMIT` stops the pipeline. The keys it left claimed without their effects are released by the operator
+//!   (`idemflow dedup forget`, which lowers the processed floor with them). PostgreSQL refuses transaction control inside a function or a procedure called in a transaction block.
 //! - A batch stopped by the server's time limit for one statement (PostgreSQL `statement_timeout`, MariaDB
 //!   `max_statement_time`, MySQL `max_execution_time`; told by SQLSTATE or error number, never by the message,
 //!   [`store::error::time_limit`]) rolls back like any failed attempt; it is redone record by record (each statement
 //!   timed on its own) rather than retried whole forever. A record whose side effect alone exceeds the limit rolls
-//!   the attempt back and the batch is retried ([`sink::SOLO_TIME_LIMIT_ATTEMPTS`]): a lock wait or a stall is not
-//!   the record's fault; only slow alone in every one of those attempts is it dead-lettered, nothing committed for
-//!   it, its claim rolled back with its savepoint.
+//!   the attempt back and the batch is retried ([`sink::SOLO_TIME_LIMIT_ATTEMPTS`], over
+//!   [`sink::SOLO_TIME_LIMIT_SPAN`] at least): a lock wait or a stall is not the record's fault; only slow alone in
+//!   every one of those attempts is it dead-lettered, nothing committed for it, its claim rolled back with its
+//!   savepoint.
 //! - A worker that vanishes mid-batch (no FIN, no RST) holds nothing for long: its transaction is ended by the
 //!   server once idle past [`store::spec::IDLE_IN_TRANSACTION_TIMEOUT`], or once TCP keepalives find the peer gone
 //!   while a statement runs; a rollback like any crash. A live worker whose session the server ended that way
@@ -157,13 +170,15 @@
 //!   (`tests/it/hardening.rs`).
 //!
 //! - A consumer group that starts over (its committed offsets expired after `offsets.retention.minutes`, a new
-//!   `group_id`) replays records whose dedup rows may have been purged since. Every batch's transaction raises its
-//!   partitions' processed marks and their floor ([`offsets::Mark`]) and reads them as they were, under the rows'
-//!   locks: a record below the floor was processed by a committed batch, so it is neither claimed nor applied
+//!   `group_id`) replays records whose dedup rows may have been purged since. Every batch's transaction reads its
+//!   partitions' processed marks and their floor ([`offsets::Mark`]) first, under the rows' locks, and raises them
+//!   last, just before `COMMIT` (so a side effect that ends the transaction itself never commits a floor above
+//!   records it did not apply): a record below the floor was processed by a committed batch, so it is neither claimed nor applied
 //!   again, whatever its dedup row says (counted `redelivered`); only `idemflow rewind` lowers the floor (the
-//!   operator's replay, applied where no dedup row covers it). A record below the floor that was produced after
-//!   the mark was last raised is not the one processed there (the topic was created again): the partition's marks
-//!   are renewed in the same transaction and the record applied as new ([`offsets::Replay`]). Tested with a purge
+//!   operator's replay, applied where no dedup row covers it). When every record of a partition below its floor
+//!   was produced after the mark last rose, they are not the ones processed there (the topic was created again):
+//!   the partition's marks are renewed in the same transaction and the records applied as new
+//!   ([`offsets::Replay`]); a batch where some are older leaves the marks, and skips them all. Tested with a purge
 //!   and a new group, a rewind, and a topic created again (`tests/it/offsets.rs`).
 //!
 //! The dedup row and the effect are in the same transaction, so "marked as seen" and "applied" are one fact: there

@@ -78,6 +78,11 @@ impl DeadLetterReason {
         DeadLetterReason::Tombstone,
     ];
 
+    /// The reason stored as `text` (its [`DeadLetterReason::as_str`]), if it is one.
+    pub fn parse(text: &str) -> Option<DeadLetterReason> {
+        DeadLetterReason::ALL.into_iter().find(|r| r.as_str() == text)
+    }
+
     /// The label value and the stored reason.
     pub fn as_str(self) -> &'static str {
         match self {

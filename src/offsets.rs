@@ -52,6 +52,22 @@ impl NextOffsets {
     }
 }
 
+impl NextOffsets {
+    /// Per partition, the lowest offset among `records` (records of sources without positions left out, as in
+    /// [`NextOffsets::after`]): where a batch starts on each partition.
+    pub fn first_of(records: &[Record]) -> Self {
+        let mut first = BTreeMap::new();
+        // A batch holds runs of records of one partition: each run is entered into the map once.
+        let positional: Vec<&Record> = records.iter().filter(|r| r.delivered_before.is_none()).collect();
+        for run in positional.chunk_by(|a, b| a.position.same_partition(&b.position)) {
+            let low = run.iter().map(|r| r.position.offset).min().unwrap_or(0);
+            let e = first.entry((run[0].position.topic.clone(), run[0].position.partition)).or_insert(low);
+            *e = (*e).min(low);
+        }
+        NextOffsets(first)
+    }
+}
+
 /// A partition's stored position after [`crate::store::Store::claim_offsets`].
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Claimed {

@@ -72,6 +72,20 @@ impl Limit {
 /// The value `text` would become at `scale`, when that is not the value itself; `None` when it fits or is not a
 /// plain decimal (`NaN`, `Infinity`, anything the server will judge itself).
 pub fn round_decimal(text: &str, scale: i32) -> Option<String> {
+    // PostgreSQL 16 reads `1_000.555` as 1000.555 (underscores between digits, "Numeric Constants"): read it so
+    // too. An underscore anywhere else is an input error the server reports itself.
+    let unscored;
+    let text = if text.contains('_') {
+        let b = text.as_bytes();
+        let between_digits = |i: usize| i > 0 && i + 1 < b.len() && b[i - 1].is_ascii_digit() && b[i + 1].is_ascii_digit();
+        if !text.match_indices('_').all(|(i, _)| between_digits(i)) {
+            return None;
+        }
+        unscored = text.replace('_', "");
+        unscored.as_str()
+    } else {
+        text
+    };
     let t = text.trim();
     let (negative, t) = match t.as_bytes().first() {
         Some(b'-') => (true, &t[1..]),
@@ -148,14 +162,20 @@ fn format_scaled(negative: bool, digits: &[u8], scale: i32) -> String {
     }
 }
 
-/// The fractional seconds of `text` (after `hh:mm:ss.`) beyond `digits`, trailing zeros aside; `None` when they fit
+/// Whether `before` ends in the clock part of a time whose seconds a fraction follows: `hh:mm:ss`, `h:mm:ss`, or
+/// `mm:ss` (PostgreSQL reads `04:05.6` as 4 minutes 5.6 seconds: "Date/Time Input"), each part one or two digits.
+fn ends_in_a_time(before: &[u8]) -> bool {
+    let start = before.iter().rposition(|c| !(c.is_ascii_digit() || *c == b':')).map_or(0, |p| p + 1);
+    let parts: Vec<&[u8]> = before[start..].split(|c| *c == b':').collect();
+    (2..=3).contains(&parts.len()) && parts.iter().all(|p| (1..=2).contains(&p.len()))
+}
+
+/// The fractional seconds of `text` (after `hh:mm:ss.` or `mm:ss.`) beyond `digits`, trailing zeros aside; `None` when they fit
 /// or there are none.
 pub fn excess_fraction(text: &str, digits: u32) -> Option<String> {
     let b = text.as_bytes();
     for (at, _) in text.match_indices('.') {
-        let time = at >= 8
-            && b[at - 8..at].iter().enumerate().all(|(i, c)| if i == 2 || i == 5 { *c == b':' } else { c.is_ascii_digit() });
-        if !time {
+        if !ends_in_a_time(&b[..at]) {
             continue;
         }
         let fraction: &str = &text[at + 1..];
@@ -188,6 +208,11 @@ mod tests {
             assert_eq!(round_decimal(fits, 2), None, "{fits}");
         }
         assert_eq!(round_decimal("150", -1), None);
+        // PostgreSQL 16's underscores between digits (issue 42, item 11).
+        assert_eq!(round_decimal("1_000.555", 2).as_deref(), Some("1000.56"));
+        assert_eq!(round_decimal("1_000.55", 2), None);
+        assert_eq!(round_decimal("1__0.555", 2), None, "not a number PostgreSQL reads: its own error");
+        assert_eq!(round_decimal("_1.555", 2), None);
     }
 
     #[test]
@@ -198,6 +223,11 @@ mod tests {
         assert_eq!(excess_fraction("2026-11-30T10:00:00Z", 0), None);
         assert_eq!(excess_fraction("10:00:00.000", 0), None);
         assert_eq!(excess_fraction("v1.5 at 10:00", 0), None);
+        // mm:ss.f and h:mm:ss.f (issue 42, item 11).
+        assert_eq!(excess_fraction("04:05.6", 0).as_deref(), Some("6"));
+        assert_eq!(excess_fraction("2026-11-30 1:00:00.25", 1).as_deref(), Some("25"));
+        assert_eq!(excess_fraction("2026-11-30 10:00.5", 1), None);
+        assert_eq!(excess_fraction("2026-11-30 100:00.5", 0), None, "three digits are no clock part");
         let l = Limit::Fraction { type_name: "timestamp(0) with time zone".into(), digits: 0 };
         assert!(l.check("2026-11-30T10:00:00.6Z").unwrap_err().contains("fraction .6"));
         let l = Limit::Scale { type_name: "numeric(12,2)".into(), scale: 2 };

@@ -331,6 +331,7 @@ async fn run_lane(
     let mut source = Source::new(&brokers, &context, metrics.clone(), stored).map_err(source_error)?;
     let dead_letter_out = DeadLetterOut::new(&brokers, &context).map_err(source_error)?;
     tracing::info!(pipeline = %name, source = r.pipeline.source.kind(), streams = ?r.pipeline.source.streams(), "pipeline started");
+    let attempts_lane = Attempt::lane(&owner);
     let mut step = Step {
         ready: r.clone(),
         metrics: &metrics,
@@ -341,6 +342,7 @@ async fn run_lane(
         batch_timeout: settings.database.as_ref().map(|d| d.batch_timeout).filter(|d| !d.is_zero()),
         ahead: Ahead::new(r.pipeline.batch.max_records),
         lose_commit_answer: false,
+        attempts_lane,
     };
     let mut outcome = Ok(());
     let mut batches = 0u64;
@@ -467,6 +469,8 @@ struct Step<'a> {
     ahead: Ahead,
     /// Fault injection: the answer of the next batch's first `COMMIT` is lost ([`Faults::lose_commit_answer`]).
     lose_commit_answer: bool,
+    /// This lane's row in the store's attempts table ([`Attempt::lane`]).
+    attempts_lane: std::sync::Arc<str>,
 }
 
 impl Step<'_> {
@@ -536,7 +540,7 @@ impl Step<'_> {
             let (sink, window, limit) = (self.ready.sink.clone(), self.window.clone(), attempt_limit);
             let (records, records_prepared, presented) = (std::mem::take(batch), std::mem::take(&mut prepared), positions.clone());
             let this = Attempt {
-                owner: self.owner.as_str().into(),
+                owner: self.attempts_lane.clone(),
                 id: Attempt::next_id(),
                 earlier: earlier.clone(),
                 committing: Default::default(),

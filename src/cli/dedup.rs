@@ -65,7 +65,7 @@ pub async fn run(command: DedupCommand) -> anyhow::Result<()> {
     let store = open_store(&settings, &a.config, p.sink.store()).await?;
     let what = match (&a.topic, a.partition, a.offsets) {
         (Some(topic), Some(partition), Some((from, to))) => Forget::Positions { topic: topic.clone(), partition, from, to },
-        _ => Forget::Keys(a.key.iter().map(|k| idemflow::key::BusinessKey::new(k.clone())).collect()),
+        _ => Forget::Keys(a.key.iter().map(|k| idemflow::key::BusinessKey::new(p.key.canonical_text(k))).collect()),
     };
     let rows = store.forget(&p.name, &what, a.dry_run).await?;
     let verb = if a.dry_run { "would forget" } else { "forgot" };
@@ -81,14 +81,16 @@ pub async fn run(command: DedupCommand) -> anyhow::Result<()> {
     }
     if a.dry_run {
         println!("dry run: nothing changed");
-    } else if !rows.is_empty() {
-        for ((topic, partition), lowest) in idemflow::store::rows::lowest_per_partition(&rows) {
+    } else {
+        for ((topic, partition), lowest) in idemflow::store::rows::floors_to_lower(&what, &rows) {
             println!("  {topic}/{partition}: records from offset {lowest} on are consumed again and applied where their key is forgotten");
         }
-        println!(
-            "their records are applied again when they come back: start the pipeline (its consumer resumes from its committed \
-             position; `idemflow rewind` if that is past them)"
-        );
+        if !rows.is_empty() {
+            println!(
+                "their records are applied again when they come back: start the pipeline (its consumer resumes from its \
+                 committed position; `idemflow rewind` if that is past them)"
+            );
+        }
     }
     Ok(())
 }

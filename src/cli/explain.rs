@@ -13,7 +13,8 @@ pub struct ExplainArgs {
     /// The pipeline.
     #[arg(long)]
     pipeline: String,
-    /// The business key's canonical text (a composite key as its JSON array, e.g. '["o-1","3"]').
+    /// The business key's canonical text (a composite key as its JSON array, e.g. '["o-1","3"]'; number parts are
+    /// read as a record's would be: '["o-1",3]' is the same key).
     #[arg(long)]
     key: String,
 }
@@ -26,8 +27,13 @@ pub async fn run(a: ExplainArgs) -> anyhow::Result<()> {
     let pipelines = config::load_pipelines_for(&settings).map_err(|e| report(&e))?;
     let p = named(&pipelines, &a.pipeline, &settings)?;
     let store = open_store(&settings, &a.config, p.sink.store()).await?;
-    let key = idemflow::key::BusinessKey::new(a.key.clone());
-    println!("pipeline {:?}, business key {:?}", p.name, a.key);
+    let canonical = p.key.canonical_text(&a.key);
+    let key = idemflow::key::BusinessKey::new(canonical.clone());
+    if canonical == a.key {
+        println!("pipeline {:?}, business key {:?}", p.name, a.key);
+    } else {
+        println!("pipeline {:?}, business key {:?} (looked up as {canonical:?}: a composite key's parts are texts)", p.name, a.key);
+    }
     match store.explain(&p.name, &key).await? {
         Some(e) => {
             println!("  applied at         {}", e.applied_at);

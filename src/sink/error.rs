@@ -123,14 +123,15 @@ pub enum SinkError {
         prepared: usize,
     },
     /// One record's side effect alone ran past the server's time limit for one statement, in fewer consecutive
-    /// attempts than [`crate::sink::SOLO_TIME_LIMIT_ATTEMPTS`]: a lock wait or an I/O stall can make a good record
+    /// attempts than [`crate::sink::SOLO_TIME_LIMIT_ATTEMPTS`] or over less than [`crate::sink::SOLO_TIME_LIMIT_SPAN`]:
+    /// a lock wait or an I/O stall can make a good record
     /// slow once, so the batch is rolled back and retried before the record is taken for the cause and
     /// dead-lettered.
     #[error(
-        "the side effect of the record at {position} alone ran past the statement time limit ({attempts} of \
-         {limit} attempts in a row): {source}; the batch was rolled back and is retried before the record is \
-         dead-lettered",
-        limit = crate::sink::SOLO_TIME_LIMIT_ATTEMPTS
+        "the side effect of the record at {position} alone ran past the statement time limit ({attempts} attempt(s) in \
+         a row; dead-lettered after {limit} over at least {span}s): {source}; the batch was rolled back and is retried",
+        limit = crate::sink::SOLO_TIME_LIMIT_ATTEMPTS,
+        span = crate::sink::SOLO_TIME_LIMIT_SPAN.as_secs()
     )]
     RecordTimeLimit {
         /// The record's position.

@@ -40,16 +40,20 @@ pub struct Sink {
     /// The records whose side effect alone ran past the statement time limit in the last attempts of their batch,
     /// with how many attempts in a row it did ([`SOLO_TIME_LIMIT_ATTEMPTS`]). Shared by the clones of the sink that
     /// run one lane's attempts; an entry goes when its batch commits.
-    pub(super) solo_time_limits: std::sync::Arc<std::sync::Mutex<HashMap<(Receipt, Position), u32>>>,
+    pub(super) solo_time_limits: std::sync::Arc<std::sync::Mutex<HashMap<(Receipt, Position), (u32, std::time::Instant)>>>,
 }
 
-/// In how many consecutive attempts of its batch a record's side effect must run past the server's statement time
-/// limit on its own before the record is dead-lettered as the cause (`side_effect_rejected`). A lock wait or an I/O
-/// stall makes a good record slow once; a record too slow for the limit is slow every time. Between the attempts
-/// the batch is rolled back and the worker backs off as for any retry (0.1 s, then 0.2 s: about a third of a second
-/// before the third). A record not received from a broker (a dead letter replayed by `idemflow dead-letters
+/// In how many consecutive attempts of its batch, and over how long at least ([`SOLO_TIME_LIMIT_SPAN`]), a record's
+/// side effect must run past the server's statement time limit on its own before the record is dead-lettered as the
+/// cause (`side_effect_rejected`). A lock wait or an I/O stall makes a good record slow for a while (a lock of a
+/// vanished worker's transaction is held up to `idle_in_transaction_session_timeout`, 15 s); a record too slow for
+/// the limit is slow every time. Between the attempts the batch is rolled back and the worker backs off as for any
+/// retry (0.1 s doubling). A record not received from a broker (a dead letter replayed by `idemflow dead-letters
 /// replay`, which retries nothing) is dead-lettered at the first.
 pub const SOLO_TIME_LIMIT_ATTEMPTS: u32 = 3;
+
+/// See [`SOLO_TIME_LIMIT_ATTEMPTS`]: the least time from the first of those attempts to the one that dead-letters.
+pub const SOLO_TIME_LIMIT_SPAN: Duration = Duration::from_secs(20);
 
 /// What a committed batch did.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -70,9 +74,9 @@ pub struct BatchOutcome {
 /// `COMMIT`, `[database] batch_timeout`), and the batch is not run again.
 #[derive(Clone, Debug, Default)]
 pub struct Attempt {
-    /// The lane (`host/pid[/lane]`), whose row in the attempts table this attempt writes.
+    /// The lane ([`Attempt::lane`]), whose row in the attempts table this attempt writes.
     pub owner: std::sync::Arc<str>,
-    /// This attempt's number: never given twice ([`Attempt::next_id`]).
+    /// This attempt's number ([`Attempt::next_id`]).
     pub id: i64,
     /// The earlier attempts of the same batch, oldest first.
     pub earlier: Vec<Earlier>,
@@ -95,16 +99,25 @@ pub struct Earlier {
 }
 
 impl Attempt {
-    /// A number for a new attempt: the process's start in microseconds since the Unix epoch, then one more each
-    /// time, so no two attempts of a lane (whose name holds the process id) ever share one, across restarts too.
+    /// A number for a new attempt: 63 random bits (a counter through a hash keyed afresh in every process), so no
+    /// two attempts share one, across processes and restarts, whatever the clock does.
     pub fn next_id() -> i64 {
-        use std::sync::atomic::{AtomicI64, Ordering};
-        static NEXT: std::sync::OnceLock<AtomicI64> = std::sync::OnceLock::new();
-        NEXT.get_or_init(|| {
-            let micros = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_micros());
-            AtomicI64::new(i64::try_from(micros).unwrap_or(i64::MAX / 2))
-        })
-        .fetch_add(1, Ordering::Relaxed)
+        use std::hash::{BuildHasher, Hasher};
+        use std::sync::atomic::{AtomicU64, Ordering};
+        static KEYS: std::sync::OnceLock<std::collections::hash_map::RandomState> = std::sync::OnceLock::new();
+        static COUNTER: AtomicU64 = AtomicU64::new(0);
+        let mut h = KEYS.get_or_init(Default::default).build_hasher();
+        h.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
+        (h.finish() & (i64::MAX as u64)) as i64
+    }
+
+    /// The name of a lane's row in the attempts table: its owner (`host/pid[/lane]`) and a number drawn once per
+    /// process, so two processes that share a host name and a process id (no `HOSTNAME` under systemd, pid 1 in
+    /// every container) never share a row.
+    pub fn lane(owner: &str) -> std::sync::Arc<str> {
+        static NONCE: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+        let nonce = NONCE.get_or_init(|| (Attempt::next_id() & 0xffff_ffff) as u32);
+        format!("{owner}#{nonce:08x}").into()
     }
 }
 
@@ -142,12 +155,12 @@ impl Sink {
     }
 
     /// Counts one more attempt in which `record`'s side effect alone ran past the statement time limit; returns how
-    /// many in a row it has now.
-    pub(super) fn solo_time_limit(&self, record: &Record) -> u32 {
+    /// many in a row it has now and whether they prove it the cause (enough of them, over long enough).
+    pub(super) fn solo_time_limit(&self, record: &Record) -> (u32, bool) {
         let mut seen = self.solo_time_limits.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        let n = seen.entry((record.receipt, record.position.clone())).or_insert(0);
+        let (n, since) = seen.entry((record.receipt, record.position.clone())).or_insert((0, std::time::Instant::now()));
         *n += 1;
-        *n
+        (*n, *n >= SOLO_TIME_LIMIT_ATTEMPTS && since.elapsed() >= SOLO_TIME_LIMIT_SPAN)
     }
 
     /// Forgets the time-limit attempts of a committed batch's records.

@@ -79,14 +79,16 @@ impl Sink {
                 .map_err(|e| SinkError::new("removing replayed dead letters", e))?;
             return Ok(Begun::Open(tx, Processed::default()));
         }
-        let next = NextOffsets::after(records);
-        let mut processed = tx.processed(&self.pipeline, &next)
+        // Read (and locked) first, raised last, just before COMMIT: a side effect that ends the transaction itself
+        // must not commit a floor above records it never applied.
+        let first = NextOffsets::first_of(records);
+        let mut processed = tx.processed(&self.pipeline, &first)
             .await
-            .map_err(|e| SinkError::new("raising the processed positions", e))?;
+            .map_err(|e| SinkError::new("reading the processed positions", e))?;
         let recreated = recreated(records, &processed);
         if !recreated.is_empty() {
             let renew: Vec<(&str, i32, i64)> =
-                recreated.iter().filter_map(|(t, p)| next.0.get(&(t.clone(), *p)).map(|n| (&**t, *p, *n))).collect();
+                recreated.iter().filter_map(|(t, p)| first.0.get(&(t.clone(), *p)).map(|n| (&**t, *p, *n))).collect();
             tx.renew_processed(&self.pipeline, &renew)
                 .await
                 .map_err(|e| SinkError::new("renewing the processed positions of a topic created again", e))?;
@@ -189,6 +191,11 @@ impl Sink {
                 }
             }
         }
+        if replaying.is_empty() {
+            tx.raise_processed(&self.pipeline, &NextOffsets::after(records))
+                .await
+                .map_err(|e| SinkError::new("raising the processed positions", e))?;
+        }
         if let Err(refused) = guard(&counts) {
             // The guard's message gives counts; the cause is in the dead letters it refused to write.
             if let Some(d) = dead_letters.iter().find(|d| d.new) {
@@ -238,6 +245,7 @@ impl Sink {
         // Records below their partition's floor were processed before: neither claimed nor applied again.
         let below = below_floor(records, processed);
         self.log_below_floor(&below);
+        let dead_below = self.dead_letters_below(tx, records, &below).await?;
         // The first occurrence of each key in the batch is the one that claims it.
         let mut first: DigestMap<usize> = DigestMap::default();
         let mut claims = Vec::new();
@@ -277,7 +285,7 @@ impl Sink {
             let fate = match p {
                 Prepared::Tombstone => Fate::Tombstone,
                 Prepared::DeadLetter(d) => Fate::DeadLetter(d.reason, d.error.clone()),
-                Prepared::Apply(_) if below.get(i).copied().unwrap_or(false) => Fate::Duplicate(DuplicateReason::Redelivered),
+                Prepared::Apply(_) if below.get(i).copied().unwrap_or(false) => below_fate(&dead_below, &records[i]),
                 Prepared::Apply(a) => {
                     let f = first[&a.key.digest];
                     if i == f && new.contains(&a.key.digest) {
@@ -318,9 +326,10 @@ impl Sink {
         let mut fates = Vec::with_capacity(prepared.len());
         let below = below_floor(records, processed);
         self.log_below_floor(&below);
+        let dead_below = self.dead_letters_below(tx, records, &below).await?;
         for ((record, p), below) in records.iter().zip(prepared).zip(below.iter().copied().chain(std::iter::repeat(false))) {
             if below && matches!(p, Prepared::Apply(_)) {
-                fates.push(Fate::Duplicate(DuplicateReason::Redelivered));
+                fates.push(below_fate(&dead_below, record));
                 continue;
             }
             let a = match p {
@@ -371,8 +380,8 @@ impl Sink {
                 // may be a lock wait or a stall that was not its own, so the batch is retried first.
                 Err(e) if crate::store::error::time_limit(&e) => {
                     tx.rollback_to_savepoint().await.map_err(savepoint_failed("rolling back a savepoint"))?;
-                    let attempts = self.solo_time_limit(record);
-                    if attempts < super::SOLO_TIME_LIMIT_ATTEMPTS && record.receipt != crate::record::Receipt::NONE {
+                    let (attempts, proven) = self.solo_time_limit(record);
+                    if !proven && record.receipt != crate::record::Receipt::NONE {
                         return Err(SinkError::RecordTimeLimit { position: record.position.clone(), attempts, source: e });
                     }
                     tracing::warn!(pipeline = %self.pipeline, position = %record.position, attempts,
@@ -380,8 +389,9 @@ impl Sink {
                     fates.push(Fate::DeadLetter(
                         DeadLetterReason::SideEffectRejected,
                         format!(
-                            "{} (this record's side effect alone ran past the statement time limit, in {attempts} attempts in a row)",
-                            describe(&e)
+                            "{} (this record's side effect alone ran past the statement time limit, in {attempts} attempts in a row over at least {}s)",
+                            describe(&e),
+                            super::SOLO_TIME_LIMIT_SPAN.as_secs()
                         ),
                     ));
                 }
@@ -405,26 +415,65 @@ fn below_floor(records: &[Record], processed: &Processed) -> Vec<bool> {
     if !starts_below {
         return Vec::new();
     }
-    let below: Vec<bool> = records.iter().map(|r| processed.replay(r) == Replay::Processed).collect();
+    // A record newer than its mark in a partition that was not found created again counts as processed too.
+    let below: Vec<bool> = records.iter().map(|r| processed.replay(r) != Replay::New).collect();
     if below.contains(&true) { below } else { Vec::new() }
 }
 
-/// The partitions of `records` whose topic was created again since their marks were raised ([`Replay::Recreated`]).
+/// The partitions of `records` whose topic was created again since their marks were raised: every record of the
+/// partition below its floor was produced after the mark last rose ([`Replay::Recreated`]). One that was not (a
+/// single record stamped ahead, a producer's clock running fast, among the old records a group that starts over
+/// consumes again) leaves the marks as they are, and the records below the floor are skipped.
 fn recreated(records: &[Record], processed: &Processed) -> Vec<(std::sync::Arc<str>, i32)> {
     let mut out: Vec<(std::sync::Arc<str>, i32)> = Vec::new();
+    let mut mixed: Vec<(std::sync::Arc<str>, i32)> = Vec::new();
     if processed.0.is_empty() {
         return out;
     }
     for r in records {
         let tp = (r.position.topic.clone(), r.position.partition);
-        if !out.contains(&tp) && processed.replay(r) == Replay::Recreated {
-            out.push(tp);
+        match processed.replay(r) {
+            Replay::Recreated if !mixed.contains(&tp) && !out.contains(&tp) => out.push(tp),
+            Replay::Processed if !mixed.contains(&tp) => {
+                out.retain(|p| *p != tp);
+                mixed.push(tp);
+            }
+            _ => {}
         }
     }
     out
 }
 
+/// What a record below its floor ([`below_floor`]) becomes: its dead letter again, where it was dead-lettered when it
+/// was processed (written again, it is found there and counted `redelivered`, and published again where the pipeline
+/// has a dead-letter topic: a crash before that publish was confirmed must not lose it), otherwise a `redelivered`
+/// duplicate.
+fn below_fate(dead: &std::collections::HashMap<crate::record::Position, (DeadLetterReason, String)>, record: &Record) -> Fate {
+    match dead.get(&record.position) {
+        Some((reason, error)) => Fate::DeadLetter(*reason, error.clone()),
+        None => Fate::Duplicate(DuplicateReason::Redelivered),
+    }
+}
+
 impl Sink {
+    /// The dead letters stored at the positions of the records below their floor (`below`, from [`below_floor`]).
+    async fn dead_letters_below(
+        &self,
+        tx: &mut Tx<'_>,
+        records: &[Record],
+        below: &[bool],
+    ) -> Result<std::collections::HashMap<crate::record::Position, (DeadLetterReason, String)>, SinkError> {
+        let positions: Vec<&crate::record::Position> =
+            records.iter().zip(below).filter(|(_, b)| **b).map(|(r, _)| &r.position).collect();
+        let found = tx.dead_letters_at(&self.pipeline, &positions)
+            .await
+            .map_err(|e| SinkError::new("reading the dead letters of records below the processed floor", e))?;
+        Ok(found
+            .into_iter()
+            .filter_map(|(position, reason, error)| DeadLetterReason::parse(&reason).map(|r| (position, (r, error))))
+            .collect())
+    }
+
     /// Says how many records of the batch were below their floor and skipped, once per batch.
     fn log_below_floor(&self, below: &[bool]) {
         let n = below.iter().filter(|b| **b).count();

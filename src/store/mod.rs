@@ -595,6 +595,22 @@ impl Tx<'_> {
         }
     }
 
+    /// The dead letters of `pipeline` stored at `positions`, as `(position, reason, error)`.
+    pub async fn dead_letters_at(
+        &mut self,
+        pipeline: &str,
+        positions: &[&crate::record::Position],
+    ) -> Result<Vec<(crate::record::Position, String, String)>, sqlx::Error> {
+        if positions.is_empty() {
+            return Ok(Vec::new());
+        }
+        match self {
+            Tx::Postgres(tx, _) => postgres::dead_letter::at(tx, pipeline, positions).await,
+            #[cfg(feature = "mysql")]
+            Tx::MySql(tx, _, _) => mysql::dead_letter::at(tx, pipeline, positions).await,
+        }
+    }
+
     /// Deletes dead letters of `pipeline` by id (their replay is under way in this transaction).
     pub async fn delete_dead_letters(&mut self, pipeline: &str, ids: &[i64]) -> Result<u64, sqlx::Error> {
         match self {
@@ -614,13 +630,23 @@ impl Tx<'_> {
         }
     }
 
-    /// Raises the processed marks of the batch's partitions to `next` (never lowers them) and returns the marks as
-    /// they were before.
-    pub async fn processed(&mut self, pipeline: &str, next: &NextOffsets) -> Result<Processed, sqlx::Error> {
+    /// Locks and reads the processed marks of the batch's partitions (`first`: each one's first offset in the batch,
+    /// where a missing mark is created), first in the batch transaction.
+    pub async fn processed(&mut self, pipeline: &str, first: &NextOffsets) -> Result<Processed, sqlx::Error> {
         match self {
-            Tx::Postgres(tx, _) => postgres::offsets::processed(tx, pipeline, next).await,
+            Tx::Postgres(tx, _) => postgres::offsets::processed(tx, pipeline, first).await,
             #[cfg(feature = "mysql")]
-            Tx::MySql(tx, _, _) => mysql::offsets::processed(tx, pipeline, next).await,
+            Tx::MySql(tx, _, _) => mysql::offsets::processed(tx, pipeline, first).await,
+        }
+    }
+
+    /// Raises the processed marks and floors of the batch's partitions to `next` (never lowers them), last before
+    /// `COMMIT`.
+    pub async fn raise_processed(&mut self, pipeline: &str, next: &NextOffsets) -> Result<(), sqlx::Error> {
+        match self {
+            Tx::Postgres(tx, _) => postgres::offsets::raise_processed(tx, pipeline, next).await,
+            #[cfg(feature = "mysql")]
+            Tx::MySql(tx, _, _) => mysql::offsets::raise_processed(tx, pipeline, next).await,
         }
     }
 

@@ -121,6 +121,18 @@ pub fn lowest_per_partition(rows: &[Explained]) -> std::collections::BTreeMap<(&
     lowest
 }
 
+/// Where `idemflow dedup forget` lowers the processed floors: the lowest offset of `rows` on each of their
+/// partitions, and for a range of offsets its start, also where it found no row (keys claimed by a transaction a
+/// side effect committed early may be below a floor without a dedup row of their own).
+pub fn floors_to_lower<'a>(what: &'a Forget, rows: &'a [Explained]) -> std::collections::BTreeMap<(&'a str, i32), i64> {
+    let mut lowest = lowest_per_partition(rows);
+    if let Forget::Positions { topic, partition, from, .. } = what {
+        let e = lowest.entry((topic.as_str(), *partition)).or_insert(*from);
+        *e = (*e).min(*from);
+    }
+    lowest
+}
+
 /// An [`Explained`] as the stores read it: `(business_key, applied_at, topic, partition, offset, fingerprint,
 /// duplicates, last_duplicate_at)`.
 pub type ExplainedRow = (String, String, String, i32, i64, String, i64, Option<String>);

@@ -172,12 +172,15 @@ fn command_lines(pages: &[(PathBuf, String)]) -> Vec<(PathBuf, String, Vec<Strin
             }
             let mut sub = (*sub).to_owned();
             let mut options_from = 1;
-            // dead-letters has subcommands of its own.
-            if sub == "dead-letters" {
-                if let Some(next) = words.get(1).filter(|w| ["list", "show", "replay"].contains(w)) {
-                    sub = format!("dead-letters {next}");
-                    options_from = 2;
-                }
+            // dead-letters and dedup have subcommands of their own.
+            let nested: &[&str] = match sub.as_str() {
+                "dead-letters" => &["list", "show", "replay"],
+                "dedup" => &["forget"],
+                _ => &[],
+            };
+            if let Some(next) = words.get(1).filter(|w| nested.contains(w)) {
+                sub = format!("{sub} {next}");
+                options_from = 2;
             }
             let options = words[options_from..]
                 .iter()
@@ -219,7 +222,7 @@ fn every_idemflow_command_in_the_readme_and_the_docs_is_one_the_binary_takes() {
     }
     assert!(wrong.is_empty(), "{}", wrong.join("\n"));
     // Every command the binary has is shown somewhere.
-    for sub in ["run", "check", "migrate", "explain", "dead-letters list", "rewind", "purge", "demo", "bench", "completions", "schema"] {
+    for sub in ["run", "check", "migrate", "explain", "dead-letters list", "dedup forget", "rewind", "purge", "demo", "bench", "completions", "schema"] {
         assert!(help.contains_key(sub), "no page shows `idemflow {sub}`");
     }
 }

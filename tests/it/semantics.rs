@@ -517,7 +517,7 @@ flags = "/flags"
 /// The table form (and the batch SQL form) whose one statement the whole batch makes run past `statement_timeout`
 /// (a trigger that takes 10 ms a row: 150 rows are 1.5 s against a 1 s timeout) is redone record by record, each
 /// statement timed on its own, instead of being retried as it is forever; a record whose side effect alone runs
-/// past the timeout in three attempts in a row is dead-lettered with the reason, and the rest applies. Issue:
+/// past the timeout in three attempts in a row, over 20 s at least, is dead-lettered with the reason, and the rest applies. Issue:
 /// exactly-once holes, item 3.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_table_form_batch_past_statement_timeout_is_redone_record_by_record() {
@@ -574,7 +574,8 @@ async fn table_form_past_statement_timeout(lc_messages: Option<&str>) {
     assert!(worker.stop().await.is_empty());
     assert_eq!(db.scalar::<i64>("SELECT count(*) FROM orders").await, 149);
     let err: String = db.scalar("SELECT min(error) FROM idemflow.dead_letters").await;
-    assert!(err.contains("57014") && err.contains("alone ran past the statement time limit, in 3 attempts in a row"), "{err}");
+    assert!(err.contains("57014") && err.contains("alone ran past the statement time limit, in "), "{err}");
+    assert!(err.contains("attempts in a row over at least 20s"), "{err}");
 }
 
 /// The error a new session of `db` gets for `sql` (simple protocol), as the worker describes it.

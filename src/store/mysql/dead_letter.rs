@@ -158,3 +158,27 @@ mod tests {
         assert_eq!(super::unhex(&crate::terminal::hex(&bytes)), bytes);
     }
 }
+
+/// The dead letters of `pipeline` stored at `positions` (see [`crate::store::postgres::dead_letter::at`]), in chunks
+/// of 500 positions a statement.
+///
+/// Errors: the database's.
+pub async fn at(conn: &mut MySqlConnection, pipeline: &str, positions: &[&crate::record::Position]) -> Result<Vec<(crate::record::Position, String, String)>, sqlx::Error> {
+    let mut out = Vec::new();
+    for chunk in positions.chunks(500) {
+        let sql = format!(
+            "SELECT CAST(topic AS CHAR), `partition`, `offset`, CAST(reason AS CHAR), CAST(error AS CHAR) FROM idemflow_dead_letters \
+             WHERE pipeline = ? AND (topic, `partition`, `offset`) IN ({})",
+            vec!["(?, ?, ?)"; chunk.len()].join(", ")
+        );
+        let mut q = sqlx::query_as::<_, (String, i32, i64, String, String)>(&sql).bind(pipeline);
+        for p in chunk {
+            q = q.bind(&*p.topic).bind(p.partition).bind(p.offset);
+        }
+        for (topic, partition, offset, reason, error) in q.fetch_all(&mut *conn).await? {
+            out.push((crate::record::Position { topic: topic.into(), partition, offset }, reason, error));
+        }
+    }
+    Ok(out)
+}
+

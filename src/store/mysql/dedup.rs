@@ -17,7 +17,7 @@
 use super::{chunks, marks, rows, ClaimForm};
 use crate::record::Position;
 use crate::key::BusinessKey;
-use crate::store::rows::{lowest_per_partition, Claim, Existing, Explained, Forget, KeyIds};
+use crate::store::rows::{floors_to_lower, Claim, Existing, Explained, Forget, KeyIds};
 use sha2::{Digest, Sha256};
 use sqlx::MySqlConnection;
 
@@ -191,7 +191,7 @@ pub async fn forget(pool: &sqlx::MySqlPool, pipeline: &str, what: &Forget, dry_r
         .collect::<Result<_, _>>()?;
     if !dry_run {
         bind(&format!("DELETE FROM idemflow_dedup WHERE {filter}"), pipeline, what, &ids).execute(&mut *tx).await?;
-        for ((topic, partition), lowest) in lowest_per_partition(&rows) {
+        for ((topic, partition), lowest) in floors_to_lower(what, &rows) {
             sqlx::query(
                 "UPDATE idemflow_processed SET resume_from = ? \
                  WHERE pipeline = ? AND topic = ? AND `partition` = ? AND COALESCE(resume_from, next_offset) > ?",

@@ -35,10 +35,16 @@ use std::sync::Arc;
 /// `_sqlx_migrations` and serialises concurrent runs with `GET_LOCK`.
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("migrations/mysql");
 
-/// The session settings run on every new connection (see the module documentation).
+/// The session settings run on every new connection (see the module documentation). On MariaDB (its executable
+/// comment `/*M! ... */`, which MySQL reads past) also `idle_transaction_timeout` (a transaction left idle by a
+/// vanished worker is ended, [`crate::store::spec::IDLE_IN_TRANSACTION_TIMEOUT`]) and `innodb_lock_wait_timeout`
+/// below `max_statement_time` when that is set (a lock wait then ends as error 1205, retried, and not as a statement
+/// past its time limit, which the sink takes for a record too slow: whole seconds, so not below 1).
 pub const SESSION: &str = "SET SESSION sql_mode = 'STRICT_ALL_TABLES,NO_ZERO_IN_DATE,NO_ZERO_DATE,ERROR_FOR_DIVISION_BY_ZERO,NO_ENGINE_SUBSTITUTION,PIPES_AS_CONCAT', \
      SESSION group_concat_max_len = 1048576, SESSION autocommit = 1, SESSION completion_type = 0 \
-     /*M!100300 , SESSION idle_transaction_timeout = 15 */; \
+     /*M!100300 , SESSION idle_transaction_timeout = 15, SESSION innodb_lock_wait_timeout = IF(@@max_statement_time > 0 \
+       AND @@innodb_lock_wait_timeout >= @@max_statement_time, GREATEST(1, FLOOR(@@max_statement_time * 0.9)), \
+       @@innodb_lock_wait_timeout) */; \
      SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED";
 
 /// How the claim learns which keys were new (see [`dedup`]).

@@ -125,28 +125,60 @@ pub async fn reset(pool: &MySqlPool, pipeline: &str, positions: &[(String, i32, 
     Ok(positions.len() as u64)
 }
 
-/// Raises the processed marks of the batch's partitions to `next` (never lowers them) and returns the marks as
-/// they were before: a locking read of the rows, then one upsert.
+/// Locks and reads the processed marks of the batch's partitions, `first` holding each one's first offset in the
+/// batch, first in the batch transaction: an upsert that creates a missing mark at the batch's first offset (no
+/// record of the batch is below it) and changes nothing else but takes the row's lock, then a read of the rows.
+/// [`raise_processed`] raises them last.
 ///
 /// Errors: the database's.
-pub async fn processed(conn: &mut MySqlConnection, pipeline: &str, next: &NextOffsets) -> sqlx::Result<Processed> {
-    if next.0.is_empty() {
+pub async fn processed(conn: &mut MySqlConnection, pipeline: &str, first: &NextOffsets) -> sqlx::Result<Processed> {
+    if first.0.is_empty() {
         return Ok(Processed::default());
     }
     let sql = format!(
+        "INSERT INTO idemflow_processed (pipeline, topic, `partition`, next_offset, resume_from) VALUES {} \
+         ON DUPLICATE KEY UPDATE next_offset = next_offset",
+        rows(&format!("({})", marks(5)), first.0.len())
+    );
+    let mut q = sqlx::query(&sql);
+    for ((t, p), o) in &first.0 {
+        q = q.bind(pipeline).bind(&**t).bind(p).bind(o).bind(o);
+    }
+    q.execute(&mut *conn).await?;
+    let sql = format!(
         "SELECT CAST(topic AS CHAR), `partition`, next_offset, COALESCE(resume_from, next_offset), \
-         CAST(ROUND(UNIX_TIMESTAMP(updated_at) * 1000) AS SIGNED) FROM idemflow_processed WHERE pipeline = ? AND {} FOR UPDATE",
-        partitions_in(next.0.len())
+         CAST(ROUND(UNIX_TIMESTAMP(updated_at) * 1000) AS SIGNED) FROM idemflow_processed WHERE pipeline = ? AND {}",
+        partitions_in(first.0.len())
     );
     let mut q = sqlx::query_as::<_, (String, i32, i64, i64, i64)>(&sql).bind(pipeline);
-    for (t, p) in next.0.keys() {
+    for (t, p) in first.0.keys() {
         q = q.bind(&**t).bind(p);
     }
-    let before = q.fetch_all(&mut *conn).await?;
+    let read = q.fetch_all(&mut *conn).await?;
+    let mut marks = HashMap::new();
+    for (topic, partition, next_offset, floor, raised_at_ms) in read {
+        if let Some(((t, _), _)) = first.0.iter().find(|((t, p), _)| **t == *topic && *p == partition) {
+            let mark = Mark { next: next_offset, floor: Some(floor), raised_at_ms: Some(raised_at_ms) };
+            marks.insert((t.clone(), partition), mark);
+        }
+    }
+    Ok(Processed(marks))
+}
+
+/// Raises the processed marks and floors of the batch's partitions to `next` (never lowers them), last before
+/// `COMMIT`; `updated_at` moves only when the mark rises. (Assignments run left to right, each seeing the columns as
+/// the ones before it left them: the floor and the time are computed from the mark before it is raised.)
+///
+/// Errors: the database's.
+pub async fn raise_processed(conn: &mut MySqlConnection, pipeline: &str, next: &NextOffsets) -> sqlx::Result<()> {
+    if next.0.is_empty() {
+        return Ok(());
+    }
     let sql = format!(
         "INSERT INTO idemflow_processed (pipeline, topic, `partition`, next_offset, resume_from) VALUES {} \
          ON DUPLICATE KEY UPDATE resume_from = GREATEST(COALESCE(resume_from, next_offset), VALUES(next_offset)), \
-         next_offset = GREATEST(next_offset, VALUES(next_offset)), updated_at = CURRENT_TIMESTAMP(6)",
+         updated_at = IF(VALUES(next_offset) > next_offset, GREATEST(updated_at, CURRENT_TIMESTAMP(6)), updated_at), \
+         next_offset = GREATEST(next_offset, VALUES(next_offset))",
         rows(&format!("({})", marks(5)), next.0.len())
     );
     let mut q = sqlx::query(&sql);
@@ -154,14 +186,7 @@ pub async fn processed(conn: &mut MySqlConnection, pipeline: &str, next: &NextOf
         q = q.bind(pipeline).bind(&**t).bind(p).bind(o).bind(o);
     }
     q.execute(&mut *conn).await?;
-    let mut marks = HashMap::new();
-    for (topic, partition, next_offset, floor, raised_at_ms) in before {
-        if let Some(((t, _), _)) = next.0.iter().find(|((t, p), _)| **t == *topic && *p == partition) {
-            let mark = Mark { next: next_offset, floor: Some(floor), raised_at_ms: Some(raised_at_ms) };
-            marks.insert((t.clone(), partition), mark);
-        }
-    }
-    Ok(Processed(marks))
+    Ok(())
 }
 
 /// Sets the processed marks and floors of `partitions` to `next` (their topic was created again: see

@@ -566,7 +566,7 @@ fn refused_statement(sql: &str, allow_procedures: bool) -> Option<String> {
             ));
         }
     }
-    if matches!(first, "INSERT" | "UPDATE" | "DELETE") && words.iter().take(4).any(|w| w == "IGNORE") {
+    if matches!(first, "INSERT" | "UPDATE" | "DELETE") && ignores(sql) {
         return Some(format!(
             "{first} IGNORE turns data errors into warnings (a 0, a truncated value, a zero date stored instead of the \
              record going to the dead letters): remove IGNORE; a conflict on a unique key is handled by the dedup row \
@@ -574,6 +574,62 @@ fn refused_statement(sql: &str, allow_procedures: bool) -> Option<String> {
         ));
     }
     None
+}
+
+/// Whether an `INSERT`, `UPDATE` or `DELETE` has the `IGNORE` modifier: among the words after the verb that the
+/// grammar allows before the table (`LOW_PRIORITY`, `DELAYED`, `HIGH_PRIORITY`, `QUICK`, `IGNORE`; MySQL Reference
+/// Manual, "INSERT Statement", "UPDATE Statement", "DELETE Statement"), with every comment and optimizer hint
+/// (`/*+ ... */`) anywhere in between read past.
+fn ignores(sql: &str) -> bool {
+    without_comments(sql)
+        .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+        .filter(|w| !w.is_empty())
+        .map(str::to_ascii_uppercase)
+        .skip(1)
+        // The first other word (INTO, the table) ends the modifiers: an IGNORE after it is a name.
+        .take_while(|w| matches!(w.as_str(), "IGNORE" | "LOW_PRIORITY" | "DELAYED" | "HIGH_PRIORITY" | "QUICK"))
+        .any(|w| w == "IGNORE")
+}
+
+/// `sql` with its comments taken out (`/* ... */` and optimizer hints, `-- ` and `#` to the end of the line), each
+/// replaced by a space; quoted strings and identifiers (`'...'`, `"..."`, `` `...` ``) kept as they are.
+fn without_comments(sql: &str) -> String {
+    let mut out = String::with_capacity(sql.len());
+    let mut chars = sql.char_indices().peekable();
+    while let Some((i, c)) = chars.next() {
+        match c {
+            '\'' | '"' | '`' => {
+                out.push(c);
+                for (_, d) in chars.by_ref() {
+                    out.push(d);
+                    if d == c {
+                        break;
+                    }
+                }
+            }
+            '/' if sql[i..].starts_with("/*") => {
+                let end = sql[i + 2..].find("*/").map_or(sql.len(), |e| i + 2 + e + 2);
+                while chars.peek().is_some_and(|(j, _)| *j < end) {
+                    chars.next();
+                }
+                out.push(' ');
+            }
+            '#' => {
+                while chars.peek().is_some_and(|(_, d)| *d != '\n') {
+                    chars.next();
+                }
+                out.push(' ');
+            }
+            '-' if sql[i..].starts_with("--") && sql[i + 2..].chars().next().is_none_or(|d| d.is_whitespace() || d.is_control()) => {
+                while chars.peek().is_some_and(|(_, d)| *d != '\n') {
+                    chars.next();
+                }
+                out.push(' ');
+            }
+            _ => out.push(c),
+        }
+    }
+    out
 }
 
 /// `sql` after its leading white space and comments (`-- ` to the end of the line, `#` likewise, `/* ... */`).
@@ -609,6 +665,13 @@ mod tests {
         let refused = |sql: &str| refused_statement(sql, false);
         assert!(refused("INSERT IGNORE INTO t VALUES (:a)").is_some());
         assert!(refused("update low_priority ignore t set a = :a").is_some());
+        // Comments and optimizer hints between the verb and IGNORE (issue 42, item 11).
+        assert!(refused("INSERT /*+ SET_VAR(sort_buffer_size = 16M) */ IGNORE INTO t VALUES (:a)").is_some());
+        assert!(refused("INSERT LOW_PRIORITY /* a */ -- b\n # c\n IGNORE INTO t VALUES (:a)").is_some());
+        assert!(refused("DELETE /* x y z w */ QUICK IGNORE FROM t WHERE a = :a").is_some());
+        assert!(refused("INSERT INTO t (ignore_me) VALUES (:a)").is_none());
+        assert!(refused("UPDATE t SET note = '/* IGNORE */' WHERE a = :a").is_none());
+        assert!(refused("INSERT INTO `ignore` VALUES (:a)").is_none(), "a table named ignore comes after INTO");
         assert!(refused("CREATE TEMPORARY TABLE x (a int)").is_some());
         assert!(refused("COMMIT").is_some());
         assert!(refused("INSERT INTO ignore_list VALUES (:a)").is_none());

@@ -78,3 +78,29 @@ pub async fn get(conn: &mut PgConnection, id: i64) -> Result<Option<Stored>, sql
     sqlx::query_as(&format!("{SELECT} WHERE id = $1")).bind(id).persistent(super::persistent()).fetch_optional(&mut *conn).await
 }
 
+/// The dead letters of `pipeline` stored at `positions` (records consumed again below the processed floor: their
+/// dead letters are published again where the pipeline has a dead-letter topic), as `(position, reason, error)`.
+///
+/// Errors: the database's.
+pub async fn at(conn: &mut PgConnection, pipeline: &str, positions: &[&crate::record::Position]) -> Result<Vec<(crate::record::Position, String, String)>, sqlx::Error> {
+    let topics: Vec<&str> = positions.iter().map(|p| &*p.topic).collect();
+    let partitions: Vec<i32> = positions.iter().map(|p| p.partition).collect();
+    let offsets: Vec<i64> = positions.iter().map(|p| p.offset).collect();
+    let rows: Vec<(String, i32, i64, String, String)> = sqlx::query_as(
+        r#"SELECT d.topic, d.partition, d."offset", d.reason, d.error FROM idemflow.dead_letters d
+           JOIN unnest($2::text[], $3::int4[], $4::int8[]) AS u(topic, partition, "offset")
+             ON d.pipeline = $1 AND d.topic = u.topic AND d.partition = u.partition AND d."offset" = u."offset""#,
+    )
+    .bind(pipeline)
+    .bind(&topics)
+    .bind(&partitions)
+    .bind(&offsets)
+    .persistent(super::persistent())
+    .fetch_all(&mut *conn)
+    .await?;
+    Ok(rows
+        .into_iter()
+        .map(|(topic, partition, offset, reason, error)| (crate::record::Position { topic: topic.into(), partition, offset }, reason, error))
+        .collect())
+}
+

@@ -6,7 +6,7 @@
 
 use crate::record::Position;
 use crate::key::BusinessKey;
-use crate::store::rows::{lowest_per_partition, Claim, Existing, Explained, Forget, KeyIds};
+use crate::store::rows::{floors_to_lower, Claim, Existing, Explained, Forget, KeyIds};
 use sqlx::PgConnection;
 
 const CLAIM: &str = r#"
@@ -146,7 +146,7 @@ pub async fn forget(pool: &sqlx::PgPool, pipeline: &str, what: &Forget, dry_run:
     };
     let rows: Vec<Explained> = rows.into_iter().map(Explained::from).collect();
     if !dry_run {
-        for ((topic, partition), lowest) in lowest_per_partition(&rows) {
+        for ((topic, partition), lowest) in floors_to_lower(what, &rows) {
             sqlx::query(
                 "UPDATE idemflow.processed SET resume_from = $4 \
                  WHERE pipeline = $1 AND topic = $2 AND partition = $3 AND coalesce(resume_from, next_offset) > $4",

@@ -116,41 +116,49 @@ ON CONFLICT (pipeline, topic, partition) DO UPDATE SET next_offset = excluded.ne
     Ok(done.rows_affected())
 }
 
+/// Locks the processed marks of the batch's partitions for the transaction and reads them (creating, for a
+/// partition without one, a mark at the batch's first offset there, which no record of the batch is below). `ON
+/// CONFLICT DO UPDATE` waits for a transaction still holding the row and returns its newest version.
 const PROCESSED: &str = r#"
-WITH batch AS (
-    SELECT * FROM unnest($2::text[], $3::int4[], $4::int8[]) AS u(topic, partition, next_offset)
-), before AS (
-    SELECT p.topic, p.partition, p.next_offset, coalesce(p.resume_from, p.next_offset) AS floor,
-           (extract(epoch FROM p.updated_at) * 1000)::int8 AS raised_at_ms
-    FROM idemflow.processed p
-    JOIN batch b ON p.pipeline = $1 AND p.topic = b.topic AND p.partition = b.partition
-), raised AS (
-    INSERT INTO idemflow.processed AS p (pipeline, topic, partition, next_offset, resume_from)
-    SELECT $1, topic, partition, next_offset, next_offset FROM batch ORDER BY topic, partition
-    ON CONFLICT (pipeline, topic, partition) DO UPDATE
-    SET next_offset = greatest(p.next_offset, EXCLUDED.next_offset),
-        resume_from = greatest(coalesce(p.resume_from, p.next_offset), EXCLUDED.next_offset),
-        updated_at = now()
-)
-SELECT topic, partition, next_offset, floor, raised_at_ms FROM before"#;
+INSERT INTO idemflow.processed AS p (pipeline, topic, partition, next_offset, resume_from)
+SELECT $1, topic, partition, first_offset, first_offset
+FROM unnest($2::text[], $3::int4[], $4::int8[]) AS u(topic, partition, first_offset) ORDER BY topic, partition
+ON CONFLICT (pipeline, topic, partition) DO UPDATE SET next_offset = p.next_offset
+RETURNING topic, partition, next_offset, coalesce(resume_from, next_offset), (extract(epoch FROM updated_at) * 1000)::int8"#;
 
-/// Raises the processed marks of the batch's partitions to `next` (never lowers them) and returns the marks as
-/// they were before, in one statement inside the batch transaction (a data-modifying CTE's sibling reads the
-/// snapshot from before the update: PostgreSQL docs, "Data-Modifying Statements in WITH").
-///
-/// Errors: the database's.
-pub async fn processed(conn: &mut PgConnection, pipeline: &str, next: &NextOffsets) -> sqlx::Result<Processed> {
-    if next.0.is_empty() {
-        return Ok(Processed::default());
-    }
-    let mut topics = Vec::with_capacity(next.0.len());
-    let mut partitions = Vec::with_capacity(next.0.len());
-    let mut offsets = Vec::with_capacity(next.0.len());
-    for ((t, p), o) in &next.0 {
+/// Raises the processed marks and floors of the batch's partitions to `next` (never lowers them), last before
+/// `COMMIT`: a side effect that ended the transaction itself (a procedure's `COMMIT`) never leaves records it did not
+/// apply below a committed floor. `updated_at` moves only when the mark rises (it dates the records processed).
+const RAISE_PROCESSED: &str = r#"
+INSERT INTO idemflow.processed AS p (pipeline, topic, partition, next_offset, resume_from)
+SELECT $1, topic, partition, next_offset, next_offset
+FROM unnest($2::text[], $3::int4[], $4::int8[]) AS u(topic, partition, next_offset) ORDER BY topic, partition
+ON CONFLICT (pipeline, topic, partition) DO UPDATE
+SET next_offset = greatest(p.next_offset, EXCLUDED.next_offset),
+    resume_from = greatest(coalesce(p.resume_from, p.next_offset), EXCLUDED.next_offset),
+    updated_at = CASE WHEN EXCLUDED.next_offset > p.next_offset THEN greatest(p.updated_at, now()) ELSE p.updated_at END"#;
+
+fn columns(offsets: &NextOffsets) -> (Vec<&str>, Vec<i32>, Vec<i64>) {
+    let mut topics = Vec::with_capacity(offsets.0.len());
+    let mut partitions = Vec::with_capacity(offsets.0.len());
+    let mut values = Vec::with_capacity(offsets.0.len());
+    for ((t, p), o) in &offsets.0 {
         topics.push(&**t);
         partitions.push(*p);
-        offsets.push(*o);
+        values.push(*o);
     }
+    (topics, partitions, values)
+}
+
+/// Locks and reads the processed marks of the batch's partitions, `first` holding each one's first offset in the
+/// batch, first in the batch transaction ([`PROCESSED`]); [`raise_processed`] raises them last.
+///
+/// Errors: the database's.
+pub async fn processed(conn: &mut PgConnection, pipeline: &str, first: &NextOffsets) -> sqlx::Result<Processed> {
+    if first.0.is_empty() {
+        return Ok(Processed::default());
+    }
+    let (topics, partitions, offsets) = columns(first);
     let rows: Vec<(String, i32, i64, i64, i64)> = sqlx::query_as(PROCESSED)
         .bind(pipeline)
         .bind(&topics)
@@ -161,12 +169,31 @@ pub async fn processed(conn: &mut PgConnection, pipeline: &str, next: &NextOffse
         .await?;
     let mut marks = std::collections::HashMap::new();
     for (topic, partition, next_offset, floor, raised_at_ms) in rows {
-        if let Some(((t, _), _)) = next.0.iter().find(|((t, p), _)| **t == *topic && *p == partition) {
+        if let Some(((t, _), _)) = first.0.iter().find(|((t, p), _)| **t == *topic && *p == partition) {
             let mark = Mark { next: next_offset, floor: Some(floor), raised_at_ms: Some(raised_at_ms) };
             marks.insert((t.clone(), partition), mark);
         }
     }
     Ok(Processed(marks))
+}
+
+/// Raises the processed marks of the batch's partitions to `next`, last before `COMMIT` ([`RAISE_PROCESSED`]).
+///
+/// Errors: the database's.
+pub async fn raise_processed(conn: &mut PgConnection, pipeline: &str, next: &NextOffsets) -> sqlx::Result<()> {
+    if next.0.is_empty() {
+        return Ok(());
+    }
+    let (topics, partitions, offsets) = columns(next);
+    sqlx::query(RAISE_PROCESSED)
+        .bind(pipeline)
+        .bind(&topics)
+        .bind(&partitions)
+        .bind(&offsets)
+        .persistent(super::persistent())
+        .execute(&mut *conn)
+        .await?;
+    Ok(())
 }
 
 /// Sets the processed marks and floors of `partitions` to `next` (their topic was created again: the marks were of
