@@ -509,3 +509,39 @@ fn occurrence(record: &Record, prepared: &Prepared) -> Existing {
     };
     Existing { position: record.position.clone(), fingerprint }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::offsets::Mark;
+    use crate::record::Position;
+
+    fn at(partition: i32, offset: i64, ts: i64) -> Record {
+        Record {
+            position: Position { topic: "t".into(), partition, offset },
+            timestamp_ms: Some(ts),
+            key: None,
+            headers: vec![],
+            payload: None,
+            oversized: None,
+            properties: Vec::new(),
+            delivered_before: None,
+            receipt: crate::record::Receipt::NONE,
+        }
+    }
+
+    /// A partition is taken for created again only when every record of the batch below its floor is newer than
+    /// its mark; one older record among them (a group starting over, a record stamped ahead) leaves the marks, and
+    /// every record below the floor, the newer ones too, is skipped.
+    #[test]
+    fn a_topic_is_created_again_only_when_every_record_below_the_floor_is_newer() {
+        let mark = Mark { next: 100, floor: Some(100), raised_at_ms: Some(1_000) };
+        let processed = Processed([(("t".into(), 0), mark), (("t".into(), 1), mark)].into_iter().collect());
+        let batch = [at(0, 0, 2_000), at(0, 1, 2_001), at(1, 0, 500), at(1, 1, 9_000), at(1, 100, 9_001)];
+        assert_eq!(recreated(&batch, &processed), vec![("t".into(), 0)]);
+        assert_eq!(below_floor(&batch[2..], &processed), vec![true, true, false], "the newer record below the floor is skipped too");
+        let later_old = [at(0, 0, 2_000), at(0, 1, 900)];
+        assert!(recreated(&later_old, &processed).is_empty(), "an older record after a newer one");
+        assert!(below_floor(&[at(0, 100, 1)], &processed).is_empty(), "nothing below: no allocation");
+    }
+}

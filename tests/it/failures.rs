@@ -594,6 +594,33 @@ async fn dead_letters_are_produced_to_the_dead_letter_topic() {
     assert_eq!(got[1].1["idemflow.reason"], "side_effect_rejected");
     assert!(got[1].1["idemflow.error"].contains("SQLSTATE 23503"), "{:?}", got[1].1);
     assert_eq!(kafka.committed("idemflow-payments", "payments", 1), vec![3]);
+
+    // The records consumed again from below the processed floor (here the group's offset set back, as after a crash
+    // before the dead letters' publish was confirmed): the applied one is skipped, and both dead letters, the one the
+    // side effect's error made included, are produced to the topic again (at least once), not counted again.
+    kafka.set_committed("idemflow-payments", "payments", 0, 0);
+    let w = InProc::start(&setup).await;
+    w.wait_received("payments", 3).await;
+    let redelivered = w.metric("idemflow_duplicates_skipped_total", &[("pipeline", "payments"), ("reason", "redelivered")]);
+    let dead: f64 = ["decode_failed", "side_effect_rejected"]
+        .iter()
+        .map(|r| w.metric("idemflow_dead_letters_total", &[("pipeline", "payments"), ("reason", r)]))
+        .sum();
+    assert!(w.stop().await.is_empty());
+    assert_eq!((redelivered, dead), (3.0, 0.0));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while got.len() < 4 && Instant::now() < deadline {
+        if let Some(Ok(m)) = c.poll(Duration::from_millis(200)) {
+            let headers = m
+                .headers()
+                .map(|h| h.iter().map(|h| (h.key.to_owned(), String::from_utf8_lossy(h.value.unwrap_or_default()).into_owned())).collect())
+                .unwrap_or_default();
+            got.push((m.payload().map(<[u8]>::to_vec), headers));
+        }
+    }
+    let reasons: Vec<&str> = got[2..].iter().map(|(_, h)| h["idemflow.reason"].as_str()).collect();
+    assert_eq!(reasons, ["decode_failed", "side_effect_rejected"], "both dead letters produced again");
+    assert_eq!(db.scalar::<i64>("SELECT count(*) FROM idemflow.dead_letters").await, 2, "stored once each");
 }
 
 /// A rebalance while a batch is in its transaction that takes the partition away and gives it straight back (the

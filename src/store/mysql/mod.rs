@@ -42,9 +42,9 @@ pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("migrations/mysql"
 /// past its time limit, which the sink takes for a record too slow: whole seconds, so not below 1).
 pub const SESSION: &str = "SET SESSION sql_mode = 'STRICT_ALL_TABLES,NO_ZERO_IN_DATE,NO_ZERO_DATE,ERROR_FOR_DIVISION_BY_ZERO,NO_ENGINE_SUBSTITUTION,PIPES_AS_CONCAT', \
      SESSION group_concat_max_len = 1048576, SESSION autocommit = 1, SESSION completion_type = 0 \
-     /*M!100300 , SESSION idle_transaction_timeout = 15, SESSION innodb_lock_wait_timeout = IF(@@max_statement_time > 0 \
+     /*M!100300 , SESSION idle_transaction_timeout = 15, SESSION innodb_lock_wait_timeout = CAST(IF(@@max_statement_time > 0 \
        AND @@innodb_lock_wait_timeout >= @@max_statement_time, GREATEST(1, FLOOR(@@max_statement_time * 0.9)), \
-       @@innodb_lock_wait_timeout) */; \
+       @@innodb_lock_wait_timeout) AS UNSIGNED) */; \
      SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED";
 
 /// How the claim learns which keys were new (see [`dedup`]).
@@ -326,5 +326,12 @@ mod tests {
         assert_eq!(c.iter().map(|c| c.len()).sum::<usize>(), 30_000);
         let big = vec![3 << 20; 3];
         assert_eq!(chunks(&big, 1, |b| *b).len(), 3);
+    }
+
+    /// MariaDB's idle-transaction bound is the one the docs give for every store.
+    #[test]
+    fn the_session_bounds_an_idle_transaction_as_documented() {
+        let secs = crate::store::spec::IDLE_IN_TRANSACTION_TIMEOUT.as_secs();
+        assert!(SESSION.contains(&format!("SESSION idle_transaction_timeout = {secs},")), "{SESSION}");
     }
 }
