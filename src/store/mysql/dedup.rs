@@ -192,17 +192,7 @@ pub async fn forget(pool: &sqlx::MySqlPool, pipeline: &str, what: &Forget, dry_r
     if !dry_run {
         bind(&format!("DELETE FROM idemflow_dedup WHERE {filter}"), pipeline, what, &ids).execute(&mut *tx).await?;
         for ((topic, partition), lowest) in floors_to_lower(what, &rows) {
-            sqlx::query(
-                "UPDATE idemflow_processed SET resume_from = ? \
-                 WHERE pipeline = ? AND topic = ? AND `partition` = ? AND COALESCE(resume_from, next_offset) > ?",
-            )
-            .bind(lowest)
-            .bind(pipeline)
-            .bind(topic)
-            .bind(partition)
-            .bind(lowest)
-            .execute(&mut *tx)
-            .await?;
+            super::offsets::lower_floor(&mut tx, pipeline, topic, partition, lowest).await?;
         }
     }
     tx.commit().await?;

@@ -218,21 +218,28 @@ pub async fn lower_floors(pool: &MySqlPool, pipeline: &str, partitions: &[(Strin
     let mut tx = pool.begin().await?;
     let mut changed = 0;
     for (topic, partition, to) in partitions {
-        changed += sqlx::query(
-            "UPDATE idemflow_processed SET resume_from = ? \
-             WHERE pipeline = ? AND topic = ? AND `partition` = ? AND COALESCE(resume_from, next_offset) > ?",
-        )
-        .bind(to)
-        .bind(pipeline)
-        .bind(topic)
-        .bind(partition)
-        .bind(to)
-        .execute(&mut *tx)
-        .await?
-        .rows_affected();
+        changed += lower_floor(&mut tx, pipeline, topic, *partition, *to).await?;
     }
     tx.commit().await?;
     Ok(changed)
+}
+
+/// Lowers one partition's floor to `to` (never raises it; nothing without a mark). Returns the rows changed (0 or 1).
+///
+/// Errors: the database's.
+pub async fn lower_floor(conn: &mut MySqlConnection, pipeline: &str, topic: &str, partition: i32, to: i64) -> sqlx::Result<u64> {
+    let done = sqlx::query(
+        "UPDATE idemflow_processed SET resume_from = ? \
+         WHERE pipeline = ? AND topic = ? AND `partition` = ? AND COALESCE(resume_from, next_offset) > ?",
+    )
+    .bind(to)
+    .bind(pipeline)
+    .bind(topic)
+    .bind(partition)
+    .bind(to)
+    .execute(&mut *conn)
+    .await?;
+    Ok(done.rows_affected())
 }
 
 /// Records `attempt` as the lane `owner`'s latest batch attempt of `pipeline`, first in the batch transaction, and

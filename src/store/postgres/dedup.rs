@@ -147,17 +147,7 @@ pub async fn forget(pool: &sqlx::PgPool, pipeline: &str, what: &Forget, dry_run:
     let rows: Vec<Explained> = rows.into_iter().map(Explained::from).collect();
     if !dry_run {
         for ((topic, partition), lowest) in floors_to_lower(what, &rows) {
-            sqlx::query(
-                "UPDATE idemflow.processed SET resume_from = $4 \
-                 WHERE pipeline = $1 AND topic = $2 AND partition = $3 AND coalesce(resume_from, next_offset) > $4",
-            )
-            .bind(pipeline)
-            .bind(topic)
-            .bind(partition)
-            .bind(lowest)
-            .persistent(super::persistent())
-            .execute(&mut *tx)
-            .await?;
+            super::offsets::lower_floor(&mut tx, pipeline, topic, partition, lowest).await?;
         }
     }
     tx.commit().await?;

@@ -226,21 +226,28 @@ pub async fn lower_floors(pool: &PgPool, pipeline: &str, partitions: &[(String, 
     let mut tx = pool.begin().await?;
     let mut changed = 0;
     for (topic, partition, to) in partitions {
-        changed += sqlx::query(
-            "UPDATE idemflow.processed SET resume_from = $4 \
-             WHERE pipeline = $1 AND topic = $2 AND partition = $3 AND coalesce(resume_from, next_offset) > $4",
-        )
-        .bind(pipeline)
-        .bind(topic)
-        .bind(partition)
-        .bind(to)
-        .persistent(super::persistent())
-        .execute(&mut *tx)
-        .await?
-        .rows_affected();
+        changed += lower_floor(&mut tx, pipeline, topic, *partition, *to).await?;
     }
     tx.commit().await?;
     Ok(changed)
+}
+
+/// Lowers one partition's floor to `to` (never raises it; nothing without a mark). Returns the rows changed (0 or 1).
+///
+/// Errors: the database's.
+pub async fn lower_floor(conn: &mut PgConnection, pipeline: &str, topic: &str, partition: i32, to: i64) -> sqlx::Result<u64> {
+    let done = sqlx::query(
+        "UPDATE idemflow.processed SET resume_from = $4 \
+         WHERE pipeline = $1 AND topic = $2 AND partition = $3 AND coalesce(resume_from, next_offset) > $4",
+    )
+    .bind(pipeline)
+    .bind(topic)
+    .bind(partition)
+    .bind(to)
+    .persistent(super::persistent())
+    .execute(&mut *conn)
+    .await?;
+    Ok(done.rows_affected())
 }
 
 /// Records `attempt` as the lane `owner`'s latest batch attempt of `pipeline`, first in the batch transaction, and
