@@ -40,8 +40,12 @@ pub struct Sink {
     /// The records whose side effect alone ran past the statement time limit in the last attempts of their batch,
     /// with how many attempts in a row it did ([`SOLO_TIME_LIMIT_ATTEMPTS`]). Shared by the clones of the sink that
     /// run one lane's attempts; an entry goes when its batch commits.
-    pub(super) solo_time_limits: std::sync::Arc<std::sync::Mutex<HashMap<(Receipt, Position), (u32, std::time::Instant)>>>,
+    pub(super) solo_time_limits: std::sync::Arc<std::sync::Mutex<SoloTimeLimits>>,
 }
+
+/// Per record (its receipt and position), the consecutive attempts in which its side effect alone ran past the
+/// statement time limit, and when the first of them did.
+type SoloTimeLimits = HashMap<(Receipt, Position), (u32, std::time::Instant)>;
 
 /// In how many consecutive attempts of its batch, and over how long at least ([`SOLO_TIME_LIMIT_SPAN`]), a record's
 /// side effect must run past the server's statement time limit on its own before the record is dead-lettered as the

@@ -150,15 +150,6 @@ pub async fn get(conn: &mut MySqlConnection, id: i64) -> Result<Option<Stored>, 
     row.map(stored).transpose()
 }
 
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn hex_round_trip() {
-        let bytes = vec![0u8, 1, 0xab, 0xff];
-        assert_eq!(super::unhex(&crate::terminal::hex(&bytes)), bytes);
-    }
-}
-
 /// The dead letters of `pipeline` stored at `positions` (see [`crate::store::postgres::dead_letter::at`]), in chunks
 /// of 500 positions a statement.
 ///
@@ -182,3 +173,11 @@ pub async fn at(conn: &mut MySqlConnection, pipeline: &str, positions: &[&crate:
     Ok(out)
 }
 
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn hex_round_trip() {
+        let bytes = vec![0u8, 1, 0xab, 0xff];
+        assert_eq!(super::unhex(&crate::terminal::hex(&bytes)), bytes);
+    }
+}
