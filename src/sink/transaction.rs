@@ -2,14 +2,15 @@
 //!
 //! Fast path, one transaction:
 //! 0. start the side effect ([`Tx::begin_side_effect`]: settings, locks, and a check that the schema is still the one
-//!    its statements were built for, else [`SinkError::SchemaChanged`]); with `[offsets] store = "database"`,
-//!    store the batch's positions, fenced by the owner epoch ([`Tx::advance_offsets`]); raise the processed
-//!    marks and read them as they were ([`Tx::processed`]): a record below its partition's mark is a
-//!    redelivery, whatever its key's dedup row says;
+//!    its statements were built for, else [`SinkError::SchemaChanged`]); record the attempt ([`Tx::mark_attempt`]:
+//!    an earlier attempt of this batch found committed ends it here); with `[offsets] store = "database"`, store
+//!    the batch's positions, fenced by the owner epoch ([`Tx::advance_offsets`]); lock and read the processed
+//!    marks ([`Tx::processed`]): a record below its partition's mark is a redelivery, whatever its key's dedup
+//!    row says, and one below its floor is neither claimed nor applied;
 //! 1. claim the distinct keys of the batch in one statement;
 //! 2. read the dedup rows of keys that were not new (only when there are some) and classify those duplicates;
 //! 3. run the side effect for the new keys (one statement in the table form);
-//! 4. write the dead letters; 5. `COMMIT`.
+//! 4. write the dead letters; raise the processed marks ([`Tx::raise_processed`]); 5. `COMMIT`.
 //!
 //! If the side effect raises an error that belongs to one record (see [`super::error`]), the transaction is
 //! rolled back and the batch is redone record by record in a new one, each record inside a savepoint, so the
@@ -30,6 +31,8 @@ use crate::prepare::{Apply, Prepared};
 use crate::key::BusinessKey;
 use crate::record::Record;
 use super::{Attempt, BatchOutcome, Earlier, Fate, Sink};
+use crate::store::{SqlSideEffect, Tx};
+use crate::store::rows::{DigestMap, Digests};
 
 /// A batch transaction just begun ([`Sink::begin_replaying`]).
 enum Begun<'a, 'e> {
@@ -38,8 +41,6 @@ enum Begun<'a, 'e> {
     /// Rolled back: this earlier attempt of the batch is found committed.
     Committed(&'e Earlier),
 }
-use crate::store::{SqlSideEffect, Tx};
-use crate::store::rows::{DigestMap, Digests};
 
 impl Sink {
     /// Opens the batch transaction; returns it with the processed marks as they were before this batch (none
