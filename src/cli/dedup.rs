@@ -25,7 +25,7 @@ pub struct ForgetArgs {
     #[arg(long)]
     pipeline: String,
     /// A business key's canonical text (a composite key as its JSON array, e.g. '["o-1","3"]'); repeat for more.
-    #[arg(long, conflicts_with_all = ["topic", "partition", "offsets"], required_unless_present = "offsets")]
+    #[arg(long, conflicts_with_all = ["topic", "partition", "offsets"])]
     key: Vec<String>,
     /// With `--partition` and `--offsets`: the keys applied from this topic's records.
     #[arg(long, requires_all = ["partition", "offsets"])]
@@ -65,32 +65,48 @@ pub async fn run(command: DedupCommand) -> anyhow::Result<()> {
     let store = open_store(&settings, &a.config, p.sink.store()).await?;
     let what = match (&a.topic, a.partition, a.offsets) {
         (Some(topic), Some(partition), Some((from, to))) => Forget::Positions { topic: topic.clone(), partition, from, to },
+        _ if a.key.is_empty() => anyhow::bail!(
+            "name what to forget: business keys with --key K (repeated for more), or the keys applied from a range of one \
+             partition's records with --topic T --partition N --offsets FROM-TO"
+        ),
         _ => Forget::Keys(a.key.iter().map(|k| idemflow::key::BusinessKey::new(p.key.canonical_text(k))).collect()),
     };
-    let rows = store.forget(&p.name, &what, a.dry_run).await?;
+    if let Forget::Positions { topic, .. } = &what {
+        // A RocketMQ queue's topic is `<topic>/<broker>` in its positions.
+        if !p.source.streams().iter().any(|s| topic == s || topic.strip_prefix(s.as_str()).is_some_and(|rest| rest.starts_with('/'))) {
+            println!("warning: pipeline {:?} does not consume {topic:?} (it consumes {:?})", p.name, p.source.streams());
+        }
+    }
+    let done = store.forget(&p.name, &what, a.dry_run).await?;
     let verb = if a.dry_run { "would forget" } else { "forgot" };
-    println!("pipeline {:?}: {verb} {} dedup row(s)", p.name, rows.len());
-    for r in &rows {
+    println!("pipeline {:?}: {verb} {} dedup row(s)", p.name, done.rows.len());
+    for r in &done.rows {
         let position = idemflow::record::Position { topic: r.topic.as_str().into(), partition: r.partition, offset: r.offset };
         println!("  {:?} applied at {} from {position}", r.business_key, r.applied_at);
     }
     if let Forget::Keys(keys) = &what {
-        for k in keys.iter().filter(|k| !rows.iter().any(|r| r.business_key == k.text)) {
+        for k in keys.iter().filter(|k| !done.rows.iter().any(|r| r.business_key == k.text)) {
             println!("  {:?}: not in the dedup store (nothing to forget)", k.text);
         }
     }
+    let lowers = if a.dry_run { "would be lowered" } else { "lowered" };
+    for (topic, partition, from, to) in &done.floors {
+        println!(
+            "  {topic}/{partition}: processed floor {lowers} from {from} to {to}: its records from offset {to} on are \
+             consumed again without being skipped, and applied where their key has no dedup row"
+        );
+    }
     if a.dry_run {
+        if !done.running.is_empty() {
+            let lanes: Vec<String> = done.running.iter().map(|(lane, at)| format!("{lane} at {at}")).collect();
+            println!("a real run would be refused: a worker of the pipeline ran a batch within the last minute ({})", lanes.join(", "));
+        }
         println!("dry run: nothing changed");
-    } else {
-        for ((topic, partition), lowest) in idemflow::store::rows::floors_to_lower(&what, &rows) {
-            println!("  {topic}/{partition}: records from offset {lowest} on are consumed again and applied where their key is forgotten");
-        }
-        if !rows.is_empty() {
-            println!(
-                "their records are applied again when they come back: start the pipeline (its consumer resumes from its \
-                 committed position; `idemflow rewind` if that is past them)"
-            );
-        }
+    } else if !done.rows.is_empty() {
+        println!(
+            "their records are applied again when they come back: start the pipeline (its consumer resumes from its \
+             committed position; `idemflow rewind` if that is past them)"
+        );
     }
     Ok(())
 }

@@ -46,8 +46,8 @@ pub async fn run(a: ExplainArgs) -> anyhow::Result<()> {
             }
         }
         None => println!(
-            "  not in the dedup store: never applied, dead-lettered (see `idemflow dead-letters list`), or purged after \
-             [dedup] retention = {}",
+            "  not in the dedup store: never applied, dead-lettered (see `idemflow dead-letters list`), forgotten \
+             (`idemflow dedup forget`), or purged after [dedup] retention = {}",
             humantime::format_duration(p.dedup.retention)
         ),
     }

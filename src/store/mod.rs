@@ -275,7 +275,7 @@ impl Store {
     ///
     /// Errors: the database's; [`StoreError::Refused`] for Redis (its dedup keys are `SET NX PX` keys: delete them with
     /// `DEL`) and while a worker runs.
-    pub async fn forget(&self, pipeline: &str, what: &rows::Forget, dry_run: bool) -> Result<Vec<Explained>, StoreError> {
+    pub async fn forget(&self, pipeline: &str, what: &rows::Forget, dry_run: bool) -> Result<rows::Forgotten, StoreError> {
         let running = match self {
             Store::Postgres(pool) => postgres::dedup::recent_attempts(pool, pipeline, FORGET_REFUSED_WITHIN).await?,
             #[cfg(feature = "mysql")]
@@ -289,20 +289,26 @@ impl Store {
                 ))
             }
         };
-        if running > 0 && !dry_run {
+        if !running.is_empty() && !dry_run {
+            let lanes: Vec<String> = running.iter().map(|(lane, at)| format!("{lane} at {at}")).collect();
             return Err(StoreError::Refused(format!(
-                "{running} worker lane(s) of pipeline {pipeline:?} ran a batch within the last {}s: stop every worker of the \
-                 pipeline first (a batch in flight would raise the floor again, and a forgotten key could be claimed meanwhile)",
+                "a worker of pipeline {pipeline:?} ran a batch within the last {}s (each lane of a running worker records \
+                 its batches in the attempts table: {}): stop every worker of the pipeline, wait {}s, and run this again \
+                 (a batch in flight would raise the floor again, and a forgotten key could be claimed meanwhile)",
+                FORGET_REFUSED_WITHIN.as_secs(),
+                lanes.join(", "),
                 FORGET_REFUSED_WITHIN.as_secs()
             )));
         }
-        Ok(match self {
+        let mut forgotten = match self {
             Store::Postgres(pool) => postgres::dedup::forget(pool, pipeline, what, dry_run).await?,
             #[cfg(feature = "mysql")]
             Store::MySql(s) => mysql::dedup::forget(&s.pool, pipeline, what, dry_run).await?,
             #[cfg(feature = "redis")]
             Store::Redis(_) => unreachable!("refused above"),
-        })
+        };
+        forgotten.running = running;
+        Ok(forgotten)
     }
 
     /// Lowers the floors of `pipeline`'s processed marks to where `idemflow rewind` moves its consumer group

@@ -111,6 +111,19 @@ pub enum Forget {
     },
 }
 
+/// What `idemflow dedup forget` did, or with `--dry-run` would do.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Forgotten {
+    /// The dedup rows deleted (or that would be), as they were.
+    pub rows: Vec<Explained>,
+    /// The processed floors lowered (or that would be): `(topic, partition, from, to)`; a floor already at or below
+    /// where it would go is not listed.
+    pub floors: Vec<(String, i32, i64, i64)>,
+    /// The worker lanes of the pipeline that ran a batch recently (`(lane, when)`): a real run is refused while
+    /// there are any.
+    pub running: Vec<(String, String)>,
+}
+
 /// The lowest offset of `rows` on each of their partitions.
 pub fn lowest_per_partition(rows: &[Explained]) -> std::collections::BTreeMap<(&str, i32), i64> {
     let mut lowest = std::collections::BTreeMap::new();

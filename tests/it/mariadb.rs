@@ -1130,9 +1130,10 @@ async fn a_procedure_that_commits_then_a_lock_wait_timeout_stops_the_pipeline() 
         idemflow(&args, setup.dir.path())
     };
     let (status, out, err) = forget(&[]);
-    assert!(!status.success() && err.contains("ran a batch within the last 60s: stop every worker"), "refused just after a batch: {out}{err}");
+    assert!(!status.success() && err.contains("ran a batch within the last 60s") && err.contains("stop every worker"), "refused just after a batch: {out}{err}");
     let (status, out, err) = forget(&["--dry-run"]);
     assert!(status.success() && out.contains("would forget 50 dedup row(s)") && out.contains("dry run: nothing changed"), "{out}{err}");
+    assert!(out.contains("a real run would be refused"), "the dry run says what the real one would do: {out}");
     // A minute later (the lane's attempt row aged by hand), the same command goes ahead.
     db.exec("UPDATE idemflow_attempts SET updated_at = NOW(6) - INTERVAL 2 MINUTE").await;
     let (status, out, err) = forget(&[]);

@@ -17,7 +17,7 @@
 use super::{chunks, marks, rows, ClaimForm};
 use crate::record::Position;
 use crate::key::BusinessKey;
-use crate::store::rows::{floors_to_lower, Claim, Existing, Explained, Forget, KeyIds};
+use crate::store::rows::{floors_to_lower, Claim, Existing, Explained, Forget, Forgotten, KeyIds};
 use sha2::{Digest, Sha256};
 use sqlx::MySqlConnection;
 
@@ -156,7 +156,7 @@ pub async fn explain(conn: &mut MySqlConnection, pipeline: &str, key: &BusinessK
 /// transaction (see [`crate::store::postgres::dedup::forget`]).
 ///
 /// Errors: the database's.
-pub async fn forget(pool: &sqlx::MySqlPool, pipeline: &str, what: &Forget, dry_run: bool) -> Result<Vec<Explained>, sqlx::Error> {
+pub async fn forget(pool: &sqlx::MySqlPool, pipeline: &str, what: &Forget, dry_run: bool) -> Result<Forgotten, sqlx::Error> {
     const COLUMNS: &str = "CAST(business_key AS CHAR), DATE_FORMAT(applied_at, '%Y-%m-%d %H:%i:%s.%f+00'), CAST(topic AS CHAR), `partition`, \
                            `offset`, LOWER(HEX(fingerprint)), duplicates, DATE_FORMAT(last_duplicate_at, '%Y-%m-%d %H:%i:%s.%f+00')";
     let mut tx = pool.begin().await?;
@@ -191,22 +191,38 @@ pub async fn forget(pool: &sqlx::MySqlPool, pipeline: &str, what: &Forget, dry_r
         .collect::<Result<_, _>>()?;
     if !dry_run {
         bind(&format!("DELETE FROM idemflow_dedup WHERE {filter}"), pipeline, what, &ids).execute(&mut *tx).await?;
-        for ((topic, partition), lowest) in floors_to_lower(what, &rows) {
-            super::offsets::lower_floor(&mut tx, pipeline, topic, partition, lowest).await?;
+    }
+    let mut floors = Vec::new();
+    for ((topic, partition), lowest) in floors_to_lower(what, &rows) {
+        let floor: Option<i64> = sqlx::query_scalar(
+            "SELECT COALESCE(resume_from, next_offset) FROM idemflow_processed WHERE pipeline = ? AND topic = ? AND `partition` = ? FOR UPDATE",
+        )
+        .bind(pipeline)
+        .bind(topic)
+        .bind(partition)
+        .fetch_optional(&mut *tx)
+        .await?;
+        if let Some(floor) = floor.filter(|f| *f > lowest) {
+            floors.push((topic.to_owned(), partition, floor, lowest));
+            if !dry_run {
+                super::offsets::lower_floor(&mut tx, pipeline, topic, partition, lowest).await?;
+            }
         }
     }
     tx.commit().await?;
-    Ok(rows)
+    Ok(Forgotten { rows, floors, running: Vec::new() })
 }
 
-/// The lanes of `pipeline` that recorded a batch attempt within `within` (a worker running).
+/// The lanes of `pipeline` that recorded a batch attempt within `within` (a worker running), with when.
 ///
 /// Errors: the database's.
-pub async fn recent_attempts(pool: &sqlx::MySqlPool, pipeline: &str, within: std::time::Duration) -> Result<i64, sqlx::Error> {
-    sqlx::query_scalar("SELECT COUNT(*) FROM idemflow_attempts WHERE pipeline = ? AND updated_at > NOW(6) - INTERVAL ? SECOND")
-        .bind(pipeline)
-        .bind(within.as_secs())
-        .fetch_one(pool)
-        .await
+pub async fn recent_attempts(pool: &sqlx::MySqlPool, pipeline: &str, within: std::time::Duration) -> Result<Vec<(String, String)>, sqlx::Error> {
+    sqlx::query_as(
+        "SELECT CAST(owner AS CHAR), DATE_FORMAT(updated_at, '%Y-%m-%d %H:%i:%s.%f') FROM idemflow_attempts \
+         WHERE pipeline = ? AND updated_at > NOW(6) - INTERVAL ? SECOND ORDER BY updated_at DESC",
+    )
+    .bind(pipeline)
+    .bind(within.as_secs())
+    .fetch_all(pool)
+    .await
 }
-

@@ -6,7 +6,7 @@
 
 use crate::record::Position;
 use crate::key::BusinessKey;
-use crate::store::rows::{floors_to_lower, Claim, Existing, Explained, Forget, KeyIds};
+use crate::store::rows::{floors_to_lower, Claim, Existing, Explained, Forget, Forgotten, KeyIds};
 use sqlx::PgConnection;
 
 const CLAIM: &str = r#"
@@ -118,7 +118,7 @@ pub async fn explain(conn: &mut PgConnection, pipeline: &str, key: &BusinessKey)
 /// rows as they were.
 ///
 /// Errors: the database's.
-pub async fn forget(pool: &sqlx::PgPool, pipeline: &str, what: &Forget, dry_run: bool) -> Result<Vec<Explained>, sqlx::Error> {
+pub async fn forget(pool: &sqlx::PgPool, pipeline: &str, what: &Forget, dry_run: bool) -> Result<Forgotten, sqlx::Error> {
     let verb = if dry_run { "SELECT business_key, applied_at::text, topic, partition, \"offset\", encode(fingerprint, 'hex'), duplicates, last_duplicate_at::text FROM idemflow.dedup" } else { "DELETE FROM idemflow.dedup" };
     let tail = if dry_run { "" } else { " RETURNING business_key, applied_at::text, topic, partition, \"offset\", encode(fingerprint, 'hex'), duplicates, last_duplicate_at::text" };
     let mut tx = pool.begin().await?;
@@ -145,27 +145,39 @@ pub async fn forget(pool: &sqlx::PgPool, pipeline: &str, what: &Forget, dry_run:
         }
     };
     let rows: Vec<Explained> = rows.into_iter().map(Explained::from).collect();
-    if !dry_run {
-        for ((topic, partition), lowest) in floors_to_lower(what, &rows) {
-            super::offsets::lower_floor(&mut tx, pipeline, topic, partition, lowest).await?;
+    let mut floors = Vec::new();
+    for ((topic, partition), lowest) in floors_to_lower(what, &rows) {
+        let floor: Option<i64> = sqlx::query_scalar(
+            "SELECT coalesce(resume_from, next_offset) FROM idemflow.processed WHERE pipeline = $1 AND topic = $2 AND partition = $3 FOR UPDATE",
+        )
+        .bind(pipeline)
+        .bind(topic)
+        .bind(partition)
+        .persistent(super::persistent())
+        .fetch_optional(&mut *tx)
+        .await?;
+        if let Some(floor) = floor.filter(|f| *f > lowest) {
+            floors.push((topic.to_owned(), partition, floor, lowest));
+            if !dry_run {
+                super::offsets::lower_floor(&mut tx, pipeline, topic, partition, lowest).await?;
+            }
         }
     }
     tx.commit().await?;
-    Ok(rows)
+    Ok(Forgotten { rows, floors, running: Vec::new() })
 }
 
-/// The lanes of `pipeline` that recorded a batch attempt within `within` (a worker running).
+/// The lanes of `pipeline` that recorded a batch attempt within `within` (a worker running), with when.
 ///
 /// Errors: the database's.
-pub async fn recent_attempts(pool: &sqlx::PgPool, pipeline: &str, within: std::time::Duration) -> Result<i64, sqlx::Error> {
+pub async fn recent_attempts(pool: &sqlx::PgPool, pipeline: &str, within: std::time::Duration) -> Result<Vec<(String, String)>, sqlx::Error> {
     let mut tx = pool.begin().await?;
-    let n = sqlx::query_scalar("SELECT count(*) FROM idemflow.attempts WHERE pipeline = $1 AND updated_at > now() - make_interval(secs => $2)")
+    let lanes = sqlx::query_as("SELECT owner, updated_at::text FROM idemflow.attempts WHERE pipeline = $1 AND updated_at > now() - make_interval(secs => $2) ORDER BY updated_at DESC")
         .bind(pipeline)
         .bind(within.as_secs_f64())
         .persistent(super::persistent())
-        .fetch_one(&mut *tx)
+        .fetch_all(&mut *tx)
         .await?;
     tx.commit().await?;
-    Ok(n)
+    Ok(lanes)
 }
-
