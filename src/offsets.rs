@@ -58,9 +58,8 @@ impl NextOffsets {
     pub fn first_of(records: &[Record]) -> Self {
         let mut first = BTreeMap::new();
         // A batch holds runs of records of one partition: each run is entered into the map once.
-        let positional: Vec<&Record> = records.iter().filter(|r| r.delivered_before.is_none()).collect();
-        for run in positional.chunk_by(|a, b| a.position.same_partition(&b.position)) {
-            let low = run.iter().map(|r| r.position.offset).min().unwrap_or(0);
+        for run in records.chunk_by(|a, b| a.position.same_partition(&b.position)) {
+            let Some(low) = run.iter().filter(|r| r.delivered_before.is_none()).map(|r| r.position.offset).min() else { continue };
             let e = first.entry((run[0].position.topic.clone(), run[0].position.partition)).or_insert(low);
             *e = (*e).min(low);
         }

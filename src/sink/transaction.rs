@@ -404,16 +404,20 @@ impl Sink {
 
 }
 
+/// Whether any record of the batch can lie below its partition's floor: a batch holds runs of one partition's
+/// records in offset order, so only a run that starts below its floor can hold one. One look-up a run: the usual
+/// batch, nowhere near a floor, costs nothing more per record.
+fn starts_below_a_floor(records: &[Record], processed: &Processed) -> bool {
+    records.chunk_by(|a, b| a.position.same_partition(&b.position)).any(|run| {
+        let p = &run[0].position;
+        processed.0.get(&(p.topic.clone(), p.partition)).and_then(|m| m.floor).is_some_and(|floor| p.offset < floor)
+    })
+}
+
 /// For each record, whether it lies below its partition's floor and was processed before ([`Replay::Processed`]);
 /// empty when none does (the common case: nothing allocated per record).
 fn below_floor(records: &[Record], processed: &Processed) -> Vec<bool> {
-    // A batch holds runs of one partition's records in offset order: only a run that starts below its floor can
-    // hold such a record.
-    let starts_below = records.chunk_by(|a, b| a.position.same_partition(&b.position)).any(|run| {
-        let p = &run[0].position;
-        processed.0.get(&(p.topic.clone(), p.partition)).and_then(|m| m.floor).is_some_and(|floor| p.offset < floor)
-    });
-    if !starts_below {
+    if !starts_below_a_floor(records, processed) {
         return Vec::new();
     }
     // A record newer than its mark in a partition that was not found created again counts as processed too.
@@ -428,7 +432,7 @@ fn below_floor(records: &[Record], processed: &Processed) -> Vec<bool> {
 fn recreated(records: &[Record], processed: &Processed) -> Vec<(std::sync::Arc<str>, i32)> {
     let mut out: Vec<(std::sync::Arc<str>, i32)> = Vec::new();
     let mut mixed: Vec<(std::sync::Arc<str>, i32)> = Vec::new();
-    if processed.0.is_empty() {
+    if !starts_below_a_floor(records, processed) {
         return out;
     }
     for r in records {

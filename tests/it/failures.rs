@@ -576,16 +576,20 @@ async fn dead_letters_are_produced_to_the_dead_letter_topic() {
     c.subscribe(&["payments.dlq"]).unwrap();
     type Received = (Option<Vec<u8>>, HashMap<String, String>);
     let mut got: Vec<Received> = Vec::new();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while got.len() < 2 && Instant::now() < deadline {
-        if let Some(Ok(m)) = c.poll(Duration::from_millis(200)) {
-            let headers = m
-                .headers()
-                .map(|h| h.iter().map(|h| (h.key.to_owned(), String::from_utf8_lossy(h.value.unwrap_or_default()).into_owned())).collect())
-                .unwrap_or_default();
-            got.push((m.payload().map(<[u8]>::to_vec), headers));
+    // Reads the topic until `n` dead letters in all were received, for 30 s at most.
+    let read_up_to = |got: &mut Vec<Received>, n: usize| {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while got.len() < n && Instant::now() < deadline {
+            if let Some(Ok(m)) = c.poll(Duration::from_millis(200)) {
+                let headers = m
+                    .headers()
+                    .map(|h| h.iter().map(|h| (h.key.to_owned(), String::from_utf8_lossy(h.value.unwrap_or_default()).into_owned())).collect())
+                    .unwrap_or_default();
+                got.push((m.payload().map(<[u8]>::to_vec), headers));
+            }
         }
-    }
+    };
+    read_up_to(&mut got, 2);
     assert_eq!(got.len(), 2);
     assert_eq!(got[0].0.as_deref(), Some(&b"not json"[..]));
     assert_eq!(got[0].1["idemflow.reason"], "decode_failed");
@@ -608,16 +612,7 @@ async fn dead_letters_are_produced_to_the_dead_letter_topic() {
         .sum();
     assert!(w.stop().await.is_empty());
     assert_eq!((redelivered, dead), (3.0, 0.0));
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while got.len() < 4 && Instant::now() < deadline {
-        if let Some(Ok(m)) = c.poll(Duration::from_millis(200)) {
-            let headers = m
-                .headers()
-                .map(|h| h.iter().map(|h| (h.key.to_owned(), String::from_utf8_lossy(h.value.unwrap_or_default()).into_owned())).collect())
-                .unwrap_or_default();
-            got.push((m.payload().map(<[u8]>::to_vec), headers));
-        }
-    }
+    read_up_to(&mut got, 4);
     let reasons: Vec<&str> = got[2..].iter().map(|(_, h)| h["idemflow.reason"].as_str()).collect();
     assert_eq!(reasons, ["decode_failed", "side_effect_rejected"], "both dead letters produced again");
     assert_eq!(db.scalar::<i64>("SELECT count(*) FROM idemflow.dead_letters").await, 2, "stored once each");
