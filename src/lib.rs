@@ -39,13 +39,13 @@
 //! - Small leaves every layer may use: [`batch`] (batch settings), [`retry`] (backoff), [`dead_letter`] (what a
 //!   dead letter keeps), [`secret`] (credentials never printed), [`terminal`], [`shutdown`].
 //! - The tools, beside the worker's layers and above them (`tools` feature): `bench` (`idemflow bench`, the
-//!   benchmark against its baselines) and `demo` (`idemflow demo`, the whole job on an embedded broker and a
-//!   throwaway store).
+//!   benchmark against its baselines), `demo` (`idemflow demo`, the whole job on an embedded broker and a
+//!   throwaway store) and `soak` (`idemflow soak`, the guarantee held for an hour under faults at random moments).
 //!
 //! The binary (`src/main.rs`) parses the command line; `src/cli/` has one file per command. Layers point one way:
 //!
 //! ```text
-//! main -> cli -> tools (bench, demo) -> worker -> sink -> prepare -> config -> {source, store} -> leaves
+//! main -> cli -> tools (bench, demo, soak) -> worker -> sink -> prepare -> config -> {source, store} -> leaves
 //! ```
 //!
 //! Sources and stores never import the worker, the sink or `config`: they take what they need of a pipeline
@@ -226,6 +226,8 @@ pub mod rounding;
 pub mod secret;
 pub mod shutdown;
 pub mod sink;
+#[cfg(feature = "tools")]
+pub mod soak;
 pub mod source;
 pub mod store;
 pub mod telemetry;

@@ -70,6 +70,12 @@ pub enum Command {
     /// throwaway PostgreSQL.
     #[cfg(feature = "tools")]
     Bench(tools::BenchArgs),
+    /// Hold the guarantee under faults for a while (an hour by default): a steady stream with duplicates from an
+    /// embedded Kafka into a throwaway PostgreSQL while the worker is SIGKILLed, PostgreSQL and the broker restarted
+    /// and packets dropped at random moments; then checks every operation applied once, the counters and the
+    /// worker's memory, open files and threads.
+    #[cfg(feature = "tools")]
+    Soak(tools::SoakArgs),
     /// Print a shell completion script for idemflow's commands and options: `idemflow completions bash >
     /// /etc/bash_completion.d/idemflow` (or zsh, fish, elvish, powershell).
     Completions {
@@ -136,6 +142,8 @@ pub async fn dispatch(command: Command) -> anyhow::Result<()> {
         Command::Demo(a) => tools::demo(a).await,
         #[cfg(feature = "tools")]
         Command::Bench(a) => tools::bench(a).await,
+        #[cfg(feature = "tools")]
+        Command::Soak(a) => tools::soak(a).await,
         #[cfg(feature = "tools")]
         Command::DemoProducer(a) => tools::demo_producer(a).await,
     }

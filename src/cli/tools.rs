@@ -1,4 +1,4 @@
-//! The tools beside the worker: `idemflow demo`, `idemflow demo-producer` and `idemflow bench`.
+//! The tools beside the worker: `idemflow demo`, `idemflow demo-producer`, `idemflow bench` and `idemflow soak`.
 
 use anyhow::bail;
 use idemflow::{config, telemetry};
@@ -49,6 +49,54 @@ pub struct DemoArgs {
     /// database number, redis://host:port/15).
     #[arg(long)]
     redis: bool,
+}
+
+#[derive(clap::Args)]
+pub struct SoakArgs {
+    /// How long the stream flows under faults, in minutes.
+    #[arg(long, default_value_t = 60.0)]
+    minutes: f64,
+    /// Records produced per second (the demo's payments: 2% producer retries, 0.3% reused order ids, 0.1% poison).
+    #[arg(long, default_value_t = 200)]
+    rate: u32,
+    /// The shortest time between two faults, in seconds.
+    #[arg(long, default_value_t = 20)]
+    fault_gap_min: u64,
+    /// The longest time between two faults, in seconds.
+    #[arg(long, default_value_t = 60)]
+    fault_gap_max: u64,
+    /// The seed of the faults' moments and kinds (default: from the clock).
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Where to write the report (Markdown); the worker's log and settings go into `soak-worker/` beside it.
+    #[arg(long, default_value = "target/soak/soak.md")]
+    report: PathBuf,
+}
+
+/// Runs `soak`.
+///
+/// Errors: the soak could not be set up, did not finish, or one of its checks failed.
+pub async fn soak(a: SoakArgs) -> anyhow::Result<()> {
+    // The embedded broker's own client complains while the soak has it down: that is the point, not news.
+    telemetry::init(&config::LogSettings { level: "error,rdkafka=off,librdkafka=off".into(), ..Default::default() });
+    if a.fault_gap_min > a.fault_gap_max || a.minutes <= 0.0 || a.rate == 0 {
+        bail!("--fault-gap-min must not exceed --fault-gap-max, and --minutes and --rate must be above 0");
+    }
+    let seed = a.seed.unwrap_or_else(|| {
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1)
+    });
+    let options = idemflow::soak::SoakOptions {
+        duration: std::time::Duration::from_secs_f64(a.minutes * 60.0),
+        rate: a.rate,
+        fault_gap: (std::time::Duration::from_secs(a.fault_gap_min), std::time::Duration::from_secs(a.fault_gap_max)),
+        report: a.report,
+        seed,
+    };
+    if idemflow::soak::run(options).await? {
+        Ok(())
+    } else {
+        bail!("a soak check failed (see the report)")
+    }
 }
 
 #[derive(clap::Args)]

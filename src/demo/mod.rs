@@ -40,8 +40,8 @@ use std::time::{Duration, Instant};
 use tokio::task::JoinHandle;
 
 /// The shipped pipeline and its tables, built in for when the demo runs outside the source tree.
-const SHIPPED_PIPELINE: &str = include_str!("../../pipelines/payments.toml");
-const SHIPPED_TABLES: &str = include_str!("../../pipelines/payments.sql");
+pub(crate) const SHIPPED_PIPELINE: &str = include_str!("../../pipelines/payments.toml");
+pub(crate) const SHIPPED_TABLES: &str = include_str!("../../pipelines/payments.sql");
 const SHIPPED_RABBITMQ_PIPELINE: &str = include_str!("../../examples/rabbitmq/payments.toml");
 const SHIPPED_NATS_PIPELINE: &str = include_str!("../../examples/nats/payments.toml");
 /// The stream of the NATS demo (the shipped example's), on subjects `payments.>`.
@@ -49,10 +49,10 @@ const NATS_STREAM: &str = "PAYMENTS";
 const SHIPPED_MYSQL_PIPELINE: &str = include_str!("../../examples/mysql/payments.toml");
 const SHIPPED_MYSQL_TABLES: &str = include_str!("../../examples/mysql/payments.sql");
 const SHIPPED_REDIS_PIPELINE: &str = include_str!("../../examples/redis/payments.toml");
-const TOPIC: &str = "payments";
-const ACCOUNTS: usize = 100;
+pub(crate) const TOPIC: &str = "payments";
+pub(crate) const ACCOUNTS: usize = 100;
 /// Each account starts with this balance, in cents.
-const OPENING_BALANCE_CENTS: i64 = 100_000_000;
+pub(crate) const OPENING_BALANCE_CENTS: i64 = 100_000_000;
 
 /// Options of `idemflow demo`.
 #[derive(Clone, Debug)]
@@ -103,13 +103,19 @@ pub(crate) fn message_id(index: usize, body: &[u8]) -> String {
 }
 
 /// The stream the demo produces, and what the outcome must be.
-struct Stream {
-    records: Vec<(i32, Vec<u8>)>,
-    distinct: u64,
-    retries: u64,
-    mismatches: u64,
-    poison: u64,
-    expected_cents: i64,
+pub(crate) struct Stream {
+    /// `(partition, payload)` in production order.
+    pub(crate) records: Vec<(i32, Vec<u8>)>,
+    /// Distinct operations (order ids with their first amount).
+    pub(crate) distinct: u64,
+    /// Producer retries: an operation sent again, the same bytes.
+    pub(crate) retries: u64,
+    /// An order id sent again with another amount.
+    pub(crate) mismatches: u64,
+    /// Records that are not JSON.
+    pub(crate) poison: u64,
+    /// The sum of the distinct operations' amounts, in cents.
+    pub(crate) expected_cents: i64,
 }
 
 /// A small deterministic generator (xorshift64), so every run produces the same stream.
@@ -138,7 +144,7 @@ fn stream(records: usize, partitions: i32) -> Stream {
 }
 
 /// `records` records whose new operations use order ids from `first_order` on.
-fn stream_from(records: usize, partitions: i32, first_order: u64, seed: u64) -> Stream {
+pub(crate) fn stream_from(records: usize, partitions: i32, first_order: u64, seed: u64) -> Stream {
     let mut rng = Rng(seed | 1);
     let mut s = Stream { records: Vec::with_capacity(records), distinct: 0, retries: 0, mismatches: 0, poison: 0, expected_cents: 0 };
     let mut sent: Vec<(u64, u64, i64)> = Vec::new();
@@ -172,7 +178,7 @@ fn stream_from(records: usize, partitions: i32, first_order: u64, seed: u64) -> 
     s
 }
 
-fn money(cents: i64) -> String {
+pub(crate) fn money(cents: i64) -> String {
     format!("{}.{:02}", cents / 100, cents % 100)
 }
 

@@ -158,8 +158,12 @@ impl Throwaway {
     fn pg_ctl(&self, action: &str) -> Result<(), ThrowawayError> {
         let mut c = self.as_owner("pg_ctl");
         c.arg("-D").arg(self.dir.join("data")).arg("-l").arg(self.dir.join("server.log")).arg("-w");
-        if action == "stop" {
+        let action = if action == "crash" {
+            c.args(["-m", "immediate"]);
+            "stop"
+        } else if action == "stop" {
             c.args(["-m", "fast"]);
+            "stop"
         } else {
             let durability = if self.durable {
                 "-c fsync=on -c synchronous_commit=on -c shared_buffers=1GB -c max_wal_size=8GB"
@@ -172,7 +176,8 @@ impl Throwaway {
                 self.port,
                 quoted(&self.dir.to_string_lossy())?
             ));
-        }
+            action
+        };
         c.arg(action);
         run(c)
     }
@@ -195,6 +200,16 @@ impl Throwaway {
     /// Stops the server (fast shutdown: sessions are terminated). For outage tests.
     pub fn stop(&self) -> Result<(), ThrowawayError> {
         self.pg_ctl("stop")
+    }
+
+    /// Stops the server as a crash would (immediate shutdown: no checkpoint, crash recovery at the next start).
+    pub fn crash(&self) -> Result<(), ThrowawayError> {
+        self.pg_ctl("crash")
+    }
+
+    /// The port it listens on (127.0.0.1).
+    pub fn port(&self) -> u16 {
+        self.port
     }
 
     /// Starts it again on the same port.
