@@ -179,7 +179,10 @@
 //!   was produced after the mark last rose, they are not the ones processed there (the topic was created again):
 //!   the partition's marks are renewed in the same transaction and the records applied as new
 //!   ([`offsets::Replay`]); a batch where some are older leaves the marks, and skips them all. Tested with a purge
-//!   and a new group, a rewind, and a topic created again (`tests/it/offsets.rs`).
+//!   and a new group, a rewind, and a topic created again (`tests/it/offsets.rs`). A dead letter is unique by its
+//!   position and its payload's digest ([`record::Record::payload_sha256`]): a poison record at a position reused by
+//!   a topic or a JetStream stream created again is kept as a dead letter of its own, never taken for a redelivery
+//!   of the one dead-lettered there (`nats::a_new_poison_message_at_the_sequence_of_an_old_one_...`).
 //!
 //! The dedup row and the effect are in the same transaction, so "marked as seen" and "applied" are one fact: there
 //! is no window in which a key is claimed but its effect is lost. No cache in memory ever claims a key.

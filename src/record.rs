@@ -164,6 +164,18 @@ impl Record {
         self
     }
 
+    /// The SHA-256 of the whole payload as received (of no bytes for a record without one; an oversized record's
+    /// kept digest): with the position, what makes a dead letter unique (PostgreSQL migration 10, MySQL/MariaDB 4),
+    /// so that a new record at a reused position (a topic or stream deleted and created again) is not taken for a
+    /// redelivery of the one dead-lettered there.
+    pub fn payload_sha256(&self) -> [u8; 32] {
+        use sha2::{Digest, Sha256};
+        match &self.oversized {
+            Some(o) => o.sha256,
+            None => Sha256::digest(self.payload.as_deref().unwrap_or_default()).into(),
+        }
+    }
+
     /// The value of the last header with this name (Kafka allows repeats; the last one wins, as in the Java
     /// client's `Headers.lastHeader`). Outer `None`: no such header; inner `None`: a header with a null value.
     pub fn header(&self, name: &str) -> Option<Option<&[u8]>> {

@@ -276,6 +276,16 @@ impl Worker {
     }
 }
 
+impl Drop for Worker {
+    /// A soak that ends early (an error, a failed wait) leaves no worker behind.
+    fn drop(&mut self) {
+        if self.exited().is_none() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
 /// A fault under way: what heals it, and when.
 enum Active {
     Store { back_at: Instant },

@@ -233,7 +233,7 @@ impl Sink {
         if new {
             counts.dead_letter(reason);
         } else {
-            // This very record (same topic, partition, offset) was dead-lettered before.
+            // This very record (same topic, partition, offset, same payload) was dead-lettered before.
             counts.duplicate(DuplicateReason::Redelivered);
         }
         dead_letters.push(DeadLettered { index, reason, error, new });

@@ -468,9 +468,8 @@ impl Sink {
         records: &[Record],
         below: &[bool],
     ) -> Result<std::collections::HashMap<crate::record::Position, (DeadLetterReason, String)>, SinkError> {
-        let positions: Vec<&crate::record::Position> =
-            records.iter().zip(below).filter(|(_, b)| **b).map(|(r, _)| &r.position).collect();
-        let found = tx.dead_letters_at(&self.pipeline, &positions)
+        let below: Vec<&Record> = records.iter().zip(below).filter(|(_, b)| **b).map(|(r, _)| r).collect();
+        let found = tx.dead_letters_at(&self.pipeline, &below)
             .await
             .map_err(|e| SinkError::new("reading the dead letters of records below the processed floor", e))?;
         Ok(found

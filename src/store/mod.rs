@@ -592,7 +592,8 @@ impl Tx<'_> {
         }
     }
 
-    /// Writes one dead letter. Returns `false` when this position was already dead-lettered (a redelivery).
+    /// Writes one dead letter. Returns `false` when this record (its position and payload) was already dead-lettered
+    /// (a redelivery).
     pub async fn write_dead_letter(&mut self, pipeline: &str, record: &Record, reason: DeadLetterReason, error: &str) -> Result<bool, sqlx::Error> {
         match self {
             Tx::Postgres(tx, _) => postgres::dead_letter::write(tx, pipeline, record, reason, error).await,
@@ -601,19 +602,19 @@ impl Tx<'_> {
         }
     }
 
-    /// The dead letters of `pipeline` stored at `positions`, as `(position, reason, error)`.
+    /// The dead letters of `pipeline` stored for `records` (by position and payload), as `(position, reason, error)`.
     pub async fn dead_letters_at(
         &mut self,
         pipeline: &str,
-        positions: &[&crate::record::Position],
+        records: &[&Record],
     ) -> Result<Vec<(crate::record::Position, String, String)>, sqlx::Error> {
-        if positions.is_empty() {
+        if records.is_empty() {
             return Ok(Vec::new());
         }
         match self {
-            Tx::Postgres(tx, _) => postgres::dead_letter::at(tx, pipeline, positions).await,
+            Tx::Postgres(tx, _) => postgres::dead_letter::at(tx, pipeline, records).await,
             #[cfg(feature = "mysql")]
-            Tx::MySql(tx, _, _) => mysql::dead_letter::at(tx, pipeline, positions).await,
+            Tx::MySql(tx, _, _) => mysql::dead_letter::at(tx, pipeline, records).await,
         }
     }
 

@@ -390,3 +390,35 @@ async fn messages_fetched_while_a_batch_waits_are_prepared_ahead() {
     };
     crate::hardening::records_prepared_ahead_from_a_queue_bind_their_own_values(&setup, &db, publish).await;
 }
+
+/// A stream deleted and created again numbers its messages from 1 again: a new poison message at the sequence an
+/// old one was dead-lettered at is a dead letter of its own, with its body (dead letters are unique by position and
+/// payload digest, PostgreSQL migration 10), not a `redelivered` duplicate of the old one; the old dead letter stays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_poison_message_at_the_sequence_of_an_old_one_after_the_stream_was_created_again() {
+    let server = NatsServer::start();
+    server.create_stream("PAYMENTS").await;
+    let first = br#"{"order": {"id": "A-1""#.to_vec();
+    server.publish("PAYMENTS.created", &[(Some("poison-a".into()), first.clone())]).await;
+    let db = payments_db(None).await;
+    let setup = Setup::nats(&db, &server, &[("payments.toml", &example("PAYMENTS", ""))], "");
+    let mut w = BinWorker::start(&setup);
+    wait_applied(&db, 0, 1, &w).await;
+    assert!(w.sigterm().success(), "{}", w.log_text());
+
+    let js = server.jetstream().await;
+    js.delete_stream("PAYMENTS").await.expect("deletes the stream");
+    server.create_stream("PAYMENTS").await;
+    let second = br#"{"order": {"id": "B-1""#.to_vec();
+    server.publish("PAYMENTS.created", &[(Some("poison-b".into()), second.clone())]).await;
+    let w = BinWorker::start(&setup);
+    wait_applied(&db, 0, 2, &w).await;
+    let m = w.scrape();
+    assert_eq!(metric(&m, "idemflow_dead_letters_total", &[("pipeline", "payments"), ("reason", "decode_failed")]), 1.0, "{m}");
+    assert_eq!(duplicates(&m, "redelivered") + duplicates(&m, "republished"), 0.0, "{m}");
+    let rows: Vec<(i64, Vec<u8>)> = sqlx::query_as(r#"SELECT "offset", payload FROM idemflow.dead_letters ORDER BY id"#)
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(rows, vec![(1, first), (1, second)], "both kept, at the same sequence");
+}

@@ -10,6 +10,58 @@ use idemflow::key::BusinessKey;
 use sha2::{Digest, Sha256};
 use std::time::Duration;
 
+/// Migration 10 (dead letters unique by position and payload digest): a dead letter of the previous version gets the
+/// digest this version computes (the same poison record consumed again is recognised as the one dead-lettered, not
+/// stored twice); the rollback refuses while a position holds two dead letters and goes through once it holds one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_migration_10_makes_dead_letters_unique_by_position_and_payload() {
+    let db = TestDb::at_version(9, "CREATE TABLE payments (order_id text PRIMARY KEY, amount numeric NOT NULL);").await;
+    sqlx::query(
+        r#"INSERT INTO idemflow.dead_letters (pipeline, topic, partition, "offset", payload, reason, error)
+           VALUES ('payments', 'orders', 0, 0, '{bad', 'decode_failed', 'written by the previous version')"#,
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let kafka = Kafka::new();
+    kafka.create_topic("orders", 1);
+    let setup = Setup::new(&db, &kafka, &[("payments.toml", PIPELINE)]);
+    let config = setup.config.to_str().unwrap().to_owned();
+    let (status, out, err) = idemflow(&["migrate", "--config", &config], setup.dir.path());
+    assert!(status.success(), "{out}{err}");
+    assert_eq!(db.scalar::<Vec<u8>>("SELECT payload_digest FROM idemflow.dead_letters").await, sha256(b"{bad"));
+
+    kafka.produce("orders", &[Out::json(0, "{bad"), Out::json(0, payload("o-1"))]);
+    let mut w = BinWorker::start(&setup);
+    let start = std::time::Instant::now();
+    while metric(&w.scrape(), "idemflow_records_received_total", &[("pipeline", "payments")]) < 2.0 {
+        assert!(start.elapsed() < Duration::from_secs(60), "nothing received in 60 s:\n{}", w.log_text());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let m = w.scrape();
+    assert_eq!(metric(&m, "idemflow_duplicates_skipped_total", &[("pipeline", "payments"), ("reason", "redelivered")]), 1.0, "{m}");
+    assert!(w.sigterm().success(), "{}", w.log_text());
+    assert_eq!(db.scalar::<i64>("SELECT count(*) FROM idemflow.dead_letters").await, 1, "recognised, not stored again");
+
+    // Another payload at the same position (a topic created again): the rollback refuses, then goes through.
+    sqlx::query(
+        r#"INSERT INTO idemflow.dead_letters (pipeline, topic, partition, "offset", payload, reason, error, payload_digest)
+           VALUES ('payments', 'orders', 0, 0, '{worse', 'decode_failed', 'at a reused position', sha256('{worse'))"#,
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let rollback = std::fs::read_to_string(project_root().join("migrations/rollback/postgres-0010.sql")).unwrap();
+    let mut tx = db.pool.begin().await.unwrap();
+    let e = sqlx::raw_sql(&rollback).execute(&mut *tx).await.unwrap_err();
+    assert!(e.to_string().contains("more than one dead letter"), "{e}");
+    drop(tx);
+    sqlx::query("DELETE FROM idemflow.dead_letters WHERE payload = '{worse'").execute(&db.pool).await.unwrap();
+    roll_back(&db, "postgres-0010.sql").await;
+    let (status, out, err) = idemflow(&["check", "--config", &config], setup.dir.path());
+    assert!(!status.success() && err.contains("at version 9, this binary needs 10"), "{out}{err}");
+}
+
 /// Keys on both sides of the 64-byte limit, one cut inside a two-byte character, a number, and long ones that
 /// share their first 31 bytes.
 fn keys() -> Vec<String> {
@@ -112,7 +164,7 @@ async fn postgres_upgrade_keeps_every_stored_key_a_duplicate_and_fences_the_prev
 
     // This version refuses the old schema.
     let (status, out, err) = idemflow(&["check", "--config", &config], setup.dir.path());
-    assert!(!status.success() && err.contains("this binary needs 9"), "{out}{err}");
+    assert!(!status.success() && err.contains("this binary needs 10"), "{out}{err}");
 
     // A batch of the previous version is under way (its claim made, not committed) when the migration starts.
     let mut held = db.pool.begin().await.unwrap();
@@ -155,7 +207,7 @@ async fn postgres_upgrade_keeps_every_stored_key_a_duplicate_and_fences_the_prev
 
     // Going back (docs/operations.md): the rollback scripts, the last migration's first, then the previous version's
     // claim works again and finds every key applied before and after the upgrade; this version refuses the schema.
-    for script in ["postgres-0009.sql", "postgres-0008.sql", "postgres-0007.sql"] {
+    for script in ["postgres-0010.sql", "postgres-0009.sql", "postgres-0008.sql", "postgres-0007.sql"] {
         roll_back(&db, script).await;
     }
     let mut conn = db.pool.acquire().await.unwrap();
@@ -163,7 +215,7 @@ async fn postgres_upgrade_keeps_every_stored_key_a_duplicate_and_fences_the_prev
     assert_eq!(previous_postgres_claim(&mut conn, &again, 300).await.unwrap(), 1, "only o-rolled-back is new");
     drop(conn);
     let (status, out, err) = idemflow(&["check", "--config", &config], setup.dir.path());
-    assert!(!status.success() && err.contains("this binary needs 9"), "{out}{err}");
+    assert!(!status.success() && err.contains("this binary needs 10"), "{out}{err}");
 }
 
 /// The claim of the versions from migration 0007 to 0008, as it shipped (key ids, `src/key.rs`).
@@ -212,7 +264,7 @@ async fn postgres_migration_8_compares_pipelines_bytewise_and_keeps_every_key() 
     assert_eq!(v7_postgres_claim(&mut conn, &keys, 0).await.unwrap(), keys.len());
     drop(conn);
     let (status, out, err) = idemflow(&["check", "--config", &config], setup.dir.path());
-    assert!(!status.success() && err.contains("at version 7, this binary needs 9"), "{out}{err}");
+    assert!(!status.success() && err.contains("at version 7, this binary needs 10"), "{out}{err}");
 
     let mut held = db.pool.begin().await.unwrap();
     let held_key = vec!["o-held".to_owned()];
@@ -240,6 +292,7 @@ async fn postgres_migration_8_compares_pipelines_bytewise_and_keeps_every_key() 
     assert!(worker.stop().await.is_empty());
     assert_eq!(db.scalar::<String>("SELECT string_agg(order_id, ',') FROM payments").await, "o-new");
 
+    roll_back(&db, "postgres-0010.sql").await;
     roll_back(&db, "postgres-0009.sql").await;
     roll_back(&db, "postgres-0008.sql").await;
     assert_eq!(db.scalar::<String>(collation).await, "default");
@@ -247,7 +300,7 @@ async fn postgres_migration_8_compares_pipelines_bytewise_and_keeps_every_key() 
     assert_eq!(v7_postgres_claim(&mut conn, &["o-new".to_owned(), "o-rolled-back".to_owned()], 300).await.unwrap(), 1);
     drop(conn);
     let (status, out, err) = idemflow(&["check", "--config", &config], setup.dir.path());
-    assert!(!status.success() && err.contains("at version 7, this binary needs 9"), "{out}{err}");
+    assert!(!status.success() && err.contains("at version 7, this binary needs 10"), "{out}{err}");
 }
 
 /// The MariaDB claim of the version before migration 0002 (its `INSERT IGNORE ... RETURNING` form), as it shipped.
@@ -280,7 +333,7 @@ async fn mariadb_upgrade_keeps_every_stored_key_a_duplicate_and_fences_the_previ
     assert_eq!(previous_mysql_claim(&mut conn, &keys, 0).await.unwrap(), keys.len());
     drop(conn);
     let err = idemflow::store::mysql::check_schema(&db.pool).await.unwrap_err();
-    assert!(err.contains("this binary needs 3"), "{err}");
+    assert!(err.contains("this binary needs 4"), "{err}");
 
     // A batch of the previous version under way when the migration starts: the migration waits for it.
     let mut held = db.pool.begin().await.unwrap();
@@ -322,13 +375,13 @@ async fn mariadb_upgrade_keeps_every_stored_key_a_duplicate_and_fences_the_previ
     tx.rollback().await.unwrap();
 
     // A migration recorded as incomplete (it stopped between its statements) keeps this version's workers out.
-    db.exec("UPDATE _sqlx_migrations SET success = FALSE WHERE version = 3").await;
+    db.exec("UPDATE _sqlx_migrations SET success = FALSE WHERE version = 4").await;
     let err = idemflow::store::mysql::check_schema(&db.pool).await.unwrap_err();
-    assert!(err.contains("this binary needs 3"), "{err}");
+    assert!(err.contains("this binary needs 4"), "{err}");
 
     // Going back (docs/operations.md): the rollback script, then the previous version's claim finds every key
     // again (o-new was only claimed in a transaction rolled back above).
-    for script in ["mysql-0003.sql", "mysql-0002.sql"] {
+    for script in ["mysql-0004.sql", "mysql-0003.sql", "mysql-0002.sql"] {
         db.exec(&std::fs::read_to_string(project_root().join("migrations/rollback").join(script)).unwrap()).await;
     }
     let mut conn = db.pool.acquire().await.unwrap();

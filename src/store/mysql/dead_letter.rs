@@ -9,11 +9,13 @@ use sqlx::MySqlConnection;
 
 const INSERT: &str = "INSERT INTO idemflow_dead_letters \
     (pipeline, topic, `partition`, `offset`, record_key, header_names, header_values, property_names, property_values, \
-     payload, payload_bytes, payload_sha256, reason, error) \
-    VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) \
+     payload, payload_bytes, payload_sha256, reason, error, payload_digest) \
+    VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) \
     ON DUPLICATE KEY UPDATE redeliveries = redeliveries + 1";
 
-/// Writes one dead letter. Returns `false` when this position was already dead-lettered (a redelivery: the row's
+/// Writes one dead letter. Returns `false` when this record (its position and its payload's digest,
+/// [`Record::payload_sha256`]; another payload at the position is a dead letter of its own, migration 4) was already
+/// dead-lettered (a redelivery: the row's
 /// `redeliveries` goes up instead; MySQL reports 2 affected rows for an update by `ON DUPLICATE KEY UPDATE`, 1
 /// for an insert).
 pub async fn write(conn: &mut MySqlConnection, pipeline: &str, record: &Record, reason: DeadLetterReason, error: &str) -> Result<bool, sqlx::Error> {
@@ -56,6 +58,7 @@ pub async fn write(conn: &mut MySqlConnection, pipeline: &str, record: &Record, 
         .bind(oversized.map(|o| o.sha256.to_vec()))
         .bind(reason.as_str())
         .bind(error)
+        .bind(record.payload_sha256().to_vec())
         .execute(&mut *conn)
         .await?;
     Ok(done.rows_affected() == 1)
@@ -154,17 +157,17 @@ pub async fn get(conn: &mut MySqlConnection, id: i64) -> Result<Option<Stored>, 
 /// of 500 positions a statement.
 ///
 /// Errors: the database's.
-pub async fn at(conn: &mut MySqlConnection, pipeline: &str, positions: &[&crate::record::Position]) -> Result<Vec<(crate::record::Position, String, String)>, sqlx::Error> {
+pub async fn at(conn: &mut MySqlConnection, pipeline: &str, records: &[&Record]) -> Result<Vec<(crate::record::Position, String, String)>, sqlx::Error> {
     let mut out = Vec::new();
-    for chunk in positions.chunks(500) {
+    for chunk in records.chunks(500) {
         let sql = format!(
             "SELECT CAST(topic AS CHAR), `partition`, `offset`, CAST(reason AS CHAR), CAST(error AS CHAR) FROM idemflow_dead_letters \
-             WHERE pipeline = ? AND (topic, `partition`, `offset`) IN ({})",
-            vec!["(?, ?, ?)"; chunk.len()].join(", ")
+             WHERE pipeline = ? AND (topic, `partition`, `offset`, payload_digest) IN ({})",
+            vec!["(?, ?, ?, ?)"; chunk.len()].join(", ")
         );
         let mut q = sqlx::query_as::<_, (String, i32, i64, String, String)>(&sql).bind(pipeline);
-        for p in chunk {
-            q = q.bind(&*p.topic).bind(p.partition).bind(p.offset);
+        for r in chunk {
+            q = q.bind(&*r.position.topic).bind(r.position.partition).bind(r.position.offset).bind(r.payload_sha256().to_vec());
         }
         for (topic, partition, offset, reason, error) in q.fetch_all(&mut *conn).await? {
             out.push((crate::record::Position { topic: topic.into(), partition, offset }, reason, error));

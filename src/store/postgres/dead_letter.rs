@@ -8,14 +8,15 @@ use sqlx::PgConnection;
 const INSERT: &str = r#"
 INSERT INTO idemflow.dead_letters
     (pipeline, topic, partition, "offset", record_key, header_names, header_values, payload, reason, error,
-     payload_bytes, payload_sha256, property_names, property_values)
+     payload_bytes, payload_sha256, property_names, property_values, payload_digest)
 VALUES ($1, $2, $3, CASE WHEN $3 < 0 THEN nextval('idemflow.queue_dead_letter_seq') ELSE $4 END, $5, $6, $7, $8, $9, $10,
-        $11, $12, $13, $14)
-ON CONFLICT (pipeline, topic, partition, "offset") DO NOTHING"#;
+        $11, $12, $13, $14, $15)
+ON CONFLICT (pipeline, topic, partition, "offset", payload_digest) DO NOTHING"#;
 
-/// Writes one dead letter. Returns `false` when this position was already dead-lettered (a redelivery; only
-/// sources with stable positions can tell: a queue's dead letter gets a fresh "offset" from a sequence, see
-/// migration 0006).
+/// Writes one dead letter. Returns `false` when this record (its position and its payload's digest,
+/// [`Record::payload_sha256`]) was already dead-lettered: a redelivery. Only sources with stable positions can tell:
+/// a queue's dead letter gets a fresh "offset" from a sequence, see migration 0006. Another payload at a position
+/// already dead-lettered (a topic or stream created again) is a dead letter of its own (migration 10).
 pub async fn write(
     conn: &mut PgConnection,
     pipeline: &str,
@@ -43,6 +44,7 @@ pub async fn write(
         .bind(record.oversized.as_ref().map(|o| o.sha256.to_vec()))
         .bind(record.properties.iter().map(|(k, _)| *k).collect::<Vec<&str>>())
         .bind(record.properties.iter().map(|(_, v)| v.replace('\0', "\\u0000")).collect::<Vec<String>>())
+        .bind(record.payload_sha256().to_vec())
         .persistent(super::persistent())
         .execute(&mut *conn)
         .await?;
@@ -78,23 +80,27 @@ pub async fn get(conn: &mut PgConnection, id: i64) -> Result<Option<Stored>, sql
     sqlx::query_as(&format!("{SELECT} WHERE id = $1")).bind(id).persistent(super::persistent()).fetch_optional(&mut *conn).await
 }
 
-/// The dead letters of `pipeline` stored at `positions` (records consumed again below the processed floor: their
-/// dead letters are published again where the pipeline has a dead-letter topic), as `(position, reason, error)`.
+/// The dead letters of `pipeline` stored for `records` (consumed again below the processed floor: their dead letters
+/// are published again where the pipeline has a dead-letter topic), each found by its position and its payload's
+/// digest (another payload at the position is another record), as `(position, reason, error)`.
 ///
 /// Errors: the database's.
-pub async fn at(conn: &mut PgConnection, pipeline: &str, positions: &[&crate::record::Position]) -> Result<Vec<(crate::record::Position, String, String)>, sqlx::Error> {
-    let topics: Vec<&str> = positions.iter().map(|p| &*p.topic).collect();
-    let partitions: Vec<i32> = positions.iter().map(|p| p.partition).collect();
-    let offsets: Vec<i64> = positions.iter().map(|p| p.offset).collect();
+pub async fn at(conn: &mut PgConnection, pipeline: &str, records: &[&Record]) -> Result<Vec<(crate::record::Position, String, String)>, sqlx::Error> {
+    let topics: Vec<&str> = records.iter().map(|r| &*r.position.topic).collect();
+    let partitions: Vec<i32> = records.iter().map(|r| r.position.partition).collect();
+    let offsets: Vec<i64> = records.iter().map(|r| r.position.offset).collect();
+    let digests: Vec<Vec<u8>> = records.iter().map(|r| r.payload_sha256().to_vec()).collect();
     let rows: Vec<(String, i32, i64, String, String)> = sqlx::query_as(
         r#"SELECT d.topic, d.partition, d."offset", d.reason, d.error FROM idemflow.dead_letters d
-           JOIN unnest($2::text[], $3::int4[], $4::int8[]) AS u(topic, partition, "offset")
-             ON d.pipeline = $1 AND d.topic = u.topic AND d.partition = u.partition AND d."offset" = u."offset""#,
+           JOIN unnest($2::text[], $3::int4[], $4::int8[], $5::bytea[]) AS u(topic, partition, "offset", payload_digest)
+             ON d.pipeline = $1 AND d.topic = u.topic AND d.partition = u.partition AND d."offset" = u."offset"
+            AND d.payload_digest = u.payload_digest"#,
     )
     .bind(pipeline)
     .bind(&topics)
     .bind(&partitions)
     .bind(&offsets)
+    .bind(&digests)
     .persistent(super::persistent())
     .fetch_all(&mut *conn)
     .await?;
