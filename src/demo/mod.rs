@@ -618,13 +618,18 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<bool> {
     for (ok, text) in &reconciled {
         println!("    {text}: {}", verdict(*ok));
     }
-    if rabbit {
-        let marked = if nats { "delivered more than once (JetStream's delivery count)" } else { "redelivered (RabbitMQ's mark)" };
+    if nats {
         println!(
-            "  why the reasons do not match the injected counts one by one: a {} has no positions that say what was \
-             processed, so a copy is classified by the broker's own mark; after the crash, every delivery the worker \
-             held comes back {marked}, the retries among them too, and counts as redelivered; the sum above matches",
-            if nats { "JetStream consumer" } else { "queue" }
+            "  why the reasons do not match the injected counts one by one: a JetStream consumer keeps no positions \
+             that say what was processed; after the crash, every delivery the worker held and had applied comes back \
+             at its own stream sequence and counts as redelivered; the sum above matches"
+        );
+    } else if rabbit {
+        println!(
+            "  why the reasons do not match the injected counts one by one: a queue has no positions that say what \
+             was processed, so a copy is classified by the broker's own mark; after the crash, every delivery the \
+             worker held comes back redelivered (RabbitMQ's mark), the retries among them too, and counts as \
+             redelivered; the sum above matches"
         );
     }
     let reconciled = reconciled.iter().all(|(ok, _)| *ok);

@@ -11,16 +11,25 @@ use crate::metrics::DuplicateReason;
 use crate::record::Position;
 pub use crate::store::rows::{Claim, Existing, Explained, ExplainedRow};
 
-/// Classifies a record against the dedup row of its key (see [`DuplicateReason`]). `delivered_before` is the
-/// broker's own redelivery mark for sources whose deliveries do not follow their positions (a queue, a JetStream
-/// consumer: [`crate::record::Record::delivered_before`]): there a marked delivery with the applied payload is
-/// `redelivered`, and positions are never compared (a delivery tag identifies nothing; a stream sequence below
-/// later ones proves nothing). A marked delivery with another payload stays `payload_mismatch`: a reconnect returns
-/// the whole prefetch window marked, so the mark alone must not hide a payload that was never applied.
+/// Classifies a record against the dedup row of its key (see [`DuplicateReason`]).
+///
+/// - A source whose position names one record (a Kafka offset, a RocketMQ queue offset: `delivered_before` is
+///   `None`): the applied record's position is a redelivery, any other a publish again.
+/// - A queue (`delivered_before` is the broker's own redelivery mark, the position has no partition: a delivery tag
+///   identifies nothing): a marked delivery with the applied payload is `redelivered`. A marked delivery with another
+///   payload stays `payload_mismatch`: a reconnect returns the whole prefetch window marked, so the mark alone must
+///   not hide a payload that was never applied.
+/// - A JetStream consumer (a mark, and a position that is the stream sequence): the sequence names one message of the
+///   stream, so the applied message's sequence with its payload is `redelivered` whatever the delivery count says (a
+///   consumer created again delivers it for the first time), and another sequence is another publish even when
+///   delivered twice. Only equality is used: the order of sequences proves nothing, deliveries do not follow it.
+///   The same sequence with another payload (a stream created again) is `payload_mismatch`.
 pub fn classify(existing: &Existing, position: &Position, delivered_before: Option<bool>, fingerprint: &[u8; 32]) -> DuplicateReason {
+    let same_payload = existing.fingerprint == fingerprint;
     let redelivered = match delivered_before {
-        Some(mark) => mark && existing.fingerprint == fingerprint,
         None => existing.position == *position,
+        Some(mark) if position.partition == crate::record::NO_PARTITION => mark && same_payload,
+        Some(_) => existing.position == *position && same_payload,
     };
     if redelivered {
         DuplicateReason::Redelivered
@@ -50,5 +59,13 @@ mod tests {
         assert_eq!(classify(&applied, &queue(5), Some(false), &same), DuplicateReason::Republished);
         assert_eq!(classify(&applied, &queue(7), Some(true), &same), DuplicateReason::Redelivered);
         assert_eq!(classify(&applied, &queue(7), Some(true), &other), DuplicateReason::PayloadMismatch);
+        // A JetStream stream sequence: equality names the message, whatever the delivery count.
+        let seq = |offset| Position { topic: "PAYMENTS".into(), partition: 0, offset };
+        let stored = Existing { position: seq(5), fingerprint: vec![1; 32] };
+        assert_eq!(classify(&stored, &seq(5), Some(false), &same), DuplicateReason::Redelivered, "a consumer created again");
+        assert_eq!(classify(&stored, &seq(5), Some(true), &same), DuplicateReason::Redelivered);
+        assert_eq!(classify(&stored, &seq(9), Some(true), &same), DuplicateReason::Republished, "a publish again, delivered twice");
+        assert_eq!(classify(&stored, &seq(9), Some(false), &same), DuplicateReason::Republished);
+        assert_eq!(classify(&stored, &seq(5), Some(true), &other), DuplicateReason::PayloadMismatch, "a stream created again");
     }
 }

@@ -422,3 +422,39 @@ async fn a_new_poison_message_at_the_sequence_of_an_old_one_after_the_stream_was
         .unwrap();
     assert_eq!(rows, vec![(1, first), (1, second)], "both kept, at the same sequence");
 }
+
+/// Duplicates are classified by the stream sequence, not the delivery count: the durable consumer deleted while the
+/// worker is stopped and created again by it delivers every applied message for the first time (delivery count 1),
+/// and each is `redelivered` (its own sequence), none `republished`; nothing applied twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_created_again_delivers_applied_messages_as_redelivered() {
+    let server = NatsServer::start();
+    server.create_stream("PAYMENTS").await;
+    let s = payments(30, 1, false);
+    server.publish("PAYMENTS.created", &messages(&s)).await;
+    let db = payments_db(None).await;
+    let setup = Setup::nats(&db, &server, &[("payments.toml", &example("PAYMENTS", ""))], "");
+    let mut w = BinWorker::start(&setup);
+    wait_applied(&db, s.distinct, s.poison, &w).await;
+    let first = w.scrape();
+    assert!(w.sigterm().success(), "{}", w.log_text());
+    let js = server.jetstream().await;
+    js.get_stream("PAYMENTS").await.unwrap().delete_consumer("idemflow-payments").await.expect("deletes the consumer");
+
+    let w = BinWorker::start(&setup);
+    // What the stream holds: its duplicate window dropped the copies that reuse an order id's Nats-Msg-Id.
+    let total = metric(&first, "idemflow_records_received_total", &P);
+    let start = Instant::now();
+    while metric_of(&w, "idemflow_records_received_total") < total {
+        assert!(start.elapsed() < Duration::from_secs(60), "not every message delivered again in 60 s:\n{}", w.log_text());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let m = w.scrape();
+    assert_counters_add_up(&m);
+    // Poison messages too: each found dead-lettered at its sequence with its payload.
+    assert_eq!(duplicates(&m, "redelivered"), total, "every message at its own sequence again\nfirst run:\n{first}\nsecond run:\n{m}");
+    assert_eq!(duplicates(&m, "republished") + duplicates(&m, "payload_mismatch"), 0.0, "{m}");
+    assert_eq!(metric(&m, "idemflow_records_applied_total", &P), 0.0, "{m}");
+    assert_exactly_once(&db, &s).await;
+}

@@ -34,9 +34,11 @@
 //!
 //! A delivery's position is its stream sequence (stream, partition 0, sequence), shown in dead letters and
 //! `explain`. Deliveries do not follow sequence order (a redelivery comes after later messages, workers on one
-//! consumer share its deliveries), so duplicates are classified by the server's own mark, as for a queue
-//! ([`Record::delivered_before`]: delivered more than once): a delivered-before copy with the applied payload is
-//! `redelivered`, a first delivery `republished`, another payload `payload_mismatch`; no processed marks are kept.
+//! consumer share its deliveries), so no processed marks are kept and sequences are never compared by order. A
+//! sequence still names one message: a duplicate at the applied message's sequence with its payload is
+//! `redelivered` (whatever the delivery count, [`Record::delivered_before`], says: a consumer created again delivers
+//! it for the first time), at another sequence `republished`, another payload `payload_mismatch`
+//! (`crate::sink::dedup::classify`).
 //! The consumer's position (its ack floor) lives on the server: there is no offset to store or seek, so
 //! `[offsets] store = "database"` and `rewind` are refused.
 //!
