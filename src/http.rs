@@ -1,5 +1,6 @@
 //! The HTTP endpoint: `/metrics` (Prometheus text format), `/healthz` (the process is alive) and `/readyz` (the
-//! database answered the last attempt and no pipeline has stopped on a fatal error).
+//! stores answered, each pipeline's last batch attempt reached its store, no pipeline has stopped on a fatal error,
+//! no partition is stalled).
 //!
 //! It must keep answering whatever clients do, or an orchestrator restarts a healthy worker: connections are
 //! bounded in number, in how long they may take to send a request head and in its size, and in how long they
@@ -15,8 +16,9 @@ use hyper::{Request, Response, StatusCode};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use std::net::SocketAddr;
 use std::time::Duration;
+use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 /// Readiness, shared by the pipelines and the endpoint.
 #[derive(Clone, Debug, Default)]
@@ -27,13 +29,29 @@ pub struct Health {
 #[derive(Debug, Default)]
 struct HealthInner {
     database_down: AtomicBool,
+    /// The lanes, as (pipeline, lane), whose last batch attempt failed against their store and is being retried:
+    /// one lane's commit does not make another's failing store look reachable.
+    failing: Mutex<BTreeSet<(String, Arc<str>)>>,
     fatal_pipelines: AtomicUsize,
 }
 
 impl Health {
-    /// Records whether the last database attempt succeeded.
+    /// Records whether the stores answered at start (before any pipeline runs).
     pub fn database(&self, up: bool) {
         self.inner.database_down.store(!up, Ordering::Relaxed);
+    }
+
+    /// Records whether the last batch attempt of one lane (`lane`, a name unique among the pipeline's lanes) of
+    /// `pipeline` reached its store: `false` while its batch is retried (an outage, a lock held elsewhere), `true`
+    /// once one commits. Not ready while any lane is failing.
+    pub fn pipeline_store(&self, lane: &Arc<str>, pipeline: &str, up: bool) {
+        let mut failing = self.inner.failing.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let entry = (pipeline.to_owned(), lane.clone());
+        if up {
+            failing.remove(&entry);
+        } else {
+            failing.insert(entry);
+        }
     }
 
     /// Records that a pipeline stopped on a fatal error.
@@ -49,6 +67,15 @@ impl Health {
         }
         if self.inner.database_down.load(Ordering::Relaxed) {
             return Err("the database is unreachable; batches are being retried".to_owned());
+        }
+        let failing = self.inner.failing.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if !failing.is_empty() {
+            let mut names: Vec<&str> = failing.iter().map(|(pipeline, _)| pipeline.as_str()).collect();
+            names.dedup();
+            return Err(format!(
+                "the store of pipeline(s) {} is unreachable or failing; their batches are being retried",
+                names.join(", ")
+            ));
         }
         Ok(())
     }

@@ -532,6 +532,9 @@ impl Step<'_> {
         let mut earlier: Vec<Earlier> = Vec::new();
         let outcome = loop {
             if batch.is_empty() {
+                // Every record of it went (its partitions revoked during a back-off): this lane waits on its store
+                // no more, whatever an earlier attempt said; its next batch tells again.
+                self.health.pipeline_store(&self.attempts_lane, &self.ready.pipeline.name, true);
                 return Ok(true);
             }
             crate::prepare::realign(batch, &mut prepared, &mut prepared_for, &self.ready.preparer);
@@ -579,7 +582,7 @@ impl Step<'_> {
                         if let SinkError::TimedOut(limit) = e {
                             attempt_limit = Some(limit.saturating_mul(2));
                         }
-                        self.health.database(false);
+                        self.health.pipeline_store(&self.attempts_lane, &self.ready.pipeline.name, false);
                         self.metrics.retry(cause);
                         let delay = backoff.next().unwrap_or(MAX_RETRY_DELAY);
                         attempts += 1;
@@ -647,7 +650,7 @@ impl Step<'_> {
         started: Instant,
         shutdown: &mut Shutdown,
     ) -> Result<bool, SinkError> {
-        self.health.database(true);
+        self.health.pipeline_store(&self.attempts_lane, &self.ready.pipeline.name, true);
         let mut moved: Vec<(&str, i32)> = batch
             .chunk_by(|a, b| a.position.same_partition(&b.position))
             .map(|run| (run[0].position.topic_name(), run[0].position.partition))

@@ -168,3 +168,45 @@ async fn a_stalled_partition_is_exported_logged_and_not_ready() {
     assert!(worker.sigterm().success());
     assert_eq!(db.scalar::<i64>("SELECT count(*) FROM payments").await, 100);
 }
+
+/// Readiness is per pipeline: one pipeline whose batches keep failing against its store (its table locked by
+/// another session, each attempt past `batch_timeout`) keeps `/readyz` at 503 naming it, however often another
+/// pipeline of the worker commits meanwhile; once its batches commit, the worker is ready again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_pipeline_failing_against_its_store_keeps_the_worker_not_ready() {
+    let refunds = PIPELINE.replace(r#"topics = ["orders"]"#, r#"topics = ["refunds"]"#).replace(r#"table = "payments""#, r#"table = "refunds""#);
+    let tables = format!("{PAYMENTS} CREATE TABLE refunds (order_id text PRIMARY KEY, amount integer NOT NULL);");
+    let (db, kafka, setup) = fixture(&tables, "orders", 1, &[("payments.toml", PIPELINE), ("refunds.toml", &refunds)]).await;
+    kafka.create_topic("refunds", 1);
+    let text = std::fs::read_to_string(&setup.config).unwrap().replace("[database]\n", "[database]\nbatch_timeout = \"2s\"\n");
+    std::fs::write(&setup.config, text).unwrap();
+    kafka.produce("refunds", &orders(1, 1, "r0"));
+    let mut worker = BinWorker::start(&setup);
+    let applied = |w: &BinWorker| metric(&w.scrape(), "idemflow_records_applied_total", &[("pipeline", "payments")]);
+    wait_until(Duration::from_secs(60), "both pipelines up, refunds applying", || async {
+        metric(&worker.scrape(), "idemflow_records_applied_total", &[("pipeline", "refunds")]) == 1.0
+    })
+    .await;
+    // Another session holds the refunds table (its statements are prepared already: the lock meets their execution).
+    let mut lock = db.pool.begin().await.unwrap();
+    sqlx::query("LOCK TABLE refunds IN EXCLUSIVE MODE").execute(&mut *lock).await.unwrap();
+    kafka.produce("refunds", &orders(1, 4, "r"));
+    wait_until(Duration::from_secs(60), "refunds' batch retried", || async {
+        worker.scrape().lines().any(|l| l.starts_with("idemflow_db_retries_total{") && l.contains("pipeline=\"refunds\"") && !l.ends_with(" 0"))
+    })
+    .await;
+    // Payments commit batch after batch; refunds still fail: not ready, every time, naming refunds.
+    for round in 0..8 {
+        kafka.produce("orders", &[Out::json(0, format!(r#"{{"id":"p-{round}","amount":1}}"#))]);
+        wait_until(Duration::from_secs(30), "a payments batch committed", || async { applied(&worker) == f64::from(round + 1) }).await;
+        let (status, body) = http_get(setup.metrics, "/readyz").unwrap();
+        assert!(status == 503 && body.contains("refunds") && !body.contains("payments"), "round {round}: {status} {body}");
+    }
+    lock.rollback().await.unwrap();
+    wait_until(Duration::from_secs(60), "ready again once refunds commit", || async {
+        http_get(setup.metrics, "/readyz").is_ok_and(|(status, _)| status == 200)
+    })
+    .await;
+    assert!(worker.sigterm().success(), "{}", worker.log_text());
+    assert_eq!(db.scalar::<i64>("SELECT count(*) FROM refunds").await, 5);
+}
