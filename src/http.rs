@@ -120,13 +120,19 @@ fn respond(path: &str, metrics: &Metrics, health: &Health) -> Response<Full<Byte
     let (status, content_type, body) = match path {
         "/metrics" => (StatusCode::OK, "text/plain; version=0.0.4; charset=utf-8", metrics.render()),
         "/healthz" => (StatusCode::OK, "text/plain", b"ok\n".to_vec()),
-        "/readyz" => match health.ready().and_then(|()| match metrics.stalls().as_slice() {
-            [] => Ok(()),
-            stalled => Err(format!("stalled (no progress while records wait): {}", stalled.join("; "))),
-        }) {
-            Ok(()) => (StatusCode::OK, "text/plain", b"ready\n".to_vec()),
-            Err(why) => (StatusCode::SERVICE_UNAVAILABLE, "text/plain", format!("not ready: {why}\n").into_bytes()),
-        },
+        "/readyz" => {
+            // Every reason at once: a failing store does not hide which partitions it stalls.
+            let mut why: Vec<String> = health.ready().err().into_iter().collect();
+            let stalled = metrics.stalls();
+            if !stalled.is_empty() {
+                why.push(format!("stalled (no progress while records wait): {}", stalled.join("; ")));
+            }
+            if why.is_empty() {
+                (StatusCode::OK, "text/plain", b"ready\n".to_vec())
+            } else {
+                (StatusCode::SERVICE_UNAVAILABLE, "text/plain", format!("not ready: {}\n", why.join("; ")).into_bytes())
+            }
+        }
         _ => (StatusCode::NOT_FOUND, "text/plain", b"not found: try /metrics, /healthz or /readyz\n".to_vec()),
     };
     let mut response = Response::new(Full::new(Bytes::from(body)));

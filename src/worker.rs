@@ -548,8 +548,9 @@ impl Step<'_> {
                 earlier: earlier.clone(),
                 committing: Default::default(),
                 lose_commit_answer: std::mem::take(&mut self.lose_commit_answer),
+                session: Default::default(),
             };
-            let (this_id, committing) = (this.id, this.committing.clone());
+            let (this_id, committing, session) = (this.id, this.committing.clone(), this.session.clone());
             let attempt = tokio::spawn(
                 async move {
                     let apply = sink.apply(&records, &records_prepared, presented.as_ref(), |counts| window.check(counts), &this);
@@ -581,6 +582,10 @@ impl Step<'_> {
                     Disposition::Retry(cause) => {
                         if let SinkError::TimedOut(limit) = e {
                             attempt_limit = Some(limit.saturating_mul(2));
+                            let abandoned = session.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take();
+                            if let Some(abandoned) = abandoned {
+                                end_session(&self.ready.store, abandoned);
+                            }
                         }
                         self.health.pipeline_store(&self.attempts_lane, &self.ready.pipeline.name, false);
                         self.metrics.retry(cause);
@@ -683,6 +688,28 @@ impl Step<'_> {
         guarded?;
         Ok(true)
     }
+}
+
+/// How long ending an abandoned attempt's session may take ([`end_session`]).
+pub const END_SESSION_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Ends, in the background, the server session of a batch attempt abandoned on `batch_timeout`
+/// ([`Store::end_session`]): dropping the attempt leaves its connection in the statement it was stuck in (the pool
+/// tests a returned connection with a ping, which waits behind that statement), holding its claims' row locks,
+/// which the retry's claims would wait on, and a pool connection. Bounded by [`END_SESSION_TIMEOUT`]; a failure is
+/// logged (the server ends the session by itself once its statement ends or the session's timeouts pass).
+fn end_session(store: &Store, session: crate::store::Session) {
+    let store = store.clone();
+    tokio::spawn(
+        async move {
+            match tokio::time::timeout(END_SESSION_TIMEOUT, store.end_session(session)).await {
+                Ok(Ok(ended)) => tracing::debug!(?session, ended, "the abandoned attempt's session ended"),
+                Ok(Err(e)) => tracing::warn!(?session, error = %e, "ending the abandoned attempt's session failed"),
+                Err(_) => tracing::warn!(?session, timeout = ?END_SESSION_TIMEOUT, "ending the abandoned attempt's session took too long"),
+            }
+        }
+        .in_current_span(),
+    );
 }
 
 /// Claims `partitions` again and moves the source back to the positions the store kept (the store lost writes:

@@ -90,6 +90,9 @@ pub struct Attempt {
     /// Fault injection ([`crate::worker::Faults::lose_commit_answer`]): the `COMMIT` goes through and the attempt
     /// then fails as if the connection had been lost before its answer came.
     pub lose_commit_answer: bool,
+    /// The server session its transaction runs in, once [`crate::store::Tx::mark_attempt`] learned it: an attempt
+    /// abandoned on `batch_timeout` has it ended ([`crate::store::Store::end_session`]).
+    pub session: std::sync::Arc<std::sync::Mutex<Option<crate::store::Session>>>,
 }
 
 /// An earlier attempt of a batch ([`Attempt::earlier`]).

@@ -57,9 +57,10 @@ impl Sink {
     ) -> Result<Begun<'a, 'e>, SinkError> {
         let mut tx = self.begin(side_effect).await?;
         if let Some(attempt) = attempt {
-            let before = tx.mark_attempt(&self.pipeline, &attempt.owner, attempt.id)
+            let (before, session) = tx.mark_attempt(&self.pipeline, &attempt.owner, attempt.id)
                 .await
                 .map_err(|e| SinkError::new("recording the batch attempt", e))?;
+            *attempt.session.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(session);
             if let Some(committed) = before.and_then(|id| attempt.earlier.iter().find(|e| e.id == id)) {
                 tx.rollback().await.map_err(|e| SinkError::new("rolling back", e))?;
                 return Ok(Begun::Committed(committed));

@@ -268,6 +268,22 @@ impl Store {
         })
     }
 
+    /// Ends the server session of a batch attempt abandoned on `[database] batch_timeout` (`pg_terminate_backend`
+    /// of that backend while it is still in that transaction; MySQL/MariaDB `KILL CONNECTION`): the server rolls its
+    /// transaction back and releases its locks (its claims, which the retry would otherwise wait on), and the pool
+    /// gets its connection back at once instead of when the statement it was stuck in ends. Returns whether a
+    /// session was ended (`false`: it had ended already). Redis has no sessions to end.
+    ///
+    /// Errors: the database's (no connection within `acquire_timeout`, say).
+    pub async fn end_session(&self, session: Session) -> Result<bool, StoreError> {
+        Ok(match (self, session) {
+            (Store::Postgres(pool), Session::Postgres(pid, started)) => postgres::offsets::end_session(pool, pid, started).await?,
+            #[cfg(feature = "mysql")]
+            (Store::MySql(s), Session::MySql(id)) => mysql::offsets::end_session(&s.pool, id).await?,
+            _ => false,
+        })
+    }
+
     /// `idemflow dedup forget`: deletes the dedup rows of `pipeline` that `what` names (only reads them with
     /// `dry_run`) and lowers the processed floors of their partitions to the lowest offset forgotten, in one
     /// transaction; returns the rows as they were. Refused while a worker of the pipeline recorded a batch attempt
@@ -469,6 +485,18 @@ impl SideEffect {
     }
 }
 
+/// The server session a batch transaction runs in, as [`Tx::mark_attempt`] learned it: PostgreSQL's backend pid
+/// with its transaction's start (`now()`, which `pg_stat_activity.xact_start` shows: a pid alone may belong to
+/// another session by the time it is used), MySQL/MariaDB's connection id (never reused by a running server).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Session {
+    /// `(pg_backend_pid(), now() in microseconds since the Unix epoch)`.
+    Postgres(i32, i64),
+    /// `CONNECTION_ID()`.
+    MySql(u64),
+}
+
+
 /// One open batch transaction with the side effect it runs ([`SqlSideEffect::begin`]). Dropped without
 /// [`Tx::commit`], it rolls back.
 pub enum Tx<'a> {
@@ -660,7 +688,10 @@ impl Tx<'_> {
     /// Records `attempt` as lane `owner`'s latest batch attempt of `pipeline` (first in the batch transaction) and
     /// returns the one recorded before it: the latest attempt of that lane that committed. A previous attempt still
     /// open on the server is waited for.
-    pub async fn mark_attempt(&mut self, pipeline: &str, owner: &str, attempt: i64) -> Result<Option<i64>, sqlx::Error> {
+    ///
+    /// Also returns the server session the transaction runs in ([`Session`]): an attempt abandoned on
+    /// `batch_timeout` is ended by it ([`Store::end_session`]).
+    pub async fn mark_attempt(&mut self, pipeline: &str, owner: &str, attempt: i64) -> Result<(Option<i64>, Session), sqlx::Error> {
         match self {
             Tx::Postgres(tx, _) => postgres::offsets::mark_attempt(tx, pipeline, owner, attempt).await,
             #[cfg(feature = "mysql")]

@@ -260,3 +260,50 @@ async fn a_session_ended_by_idle_in_transaction_session_timeout_is_retried() {
     let log = worker.log_text();
     assert!(!log.contains("pipeline stopped"), "{log}");
 }
+
+/// A batch attempt abandoned on `batch_timeout` (its statement stuck behind a row another session holds) has its
+/// server session ended: the server rolls it back and releases its claims, and the pool gets the connection back.
+/// Before, each abandoned attempt stayed in its statement on the server, holding a pool connection, until the lock
+/// was released: after `max_connections` (4) attempts the pool was exhausted. At most one of the worker's sessions
+/// waits on the lock at any moment; when the lock goes, the batch commits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_attempt_abandoned_on_batch_timeout_has_its_session_ended() {
+    let db = payments_db(None).await;
+    let kafka = Kafka::new();
+    kafka.create_topic("payments", 1);
+    let s = payments(3, 1, false);
+    let setup = Setup::new(&db, &kafka, &[("payments.toml", &shipped())]);
+    let text = std::fs::read_to_string(&setup.config).unwrap().replace("[database]\n", "[database]\nbatch_timeout = \"1s\"\n");
+    std::fs::write(&setup.config, text).unwrap();
+    // Another session holds the row every batch of the stream must update.
+    let mut held = db.pool.begin().await.unwrap();
+    sqlx::query("UPDATE accounts SET balance = balance").execute(&mut *held).await.unwrap();
+    kafka.produce("payments", &s.records);
+    let mut w = BinWorker::start(&setup);
+    let waiting = || async {
+        db.scalar::<i64>(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock' \
+             AND pid <> pg_backend_pid()",
+        )
+        .await
+    };
+    let retries = |m: &str| m.lines().filter(|l| l.starts_with("idemflow_db_retries_total{")).filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok()).sum::<f64>();
+    // Attempts of 1, 2, 4, 8 and 16 s: five abandoned, more than the pool's 4 connections.
+    let start = std::time::Instant::now();
+    let mut most = 0;
+    while retries(&w.scrape()) < 5.0 {
+        assert!(start.elapsed() < Duration::from_secs(90), "five attempts did not time out in 90 s:\n{}", w.log_text());
+        most = most.max(waiting().await);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(most <= 1, "{most} of the worker's sessions waited on the lock at once: abandoned attempts stayed");
+    let log = w.log_text();
+    assert!(!log.contains("pool timed out"), "the pool ran out of connections:\n{log}");
+    held.rollback().await.unwrap();
+    wait_until(Duration::from_secs(60), "the batch commits once the lock goes", || async {
+        db.scalar::<i64>("SELECT count(*) FROM payments").await == s.distinct as i64
+    })
+    .await;
+    assert!(w.sigterm().success(), "{}", w.log_text());
+    crate::failures::assert_exactly_once(&db, &s).await;
+}

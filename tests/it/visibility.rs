@@ -210,3 +210,43 @@ async fn one_pipeline_failing_against_its_store_keeps_the_worker_not_ready() {
     assert!(worker.sigterm().success(), "{}", worker.log_text());
     assert_eq!(db.scalar::<i64>("SELECT count(*) FROM refunds").await, 5);
 }
+
+/// A partition whose records the worker has fetched and keeps for its next batch, behind a batch of another
+/// partition retried again and again (its row held by another session), is stalled too: the records kept count as
+/// waiting (the high watermark no longer shows them), so its stall clock does not start again at every attempt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn records_kept_behind_a_retried_batch_stall_their_partition() {
+    let (db, kafka, setup) = fixture(PAYMENTS, "orders", 2, &[("payments.toml", PIPELINE)]).await;
+    let text = std::fs::read_to_string(&setup.config)
+        .unwrap()
+        .replace("[metrics]\n", "[metrics]\nstall_after = \"2s\"\n")
+        .replace("[database]\n", "[database]\nbatch_timeout = \"2s\"\n");
+    std::fs::write(&setup.config, text).unwrap();
+    let mut held = db.pool.begin().await.unwrap();
+    sqlx::query("INSERT INTO payments VALUES ('a-0', 1)").execute(&mut *held).await.unwrap();
+    kafka.produce("orders", &[Out::json(0, r#"{"id":"a-0","amount":1}"#)]);
+    let mut worker = BinWorker::start(&setup);
+    wait_until(Duration::from_secs(60), "partition 0's batch retried", || async {
+        worker.scrape().lines().any(|l| l.starts_with("idemflow_db_retries_total{") && !l.ends_with(" 0"))
+    })
+    .await;
+    kafka.produce("orders", &[Out::json(1, r#"{"id":"b-0","amount":1}"#)]);
+    let stalled = |body: &str| body.contains("orders/1");
+    wait_until(Duration::from_secs(60), "/readyz names partition 1", || async {
+        http_get(setup.metrics, "/readyz").is_ok_and(|(status, body)| status == 503 && stalled(&body))
+    })
+    .await;
+    // And it stays stalled through the attempts that follow (each fetches while it runs).
+    for _ in 0..16 {
+        let (status, body) = http_get(setup.metrics, "/readyz").unwrap();
+        assert!(status == 503 && stalled(&body), "{status} {body}");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    held.rollback().await.unwrap();
+    wait_until(Duration::from_secs(60), "ready again once the batches commit", || async {
+        http_get(setup.metrics, "/readyz").is_ok_and(|(status, _)| status == 200)
+    })
+    .await;
+    assert!(worker.sigterm().success(), "{}", worker.log_text());
+    assert_eq!(db.scalar::<i64>("SELECT count(*) FROM payments").await, 2);
+}

@@ -1092,11 +1092,13 @@ impl KafkaSource {
         }
         // Lag from the high watermarks librdkafka already knows from its fetches (no request).
         let fetched = self.fetch_positions();
+        let kept = self.kept();
         for e in tpl.elements() {
             if let (Some(high), Offset::Offset(next)) = (self.cached_high_watermark(e.topic(), e.partition()), e.offset()) {
                 self.metrics.lag(e.topic(), e.partition(), (high - next).max(0));
-                let from = fetched.get(&tp_of(e.topic(), e.partition())).copied().unwrap_or(next).max(next);
-                self.metrics.waiting(e.topic(), e.partition(), (high - from).max(0));
+                let tp = tp_of(e.topic(), e.partition());
+                let from = fetched.get(&tp).copied().unwrap_or(next).max(next);
+                self.metrics.waiting(e.topic(), e.partition(), (high - from).max(0) + kept.get(&tp).copied().unwrap_or(0));
             }
         }
         self.commit_list(&tpl);
@@ -1352,6 +1354,7 @@ impl KafkaSource {
         // left keep their lag until the next refresh.
         let deadline = Instant::now() + LOOKUP_TIMEOUT;
         let fetched = self.fetch_positions();
+        let kept = self.kept();
         for tp in owned {
             let (topic, partition) = (&*tp.0, tp.1);
             let cached = self.cached_high_watermark(topic, partition);
@@ -1376,8 +1379,18 @@ impl KafkaSource {
             };
             self.metrics.lag(topic, partition, (high - start).max(0));
             let from = fetched.get(&tp).copied().unwrap_or(start).max(start);
-            self.metrics.waiting(topic, partition, (high - from).max(0));
+            self.metrics.waiting(topic, partition, (high - from).max(0) + kept.get(&tp).copied().unwrap_or(0));
         }
+    }
+
+    /// Records fetched and kept for the next batch, per partition: past the fetch position, so the high watermark
+    /// does not show them, yet they wait (behind a batch of other partitions retried again and again, say).
+    fn kept(&self) -> HashMap<Tp, i64> {
+        let mut kept: HashMap<Tp, i64> = HashMap::new();
+        for run in self.stash.chunk_by(|a, b| a.position.same_partition(&b.position)) {
+            *kept.entry(tp_of(run[0].position.topic_name(), run[0].position.partition)).or_default() += run.len() as i64;
+        }
+        kept
     }
 
     /// Where the consumer's fetches are, per assigned partition (librdkafka's position: the next offset it hands

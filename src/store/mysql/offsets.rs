@@ -248,7 +248,7 @@ pub async fn lower_floor(conn: &mut MySqlConnection, pipeline: &str, topic: &str
 /// as that transaction left it ("Locking Reads": writes use the latest committed version).
 ///
 /// Errors: the database's.
-pub async fn mark_attempt(conn: &mut MySqlConnection, pipeline: &str, owner: &str, attempt: i64) -> sqlx::Result<Option<i64>> {
+pub async fn mark_attempt(conn: &mut MySqlConnection, pipeline: &str, owner: &str, attempt: i64) -> sqlx::Result<(Option<i64>, crate::store::Session)> {
     sqlx::query(
         "INSERT INTO idemflow_attempts (pipeline, owner, attempt) VALUES (?, ?, ?) \
          ON DUPLICATE KEY UPDATE previous = attempt, attempt = VALUES(attempt), updated_at = CURRENT_TIMESTAMP(6)",
@@ -258,13 +258,31 @@ pub async fn mark_attempt(conn: &mut MySqlConnection, pipeline: &str, owner: &st
     .bind(attempt)
     .execute(&mut *conn)
     .await?;
-    let previous: Option<Option<i64>> = sqlx::query_scalar("SELECT previous FROM idemflow_attempts WHERE pipeline = ? AND owner = ? AND attempt = ?")
-        .bind(pipeline)
-        .bind(owner)
-        .bind(attempt)
-        .fetch_optional(&mut *conn)
-        .await?;
-    Ok(previous.flatten())
+    let row: Option<(Option<i64>, u64)> =
+        sqlx::query_as("SELECT previous, CONNECTION_ID() FROM idemflow_attempts WHERE pipeline = ? AND owner = ? AND attempt = ?")
+            .bind(pipeline)
+            .bind(owner)
+            .bind(attempt)
+            .fetch_optional(&mut *conn)
+            .await?;
+    let (previous, id) = match row {
+        Some((previous, id)) => (previous, id),
+        None => (None, sqlx::query_scalar("SELECT CONNECTION_ID()").fetch_one(&mut *conn).await?),
+    };
+    Ok((previous, crate::store::Session::MySql(id)))
+}
+
+/// `KILL CONNECTION id` (a connection id is not reused while the server runs). Returns whether it was killed
+/// (`false`: it had ended already, error 1094). A user may kill its own connections.
+///
+/// Errors: the database's.
+pub async fn end_session(pool: &MySqlPool, id: u64) -> sqlx::Result<bool> {
+    match sqlx::raw_sql(&format!("KILL CONNECTION {id}")).execute(pool).await {
+        Ok(_) => Ok(true),
+        // ER_NO_SUCH_THREAD: the connection had ended already.
+        Err(sqlx::Error::Database(e)) if e.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>().is_some_and(|m| m.number() == 1094) => Ok(false),
+        Err(e) => Err(e),
+    }
 }
 
 /// Deletes `pipeline`'s attempt rows of lanes that wrote none for `idle`. Returns how many.

@@ -257,18 +257,37 @@ pub async fn lower_floor(conn: &mut PgConnection, pipeline: &str, topic: &str, p
 /// or not: PostgreSQL docs, "INSERT", "ON CONFLICT Clause").
 ///
 /// Errors: the database's.
-pub async fn mark_attempt(conn: &mut PgConnection, pipeline: &str, owner: &str, attempt: i64) -> sqlx::Result<Option<i64>> {
-    sqlx::query_scalar(
+pub async fn mark_attempt(conn: &mut PgConnection, pipeline: &str, owner: &str, attempt: i64) -> sqlx::Result<(Option<i64>, crate::store::Session)> {
+    let (previous, pid, started): (Option<i64>, i32, i64) = sqlx::query_as(
         "INSERT INTO idemflow.attempts AS a (pipeline, owner, attempt) VALUES ($1, $2, $3) \
          ON CONFLICT (pipeline, owner) DO UPDATE SET previous = a.attempt, attempt = EXCLUDED.attempt, updated_at = now() \
-         RETURNING previous",
+         RETURNING previous, pg_backend_pid(), (extract(epoch FROM now()) * 1000000)::int8",
     )
     .bind(pipeline)
     .bind(owner)
     .bind(attempt)
     .persistent(super::persistent())
     .fetch_one(&mut *conn)
-    .await
+    .await?;
+    Ok((previous, crate::store::Session::Postgres(pid, started)))
+}
+
+/// Terminates backend `pid` if it is still in the transaction that started at `started` (microseconds since the
+/// Unix epoch, as [`mark_attempt`] read `now()`): a pid of a session that ended meanwhile may be another's. Returns
+/// whether it was terminated. Needs no privilege for the role's own backends.
+///
+/// Errors: the database's.
+pub async fn end_session(pool: &PgPool, pid: i32, started: i64) -> sqlx::Result<bool> {
+    let ended: Option<bool> = sqlx::query_scalar(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+         WHERE pid = $1 AND (extract(epoch FROM xact_start) * 1000000)::int8 = $2",
+    )
+    .bind(pid)
+    .bind(started)
+    .persistent(super::persistent())
+    .fetch_optional(pool)
+    .await?;
+    Ok(ended.unwrap_or(false))
 }
 
 /// Deletes `pipeline`'s attempt rows of lanes that wrote none for `idle` (gone: a worker that stopped, or a pid of
