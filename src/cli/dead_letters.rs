@@ -145,7 +145,15 @@ pub async fn run(cmd: DeadLettersCommand) -> anyhow::Result<()> {
             } else if c.duplicates.iter().sum::<u64>() == 1 {
                 println!("dead letter {id}: its business key was applied already (a duplicate); its row is removed");
             } else if let Some(again) = outcome.dead_letters.first() {
-                println!("dead letter {id}: failed again ({}: {}); kept as a new dead letter", again.reason.as_str(), escape(&again.error));
+                // The row was replaced in the replay's transaction: the new one is the newest of this pipeline with
+                // this record's topic and payload (a queue's dead letter gets a new number as its position too).
+                let newer = store.dead_letters(Some(&d.pipeline), 100).await?;
+                let new_id = newer.iter().find(|n| n.id > id && n.topic == d.topic && n.payload == record.payload).map(|n| n.id);
+                let kept = match new_id {
+                    Some(n) => format!("kept as dead letter {n} (it replaces {id}: `idemflow dead-letters replay {n}` once the cause is fixed)"),
+                    None => "kept as a new dead letter (`idemflow dead-letters list` shows its id)".to_owned(),
+                };
+                println!("dead letter {id}: failed again ({}: {}); {kept}", again.reason.as_str(), escape(&again.error));
                 store.close().await;
                 bail!("replay failed");
             } else {

@@ -73,7 +73,9 @@ async fn dead_letters_list_show_and_replay() {
     let (status, out, _) = idemflow(&["dead-letters", "replay", "--config", cfg, &fk_id.to_string()], cwd);
     assert!(!status.success() && out.contains("failed again"), "{out}");
     assert_eq!(db.scalar::<i64>("SELECT count(*) FROM idemflow.dead_letters WHERE \"offset\" = 0").await, 1);
-    let fk_id: i64 = db.scalar("SELECT id FROM idemflow.dead_letters WHERE \"offset\" = 0").await;
+    let new_id: i64 = db.scalar("SELECT id FROM idemflow.dead_letters WHERE \"offset\" = 0").await;
+    assert!(out.contains(&format!("kept as dead letter {new_id} (it replaces {fk_id}")), "the new id is named: {out}");
+    let fk_id = new_id;
 
     // Fix the cause, replay: applied once, row gone.
     sqlx::query("INSERT INTO accounts VALUES ('ACC-2', 50)").execute(&db.pool).await.unwrap();
