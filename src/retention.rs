@@ -47,7 +47,7 @@ impl TopicRetention {
 /// retention covers what the topic can hold (its [`TopicRetention::longest_ms`]). A compacted topic keeps the
 /// newest record of every key for good, so it always warns.
 pub fn window_warnings(pipeline: &str, topic: &str, kept: &TopicRetention, dedup_retention: Duration) -> Vec<String> {
-    let dedup = humantime::format_duration(dedup_retention);
+    let dedup = crate::terminal::duration(dedup_retention);
     let mut out = Vec::new();
     if kept.cleanup_policy.as_deref().is_some_and(|p| p.split(',').any(|p| p.trim() == "compact")) {
         out.push(format!(
@@ -68,9 +68,9 @@ pub fn window_warnings(pipeline: &str, topic: &str, kept: &TopicRetention, dedup
              deleted whole once its newest record is past retention.ms) but dedup rows are kept {dedup}: a record \
              redelivered after {dedup} (a rewind, a long outage) would be applied again; raise [dedup] retention to at \
              least that",
-            humantime::format_duration(Duration::from_millis(longest as u64)),
-            humantime::format_duration(Duration::from_millis(retention_ms as u64)),
-            kept.segment_ms.map_or_else(|| "unknown".to_owned(), |ms| humantime::format_duration(Duration::from_millis(ms.max(0) as u64)).to_string()),
+            crate::terminal::duration(Duration::from_millis(longest as u64)),
+            crate::terminal::duration(Duration::from_millis(retention_ms as u64)),
+            kept.segment_ms.map_or_else(|| "unknown".to_owned(), |ms| crate::terminal::duration(Duration::from_millis(ms.max(0) as u64))),
         )),
         Some(_) => {}
     }
@@ -95,7 +95,7 @@ mod tests {
         // Kafka's defaults: 7 days of retention.ms and 7 days of segment.ms hold a record up to 14 days.
         let w = window_warnings("p", "t", &kept(7 * day, Some(7 * day), "delete"), week);
         assert_eq!(w.len(), 1, "{w:?}");
-        assert!(w[0].contains("14days") && w[0].contains("segment.ms 7days") && w[0].contains("kept 7days"), "{w:?}");
+        assert!(w[0].contains("14d") && w[0].contains("segment.ms 7d") && w[0].contains("kept 7d"), "{w:?}");
         assert!(window_warnings("p", "t", &kept(14 * day, None, "delete"), week)[0].contains("segment.ms unknown"));
         assert!(window_warnings("p", "t", &kept(-1, Some(day), "delete"), week)[0].contains("forever"));
         let compacted = window_warnings("p", "t", &kept(day, Some(day), "compact,delete"), week);

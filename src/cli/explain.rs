@@ -48,7 +48,7 @@ pub async fn run(a: ExplainArgs) -> anyhow::Result<()> {
         None => println!(
             "  not in the dedup store: never applied, dead-lettered (see `idemflow dead-letters list`), forgotten \
              (`idemflow dedup forget`), or purged after [dedup] retention = {}",
-            humantime::format_duration(p.dedup.retention)
+            idemflow::terminal::duration(p.dedup.retention)
         ),
     }
     Ok(())

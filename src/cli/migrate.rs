@@ -24,7 +24,15 @@ pub async fn run(a: ConfigArg) -> anyhow::Result<()> {
             a.config.display()
         );
     }
-    let store = Store::connect(database)?;
+    let store = match idemflow::config::Dialect::of_url(database.url.expose()) {
+        // The migrator's `CREATE TABLE IF NOT EXISTS _sqlx_migrations` draws a NOTICE ("relation already exists,
+        // skipping") on every run after the first: not news to an operator.
+        idemflow::config::Dialect::Postgres => {
+            let options = idemflow::store::postgres::connect_options(database)?.options([("client_min_messages", "warning")]);
+            Store::Postgres(sqlx::postgres::PgPoolOptions::new().max_connections(1).acquire_timeout(database.acquire_timeout).connect_lazy_with(options))
+        }
+        _ => Store::connect(database)?,
+    };
     let latest = store.migrate().await.context("applying migrations")?;
     println!("idemflow schema at version {latest} (migrations recorded in _sqlx_migrations)");
     Ok(())

@@ -28,7 +28,7 @@ pub async fn run(a: PurgeArgs) -> anyhow::Result<()> {
     for p in chosen.iter().filter(|p| p.sink.store().expires_dedup_keys()) {
         println!(
             "pipeline {:?}: nothing to purge, its dedup keys in Redis expire by themselves after [dedup] retention = {}",
-            p.name, humantime::format_duration(p.dedup.retention)
+            p.name, idemflow::terminal::duration(p.dedup.retention)
         );
     }
     let chosen: Vec<&config::Pipeline> = chosen.into_iter().filter(|p| !p.sink.store().expires_dedup_keys()).collect();
@@ -43,7 +43,7 @@ pub async fn run(a: PurgeArgs) -> anyhow::Result<()> {
         } else {
             println!(
                 "pipeline {:?}: purged {} dedup rows older than {} in {} batch(es)",
-                p.name, o.purged, humantime::format_duration(p.dedup.retention), o.batches
+                p.name, o.purged, idemflow::terminal::duration(p.dedup.retention), o.batches
             );
         }
     }

@@ -88,7 +88,7 @@ pub fn summary(pipeline: &SourceContext) -> String {
             "stream {:?}, durable consumer {:?}, ack_wait {}, max_ack_pending {}",
             n.stream,
             n.consumer,
-            humantime::format_duration(n.ack_wait),
+            crate::terminal::duration(n.ack_wait),
             n.max_ack_pending
         ),
     }
@@ -111,7 +111,7 @@ pub fn timing_warnings(brokers: &Brokers, pipeline: &SourceContext) -> Vec<Strin
 /// (`warning: ...` where the retention falls short or could not be read).
 #[cfg_attr(not(feature = "kafka"), allow(unused_variables))]
 pub async fn retention_report(brokers: &Brokers, pipeline: &SourceContext) -> Vec<String> {
-    let retention = humantime::format_duration(pipeline.dedup_retention);
+    let retention = crate::terminal::duration(pipeline.dedup_retention);
     match &pipeline.source {
         SourceSpec::RocketMq(r) => vec![format!(
             "pipeline {:?}: topic {:?}: a RocketMQ broker keeps messages for its fileReservedTime (72 h by default); \

@@ -31,6 +31,7 @@ async fn migrate_then_check_every_shipped_pipeline() {
     assert!(status.success(), "{out}{err}");
     let (status, out, err) = idemflow(&["migrate", "--config", cfg], dir.path());
     assert!(status.success(), "migrate is idempotent: {out}{err}");
+    assert!(!err.contains("already exists"), "the migrator's own NOTICE is not shown: {err}");
 
     let (status, out, err) = idemflow(&["check", "--config", cfg], dir.path());
     assert!(status.success(), "{out}{err}");

@@ -222,7 +222,7 @@ fn every_idemflow_command_in_the_readme_and_the_docs_is_one_the_binary_takes() {
     }
     assert!(wrong.is_empty(), "{}", wrong.join("\n"));
     // Every command the binary has is shown somewhere.
-    for sub in ["run", "check", "migrate", "explain", "dead-letters list", "dedup forget", "rewind", "purge", "demo", "bench", "completions", "schema"] {
+    for sub in ["run", "check", "migrate", "explain", "dead-letters list", "dedup forget", "rewind", "purge", "demo", "bench", "soak", "completions", "schema"] {
         assert!(help.contains_key(sub), "no page shows `idemflow {sub}`");
     }
 }

@@ -435,8 +435,8 @@ async fn check_compares_the_dedup_retention_with_what_each_topic_can_keep() {
     assert!(status.success(), "{out}{err}");
     assert!(out.contains("pipeline \"covered\": topic \"covered\": dedup retention covers what the topic can keep"), "{out}");
     assert!(
-        out.contains("warning: pipeline \"segments\": topic \"segments\" can keep a record for 6days (retention.ms 3days + segment.ms 3days")
-            && out.contains("but dedup rows are kept 5days"),
+        out.contains("warning: pipeline \"segments\": topic \"segments\" can keep a record for 6d (retention.ms 3d + segment.ms 3d")
+            && out.contains("but dedup rows are kept 5d"),
         "3 days of retention.ms are covered by 5 days, 3 + 3 are not: {out}"
     );
     assert!(out.contains("warning: pipeline \"compacted\": topic \"compacted\" is compacted (cleanup.policy = compact)"), "{out}");

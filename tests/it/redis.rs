@@ -131,7 +131,7 @@ async fn core_duplicates_exactly_once_on_redis() {
     let (status, out, err) = idemflow(&["check", "--config", setup.config.to_str().unwrap()], setup.dir.path());
     assert!(status.success(), "check failed:\n{out}\n{err}");
     assert!(out.contains("appendonly yes, appendfsync everysec"), "{out}");
-    assert!(out.contains("nothing to purge: its dedup keys expire by themselves after [dedup] retention = 7days"), "{out}");
+    assert!(out.contains("nothing to purge: its dedup keys expire by themselves after [dedup] retention = 7d"), "{out}");
     let w = BinWorker::start(&setup);
     wait_all_durable(&server, &kafka, 3, &s, &[&w]).await;
     assert_exactly_once(&server, &s);

@@ -204,7 +204,7 @@ pub fn plan(
                      {}: dedup rows of operations that old may have been purged, and those would be applied again",
                     rfc3339_ms(ts),
                     m.to,
-                    humantime::format_duration(pipeline.dedup_retention),
+                    crate::terminal::duration(pipeline.dedup_retention),
                 ));
             }
         }

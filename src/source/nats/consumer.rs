@@ -743,8 +743,8 @@ pub fn creation_refusal(
              had its dedup row purged (or been applied before idemflow) and would be applied again; {create}",
             spec.consumer,
             spec.stream,
-            humantime::format_duration(Duration::from_secs(age.as_secs())),
-            humantime::format_duration(retention)
+            crate::terminal::duration(Duration::from_secs(age.as_secs())),
+            crate::terminal::duration(retention)
         ));
     }
     None
@@ -955,22 +955,22 @@ pub async fn check(settings: &NatsSettings, pipeline: &SourceContext) -> Result<
             let kept = if config.max_age.is_zero() {
                 "until its limits on messages or bytes are reached (no max_age)".to_owned()
             } else {
-                format!("for {} (max_age)", humantime::format_duration(config.max_age))
+                format!("for {} (max_age)", crate::terminal::duration(config.max_age))
             };
             lines.push(format!(
                 "warning: pipeline {name:?}: stream {:?} keeps messages {kept}, longer than [dedup] retention = {}: a message \
                  redelivered or replayed (a consumer created again from an early start) after its dedup row was purged would \
                  be applied again",
                 spec.stream,
-                humantime::format_duration(retention)
+                crate::terminal::duration(retention)
             ));
         }
         lines.push(format!(
             "pipeline {name:?}: stream {:?}: the server drops a publisher's retries with the same Nats-Msg-Id within {} \
              (duplicate_window); copies published later, and every redelivery, are skipped by idemflow's dedup rows for {}",
             spec.stream,
-            humantime::format_duration(config.duplicate_window),
-            humantime::format_duration(retention)
+            crate::terminal::duration(config.duplicate_window),
+            crate::terminal::duration(retention)
         ));
         match stream.consumer_info(&spec.consumer).await {
             Ok(c) => {
@@ -978,7 +978,7 @@ pub async fn check(settings: &NatsSettings, pipeline: &SourceContext) -> Result<
                 lines.push(format!(
                     "pipeline {name:?}: consumer {:?}: pull, explicit acks, ack_wait {}, max_ack_pending {}; {} pending, {} awaiting ack",
                     spec.consumer,
-                    humantime::format_duration(c.config.ack_wait),
+                    crate::terminal::duration(c.config.ack_wait),
                     c.config.max_ack_pending,
                     c.num_pending,
                     c.num_ack_pending
@@ -988,8 +988,8 @@ pub async fn check(settings: &NatsSettings, pipeline: &SourceContext) -> Result<
                         "warning: pipeline {name:?}: consumer {:?} has ack_wait {}, not [source] ack_wait = {}: the pipeline's \
                          applies only to a consumer idemflow creates; in-progress acks follow the consumer's",
                         spec.consumer,
-                        humantime::format_duration(c.config.ack_wait),
-                        humantime::format_duration(spec.ack_wait)
+                        crate::terminal::duration(c.config.ack_wait),
+                        crate::terminal::duration(spec.ack_wait)
                     ));
                 }
             }
@@ -1001,7 +1001,7 @@ pub async fn check(settings: &NatsSettings, pipeline: &SourceContext) -> Result<
                     "pipeline {name:?}: consumer {:?} does not exist yet: `idemflow run` creates it (durable, pull, explicit \
                      acks, no delivery limit, ack_wait {}, max_ack_pending {}, from the stream's first message)",
                     spec.consumer,
-                    humantime::format_duration(spec.ack_wait),
+                    crate::terminal::duration(spec.ack_wait),
                     spec.max_ack_pending
                 ));
             }

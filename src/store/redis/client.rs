@@ -342,7 +342,7 @@ impl RedisStore {
             lines.push(format!(
                 "pipeline {:?}: nothing to purge: its dedup keys expire by themselves after [dedup] retention = {}",
                 p.name,
-                humantime::format_duration(p.retention)
+                crate::terminal::duration(p.retention)
             ));
             if !p.has_positions && facts.appendfsync.as_deref() != Some("always") {
                 lines.push(format!(
