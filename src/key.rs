@@ -144,6 +144,11 @@ impl KeySpec {
             }
             KeySource::RecordKey => self.bytes(&"(the record key)", record.key.as_deref())?,
             KeySource::Header(name) => self.bytes(&format_args!("(header {name:?})"), record.header(name).flatten())?,
+            // Each broker's users know the message id by its own name.
+            KeySource::Property(name) if name == crate::record::MESSAGE_ID => self.bytes(
+                &"(message_id: RabbitMQ's message-id property, JetStream's Nats-Msg-Id header, RocketMQ's UNIQ_KEY)",
+                record.property(name).map(str::as_bytes),
+            )?,
             KeySource::Property(name) => self.bytes(&format_args!("(property {name})"), record.property(name).map(str::as_bytes))?,
         };
         if let Some(max) = self.max_bytes {

@@ -374,13 +374,13 @@ pub async fn rewind_group(
         SourceSpec::Nats(n) => anyhow::bail!(
             "{}: pipeline {:?} has a {} source: rewind moves a consumer's stored position back; a JetStream durable \
              consumer's position is its ack floor on the server, which cannot be moved back. To replay stream {:?}, create \
-             a new consumer with the start you mean ({}, under a new name) and name it in [source] consumer: the dedup \
+             a new consumer with the start you mean ({}) and name it in [source] consumer: the dedup \
              store skips every message already applied within [dedup] retention",
             file.display(),
             pipeline.name,
             pipeline.source.kind(),
             n.stream,
-            nats_add_command(n, pipeline.batch.max_records)
+            nats_add_command(n, pipeline.batch.max_records, &format!("{}-replay", n.consumer))
         ),
         SourceSpec::RabbitMq(_) => anyhow::bail!(
             "{}: pipeline {:?} has a {} source: rewind moves a consumer group back; a queue has no positions to go \
@@ -395,11 +395,11 @@ pub async fn rewind_group(
 
 /// The natscli command that creates a JetStream pipeline's consumer (see `nats::add_command`), also in a build
 /// without the NATS client.
-fn nats_add_command(spec: &nats::NatsSpec, max_records: usize) -> String {
+fn nats_add_command(spec: &nats::NatsSpec, max_records: usize, name: &str) -> String {
     #[cfg(feature = "nats")]
-    return nats::add_command(spec, max_records);
+    return nats::add_command(spec, max_records, name);
     #[cfg(not(feature = "nats"))]
-    return format!("`nats consumer add {} <name> --pull --ack explicit --max-deliver=-1 --deliver <start>`", spec.stream);
+    return format!("`nats consumer add {} {name} --pull --ack explicit --max-deliver=-1 --deliver <start>`", spec.stream);
 }
 
 /// Why a broker this build leaves out cannot be used: `what` (the broker) and the cargo `feature` to build with.

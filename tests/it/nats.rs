@@ -307,7 +307,7 @@ async fn check_refuses_what_cannot_work() {
     // Rewind is refused with the way to replay.
     let setup = Setup::nats(&db, &server, &[("payments.toml", &example("PAYMENTS", ""))], "");
     let (status, out, err) = idemflow(&["rewind", "--config", setup.config.to_str().unwrap(), "--pipeline", "payments", "--to", "earliest"], setup.dir.path());
-    assert!(!status.success() && err.contains("nats consumer add PAYMENTS") && err.contains("[source] consumer"), "{out}{err}");
+    assert!(!status.success() && err.contains("nats consumer add PAYMENTS idemflow-payments-replay ") && err.contains("[source] consumer"), "a new name, not the one in use: {out}{err}");
 }
 
 /// `[nats]` credentials and TLS: user and password (in the settings or in the URL), a token, and TLS with a private

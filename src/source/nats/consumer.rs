@@ -344,7 +344,7 @@ impl NatsSource {
                      [dedup] retention (older ones could be applied again)",
                     self.spec.consumer,
                     self.spec.stream,
-                    add_command(&self.spec, self.max_records)
+                    add_command(&self.spec, self.max_records, &self.spec.consumer)
                 ));
                 self.live = None;
             }
@@ -722,7 +722,7 @@ pub fn creation_refusal(
     retention: Duration,
     version: &str,
 ) -> Option<String> {
-    let create = format!("create the consumer yourself ({}) and run again", add_command(spec, batch.0));
+    let create = format!("create the consumer yourself ({}) and run again", add_command(spec, batch.0, &spec.consumer));
     if let Err(why) = verify_consumer(&consumer_config(spec).into_consumer_config(), spec, batch) {
         return Some(format!("the consumer idemflow would create cannot work: {why}"));
     }
@@ -750,16 +750,16 @@ pub fn creation_refusal(
     None
 }
 
-/// The natscli command that creates `spec`'s consumer as idemflow would, with the start left to the user
-/// (`--deliver`: all, new, a stream sequence, or a duration back from now such as 36h). `max_records`: the
-/// pipeline's batch, which `max_ack_pending` must reach.
-pub fn add_command(spec: &NatsSpec, max_records: usize) -> String {
+/// The natscli command that creates a consumer named `name` on `spec`'s stream as idemflow would create its own,
+/// with the start left to the user (`--deliver`: all, new, a stream sequence, or a duration back from now such as
+/// 36h). `max_records`: the pipeline's batch, which `max_ack_pending` must reach.
+pub fn add_command(spec: &NatsSpec, max_records: usize, name: &str) -> String {
     let filters: String = spec.filter_subjects.iter().map(|f| format!(" --filter {f}")).collect();
     format!(
         "`nats consumer add {} {} --pull --ack explicit --max-deliver=-1 --max-pending {} --wait {}s{filters} \
          --deliver <all|new|SEQUENCE|DURATION> --defaults`, with the nats CLI (github.com/nats-io/natscli)",
         spec.stream,
-        spec.consumer,
+        name,
         spec.max_ack_pending.max(max_records as i64),
         spec.ack_wait.as_secs().max(1)
     )
