@@ -111,14 +111,17 @@ async fn find(a: &CheckArgs) -> Findings {
         Err(e) => return Findings::problems([format!("{e:#}")]),
     };
     let lines = |errors: Vec<config::PipelineError>| errors.into_iter().flat_map(config::PipelineError::split).map(|e| e.to_string());
-    let pipelines = match config::load_pipelines_for(&settings) {
-        Ok(p) => p,
-        Err(e) => return Findings::problems(lines(e)),
-    };
-    if let Err(e) = config::check_sources(&settings, &pipelines) {
-        return Findings::problems(lines(e));
+    // A file that does not load does not hide the others' problems: those that load are checked on.
+    let (pipelines, unloaded) = config::load_some_pipelines_for(&settings);
+    let mut findings = Findings::problems(lines(unloaded));
+    let all_loaded = findings.problems.is_empty();
+    if pipelines.is_empty() {
+        return findings;
     }
-    let mut findings = Findings::default();
+    if let Err(e) = config::check_sources(&settings, &pipelines) {
+        findings.problems.extend(lines(e));
+        return findings;
+    }
     let brokers = settings.brokers();
     for p in &pipelines {
         match source::check::check(&brokers, &p.source_context()).await {
@@ -147,7 +150,7 @@ async fn find(a: &CheckArgs) -> Findings {
             return findings;
         }
     };
-    findings.stores_ok = true;
+    findings.stores_ok = all_loaded;
     if !findings.problems.is_empty() {
         return findings;
     }

@@ -351,10 +351,26 @@ pub fn load_pipelines_for(settings: &Settings) -> Result<Vec<Pipeline>, Vec<Pipe
 
 /// [`load_pipelines`], for a store whose SQL follows `dialect`.
 pub fn load_pipelines_in(dir: &Path, dialect: Dialect) -> Result<Vec<Pipeline>, Vec<PipelineError>> {
+    let (pipelines, errors) = load_pipelines_partly(dir, dialect);
+    if errors.is_empty() {
+        Ok(pipelines)
+    } else {
+        Err(errors)
+    }
+}
+
+/// The pipelines of `settings` that load, and the problems of those that do not (and of names or sources two
+/// files share): `idemflow check` goes on with the first to report every file's problems in one run.
+pub fn load_some_pipelines_for(settings: &Settings) -> (Vec<Pipeline>, Vec<PipelineError>) {
+    let dialect = settings.database.as_ref().map_or(Dialect::Postgres, |d| Dialect::of_url(d.url.expose()));
+    load_pipelines_partly(&settings.pipelines, dialect)
+}
+
+fn load_pipelines_partly(dir: &Path, dialect: Dialect) -> (Vec<Pipeline>, Vec<PipelineError>) {
     let entries = match std::fs::read_dir(dir) {
         Ok(entries) => entries,
         Err(e) => {
-            return Err(vec![PipelineError {
+            return (Vec::new(), vec![PipelineError {
                 file: dir.display().to_string(),
                 pipeline: String::new(),
                 field: String::new(),
@@ -397,11 +413,7 @@ pub fn load_pipelines_in(dir: &Path, dialect: Dialect) -> Result<Vec<Pipeline>, 
         }
         seen.push(p);
     }
-    if errors.is_empty() {
-        Ok(pipelines)
-    } else {
-        Err(errors)
-    }
+    (pipelines, errors)
 }
 
 /// Checks that every pipeline's source has its broker settings: `[kafka] bootstrap_servers` for a Kafka source,

@@ -104,6 +104,13 @@ async fn bad_configuration_names_file_pipeline_and_field() {
     assert!(err.contains("b.toml: pipeline \"b\": sink.sql: ") && err.contains("nowhere"), "{err}");
     assert!(!err.contains(&db.url), "the database URL (with its password) is never printed: {err}");
 
+    // One file that does not even load does not hide the other's problem with the database: both in one run.
+    write("a.toml", "topics = [\"orders\"]\nbogus = 1\n[key]\nfield = \"/order/id\"\n[sink]\ntable = \"payments\"\n[sink.columns]\norder_id = \"/order/id\"\n");
+    let (status, out, err) = idemflow(&["check", "--config", "idemflow.toml"], dir.path());
+    assert!(!status.success(), "{out}{err}");
+    assert!(err.contains("a.toml") && err.contains("bogus"), "{err}");
+    assert!(err.contains("b.toml: pipeline \"b\": sink.sql: ") && err.contains("nowhere"), "the other file's problem too: {err}");
+
     // An unknown key in the settings file.
     std::fs::write(dir.path().join("idemflow.toml"), "[database]\nurl = \"x\"\nmax_conections = 3\n[kafka]\nbootstrap_servers = \"k\"\n").unwrap();
     let (status, _, err) = idemflow(&["check", "--config", "idemflow.toml"], dir.path());
