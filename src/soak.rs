@@ -232,7 +232,9 @@ struct Worker {
 impl Worker {
     fn start(config: &Path, log: &Path, metrics: std::net::SocketAddr) -> anyhow::Result<Worker> {
         let file = std::fs::OpenOptions::new().create(true).append(true).open(log)?;
-        let child = Command::new(std::env::current_exe()?)
+        let mut command = Command::new(std::env::current_exe()?);
+        crate::demo::kafka::without_inherited_descriptors(&mut command);
+        let child = command
             .args(["run", "--config"])
             .arg(config)
             .env_remove("RUST_LOG")

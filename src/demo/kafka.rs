@@ -89,3 +89,20 @@ impl EmbeddedKafka {
         self.producer.flush(Duration::from_secs(60))
     }
 }
+
+/// Makes `command`'s process start with no file descriptor of this one beyond stdin, stdout and stderr. librdkafka
+/// opens its sockets without close-on-exec, so a child started while an [`EmbeddedKafka`] runs (a worker, `pg_ctl`
+/// and with it the PostgreSQL server) would otherwise hold copies of the broker's listening socket and its
+/// connections: a broker taken down then could not listen on its port again while the copies live
+/// (`rd_kafka_mock_broker_set_up` fails to bind), and its connections would not close.
+pub fn without_inherited_descriptors(command: &mut std::process::Command) -> &mut std::process::Command {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: close_range(2) is async-signal-safe; nothing else runs between fork and exec. A kernel without it
+    // (before 5.9) leaves the descriptors as they were.
+    unsafe {
+        command.pre_exec(|| {
+            libc::syscall(libc::SYS_close_range, 3u32, u32::MAX, 0u32);
+            Ok(())
+        })
+    }
+}

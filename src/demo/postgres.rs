@@ -79,6 +79,8 @@ fn is_root() -> bool {
 }
 
 fn run(mut command: Command) -> Result<(), ThrowawayError> {
+    // The server started here must not keep an embedded broker's sockets open ([`super::kafka`]).
+    super::kafka::without_inherited_descriptors(&mut command);
     let out = command.stdin(Stdio::null()).output()?;
     if out.status.success() {
         Ok(())
