@@ -144,3 +144,32 @@ async fn bad_configuration_names_file_pipeline_and_field() {
     assert!(!status.success());
     assert!(err.contains("idemflow.toml: line 1, column 1: database.url: missing (it has no default)"), "{err}");
 }
+
+/// A `batch_sql` statement PostgreSQL refuses for a type names its place (`sink.batch_sql[1]`) and, when a column
+/// of new_records it reads has no `type` (so it is text), says so and how to give one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_sql_type_error_names_the_statement_and_the_untyped_column() {
+    let db = TestDb::new("CREATE TABLE stock (sku text PRIMARY KEY, qty integer NOT NULL); CREATE TABLE moves (sku text);").await;
+    let kafka = Kafka::new();
+    kafka.create_topic("moves", 1);
+    let pipeline = r#"topics = ["moves"]
+[key]
+field = "/id"
+[sink]
+batch_sql = [
+  "INSERT INTO moves (sku) SELECT sku FROM new_records",
+  "INSERT INTO stock (sku, qty) SELECT sku, qty FROM new_records",
+]
+[sink.params]
+sku = "/sku"
+qty = "/qty"
+"#;
+    let setup = Setup::new(&db, &kafka, &[("moves.toml", pipeline)]);
+    let (status, out, err) = idemflow(&["migrate", "--config", setup.config.to_str().unwrap()], setup.dir.path());
+    assert!(status.success(), "{out}{err}");
+    let (status, out, err) = idemflow(&["check", "--config", setup.config.to_str().unwrap()], setup.dir.path());
+    assert!(!status.success(), "{out}{err}");
+    assert!(err.contains("moves.toml: pipeline \"moves\": sink.batch_sql[1]: ") && err.contains("is of type integer"), "{err}");
+    assert!(err.contains("hint: new_records.qty is text: [sink.params] qty has no `type`"), "{err}");
+    assert!(!err.contains("new_records.sku is text"), "sku is text into a text column: not named: {err}");
+}

@@ -790,13 +790,57 @@ async fn prepare_batch(
             None => format!("WITH {relation}\n{written}"),
         };
         // The statement as sent: PostgreSQL's error positions count from its start.
-        check_parses(conn, &sql).await.map_err(|e| db_error(&statement.origin, e, &sql))?;
+        check_parses(conn, &sql).await.map_err(|e| {
+            let hint = untyped_hint(&e, &written, columns);
+            let mut error = db_error(&statement.origin, e, &sql);
+            error.message.push_str(&hint);
+            error
+        })?;
         prepared.push(sql);
     }
     let bindings = columns.iter().cloned().zip(types.iter().map(|t| t.target.as_ref().expect("checked").render())).collect();
     // The probe of every batch: a PREPARE of each statement, which takes its locks. Its parameter types are the
     // text arrays whatever the schema; a change that breaks a statement fails the PREPARE.
     Ok((Form::Batch { columns: columns.len(), statements: prepared.clone() }, Probe::Statements(prepared), bindings))
+}
+
+/// For a `batch_sql` statement PostgreSQL refused for a type (SQLSTATE 42804, datatype_mismatch: `column "qty" is
+/// of type integer but expression is of type text`): the `new_records` columns the statement reads that have no
+/// `type` in `[sink.params]`, which are text, with what to write instead. Empty otherwise.
+fn untyped_hint(e: &sqlx::Error, statement: &str, columns: &[Binding]) -> String {
+    let mismatch = e.as_database_error().and_then(|d| d.code()).is_some_and(|c| c == "42804");
+    if !mismatch {
+        return String::new();
+    }
+    let mut untyped: Vec<&str> = columns
+        .iter()
+        .filter(|b| b.type_name.is_none() && mentions(statement, &b.name))
+        .map(|b| b.name.as_str())
+        .collect();
+    // The message names the column assigned to (`column "qty" is of type ...`, in any language): a column of
+    // new_records with that name is the likely one. Only for the hint; nothing is decided on the text.
+    let message = e.as_database_error().map(|d| d.message().to_owned()).unwrap_or_default();
+    let named: Vec<&str> = untyped.iter().copied().filter(|n| message.contains(&format!("\"{n}\""))).collect();
+    if !named.is_empty() {
+        untyped = named;
+    }
+    match untyped.first() {
+        None => String::new(),
+        Some(first) => format!(
+            "\n  hint: new_records.{} {} text: [sink.params] {} no `type` (give one: {first} = {{ field = \"...\", type = \"integer\" }})",
+            untyped.join(", new_records."),
+            if untyped.len() == 1 { "is" } else { "are" },
+            if untyped.len() == 1 { format!("{first} has") } else { format!("{} have", untyped.join(", ")) },
+        ),
+    }
+}
+
+/// Whether `sql` has `name` as a word of its own (case aside, as PostgreSQL folds unquoted names): a rough test,
+/// for a hint only.
+fn mentions(sql: &str, name: &str) -> bool {
+    let (sql, name) = (sql.to_lowercase(), name.to_lowercase());
+    let word = |c: Option<char>| c.is_some_and(|c| c.is_alphanumeric() || c == '_' || c == '$');
+    sql.match_indices(&name).any(|(at, _)| !word(sql[..at].chars().next_back()) && !word(sql[at + name.len()..].chars().next()))
 }
 
 /// Whether `sql`, with `params` parameters, returns rows: the top node of its plan (`EXPLAIN (VERBOSE, FORMAT
