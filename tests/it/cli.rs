@@ -173,3 +173,31 @@ qty = "/qty"
     assert!(err.contains("hint: new_records.qty is text: [sink.params] qty has no `type`"), "{err}");
     assert!(!err.contains("new_records.sku is text"), "sku is text into a text column: not named: {err}");
 }
+
+/// `check` refuses a table-form column fed by record metadata that its type cannot take (`meta = "timestamp"` into
+/// `integer`, `"topic"` into `bigint`): at run time every record would be dead-lettered. What fits passes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_refuses_metadata_a_column_cannot_take() {
+    let db = TestDb::new(
+        "CREATE TABLE audit (id text PRIMARY KEY, seen integer, source bigint, at timestamptz, part integer, pos bigint, name text);",
+    )
+    .await;
+    let kafka = Kafka::new();
+    kafka.create_topic("orders", 1);
+    let pipeline = |columns: &str| {
+        format!("topics = [\"orders\"]\n[key]\nfield = \"/id\"\n[sink]\ntable = \"audit\"\n[sink.columns]\nid = \"/id\"\n{columns}")
+    };
+    let bad = pipeline("seen = { meta = \"timestamp\" }\nsource = { meta = \"topic\" }\n");
+    let setup = Setup::new(&db, &kafka, &[("audit.toml", &bad)]);
+    let cfg = setup.config.to_str().unwrap();
+    let (status, out, err) = idemflow(&["migrate", "--config", cfg], setup.dir.path());
+    assert!(status.success(), "{out}{err}");
+    let (status, out, err) = idemflow(&["check", "--config", cfg], setup.dir.path());
+    assert!(!status.success(), "{out}{err}");
+    assert!(err.contains("sink.columns.seen: column \"seen\" is integer: meta = \"timestamp\" gives the record's timestamp"), "{err}");
+    assert!(err.contains("sink.columns.source: column \"source\" is bigint: meta = \"topic\""), "{err}");
+    let good = pipeline("at = { meta = \"timestamp\" }\npart = { meta = \"partition\" }\npos = { meta = \"offset\" }\nname = { meta = \"topic\" }\n");
+    std::fs::write(setup.dir.path().join("pipelines/audit.toml"), good).unwrap();
+    let (status, out, err) = idemflow(&["check", "--config", cfg], setup.dir.path());
+    assert!(status.success(), "{out}{err}");
+}

@@ -41,7 +41,7 @@
 use crate::store::template::Statement;
 use crate::store::PrepareError;
 use crate::store::spec::{
-    Binding, OnConflict, SinkSpec, TimeSettings, IDLE_IN_TRANSACTION_TIMEOUT, TCP_KEEPALIVE_COUNT, TCP_KEEPALIVE_IDLE_SECS,
+    Binding, Meta, OnConflict, SinkSpec, TimeSettings, ValueSource, IDLE_IN_TRANSACTION_TIMEOUT, TCP_KEEPALIVE_COUNT, TCP_KEEPALIVE_IDLE_SECS,
     TCP_KEEPALIVE_INTERVAL_SECS,
 };
 use crate::field::Render;
@@ -568,6 +568,9 @@ async fn prepare_table(
             problems.push(prepare_error(format!("sink.columns.{}", b.name), format!("column {:?}: {why}", b.name)));
         }
     }
+    if problems.is_empty() {
+        problems.extend(meta_mismatches(conn, columns, &types).await?);
+    }
     if !problems.is_empty() {
         return Err(PrepareError::all(problems));
     }
@@ -608,6 +611,44 @@ async fn prepare_table(
         .zip(types.iter().map(|t| t.target.as_ref().expect("checked").render()))
         .collect();
     Ok((Form::Table { sql, columns: columns.len() }, Probe::Table(probe_sql), bindings))
+}
+
+/// The table-form columns fed by record metadata whose column cannot take what the metadata gives (`meta =
+/// "timestamp"` into an `integer` column, `"topic"` into `bigint`): every record would be dead-lettered at run time.
+/// Each such column's cast is tried by the server on a value of the metadata's shape (the cast every batch makes);
+/// a data exception (SQLSTATE class 22) is a problem naming the column, its type and the metadata. The business key
+/// is not tried: its shape is the payload's.
+///
+/// Errors: the database's, other than a data exception.
+async fn meta_mismatches(conn: &mut PgConnection, columns: &[Binding], types: &[TargetType]) -> Result<Vec<PrepareError>, PrepareError> {
+    let mut problems = Vec::new();
+    for (b, t) in columns.iter().zip(types) {
+        let (ValueSource::Meta(meta), Ok(target)) = (&b.source, &t.target) else { continue };
+        let (name, sample, what) = match meta {
+            Meta::Topic => ("topic", "orders", "the topic's name"),
+            Meta::Partition => ("partition", "0", "the partition number"),
+            Meta::Offset => ("offset", "0", "the record's offset"),
+            Meta::Timestamp => ("timestamp", "2026-12-04T10:00:00.000Z", "the record's timestamp as RFC 3339 text"),
+            Meta::BusinessKey => continue,
+        };
+        let sql = format!("SELECT CAST({} AS text) FROM (SELECT CAST($1 AS text) AS c0) AS u", target.cast("u.c0", &t.name));
+        // In a savepoint: the preparation's transaction goes on after a refused cast.
+        let mut savepoint = conn.begin().await.map_err(|e| db_error("database", e, ""))?;
+        let tried = sqlx::query_scalar::<_, Option<String>>(&sql).bind(sample).persistent(false).fetch_one(&mut *savepoint).await;
+        savepoint.rollback().await.map_err(|e| db_error("database", e, ""))?;
+        match tried {
+            Ok(_) => {}
+            Err(e) if e.as_database_error().and_then(|d| d.code()).is_some_and(|c| c.starts_with("22")) => {
+                let said = e.as_database_error().map(|d| d.message().to_owned()).unwrap_or_default();
+                problems.push(prepare_error(
+                    format!("sink.columns.{}", b.name),
+                    format!("column {:?} is {}: meta = {name:?} gives {what} (such as {sample:?}), which it cannot take ({said})", b.name, t.name),
+                ));
+            }
+            Err(e) => return Err(db_error(format!("sink.columns.{}", b.name), e, &sql)),
+        }
+    }
+    Ok(problems)
 }
 
 /// The `ON CONFLICT` clause of the table form's statement: none for `on_conflict = "error"`, `DO NOTHING`, or
