@@ -626,3 +626,27 @@ async fn messages_delivered_while_a_batch_waits_are_prepared_ahead() {
     };
     crate::hardening::records_prepared_ahead_from_a_queue_bind_their_own_values(&setup, &db, publish).await;
 }
+
+/// A delivery returned to its queue many times (`x-delivery-count` at or past `DELIVERY_COUNT_WARNING`, 10, in
+/// `src/source/rabbitmq/consumer.rs`) is logged as a warning naming the quorum
+/// queues' delivery limit, which would drop it out of idemflow's sight; it is applied as any other. (A classic
+/// queue passes the publisher's header through, which stands in here for a quorum queue's own count.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delivery_returned_many_times_warns_of_the_delivery_limit() {
+    let url = rabbitmq::shared_url();
+    let queue = format!("returned-{}", unique());
+    let client = Client::connect(url).await;
+    client.declare(&queue, "classic", false).await;
+    let db = TestDb::new(ORDERS_TABLE).await;
+    let setup = Setup::rabbitmq(&db, url, &[("orders.toml", &orders_pipeline(&queue, ""))], "");
+    let count = lapin::types::AMQPValue::LongLongInt(10);
+    client.publish_with_values(&queue, &Msg::json("o-1", "{\"amount\": 1}"), vec![("x-delivery-count", count)]).await;
+    client.publish(&queue, &[Msg::json("o-2", "{\"amount\": 2}")]).await;
+    let mut w = BinWorker::start(&setup);
+    wait_until(Duration::from_secs(60), "both applied", || async { db.scalar::<i64>("SELECT count(*) FROM orders").await == 2 }).await;
+    assert!(w.sigterm().success(), "{}", w.log_text());
+    let log = w.log_text();
+    let warned: Vec<&str> = log.lines().filter(|l| l.contains("x-delivery-limit")).collect();
+    assert_eq!(warned.len(), 1, "one warning, for o-1:\n{log}");
+    assert!(warned[0].contains("WARN") && warned[0].contains(&queue), "{}", warned[0]);
+}

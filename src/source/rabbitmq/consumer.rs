@@ -263,6 +263,15 @@ impl RabbitMqSource {
         if let Some(live) = &mut self.live {
             live.unacked[queue] += 1;
         }
+        let returned = d.properties.headers().as_ref().and_then(|h| h.inner().get("x-delivery-count").and_then(integer)).unwrap_or(0);
+        if returned >= DELIVERY_COUNT_WARNING {
+            tracing::warn!(
+                queue = %self.queues[queue], delivery_tag = d.delivery_tag, x_delivery_count = returned,
+                "a message returned to its queue {returned} times (a crash loop, lost connections): a quorum queue with a \
+                 delivery limit (x-delivery-limit; RabbitMQ 4 sets 20 by default) drops or dead-letters it past that \
+                 many, out of idemflow's sight: give the queue a dead-letter exchange or no limit (docs/rabbitmq.md)"
+            );
+        }
         to_record(self.queues[queue].clone(), d, self.max_payload_bytes)
     }
 
@@ -523,6 +532,10 @@ fn tls_config(settings: &RabbitMqSettings) -> Result<lapin::tcp::OwnedTLSConfig,
     };
     Ok(lapin::tcp::OwnedTLSConfig { identity, cert_chain })
 }
+
+/// From this many returns to the queue (`x-delivery-count`, quorum queues) a delivery is logged as a warning: half
+/// of RabbitMQ 4's default `x-delivery-limit` (20), past which the broker drops or dead-letters the message itself.
+pub const DELIVERY_COUNT_WARNING: i64 = 10;
 
 /// A delivery as a [`Record`]: the queue name, [`NO_PARTITION`] and the delivery tag as its position, the
 /// message's timestamp property (seconds, AMQP 0-9-1) in milliseconds, its headers as text, its text properties,

@@ -87,11 +87,17 @@ impl Client {
 
     /// Publishes one persistent message with these headers (long-string values), with a publisher confirm.
     pub async fn publish_with_headers(&self, queue: &str, message: &Msg, headers: &[(&str, &str)]) {
+        let values: Vec<(&str, AMQPValue)> = headers.iter().map(|(k, v)| (*k, AMQPValue::LongString((*v).into()))).collect();
+        self.publish_with_values(queue, message, values).await
+    }
+
+    /// [`Client::publish_with_headers`] with header values of any AMQP type.
+    pub async fn publish_with_values(&self, queue: &str, message: &Msg, headers: Vec<(&str, AMQPValue)>) {
         let ch = self.connection.create_channel().await.unwrap();
         ch.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
         let mut table = FieldTable::default();
         for (k, v) in headers {
-            table.insert((*k).into(), AMQPValue::LongString((*v).into()));
+            table.insert(k.into(), v);
         }
         let mut props = BasicProperties::default().with_delivery_mode(2).with_headers(table);
         if let Some(id) = &message.message_id {
