@@ -102,12 +102,14 @@
 //!   part of the batch may be committed without the rest. Tested with a lost answer injected
 //!   ([`worker::Faults::lose_commit_answer`]) on PostgreSQL and MariaDB, and a procedure's `COMMIT` followed by a
 //!   lock wait timeout (`tests/it/hardening.rs`, `tests/it/mariadb.rs`). Redis's script has no such record: a lost
-//!   answer's retry counts the batch as duplicates (effects once). An attempt abandoned at `batch_timeout` has its
-//!   server session ended (`Store::end_session`, by the backend pid and transaction start the attempt marker
-//!   returned, or MySQL's connection id): its transaction is rolled back there, not left in the statement it was
-//!   stuck in holding its claims' row locks (which the retry's claims would wait on) and a pool connection. Ending
-//!   it cannot lose an effect: it had not committed (or, had its `COMMIT` already gone through, the retry's attempt
-//!   marker says so). Tested: `network::an_attempt_abandoned_on_batch_timeout_has_its_session_ended`.
+//!   answer's retry counts the batch as duplicates (effects once). On PostgreSQL an attempt abandoned at
+//!   `batch_timeout` before its `COMMIT` has its server session ended (`Store::end_session`, on a connection of its
+//!   own, matched by the backend pid and the transaction start the attempt marker returned, so a session that
+//!   moved on is never touched): its transaction is rolled back there, not left in the statement it was stuck in
+//!   holding its claims' row locks (which the retry's claims would wait on) and a pool connection. Ending it loses
+//!   nothing: it had not committed. One that sent its `COMMIT` is left alone (and one waiting for a synchronous
+//!   standby is never terminated): ended there, its commit could stand without the standby, and the retry would
+//!   take it for committed. Tested: `network::an_attempt_abandoned_on_batch_timeout_has_its_session_ended`.
 //! - Rebalance: records buffered for a revoked partition are dropped before processing, and an offset is committed
 //!   only for partitions this consumer still owns. The new owner may receive records whose effects are already
 //!   durable; the dedup rows skip them.

@@ -583,7 +583,11 @@ impl Step<'_> {
                         if let SinkError::TimedOut(limit) = e {
                             attempt_limit = Some(limit.saturating_mul(2));
                             let abandoned = session.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take();
-                            if let Some(abandoned) = abandoned {
+                            // Never one that sent its COMMIT: ended while its commit waits (for a synchronous
+                            // standby, say), it would commit locally without the standby's confirmation, and the
+                            // retry would take it for committed. The server's own timeouts end those.
+                            let sent_commit = earlier.last().is_some_and(|a| a.id == this_id && a.committing.is_some());
+                            if let (Some(abandoned), false) = (abandoned, sent_commit) {
                                 end_session(&self.ready.store, abandoned);
                             }
                         }

@@ -55,6 +55,11 @@ impl Sink {
         positions: Option<&Positions>,
         attempt: Option<&'e Attempt>,
     ) -> Result<Begun<'a, 'e>, SinkError> {
+        // The session of a transaction this attempt ended already (its fast path, rolled back before the slow
+        // path) serves someone else now: never ended on this attempt's behalf.
+        if let Some(attempt) = attempt {
+            *attempt.session.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = None;
+        }
         let mut tx = self.begin(side_effect).await?;
         if let Some(attempt) = attempt {
             let (before, session) = tx.mark_attempt(&self.pipeline, &attempt.owner, attempt.id)

@@ -268,18 +268,20 @@ impl Store {
         })
     }
 
-    /// Ends the server session of a batch attempt abandoned on `[database] batch_timeout` (`pg_terminate_backend`
-    /// of that backend while it is still in that transaction; MySQL/MariaDB `KILL CONNECTION`): the server rolls its
-    /// transaction back and releases its locks (its claims, which the retry would otherwise wait on), and the pool
-    /// gets its connection back at once instead of when the statement it was stuck in ends. Returns whether a
-    /// session was ended (`false`: it had ended already). Redis has no sessions to end.
+    /// Ends the server session of a batch attempt abandoned on `[database] batch_timeout` before its `COMMIT`
+    /// (PostgreSQL: `pg_terminate_backend` of that backend while it is still in that transaction): the server rolls
+    /// its transaction back and releases its locks (its claims, which the retry would otherwise wait on), and the
+    /// pool gets its connection back at once instead of when the statement it was stuck in ends. Returns whether a
+    /// session was ended (`false`: it had ended already, or moved on). MySQL/MariaDB: nothing is ended, since a
+    /// connection id cannot be matched to the transaction it ran without the PROCESS privilege (the id may name
+    /// another session by then: the pool handed the connection on, or the server behind a proxy is another one);
+    /// there the session's `innodb_lock_wait_timeout` and MariaDB's `idle_transaction_timeout` bound the wait.
+    /// Redis has no sessions.
     ///
-    /// Errors: the database's (no connection within `acquire_timeout`, say).
+    /// Errors: the database's (the server cannot be reached).
     pub async fn end_session(&self, session: Session) -> Result<bool, StoreError> {
         Ok(match (self, session) {
             (Store::Postgres(pool), Session::Postgres(pid, started)) => postgres::offsets::end_session(pool, pid, started).await?,
-            #[cfg(feature = "mysql")]
-            (Store::MySql(s), Session::MySql(id)) => mysql::offsets::end_session(&s.pool, id).await?,
             _ => false,
         })
     }
@@ -487,7 +489,7 @@ impl SideEffect {
 
 /// The server session a batch transaction runs in, as [`Tx::mark_attempt`] learned it: PostgreSQL's backend pid
 /// with its transaction's start (`now()`, which `pg_stat_activity.xact_start` shows: a pid alone may belong to
-/// another session by the time it is used), MySQL/MariaDB's connection id (never reused by a running server).
+/// another session by the time it is used), MySQL/MariaDB's connection id (for the logs: it is not used to end a session).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Session {
     /// `(pg_backend_pid(), now() in microseconds since the Unix epoch)`.

@@ -272,19 +272,6 @@ pub async fn mark_attempt(conn: &mut MySqlConnection, pipeline: &str, owner: &st
     Ok((previous, crate::store::Session::MySql(id)))
 }
 
-/// `KILL CONNECTION id` (a connection id is not reused while the server runs). Returns whether it was killed
-/// (`false`: it had ended already, error 1094). A user may kill its own connections.
-///
-/// Errors: the database's.
-pub async fn end_session(pool: &MySqlPool, id: u64) -> sqlx::Result<bool> {
-    match sqlx::raw_sql(&format!("KILL CONNECTION {id}")).execute(pool).await {
-        Ok(_) => Ok(true),
-        // ER_NO_SUCH_THREAD: the connection had ended already.
-        Err(sqlx::Error::Database(e)) if e.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>().is_some_and(|m| m.number() == 1094) => Ok(false),
-        Err(e) => Err(e),
-    }
-}
-
 /// Deletes `pipeline`'s attempt rows of lanes that wrote none for `idle`. Returns how many.
 ///
 /// Errors: the database's.

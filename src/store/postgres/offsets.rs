@@ -273,20 +273,27 @@ pub async fn mark_attempt(conn: &mut PgConnection, pipeline: &str, owner: &str, 
 }
 
 /// Terminates backend `pid` if it is still in the transaction that started at `started` (microseconds since the
-/// Unix epoch, as [`mark_attempt`] read `now()`): a pid of a session that ended meanwhile may be another's. Returns
-/// whether it was terminated. Needs no privilege for the role's own backends.
+/// Unix epoch, as [`mark_attempt`] read `now()`: a pid of a session that ended meanwhile may be another's, and a
+/// pooled session that went on to another transaction has another start) and is not waiting for a synchronous
+/// standby (`wait_event = 'SyncRep'`: terminated there, its commit would stand without the standby). Returns whether
+/// it was terminated. On a connection of its own, not the pool's (the pool may be what ran dry). Needs no privilege
+/// for the role's own backends.
 ///
 /// Errors: the database's.
 pub async fn end_session(pool: &PgPool, pid: i32, started: i64) -> sqlx::Result<bool> {
+    use sqlx::Connection as _;
+    let mut conn = sqlx::PgConnection::connect_with(&pool.connect_options()).await?;
     let ended: Option<bool> = sqlx::query_scalar(
         "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
-         WHERE pid = $1 AND (extract(epoch FROM xact_start) * 1000000)::int8 = $2",
+         WHERE pid = $1 AND (extract(epoch FROM xact_start) * 1000000)::int8 = $2 \
+           AND wait_event IS DISTINCT FROM 'SyncRep'",
     )
     .bind(pid)
     .bind(started)
-    .persistent(super::persistent())
-    .fetch_optional(pool)
+    .persistent(false)
+    .fetch_optional(&mut conn)
     .await?;
+    let _ = conn.close().await;
     Ok(ended.unwrap_or(false))
 }
 
