@@ -100,8 +100,9 @@ impl Rng {
     }
 }
 
-/// Drops every TCP packet to and from a loopback port while it lives (two `iptables -I INPUT -i lo` rules).
-struct Blackhole {
+/// Drops every TCP packet to and from a loopback port while it lives (two `iptables -I INPUT -i lo` rules, removed
+/// on drop): the soak's packet faults, and the network tests' (`tests/it/network.rs`). Needs root.
+pub struct Blackhole {
     port: u16,
 }
 
@@ -114,11 +115,15 @@ impl Blackhole {
         ]
     }
 
-    fn available() -> bool {
+    /// Whether `iptables` runs here (installed, and we are root).
+    pub fn available() -> bool {
         Command::new("iptables").args(["-L", "INPUT", "-n"]).stdout(Stdio::null()).stderr(Stdio::null()).status().is_ok_and(|s| s.success())
     }
 
-    fn start(port: u16) -> anyhow::Result<Blackhole> {
+    /// Inserts the rules for `port`.
+    ///
+    /// Errors: `iptables` is missing or refuses (not root).
+    pub fn start(port: u16) -> anyhow::Result<Blackhole> {
         let hole = Blackhole { port };
         for rule in Self::rules(port) {
             let status = Command::new("iptables").arg("-I").args(&rule).status().context("running iptables")?;

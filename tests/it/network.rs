@@ -12,34 +12,12 @@ use crate::support::*;
 use std::process::Command;
 use std::time::Duration;
 
-/// Drops every packet to and from a loopback port while it lives.
-struct Blackhole {
-    port: u16,
-}
+/// Drops every packet to and from a loopback port while it lives (the soak's, [`idemflow::soak::Blackhole`]).
+struct Blackhole;
 
 impl Blackhole {
-    fn rules(port: u16) -> [Vec<String>; 2] {
-        let p = port.to_string();
-        [
-            ["INPUT", "-i", "lo", "-p", "tcp", "--dport", &p, "-j", "DROP"].map(str::to_owned).to_vec(),
-            ["INPUT", "-i", "lo", "-p", "tcp", "--sport", &p, "-j", "DROP"].map(str::to_owned).to_vec(),
-        ]
-    }
-
-    fn start(port: u16) -> Blackhole {
-        for rule in Self::rules(port) {
-            let status = Command::new("iptables").arg("-I").args(&rule).status().expect("iptables (Debian package iptables; root)");
-            assert!(status.success(), "iptables -I {rule:?}: run the suite as root");
-        }
-        Blackhole { port }
-    }
-}
-
-impl Drop for Blackhole {
-    fn drop(&mut self) {
-        for rule in Self::rules(self.port) {
-            let _ = Command::new("iptables").arg("-D").args(&rule).status();
-        }
+    fn start(port: u16) -> idemflow::soak::Blackhole {
+        idemflow::soak::Blackhole::start(port).unwrap_or_else(|e| panic!("{e:#} (Debian package iptables): run the suite as root"))
     }
 }
 

@@ -25,6 +25,11 @@ fn orders(partitions: i32, per_partition: usize, tag: &str) -> Vec<Out> {
         .collect()
 }
 
+/// Waits (at most 60 s) until `/readyz` answers 200.
+async fn wait_ready(setup: &Setup, what: &str) {
+    wait_until(Duration::from_secs(60), what, || async { http_get(setup.metrics, "/readyz").is_ok_and(|(status, _)| status == 200) }).await;
+}
+
 fn lags(m: &str, partitions: i32) -> Vec<Option<f64>> {
     (0..partitions)
         .map(|p| {
@@ -158,10 +163,7 @@ async fn a_stalled_partition_is_exported_logged_and_not_ready() {
     assert!(stalled >= 2.0, "{stalled}\n{m}");
     assert!(worker.log_text().contains("stalled: records wait on this partition"), "{}", worker.log_text());
     lock.rollback().await.unwrap();
-    wait_until(Duration::from_secs(60), "ready again once the batches commit", || async {
-        http_get(setup.metrics, "/readyz").is_ok_and(|(status, _)| status == 200)
-    })
-    .await;
+    wait_ready(&setup, "ready again once the batches commit").await;
     let m = worker.scrape();
     assert_eq!(metric(&m, "idemflow_partition_stalled_seconds", &[("pipeline", "payments"), ("topic", "orders"), ("partition", "0")]), 0.0);
     assert!(worker.log_text().contains("the stalled partition moves again"));
@@ -203,10 +205,7 @@ async fn one_pipeline_failing_against_its_store_keeps_the_worker_not_ready() {
         assert!(status == 503 && body.contains("refunds") && !body.contains("payments"), "round {round}: {status} {body}");
     }
     lock.rollback().await.unwrap();
-    wait_until(Duration::from_secs(60), "ready again once refunds commit", || async {
-        http_get(setup.metrics, "/readyz").is_ok_and(|(status, _)| status == 200)
-    })
-    .await;
+    wait_ready(&setup, "ready again once refunds commit").await;
     assert!(worker.sigterm().success(), "{}", worker.log_text());
     assert_eq!(db.scalar::<i64>("SELECT count(*) FROM refunds").await, 5);
 }
@@ -243,10 +242,7 @@ async fn records_kept_behind_a_retried_batch_stall_their_partition() {
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
     held.rollback().await.unwrap();
-    wait_until(Duration::from_secs(60), "ready again once the batches commit", || async {
-        http_get(setup.metrics, "/readyz").is_ok_and(|(status, _)| status == 200)
-    })
-    .await;
+    wait_ready(&setup, "ready again once the batches commit").await;
     assert!(worker.sigterm().success(), "{}", worker.log_text());
     assert_eq!(db.scalar::<i64>("SELECT count(*) FROM payments").await, 2);
 }
