@@ -302,7 +302,8 @@ pub fn load_text_in(text: &str, path: &Path, dialect: Dialect) -> Result<Pipelin
     let raw: RawPipeline = match toml::from_str(text) {
         Ok(raw) => raw,
         Err(e) => {
-            errors.push("", e.to_string().trim_end().replace('\n', "\n    "));
+            let (field, message) = toml_problem(text, &e);
+            errors.push(&field, message);
             return Err(errors.list);
         }
     };
@@ -312,6 +313,53 @@ pub fn load_text_in(text: &str, path: &Path, dialect: Dialect) -> Result<Pipelin
     } else {
         Err(errors.list)
     }
+}
+
+/// A pipeline file's TOML or shape error as `(field, message)`: the field is the dotted path of the key the error
+/// points at (`source.bogus`, `sink.params.qty`; empty for a syntax error outside any key), the message serde's
+/// words on one line with where it is, `unknown key (expected one of ...)` for a key no section has, as the
+/// settings file's errors read (`super::locate`).
+fn toml_problem(text: &str, e: &toml::de::Error) -> (String, String) {
+    let said = e.message().trim_end().replace('\n', "; ");
+    let said = match said.strip_prefix("unknown field `").and_then(|rest| rest.split_once("`, ")) {
+        Some((_, expected)) => format!("unknown key ({expected})"),
+        None => said,
+    };
+    let Some(span) = e.span() else { return (String::new(), said) };
+    let (line, column) = super::line_column(text, span.start);
+    let field = toml_edit::ImDocument::parse(text).ok().map(|doc| key_path_at(doc.as_table(), span.start)).unwrap_or_default();
+    (field.join("."), format!("{said} (line {line}, column {column})"))
+}
+
+/// The dotted path (`["sink", "params", "qty"]`, an array of tables' element as `batch_sql[1]`) of the innermost key
+/// whose key or value spans byte `offset` of the text `table` was parsed from.
+fn key_path_at(table: &dyn toml_edit::TableLike, offset: usize) -> Vec<String> {
+    let covers = |r: Option<std::ops::Range<usize>>| r.is_some_and(|r| r.start <= offset && offset < r.end.max(r.start + 1));
+    for (name, item) in table.iter() {
+        let key_span = table.key(name).and_then(|k| k.span());
+        let mut path = vec![name.to_owned()];
+        if let Some(inner) = item.as_table_like() {
+            let deeper = key_path_at(inner, offset);
+            if !deeper.is_empty() {
+                path.extend(deeper);
+                return path;
+            }
+        }
+        if let Some(array) = item.as_array_of_tables() {
+            for (i, t) in array.iter().enumerate() {
+                let deeper = key_path_at(t, offset);
+                if !deeper.is_empty() || covers(t.span()) {
+                    path[0] = format!("{name}[{i}]");
+                    path.extend(deeper);
+                    return path;
+                }
+            }
+        }
+        if covers(key_span) || covers(item.span()) {
+            return path;
+        }
+    }
+    Vec::new()
 }
 
 fn valid_name(name: &str) -> bool {
@@ -953,7 +1001,21 @@ unused = "/x"
     #[test]
     fn unknown_fields_are_errors() {
         let errs = load("topics = [\"a\"]\nbogus = 1\n[key]\nfield = \"id\"\n[sink]\ntable = \"t\"\n").unwrap_err();
-        assert!(errs[0].message.contains("unknown field `bogus`"), "{errs:?}");
+        assert_eq!(errs[0].field, "bogus", "{errs:?}");
+        assert!(errs[0].message.starts_with("unknown key (expected one of `name`"), "{errs:?}");
+        assert!(errs[0].message.ends_with("(line 2, column 1)"), "{errs:?}");
+        // A key deep in a section is named by its dotted path, on one line, as the settings file's keys are.
+        let errs = load("topics = [\"a\"]\n[key]\nfield = \"id\"\n[sink]\ntable = \"t\"\n[batch]\nmax_wait = \"1s\"\nmax_recods = 5\n").unwrap_err();
+        assert_eq!(errs[0].field, "batch.max_recods", "{errs:?}");
+        assert!(errs[0].message.starts_with("unknown key (expected one of") && errs[0].message.ends_with("(line 8, column 1)"), "{errs:?}");
+        let errs = load("topics = [\"a\"]\n[key]\nfield = \"id\"\n[sink]\ntable = \"t\"\n[batch]\nmax_records = \"many\"\n").unwrap_err();
+        assert_eq!(errs[0].field, "batch.max_records", "{errs:?}");
+        assert!(!errs[0].message.contains('\n') && errs[0].message.contains("(line 7, column"), "{errs:?}");
+        let errs = load("topics = [\"a\"]\n[key]\nfield = \"id\"\n[source]\nkind = \"kafka\"\nqueu = \"q\"\n[sink]\ntable = \"t\"\n").unwrap_err();
+        assert_eq!(errs[0].field, "source.queu", "{errs:?}");
+        // A syntax error has no key: where it is, on one line.
+        let errs = load("topics = [\"a\"\n").unwrap_err();
+        assert_eq!(errs[0].message, "invalid array; expected `]` (line 2, column 1)", "{errs:?}");
     }
 
     #[test]
