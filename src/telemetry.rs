@@ -50,8 +50,8 @@ pub fn init(settings: &LogSettings) {
 /// Whether other libraries' log lines are held back ([`defer_library_logs`]).
 static DEFER: AtomicBool = AtomicBool::new(false);
 
-/// The library log lines held back since [`defer_library_logs`].
-static DEFERRED: Mutex<Vec<u8>> = Mutex::new(Vec::new());
+/// The library log lines held back since [`defer_library_logs`], each event with its level.
+static DEFERRED: Mutex<Vec<(tracing::Level, Vec<u8>)>> = Mutex::new(Vec::new());
 
 /// From now on, log lines of other libraries (the Kafka client's connection errors, say) are kept in memory instead
 /// of written, until [`take_deferred`]: for a command that prints its own findings first (`check`), the libraries'
@@ -60,29 +60,42 @@ pub fn defer_library_logs() {
     DEFER.store(true, Ordering::SeqCst);
 }
 
-/// The library log lines held back since [`defer_library_logs`] (as they would have been written), and stops
-/// holding them back.
-pub fn take_deferred() -> String {
+/// The library log lines held back since [`defer_library_logs`] (as they would have been written) whose level is
+/// `least` or more severe (`Level::WARN`: warnings and errors; `Level::TRACE`: all), and stops holding them back; the
+/// others are dropped.
+pub fn take_deferred(least: tracing::Level) -> String {
     DEFER.store(false, Ordering::SeqCst);
-    let mut held = DEFERRED.lock().unwrap_or_else(|e| e.into_inner());
-    String::from_utf8_lossy(&std::mem::take(&mut *held)).into_owned()
+    let held = std::mem::take(&mut *DEFERRED.lock().unwrap_or_else(|e| e.into_inner()));
+    // tracing orders levels by verbosity: ERROR < WARN < ... < TRACE.
+    let kept: Vec<u8> = held.into_iter().filter(|(level, _)| *level <= least).flat_map(|(_, line)| line).collect();
+    String::from_utf8_lossy(&kept).into_owned()
 }
 
 /// Standard error, or the memory of [`DEFERRED`] for another library's event while [`DEFER`] is set.
 struct Stderr;
 
-/// One event's writer: see [`Stderr`].
+/// One event's writer: see [`Stderr`]. A held event is gathered whole, and kept with its level when written.
 enum EventWriter {
     Stderr(std::io::Stderr),
-    Held,
+    Held(tracing::Level, Vec<u8>),
+}
+
+impl Drop for EventWriter {
+    fn drop(&mut self) {
+        if let EventWriter::Held(level, line) = self {
+            if !line.is_empty() {
+                DEFERRED.lock().unwrap_or_else(|e| e.into_inner()).push((*level, std::mem::take(line)));
+            }
+        }
+    }
 }
 
 impl std::io::Write for EventWriter {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
         match self {
             EventWriter::Stderr(w) => w.write(buf),
-            EventWriter::Held => {
-                DEFERRED.lock().unwrap_or_else(|e| e.into_inner()).extend_from_slice(buf);
+            EventWriter::Held(_, line) => {
+                line.extend_from_slice(buf);
                 Ok(buf.len())
             }
         }
@@ -91,7 +104,7 @@ impl std::io::Write for EventWriter {
     fn flush(&mut self) -> std::io::Result<()> {
         match self {
             EventWriter::Stderr(w) => w.flush(),
-            EventWriter::Held => Ok(()),
+            EventWriter::Held(..) => Ok(()),
         }
     }
 }
@@ -106,7 +119,7 @@ impl<'a> MakeWriter<'a> for Stderr {
     fn make_writer_for(&'a self, meta: &tracing::Metadata<'_>) -> EventWriter {
         let ours = meta.target() == "idemflow" || meta.target().starts_with("idemflow::");
         if DEFER.load(Ordering::SeqCst) && !ours {
-            EventWriter::Held
+            EventWriter::Held(*meta.level(), Vec::new())
         } else {
             self.make_writer()
         }

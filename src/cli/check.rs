@@ -27,12 +27,12 @@ enum Format {
     Json,
 }
 
-/// What `check` found: problems (each a line naming its file, pipeline and field), the pipelines that passed with
-/// what they read, and the other lines (`warning: ...` first where they are warnings).
+/// What `check` found: problems (each naming its file, pipeline and field), the pipelines that passed with what
+/// they read, and the other lines (`warning: ...` first where they are warnings).
 #[derive(Default, serde::Serialize)]
 struct Findings {
     ok: bool,
-    problems: Vec<String>,
+    problems: Vec<Problem>,
     pipelines: Vec<PipelineOk>,
     warnings: Vec<String>,
     notes: Vec<String>,
@@ -42,16 +42,49 @@ struct Findings {
     stores_ok: bool,
 }
 
+/// One problem: the line the text format prints (`text`), and its parts for a program (`--format json`): the file
+/// it is in (the settings file or a pipeline file), the pipeline and the field (a dotted path such as
+/// `sink.columns.amount`) where it has them, and what is wrong.
+#[derive(serde::Serialize)]
+struct Problem {
+    text: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    file: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pipeline: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    field: Option<String>,
+    message: String,
+}
+
+impl Problem {
+    /// A problem of `file` as a whole (the settings file, a store that cannot be reached).
+    /// `message` may already begin with the file's name (as the settings' own errors do): it is said once.
+    fn of_file(file: &std::path::Path, message: String) -> Problem {
+        let file = file.display().to_string();
+        let message = message.strip_prefix(&format!("{file}: ")).map(str::to_owned).unwrap_or(message);
+        Problem { text: format!("{file}: {message}"), file: Some(file), pipeline: None, field: None, message }
+    }
+}
+
+impl From<config::PipelineError> for Problem {
+    fn from(e: config::PipelineError) -> Problem {
+        let text = e.to_string();
+        let some = |s: String| Some(s).filter(|s| !s.is_empty());
+        Problem { text, file: some(e.file), pipeline: some(e.pipeline), field: some(e.field), message: e.message }
+    }
+}
+
 /// A pipeline that passed.
 #[derive(serde::Serialize)]
 struct PipelineOk {
     name: String,
     file: String,
-    source: String,
+    source: source::check::Reads,
 }
 
 impl Findings {
-    fn problems(problems: impl IntoIterator<Item = String>) -> Findings {
+    fn problems(problems: impl IntoIterator<Item = Problem>) -> Findings {
         Findings { problems: problems.into_iter().collect(), ..Findings::default() }
     }
 
@@ -76,10 +109,10 @@ pub async fn run(a: CheckArgs) -> anyhow::Result<()> {
         Format::Json => println!("{}", serde_json::to_string_pretty(&findings)?),
         Format::Text => {
             for problem in &findings.problems {
-                eprintln!("{problem}");
+                eprintln!("{}", problem.text);
             }
             for p in &findings.pipelines {
-                println!("pipeline {:?} ({}): ok, {}", p.name, p.file, p.source);
+                println!("pipeline {:?} ({}): ok, {} {}", p.name, p.file, p.source.kind, p.source);
             }
             for note in &findings.notes {
                 println!("{note}");
@@ -89,7 +122,8 @@ pub async fn run(a: CheckArgs) -> anyhow::Result<()> {
             }
         }
     }
-    let held = telemetry::take_deferred();
+    // The client libraries' lines below warnings (NATS's "connected", say) only where something went wrong.
+    let held = telemetry::take_deferred(if findings.ok { tracing::Level::WARN } else { tracing::Level::TRACE });
     if !held.is_empty() {
         eprintln!("what the client libraries logged meanwhile:");
         eprint!("{held}");
@@ -108,9 +142,9 @@ pub async fn run(a: CheckArgs) -> anyhow::Result<()> {
 async fn find(a: &CheckArgs) -> Findings {
     let settings = match load(&a.config) {
         Ok(s) => s,
-        Err(e) => return Findings::problems([format!("{e:#}")]),
+        Err(e) => return Findings::problems([Problem::of_file(&a.config, format!("{e:#}"))]),
     };
-    let lines = |errors: Vec<config::PipelineError>| errors.into_iter().flat_map(config::PipelineError::split).map(|e| e.to_string());
+    let lines = |errors: Vec<config::PipelineError>| errors.into_iter().flat_map(config::PipelineError::split).map(Problem::from);
     // A file that does not load does not hide the others' problems: those that load are checked on.
     let (pipelines, unloaded) = config::load_some_pipelines_for(&settings);
     let mut findings = Findings::problems(lines(unloaded));
@@ -127,18 +161,22 @@ async fn find(a: &CheckArgs) -> Findings {
         match source::check::check(&brokers, &p.source_context()).await {
             Ok(found) => found.into_iter().for_each(|l| findings.line(l)),
             Err(source::check::CheckError::Settings(e)) => {
-                findings.problems.push(format!("{}: {e}", a.config.display()));
+                findings.problems.push(Problem::of_file(&a.config, e));
                 return findings;
             }
-            Err(source::check::CheckError::Broker(e)) => {
-                findings.problems.push(format!("{}: pipeline {:?}: {}: {e}", p.file.display(), p.name, p.source.kind()))
-            }
+            Err(source::check::CheckError::Broker(e)) => findings.problems.push(Problem {
+                text: format!("{}: pipeline {:?}: {}: {e}", p.file.display(), p.name, p.source.kind()),
+                file: Some(p.file.display().to_string()),
+                pipeline: Some(p.name.clone()),
+                field: Some("source".to_owned()),
+                message: format!("{}: {e}", p.source.kind()),
+            }),
         }
     }
     let stores = match open_stores(&settings, &a.config, &pipelines).await {
         Ok(s) => s,
         Err(e) => {
-            findings.problems.push(format!("{e:#}"));
+            findings.problems.push(Problem { text: format!("{e:#}"), file: None, pipeline: None, field: None, message: format!("{e:#}") });
             return findings;
         }
     };

@@ -73,25 +73,53 @@ pub async fn check(brokers: &Brokers, pipeline: &SourceContext) -> Result<Vec<St
     }
 }
 
-/// What the pipeline reads, for `check`'s `ok` line: `topics [..], group ".."` and the like.
-pub fn summary(pipeline: &SourceContext) -> String {
-    match &pipeline.source {
-        SourceSpec::Kafka(k) => format!("topics {:?}, group {:?}", k.topics, k.group_id),
-        SourceSpec::RabbitMq(q) => format!("queues {:?}, prefetch {}", q.queues, q.prefetch),
-        SourceSpec::RocketMq(r) => format!(
-            "topic {:?}, consumer group {:?}, offsets in {}",
-            r.topic,
-            r.consumer_group,
-            if pipeline.offsets == OffsetStore::Database { "the store" } else { "the broker" }
-        ),
-        SourceSpec::Nats(n) => format!(
-            "stream {:?}, durable consumer {:?}, ack_wait {}, max_ack_pending {}",
-            n.stream,
-            n.consumer,
-            crate::terminal::duration(n.ack_wait),
-            n.max_ack_pending
-        ),
+/// What the pipeline reads, for `check`'s `ok` line and its JSON report: the broker (`kind`, as `[source] kind`
+/// names it) and the settings that say where it reads, each under its pipeline-file key (`topics`, `group_id`,
+/// `queues`, `prefetch`, `topic`, `consumer_group`, `offsets`, `stream`, `consumer`, `ack_wait`, `max_ack_pending`).
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Reads {
+    /// `kafka`, `rabbitmq`, `rocketmq` or `nats`.
+    pub kind: &'static str,
+    /// The settings, in the order the line shows them; durations as settings files write them (`30s`).
+    #[serde(flatten)]
+    pub settings: serde_json::Map<String, serde_json::Value>,
+}
+
+impl std::fmt::Display for Reads {
+    /// `topics ["payments"], group_id "idemflow-payments"`: each setting's key and its value as JSON.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for (i, (key, value)) in self.settings.iter().enumerate() {
+            write!(f, "{}{key} {value}", if i == 0 { "" } else { ", " })?;
+        }
+        Ok(())
     }
+}
+
+/// What `pipeline` reads: see [`Reads`].
+pub fn summary(pipeline: &SourceContext) -> Reads {
+    use serde_json::json;
+    let (kind, settings) = match &pipeline.source {
+        SourceSpec::Kafka(k) => ("kafka", vec![("topics", json!(k.topics)), ("group_id", json!(k.group_id))]),
+        SourceSpec::RabbitMq(q) => ("rabbitmq", vec![("queues", json!(q.queues)), ("prefetch", json!(q.prefetch))]),
+        SourceSpec::RocketMq(r) => (
+            "rocketmq",
+            vec![
+                ("topic", json!(r.topic)),
+                ("consumer_group", json!(r.consumer_group)),
+                ("offsets", json!(if pipeline.offsets == OffsetStore::Database { "database" } else { "broker" })),
+            ],
+        ),
+        SourceSpec::Nats(n) => (
+            "nats",
+            vec![
+                ("stream", json!(n.stream)),
+                ("consumer", json!(n.consumer)),
+                ("ack_wait", json!(crate::terminal::duration(n.ack_wait))),
+                ("max_ack_pending", json!(n.max_ack_pending)),
+            ],
+        ),
+    };
+    Reads { kind, settings: settings.into_iter().map(|(k, v)| (k.to_owned(), v)).collect() }
 }
 
 /// Settings of `pipeline` and of its broker's client that work against each other, one sentence each (`check`
