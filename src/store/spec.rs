@@ -292,6 +292,31 @@ pub enum Meta {
     BusinessKey,
 }
 
+/// What a [`Meta`] value looks like, for `check`'s trial of whether its target can take it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MetaSample {
+    /// The name as a pipeline file writes it (`meta = "timestamp"`).
+    pub name: &'static str,
+    /// A value of the shape every record gives, as text before any rendering for its target.
+    pub text: &'static str,
+    /// What the value is, in words.
+    pub what: &'static str,
+}
+
+impl Meta {
+    /// A value of this metadata's shape; `None` for the business key, whose shape is the payload's.
+    pub fn sample(self) -> Option<MetaSample> {
+        let (name, text, what) = match self {
+            Meta::Topic => ("topic", "orders", "the topic's name"),
+            Meta::Partition => ("partition", "0", "the partition number"),
+            Meta::Offset => ("offset", "0", "the record's offset"),
+            Meta::Timestamp => ("timestamp", "2026-12-04T10:00:00.000Z", "the record's timestamp as RFC 3339 text"),
+            Meta::BusinessKey => return None,
+        };
+        Some(MetaSample { name, text, what })
+    }
+}
+
 /// `[sink] time_zone` and `naive_timestamps`: how time values meet `timestamptz` and `timestamp` targets.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TimeSettings {

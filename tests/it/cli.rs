@@ -46,7 +46,10 @@ async fn migrate_then_check_every_shipped_pipeline() {
     assert_eq!(report["ok"], true, "{report}");
     assert_eq!(report["problems"].as_array().unwrap().len(), 0, "{report}");
     assert_eq!(report["pipelines"].as_array().unwrap().len(), files, "{report}");
-    assert!(report["pipelines"][0]["source"].as_str().unwrap().contains("group"), "{report}");
+    // What each pipeline reads, as fields.
+    let source = &report["pipelines"][0]["source"];
+    assert_eq!(source["kind"], "kafka", "{report}");
+    assert!(source["group_id"].is_string() && source["topics"].is_array(), "{report}");
     // And a failing one: the problems in the object, the exit status non-zero.
     sqlx::raw_sql("DROP TABLE payments CASCADE").execute(&db.pool).await.unwrap();
     let (status, out, _) = idemflow(&["check", "--config", cfg, "--format", "json"], dir.path());
@@ -54,7 +57,10 @@ async fn migrate_then_check_every_shipped_pipeline() {
     let report: serde_json::Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"));
     assert_eq!(report["ok"], false, "{report}");
     let problems = report["problems"].as_array().unwrap();
-    assert!(!problems.is_empty() && problems.iter().all(|p| p.as_str().unwrap().contains("pipeline \"payments\"")), "{report}");
+    assert!(!problems.is_empty() && problems.iter().all(|p| p["text"].as_str().unwrap().contains("pipeline \"payments\"")), "{report}");
+    // Each problem also as its parts, on one line each.
+    assert!(problems.iter().all(|p| p["pipeline"] == "payments" && p["file"].is_string() && p["field"].as_str().unwrap().starts_with("sink")), "{report}");
+    assert!(problems.iter().all(|p| !p["message"].as_str().unwrap().contains("pipeline \"payments\"")), "{report}");
 }
 
 /// `idemflow completions <shell>`: clap's completion script, naming the commands and their options.
@@ -198,6 +204,35 @@ async fn check_refuses_metadata_a_column_cannot_take() {
     assert!(err.contains("sink.columns.source: column \"source\" is bigint: meta = \"topic\""), "{err}");
     let good = pipeline("at = { meta = \"timestamp\" }\npart = { meta = \"partition\" }\npos = { meta = \"offset\" }\nname = { meta = \"topic\" }\n");
     std::fs::write(setup.dir.path().join("pipelines/audit.toml"), good).unwrap();
+    let (status, out, err) = idemflow(&["check", "--config", cfg], setup.dir.path());
+    assert!(status.success(), "{out}{err}");
+    // The SQL form: a parameter whose type the statement gives (the column it is written to).
+    let sql = |seen: &str| {
+        format!(
+            "topics = [\"orders\"]\n[key]\nfield = \"/id\"\n[sink]\nsql = \"INSERT INTO audit (id, seen, at) VALUES (:id, :seen, :at)\"\n\
+             [sink.params]\nid = \"/id\"\nseen = {seen}\nat = {{ meta = \"timestamp\" }}\n"
+        )
+    };
+    std::fs::write(setup.dir.path().join("pipelines/audit.toml"), sql("{ meta = \"timestamp\" }")).unwrap();
+    let (status, out, err) = idemflow(&["check", "--config", cfg], setup.dir.path());
+    assert!(!status.success(), "{out}{err}");
+    assert!(err.contains("sink.params.seen: parameter :seen (in sink.sql) is integer: meta = \"timestamp\""), "{err}");
+    assert!(!err.contains("sink.params.at"), "a timestamp fits timestamptz: {err}");
+    std::fs::write(setup.dir.path().join("pipelines/audit.toml"), sql("{ meta = \"partition\" }")).unwrap();
+    let (status, out, err) = idemflow(&["check", "--config", cfg], setup.dir.path());
+    assert!(status.success(), "{out}{err}");
+    // batch_sql: a new_records column of the type written in [sink.params].
+    let batch = |seen: &str| {
+        format!(
+            "topics = [\"orders\"]\n[key]\nfield = \"/id\"\n[sink]\nbatch_sql = \"INSERT INTO audit (id, seen) SELECT id, seen FROM new_records\"\n\
+             [sink.params]\nid = \"/id\"\nseen = {seen}\n"
+        )
+    };
+    std::fs::write(setup.dir.path().join("pipelines/audit.toml"), batch("{ meta = \"topic\", type = \"integer\" }")).unwrap();
+    let (status, out, err) = idemflow(&["check", "--config", cfg], setup.dir.path());
+    assert!(!status.success(), "{out}{err}");
+    assert!(err.contains("sink.params.seen: new_records column \"seen\" is integer: meta = \"topic\""), "{err}");
+    std::fs::write(setup.dir.path().join("pipelines/audit.toml"), batch("{ meta = \"offset\", type = \"integer\" }")).unwrap();
     let (status, out, err) = idemflow(&["check", "--config", cfg], setup.dir.path());
     assert!(status.success(), "{out}{err}");
 }

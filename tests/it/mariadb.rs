@@ -336,6 +336,47 @@ async fn check_refuses_utf8mb3_columns_and_names_missing_tables_and_columns() {
     assert!(err.contains("sink.sql") && err.contains("1146"), "{err}");
 }
 
+/// `check` tries each value fed by record metadata as a batch binds it, under the session's strict mode: what a
+/// column or a typed parameter cannot take is refused, naming it, its type and the metadata (every record would be
+/// dead-lettered at run time); what fits passes (a timestamp into DATETIME, rendered as its wall clock).
+#[tokio::test(flavor = "multi_thread")]
+async fn check_refuses_metadata_a_column_or_typed_parameter_cannot_take_on_mariadb() {
+    let db = MyDb::new(
+        "CREATE TABLE audit (id VARCHAR(64) PRIMARY KEY, seen INT, source BIGINT, at DATETIME(3), stamp TIMESTAMP(3) NULL, \
+         part INT, pos BIGINT, name VARCHAR(255)) ENGINE = InnoDB;",
+    )
+    .await;
+    let kafka = Kafka::new();
+    kafka.create_topic("t", 1);
+    let check = |pipeline: &str| {
+        let setup = Setup::new(&db, &kafka, &[("audit.toml", pipeline)]);
+        let (status, out, err) = idemflow(&["check", "--config", setup.config.to_str().unwrap()], setup.dir.path());
+        (status.success(), format!("{out}{err}"))
+    };
+    let table = |columns: &str| format!("topics = [\"t\"]\n[key]\nfield = \"/id\"\n[sink]\ntable = \"audit\"\n[sink.columns]\nid = \"/id\"\n{columns}");
+    let (ok, out) = check(&table("seen = { meta = \"timestamp\" }\nsource = { meta = \"topic\" }\n"));
+    assert!(!ok, "{out}");
+    assert!(out.contains("sink.columns.seen: column \"seen\" is int(11): meta = \"timestamp\" gives the record's timestamp"), "{out}");
+    assert!(out.contains("sink.columns.source: column \"source\" is bigint(20): meta = \"topic\""), "{out}");
+    let (ok, out) = check(&table(
+        "at = { meta = \"timestamp\" }\nstamp = { meta = \"timestamp\" }\npart = { meta = \"partition\" }\npos = { meta = \"offset\" }\nname = { meta = \"topic\" }\n",
+    ));
+    assert!(ok, "{out}");
+    // The SQL form: a parameter with a type is cast as the type says; one without is text the statement converts.
+    let sql = |seen: &str| {
+        format!(
+            "topics = [\"t\"]\n[key]\nfield = \"/id\"\n[sink]\nsql = \"INSERT INTO audit (id, seen) VALUES (:id, :seen)\"\n\
+             [sink.params]\nid = \"/id\"\nseen = {seen}\n"
+        )
+    };
+    let (ok, out) = check(&sql("{ meta = \"topic\", type = \"integer\" }"));
+    assert!(!ok && out.contains("sink.params.seen: parameter :seen is BIGINT: meta = \"topic\""), "{out}");
+    let (ok, out) = check(&sql("{ meta = \"topic\", type = \"datetime\" }"));
+    assert!(!ok && out.contains("sink.params.seen: parameter :seen is DATETIME(6): meta = \"topic\""), "{out}");
+    let (ok, out) = check(&sql("{ meta = \"offset\", type = \"integer\" }"));
+    assert!(ok, "{out}");
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn migrate_explain_dead_letters_replay_and_purge_on_mariadb() {
     // A fresh database without idemflow's tables: `check` says to migrate, `migrate` creates them.

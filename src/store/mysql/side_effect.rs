@@ -26,7 +26,7 @@
 //! rebuilds it. A dropped table is error 1146, fatal.
 
 use super::marks;
-use crate::store::spec::{Binding, DeclaredType, OnConflict, SinkSpec, TimeSettings};
+use crate::store::spec::{Binding, DeclaredType, MetaSample, OnConflict, SinkSpec, TimeSettings, ValueSource};
 use crate::field::Render;
 use crate::store::rows::Apply;
 use crate::store::template::{Part, Statement};
@@ -351,6 +351,22 @@ async fn prepare_table(
             }
         }
     };
+    let slots: Vec<Slot<'_>> = columns
+        .iter()
+        .zip(&found)
+        .map(|(b, c)| Slot {
+            field: format!("sink.columns.{}", b.name),
+            what: format!("column {:?}", b.name),
+            binding: b,
+            column_type: c.column_type.clone(),
+            expr: "?",
+            render: render_for(c, json_columns.contains(&c.name)),
+        })
+        .collect();
+    let problems = meta_mismatches(conn, &slots).await?;
+    if !problems.is_empty() {
+        return Err(PrepareError::all(problems));
+    }
     let names = columns.iter().map(|b| quote_ident(&b.name)).collect::<Vec<_>>().join(", ");
     let head = format!("INSERT INTO {qualified} ({names}) VALUES");
     let one = format!("{head} ({}){tail}", marks(columns.len()));
@@ -514,11 +530,103 @@ async fn prepare_sql(
         (&mut *conn).prepare(sql.as_str()).await.map_err(|e| db_error(&field, e, &written))?;
         prepared.push((sql, slots));
     }
+    // A parameter without a type is text that the statement converts where it uses it, which only a run shows.
+    let slots: Vec<Slot<'_>> = params
+        .iter()
+        .filter_map(|b| {
+            let declared = b.declared?;
+            let (column_type, expr) = match declared {
+                DeclaredType::Integer => ("BIGINT", "CAST(? AS SIGNED)"),
+                DeclaredType::Decimal => ("DECIMAL(65, 30)", "CAST(? AS DECIMAL(65, 30))"),
+                DeclaredType::Timestamp => ("TIMESTAMP(6) NULL", "?"),
+                DeclaredType::Datetime => ("DATETIME(6)", "?"),
+                DeclaredType::Json => ("JSON", "?"),
+            };
+            Some(Slot {
+                field: format!("sink.params.{}", b.name),
+                what: format!("parameter :{}", b.name),
+                binding: b,
+                column_type: column_type.to_owned(),
+                expr,
+                render: declared.render(),
+            })
+        })
+        .collect();
+    let problems = meta_mismatches(conn, &slots).await?;
+    if !problems.is_empty() {
+        return Err(PrepareError::all(problems));
+    }
     let bindings = params.iter().cloned().map(|b| {
         let render = b.declared.map_or(Render::Text, |t| t.render());
         (b, render)
     }).collect();
     Ok((SideEffect { form: Form::Sql(prepared), probe: None, schema: String::new(), packet: 0 }, bindings))
+}
+
+/// Where a value is bound, for [`meta_mismatches`]: the pipeline-file field (`sink.columns.at`, `sink.params.at`),
+/// what it is in words, its binding, the type that takes it (a column's `COLUMN_TYPE`, or what a declared `type`
+/// casts to), the expression that binds it (`?`, `CAST(? AS SIGNED)`) and how its values are rendered.
+struct Slot<'a> {
+    field: String,
+    what: String,
+    binding: &'a Binding,
+    column_type: String,
+    expr: &'static str,
+    render: Render,
+}
+
+/// The values fed by record metadata that their target cannot take (`meta = "topic"` into an `INT` column or an
+/// `integer` parameter, `"timestamp"` into `BIGINT`): every record would be dead-lettered at run time. Each is tried
+/// by the server as a batch binds it, rendered as a batch renders it, in a temporary table of one column of the
+/// target's type under the session's strict `sql_mode`; an error the store dead-letters a record for
+/// ([`super::error::classify_number`]: 1366, 1292, 1264, ...) is a problem naming the target, its type and the
+/// metadata. The business key is not tried: its shape is the payload's. A user without the `CREATE TEMPORARY
+/// TABLES` privilege (1044, 1142) is not checked so, which the log says.
+///
+/// Errors: the database's, other than those.
+async fn meta_mismatches(conn: &mut MySqlConnection, slots: &[Slot<'_>]) -> Result<Vec<PrepareError>, PrepareError> {
+    const PROBE: &str = "idemflow_meta_probe";
+    let mut problems = Vec::new();
+    for slot in slots {
+        let ValueSource::Meta(meta) = &slot.binding.source else { continue };
+        let Some(MetaSample { name, text, what }) = meta.sample() else { continue };
+        let cannot = |why: String| {
+            prepare_error(
+                &slot.field,
+                format!("{} is {}: meta = {name:?} gives {what} (such as {text:?}), which it cannot take ({why})", slot.what, slot.column_type),
+            )
+        };
+        let value = match crate::field::wall_clock(text.to_owned(), slot.render, &jiff::tz::TimeZone::UTC) {
+            Ok(v) if slot.render == Render::Json => serde_json::Value::String(v).to_string(),
+            Ok(v) => v,
+            Err(e) => {
+                problems.push(cannot(e.to_string()));
+                continue;
+            }
+        };
+        let number = |e: &sqlx::Error| e.as_database_error().and_then(|d| d.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()).map(|m| m.number());
+        let create = format!("CREATE TEMPORARY TABLE {PROBE} (v {})", slot.column_type);
+        (&mut *conn).execute(format!("DROP TEMPORARY TABLE IF EXISTS {PROBE}").as_str()).await.map_err(|e| db_error("database", e, ""))?;
+        if let Err(e) = (&mut *conn).execute(create.as_str()).await {
+            if matches!(number(&e), Some(1044 | 1142)) {
+                tracing::info!(error = %e, "no CREATE TEMPORARY TABLES privilege: the values of record metadata are not tried against their columns");
+                return Ok(problems);
+            }
+            return Err(db_error(&slot.field, e, &create));
+        }
+        let insert = format!("INSERT INTO {PROBE} (v) VALUES ({})", slot.expr);
+        let tried = sqlx::query(&insert).bind(&value).execute(&mut *conn).await;
+        (&mut *conn).execute(format!("DROP TEMPORARY TABLE {PROBE}").as_str()).await.map_err(|e| db_error("database", e, ""))?;
+        match tried {
+            Ok(_) => {}
+            Err(e) if number(&e).is_some_and(|n| super::error::classify_number(n) == crate::store::disposition::Disposition::Record) => {
+                let said = e.as_database_error().map(|d| d.message().to_owned()).unwrap_or_default();
+                problems.push(cannot(said));
+            }
+            Err(e) => return Err(db_error(&slot.field, e, &insert)),
+        }
+    }
+    Ok(problems)
 }
 
 /// Why a statement of the SQL form cannot run inside the batch transaction, or `None`. Only statements that

@@ -41,7 +41,7 @@
 use crate::store::template::Statement;
 use crate::store::PrepareError;
 use crate::store::spec::{
-    Binding, Meta, OnConflict, SinkSpec, TimeSettings, ValueSource, IDLE_IN_TRANSACTION_TIMEOUT, TCP_KEEPALIVE_COUNT, TCP_KEEPALIVE_IDLE_SECS,
+    Binding, MetaSample, OnConflict, SinkSpec, TimeSettings, ValueSource, IDLE_IN_TRANSACTION_TIMEOUT, TCP_KEEPALIVE_COUNT, TCP_KEEPALIVE_IDLE_SECS,
     TCP_KEEPALIVE_INTERVAL_SECS,
 };
 use crate::field::Render;
@@ -569,7 +569,12 @@ async fn prepare_table(
         }
     }
     if problems.is_empty() {
-        problems.extend(meta_mismatches(conn, columns, &types).await?);
+        let slots: Vec<Slot<'_>> = columns
+            .iter()
+            .zip(&types)
+            .map(|(b, t)| Slot { field: format!("sink.columns.{}", b.name), what: format!("column {:?}", b.name), binding: b, target: t })
+            .collect();
+        problems.extend(meta_mismatches(conn, &slots).await?);
     }
     if !problems.is_empty() {
         return Err(PrepareError::all(problems));
@@ -613,25 +618,29 @@ async fn prepare_table(
     Ok((Form::Table { sql, columns: columns.len() }, Probe::Table(probe_sql), bindings))
 }
 
-/// The table-form columns fed by record metadata whose column cannot take what the metadata gives (`meta =
-/// "timestamp"` into an `integer` column, `"topic"` into `bigint`): every record would be dead-lettered at run time.
-/// Each such column's cast is tried by the server on a value of the metadata's shape (the cast every batch makes);
-/// a data exception (SQLSTATE class 22) is a problem naming the column, its type and the metadata. The business key
+/// Where a value is bound, for [`meta_mismatches`]: the pipeline-file field (`sink.columns.at`,
+/// `sink.params.at`), what it is in words (`column "at"`, `parameter :at`), its binding and its type.
+struct Slot<'a> {
+    field: String,
+    what: String,
+    binding: &'a Binding,
+    target: &'a TargetType,
+}
+
+/// The values fed by record metadata whose target cannot take what the metadata gives (`meta = "timestamp"` into an
+/// `integer` column or parameter, `"topic"` into `bigint`): every record would be dead-lettered at run time. Each
+/// such target's cast is tried by the server on a value of the metadata's shape (the cast every batch makes); a
+/// data exception (SQLSTATE class 22) is a problem naming the target, its type and the metadata. The business key
 /// is not tried: its shape is the payload's.
 ///
 /// Errors: the database's, other than a data exception.
-async fn meta_mismatches(conn: &mut PgConnection, columns: &[Binding], types: &[TargetType]) -> Result<Vec<PrepareError>, PrepareError> {
+async fn meta_mismatches(conn: &mut PgConnection, slots: &[Slot<'_>]) -> Result<Vec<PrepareError>, PrepareError> {
     let mut problems = Vec::new();
-    for (b, t) in columns.iter().zip(types) {
-        let (ValueSource::Meta(meta), Ok(target)) = (&b.source, &t.target) else { continue };
-        let (name, sample, what) = match meta {
-            Meta::Topic => ("topic", "orders", "the topic's name"),
-            Meta::Partition => ("partition", "0", "the partition number"),
-            Meta::Offset => ("offset", "0", "the record's offset"),
-            Meta::Timestamp => ("timestamp", "2026-12-04T10:00:00.000Z", "the record's timestamp as RFC 3339 text"),
-            Meta::BusinessKey => continue,
-        };
-        let sql = format!("SELECT CAST({} AS text) FROM (SELECT CAST($1 AS text) AS c0) AS u", target.cast("u.c0", &t.name));
+    for slot in slots {
+        let (ValueSource::Meta(meta), Ok(target)) = (&slot.binding.source, &slot.target.target) else { continue };
+        let Some(MetaSample { name, text: sample, what }) = meta.sample() else { continue };
+        let type_name = &slot.target.name;
+        let sql = format!("SELECT CAST({} AS text) FROM (SELECT CAST($1 AS text) AS c0) AS u", target.cast("u.c0", type_name));
         // In a savepoint: the preparation's transaction goes on after a refused cast.
         let mut savepoint = conn.begin().await.map_err(|e| db_error("database", e, ""))?;
         let tried = sqlx::query_scalar::<_, Option<String>>(&sql).bind(sample).persistent(false).fetch_one(&mut *savepoint).await;
@@ -641,11 +650,11 @@ async fn meta_mismatches(conn: &mut PgConnection, columns: &[Binding], types: &[
             Err(e) if e.as_database_error().and_then(|d| d.code()).is_some_and(|c| c.starts_with("22")) => {
                 let said = e.as_database_error().map(|d| d.message().to_owned()).unwrap_or_default();
                 problems.push(prepare_error(
-                    format!("sink.columns.{}", b.name),
-                    format!("column {:?} is {}: meta = {name:?} gives {what} (such as {sample:?}), which it cannot take ({said})", b.name, t.name),
+                    &slot.field,
+                    format!("{} is {type_name}: meta = {name:?} gives {what} (such as {sample:?}), which it cannot take ({said})", slot.what),
                 ));
             }
-            Err(e) => return Err(db_error(format!("sink.columns.{}", b.name), e, &sql)),
+            Err(e) => return Err(db_error(&slot.field, e, &sql)),
         }
     }
     Ok(problems)
@@ -735,6 +744,21 @@ async fn prepare_sql(
             .iter()
             .map(|name| params.iter().position(|b| b.name == *name).expect("validated: every parameter is mapped"))
             .collect();
+        let fed: Vec<Slot<'_>> = slots
+            .iter()
+            .zip(&types)
+            .enumerate()
+            .map(|(n, (slot, t))| Slot {
+                field: format!("sink.params.{}", statement.params[n]),
+                what: format!("parameter :{} (in {field})", statement.params[n]),
+                binding: &params[*slot],
+                target: t,
+            })
+            .collect();
+        let problems = meta_mismatches(conn, &fed).await?;
+        if !problems.is_empty() {
+            return Err(PrepareError::all(problems));
+        }
         let mut casts = Vec::with_capacity(types.len());
         let mut looped = Vec::with_capacity(types.len());
         for (n, (slot, t)) in slots.iter().zip(&types).enumerate() {
@@ -815,6 +839,15 @@ async fn prepare_batch(
         oids.push(oid);
     }
     let types = target_types(conn, &oids).await.map_err(|e| db_error("sink.params", e, ""))?;
+    let slots: Vec<Slot<'_>> = columns
+        .iter()
+        .zip(&types)
+        .map(|(b, t)| Slot { field: format!("sink.params.{}", b.name), what: format!("new_records column {:?}", b.name), binding: b, target: t })
+        .collect();
+    let problems = meta_mismatches(conn, &slots).await?;
+    if !problems.is_empty() {
+        return Err(PrepareError::all(problems));
+    }
     let mut casts = Vec::with_capacity(columns.len());
     for (i, (b, t)) in columns.iter().zip(&types).enumerate() {
         let target = t.target.as_ref().map_err(|why| prepare_error(format!("sink.params.{}", b.name), why.clone()))?;
