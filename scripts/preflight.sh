@@ -65,6 +65,7 @@ idemflow_venv_ready() {
 #   openssl            certificates for the TLS tests
 #   locales            the de_DE.UTF-8 locale, generated here, for PostgreSQL with its messages in German (a time
 #                      limit told by its SQLSTATE, not its words: tests/it/semantics.rs)
+#   curl               the walkthroughs as the docs show them (tests/it/walkthroughs.rs; psql comes with postgresql)
 #   python3-venv       the virtual environment with check-jsonschema and ruamel.yaml (docker-compose.yml checks),
 #                      kubernetes-validate (deploy/kubernetes/ against the Kubernetes schemas)
 #                      and noida-db (a second Kafka implementation: DescribeGroups, which the mock cluster lacks)
@@ -86,6 +87,7 @@ idemflow_test_preflight() {
   idemflow_build_packages_missing missing
   command -v openssl >/dev/null 2>&1 || missing+=(openssl)
   command -v socat >/dev/null 2>&1 || missing+=(socat)
+  command -v curl >/dev/null 2>&1 || missing+=(curl)
   { command -v iptables || [ -x /usr/sbin/iptables ]; } >/dev/null 2>&1 || missing+=(iptables)
   command -v cc >/dev/null 2>&1 || missing+=(gcc)
   [ -d /usr/share/i18n/locales ] && command -v localedef >/dev/null 2>&1 || missing+=(locales)

@@ -7,13 +7,21 @@ use std::path::PathBuf;
 #[derive(clap::Args)]
 pub struct DemoProducerArgs {
     /// Kafka bootstrap servers.
-    #[arg(long, env = "IDEMFLOW_KAFKA__BOOTSTRAP_SERVERS", required_unless_present = "rocketmq_name_server")]
+    #[arg(long, env = "IDEMFLOW_KAFKA__BOOTSTRAP_SERVERS", required_unless_present_any = ["rocketmq_name_server", "nats_url"])]
     bootstrap_servers: Option<String>,
     /// A RocketMQ name server (`host:port`) instead of Kafka: each payment is sent with its order id as the
     /// message's KEYS, tag `pay`.
-    #[arg(long, conflicts_with = "bootstrap_servers")]
+    #[arg(long, conflicts_with_all = ["bootstrap_servers", "nats_url"])]
     rocketmq_name_server: Option<String>,
-    /// The topic.
+    /// A NATS server with JetStream (`nats://host:port`) instead of Kafka: each payment is published to the subject
+    /// `--topic` with its order id as `Nats-Msg-Id`, and acknowledged by the stream that covers the subject.
+    #[arg(long, conflicts_with = "bootstrap_servers")]
+    nats_url: Option<String>,
+    /// With --nats-url: create this stream on `<first token of --topic>.>` (`payments.>`) if it does not exist yet
+    /// (file storage, the server's 2-minute duplicate window); an existing one is left as it is.
+    #[arg(long, requires = "nats_url")]
+    create_stream: Option<String>,
+    /// The topic (with --nats-url, the subject: `payments.created`).
     #[arg(long, default_value = "payments")]
     topic: String,
     /// Records per second.
@@ -171,10 +179,11 @@ pub async fn bench(a: BenchArgs) -> anyhow::Result<()> {
 /// Errors: the producer could not be created.
 pub async fn demo_producer(a: DemoProducerArgs) -> anyhow::Result<()> {
     use idemflow::demo::ProducerTarget;
-    let target = match (a.rocketmq_name_server, a.bootstrap_servers) {
-        (Some(ns), _) => ProducerTarget::RocketMq(ns),
-        (None, Some(bootstrap)) => ProducerTarget::Kafka(bootstrap),
-        (None, None) => bail!("give --bootstrap-servers (Kafka) or --rocketmq-name-server"),
+    let target = match (a.rocketmq_name_server, a.nats_url, a.bootstrap_servers) {
+        (Some(ns), _, _) => ProducerTarget::RocketMq(ns),
+        (None, Some(url), _) => ProducerTarget::Nats { url, create_stream: a.create_stream },
+        (None, None, Some(bootstrap)) => ProducerTarget::Kafka(bootstrap),
+        (None, None, None) => bail!("give --bootstrap-servers (Kafka), --rocketmq-name-server or --nats-url"),
     };
     idemflow::demo::produce_forever(&target, &a.topic, a.rate).await
 }

@@ -673,16 +673,28 @@ pub enum ProducerTarget {
     Kafka(String),
     /// A RocketMQ cluster: its name server(s), `host:port[;host:port]`.
     RocketMq(String),
+    /// A NATS server with JetStream: its URL, and the stream to create (on `<subject's first token>.>`) when it does
+    /// not exist yet.
+    Nats {
+        /// `nats://host:port`, as `[nats] url` takes it.
+        url: String,
+        /// `--create-stream`.
+        create_stream: Option<String>,
+    },
 }
 
 /// The open producer of [`produce_forever`].
 enum Producer {
     Kafka(rdkafka::producer::FutureProducer),
     RocketMq(crate::source::rocketmq::Runtime, rocketmq_client_rust::DefaultMQProducer),
+    /// The JetStream context, and how many publishes the stream dropped as duplicates of a `Nats-Msg-Id` it had
+    /// seen within its duplicate window.
+    Nats(async_nats::jetstream::Context, u64),
 }
 
 impl Producer {
-    async fn open(target: &ProducerTarget) -> anyhow::Result<Producer> {
+    /// Opens the producer for `target`; `topic` is the subject a NATS stream created here covers.
+    async fn open(target: &ProducerTarget, topic: &str) -> anyhow::Result<Producer> {
         Ok(match target {
             ProducerTarget::Kafka(bootstrap) => Producer::Kafka(
                 rdkafka::ClientConfig::new().set("bootstrap.servers", bootstrap).set("acks", "all").set("linger.ms", "20").create()?,
@@ -690,6 +702,17 @@ impl Producer {
             ProducerTarget::RocketMq(name_server) => {
                 let (runtime, producer) = rocketmq::start_producer(name_server, "idemflow-demo-producer").await?;
                 Producer::RocketMq(runtime, producer)
+            }
+            ProducerTarget::Nats { url, create_stream } => {
+                let client = tokio::time::timeout(Duration::from_secs(10), async_nats::connect(url.as_str()))
+                    .await
+                    .map_err(|_| anyhow::anyhow!("NATS server {url}: no answer within 10 s"))?
+                    .with_context(|| format!("connecting to {url}"))?;
+                let js = async_nats::jetstream::new(client);
+                if let Some(name) = create_stream {
+                    nats::ensure_stream(&js, name, topic).await?;
+                }
+                Producer::Nats(js, 0)
             }
         })
     }
@@ -725,23 +748,34 @@ impl Producer {
                     }
                 }
             }
+            Producer::Nats(js, dropped) => match nats::publish_to(js, topic, records).await {
+                Ok(n) => *dropped += n,
+                Err(e) => eprintln!("demo-producer: {e:#}"),
+            },
         }
     }
 
     async fn close(self) {
-        if let Producer::RocketMq(runtime, mut producer) = self {
-            producer.shutdown().await;
-            runtime.shutdown().await;
+        match self {
+            Producer::RocketMq(runtime, mut producer) => {
+                producer.shutdown().await;
+                runtime.shutdown().await;
+            }
+            Producer::Nats(_, dropped) => eprintln!(
+                "demo-producer: the stream itself dropped {dropped} of them (a Nats-Msg-Id it had seen within its duplicate window)"
+            ),
+            Producer::Kafka(_) => {}
         }
     }
 }
 
 /// `idemflow demo-producer`: sends the demo's stream of payment deductions (with producer retries, reused order ids
-/// and poison records) to a real Kafka or RocketMQ, `rate` records per second, until stopped. Used by
-/// docker-compose.yml so the dashboards show live duplicate rates. The order id is the record key (Kafka: it
-/// chooses the partition, as a producer keyed by order would) or the message's KEYS (RocketMQ, tag `pay`).
+/// and poison records) to a real Kafka, RocketMQ or NATS JetStream, `rate` records per second, until stopped. Used
+/// by docker-compose.yml so the dashboards show live duplicate rates. The order id is the record key (Kafka: it
+/// chooses the partition, as a producer keyed by order would), the message's KEYS (RocketMQ, tag `pay`) or its
+/// `Nats-Msg-Id` (JetStream; `topic` is the subject, each publish acknowledged by the stream).
 pub async fn produce_forever(target: &ProducerTarget, topic: &str, rate: u32) -> anyhow::Result<()> {
-    let mut producer = Producer::open(target).await?;
+    let mut producer = Producer::open(target, topic).await?;
     let mut stop = {
         let (trigger, stop) = shutdown::channel();
         let signals = shutdown::Signals::new();

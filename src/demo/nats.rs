@@ -79,6 +79,51 @@ pub async fn create_stream(url: &str, name: &str, subjects: &str) -> anyhow::Res
     Ok(())
 }
 
+/// Makes sure stream `name` exists: left as it is when it does (whatever its subjects), created on
+/// `<subject's first token>.>` otherwise (`payments.created` gives `payments.>`), as [`create_stream`] does.
+///
+/// Errors: the server refused, has no JetStream, or did not answer.
+pub async fn ensure_stream(js: &async_nats::jetstream::Context, name: &str, subject: &str) -> anyhow::Result<()> {
+    let prefix = subject.split('.').next().unwrap_or(subject);
+    match js.get_stream(name).await {
+        Ok(_) => {
+            eprintln!("demo-producer: stream {name} exists; publishing to {subject}");
+            Ok(())
+        }
+        Err(e)
+            if matches!(e.kind(), async_nats::jetstream::context::GetStreamErrorKind::JetStream(j)
+                if j.error_code() == async_nats::jetstream::ErrorCode::STREAM_NOT_FOUND) =>
+        {
+            js.create_stream(async_nats::jetstream::stream::Config { name: name.to_owned(), subjects: vec![format!("{prefix}.>")], ..Default::default() })
+                .await
+                .map_err(|e| anyhow::anyhow!("creating stream {name}: {e}"))?;
+            eprintln!("demo-producer: created stream {name} on {prefix}.>");
+            Ok(())
+        }
+        Err(e) => Err(anyhow::anyhow!("looking up stream {name}: {e}")),
+    }
+}
+
+/// Publishes `records` (Nats-Msg-Id, body) to `subject` and waits for the stream's acknowledgements; returns how
+/// many the stream dropped as duplicates (a `Nats-Msg-Id` it had seen within its duplicate window).
+///
+/// Errors: a publish was not acknowledged (no stream covers the subject, say), or the server cannot be reached.
+pub async fn publish_to(js: &async_nats::jetstream::Context, subject: &str, records: &[(String, &[u8])]) -> anyhow::Result<u64> {
+    let mut acks = Vec::with_capacity(records.len());
+    for (id, body) in records {
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert(crate::source::nats::MSG_ID_HEADER, id.as_str());
+        acks.push(js.publish_with_headers(subject.to_owned(), headers, bytes::Bytes::copy_from_slice(body)).await?);
+    }
+    let mut dropped = 0;
+    for ack in acks {
+        if ack.await.map_err(|e| anyhow::anyhow!("a publish to {subject} was not acknowledged: {e}"))?.duplicate {
+            dropped += 1;
+        }
+    }
+    Ok(dropped)
+}
+
 /// Publishes `messages` (Nats-Msg-Id, body) to `subject`, each acknowledged by the stream (a JetStream publish),
 /// with its id as `Nats-Msg-Id` when `with_ids` (else without: the stream keeps every copy): returns how many the
 /// stream dropped as duplicates of an id it had seen within its duplicate window.

@@ -32,3 +32,4 @@ mod security;
 mod semantics;
 mod upgrade;
 mod visibility;
+mod walkthroughs;
