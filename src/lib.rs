@@ -211,7 +211,11 @@
 //!
 //! With `[offsets] store = "database"` a claim is made only for partitions this worker still owns (checked before
 //! the claim and again after it); a partition fenced by a claim that landed late is claimed again after a delay
-//! while it is still assigned here, and then sought to its stored position, so it is never left paused.
+//! while it is still assigned here, and then sought to its stored position, so it is never left paused. A stored
+//! position is the one place a worker starts without looking at the records below it, so it is not trusted across a
+//! topic created again: when the broker holds a record below it produced after the position was stored
+//! ([`offsets::Claimed::stored_at_ms`], the same clock comparison as the marks'), the partition starts at its log
+//! start instead, and the processed marks above decide record by record (`tests/it/offsets.rs`).
 // The worker's futures (a batch polled beside the Kafka consumer's select) nest deeper than the default 128.
 #![recursion_limit = "256"]
 

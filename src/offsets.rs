@@ -79,6 +79,11 @@ pub struct Claimed {
     pub next_offset: Option<i64>,
     /// The epoch the claimant now holds; its batches must present it to [`crate::store::Tx::advance_offsets`].
     pub epoch: i64,
+    /// When the stored position was last written (by the batch that committed up to it), in milliseconds since the
+    /// Unix epoch on the store's clock; `None` where nothing was stored, or where the store does not say (Redis).
+    /// A record below the position produced after this time is not one the pipeline processed there: the topic was
+    /// deleted and created again, and the position is the old topic's (see the Kafka source's start).
+    pub stored_at_ms: Option<i64>,
 }
 
 /// The positions a batch stores, with the epoch its worker holds for each partition.

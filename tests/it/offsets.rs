@@ -546,3 +546,37 @@ async fn a_topic_created_again_is_processed_from_its_start() {
     assert_eq!(db.scalar::<i64>("SELECT count(*) FROM paid WHERE id LIKE 'new-%'").await, 20);
     assert_eq!(db.scalar::<i64>("SELECT next_offset FROM idemflow.processed WHERE pipeline = 'pay'").await, 20, "the marks renewed");
 }
+
+/// `[offsets] store = "database"` and a topic deleted and created again: the stored position (50, the old topic's)
+/// lies inside the new topic (80 records). Started there, the worker would skip the new topic's first 50 records,
+/// lost. The broker's first record produced after the position was stored is below it, so the partition starts at
+/// its log start, said in the log, and the processed marks (from before too) let every new record through. The new
+/// topic is on noida-db, whose ListOffsets answers by timestamp (the mock cluster's does not). Issue 42, item 4.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_topic_created_again_is_not_started_at_the_old_topics_stored_position() {
+    let db = TestDb::new("CREATE TABLE paid (id text PRIMARY KEY);").await;
+    let pipeline = "topics = [\"pay\"]\n[key]\nfield = \"/id\"\n[sink]\ntable = \"paid\"\n[sink.columns]\nid = \"/id\"\n\
+                    [batch]\nmax_wait = \"200ms\"\n[offsets]\nstore = \"database\"\n";
+    let old = Kafka::new();
+    old.create_topic("pay", 1);
+    old.produce("pay", &(0..50).map(|i| Out::json(0, format!(r#"{{"id":"old-{i}"}}"#))).collect::<Vec<_>>());
+    let setup = Setup::new(&db, &old, &[("pay.toml", pipeline)]);
+    let worker = InProc::start(&setup).await;
+    worker.wait_received("pay", 50).await;
+    assert!(worker.stop().await.is_empty());
+    drop(old);
+    assert_eq!(db.scalar::<i64>("SELECT next_offset FROM idemflow.offsets WHERE pipeline = 'pay'").await, 50);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let new = noida::Noida::start();
+    new.create_topic("pay", 1).await;
+    new.produce("pay", 1, &(0..80).map(|i| format!(r#"{{"id":"new-{i}"}}"#)).collect::<Vec<_>>());
+    let setup = Setup::with_bootstrap(&db, new.bootstrap(), &[("pay.toml", pipeline)], "", "");
+    let mut w = BinWorker::start(&setup);
+    wait_until(Duration::from_secs(60), "the new topic's records applied", || async {
+        db.scalar::<i64>("SELECT count(*) FROM paid WHERE id LIKE 'new-%'").await == 80
+    })
+    .await;
+    assert!(w.sigterm().success(), "{}", w.log_text());
+    assert!(w.log_text().contains("the topic was deleted and created again"), "{}", w.log_text());
+    assert_eq!(db.scalar::<i64>("SELECT next_offset FROM idemflow.offsets WHERE pipeline = 'pay'").await, 80);
+}

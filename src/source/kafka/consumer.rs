@@ -1135,12 +1135,14 @@ impl KafkaSource {
         let claimed = claiming.outcome.flatten();
         let mut tpl = TopicPartitionList::new();
         if let Some(claimed) = &claimed {
+            // Asked of the broker before the state is locked: the lookups wait for its answers.
+            let starts: Vec<(&offsets::Claimed, Option<Offset>)> = claimed.iter().map(|c| (c, self.stored_start(c))).collect();
             let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
             for (topic, partition) in &claiming.partitions {
                 tpl.add_partition(topic, *partition);
-                if let Some(c) = claimed.iter().find(|c| c.topic == *topic && c.partition == *partition) {
-                    if let Some(next) = c.next_offset {
-                        let _ = tpl.set_partition_offset(topic, *partition, Offset::Offset(next));
+                if let Some((c, start)) = starts.iter().find(|(c, _)| c.topic == *topic && c.partition == *partition) {
+                    if let Some(start) = start {
+                        let _ = tpl.set_partition_offset(topic, *partition, *start);
                     }
                     st.epochs.insert(tp_of(topic, *partition), c.epoch);
                 }
@@ -1232,8 +1234,8 @@ impl KafkaSource {
                 "claimed again a fenced partition no longer assigned here (revoked meanwhile): leaving it to its owner");
         }
         for c in take {
-            let start = match c.next_offset {
-                Some(next) => Some(Offset::Offset(next)),
+            let start = match self.stored_start(&c) {
+                Some(start) => Some(start),
                 None => self.start_without_stored(&c.topic, c.partition),
             };
             let sought = match start {
@@ -1268,6 +1270,45 @@ impl KafkaSource {
             }
             tracing::info!(pipeline = %self.pipeline, topic = %c.topic, partition = c.partition, offset = ?c.next_offset,
                 "claimed the fenced partition again: consuming it from its stored position");
+        }
+    }
+
+    /// Where a partition with a stored position starts (`None` without one): at the stored position, unless the
+    /// topic holds a record below it produced after the position was stored ([`offsets::Claimed::stored_at_ms`]:
+    /// the broker's first offset with a later timestamp, `offsets_for_times`, lies below it). Such a record is not
+    /// one the pipeline processed there: the topic was deleted and created again (or its log truncated and
+    /// refilled), and the position is the old topic's. Starting there would skip the new topic's records below it,
+    /// so the partition starts at its log start instead, said in a warning; the processed marks then decide, record
+    /// by record, what was processed ([`offsets::Replay`]). A lookup the broker does not answer within
+    /// [`LOOKUP_TIMEOUT`] keeps the stored position (logged).
+    fn stored_start(&self, c: &offsets::Claimed) -> Option<Offset> {
+        let next = c.next_offset?;
+        let Some(stored_at) = c.stored_at_ms else { return Some(Offset::Offset(next)) };
+        let mut tpl = TopicPartitionList::new();
+        // offsets_for_times takes the timestamp in the offset field; +1: a record produced in the very millisecond
+        // the position was stored is not later than it.
+        if tpl.add_partition_offset(&c.topic, c.partition, Offset::Offset(stored_at.saturating_add(1))).is_err() {
+            return Some(Offset::Offset(next));
+        }
+        let found = tokio::task::block_in_place(|| self.consumer.offsets_for_times(tpl, LOOKUP_TIMEOUT));
+        let later = match found {
+            Ok(list) => list.find_partition(&c.topic, c.partition).map(|e| e.offset()),
+            Err(e) => {
+                tracing::info!(pipeline = %self.pipeline, topic = %c.topic, partition = c.partition, error = %e,
+                    "cannot ask the broker whether the topic was created again since its position was stored; starting at the stored position");
+                return Some(Offset::Offset(next));
+            }
+        };
+        match later {
+            Some(Offset::Offset(first_later)) if first_later < next => {
+                tracing::warn!(pipeline = %self.pipeline, topic = %c.topic, partition = c.partition, stored = next,
+                    produced_after_it_at = first_later,
+                    "the partition holds records below its stored position produced after the position was stored: the \
+                     topic was deleted and created again (or its log truncated), and the stored position is the old \
+                     topic's; consuming it from its start, where the processed marks tell what was processed");
+                Some(Offset::Beginning)
+            }
+            _ => Some(Offset::Offset(next)),
         }
     }
 
@@ -1606,7 +1647,7 @@ mod tests {
     use crate::offsets::Claimed;
 
     fn claimed(partition: i32, next_offset: Option<i64>, epoch: i64) -> Claimed {
-        Claimed { topic: "t".into(), partition, next_offset, epoch }
+        Claimed { topic: "t".into(), partition, next_offset, epoch, stored_at_ms: None }
     }
 
     /// Owns `partitions` under epoch 1, then is fenced on them until `until` (as [`KafkaSource::lose`] does).

@@ -44,16 +44,20 @@ async fn claim_on(conn: &mut MySqlConnection, pipeline: &str, owner: &str, parti
     }
     q.execute(&mut *tx).await?;
     let sql = format!(
-        "SELECT CAST(topic AS CHAR), `partition`, next_offset, owner_epoch FROM idemflow_offsets WHERE pipeline = ? AND {}",
+        "SELECT CAST(topic AS CHAR), `partition`, next_offset, owner_epoch, CAST(ROUND(UNIX_TIMESTAMP(updated_at) * 1000) AS SIGNED) \
+         FROM idemflow_offsets WHERE pipeline = ? AND {}",
         partitions_in(partitions.len())
     );
-    let mut q = sqlx::query_as::<_, (String, i32, Option<i64>, i64)>(&sql).bind(pipeline);
+    let mut q = sqlx::query_as::<_, (String, i32, Option<i64>, i64, Option<i64>)>(&sql).bind(pipeline);
     for (t, p) in partitions {
         q = q.bind(t).bind(p);
     }
     let rows = q.fetch_all(&mut *tx).await?;
     tx.commit().await?;
-    Ok(rows.into_iter().map(|(topic, partition, next_offset, epoch)| Claimed { topic, partition, next_offset, epoch }).collect())
+    Ok(rows
+        .into_iter()
+        .map(|(topic, partition, next_offset, epoch, stored_at_ms)| Claimed { topic, partition, next_offset, epoch, stored_at_ms })
+        .collect())
 }
 
 /// Stores `positions` inside the batch's transaction for the partitions whose epoch is still the one presented.

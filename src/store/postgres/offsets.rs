@@ -14,13 +14,13 @@ pub async fn claim(pool: &PgPool, pipeline: &str, owner: &str, partitions: &[(St
     // A previous owner frozen inside a batch would hold the row lock for as long as it is frozen: fail after a
     // while (the caller retries) rather than wait without end.
     sqlx::query("SET LOCAL lock_timeout = '5s'").persistent(super::persistent()).execute(&mut *tx).await?;
-    let rows: Vec<(String, i32, Option<i64>, i64)> = sqlx::query_as(
+    let rows: Vec<(String, i32, Option<i64>, i64, Option<i64>)> = sqlx::query_as(
         r#"
 INSERT INTO idemflow.offsets AS o (pipeline, topic, partition, owner_epoch, owner, claimed_at)
 SELECT $1, u.topic, u.partition, 1, $2, now() FROM unnest($3::text[], $4::int4[]) AS u(topic, partition)
 ON CONFLICT (pipeline, topic, partition)
 DO UPDATE SET owner_epoch = o.owner_epoch + 1, owner = excluded.owner, claimed_at = excluded.claimed_at
-RETURNING topic, partition, next_offset, owner_epoch"#,
+RETURNING topic, partition, next_offset, owner_epoch, (extract(epoch FROM updated_at) * 1000)::int8"#,
     )
     .bind(pipeline)
     .bind(owner)
@@ -30,7 +30,10 @@ RETURNING topic, partition, next_offset, owner_epoch"#,
     .fetch_all(&mut *tx)
     .await?;
     tx.commit().await?;
-    Ok(rows.into_iter().map(|(topic, partition, next_offset, epoch)| Claimed { topic, partition, next_offset, epoch }).collect())
+    Ok(rows
+        .into_iter()
+        .map(|(topic, partition, next_offset, epoch, stored_at_ms)| Claimed { topic, partition, next_offset, epoch, stored_at_ms })
+        .collect())
 }
 
 /// Stores `positions` inside the batch's transaction, in one statement, for the partitions whose epoch is

@@ -72,7 +72,8 @@ impl RedisStore {
         let mut claimed = Vec::new();
         for ((topic, partition), v) in partitions.iter().zip(&values) {
             let (epoch, next_offset) = parse(v).ok_or_else(|| invalid(v))?;
-            claimed.push(Claimed { topic: topic.clone(), partition: *partition, next_offset, epoch });
+            // Redis keeps no time with a position.
+            claimed.push(Claimed { topic: topic.clone(), partition: *partition, next_offset, epoch, stored_at_ms: None });
         }
         self.claimed(pipeline, fields.into_iter().zip(&claimed).map(|(f, c)| (f, c.epoch, c.next_offset)));
         Ok(claimed)
