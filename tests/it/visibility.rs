@@ -246,3 +246,41 @@ async fn records_kept_behind_a_retried_batch_stall_their_partition() {
     assert!(worker.sigterm().success(), "{}", worker.log_text());
     assert_eq!(db.scalar::<i64>("SELECT count(*) FROM payments").await, 2);
 }
+
+/// `[offsets] store = "database"`: a partition given up after a fenced batch, whose new claim keeps failing (the
+/// row of its stored position held by another session), is stalled: its records wait and nothing applies them, so
+/// its stall clock goes on (before, a fenced partition was dropped from the stall signal, and the worker looked
+/// ready). Once the claim goes through, the partition moves again and every record is applied. Issue 42, item 11.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fenced_partition_whose_new_claim_keeps_failing_is_stalled() {
+    let pipeline = format!("{PIPELINE}[offsets]\nstore = \"database\"\n");
+    let (db, kafka, setup) = fixture(PAYMENTS, "orders", 1, &[("payments.toml", &pipeline)]).await;
+    let text = std::fs::read_to_string(&setup.config).unwrap().replace("[metrics]\n", "[metrics]\nstall_after = \"2s\"\n");
+    std::fs::write(&setup.config, text).unwrap();
+    kafka.produce("orders", &orders(1, 5, "a"));
+    let mut worker = BinWorker::start(&setup);
+    wait_until(Duration::from_secs(60), "the first records applied", || async {
+        db.scalar::<i64>("SELECT count(*) FROM payments").await == 5
+    })
+    .await;
+    // Another claim (as a worker with a stale view of the group makes one) takes the partition's epoch.
+    sqlx::query("UPDATE idemflow.offsets SET owner_epoch = owner_epoch + 1, owner = 'elsewhere' WHERE pipeline = 'payments'")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    kafka.produce("orders", &orders(1, 5, "b"));
+    wait_until(Duration::from_secs(60), "the next batch fenced", || async { worker.log_text().contains("fenced: another worker claimed") }).await;
+    // The row held: the worker's new claim of the partition times out, again and again.
+    let mut held = db.pool.begin().await.unwrap();
+    sqlx::query("SELECT * FROM idemflow.offsets WHERE pipeline = 'payments' FOR UPDATE").execute(&mut *held).await.unwrap();
+    wait_until(Duration::from_secs(90), "the new claim failing", || async { worker.log_text().contains("cannot claim the fenced partitions again") })
+        .await;
+    let (status, body) = http_get(setup.metrics, "/readyz").unwrap();
+    assert!(status == 503 && body.contains("orders/0"), "the fenced partition is stalled: {status} {body}");
+    let labels = [("pipeline", "payments"), ("topic", "orders"), ("partition", "0")];
+    assert!(metric(&worker.scrape(), "idemflow_partition_stalled_seconds", &labels) >= 2.0);
+    held.rollback().await.unwrap();
+    wait_ready(&setup, "ready again once the partition is claimed again").await;
+    wait_until(Duration::from_secs(60), "every record applied", || async { db.scalar::<i64>("SELECT count(*) FROM payments").await == 10 }).await;
+    assert!(worker.sigterm().success(), "{}", worker.log_text());
+}

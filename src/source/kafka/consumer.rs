@@ -343,10 +343,10 @@ impl GroupContext {
         let lost: Vec<Tp> = st.assigned.drain().collect();
         st.durable.clear();
         st.epochs.clear();
-        st.fenced.clear();
-        for (topic, partition) in &lost {
+        for (topic, partition) in lost.iter().chain(st.fenced.keys()) {
             self.metrics.forget_lag(topic, *partition);
         }
+        st.fenced.clear();
         st.revoked.extend(lost);
         drop(st);
         self.metrics.assigned_partitions(0);
@@ -1018,7 +1018,8 @@ impl KafkaSource {
                 st.fenced.insert(tp, until);
                 pause.add_partition(t, *p);
                 self.metrics.offset_commit(CommitResult::Fenced);
-                self.metrics.forget_lag(t, *p);
+                // Its stall clock goes on: its records wait, and nothing applies them until it is claimed again
+                // (a claim that keeps failing shows as a stall; [`KafkaSource::refresh_lag`] keeps it up to date).
             }
             self.metrics.assigned_partitions(st.assigned.len());
         }
@@ -1181,6 +1182,10 @@ impl KafkaSource {
         let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         if st.reclaiming.is_some() || st.claiming.is_some() {
             return;
+        }
+        // A fenced partition the consumer no longer holds is forgotten here: its lag and stall clock go with it.
+        for (topic, partition) in st.fenced.keys().filter(|tp| !held.contains(*tp)) {
+            self.metrics.forget_lag(topic, *partition);
         }
         let due = st.due_reclaims(now, &held);
         if due.is_empty() {
@@ -1363,23 +1368,32 @@ impl KafkaSource {
     /// saw it in a fetch; looked up from the broker if it has not fetched yet) minus its durable position. A
     /// partition whose durable position is not known yet takes the group's committed offset (looked up once; it
     /// is durable by construction, since only durable positions are ever committed), or without one the offset
-    /// `auto.offset.reset` starts it from. Lookups that time out leave a partition's lag as it was.
+    /// `auto.offset.reset` starts it from. Lookups that time out leave a partition's lag as it was. A partition
+    /// given up after a fenced batch and still held by the consumer ([`KafkaSource::lose`]) counts too, from the
+    /// group's committed offset: all its records wait until it is claimed again, so a claim that keeps failing
+    /// shows as a stall.
     fn refresh_lag(&mut self) {
-        let (owned, unknown) = {
+        let (owned, fenced, unknown) = {
             let st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
             let mut unknown = TopicPartitionList::new();
-            for (topic, partition) in st.assigned.iter().filter(|tp| !st.durable.contains_key(*tp)) {
+            for (topic, partition) in st.assigned.iter().filter(|tp| !st.durable.contains_key(*tp)).chain(st.fenced.keys()) {
                 unknown.add_partition(topic, *partition);
             }
-            (st.assigned.iter().cloned().collect::<Vec<Tp>>(), unknown)
+            let fenced: HashSet<Tp> = st.fenced.keys().cloned().collect();
+            (st.assigned.iter().chain(&fenced).cloned().collect::<Vec<Tp>>(), fenced, unknown)
         };
+        // Where each fenced partition was last committed: not durable for this worker (it holds no epoch of it).
+        let mut fenced_at: HashMap<Tp, i64> = HashMap::new();
         if unknown.count() > 0 {
             match tokio::task::block_in_place(|| self.consumer.committed_offsets(unknown, LOOKUP_TIMEOUT)) {
                 Ok(committed) => {
                     let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
                     for e in committed.elements() {
                         let tp = tp_of(e.topic(), e.partition());
-                        if let (Offset::Offset(next), true) = (e.offset(), st.assigned.contains(&tp)) {
+                        let Offset::Offset(next) = e.offset() else { continue };
+                        if fenced.contains(&tp) {
+                            fenced_at.insert(tp, next);
+                        } else if st.assigned.contains(&tp) {
                             st.durable.entry(tp).or_insert(next);
                         }
                     }
@@ -1389,7 +1403,7 @@ impl KafkaSource {
         }
         let durable: HashMap<Tp, i64> = {
             let st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
-            owned.iter().filter_map(|tp| st.durable.get(tp).map(|o| (tp.clone(), *o))).collect()
+            owned.iter().filter_map(|tp| st.durable.get(tp).or(fenced_at.get(tp)).map(|o| (tp.clone(), *o))).collect()
         };
         // Look-ups stop after LOOKUP_TIMEOUT in all (an unreachable leader must not hold up the poll); the partitions
         // left keep their lag until the next refresh.
@@ -1404,7 +1418,8 @@ impl KafkaSource {
             }
             let position = durable.get(&tp).copied();
             let (low, high) = match (cached, position) {
-                (Some(high), Some(_)) => (None, high),
+                // A paused (fenced) partition fetches nothing: its cached high watermark stops moving.
+                (Some(high), Some(_)) if !fenced.contains(&tp) => (None, high),
                 _ => match tokio::task::block_in_place(|| self.consumer.fetch_watermarks(topic, partition, LOOKUP_TIMEOUT)) {
                     Ok((low, high)) => (Some(low), high),
                     Err(e) => {
@@ -1419,7 +1434,8 @@ impl KafkaSource {
                 _ => high,
             };
             self.metrics.lag(topic, partition, (high - start).max(0));
-            let from = fetched.get(&tp).copied().unwrap_or(start).max(start);
+            // A fenced partition's fetched records were dropped: everything past its committed offset waits.
+            let from = if fenced.contains(&tp) { start } else { fetched.get(&tp).copied().unwrap_or(start).max(start) };
             self.metrics.waiting(topic, partition, (high - from).max(0) + kept.get(&tp).copied().unwrap_or(0));
         }
     }
