@@ -186,7 +186,10 @@
 //!   was produced after the mark last rose, they are not the ones processed there (the topic was created again):
 //!   the partition's marks are renewed in the same transaction and the records applied as new
 //!   ([`offsets::Replay`]); a batch where some are older leaves the marks, and skips them all. Tested with a purge
-//!   and a new group, a rewind, and a topic created again (`tests/it/offsets.rs`). A dead letter is unique by its
+//!   and a new group, a rewind, and a topic created again (`tests/it/offsets.rs`). A committed batch that ended below
+//!   a floor moves the Kafka consumer on to it (seek and offset commit after the batch's: [`sink::BatchOutcome::floors`]):
+//!   everything below a floor was processed by a committed batch, so nothing is skipped that was not, and a crash
+//!   before that commit only fetches the batch below the floor again. A dead letter is unique by its
 //!   position and its payload's digest ([`record::Record::payload_sha256`]): a poison record at a position reused by
 //!   a topic or a JetStream stream created again is kept as a dead letter of its own, never taken for a redelivery
 //!   of the one dead-lettered there (`nats::a_new_poison_message_at_the_sequence_of_an_old_one_...`).

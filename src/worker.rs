@@ -343,6 +343,7 @@ async fn run_lane(
         ahead: Ahead::new(r.pipeline.batch.max_records),
         lose_commit_answer: false,
         attempts_lane,
+        floors: Vec::new(),
     };
     let mut outcome = Ok(());
     let mut batches = 0u64;
@@ -380,7 +381,9 @@ async fn run_lane(
                     source.abandon().await; // closes the consumer without committing or acknowledging this batch
                     return Ok(());
                 }
-                source.commit(&batch).await
+                source.commit(&batch).await;
+                // A group that started over below what was processed moves on past it (once committed, above).
+                source.skip_to_floors(&std::mem::take(&mut step.floors));
             }
             Ok(false) => break, // shutdown while retrying: nothing of this batch is committed; it will be redelivered
             Err(e) => {
@@ -471,6 +474,9 @@ struct Step<'a> {
     lose_commit_answer: bool,
     /// This lane's row in the store's attempts table ([`Attempt::lane`]).
     attempts_lane: std::sync::Arc<str>,
+    /// The processed floors the last committed batch ended below ([`crate::sink::BatchOutcome::floors`]), for the
+    /// source to move on to once the batch is committed to the broker.
+    floors: Vec<(std::sync::Arc<str>, i32, i64)>,
 }
 
 impl Step<'_> {
@@ -690,6 +696,7 @@ impl Step<'_> {
             }
         }
         guarded?;
+        self.floors = outcome.floors.clone();
         Ok(true)
     }
 }

@@ -69,6 +69,11 @@ pub struct BatchOutcome {
     pub dead_letters: Vec<DeadLettered>,
     /// Redis: the batch script's round trip.
     pub script_round_trip: Option<Duration>,
+    /// The partitions whose records reached back below their processed floor (a consumer group that started over:
+    /// its offsets expired, a new `group_id`) and whose batch ended below it, each with its floor: every record up to
+    /// the floor was processed by this pipeline, so the source may move on to it instead of fetching them all to
+    /// skip them ([`crate::source::Source::skip_to_floors`]). Empty where the store keeps no floor (Redis).
+    pub floors: Vec<(std::sync::Arc<str>, i32, i64)>,
 }
 
 /// One attempt at a batch, as the sink sees it ([`Sink::apply`]): the lane that makes it, its number, and the

@@ -102,5 +102,5 @@ pub(super) async fn run(
         }
     }
     sink.log_dead_letters(records, &dead_letters);
-    Ok(BatchOutcome { counts, dead_letters, script_round_trip: Some(ran.round_trip) })
+    Ok(BatchOutcome { counts, dead_letters, script_round_trip: Some(ran.round_trip), floors: Vec::new() })
 }

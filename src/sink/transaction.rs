@@ -215,7 +215,7 @@ impl Sink {
             tx.rollback().await.map_err(|e| SinkError::new("rolling back", e))?;
             return Err(refused);
         }
-        let outcome = BatchOutcome { counts, dead_letters, script_round_trip: None };
+        let outcome = BatchOutcome { counts, dead_letters, script_round_trip: None, floors: floors_passed_below(records, &processed) };
         if let Some(attempt) = attempt {
             *attempt.committing.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(outcome.clone());
         }
@@ -418,6 +418,23 @@ fn starts_below_a_floor(records: &[Record], processed: &Processed) -> bool {
         let p = &run[0].position;
         processed.0.get(&(p.topic.clone(), p.partition)).and_then(|m| m.floor).is_some_and(|floor| p.offset < floor)
     })
+}
+
+/// The partitions of `records` that start below their floor and end below it too, with the floor (see
+/// [`BatchOutcome::floors`]): the records between the batch's end and the floor were processed before, so the
+/// source can move on to the floor. A partition found created again has no mark left here, so it is not one.
+fn floors_passed_below(records: &[Record], processed: &Processed) -> Vec<(std::sync::Arc<str>, i32, i64)> {
+    if !starts_below_a_floor(records, processed) {
+        return Vec::new();
+    }
+    let next = NextOffsets::after(records);
+    next.0
+        .iter()
+        .filter_map(|((topic, partition), after)| {
+            let floor = processed.0.get(&(topic.clone(), *partition))?.floor?;
+            (*after < floor).then(|| (topic.clone(), *partition, floor))
+        })
+        .collect()
 }
 
 /// For each record, whether it lies below its partition's floor and was processed before ([`Replay::Processed`]);

@@ -257,6 +257,22 @@ impl Source {
         }
     }
 
+    /// After a batch committed to the broker that ended below processed floors (`(topic, partition, floor)`, a group
+    /// that started over: [`crate::sink::BatchOutcome::floors`]): moves those partitions on to their floors, so what
+    /// was processed below them is not fetched to be skipped. Kafka only; RocketMQ's queues fetch and skip.
+    #[cfg_attr(not(feature = "kafka"), allow(unused_variables))]
+    pub fn skip_to_floors(&mut self, floors: &[(std::sync::Arc<str>, i32, i64)]) {
+        if floors.is_empty() {
+            return;
+        }
+        match self {
+            #[cfg(feature = "kafka")]
+            Source::Kafka(s) => s.skip_to_floors(floors),
+            #[allow(unreachable_patterns)]
+            _ => {}
+        }
+    }
+
     /// A batch was fenced (`[offsets] store = "database"`): gives up `partitions` and drops their records.
     /// Only sources with positions (Kafka, RocketMQ) store them, so only they can be fenced.
     pub async fn lose(&mut self, partitions: &[(String, i32)], used: Option<&Positions>, batch: &mut Vec<Record>) {

@@ -1083,6 +1083,58 @@ impl KafkaSource {
         Ok(())
     }
 
+    /// Moves partitions on to their processed floors (`(topic, partition, floor)`, from a committed batch that ended
+    /// below them: the group started over below what this pipeline had processed): drops the records kept of them,
+    /// seeks the consumer to the floor and commits it to the group, so a group whose offsets expired fetches one
+    /// batch below the floor, not the whole topic, and says so. A partition not owned (revoked, fenced) or already
+    /// fetched up to its floor is left as it is, and so is one whose log does not reach its floor (its high watermark
+    /// is below it: a topic created again that was not recognised as such), where a seek past the end would send the
+    /// consumer back to `auto.offset.reset` again and again. A seek librdkafka refuses leaves the partition to be
+    /// fetched and skipped record by record, as before (logged).
+    pub fn skip_to_floors(&mut self, floors: &[(Arc<str>, i32, i64)]) {
+        let fetched = self.fetch_positions();
+        let mut moved = HashSet::new();
+        {
+            let st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+            for (topic, partition, floor) in floors {
+                let tp = tp_of(topic, *partition);
+                if st.assigned.contains(&tp) && !st.fenced.contains_key(&tp) && fetched.get(&tp).is_none_or(|at| at < floor) {
+                    moved.insert(tp);
+                }
+            }
+        }
+        moved.retain(|(topic, partition)| {
+            let high = self.cached_high_watermark(topic, *partition).or_else(|| {
+                tokio::task::block_in_place(|| self.consumer.fetch_watermarks(topic, *partition, LOOKUP_TIMEOUT)).ok().map(|(_, high)| high)
+            });
+            let floor = floors.iter().find(|(t, p, _)| t == topic && p == partition).map_or(i64::MAX, |f| f.2);
+            high.is_some_and(|high| floor <= high)
+        });
+        if moved.is_empty() {
+            return;
+        }
+        // Everything kept of these partitions lies below the consumer's position, so below the floor.
+        drop_records_of(&moved, &self.pipeline, &mut [&mut self.stash]);
+        let mut tpl = TopicPartitionList::new();
+        for (topic, partition, floor) in floors.iter().filter(|(t, p, _)| moved.contains(&tp_of(t, *p))) {
+            match tokio::task::block_in_place(|| self.consumer.seek(topic, *partition, Offset::Offset(*floor), Duration::from_secs(10))) {
+                Ok(()) => {
+                    let _ = tpl.add_partition_offset(topic, *partition, Offset::Offset(*floor));
+                    self.state.lock().unwrap_or_else(PoisonError::into_inner).durable.insert(tp_of(topic, *partition), *floor);
+                    tracing::warn!(pipeline = %self.pipeline, topic = %topic, partition, floor,
+                        "the consumer group started over below where this pipeline had processed (its offsets expired or \
+                         were reset, a new group_id): moving on to the processed floor without fetching the records \
+                         below it; `idemflow rewind` is the way to consume them again");
+                }
+                Err(e) => tracing::warn!(pipeline = %self.pipeline, topic = %topic, partition, floor, error = %e,
+                    "cannot move the consumer on to the processed floor: fetching the records below it to skip them"),
+            }
+        }
+        if tpl.count() > 0 {
+            self.commit_list(&tpl);
+        }
+    }
+
     /// Commits `next` for the partitions still owned, synchronously, and counts the outcome. A failure is logged
     /// and counted, never fatal: the records are redelivered and skipped as duplicates.
     pub fn commit(&mut self, next: &NextOffsets) {
