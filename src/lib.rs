@@ -189,7 +189,9 @@
 //!   and a new group, a rewind, and a topic created again (`tests/it/offsets.rs`). A committed batch that ended below
 //!   a floor moves the Kafka consumer on to it (seek and offset commit after the batch's: [`sink::BatchOutcome::floors`]):
 //!   everything below a floor was processed by a committed batch, so nothing is skipped that was not, and a crash
-//!   before that commit only fetches the batch below the floor again. A dead letter is unique by its
+//!   before that commit only fetches the batch below the floor again. Not where a record below the floor is newer
+//!   than the mark, or the broker does not say (a topic created again is judged batch by batch, never jumped over),
+//!   nor with a dead-letter topic (the dead letters below the floor are published again after a crash). A dead letter is unique by its
 //!   position and its payload's digest ([`record::Record::payload_sha256`]): a poison record at a position reused by
 //!   a topic or a JetStream stream created again is kept as a dead letter of its own, never taken for a redelivery
 //!   of the one dead-lettered there (`nats::a_new_poison_message_at_the_sequence_of_an_old_one_...`).
@@ -216,8 +218,8 @@
 //! the claim and again after it); a partition fenced by a claim that landed late is claimed again after a delay
 //! while it is still assigned here, and then sought to its stored position, so it is never left paused. A stored
 //! position is the one place a worker starts without looking at the records below it, so it is not trusted across a
-//! topic created again: when the broker holds a record below it produced after the position was stored
-//! ([`offsets::Claimed::stored_at_ms`], the same clock comparison as the marks'), the partition starts at its log
+//! topic created again: when the partition holds nothing produced before the position was stored and records below
+//! it ([`offsets::Claimed::stored_at_ms`], the same clock comparison as the marks'), the partition starts at its log
 //! start instead, and the processed marks above decide record by record (`tests/it/offsets.rs`).
 // The worker's futures (a batch polled beside the Kafka consumer's select) nest deeper than the default 128.
 #![recursion_limit = "256"]

@@ -67,6 +67,21 @@ impl NextOffsets {
     }
 }
 
+/// A partition's processed floor that a committed batch ended below ([`crate::sink::BatchOutcome::floors`]): the
+/// records from the batch's end up to the floor were processed before, unless the partition holds records below the
+/// floor produced after the mark was last raised (`raised_at_ms`), which the source asks its broker first.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PassedFloor {
+    /// Topic.
+    pub topic: Arc<str>,
+    /// Partition.
+    pub partition: i32,
+    /// The floor ([`Mark::floor`]).
+    pub floor: i64,
+    /// When the mark was last raised ([`Mark::raised_at_ms`]).
+    pub raised_at_ms: Option<i64>,
+}
+
 /// A partition's stored position after [`crate::store::Store::claim_offsets`].
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Claimed {

@@ -476,7 +476,7 @@ struct Step<'a> {
     attempts_lane: std::sync::Arc<str>,
     /// The processed floors the last committed batch ended below ([`crate::sink::BatchOutcome::floors`]), for the
     /// source to move on to once the batch is committed to the broker.
-    floors: Vec<(std::sync::Arc<str>, i32, i64)>,
+    floors: Vec<crate::offsets::PassedFloor>,
 }
 
 impl Step<'_> {
@@ -696,7 +696,12 @@ impl Step<'_> {
             }
         }
         guarded?;
-        self.floors = outcome.floors.clone();
+        // Not past dead letters to publish again: with a dead-letter topic, the records below a floor are fetched,
+        // so that a crash before a batch's dead letters were confirmed loses none (their batch may come back shorter
+        // than it was, and end below the floor).
+        if self.dead_letter_out.is_none() {
+            self.floors = outcome.floors.clone();
+        }
         Ok(true)
     }
 }

@@ -73,7 +73,7 @@ pub struct BatchOutcome {
     /// its offsets expired, a new `group_id`) and whose batch ended below it, each with its floor: every record up to
     /// the floor was processed by this pipeline, so the source may move on to it instead of fetching them all to
     /// skip them ([`crate::source::Source::skip_to_floors`]). Empty where the store keeps no floor (Redis).
-    pub floors: Vec<(std::sync::Arc<str>, i32, i64)>,
+    pub floors: Vec<crate::offsets::PassedFloor>,
 }
 
 /// One attempt at a batch, as the sink sees it ([`Sink::apply`]): the lane that makes it, its number, and the

@@ -423,7 +423,7 @@ fn starts_below_a_floor(records: &[Record], processed: &Processed) -> bool {
 /// The partitions of `records` that start below their floor and end below it too, with the floor (see
 /// [`BatchOutcome::floors`]): the records between the batch's end and the floor were processed before, so the
 /// source can move on to the floor. A partition found created again has no mark left here, so it is not one.
-fn floors_passed_below(records: &[Record], processed: &Processed) -> Vec<(std::sync::Arc<str>, i32, i64)> {
+fn floors_passed_below(records: &[Record], processed: &Processed) -> Vec<crate::offsets::PassedFloor> {
     if !starts_below_a_floor(records, processed) {
         return Vec::new();
     }
@@ -431,8 +431,9 @@ fn floors_passed_below(records: &[Record], processed: &Processed) -> Vec<(std::s
     next.0
         .iter()
         .filter_map(|((topic, partition), after)| {
-            let floor = processed.0.get(&(topic.clone(), *partition))?.floor?;
-            (*after < floor).then(|| (topic.clone(), *partition, floor))
+            let mark = processed.0.get(&(topic.clone(), *partition))?;
+            let floor = mark.floor?;
+            (*after < floor).then(|| crate::offsets::PassedFloor { topic: topic.clone(), partition: *partition, floor, raised_at_ms: mark.raised_at_ms })
         })
         .collect()
 }

@@ -261,7 +261,7 @@ impl Source {
     /// that started over: [`crate::sink::BatchOutcome::floors`]): moves those partitions on to their floors, so what
     /// was processed below them is not fetched to be skipped. Kafka only; RocketMQ's queues fetch and skip.
     #[cfg_attr(not(feature = "kafka"), allow(unused_variables))]
-    pub fn skip_to_floors(&mut self, floors: &[(std::sync::Arc<str>, i32, i64)]) {
+    pub fn skip_to_floors(&mut self, floors: &[crate::offsets::PassedFloor]) {
         if floors.is_empty() {
             return;
         }

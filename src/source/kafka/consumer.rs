@@ -1083,50 +1083,57 @@ impl KafkaSource {
         Ok(())
     }
 
-    /// Moves partitions on to their processed floors (`(topic, partition, floor)`, from a committed batch that ended
-    /// below them: the group started over below what this pipeline had processed): drops the records kept of them,
-    /// seeks the consumer to the floor and commits it to the group, so a group whose offsets expired fetches one
-    /// batch below the floor, not the whole topic, and says so. A partition not owned (revoked, fenced) or already
-    /// fetched up to its floor is left as it is, and so is one whose log does not reach its floor (its high watermark
-    /// is below it: a topic created again that was not recognised as such), where a seek past the end would send the
-    /// consumer back to `auto.offset.reset` again and again. A seek librdkafka refuses leaves the partition to be
-    /// fetched and skipped record by record, as before (logged).
-    pub fn skip_to_floors(&mut self, floors: &[(Arc<str>, i32, i64)]) {
+    /// Moves partitions on to their processed floors (from a committed batch that ended below them: the group started
+    /// over below what this pipeline had processed): drops the records kept of them, seeks the consumer to the floor
+    /// and commits it to the group, so a group whose offsets expired fetches one batch below the floor, not the whole
+    /// topic, and says so. Left as they are, fetched and skipped record by record as before: a partition not owned
+    /// (revoked, fenced) or already fetched up to its floor; one whose log does not reach its floor (a seek past the
+    /// end would send the consumer back to `auto.offset.reset` again and again); and one holding a record below its
+    /// floor produced after the mark was last raised, or whose broker does not say (a topic created again, or a log
+    /// truncated and refilled, that the batch did not show: each batch is judged on its records, as
+    /// [`offsets::Replay`] says). A seek librdkafka refuses is logged and left the same way.
+    pub fn skip_to_floors(&mut self, floors: &[offsets::PassedFloor]) {
         let fetched = self.fetch_positions();
-        let mut moved = HashSet::new();
-        {
+        let mut moved: Vec<&offsets::PassedFloor> = {
             let st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
-            for (topic, partition, floor) in floors {
-                let tp = tp_of(topic, *partition);
-                if st.assigned.contains(&tp) && !st.fenced.contains_key(&tp) && fetched.get(&tp).is_none_or(|at| at < floor) {
-                    moved.insert(tp);
-                }
-            }
-        }
-        moved.retain(|(topic, partition)| {
-            let high = self.cached_high_watermark(topic, *partition).or_else(|| {
-                tokio::task::block_in_place(|| self.consumer.fetch_watermarks(topic, *partition, LOOKUP_TIMEOUT)).ok().map(|(_, high)| high)
+            floors
+                .iter()
+                .filter(|f| {
+                    let tp = tp_of(&f.topic, f.partition);
+                    st.assigned.contains(&tp) && !st.fenced.contains_key(&tp) && fetched.get(&tp).is_none_or(|at| *at < f.floor)
+                })
+                .collect()
+        };
+        let dated: Vec<(&str, i32, i64)> =
+            moved.iter().filter_map(|f| Some((&*f.topic, f.partition, f.raised_at_ms?.saturating_add(1)))).collect();
+        let later = if dated.is_empty() { None } else { self.first_at_or_after(&dated) };
+        moved.retain(|f| {
+            let tp = tp_of(&f.topic, f.partition);
+            let nothing_newer = later.as_ref().and_then(|m| m.get(&tp)).is_some_and(|first| first.is_none_or(|o| o >= f.floor));
+            let high = self.cached_high_watermark(&f.topic, f.partition).or_else(|| {
+                tokio::task::block_in_place(|| self.consumer.fetch_watermarks(&f.topic, f.partition, LOOKUP_TIMEOUT)).ok().map(|(_, high)| high)
             });
-            let floor = floors.iter().find(|(t, p, _)| t == topic && p == partition).map_or(i64::MAX, |f| f.2);
-            high.is_some_and(|high| floor <= high)
+            nothing_newer && high.is_some_and(|high| f.floor <= high)
         });
         if moved.is_empty() {
             return;
         }
         // Everything kept of these partitions lies below the consumer's position, so below the floor.
-        drop_records_of(&moved, &self.pipeline, &mut [&mut self.stash]);
+        let parts: HashSet<Tp> = moved.iter().map(|f| tp_of(&f.topic, f.partition)).collect();
+        drop_records_of(&parts, &self.pipeline, &mut [&mut self.stash]);
         let mut tpl = TopicPartitionList::new();
-        for (topic, partition, floor) in floors.iter().filter(|(t, p, _)| moved.contains(&tp_of(t, *p))) {
-            match tokio::task::block_in_place(|| self.consumer.seek(topic, *partition, Offset::Offset(*floor), Duration::from_secs(10))) {
+        for f in moved {
+            let (topic, partition, floor) = (&*f.topic, f.partition, f.floor);
+            match tokio::task::block_in_place(|| self.consumer.seek(topic, partition, Offset::Offset(floor), Duration::from_secs(10))) {
                 Ok(()) => {
-                    let _ = tpl.add_partition_offset(topic, *partition, Offset::Offset(*floor));
-                    self.state.lock().unwrap_or_else(PoisonError::into_inner).durable.insert(tp_of(topic, *partition), *floor);
-                    tracing::warn!(pipeline = %self.pipeline, topic = %topic, partition, floor,
+                    let _ = tpl.add_partition_offset(topic, partition, Offset::Offset(floor));
+                    self.state.lock().unwrap_or_else(PoisonError::into_inner).durable.insert(tp_of(topic, partition), floor);
+                    tracing::warn!(pipeline = %self.pipeline, topic, partition, floor,
                         "the consumer group started over below where this pipeline had processed (its offsets expired or \
                          were reset, a new group_id): moving on to the processed floor without fetching the records \
                          below it; `idemflow rewind` is the way to consume them again");
                 }
-                Err(e) => tracing::warn!(pipeline = %self.pipeline, topic = %topic, partition, floor, error = %e,
+                Err(e) => tracing::warn!(pipeline = %self.pipeline, topic, partition, floor, error = %e,
                     "cannot move the consumer on to the processed floor: fetching the records below it to skip them"),
             }
         }
@@ -1189,7 +1196,7 @@ impl KafkaSource {
         let mut tpl = TopicPartitionList::new();
         if let Some(claimed) = &claimed {
             // Asked of the broker before the state is locked: the lookups wait for its answers.
-            let starts: Vec<(&offsets::Claimed, Option<Offset>)> = claimed.iter().map(|c| (c, self.stored_start(c))).collect();
+            let starts: Vec<(&offsets::Claimed, Option<Offset>)> = claimed.iter().zip(self.stored_starts(claimed)).collect();
             let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
             for (topic, partition) in &claiming.partitions {
                 tpl.add_partition(topic, *partition);
@@ -1290,8 +1297,11 @@ impl KafkaSource {
             tracing::warn!(pipeline = %self.pipeline, topic = %c.topic, partition = c.partition,
                 "claimed again a fenced partition no longer assigned here (revoked meanwhile): leaving it to its owner");
         }
-        for c in take {
-            let start = match self.stored_start(&c) {
+        let starts = self.stored_starts(&take);
+        for (c, start) in take.into_iter().zip(starts) {
+            // Sent back to its log start (a topic created again): the stored position is not durable for it.
+            let c = if start == Some(Offset::Beginning) { offsets::Claimed { next_offset: None, ..c } } else { c };
+            let start = match start {
                 Some(start) => Some(start),
                 None => self.start_without_stored(&c.topic, c.partition),
             };
@@ -1330,43 +1340,72 @@ impl KafkaSource {
         }
     }
 
-    /// Where a partition with a stored position starts (`None` without one): at the stored position, unless the
-    /// topic holds a record below it produced after the position was stored ([`offsets::Claimed::stored_at_ms`]:
-    /// the broker's first offset with a later timestamp, `offsets_for_times`, lies below it). Such a record is not
-    /// one the pipeline processed there: the topic was deleted and created again (or its log truncated and
-    /// refilled), and the position is the old topic's. Starting there would skip the new topic's records below it,
-    /// so the partition starts at its log start instead, said in a warning; the processed marks then decide, record
-    /// by record, what was processed ([`offsets::Replay`]). A lookup the broker does not answer within
-    /// [`LOOKUP_TIMEOUT`] keeps the stored position (logged).
-    fn stored_start(&self, c: &offsets::Claimed) -> Option<Offset> {
-        let next = c.next_offset?;
-        let Some(stored_at) = c.stored_at_ms else { return Some(Offset::Offset(next)) };
+    /// Each partition's first offset whose record's timestamp is `at_ms` or later (`(topic, partition, at_ms)` each),
+    /// asked of the broker in one request (ListOffsets by timestamp, `offsets_for_times`): `None` for a partition
+    /// without such a record. `None` altogether when the broker did not answer within [`LOOKUP_TIMEOUT`] (logged).
+    fn first_at_or_after(&self, asks: &[(&str, i32, i64)]) -> Option<HashMap<Tp, Option<i64>>> {
         let mut tpl = TopicPartitionList::new();
-        // offsets_for_times takes the timestamp in the offset field; +1: a record produced in the very millisecond
-        // the position was stored is not later than it.
-        if tpl.add_partition_offset(&c.topic, c.partition, Offset::Offset(stored_at.saturating_add(1))).is_err() {
-            return Some(Offset::Offset(next));
+        for (topic, partition, at_ms) in asks {
+            // offsets_for_times takes the timestamp in the offset field.
+            tpl.add_partition_offset(topic, *partition, Offset::Offset(*at_ms)).ok()?;
         }
-        let found = tokio::task::block_in_place(|| self.consumer.offsets_for_times(tpl, LOOKUP_TIMEOUT));
-        let later = match found {
-            Ok(list) => list.find_partition(&c.topic, c.partition).map(|e| e.offset()),
+        match tokio::task::block_in_place(|| self.consumer.offsets_for_times(tpl, LOOKUP_TIMEOUT)) {
+            Ok(list) => Some(
+                list.elements()
+                    .iter()
+                    .map(|e| (tp_of(e.topic(), e.partition()), if let Offset::Offset(o) = e.offset() { Some(o) } else { None }))
+                    .collect(),
+            ),
             Err(e) => {
-                tracing::info!(pipeline = %self.pipeline, topic = %c.topic, partition = c.partition, error = %e,
-                    "cannot ask the broker whether the topic was created again since its position was stored; starting at the stored position");
-                return Some(Offset::Offset(next));
+                tracing::info!(pipeline = %self.pipeline, error = %e, "the broker did not say which records are later than a time");
+                None
             }
-        };
-        match later {
-            Some(Offset::Offset(first_later)) if first_later < next => {
-                tracing::warn!(pipeline = %self.pipeline, topic = %c.topic, partition = c.partition, stored = next,
-                    produced_after_it_at = first_later,
-                    "the partition holds records below its stored position produced after the position was stored: the \
-                     topic was deleted and created again (or its log truncated), and the stored position is the old \
-                     topic's; consuming it from its start, where the processed marks tell what was processed");
-                Some(Offset::Beginning)
-            }
-            _ => Some(Offset::Offset(next)),
         }
+    }
+
+    /// Where each claimed partition with a stored position starts, in `claimed`'s order (`None` without one): at the
+    /// stored position, unless everything the partition holds was produced after the position was stored
+    /// ([`offsets::Claimed::stored_at_ms`]: its first record at or after that time is its log start) and lies
+    /// partly below it. A partition holding nothing from before its stored position was written is not the one the
+    /// position was stored for: the topic was deleted and created again (or its log truncated and refilled), and
+    /// starting there would skip its records below the position. It then starts at its log start instead, said in
+    /// a warning, and the processed marks decide record by record what was processed ([`offsets::Replay`]). The test
+    /// asks that the partition hold nothing older, not merely one newer record, so that producers whose clocks run
+    /// ahead of the store's (or records stamped with a later event time) do not send a partition back to its start
+    /// at every assignment; a topic whose every record is stamped later than the time its position was stored is
+    /// taken for created again. Lookups the broker does not answer within [`LOOKUP_TIMEOUT`] keep the stored
+    /// positions. Two requests for all the partitions.
+    fn stored_starts(&self, claimed: &[offsets::Claimed]) -> Vec<Option<Offset>> {
+        let dated: Vec<(&str, i32, i64)> = claimed
+            .iter()
+            .filter_map(|c| Some((c.topic.as_str(), c.partition, c.stored_at_ms?.saturating_add(1))).filter(|_| c.next_offset.is_some()))
+            .collect();
+        let (later, start) = if dated.is_empty() {
+            (None, None)
+        } else {
+            let log_start: Vec<(&str, i32, i64)> = dated.iter().map(|(t, p, _)| (*t, *p, 0)).collect();
+            (self.first_at_or_after(&dated), self.first_at_or_after(&log_start))
+        };
+        claimed
+            .iter()
+            .map(|c| {
+                let next = c.next_offset?;
+                let tp = tp_of(&c.topic, c.partition);
+                let first_later = later.as_ref().and_then(|m| m.get(&tp).copied().flatten());
+                let log_start = start.as_ref().and_then(|m| m.get(&tp).copied().flatten());
+                match (first_later, log_start) {
+                    (Some(first_later), Some(log_start)) if first_later == log_start && first_later < next => {
+                        tracing::warn!(pipeline = %self.pipeline, topic = %c.topic, partition = c.partition, stored = next,
+                            log_start, "every record of the partition was produced after its position was stored, some below \
+                             it: the topic was deleted and created again (or its log truncated and refilled), and the stored \
+                             position is the old topic's; consuming it from its start, where the processed marks tell what was \
+                             processed");
+                        Some(Offset::Beginning)
+                    }
+                    _ => Some(Offset::Offset(next)),
+                }
+            })
+            .collect()
     }
 
     /// Where a partition without a stored position starts: the group's committed offset, else where
@@ -1465,7 +1504,8 @@ impl KafkaSource {
         for tp in owned {
             let (topic, partition) = (&*tp.0, tp.1);
             let cached = self.cached_high_watermark(topic, partition);
-            if cached.is_none() && Instant::now() >= deadline {
+            // A fenced partition is always looked up (its cache stops moving), within the same bound.
+            if (cached.is_none() || fenced.contains(&tp)) && Instant::now() >= deadline {
                 continue;
             }
             let position = durable.get(&tp).copied();

@@ -14,7 +14,9 @@ pub async fn claim(pool: &PgPool, pipeline: &str, owner: &str, partitions: &[(St
     // A previous owner frozen inside a batch would hold the row lock for as long as it is frozen: fail after a
     // while (the caller retries) rather than wait without end.
     sqlx::query("SET LOCAL lock_timeout = '5s'").persistent(super::persistent()).execute(&mut *tx).await?;
-    let rows: Vec<(String, i32, Option<i64>, i64, Option<i64>)> = sqlx::query_as(
+    // (topic, partition, next offset, epoch, when the position was stored in ms since the Unix epoch)
+    type Row = (String, i32, Option<i64>, i64, Option<i64>);
+    let rows: Vec<Row> = sqlx::query_as(
         r#"
 INSERT INTO idemflow.offsets AS o (pipeline, topic, partition, owner_epoch, owner, claimed_at)
 SELECT $1, u.topic, u.partition, 1, $2, now() FROM unnest($3::text[], $4::int4[]) AS u(topic, partition)

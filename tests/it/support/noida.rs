@@ -69,6 +69,18 @@ impl Noida {
         }
     }
 
+    /// Produces JSON values to partition 0, each with its own timestamp (milliseconds since the Unix epoch: a
+    /// producer's clock, or an event time), and waits for every acknowledgement.
+    pub fn produce_at(&self, topic: &str, values: &[(String, i64)]) {
+        let producer = self.producer();
+        for (v, at) in values {
+            let record = BaseRecord::<(), str>::to(topic).partition(0).payload(v.as_str()).timestamp(*at);
+            producer.send(record).map_err(|(e, _)| e).unwrap();
+            producer.poll(Duration::ZERO);
+        }
+        producer.flush(Duration::from_secs(30)).unwrap();
+    }
+
     /// Produces JSON values round-robin over `partitions` and waits for every acknowledgement.
     pub fn produce(&self, topic: &str, partitions: i32, values: &[String]) {
         let producer = self.producer();
