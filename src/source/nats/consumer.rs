@@ -179,14 +179,14 @@ impl NatsSource {
         };
         let version = client.server_info().version;
         let js = context(&self.settings, client);
-        let mut stream = js.get_stream(&self.spec.stream).await.map_err(|e| stream_error(&self.spec.stream, &e.to_string()))?;
+        let mut stream = js.get_stream(&self.spec.stream).await.map_err(|e| stream_error(&self.spec.stream, &e, str::to_owned))?;
         let info = match stream.consumer_info(&self.spec.consumer).await {
             Ok(info) => info,
-            Err(e) if self.bound && not_found(&e.to_string()) => {
+            Err(e) if self.bound && not_found(&e) => {
                 self.event(Some(Event::Deleted));
                 return Err(self.fatal.clone().unwrap_or_default());
             }
-            Err(e) if not_found(&e.to_string()) => {
+            Err(e) if not_found(&e) => {
                 let stream_info = stream.info().await.map_err(|e| format!("reading stream {:?}: {e}", self.spec.stream))?.clone();
                 if let Some(why) = creation_refusal(&stream_info, &self.spec, self.batch(), self.retention, &version) {
                     self.fatal = Some(why.clone());
@@ -786,21 +786,32 @@ fn pull_request(config: &async_nats::jetstream::consumer::Config, max_records: u
     (batch, expires.max(Duration::from_secs(1)))
 }
 
-/// Whether a consumer lookup's error says the consumer does not exist (JetStream error 10014).
-fn not_found(text: &str) -> bool {
-    text.contains("10014") || text.contains("consumer not found")
+/// Whether a consumer lookup's error says the consumer does not exist: JetStream's error code 10014
+/// (`CONSUMER_NOT_FOUND`), as the client classifies it; never the words of the answer.
+fn not_found(e: &jetstream::context::ConsumerInfoError) -> bool {
+    matches!(e.kind(), jetstream::context::ConsumerInfoErrorKind::NotFound)
 }
 
-/// A stream lookup's error as a sentence: a missing stream, JetStream not enabled, or the server's answer.
-fn stream_error(stream: &str, text: &str) -> String {
-    if text.contains("10059") || text.contains("stream not found") {
-        format!("stream {stream:?} does not exist: create it first (`nats stream add`); idemflow consumes streams, it does not create them")
-    } else if text.contains("10076")
-        || text.contains("10039")
-        || text.contains("no responders")
-        // async-nats's words for "no responders" to a JetStream API request: nothing serves JetStream there.
-        || text.contains("requested JetStream resource does not exist")
-    {
+/// A stream lookup's error as a sentence, decided by JetStream's error codes and the client's error kinds (never by
+/// the words of the answer): a missing stream (10059, `STREAM_NOT_FOUND`), JetStream not enabled (10076, 10039, or
+/// no responder to the JetStream API), or the server's answer. `scrub` takes any credential out of the text.
+fn stream_error(stream: &str, e: &jetstream::context::GetStreamError, scrub: impl Fn(&str) -> String) -> String {
+    use jetstream::context::{GetStreamErrorKind, RequestError, RequestErrorKind};
+    use jetstream::ErrorCode;
+    let text = scrub(&e.to_string());
+    let no_responders = std::error::Error::source(e)
+        .and_then(|s| s.downcast_ref::<RequestError>())
+        .is_some_and(|r| r.kind() == RequestErrorKind::NoResponders);
+    let code = match e.kind() {
+        GetStreamErrorKind::JetStream(j) => Some(j.error_code()),
+        _ => None,
+    };
+    if code == Some(ErrorCode::STREAM_NOT_FOUND) {
+        format!(
+            "stream {stream:?} does not exist: create it first (`nats stream add`, or see docs/nats.md); idemflow consumes \
+             streams, it does not create them"
+        )
+    } else if no_responders || code.is_some_and(|c| c == ErrorCode::JETSTREAM_NOT_ENABLED || c == ErrorCode::JETSTREAM_NOT_ENABLED_FOR_ACCOUNT) {
         format!("JetStream is not enabled on the server (or for this account): nothing answered the JetStream API ({text}); start nats-server with -js (or enable JetStream for the account)")
     } else {
         format!("reading stream {stream:?}: {text}")
@@ -943,7 +954,7 @@ pub async fn check(settings: &NatsSettings, pipeline: &SourceContext) -> Result<
     let batch = (pipeline.batch.max_records, pipeline.batch.max_wait);
     let result = async {
         let mut lines = Vec::new();
-        let mut stream = js.get_stream(&spec.stream).await.map_err(|e| stream_error(&spec.stream, &scrub(&e.to_string())))?;
+        let mut stream = js.get_stream(&spec.stream).await.map_err(|e| stream_error(&spec.stream, &e, scrub))?;
         let info = stream.info().await.map_err(|e| format!("reading stream {:?}: {}", spec.stream, scrub(&e.to_string())))?.clone();
         let config = &info.config;
         lines.push(format!(
@@ -993,7 +1004,7 @@ pub async fn check(settings: &NatsSettings, pipeline: &SourceContext) -> Result<
                     ));
                 }
             }
-            Err(e) if not_found(&e.to_string()) => {
+            Err(e) if not_found(&e) => {
                 if let Some(why) = creation_refusal(&info, spec, batch, retention, &version) {
                     return Err(why);
                 }
