@@ -653,7 +653,9 @@ pub async fn check(settings: &RabbitMqSettings, pipeline: &SourceContext) -> Res
             let passive = QueueDeclareOptions { passive: true, ..QueueDeclareOptions::default() };
             let q = channel.queue_declare(queue.as_str().into(), passive, FieldTable::default()).await.map_err(|e| {
                 let text = scrub(&e);
-                if text.contains("NOT_FOUND") || text.contains("404") {
+                // AMQP's reply code, never the words: 404 NOT_FOUND closes the channel of a passive declare.
+                let not_found = matches!(e.kind(), lapin::ErrorKind::ProtocolError(amqp) if amqp.get_id() == 404);
+                if not_found {
                     format!(
                         "queue {queue:?} does not exist on {}: declare it first (durable; a quorum queue is the safe \
                          choice); idemflow consumes queues, it does not declare them",
