@@ -5,7 +5,7 @@
 //! Headers added to the original ones: `idemflow.pipeline`, `idemflow.topic`, `idemflow.partition`,
 //! `idemflow.offset`, `idemflow.reason`, `idemflow.error`. Key and value are the original record's, byte for byte.
 
-use super::KafkaSettings;
+use super::spec::KafkaSettings;
 use crate::record::Record;
 use crate::dead_letter::DeadLettered;
 use rdkafka::config::ClientConfig;
@@ -34,7 +34,7 @@ impl DeadLetterTopic {
             .set("enable.idempotence", "true")
             .set("client.id", format!("idemflow-{pipeline}-dead-letters"));
         // Consumer-only properties in [kafka.properties] make librdkafka warn, not fail.
-        Ok(DeadLetterTopic { producer: config.create().map_err(super::consumer::hide_config_value)?, topic: topic.to_owned(), pipeline: pipeline.to_owned() })
+        Ok(DeadLetterTopic { producer: config.create().map_err(super::client::hide_config_value)?, topic: topic.to_owned(), pipeline: pipeline.to_owned() })
     }
 
     /// Produces the dead letters of a committed batch and waits for every acknowledgement.

@@ -30,8 +30,8 @@
 //! cannot tell where the group would start, and such a partition is left out of the plan (not moved), unless the
 //! target is its log start, which skips nothing whatever the policy. Each is a warning of the plan.
 
-use super::consumer::{consumer_config, hide_config_value, spec};
-use super::KafkaSettings;
+use super::client::{consumer_config, hide_config_value, spec};
+use super::spec::KafkaSettings;
 use crate::source::SourceContext;
 use crate::source::rewind::{reconcile, rfc3339_ms, Answers, Move, Plan, Reset, Target};
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
