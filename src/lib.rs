@@ -61,7 +61,9 @@
 //! - behind its cargo feature: `consumer.rs` (the runtime the worker drives: batches, `pause_for`, `commit`,
 //!   `drop_revoked`, and `positions`/`lose`/`resync` where it has positions; record conversion; `check`), and where
 //!   it has them `rewind.rs` (its half of `idemflow rewind`, with [`source::rewind`]) and `dead_letters.rs` (its
-//!   dead-letter publisher).
+//!   dead-letter publisher). A runtime grown past one room splits within the folder, as Kafka's has:
+//!   `client.rs` (the client's settings), `ownership.rs` (partitions owned, rebalances), `check.rs`, `record.rs`,
+//!   and `consumer/` (the runtime, with `claims.rs` for claimed, fenced and floored partitions).
 //!
 //! Then one variant in each closed enum the compiler lists: [`source::Source`], [`source::spec::SourceSpec`]
 //! (with [`source::spec::SourceSpec::built`]), [`source::spec::ALL`], the arms of [`source::spec::parse`],
