@@ -519,6 +519,18 @@ async fn a_group_whose_offsets_are_gone_does_not_apply_purged_records_again() {
     assert_eq!(db.scalar::<i64>("SELECT count(*) FROM paid").await, 320);
 }
 
+/// Pipeline `pay` (`pipeline`) processes 50 records (`old-0` to `old-49`) of topic `pay` on a cluster of its own,
+/// which then goes away with its topic.
+async fn processed_on_a_topic_since_deleted(db: &TestDb, pipeline: &str) {
+    let old = Kafka::new();
+    old.create_topic("pay", 1);
+    old.produce("pay", &(0..50).map(|i| Out::json(0, format!(r#"{{"id":"old-{i}"}}"#))).collect::<Vec<_>>());
+    let setup = Setup::new(db, &old, &[("pay.toml", pipeline)]);
+    let worker = InProc::start(&setup).await;
+    worker.wait_received("pay", 50).await;
+    assert!(worker.stop().await.is_empty());
+}
+
 /// A topic deleted and created again under the same name (here: another broker's topic of that name, its offsets
 /// from 0 again) reuses the positions below the pipeline's processed marks. Its records were produced after the
 /// marks were last raised, so they are not what the pipeline processed there: the marks are dropped, said in the
@@ -528,14 +540,7 @@ async fn a_group_whose_offsets_are_gone_does_not_apply_purged_records_again() {
 async fn a_topic_created_again_is_processed_from_its_start() {
     let db = TestDb::new("CREATE TABLE paid (id text PRIMARY KEY);").await;
     let pipeline = "topics = [\"pay\"]\n[key]\nfield = \"/id\"\n[sink]\ntable = \"paid\"\n[sink.columns]\nid = \"/id\"\n[batch]\nmax_wait = \"200ms\"\n";
-    let old = Kafka::new();
-    old.create_topic("pay", 1);
-    old.produce("pay", &(0..50).map(|i| Out::json(0, format!(r#"{{"id":"old-{i}"}}"#))).collect::<Vec<_>>());
-    let setup = Setup::new(&db, &old, &[("pay.toml", pipeline)]);
-    let worker = InProc::start(&setup).await;
-    worker.wait_received("pay", 50).await;
-    assert!(worker.stop().await.is_empty());
-    drop(old);
+    processed_on_a_topic_since_deleted(&db, pipeline).await;
     tokio::time::sleep(Duration::from_millis(50)).await;
     let new = Kafka::new();
     new.create_topic("pay", 1);
@@ -601,14 +606,7 @@ async fn a_topic_created_again_is_not_started_at_the_old_topics_stored_position(
     let db = TestDb::new("CREATE TABLE paid (id text PRIMARY KEY);").await;
     let pipeline = "topics = [\"pay\"]\n[key]\nfield = \"/id\"\n[sink]\ntable = \"paid\"\n[sink.columns]\nid = \"/id\"\n\
                     [batch]\nmax_wait = \"200ms\"\n[offsets]\nstore = \"database\"\n";
-    let old = Kafka::new();
-    old.create_topic("pay", 1);
-    old.produce("pay", &(0..50).map(|i| Out::json(0, format!(r#"{{"id":"old-{i}"}}"#))).collect::<Vec<_>>());
-    let setup = Setup::new(&db, &old, &[("pay.toml", pipeline)]);
-    let worker = InProc::start(&setup).await;
-    worker.wait_received("pay", 50).await;
-    assert!(worker.stop().await.is_empty());
-    drop(old);
+    processed_on_a_topic_since_deleted(&db, pipeline).await;
     assert_eq!(db.scalar::<i64>("SELECT next_offset FROM idemflow.offsets WHERE pipeline = 'pay'").await, 50);
     tokio::time::sleep(Duration::from_millis(50)).await;
     let new = noida::Noida::start();
