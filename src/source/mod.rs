@@ -257,9 +257,10 @@ impl Source {
         }
     }
 
-    /// After a batch committed to the broker that ended below processed floors (`(topic, partition, floor)`, a group
-    /// that started over: [`crate::sink::BatchOutcome::floors`]): moves those partitions on to their floors, so what
-    /// was processed below them is not fetched to be skipped. Kafka only; RocketMQ's queues fetch and skip.
+    /// After a batch committed to the broker that ended below processed floors (a group that started over:
+    /// [`crate::sink::BatchOutcome::floors`]): moves those partitions on to their floors where nothing below them can
+    /// have been missed, so what was processed below them is not fetched to be skipped. Kafka only; RocketMQ's queues
+    /// fetch and skip.
     #[cfg_attr(not(feature = "kafka"), allow(unused_variables))]
     pub fn skip_to_floors(&mut self, floors: &[crate::offsets::PassedFloor]) {
         if floors.is_empty() {
