@@ -20,12 +20,16 @@ impl Noida {
     pub fn start() -> Noida {
         let dir = tempfile::tempdir().unwrap();
         let port = super::free_port();
+        // In a process group of its own: `noida-db` on PATH is pip's launcher, which starts the server as its child,
+        // and the whole group is ended on drop (killing the launcher alone left the server running).
+        use std::os::unix::process::CommandExt;
         let child = Command::new("noida-db")
             .args(["start", "--data-dir"])
             .arg(dir.path())
             .args(["--only", "kafka", "--kafka-port", &port.to_string()])
             .stdout(Stdio::null())
             .stderr(Stdio::null())
+            .process_group(0)
             .spawn()
             .unwrap_or_else(|e| panic!("noida-db is needed (scripts/preflight.sh installs it from PyPI): {e}"));
         let noida = Noida { child, bootstrap: format!("127.0.0.1:{port}"), _dir: dir };
@@ -95,6 +99,8 @@ impl Noida {
 
 impl Drop for Noida {
     fn drop(&mut self) {
+        // SAFETY: kill has no memory preconditions; the group is the one started above.
+        unsafe { libc::kill(-(self.child.id() as i32), libc::SIGKILL) };
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
