@@ -146,7 +146,7 @@ impl Store {
     pub async fn migrate(&self) -> Result<i64, sqlx::migrate::MigrateError> {
         match self {
             Store::Postgres(pool) => {
-                postgres::MIGRATOR.run(pool).await?;
+                postgres::migrate(pool).await?;
                 Ok(postgres::MIGRATOR.iter().map(|m| m.version).max().unwrap_or_default())
             }
             #[cfg(feature = "mysql")]

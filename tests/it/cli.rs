@@ -236,3 +236,56 @@ async fn check_refuses_metadata_a_column_cannot_take() {
     let (status, out, err) = idemflow(&["check", "--config", cfg], setup.dir.path());
     assert!(status.success(), "{out}{err}");
 }
+
+/// The README's walkthrough as a fresh Debian cluster runs it: the database belongs to a role named `idemflow`, like
+/// idemflow's schema, and PostgreSQL's default `search_path` is `"$user", public`. The first `migrate` records its
+/// versions in `public._sqlx_migrations` (the `idemflow` schema did not exist yet); once it does, `"$user"` names it.
+/// A second `migrate` must find the record where it is, not start an empty one in the `idemflow` schema and run
+/// migration 1 again (`relation "dedup" already exists`), and `check` must read it there too. Found by a user's try.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_twice_and_check_as_a_role_named_like_the_schema() {
+    let admin = postgres::server_url();
+    let mut conn: sqlx::PgConnection = sqlx::Connection::connect(admin).await.unwrap();
+    sqlx::raw_sql(
+        "DO $$ BEGIN IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'idemflow') THEN \
+         CREATE ROLE idemflow LOGIN PASSWORD 'idemflow' CREATEDB; END IF; END $$",
+    )
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    let name = format!("role_{}", unique());
+    sqlx::raw_sql(&format!("CREATE DATABASE {name} OWNER idemflow")).execute(&mut conn).await.unwrap();
+    let mut url = url::Url::parse(admin).unwrap();
+    url.set_username("idemflow").unwrap();
+    url.set_password(Some("idemflow")).unwrap();
+    url.set_path(&name);
+    let url = url.to_string();
+    let pool = sqlx::postgres::PgPoolOptions::new().max_connections(2).connect(&url).await.unwrap();
+    sqlx::raw_sql("CREATE TABLE paid (id text PRIMARY KEY)").execute(&pool).await.unwrap();
+    let kafka = Kafka::new();
+    kafka.create_topic("orders", 1);
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir(dir.path().join("pipelines")).unwrap();
+    std::fs::write(
+        dir.path().join("pipelines/paid.toml"),
+        "topics = [\"orders\"]\n[key]\nfield = \"/id\"\n[sink]\ntable = \"paid\"\n[sink.columns]\nid = \"/id\"\n",
+    )
+    .unwrap();
+    let config = dir.path().join("idemflow.toml");
+    std::fs::write(&config, format!("[database]\nurl = \"{url}\"\n[kafka]\nbootstrap_servers = \"{}\"\n", kafka.bootstrap())).unwrap();
+    let cfg = config.to_str().unwrap();
+    for round in 1..=3 {
+        let (status, out, err) = idemflow(&["migrate", "--config", cfg], dir.path());
+        assert!(status.success(), "migrate {round}: {out}{err}");
+    }
+    let (status, out, err) = idemflow(&["check", "--config", cfg], dir.path());
+    assert!(status.success(), "{out}{err}");
+    let records: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.relname = '_sqlx_migrations'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(records, 1, "one migration record");
+    assert_eq!(sqlx::query_scalar::<_, String>("SELECT current_schema()").fetch_one(&pool).await.unwrap(), "idemflow", "the trap is set");
+    pool.close().await;
+}

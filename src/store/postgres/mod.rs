@@ -105,23 +105,86 @@ pub async fn pgbouncer(settings: &DatabaseSettings) -> Option<String> {
     }
 }
 
+/// The schema that holds idemflow's migration record (`_sqlx_migrations`), quoted for SQL: found in the catalog, not
+/// through the session's `search_path`, as the one whose record is the furthest along (its highest successful
+/// version); before the first migration, none. Through the search path alone the record could move: a role named
+/// like the `idemflow` schema has `"$user"` first on PostgreSQL's default path, which names that schema only once the
+/// first migration has created it, so the next `migrate` would start a new, empty record there and run migration 1
+/// again (and `check` would then read that empty record).
+///
+/// Errors: the database's.
+pub async fn migrations_schema(conn: &mut sqlx::PgConnection) -> Result<Option<String>, sqlx::Error> {
+    let schemas: Vec<String> = sqlx::query_scalar(
+        "SELECT quote_ident(n.nspname) FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace \
+         WHERE c.relname = '_sqlx_migrations' AND c.relkind IN ('r', 'p') ORDER BY n.nspname",
+    )
+    .persistent(false)
+    .fetch_all(&mut *conn)
+    .await?;
+    let mut best: Option<(i64, String)> = None;
+    for schema in schemas {
+        // A record this role cannot read is not one it keeps.
+        let version: Option<i64> = match sqlx::query_scalar(&format!("SELECT max(version) FROM {schema}._sqlx_migrations WHERE success"))
+            .persistent(false)
+            .fetch_one(&mut *conn)
+            .await
+        {
+            Ok(v) => v,
+            Err(sqlx::Error::Database(d)) if d.code().as_deref() == Some("42501") => continue,
+            Err(e) => return Err(e),
+        };
+        if best.as_ref().is_none_or(|(v, _)| version.unwrap_or(-1) > *v) {
+            best = Some((version.unwrap_or(-1), schema));
+        }
+    }
+    Ok(best.map(|(_, schema)| schema))
+}
+
+/// Runs the migrations ([`MIGRATOR`]) on one connection whose `search_path` starts with the schema of the migration
+/// record ([`migrations_schema`]; before the first migration, the session's `current_schema()`), so that the record
+/// stays where it was started whatever the role's path resolves to later. idemflow's own objects are all named with
+/// their schema (`idemflow.*`).
+///
+/// Errors: the database's, or a migration's.
+pub async fn migrate(pool: &PgPool) -> Result<(), sqlx::migrate::MigrateError> {
+    let mut conn = pool.acquire().await?;
+    let home = match migrations_schema(&mut conn).await? {
+        Some(home) => home,
+        None => sqlx::query_scalar::<_, Option<String>>("SELECT quote_ident(current_schema())")
+            .persistent(false)
+            .fetch_one(&mut *conn)
+            .await?
+            .unwrap_or_else(|| "public".to_owned()),
+    };
+    let path: String = sqlx::query_scalar("SELECT current_setting('search_path')").persistent(false).fetch_one(&mut *conn).await?;
+    sqlx::query("SELECT set_config('search_path', $1, false)").bind(format!("{home}, {path}")).persistent(false).execute(&mut *conn).await?;
+    let ran = MIGRATOR.run(&mut *conn).await;
+    // The connection goes back to the pool: with the role's own path again.
+    let _ = sqlx::query("SELECT set_config('search_path', $1, false)").bind(&path).persistent(false).execute(&mut *conn).await;
+    ran
+}
+
 /// Whether the idemflow schema is migrated to the latest version this binary knows.
 ///
 /// Errors: the database is unreachable, or the schema is missing or older (`run idemflow migrate`).
 pub async fn check_schema(pool: &PgPool) -> Result<(), String> {
     let latest = MIGRATOR.iter().map(|m| m.version).max().unwrap_or_default();
+    let missing = || "the idemflow schema is missing: run `idemflow migrate --config ...` first".to_owned();
+    let mut conn = pool.acquire().await.map_err(|e| format!("cannot read the schema version: {e}"))?;
+    let Some(home) = migrations_schema(&mut conn).await.map_err(|e| format!("cannot read the schema version: {e}"))? else {
+        return Err(missing());
+    };
     let applied: Option<i64> = sqlx::Executor::fetch_one(
-        pool,
-        sqlx::raw_sql("SELECT max(version) FROM _sqlx_migrations WHERE success AND to_regclass('idemflow.dedup') IS NOT NULL"),
+        &mut *conn,
+        sqlx::raw_sql(&format!("SELECT max(version) FROM {home}._sqlx_migrations WHERE success AND to_regclass('idemflow.dedup') IS NOT NULL")),
     )
     .await
     .and_then(|row| sqlx::Row::try_get(&row, 0))
     .map_err(|e| match &e {
-        sqlx::Error::Database(db) if db.code().as_deref() == Some("42P01") => {
-            "the idemflow schema is missing: run `idemflow migrate --config ...` first".to_owned()
-        }
+        sqlx::Error::Database(db) if db.code().as_deref() == Some("42P01") => missing(),
         _ => format!("cannot read the schema version: {e}"),
     })?;
+    drop(conn);
     match applied {
         Some(v) if v >= latest => check_dedup_key(pool).await,
         Some(v) => Err(format!("the idemflow schema is at version {v}, this binary needs {latest}: run `idemflow migrate`")),
