@@ -2,6 +2,8 @@
 # A throwaway RabbitMQ node from Debian's `rabbitmq-server` package, with its own directories and ports.
 #   source scripts/rabbitmq-throwaway.sh && rabbitmq_throwaway_start   # exports RABBITMQ_URL, RABBITMQ_NODE,
 #                                                                      # RABBITMQ_THROWAWAY_DIR (HOME for rabbitmqctl)
+#   RABBITMQ_THROWAWAY_MANAGEMENT=1 rabbitmq_throwaway_start   # also the management plugin (rabbitmqadmin's HTTP
+#                                                              # API) on a loopback port: RABBITMQ_MANAGEMENT_PORT
 #   rabbitmq_throwaway_stop
 # The node runs as the `rabbitmq` user when we are root (the package's files belong to it). The scripts under
 # /usr/lib/rabbitmq/bin are called directly: the /usr/sbin wrappers cd to /var/lib/rabbitmq and take its cookie.
@@ -17,12 +19,18 @@ rabbitmq_throwaway_start() {
   local port
   port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])' 2>/dev/null || echo 45672)
   RABBITMQ_NODE="idem$port@localhost"
-  local run=()
+  local run=() management=() management_port=""
+  if [ "${RABBITMQ_THROWAWAY_MANAGEMENT:-}" = 1 ]; then
+    management_port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+    printf '[rabbitmq_management].\n' >"$RABBITMQ_THROWAWAY_DIR/enabled_plugins"
+    printf 'management.tcp.port = %s\nmanagement.tcp.ip = 127.0.0.1\n' "$management_port" >"$RABBITMQ_THROWAWAY_DIR/rabbitmq.conf"
+    management=(RABBITMQ_CONFIG_FILE="$RABBITMQ_THROWAWAY_DIR/rabbitmq.conf")
+  fi
   if [ "$(id -u)" = 0 ]; then
-    chown rabbitmq:rabbitmq "$RABBITMQ_THROWAWAY_DIR"
+    chown -R rabbitmq:rabbitmq "$RABBITMQ_THROWAWAY_DIR"
     run=(runuser -u rabbitmq --)
   fi
-  "${run[@]}" env HOME="$RABBITMQ_THROWAWAY_DIR" RABBITMQ_NODENAME="$RABBITMQ_NODE" RABBITMQ_NODE_PORT="$port" \
+  "${run[@]}" env "${management[@]}" HOME="$RABBITMQ_THROWAWAY_DIR" RABBITMQ_NODENAME="$RABBITMQ_NODE" RABBITMQ_NODE_PORT="$port" \
     RABBITMQ_NODE_IP_ADDRESS=127.0.0.1 RABBITMQ_DIST_PORT=$((port + 20000 > 65000 ? port - 20000 : port + 20000)) \
     RABBITMQ_MNESIA_BASE="$RABBITMQ_THROWAWAY_DIR/mnesia" RABBITMQ_LOG_BASE="$RABBITMQ_THROWAWAY_DIR/log" \
     RABBITMQ_ENABLED_PLUGINS_FILE="$RABBITMQ_THROWAWAY_DIR/enabled_plugins" \
@@ -38,6 +46,19 @@ rabbitmq_throwaway_start() {
     sleep 0.1
     waited=$((waited + 1))
   done
+  if [ -n "$management_port" ]; then
+    # The management listener comes up after the AMQP one.
+    until (exec 3<>"/dev/tcp/127.0.0.1/$management_port") 2>/dev/null; do
+      if [ $waited -ge 1200 ] || ! kill -0 "$RABBITMQ_THROWAWAY_PID" 2>/dev/null; then
+        echo "RabbitMQ's management plugin did not listen; the node's output:" >&2
+        tail -20 "$RABBITMQ_THROWAWAY_DIR/server.out" >&2
+        return 1
+      fi
+      sleep 0.1
+      waited=$((waited + 1))
+    done
+    export RABBITMQ_MANAGEMENT_PORT=$management_port
+  fi
   export RABBITMQ_THROWAWAY_DIR RABBITMQ_NODE RABBITMQ_THROWAWAY_PID
   export RABBITMQ_URL="amqp://guest:guest@127.0.0.1:$port/%2f"
   echo "throwaway RabbitMQ on 127.0.0.1:$port ($RABBITMQ_THROWAWAY_DIR, node $RABBITMQ_NODE)" >&2

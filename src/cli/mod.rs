@@ -90,8 +90,9 @@ pub enum Command {
         #[arg(value_enum)]
         file: SchemaFile,
     },
-    /// Send the demo's stream of payments (with duplicates) to a real Kafka or RocketMQ, continuously (for
-    /// docker-compose, and for trying a pipeline on your own broker).
+    /// Send the demo's stream of payments (with duplicates) to a real Kafka, RocketMQ or NATS JetStream, at --rate
+    /// records a second until interrupted (Ctrl-C or SIGTERM; for docker-compose, and for trying a pipeline on your
+    /// own broker).
     #[cfg(feature = "tools")]
     DemoProducer(tools::DemoProducerArgs),
 }

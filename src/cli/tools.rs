@@ -6,16 +6,17 @@ use std::path::PathBuf;
 
 #[derive(clap::Args)]
 pub struct DemoProducerArgs {
-    /// Kafka bootstrap servers.
+    /// Kafka bootstrap servers (the environment's `IDEMFLOW_KAFKA__BOOTSTRAP_SERVERS` when not given; ignored with
+    /// --rocketmq-name-server or --nats-url, which say where to send instead).
     #[arg(long, env = "IDEMFLOW_KAFKA__BOOTSTRAP_SERVERS", required_unless_present_any = ["rocketmq_name_server", "nats_url"])]
     bootstrap_servers: Option<String>,
     /// A RocketMQ name server (`host:port`) instead of Kafka: each payment is sent with its order id as the
     /// message's KEYS, tag `pay`.
-    #[arg(long, conflicts_with_all = ["bootstrap_servers", "nats_url"])]
+    #[arg(long, conflicts_with = "nats_url")]
     rocketmq_name_server: Option<String>,
     /// A NATS server with JetStream (`nats://host:port`) instead of Kafka: each payment is published to the subject
     /// `--topic` with its order id as `Nats-Msg-Id`, and acknowledged by the stream that covers the subject.
-    #[arg(long, conflicts_with = "bootstrap_servers")]
+    #[arg(long)]
     nats_url: Option<String>,
     /// With --nats-url: create this stream on `<first token of --topic>.>` (`payments.>`) if it does not exist yet
     /// (file storage, the server's 2-minute duplicate window); an existing one is left as it is.

@@ -37,14 +37,6 @@ impl Throwaway {
     ///
     /// Errors: as for [`Throwaway::start`].
     pub fn start_with_config(conf: &str) -> anyhow::Result<Throwaway> {
-        Self::start_with(conf, &[])
-    }
-
-    /// [`Throwaway::start_with_config`] with `plugins` enabled from the start (`rabbitmq_management`, whose
-    /// listener `conf` can place: `management.tcp.port = 15673`).
-    ///
-    /// Errors: as for [`Throwaway::start`].
-    pub fn start_with(conf: &str, plugins: &[&str]) -> anyhow::Result<Throwaway> {
         if !std::path::Path::new(BIN).join("rabbitmq-server").exists() {
             bail!(
                 "rabbitmq-server is not installed: apt-get update && apt-get install -y --no-install-recommends \
@@ -60,10 +52,6 @@ impl Throwaway {
         }
         let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
         std::fs::write(dir.path().join("rabbitmq.conf"), conf)?;
-        if !plugins.is_empty() {
-            // An Erlang term, as rabbitmq-plugins writes it.
-            std::fs::write(dir.path().join("enabled_plugins"), format!("[{}].\n", plugins.join(",")))?;
-        }
         let mut node = Throwaway { dir, port, child: None };
         node.start_again()?;
         Ok(node)

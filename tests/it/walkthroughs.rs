@@ -2,9 +2,9 @@
 //! page and run by bash in a directory of its own, after step 1 of the README's walkthrough (a database with
 //! `pipelines/payments.sql` and the account `ACC-WALK`, in `$IDEMFLOW_DATABASE__URL`). What a test run must change
 //! is changed in the text, each change named here: the `apt-get install` lines are left out (the suite's preflight
-//! installed the packages), and the fixed ports a user's machine has free (the broker's, the management plugin's,
-//! the metrics') become free ones, since tests run side by side. `target/release/idemflow` is the binary under test,
-//! and `examples/` and `pipelines/` are the repository's.
+//! installed the packages), and the fixed ports a user's machine has free (the broker's, the metrics') become free
+//! ones, since tests run side by side. `target/release/idemflow` is the binary under test, and `examples/`,
+//! `pipelines/` and `scripts/` are the repository's.
 
 use crate::support::*;
 use std::path::Path;
@@ -33,7 +33,7 @@ struct Ran {
 fn run_script(script: &str, env: &[(&str, &str)], limit: Duration) -> Ran {
     let dir = tempfile::tempdir().unwrap();
     let root = project_root();
-    for linked in ["examples", "pipelines"] {
+    for linked in ["examples", "pipelines", "scripts"] {
         std::os::unix::fs::symlink(root.join(linked), dir.path().join(linked)).unwrap();
     }
     std::fs::create_dir_all(dir.path().join("target/release")).unwrap();
@@ -120,7 +120,9 @@ async fn the_nats_walkthrough_on_ones_own_server() {
         &[("127.0.0.1:4222", format!("127.0.0.1:{nats}")), ("-p 4222", format!("-p {nats}")), ("127.0.0.1:9464", format!("127.0.0.1:{metrics}"))],
     );
     let listen = format!("127.0.0.1:{metrics}");
-    let ran = run_script(&script, &[("IDEMFLOW_DATABASE__URL", &db.url), ("IDEMFLOW_METRICS__LISTEN", &listen)], Duration::from_secs(180));
+    // In the README's shell, where step 2 exported the Kafka servers: `--nats-url` takes their place.
+    let env = [("IDEMFLOW_DATABASE__URL", db.url.as_str()), ("IDEMFLOW_METRICS__LISTEN", &listen), ("IDEMFLOW_KAFKA__BOOTSTRAP_SERVERS", "127.0.0.1:9092")];
+    let ran = run_script(&script, &env, Duration::from_secs(180));
     assert!(ran.ok, "the walkthrough failed:\n{}\n{}", ran.out, ran.err);
     // Two runs, each printing (count | sum) and the accounts' loss: the same sum four times, and not zero.
     let sums = amounts(&ran.out);
@@ -139,48 +141,20 @@ async fn the_nats_walkthrough_on_ones_own_server() {
     assert!(ran.err.contains("created stream PAYMENTS on payments.>"), "{}", ran.err);
 }
 
-/// docs/rabbitmq.md, "On your own broker": a quorum queue declared and a payment published twice with rabbitmqadmin
-/// (through the management plugin, on a node of this test's own), the worker: deducted once, the retry counted as
-/// `republished`, `explain` finds the key.
+/// docs/rabbitmq.md, "On your own broker": a throwaway node with the management plugin started by the walkthrough
+/// itself, a quorum queue declared and a payment published twice with rabbitmqadmin, the worker: deducted once, the
+/// retry counted as `republished`, `explain` finds the key.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_rabbitmq_walkthrough_on_ones_own_broker() {
     let db = step_one().await;
-    let (management, metrics) = (free_port(), free_port());
-    let node = tokio::task::spawn_blocking(move || {
-        idemflow::demo::rabbitmq::Throwaway::start_with(
-            &format!("management.tcp.port = {management}\nmanagement.tcp.ip = 127.0.0.1\n"),
-            &["rabbitmq_management"],
-        )
-    })
-    .await
-    .unwrap()
-    .expect("a RabbitMQ node with the management plugin");
-    // The management listener comes up after the AMQP one.
-    let started = Instant::now();
-    while std::net::TcpStream::connect(("127.0.0.1", management)).is_err() {
-        assert!(started.elapsed() < Duration::from_secs(60), "the management plugin did not listen");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-    let amqp = node.url();
-    let amqp_port = amqp.rsplit(':').next().unwrap().split('/').next().unwrap().to_owned();
-    let script = adapted(
-        &block_after("rabbitmq.md", "**On your own broker**"),
-        &[
-            // The node was started with the plugin, on a port of its own.
-            ("rabbitmq-plugins enable rabbitmq_management", "true".to_owned()),
-            ("rabbitmqadmin declare", format!("rabbitmqadmin --port {management} declare")),
-            ("rabbitmqadmin publish", format!("rabbitmqadmin --port {management} publish")),
-            ("127.0.0.1:5672", format!("127.0.0.1:{amqp_port}")),
-            ("127.0.0.1:9464", format!("127.0.0.1:{metrics}")),
-        ],
-    );
+    let metrics = free_port();
+    let script = adapted(&block_after("rabbitmq.md", "**On your own broker**"), &[("127.0.0.1:9464", format!("127.0.0.1:{metrics}"))]);
     let listen = format!("127.0.0.1:{metrics}");
     let ran = tokio::task::spawn_blocking(move || {
-        run_script(&script, &[("IDEMFLOW_DATABASE__URL", &db.url), ("IDEMFLOW_METRICS__LISTEN", &listen)], Duration::from_secs(120))
+        run_script(&script, &[("IDEMFLOW_DATABASE__URL", &db.url), ("IDEMFLOW_METRICS__LISTEN", &listen)], Duration::from_secs(180))
     })
     .await
     .unwrap();
-    drop(node);
     assert!(ran.ok, "the walkthrough failed:\n{}\n{}", ran.out, ran.err);
     assert!(ran.out.contains("900.00"), "ACC-WALK's balance dropped by 100.00 once:\n{}", ran.out);
     assert!(ran.out.contains("reason=\"republished\"} 1"), "the retry counted:\n{}", ran.out);

@@ -835,11 +835,23 @@ pub async fn connect(settings: &NatsSettings, name: &str) -> Result<async_nats::
         .name(name)
         .connection_timeout(settings.connect_timeout)
         .request_timeout(Some(settings.request_timeout))
-        .event_callback(|event| async move {
-            match event {
-                async_nats::Event::Disconnected => tracing::warn!("NATS connection lost; the client reconnects"),
-                async_nats::Event::Connected => tracing::info!("NATS connection (re)established"),
-                other => tracing::debug!(event = %other, "NATS client event"),
+        .event_callback({
+            // The first connection is not news (`check` would print it); one after a loss is.
+            let lost = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+            move |event| {
+                let lost = lost.clone();
+                async move {
+                    use std::sync::atomic::Ordering;
+                    match event {
+                        async_nats::Event::Disconnected => {
+                            lost.store(true, Ordering::SeqCst);
+                            tracing::warn!("NATS connection lost; the client reconnects")
+                        }
+                        async_nats::Event::Connected if lost.swap(false, Ordering::SeqCst) => tracing::info!("NATS connection re-established"),
+                        async_nats::Event::Connected => tracing::debug!("NATS connection established"),
+                        other => tracing::debug!(event = %other, "NATS client event"),
+                    }
+                }
             }
         });
     match (&settings.user, &settings.password) {
