@@ -94,7 +94,7 @@ async fn core_matrix_from_a_topic() {
     let (status, out, err) = idemflow(&["check", "--config", setup.config.to_str().unwrap()], setup.dir.path());
     assert!(status.success(), "check failed: {out}{err}");
     assert!(out.contains(&format!("topic {topic:?}: ")) && out.contains("read queue(s) on broker-a"), "{out}");
-    assert!(out.contains("offsets in the store"), "{out}");
+    assert!(out.contains("offsets \"database\""), "{out}");
 
     let mut w = BinWorker::start(&setup);
     wait_all_applied(&db, &s, || w.log_text()).await;
