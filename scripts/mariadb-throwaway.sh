@@ -20,12 +20,15 @@ mariadb_throwaway_start() {
   local port
   port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])' 2>/dev/null || echo 53306)
   local run=()
+  # Temporary files of its own: servers sharing /tmp name theirs by process id, and a bootstrap whose id another
+  # server had used failed deleting one ("Error on delete of '/tmp/#sql-temptable-...'", seen once in CI).
+  mkdir "$MARIADB_THROWAWAY_DIR/tmp"
   if [ "$(id -u)" = 0 ]; then
-    chown mysql:mysql "$MARIADB_THROWAWAY_DIR"
+    chown mysql:mysql "$MARIADB_THROWAWAY_DIR" "$MARIADB_THROWAWAY_DIR/tmp"
     run=(runuser -u mysql --)
   fi
   # No --user: it is for root, and makes mariadb-install-db chown the package's PAM plugin files as well.
-  "${run[@]}" mariadb-install-db --no-defaults --datadir="$MARIADB_THROWAWAY_DIR/data" \
+  "${run[@]}" mariadb-install-db --no-defaults --datadir="$MARIADB_THROWAWAY_DIR/data" --tmpdir="$MARIADB_THROWAWAY_DIR/tmp" \
     --auth-root-authentication-method=normal --skip-test-db >"$MARIADB_THROWAWAY_DIR/install.log" 2>&1 || {
     echo "mariadb-install-db failed; its output:" >&2
     tail -20 "$MARIADB_THROWAWAY_DIR/install.log" >&2
@@ -57,7 +60,7 @@ mariadb_throwaway_serve() {
   local run=()
   [ "$(id -u)" = 0 ] && run=(runuser -u mysql --)
   MARIADB_SOCKET=$MARIADB_THROWAWAY_DIR/sock
-  "${run[@]}" /usr/sbin/mariadbd --no-defaults --datadir="$MARIADB_THROWAWAY_DIR/data" --socket="$MARIADB_SOCKET" \
+  "${run[@]}" /usr/sbin/mariadbd --no-defaults --datadir="$MARIADB_THROWAWAY_DIR/data" --tmpdir="$MARIADB_THROWAWAY_DIR/tmp" --socket="$MARIADB_SOCKET" \
     --port="$MARIADB_PORT" --bind-address=127.0.0.1 --pid-file="$MARIADB_THROWAWAY_DIR/pid" \
     --log-error="$MARIADB_THROWAWAY_DIR/error.log" --max-connections=500 --innodb-buffer-pool-size=256M \
     --innodb-flush-log-at-trx-commit=1 --character-set-server=utf8mb4 --collation-server=utf8mb4_bin \
