@@ -36,32 +36,31 @@ rabbitmq_throwaway_start() {
     RABBITMQ_ENABLED_PLUGINS_FILE="$RABBITMQ_THROWAWAY_DIR/enabled_plugins" \
     /usr/lib/rabbitmq/bin/rabbitmq-server >"$RABBITMQ_THROWAWAY_DIR/server.out" 2>&1 &
   RABBITMQ_THROWAWAY_PID=$!
+  # Counted across both waits (rabbitmq_throwaway_wait), in tenths of a second.
   local waited=0
-  until (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; do
-    if [ $waited -ge 600 ] || ! kill -0 "$RABBITMQ_THROWAWAY_PID" 2>/dev/null; then
-      echo "RabbitMQ did not start; its output:" >&2
+  rabbitmq_throwaway_wait "$port" 600 "RabbitMQ did not start" || return 1
+  if [ -n "$management_port" ]; then
+    # The management listener comes up after the AMQP one.
+    rabbitmq_throwaway_wait "$management_port" 1200 "RabbitMQ's management plugin did not listen" || return 1
+    export RABBITMQ_MANAGEMENT_PORT=$management_port
+  fi
+  export RABBITMQ_THROWAWAY_DIR RABBITMQ_NODE RABBITMQ_THROWAWAY_PID
+  export RABBITMQ_URL="amqp://guest:guest@127.0.0.1:$port/%2f"
+  echo "throwaway RabbitMQ on 127.0.0.1:$port ($RABBITMQ_THROWAWAY_DIR, node $RABBITMQ_NODE)" >&2
+}
+
+# Waits until 127.0.0.1:$1 accepts connections, while the node runs and the caller's `waited` (tenths of a second)
+# is below $2; otherwise says $3 with the end of the node's output and returns 1.
+rabbitmq_throwaway_wait() {
+  until (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; do
+    if [ "$waited" -ge "$2" ] || ! kill -0 "$RABBITMQ_THROWAWAY_PID" 2>/dev/null; then
+      echo "$3; its output:" >&2
       tail -20 "$RABBITMQ_THROWAWAY_DIR/server.out" >&2
       return 1
     fi
     sleep 0.1
     waited=$((waited + 1))
   done
-  if [ -n "$management_port" ]; then
-    # The management listener comes up after the AMQP one.
-    until (exec 3<>"/dev/tcp/127.0.0.1/$management_port") 2>/dev/null; do
-      if [ $waited -ge 1200 ] || ! kill -0 "$RABBITMQ_THROWAWAY_PID" 2>/dev/null; then
-        echo "RabbitMQ's management plugin did not listen; the node's output:" >&2
-        tail -20 "$RABBITMQ_THROWAWAY_DIR/server.out" >&2
-        return 1
-      fi
-      sleep 0.1
-      waited=$((waited + 1))
-    done
-    export RABBITMQ_MANAGEMENT_PORT=$management_port
-  fi
-  export RABBITMQ_THROWAWAY_DIR RABBITMQ_NODE RABBITMQ_THROWAWAY_PID
-  export RABBITMQ_URL="amqp://guest:guest@127.0.0.1:$port/%2f"
-  echo "throwaway RabbitMQ on 127.0.0.1:$port ($RABBITMQ_THROWAWAY_DIR, node $RABBITMQ_NODE)" >&2
 }
 
 rabbitmq_throwaway_stop() {
