@@ -1511,7 +1511,8 @@ async fn consume_only_rocketmq(name_server: &str, db_url: &str, pipeline_text: &
         }
         progressed = Instant::now();
         t0.get_or_insert_with(Instant::now);
-        applied += batch.iter().filter(|r| matches!(preparer.prepare(r), crate::prepare::Prepared::Apply(_))).count();
+        let batch = crate::batch::Batch::new(batch, |r| preparer.prepare(r));
+        applied += batch.prepared().iter().filter(|p| matches!(p, crate::prepare::Prepared::Apply(_))).count();
         n += batch.len();
         source.commit(&batch).await;
     }

@@ -1,6 +1,7 @@
 //! One record through decode, business key and value extraction: everything the sink needs, computed before the
 //! transaction opens, so a bad record is classified without touching the database.
 
+use crate::batch::Batch;
 use crate::config::{Binding, Meta, Pipeline, TombstonePolicy, ValueSource};
 use crate::decode::{DecodeError, Decoder, Selection};
 use crate::field::{self, Render};
@@ -25,6 +26,9 @@ pub enum Prepared {
 }
 
 pub use crate::store::rows::Apply;
+
+/// A batch of records, each beside what the sink does with it ([`crate::batch::Batch`]).
+pub type PreparedBatch = Batch<Prepared>;
 
 /// Where a value from the payload is in the selected decode.
 #[derive(Clone, Copy, Debug)]
@@ -213,26 +217,24 @@ impl Ahead {
         }
     }
 
-    /// What `preparer` makes of each record of `batch`: prepared ahead where it was, now otherwise. Entries of
-    /// records received before the batch's last one and not in it are dropped (their records were dropped).
-    pub fn take(&mut self, batch: &[Record], preparer: &Preparer) -> Vec<Prepared> {
-        batch
-            .iter()
-            .map(|record| {
-                while self.entries.front().is_some_and(|(r, _)| *r < record.receipt) {
-                    self.entries.pop_front();
-                    self.dropped += 1;
+    /// The batch of `records`, each with what `preparer` makes of it: prepared ahead where it was, now otherwise.
+    /// Entries of records received before the batch's last one and not in it are dropped (their records were
+    /// dropped).
+    pub fn take(&mut self, records: Vec<Record>, preparer: &Preparer) -> PreparedBatch {
+        Batch::new(records, |record| {
+            while self.entries.front().is_some_and(|(r, _)| *r < record.receipt) {
+                self.entries.pop_front();
+                self.dropped += 1;
+            }
+            match self.entries.front() {
+                // Never an entry for Receipt::NONE (see `offer`).
+                Some((r, _)) if *r == record.receipt => {
+                    self.used += 1;
+                    self.entries.pop_front().map_or_else(|| preparer.prepare(record), |(_, p)| p)
                 }
-                match self.entries.front() {
-                    // Never an entry for Receipt::NONE (see `offer`).
-                    Some((r, _)) if *r == record.receipt => {
-                        self.used += 1;
-                        self.entries.pop_front().map_or_else(|| preparer.prepare(record), |(_, p)| p)
-                    }
-                    _ => preparer.prepare(record),
-                }
-            })
-            .collect()
+                _ => preparer.prepare(record),
+            }
+        })
     }
 
     /// Drops every entry: they were made by a preparer the worker no longer uses.
@@ -322,20 +324,6 @@ fn describe(source: &ValueSource) -> String {
     }
 }
 
-/// Keeps a batch's prepared forms in step with its records: `prepared[i]` was made for the record whose receipt is
-/// `made_for[i]`. When `batch` is not exactly those records, in that order (records dropped during a back-off, a
-/// fenced or lost partition's records taken out; `made_for` emptied after the statements were rebuilt), every record
-/// of `batch` is prepared again. Returns whether it was. Records without a receipt ([`Receipt::NONE`]) are told apart
-/// by their number only.
-pub fn realign(batch: &[Record], prepared: &mut Vec<Prepared>, made_for: &mut Vec<Receipt>, preparer: &Preparer) -> bool {
-    if prepared.len() == batch.len() && batch.iter().map(|r| r.receipt).eq(made_for.iter().copied()) {
-        return false;
-    }
-    *prepared = batch.iter().map(|r| preparer.prepare(r)).collect();
-    *made_for = batch.iter().map(|r| r.receipt).collect();
-    true
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -404,15 +392,15 @@ mod tests {
         // r1 was dropped (its partition revoked); r4 was past the limit; a record without a receipt is never found.
         let unnumbered = record(r#"{"id":"x","a":"x"}"#);
         let batch = [r2.clone(), r3.clone(), r4.clone(), unnumbered.clone()];
-        let got = ahead.take(&batch, &p);
-        assert_eq!(got, batch.iter().map(|r| p.prepare(r)).collect::<Vec<_>>());
+        let got = ahead.take(batch.to_vec(), &p);
+        assert_eq!(got.prepared(), batch.iter().map(|r| p.prepare(r)).collect::<Vec<_>>());
         assert_eq!(ahead.tally(), (2, 1), "r2 and r3 used, r1 dropped");
         // Another record at r2's position, received again (a new channel): prepared anew, not r2's entry.
         let again = Record { receipt: Receipt::next(), ..record(r#"{"id":"other","a":"other"}"#) };
         let mut ahead = Ahead::new(10);
         ahead.offer(&r2, &p);
-        let got = ahead.take(std::slice::from_ref(&again), &p);
-        let Prepared::Apply(a) = &got[0] else { panic!() };
+        let got = ahead.take(vec![again], &p);
+        let Prepared::Apply(a) = &got.prepared()[0] else { panic!() };
         assert_eq!(a.key.text, "other");
         assert_eq!(ahead.tally(), (0, 1));
         ahead.offer(&received("5"), &p);
@@ -421,34 +409,28 @@ mod tests {
         assert!(ahead.entries.is_empty());
     }
 
-    /// A batch that lost records in the middle, was reordered, or whose statements were rebuilt is prepared again
-    /// record by record; one unchanged is not: each record ends up with its own values, on every path.
+    /// A prepared batch that lost records in the middle, or whose statements were rebuilt, pairs each record with
+    /// its own values, as preparing it now would: the batch keeps its parts together through every change.
     #[test]
-    fn a_changed_batch_is_prepared_again_for_its_records() {
+    fn a_changed_batch_keeps_each_record_with_its_own_values() {
         use crate::record::Receipt;
         let text = "topics = [\"t\"]\n[key]\nfield = \"/id\"\n[sink]\ntable = \"t\"\n[sink.columns]\na = \"/a\"\n";
         let pipeline = crate::config::pipeline::load_text_in(text, Path::new("p.toml"), Dialect::Postgres).unwrap();
         let p = Preparer::new(&pipeline, vec![binding("a", "/a")]);
         let received = |id: &str| Record { receipt: Receipt::next(), ..record(&format!(r#"{{"id":"{id}","a":"{id}"}}"#)) };
-        let mut batch = vec![received("1"), received("2"), received("3")];
-        let mut prepared: Vec<Prepared> = batch.iter().map(|r| p.prepare(r)).collect();
-        let mut made_for: Vec<Receipt> = batch.iter().map(|r| r.receipt).collect();
-        let keys = |prepared: &[Prepared]| -> Vec<String> {
-            prepared.iter().map(|x| match x { Prepared::Apply(a) => a.key.text.clone(), _ => "-".into() }).collect()
+        let mut ahead = Ahead::new(10);
+        let mut batch = ahead.take(vec![received("1"), received("2"), received("3")], &p);
+        let keys = |batch: &PreparedBatch| -> Vec<String> {
+            batch.prepared().iter().map(|x| match x { Prepared::Apply(a) => a.key.text.clone(), _ => "-".into() }).collect()
         };
-        assert!(!realign(&batch, &mut prepared, &mut made_for, &p), "unchanged: kept");
-        batch.remove(1);
-        assert!(realign(&batch, &mut prepared, &mut made_for, &p), "a record dropped in the middle");
-        assert_eq!(keys(&prepared), ["1", "3"]);
-        batch.swap(0, 1);
-        assert!(realign(&batch, &mut prepared, &mut made_for, &p), "the same records in another order");
-        assert_eq!(keys(&prepared), ["3", "1"]);
-        // The same number of records, one of them received anew in another's place.
-        batch[1] = received("4");
-        assert!(realign(&batch, &mut prepared, &mut made_for, &p));
-        assert_eq!(keys(&prepared), ["3", "4"]);
-        made_for.clear();
-        assert!(realign(&batch, &mut prepared, &mut made_for, &p), "statements rebuilt");
-        assert_eq!(prepared, batch.iter().map(|r| p.prepare(r)).collect::<Vec<_>>());
+        let fresh = |batch: &PreparedBatch| batch.records().iter().map(|r| p.prepare(r)).collect::<Vec<_>>();
+        assert_eq!(keys(&batch), ["1", "2", "3"]);
+        let two = batch.records()[1].receipt;
+        batch.retain(|r| r.receipt != two);
+        assert_eq!(keys(&batch), ["1", "3"], "a record dropped in the middle");
+        assert_eq!(batch.prepared(), fresh(&batch));
+        let rebuilt = Preparer::new(&pipeline, vec![binding("a", "/id")]);
+        batch.prepare_again(|r| rebuilt.prepare(r));
+        assert_eq!(batch.prepared(), batch.records().iter().map(|r| rebuilt.prepare(r)).collect::<Vec<_>>(), "statements rebuilt");
     }
 }

@@ -5,8 +5,9 @@ use crate::config::{DeadLetterSettings, Pipeline, PipelineError, Settings};
 use crate::metrics::BatchCounts;
 use crate::http::Health;
 use crate::metrics::{Metrics, PipelineMetrics};
-use crate::prepare::{Ahead, Prepared, Preparer};
-use crate::record::{Receipt, Record};
+use crate::prepare::{Ahead, PreparedBatch, Preparer};
+use crate::batch::Records;
+use crate::record::Record;
 use crate::shutdown::Shutdown;
 use crate::sink::{Attempt, Disposition, Earlier, Sink, SinkError};
 use crate::source::{DeadLetterOut, Source, StoredStart};
@@ -368,9 +369,9 @@ async fn run_lane(
         );
         batches += 1;
         step.lose_commit_answer = faults.lose_commit_answer == Some(batches);
-        let done = step.process(&mut source, &mut batch, &mut shutdown).instrument(span).await;
+        let done = step.process(&mut source, batch, &mut shutdown).instrument(span).await;
         match done {
-            Ok(true) => {
+            Ok(Some(batch)) => {
                 commits += 1;
                 if faults.crash_after_commits == Some(commits) {
                     if faults.abort {
@@ -385,7 +386,7 @@ async fn run_lane(
                 // A group that started over below what was processed moves on past it (once committed, above).
                 source.skip_to_floors(&std::mem::take(&mut step.floors));
             }
-            Ok(false) => break, // shutdown while retrying: nothing of this batch is committed; it will be redelivered
+            Ok(None) => break, // shutdown while retrying: nothing of this batch is committed; it will be redelivered
             Err(e) => {
                 outcome = Err(PipelineFailure::Fatal { pipeline: name.clone(), source: e });
                 break;
@@ -508,150 +509,172 @@ impl Step<'_> {
     }
 
     /// Prepares and applies one batch, retrying retryable failures with exponential backoff and jitter while
-    /// consumption is paused. Returns `Ok(false)` when shutdown came while waiting to retry (nothing of the batch
-    /// is committed to Kafka then).
+    /// consumption is paused. Returns the batch as committed (records of revoked partitions dropped on the way),
+    /// or `None` when shutdown came while waiting to retry (nothing of the batch is committed to the broker then).
     async fn process(
         &mut self,
         source: &mut Source,
-        batch: &mut Vec<Record>,
+        records: Vec<Record>,
         shutdown: &mut Shutdown,
-    ) -> Result<bool, SinkError> {
-        let mut prepared: Vec<Prepared> = self.ahead.take(batch, &self.ready.preparer);
+    ) -> Result<Option<PreparedBatch>, SinkError> {
+        let mut batch = self.ahead.take(records, &self.ready.preparer);
         self.metrics.prepared_ahead(self.ahead.tally());
         let mut holding: BTreeMap<(&str, i32), i64> = BTreeMap::new();
-        for run in batch.chunk_by(|a, b| a.position.same_partition(&b.position)) {
+        for run in batch.records().chunk_by(|a, b| a.position.same_partition(&b.position)) {
             *holding.entry((run[0].position.topic_name(), run[0].position.partition)).or_default() += run.len() as i64;
         }
         self.metrics.in_flight(holding.iter().map(|((t, p), n)| (*t, *p, *n)));
         drop(holding);
-        let started = Instant::now();
-        let mut backoff = retry_backoff();
-        let mut attempts = 0u32;
-        // Doubled after each attempt that ran out of it: a batch that is merely slow (its record-by-record redo over
-        // a slow link) gets the time it needs; a connection whose packets vanish costs one limit per attempt.
-        let mut attempt_limit = self.batch_timeout;
-        // The records `prepared` was made for, by receipt: wherever the batch changed since (records of a revoked
-        // partition dropped during a back-off, a fenced or lost partition's records taken out, a source moved back),
-        // the batch is prepared again before the attempt, so a record is never paired with another's values.
-        let mut prepared_for: Vec<Receipt> = batch.iter().map(|r| r.receipt).collect();
-        // The attempts of this batch that failed, for the next one to ask the store whether one committed after all.
-        let mut earlier: Vec<Earlier> = Vec::new();
+        let mut retrying = Retrying::new(self.batch_timeout);
         let outcome = loop {
             if batch.is_empty() {
                 // Every record of it went (its partitions revoked during a back-off): this lane waits on its store
                 // no more, whatever an earlier attempt said; its next batch tells again.
                 self.health.pipeline_store(&self.attempts_lane, &self.ready.pipeline.name, true);
-                return Ok(true);
+                return Ok(Some(batch));
             }
-            crate::prepare::realign(batch, &mut prepared, &mut prepared_for, &self.ready.preparer);
-            // The transaction runs in its own task while the consumer keeps polling (see `Source::poll_while`).
-            let positions = source.positions(batch);
-            let (sink, window, limit) = (self.ready.sink.clone(), self.window.clone(), attempt_limit);
-            let (records, records_prepared, presented) = (std::mem::take(batch), std::mem::take(&mut prepared), positions.clone());
-            let this = Attempt {
-                owner: self.attempts_lane.clone(),
-                id: Attempt::next_id(),
-                earlier: earlier.clone(),
-                committing: Default::default(),
-                lose_commit_answer: std::mem::take(&mut self.lose_commit_answer),
-                session: Default::default(),
-            };
-            let (this_id, committing, session) = (this.id, this.committing.clone(), this.session.clone());
-            let attempt = tokio::spawn(
-                async move {
-                    let apply = sink.apply(&records, &records_prepared, presented.as_ref(), |counts| window.check(counts), &this);
-                    // Dropping the attempt on time-out drops its connection: the server rolls back what it did not
-                    // commit (once it hears of it), and the retry's claims wait for that.
-                    let result = match limit {
-                        Some(limit) => tokio::time::timeout(limit, apply).await.unwrap_or(Err(SinkError::TimedOut(limit))),
-                        None => apply.await,
-                    };
-                    (records, records_prepared, result)
-                }
-                .in_current_span(),
-            );
-            // Meanwhile the records received for the next batch are prepared (decoded, keyed, their values taken):
-            // the worker's share of that batch is done when this transaction ends.
-            let (preparer, ahead) = (&self.ready.preparer, &mut self.ahead);
-            let (records, records_prepared, result) =
-                source.poll_while_receiving(attempt, &mut |record| ahead.offer(record, preparer)).await;
-            (*batch, prepared) = (records, records_prepared);
-            let r = &self.ready;
-            if result.is_err() {
-                // The next attempt learns from the store whether this one committed after all.
-                let sent = committing.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take();
-                earlier.push(Earlier { id: this_id, committing: sent.map(|o| (o, prepared_for.clone())) });
-            }
+            let result;
+            (batch, result) = self.attempt(source, batch, &mut retrying).await;
             match result {
                 Ok(outcome) => break outcome,
-                Err(e) => match e.disposition() {
-                    Disposition::Retry(cause) => {
-                        if let SinkError::TimedOut(limit) = e {
-                            attempt_limit = Some(limit.saturating_mul(2));
-                            let abandoned = session.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take();
-                            // Never one that sent its COMMIT: ended while its commit waits (for a synchronous
-                            // standby, say), it would commit locally without the standby's confirmation, and the
-                            // retry would take it for committed. The server's own timeouts end those.
-                            let sent_commit = earlier.last().is_some_and(|a| a.id == this_id && a.committing.is_some());
-                            if let (Some(abandoned), false) = (abandoned, sent_commit) {
-                                end_session(&self.ready.store, abandoned);
-                            }
-                        }
-                        self.health.pipeline_store(&self.attempts_lane, &self.ready.pipeline.name, false);
-                        self.metrics.retry(cause);
-                        let delay = backoff.next().unwrap_or(MAX_RETRY_DELAY);
-                        attempts += 1;
-                        tracing::warn!(error = %e, retry_in = ?delay, attempt = attempts, failing_for = ?started.elapsed(),
-                            "batch rolled back; retrying with consumption paused (nothing is dead-lettered for this)");
-                        source.drop_revoked(batch);
-                        if !source.pause_for(delay, batch, shutdown).await {
-                            return Ok(false);
-                        }
+                Err(e) => {
+                    if !self.recover(source, &mut batch, e, &mut retrying, shutdown).await? {
+                        return Ok(None);
                     }
-                    Disposition::Fenced => {
-                        if let SinkError::Fenced { partitions } = &e {
-                            source.lose(partitions, positions.as_ref(), batch).await;
-                        }
-                    }
-                    Disposition::Resync => {
-                        let SinkError::Lost { partitions } = &e else { return Err(e) };
-                        tracing::warn!(error = %e, "claiming the partitions again");
-                        if !resync(&self.ready, &self.owner, source, partitions.clone(), batch).await? {
-                            let delay = backoff.next().unwrap_or(MAX_RETRY_DELAY);
-                            if !source.pause_for(delay, batch, shutdown).await {
-                                return Ok(false);
-                            }
-                        }
-                    }
-                    Disposition::Rebuild => {
-                        // Rebuild the statements from the schema as it is now and prepare the records again: no
-                        // value is ever bound through a stale type. A database error while rebuilding is retried
-                        // like any other; a schema the pipeline can no longer run on stops it.
-                        let (store, pipeline) = (r.store.clone(), r.pipeline.clone());
-                        let rebuild = tokio::spawn(async move { Ready::prepare(&store, &pipeline).await }.in_current_span());
-                        match source.poll_while(rebuild).await {
-                            Ok(rebuilt) => {
-                                tracing::warn!("the side effect's tables or statements changed: statements rebuilt");
-                                self.rebuilt(rebuilt);
-                                source.drop_revoked(batch);
-                                // Prepared through the old statements: made again whatever the batch holds.
-                                prepared_for.clear();
-                            }
-                            Err(problem) if problem.field == "database" => {
-                                let delay = backoff.next().unwrap_or(MAX_RETRY_DELAY);
-                                tracing::warn!(error = %problem, retry_in = ?delay, "rebuilding the side effect failed; retrying");
-                                if !source.pause_for(delay, batch, shutdown).await {
-                                    return Ok(false);
-                                }
-                            }
-                            Err(problem) => return Err(SinkError::Schema(problem.to_string())),
-                        }
-                    }
-                    Disposition::Record | Disposition::Fatal => return Err(e),
-                },
+                }
             }
         };
-        self.finish(source, batch, &outcome, started, shutdown).await
+        let finished = self.finish(source, &batch, &outcome, retrying.started, shutdown).await?;
+        Ok(finished.then_some(batch))
+    }
+
+    /// One attempt of `batch`: its transaction in its own task while the source keeps serving its broker and the
+    /// records received meanwhile are prepared for the next batch. Gives the batch back, unchanged, with the
+    /// attempt's result; a failed attempt is remembered in `retrying` for the next one to ask the store whether it
+    /// committed after all.
+    async fn attempt(
+        &mut self,
+        source: &mut Source,
+        batch: PreparedBatch,
+        retrying: &mut Retrying,
+    ) -> (PreparedBatch, Result<crate::sink::BatchOutcome, SinkError>) {
+        retrying.positions = source.positions(&batch);
+        let (sink, window, limit, presented) =
+            (self.ready.sink.clone(), self.window.clone(), retrying.attempt_limit, retrying.positions.clone());
+        let this = Attempt {
+            owner: self.attempts_lane.clone(),
+            id: Attempt::next_id(),
+            earlier: retrying.earlier.clone(),
+            committing: Default::default(),
+            lose_commit_answer: std::mem::take(&mut self.lose_commit_answer),
+            session: Default::default(),
+        };
+        let (this_id, committing, session) = (this.id, this.committing.clone(), this.session.clone());
+        let attempt = tokio::spawn(
+            async move {
+                let apply = sink.apply(&batch, presented.as_ref(), |counts| window.check(counts), &this);
+                // Dropping the attempt on time-out drops its connection: the server rolls back what it did not
+                // commit (once it hears of it), and the retry's claims wait for that.
+                let result = match limit {
+                    Some(limit) => tokio::time::timeout(limit, apply).await.unwrap_or(Err(SinkError::TimedOut(limit))),
+                    None => apply.await,
+                };
+                (batch, result)
+            }
+            .in_current_span(),
+        );
+        // Meanwhile the records received for the next batch are prepared (decoded, keyed, their values taken):
+        // the worker's share of that batch is done when this transaction ends.
+        let (preparer, ahead) = (&self.ready.preparer, &mut self.ahead);
+        let (batch, result) = source.poll_while_receiving(attempt, &mut |record| ahead.offer(record, preparer)).await;
+        if result.is_err() {
+            // The next attempt learns from the store whether this one committed after all.
+            let sent = committing.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take();
+            retrying.earlier.push(Earlier { id: this_id, committing: sent.map(|o| (o, batch.receipts())) });
+            retrying.session = session.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take();
+        }
+        (batch, result)
+    }
+
+    /// After a failed attempt: whatever its error asks before the next one (a back-off, giving up fenced
+    /// partitions, claiming lost ones again, rebuilding the statements), keeping `batch` to what this worker still
+    /// owns, each record with its own prepared form. `Ok(false)` when shutdown came while waiting.
+    ///
+    /// Errors: the error itself when no attempt can succeed (a record's failure that cannot be isolated, a fatal
+    /// one), or a schema the pipeline can no longer run on.
+    async fn recover(
+        &mut self,
+        source: &mut Source,
+        batch: &mut PreparedBatch,
+        e: SinkError,
+        retrying: &mut Retrying,
+        shutdown: &mut Shutdown,
+    ) -> Result<bool, SinkError> {
+        match e.disposition() {
+            Disposition::Retry(cause) => {
+                if let SinkError::TimedOut(limit) = e {
+                    // Doubled after each attempt that ran out of it: a batch that is merely slow (its record-by-record
+                    // redo over a slow link) gets the time it needs; a connection whose packets vanish costs one
+                    // limit per attempt.
+                    retrying.attempt_limit = Some(limit.saturating_mul(2));
+                    // Never one that sent its COMMIT: ended while its commit waits (for a synchronous standby, say),
+                    // it would commit locally without the standby's confirmation, and the retry would take it for
+                    // committed. The server's own timeouts end those.
+                    let sent_commit = retrying.earlier.last().is_some_and(|a| a.committing.is_some());
+                    if let (Some(abandoned), false) = (retrying.session.take(), sent_commit) {
+                        end_session(&self.ready.store, abandoned);
+                    }
+                }
+                self.health.pipeline_store(&self.attempts_lane, &self.ready.pipeline.name, false);
+                self.metrics.retry(cause);
+                let delay = retrying.next_delay();
+                retrying.attempts += 1;
+                tracing::warn!(error = %e, retry_in = ?delay, attempt = retrying.attempts, failing_for = ?retrying.started.elapsed(),
+                    "batch rolled back; retrying with consumption paused (nothing is dead-lettered for this)");
+                source.drop_revoked(batch);
+                Ok(source.pause_for(delay, batch, shutdown).await)
+            }
+            Disposition::Fenced => {
+                if let SinkError::Fenced { partitions } = &e {
+                    source.lose(partitions, retrying.positions.as_ref(), batch).await;
+                }
+                Ok(true)
+            }
+            Disposition::Resync => {
+                let SinkError::Lost { partitions } = &e else { return Err(e) };
+                tracing::warn!(error = %e, "claiming the partitions again");
+                if !resync(&self.ready, &self.owner, source, partitions.clone(), batch).await? {
+                    let delay = retrying.next_delay();
+                    return Ok(source.pause_for(delay, batch, shutdown).await);
+                }
+                Ok(true)
+            }
+            Disposition::Rebuild => {
+                // Rebuild the statements from the schema as it is now and prepare the records again: no value is
+                // ever bound through a stale type. A database error while rebuilding is retried like any other; a
+                // schema the pipeline can no longer run on stops it.
+                let (store, pipeline) = (self.ready.store.clone(), self.ready.pipeline.clone());
+                let rebuild = tokio::spawn(async move { Ready::prepare(&store, &pipeline).await }.in_current_span());
+                match source.poll_while(rebuild).await {
+                    Ok(rebuilt) => {
+                        tracing::warn!("the side effect's tables or statements changed: statements rebuilt");
+                        self.rebuilt(rebuilt);
+                        source.drop_revoked(batch);
+                        // Prepared through the old statements: made again, every record.
+                        let preparer = &self.ready.preparer;
+                        batch.prepare_again(|r| preparer.prepare(r));
+                        Ok(true)
+                    }
+                    Err(problem) if problem.field == "database" => {
+                        let delay = retrying.next_delay();
+                        tracing::warn!(error = %problem, retry_in = ?delay, "rebuilding the side effect failed; retrying");
+                        Ok(source.pause_for(delay, batch, shutdown).await)
+                    }
+                    Err(problem) => Err(SinkError::Schema(problem.to_string())),
+                }
+            }
+            Disposition::Record | Disposition::Fatal => Err(e),
+        }
     }
 
     /// After the batch's COMMIT: its metrics, the dead letters published where the pipeline also sends them (before
@@ -660,11 +683,12 @@ impl Step<'_> {
     async fn finish(
         &mut self,
         source: &mut Source,
-        batch: &[Record],
+        batch: &PreparedBatch,
         outcome: &crate::sink::BatchOutcome,
         started: Instant,
         shutdown: &mut Shutdown,
     ) -> Result<bool, SinkError> {
+        let batch = batch.records();
         self.health.pipeline_store(&self.attempts_lane, &self.ready.pipeline.name, true);
         let mut moved: Vec<(&str, i32)> = batch
             .chunk_by(|a, b| a.position.same_partition(&b.position))
@@ -739,7 +763,7 @@ async fn resync(
     owner: &str,
     source: &mut Source,
     partitions: Vec<(String, i32)>,
-    batch: &mut Vec<Record>,
+    batch: &mut dyn Records,
 ) -> Result<bool, SinkError> {
     // Only partitions this worker still owns: a claim for one revoked meanwhile would fence its new owner.
     let owned = source.owned();
@@ -780,4 +804,41 @@ const LOST_POSITIONS_EVERY: Duration = Duration::from_secs(1);
 
 fn retry_backoff() -> impl Iterator<Item = Duration> {
     backoff(Duration::from_millis(100), MAX_RETRY_DELAY)
+}
+
+/// What the attempts of one batch carry from one to the next.
+struct Retrying {
+    /// When the first attempt started (the batch's duration, and how long it has been failing).
+    started: Instant,
+    backoff: Box<dyn Iterator<Item = Duration> + Send>,
+    /// Failed attempts so far.
+    attempts: u32,
+    /// `[database] batch_timeout` for the next attempt: doubled after each attempt that ran out of it.
+    attempt_limit: Option<Duration>,
+    /// The attempts that failed, for the next one to ask the store whether one committed after all.
+    earlier: Vec<Earlier>,
+    /// The positions the last attempt presented (`[offsets] store = "database"`): a fenced attempt's partitions are
+    /// compared with them.
+    positions: Option<crate::offsets::Positions>,
+    /// The server session of the last failed attempt, when it learned it (ended if it was abandoned on time-out).
+    session: Option<crate::store::Session>,
+}
+
+impl Retrying {
+    fn new(batch_timeout: Option<Duration>) -> Self {
+        Retrying {
+            started: Instant::now(),
+            backoff: Box::new(retry_backoff()),
+            attempts: 0,
+            attempt_limit: batch_timeout,
+            earlier: Vec::new(),
+            positions: None,
+            session: None,
+        }
+    }
+
+    /// The next back-off delay.
+    fn next_delay(&mut self) -> Duration {
+        self.backoff.next().unwrap_or(MAX_RETRY_DELAY)
+    }
 }

@@ -135,10 +135,8 @@ pub async fn run(cmd: DeadLettersCommand) -> anyhow::Result<()> {
                 );
             }
             let prepared = r.preparer.prepare(&record);
-            let outcome = r
-                .sink
-                .apply_replaying(std::slice::from_ref(&record), std::slice::from_ref(&prepared), |_| Ok(()), &[id])
-                .await?;
+            let batch = idemflow::batch::Batch::single(record, prepared);
+            let outcome = r.sink.apply_replaying(&batch, |_| Ok(()), &[id]).await?;
             let c = &outcome.counts;
             if c.applied == 1 {
                 println!("dead letter {id}: applied; its row is removed");
@@ -148,7 +146,7 @@ pub async fn run(cmd: DeadLettersCommand) -> anyhow::Result<()> {
                 // The row was replaced in the replay's transaction: the new one is the newest of this pipeline with
                 // this record's topic and payload (a queue's dead letter gets a new number as its position too).
                 let newer = store.dead_letters(Some(&d.pipeline), 100).await?;
-                let new_id = newer.iter().find(|n| n.id > id && n.topic == d.topic && n.payload == record.payload).map(|n| n.id);
+                let new_id = newer.iter().find(|n| n.id > id && n.topic == d.topic && n.payload == batch.records()[0].payload).map(|n| n.id);
                 let kept = match new_id {
                     Some(n) => format!("kept as dead letter {n} (it replaces {id}: `idemflow dead-letters replay {n}` once the cause is fixed)"),
                     None => "kept as a new dead letter (`idemflow dead-letters list` shows its id)".to_owned(),

@@ -113,15 +113,6 @@ pub enum SinkError {
          deliberately (idemflow rewind) if effects are missing"
     )]
     TransactionEnded,
-    /// The batch's records and their prepared forms are not as many: nothing was written, and the pipeline stops
-    /// (a defect of the worker, never a retry: applying would pair records with other records' values).
-    #[error("internal error: a batch of {records} records came with {prepared} prepared forms; nothing was written")]
-    Misaligned {
-        /// Records in the batch.
-        records: usize,
-        /// Prepared forms handed with them.
-        prepared: usize,
-    },
     /// One record's side effect alone ran past the server's time limit for one statement, in fewer consecutive
     /// attempts than [`crate::sink::SOLO_TIME_LIMIT_ATTEMPTS`] or over less than [`crate::sink::SOLO_TIME_LIMIT_SPAN`]:
     /// a lock wait or an I/O stall can make a good record
@@ -173,7 +164,7 @@ impl SinkError {
             SinkError::Lost { .. } => Disposition::Resync,
             SinkError::PositionsGone { .. } | SinkError::Source(_) | SinkError::Replayed(_) => Disposition::Fatal,
             SinkError::DeadLetterRatio { .. } | SinkError::DeadLetterRatioWritten { .. } => Disposition::Fatal,
-            SinkError::TransactionEnded | SinkError::Misaligned { .. } => Disposition::Fatal,
+            SinkError::TransactionEnded => Disposition::Fatal,
             SinkError::TimedOut(_) => Disposition::Retry(crate::metrics::RetryCause::Connection),
             SinkError::RecordTimeLimit { .. } => Disposition::Retry(crate::metrics::RetryCause::Unavailable),
             SinkError::Fenced { .. } => Disposition::Fenced,

@@ -21,7 +21,7 @@ pub use crate::dead_letter::DeadLettered;
 use crate::key::BusinessKey;
 use crate::metrics::{BatchCounts, DeadLetterReason, DuplicateReason};
 use crate::offsets::{Positions, Processed};
-use crate::prepare::Prepared;
+use crate::prepare::PreparedBatch;
 use crate::record::{Position, Receipt, Record};
 use crate::store::rows::Existing;
 use std::collections::HashMap;
@@ -185,7 +185,7 @@ impl Sink {
         }
     }
 
-    /// Runs one batch in one transaction. `prepared[i]` belongs to `records[i]`. `positions`, with
+    /// Runs one batch (its records, each with its prepared form) in one transaction. `positions`, with
     /// `[offsets] store = "database"`, are stored in the same transaction (first, so a fenced batch stops early).
     /// `guard` sees the batch's counts just before `COMMIT` and may refuse them (the dead-letter ratio limit),
     /// which rolls the batch back. `attempt` says which attempt this is and which came before it: when one of those
@@ -198,25 +198,23 @@ impl Sink {
     /// (drop the records of the partitions named, call again with the rest) or `Fatal`.
     pub async fn apply(
         &self,
-        records: &[Record],
-        prepared: &[Prepared],
+        batch: &PreparedBatch,
         positions: Option<&Positions>,
         guard: impl Fn(&BatchCounts) -> Result<(), SinkError>,
         attempt: &Attempt,
     ) -> Result<BatchOutcome, SinkError> {
-        self.run(records, prepared, positions, guard, &[], Some(attempt)).await
+        self.run(batch, positions, guard, &[], Some(attempt)).await
     }
 
     /// [`Sink::apply`] for dead letters being replayed: the dead-letter rows `replaying` are deleted in the same
     /// transaction, before the batch runs (a record that fails again is dead-lettered again, with its new error).
     pub async fn apply_replaying(
         &self,
-        records: &[Record],
-        prepared: &[Prepared],
+        batch: &PreparedBatch,
         guard: impl Fn(&BatchCounts) -> Result<(), SinkError>,
         replaying: &[i64],
     ) -> Result<BatchOutcome, SinkError> {
-        self.run(records, prepared, None, guard, replaying, None).await
+        self.run(batch, None, guard, replaying, None).await
     }
 
     pub(super) fn log_dead_letters(&self, records: &[Record], dead_letters: &[DeadLettered]) {
@@ -275,23 +273,18 @@ impl Sink {
     /// The batch through its store's engine: one SQL transaction, or one Redis script.
     async fn run(
         &self,
-        records: &[Record],
-        prepared: &[Prepared],
+        batch: &PreparedBatch,
         positions: Option<&Positions>,
         guard: impl Fn(&BatchCounts) -> Result<(), SinkError>,
         replaying: &[i64],
         attempt: Option<&Attempt>,
     ) -> Result<BatchOutcome, SinkError> {
-        // Each prepared form belongs to the record beside it; a batch whose parts fell out of step would bind one
-        // record's values at another's position. The worker re-prepares wherever the batch changes; this stops the
-        // pipeline should a path ever miss it.
-        if records.len() != prepared.len() {
-            return Err(SinkError::Misaligned { records: records.len(), prepared: prepared.len() });
-        }
+        // Each prepared form belongs to the record beside it: the batch is one value that keeps them so
+        // ([`crate::batch::Batch`]), whatever the worker did to it since it was prepared.
         match &self.side_effect {
-            SideEffect::Sql(sql) => self.run_sql(sql, records, prepared, positions, guard, replaying, attempt).await,
+            SideEffect::Sql(sql) => self.run_sql(sql, batch, positions, guard, replaying, attempt).await,
             #[cfg(feature = "redis")]
-            SideEffect::Script(redis, commands) => script::run(self, redis, commands, records, prepared, positions, guard, replaying).await,
+            SideEffect::Script(redis, commands) => script::run(self, redis, commands, batch, positions, guard, replaying).await,
         }
     }
 }

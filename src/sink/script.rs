@@ -7,8 +7,7 @@ use super::error::SinkError;
 use super::{BatchOutcome, Fate, Sink};
 use crate::metrics::{BatchCounts, DeadLetterReason};
 use crate::offsets::Positions;
-use crate::prepare::Prepared;
-use crate::record::Record;
+use crate::prepare::{Prepared, PreparedBatch};
 use crate::store::redis::batch::{Item, ItemResult, Refused};
 use crate::store::redis::RedisStore;
 use crate::store::redis::side_effect::SideEffect;
@@ -19,12 +18,12 @@ pub(super) async fn run(
     sink: &Sink,
     redis: &RedisStore,
     side_effect: &SideEffect,
-    records: &[Record],
-    prepared: &[Prepared],
+    batch: &PreparedBatch,
     positions: Option<&Positions>,
     guard: impl Fn(&BatchCounts) -> Result<(), SinkError>,
     replaying: &[i64],
 ) -> Result<BatchOutcome, SinkError> {
+    let (records, prepared) = (batch.records(), batch.prepared());
     // A replayed dead letter does not run again the commands that took effect when it failed.
     let mut skip = None;
     if let Some(id) = replaying.first() {

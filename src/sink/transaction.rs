@@ -26,8 +26,8 @@
 use super::dedup::{Claim, Existing};
 use super::error::{describe, Disposition, SinkError};
 use crate::metrics::{BatchCounts, DeadLetterReason, DuplicateReason};
-use crate::offsets::{NextOffsets, Positions, Processed, Replay};
-use crate::prepare::{Apply, Prepared};
+use crate::offsets::{Positions, Processed, Replay};
+use crate::prepare::{Apply, Prepared, PreparedBatch};
 use crate::key::BusinessKey;
 use crate::record::Record;
 use super::{Attempt, BatchOutcome, Earlier, Fate, Sink};
@@ -50,7 +50,7 @@ impl Sink {
     async fn begin_replaying<'a, 'e>(
         &self,
         side_effect: &'a SqlSideEffect,
-        records: &[Record],
+        batch: &PreparedBatch,
         replaying: &[i64],
         positions: Option<&Positions>,
         attempt: Option<&'e Attempt>,
@@ -88,8 +88,8 @@ impl Sink {
         }
         // Read (and locked) first, raised last, just before COMMIT: a side effect that ends the transaction itself
         // must not commit a floor above records it never applied.
-        let first = NextOffsets::first_of(records);
-        let mut processed = tx.processed(&self.pipeline, &first)
+        let (records, first) = (batch.records(), batch.first_offsets());
+        let mut processed = tx.processed(&self.pipeline, first)
             .await
             .map_err(|e| SinkError::new("reading the processed positions", e))?;
         let recreated = recreated(records, &processed);
@@ -134,14 +134,14 @@ impl Sink {
     pub(super) async fn run_sql(
         &self,
         side_effect: &SqlSideEffect,
-        records: &[Record],
-        prepared: &[Prepared],
+        batch: &PreparedBatch,
         positions: Option<&Positions>,
         guard: impl Fn(&BatchCounts) -> Result<(), SinkError>,
         replaying: &[i64],
         attempt: Option<&Attempt>,
     ) -> Result<BatchOutcome, SinkError> {
-        let (mut tx, processed) = match self.begin_replaying(side_effect, records, replaying, positions, attempt).await? {
+        let (records, prepared) = (batch.records(), batch.prepared());
+        let (mut tx, processed) = match self.begin_replaying(side_effect, batch, replaying, positions, attempt).await? {
             Begun::Open(tx, processed) => (tx, processed),
             Begun::Committed(earlier) => return self.committed_before(earlier, records),
         };
@@ -158,7 +158,7 @@ impl Sink {
                 // (a procedure's COMMIT) would make every record of the redo a duplicate.
                 tx = still_open(tx).await?;
                 tx.rollback().await.map_err(|e| SinkError::new("rolling back", e))?;
-                let processed = match self.begin_replaying(side_effect, records, replaying, positions, attempt).await? {
+                let processed = match self.begin_replaying(side_effect, batch, replaying, positions, attempt).await? {
                     Begun::Open(again, processed) => {
                         tx = again;
                         processed
@@ -199,7 +199,7 @@ impl Sink {
             }
         }
         if replaying.is_empty() {
-            tx.raise_processed(&self.pipeline, &NextOffsets::after(records))
+            tx.raise_processed(&self.pipeline, batch.next_offsets())
                 .await
                 .map_err(|e| SinkError::new("raising the processed positions", e))?;
         }
@@ -215,7 +215,7 @@ impl Sink {
             tx.rollback().await.map_err(|e| SinkError::new("rolling back", e))?;
             return Err(refused);
         }
-        let outcome = BatchOutcome { counts, dead_letters, script_round_trip: None, floors: floors_passed_below(records, &processed) };
+        let outcome = BatchOutcome { counts, dead_letters, script_round_trip: None, floors: floors_passed_below(batch, &processed) };
         if let Some(attempt) = attempt {
             *attempt.committing.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(outcome.clone());
         }
@@ -423,12 +423,11 @@ fn starts_below_a_floor(records: &[Record], processed: &Processed) -> bool {
 /// The partitions of `records` that start below their floor and end below it too, with the floor (see
 /// [`BatchOutcome::floors`]): the records between the batch's end and the floor were processed before, so the
 /// source can move on to the floor. A partition found created again has no mark left here, so it is not one.
-fn floors_passed_below(records: &[Record], processed: &Processed) -> Vec<crate::offsets::PassedFloor> {
-    if !starts_below_a_floor(records, processed) {
+fn floors_passed_below(batch: &PreparedBatch, processed: &Processed) -> Vec<crate::offsets::PassedFloor> {
+    if !starts_below_a_floor(batch.records(), processed) {
         return Vec::new();
     }
-    let next = NextOffsets::after(records);
-    next.0
+    batch.next_offsets().0
         .iter()
         .filter_map(|((topic, partition), after)| {
             let mark = processed.0.get(&(topic.clone(), *partition))?;

@@ -23,12 +23,12 @@ pub mod rewind;
 pub mod rocketmq;
 pub mod spec;
 
-use crate::batch::BatchSettings;
+use crate::batch::{Batch, BatchSettings, Records};
 use crate::dead_letter::DeadLetterSettings;
 use crate::offsets::OffsetStore;
 use spec::SourceSpec;
 use crate::metrics::PipelineMetrics;
-use crate::offsets::{NextOffsets, Positions};
+use crate::offsets::Positions;
 use crate::record::Record;
 use crate::shutdown::Shutdown;
 use std::time::Duration;
@@ -170,7 +170,7 @@ impl Source {
 
     /// Waits `delay` before a retry without taking more records than the source's prefetch bound, serving the
     /// broker meanwhile; drops from `batch` what this worker no longer owns. `false` if shutdown came first.
-    pub async fn pause_for(&mut self, delay: Duration, batch: &mut Vec<Record>, shutdown: &mut Shutdown) -> bool {
+    pub async fn pause_for(&mut self, delay: Duration, batch: &mut dyn Records, shutdown: &mut Shutdown) -> bool {
         match self {
             #[cfg(feature = "kafka")]
             Source::Kafka(s) => s.pause_for(delay, batch, shutdown).await,
@@ -184,12 +184,12 @@ impl Source {
     }
 
     /// The positions a batch stores in its transaction (`[offsets] store = "database"`; Kafka and RocketMQ).
-    pub fn positions(&self, batch: &[Record]) -> Option<Positions> {
+    pub fn positions<P>(&self, batch: &Batch<P>) -> Option<Positions> {
         match self {
             #[cfg(feature = "kafka")]
-            Source::Kafka(s) => s.positions(&NextOffsets::after(batch)),
+            Source::Kafka(s) => s.positions(batch.next_offsets()),
             #[cfg(feature = "rocketmq")]
-            Source::RocketMq(s) => s.positions(&NextOffsets::after(batch)),
+            Source::RocketMq(s) => s.positions(batch.next_offsets()),
             #[cfg(feature = "rabbitmq")]
             Source::RabbitMq(_) => None,
             #[cfg(feature = "nats")]
@@ -244,7 +244,7 @@ impl Source {
     }
 
     /// Drops from `batch` the records this worker no longer owns (partitions revoked, a lost channel).
-    pub fn drop_revoked(&mut self, batch: &mut Vec<Record>) {
+    pub fn drop_revoked(&mut self, batch: &mut dyn Records) {
         match self {
             #[cfg(feature = "kafka")]
             Source::Kafka(s) => s.drop_revoked(batch),
@@ -276,7 +276,7 @@ impl Source {
 
     /// A batch was fenced (`[offsets] store = "database"`): gives up `partitions` and drops their records.
     /// Only sources with positions (Kafka, RocketMQ) store them, so only they can be fenced.
-    pub async fn lose(&mut self, partitions: &[(String, i32)], used: Option<&Positions>, batch: &mut Vec<Record>) {
+    pub async fn lose(&mut self, partitions: &[(String, i32)], used: Option<&Positions>, batch: &mut dyn Records) {
         match self {
             #[cfg(feature = "kafka")]
             Source::Kafka(s) => s.lose(partitions, used, batch),
@@ -309,7 +309,7 @@ impl Source {
     /// positions (Kafka, RocketMQ) can lose them.
     ///
     /// Errors: the consumer could not be moved.
-    pub async fn resync(&mut self, claimed: &[crate::offsets::Claimed], batch: &mut Vec<Record>) -> Result<(), String> {
+    pub async fn resync(&mut self, claimed: &[crate::offsets::Claimed], batch: &mut dyn Records) -> Result<(), String> {
         match self {
             #[cfg(feature = "kafka")]
             Source::Kafka(s) => s.resync(claimed, batch),
@@ -324,16 +324,16 @@ impl Source {
 
     /// Tells the broker that `batch` (committed in the store) is done: Kafka offsets are committed, RabbitMQ
     /// deliveries acknowledged, RocketMQ consume offsets updated, JetStream deliveries double-acked.
-    pub async fn commit(&mut self, batch: &[Record]) {
+    pub async fn commit<P>(&mut self, batch: &Batch<P>) {
         match self {
             #[cfg(feature = "kafka")]
-            Source::Kafka(s) => s.commit(&NextOffsets::after(batch)),
+            Source::Kafka(s) => s.commit(batch.next_offsets()),
             #[cfg(feature = "rocketmq")]
-            Source::RocketMq(s) => s.commit(&NextOffsets::after(batch)).await,
+            Source::RocketMq(s) => s.commit(batch.next_offsets()).await,
             #[cfg(feature = "rabbitmq")]
-            Source::RabbitMq(s) => s.commit(batch).await,
+            Source::RabbitMq(s) => s.commit(batch.records()).await,
             #[cfg(feature = "nats")]
-            Source::Nats(s) => s.commit(batch).await,
+            Source::Nats(s) => s.commit(batch.records()).await,
         }
     }
 

@@ -277,15 +277,16 @@ async fn a_worker_that_lost_its_partition_is_fenced() {
         receipt: idemflow::record::Receipt::NONE,
     };
     let prepared = r.preparer.prepare(&record);
+    let batch = idemflow::batch::Batch::single(record, prepared);
     let stale = positions(131, 1);
     let attempt = idemflow::sink::Attempt { owner: "test/1".into(), id: idemflow::sink::Attempt::next_id(), ..Default::default() };
-    let e = r.sink.apply(std::slice::from_ref(&record), std::slice::from_ref(&prepared), Some(&stale), |_| Ok(()), &attempt).await;
+    let e = r.sink.apply(&batch, Some(&stale), |_| Ok(()), &attempt).await;
     assert!(matches!(e, Err(idemflow::sink::SinkError::Fenced { .. })), "{e:?}");
     assert_eq!(db.scalar::<i64>("SELECT count(*) FROM payments").await, 0);
     assert_eq!(db.scalar::<i64>("SELECT count(*) FROM idemflow.dedup").await, 0);
     let current = positions(131, 2);
     let attempt = idemflow::sink::Attempt { owner: "test/1".into(), id: idemflow::sink::Attempt::next_id(), ..Default::default() };
-    let done = r.sink.apply(std::slice::from_ref(&record), std::slice::from_ref(&prepared), Some(&current), |_| Ok(()), &attempt).await;
+    let done = r.sink.apply(&batch, Some(&current), |_| Ok(()), &attempt).await;
     assert_eq!(done.unwrap().counts.applied, 1);
     assert_eq!(db.scalar::<i64>("SELECT next_offset FROM idemflow.offsets WHERE partition = 0").await, 131);
 }

@@ -5,6 +5,7 @@
 
 
 use crate::metrics::{CommitResult, PipelineMetrics, RebalanceEvent};
+use crate::batch::Records;
 use crate::record::Record;
 use crate::shutdown::Shutdown;
 use rdkafka::config::RDKafkaLogLevel;
@@ -377,15 +378,13 @@ pub(super) fn take_revoked(state: &Mutex<Ownership>) -> HashSet<Tp> {
 }
 
 /// Removes the records of `revoked` partitions from each of `buffers`, logging how many.
-pub(super) fn drop_records_of(revoked: &HashSet<Tp>, pipeline: &str, buffers: &mut [&mut Vec<Record>]) {
+pub(super) fn drop_records_of(revoked: &HashSet<Tp>, pipeline: &str, buffers: &mut [&mut dyn Records]) {
     if revoked.is_empty() {
         return;
     }
     let mut dropped = 0;
     for buffer in buffers.iter_mut() {
-        let before = buffer.len();
-        buffer.retain(|r| !revoked.contains(&(r.position.topic.clone(), r.position.partition)));
-        dropped += before - buffer.len();
+        dropped += buffer.retain_records(&mut |r| !revoked.contains(&(r.position.topic.clone(), r.position.partition)));
     }
     if dropped > 0 {
         tracing::info!(pipeline = %pipeline, dropped, "dropped buffered records of revoked partitions before processing");
@@ -394,7 +393,7 @@ pub(super) fn drop_records_of(revoked: &HashSet<Tp>, pipeline: &str, buffers: &m
 
 /// Drops the records of partitions revoked since the last look from a batch being collected and the kept records:
 /// the partition's next owner (maybe this consumer again, from the committed offset) will receive them.
-pub(super) fn drop_revoked(state: &Mutex<Ownership>, pipeline: &str, batch: &mut Vec<Record>, stash: &mut Vec<Record>) {
+pub(super) fn drop_revoked(state: &Mutex<Ownership>, pipeline: &str, batch: &mut dyn Records, stash: &mut Vec<Record>) {
     drop_records_of(&take_revoked(state), pipeline, &mut [batch, stash]);
 }
 

@@ -50,7 +50,7 @@
 //! consumer keeps its prefetch, or a Kafka member its partitions), and they count against the others' share.
 
 use super::{NatsSettings, NatsSpec};
-use crate::batch::BatchSettings;
+use crate::batch::{BatchSettings, Records};
 use crate::metrics::{CommitResult, PipelineMetrics, RebalanceEvent};
 use crate::record::{Position, Record};
 use crate::shutdown::Shutdown;
@@ -441,7 +441,7 @@ impl NatsSource {
 
     /// Waits `delay` before a retry of `batch`, taking deliveries into the stash (at most `max_ack_pending` are
     /// outstanding) and keeping every held delivery from expiring. `false` if shutdown came first.
-    pub async fn pause_for(&mut self, delay: Duration, _batch: &mut Vec<Record>, shutdown: &mut Shutdown) -> bool {
+    pub async fn pause_for(&mut self, delay: Duration, _batch: &mut dyn Records, shutdown: &mut Shutdown) -> bool {
         let until = Instant::now() + delay;
         loop {
             self.progress().await;

@@ -39,7 +39,7 @@
 
 use super::{RabbitMqSettings, RabbitMqSpec};
 
-use crate::batch::BatchSettings;
+use crate::batch::{BatchSettings, Records};
 use crate::source::SourceContext;
 use crate::metrics::{CommitResult, PipelineMetrics, RebalanceEvent};
 use crate::record::{Position, Record, NO_PARTITION};
@@ -338,7 +338,7 @@ impl RabbitMqSource {
     /// Waits `delay` before a retry of `batch`, without taking more than the prefetch window: deliveries that
     /// arrive are kept for later. If the connection is lost meanwhile, `batch` is emptied (the broker requeued it).
     /// Returns `false` if shutdown came first.
-    pub async fn pause_for(&mut self, delay: Duration, batch: &mut Vec<Record>, shutdown: &mut Shutdown) -> bool {
+    pub async fn pause_for(&mut self, delay: Duration, batch: &mut dyn Records, shutdown: &mut Shutdown) -> bool {
         let until = Instant::now() + delay;
         loop {
             let Some(live) = self.live.as_mut() else { break };
@@ -382,11 +382,11 @@ impl RabbitMqSource {
 
     /// Drops the whole batch when the connection it was delivered on is gone: the broker requeued it, and its
     /// delivery tags could not be acknowledged anyway.
-    pub fn drop_revoked(&mut self, batch: &mut Vec<Record>) {
-        if !batch.is_empty() && (self.live.is_none() || self.batch_generation != Some(self.generation)) {
-            tracing::info!(pipeline = %self.pipeline, records = batch.len(),
+    pub fn drop_revoked(&mut self, batch: &mut dyn Records) {
+        if !batch.records().is_empty() && (self.live.is_none() || self.batch_generation != Some(self.generation)) {
+            tracing::info!(pipeline = %self.pipeline, records = batch.records().len(),
                 "dropping a batch whose connection was lost: the broker redelivers it");
-            batch.clear();
+            batch.retain_records(&mut |_| false);
         }
     }
 

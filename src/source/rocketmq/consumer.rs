@@ -34,7 +34,7 @@ pub use rewind::rewind;
 
 use super::{RocketMqSettings, RocketMqSpec};
 
-use crate::batch::BatchSettings;
+use crate::batch::{BatchSettings, Records};
 use crate::source::SourceContext;
 use crate::source::spec::SourceSpec;
 use crate::metrics::{CommitResult, PipelineMetrics, RebalanceEvent};
@@ -624,7 +624,7 @@ impl RocketMqSource {
 
     /// Waits `delay` before a retry (the client keeps its heartbeats and buffers at most its flow-control limits),
     /// then drops from `batch` the records of queues lost meanwhile. `false` if shutdown came first.
-    pub async fn pause_for(&mut self, delay: Duration, batch: &mut Vec<Record>, shutdown: &mut Shutdown) -> bool {
+    pub async fn pause_for(&mut self, delay: Duration, batch: &mut dyn Records, shutdown: &mut Shutdown) -> bool {
         tokio::select! {
             _ = tokio::time::sleep(delay) => {}
             _ = shutdown.wait() => return false,
@@ -647,9 +647,9 @@ impl RocketMqSource {
     }
 
     /// Drops from `batch` the records of queues lost while it was in flight or since.
-    pub fn drop_revoked(&mut self, batch: &mut Vec<Record>) {
+    pub fn drop_revoked(&mut self, batch: &mut dyn Records) {
         let lost = std::mem::take(&mut self.revoked_in_flight);
-        batch.retain(|r| {
+        batch.retain_records(&mut |r| {
             let q = queue_of(r);
             !lost.contains(&q) && self.ready(&q)
         });
@@ -658,7 +658,7 @@ impl RocketMqSource {
     /// Gives up queues whose stored positions another worker claimed (a fenced batch): their records are dropped
     /// from `batch` and the kept ones, the client stops pulling them, no offset is committed for them, and they are
     /// claimed again after [`FENCED_FOR`] if the group still assigns them here.
-    pub async fn lose(&mut self, partitions: &[(String, i32)], used: Option<&Positions>, batch: &mut Vec<Record>) {
+    pub async fn lose(&mut self, partitions: &[(String, i32)], used: Option<&Positions>, batch: &mut dyn Records) {
         let mut pause = Vec::new();
         for (t, p) in partitions {
             let q = (self.intern(t), *p);
@@ -686,7 +686,7 @@ impl RocketMqSource {
             self.consumer.pause(pause).await;
         }
         let lost = &self.revoked_in_flight;
-        batch.retain(|r| !lost.contains(&queue_of(r)));
+        batch.retain_records(&mut |r| !lost.contains(&queue_of(r)));
     }
 
     /// The queues this worker owns now, as (`topic/broker`, queue id).
@@ -697,10 +697,10 @@ impl RocketMqSource {
     /// Starts queues again from positions claimed anew after the store lost positions this worker had stored
     /// (see the sink's `SinkError::Lost`), dropping their records from `batch`. A queue the client cannot move
     /// now is claimed again a few seconds later.
-    pub async fn resync(&mut self, claimed: &[offsets::Claimed], batch: &mut Vec<Record>) -> Result<(), String> {
+    pub async fn resync(&mut self, claimed: &[offsets::Claimed], batch: &mut dyn Records) -> Result<(), String> {
         self.start_from(claimed).await;
         let moved: HashSet<(String, i32)> = claimed.iter().map(|c| (c.topic.clone(), c.partition)).collect();
-        batch.retain(|r| !moved.contains(&(r.position.topic.to_string(), r.position.partition)));
+        batch.retain_records(&mut |r| !moved.contains(&(r.position.topic.to_string(), r.position.partition)));
         Ok(())
     }
 

@@ -17,7 +17,7 @@ impl KafkaSource {
     /// A partition that this worker itself claimed again while the batch was in flight (a rebalance that revoked
     /// and re-assigned it; `used` holds the epochs the batch presented) is not given up: only the batch's records
     /// of it are dropped, and they come again from the stored position the new claim started it at.
-    pub fn lose(&mut self, partitions: &[(String, i32)], used: Option<&Positions>, batch: &mut Vec<Record>) {
+    pub fn lose(&mut self, partitions: &[(String, i32)], used: Option<&Positions>, batch: &mut dyn Records) {
         let mut pause = TopicPartitionList::new();
         let until = Instant::now() + self.fenced_for;
         {
@@ -63,7 +63,7 @@ impl KafkaSource {
     /// the stored positions, so what the store lost is consumed and applied again.
     ///
     /// Errors: a seek librdkafka refused (the partition is then left as it was; the caller stops the pipeline).
-    pub fn resync(&mut self, claimed: &[offsets::Claimed], batch: &mut Vec<Record>) -> Result<(), String> {
+    pub fn resync(&mut self, claimed: &[offsets::Claimed], batch: &mut dyn Records) -> Result<(), String> {
         let mut moved = HashSet::new();
         let mut gone = HashSet::new();
         {

@@ -52,7 +52,7 @@ use super::ownership::*;
 use super::record::*;
 use super::spec::KafkaSettings;
 
-use crate::batch::BatchSettings;
+use crate::batch::{BatchSettings, Records};
 use crate::source::SourceContext;
 use crate::metrics::{CommitResult, PipelineMetrics};
 use crate::offsets::NextOffsets;
@@ -272,7 +272,7 @@ impl KafkaSource {
     /// paused and the consumer keeps polling, so rebalance callbacks are served and `max.poll.interval.ms` is not
     /// exceeded. Records of `batch` whose partition is revoked meanwhile are dropped (their next owner gets them);
     /// records that still arrive are kept for the next batch. Returns `false` if shutdown came first.
-    pub async fn pause_for(&mut self, delay: Duration, batch: &mut Vec<Record>, shutdown: &mut Shutdown) -> bool {
+    pub async fn pause_for(&mut self, delay: Duration, batch: &mut dyn Records, shutdown: &mut Shutdown) -> bool {
         self.pause_owned();
         let deadline = Instant::now() + delay;
         let mut stopped = false;
@@ -371,12 +371,12 @@ impl KafkaSource {
 
     /// Drops from `batch` (a batch to retry) its records of partitions revoked while it was in flight, and of
     /// partitions revoked since (from the kept records too).
-    pub fn drop_revoked(&mut self, batch: &mut Vec<Record>) {
+    pub fn drop_revoked(&mut self, batch: &mut dyn Records) {
         self.drop_revoked_in_flight(batch);
         drop_revoked(&self.state, &self.pipeline, batch, &mut self.stash);
     }
 
-    fn drop_revoked_in_flight(&mut self, batch: &mut Vec<Record>) {
+    fn drop_revoked_in_flight(&mut self, batch: &mut dyn Records) {
         let revoked = std::mem::take(&mut self.revoked_in_flight);
         drop_records_of(&revoked, &self.pipeline, &mut [batch]);
     }
