@@ -49,25 +49,30 @@
 //! ```
 //!
 //! Sources and stores never import the worker, the sink or `config`: they take what they need of a pipeline
-//! ([`source::SourceContext`], [`store::spec`]) and of the settings ([`source::Brokers`], [`store::Stores`]).
+//! ([`source::contract::Context`], [`store::spec`]) and of the settings ([`source::Brokers`], [`store::Stores`]).
+//! A batch travels as one value ([`batch::Batch`]: its records, each record's prepared form, the positions computed
+//! once) from the worker to the sink to the source's commit.
 //!
 //! # Where things go: a new broker or store
 //!
-//! A broker is one folder, `src/source/<broker>/`:
+//! A broker is one folder, `src/source/<broker>/`, implementing the contract of [`source::contract`]:
 //!
 //! - `mod.rs`: the folder's map; `spec.rs` (always built): its `[<broker>]` settings, its `[source]` spec with
-//!   `parse` (the raw `[source]` keys to the spec, by the broker's own rules) and its `CAPABILITIES` (what it can
-//!   do, asked by the configuration's checks instead of its name);
-//! - behind its cargo feature: `consumer.rs` (the runtime the worker drives: batches, `pause_for`, `commit`,
-//!   `drop_revoked`, and `positions`/`lose`/`resync` where it has positions; record conversion; `check`), and where
-//!   it has them `rewind.rs` (its half of `idemflow rewind`, with [`source::rewind`]) and `dead_letters.rs` (its
-//!   dead-letter publisher). A runtime grown past one room splits within the folder, as Kafka's has:
+//!   `parse` (the raw `[source]` keys to the spec, by the broker's own rules) and its
+//!   [`source::contract::BrokerSpec`] (its `CAPABILITIES`, asked by the configuration's checks instead of its name;
+//!   what `check` shows of it; what two pipelines must not share; its retention note and rewind refusal, in its own
+//!   words);
+//! - behind its cargo feature: `consumer.rs`, its [`source::contract::Connector`] (the runtime the worker drives:
+//!   batches, `pause_for`, `commit`, and where it has them `drop_revoked`, `positions`, `lose`, `resync`: the
+//!   defaults say "this connector cannot"; its `check` against the broker; its rewind), record conversion, and
+//!   where it has them `rewind.rs` (its half of `idemflow rewind`, with [`source::rewind`]) and `dead_letters.rs`
+//!   (its dead-letter publisher). A runtime grown past one room splits within the folder, as Kafka's has:
 //!   `client.rs` (the client's settings), `ownership.rs` (partitions owned, rebalances), `check.rs`, `record.rs`,
 //!   and `consumer/` (the runtime, with `claims.rs` for claimed, fenced and floored partitions).
 //!
-//! Then one variant in each closed enum the compiler lists: [`source::Source`], [`source::spec::SourceSpec`]
-//! (with [`source::spec::SourceSpec::built`]), [`source::spec::ALL`], the arms of [`source::spec::parse`],
-//! [`source::check`] and [`source::rewind_group`], its keys in [`source::spec::RawSource`], the field of
+//! Outside its folder a broker is: one variant of [`source::Source`] and of [`source::spec::SourceSpec`], its line in
+//! each dispatch macro (`each_source!` in `source/mod.rs`, `each_spec!` in `source/spec.rs`) and in
+//! [`source::spec::ALL`] and [`source::spec::parse`], its keys in [`source::spec::RawSource`], its field of
 //! [`source::Brokers`] and of the settings, a feature in `Cargo.toml`, and its row of the guarantee matrix
 //! (`tests/it/matrix.rs`: how to publish, and the settings section).
 //!
@@ -163,10 +168,11 @@
 //!   server once idle past [`store::spec::IDLE_IN_TRANSACTION_TIMEOUT`], or once TCP keepalives find the peer gone
 //!   while a statement runs; a rollback like any crash. A live worker whose session the server ended that way
 //!   (FATAL 25P03, 25P04) retries the batch as after a lost connection.
-//! - Each record is applied with its own values: a batch's prepared forms are made again whenever the batch
-//!   changed between attempts (records dropped during a back-off, a fenced or lost partition's records taken out),
-//!   found by the records' receipts ([`prepare::realign`]); the sink refuses a batch whose records and prepared
-//!   forms differ in number, and the pipeline stops.
+//! - Each record is applied with its own values: a batch is one value ([`batch::Batch`]) whose records and prepared
+//!   forms change only together (records dropped during a back-off, a fenced or lost partition's records taken out,
+//!   everything prepared again after the statements were rebuilt), and whose positions are computed from the
+//!   records it holds; sources take records out through [`batch::Records`] and never see prepared forms, and the
+//!   sink takes the batch whole.
 //! - A value its column would round is refused before the transaction (`param_invalid`): the effect applied is the
 //!   record's, or none.
 //! - Records prepared ahead: while a batch is in its transaction, the records received meanwhile are decoded, keyed

@@ -330,7 +330,7 @@ async fn run_lane(
     });
     let (brokers, context) = (settings.brokers(), r.pipeline.source_context());
     let mut source = Source::new(&brokers, &context, metrics.clone(), stored).map_err(source_error)?;
-    let dead_letter_out = DeadLetterOut::new(&brokers, &context).map_err(source_error)?;
+    let dead_letter_out = DeadLetterOut::new(&brokers.kafka, brokers.rabbitmq.as_ref(), &context).map_err(source_error)?;
     tracing::info!(pipeline = %name, source = r.pipeline.source.kind(), streams = ?r.pipeline.source.streams(), "pipeline started");
     let attempts_lane = Attempt::lane(&owner);
     let mut step = Step {

@@ -80,7 +80,7 @@ impl From<config::PipelineError> for Problem {
 struct PipelineOk {
     name: String,
     file: String,
-    source: source::check::Reads,
+    source: source::Reads,
 }
 
 impl Findings {
@@ -158,13 +158,13 @@ async fn find(a: &CheckArgs) -> Findings {
     }
     let brokers = settings.brokers();
     for p in &pipelines {
-        match source::check::check(&brokers, &p.source_context()).await {
+        match source::check(&brokers, &p.source_context()).await {
             Ok(found) => found.into_iter().for_each(|l| findings.line(l)),
-            Err(source::check::CheckError::Settings(e)) => {
+            Err(source::CheckError::Settings(e)) => {
                 findings.problems.push(Problem::of_file(&a.config, e));
                 return findings;
             }
-            Err(source::check::CheckError::Broker(e)) => findings.problems.push(Problem {
+            Err(source::CheckError::Broker(e)) => findings.problems.push(Problem {
                 text: format!("{}: pipeline {:?}: {}: {e}", p.file.display(), p.name, p.source.kind()),
                 file: Some(p.file.display().to_string()),
                 pipeline: Some(p.name.clone()),
@@ -197,17 +197,17 @@ async fn find(a: &CheckArgs) -> Findings {
         findings.pipelines.push(PipelineOk {
             name: p.name.clone(),
             file: p.file.display().to_string(),
-            source: source::check::summary(&p.source_context()),
+            source: source::summary(&p.source_context()),
         });
         for note in &r.notes {
             findings.line(format!("pipeline {:?}: {note}", r.pipeline.name));
         }
     }
-    let mut timing: Vec<String> = pipelines.iter().flat_map(|p| source::check::timing_warnings(&brokers, &p.source_context())).collect();
+    let mut timing: Vec<String> = pipelines.iter().flat_map(|p| source::timing_warnings(&brokers, &p.source_context())).collect();
     timing.dedup();
     timing.into_iter().for_each(|w| findings.warnings.push(w));
     for p in &pipelines {
-        for line in source::check::retention_report(&brokers, &p.source_context()).await {
+        for line in source::retention_report(&brokers, &p.source_context()).await {
             findings.line(line);
         }
     }

@@ -48,7 +48,7 @@ pub async fn run(a: ConfigArg) -> anyhow::Result<()> {
     for p in &pipelines {
         let (brokers, context) = (settings.brokers(), p.source_context());
         tokio::spawn(async move {
-            for line in idemflow::source::check::retention_report(&brokers, &context).await {
+            for line in idemflow::source::retention_report(&brokers, &context).await {
                 log_line(&line);
             }
         });

@@ -407,8 +407,8 @@ fn load_pipelines_partly(dir: &Path, dialect: Dialect) -> (Vec<Pipeline>, Vec<Pi
                 errors.push(dup_error(p, "name", format!("{:?} is also the name in {file}", p.name)));
                 continue;
             }
-            if let Some((field, what, why)) = p.source.conflict_with(&other.source) {
-                errors.push(dup_error(p, field, format!("{what} {file}{why}")));
+            if let Some(c) = p.source.conflict_with(&other.source) {
+                errors.push(dup_error(p, c.field, format!("{} {file}{}", c.what, c.why)));
             }
         }
         seen.push(p);

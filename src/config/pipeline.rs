@@ -1038,7 +1038,8 @@ msg = { header = "message-id" }
 "#,
         )
         .unwrap();
-        assert_eq!(p.source.kafka().unwrap().group_id, "idemflow-payments");
+        let SourceSpec::Kafka(kafka) = &p.source else { panic!("a Kafka source") };
+        assert_eq!(kafka.group_id, "idemflow-payments");
         assert_eq!(p.batch, BatchSettings { max_records: DEFAULT_MAX_RECORDS, max_wait: Duration::from_millis(20), concurrency: 1 });
         let SinkSpec::Table { columns, on_conflict, .. } = &p.sink else { panic!("table form") };
         assert_eq!(*on_conflict, OnConflict::Nothing);

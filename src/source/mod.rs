@@ -1,4 +1,4 @@
-//! Sources: where a pipeline's records come from, one module per broker.
+//! Sources: where a pipeline's records come from, one folder per broker.
 //!
 //! - [`kafka`]: a consumer-group member; positions are (topic, partition, offset), committed after each batch.
 //! - [`rabbitmq`]: one consumer per queue; a batch is acknowledged (`basic.ack` with `multiple`) after it commits.
@@ -7,15 +7,15 @@
 //! - [`nats`]: a durable JetStream pull consumer; positions are (stream, 0, stream sequence), each delivery
 //!   acknowledged with a double ack after its batch commits.
 //!
-//! The worker drives every source through [`Source`], a closed enum over them: batches in, "durable up to here"
-//! out, pauses while the store retries, and the records to drop when ownership moves (a Kafka rebalance, a lost
-//! RabbitMQ channel). What only some sources can do (rewind, stored offsets, topic retention) is refused for the
-//! others by the configuration checks, with the reason. A new broker is a new module here and a new variant.
+//! Each broker implements the contract in [`contract`]: [`contract::BrokerSpec`] for its `[source]` spec (always
+//! built) and [`contract::Connector`] for its consumer, `check` and rewind (behind its cargo feature), where what
+//! only some brokers can do has a default meaning "this connector cannot". This hub is the one list of them: the
+//! closed enum [`Source`] (and [`spec::SourceSpec`]), dispatched by `each_source!`, so that every method here is
+//! one line. A new broker is a new folder, a variant here and in `SourceSpec`, its line in each dispatch macro and
+//! its settings field in [`Brokers`].
 
-// A build without some brokers leaves their arms out: the parameters and imports only they use are then unused.
-#![cfg_attr(not(all(feature = "kafka", feature = "rabbitmq", feature = "rocketmq", feature = "nats")), allow(unused_variables, unused_imports))]
-
-pub mod check;
+pub mod contract;
+pub mod dead_letter_out;
 pub mod kafka;
 pub mod nats;
 pub mod rabbitmq;
@@ -24,182 +24,113 @@ pub mod rocketmq;
 pub mod spec;
 
 use crate::batch::{Batch, BatchSettings, Records};
-use crate::dead_letter::DeadLetterSettings;
-use crate::offsets::OffsetStore;
-use spec::SourceSpec;
 use crate::metrics::PipelineMetrics;
-use crate::offsets::Positions;
+use crate::offsets::{Claimed, PassedFloor, Positions};
 use crate::record::Record;
 use crate::shutdown::Shutdown;
+pub use contract::{not_built, CheckError, Connector, Reads, StoredStart};
+pub use dead_letter_out::DeadLetterOut;
+pub use spec::{Brokers, SourceContext, SourceSpec};
+use std::path::Path;
 use std::time::Duration;
 
-#[cfg(feature = "kafka")]
-pub use kafka::KafkaSource;
-pub use kafka::KafkaSettings;
-pub use rabbitmq::RabbitMqSettings;
-pub use rocketmq::RocketMqSettings;
-#[cfg(feature = "rabbitmq")]
-pub use rabbitmq::RabbitMqSource;
-#[cfg(feature = "rocketmq")]
-pub use rocketmq::RocketMqSource;
-pub use nats::NatsSettings;
-#[cfg(feature = "nats")]
-pub use nats::NatsSource;
-
-/// What a source is given of its pipeline: the pipeline's name and `[source]`, and what of the rest of the file
-/// decides how it reads. The configuration builds it (`Pipeline::source_context`); a source never sees the rest.
-#[derive(Clone, Debug)]
-pub struct SourceContext {
-    /// The pipeline's name: the default consumer group's suffix, the `pipeline` label of its metrics.
-    pub name: String,
-    /// `[source]`.
-    pub source: SourceSpec,
-    /// `[batch]`: a batch's bounds and the number of lanes (prefetch bounds follow from them).
-    pub batch: BatchSettings,
-    /// `max_payload_bytes`: larger payloads are not kept whole ([`crate::record::bounded`]).
-    pub max_payload_bytes: usize,
-    /// `[dedup] retention`, which a rewind and the topics' retention are compared with.
-    pub dedup_retention: Duration,
-    /// `[dead_letters]`: the broker's own dead-letter publisher, when the pipeline names one.
-    pub dead_letters: DeadLetterSettings,
-    /// `[offsets] store`: where the consumed positions are kept.
-    pub offsets: OffsetStore,
+/// The one list of connectors, as a dispatch: each arm names a variant of [`Source`] and [`SourceSpec`] once, with
+/// its cargo feature, its connector type and its settings field of [`Brokers`].
+///
+/// - `each_source!(source, |c| expr)`: `expr` on the running connector `c`.
+/// - `each_source!(for spec, brokers, |C, s, settings, variant| expr, |why| otherwise)`: `expr` with `C` the
+///   connector type of `spec`'s broker, `s` its own spec, `settings` its settings section (an `Option`) and
+///   `variant` the [`Source`] variant that wraps it; `otherwise` (with `why`, the sentence saying so) in a build
+///   without that broker.
+macro_rules! each_source {
+    (for $spec:expr, $brokers:expr, |$C:ident, $s:pat, $set:pat, $variant:pat_param| $e:expr, |$why:ident| $otherwise:expr) => {
+        match $spec {
+            #[cfg(feature = "kafka")]
+            SourceSpec::Kafka($s) => dispatch!($C = kafka::KafkaSource, $set = Some(&$brokers.kafka), $variant = Source::Kafka, $e),
+            #[cfg(feature = "rabbitmq")]
+            SourceSpec::RabbitMq($s) => dispatch!($C = rabbitmq::RabbitMqSource, $set = $brokers.rabbitmq.as_ref(), $variant = Source::RabbitMq, $e),
+            #[cfg(feature = "rocketmq")]
+            SourceSpec::RocketMq($s) => dispatch!($C = rocketmq::RocketMqSource, $set = $brokers.rocketmq.as_ref(), $variant = Source::RocketMq, $e),
+            #[cfg(feature = "nats")]
+            SourceSpec::Nats($s) => dispatch!($C = nats::NatsSource, $set = $brokers.nats.as_ref(), $variant = Source::Nats, $e),
+            #[allow(unreachable_patterns)]
+            other => {
+                let $why = other.built().expect_err("every built connector has its arm above");
+                $otherwise
+            }
+        }
+    };
+    ($source:expr, |$c:ident| $e:expr) => {
+        match $source {
+            #[cfg(feature = "kafka")]
+            Source::Kafka($c) => $e,
+            #[cfg(feature = "rabbitmq")]
+            Source::RabbitMq($c) => $e,
+            #[cfg(feature = "rocketmq")]
+            Source::RocketMq($c) => $e,
+            #[cfg(feature = "nats")]
+            Source::Nats($c) => $e,
+        }
+    };
 }
 
-/// The brokers' settings (`[kafka]`, `[rabbitmq]`, `[rocketmq]`), and the shutdown deadline their clients must
-/// leave their groups within (`[shutdown] timeout`).
-#[derive(Clone, Debug, Default)]
-pub struct Brokers {
-    /// `[kafka]` (defaults when absent: a Kafka pipeline's own checks then say what is missing).
-    pub kafka: KafkaSettings,
-    /// `[rabbitmq]`, required by RabbitMQ pipelines.
-    pub rabbitmq: Option<RabbitMqSettings>,
-    /// `[rocketmq]`, required by RocketMQ pipelines.
-    pub rocketmq: Option<RocketMqSettings>,
-    /// `[nats]`, required by NATS JetStream pipelines.
-    pub nats: Option<NatsSettings>,
-    /// `[shutdown] timeout`.
-    pub shutdown_timeout: Duration,
+/// One arm of [`each_source!`]: binds the connector type, its settings and its variant for `$e`.
+macro_rules! dispatch {
+    ($C:ident = $ty:ty, $set:pat = $settings:expr, $variant:pat = $wrap:expr, $e:expr) => {{
+        type $C = $ty;
+        #[allow(unused_variables)]
+        let $set = $settings;
+        #[allow(unused_variables)]
+        let $variant = $wrap;
+        $e
+    }};
 }
 
-/// What a source needs to start partitions (Kafka) or queues (RocketMQ) from their stored positions
-/// (`[offsets] store = "database"`).
-pub struct StoredStart {
-    /// The store that keeps the positions.
-    pub store: crate::store::Store,
-    /// Recorded as the owner of claimed partitions (for operators): `host/pid` by default.
-    pub owner: String,
-    /// The runtime the Kafka source's claim tasks run on.
-    pub runtime: tokio::runtime::Handle,
-    /// Ends the claim's retries.
-    pub shutdown: Shutdown,
-}
-
-/// A pipeline's source.
+/// A pipeline's source: the running connector of its broker.
 pub enum Source {
     /// Kafka topics.
     #[cfg(feature = "kafka")]
-    Kafka(KafkaSource),
+    Kafka(kafka::KafkaSource),
     /// RabbitMQ queues.
     #[cfg(feature = "rabbitmq")]
-    RabbitMq(RabbitMqSource),
+    RabbitMq(rabbitmq::RabbitMqSource),
     /// A RocketMQ topic.
     #[cfg(feature = "rocketmq")]
-    RocketMq(RocketMqSource),
+    RocketMq(rocketmq::RocketMqSource),
     /// A NATS JetStream durable consumer.
     #[cfg(feature = "nats")]
-    Nats(NatsSource),
+    Nats(nats::NatsSource),
 }
 
 impl Source {
-    /// The source of `pipeline`. `stored` applies to Kafka and RocketMQ with `[offsets] store = "database"`.
+    /// The source of `pipeline` ([`Connector::open`]). `stored` applies to sources with positions, with
+    /// `[offsets] store = "database"`.
     ///
-    /// Errors: the consumer could not be created (a bad librdkafka property, a missing broker section), as text.
-    pub fn new(
-        settings: &Brokers,
-        pipeline: &SourceContext,
-        metrics: PipelineMetrics,
-        stored: Option<StoredStart>,
-    ) -> Result<Source, String> {
-        match &pipeline.source {
-            #[cfg(feature = "kafka")]
-            SourceSpec::Kafka(_) => KafkaSource::new(&settings.kafka, pipeline, metrics, stored)
-                .map(Source::Kafka)
-                .map_err(|e| format!("cannot create the Kafka consumer: {}", kafka::describe_kafka_error(&e))),
-            #[cfg(feature = "rabbitmq")]
-            SourceSpec::RabbitMq(_) => {
-                let rabbitmq = settings.rabbitmq.as_ref().ok_or("[rabbitmq] url is not set")?;
-                Ok(Source::RabbitMq(RabbitMqSource::new(rabbitmq, pipeline, metrics)))
-            }
-            #[cfg(feature = "rocketmq")]
-            SourceSpec::RocketMq(_) => {
-                let rocketmq = settings.rocketmq.as_ref().ok_or("[rocketmq] name_server is not set")?;
-                RocketMqSource::new(rocketmq, pipeline, metrics, stored).map(Source::RocketMq)
-            }
-            #[cfg(feature = "nats")]
-            SourceSpec::Nats(_) => {
-                let nats = settings.nats.as_ref().ok_or("[nats] url is not set")?;
-                NatsSource::new(nats, pipeline, metrics).map(Source::Nats)
-            }
-            #[cfg(not(feature = "nats"))]
-            SourceSpec::Nats(_) => Err(not_built("NATS JetStream", "nats")),
-            #[cfg(not(feature = "kafka"))]
-            SourceSpec::Kafka(_) => Err(not_built("Kafka", "kafka")),
-            #[cfg(not(feature = "rabbitmq"))]
-            SourceSpec::RabbitMq(_) => Err(not_built("RabbitMQ", "rabbitmq")),
-            #[cfg(not(feature = "rocketmq"))]
-            SourceSpec::RocketMq(_) => Err(not_built("RocketMQ", "rocketmq")),
-        }
+    /// Errors: the consumer could not be created (a bad librdkafka property, a missing broker section, a broker
+    /// this build leaves out), as text.
+    pub fn new(brokers: &Brokers, pipeline: &SourceContext, metrics: PipelineMetrics, stored: Option<StoredStart>) -> Result<Source, String> {
+        each_source!(for &pipeline.source, brokers, |C, s, settings, variant| C::open(settings, &pipeline.with(s), metrics, stored).map(variant), |why| Err(why))
     }
 
-    /// The next batch: at least one record, at most `settings.max_records`, waiting at most `max_wait` after the
-    /// first; or (Kafka, RocketMQ) an empty batch after a second without records, so the worker can do its idle checks.
-    /// `None` once shutdown comes while waiting for a first record.
+    /// The next batch ([`Connector::next_batch`]).
     pub async fn next_batch(&mut self, settings: BatchSettings, shutdown: &mut Shutdown) -> Option<Vec<Record>> {
-        match self {
-            #[cfg(feature = "kafka")]
-            Source::Kafka(s) => s.next_batch(settings, shutdown).await,
-            #[cfg(feature = "rabbitmq")]
-            Source::RabbitMq(s) => s.next_batch(settings, shutdown).await,
-            #[cfg(feature = "rocketmq")]
-            Source::RocketMq(s) => s.next_batch(settings, shutdown).await,
-            #[cfg(feature = "nats")]
-            Source::Nats(s) => s.next_batch(settings, shutdown).await,
-        }
+        each_source!(self, |c| c.next_batch(settings, shutdown).await)
     }
 
-    /// Waits `delay` before a retry without taking more records than the source's prefetch bound, serving the
-    /// broker meanwhile; drops from `batch` what this worker no longer owns. `false` if shutdown came first.
+    /// Waits `delay` before a retry, serving the broker, dropping from `batch` what this worker no longer owns
+    /// ([`Connector::pause_for`]). `false` if shutdown came first.
     pub async fn pause_for(&mut self, delay: Duration, batch: &mut dyn Records, shutdown: &mut Shutdown) -> bool {
-        match self {
-            #[cfg(feature = "kafka")]
-            Source::Kafka(s) => s.pause_for(delay, batch, shutdown).await,
-            #[cfg(feature = "rabbitmq")]
-            Source::RabbitMq(s) => s.pause_for(delay, batch, shutdown).await,
-            #[cfg(feature = "rocketmq")]
-            Source::RocketMq(s) => s.pause_for(delay, batch, shutdown).await,
-            #[cfg(feature = "nats")]
-            Source::Nats(s) => s.pause_for(delay, batch, shutdown).await,
-        }
+        each_source!(self, |c| c.pause_for(delay, batch, shutdown).await)
     }
 
-    /// The positions a batch stores in its transaction (`[offsets] store = "database"`; Kafka and RocketMQ).
+    /// The positions `batch` stores in its transaction (`[offsets] store = "database"`; [`Connector::positions`]).
     pub fn positions<P>(&self, batch: &Batch<P>) -> Option<Positions> {
-        match self {
-            #[cfg(feature = "kafka")]
-            Source::Kafka(s) => s.positions(batch.next_offsets()),
-            #[cfg(feature = "rocketmq")]
-            Source::RocketMq(s) => s.positions(batch.next_offsets()),
-            #[cfg(feature = "rabbitmq")]
-            Source::RabbitMq(_) => None,
-            #[cfg(feature = "nats")]
-            Source::Nats(_) => None,
-        }
+        each_source!(self, |c| c.positions(batch.next_offsets()))
     }
 
     /// Runs `work` (spawned: a claim, a rebuild of the statements) to its end while the source keeps serving its
     /// broker.
-    pub async fn poll_while<T>(&mut self, work: tokio::task::JoinHandle<T>) -> T {
+    pub async fn poll_while<T: Send>(&mut self, work: tokio::task::JoinHandle<T>) -> T {
         self.poll_while_receiving(work, &mut |_| {}).await
     }
 
@@ -208,269 +139,113 @@ impl Source {
     /// received; the worker prepares them ahead, see [`crate::prepare::Ahead`]). A record passed to `received` may
     /// still be dropped before its batch (its partition revoked, its channel lost). RocketMQ's client buffers
     /// what it pulls on its own runtime: nothing is received here, and nothing is passed.
-    pub async fn poll_while_receiving<T>(
-        &mut self,
-        work: tokio::task::JoinHandle<T>,
-        received: &mut (dyn FnMut(&Record) + Send),
-    ) -> T {
-        match self {
-            #[cfg(feature = "kafka")]
-            Source::Kafka(s) => s.poll_while(work, received).await,
-            #[cfg(feature = "rabbitmq")]
-            Source::RabbitMq(s) => s.poll_while(work, received).await,
-            #[cfg(feature = "rocketmq")]
-            Source::RocketMq(s) => {
-                let _ = received;
-                s.poll_while(work).await
-            }
-            #[cfg(feature = "nats")]
-            Source::Nats(s) => s.poll_while(work, received).await,
-        }
+    pub async fn poll_while_receiving<T: Send>(&mut self, work: tokio::task::JoinHandle<T>, received: &mut (dyn FnMut(&Record) + Send)) -> T {
+        each_source!(self, |c| c.poll_while(work, received).await)
     }
 
     /// Why the pipeline must stop, when [`Source::next_batch`] returned `None` for a reason other than shutdown
     /// (a RabbitMQ stream found where a queue was expected, a RocketMQ consumer that could not start).
     pub fn fatal(&self) -> Option<String> {
-        match self {
-            #[cfg(feature = "kafka")]
-            Source::Kafka(_) => None,
-            #[cfg(feature = "rabbitmq")]
-            Source::RabbitMq(s) => s.fatal().map(str::to_owned),
-            #[cfg(feature = "rocketmq")]
-            Source::RocketMq(s) => s.fatal().map(str::to_owned),
-            #[cfg(feature = "nats")]
-            Source::Nats(s) => s.fatal().map(str::to_owned),
-        }
+        each_source!(self, |c| c.fatal())
     }
 
     /// Drops from `batch` the records this worker no longer owns (partitions revoked, a lost channel).
     pub fn drop_revoked(&mut self, batch: &mut dyn Records) {
-        match self {
-            #[cfg(feature = "kafka")]
-            Source::Kafka(s) => s.drop_revoked(batch),
-            #[cfg(feature = "rabbitmq")]
-            Source::RabbitMq(s) => s.drop_revoked(batch),
-            #[cfg(feature = "rocketmq")]
-            Source::RocketMq(s) => s.drop_revoked(batch),
-            #[cfg(feature = "nats")]
-            Source::Nats(_) => {}
-        }
+        each_source!(self, |c| c.drop_revoked(batch))
     }
 
     /// After a batch committed to the broker that ended below processed floors (a group that started over:
     /// [`crate::sink::BatchOutcome::floors`]): moves those partitions on to their floors where nothing below them can
-    /// have been missed, so what was processed below them is not fetched to be skipped. Kafka only; RocketMQ's queues
-    /// fetch and skip.
-    #[cfg_attr(not(feature = "kafka"), allow(unused_variables))]
-    pub fn skip_to_floors(&mut self, floors: &[crate::offsets::PassedFloor]) {
-        if floors.is_empty() {
-            return;
-        }
-        match self {
-            #[cfg(feature = "kafka")]
-            Source::Kafka(s) => s.skip_to_floors(floors),
-            #[allow(unreachable_patterns)]
-            _ => {}
-        }
+    /// have been missed ([`Connector::skip_to_floors`]).
+    pub fn skip_to_floors(&mut self, floors: &[PassedFloor]) {
+        each_source!(self, |c| c.skip_to_floors(floors))
     }
 
-    /// A batch was fenced (`[offsets] store = "database"`): gives up `partitions` and drops their records.
-    /// Only sources with positions (Kafka, RocketMQ) store them, so only they can be fenced.
+    /// A batch was fenced (`[offsets] store = "database"`): gives up `partitions` and drops their records
+    /// ([`Connector::lose`]).
     pub async fn lose(&mut self, partitions: &[(String, i32)], used: Option<&Positions>, batch: &mut dyn Records) {
-        match self {
-            #[cfg(feature = "kafka")]
-            Source::Kafka(s) => s.lose(partitions, used, batch),
-            #[cfg(feature = "rocketmq")]
-            Source::RocketMq(s) => s.lose(partitions, used, batch).await,
-            #[cfg(feature = "rabbitmq")]
-            Source::RabbitMq(_) => {}
-            #[cfg(feature = "nats")]
-            Source::Nats(_) => {}
-        }
+        each_source!(self, |c| c.lose(partitions, used, batch).await)
     }
 
-    /// The partitions (Kafka) or queues (RocketMQ: `topic/broker`, queue id) assigned to this worker now; none for
-    /// a RabbitMQ queue.
+    /// The partitions or queues assigned to this worker now ([`Connector::owned`]).
     pub fn owned(&self) -> Vec<(String, i32)> {
-        match self {
-            #[cfg(feature = "kafka")]
-            Source::Kafka(s) => s.owned(),
-            #[cfg(feature = "rocketmq")]
-            Source::RocketMq(s) => s.owned(),
-            #[cfg(feature = "rabbitmq")]
-            Source::RabbitMq(_) => Vec::new(),
-            #[cfg(feature = "nats")]
-            Source::Nats(_) => Vec::new(),
-        }
+        each_source!(self, |c| c.owned())
     }
 
-    /// The store lost positions this worker had stored (see the sink's `SinkError::Lost`): starts the partitions
-    /// of `claimed` again from the positions it kept, dropping their records from `batch`. Only sources with stored
-    /// positions (Kafka, RocketMQ) can lose them.
+    /// The store lost positions this worker had stored: starts the partitions of `claimed` again from the positions
+    /// it kept, dropping their records from `batch` ([`Connector::resync`]).
     ///
     /// Errors: the consumer could not be moved.
-    pub async fn resync(&mut self, claimed: &[crate::offsets::Claimed], batch: &mut dyn Records) -> Result<(), String> {
-        match self {
-            #[cfg(feature = "kafka")]
-            Source::Kafka(s) => s.resync(claimed, batch),
-            #[cfg(feature = "rocketmq")]
-            Source::RocketMq(s) => s.resync(claimed, batch).await,
-            #[cfg(feature = "rabbitmq")]
-            Source::RabbitMq(_) => Ok(()),
-            #[cfg(feature = "nats")]
-            Source::Nats(_) => Ok(()),
-        }
+    pub async fn resync(&mut self, claimed: &[Claimed], batch: &mut dyn Records) -> Result<(), String> {
+        each_source!(self, |c| c.resync(claimed, batch).await)
     }
 
     /// Tells the broker that `batch` (committed in the store) is done: Kafka offsets are committed, RabbitMQ
     /// deliveries acknowledged, RocketMQ consume offsets updated, JetStream deliveries double-acked.
     pub async fn commit<P>(&mut self, batch: &Batch<P>) {
-        match self {
-            #[cfg(feature = "kafka")]
-            Source::Kafka(s) => s.commit(batch.next_offsets()),
-            #[cfg(feature = "rocketmq")]
-            Source::RocketMq(s) => s.commit(batch.next_offsets()).await,
-            #[cfg(feature = "rabbitmq")]
-            Source::RabbitMq(s) => s.commit(batch.records()).await,
-            #[cfg(feature = "nats")]
-            Source::Nats(s) => s.commit(batch.records()).await,
-        }
+        each_source!(self, |c| c.commit(batch.records(), batch.next_offsets()).await)
     }
 
     /// Ends without telling the broker anything more (an injected crash).
     pub async fn abandon(self) {
-        match self {
-            #[cfg(feature = "kafka")]
-            Source::Kafka(s) => s.abandon(),
-            #[cfg(feature = "rabbitmq")]
-            Source::RabbitMq(s) => s.abandon().await,
-            #[cfg(feature = "rocketmq")]
-            Source::RocketMq(s) => s.abandon().await,
-            #[cfg(feature = "nats")]
-            Source::Nats(s) => s.abandon().await,
-        }
+        each_source!(self, |c| c.abandon().await)
     }
 
     /// Ends cleanly: commits what is durable (Kafka), leaves the group or closes the connection.
     pub async fn close(self) {
-        match self {
-            #[cfg(feature = "kafka")]
-            Source::Kafka(s) => s.close(),
-            #[cfg(feature = "rabbitmq")]
-            Source::RabbitMq(s) => s.close().await,
-            #[cfg(feature = "rocketmq")]
-            Source::RocketMq(s) => s.close().await,
-            #[cfg(feature = "nats")]
-            Source::Nats(s) => s.close().await,
-        }
+        each_source!(self, |c| c.close().await)
     }
+}
+
+/// Checks `pipeline`'s source against its broker ([`Connector::check`]); the lines to print (`warning: ...` for
+/// what could not be verified).
+///
+/// Errors: [`CheckError`].
+pub async fn check(brokers: &Brokers, pipeline: &SourceContext) -> Result<Vec<String>, CheckError> {
+    each_source!(for &pipeline.source, brokers, |C, s, settings, _| C::check(settings, &pipeline.with(s)).await, |why| Err(CheckError::Broker(why)))
+}
+
+/// What `pipeline` reads, for `check`'s `ok` line and its JSON report ([`Reads`]).
+pub fn summary(pipeline: &SourceContext) -> Reads {
+    let settings = pipeline.source.reads(pipeline);
+    Reads { kind: pipeline.source.kind(), settings: settings.into_iter().map(|(k, v)| (k.to_owned(), v)).collect() }
+}
+
+/// Settings of `pipeline` and of its broker's client that work against each other, one sentence each (`check`
+/// prints them as warnings; [`Connector::timing_warnings`]).
+pub fn timing_warnings(brokers: &Brokers, pipeline: &SourceContext) -> Vec<String> {
+    each_source!(for &pipeline.source, brokers, |C, s, settings, _| C::timing_warnings(settings, &pipeline.with(s), brokers.shutdown_timeout), |_why| Vec::new())
+}
+
+/// Compares `pipeline`'s dedup retention with how long its broker keeps messages: one line per topic
+/// (`warning: ...` where the retention falls short or could not be read). What is said without asking the broker
+/// ([`contract::BrokerSpec::retention_note`]) comes first; otherwise the broker is asked
+/// ([`Connector::retention_report`]).
+pub async fn retention_report(brokers: &Brokers, pipeline: &SourceContext) -> Vec<String> {
+    let note = pipeline.source.retention_note(pipeline);
+    if !note.is_empty() {
+        return note;
+    }
+    each_source!(for &pipeline.source, brokers, |C, s, settings, _| C::retention_report(settings, &pipeline.with(s)).await,
+        |why| vec![format!("warning: pipeline {:?}: {why}", pipeline.name)])
 }
 
 /// Rewinds `pipeline`'s group (and its stored positions in `store`, with `[offsets] store = "database"`), printing
-/// the plan, one line per partition or queue, and what happened.
+/// the plan, one line per partition or queue, and what happened ([`Connector::rewind`]).
 ///
-/// Errors: the source has no positions (a queue), the group has members, a broker or store request failed; the
-/// message names the pipeline's file where it is about the pipeline.
-#[cfg_attr(not(all(feature = "kafka", feature = "rocketmq")), allow(unused_variables))]
+/// Errors: the source has no positions (a queue: [`contract::BrokerSpec::rewind_refusal`] says why and what to do
+/// instead), the group has members, a broker or store request failed; the message names the pipeline's file where
+/// it is about the pipeline.
 pub async fn rewind_group(
     brokers: &Brokers,
     pipeline: &SourceContext,
-    file: &std::path::Path,
+    file: &Path,
     request: rewind::Request,
     store: Option<rewind::StoreSide<'_>>,
 ) -> anyhow::Result<()> {
-    match &pipeline.source {
-        #[cfg(feature = "kafka")]
-        SourceSpec::Kafka(_) => kafka::rewind::run(&brokers.kafka, pipeline, request, store).await,
-        #[cfg(feature = "rocketmq")]
-        SourceSpec::RocketMq(_) => rocketmq::rewind::run(brokers.rocketmq.as_ref(), pipeline, file, request, store).await,
-        #[cfg(not(feature = "kafka"))]
-        SourceSpec::Kafka(_) => anyhow::bail!("{}: {}", file.display(), not_built("Kafka", "kafka")),
-        #[cfg(not(feature = "rocketmq"))]
-        SourceSpec::RocketMq(_) => anyhow::bail!("{}: {}", file.display(), not_built("RocketMQ", "rocketmq")),
-        SourceSpec::Nats(n) => anyhow::bail!(
-            "{}: pipeline {:?} has a {} source: rewind moves a consumer's stored position back; a JetStream durable \
-             consumer's position is its ack floor on the server, which cannot be moved back. To replay stream {:?}, create \
-             a new consumer with the start you mean ({}) and name it in [source] consumer: the dedup \
-             store skips every message already applied within [dedup] retention",
-            file.display(),
-            pipeline.name,
-            pipeline.source.kind(),
-            n.stream,
-            nats_add_command(n, pipeline.batch.max_records, &format!("{}-replay", n.consumer))
-        ),
-        SourceSpec::RabbitMq(_) => anyhow::bail!(
-            "{}: pipeline {:?} has a {} source: rewind moves a consumer group back; a queue has no positions to go \
-             back to (an acknowledged message has left it). Publish the messages again instead: the dedup store skips \
-             those already applied",
-            file.display(),
-            pipeline.name,
-            pipeline.source.kind()
-        ),
+    if let Some(why) = pipeline.source.rewind_refusal(pipeline, file) {
+        anyhow::bail!(why);
     }
-}
-
-/// The natscli command that creates a JetStream pipeline's consumer (see `nats::add_command`), also in a build
-/// without the NATS client.
-fn nats_add_command(spec: &nats::NatsSpec, max_records: usize, name: &str) -> String {
-    #[cfg(feature = "nats")]
-    return nats::add_command(spec, max_records, name);
-    #[cfg(not(feature = "nats"))]
-    return format!("`nats consumer add {} {name} --pull --ack explicit --max-deliver=-1 --deliver <start>`", spec.stream);
-}
-
-/// Why a broker this build leaves out cannot be used: `what` (the broker) and the cargo `feature` to build with.
-pub fn not_built(what: &str, feature: &str) -> String {
-    format!("this idemflow was built without {what} (build it with `cargo build --release --features {feature}`, or with the default features)")
-}
-
-/// Where a pipeline's dead letters also go besides the store's dead-letter table, before the batch's offsets are
-/// committed or its deliveries acknowledged: the broker's own dead-letter publisher, when the pipeline names one.
-pub enum DeadLetterOut {
-    /// A Kafka topic (`[dead_letters] topic`).
-    #[cfg(feature = "kafka")]
-    Topic(kafka::dead_letters::DeadLetterTopic),
-    /// A RabbitMQ exchange (`[dead_letters] exchange`), with publisher confirms.
-    #[cfg(feature = "rabbitmq")]
-    Exchange(rabbitmq::dead_letters::DeadLetterExchange),
-}
-
-impl DeadLetterOut {
-    /// The publisher `pipeline`'s `[dead_letters]` names, if any.
-    ///
-    /// Errors: the Kafka producer could not be created, as text.
-    pub fn new(settings: &Brokers, pipeline: &SourceContext) -> Result<Option<DeadLetterOut>, String> {
-        let dl = &pipeline.dead_letters;
-        Ok(match (&dl.topic, &dl.exchange, &settings.rabbitmq) {
-            #[cfg(feature = "kafka")]
-            (Some(topic), _, _) => Some(DeadLetterOut::Topic(
-                kafka::dead_letters::DeadLetterTopic::new(&settings.kafka, &pipeline.name, topic).map_err(|e| {
-                    format!("cannot create the dead-letter topic's producer: {}", kafka::describe_kafka_error(&e))
-                })?,
-            )),
-            #[cfg(not(feature = "kafka"))]
-            (Some(_), _, _) => return Err(not_built("Kafka (for [dead_letters] topic)", "kafka")),
-            #[cfg(feature = "rabbitmq")]
-            (None, Some(exchange), Some(rabbitmq)) => {
-                let routing_key = dl.routing_key.as_deref().unwrap_or(&pipeline.name);
-                Some(DeadLetterOut::Exchange(rabbitmq::dead_letters::DeadLetterExchange::new(rabbitmq, &pipeline.name, exchange, routing_key)))
-            }
-            #[cfg(not(feature = "rabbitmq"))]
-            (None, Some(_), Some(_)) => return Err(not_built("RabbitMQ (for [dead_letters] exchange)", "rabbitmq")),
-            _ => None,
-        })
-    }
-
-    /// Publishes `dead` (indexes into `batch`), confirmed by the broker.
-    ///
-    /// Errors: the broker refused or did not confirm, as text; the worker retries the batch's end.
-    #[cfg_attr(not(any(feature = "kafka", feature = "rabbitmq")), allow(unused_variables))]
-    pub async fn publish(&self, batch: &[Record], dead: &[crate::dead_letter::DeadLettered]) -> Result<(), String> {
-        match *self {
-            #[cfg(feature = "kafka")]
-            DeadLetterOut::Topic(ref t) => t.publish(batch, dead).await.map_err(|e| e.to_string()),
-            #[cfg(feature = "rabbitmq")]
-            DeadLetterOut::Exchange(ref x) => x.publish(batch, dead).await,
-        }
-    }
+    each_source!(for &pipeline.source, brokers, |C, s, settings, _| C::rewind(settings, &pipeline.with(s), file, request, store).await,
+        |why| anyhow::bail!("{}: {why}", file.display()))
 }

@@ -1,12 +1,13 @@
 //! `[source]`: which broker a pipeline reads, and what each broker's part of the pipeline file says.
 
+use super::contract::{not_built, BrokerSpec, Capabilities, Conflict, Context};
 use super::kafka::KafkaSpec;
-use super::rabbitmq::RabbitMqSpec;
-use super::rocketmq::RocketMqSpec;
 use super::nats::NatsSpec;
-use super::rabbitmq::QueueType;
+use super::rabbitmq::{QueueType, RabbitMqSpec};
+use super::rocketmq::RocketMqSpec;
 use crate::validate::Problems;
 use serde::Deserialize;
+use std::time::Duration;
 
 /// `[source]`: where a pipeline's records come from. `kind = "kafka"` is the default, and the top-level `topics`
 /// and `group_id` of earlier versions still mean a Kafka source.
@@ -22,44 +23,50 @@ pub enum SourceSpec {
     Nats(NatsSpec),
 }
 
-/// What a broker's source can do, asked by the configuration's checks instead of which broker it is: one const per
-/// broker, in its `spec.rs`. Each `Err` holds the reason given to a pipeline that asks for it, as `check` prints it.
-#[derive(Debug)]
-pub struct Capabilities {
-    /// `[source] kind`.
-    pub kind: &'static str,
-    /// Its `[source]` keys besides `kind`: a key of another broker's list is refused with that broker's name.
-    pub fields: &'static [&'static str],
-    /// Positions a worker can seek to: `[offsets] store = "database"`, `rewind`, a Redis sink's stored positions.
-    pub positions: Result<(), &'static str>,
-    /// `batch.concurrency` above 1.
-    pub lanes: Result<(), &'static str>,
-    /// `[dead_letters] topic`, a Kafka topic.
-    pub dead_letter_topic: Result<(), &'static str>,
-    /// `[dead_letters] exchange`, a RabbitMQ exchange.
-    pub dead_letter_exchange: Result<(), &'static str>,
-    /// Message properties as the business key (`key.message_id`, `key.message_key`, `key.property`): refused with
-    /// the field `key` when the source has none.
-    pub key_properties: Result<(), &'static str>,
-    /// `key.message_key` (RocketMQ's KEYS).
-    pub key_message_key: Result<(), &'static str>,
-    /// `key.record_key`.
-    pub key_record_key: Result<(), &'static str>,
-    /// A bound value from a message property (`{ property = ... }`).
-    pub bind_property: Result<(), &'static str>,
-    /// A bound value from the record key (`{ record_key = true }`).
-    pub bind_record_key: Result<(), &'static str>,
-    /// A bound partition or offset (`{ meta = "partition" }`, `"offset"`).
-    pub bind_partition: Result<(), &'static str>,
+/// What a source is given of its pipeline, with its `[source]` as the hub holds it ([`contract::Context`]).
+pub type SourceContext = Context<SourceSpec>;
+
+/// The brokers' settings (`[kafka]`, `[rabbitmq]`, `[rocketmq]`, `[nats]`), and the shutdown deadline their clients
+/// must leave their groups within (`[shutdown] timeout`).
+#[derive(Clone, Debug, Default)]
+pub struct Brokers {
+    /// `[kafka]` (defaults when absent: a Kafka pipeline's own checks then say what is missing).
+    pub kafka: super::kafka::KafkaSettings,
+    /// `[rabbitmq]`, required by RabbitMQ pipelines.
+    pub rabbitmq: Option<super::rabbitmq::RabbitMqSettings>,
+    /// `[rocketmq]`, required by RocketMQ pipelines.
+    pub rocketmq: Option<super::rocketmq::RocketMqSettings>,
+    /// `[nats]`, required by NATS JetStream pipelines.
+    pub nats: Option<super::nats::NatsSettings>,
+    /// `[shutdown] timeout`.
+    pub shutdown_timeout: Duration,
 }
 
-/// Why `batch.concurrency` above 1 needs a source whose partitions a group assignment spreads (Kafka).
-pub(crate) const LANES: &str = "more than 1 needs a Kafka source, whose partitions Kafka's group assignment spreads over the transactions: \
-     consumers sharing a queue would take its messages out of order (run more workers on more queues instead)";
+/// The one list of brokers' specs, as a dispatch: `each_spec!(spec, |s| expr)` is `expr` on the broker's own spec
+/// `s` ([`BrokerSpec`]); `each_spec!(spec, brokers, |s, settings| expr)` also binds its settings section of
+/// [`Brokers`] (an `Option`).
+macro_rules! each_spec {
+    ($spec:expr, |$s:ident| $e:expr) => {
+        match $spec {
+            SourceSpec::Kafka($s) => $e,
+            SourceSpec::RabbitMq($s) => $e,
+            SourceSpec::RocketMq($s) => $e,
+            SourceSpec::Nats($s) => $e,
+        }
+    };
+    ($spec:expr, $brokers:expr, |$s:ident, $set:ident| $e:expr) => {
+        match $spec {
+            SourceSpec::Kafka($s) => { let $set = Some(&$brokers.kafka); $e }
+            SourceSpec::RabbitMq($s) => { let $set = $brokers.rabbitmq.as_ref(); $e }
+            SourceSpec::RocketMq($s) => { let $set = $brokers.rocketmq.as_ref(); $e }
+            SourceSpec::Nats($s) => { let $set = $brokers.nats.as_ref(); $e }
+        }
+    };
+}
 
 /// Every broker's capabilities, in the order their names are listed in messages.
 pub const ALL: [&Capabilities; 4] =
-    [&super::kafka::CAPABILITIES, &super::rabbitmq::CAPABILITIES, &super::rocketmq::CAPABILITIES, &super::nats::CAPABILITIES];
+    [&KafkaSpec::CAPABILITIES, &RabbitMqSpec::CAPABILITIES, &RocketMqSpec::CAPABILITIES, &NatsSpec::CAPABILITIES];
 
 /// The capabilities of the broker named `kind` in `[source] kind`, if there is one.
 pub fn by_kind(kind: &str) -> Option<&'static Capabilities> {
@@ -69,51 +76,29 @@ pub fn by_kind(kind: &str) -> Option<&'static Capabilities> {
 impl SourceSpec {
     /// What this source can do ([`Capabilities`]).
     pub fn capabilities(&self) -> &'static Capabilities {
-        match self {
-            SourceSpec::Kafka(_) => &super::kafka::CAPABILITIES,
-            SourceSpec::RabbitMq(_) => &super::rabbitmq::CAPABILITIES,
-            SourceSpec::RocketMq(_) => &super::rocketmq::CAPABILITIES,
-            SourceSpec::Nats(_) => &super::nats::CAPABILITIES,
+        fn of<S: BrokerSpec>(_: &S) -> &'static Capabilities {
+            &S::CAPABILITIES
         }
+        each_spec!(self, |s| of(s))
     }
 
-    /// Why its broker's settings are missing, if they are: the sentence `check` and `run` print.
-    pub fn settings_missing(&self, brokers: &super::Brokers) -> Option<&'static str> {
-        match self {
-            SourceSpec::Kafka(_) if brokers.kafka.bootstrap_servers.trim().is_empty() => {
-                Some("a Kafka source needs [kafka] bootstrap_servers in the settings (or IDEMFLOW_KAFKA__BOOTSTRAP_SERVERS)")
-            }
-            SourceSpec::RabbitMq(_) if brokers.rabbitmq.is_none() => {
-                Some("a RabbitMQ source needs [rabbitmq] url in the settings (or IDEMFLOW_RABBITMQ__URL)")
-            }
-            SourceSpec::RocketMq(_) if brokers.rocketmq.is_none() => {
-                Some("a RocketMQ source needs [rocketmq] name_server in the settings (or IDEMFLOW_ROCKETMQ__NAME_SERVER)")
-            }
-            SourceSpec::Nats(_) if brokers.nats.is_none() => {
-                Some("a NATS JetStream source needs [nats] url in the settings (or IDEMFLOW_NATS__URL)")
-            }
-            SourceSpec::Kafka(_) | SourceSpec::RabbitMq(_) | SourceSpec::RocketMq(_) | SourceSpec::Nats(_) => None,
+    /// Why its broker's settings are missing, if they are: the sentence `check` and `run` print
+    /// ([`BrokerSpec::settings_missing`]).
+    pub fn settings_missing(&self, brokers: &Brokers) -> Option<&'static str> {
+        fn missing<S: BrokerSpec>(_: &S, settings: Option<&S::Settings>) -> Option<&'static str> {
+            S::settings_missing(settings)
         }
+        each_spec!(self, brokers, |s, settings| missing(s, settings))
     }
 
     /// What this source shares with `earlier` (another pipeline's) that two pipelines must not: a consumer group,
-    /// or a queue. `(field, what, why)` for the message `<what> <earlier's file><why>`.
-    pub fn conflict_with(&self, earlier: &SourceSpec) -> Option<(&'static str, String, &'static str)> {
+    /// or a queue ([`BrokerSpec::conflict_with`]). Sources of two brokers share nothing.
+    pub fn conflict_with(&self, earlier: &SourceSpec) -> Option<Conflict> {
         match (earlier, self) {
-            (SourceSpec::Kafka(a), SourceSpec::Kafka(b)) if a.group_id == b.group_id => {
-                Some(("group_id", format!("{:?} is also used by", b.group_id), ""))
-            }
-            (SourceSpec::RocketMq(a), SourceSpec::RocketMq(b)) if a.consumer_group == b.consumer_group => {
-                Some(("source.consumer_group", format!("{:?} is also used by", b.consumer_group), ""))
-            }
-            (SourceSpec::Nats(a), SourceSpec::Nats(b)) if a.stream == b.stream && a.consumer == b.consumer => Some((
-                "source.consumer",
-                format!("{:?} of stream {:?} is also consumed by", b.consumer, b.stream),
-                ": two pipelines on one durable consumer would each see only part of its messages",
-            )),
-            (SourceSpec::RabbitMq(a), SourceSpec::RabbitMq(b)) => b.queues.iter().find(|q| a.queues.contains(q)).map(|q| {
-                ("source.queues", format!("{q:?} is also consumed by"), ": competing pipelines would each see only part of its messages")
-            }),
+            (SourceSpec::Kafka(a), SourceSpec::Kafka(b)) => b.conflict_with(a),
+            (SourceSpec::RabbitMq(a), SourceSpec::RabbitMq(b)) => b.conflict_with(a),
+            (SourceSpec::RocketMq(a), SourceSpec::RocketMq(b)) => b.conflict_with(a),
+            (SourceSpec::Nats(a), SourceSpec::Nats(b)) => b.conflict_with(a),
             _ => None,
         }
     }
@@ -121,14 +106,6 @@ impl SourceSpec {
     /// Whether `topic` is one it consumes (a dead-letter topic must not be).
     pub fn consumes(&self, topic: &str) -> bool {
         self.streams().iter().any(|t| t == topic)
-    }
-
-    /// The Kafka source, for what only Kafka has (topic retention, dead-letter topics).
-    pub fn kafka(&self) -> Option<&KafkaSpec> {
-        match self {
-            SourceSpec::Kafka(k) => Some(k),
-            SourceSpec::RabbitMq(_) | SourceSpec::RocketMq(_) | SourceSpec::Nats(_) => None,
-        }
     }
 
     /// Whether its records have stable positions a worker can seek to (Kafka partitions, RocketMQ queues), which
@@ -144,25 +121,32 @@ impl SourceSpec {
 
     /// Its topics or queues, for logs and `check`.
     pub fn streams(&self) -> &[String] {
-        match self {
-            SourceSpec::Kafka(k) => &k.topics,
-            SourceSpec::RabbitMq(r) => &r.queues,
-            SourceSpec::RocketMq(r) => std::slice::from_ref(&r.topic),
-            SourceSpec::Nats(n) => std::slice::from_ref(&n.stream),
-        }
+        each_spec!(self, |s| s.streams())
+    }
+
+    /// The settings that say where it reads, for `check` ([`BrokerSpec::reads`]).
+    pub fn reads(&self, cx: &SourceContext) -> Vec<(&'static str, serde_json::Value)> {
+        each_spec!(self, |s| s.reads(&cx.with(s)))
+    }
+
+    /// What `check` says of the dedup retention without asking the broker ([`BrokerSpec::retention_note`]).
+    pub fn retention_note(&self, cx: &SourceContext) -> Vec<String> {
+        each_spec!(self, |s| s.retention_note(&cx.with(s)))
+    }
+
+    /// Why `idemflow rewind` cannot move this source back, if it cannot ([`BrokerSpec::rewind_refusal`]).
+    pub fn rewind_refusal(&self, cx: &SourceContext, file: &std::path::Path) -> Option<String> {
+        each_spec!(self, |s| s.rewind_refusal(&cx.with(s), file))
     }
 
     /// Whether this build has the source's connector (its cargo feature).
     ///
     /// Errors: the broker and the feature to build with ([`crate::source::not_built`]).
     pub fn built(&self) -> Result<(), String> {
-        let (what, feature, built) = match self {
-            SourceSpec::Kafka(_) => ("Kafka", "kafka", cfg!(feature = "kafka")),
-            SourceSpec::RabbitMq(_) => ("RabbitMQ", "rabbitmq", cfg!(feature = "rabbitmq")),
-            SourceSpec::RocketMq(_) => ("RocketMQ", "rocketmq", cfg!(feature = "rocketmq")),
-            SourceSpec::Nats(_) => ("NATS JetStream", "nats", cfg!(feature = "nats")),
-        };
-        if built { Ok(()) } else { Err(crate::source::not_built(what, feature)) }
+        fn built<S: BrokerSpec>(_: &S) -> Result<(), String> {
+            if S::BUILT { Ok(()) } else { Err(not_built(S::NAME, S::FEATURE)) }
+        }
+        each_spec!(self, |s| built(s))
     }
 }
 

@@ -4,7 +4,7 @@
 use super::spec::KafkaSettings;
 use super::client::{consumer_config, hide_config_value, spec};
 
-use crate::source::SourceContext;
+use super::client::KafkaContext;
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::error::{KafkaError, KafkaResult};
@@ -32,7 +32,7 @@ pub enum TopicCheckError {
 ///
 /// Errors: [`TopicCheckError`] for an unreachable cluster (or one that refuses the configuration) and for each
 /// missing topic, the first found.
-pub fn check_topics(kafka: &KafkaSettings, pipeline: &SourceContext, timeout: Duration) -> Result<(), TopicCheckError> {
+pub fn check_topics(kafka: &KafkaSettings, pipeline: &KafkaContext, timeout: Duration) -> Result<(), TopicCheckError> {
     let unreachable = |source| TopicCheckError::Unreachable { servers: kafka.bootstrap_servers.clone(), source: hide_config_value(source) };
     let consumer: BaseConsumer = consumer_config(kafka, pipeline).create().map_err(unreachable)?;
     let metadata = consumer.fetch_metadata(None, timeout).map_err(unreachable)?;

@@ -4,7 +4,10 @@
 
 use super::spec::{KafkaSettings, KafkaSpec};
 
-use crate::source::SourceContext;
+use crate::source::contract::Context;
+
+/// What the Kafka connector is given of its pipeline: its context, with its own `[source]`.
+pub type KafkaContext = Context<KafkaSpec>;
 use rdkafka::config::ClientConfig;
 use rdkafka::error::{KafkaError, KafkaResult};
 use std::time::Duration;
@@ -12,20 +15,19 @@ use std::time::Duration;
 /// Properties the worker sets itself; a value for them in `[kafka.properties]` is ignored with a warning.
 pub(super) const OWNED: [&str; 3] = ["group.id", "enable.auto.commit", "enable.auto.offset.store"];
 
-/// The Kafka source of a pipeline. Only Kafka pipelines reach this module (the worker and the commands dispatch on
-/// [`crate::config::SourceSpec`] first).
-pub fn spec(pipeline: &SourceContext) -> &KafkaSpec {
-    pipeline.source.kafka().expect("only Kafka pipelines use the Kafka source")
+/// The Kafka source of a pipeline.
+pub fn spec(pipeline: &KafkaContext) -> &KafkaSpec {
+    &pipeline.source
 }
 
 /// How many records the consumer prefetches (librdkafka's `queued.min.messages`): 4 batches, at least 1,000 and
 /// at most 100,000. [`super::KafkaSource::poll_while`] keeps at most as many records while a batch is in flight.
-pub(super) fn prefetch_records(pipeline: &SourceContext) -> usize {
+pub(super) fn prefetch_records(pipeline: &KafkaContext) -> usize {
     (4 * pipeline.batch.max_records).clamp(1000, 100_000)
 }
 
 /// The consumer's librdkafka configuration (see [`KafkaSource::new`]).
-pub(crate) fn consumer_config(kafka: &KafkaSettings, pipeline: &SourceContext) -> ClientConfig {
+pub(crate) fn consumer_config(kafka: &KafkaSettings, pipeline: &KafkaContext) -> ClientConfig {
     let lanes = pipeline.batch.concurrency.max(1);
     let mut config = ClientConfig::new();
     config
@@ -65,7 +67,7 @@ pub(super) fn max_message_bytes(kafka: &KafkaSettings) -> usize {
 
 /// Checks that librdkafka accepts the consumer configuration of `pipeline` (unknown properties, bad values),
 /// without connecting. The error never contains a property's value ([`hide_config_value`]).
-pub fn check_properties(kafka: &KafkaSettings, pipeline: &SourceContext) -> KafkaResult<()> {
+pub fn check_properties(kafka: &KafkaSettings, pipeline: &KafkaContext) -> KafkaResult<()> {
     consumer_config(kafka, pipeline).create_native_config().map(drop).map_err(hide_config_value)
 }
 
@@ -134,8 +136,8 @@ pub fn describe_kafka_error(e: &KafkaError) -> String {
 /// them as warnings). Unset librdkafka properties count with librdkafka's defaults (`session.timeout.ms` 45000,
 /// `heartbeat.interval.ms` 3000). (`max.poll.interval.ms` below `session.timeout.ms` is refused by librdkafka
 /// itself; a slow database cannot exceed the poll interval, see the module documentation.)
-pub fn timing_warnings(settings: &crate::source::Brokers, pipeline: &SourceContext) -> Vec<String> {
-    let config = consumer_config(&settings.kafka, pipeline);
+pub fn timing_warnings(kafka: &KafkaSettings, pipeline: &KafkaContext, shutdown_timeout: Duration) -> Vec<String> {
+    let config = consumer_config(kafka, pipeline);
     let ms = |key: &str, default: u64| config.get(key).and_then(|v| v.parse::<u64>().ok()).unwrap_or(default);
     let (session, heartbeat) = (ms("session.timeout.ms", 45_000), ms("heartbeat.interval.ms", 3_000));
     let name = &pipeline.name;
@@ -146,7 +148,7 @@ pub fn timing_warnings(settings: &crate::source::Brokers, pipeline: &SourceConte
              {session}: one late heartbeat can expire the member and force a rebalance (Kafka's guidance: at most a third)"
         ));
     }
-    let stop = settings.shutdown_timeout;
+    let stop = shutdown_timeout;
     if stop <= LEAVE_TIMEOUT {
         out.push(format!(
             "[shutdown] timeout = {stop:?} leaves no time after the {LEAVE_TIMEOUT:?} the consumer may wait to leave \
@@ -156,5 +158,5 @@ pub fn timing_warnings(settings: &crate::source::Brokers, pipeline: &SourceConte
     out
 }
 
-/// How long [`super::KafkaSource::close`] waits for the consumer to leave its group.
+/// How long the Kafka source's `close` waits for the consumer to leave its group.
 pub const LEAVE_TIMEOUT: Duration = Duration::from_secs(8);

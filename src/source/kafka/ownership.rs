@@ -12,7 +12,7 @@ use rdkafka::config::RDKafkaLogLevel;
 use crate::offsets::{self};
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, RebalanceProtocol};
 use rdkafka::types::RDKafkaRespErr;
-use crate::source::StoredStart;
+use crate::source::contract::StoredStart;
 use rdkafka::error::{KafkaError, KafkaResult};
 use rdkafka::{ClientContext, Offset, TopicPartitionList};
 use std::collections::{HashMap, HashSet};

@@ -32,7 +32,7 @@
 
 use super::client::{consumer_config, hide_config_value, spec};
 use super::spec::KafkaSettings;
-use crate::source::SourceContext;
+use super::client::KafkaContext;
 use crate::source::rewind::{reconcile, rfc3339_ms, Answers, Move, Plan, Reset, Target};
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
 use rdkafka::error::KafkaError;
@@ -41,7 +41,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 /// Where `pipeline`'s consumer starts a partition it has no committed position for ([`Reset`]): its
 /// `auto.offset.reset`, as [`consumer_config`] sets it (`earliest` unless `[kafka.properties]` says otherwise).
-pub fn reset_policy(kafka_settings: &KafkaSettings, pipeline: &SourceContext) -> Reset {
+pub fn reset_policy(kafka_settings: &KafkaSettings, pipeline: &KafkaContext) -> Reset {
     Reset::parse(consumer_config(kafka_settings, pipeline).get("auto.offset.reset"))
 }
 
@@ -108,7 +108,7 @@ fn kafka(what: impl Into<String>) -> impl FnOnce(KafkaError) -> RewindError {
 /// Whether the group has members now, from Kafka's DescribeGroups, without joining it: `Some(members)` when the
 /// broker answered, `None` when it could not tell (the broker does not support the request, or did not answer
 /// within `timeout`).
-pub fn active_members(kafka_settings: &KafkaSettings, pipeline: &SourceContext, timeout: Duration) -> Option<usize> {
+pub fn active_members(kafka_settings: &KafkaSettings, pipeline: &KafkaContext, timeout: Duration) -> Option<usize> {
     let consumer: BaseConsumer = consumer_config(kafka_settings, pipeline).create().ok()?;
     let groups = consumer.fetch_group_list(Some(&spec(pipeline).group_id), timeout).ok()?;
     let group = groups.groups().iter().find(|g| g.name() == spec(pipeline).group_id)?;
@@ -140,7 +140,7 @@ fn record_timestamp(consumer: &BaseConsumer, topic: &str, partition: i32, offset
 /// to replay of each partition); `timeout` per request.
 pub fn plan(
     kafka_settings: &KafkaSettings,
-    pipeline: &SourceContext,
+    pipeline: &KafkaContext,
     target: Target,
     positions: Option<&[(String, i32, Option<i64>)]>,
     timeout: Duration,
@@ -214,7 +214,7 @@ pub fn plan(
 }
 
 /// Every partition of `pipeline`'s topics, from the cluster's metadata.
-fn partitions_of(consumer: &BaseConsumer, pipeline: &SourceContext, timeout: Duration) -> Result<TopicPartitionList, RewindError> {
+fn partitions_of(consumer: &BaseConsumer, pipeline: &KafkaContext, timeout: Duration) -> Result<TopicPartitionList, RewindError> {
     let mut all = TopicPartitionList::new();
     for topic in &spec(pipeline).topics {
         let md = consumer.fetch_metadata(Some(topic), timeout).map_err(kafka(format!("reading metadata of {topic:?}")))?;
@@ -238,7 +238,7 @@ fn partitions_of(consumer: &BaseConsumer, pipeline: &SourceContext, timeout: Dur
 /// committed to Kafka then).
 pub fn apply(
     kafka_settings: &KafkaSettings,
-    pipeline: &SourceContext,
+    pipeline: &KafkaContext,
     moves: &[Move],
     timeout: Duration,
     before_commit: impl FnOnce() -> Result<(), String>,
@@ -299,7 +299,7 @@ pub fn apply(
 /// Errors: [`RewindError`], and a store that cannot be read.
 pub async fn run(
     kafka: &KafkaSettings,
-    pipeline: &SourceContext,
+    pipeline: &KafkaContext,
     request: crate::source::rewind::Request,
     side: Option<crate::source::rewind::StoreSide<'_>>,
 ) -> anyhow::Result<()> {

@@ -1,6 +1,7 @@
 //! Kafka's `[kafka]` settings and the `[source]` of a Kafka pipeline.
 
-use crate::source::spec::{Capabilities, RawSource};
+use crate::source::contract::{BrokerSpec, Capabilities, Conflict, Context};
+use crate::source::spec::RawSource;
 use crate::validate::Problems;
 use serde::Deserialize;
 use std::collections::BTreeMap;
@@ -75,21 +76,44 @@ pub struct KafkaSpec {
     pub group_id: String,
 }
 
-/// What a Kafka source can do ([`crate::source::spec::Capabilities`]).
-pub const CAPABILITIES: Capabilities = Capabilities {
-    kind: "kafka",
-    fields: &["topics", "group_id"],
-    positions: Ok(()),
-    lanes: Ok(()),
-    dead_letter_topic: Ok(()),
-    dead_letter_exchange: Err("is a RabbitMQ exchange; a Kafka pipeline can also produce its dead letters to dead_letters.topic"),
-    key_properties: Err("a Kafka record has no message properties: use field, fields, record_key = true or header"),
-    key_message_key: Ok(()),
-    key_record_key: Ok(()),
-    bind_property: Err("a Kafka record has no message properties"),
-    bind_record_key: Ok(()),
-    bind_partition: Ok(()),
-};
+impl BrokerSpec for KafkaSpec {
+    const CAPABILITIES: Capabilities = Capabilities {
+        kind: "kafka",
+        fields: &["topics", "group_id"],
+        positions: Ok(()),
+        lanes: Ok(()),
+        dead_letter_topic: Ok(()),
+        dead_letter_exchange: Err("is a RabbitMQ exchange; a Kafka pipeline can also produce its dead letters to dead_letters.topic"),
+        key_properties: Err("a Kafka record has no message properties: use field, fields, record_key = true or header"),
+        key_message_key: Ok(()),
+        key_record_key: Ok(()),
+        bind_property: Err("a Kafka record has no message properties"),
+        bind_record_key: Ok(()),
+        bind_partition: Ok(()),
+    };
+    type Settings = KafkaSettings;
+    const NAME: &'static str = "Kafka";
+    const FEATURE: &'static str = "kafka";
+    const BUILT: bool = cfg!(feature = "kafka");
+
+    fn settings_missing(settings: Option<&KafkaSettings>) -> Option<&'static str> {
+        settings.is_none_or(|k| k.bootstrap_servers.trim().is_empty()).then_some(
+            "a Kafka source needs [kafka] bootstrap_servers in the settings (or IDEMFLOW_KAFKA__BOOTSTRAP_SERVERS)",
+        )
+    }
+
+    fn streams(&self) -> &[String] {
+        &self.topics
+    }
+
+    fn reads(&self, _cx: &Context<Self>) -> Vec<(&'static str, serde_json::Value)> {
+        vec![("topics", serde_json::json!(self.topics)), ("group_id", serde_json::json!(self.group_id))]
+    }
+
+    fn conflict_with(&self, earlier: &Self) -> Option<Conflict> {
+        (earlier.group_id == self.group_id).then(|| Conflict { field: "group_id", what: format!("{:?} is also used by", self.group_id), why: "" })
+    }
+}
 
 /// The `[source]` of a Kafka pipeline named `name`: its topics and consumer group, from `[source]` (`s`) or from the
 /// top-level `topics` and `group_id` of earlier versions (`legacy_topics`, `legacy_group`). Every problem goes to

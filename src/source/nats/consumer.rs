@@ -49,13 +49,18 @@
 //! consumer's, shared by its workers: a worker that cannot reach its database keeps its deliveries (as a RabbitMQ
 //! consumer keeps its prefetch, or a Kafka member its partitions), and they count against the others' share.
 
-use super::{NatsSettings, NatsSpec};
+use super::{add_command, NatsSettings, NatsSpec};
+use super::check::check;
+use super::client::*;
+use super::record::to_record;
 use crate::batch::{BatchSettings, Records};
 use crate::metrics::{CommitResult, PipelineMetrics, RebalanceEvent};
-use crate::record::{Position, Record};
+use crate::record::Record;
 use crate::shutdown::Shutdown;
-use crate::source::SourceContext;
-use async_nats::jetstream::{self, consumer::pull, consumer::AckPolicy, consumer::IntoConsumerConfig, message::Acker, AckKind};
+use crate::offsets::NextOffsets;
+use crate::source::contract::{CheckError, Connector, Context, StoredStart};
+type NatsContext = Context<NatsSpec>;
+use async_nats::jetstream::{self, consumer::pull, message::Acker, AckKind};
 use futures_util::StreamExt;
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -69,10 +74,6 @@ const ACK_ATTEMPTS: u32 = 3;
 /// How many double acks are in flight at once: a whole default batch (each is a request the server answers; sent
 /// together, their round trips overlap).
 const ACKS_IN_FLIGHT: usize = 2048;
-
-/// The header JetStream deduplicates a publisher's retries on (within the stream's duplicate window); idemflow's
-/// `message_id` property.
-pub const MSG_ID_HEADER: &str = "Nats-Msg-Id";
 
 /// What the forwarding task hands the source.
 enum Event {
@@ -134,13 +135,180 @@ pub struct NatsSource {
     fatal: Option<String>,
 }
 
+impl Connector for NatsSource {
+    type Spec = NatsSpec;
+
+    fn open(settings: Option<&NatsSettings>, cx: &NatsContext, metrics: PipelineMetrics, _stored: Option<StoredStart>) -> Result<Self, String> {
+        NatsSource::new(settings.ok_or(URL_NOT_SET)?, cx, metrics)
+    }
+
+    async fn check(settings: Option<&NatsSettings>, cx: &NatsContext) -> Result<Vec<String>, CheckError> {
+        check(settings.ok_or_else(|| CheckError::Broker(URL_NOT_SET.to_owned()))?, cx).await.map_err(CheckError::Broker)
+    }
+
+    /// Waits for the next batch: at least one delivery, then up to `max_records`, for at most `max_wait` after the
+    /// first. Starts the pull stream (again) first when needed. `None` once `shutdown` is triggered while waiting
+    /// for a first delivery, or when the pipeline must stop ([`NatsSource::fatal`]).
+    async fn next_batch(&mut self, settings: BatchSettings, shutdown: &mut Shutdown) -> Option<Vec<Record>> {
+        'start: loop {
+            if !self.ensure_started(shutdown).await {
+                return None;
+            }
+            let mut batch: Vec<Record> = Vec::new();
+            let take = self.stash.len().min(settings.max_records);
+            batch.extend(self.stash.drain(..take));
+            let mut deadline = (!batch.is_empty()).then(|| Instant::now() + settings.max_wait);
+            while batch.len() < settings.max_records {
+                self.progress().await;
+                let tick = self.progress_sent + self.progress_every();
+                let live = self.live.as_mut().expect("started above");
+                let event = match deadline {
+                    None => tokio::select! {
+                        e = live.events.recv() => e,
+                        _ = shutdown.wait() => return None,
+                        _ = tokio::time::sleep_until(tick) => continue,
+                    },
+                    Some(at) => tokio::select! {
+                        e = live.events.recv() => e,
+                        _ = tokio::time::sleep_until(at) => break,
+                        _ = tokio::time::sleep_until(tick) => continue,
+                    },
+                };
+                match event {
+                    Some(Event::Message(m)) => {
+                        if let Some(r) = self.record(m) {
+                            batch.push(r);
+                            deadline.get_or_insert_with(|| Instant::now() + settings.max_wait);
+                        }
+                    }
+                    other => {
+                        self.event(other);
+                        // Deliveries already taken stay held: they go back to the stash, in order.
+                        for r in batch.drain(..).rev() {
+                            self.stash.push_front(r);
+                        }
+                        continue 'start;
+                    }
+                }
+            }
+            self.gauges();
+            return Some(batch);
+        }
+    }
+
+    /// Waits `delay` before a retry of `batch`, taking deliveries into the stash (at most `max_ack_pending` are
+    /// outstanding) and keeping every held delivery from expiring. `false` if shutdown came first.
+    async fn pause_for(&mut self, delay: Duration, _batch: &mut dyn Records, shutdown: &mut Shutdown) -> bool {
+        let until = Instant::now() + delay;
+        loop {
+            self.progress().await;
+            let tick = (self.progress_sent + self.progress_every()).min(until);
+            match self.live.as_mut() {
+                Some(live) => tokio::select! {
+                    _ = tokio::time::sleep_until(tick) => {}
+                    _ = shutdown.wait() => return false,
+                    e = live.events.recv() => self.event(e),
+                },
+                None => tokio::select! {
+                    _ = tokio::time::sleep_until(tick) => {}
+                    _ = shutdown.wait() => return false,
+                },
+            }
+            if Instant::now() >= until {
+                return true;
+            }
+        }
+    }
+
+    /// Runs `work` (a spawned batch transaction) to its end, meanwhile taking deliveries into the stash and sending
+    /// in-progress acks for everything held. A panic in `work` is resumed here.
+    /// Each delivery kept is passed to `received` ([`crate::source::Source::poll_while_receiving`]).
+    async fn poll_while<T: Send>(&mut self, mut work: tokio::task::JoinHandle<T>, received: &mut (dyn FnMut(&Record) + Send)) -> T {
+        let joined = loop {
+            self.progress().await;
+            let tick = self.progress_sent + self.progress_every();
+            match self.live.as_mut() {
+                Some(live) => tokio::select! {
+                    biased;
+                    joined = &mut work => break joined,
+                    e = live.events.recv() => {
+                        let kept = self.stash.len();
+                        self.event(e);
+                        self.stash.iter().skip(kept).for_each(&mut *received);
+                    }
+                    _ = tokio::time::sleep_until(tick) => {}
+                },
+                None => tokio::select! {
+                    joined = &mut work => break joined,
+                    _ = tokio::time::sleep_until(tick) => {}
+                },
+            }
+        };
+        match joined {
+            Ok(value) => value,
+            Err(e) => std::panic::resume_unwind(e.into_panic()),
+        }
+    }
+
+    /// Acknowledges a committed batch: a double ack per delivery (the server answers each), [`ACKS_IN_FLIGHT`] at a
+    /// time, each retried up to [`ACK_ATTEMPTS`] times. The acks run in a task of their own while the next batch is
+    /// cut and applied (the server answers 2,000 double acks in about the time of a transaction; waiting for them
+    /// would halve the rate); the previous batch's acks are awaited first, so one batch's acks at most are in flight.
+    /// One still unanswered is logged and counted, never fatal: the server redelivers it and its dedup row skips it.
+    async fn commit(&mut self, batch: &[Record], _next: &NextOffsets) {
+        self.settle_acks().await;
+        let ackers: Vec<(u64, Acker)> =
+            batch.iter().filter_map(|r| u64::try_from(r.position.offset).ok()).filter_map(|seq| self.held.remove(&seq).map(|a| (seq, a))).collect();
+        self.gauges();
+        if ackers.is_empty() {
+            return;
+        }
+        self.acking = Some(tokio::spawn(double_ack_all(ackers, self.settings.request_timeout)));
+    }
+
+    /// Ends without acknowledging anything more (an injected crash): the server redelivers what was held once
+    /// `ack_wait` passes.
+    async fn abandon(mut self) {
+        self.live = None;
+        if let Some(task) = self.acking.take() {
+            task.abort();
+        }
+        if let Some(c) = self.client.take() {
+            drop(c);
+        }
+    }
+
+    /// Stops pulling, waits (at most 10 s) for the acks in flight, and closes the connection after flushing what
+    /// was sent. Deliveries held and not acknowledged (none of them applied) are redelivered by the server after
+    /// `ack_wait`.
+    async fn close(mut self) {
+        self.live = None;
+        if tokio::time::timeout(Duration::from_secs(10), self.settle_acks()).await.is_err() {
+            tracing::warn!(pipeline = %self.pipeline, "the last batch's acks were not all answered in 10 s: the server redelivers those messages after ack_wait, and they are skipped as duplicates");
+        }
+        if let Some(c) = self.client.take() {
+            let _ = tokio::time::timeout(Duration::from_secs(5), c.flush()).await;
+            tracing::info!(pipeline = %self.pipeline, unacknowledged = self.held.len(), "NATS connection closed");
+            drop(c);
+        }
+        self.metrics.assigned_partitions(0);
+    }
+
+    /// Why the pipeline cannot go on: the consumer was deleted under the worker, or its settings cannot keep the
+    /// guarantee.
+    fn fatal(&self) -> Option<String> {
+        self.fatal.clone()
+    }
+}
+
+/// What a JetStream pipeline is told without `[nats]` in the settings.
+const URL_NOT_SET: &str = "[nats] url is not set";
+
 impl NatsSource {
     /// A source for `pipeline` (which must have a JetStream source). It connects on the first
     /// [`NatsSource::next_batch`], and starts its pull stream again with backoff whenever it fails.
-    pub fn new(settings: &NatsSettings, pipeline: &SourceContext, metrics: PipelineMetrics) -> Result<Self, String> {
-        let crate::source::spec::SourceSpec::Nats(spec) = &pipeline.source else {
-            return Err("not a NATS JetStream pipeline".to_owned());
-        };
+    pub fn new(settings: &NatsSettings, pipeline: &NatsContext, metrics: PipelineMetrics) -> Result<Self, String> {
+        let spec = &pipeline.source;
         Ok(NatsSource {
             settings: settings.clone(),
             stream: Arc::from(spec.stream.as_str()),
@@ -320,12 +488,6 @@ impl NatsSource {
         }
     }
 
-    /// Why the pipeline cannot go on: the consumer was deleted under the worker, or its settings cannot keep the
-    /// guarantee.
-    pub fn fatal(&self) -> Option<&str> {
-        self.fatal.as_deref()
-    }
-
     /// Handles one event: a delivery goes to the stash.
     fn event(&mut self, event: Option<Event>) {
         match event {
@@ -381,132 +543,12 @@ impl NatsSource {
         Some(to_record(self.stream.clone(), seq, published_ns, delivered, message, self.max_payload_bytes))
     }
 
-    /// Waits for the next batch: at least one delivery, then up to `max_records`, for at most `max_wait` after the
-    /// first. Starts the pull stream (again) first when needed. `None` once `shutdown` is triggered while waiting
-    /// for a first delivery, or when the pipeline must stop ([`NatsSource::fatal`]).
-    pub async fn next_batch(&mut self, settings: BatchSettings, shutdown: &mut Shutdown) -> Option<Vec<Record>> {
-        'start: loop {
-            if !self.ensure_started(shutdown).await {
-                return None;
-            }
-            let mut batch: Vec<Record> = Vec::new();
-            let take = self.stash.len().min(settings.max_records);
-            batch.extend(self.stash.drain(..take));
-            let mut deadline = (!batch.is_empty()).then(|| Instant::now() + settings.max_wait);
-            while batch.len() < settings.max_records {
-                self.progress().await;
-                let tick = self.progress_sent + self.progress_every();
-                let live = self.live.as_mut().expect("started above");
-                let event = match deadline {
-                    None => tokio::select! {
-                        e = live.events.recv() => e,
-                        _ = shutdown.wait() => return None,
-                        _ = tokio::time::sleep_until(tick) => continue,
-                    },
-                    Some(at) => tokio::select! {
-                        e = live.events.recv() => e,
-                        _ = tokio::time::sleep_until(at) => break,
-                        _ = tokio::time::sleep_until(tick) => continue,
-                    },
-                };
-                match event {
-                    Some(Event::Message(m)) => {
-                        if let Some(r) = self.record(m) {
-                            batch.push(r);
-                            deadline.get_or_insert_with(|| Instant::now() + settings.max_wait);
-                        }
-                    }
-                    other => {
-                        self.event(other);
-                        // Deliveries already taken stay held: they go back to the stash, in order.
-                        for r in batch.drain(..).rev() {
-                            self.stash.push_front(r);
-                        }
-                        continue 'start;
-                    }
-                }
-            }
-            self.gauges();
-            return Some(batch);
-        }
-    }
-
     /// Sets the lag gauge (the messages the server has for the consumer, as of the last delivery, plus those this
     /// worker holds) and the waiting gauge (those it holds): once a batch, not once a message.
     fn gauges(&self) {
         let held = self.held.len() as i64;
         self.metrics.lag(&self.stream, 0, i64::try_from(self.pending).unwrap_or(i64::MAX).saturating_add(held));
         self.metrics.waiting(&self.stream, 0, held);
-    }
-
-    /// Waits `delay` before a retry of `batch`, taking deliveries into the stash (at most `max_ack_pending` are
-    /// outstanding) and keeping every held delivery from expiring. `false` if shutdown came first.
-    pub async fn pause_for(&mut self, delay: Duration, _batch: &mut dyn Records, shutdown: &mut Shutdown) -> bool {
-        let until = Instant::now() + delay;
-        loop {
-            self.progress().await;
-            let tick = (self.progress_sent + self.progress_every()).min(until);
-            match self.live.as_mut() {
-                Some(live) => tokio::select! {
-                    _ = tokio::time::sleep_until(tick) => {}
-                    _ = shutdown.wait() => return false,
-                    e = live.events.recv() => self.event(e),
-                },
-                None => tokio::select! {
-                    _ = tokio::time::sleep_until(tick) => {}
-                    _ = shutdown.wait() => return false,
-                },
-            }
-            if Instant::now() >= until {
-                return true;
-            }
-        }
-    }
-
-    /// Runs `work` (a spawned batch transaction) to its end, meanwhile taking deliveries into the stash and sending
-    /// in-progress acks for everything held. A panic in `work` is resumed here.
-    /// Each delivery kept is passed to `received` ([`crate::source::Source::poll_while_receiving`]).
-    pub async fn poll_while<T>(&mut self, mut work: tokio::task::JoinHandle<T>, received: &mut (dyn FnMut(&Record) + Send)) -> T {
-        let joined = loop {
-            self.progress().await;
-            let tick = self.progress_sent + self.progress_every();
-            match self.live.as_mut() {
-                Some(live) => tokio::select! {
-                    biased;
-                    joined = &mut work => break joined,
-                    e = live.events.recv() => {
-                        let kept = self.stash.len();
-                        self.event(e);
-                        self.stash.iter().skip(kept).for_each(&mut *received);
-                    }
-                    _ = tokio::time::sleep_until(tick) => {}
-                },
-                None => tokio::select! {
-                    joined = &mut work => break joined,
-                    _ = tokio::time::sleep_until(tick) => {}
-                },
-            }
-        };
-        match joined {
-            Ok(value) => value,
-            Err(e) => std::panic::resume_unwind(e.into_panic()),
-        }
-    }
-
-    /// Acknowledges a committed batch: a double ack per delivery (the server answers each), [`ACKS_IN_FLIGHT`] at a
-    /// time, each retried up to [`ACK_ATTEMPTS`] times. The acks run in a task of their own while the next batch is
-    /// cut and applied (the server answers 2,000 double acks in about the time of a transaction; waiting for them
-    /// would halve the rate); the previous batch's acks are awaited first, so one batch's acks at most are in flight.
-    /// One still unanswered is logged and counted, never fatal: the server redelivers it and its dedup row skips it.
-    pub async fn commit(&mut self, batch: &[Record]) {
-        self.settle_acks().await;
-        let ackers: Vec<(u64, Acker)> =
-            batch.iter().filter_map(|r| u64::try_from(r.position.offset).ok()).filter_map(|seq| self.held.remove(&seq).map(|a| (seq, a))).collect();
-        self.gauges();
-        if ackers.is_empty() {
-            return;
-        }
-        self.acking = Some(tokio::spawn(double_ack_all(ackers, self.settings.request_timeout)));
     }
 
     /// Waits for the acks in flight (see [`NatsSource::commit`]) and counts their outcome.
@@ -527,33 +569,6 @@ impl NatsSource {
         }
     }
 
-    /// Ends without acknowledging anything more (an injected crash): the server redelivers what was held once
-    /// `ack_wait` passes.
-    pub async fn abandon(mut self) {
-        self.live = None;
-        if let Some(task) = self.acking.take() {
-            task.abort();
-        }
-        if let Some(c) = self.client.take() {
-            drop(c);
-        }
-    }
-
-    /// Stops pulling, waits (at most 10 s) for the acks in flight, and closes the connection after flushing what
-    /// was sent. Deliveries held and not acknowledged (none of them applied) are redelivered by the server after
-    /// `ack_wait`.
-    pub async fn close(mut self) {
-        self.live = None;
-        if tokio::time::timeout(Duration::from_secs(10), self.settle_acks()).await.is_err() {
-            tracing::warn!(pipeline = %self.pipeline, "the last batch's acks were not all answered in 10 s: the server redelivers those messages after ack_wait, and they are skipped as duplicates");
-        }
-        if let Some(c) = self.client.take() {
-            let _ = tokio::time::timeout(Duration::from_secs(5), c.flush()).await;
-            tracing::info!(pipeline = %self.pipeline, unacknowledged = self.held.len(), "NATS connection closed");
-            drop(c);
-        }
-        self.metrics.assigned_partitions(0);
-    }
 }
 
 /// Double-acks every delivery of `ackers` (by stream sequence), [`ACKS_IN_FLIGHT`] at a time, each attempt bounded
@@ -613,429 +628,4 @@ async fn forward(mut messages: pull::Stream, tx: mpsc::UnboundedSender<Event>) {
 
 fn reconnect_backoff() -> impl Iterator<Item = Duration> + Send {
     crate::retry::backoff(Duration::from_millis(200), Duration::from_secs(30))
-}
-
-/// The durable pull consumer idemflow creates when `spec.consumer` does not exist: explicit acks, the spec's
-/// `ack_wait` and `max_ack_pending`, no delivery limit (a message is never dropped by the server for its
-/// redeliveries), from the stream's first message.
-pub fn consumer_config(spec: &NatsSpec) -> pull::Config {
-    let (filter_subject, filter_subjects) = match spec.filter_subjects.as_slice() {
-        [one] => (one.clone(), Vec::new()),
-        many => (String::new(), many.to_vec()),
-    };
-    pull::Config {
-        durable_name: Some(spec.consumer.clone()),
-        description: Some("idemflow: exactly-once effects, acknowledged after the store's COMMIT".to_owned()),
-        ack_policy: AckPolicy::Explicit,
-        ack_wait: spec.ack_wait,
-        max_ack_pending: spec.max_ack_pending,
-        max_deliver: -1,
-        filter_subject,
-        filter_subjects,
-        ..Default::default()
-    }
-}
-
-/// What a consumer's settings must be for the guarantee, as `check` and `run` verify them (`batch`: the pipeline's
-/// `max_records` and `max_wait`):
-///
-/// - a pull consumer (no deliver subject) with explicit acks: with `none` the server forgets a delivery when it
-///   sends it; with `all`, one worker's ack would acknowledge what another still holds;
-/// - every message delivered whole (`headers_only` off);
-/// - no delivery limit (`max_deliver` -1): the server drops a message delivered that many times and only publishes
-///   an advisory, so a crash loop would lose it (a `backoff` list needs a limit, so it is refused with it);
-/// - an `ack_wait` above `max_wait`, or deliveries would expire while their batch is still being cut;
-/// - a bounded `max_ack_pending` (the memory a worker may hold) of at least `max_records`, or no batch could fill;
-/// - when the pipeline names filter subjects, exactly those.
-///
-/// Errors: the first setting that cannot work, as a sentence naming the consumer and the way to change it.
-pub fn verify_consumer(config: &async_nats::jetstream::consumer::Config, spec: &NatsSpec, batch: (usize, Duration)) -> Result<(), String> {
-    let (max_records, max_wait) = batch;
-    let name = &spec.consumer;
-    let edit = "(change it with `nats consumer edit`, or name another consumer in [source] consumer)";
-    let other = "(a consumer's type and ack policy cannot be changed: create another one and name it in [source] consumer)";
-    if config.deliver_subject.is_some() {
-        return Err(format!("consumer {name:?} is a push consumer (it has a deliver subject): idemflow needs a pull consumer {other}"));
-    }
-    if config.ack_policy != AckPolicy::Explicit {
-        return Err(format!(
-            "consumer {name:?} has ack_policy {:?}: idemflow needs explicit acks (with `none` the server forgets a delivery \
-             when it sends it; with `all` one worker's ack would acknowledge what another still holds) {other}",
-            config.ack_policy
-        ));
-    }
-    if config.headers_only {
-        return Err(format!("consumer {name:?} delivers headers only: idemflow needs every message's payload {edit}"));
-    }
-    if config.max_deliver > 0 {
-        return Err(format!(
-            "consumer {name:?} has max_deliver {}: the consumer stops delivering a message after that many attempts (a crash \
-             loop, a worker killed mid-batch again and again) and only reports it in an advisory, so the message would \
-             never be applied; set max_deliver = -1 {edit}",
-            config.max_deliver
-        ));
-    }
-    if config.ack_wait <= max_wait {
-        return Err(format!(
-            "consumer {name:?} has ack_wait {:?}, not above batch.max_wait = {max_wait:?}: its deliveries would be redelivered \
-             while their batch is still being cut {edit}",
-            config.ack_wait
-        ));
-    }
-    if config.max_ack_pending < 0 {
-        return Err(format!(
-            "consumer {name:?} has no max_ack_pending limit (-1): the server would send without bound while a batch waits \
-             for the database; set it to at least batch.max_records = {max_records} {edit}"
-        ));
-    }
-    if (config.max_ack_pending as usize) < max_records {
-        return Err(format!(
-            "consumer {name:?} has max_ack_pending {}, below batch.max_records = {max_records}: no batch could fill, every \
-             one would wait batch.max_wait {edit}",
-            config.max_ack_pending
-        ));
-    }
-    if !spec.filter_subjects.is_empty() {
-        let mut has: Vec<String> = config.filter_subjects.clone();
-        if !config.filter_subject.is_empty() {
-            has.push(config.filter_subject.clone());
-        }
-        let (mut want, mut got) = (spec.filter_subjects.clone(), has);
-        want.sort();
-        got.sort();
-        if want != got {
-            return Err(format!("consumer {name:?} filters {got:?}, not [source] filter_subjects = {want:?} {edit}"));
-        }
-    }
-    Ok(())
-}
-
-/// Why idemflow must not create `spec`'s consumer on `stream` itself, if it must not: the consumer it would create
-/// fails [`verify_consumer`]; several filter subjects on a server older than 2.10 (`version`), which would ignore
-/// them; or a stream holding messages older than `[dedup] retention`. A created consumer starts at the stream's
-/// first message: messages older than the retention may have had their dedup rows purged (or were applied before
-/// idemflow), and would be applied again. Then the user creates the consumer, with the start they mean.
-pub fn creation_refusal(
-    stream: &async_nats::jetstream::stream::Info,
-    spec: &NatsSpec,
-    batch: (usize, Duration),
-    retention: Duration,
-    version: &str,
-) -> Option<String> {
-    let create = format!("create the consumer yourself ({}) and run again", add_command(spec, batch.0, &spec.consumer));
-    if let Err(why) = verify_consumer(&consumer_config(spec).into_consumer_config(), spec, batch) {
-        return Some(format!("the consumer idemflow would create cannot work: {why}"));
-    }
-    if spec.filter_subjects.len() > 1 && !at_least_2_10(version) {
-        return Some(format!(
-            "[source] filter_subjects names {} subjects: a consumer with several filter subjects needs nats-server 2.10 or \
-             later (this server is {version}); name one subject, or a wildcard",
-            spec.filter_subjects.len()
-        ));
-    }
-    let oldest = stream.state.first_timestamp.unix_timestamp();
-    let now = jiff::Timestamp::now().as_second();
-    let age = Duration::from_secs(u64::try_from(now - oldest).unwrap_or(0));
-    if stream.state.messages > 0 && age > retention {
-        return Some(format!(
-            "consumer {:?} does not exist, and stream {:?} holds messages from {} ago, older than [dedup] retention = {}: a \
-             consumer idemflow creates starts at the stream's first message, and a message older than the retention may have \
-             had its dedup row purged (or been applied before idemflow) and would be applied again; {create}",
-            spec.consumer,
-            spec.stream,
-            crate::terminal::duration(Duration::from_secs(age.as_secs())),
-            crate::terminal::duration(retention)
-        ));
-    }
-    None
-}
-
-/// The natscli command that creates a consumer named `name` on `spec`'s stream as idemflow would create its own,
-/// with the start left to the user (`--deliver`: all, new, a stream sequence, or a duration back from now such as
-/// 36h). `max_records`: the pipeline's batch, which `max_ack_pending` must reach.
-pub fn add_command(spec: &NatsSpec, max_records: usize, name: &str) -> String {
-    let filters: String = spec.filter_subjects.iter().map(|f| format!(" --filter {f}")).collect();
-    format!(
-        "`nats consumer add {} {} --pull --ack explicit --max-deliver=-1 --max-pending {} --wait {}s{filters} \
-         --deliver <all|new|SEQUENCE|DURATION> --defaults`, with the nats CLI (github.com/nats-io/natscli)",
-        spec.stream,
-        name,
-        spec.max_ack_pending.max(max_records as i64),
-        spec.ack_wait.as_secs().max(1)
-    )
-}
-
-/// Whether a server `version` (`2.9.10`) is 2.10 or later.
-fn at_least_2_10(version: &str) -> bool {
-    let mut parts = version.split('.').map(|p| p.parse::<u64>().unwrap_or(0));
-    let (major, minor) = (parts.next().unwrap_or(0), parts.next().unwrap_or(0));
-    (major, minor) >= (2, 10)
-}
-
-/// The pull requests the worker sends a consumer: at most `max_records` messages (and the consumer's `max_batch`),
-/// expiring after 30 s (or the consumer's `max_expires`, if shorter), so the server never refuses them.
-fn pull_request(config: &async_nats::jetstream::consumer::Config, max_records: usize) -> (usize, Duration) {
-    let mut batch = max_records.max(1);
-    if config.max_batch > 0 {
-        batch = batch.min(config.max_batch as usize);
-    }
-    let mut expires = Duration::from_secs(30);
-    if !config.max_expires.is_zero() {
-        expires = expires.min(config.max_expires);
-    }
-    (batch, expires.max(Duration::from_secs(1)))
-}
-
-/// Whether a consumer lookup's error says the consumer does not exist: JetStream's error code 10014
-/// (`CONSUMER_NOT_FOUND`), as the client classifies it; never the words of the answer.
-fn not_found(e: &jetstream::context::ConsumerInfoError) -> bool {
-    matches!(e.kind(), jetstream::context::ConsumerInfoErrorKind::NotFound)
-}
-
-/// A stream lookup's error as a sentence, decided by JetStream's error codes and the client's error kinds (never by
-/// the words of the answer): a missing stream (10059, `STREAM_NOT_FOUND`), JetStream not enabled (10076, 10039, or
-/// no responder to the JetStream API), or the server's answer. `scrub` takes any credential out of the text.
-fn stream_error(stream: &str, e: &jetstream::context::GetStreamError, scrub: impl Fn(&str) -> String) -> String {
-    use jetstream::context::{GetStreamErrorKind, RequestError, RequestErrorKind};
-    use jetstream::ErrorCode;
-    let text = scrub(&e.to_string());
-    let no_responders = std::error::Error::source(e)
-        .and_then(|s| s.downcast_ref::<RequestError>())
-        .is_some_and(|r| r.kind() == RequestErrorKind::NoResponders);
-    let code = match e.kind() {
-        GetStreamErrorKind::JetStream(j) => Some(j.error_code()),
-        _ => None,
-    };
-    if code == Some(ErrorCode::STREAM_NOT_FOUND) {
-        format!(
-            "stream {stream:?} does not exist: create it first (`nats stream add`, or see docs/nats.md); idemflow consumes \
-             streams, it does not create them"
-        )
-    } else if no_responders || code.is_some_and(|c| c == ErrorCode::JETSTREAM_NOT_ENABLED || c == ErrorCode::JETSTREAM_NOT_ENABLED_FOR_ACCOUNT) {
-        format!("JetStream is not enabled on the server (or for this account): nothing answered the JetStream API ({text}); start nats-server with -js (or enable JetStream for the account)")
-    } else {
-        format!("reading stream {stream:?}: {text}")
-    }
-}
-
-/// A JetStream context on `client` whose API requests wait at most `request_timeout`.
-fn context(settings: &NatsSettings, client: async_nats::Client) -> jetstream::Context {
-    let mut js = jetstream::new(client);
-    js.set_timeout(settings.request_timeout);
-    js
-}
-
-/// Connects with `[nats]`'s credentials and TLS settings, as `name` (shown by the server's monitoring).
-///
-/// Errors: the problem as text, with the URL's credentials masked.
-pub async fn connect(settings: &NatsSettings, name: &str) -> Result<async_nats::Client, String> {
-    crate::install_tls_provider();
-    let scrub = |e: &dyn std::fmt::Display| settings.url.scrub(&e.to_string());
-    let mut options = async_nats::ConnectOptions::new()
-        .name(name)
-        .connection_timeout(settings.connect_timeout)
-        .request_timeout(Some(settings.request_timeout))
-        .event_callback({
-            // The first connection is not news (`check` would print it); one after a loss is.
-            let lost = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-            move |event| {
-                let lost = lost.clone();
-                async move {
-                    use std::sync::atomic::Ordering;
-                    match event {
-                        async_nats::Event::Disconnected => {
-                            lost.store(true, Ordering::SeqCst);
-                            tracing::warn!("NATS connection lost; the client reconnects")
-                        }
-                        async_nats::Event::Connected if lost.swap(false, Ordering::SeqCst) => tracing::info!("NATS connection re-established"),
-                        async_nats::Event::Connected => tracing::debug!("NATS connection established"),
-                        other => tracing::debug!(event = %other, "NATS client event"),
-                    }
-                }
-            }
-        });
-    match (&settings.user, &settings.password) {
-        (Some(user), Some(password)) => options = options.user_and_password(user.clone(), password.expose().to_owned()),
-        (None, None) => {}
-        _ => return Err("[nats] user and password go together".to_owned()),
-    }
-    if let Some(token) = &settings.token {
-        options = options.token(token.expose().to_owned());
-    }
-    if let Some(seed) = &settings.nkey_seed {
-        options = options.nkey(seed.expose().to_owned());
-    }
-    if let Some(path) = &settings.credentials_file {
-        options = options
-            .credentials_file(path)
-            .await
-            .map_err(|e| format!("[nats] credentials_file = {:?}: cannot read it: {e}", path.display()))?;
-    }
-    if let Some(ca) = &settings.tls_ca_file {
-        if !ca.is_file() {
-            return Err(format!("[nats] tls_ca_file = {:?}: no such file", ca.display()));
-        }
-        options = options.add_root_certificates(ca.clone()).require_tls(true);
-    }
-    match (&settings.tls_cert_file, &settings.tls_key_file) {
-        (Some(cert), Some(key)) => options = options.add_client_certificate(cert.clone(), key.clone()).require_tls(true),
-        (None, None) => {}
-        _ => return Err("[nats] tls_cert_file and tls_key_file go together".to_owned()),
-    }
-    let servers: Vec<async_nats::ServerAddr> = settings
-        .url
-        .expose()
-        .split(',')
-        .map(str::trim)
-        .filter(|s| !s.is_empty())
-        .map(|s| s.parse::<async_nats::ServerAddr>().map_err(|e| format!("[nats] url {}: {}", settings.url, scrub(&e))))
-        .collect::<Result<_, _>>()?;
-    if servers.is_empty() {
-        return Err("[nats] url names no server".to_owned());
-    }
-    // The client does not read credentials from a server URL itself: the first URL's user and password (or its
-    // token, `nats://TOKEN@host`) are the connection's, unless the settings give a user.
-    if settings.user.is_none() {
-        if let Some(addr) = servers.iter().find(|a| a.has_user_pass()) {
-            let decode = |text: &str| {
-                let text = text.replace('+', "%2B");
-                url::form_urlencoded::parse(format!("v={text}").as_bytes()).next().map(|(_, v)| v.into_owned()).unwrap_or_default()
-            };
-            let user = decode(addr.username().unwrap_or_default());
-            options = match addr.password() {
-                Some(password) => options.user_and_password(user, decode(password)),
-                // `nats://TOKEN@host`: NATS's form of a token in a URL.
-                None => options.token(user),
-            };
-        }
-    }
-    match tokio::time::timeout(settings.connect_timeout + Duration::from_secs(1), options.connect(servers)).await {
-        Ok(Ok(c)) => Ok(c),
-        Ok(Err(e)) => Err(format!("connecting to {}: {}", settings.url, scrub(&e))),
-        Err(_) => Err(format!("connecting to {}: no answer within {:?}", settings.url, settings.connect_timeout)),
-    }
-}
-
-/// A delivery as a [`Record`]: the stream, partition 0 and the stream sequence as its position, the time the
-/// server stored it (milliseconds), its headers (a repeated header once per value), its subject as the `subject`
-/// property, its `Nats-Msg-Id` header as the `message_id` property, and whether the server delivered it before
-/// (`delivered`, its count of deliveries, above 1).
-pub fn to_record(stream: Arc<str>, seq: u64, published_ns: i128, delivered: i64, m: async_nats::Message, max_payload_bytes: usize) -> Record {
-    let mut headers: Vec<(String, Option<Vec<u8>>)> = Vec::new();
-    let mut properties: Vec<(&'static str, String)> = vec![("subject", m.subject.to_string())];
-    if let Some(h) = &m.headers {
-        for (name, values) in h.iter() {
-            for v in values {
-                let bytes: &[u8] = v.as_ref();
-                headers.push((name.to_string(), Some(bytes.to_vec())));
-            }
-        }
-        if let Some(id) = h.get(MSG_ID_HEADER) {
-            properties.push((crate::record::MESSAGE_ID, id.as_str().to_owned()));
-        }
-    }
-    Record {
-        position: Position { topic: stream, partition: 0, offset: seq.min(i64::MAX as u64) as i64 },
-        timestamp_ms: i64::try_from(published_ns / 1_000_000).ok(),
-        key: None,
-        headers,
-        payload: None,
-        oversized: None,
-        properties,
-        delivered_before: Some(delivered > 1),
-        receipt: crate::record::Receipt::next(),
-    }
-    .with_payload(Some(&m.payload), max_payload_bytes)
-}
-
-/// What `idemflow check` reports about a JetStream pipeline: it connects, finds the stream and the consumer, and
-/// verifies the consumer's settings ([`verify_consumer`], as `run` does); a missing consumer is reported as the one
-/// `run` will create, or refused as `run` would refuse to create it ([`creation_refusal`]). Returns lines to print
-/// (`warning: ...` for what could not keep the guarantee by itself).
-///
-/// Errors: the first problem that stops the pipeline from running, as a sentence.
-pub async fn check(settings: &NatsSettings, pipeline: &SourceContext) -> Result<Vec<String>, String> {
-    let crate::source::spec::SourceSpec::Nats(spec) = &pipeline.source else {
-        return Ok(Vec::new());
-    };
-    let scrub = |e: &str| settings.url.scrub(e);
-    let client = connect(settings, "idemflow check").await?;
-    let version = client.server_info().version;
-    let js = context(settings, client.clone());
-    let name = &pipeline.name;
-    let batch = (pipeline.batch.max_records, pipeline.batch.max_wait);
-    let result = async {
-        let mut lines = Vec::new();
-        let mut stream = js.get_stream(&spec.stream).await.map_err(|e| stream_error(&spec.stream, &e, scrub))?;
-        let info = stream.info().await.map_err(|e| format!("reading stream {:?}: {}", spec.stream, scrub(&e.to_string())))?.clone();
-        let config = &info.config;
-        lines.push(format!(
-            "pipeline {name:?}: stream {:?} on nats-server {version}: {} message(s), subjects {:?}",
-            spec.stream, info.state.messages, config.subjects
-        ));
-        let retention = pipeline.dedup_retention;
-        if config.max_age.is_zero() || config.max_age > retention {
-            let kept = if config.max_age.is_zero() {
-                "until its limits on messages or bytes are reached (no max_age)".to_owned()
-            } else {
-                format!("for {} (max_age)", crate::terminal::duration(config.max_age))
-            };
-            lines.push(format!(
-                "warning: pipeline {name:?}: stream {:?} keeps messages {kept}, longer than [dedup] retention = {}: a message \
-                 redelivered or replayed (a consumer created again from an early start) after its dedup row was purged would \
-                 be applied again",
-                spec.stream,
-                crate::terminal::duration(retention)
-            ));
-        }
-        lines.push(format!(
-            "pipeline {name:?}: stream {:?}: the server drops a publisher's retries with the same Nats-Msg-Id within {} \
-             (duplicate_window); copies published later, and every redelivery, are skipped by idemflow's dedup rows for {}",
-            spec.stream,
-            crate::terminal::duration(config.duplicate_window),
-            crate::terminal::duration(retention)
-        ));
-        match stream.consumer_info(&spec.consumer).await {
-            Ok(c) => {
-                verify_consumer(&c.config, spec, batch)?;
-                lines.push(format!(
-                    "pipeline {name:?}: consumer {:?}: pull, explicit acks, ack_wait {}, max_ack_pending {}; {} pending, {} awaiting ack",
-                    spec.consumer,
-                    crate::terminal::duration(c.config.ack_wait),
-                    c.config.max_ack_pending,
-                    c.num_pending,
-                    c.num_ack_pending
-                ));
-                if c.config.ack_wait != spec.ack_wait {
-                    lines.push(format!(
-                        "warning: pipeline {name:?}: consumer {:?} has ack_wait {}, not [source] ack_wait = {}: the pipeline's \
-                         applies only to a consumer idemflow creates; in-progress acks follow the consumer's",
-                        spec.consumer,
-                        crate::terminal::duration(c.config.ack_wait),
-                        crate::terminal::duration(spec.ack_wait)
-                    ));
-                }
-            }
-            Err(e) if not_found(&e) => {
-                if let Some(why) = creation_refusal(&info, spec, batch, retention, &version) {
-                    return Err(why);
-                }
-                lines.push(format!(
-                    "pipeline {name:?}: consumer {:?} does not exist yet: `idemflow run` creates it (durable, pull, explicit \
-                     acks, no delivery limit, ack_wait {}, max_ack_pending {}, from the stream's first message)",
-                    spec.consumer,
-                    crate::terminal::duration(spec.ack_wait),
-                    spec.max_ack_pending
-                ));
-            }
-            Err(e) => return Err(format!("reading consumer {:?}: {}", spec.consumer, scrub(&e.to_string()))),
-        }
-        Ok(lines)
-    };
-    let result = match tokio::time::timeout(settings.connect_timeout, result).await {
-        Ok(r) => r,
-        Err(_) => Err(format!("{}: no answer within {:?} while checking the stream and consumer", settings.url, settings.connect_timeout)),
-    };
-    drop(client);
-    result
 }

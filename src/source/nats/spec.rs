@@ -1,7 +1,9 @@
 //! NATS's `[nats]` settings and the `[source]` of a JetStream pipeline.
 
 use crate::secret::{Secret, SecretUrl};
-use crate::source::spec::{Capabilities, RawSource};
+use crate::source::contract::{BrokerSpec, Capabilities, Conflict, Context, LANES};
+use crate::source::spec::RawSource;
+use std::path::Path;
 use crate::validate::Problems;
 use serde::Deserialize;
 use std::path::PathBuf;
@@ -77,24 +79,93 @@ pub struct NatsSpec {
     pub max_ack_pending: i64,
 }
 
-/// What a JetStream source can do ([`crate::source::spec::Capabilities`]).
-pub const CAPABILITIES: Capabilities = Capabilities {
-    kind: "nats",
-    fields: &["stream", "consumer", "filter_subjects", "ack_wait", "max_ack_pending"],
-    positions: Err(
-        "\"database\" is for sources a worker positions itself in (Kafka, RocketMQ); a JetStream durable consumer keeps \
-         its position on the server (its ack floor and pending deliveries), which a worker cannot seek",
-    ),
-    lanes: Err(crate::source::spec::LANES),
-    dead_letter_topic: Err("is a Kafka topic; a JetStream pipeline keeps its dead letters in the store"),
-    dead_letter_exchange: Err("is a RabbitMQ exchange; a JetStream pipeline keeps its dead letters in the store"),
-    key_properties: Ok(()),
-    key_message_key: Err("is RocketMQ's KEYS property; for a JetStream message use message_id = true (its Nats-Msg-Id) or header"),
-    key_record_key: Err("a JetStream message has no record key: use message_id = true (its Nats-Msg-Id), header or field"),
-    bind_property: Ok(()),
-    bind_record_key: Err("a JetStream message has no record key"),
-    bind_partition: Ok(()),
-};
+impl BrokerSpec for NatsSpec {
+    type Settings = NatsSettings;
+    const CAPABILITIES: Capabilities = Capabilities {
+        kind: "nats",
+        fields: &["stream", "consumer", "filter_subjects", "ack_wait", "max_ack_pending"],
+        positions: Err(
+            "\"database\" is for sources a worker positions itself in (Kafka, RocketMQ); a JetStream durable consumer keeps \
+             its position on the server (its ack floor and pending deliveries), which a worker cannot seek",
+        ),
+        lanes: Err(LANES),
+        dead_letter_topic: Err("is a Kafka topic; a JetStream pipeline keeps its dead letters in the store"),
+        dead_letter_exchange: Err("is a RabbitMQ exchange; a JetStream pipeline keeps its dead letters in the store"),
+        key_properties: Ok(()),
+        key_message_key: Err("is RocketMQ's KEYS property; for a JetStream message use message_id = true (its Nats-Msg-Id) or header"),
+        key_record_key: Err("a JetStream message has no record key: use message_id = true (its Nats-Msg-Id), header or field"),
+        bind_property: Ok(()),
+        bind_record_key: Err("a JetStream message has no record key"),
+        bind_partition: Ok(()),
+    };
+    const NAME: &'static str = "NATS JetStream";
+    const FEATURE: &'static str = "nats";
+    const BUILT: bool = cfg!(feature = "nats");
+
+    fn settings_missing(settings: Option<&NatsSettings>) -> Option<&'static str> {
+        settings.is_none().then_some("a NATS JetStream source needs [nats] url in the settings (or IDEMFLOW_NATS__URL)")
+    }
+
+    fn streams(&self) -> &[String] {
+        std::slice::from_ref(&self.stream)
+    }
+
+    fn reads(&self, _cx: &Context<Self>) -> Vec<(&'static str, serde_json::Value)> {
+        use serde_json::json;
+        vec![
+            ("stream", json!(self.stream)),
+            ("consumer", json!(self.consumer)),
+            ("ack_wait", json!(crate::terminal::duration(self.ack_wait))),
+            ("max_ack_pending", json!(self.max_ack_pending)),
+        ]
+    }
+
+    fn conflict_with(&self, earlier: &Self) -> Option<Conflict> {
+        (earlier.stream == self.stream && earlier.consumer == self.consumer).then(|| Conflict {
+            field: "source.consumer",
+            what: format!("{:?} of stream {:?} is also consumed by", self.consumer, self.stream),
+            why: ": two pipelines on one durable consumer would each see only part of its messages",
+        })
+    }
+
+    // `check` compares the stream's max_age with the retention when it reads the stream (see `nats::check`).
+    fn retention_note(&self, cx: &Context<Self>) -> Vec<String> {
+        vec![format!(
+            "pipeline {:?}: stream {:?}: [dedup] retention = {} must outlast how long the stream keeps a message \
+             (max_age) and the longest a message can stay unacknowledged",
+            cx.name, self.stream, crate::terminal::duration(cx.dedup_retention),
+        )]
+    }
+
+    fn rewind_refusal(&self, cx: &Context<Self>, file: &Path) -> Option<String> {
+        Some(format!(
+            "{}: pipeline {:?} has a {} source: rewind moves a consumer's stored position back; a JetStream durable \
+             consumer's position is its ack floor on the server, which cannot be moved back. To replay stream {:?}, create \
+             a new consumer with the start you mean ({}) and name it in [source] consumer: the dedup \
+             store skips every message already applied within [dedup] retention",
+            file.display(),
+            cx.name,
+            Self::CAPABILITIES.kind,
+            self.stream,
+            add_command(self, cx.batch.max_records, &format!("{}-replay", self.consumer))
+        ))
+    }
+}
+
+/// The natscli command that creates a consumer named `name` on `spec`'s stream as idemflow would create its own,
+/// with the start left to the user (`--deliver`: all, new, a stream sequence, or a duration back from now such as
+/// 36h). `max_records`: the pipeline's batch, which `max_ack_pending` must reach.
+pub fn add_command(spec: &NatsSpec, max_records: usize, name: &str) -> String {
+    let filters: String = spec.filter_subjects.iter().map(|f| format!(" --filter {f}")).collect();
+    format!(
+        "`nats consumer add {} {} --pull --ack explicit --max-deliver=-1 --max-pending {} --wait {}s{filters} \
+         --deliver <all|new|SEQUENCE|DURATION> --defaults`, with the nats CLI (github.com/nats-io/natscli)",
+        spec.stream,
+        name,
+        spec.max_ack_pending.max(max_records as i64),
+        spec.ack_wait.as_secs().max(1)
+    )
+}
 
 /// Whether `name` is a valid stream or consumer name: JetStream refuses whitespace, `.`, `*`, `>`, path
 /// separators and non-printable characters (nats-server's `isValidName`); at most 255 bytes here. Positions rely on

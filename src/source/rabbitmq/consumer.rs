@@ -40,7 +40,9 @@
 use super::{RabbitMqSettings, RabbitMqSpec};
 
 use crate::batch::{BatchSettings, Records};
-use crate::source::SourceContext;
+use crate::offsets::NextOffsets;
+use crate::source::contract::{CheckError, Connector, Context, StoredStart};
+type RabbitMqContext = Context<RabbitMqSpec>;
 use crate::metrics::{CommitResult, PipelineMetrics, RebalanceEvent};
 use crate::record::{Position, Record, NO_PARTITION};
 use crate::shutdown::Shutdown;
@@ -123,14 +125,193 @@ pub struct RabbitMqSource {
     fatal: Option<String>,
 }
 
+impl Connector for RabbitMqSource {
+    type Spec = RabbitMqSpec;
+
+    fn open(settings: Option<&RabbitMqSettings>, cx: &RabbitMqContext, metrics: PipelineMetrics, _stored: Option<StoredStart>) -> Result<Self, String> {
+        Ok(RabbitMqSource::new(settings.ok_or(URL_NOT_SET)?, cx, metrics))
+    }
+
+    async fn check(settings: Option<&RabbitMqSettings>, cx: &RabbitMqContext) -> Result<Vec<String>, CheckError> {
+        check(settings.ok_or_else(|| CheckError::Broker(URL_NOT_SET.to_owned()))?, cx).await.map_err(CheckError::Broker)
+    }
+
+    /// Waits for the next batch: at least one delivery, then up to `max_records`, for at most `max_wait` after the
+    /// first. Connects (again) first when needed. Returns `None` once `shutdown` is triggered while waiting for a
+    /// first delivery; a batch being filled when shutdown comes is returned as it is, to be finished.
+    async fn next_batch(&mut self, settings: BatchSettings, shutdown: &mut Shutdown) -> Option<Vec<Record>> {
+        'connect: loop {
+            if self.fatal.is_some() || !self.ensure_connected(shutdown).await {
+                return None;
+            }
+            self.refresh_depth().await;
+            let mut batch: Vec<Record> = Vec::new();
+            let take = self.stash.len().min(settings.max_records);
+            batch.extend(self.stash.drain(..take));
+            let mut deadline = (!batch.is_empty()).then(|| Instant::now() + settings.max_wait);
+            while batch.len() < settings.max_records {
+                let live = self.live.as_mut().expect("connected above");
+                let event = match deadline {
+                    None => tokio::select! {
+                        e = live.events.recv() => e,
+                        _ = shutdown.wait() => return None,
+                        _ = tokio::time::sleep(DEPTH_EVERY) => {
+                            self.refresh_depth().await;
+                            continue;
+                        }
+                    },
+                    Some(at) => tokio::select! {
+                        e = live.events.recv() => e,
+                        _ = tokio::time::sleep_until(at) => break,
+                    },
+                };
+                match event {
+                    Some(Event::Delivery(queue, d)) => {
+                        batch.push(self.record(queue, d));
+                        if self.fatal.is_some() {
+                            return None;
+                        }
+                        deadline.get_or_insert_with(|| Instant::now() + settings.max_wait);
+                    }
+                    other => {
+                        self.event(other);
+                        continue 'connect;
+                    }
+                }
+            }
+            self.batch_generation = Some(self.generation);
+            return Some(batch);
+        }
+    }
+
+    /// Waits `delay` before a retry of `batch`, without taking more than the prefetch window: deliveries that
+    /// arrive are kept for later. If the connection is lost meanwhile, `batch` is emptied (the broker requeued it).
+    /// Returns `false` if shutdown came first.
+    async fn pause_for(&mut self, delay: Duration, batch: &mut dyn Records, shutdown: &mut Shutdown) -> bool {
+        let until = Instant::now() + delay;
+        loop {
+            let Some(live) = self.live.as_mut() else { break };
+            tokio::select! {
+                _ = tokio::time::sleep_until(until) => break,
+                _ = shutdown.wait() => return false,
+                e = live.events.recv() => self.event(e),
+            }
+        }
+        self.drop_revoked(batch);
+        if self.live.is_none() {
+            tokio::select! {
+                _ = tokio::time::sleep_until(until) => {}
+                _ = shutdown.wait() => return false,
+            }
+        }
+        true
+    }
+
+    /// Runs `work` (a spawned batch transaction) to its end, meanwhile taking deliveries into the stash (at most
+    /// the prefetch window) and noticing a lost connection. A panic in `work` is resumed here.
+    /// Each delivery kept is passed to `received` ([`crate::source::Source::poll_while_receiving`]).
+    async fn poll_while<T: Send>(&mut self, mut work: tokio::task::JoinHandle<T>, received: &mut (dyn FnMut(&Record) + Send)) -> T {
+        let joined = loop {
+            let Some(live) = self.live.as_mut() else { break (&mut work).await };
+            tokio::select! {
+                biased;
+                joined = &mut work => break joined,
+                e = live.events.recv() => {
+                    let kept = self.stash.len();
+                    self.event(e);
+                    self.stash.iter().skip(kept).for_each(&mut *received);
+                }
+            }
+        };
+        match joined {
+            Ok(value) => value,
+            Err(e) => std::panic::resume_unwind(e.into_panic()),
+        }
+    }
+
+    /// Drops the whole batch when the connection it was delivered on is gone: the broker requeued it, and its
+    /// delivery tags could not be acknowledged anyway.
+    fn drop_revoked(&mut self, batch: &mut dyn Records) {
+        if !batch.records().is_empty() && (self.live.is_none() || self.batch_generation != Some(self.generation)) {
+            tracing::info!(pipeline = %self.pipeline, records = batch.records().len(),
+                "dropping a batch whose connection was lost: the broker redelivers it");
+            batch.retain_records(&mut |_| false);
+        }
+    }
+
+    /// Acknowledges a committed batch: per queue, one `basic.ack` with `multiple` on its highest delivery tag. A
+    /// batch whose connection is gone is not acknowledged (the broker requeued it; counted as
+    /// `skipped_not_owned`); a failed ack is logged and counted, never fatal: the deliveries come back and are
+    /// skipped as duplicates.
+    async fn commit(&mut self, batch: &[Record], _next: &NextOffsets) {
+        let generation = self.batch_generation.take();
+        if batch.is_empty() {
+            return;
+        }
+        let Some(live) = self.live.as_mut().filter(|_| generation == Some(self.generation)) else {
+            self.metrics.offset_commit(CommitResult::SkippedNotOwned);
+            tracing::info!(pipeline = %self.pipeline, records = batch.len(),
+                "not acknowledging a committed batch: its connection was lost, the broker redelivers it and its records are skipped as duplicates");
+            return;
+        };
+        let mut failed = None;
+        for (i, queue) in self.queues.iter().enumerate() {
+            let mine = batch.iter().filter(|r| r.position.topic == *queue);
+            let (count, highest) = mine.fold((0u64, None), |(n, h): (u64, Option<i64>), r| (n + 1, h.max(Some(r.position.offset))));
+            let Some(tag) = highest else { continue };
+            match live.channels[i].basic_ack(tag as u64, BasicAckOptions { multiple: true }).await {
+                Ok(()) => {
+                    live.unacked[i] = live.unacked[i].saturating_sub(count);
+                    self.metrics.offset_commit(CommitResult::Ok);
+                }
+                Err(e) => {
+                    self.metrics.offset_commit(CommitResult::Error);
+                    failed = Some(self.settings.url.scrub(&e.to_string()));
+                }
+            }
+        }
+        if let Some(why) = failed {
+            self.lost(&format!("acknowledging a committed batch failed: {why}"));
+        }
+    }
+
+    /// Closes the connection without acknowledging anything more (an injected crash): the broker requeues every
+    /// unacknowledged delivery.
+    async fn abandon(mut self) {
+        if let Some(live) = self.live.take() {
+            let _ = live.connection.close(320, "idemflow: injected crash".into()).await;
+        }
+    }
+
+    /// Closes the connection. Deliveries received and not acknowledged (none of them applied) go back to the
+    /// queue.
+    async fn close(mut self) {
+        if let Some(live) = self.live.take() {
+            let unacked: u64 = live.unacked.iter().sum();
+            match tokio::time::timeout(Duration::from_secs(5), live.connection.close(200, "idemflow stopping".into())).await {
+                Ok(Ok(())) => tracing::info!(pipeline = %self.pipeline, returned_to_queue = unacked, "RabbitMQ connection closed"),
+                _ => tracing::warn!(pipeline = %self.pipeline, "closing the RabbitMQ connection did not finish; the broker will notice its loss"),
+            }
+        }
+        self.metrics.assigned_partitions(0);
+    }
+
+    /// Why the pipeline cannot go on, once a delivery showed that a queue is a stream: a stream keeps its messages
+    /// after an ack and does not redeliver what a lost consumer had not acknowledged (its consumers resume at an
+    /// offset they choose), so acknowledging after COMMIT would not protect anything.
+    fn fatal(&self) -> Option<String> {
+        self.fatal.clone()
+    }
+}
+
+/// What a RabbitMQ pipeline is told without `[rabbitmq]` in the settings.
+const URL_NOT_SET: &str = "[rabbitmq] url is not set";
+
 impl RabbitMqSource {
     /// A source for `pipeline` (which must have a RabbitMQ source). It connects on the first
     /// [`RabbitMqSource::next_batch`], and again with backoff whenever the connection is lost.
-    pub fn new(settings: &RabbitMqSettings, pipeline: &SourceContext, metrics: PipelineMetrics) -> Self {
-        let spec = match &pipeline.source {
-            crate::source::spec::SourceSpec::RabbitMq(r) => r.clone(),
-            _ => unreachable!("only RabbitMQ pipelines use the RabbitMQ source"),
-        };
+    pub fn new(settings: &RabbitMqSettings, pipeline: &RabbitMqContext, metrics: PipelineMetrics) -> Self {
+        let spec = pipeline.source.clone();
         RabbitMqSource {
             settings: settings.clone(),
             queues: spec.queues.iter().map(|q| Arc::from(q.as_str())).collect(),
@@ -244,13 +425,6 @@ impl RabbitMqSource {
         self.stash.clear();
     }
 
-    /// Why the pipeline cannot go on, once a delivery showed that a queue is a stream: a stream keeps its messages
-    /// after an ack and does not redeliver what a lost consumer had not acknowledged (its consumers resume at an
-    /// offset they choose), so acknowledging after COMMIT would not protect anything.
-    pub fn fatal(&self) -> Option<&str> {
-        self.fatal.as_deref()
-    }
-
     fn record(&mut self, queue: usize, d: lapin::message::Delivery) -> Record {
         let stream = d.properties.headers().as_ref().is_some_and(|h| h.inner().contains_key("x-stream-offset"));
         if stream && self.fatal.is_none() {
@@ -284,145 +458,6 @@ impl RabbitMqSource {
             }
             Some(Event::Lost(why)) => self.lost(&why),
             None => self.lost("the consumers ended"),
-        }
-    }
-
-    /// Waits for the next batch: at least one delivery, then up to `max_records`, for at most `max_wait` after the
-    /// first. Connects (again) first when needed. Returns `None` once `shutdown` is triggered while waiting for a
-    /// first delivery; a batch being filled when shutdown comes is returned as it is, to be finished.
-    pub async fn next_batch(&mut self, settings: BatchSettings, shutdown: &mut Shutdown) -> Option<Vec<Record>> {
-        'connect: loop {
-            if self.fatal.is_some() || !self.ensure_connected(shutdown).await {
-                return None;
-            }
-            self.refresh_depth().await;
-            let mut batch: Vec<Record> = Vec::new();
-            let take = self.stash.len().min(settings.max_records);
-            batch.extend(self.stash.drain(..take));
-            let mut deadline = (!batch.is_empty()).then(|| Instant::now() + settings.max_wait);
-            while batch.len() < settings.max_records {
-                let live = self.live.as_mut().expect("connected above");
-                let event = match deadline {
-                    None => tokio::select! {
-                        e = live.events.recv() => e,
-                        _ = shutdown.wait() => return None,
-                        _ = tokio::time::sleep(DEPTH_EVERY) => {
-                            self.refresh_depth().await;
-                            continue;
-                        }
-                    },
-                    Some(at) => tokio::select! {
-                        e = live.events.recv() => e,
-                        _ = tokio::time::sleep_until(at) => break,
-                    },
-                };
-                match event {
-                    Some(Event::Delivery(queue, d)) => {
-                        batch.push(self.record(queue, d));
-                        if self.fatal.is_some() {
-                            return None;
-                        }
-                        deadline.get_or_insert_with(|| Instant::now() + settings.max_wait);
-                    }
-                    other => {
-                        self.event(other);
-                        continue 'connect;
-                    }
-                }
-            }
-            self.batch_generation = Some(self.generation);
-            return Some(batch);
-        }
-    }
-
-    /// Waits `delay` before a retry of `batch`, without taking more than the prefetch window: deliveries that
-    /// arrive are kept for later. If the connection is lost meanwhile, `batch` is emptied (the broker requeued it).
-    /// Returns `false` if shutdown came first.
-    pub async fn pause_for(&mut self, delay: Duration, batch: &mut dyn Records, shutdown: &mut Shutdown) -> bool {
-        let until = Instant::now() + delay;
-        loop {
-            let Some(live) = self.live.as_mut() else { break };
-            tokio::select! {
-                _ = tokio::time::sleep_until(until) => break,
-                _ = shutdown.wait() => return false,
-                e = live.events.recv() => self.event(e),
-            }
-        }
-        self.drop_revoked(batch);
-        if self.live.is_none() {
-            tokio::select! {
-                _ = tokio::time::sleep_until(until) => {}
-                _ = shutdown.wait() => return false,
-            }
-        }
-        true
-    }
-
-    /// Runs `work` (a spawned batch transaction) to its end, meanwhile taking deliveries into the stash (at most
-    /// the prefetch window) and noticing a lost connection. A panic in `work` is resumed here.
-    /// Each delivery kept is passed to `received` ([`crate::source::Source::poll_while_receiving`]).
-    pub async fn poll_while<T>(&mut self, mut work: tokio::task::JoinHandle<T>, received: &mut (dyn FnMut(&Record) + Send)) -> T {
-        let joined = loop {
-            let Some(live) = self.live.as_mut() else { break (&mut work).await };
-            tokio::select! {
-                biased;
-                joined = &mut work => break joined,
-                e = live.events.recv() => {
-                    let kept = self.stash.len();
-                    self.event(e);
-                    self.stash.iter().skip(kept).for_each(&mut *received);
-                }
-            }
-        };
-        match joined {
-            Ok(value) => value,
-            Err(e) => std::panic::resume_unwind(e.into_panic()),
-        }
-    }
-
-    /// Drops the whole batch when the connection it was delivered on is gone: the broker requeued it, and its
-    /// delivery tags could not be acknowledged anyway.
-    pub fn drop_revoked(&mut self, batch: &mut dyn Records) {
-        if !batch.records().is_empty() && (self.live.is_none() || self.batch_generation != Some(self.generation)) {
-            tracing::info!(pipeline = %self.pipeline, records = batch.records().len(),
-                "dropping a batch whose connection was lost: the broker redelivers it");
-            batch.retain_records(&mut |_| false);
-        }
-    }
-
-    /// Acknowledges a committed batch: per queue, one `basic.ack` with `multiple` on its highest delivery tag. A
-    /// batch whose connection is gone is not acknowledged (the broker requeued it; counted as
-    /// `skipped_not_owned`); a failed ack is logged and counted, never fatal: the deliveries come back and are
-    /// skipped as duplicates.
-    pub async fn commit(&mut self, batch: &[Record]) {
-        let generation = self.batch_generation.take();
-        if batch.is_empty() {
-            return;
-        }
-        let Some(live) = self.live.as_mut().filter(|_| generation == Some(self.generation)) else {
-            self.metrics.offset_commit(CommitResult::SkippedNotOwned);
-            tracing::info!(pipeline = %self.pipeline, records = batch.len(),
-                "not acknowledging a committed batch: its connection was lost, the broker redelivers it and its records are skipped as duplicates");
-            return;
-        };
-        let mut failed = None;
-        for (i, queue) in self.queues.iter().enumerate() {
-            let mine = batch.iter().filter(|r| r.position.topic == *queue);
-            let (count, highest) = mine.fold((0u64, None), |(n, h): (u64, Option<i64>), r| (n + 1, h.max(Some(r.position.offset))));
-            let Some(tag) = highest else { continue };
-            match live.channels[i].basic_ack(tag as u64, BasicAckOptions { multiple: true }).await {
-                Ok(()) => {
-                    live.unacked[i] = live.unacked[i].saturating_sub(count);
-                    self.metrics.offset_commit(CommitResult::Ok);
-                }
-                Err(e) => {
-                    self.metrics.offset_commit(CommitResult::Error);
-                    failed = Some(self.settings.url.scrub(&e.to_string()));
-                }
-            }
-        }
-        if let Some(why) = failed {
-            self.lost(&format!("acknowledging a committed batch failed: {why}"));
         }
     }
 
@@ -461,26 +496,6 @@ impl RabbitMqSource {
         }
     }
 
-    /// Closes the connection without acknowledging anything more (an injected crash): the broker requeues every
-    /// unacknowledged delivery.
-    pub async fn abandon(mut self) {
-        if let Some(live) = self.live.take() {
-            let _ = live.connection.close(320, "idemflow: injected crash".into()).await;
-        }
-    }
-
-    /// Closes the connection. Deliveries received and not acknowledged (none of them applied) go back to the
-    /// queue.
-    pub async fn close(mut self) {
-        if let Some(live) = self.live.take() {
-            let unacked: u64 = live.unacked.iter().sum();
-            match tokio::time::timeout(Duration::from_secs(5), live.connection.close(200, "idemflow stopping".into())).await {
-                Ok(Ok(())) => tracing::info!(pipeline = %self.pipeline, returned_to_queue = unacked, "RabbitMQ connection closed"),
-                _ => tracing::warn!(pipeline = %self.pipeline, "closing the RabbitMQ connection did not finish; the broker will notice its loss"),
-            }
-        }
-        self.metrics.assigned_partitions(0);
-    }
 }
 
 fn reconnect_backoff() -> impl Iterator<Item = Duration> + Send {
@@ -637,11 +652,8 @@ async fn redeclare(connection: &Connection, queue: &str, arguments: FieldTable) 
 /// could not be verified).
 ///
 /// Errors: the first problem that stops the pipeline from running, as a sentence.
-pub async fn check(settings: &RabbitMqSettings, pipeline: &SourceContext) -> Result<Vec<String>, String> {
-    let spec = match &pipeline.source {
-        crate::source::spec::SourceSpec::RabbitMq(r) => r,
-        _ => return Ok(Vec::new()),
-    };
+pub async fn check(settings: &RabbitMqSettings, pipeline: &RabbitMqContext) -> Result<Vec<String>, String> {
+    let spec = &pipeline.source;
     let scrub = |e: &dyn std::fmt::Display| settings.url.scrub(&e.to_string());
     let connection = connect(settings, ConnectionProperties::default().with_connection_name("idemflow check".into())).await?;
     let mut lines = Vec::new();

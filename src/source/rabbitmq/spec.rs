@@ -1,6 +1,8 @@
 //! RabbitMQ's `[rabbitmq]` settings and the `[source]` of a RabbitMQ pipeline.
 
-use crate::source::spec::{Capabilities, RawSource};
+use crate::source::contract::{BrokerSpec, Capabilities, Conflict, Context, LANES};
+use crate::source::spec::RawSource;
+use std::path::Path;
 use crate::validate::Problems;
 use crate::secret::SecretUrl;
 use serde::Deserialize;
@@ -81,24 +83,68 @@ impl QueueType {
     }
 }
 
-/// What a RabbitMQ source can do ([`crate::source::spec::Capabilities`]).
-pub const CAPABILITIES: Capabilities = Capabilities {
-    kind: "rabbitmq",
-    fields: &["queue", "queues", "prefetch", "queue_type", "single_active_consumer"],
-    positions: Err(
-        "\"database\" is for sources with positions a worker can seek to (Kafka, RocketMQ); a RabbitMQ queue has none \
-         (an acknowledged delivery leaves the queue, an unacknowledged one is requeued), so there is nothing to store",
-    ),
-    lanes: Err(crate::source::spec::LANES),
-    dead_letter_topic: Err("is a Kafka topic; a RabbitMQ pipeline keeps its dead letters in idemflow.dead_letters"),
-    dead_letter_exchange: Ok(()),
-    key_properties: Ok(()),
-    key_message_key: Err("is RocketMQ's KEYS property; for a RabbitMQ message use message_id = true or property"),
-    key_record_key: Err("a RabbitMQ message has no record key: use message_id = true, property, header or field"),
-    bind_property: Ok(()),
-    bind_record_key: Err("a RabbitMQ message has no record key"),
-    bind_partition: Err("a RabbitMQ message has no partition or offset (a delivery tag numbers deliveries on one channel only)"),
-};
+impl BrokerSpec for RabbitMqSpec {
+    const CAPABILITIES: Capabilities = Capabilities {
+        kind: "rabbitmq",
+        fields: &["queue", "queues", "prefetch", "queue_type", "single_active_consumer"],
+        positions: Err(
+            "\"database\" is for sources with positions a worker can seek to (Kafka, RocketMQ); a RabbitMQ queue has none \
+             (an acknowledged delivery leaves the queue, an unacknowledged one is requeued), so there is nothing to store",
+        ),
+        lanes: Err(LANES),
+        dead_letter_topic: Err("is a Kafka topic; a RabbitMQ pipeline keeps its dead letters in idemflow.dead_letters"),
+        dead_letter_exchange: Ok(()),
+        key_properties: Ok(()),
+        key_message_key: Err("is RocketMQ's KEYS property; for a RabbitMQ message use message_id = true or property"),
+        key_record_key: Err("a RabbitMQ message has no record key: use message_id = true, property, header or field"),
+        bind_property: Ok(()),
+        bind_record_key: Err("a RabbitMQ message has no record key"),
+        bind_partition: Err("a RabbitMQ message has no partition or offset (a delivery tag numbers deliveries on one channel only)"),
+    };
+    type Settings = RabbitMqSettings;
+    const NAME: &'static str = "RabbitMQ";
+    const FEATURE: &'static str = "rabbitmq";
+    const BUILT: bool = cfg!(feature = "rabbitmq");
+
+    fn settings_missing(settings: Option<&RabbitMqSettings>) -> Option<&'static str> {
+        settings.is_none().then_some("a RabbitMQ source needs [rabbitmq] url in the settings (or IDEMFLOW_RABBITMQ__URL)")
+    }
+
+    fn streams(&self) -> &[String] {
+        &self.queues
+    }
+
+    fn reads(&self, _cx: &Context<Self>) -> Vec<(&'static str, serde_json::Value)> {
+        vec![("queues", serde_json::json!(self.queues)), ("prefetch", serde_json::json!(self.prefetch))]
+    }
+
+    fn conflict_with(&self, earlier: &Self) -> Option<Conflict> {
+        self.queues.iter().find(|q| earlier.queues.contains(q)).map(|q| Conflict {
+            field: "source.queues",
+            what: format!("{q:?} is also consumed by"),
+            why: ": competing pipelines would each see only part of its messages",
+        })
+    }
+
+    fn retention_note(&self, cx: &Context<Self>) -> Vec<String> {
+        vec![format!(
+            "pipeline {:?}: a queue has no retention.ms to compare with; [dedup] retention = {} must outlast the longest \
+             time a message can wait in its queues (a message redelivered after its dedup row was purged is applied again)",
+            cx.name, crate::terminal::duration(cx.dedup_retention),
+        )]
+    }
+
+    fn rewind_refusal(&self, cx: &Context<Self>, file: &Path) -> Option<String> {
+        Some(format!(
+            "{}: pipeline {:?} has a {} source: rewind moves a consumer group back; a queue has no positions to go \
+             back to (an acknowledged message has left it). Publish the messages again instead: the dedup store skips \
+             those already applied",
+            file.display(),
+            cx.name,
+            Self::CAPABILITIES.kind
+        ))
+    }
+}
 
 /// The `[source]` of a RabbitMQ pipeline (`s`), its prefetch defaulting from `max_records`. Every problem goes to
 /// `e`; `None` when the spec cannot be built.

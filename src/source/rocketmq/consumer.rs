@@ -32,18 +32,17 @@
 pub mod rewind;
 pub use rewind::rewind;
 
-use super::{RocketMqSettings, RocketMqSpec};
+use super::{RocketMqContext, RocketMqSettings, RocketMqSpec};
+use super::check::check;
+use super::client::*;
 
 use crate::batch::{BatchSettings, Records};
-use crate::source::SourceContext;
-use crate::source::spec::SourceSpec;
+use crate::source::contract::{CheckError, Connector, StoredStart};
 use crate::metrics::{CommitResult, PipelineMetrics, RebalanceEvent};
 use crate::offsets::{self, NextOffsets, Positions};
 use crate::record::{Position, Record};
 use crate::shutdown::Shutdown;
-use rocketmq_client_rust::{
-    AclClientRPCHook, ClientRuntime, ClientRuntimeConfig, DefaultLitePullConsumer, SessionCredentials, TelemetryHandle,
-};
+use rocketmq_client_rust::DefaultLitePullConsumer;
 use rocketmq_model::common::consumer::consume_from_where::ConsumeFromWhere;
 use rocketmq_model::common::message::message_ext::MessageExt;
 use rocketmq_model::common::message::message_queue::MessageQueue;
@@ -53,7 +52,6 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::time::Instant;
 
-use crate::source::StoredStart;
 
 /// The longest single poll, in milliseconds: the bound on how late shutdown and a batch's `max_wait` are noticed.
 pub const POLL_MS: u64 = 200;
@@ -127,63 +125,9 @@ impl Holds {
     }
 }
 
-/// The RocketMQ client's own runtime (heartbeats, pulls, rebalances, requests), with the client runtime built on
-/// it. One per source, `check` and `rewind`; dropping it stops its tasks.
-pub struct Runtime {
-    owner: rocketmq_runtime::RuntimeOwner,
-    client: Arc<ClientRuntime>,
-}
-
-impl Runtime {
-    /// A runtime of two worker threads named `idemflow-rocketmq-<scope>`.
-    ///
-    /// Errors: the runtime could not be built, as text.
-    pub fn new(scope: &str) -> Result<Runtime, String> {
-        let config = rocketmq_runtime::RuntimeConfig::for_parallelism(&format!("idemflow-rocketmq-{scope}"), 2);
-        let owner = rocketmq_runtime::RuntimeOwner::plan(config)
-            .map_err(|e| format!("RocketMQ client runtime: {e}"))?
-            .build()
-            .map_err(|e| format!("RocketMQ client runtime: {e}"))?;
-        let client = ClientRuntime::try_new(owner.root_context().component("client"), ClientRuntimeConfig::default(), TelemetryHandle::noop())
-            .map_err(|e| format!("RocketMQ client runtime: {e}"))?;
-        Ok(Runtime { owner, client })
-    }
-
-    /// The client runtime, for building consumers, producers and admin clients.
-    pub fn client(&self) -> Arc<ClientRuntime> {
-        self.client.clone()
-    }
-
-    /// Stops the client's tasks and the runtime's threads.
-    pub async fn shutdown(self) {
-        let _ = self.client.shutdown().await;
-        let _ = self.owner.shutdown_tasks().await;
-        self.owner.shutdown_background();
-    }
-}
-
-/// The ACL hook signing every request with `[rocketmq] access_key` / `secret_key`; `None` when neither is set.
-///
-/// Errors: only one of them is set (requests would go out unsigned).
-pub fn acl_hook(settings: &RocketMqSettings) -> Result<Option<Arc<AclClientRPCHook>>, String> {
-    match (&settings.access_key, &settings.secret_key) {
-        (Some(ak), Some(sk)) => Ok(Some(Arc::new(AclClientRPCHook::new(SessionCredentials::with_keys(ak.as_str(), sk.expose()))))),
-        (None, None) => Ok(None),
-        _ => Err("[rocketmq] access_key and secret_key go together: set both (ACL) or neither".to_owned()),
-    }
-}
-
 /// The RocketMQ source of a pipeline.
-pub fn spec(pipeline: &SourceContext) -> &RocketMqSpec {
-    match &pipeline.source {
-        SourceSpec::RocketMq(r) => r,
-        _ => unreachable!("only RocketMQ pipelines use the RocketMQ source"),
-    }
-}
-
-/// `topic/broker`, the topic part of a RocketMQ position.
-pub fn position_topic(topic: &str, broker: &str) -> String {
-    format!("{topic}/{broker}")
+pub fn spec(pipeline: &RocketMqContext) -> &RocketMqSpec {
+    &pipeline.source
 }
 
 /// Copies a polled message into a [`Record`]: payload (bounded), born timestamp, the properties `message_id`
@@ -283,6 +227,189 @@ pub struct RocketMqSource {
     last_lag: Option<Instant>,
 }
 
+impl Connector for RocketMqSource {
+    type Spec = RocketMqSpec;
+
+    fn open(settings: Option<&RocketMqSettings>, cx: &RocketMqContext, metrics: PipelineMetrics, stored: Option<StoredStart>) -> Result<Self, String> {
+        RocketMqSource::new(settings.ok_or("[rocketmq] name_server is not set")?, cx, metrics, stored)
+    }
+
+    async fn check(settings: Option<&RocketMqSettings>, cx: &RocketMqContext) -> Result<Vec<String>, CheckError> {
+        let settings = settings.ok_or_else(|| CheckError::Broker("[rocketmq] name_server is not set".to_owned()))?;
+        check(settings, cx).await.map_err(CheckError::Broker)
+    }
+
+    async fn rewind(
+        settings: Option<&RocketMqSettings>,
+        cx: &RocketMqContext,
+        file: &std::path::Path,
+        request: crate::source::rewind::Request,
+        store: Option<crate::source::rewind::StoreSide<'_>>,
+    ) -> anyhow::Result<()> {
+        rewind::run(settings, cx, file, request, store).await
+    }
+
+    /// The next batch: at least one record, at most `settings.max_records`, waiting at most `max_wait` after the
+    /// first; an empty batch after a second without records; `None` on shutdown (or a consumer that cannot start,
+    /// see [`RocketMqSource::fatal`]).
+    async fn next_batch(&mut self, settings: BatchSettings, shutdown: &mut Shutdown) -> Option<Vec<Record>> {
+        if !self.start().await {
+            return None;
+        }
+        let idle_until = Instant::now() + Duration::from_secs(1);
+        let mut deadline: Option<Instant> = None;
+        loop {
+            if shutdown.is_triggered() {
+                return None;
+            }
+            self.housekeeping().await;
+            if !self.follow_assignment(shutdown).await {
+                return None;
+            }
+            if !self.stash.is_empty() {
+                deadline.get_or_insert_with(|| Instant::now() + settings.max_wait);
+            }
+            let now = Instant::now();
+            if self.stash.len() >= settings.max_records || deadline.is_some_and(|d| now >= d) {
+                let n = self.stash.len().min(settings.max_records);
+                // No batch is in flight now: what was lost while the last one was is settled.
+                self.revoked_in_flight.clear();
+                return Some(self.stash.drain(..n).collect());
+            }
+            if deadline.is_none() && now >= idle_until {
+                return Some(Vec::new());
+            }
+            let until = deadline.unwrap_or(idle_until);
+            let wait = until.saturating_duration_since(now).as_millis().clamp(1, u128::from(POLL_MS)) as u64;
+            self.poll(wait).await;
+        }
+    }
+
+    /// Waits `delay` before a retry (the client keeps its heartbeats and buffers at most its flow-control limits),
+    /// then drops from `batch` the records of queues lost meanwhile. `false` if shutdown came first.
+    async fn pause_for(&mut self, delay: Duration, batch: &mut dyn Records, shutdown: &mut Shutdown) -> bool {
+        tokio::select! {
+            _ = tokio::time::sleep(delay) => {}
+            _ = shutdown.wait() => return false,
+        }
+        self.observe().await;
+        self.drop_revoked(batch);
+        true
+    }
+
+    /// The positions a batch stores (`[offsets] store = "database"`), with this worker's epochs.
+    fn positions(&self, next: &NextOffsets) -> Option<Positions> {
+        self.stored.as_ref()?;
+        Some(Positions::new(next, |t, p| self.epochs.get(&(t.clone(), p)).copied()))
+    }
+
+    /// Runs `work` (the batch transaction) to its end. Nothing to poll meanwhile: the client serves its brokers
+    /// (heartbeats, pulls into its buffer) on its own runtime.
+    async fn poll_while<T: Send>(&mut self, work: tokio::task::JoinHandle<T>, _received: &mut (dyn FnMut(&Record) + Send)) -> T {
+        work.await.unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()))
+    }
+
+    /// Drops from `batch` the records of queues lost while it was in flight or since.
+    fn drop_revoked(&mut self, batch: &mut dyn Records) {
+        let lost = std::mem::take(&mut self.revoked_in_flight);
+        batch.retain_records(&mut |r| {
+            let q = queue_of(r);
+            !lost.contains(&q) && self.ready(&q)
+        });
+    }
+
+    /// Gives up queues whose stored positions another worker claimed (a fenced batch): their records are dropped
+    /// from `batch` and the kept ones, the client stops pulling them, no offset is committed for them, and they are
+    /// claimed again after [`FENCED_FOR`] if the group still assigns them here.
+    async fn lose(&mut self, partitions: &[(String, i32)], used: Option<&Positions>, batch: &mut dyn Records) {
+        let mut pause = Vec::new();
+        for (t, p) in partitions {
+            let q = (self.intern(t), *p);
+            let presented = used.and_then(|u| u.0.iter().find(|(ut, up, _, _)| **ut == **t && up == p)).map(|u| u.3);
+            if self.epochs.get(&q).is_some_and(|e| Some(*e) != presented) {
+                // Claimed again by this worker while the batch was in flight: only the batch's records go (they
+                // come again from the new claim's position).
+                self.revoked_in_flight.insert(q);
+                continue;
+            }
+            tracing::warn!(pipeline = %self.pipeline, queue = %t, id = p, "fenced: another worker claimed this queue; dropping its records");
+            self.epochs.remove(&q);
+            self.holds.fenced(&q, Instant::now() + FENCED_FOR);
+            self.unsent.remove(&q);
+            self.stash.retain(|r| queue_of(r) != q);
+            if let Some(mq) = self.owned.get(&q) {
+                // Paused until started again from a claimed position, however it is taken back.
+                self.holds.pause(&q);
+                pause.push(mq.clone());
+            }
+            self.revoked_in_flight.insert(q);
+            self.metrics.offset_commit(CommitResult::Fenced);
+        }
+        if !pause.is_empty() {
+            self.consumer.pause(pause).await;
+        }
+        let lost = &self.revoked_in_flight;
+        batch.retain_records(&mut |r| !lost.contains(&queue_of(r)));
+    }
+
+    /// The queues this worker owns now, as (`topic/broker`, queue id).
+    fn owned(&self) -> Vec<(String, i32)> {
+        self.owned.keys().map(|(t, q)| (t.to_string(), *q)).collect()
+    }
+
+    /// Starts queues again from positions claimed anew after the store lost positions this worker had stored
+    /// (see the sink's `SinkError::Lost`), dropping their records from `batch`. A queue the client cannot move
+    /// now is claimed again a few seconds later.
+    async fn resync(&mut self, claimed: &[offsets::Claimed], batch: &mut dyn Records) -> Result<(), String> {
+        self.start_from(claimed).await;
+        let moved: HashSet<(String, i32)> = claimed.iter().map(|c| (c.topic.clone(), c.partition)).collect();
+        batch.retain_records(&mut |r| !moved.contains(&(r.position.topic.to_string(), r.position.partition)));
+        Ok(())
+    }
+
+    /// Tells the brokers that `batch` is durable: each queue's consume offset becomes the highest offset of the
+    /// batch plus one (`next`), sent with an acknowledged request. Queues lost while the batch was in flight
+    /// (looked up again now) are skipped and counted (`skipped_not_owned`): a stale offset would move the new
+    /// owner's position back.
+    async fn commit(&mut self, _records: &[Record], next: &NextOffsets) {
+        self.observe().await;
+        let lost = std::mem::take(&mut self.revoked_in_flight);
+        let mut send = HashMap::new();
+        for ((t, p), offset) in &next.0 {
+            let q = (t.clone(), *p);
+            if lost.contains(&q) || !self.ready(&q) {
+                self.metrics.offset_commit(CommitResult::SkippedNotOwned);
+                continue;
+            }
+            send.insert(q, *offset);
+        }
+        self.send_offsets(send).await;
+    }
+
+    /// Why the pipeline must stop: the consumer could not start.
+    fn fatal(&self) -> Option<String> {
+        self.fatal.clone()
+    }
+
+    /// Ends without telling the brokers anything more (an injected crash): the client's tasks stop at once.
+    async fn abandon(mut self) {
+        if let Some(runtime) = self.runtime.take() {
+            runtime.owner.shutdown_background();
+        }
+    }
+
+    /// Ends cleanly: the consumer leaves its group (its consume offsets, all committed already, are flushed once
+    /// more) and the client's runtime stops.
+    async fn close(mut self) {
+        if self.started {
+            self.consumer.shutdown().await;
+        }
+        if let Some(runtime) = self.runtime.take() {
+            runtime.shutdown().await;
+        }
+    }
+}
+
 impl RocketMqSource {
     /// A consumer of `pipeline`'s topic in its consumer group (clustering, auto-commit off, starting a new group
     /// from each queue's first offset). It connects on the first [`RocketMqSource::next_batch`].
@@ -290,7 +417,7 @@ impl RocketMqSource {
     /// Errors: the client runtime or the consumer could not be built, or only one of the ACL keys is set, as text.
     pub fn new(
         settings: &RocketMqSettings,
-        pipeline: &SourceContext,
+        pipeline: &RocketMqContext,
         metrics: PipelineMetrics,
         stored: Option<StoredStart>,
     ) -> Result<RocketMqSource, String> {
@@ -383,42 +510,6 @@ impl RocketMqSource {
     /// Whether records of `q` may be handed out: it is owned and, with stored positions, claimed (with an epoch).
     fn ready(&self, q: &Queue) -> bool {
         self.owned.contains_key(q) && (self.stored.is_none() || self.epochs.contains_key(q))
-    }
-
-    /// The next batch: at least one record, at most `settings.max_records`, waiting at most `max_wait` after the
-    /// first; an empty batch after a second without records; `None` on shutdown (or a consumer that cannot start,
-    /// see [`RocketMqSource::fatal`]).
-    pub async fn next_batch(&mut self, settings: BatchSettings, shutdown: &mut Shutdown) -> Option<Vec<Record>> {
-        if !self.start().await {
-            return None;
-        }
-        let idle_until = Instant::now() + Duration::from_secs(1);
-        let mut deadline: Option<Instant> = None;
-        loop {
-            if shutdown.is_triggered() {
-                return None;
-            }
-            self.housekeeping().await;
-            if !self.follow_assignment(shutdown).await {
-                return None;
-            }
-            if !self.stash.is_empty() {
-                deadline.get_or_insert_with(|| Instant::now() + settings.max_wait);
-            }
-            let now = Instant::now();
-            if self.stash.len() >= settings.max_records || deadline.is_some_and(|d| now >= d) {
-                let n = self.stash.len().min(settings.max_records);
-                // No batch is in flight now: what was lost while the last one was is settled.
-                self.revoked_in_flight.clear();
-                return Some(self.stash.drain(..n).collect());
-            }
-            if deadline.is_none() && now >= idle_until {
-                return Some(Vec::new());
-            }
-            let until = deadline.unwrap_or(idle_until);
-            let wait = until.saturating_duration_since(now).as_millis().clamp(1, u128::from(POLL_MS)) as u64;
-            self.poll(wait).await;
-        }
     }
 
     /// One poll of at most `wait_ms`, its records kept if their queue is ready ([`RocketMqSource::ready`]) after
@@ -622,107 +713,6 @@ impl RocketMqSource {
         }
     }
 
-    /// Waits `delay` before a retry (the client keeps its heartbeats and buffers at most its flow-control limits),
-    /// then drops from `batch` the records of queues lost meanwhile. `false` if shutdown came first.
-    pub async fn pause_for(&mut self, delay: Duration, batch: &mut dyn Records, shutdown: &mut Shutdown) -> bool {
-        tokio::select! {
-            _ = tokio::time::sleep(delay) => {}
-            _ = shutdown.wait() => return false,
-        }
-        self.observe().await;
-        self.drop_revoked(batch);
-        true
-    }
-
-    /// The positions a batch stores (`[offsets] store = "database"`), with this worker's epochs.
-    pub fn positions(&self, next: &NextOffsets) -> Option<Positions> {
-        self.stored.as_ref()?;
-        Some(Positions::new(next, |t, p| self.epochs.get(&(t.clone(), p)).copied()))
-    }
-
-    /// Runs `work` (the batch transaction) to its end. Nothing to poll meanwhile: the client serves its brokers
-    /// (heartbeats, pulls into its buffer) on its own runtime.
-    pub async fn poll_while<T>(&mut self, work: tokio::task::JoinHandle<T>) -> T {
-        work.await.unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()))
-    }
-
-    /// Drops from `batch` the records of queues lost while it was in flight or since.
-    pub fn drop_revoked(&mut self, batch: &mut dyn Records) {
-        let lost = std::mem::take(&mut self.revoked_in_flight);
-        batch.retain_records(&mut |r| {
-            let q = queue_of(r);
-            !lost.contains(&q) && self.ready(&q)
-        });
-    }
-
-    /// Gives up queues whose stored positions another worker claimed (a fenced batch): their records are dropped
-    /// from `batch` and the kept ones, the client stops pulling them, no offset is committed for them, and they are
-    /// claimed again after [`FENCED_FOR`] if the group still assigns them here.
-    pub async fn lose(&mut self, partitions: &[(String, i32)], used: Option<&Positions>, batch: &mut dyn Records) {
-        let mut pause = Vec::new();
-        for (t, p) in partitions {
-            let q = (self.intern(t), *p);
-            let presented = used.and_then(|u| u.0.iter().find(|(ut, up, _, _)| **ut == **t && up == p)).map(|u| u.3);
-            if self.epochs.get(&q).is_some_and(|e| Some(*e) != presented) {
-                // Claimed again by this worker while the batch was in flight: only the batch's records go (they
-                // come again from the new claim's position).
-                self.revoked_in_flight.insert(q);
-                continue;
-            }
-            tracing::warn!(pipeline = %self.pipeline, queue = %t, id = p, "fenced: another worker claimed this queue; dropping its records");
-            self.epochs.remove(&q);
-            self.holds.fenced(&q, Instant::now() + FENCED_FOR);
-            self.unsent.remove(&q);
-            self.stash.retain(|r| queue_of(r) != q);
-            if let Some(mq) = self.owned.get(&q) {
-                // Paused until started again from a claimed position, however it is taken back.
-                self.holds.pause(&q);
-                pause.push(mq.clone());
-            }
-            self.revoked_in_flight.insert(q);
-            self.metrics.offset_commit(CommitResult::Fenced);
-        }
-        if !pause.is_empty() {
-            self.consumer.pause(pause).await;
-        }
-        let lost = &self.revoked_in_flight;
-        batch.retain_records(&mut |r| !lost.contains(&queue_of(r)));
-    }
-
-    /// The queues this worker owns now, as (`topic/broker`, queue id).
-    pub fn owned(&self) -> Vec<(String, i32)> {
-        self.owned.keys().map(|(t, q)| (t.to_string(), *q)).collect()
-    }
-
-    /// Starts queues again from positions claimed anew after the store lost positions this worker had stored
-    /// (see the sink's `SinkError::Lost`), dropping their records from `batch`. A queue the client cannot move
-    /// now is claimed again a few seconds later.
-    pub async fn resync(&mut self, claimed: &[offsets::Claimed], batch: &mut dyn Records) -> Result<(), String> {
-        self.start_from(claimed).await;
-        let moved: HashSet<(String, i32)> = claimed.iter().map(|c| (c.topic.clone(), c.partition)).collect();
-        batch.retain_records(&mut |r| !moved.contains(&(r.position.topic.to_string(), r.position.partition)));
-        Ok(())
-    }
-
-    /// Tells the brokers that `batch` is durable: each queue's consume offset becomes the highest offset of the
-    /// batch plus one (`next`), sent with an acknowledged request. Queues lost while the batch was in flight
-    /// (looked up again now) are skipped and counted (`skipped_not_owned`): a stale offset would move the new
-    /// owner's position back.
-    pub async fn commit(&mut self, next: &NextOffsets) {
-        self.observe().await;
-        let lost = std::mem::take(&mut self.revoked_in_flight);
-        let mut send = HashMap::new();
-        for ((t, p), offset) in &next.0 {
-            let q = (t.clone(), *p);
-            if lost.contains(&q) || !self.ready(&q) {
-                self.metrics.offset_commit(CommitResult::SkippedNotOwned);
-                continue;
-            }
-            send.insert(q, *offset);
-        }
-        self.send_offsets(send).await;
-    }
-
     /// Updates the client's consume offsets (so its periodic flush sends these values, never older ones) and sends
     /// each to its broker, acknowledged, all at once. An offset below one already sent is dropped; failures are
     /// kept (the highest per queue) for the next housekeeping.
@@ -763,138 +753,12 @@ impl RocketMqSource {
         }
     }
 
-    /// Why the pipeline must stop: the consumer could not start.
-    pub fn fatal(&self) -> Option<&str> {
-        self.fatal.as_deref()
-    }
-
-    /// Ends without telling the brokers anything more (an injected crash): the client's tasks stop at once.
-    pub async fn abandon(mut self) {
-        if let Some(runtime) = self.runtime.take() {
-            runtime.owner.shutdown_background();
-        }
-    }
-
-    /// Ends cleanly: the consumer leaves its group (its consume offsets, all committed already, are flushed once
-    /// more) and the client's runtime stops.
-    pub async fn close(mut self) {
-        if self.started {
-            self.consumer.shutdown().await;
-        }
-        if let Some(runtime) = self.runtime.take() {
-            runtime.shutdown().await;
-        }
-    }
 }
 
 fn describe(queues: &[Queue]) -> String {
     let mut names: Vec<String> = queues.iter().map(|(t, q)| format!("{t}/{q}")).collect();
     names.sort();
     names.join(", ")
-}
-
-/// An admin client on `runtime` for `settings`' name servers (signed with the ACL keys when set), started.
-///
-/// Errors: the client could not start, as text.
-pub async fn admin(runtime: &Runtime, settings: &RocketMqSettings) -> Result<rocketmq_client_rust::DefaultMQAdminExt, String> {
-    use rocketmq_client_rust::DefaultMQAdminExt;
-    let mut admin = match acl_hook(settings)? {
-        Some(hook) => DefaultMQAdminExt::with_rpc_hook(runtime.client(), hook),
-        None => DefaultMQAdminExt::new(runtime.client()),
-    };
-    admin.set_namesrv_addr(settings.name_server.as_str());
-    admin.start().await.map_err(|e| format!("cannot start a RocketMQ admin client: {e}"))?;
-    Ok(admin)
-}
-
-/// What `idemflow check` reports about a RocketMQ pipeline: the name server answers, the topic has a route (its
-/// brokers and read queues), and the consumer group's consume offsets and members, if any. Returns lines to print.
-///
-/// Errors: the first problem that stops the pipeline from running (no name server, no such topic, a queue with no
-/// readable broker), as a sentence.
-pub async fn check(settings: &RocketMqSettings, pipeline: &SourceContext) -> Result<Vec<String>, String> {
-    use rocketmq_client_rust::{ConsumerAdmin, TopicAdmin};
-    let SourceSpec::RocketMq(spec) = &pipeline.source else { return Ok(Vec::new()) };
-    let runtime = Runtime::new("check")?;
-    let result = async {
-        let mut admin = admin(&runtime, settings).await?;
-        let timeout = settings.timeout;
-        let route = tokio::time::timeout(timeout, admin.examine_topic_route_info(spec.topic.as_str().into()))
-            .await
-            .map_err(|_| format!("the name server {} did not answer within {timeout:?}", settings.name_server))?
-            .map_err(|e| format!("cannot read the route of topic {:?} from the name server {}: {e}", spec.topic, settings.name_server))?;
-        let Some(route) = route else {
-            return Err(format!(
-                "topic {:?} has no route on the name server {}: create it (mqadmin updateTopic -t {} -c <cluster>), or \
-                 let the broker create it (autoCreateTopicEnable = true) by producing to it",
-                spec.topic, settings.name_server, spec.topic
-            ));
-        };
-        let queues: u32 = route.queue_datas.iter().map(|q| q.read_queue_nums).sum();
-        if queues == 0 {
-            return Err(format!("topic {:?} has no readable queue (readQueueNums = 0 on every broker)", spec.topic));
-        }
-        let brokers: Vec<String> = route.queue_datas.iter().map(|q| format!("{} ({} queues)", q.broker_name, q.read_queue_nums)).collect();
-        let mut lines = vec![format!(
-            "pipeline {:?}: topic {:?}: {} read queue(s) on {}; consumer group {:?}, tags {:?}",
-            pipeline.name, spec.topic, queues, brokers.join(", "), spec.consumer_group, spec.tag_expression
-        )];
-        let group = spec.consumer_group.as_str();
-        match tokio::time::timeout(timeout, admin.examine_consume_stats(group.into(), Some(spec.topic.as_str().into()), None, None, None)).await {
-            Ok(Ok(stats)) if !stats.offset_table.is_empty() => {
-                let lag: i64 = stats.offset_table.values().map(|o| (o.get_broker_offset() - o.get_consumer_offset()).max(0)).sum();
-                lines.push(format!(
-                    "pipeline {:?}: consumer group {group:?} has consume offsets for {} queue(s), {lag} message(s) behind",
-                    pipeline.name,
-                    stats.offset_table.len()
-                ));
-            }
-            Ok(Ok(_)) => lines.push(format!(
-                "pipeline {:?}: consumer group {group:?} has no consume offsets yet: it starts from each queue's first offset",
-                pipeline.name
-            )),
-            Ok(Err(e)) => lines.push(format!(
-                "pipeline {:?}: consumer group {group:?}: no consume offsets read (a new group starts from each queue's \
-                 first offset): {e}",
-                pipeline.name
-            )),
-            Err(_) => lines.push(format!("warning: pipeline {:?}: consumer group {group:?}: the broker did not answer within {timeout:?}", pipeline.name)),
-        }
-        if let Ok(Ok(connection)) = tokio::time::timeout(timeout, admin.examine_consumer_connection_info(group.into(), None)).await {
-            let members = connection.get_connection_set().len();
-            lines.push(format!("pipeline {:?}: consumer group {group:?} has {members} member(s) online", pipeline.name));
-            let mut others: Vec<String> = connection
-                .get_subscription_table()
-                .keys()
-                .map(|t| t.to_string())
-                .filter(|t| *t != spec.topic && !t.starts_with("%RETRY%") && !t.starts_with("%DLQ%"))
-                .collect();
-            others.sort();
-            if members > 0 && !others.is_empty() {
-                return Err(format!(
-                    "consumer group {group:?} is also used for topic(s) {others:?} by its members online: RocketMQ shares a \
-                     group's queues among all its members as if they subscribed alike, so some queues of {:?} would \
-                     never be consumed; give the pipeline a consumer group of its own",
-                    spec.topic
-                ));
-            }
-            if let Some(sub) = connection.get_subscription_table().get(spec.topic.as_str()) {
-                let theirs = sub.sub_string.to_string();
-                if members > 0 && theirs != spec.tag_expression {
-                    return Err(format!(
-                        "consumer group {group:?} is subscribed to topic {:?} with tags {theirs:?} by its members online, \
-                         not {:?}: members of one group must subscribe alike (RocketMQ rebalances the queues as if they did)",
-                        spec.topic, spec.tag_expression
-                    ));
-                }
-            }
-        }
-        admin.shutdown().await;
-        Ok(lines)
-    }
-    .await;
-    runtime.shutdown().await;
-    result
 }
 
 #[cfg(test)]

@@ -22,7 +22,7 @@ struct Planned {
 /// rewind; stop every worker of the pipeline first.
 pub async fn rewind(
     settings: &RocketMqSettings,
-    pipeline: &SourceContext,
+    pipeline: &RocketMqContext,
     target: Target,
     stored: Option<&[(String, i32, Option<i64>)]>,
     dry_run: bool,
@@ -43,7 +43,7 @@ pub async fn rewind(
 async fn rewind_with(
     admin: &rocketmq_client_rust::DefaultMQAdminExt,
     settings: &RocketMqSettings,
-    pipeline: &SourceContext,
+    pipeline: &RocketMqContext,
     target: Target,
     stored: Option<&[(String, i32, Option<i64>)]>,
     dry_run: bool,
@@ -156,7 +156,7 @@ async fn rewind_with(
 /// Errors: `[rocketmq]` is missing, a broker or store request failed, the group has members online.
 pub async fn run(
     settings: Option<&RocketMqSettings>,
-    pipeline: &SourceContext,
+    pipeline: &RocketMqContext,
     file: &std::path::Path,
     request: crate::source::rewind::Request,
     side: Option<crate::source::rewind::StoreSide<'_>>,

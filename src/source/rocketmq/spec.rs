@@ -1,6 +1,8 @@
 //! RocketMQ's `[rocketmq]` settings and the `[source]` of a RocketMQ pipeline.
 
-use crate::source::spec::{Capabilities, RawSource};
+use crate::offsets::OffsetStore;
+use crate::source::contract::{BrokerSpec, Capabilities, Conflict, Context, LANES};
+use crate::source::spec::RawSource;
 use crate::validate::Problems;
 use crate::secret::Secret;
 use serde::Deserialize;
@@ -41,23 +43,64 @@ fn default_connect_timeout() -> Duration {
     Duration::from_secs(10)
 }
 
-/// What a RocketMQ source can do ([`crate::source::spec::Capabilities`]).
-pub const CAPABILITIES: Capabilities = Capabilities {
-    kind: "rocketmq",
-    fields: &["topic", "consumer_group", "tag_expression"],
-    positions: Ok(()),
-    lanes: Err(crate::source::spec::LANES),
-    dead_letter_topic: Err("is a Kafka topic; a RocketMQ pipeline keeps its dead letters in the store"),
-    dead_letter_exchange: Err("is a RabbitMQ exchange; a RocketMQ pipeline keeps its dead letters in the store"),
-    key_properties: Ok(()),
-    key_message_key: Ok(()),
-    key_record_key: Err(
-        "a RocketMQ message has no record key: use message_key = true (its KEYS), message_id = true, property, header or field",
-    ),
-    bind_property: Ok(()),
-    bind_record_key: Err("a RocketMQ message has no record key: its KEYS are { property = \"keys\" }"),
-    bind_partition: Ok(()),
-};
+/// What the RocketMQ connector is given of its pipeline: its context, with its own `[source]`.
+pub type RocketMqContext = Context<RocketMqSpec>;
+
+impl BrokerSpec for RocketMqSpec {
+    const CAPABILITIES: Capabilities = Capabilities {
+        kind: "rocketmq",
+        fields: &["topic", "consumer_group", "tag_expression"],
+        positions: Ok(()),
+        lanes: Err(LANES),
+        dead_letter_topic: Err("is a Kafka topic; a RocketMQ pipeline keeps its dead letters in the store"),
+        dead_letter_exchange: Err("is a RabbitMQ exchange; a RocketMQ pipeline keeps its dead letters in the store"),
+        key_properties: Ok(()),
+        key_message_key: Ok(()),
+        key_record_key: Err(
+            "a RocketMQ message has no record key: use message_key = true (its KEYS), message_id = true, property, header or field",
+        ),
+        bind_property: Ok(()),
+        bind_record_key: Err("a RocketMQ message has no record key: its KEYS are { property = \"keys\" }"),
+        bind_partition: Ok(()),
+    };
+    type Settings = RocketMqSettings;
+    const NAME: &'static str = "RocketMQ";
+    const FEATURE: &'static str = "rocketmq";
+    const BUILT: bool = cfg!(feature = "rocketmq");
+
+    fn settings_missing(settings: Option<&RocketMqSettings>) -> Option<&'static str> {
+        settings.is_none().then_some("a RocketMQ source needs [rocketmq] name_server in the settings (or IDEMFLOW_ROCKETMQ__NAME_SERVER)")
+    }
+
+    fn streams(&self) -> &[String] {
+        std::slice::from_ref(&self.topic)
+    }
+
+    fn reads(&self, cx: &Context<Self>) -> Vec<(&'static str, serde_json::Value)> {
+        use serde_json::json;
+        vec![
+            ("topic", json!(self.topic)),
+            ("consumer_group", json!(self.consumer_group)),
+            ("offsets", json!(if cx.offsets == OffsetStore::Database { "database" } else { "broker" })),
+        ]
+    }
+
+    fn conflict_with(&self, earlier: &Self) -> Option<Conflict> {
+        (earlier.consumer_group == self.consumer_group).then(|| Conflict {
+            field: "source.consumer_group",
+            what: format!("{:?} is also used by", self.consumer_group),
+            why: "",
+        })
+    }
+
+    fn retention_note(&self, cx: &Context<Self>) -> Vec<String> {
+        vec![format!(
+            "pipeline {:?}: topic {:?}: a RocketMQ broker keeps messages for its fileReservedTime (72 h by default); \
+             [dedup] retention = {} must outlast it, or a replay of older messages (a rewind) would apply them again",
+            cx.name, self.topic, crate::terminal::duration(cx.dedup_retention),
+        )]
+    }
+}
 
 /// The `[source]` of a RocketMQ pipeline named `name` (`s`). Every problem goes to `e`; `None` when the spec cannot
 /// be built.

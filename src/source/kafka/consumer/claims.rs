@@ -17,7 +17,7 @@ impl KafkaSource {
     /// A partition that this worker itself claimed again while the batch was in flight (a rebalance that revoked
     /// and re-assigned it; `used` holds the epochs the batch presented) is not given up: only the batch's records
     /// of it are dropped, and they come again from the stored position the new claim started it at.
-    pub fn lose(&mut self, partitions: &[(String, i32)], used: Option<&Positions>, batch: &mut dyn Records) {
+    pub(super) fn give_up_fenced(&mut self, partitions: &[(String, i32)], used: Option<&Positions>, batch: &mut dyn Records) {
         let mut pause = TopicPartitionList::new();
         let until = Instant::now() + self.fenced_for;
         {
@@ -52,7 +52,7 @@ impl KafkaSource {
     }
 
     /// The partitions assigned to this consumer now.
-    pub fn owned(&self) -> Vec<(String, i32)> {
+    pub(super) fn assigned_now(&self) -> Vec<(String, i32)> {
         let st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         st.assigned.iter().map(|(t, p)| (t.to_string(), *p)).collect()
     }
@@ -63,7 +63,7 @@ impl KafkaSource {
     /// the stored positions, so what the store lost is consumed and applied again.
     ///
     /// Errors: a seek librdkafka refused (the partition is then left as it was; the caller stops the pipeline).
-    pub fn resync(&mut self, claimed: &[offsets::Claimed], batch: &mut dyn Records) -> Result<(), String> {
+    pub(super) fn start_again_from(&mut self, claimed: &[offsets::Claimed], batch: &mut dyn Records) -> Result<(), String> {
         let mut moved = HashSet::new();
         let mut gone = HashSet::new();
         {
@@ -109,7 +109,7 @@ impl KafkaSource {
     /// floor produced after the mark was last raised, or whose broker does not say (a topic created again, or a log
     /// truncated and refilled, that the batch did not show: each batch is judged on its records, as
     /// [`offsets::Replay`] says). A seek librdkafka refuses is logged and left the same way.
-    pub fn skip_to_floors(&mut self, floors: &[offsets::PassedFloor]) {
+    pub(super) fn move_on_to_floors(&mut self, floors: &[offsets::PassedFloor]) {
         let fetched = self.fetch_positions();
         let mut moved: Vec<&offsets::PassedFloor> = {
             let st = self.state.lock().unwrap_or_else(PoisonError::into_inner);

@@ -50,17 +50,18 @@
 use super::client::*;
 use super::ownership::*;
 use super::record::*;
+use super::check::{check_topics, retention_report};
 use super::spec::KafkaSettings;
 
 use crate::batch::{BatchSettings, Records};
-use crate::source::SourceContext;
+use super::spec::KafkaSpec;
+use crate::source::contract::{CheckError, Connector, StoredStart};
 use crate::metrics::{CommitResult, PipelineMetrics};
 use crate::offsets::NextOffsets;
 use crate::record::Record;
 use crate::shutdown::Shutdown;
 use crate::offsets::{self, Positions};
 use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
-use crate::source::StoredStart;
 use rdkafka::error::KafkaResult;
 use rdkafka::{Offset, TopicPartitionList};
 use std::collections::{HashMap, HashSet};
@@ -135,73 +136,66 @@ pub struct KafkaSource {
     fenced_for: Duration,
 }
 
-impl KafkaSource {
-    /// Creates the consumer and subscribes to the pipeline's topics.
-    ///
-    /// The worker sets `group.id`, `enable.auto.commit=false` and `enable.auto.offset.store=false`, and defaults
-    /// `auto.offset.reset=earliest` (a new group starts from the beginning of each partition), `client.id`,
-    /// `queued.min.messages` (4 batches, at least 1000) and `queued.max.messages.kbytes=16384`, `fetch.max.bytes=8388608` and `fetch.queue.backoff.ms=20` (prefetch
-    /// bounds);
-    /// every other librdkafka property comes from `[kafka.properties]`, which also overrides these defaults.
-    ///
-    /// With `stored` (`[offsets] store = "database"`), each assigned partition starts from its position stored in
-    /// `idemflow.offsets`, claimed under a new owner epoch (see [`crate::offsets`]); a partition with no stored
-    /// position starts from the group's committed offset.
-    pub fn new(
-        kafka: &KafkaSettings,
-        pipeline: &SourceContext,
-        metrics: PipelineMetrics,
-        stored: Option<StoredStart>,
-    ) -> KafkaResult<Self> {
-        let config = consumer_config(kafka, pipeline);
-        let state = Arc::new(Mutex::new(Ownership::default()));
-        let context =
-            GroupContext {
-            pipeline: pipeline.name.clone(),
-            state: state.clone(),
-            metrics: metrics.clone(),
-            stored,
-            closing: AtomicBool::new(false),
-            assignment_changed: AtomicBool::new(false),
-            claimed: Arc::new(tokio::sync::Notify::new()),
-        };
-        let reset_to_earliest = !matches!(
-            config.get("auto.offset.reset"),
-            Some("latest" | "largest" | "end" | "error")
-        );
-        let session_ms = config.get("session.timeout.ms").and_then(|v| v.trim().parse::<u64>().ok()).unwrap_or(45_000);
-        let fenced_for = Duration::from_millis(session_ms).max(FENCED_FOR_MIN);
-        let consumer: StreamConsumer<GroupContext> = config.create_with_context(context).map_err(hide_config_value)?;
-        let topics: Vec<&str> = spec(pipeline).topics.iter().map(String::as_str).collect();
-        consumer.subscribe(&topics)?;
-        Ok(KafkaSource {
-            consumer,
-            stash: Vec::new(),
-            consume_errors: 0,
-            commit_failed: false,
-            state,
-            topics: spec(pipeline).topics.iter().map(|t| (t.clone(), Arc::from(t.as_str()))).collect(),
-            pipeline: pipeline.name.clone(),
-            metrics,
-            lag_refreshed: None,
-            unassigned_since: Some(Instant::now()),
-            unassigned_warnings: 0,
-            no_partitions_warning: kafka.no_partitions_warning,
-            keep: prefetch_records(pipeline),
-            batch_records: pipeline.batch.max_records,
-            polled_at: tokio::time::Instant::now(),
-            max_payload_bytes: pipeline.max_payload_bytes,
-            revoked_in_flight: HashSet::new(),
-            reset_to_earliest,
-            fenced_for,
-        })
+impl Connector for KafkaSource {
+    type Spec = KafkaSpec;
+
+    fn open(settings: Option<&KafkaSettings>, cx: &KafkaContext, metrics: PipelineMetrics, stored: Option<StoredStart>) -> Result<Self, String> {
+        KafkaSource::new(settings.unwrap_or(&KafkaSettings::default()), cx, metrics, stored)
+            .map_err(|e| format!("cannot create the Kafka consumer: {}", describe_kafka_error(&e)))
+    }
+
+    async fn check(settings: Option<&KafkaSettings>, cx: &KafkaContext) -> Result<Vec<String>, CheckError> {
+        let settings = settings.cloned().unwrap_or_default();
+        check_properties(&settings, cx).map_err(|e| CheckError::Settings(describe_kafka_error(&e)))?;
+        let cx = cx.clone();
+        let topics = tokio::task::spawn_blocking(move || check_topics(&settings, &cx, Duration::from_secs(5)));
+        match topics.await {
+            Ok(Ok(())) => Ok(Vec::new()),
+            Ok(Err(e)) => Err(CheckError::Broker(e.to_string())),
+            Err(e) => Err(CheckError::Broker(e.to_string())),
+        }
+    }
+
+    fn timing_warnings(settings: Option<&KafkaSettings>, cx: &KafkaContext, shutdown_timeout: Duration) -> Vec<String> {
+        timing_warnings(settings.unwrap_or(&KafkaSettings::default()), cx, shutdown_timeout)
+    }
+
+    async fn retention_report(settings: Option<&KafkaSettings>, cx: &KafkaContext) -> Vec<String> {
+        let settings = settings.cloned().unwrap_or_default();
+        retention_report(&settings, &cx.name, &cx.source.topics, cx.dedup_retention).await
+    }
+
+    async fn rewind(
+        settings: Option<&KafkaSettings>,
+        cx: &KafkaContext,
+        _file: &std::path::Path,
+        request: crate::source::rewind::Request,
+        store: Option<crate::source::rewind::StoreSide<'_>>,
+    ) -> anyhow::Result<()> {
+        super::rewind::run(settings.unwrap_or(&KafkaSettings::default()), cx, request, store).await
+    }
+
+    async fn lose(&mut self, partitions: &[(String, i32)], used: Option<&Positions>, batch: &mut dyn Records) {
+        self.give_up_fenced(partitions, used, batch);
+    }
+
+    fn owned(&self) -> Vec<(String, i32)> {
+        self.assigned_now()
+    }
+
+    async fn resync(&mut self, claimed: &[offsets::Claimed], batch: &mut dyn Records) -> Result<(), String> {
+        self.start_again_from(claimed, batch)
+    }
+
+    fn skip_to_floors(&mut self, floors: &[offsets::PassedFloor]) {
+        self.move_on_to_floors(floors);
     }
 
     /// Waits for the next batch: at least one record, then up to `max_records`, for at most `max_wait` after the
     /// first; an empty batch after [`HOUSEKEEPING_EVERY`] without a record (the worker's idle moment). Returns `None`
     /// once `shutdown` is triggered while waiting for a first record; a batch being filled when shutdown comes is
     /// returned as it is, to be finished.
-    pub async fn next_batch(&mut self, settings: BatchSettings, shutdown: &mut Shutdown) -> Option<Vec<Record>> {
+    async fn next_batch(&mut self, settings: BatchSettings, shutdown: &mut Shutdown) -> Option<Vec<Record>> {
         let mut batch: Vec<Record> = Vec::new();
         let mut deadline: Option<Instant> = None;
         let claimed = self.consumer.context().claimed.clone();
@@ -272,7 +266,7 @@ impl KafkaSource {
     /// paused and the consumer keeps polling, so rebalance callbacks are served and `max.poll.interval.ms` is not
     /// exceeded. Records of `batch` whose partition is revoked meanwhile are dropped (their next owner gets them);
     /// records that still arrive are kept for the next batch. Returns `false` if shutdown came first.
-    pub async fn pause_for(&mut self, delay: Duration, batch: &mut dyn Records, shutdown: &mut Shutdown) -> bool {
+    async fn pause_for(&mut self, delay: Duration, batch: &mut dyn Records, shutdown: &mut Shutdown) -> bool {
         self.pause_owned();
         let deadline = Instant::now() + delay;
         let mut stopped = false;
@@ -307,7 +301,7 @@ impl KafkaSource {
 
     /// The positions to store in the batch's transaction after `next`, with this worker's epochs; `None` unless
     /// `[offsets] store = "database"`.
-    pub fn positions(&self, next: &NextOffsets) -> Option<Positions> {
+    fn positions(&self, next: &NextOffsets) -> Option<Positions> {
         self.consumer.context().stored.as_ref()?;
         let st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         Some(Positions::new(next, |t, p| st.epochs.get(&(t.clone(), p)).copied()))
@@ -323,7 +317,7 @@ impl KafkaSource {
     /// normal path: librdkafka drops a paused partition's prefetched records and fetches them again on resume, which
     /// stalled a backlog for hundreds of milliseconds per batch when it was.) A panic in `work` is resumed here.
     /// Each record kept is passed to `received` ([`crate::source::Source::poll_while_receiving`]).
-    pub async fn poll_while<T>(&mut self, mut work: tokio::task::JoinHandle<T>, received: &mut (dyn FnMut(&Record) + Send)) -> T {
+    async fn poll_while<T: Send>(&mut self, mut work: tokio::task::JoinHandle<T>, received: &mut (dyn FnMut(&Record) + Send)) -> T {
         let keep = self.keep;
         let mut paused_here = false;
         let claimed = self.consumer.context().claimed.clone();
@@ -371,9 +365,142 @@ impl KafkaSource {
 
     /// Drops from `batch` (a batch to retry) its records of partitions revoked while it was in flight, and of
     /// partitions revoked since (from the kept records too).
-    pub fn drop_revoked(&mut self, batch: &mut dyn Records) {
+    fn drop_revoked(&mut self, batch: &mut dyn Records) {
         self.drop_revoked_in_flight(batch);
         drop_revoked(&self.state, &self.pipeline, batch, &mut self.stash);
+    }
+
+    /// Commits `next` for the partitions still owned, synchronously, and counts the outcome. A failure is logged
+    /// and counted, never fatal: the records are redelivered and skipped as duplicates.
+    async fn commit(&mut self, _records: &[Record], next: &NextOffsets) {
+        let revoked = std::mem::take(&mut self.revoked_in_flight);
+        let tpl = self.owned_list(next, &revoked);
+        if tpl.count() == 0 {
+            return;
+        }
+        // Lag from the high watermarks librdkafka already knows from its fetches (no request).
+        let fetched = self.fetch_positions();
+        let kept = self.kept();
+        for e in tpl.elements() {
+            if let (Some(high), Offset::Offset(next)) = (self.cached_high_watermark(e.topic(), e.partition()), e.offset()) {
+                self.metrics.lag(e.topic(), e.partition(), (high - next).max(0));
+                let tp = tp_of(e.topic(), e.partition());
+                let from = fetched.get(&tp).copied().unwrap_or(next).max(next);
+                self.metrics.waiting(e.topic(), e.partition(), (high - from).max(0) + kept.get(&tp).copied().unwrap_or(0));
+            }
+        }
+        self.commit_list(&tpl);
+    }
+
+    /// Drops the consumer without committing anything (an injected crash): no callback commits while it closes.
+    async fn abandon(self) {
+        self.consumer.context().closing.store(true, Ordering::SeqCst);
+        tokio::task::block_in_place(|| drop(self.consumer));
+    }
+
+    /// Commits every durable position synchronously, then leaves the group (closing the consumer). Leaving waits
+    /// at most [`LEAVE_TIMEOUT`]: librdkafka's close can wait for a rebalance that other members are slow to
+    /// complete (one that was just killed, for instance); past that the coordinator expires this member's session
+    /// instead.
+    async fn close(self) {
+        let tpl = self.durable_list();
+        let consumer = self.consumer;
+        let pipeline = self.pipeline;
+        consumer.context().closing.store(true, Ordering::SeqCst);
+        // A claim still running: drop it and answer librdkafka's pending assign call with nothing, or leaving the
+        // group would wait for that call.
+        let claiming = self.state.lock().unwrap_or_else(PoisonError::into_inner).claiming.take();
+        if let Some(claiming) = claiming {
+            claiming.task.abort();
+            let none = TopicPartitionList::new();
+            let _ = if claiming.cooperative { consumer.incremental_assign(&none) } else { consumer.assign(&none) };
+        }
+        if let Some(reclaiming) = self.state.lock().unwrap_or_else(PoisonError::into_inner).reclaiming.take() {
+            reclaiming.task.abort();
+        }
+        if tpl.count() > 0 {
+            match tokio::task::block_in_place(|| consumer.commit(&tpl, CommitMode::Sync)) {
+                Ok(()) => tracing::info!(pipeline = %pipeline, offsets = %describe(&tpl), "offsets committed"),
+                Err(e) => tracing::warn!(pipeline = %pipeline, error = %e, offsets = %describe(&tpl),
+                    "final offset commit refused (the group moved on: a rebalance during shutdown): the records after \
+                     the last committed offsets come back to the partitions' next owner and are skipped as \
+                     duplicates; nothing is lost or applied twice"),
+            }
+        }
+        let (left, leaving) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            consumer.unsubscribe();
+            drop(consumer);
+            let _ = left.send(());
+        });
+        match tokio::task::block_in_place(|| leaving.recv_timeout(LEAVE_TIMEOUT)) {
+            Ok(()) => tracing::info!(pipeline = %pipeline, "left the consumer group"),
+            Err(_) => tracing::warn!(pipeline = %pipeline, timeout = ?LEAVE_TIMEOUT,
+                "leaving the consumer group did not finish in time; the coordinator will expire this member's session"),
+        }
+    }
+}
+
+impl KafkaSource {
+    /// Creates the consumer and subscribes to the pipeline's topics.
+    ///
+    /// The worker sets `group.id`, `enable.auto.commit=false` and `enable.auto.offset.store=false`, and defaults
+    /// `auto.offset.reset=earliest` (a new group starts from the beginning of each partition), `client.id`,
+    /// `queued.min.messages` (4 batches, at least 1000) and `queued.max.messages.kbytes=16384`, `fetch.max.bytes=8388608` and `fetch.queue.backoff.ms=20` (prefetch
+    /// bounds);
+    /// every other librdkafka property comes from `[kafka.properties]`, which also overrides these defaults.
+    ///
+    /// With `stored` (`[offsets] store = "database"`), each assigned partition starts from its position stored in
+    /// `idemflow.offsets`, claimed under a new owner epoch (see [`crate::offsets`]); a partition with no stored
+    /// position starts from the group's committed offset.
+    pub fn new(
+        kafka: &KafkaSettings,
+        pipeline: &KafkaContext,
+        metrics: PipelineMetrics,
+        stored: Option<StoredStart>,
+    ) -> KafkaResult<Self> {
+        let config = consumer_config(kafka, pipeline);
+        let state = Arc::new(Mutex::new(Ownership::default()));
+        let context =
+            GroupContext {
+            pipeline: pipeline.name.clone(),
+            state: state.clone(),
+            metrics: metrics.clone(),
+            stored,
+            closing: AtomicBool::new(false),
+            assignment_changed: AtomicBool::new(false),
+            claimed: Arc::new(tokio::sync::Notify::new()),
+        };
+        let reset_to_earliest = !matches!(
+            config.get("auto.offset.reset"),
+            Some("latest" | "largest" | "end" | "error")
+        );
+        let session_ms = config.get("session.timeout.ms").and_then(|v| v.trim().parse::<u64>().ok()).unwrap_or(45_000);
+        let fenced_for = Duration::from_millis(session_ms).max(FENCED_FOR_MIN);
+        let consumer: StreamConsumer<GroupContext> = config.create_with_context(context).map_err(hide_config_value)?;
+        let topics: Vec<&str> = spec(pipeline).topics.iter().map(String::as_str).collect();
+        consumer.subscribe(&topics)?;
+        Ok(KafkaSource {
+            consumer,
+            stash: Vec::new(),
+            consume_errors: 0,
+            commit_failed: false,
+            state,
+            topics: spec(pipeline).topics.iter().map(|t| (t.clone(), Arc::from(t.as_str()))).collect(),
+            pipeline: pipeline.name.clone(),
+            metrics,
+            lag_refreshed: None,
+            unassigned_since: Some(Instant::now()),
+            unassigned_warnings: 0,
+            no_partitions_warning: kafka.no_partitions_warning,
+            keep: prefetch_records(pipeline),
+            batch_records: pipeline.batch.max_records,
+            polled_at: tokio::time::Instant::now(),
+            max_payload_bytes: pipeline.max_payload_bytes,
+            revoked_in_flight: HashSet::new(),
+            reset_to_earliest,
+            fenced_for,
+        })
     }
 
     fn drop_revoked_in_flight(&mut self, batch: &mut dyn Records) {
@@ -406,28 +533,6 @@ impl KafkaSource {
         if let Err(e) = self.consumer.resume(&owned) {
             tracing::debug!(pipeline = %self.pipeline, error = %e, "resuming partitions failed");
         }
-    }
-
-    /// Commits `next` for the partitions still owned, synchronously, and counts the outcome. A failure is logged
-    /// and counted, never fatal: the records are redelivered and skipped as duplicates.
-    pub fn commit(&mut self, next: &NextOffsets) {
-        let revoked = std::mem::take(&mut self.revoked_in_flight);
-        let tpl = self.owned_list(next, &revoked);
-        if tpl.count() == 0 {
-            return;
-        }
-        // Lag from the high watermarks librdkafka already knows from its fetches (no request).
-        let fetched = self.fetch_positions();
-        let kept = self.kept();
-        for e in tpl.elements() {
-            if let (Some(high), Offset::Offset(next)) = (self.cached_high_watermark(e.topic(), e.partition()), e.offset()) {
-                self.metrics.lag(e.topic(), e.partition(), (high - next).max(0));
-                let tp = tp_of(e.topic(), e.partition());
-                let from = fetched.get(&tp).copied().unwrap_or(next).max(next);
-                self.metrics.waiting(e.topic(), e.partition(), (high - from).max(0) + kept.get(&tp).copied().unwrap_or(0));
-            }
-        }
-        self.commit_list(&tpl);
     }
 
     fn commit_list(&mut self, tpl: &TopicPartitionList) {
@@ -638,52 +743,5 @@ impl KafkaSource {
         tpl
     }
 
-    /// Drops the consumer without committing anything (an injected crash): no callback commits while it closes.
-    pub fn abandon(self) {
-        self.consumer.context().closing.store(true, Ordering::SeqCst);
-        tokio::task::block_in_place(|| drop(self.consumer));
-    }
-
-    /// Commits every durable position synchronously, then leaves the group (closing the consumer). Leaving waits
-    /// at most [`LEAVE_TIMEOUT`]: librdkafka's close can wait for a rebalance that other members are slow to
-    /// complete (one that was just killed, for instance); past that the coordinator expires this member's session
-    /// instead.
-    pub fn close(self) {
-        let tpl = self.durable_list();
-        let consumer = self.consumer;
-        let pipeline = self.pipeline;
-        consumer.context().closing.store(true, Ordering::SeqCst);
-        // A claim still running: drop it and answer librdkafka's pending assign call with nothing, or leaving the
-        // group would wait for that call.
-        let claiming = self.state.lock().unwrap_or_else(PoisonError::into_inner).claiming.take();
-        if let Some(claiming) = claiming {
-            claiming.task.abort();
-            let none = TopicPartitionList::new();
-            let _ = if claiming.cooperative { consumer.incremental_assign(&none) } else { consumer.assign(&none) };
-        }
-        if let Some(reclaiming) = self.state.lock().unwrap_or_else(PoisonError::into_inner).reclaiming.take() {
-            reclaiming.task.abort();
-        }
-        if tpl.count() > 0 {
-            match tokio::task::block_in_place(|| consumer.commit(&tpl, CommitMode::Sync)) {
-                Ok(()) => tracing::info!(pipeline = %pipeline, offsets = %describe(&tpl), "offsets committed"),
-                Err(e) => tracing::warn!(pipeline = %pipeline, error = %e, offsets = %describe(&tpl),
-                    "final offset commit refused (the group moved on: a rebalance during shutdown): the records after \
-                     the last committed offsets come back to the partitions' next owner and are skipped as \
-                     duplicates; nothing is lost or applied twice"),
-            }
-        }
-        let (left, leaving) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            consumer.unsubscribe();
-            drop(consumer);
-            let _ = left.send(());
-        });
-        match tokio::task::block_in_place(|| leaving.recv_timeout(LEAVE_TIMEOUT)) {
-            Ok(()) => tracing::info!(pipeline = %pipeline, "left the consumer group"),
-            Err(_) => tracing::warn!(pipeline = %pipeline, timeout = ?LEAVE_TIMEOUT,
-                "leaving the consumer group did not finish in time; the coordinator will expire this member's session"),
-        }
-    }
 }
 
