@@ -107,6 +107,16 @@ pub struct Conflict {
     pub why: &'static str,
 }
 
+/// A broker's own `[source]` keys as written, before its rules check them: read key by key from the pipeline file's
+/// `[source]` table by the hub ([`super::spec::RawSource`]), so the document's positions stay with any error.
+pub trait RawKeys: Default {
+    /// Reads the value of `key` from `map` into this struct when `key` is one of its broker's keys. Returns whether
+    /// it was.
+    ///
+    /// Errors: the value has the wrong type (the deserializer's error, with its position).
+    fn take<'de, A: serde::de::MapAccess<'de>>(&mut self, key: &str, map: &mut A) -> Result<bool, A::Error>;
+}
+
 /// A broker's `[source]` spec: what the configuration and `check` ask of it, in every build. Implemented by each
 /// broker's spec type in its folder (`<broker>/spec.rs`).
 pub trait BrokerSpec: Clone + Sized {

@@ -1,10 +1,10 @@
 //! `[source]`: which broker a pipeline reads, and what each broker's part of the pipeline file says.
 
-use super::contract::{not_built, BrokerSpec, Capabilities, Conflict, Context};
-use super::kafka::KafkaSpec;
-use super::nats::NatsSpec;
-use super::rabbitmq::{QueueType, RabbitMqSpec};
-use super::rocketmq::RocketMqSpec;
+use super::contract::{not_built, BrokerSpec, Capabilities, Conflict, Context, RawKeys};
+use super::kafka::{KafkaRaw, KafkaSpec};
+use super::nats::{NatsRaw, NatsSpec};
+use super::rabbitmq::{RabbitMqRaw, RabbitMqSpec};
+use super::rocketmq::{RocketMqRaw, RocketMqSpec};
 use crate::validate::Problems;
 use serde::Deserialize;
 use std::time::Duration;
@@ -150,66 +150,74 @@ impl SourceSpec {
     }
 }
 
-/// `[source]` as written (`kind` and every broker's keys), before validation by the broker it names.
-#[derive(Deserialize, Default)]
-#[serde(deny_unknown_fields)]
+/// `[source]` as written: its `kind`, and each broker's own keys read by that broker's raw struct
+/// ([`RawKeys`]), key by key from the document, so an error keeps its position. A key no broker takes is refused as
+/// serde refuses an unknown key (`unknown field ..., expected one of ...`, every broker's keys listed); a key of
+/// another broker than `kind`'s is refused by [`parse`], with that broker's name.
+#[derive(Debug, Default)]
 pub struct RawSource {
     /// `kind`: `kafka` (the default), `rabbitmq`, `rocketmq` or `nats`.
     pub kind: Option<String>,
-    /// `topics`.
-    pub topics: Option<Vec<String>>,
-    /// `group_id`.
-    pub group_id: Option<String>,
-    /// `queue`.
-    pub queue: Option<String>,
-    /// `queues`.
-    pub queues: Option<Vec<String>>,
-    /// `prefetch`.
-    pub prefetch: Option<u32>,
-    /// `queue_type`.
-    pub queue_type: Option<QueueType>,
-    /// `single_active_consumer`.
-    pub single_active_consumer: Option<bool>,
-    /// `topic`.
-    pub topic: Option<String>,
-    /// `consumer_group`.
-    pub consumer_group: Option<String>,
-    /// `tag_expression`.
-    pub tag_expression: Option<String>,
-    /// `stream`.
-    pub stream: Option<String>,
-    /// `consumer`.
-    pub consumer: Option<String>,
-    /// `filter_subjects`.
-    pub filter_subjects: Option<Vec<String>>,
-    /// `ack_wait`.
-    #[serde(default, with = "humantime_serde")]
-    pub ack_wait: Option<std::time::Duration>,
-    /// `max_ack_pending`.
-    pub max_ack_pending: Option<i64>,
+    /// The keys it sets besides `kind`, in the order written.
+    pub keys: Vec<String>,
+    kafka: KafkaRaw,
+    rabbitmq: RabbitMqRaw,
+    rocketmq: RocketMqRaw,
+    nats: NatsRaw,
 }
 
-impl RawSource {
-    /// The `[source]` keys this file sets (`kind` aside), as the brokers' capabilities list them.
-    pub fn set_fields(&self) -> Vec<&'static str> {
-        let set = [
-            ("topics", self.topics.is_some()),
-            ("group_id", self.group_id.is_some()),
-            ("queue", self.queue.is_some()),
-            ("queues", self.queues.is_some()),
-            ("prefetch", self.prefetch.is_some()),
-            ("queue_type", self.queue_type.is_some()),
-            ("single_active_consumer", self.single_active_consumer.is_some()),
-            ("topic", self.topic.is_some()),
-            ("consumer_group", self.consumer_group.is_some()),
-            ("tag_expression", self.tag_expression.is_some()),
-            ("stream", self.stream.is_some()),
-            ("consumer", self.consumer.is_some()),
-            ("filter_subjects", self.filter_subjects.is_some()),
-            ("ack_wait", self.ack_wait.is_some()),
-            ("max_ack_pending", self.max_ack_pending.is_some()),
-        ];
-        set.into_iter().filter(|(_, set)| *set).map(|(f, _)| f).collect()
+/// Every `[source]` key: `kind`, then each broker's, in the order of [`ALL`] (the list an unknown key's error gives).
+static KEYS: std::sync::LazyLock<Vec<&'static str>> =
+    std::sync::LazyLock::new(|| std::iter::once("kind").chain(ALL.iter().flat_map(|c| c.fields.iter().copied())).collect());
+
+impl<'de> Deserialize<'de> for RawSource {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Keys;
+        impl<'de> serde::de::Visitor<'de> for Keys {
+            type Value = RawSource;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a table of source settings")
+            }
+
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<RawSource, A::Error> {
+                let mut raw = RawSource::default();
+                while let Some(key) = map.next_key_seed(Known)? {
+                    if key == "kind" {
+                        raw.kind = Some(map.next_value()?);
+                        continue;
+                    }
+                    let taken = raw.kafka.take(&key, &mut map)?
+                        || raw.rabbitmq.take(&key, &mut map)?
+                        || raw.rocketmq.take(&key, &mut map)?
+                        || raw.nats.take(&key, &mut map)?;
+                    if !taken {
+                        // A key in a broker's `CAPABILITIES.fields` that its raw struct does not read (a defect).
+                        return Err(serde::de::Error::custom(format!("no broker reads the [source] key `{key}`")));
+                    }
+                    raw.keys.push(key);
+                }
+                Ok(raw)
+            }
+        }
+        deserializer.deserialize_map(Keys)
+    }
+}
+
+/// A `[source]` key, refused as serde refuses an unknown field when no broker takes it: while the key is read, so
+/// the error is placed at the key.
+struct Known;
+
+impl<'de> serde::de::DeserializeSeed<'de> for Known {
+    type Value = String;
+
+    fn deserialize<D: serde::Deserializer<'de>>(self, deserializer: D) -> Result<String, D::Error> {
+        let key = String::deserialize(deserializer)?;
+        if KEYS.contains(&key.as_str()) {
+            Ok(key)
+        } else {
+            Err(serde::de::Error::unknown_field(&key, &KEYS))
+        }
     }
 }
 
@@ -226,27 +234,79 @@ pub fn parse(
 ) -> Option<SourceSpec> {
     let kind = s.and_then(|s| s.kind.as_deref()).unwrap_or("kafka");
     let top_level = legacy_topics.is_some() || legacy_group.is_some();
-    if top_level && s.is_some_and(|s| s.topics.is_some() || s.group_id.is_some() || kind != "kafka") {
+    if top_level && s.is_some_and(|s| s.kafka.topics.is_some() || s.kafka.group_id.is_some() || kind != "kafka") {
         e.push("topics", "set the source in [source] or with the top-level topics and group_id, not both");
         return None;
     }
     // A key of another broker's [source] is refused with that broker's name.
     if let (Some(s), Some(mine)) = (s, by_kind(kind)) {
-        let set = s.set_fields();
         for other in ALL.iter().filter(|c| c.kind != kind) {
-            for field in other.fields.iter().filter(|f| set.contains(f) && !mine.fields.contains(f)) {
+            for field in other.fields.iter().filter(|f| s.keys.iter().any(|k| k == *f) && !mine.fields.contains(f)) {
                 e.push(&format!("source.{field}"), format!("belongs to a {} source, not to kind = {kind:?}", other.kind));
             }
         }
     }
     match kind {
-        "kafka" => super::kafka::parse(s, legacy_topics, legacy_group, name, e).map(SourceSpec::Kafka),
-        "rabbitmq" => super::rabbitmq::parse(s.expect("kind comes from [source]"), max_records, e).map(SourceSpec::RabbitMq),
-        "rocketmq" => super::rocketmq::parse(s.expect("kind comes from [source]"), name, e).map(SourceSpec::RocketMq),
-        "nats" => super::nats::parse(s.expect("kind comes from [source]"), name, max_records, e).map(SourceSpec::Nats),
+        "kafka" => super::kafka::parse(s.map(|s| &s.kafka), legacy_topics, legacy_group, name, e).map(SourceSpec::Kafka),
+        "rabbitmq" => super::rabbitmq::parse(&s?.rabbitmq, max_records, e).map(SourceSpec::RabbitMq),
+        "rocketmq" => super::rocketmq::parse(&s?.rocketmq, name, e).map(SourceSpec::RocketMq),
+        "nats" => super::nats::parse(&s?.nats, name, max_records, e).map(SourceSpec::Nats),
         other => {
             e.push("source.kind", format!("{other:?} is not a source kind: kafka, rabbitmq, rocketmq or nats"));
             None
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A value of the right type for each `[source]` key.
+    const SAMPLES: &[(&str, &str)] = &[
+        ("topics", "[\"t\"]"),
+        ("group_id", "\"g\""),
+        ("queue", "\"q\""),
+        ("queues", "[\"q\"]"),
+        ("prefetch", "10"),
+        ("queue_type", "\"quorum\""),
+        ("single_active_consumer", "true"),
+        ("topic", "\"t\""),
+        ("consumer_group", "\"g\""),
+        ("tag_expression", "\"*\""),
+        ("stream", "\"S\""),
+        ("consumer", "\"c\""),
+        ("filter_subjects", "[\"a.b\"]"),
+        ("ack_wait", "\"30s\""),
+        ("max_ack_pending", "10"),
+    ];
+
+    #[derive(Debug, Deserialize)]
+    struct File {
+        source: RawSource,
+    }
+
+    /// Every key a broker's capabilities list is read by its raw struct (a key listed but not read would be
+    /// refused as no broker's), each broker's keys in its own part; a key no broker takes is refused at its place.
+    #[test]
+    fn each_brokers_keys_are_read_by_its_own_raw_struct() {
+        for caps in ALL {
+            let mut text = format!("[source]\nkind = {:?}\n", caps.kind);
+            for field in caps.fields {
+                let value = SAMPLES.iter().find(|(k, _)| k == field).unwrap_or_else(|| panic!("no sample value for {field}")).1;
+                text.push_str(&format!("{field} = {value}\n"));
+            }
+            let raw = toml::from_str::<File>(&text).unwrap_or_else(|e| panic!("{}: {e}", caps.kind)).source;
+            assert_eq!(raw.kind.as_deref(), Some(caps.kind));
+            assert_eq!(raw.keys, caps.fields, "{}", caps.kind);
+        }
+        let raw = toml::from_str::<File>("[source]\nkind = \"nats\"\nstream = \"S\"\nack_wait = \"2m\"\n").unwrap().source;
+        assert_eq!(raw.nats.ack_wait, Some(std::time::Duration::from_secs(120)));
+        let e = toml::from_str::<File>("[source]\nkind = \"nats\"\nstream = \"S\"\nbogus = 1\n").unwrap_err();
+        assert!(e.message().starts_with("unknown field `bogus`, expected one of `kind`, `topics`, `group_id`, `queue`"), "{e}");
+        assert_eq!(e.span().map(|s| &"[source]\nkind = \"nats\"\nstream = \"S\"\nbogus = 1\n"[s]), Some("bogus"));
+        let e = toml::from_str::<File>("[source]\nprefetch = \"many\"\n").unwrap_err();
+        assert!(e.message().contains("invalid type"), "{e}");
+        assert_eq!(e.span().map(|s| &"[source]\nprefetch = \"many\"\n"[s]), Some("\"many\""));
     }
 }

@@ -1,7 +1,6 @@
 //! Kafka's `[kafka]` settings and the `[source]` of a Kafka pipeline.
 
-use crate::source::contract::{BrokerSpec, Capabilities, Conflict, Context};
-use crate::source::spec::RawSource;
+use crate::source::contract::{BrokerSpec, Capabilities, Conflict, Context, RawKeys};
 use crate::validate::Problems;
 use serde::Deserialize;
 use std::collections::BTreeMap;
@@ -115,11 +114,31 @@ impl BrokerSpec for KafkaSpec {
     }
 }
 
+/// A Kafka pipeline's `[source]` keys as written.
+#[derive(Debug, Default)]
+pub struct KafkaRaw {
+    /// `topics`.
+    pub topics: Option<Vec<String>>,
+    /// `group_id`.
+    pub group_id: Option<String>,
+}
+
+impl RawKeys for KafkaRaw {
+    fn take<'de, A: serde::de::MapAccess<'de>>(&mut self, key: &str, map: &mut A) -> Result<bool, A::Error> {
+        match key {
+            "topics" => self.topics = Some(map.next_value()?),
+            "group_id" => self.group_id = Some(map.next_value()?),
+            _ => return Ok(false),
+        }
+        Ok(true)
+    }
+}
+
 /// The `[source]` of a Kafka pipeline named `name`: its topics and consumer group, from `[source]` (`s`) or from the
 /// top-level `topics` and `group_id` of earlier versions (`legacy_topics`, `legacy_group`). Every problem goes to
 /// `e`; `None` when the spec cannot be built.
 pub fn parse(
-    s: Option<&RawSource>,
+    s: Option<&KafkaRaw>,
     legacy_topics: Option<&Vec<String>>,
     legacy_group: Option<&String>,
     name: &str,

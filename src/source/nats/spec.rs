@@ -1,8 +1,7 @@
 //! NATS's `[nats]` settings and the `[source]` of a JetStream pipeline.
 
 use crate::secret::{Secret, SecretUrl};
-use crate::source::contract::{BrokerSpec, Capabilities, Conflict, Context, LANES};
-use crate::source::spec::RawSource;
+use crate::source::contract::{BrokerSpec, Capabilities, Conflict, Context, RawKeys, LANES};
 use std::path::Path;
 use crate::validate::Problems;
 use serde::Deserialize;
@@ -176,9 +175,38 @@ fn valid_name(name: &str) -> bool {
         && name.chars().all(|c| !c.is_whitespace() && !c.is_control() && !matches!(c, '.' | '*' | '>' | '/' | '\\'))
 }
 
+/// A JetStream pipeline's `[source]` keys as written.
+#[derive(Debug, Default)]
+pub struct NatsRaw {
+    /// `stream`.
+    pub stream: Option<String>,
+    /// `consumer`.
+    pub consumer: Option<String>,
+    /// `filter_subjects`.
+    pub filter_subjects: Option<Vec<String>>,
+    /// `ack_wait`, a duration (`30s`).
+    pub ack_wait: Option<Duration>,
+    /// `max_ack_pending`.
+    pub max_ack_pending: Option<i64>,
+}
+
+impl RawKeys for NatsRaw {
+    fn take<'de, A: serde::de::MapAccess<'de>>(&mut self, key: &str, map: &mut A) -> Result<bool, A::Error> {
+        match key {
+            "stream" => self.stream = Some(map.next_value()?),
+            "consumer" => self.consumer = Some(map.next_value()?),
+            "filter_subjects" => self.filter_subjects = Some(map.next_value()?),
+            "ack_wait" => self.ack_wait = Some(map.next_value::<humantime_serde::Serde<Duration>>()?.into_inner()),
+            "max_ack_pending" => self.max_ack_pending = Some(map.next_value()?),
+            _ => return Ok(false),
+        }
+        Ok(true)
+    }
+}
+
 /// The `[source]` of a JetStream pipeline named `name` (`s`), its `max_ack_pending` defaulting from
 /// `max_records`. Every problem goes to `e`; `None` when the spec cannot be built.
-pub fn parse(s: &RawSource, name: &str, max_records: usize, e: &mut impl Problems) -> Option<NatsSpec> {
+pub fn parse(s: &NatsRaw, name: &str, max_records: usize, e: &mut impl Problems) -> Option<NatsSpec> {
     let Some(stream) = s.stream.clone() else {
         e.push("source.stream", "a NATS JetStream source needs its stream");
         return None;

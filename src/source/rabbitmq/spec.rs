@@ -1,7 +1,6 @@
 //! RabbitMQ's `[rabbitmq]` settings and the `[source]` of a RabbitMQ pipeline.
 
-use crate::source::contract::{BrokerSpec, Capabilities, Conflict, Context, LANES};
-use crate::source::spec::RawSource;
+use crate::source::contract::{BrokerSpec, Capabilities, Conflict, Context, RawKeys, LANES};
 use std::path::Path;
 use crate::validate::Problems;
 use crate::secret::SecretUrl;
@@ -146,9 +145,38 @@ impl BrokerSpec for RabbitMqSpec {
     }
 }
 
+/// A RabbitMQ pipeline's `[source]` keys as written.
+#[derive(Debug, Default)]
+pub struct RabbitMqRaw {
+    /// `queue`.
+    pub queue: Option<String>,
+    /// `queues`.
+    pub queues: Option<Vec<String>>,
+    /// `prefetch`.
+    pub prefetch: Option<u32>,
+    /// `queue_type`.
+    pub queue_type: Option<QueueType>,
+    /// `single_active_consumer`.
+    pub single_active_consumer: Option<bool>,
+}
+
+impl RawKeys for RabbitMqRaw {
+    fn take<'de, A: serde::de::MapAccess<'de>>(&mut self, key: &str, map: &mut A) -> Result<bool, A::Error> {
+        match key {
+            "queue" => self.queue = Some(map.next_value()?),
+            "queues" => self.queues = Some(map.next_value()?),
+            "prefetch" => self.prefetch = Some(map.next_value()?),
+            "queue_type" => self.queue_type = Some(map.next_value()?),
+            "single_active_consumer" => self.single_active_consumer = Some(map.next_value()?),
+            _ => return Ok(false),
+        }
+        Ok(true)
+    }
+}
+
 /// The `[source]` of a RabbitMQ pipeline (`s`), its prefetch defaulting from `max_records`. Every problem goes to
 /// `e`; `None` when the spec cannot be built.
-pub fn parse(s: &RawSource, max_records: usize, e: &mut impl Problems) -> Option<RabbitMqSpec> {
+pub fn parse(s: &RabbitMqRaw, max_records: usize, e: &mut impl Problems) -> Option<RabbitMqSpec> {
     let queues = match (&s.queue, &s.queues) {
         (Some(q), None) => vec![q.clone()],
         (None, Some(qs)) if !qs.is_empty() => qs.clone(),

@@ -1,8 +1,7 @@
 //! RocketMQ's `[rocketmq]` settings and the `[source]` of a RocketMQ pipeline.
 
 use crate::offsets::OffsetStore;
-use crate::source::contract::{BrokerSpec, Capabilities, Conflict, Context, LANES};
-use crate::source::spec::RawSource;
+use crate::source::contract::{BrokerSpec, Capabilities, Conflict, Context, RawKeys, LANES};
 use crate::validate::Problems;
 use crate::secret::Secret;
 use serde::Deserialize;
@@ -102,9 +101,32 @@ impl BrokerSpec for RocketMqSpec {
     }
 }
 
+/// A RocketMQ pipeline's `[source]` keys as written.
+#[derive(Debug, Default)]
+pub struct RocketMqRaw {
+    /// `topic`.
+    pub topic: Option<String>,
+    /// `consumer_group`.
+    pub consumer_group: Option<String>,
+    /// `tag_expression`.
+    pub tag_expression: Option<String>,
+}
+
+impl RawKeys for RocketMqRaw {
+    fn take<'de, A: serde::de::MapAccess<'de>>(&mut self, key: &str, map: &mut A) -> Result<bool, A::Error> {
+        match key {
+            "topic" => self.topic = Some(map.next_value()?),
+            "consumer_group" => self.consumer_group = Some(map.next_value()?),
+            "tag_expression" => self.tag_expression = Some(map.next_value()?),
+            _ => return Ok(false),
+        }
+        Ok(true)
+    }
+}
+
 /// The `[source]` of a RocketMQ pipeline named `name` (`s`). Every problem goes to `e`; `None` when the spec cannot
 /// be built.
-pub fn parse(s: &RawSource, name: &str, e: &mut impl Problems) -> Option<RocketMqSpec> {
+pub fn parse(s: &RocketMqRaw, name: &str, e: &mut impl Problems) -> Option<RocketMqSpec> {
     // RocketMQ topic and group names: at most 127 characters of [%|a-zA-Z0-9_-] (the brokers'
     // TopicValidator); '/' never occurs, which positions rely on (see `record::Position`).
     let valid = |n: &str| !n.is_empty() && n.len() <= 127 && n.bytes().all(|b| b.is_ascii_alphanumeric() || b"%|_-".contains(&b));

@@ -163,6 +163,7 @@ impl Msg {
 pub struct Producer {
     runtime: Option<Runtime>,
     producer: DefaultMQProducer,
+    name_server: String,
 }
 
 impl Producer {
@@ -174,7 +175,7 @@ impl Producer {
             .name_server_addr(name_server.to_owned())
             .build();
         producer.start().await.expect("starting the producer");
-        Producer { runtime: Some(runtime), producer }
+        Producer { runtime: Some(runtime), producer, name_server: name_server.to_owned() }
     }
 
     fn message(topic: &str, m: &Msg) -> Message {
@@ -192,8 +193,9 @@ impl Producer {
     }
 
     /// Sends `messages` to `topic` in order, each to queue `queue_of(i) % queues` (so a test decides which queue
-    /// a copy goes to), retrying a send while the topic's route is being created. Returns the (queue id, offset)
-    /// of each.
+    /// a copy goes to), retrying a send while the topic's route is being created, and returns once the name server
+    /// has the topic's route (the broker registers a topic it created a moment after its first message is stored:
+    /// a `check` right after the send found no route once). Returns the (queue id, offset) of each.
     pub async fn send(&mut self, topic: &str, messages: &[Msg], queue_of: impl Fn(usize) -> i32) -> Vec<(i32, i64)> {
         let mut out = Vec::with_capacity(messages.len());
         let mut broker: Option<String> = None;
@@ -224,6 +226,7 @@ impl Producer {
                 }
             }
         }
+        wait_for_route(&self.name_server, topic).await;
         out
     }
 
@@ -236,18 +239,31 @@ impl Producer {
     }
 }
 
+/// Waits until the name server has a route for `topic` (at most 30 s).
+async fn wait_for_route(name_server: &str, topic: &str) {
+    use rocketmq_client_rust::TopicAdmin;
+    let runtime = Runtime::new("test-admin").unwrap();
+    let mut admin = idemflow::source::rocketmq::admin(&runtime, &admin_settings(name_server)).await.unwrap();
+    let start = Instant::now();
+    while !matches!(admin.examine_topic_route_info(topic.into()).await, Ok(Some(_))) {
+        assert!(start.elapsed() < Duration::from_secs(30), "the name server has no route for {topic} after 30 s");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    admin.shutdown().await;
+    runtime.shutdown().await;
+}
+
+/// Settings for an admin client of `name_server`, without ACL.
+fn admin_settings(name_server: &str) -> idemflow::config::RocketMqSettings {
+    idemflow::config::RocketMqSettings { name_server: name_server.to_owned(), access_key: None, secret_key: None, timeout: Duration::from_secs(10) }
+}
+
 /// The consumer group's consume offsets of `topic` summed over its queues, and the queues' max offsets summed
 /// (`(committed, end)`), read with an admin client.
 pub async fn group_progress(name_server: &str, group: &str, topic: &str) -> (i64, i64) {
     use rocketmq_client_rust::ConsumerAdmin;
     let runtime = Runtime::new("test-admin").unwrap();
-    let settings = idemflow::config::RocketMqSettings {
-        name_server: name_server.to_owned(),
-        access_key: None,
-        secret_key: None,
-        timeout: Duration::from_secs(10),
-    };
-    let mut admin = idemflow::source::rocketmq::admin(&runtime, &settings).await.unwrap();
+    let mut admin = idemflow::source::rocketmq::admin(&runtime, &admin_settings(name_server)).await.unwrap();
     let stats = admin.examine_consume_stats(group.into(), Some(topic.into()), None, None, None).await;
     admin.shutdown().await;
     runtime.shutdown().await;
