@@ -72,7 +72,7 @@
 //!
 //! Outside its folder a broker is: one variant of [`source::Source`] and of [`source::spec::SourceSpec`], its line in
 //! each dispatch macro (`each_source!` in `source/mod.rs`, `each_spec!` in `source/spec.rs`) and in
-//! [`source::spec::ALL`] and [`source::spec::parse`], its keys in [`source::spec::RawSource`], its field of
+//! [`source::spec::ALL`] and [`source::spec::parse`], its raw part in [`source::spec::RawSource`] (a field and its reader), its field of
 //! [`source::Brokers`] and of the settings, a feature in `Cargo.toml`, and its row of the guarantee matrix
 //! (`tests/it/matrix.rs`: how to publish, and the settings section).
 //!

@@ -25,6 +25,8 @@ pub use error::savepoint_gone;
 pub mod offsets;
 pub mod retention;
 pub mod side_effect;
+mod connector;
+pub use connector::MyTx;
 
 use crate::store::spec::DatabaseSettings;
 use sqlx::mysql::{MySqlConnectOptions, MySqlPool, MySqlPoolOptions};

@@ -252,7 +252,7 @@ pub async fn lower_floor(conn: &mut MySqlConnection, pipeline: &str, topic: &str
 /// as that transaction left it ("Locking Reads": writes use the latest committed version).
 ///
 /// Errors: the database's.
-pub async fn mark_attempt(conn: &mut MySqlConnection, pipeline: &str, owner: &str, attempt: i64) -> sqlx::Result<(Option<i64>, crate::store::Session)> {
+pub async fn mark_attempt(conn: &mut MySqlConnection, pipeline: &str, owner: &str, attempt: i64) -> sqlx::Result<(Option<i64>, crate::store::contract::Session)> {
     sqlx::query(
         "INSERT INTO idemflow_attempts (pipeline, owner, attempt) VALUES (?, ?, ?) \
          ON DUPLICATE KEY UPDATE previous = attempt, attempt = VALUES(attempt), updated_at = CURRENT_TIMESTAMP(6)",
@@ -273,7 +273,7 @@ pub async fn mark_attempt(conn: &mut MySqlConnection, pipeline: &str, owner: &st
         Some((previous, id)) => (previous, id),
         None => (None, sqlx::query_scalar("SELECT CONNECTION_ID()").fetch_one(&mut *conn).await?),
     };
-    Ok((previous, crate::store::Session::MySql(id)))
+    Ok((previous, crate::store::contract::Session::MySql(id)))
 }
 
 /// Deletes `pipeline`'s attempt rows of lanes that wrote none for `idle`. Returns how many.

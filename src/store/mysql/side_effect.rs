@@ -30,7 +30,7 @@ use crate::store::spec::{Binding, DeclaredType, MetaSample, OnConflict, SinkSpec
 use crate::field::Render;
 use crate::store::rows::Apply;
 use crate::store::template::{Part, Statement};
-use crate::store::PrepareError;
+use crate::store::contract::PrepareError;
 use sqlx::{Executor as _, MySqlConnection};
 
 /// The side effect of one pipeline, checked against the database.

@@ -14,6 +14,8 @@ pub mod error;
 pub mod offsets;
 pub mod retention;
 pub mod side_effect;
+mod connector;
+pub use connector::PgTx;
 
 use crate::store::spec::DatabaseSettings;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};

@@ -262,7 +262,7 @@ pub async fn lower_floor(conn: &mut PgConnection, pipeline: &str, topic: &str, p
 /// or not: PostgreSQL docs, "INSERT", "ON CONFLICT Clause").
 ///
 /// Errors: the database's.
-pub async fn mark_attempt(conn: &mut PgConnection, pipeline: &str, owner: &str, attempt: i64) -> sqlx::Result<(Option<i64>, crate::store::Session)> {
+pub async fn mark_attempt(conn: &mut PgConnection, pipeline: &str, owner: &str, attempt: i64) -> sqlx::Result<(Option<i64>, crate::store::contract::Session)> {
     let (previous, pid, started): (Option<i64>, i32, i64) = sqlx::query_as(
         "INSERT INTO idemflow.attempts AS a (pipeline, owner, attempt) VALUES ($1, $2, $3) \
          ON CONFLICT (pipeline, owner) DO UPDATE SET previous = a.attempt, attempt = EXCLUDED.attempt, updated_at = now() \
@@ -274,7 +274,7 @@ pub async fn mark_attempt(conn: &mut PgConnection, pipeline: &str, owner: &str, 
     .persistent(super::persistent())
     .fetch_one(&mut *conn)
     .await?;
-    Ok((previous, crate::store::Session::Postgres(pid, started)))
+    Ok((previous, crate::store::contract::Session::Postgres(pid, started)))
 }
 
 /// Terminates backend `pid` if it is still in the transaction that started at `started` (microseconds since the

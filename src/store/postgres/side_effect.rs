@@ -39,7 +39,7 @@
 //! zone's local time instead of having its offset dropped, which is what PostgreSQL's own cast does.
 
 use crate::store::template::Statement;
-use crate::store::PrepareError;
+use crate::store::contract::PrepareError;
 use crate::store::spec::{
     Binding, MetaSample, OnConflict, SinkSpec, TimeSettings, ValueSource, IDLE_IN_TRANSACTION_TIMEOUT, TCP_KEEPALIVE_COUNT, TCP_KEEPALIVE_IDLE_SECS,
     TCP_KEEPALIVE_INTERVAL_SECS,

@@ -20,3 +20,5 @@ pub mod error;
 pub mod offsets;
 #[cfg(feature = "redis")]
 pub mod side_effect;
+#[cfg(feature = "redis")]
+mod connector;

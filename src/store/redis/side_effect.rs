@@ -6,7 +6,7 @@ use super::RedisStore;
 use crate::store::spec::{Binding, DeclaredType, SinkSpec};
 use crate::field::Render;
 use crate::store::rows::Apply;
-use crate::store::PrepareError;
+use crate::store::contract::PrepareError;
 use redis::Value;
 
 /// One argument, pieces resolved to binding indexes.

@@ -1,0 +1,202 @@
+//! The contract every store's connector implements, and the errors it answers with: a leaf of `store/` that the
+//! store folders import (never the hub, [`super`], which imports them).
+//!
+//! - [`Connector`]: a store's connection pool and what runs outside a batch (migrations, the schema check, stored
+//!   positions, retention, `explain`, dead letters, `dedup forget`). What only some stores do (lose positions, end
+//!   an abandoned session, keep processed floors, purge) has a default that means "this store cannot" or "has
+//!   nothing to do".
+//! - [`BatchTx`]: one open batch transaction of a store with interactive transactions (PostgreSQL, MySQL/MariaDB),
+//!   with every step the batch protocol (the sink) takes in it. Redis has none: its batch is one script.
+//!
+//! The hub ([`super::Store`], [`super::Tx`]) keeps the one list of stores: a closed enum each, dispatched by one
+//! macro, every method one line, as [`crate::source`] does for brokers.
+
+use crate::dead_letter::Stored;
+use crate::key::BusinessKey;
+use crate::metrics::DeadLetterReason;
+use crate::offsets::{Claimed, NextOffsets, Positions, Processed};
+use crate::record::{Position, Record};
+use crate::retention::PurgeOutcome;
+use crate::store::rows::{Apply, Claim, Digests, Existing, Explained, Forget, Forgotten};
+use std::time::Duration;
+
+/// `idemflow dedup forget` is refused while a lane of the pipeline recorded a batch attempt this recently.
+pub const FORGET_REFUSED_WITHIN: Duration = Duration::from_secs(60);
+
+/// How long a lane's row in the attempts table is kept after its last batch (see [`BatchTx::mark_attempt`]): the purge
+/// deletes older ones, left by workers that stopped.
+pub const ATTEMPT_ROWS_KEPT: Duration = Duration::from_secs(24 * 3600);
+
+/// A failure of the store outside a batch (positions, retention, `explain`, dead letters).
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The database's.
+    #[error(transparent)]
+    Sql(#[from] sqlx::Error),
+    /// Redis's.
+    #[error("redis: {0}")]
+    #[cfg(feature = "redis")]
+    Redis(#[from] ::redis::RedisError),
+    /// The request was refused, and why (`idemflow dedup forget` while a worker runs, or on Redis).
+    #[error("{0}")]
+    Refused(String),
+}
+
+/// Why a side effect does not fit the database. Each is a configuration error naming the field.
+#[derive(Debug, thiserror::Error)]
+#[error("{field}: {message}")]
+pub struct PrepareError {
+    /// The pipeline field at fault, such as `sink.table` or `sink.sql[1]`.
+    pub field: String,
+    /// What is wrong, with the database's own message where it gave one.
+    pub message: String,
+    /// The database could not be asked (connection, pool): worth retrying, not a configuration error.
+    pub unavailable: bool,
+}
+
+impl PrepareError {
+    /// Every problem found at once, as one error: a single problem keeps its field; several are listed under
+    /// `sink`, one per line.
+    pub fn all(mut problems: Vec<PrepareError>) -> PrepareError {
+        let message = problems.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n  ");
+        let field = if problems.len() == 1 { problems.remove(0).field } else { "sink".to_owned() };
+        let message = if field == "sink" { message } else { message.split_once(": ").map_or(message.clone(), |m| m.1.to_owned()) };
+        PrepareError { field, message, unavailable: false }
+    }
+}
+
+/// The server session a batch transaction runs in, as [`BatchTx::mark_attempt`] learned it: PostgreSQL's backend
+/// pid with its transaction's start (`now()`, which `pg_stat_activity.xact_start` shows: a pid alone may belong to
+/// another session by the time it is used), MySQL/MariaDB's connection id (for the logs: it is not used to end a
+/// session).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Session {
+    /// `(pg_backend_pid(), now() in microseconds since the Unix epoch)`.
+    Postgres(i32, i64),
+    /// `CONNECTION_ID()`.
+    MySql(u64),
+}
+
+/// A store's connection and what runs outside a batch. Implemented in each store's folder, behind its feature.
+// Dispatched statically through the hub's enum, on the concrete types: their futures' `Send` is known there.
+#[allow(async_fn_in_trait)]
+pub trait Connector: Send + Sync {
+    /// Creates or upgrades idemflow's tables; returns the schema version now.
+    ///
+    /// Errors: the migration's (the database unreachable, a migration changed since it was applied).
+    async fn migrate(&self) -> Result<i64, sqlx::migrate::MigrateError>;
+
+    /// Whether idemflow's tables are migrated to the version this binary needs, with the unique index the claim
+    /// depends on.
+    ///
+    /// Errors: what is missing and what to run.
+    async fn check_schema(&self) -> Result<(), String>;
+
+    /// Closes the pool, waiting for connections in use to be returned. Default: nothing to close.
+    async fn close(&self) {}
+
+    /// Takes ownership of `partitions` for `pipeline`: increments each one's epoch and returns the stored positions.
+    ///
+    /// Errors: the store's (the caller retries).
+    async fn claim_offsets(&self, pipeline: &str, owner: &str, partitions: &[(String, i32)]) -> Result<Vec<Claimed>, StoreError>;
+
+    /// Partitions of `pipeline`, among `owned`, whose positions as this worker stored them the store no longer
+    /// holds. Default: none (a store that keeps what it committed).
+    async fn lost_positions(&self, _pipeline: &str, _owned: &[(String, i32)]) -> Result<Vec<(String, i32)>, StoreError> {
+        Ok(Vec::new())
+    }
+
+    /// The stored positions of `pipeline`: `(topic, partition, next offset)`.
+    async fn stored_offsets(&self, pipeline: &str) -> Result<Vec<(String, i32, Option<i64>)>, StoreError>;
+
+    /// Sets the stored positions of `pipeline` and increments their epochs. Returns how many rows were written.
+    async fn reset_offsets(&self, pipeline: &str, positions: &[(String, i32, i64)]) -> Result<u64, StoreError>;
+
+    /// Ends the server session of a batch attempt abandoned before its `COMMIT`. Returns whether one was ended.
+    /// Default: nothing can be ended (no sessions, or none that can be matched to their transaction).
+    async fn end_session(&self, _session: Session) -> Result<bool, StoreError> {
+        Ok(false)
+    }
+
+    /// The lanes of `pipeline` that recorded a batch attempt within `within`, with when (`dedup forget` is refused
+    /// while there are any).
+    ///
+    /// Errors: the store's; [`StoreError::Refused`] where keys cannot be forgotten this way.
+    async fn recent_attempts(&self, pipeline: &str, within: Duration) -> Result<Vec<(String, String)>, StoreError>;
+
+    /// Deletes the dedup rows of `pipeline` that `what` names (only reads them with `dry_run`) and lowers the
+    /// processed floors of their partitions, in one transaction; returns the rows as they were.
+    ///
+    /// Errors: the store's; [`StoreError::Refused`] where keys cannot be forgotten this way.
+    async fn forget(&self, pipeline: &str, what: &Forget, dry_run: bool) -> Result<Forgotten, StoreError>;
+
+    /// Lowers the floors of `pipeline`'s processed marks to `positions`. Returns how many marks changed. Default:
+    /// no floors kept, nothing to do.
+    async fn lower_floors(&self, _pipeline: &str, _positions: &[(String, i32, i64)]) -> Result<u64, StoreError> {
+        Ok(0)
+    }
+
+    /// Deletes the dedup rows of `pipeline` older than `retention`, `batch` rows per transaction, and the attempt
+    /// rows of lanes gone for [`ATTEMPT_ROWS_KEPT`]. Default: nothing to purge (keys that expire by
+    /// themselves).
+    ///
+    /// Errors: the store's; a pass interrupted by one leaves the store consistent.
+    async fn purge(&self, _pipeline: &str, _retention: Duration, _batch: u32, _on_batch: impl FnMut(u64) + Send) -> Result<PurgeOutcome, StoreError> {
+        Ok(PurgeOutcome::default())
+    }
+
+    /// What the dedup store knows of one business key (`idemflow explain`).
+    async fn explain(&self, pipeline: &str, key: &BusinessKey) -> Result<Option<Explained>, StoreError>;
+
+    /// The newest `limit` dead letters, optionally of one pipeline.
+    async fn dead_letters(&self, pipeline: Option<&str>, limit: i64) -> Result<Vec<Stored>, StoreError>;
+
+    /// One dead letter by id.
+    async fn dead_letter(&self, id: i64) -> Result<Option<Stored>, StoreError>;
+}
+
+/// One open batch transaction of a store with interactive transactions, with the side effect it runs: every step
+/// the batch protocol takes in it (see [`super::Tx`], which documents each step). Dropped without
+/// [`BatchTx::commit`], it rolls back.
+#[allow(async_fn_in_trait)]
+pub trait BatchTx: Send {
+    /// `COMMIT`.
+    async fn commit(self) -> Result<(), sqlx::Error>;
+    /// `ROLLBACK`.
+    async fn rollback(self) -> Result<(), sqlx::Error>;
+    /// Default: a store whose side effects cannot end the transaction (PostgreSQL refuses transaction control
+    /// inside a function or a procedure called in a transaction block).
+    async fn still_open(&mut self) -> Result<bool, sqlx::Error> {
+        Ok(true)
+    }
+    /// Runs SQL without parameters on the simple (text) protocol: no prepared statement.
+    async fn raw(&mut self, sql: &str) -> Result<(), sqlx::Error>;
+    /// Starts the side effect in this transaction; `false` when its schema changed (roll back, prepare again).
+    async fn begin_side_effect(&mut self) -> Result<bool, sqlx::Error>;
+    /// Applies the side effect for all `rows` (the fast path).
+    async fn apply_all(&mut self, rows: &[&Apply]) -> Result<(), sqlx::Error>;
+    /// Applies the side effect for one record (the slow path).
+    async fn apply_one(&mut self, row: &Apply) -> Result<(), sqlx::Error>;
+    /// Claims distinct keys in one statement, insert-then-check; the digests of the keys that were new.
+    async fn claim(&mut self, pipeline: &str, claims: &[Claim<'_>]) -> Result<Digests, sqlx::Error>;
+    /// Reads the dedup rows of keys that the claim did not return.
+    async fn existing(&mut self, pipeline: &str, keys: &[&BusinessKey]) -> Result<Vec<([u8; 32], Existing)>, sqlx::Error>;
+    /// Adds skipped duplicates to their keys' dedup rows, in key id order.
+    async fn count_duplicates(&mut self, pipeline: &str, counts: &[(&BusinessKey, i64)]) -> Result<(), sqlx::Error>;
+    /// Writes one dead letter; `false` when this record was dead-lettered before.
+    async fn write_dead_letter(&mut self, pipeline: &str, record: &Record, reason: DeadLetterReason, error: &str) -> Result<bool, sqlx::Error>;
+    /// The dead letters of `pipeline` stored for `records`, as `(position, reason, error)`.
+    async fn dead_letters_at(&mut self, pipeline: &str, records: &[&Record]) -> Result<Vec<(Position, String, String)>, sqlx::Error>;
+    /// Deletes dead letters of `pipeline` by id.
+    async fn delete_dead_letters(&mut self, pipeline: &str, ids: &[i64]) -> Result<u64, sqlx::Error>;
+    /// Stores `positions` where the epoch is still the one presented; the partitions that were fenced.
+    async fn advance_offsets(&mut self, pipeline: &str, positions: &Positions) -> Result<Vec<(String, i32)>, sqlx::Error>;
+    /// Locks and reads the processed marks of the batch's partitions.
+    async fn processed(&mut self, pipeline: &str, first: &NextOffsets) -> Result<Processed, sqlx::Error>;
+    /// Raises the processed marks and floors to `next`, last before `COMMIT`.
+    async fn raise_processed(&mut self, pipeline: &str, next: &NextOffsets) -> Result<(), sqlx::Error>;
+    /// Records `attempt` as the lane's latest; the one recorded before it, and the server session.
+    async fn mark_attempt(&mut self, pipeline: &str, owner: &str, attempt: i64) -> Result<(Option<i64>, Session), sqlx::Error>;
+    /// Sets the processed marks and floors of `partitions` afresh (a topic created again).
+    async fn renew_processed(&mut self, pipeline: &str, partitions: &[(&str, i32, i64)]) -> Result<(), sqlx::Error>;
+}

@@ -1,0 +1,158 @@
+//! PostgreSQL as a store connector ([`crate::store::contract`]): the pool's calls outside a batch, and a batch
+//! transaction ([`PgTx`]), each step one call into this folder's modules.
+
+use super::{dead_letter, dedup, offsets, retention, side_effect};
+use crate::dead_letter::Stored;
+use crate::key::BusinessKey;
+use crate::metrics::DeadLetterReason;
+use crate::offsets::{Claimed, NextOffsets, Positions, Processed};
+use crate::record::{Position, Record};
+use crate::retention::PurgeOutcome;
+use crate::store::contract::{BatchTx, Connector, Session, StoreError};
+use crate::store::rows::{Apply, Claim, Digests, Existing, Explained, Forget, Forgotten};
+use crate::store::contract::ATTEMPT_ROWS_KEPT;
+use sqlx::PgPool;
+use std::time::Duration;
+
+impl Connector for PgPool {
+    async fn migrate(&self) -> Result<i64, sqlx::migrate::MigrateError> {
+        super::migrate(self).await?;
+        Ok(super::MIGRATOR.iter().map(|m| m.version).max().unwrap_or_default())
+    }
+
+    async fn check_schema(&self) -> Result<(), String> {
+        super::check_schema(self).await
+    }
+
+    async fn close(&self) {
+        PgPool::close(self).await
+    }
+
+    async fn claim_offsets(&self, pipeline: &str, owner: &str, partitions: &[(String, i32)]) -> Result<Vec<Claimed>, StoreError> {
+        Ok(offsets::claim(self, pipeline, owner, partitions).await?)
+    }
+
+    async fn stored_offsets(&self, pipeline: &str) -> Result<Vec<(String, i32, Option<i64>)>, StoreError> {
+        Ok(offsets::stored(self, pipeline).await?)
+    }
+
+    async fn reset_offsets(&self, pipeline: &str, positions: &[(String, i32, i64)]) -> Result<u64, StoreError> {
+        Ok(offsets::reset(self, pipeline, positions).await?)
+    }
+
+    async fn end_session(&self, session: Session) -> Result<bool, StoreError> {
+        let Session::Postgres(pid, started) = session else { return Ok(false) };
+        Ok(offsets::end_session(self, pid, started).await?)
+    }
+
+    async fn recent_attempts(&self, pipeline: &str, within: Duration) -> Result<Vec<(String, String)>, StoreError> {
+        Ok(dedup::recent_attempts(self, pipeline, within).await?)
+    }
+
+    async fn forget(&self, pipeline: &str, what: &Forget, dry_run: bool) -> Result<Forgotten, StoreError> {
+        Ok(dedup::forget(self, pipeline, what, dry_run).await?)
+    }
+
+    async fn lower_floors(&self, pipeline: &str, positions: &[(String, i32, i64)]) -> Result<u64, StoreError> {
+        Ok(offsets::lower_floors(self, pipeline, positions).await?)
+    }
+
+    async fn purge(&self, pipeline: &str, retention: Duration, batch: u32, on_batch: impl FnMut(u64) + Send) -> Result<PurgeOutcome, StoreError> {
+        let outcome = retention::purge(self, pipeline, retention, batch, on_batch).await?;
+        offsets::forget_attempts(self, pipeline, ATTEMPT_ROWS_KEPT).await?;
+        Ok(outcome)
+    }
+
+    async fn explain(&self, pipeline: &str, key: &BusinessKey) -> Result<Option<Explained>, StoreError> {
+        // In a transaction, as every access is (a transaction-pooling proxy, PgBouncer).
+        let mut tx = self.begin().await?;
+        Ok(dedup::explain(&mut tx, pipeline, key).await?)
+    }
+
+    async fn dead_letters(&self, pipeline: Option<&str>, limit: i64) -> Result<Vec<Stored>, StoreError> {
+        Ok(dead_letter::list(&mut *self.begin().await?, pipeline, limit).await?)
+    }
+
+    async fn dead_letter(&self, id: i64) -> Result<Option<Stored>, StoreError> {
+        Ok(dead_letter::get(&mut *self.begin().await?, id).await?)
+    }
+}
+
+/// A PostgreSQL batch transaction with the side effect it runs.
+pub struct PgTx<'a> {
+    /// The transaction.
+    pub tx: sqlx::Transaction<'static, sqlx::Postgres>,
+    /// The side effect it runs.
+    pub effect: &'a side_effect::SideEffect,
+}
+
+impl BatchTx for PgTx<'_> {
+    async fn commit(self) -> Result<(), sqlx::Error> {
+        self.tx.commit().await
+    }
+
+    async fn rollback(self) -> Result<(), sqlx::Error> {
+        self.tx.rollback().await
+    }
+
+    async fn raw(&mut self, sql: &str) -> Result<(), sqlx::Error> {
+        use sqlx::Executor as _;
+        self.tx.execute(sqlx::raw_sql(sql)).await.map(drop)
+    }
+
+    async fn begin_side_effect(&mut self) -> Result<bool, sqlx::Error> {
+        self.effect.begin(&mut self.tx).await
+    }
+
+    async fn apply_all(&mut self, rows: &[&Apply]) -> Result<(), sqlx::Error> {
+        self.effect.apply_all(&mut self.tx, rows).await
+    }
+
+    async fn apply_one(&mut self, row: &Apply) -> Result<(), sqlx::Error> {
+        self.effect.apply_one(&mut self.tx, row).await
+    }
+
+    async fn claim(&mut self, pipeline: &str, claims: &[Claim<'_>]) -> Result<Digests, sqlx::Error> {
+        dedup::claim(&mut self.tx, pipeline, claims).await
+    }
+
+    async fn existing(&mut self, pipeline: &str, keys: &[&BusinessKey]) -> Result<Vec<([u8; 32], Existing)>, sqlx::Error> {
+        dedup::existing(&mut self.tx, pipeline, keys).await
+    }
+
+    async fn count_duplicates(&mut self, pipeline: &str, counts: &[(&BusinessKey, i64)]) -> Result<(), sqlx::Error> {
+        dedup::count_duplicates(&mut self.tx, pipeline, counts).await
+    }
+
+    async fn write_dead_letter(&mut self, pipeline: &str, record: &Record, reason: DeadLetterReason, error: &str) -> Result<bool, sqlx::Error> {
+        dead_letter::write(&mut self.tx, pipeline, record, reason, error).await
+    }
+
+    async fn dead_letters_at(&mut self, pipeline: &str, records: &[&Record]) -> Result<Vec<(Position, String, String)>, sqlx::Error> {
+        dead_letter::at(&mut self.tx, pipeline, records).await
+    }
+
+    async fn delete_dead_letters(&mut self, pipeline: &str, ids: &[i64]) -> Result<u64, sqlx::Error> {
+        dead_letter::delete(&mut self.tx, pipeline, ids).await
+    }
+
+    async fn advance_offsets(&mut self, pipeline: &str, positions: &Positions) -> Result<Vec<(String, i32)>, sqlx::Error> {
+        offsets::advance(&mut self.tx, pipeline, positions).await
+    }
+
+    async fn processed(&mut self, pipeline: &str, first: &NextOffsets) -> Result<Processed, sqlx::Error> {
+        offsets::processed(&mut self.tx, pipeline, first).await
+    }
+
+    async fn raise_processed(&mut self, pipeline: &str, next: &NextOffsets) -> Result<(), sqlx::Error> {
+        offsets::raise_processed(&mut self.tx, pipeline, next).await
+    }
+
+    async fn mark_attempt(&mut self, pipeline: &str, owner: &str, attempt: i64) -> Result<(Option<i64>, Session), sqlx::Error> {
+        offsets::mark_attempt(&mut self.tx, pipeline, owner, attempt).await
+    }
+
+    async fn renew_processed(&mut self, pipeline: &str, partitions: &[(&str, i32, i64)]) -> Result<(), sqlx::Error> {
+        offsets::renew_processed(&mut self.tx, pipeline, partitions).await
+    }
+}
