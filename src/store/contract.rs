@@ -77,6 +77,19 @@ pub enum Session {
     MySql(u64),
 }
 
+/// A pipeline's side effect as its store built it: what the configuration and `check` ask of it.
+pub trait PreparedEffect {
+    /// The most bytes one record's values may take in the store, if it has a limit. Default: none.
+    fn max_record_bytes(&self) -> Option<u64> {
+        None
+    }
+
+    /// What `check` says about the store's limits, one line each. Default: nothing to say.
+    fn notes(&self) -> Vec<String> {
+        Vec::new()
+    }
+}
+
 /// A store's connection and what runs outside a batch. Implemented in each store's folder, behind its feature.
 // Dispatched statically through the hub's enum, on the concrete types: their futures' `Send` is known there.
 #[allow(async_fn_in_trait)]

@@ -27,15 +27,14 @@ pub mod rows;
 pub mod spec;
 pub mod template;
 
-pub use contract::{BatchTx, Connector, PrepareError, Session, StoreError, ATTEMPT_ROWS_KEPT, FORGET_REFUSED_WITHIN};
+pub use contract::{BatchTx, Connector, PrepareError, PreparedEffect, Session, StoreError, ATTEMPT_ROWS_KEPT, FORGET_REFUSED_WITHIN};
 pub use open::{StoreCapabilities, Stores, Tenant};
 #[cfg(feature = "mysql")]
 pub mod mysql;
 pub mod postgres;
 pub mod redis;
 
-use crate::store::spec::{Binding, DatabaseSettings, SinkSpec, TimeSettings};
-use crate::store::template::Dialect;
+use crate::store::spec::{Binding, SinkSpec, TimeSettings};
 use crate::field::Render;
 use crate::key::BusinessKey;
 use crate::offsets::{Claimed, NextOffsets, Positions, Processed};
@@ -80,44 +79,6 @@ macro_rules! each_store {
 }
 
 impl Store {
-    /// A pool for `settings.url` that connects on first use, so the worker can start before the database is up.
-    ///
-    /// Errors: the URL does not parse, or names no store idemflow knows.
-    pub fn connect(settings: &DatabaseSettings) -> Result<Store, sqlx::Error> {
-        Ok(match Dialect::of_url(settings.url.expose()) {
-            Dialect::Postgres => Store::Postgres(postgres::pool(settings)?),
-            #[cfg(feature = "mysql")]
-            Dialect::MySql => Store::MySql(mysql::MySqlStore::new(mysql::pool(settings)?)),
-            #[cfg(not(feature = "mysql"))]
-            Dialect::MySql => return Err(sqlx::Error::Configuration(not_built("MySQL/MariaDB", "mysql").into())),
-        })
-    }
-
-    /// A Redis store for `settings` that connects on first use.
-    ///
-    /// Errors: the URL does not parse, or a TLS file cannot be read.
-    pub fn redis(settings: &crate::store::spec::RedisSettings) -> Result<Store, String> {
-        #[cfg(feature = "redis")]
-        return redis::RedisStore::new(settings).map(Store::Redis);
-        #[cfg(not(feature = "redis"))]
-        {
-            let _ = settings;
-            Err(not_built("Redis", "redis"))
-        }
-    }
-
-    /// Connects once, directly, to tell whether the database is reachable, with the server's or the network's
-    /// own reason when it is not. The error never contains the password.
-    pub async fn ping(settings: &DatabaseSettings) -> Result<(), String> {
-        match Dialect::of_url(settings.url.expose()) {
-            Dialect::Postgres => postgres::ping(settings).await,
-            #[cfg(feature = "mysql")]
-            Dialect::MySql => mysql::ping(settings).await,
-            #[cfg(not(feature = "mysql"))]
-            Dialect::MySql => Err(not_built("MySQL/MariaDB", "mysql")),
-        }
-    }
-
     /// Creates or upgrades idemflow's tables; returns the schema version now ([`Connector::migrate`]).
     ///
     /// Errors: the migration's (the database unreachable, a migration changed since it was applied).
@@ -312,35 +273,29 @@ impl SqlSideEffect {
     }
 }
 
-impl SideEffect {
-    /// The most bytes one record's values may take in the store, if it has a limit: MySQL/MariaDB take statements of
-    /// at most `max_allowed_packet` (see [`mysql::side_effect::SideEffect::max_record_bytes`]).
-    pub fn max_record_bytes(&self) -> Option<u64> {
-        match self {
-            SideEffect::Sql(SqlSideEffect::Postgres(..)) => None,
-            #[cfg(feature = "redis")]
-            SideEffect::Script(..) => None,
+/// The side effects of every store, as a dispatch: `each_effect!(side_effect, |s| expr)` is `expr` on the store's
+/// own side effect `s` ([`contract::PreparedEffect`]).
+macro_rules! each_effect {
+    ($effect:expr, |$s:ident| $e:expr) => {
+        match $effect {
+            SideEffect::Sql(SqlSideEffect::Postgres(_, $s)) => $e,
             #[cfg(feature = "mysql")]
-            SideEffect::Sql(SqlSideEffect::MySql(_, s)) => Some(s.max_record_bytes()),
+            SideEffect::Sql(SqlSideEffect::MySql(_, $s)) => $e,
+            #[cfg(feature = "redis")]
+            SideEffect::Script(_, $s) => $e,
         }
+    };
+}
+
+impl SideEffect {
+    /// The most bytes one record's values may take in the store, if it has a limit ([`PreparedEffect::max_record_bytes`]).
+    pub fn max_record_bytes(&self) -> Option<u64> {
+        each_effect!(self, |s| PreparedEffect::max_record_bytes(s))
     }
 
-    /// What `check` says about the store's limits, one line each.
+    /// What `check` says about the store's limits, one line each ([`PreparedEffect::notes`]).
     pub fn notes(&self) -> Vec<String> {
-        match self {
-            SideEffect::Sql(SqlSideEffect::Postgres(..)) => Vec::new(),
-            #[cfg(feature = "redis")]
-            SideEffect::Script(..) => Vec::new(),
-            #[cfg(feature = "mysql")]
-            SideEffect::Sql(SqlSideEffect::MySql(_, s)) => vec![format!(
-                "the server's max_allowed_packet is {} bytes: a record whose values take more than {} bytes goes to the dead \
-                 letters (param_invalid), and a dead letter keeps the first {} bytes of a payload over that with its size and \
-                 SHA-256; raise max_allowed_packet for larger records",
-                s.max_allowed_packet(),
-                s.max_record_bytes(),
-                crate::record::OVERSIZED_PREFIX_BYTES
-            )],
-        }
+        each_effect!(self, |s| PreparedEffect::notes(s))
     }
 }
 

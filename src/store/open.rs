@@ -5,7 +5,9 @@
 
 use super::spec::{DatabaseSettings, RedisSettings, StoreKind};
 use super::template::Dialect;
-use super::Store;
+use super::{postgres, Store};
+#[cfg(feature = "mysql")]
+use super::mysql;
 use std::time::Duration;
 
 /// The stores' settings (`[database]`, `[redis]`), as the stores take them.
@@ -213,6 +215,44 @@ pub async fn behind_pooler(database: &DatabaseSettings) -> bool {
 }
 
 impl Store {
+    /// A pool for `settings.url` that connects on first use, so the worker can start before the database is up.
+    ///
+    /// Errors: the URL does not parse, or names no store idemflow knows.
+    pub fn connect(settings: &DatabaseSettings) -> Result<Store, sqlx::Error> {
+        Ok(match Dialect::of_url(settings.url.expose()) {
+            Dialect::Postgres => Store::Postgres(postgres::pool(settings)?),
+            #[cfg(feature = "mysql")]
+            Dialect::MySql => Store::MySql(mysql::MySqlStore::new(mysql::pool(settings)?)),
+            #[cfg(not(feature = "mysql"))]
+            Dialect::MySql => return Err(sqlx::Error::Configuration(super::not_built("MySQL/MariaDB", "mysql").into())),
+        })
+    }
+
+    /// A Redis store for `settings` that connects on first use.
+    ///
+    /// Errors: the URL does not parse, or a TLS file cannot be read.
+    pub fn redis(settings: &crate::store::spec::RedisSettings) -> Result<Store, String> {
+        #[cfg(feature = "redis")]
+        return super::redis::RedisStore::new(settings).map(Store::Redis);
+        #[cfg(not(feature = "redis"))]
+        {
+            let _ = settings;
+            Err(super::not_built("Redis", "redis"))
+        }
+    }
+
+    /// Connects once, directly, to tell whether the database is reachable, with the server's or the network's
+    /// own reason when it is not. The error never contains the password.
+    pub async fn ping(settings: &DatabaseSettings) -> Result<(), String> {
+        match Dialect::of_url(settings.url.expose()) {
+            Dialect::Postgres => postgres::ping(settings).await,
+            #[cfg(feature = "mysql")]
+            Dialect::MySql => mysql::ping(settings).await,
+            #[cfg(not(feature = "mysql"))]
+            Dialect::MySql => Err(super::not_built("MySQL/MariaDB", "mysql")),
+        }
+    }
+
     /// What this store's durability means for `pipelines` (those writing to it): one line each, warnings prefixed
     /// `warning: `. The databases make every COMMIT durable and say nothing; Redis depends on its settings.
     #[cfg_attr(not(feature = "redis"), allow(unused_variables))]

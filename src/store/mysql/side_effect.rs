@@ -149,6 +149,24 @@ impl Probe {
     }
 }
 
+impl crate::store::contract::PreparedEffect for SideEffect {
+    /// `max_allowed_packet` bounds a statement ([`SideEffect::max_record_bytes`]).
+    fn max_record_bytes(&self) -> Option<u64> {
+        Some(SideEffect::max_record_bytes(self))
+    }
+
+    fn notes(&self) -> Vec<String> {
+        vec![format!(
+            "the server's max_allowed_packet is {} bytes: a record whose values take more than {} bytes goes to the dead \
+             letters (param_invalid), and a dead letter keeps the first {} bytes of a payload over that with its size and \
+             SHA-256; raise max_allowed_packet for larger records",
+            self.max_allowed_packet(),
+            SideEffect::max_record_bytes(self),
+            crate::record::OVERSIZED_PREFIX_BYTES
+        )]
+    }
+}
+
 impl SideEffect {
     /// Checks the sink against the database and builds its statements. Returns the side effect and its bindings
     /// in value order, each with how its values are rendered.

@@ -366,6 +366,9 @@ fn settings_sql(time: &TimeSettings) -> String {
     )
 }
 
+/// No limit of its own on a record's values, nothing to say in `check`.
+impl crate::store::contract::PreparedEffect for SideEffect {}
+
 impl SideEffect {
     /// Checks the sink against the database and builds its statements, inside a transaction that is rolled back.
     /// Returns the side effect and its bindings in value order, each with how its values are rendered.

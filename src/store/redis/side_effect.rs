@@ -32,6 +32,9 @@ pub struct SideEffect {
     numbers: Vec<Option<Number>>,
 }
 
+/// No limit of its own on a record's values, nothing to say in `check`.
+impl crate::store::contract::PreparedEffect for SideEffect {}
+
 impl SideEffect {
     /// Checks `spec`'s commands against the server (`COMMAND INFO`: the command exists, may run in a script, and
     /// takes this many arguments) and returns the side effect with its bindings, each rendered as text (or as its
