@@ -76,11 +76,15 @@
 //! [`source::Brokers`] and of the settings, a feature in `Cargo.toml`, and its row of the guarantee matrix
 //! (`tests/it/matrix.rs`: how to publish, and the settings section).
 //!
-//! A store is the same under `src/store/<store>/`: its settings and `[sink]` form in [`store::spec`], one variant
-//! of [`store::Store`], [`store::SqlSideEffect`] and [`store::Tx`] (or of [`store::SideEffect`] for a batch as one script, as Redis:
-//! `sink/script.rs`), its error codes mapped into [`store::disposition::Disposition`], its arms in [`store::open`]
-//! with its [`store::StoreCapabilities`], a feature in `Cargo.toml`, and its column of the matrix (how its state is
-//! read).
+//! A store is the same under `src/store/<store>/`, implementing the contract of [`store::contract`]: its
+//! `connector.rs` ([`store::contract::Connector`] for what runs outside a batch, where the defaults say what the
+//! store cannot do or need not; [`store::contract::BatchTx`] for a batch transaction, where it has interactive
+//! transactions, or its own script as Redis: `sink/script.rs`), its side effect's [`store::contract::PreparedEffect`],
+//! its error codes mapped into [`store::disposition::Disposition`]. Outside its folder: its settings and `[sink]`
+//! form in [`store::spec`], one variant of [`store::Store`], [`store::SqlSideEffect`] or [`store::SideEffect`], and
+//! [`store::Tx`], its line in each dispatch macro (`each_store!`, `each_tx!`, `each_effect!` in `store/mod.rs`), its
+//! arms in [`store::open`] with its [`store::StoreCapabilities`], a feature in `Cargo.toml`, and its column of the
+//! matrix (how its state is read).
 //!
 //! # Why a crash can neither lose a record nor apply it twice
 //!
