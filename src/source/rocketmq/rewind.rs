@@ -40,6 +40,22 @@ pub async fn rewind(
     result
 }
 
+/// How many members of consumer `group` are connected (0 for RocketMQ's CONSUMER_NOT_ONLINE, 206). Bounded by
+/// `timeout`.
+///
+/// Errors: any other answer, or none in time: the question stays open, and a rewind with a worker running would be
+/// undone by its next offset flush.
+async fn members_online(admin: &rocketmq_client_rust::DefaultMQAdminExt, group: &str, timeout: Duration) -> Result<usize, String> {
+    use rocketmq_client_rust::ConsumerAdmin;
+    const CONSUMER_NOT_ONLINE: i32 = 206;
+    match tokio::time::timeout(timeout, admin.examine_consumer_connection_info(group.into(), None)).await {
+        Ok(Ok(c)) => Ok(c.get_connection_set().len()),
+        Ok(Err(e)) if e.broker_response_code() == Some(CONSUMER_NOT_ONLINE) => Ok(0),
+        Ok(Err(e)) => Err(format!("cannot tell whether consumer group {group:?} has members online: {e}")),
+        Err(_) => Err(format!("the group's members: no answer within {timeout:?}")),
+    }
+}
+
 async fn rewind_with(
     admin: &rocketmq_client_rust::DefaultMQAdminExt,
     settings: &RocketMqSettings,
@@ -59,15 +75,7 @@ async fn rewind_with(
         .map_err(|e| format!("cannot read the route of topic {:?}: {e}", spec.topic))?
         .ok_or_else(|| format!("topic {:?} has no route on the name server {}", spec.topic, settings.name_server))?;
     let group = spec.consumer_group.as_str();
-    // RocketMQ's CONSUMER_NOT_ONLINE (206): the group has no member connected. Any other error leaves the
-    // question open, and a rewind with a worker running would be undone by its next offset flush.
-    const CONSUMER_NOT_ONLINE: i32 = 206;
-    let members = match tokio::time::timeout(timeout, admin.examine_consumer_connection_info(group.into(), None)).await {
-        Ok(Ok(c)) => c.get_connection_set().len(),
-        Ok(Err(e)) if e.broker_response_code() == Some(CONSUMER_NOT_ONLINE) => 0,
-        Ok(Err(e)) => return Err(format!("cannot tell whether consumer group {group:?} has members online: {e}")),
-        Err(_) => return Err(bounded("the group's members")),
-    };
+    let members = members_online(admin, group, timeout).await?;
     let offsets = tokio::time::timeout(timeout, admin.examine_consume_stats(group.into(), Some(spec.topic.as_str().into()), None, None, None))
         .await
         .map_err(|_| bounded("the group's consume offsets"))?

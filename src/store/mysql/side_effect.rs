@@ -290,36 +290,20 @@ fn render_for(c: &Column, json: bool) -> Render {
     }
 }
 
-async fn prepare_table(
-    conn: &mut MySqlConnection,
-    table: &str,
-    columns: &[Binding],
+/// The clause after the table form's `VALUES` for `on_conflict` (empty for `error`), against the table's unique keys
+/// (`unique`, the primary key included): MySQL's `ON DUPLICATE KEY UPDATE` takes no conflict target and fires on a
+/// conflict on any unique key, so the key is the primary key or `conflict_columns`, which must be exactly one unique
+/// key's, and a table with several unique keys takes only `error`.
+///
+/// Errors: a conflict rule the table's keys cannot honour (`sink.on_conflict`, `sink.conflict_columns`).
+fn conflict_tail(
     on_conflict: OnConflict,
     conflict_columns: Option<&[String]>,
-) -> Result<(SideEffect, Vec<(Binding, Render)>), PrepareError> {
-    let (schema, name) = split_table(table);
-    let schema: String = match schema {
-        Some(s) => s,
-        None => sqlx::query_scalar::<_, Option<String>>("SELECT DATABASE()")
-            .fetch_one(&mut *conn)
-            .await
-            .map_err(|e| db_error("sink.table", e, ""))?
-            .ok_or_else(|| prepare_error("sink.table", "no database is selected: name it in [database] url, or write the table as database.table"))?,
-    };
-    let qualified = format!("{}.{}", quote_ident(&schema), quote_ident(&name));
-    let catalog = read_columns(conn, &schema, &name, &qualified).await?;
-    // MariaDB's JSON is LONGTEXT with a CHECK (json_valid(`c`)) named after the column.
-    let json_columns: Vec<String> = sqlx::query_scalar(
-        "SELECT CONSTRAINT_NAME FROM information_schema.CHECK_CONSTRAINTS \
-         WHERE BINARY CONSTRAINT_SCHEMA = ? AND BINARY TABLE_NAME = ? AND CHECK_CLAUSE LIKE 'json_valid(%'",
-    )
-    .bind(&schema)
-    .bind(&name)
-    .fetch_all(&mut *conn)
-    .await
-    .unwrap_or_default(); // MySQL has no TABLE_NAME there, and a real JSON type.
-    let found = check_columns(columns, &catalog, conflict_columns, &qualified)?;
-    let unique = unique_keys(conn, &schema, &name).await.map_err(|e| db_error("sink.table", e, ""))?;
+    unique: &[Vec<String>],
+    catalog: &[Column],
+    columns: &[Binding],
+    qualified: &str,
+) -> Result<String, PrepareError> {
     if on_conflict != OnConflict::Error && unique.len() > 1 {
         return Err(prepare_error(
             "sink.on_conflict",
@@ -353,7 +337,7 @@ async fn prepare_table(
         }
         None => catalog.iter().filter(|c| c.key == "PRI").map(|c| c.name.clone()).collect(),
     };
-    let tail = match on_conflict {
+    Ok(match on_conflict {
         OnConflict::Error => String::new(),
         OnConflict::Nothing | OnConflict::Update if key.is_empty() => {
             return Err(prepare_error("sink.conflict_columns", format!("table {qualified} has no primary key: list the conflict columns (a unique key's)")));
@@ -368,7 +352,40 @@ async fn prepare_table(
                 format!(" ON DUPLICATE KEY UPDATE {}", sets.join(", "))
             }
         }
+    })
+}
+
+async fn prepare_table(
+    conn: &mut MySqlConnection,
+    table: &str,
+    columns: &[Binding],
+    on_conflict: OnConflict,
+    conflict_columns: Option<&[String]>,
+) -> Result<(SideEffect, Vec<(Binding, Render)>), PrepareError> {
+    let (schema, name) = split_table(table);
+    let schema: String = match schema {
+        Some(s) => s,
+        None => sqlx::query_scalar::<_, Option<String>>("SELECT DATABASE()")
+            .fetch_one(&mut *conn)
+            .await
+            .map_err(|e| db_error("sink.table", e, ""))?
+            .ok_or_else(|| prepare_error("sink.table", "no database is selected: name it in [database] url, or write the table as database.table"))?,
     };
+    let qualified = format!("{}.{}", quote_ident(&schema), quote_ident(&name));
+    let catalog = read_columns(conn, &schema, &name, &qualified).await?;
+    // MariaDB's JSON is LONGTEXT with a CHECK (json_valid(`c`)) named after the column.
+    let json_columns: Vec<String> = sqlx::query_scalar(
+        "SELECT CONSTRAINT_NAME FROM information_schema.CHECK_CONSTRAINTS \
+         WHERE BINARY CONSTRAINT_SCHEMA = ? AND BINARY TABLE_NAME = ? AND CHECK_CLAUSE LIKE 'json_valid(%'",
+    )
+    .bind(&schema)
+    .bind(&name)
+    .fetch_all(&mut *conn)
+    .await
+    .unwrap_or_default(); // MySQL has no TABLE_NAME there, and a real JSON type.
+    let found = check_columns(columns, &catalog, conflict_columns, &qualified)?;
+    let unique = unique_keys(conn, &schema, &name).await.map_err(|e| db_error("sink.table", e, ""))?;
+    let tail = conflict_tail(on_conflict, conflict_columns, &unique, &catalog, columns, &qualified)?;
     let slots: Vec<Slot<'_>> = columns
         .iter()
         .zip(&found)

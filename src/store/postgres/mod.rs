@@ -14,6 +14,7 @@ pub mod error;
 pub mod offsets;
 pub mod retention;
 pub mod side_effect;
+mod types;
 mod connector;
 pub use connector::PgTx;
 

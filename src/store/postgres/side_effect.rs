@@ -38,6 +38,7 @@
 //! "dead_letter"`), and a value with an offset for a `timestamp` (without time zone) target is converted to that
 //! zone's local time instead of having its offset dropped, which is what PostgreSQL's own cast does.
 
+use super::types::{target_types, TargetType, NUMERIC, TIME, TIMESTAMP, TIMESTAMPTZ, TIMETZ};
 use crate::store::template::Statement;
 use crate::store::contract::PrepareError;
 use crate::store::spec::{
@@ -220,97 +221,6 @@ pub fn quote_literal(text: &str) -> String {
 fn probe_name() -> String {
     static NEXT: AtomicU64 = AtomicU64::new(0);
     format!("idemflow_probe_{}_{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed))
-}
-
-/// How a value meets its target type: how it is rendered in the worker and how SQL casts it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Target {
-    /// Cast from text as is.
-    Plain(Render),
-    /// `timestamp` (without time zone): a value with a UTC offset is converted to the pipeline's time zone.
-    LocalTimestamp,
-}
-
-impl Target {
-    fn render(self) -> Render {
-        match self {
-            Target::Plain(r) => r,
-            Target::LocalTimestamp => Render::Text,
-        }
-    }
-
-    /// The SQL that turns text `x` into the target type named `type_name`.
-    fn cast(self, x: &str, type_name: &str) -> String {
-        match self {
-            Target::Plain(_) => format!("CAST({x} AS {type_name})"),
-            // A time of day followed by Z, an offset or a zone name: see crate::field::has_utc_offset.
-            Target::LocalTimestamp => format!(
-                "CAST(CASE WHEN {x} ~ ':[0-9]{{2}}(:[0-9]{{2}}([.][0-9]+)?)?\\s*([zZ]|[+-][0-9]{{2}}(:?[0-9]{{2}}){{0,2}}|[A-Za-z][A-Za-z0-9_/+-]*)\\s*$' \
-                 THEN CAST(CAST({x} AS timestamptz) AS timestamp) ELSE CAST({x} AS timestamp) END AS {type_name})"
-            ),
-        }
-    }
-}
-
-/// The type of a target, as the catalog describes it.
-struct TargetType {
-    /// `format_type` with the type modifier -1, that is without one: `numeric`, `text[]`, `timestamp with time
-    /// zone`, `bpchar`, `"bit"`. (With `NULL` instead of -1, `format_type` names `bpchar` `character` and `bit`
-    /// `bit`, which SQL reads as `character(1)` and `bit(1)`: a cast to those truncates silently. PostgreSQL's
-    /// `format_type` source says so.)
-    name: String,
-    target: Result<Target, String>,
-}
-
-const JSON: i64 = 114;
-const JSONB: i64 = 3802;
-const TIMESTAMP: i64 = 1114;
-const TIMESTAMPTZ: i64 = 1184;
-const NUMERIC: i64 = 1700;
-const TIME: i64 = 1083;
-const TIMETZ: i64 = 1266;
-
-/// Reads how each type OID is bound: domains are looked through to their base type; composites, arrays of
-/// composites and pseudo-types are refused with a reason.
-async fn target_types(conn: &mut PgConnection, oids: &[i64]) -> Result<Vec<TargetType>, sqlx::Error> {
-    type Row = (i64, String, i64, String, String, i64, String);
-    let rows: Vec<Row> = sqlx::query_as(
-        "SELECT u.oid::int8, format_type(u.oid::oid, -1), b.oid::int8, b.typtype::text, b.typcategory::text,
-                coalesce(eb.oid::int8, 0), coalesce(eb.typtype::text, '')
-         FROM unnest($1::int8[]) AS u(oid)
-         JOIN pg_type t ON t.oid = u.oid::oid
-         JOIN pg_type b ON b.oid = CASE WHEN t.typtype = 'd' THEN t.typbasetype ELSE t.oid END
-         LEFT JOIN pg_type e ON e.oid = b.typelem AND b.typcategory = 'A'
-         LEFT JOIN pg_type eb ON eb.oid = CASE WHEN e.typtype = 'd' THEN e.typbasetype ELSE e.oid END",
-    )
-    .bind(oids)
-    .persistent(super::persistent())
-    .fetch_all(&mut *conn)
-    .await?;
-    Ok(oids
-        .iter()
-        .map(|oid| {
-            let Some((_, name, base, typtype, category, elem, elem_typtype)) = rows.iter().find(|r| r.0 == *oid) else {
-                return TargetType { name: format!("type {oid}"), target: Err(format!("type {oid} does not exist")) };
-            };
-            let target = match (*base, typtype.as_str(), category.as_str()) {
-                (JSON | JSONB, _, _) => Ok(Target::Plain(Render::Json)),
-                (TIMESTAMPTZ, _, _) => Ok(Target::Plain(Render::Zoned)),
-                (TIMESTAMP, _, _) => Ok(Target::LocalTimestamp),
-                (_, _, "A") if elem_typtype == "c" => Err(format!(
-                    "{name} is an array of a composite type, which idemflow cannot bind: use a jsonb column"
-                )),
-                (_, _, "A") => Ok(Target::Plain(Render::Array { json: matches!(*elem, JSON | JSONB) })),
-                (_, "c", _) => Err(format!(
-                    "{name} is a composite type, which idemflow cannot bind: map its fields to columns, or use jsonb"
-                )),
-                (_, "p", _) => Err(format!("{name} is a pseudo-type: cast the parameter to a real type in the SQL")),
-                // Ranges and multiranges take their text form (`[1,5)`), as do enums and every base type.
-                _ => Ok(Target::Plain(Render::Text)),
-            };
-            TargetType { name: name.clone(), target }
-        })
-        .collect())
 }
 
 /// Runs `sql` (statements separated by `;`, simple query protocol, one round trip) and returns the text of the
@@ -506,13 +416,30 @@ async fn check_parses(conn: &mut PgConnection, sql: &str) -> Result<Vec<i64>, sq
     Ok(oid_list(&probe(conn, &prepare_probe(sql)).await?))
 }
 
-async fn prepare_table(
-    conn: &mut PgConnection,
-    table: &str,
-    columns: &[Binding],
-    on_conflict: OnConflict,
-    conflict_columns: Option<&[String]>,
-) -> Result<(Form, Probe, Vec<(Binding, Render)>), PrepareError> {
+/// The table form's one statement: every column's values as a text array, unnested and cast to the column's type
+/// (`types`, all bindable), then `conflict` (`ON CONFLICT ...`, or empty).
+fn insert_statement(qualified: &str, columns: &[Binding], types: &[TargetType], conflict: &str) -> String {
+    let names = columns.iter().map(|b| quote_ident(&b.name)).collect::<Vec<_>>().join(", ");
+    let casts = types
+        .iter()
+        .enumerate()
+        .map(|(i, t)| t.target.as_ref().expect("checked by the caller").cast(&format!("u.c{i}"), &t.name))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let arrays = (1..=columns.len()).map(|n| format!("${n}::text[]")).collect::<Vec<_>>().join(", ");
+    let aliases = (0..columns.len()).map(|i| format!("c{i}")).collect::<Vec<_>>().join(", ");
+    format!("INSERT INTO {qualified} ({names}) SELECT {casts} FROM unnest({arrays}) AS u({aliases}){conflict}")
+}
+
+/// A table's column, as the catalog describes it: name, type OID, whether it is in the primary key, whether it is
+/// required (NOT NULL without a default, identity or generation), type modifier.
+type CatalogColumn = (String, i64, bool, bool, i32);
+
+/// The table `table` names (on the search path): its OID, its name as PostgreSQL qualifies it, and its columns in
+/// order.
+///
+/// Errors: the table does not exist, or the catalog could not be read (`sink.table`).
+async fn read_table(conn: &mut PgConnection, table: &str) -> Result<(i64, String, Vec<CatalogColumn>), PrepareError> {
     let found: Option<(i64, String)> =
         sqlx::query_as("SELECT c.oid::int8, c.oid::regclass::text FROM pg_class c WHERE c.oid = to_regclass($1)")
             .bind(table)
@@ -523,7 +450,7 @@ async fn prepare_table(
     let Some((oid, qualified)) = found else {
         return Err(prepare_error("sink.table", format!("table {table:?} does not exist (or is not visible on the search_path)")));
     };
-    let catalog: Vec<(String, i64, bool, bool, i32)> = sqlx::query_as(
+    let catalog: Vec<CatalogColumn> = sqlx::query_as(
         "SELECT a.attname::text, a.atttypid::int8, coalesce(a.attnum = ANY(i.indkey), false),
                 a.attnotnull AND NOT a.atthasdef AND a.attidentity = '' AND a.attgenerated = '', a.atttypmod
          FROM pg_attribute a
@@ -535,6 +462,17 @@ async fn prepare_table(
     .fetch_all(&mut *conn)
     .await
     .map_err(|e| db_error("sink.table", e, ""))?;
+    Ok((oid, qualified, catalog))
+}
+
+async fn prepare_table(
+    conn: &mut PgConnection,
+    table: &str,
+    columns: &[Binding],
+    on_conflict: OnConflict,
+    conflict_columns: Option<&[String]>,
+) -> Result<(Form, Probe, Vec<(Binding, Render)>), PrepareError> {
+    let (oid, qualified, catalog) = read_table(conn, table).await?;
     // Every problem at once: misspelled columns first (a NOT NULL column left unmapped is often the same typo).
     let mut problems = Vec::new();
     let names: Vec<&str> = catalog.iter().map(|(n, ..)| n.as_str()).collect();
@@ -587,16 +525,7 @@ async fn prepare_table(
         None => catalog.iter().filter(|(_, _, pk, ..)| *pk).map(|(n, ..)| n.clone()).collect(),
     };
     let conflict = conflict_clause(on_conflict, &target, columns, &qualified)?;
-    let names = columns.iter().map(|b| quote_ident(&b.name)).collect::<Vec<_>>().join(", ");
-    let casts = types
-        .iter()
-        .enumerate()
-        .map(|(i, t)| t.target.as_ref().expect("checked above").cast(&format!("u.c{i}"), &t.name))
-        .collect::<Vec<_>>()
-        .join(", ");
-    let arrays = (1..=columns.len()).map(|n| format!("${n}::text[]")).collect::<Vec<_>>().join(", ");
-    let aliases = (0..columns.len()).map(|i| format!("c{i}")).collect::<Vec<_>>().join(", ");
-    let sql = format!("INSERT INTO {qualified} ({names}) SELECT {casts} FROM unnest({arrays}) AS u({aliases}){conflict}");
+    let sql = insert_statement(&qualified, columns, &types, &conflict);
     check_parses(conn, &sql)
         .await
         .map_err(|e| prepare_error("sink", format!("the generated statement is refused: {e}\n  {sql}")))?;

@@ -206,34 +206,7 @@ impl RedisStore {
         inv.arg(items.len());
         let mut blob = Vec::new();
         for item in items {
-            let record = match item {
-                Item::Apply { record, .. } | Item::DeadLetter { record, .. } => record,
-            };
-            let p = &record.position;
-            let kind = match item {
-                Item::DeadLetter { replayed: false, .. } => "D".to_owned(),
-                Item::DeadLetter { replayed: true, .. } => "DR".to_owned(),
-                Item::Apply { replay_skip: Some(done), .. } => format!("R{done}"),
-                Item::Apply { .. } => "A".to_owned(),
-            };
-            // A Kafka position is dead-lettered once; a queue's delivery tag identifies nothing.
-            let dl_position = if p.partition == NO_PARTITION { String::new() } else { format!("{}/{}/{}", p.topic, p.partition, p.offset) };
-            blob.clear();
-            serde_json::to_writer(&mut blob, &Meta::of(record)).expect("plain data");
-            blob.push(b'\n');
-            blob.extend_from_slice(record.payload.as_deref().unwrap_or_default());
-            inv.arg(kind).arg(dl_position).arg(&blob[..]);
-            match item {
-                Item::DeadLetter { reason, error, .. } => {
-                    inv.arg(&*p.topic).arg(p.partition).arg(p.offset).arg(reason.as_str()).arg(*error);
-                }
-                Item::Apply { digest, fingerprint, values, .. } => {
-                    inv.arg(hex::encode(digest)).arg(DedupValue::tail(p.partition, p.offset, fingerprint, &p.topic));
-                    for v in values {
-                        inv.arg(v);
-                    }
-                }
-            }
+            push_item(&mut inv, item, &mut blob);
         }
         let started = Instant::now();
         let answer: Result<Value, redis::RedisError> = async { inv.invoke_async(&mut self.conn().await?).await }.await;
@@ -383,3 +356,37 @@ fn parse_result(r: &Value) -> Option<ItemResult> {
         _ => return None,
     })
 }
+/// Adds one item's arguments to the batch script's invocation: its kind, its dead-letter position, its metadata and
+/// payload (in `blob`, reused), then a dead letter's position, reason and error, or a record's key digest, dedup
+/// value and side-effect values.
+fn push_item(inv: &mut redis::ScriptInvocation<'_>, item: &Item<'_>, blob: &mut Vec<u8>) {
+    let record = match item {
+        Item::Apply { record, .. } | Item::DeadLetter { record, .. } => record,
+    };
+    let p = &record.position;
+    let kind = match item {
+        Item::DeadLetter { replayed: false, .. } => "D".to_owned(),
+        Item::DeadLetter { replayed: true, .. } => "DR".to_owned(),
+        Item::Apply { replay_skip: Some(done), .. } => format!("R{done}"),
+        Item::Apply { .. } => "A".to_owned(),
+    };
+    // A Kafka position is dead-lettered once; a queue's delivery tag identifies nothing.
+    let dl_position = if p.partition == NO_PARTITION { String::new() } else { format!("{}/{}/{}", p.topic, p.partition, p.offset) };
+    blob.clear();
+    serde_json::to_writer(&mut *blob, &Meta::of(record)).expect("plain data");
+    blob.push(b'\n');
+    blob.extend_from_slice(record.payload.as_deref().unwrap_or_default());
+    inv.arg(kind).arg(dl_position).arg(&blob[..]);
+    match item {
+        Item::DeadLetter { reason, error, .. } => {
+            inv.arg(&*p.topic).arg(p.partition).arg(p.offset).arg(reason.as_str()).arg(*error);
+        }
+        Item::Apply { digest, fingerprint, values, .. } => {
+            inv.arg(hex::encode(digest)).arg(DedupValue::tail(p.partition, p.offset, fingerprint, &p.topic));
+            for v in values {
+                inv.arg(v);
+            }
+        }
+    }
+}
+

@@ -1,0 +1,256 @@
+//! `idemflow bench`: idemflow's throughput, cost and scaling against its baselines, side by side in one run.
+//!
+//! One stream of N records (about 190 bytes of JSON each, 2% duplicates: republished copies and reused keys with
+//! another payload) is produced into the embedded Kafka broker before any timing starts, spread over enough
+//! partitions for the mock cluster to keep it all. Then, one after another, each on a fresh database:
+//!
+//! 1. the worker with its default batching, table-form side effect;
+//! 2. the worker with one record per transaction (`max_records = 1`), over a prefix of the stream;
+//! 3. the ceiling: `COPY` of the same dedup rows and business rows into the same indexed tables, no Kafka;
+//! 4. the worker as in (1) with `--preload` dedup keys already in the store;
+//! 5. the broker's ceiling: a consume-only pass (decode and key extraction, no database);
+//! 6. the worker with the per-record SQL form of the same side effect, over a prefix of the stream;
+//! 7. the worker with a Redis sink (`[sink] redis`: each new order as a hash, one script per batch) on a throwaway
+//!    `redis-server` (append-only file, `appendfsync everysec`); skipped when `redis-server` is not installed;
+//! 8. the worker with the shipped example as it ships, `pipelines/payments.toml` on `pipelines/payments.sql` (the
+//!    batch SQL form: one `INSERT ... SELECT ... FROM new_records` into `payments`, with its foreign key and check,
+//!    and one `UPDATE accounts ... FROM` the batch's sums per account, per batch), its 10,000 accounts seeded;
+//! 9. the ceiling of what the guarantee needs: `COPY` of the business rows and one dedup row per key (the key text
+//!    as the primary key, nothing else) into fresh tables, no Kafka;
+//! 10. a batched consumer written by hand (2,000 records per transaction: one statement inserts the batch's keys
+//!     into a key table with `ON CONFLICT DO NOTHING` and the business rows of those that were new, from `unnest`
+//!     arrays; then an asynchronous offset commit), no metrics, no dead letters, no duplicate reasons;
+//! 11. the design guides' consumer: one transaction per message (insert its key into the key table, the business
+//!     row if the key was new, `COMMIT`, then a synchronous offset commit), over the prefix of run (2);
+//! 12. run (13) with one round trip per statement and record, as before the server-side loop: its `INSERT` given a
+//!     `RETURNING` clause (a statement that returns rows keeps the per-record round trips), over the prefix of
+//!     run (2);
+//! 13. the same side effect as (8) in the per-record SQL form, as `examples/per-record-sql/payments.toml` ships it
+//!     (an `INSERT` and an `UPDATE` per new record, run server-side in one round trip per batch), on the same
+//!     tables;
+//! 14. and 15. run (1) with `batch.concurrency = 2` and `4`: as many batch transactions at once, on disjoint
+//!     partitions (one consumer each in the pipeline's group).
+//!
+//! With `--database-url mysql://...` (or `mariadb://`) runs (1), (2), (5) and (6) run on MySQL or MariaDB; (3), (4)
+//! and (8) to (15) are PostgreSQL's.
+//!
+//! With `--source rabbitmq` the same stream is published to quorum queues of a throwaway RabbitMQ node instead
+//! (message-id = order id, persistent, publisher confirms), and these runs compare: (1) the worker, table form, from a
+//! queue; (5) the broker's ceiling, a consume-only pass from a queue with the same prefetch and one `basic.ack` with
+//! `multiple` per batch; (7) the Redis sink; (8) the shipped payments example from a queue.
+//!
+//! The workers run as child processes (`idemflow run`), so their CPU time is that process's alone: user + system
+//! time from `/proc/<pid>/stat` when the target is reached (start-up included, shutdown not; the notes also give
+//! the whole process's from `wait4`), and their peak RSS its `/proc/<pid>/status` `VmHWM`, read just before it is
+//! stopped. Throughput is taken between the first and the last record received (so start-up and group join are
+//! left out). Latencies are quantiles of the worker's
+//! own histograms, interpolated within buckets as Prometheus' `histogram_quantile` does.
+
+mod baselines;
+mod harness;
+mod one_stream;
+mod options;
+mod report;
+mod workload;
+
+pub use harness::histogram_quantile;
+pub(crate) use harness::scrape;
+pub use options::{BenchOptions, BenchSource};
+pub use report::{markdown, Ratio, Report, RunResult};
+
+use crate::demo::kafka::EmbeddedKafka;
+use crate::demo::postgres::Throwaway;
+use std::time::Duration;
+use baselines::*;
+use harness::*;
+use one_stream::*;
+use report::*;
+use workload::*;
+
+/// Runs the benchmark and writes the Markdown table and the JSON.
+pub async fn run(o: BenchOptions) -> anyhow::Result<Report> {
+    if cfg!(debug_assertions) {
+        eprintln!("warning: this is a debug build; run `cargo run --release -- bench` for meaningful figures");
+    }
+    let throwaway;
+    let admin_url = match &o.database_url {
+        Some(url) => url.clone(),
+        None => {
+            eprintln!("starting a throwaway PostgreSQL cluster (fsync on, synchronous_commit on)...");
+            throwaway = Throwaway::start_durable()?;
+            throwaway.url()
+        }
+    };
+    if o.source != BenchSource::Kafka {
+        anyhow::ensure!(o.repeat <= 1, "--repeat is for the embedded Kafka's runs; run `idemflow bench --source {:?}` several times instead", o.source);
+        return run_one_stream(&o, &admin_url).await;
+    }
+    let mysql = is_mysql(&admin_url);
+    let kafka = EmbeddedKafka::start()?;
+    // About 200 bytes a record; the mock keeps about 5 MiB per partition: stay under 2 MiB.
+    let partitions = ((o.records * 230) / (2 << 20) + 1).max(4) as i32;
+    kafka.create_topic(TOPIC, partitions)?;
+    let env = environment(&admin_url, o.database_url.is_none(), &o, partitions).await?;
+    for (k, v) in &env {
+        eprintln!("{k}: {v}");
+    }
+    let s = produce(&kafka, o.records, partitions)?;
+    let total = s.records.len() as u64;
+    let mut runs = Vec::new();
+    let report_run = |r: &RunResult| eprintln!("{} {}: {:.0} records/s ({})", r.id, r.name, r.records_per_second, r.note);
+
+    // On MySQL/MariaDB, runs (3) and (4) are PostgreSQL's (a COPY ceiling, a preload with generate_series).
+    let want = |n: u8| (o.only.is_empty() || o.only.contains(&n)) && !(mysql && matches!(n, 3 | 4 | 8..=15));
+    let perf = o.perf;
+    if mysql {
+        eprintln!("MySQL/MariaDB: runs (1), (2), (5) and (6); (3), (4) and (8) to (15) are PostgreSQL's");
+    }
+
+    let mut repetitions = Vec::new();
+    for repetition in 1..=o.repeat.max(1) {
+        // Each repetition's consumer groups are new, so each reads the topic from its start.
+        let tag = if repetition == 1 { String::new() } else { format!("-r{repetition}") };
+        let group = |n: u8| format!("bench-{n}{tag}");
+        let first = runs.len();
+        for n in 1..=15u8 {
+            if !want(n) {
+                continue;
+            }
+            let r = if (8..=15).contains(&n) {
+                match n {
+                    14 | 15 => {
+                        let lanes = if n == 14 { 2 } else { 4 };
+                        let url = fresh_database(&admin_url, &format!("bench_{n}")).await?;
+                        let (id, name) = if n == 14 {
+                            ("(14)", "idemflow, default batching (table form), batch.concurrency = 2")
+                        } else {
+                            ("(15)", "idemflow, default batching (table form), batch.concurrency = 4")
+                        };
+                        let group = group(n);
+                        let run = WorkerRun { id, name, pipeline: concurrent_table_pipeline(lanes), group: &group, target: total };
+                        // The lanes' consumers join the new group together, as on a real broker, whose new groups wait
+                        // 3 s for more members before the first assignment; with the mock's 0 they would join one after
+                        // another, each join a rebalance that the mock holds for session.timeout.ms - 1 s while the
+                        // offset commits of the members already consuming are refused.
+                        kafka.set_initial_rebalance_delay(Duration::from_secs(3));
+                        let r = worker_run(run, &kafka_settings(&kafka), &url, perf).await;
+                        kafka.set_initial_rebalance_delay(Duration::ZERO);
+                        r?
+                    }
+                    13 => {
+                        let url = payments_database(&admin_url, "bench_13").await?;
+                        let name = "idemflow, the shipped example in the per-record SQL form, examples/per-record-sql/payments.toml";
+                        let run = WorkerRun { id: "(13)", name, pipeline: per_record_payments_pipeline(), group: &group(13), target: total };
+                        worker_run(run, &kafka_settings(&kafka), &url, perf).await?
+                    }
+                    12 => {
+                        let url = payments_database(&admin_url, "bench_12").await?;
+                        let name = "idemflow, the per-record SQL form with one round trip per statement and record (its INSERT given RETURNING)";
+                        let per_record = per_record_payments_pipeline();
+                        let pipeline = per_record.replace(":paid_at, :details)", ":paid_at, :details) RETURNING order_id");
+                        anyhow::ensure!(pipeline != per_record, "examples/per-record-sql/payments.toml's INSERT ends with `:paid_at, :details)`");
+                        let single = o.single_records.min(o.records) as u64;
+                        let run = WorkerRun { id: "(12)", name, pipeline, group: &group(12), target: single };
+                        worker_run(run, &kafka_settings(&kafka), &url, perf).await?
+                    }
+                    8 => {
+                        let url = payments_database(&admin_url, "bench_8").await?;
+                        let name = "idemflow, the shipped example pipelines/payments.toml (batch SQL form: INSERT payments + UPDATE accounts per batch)";
+                        let run = WorkerRun { id: "(8)", name, pipeline: payments_pipeline(), group: &group(8), target: total };
+                        worker_run(run, &kafka_settings(&kafka), &url, perf).await?
+                    }
+                    9 => minimal_copy_ceiling(&minimal_database(&admin_url, "bench_9").await?, &s, s.records.len()).await?,
+                    10 => hand_written_batched(&kafka, &minimal_database(&admin_url, "bench_10").await?, s.records.len(), &group(10)).await?,
+                    _ => {
+                        let single = o.single_records.min(o.records);
+                        per_message(&kafka, &minimal_database(&admin_url, "bench_11").await?, single, &group(11)).await?
+                    }
+                }
+            } else if n == 7 {
+                if mysql {
+                    continue;
+                }
+                let redis = match crate::demo::redis::Throwaway::start() {
+                    Ok(r) => r,
+                    Err(e) => {
+                        eprintln!("(7) skipped: {e}");
+                        continue;
+                    }
+                };
+                eprintln!("redis: {} (throwaway server, appendonly yes, appendfsync everysec)", redis.version());
+                let run = WorkerRun { id: "(7)", name: "idemflow, Redis sink (one script per batch)", pipeline: redis_pipeline(), group: &group(7), target: total };
+                let store = format!("[redis]\nurl = \"{}\"\n", redis.url());
+                worker_run_on(run, &kafka_settings(&kafka), &store, perf, &Probe::default()).await?
+            } else {
+                let url = fresh_database(&admin_url, &format!("bench_{n}")).await?;
+                let run_group = group(n);
+                let worker = |id, name, pipeline, target| WorkerRun { id, name, pipeline, group: &run_group, target };
+                match n {
+                    1 => worker_run(worker("(1)", "idemflow, default batching (table form)", table_pipeline(None), total), &kafka_settings(&kafka), &url, perf).await?,
+                    2 => {
+                        let single = o.single_records.min(o.records) as u64;
+                        let name = "idemflow, one record per transaction (max_records = 1)";
+                        worker_run(worker("(2)", name, table_pipeline(Some(1)), single), &kafka_settings(&kafka), &url, perf).await?
+                    }
+                    3 => copy_ceiling(&url, &s, s.records.len()).await?,
+                    4 => {
+                        let preload_secs = preload(&url, o.preload).await?;
+                        let name = "idemflow, default batching, dedup store preloaded";
+                        let mut r = worker_run(worker("(4)", name, table_pipeline(None), total), &kafka_settings(&kafka), &url, perf).await?;
+                        r.note = format!("{} preloaded keys (in {preload_secs:.1} s); {}", o.preload, r.note);
+                        r
+                    }
+                    5 => consume_only(&kafka, &url, s.records.len(), &group(5)).await?,
+                    _ => {
+                        let sql = o.sql_records.min(o.records) as u64;
+                        let name = "idemflow, default batching, per-record SQL form";
+                        worker_run(worker("(6)", name, sql_pipeline(), sql), &kafka_settings(&kafka), &url, perf).await?
+                    }
+                }
+            };
+            let r = RunResult { repetition, ..r };
+            report_run(&r);
+            runs.push(r);
+        }
+        repetitions.push(ratios(&runs[first..], mysql));
+    }
+    let report = Report { environment: env, runs, ratios: combine(&repetitions) };
+    write_outputs(&report, &o.markdown, &o.json)?;
+    Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quantiles_interpolate_within_buckets() {
+        let m = "x_bucket{pipeline=\"p\",le=\"0.1\"} 50\nx_bucket{pipeline=\"p\",le=\"0.2\"} 100\nx_bucket{pipeline=\"p\",le=\"+Inf\"} 100\n";
+        assert_eq!(histogram_quantile(m, "x", 0.5), Some(0.1));
+        assert!((histogram_quantile(m, "x", 0.75).unwrap() - 0.15).abs() < 1e-9);
+        assert_eq!(histogram_quantile("", "x", 0.5), None);
+    }
+
+    #[test]
+    fn ratios_of_repetitions_are_their_median_and_range_by_name() {
+        let one = |v: f64| vec![("a".to_owned(), v, ">= 1".to_owned()), ("b".to_owned(), v * 2.0, "(measured)".to_owned())];
+        let mut reps = vec![one(0.9), one(0.5), one(0.7)];
+        reps[1].truncate(1); // "b" missing from one repetition: its runs did not both run there
+        let r = combine(&reps);
+        assert_eq!(r.iter().map(|r| r.name.as_str()).collect::<Vec<_>>(), ["a", "b"]);
+        assert_eq!((r[0].value, r[0].low, r[0].high, r[0].repetitions), (0.7, 0.5, 0.9, 3));
+        assert_eq!(r[0].target, ">= 1");
+        // An even count: the mean of the middle two.
+        assert!((r[1].value - 1.6).abs() < 1e-12 && r[1].repetitions == 2, "{:?}", r[1]);
+    }
+
+    #[test]
+    fn the_stream_has_two_percent_duplicates_of_about_200_bytes() {
+        let s = stream(100_000, 8);
+        let dup = (s.republished + s.mismatched) as f64 / s.records.len() as f64;
+        assert!((0.015..0.025).contains(&dup), "{dup}");
+        let avg = s.records.iter().map(|r| r.1.len()).sum::<usize>() / s.records.len();
+        assert!((180..=230).contains(&avg), "{avg}");
+        assert_eq!(s.firsts.len() as u64 + s.republished + s.mismatched, 100_000);
+    }
+}
