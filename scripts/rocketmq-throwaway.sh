@@ -119,7 +119,11 @@ PROPS
 
 rocketmq_throwaway_stop() {
   [ -n "${ROCKETMQ_THROWAWAY_DIR:-}" ] || return 0
-  kill "$ROCKETMQ_BROKER_PID" "$ROCKETMQ_NAMESRV_PID" 2>/dev/null || true
-  wait "$ROCKETMQ_BROKER_PID" "$ROCKETMQ_NAMESRV_PID" 2>/dev/null || true
+  # A start that failed early (the disk check, the name server) has set only some of them.
+  local pids=(${ROCKETMQ_BROKER_PID:-} ${ROCKETMQ_NAMESRV_PID:-})
+  if [ ${#pids[@]} -gt 0 ]; then
+    kill "${pids[@]}" 2>/dev/null || true
+    wait "${pids[@]}" 2>/dev/null || true
+  fi
   rm -rf "$ROCKETMQ_THROWAWAY_DIR"
 }

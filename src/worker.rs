@@ -591,7 +591,7 @@ impl Step<'_> {
             // The next attempt learns from the store whether this one committed after all.
             let sent = committing.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take();
             retrying.earlier.push(Earlier { id: this_id, committing: sent.map(|o| (o, batch.receipts())) });
-            retrying.session = session.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take();
+            retrying.session = session.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take().map(|s| (this_id, s));
         }
         (batch, result)
     }
@@ -620,9 +620,11 @@ impl Step<'_> {
                     // Never one that sent its COMMIT: ended while its commit waits (for a synchronous standby, say),
                     // it would commit locally without the standby's confirmation, and the retry would take it for
                     // committed. The server's own timeouts end those.
-                    let sent_commit = retrying.earlier.last().is_some_and(|a| a.committing.is_some());
-                    if let (Some(abandoned), false) = (retrying.session.take(), sent_commit) {
-                        end_session(&self.ready.store, abandoned);
+                    if let Some((id, abandoned)) = retrying.session.take() {
+                        let sent_commit = retrying.earlier.iter().any(|a| a.id == id && a.committing.is_some());
+                        if !sent_commit {
+                            end_session(&self.ready.store, abandoned);
+                        }
                     }
                 }
                 self.health.pipeline_store(&self.attempts_lane, &self.ready.pipeline.name, false);
@@ -820,8 +822,9 @@ struct Retrying {
     /// The positions the last attempt presented (`[offsets] store = "database"`): a fenced attempt's partitions are
     /// compared with them.
     positions: Option<crate::offsets::Positions>,
-    /// The server session of the last failed attempt, when it learned it (ended if it was abandoned on time-out).
-    session: Option<crate::store::Session>,
+    /// The last failed attempt's number and server session, when it learned it (ended if it was abandoned on
+    /// time-out before sending its `COMMIT`).
+    session: Option<(i64, crate::store::Session)>,
 }
 
 impl Retrying {
