@@ -145,14 +145,21 @@ pub(super) async fn payments_database(admin_url: &str, name: &str) -> anyhow::Re
 /// The key table of runs (9) to (11): the business key text as the primary key, nothing else.
 pub(super) const KEYS_SQL: &str = "CREATE TABLE processed_keys (business_key text PRIMARY KEY)";
 
-/// A database for runs (9) to (11): the business table and the key table, no idemflow schema.
-pub(super) async fn minimal_database(admin_url: &str, name: &str) -> anyhow::Result<String> {
+/// PostgreSQL database `name` made anew on the server of `admin_url` (dropped first if it exists): its URL and a
+/// connection to it.
+async fn new_postgres_database(admin_url: &str, name: &str) -> anyhow::Result<(String, PgConnection)> {
     let mut admin = PgConnection::connect(admin_url).await.context("connecting to PostgreSQL")?;
     admin.execute(format!("DROP DATABASE IF EXISTS {name}").as_str()).await?;
     admin.execute(format!("CREATE DATABASE {name}").as_str()).await?;
     let base = admin_url.rsplit_once('/').map_or(admin_url, |(b, _)| b);
     let url = format!("{base}/{name}");
-    let mut conn = PgConnection::connect(&url).await?;
+    let conn = PgConnection::connect(&url).await?;
+    Ok((url, conn))
+}
+
+/// A database for runs (9) to (11): the business table and the key table, no idemflow schema.
+pub(super) async fn minimal_database(admin_url: &str, name: &str) -> anyhow::Result<String> {
+    let (url, mut conn) = new_postgres_database(admin_url, name).await?;
     conn.execute(TABLE_SQL).await?;
     conn.execute(KEYS_SQL).await?;
     Ok(url)
@@ -188,12 +195,7 @@ pub(super) async fn fresh_database(admin_url: &str, name: &str) -> anyhow::Resul
         pool.close().await;
         return Ok(url);
     }
-    let mut admin = PgConnection::connect(admin_url).await.context("connecting to PostgreSQL")?;
-    admin.execute(format!("DROP DATABASE IF EXISTS {name}").as_str()).await?;
-    admin.execute(format!("CREATE DATABASE {name}").as_str()).await?;
-    let base = admin_url.rsplit_once('/').map_or(admin_url, |(b, _)| b);
-    let url = format!("{base}/{name}");
-    let mut conn = PgConnection::connect(&url).await?;
+    let (url, mut conn) = new_postgres_database(admin_url, name).await?;
     crate::store::postgres::MIGRATOR.run(&mut conn).await?;
     conn.execute(TABLE_SQL).await?;
     Ok(url)

@@ -227,15 +227,18 @@ pub struct RocketMqSource {
     last_lag: Option<Instant>,
 }
 
+/// What a RocketMQ pipeline is told without `[rocketmq]` in the settings.
+const NAME_SERVER_NOT_SET: &str = "[rocketmq] name_server is not set";
+
 impl Connector for RocketMqSource {
     type Spec = RocketMqSpec;
 
     fn open(settings: Option<&RocketMqSettings>, cx: &RocketMqContext, metrics: PipelineMetrics, stored: Option<StoredStart>) -> Result<Self, String> {
-        RocketMqSource::new(settings.ok_or("[rocketmq] name_server is not set")?, cx, metrics, stored)
+        RocketMqSource::new(settings.ok_or(NAME_SERVER_NOT_SET)?, cx, metrics, stored)
     }
 
     async fn check(settings: Option<&RocketMqSettings>, cx: &RocketMqContext) -> Result<Vec<String>, CheckError> {
-        let settings = settings.ok_or_else(|| CheckError::Broker("[rocketmq] name_server is not set".to_owned()))?;
+        let settings = settings.ok_or_else(|| CheckError::Broker(NAME_SERVER_NOT_SET.to_owned()))?;
         check(settings, cx).await.map_err(CheckError::Broker)
     }
 

@@ -164,6 +164,8 @@ pub struct Producer {
     runtime: Option<Runtime>,
     producer: DefaultMQProducer,
     name_server: String,
+    /// Topics whose route the name server was seen to have: not asked again.
+    routed: std::collections::HashSet<String>,
 }
 
 impl Producer {
@@ -175,7 +177,7 @@ impl Producer {
             .name_server_addr(name_server.to_owned())
             .build();
         producer.start().await.expect("starting the producer");
-        Producer { runtime: Some(runtime), producer, name_server: name_server.to_owned() }
+        Producer { runtime: Some(runtime), producer, name_server: name_server.to_owned(), routed: Default::default() }
     }
 
     fn message(topic: &str, m: &Msg) -> Message {
@@ -226,7 +228,9 @@ impl Producer {
                 }
             }
         }
-        wait_for_route(&self.name_server, topic).await;
+        if self.routed.insert(topic.to_owned()) {
+            wait_for_route(&self.name_server, topic).await;
+        }
         out
     }
 
