@@ -77,9 +77,19 @@ pub struct SoakArgs {
     /// The seed of the faults' moments and kinds (default: from the clock).
     #[arg(long)]
     seed: Option<u64>,
-    /// Where to write the report (Markdown); the worker's log and settings go into `soak-worker/` beside it.
+    /// Where to write the report (Markdown); each pair's worker log and settings go into
+    /// `soak-worker/<broker>-<store>/` beside it.
     #[arg(long, default_value = "target/soak/soak.md")]
     report: PathBuf,
+    /// The broker of the pair.
+    #[arg(long, value_enum, default_value = "kafka", conflicts_with = "every_pair")]
+    source: idemflow::demo::broker::BrokerKind,
+    /// The store of the pair.
+    #[arg(long, value_enum, default_value = "postgres", conflicts_with = "every_pair")]
+    store: idemflow::demo::store::StoreKind,
+    /// Every broker x store pair of the guarantee matrix in turn (12), each for --minutes.
+    #[arg(long)]
+    every_pair: bool,
 }
 
 /// Runs `soak`.
@@ -95,6 +105,7 @@ pub async fn soak(a: SoakArgs) -> anyhow::Result<()> {
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1)
     });
     let options = idemflow::soak::SoakOptions {
+        pairs: if a.every_pair { idemflow::soak::every_pair() } else { vec![(a.source, a.store)] },
         duration: std::time::Duration::from_secs_f64(a.minutes * 60.0),
         rate: a.rate,
         fault_gap: (std::time::Duration::from_secs(a.fault_gap_min), std::time::Duration::from_secs(a.fault_gap_max)),

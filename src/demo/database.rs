@@ -29,6 +29,20 @@ pub struct Totals {
     pub applied_cents: i128,
 }
 
+/// What idemflow's own tables say of pipeline `payments` at the end (the soak's checks).
+pub struct Ledger {
+    /// Dedup rows (Redis: dedup keys).
+    pub dedup_rows: i64,
+    /// The duplicates counted in them.
+    pub duplicates: i64,
+    /// Dead letters.
+    pub dead_letters: i64,
+    /// Distinct payloads among the dead letters.
+    pub dead_payloads: i64,
+    /// The dead letters' reasons, each once, sorted.
+    pub dead_reasons: Vec<String>,
+}
+
 /// `"123.45"` (or `-0.5`, `7`) in cents; `None` when it has more than two decimals or is not a number.
 fn cents(text: &str) -> Option<i128> {
     let (negative, digits) = match text.strip_prefix('-') {
@@ -180,6 +194,39 @@ impl DemoDb {
         })
     }
 
+    /// What idemflow's tables say of pipeline `payments`.
+    ///
+    /// Errors: the store cannot be read.
+    pub async fn ledger(&self) -> anyhow::Result<Ledger> {
+        let (dedup_rows, duplicates, dead_letters, dead_payloads, reasons): (i64, i64, i64, i64, String) = match self {
+            DemoDb::Postgres(pool) => {
+                sqlx::query_as(
+                    "SELECT (SELECT count(*) FROM idemflow.dedup WHERE pipeline = 'payments'), \
+                            (SELECT coalesce(sum(duplicates), 0)::bigint FROM idemflow.dedup WHERE pipeline = 'payments'), \
+                            (SELECT count(*) FROM idemflow.dead_letters WHERE pipeline = 'payments'), \
+                            (SELECT count(DISTINCT payload) FROM idemflow.dead_letters WHERE pipeline = 'payments'), \
+                            (SELECT coalesce(string_agg(DISTINCT reason, ',' ORDER BY reason), '') FROM idemflow.dead_letters WHERE pipeline = 'payments')",
+                )
+                .fetch_one(pool)
+                .await?
+            }
+            DemoDb::MySql(pool) => {
+                sqlx::query_as(
+                    "SELECT (SELECT COUNT(*) FROM idemflow_dedup WHERE pipeline = 'payments'), \
+                            (SELECT CAST(COALESCE(SUM(duplicates), 0) AS SIGNED) FROM idemflow_dedup WHERE pipeline = 'payments'), \
+                            (SELECT COUNT(*) FROM idemflow_dead_letters WHERE pipeline = 'payments'), \
+                            (SELECT COUNT(DISTINCT payload) FROM idemflow_dead_letters WHERE pipeline = 'payments'), \
+                            (SELECT CAST(COALESCE(GROUP_CONCAT(DISTINCT reason ORDER BY reason), '') AS CHAR) FROM idemflow_dead_letters WHERE pipeline = 'payments')",
+                )
+                .fetch_one(pool)
+                .await?
+            }
+            DemoDb::Redis(_, client, _) => return redis_ledger(client).await,
+        };
+        let dead_reasons = reasons.split(',').filter(|r| !r.is_empty()).map(str::to_owned).collect();
+        Ok(Ledger { dedup_rows, duplicates, dead_letters, dead_payloads, dead_reasons })
+    }
+
     /// What the business tables say, against `accounts` opening balances of `opening_cents`.
     pub async fn totals(&self, accounts: usize, opening_cents: i64) -> anyhow::Result<Totals> {
         if let DemoDb::Redis(_, client, _) = self {
@@ -222,6 +269,52 @@ impl DemoDb {
             DemoDb::Redis(..) => {}
         }
     }
+}
+
+/// Every key matching `pattern` (SCAN).
+async fn scan(c: &mut redis::aio::MultiplexedConnection, pattern: &str) -> redis::RedisResult<Vec<String>> {
+    let mut cursor = 0u64;
+    let mut all: Vec<String> = Vec::new();
+    loop {
+        let (next, page): (u64, Vec<String>) =
+            redis::cmd("SCAN").arg(cursor).arg("MATCH").arg(pattern).arg("COUNT").arg(10_000).query_async(c).await?;
+        all.extend(page);
+        if next == 0 {
+            return Ok(all);
+        }
+        cursor = next;
+    }
+}
+
+/// An entry of a Redis stream: its id and its fields.
+type StreamEntry = (String, Vec<(String, Vec<u8>)>);
+
+/// [`DemoDb::ledger`] on Redis: the dedup keys `idemflow:payments:k:*`, whose value is
+/// `state|applied at|duplicates|last seen|...` (`src/store/redis/batch.lua`), and the dead-letter stream.
+async fn redis_ledger(client: &redis::Client) -> anyhow::Result<Ledger> {
+    let mut c = client.get_multiplexed_async_connection().await?;
+    let keys = scan(&mut c, "idemflow:payments:k:*").await?;
+    let mut duplicates = 0i64;
+    for chunk in keys.chunks(1000) {
+        let values: Vec<Option<String>> = redis::cmd("MGET").arg(chunk).query_async(&mut c).await?;
+        for v in values.into_iter().flatten() {
+            duplicates += v.split('|').nth(2).and_then(|d| d.parse::<i64>().ok()).with_context(|| format!("a dedup value {v:?}"))?;
+        }
+    }
+    let entries: Vec<StreamEntry> =
+        redis::cmd("XRANGE").arg("idemflow:dead-letters").arg("-").arg("+").query_async(&mut c).await?;
+    let field = |name: &str| -> Vec<Vec<u8>> {
+        entries.iter().filter_map(|(_, fields)| fields.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone())).collect()
+    };
+    let payloads: std::collections::BTreeSet<Vec<u8>> = field("payload").into_iter().collect();
+    let reasons: std::collections::BTreeSet<String> = field("reason").into_iter().map(|r| String::from_utf8_lossy(&r).into_owned()).collect();
+    Ok(Ledger {
+        dedup_rows: keys.len() as i64,
+        duplicates,
+        dead_letters: entries.len() as i64,
+        dead_payloads: payloads.len() as i64,
+        dead_reasons: reasons.into_iter().collect(),
+    })
 }
 
 /// The example's Redis keys, read back: a `payment:<order>` hash per applied payment (its `amount`) and a

@@ -15,13 +15,16 @@
 //! the check that matters: one business row per distinct operation, and the total deducted equals the expected
 //! total.
 
+pub mod broker;
 pub mod database;
 pub mod kafka;
+pub mod mariadb;
 pub mod nats;
 pub mod postgres;
 pub mod rabbitmq;
 pub mod redis;
 pub mod rocketmq;
+pub mod store;
 
 use crate::config::{
     self, DatabaseSettings, KafkaSettings, LogSettings, MetricsSettings, PropertyValue, Settings, ShutdownSettings,
@@ -163,7 +166,9 @@ pub(crate) fn stream_from(records: usize, partitions: i32, first_order: u64, see
             s.mismatches += 1;
         } else if roll < 24 {
             let order = first_order + s.distinct;
-            s.records.push((partition_of(order), format!("{{\"order\": {{\"id\": \"ORDERID_{order}\"").into_bytes()));
+            // Cut short: not JSON. Its place in the stream makes its bytes its own (the soak tells dead letters
+            // apart by payload).
+            s.records.push((partition_of(order), format!("{{\"order\": {{\"id\": \"ORDERID_{order}\", \"at\": {}", s.records.len()).into_bytes()));
             s.poison += 1;
         } else {
             let order = first_order + s.distinct;

@@ -11,10 +11,10 @@ const BINARIES: [&str; 3] = ["/usr/sbin/nats-server", "/usr/bin/nats-server", "/
 
 /// A nats-server of this process, with JetStream on.
 pub struct Throwaway {
-    _dir: tempfile::TempDir,
+    dir: tempfile::TempDir,
     binary: &'static str,
     port: u16,
-    child: Child,
+    child: Option<Child>,
 }
 
 impl Throwaway {
@@ -28,24 +28,48 @@ impl Throwaway {
         };
         let dir = tempfile::Builder::new().prefix("idemflow-nats.").tempdir()?;
         let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
-        let out = dir.path().join("server.log");
-        let log = std::fs::File::create(&out)?;
-        let child = Command::new(binary)
-            .args(["-js", "-a", "127.0.0.1", "-p", &port.to_string(), "-sd"])
-            .arg(dir.path().join("store"))
+        let mut server = Throwaway { dir, binary, child: None, port };
+        server.start_again()?;
+        Ok(server)
+    }
+
+    /// Starts the server (again) on its store directory and port, and waits (at most 30 s) until it accepts
+    /// connections (JetStream recovers its streams and consumers from the store directory).
+    ///
+    /// Errors: it did not start (its output is included).
+    pub fn start_again(&mut self) -> anyhow::Result<()> {
+        let out = self.dir.path().join("server.log");
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(&out)?;
+        let child = Command::new(self.binary)
+            .args(["-js", "-a", "127.0.0.1", "-p", &self.port.to_string(), "-sd"])
+            .arg(self.dir.path().join("store"))
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
-            .with_context(|| format!("starting {binary}"))?;
-        let mut server = Throwaway { _dir: dir, binary, child, port };
+            .with_context(|| format!("starting {}", self.binary))?;
+        self.child = Some(child);
         let deadline = Instant::now() + Duration::from_secs(30);
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            if Instant::now() > deadline || server.child.try_wait().ok().flatten().is_some() {
+        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
+            let exited = self.child.as_mut().is_some_and(|c| c.try_wait().ok().flatten().is_some());
+            if Instant::now() > deadline || exited {
                 bail!("nats-server did not start; its output:\n{}", std::fs::read_to_string(&out).unwrap_or_default());
             }
             std::thread::sleep(Duration::from_millis(20));
         }
-        Ok(server)
+        Ok(())
+    }
+
+    /// Stops the server as a crash would (SIGKILL); [`Throwaway::start_again`] brings it back.
+    pub fn crash(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Its port on 127.0.0.1.
+    pub fn port(&self) -> u16 {
+        self.port
     }
 
     /// What the server says of its version (`nats-server: v2.9.10`), empty if it says nothing.
@@ -62,8 +86,7 @@ impl Throwaway {
 
 impl Drop for Throwaway {
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        self.crash();
     }
 }
 

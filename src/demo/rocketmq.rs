@@ -57,6 +57,8 @@ pub fn free_broker_port() -> anyhow::Result<u16> {
 pub struct Throwaway {
     dir: tempfile::TempDir,
     ns_port: u16,
+    broker_port: u16,
+    /// The name server, then the broker (absent between [`Throwaway::broker_down`] and [`Throwaway::broker_up`]).
     children: Vec<Child>,
 }
 
@@ -66,26 +68,52 @@ impl Throwaway {
     ///
     /// Errors: the binaries are not installed (the message says how), or one did not start (its log is included).
     pub fn start() -> anyhow::Result<Throwaway> {
-        let (namesrv, broker) = (binary("rocketmq-namesrv-rust")?, binary("rocketmq-broker-rust")?);
+        let namesrv = binary("rocketmq-namesrv-rust")?;
+        binary("rocketmq-broker-rust")?;
         let dir = tempfile::Builder::new().prefix("idemflow-rocketmq.").tempdir()?;
         let ns_port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
         let broker_port = free_broker_port()?;
-        let mut node = Throwaway { dir, ns_port, children: Vec::new() };
+        let mut node = Throwaway { dir, ns_port, broker_port, children: Vec::new() };
         let d = node.dir.path().to_owned();
         let mut ns = Command::new(namesrv);
         ns.args(["--listenPort", &ns_port.to_string(), "--bindAddress", "127.0.0.1", "--rocketmqHome"]).arg(&d);
         node.spawn(ns, "namesrv.log", ns_port)?;
         std::fs::write(d.join("broker.properties"), broker_properties(&d, broker_port, ns_port))?;
-        let mut b = Command::new(broker);
-        b.arg("-c").arg(d.join("broker.properties")).args(["-n", &node.name_server()]);
-        node.spawn(b, "broker.log", broker_port)?;
-        std::thread::sleep(Duration::from_secs(2));
+        node.broker_up()?;
         Ok(node)
+    }
+
+    /// Starts the broker (again) on its store and port, waits (at most 60 s) until it listens, then 2 s for its
+    /// registration with the name server.
+    ///
+    /// Errors: it did not start (its log is included).
+    pub fn broker_up(&mut self) -> anyhow::Result<()> {
+        let d = self.dir.path().to_owned();
+        let mut b = Command::new(binary("rocketmq-broker-rust")?);
+        b.arg("-c").arg(d.join("broker.properties")).args(["-n", &self.name_server()]);
+        self.spawn(b, "broker.log", self.broker_port)?;
+        std::thread::sleep(Duration::from_secs(2));
+        Ok(())
+    }
+
+    /// Stops the broker as a crash would (SIGKILL); the name server stays up.
+    pub fn broker_down(&mut self) {
+        if self.children.len() > 1 {
+            if let Some(mut c) = self.children.pop() {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+        }
+    }
+
+    /// The broker's port on 127.0.0.1 (where consumers and producers send and fetch).
+    pub fn broker_port(&self) -> u16 {
+        self.broker_port
     }
 
     fn spawn(&mut self, mut command: Command, log: &str, port: u16) -> anyhow::Result<()> {
         let path = self.dir.path().join(log);
-        let out = std::fs::File::create(&path)?;
+        let out = std::fs::OpenOptions::new().create(true).append(true).open(&path)?;
         let child = command
             .env("ROCKETMQ_HOME", self.dir.path())
             .stdout(Stdio::from(out.try_clone()?))

@@ -1,0 +1,507 @@
+//! A throwaway broker that carries the demo's stream, one shape for the four brokers: started here with its topic,
+//! queue or stream ([`ThrowawayBroker::start`]); the pipeline's `[source]` and the settings' broker section for a
+//! worker to read it; records published as a user's producer publishes them, each acknowledged by the broker and
+//! sent again until it is ([`ThrowawayBroker::publish`], [`ThrowawayBroker::flush`]); and taken down and up again
+//! ([`ThrowawayBroker::down`], [`ThrowawayBroker::up`]) for the soak.
+//!
+//! Kafka is the embedded broker ([`super::kafka`]), whose producer retries by itself. RabbitMQ, RocketMQ and NATS
+//! are servers of this process ([`super::rabbitmq`], [`super::rocketmq`], [`super::nats`]), published to by a task
+//! of their own that keeps the records in order and sends one again after a failure, while the broker is down. A
+//! record sent again may have been stored the first time (its acknowledgement was lost): RabbitMQ and RocketMQ then
+//! hold a second copy, a duplicate the stream did not inject, and [`ThrowawayBroker::resent`] says how many such
+//! records there may be; a JetStream stream drops it by its `Nats-Msg-Id` (each record's own, [`Outgoing::id`]).
+
+use super::{kafka::EmbeddedKafka, nats, rabbitmq, rocketmq};
+use anyhow::{bail, Context as _};
+use rdkafka::producer::BaseRecord;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc;
+
+/// The topic (Kafka, RocketMQ), queue (RabbitMQ) or subject prefix (NATS) the stream goes to.
+pub const TOPIC: &str = super::TOPIC;
+/// The JetStream stream, on subjects `payments.>`.
+pub const NATS_STREAM: &str = "PAYMENTS";
+/// Queues of a RocketMQ topic created on first use ([`rocketmq::broker_properties`]).
+const ROCKETMQ_QUEUES: i32 = 4;
+/// The broker name of [`rocketmq::broker_properties`].
+const ROCKETMQ_BROKER: &str = "broker-a";
+/// How long one send waits for the broker's acknowledgement before it is tried again.
+const SEND_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A broker idemflow reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum BrokerKind {
+    /// librdkafka's mock cluster, embedded.
+    Kafka,
+    /// Debian's `rabbitmq-server`, a quorum queue.
+    Rabbitmq,
+    /// The Rust name server and broker from crates.io.
+    Rocketmq,
+    /// Debian's `nats-server` with JetStream, a stream.
+    Nats,
+}
+
+impl BrokerKind {
+    /// Every broker, in the guarantee matrix's order.
+    pub const ALL: [BrokerKind; 4] = [BrokerKind::Kafka, BrokerKind::Rabbitmq, BrokerKind::Rocketmq, BrokerKind::Nats];
+
+    /// Its name in prose.
+    pub fn name(self) -> &'static str {
+        match self {
+            BrokerKind::Kafka => "Kafka",
+            BrokerKind::Rabbitmq => "RabbitMQ",
+            BrokerKind::Rocketmq => "RocketMQ",
+            BrokerKind::Nats => "NATS JetStream",
+        }
+    }
+
+    /// Its name on the command line.
+    pub fn flag(self) -> &'static str {
+        match self {
+            BrokerKind::Kafka => "kafka",
+            BrokerKind::Rabbitmq => "rabbitmq",
+            BrokerKind::Rocketmq => "rocketmq",
+            BrokerKind::Nats => "nats",
+        }
+    }
+
+    /// Whether each partition's order reaches the worker (a Kafka partition, a RocketMQ queue, both read by one
+    /// consumer at a time). A queue and a JetStream consumer hand a redelivery back after newer messages, so a
+    /// copy with another amount may be applied before its original.
+    pub fn keeps_order(self) -> bool {
+        matches!(self, BrokerKind::Kafka | BrokerKind::Rocketmq)
+    }
+
+    /// Whether the worker keeps each record's position with its batch, so that a record it sees again is a
+    /// redelivery and a poison record gets one dead letter per position (not a queue, nor a JetStream consumer,
+    /// whose redelivered poison message gets a dead letter again).
+    pub fn positional(self) -> bool {
+        self.keeps_order()
+    }
+}
+
+/// One record to publish.
+#[derive(Clone, Debug)]
+pub struct Outgoing {
+    /// The partition (Kafka) or queue (RocketMQ, modulo its 4 queues) it goes to; unused by a queue or a stream.
+    pub partition: i32,
+    /// This record's own id (not the business key: two copies of an operation have two ids): the message id
+    /// (RabbitMQ), the `Nats-Msg-Id` (a JetStream stream drops a re-send of it), the message's KEYS (RocketMQ).
+    pub id: String,
+    /// The payload.
+    pub body: Vec<u8>,
+}
+
+/// The running broker.
+enum Server {
+    Kafka(EmbeddedKafka),
+    RabbitMq(rabbitmq::Throwaway),
+    RocketMq(rocketmq::Throwaway),
+    Nats(nats::Throwaway),
+}
+
+/// A throwaway broker with its topic, queue or stream, and its producer.
+pub struct ThrowawayBroker {
+    kind: BrokerKind,
+    server: Server,
+    /// RabbitMQ, RocketMQ, NATS: the publishing task.
+    publisher: Option<Publisher>,
+}
+
+impl ThrowawayBroker {
+    /// Starts `kind` with the stream's topic (Kafka: `partitions` partitions), queue or stream.
+    ///
+    /// Errors: the server is not installed (the message says how to install it) or did not start.
+    pub async fn start(kind: BrokerKind, partitions: i32) -> anyhow::Result<ThrowawayBroker> {
+        let server = match kind {
+            BrokerKind::Kafka => {
+                let kafka = EmbeddedKafka::start()?;
+                kafka.create_topic(TOPIC, partitions)?;
+                Server::Kafka(kafka)
+            }
+            BrokerKind::Rabbitmq => {
+                let node = tokio::task::block_in_place(rabbitmq::Throwaway::start)?;
+                rabbitmq::declare_quorum_queue(&node.url(), TOPIC).await.context("declaring the queue")?;
+                Server::RabbitMq(node)
+            }
+            BrokerKind::Rocketmq => Server::RocketMq(tokio::task::block_in_place(rocketmq::Throwaway::start)?),
+            BrokerKind::Nats => {
+                let server = tokio::task::block_in_place(nats::Throwaway::start)?;
+                nats::create_stream(&server.url(), NATS_STREAM, TOPIC).await?;
+                Server::Nats(server)
+            }
+        };
+        let publisher = match &server {
+            Server::Kafka(_) => None,
+            Server::RabbitMq(node) => Some(Publisher::spawn(Sender::RabbitMq { url: node.url(), channel: None })),
+            Server::RocketMq(node) => Some(Publisher::spawn(Sender::RocketMq { name_server: node.name_server(), producer: None, routed: false })),
+            Server::Nats(server) => Some(Publisher::spawn(Sender::Nats { url: server.url(), js: None })),
+        };
+        Ok(ThrowawayBroker { kind, server, publisher })
+    }
+
+    /// Which broker this is.
+    pub fn kind(&self) -> BrokerKind {
+        self.kind
+    }
+
+    /// How many partitions the stream should be spread over: Kafka's topic's, RocketMQ's 4 queues, 1 for a queue
+    /// or a stream.
+    pub fn partitions(&self, kafka_partitions: i32) -> i32 {
+        match self.kind {
+            BrokerKind::Kafka => kafka_partitions,
+            BrokerKind::Rocketmq => ROCKETMQ_QUEUES,
+            BrokerKind::Rabbitmq | BrokerKind::Nats => 1,
+        }
+    }
+
+    /// What replaces `topics = ["payments"]` in a shipped pipeline to read this broker: RocketMQ with its
+    /// positions stored with each batch, as the shipped RocketMQ example.
+    pub fn source_toml(&self) -> String {
+        match self.kind {
+            BrokerKind::Kafka => format!("topics = [\"{TOPIC}\"]"),
+            BrokerKind::Rabbitmq => format!("[source]\nkind = \"rabbitmq\"\nqueue = \"{TOPIC}\""),
+            BrokerKind::Rocketmq => format!("[source]\nkind = \"rocketmq\"\ntopic = \"{TOPIC}\"\n[offsets]\nstore = \"database\""),
+            BrokerKind::Nats => format!("[source]\nkind = \"nats\"\nstream = \"{NATS_STREAM}\""),
+        }
+    }
+
+    /// The settings' broker section (`[kafka]`, `[rabbitmq]`, `[rocketmq]`, `[nats]`), with timeouts that notice a
+    /// broker gone within seconds.
+    pub fn settings_toml(&self) -> String {
+        match &self.server {
+            Server::Kafka(kafka) => format!(
+                "[kafka]\nbootstrap_servers = \"{}\"\n[kafka.properties]\n\"session.timeout.ms\" = \"6000\"\n\"heartbeat.interval.ms\" = \"500\"\n",
+                kafka.bootstrap_servers()
+            ),
+            Server::RabbitMq(node) => format!("[rabbitmq]\nurl = \"{}\"\nheartbeat = \"5s\"\nconnect_timeout = \"5s\"\n", node.url()),
+            Server::RocketMq(node) => format!("[rocketmq]\nname_server = \"{}\"\n", node.name_server()),
+            Server::Nats(server) => format!("[nats]\nurl = \"{}\"\nconnect_timeout = \"5s\"\nrequest_timeout = \"5s\"\n", server.url()),
+        }
+    }
+
+    /// The port whose packets the soak drops: the broker's (not RocketMQ's name server's).
+    pub fn port(&self) -> anyhow::Result<u16> {
+        let from_url = |url: &str| url.rsplit_once(':').and_then(|(_, p)| p.split('/').next()?.parse().ok());
+        match &self.server {
+            Server::Kafka(kafka) => from_url(kafka.bootstrap_servers()),
+            Server::RabbitMq(node) => from_url(&node.url()),
+            Server::RocketMq(node) => Some(node.broker_port()),
+            Server::Nats(server) => Some(server.port()),
+        }
+        .context("the broker's port")
+    }
+
+    /// Publishes `records` in order: Kafka's producer takes them at once; the others' task sends them (and again
+    /// after a failure) while the caller goes on.
+    ///
+    /// Errors: Kafka's producer refused a record (its queue full), or the publishing task ended.
+    pub fn publish(&mut self, records: Vec<Outgoing>) -> anyhow::Result<()> {
+        match (&self.server, &mut self.publisher) {
+            (Server::Kafka(kafka), _) => {
+                for r in &records {
+                    kafka.send(BaseRecord::<[u8], [u8]>::to(TOPIC).partition(r.partition).payload(&r.body))?;
+                }
+                Ok(())
+            }
+            (_, Some(p)) => p.queue(records),
+            (_, None) => bail!("no publisher"),
+        }
+    }
+
+    /// Waits until every record published so far is acknowledged by the broker, at most `timeout`.
+    ///
+    /// Errors: not all were acknowledged within `timeout` (the broker down, say).
+    pub async fn flush(&mut self, timeout: Duration) -> anyhow::Result<()> {
+        match (&self.server, &self.publisher) {
+            (Server::Kafka(kafka), _) => Ok(tokio::task::block_in_place(|| kafka.flush())?),
+            (_, Some(p)) => p.flush(timeout).await,
+            (_, None) => Ok(()),
+        }
+    }
+
+    /// Records sent again after a failure whose first send may have been stored: at most this many copies the
+    /// stream did not inject (0 for Kafka, whose producer retries by itself, and for NATS, whose stream drops a
+    /// re-sent `Nats-Msg-Id`).
+    pub fn resent(&self) -> u64 {
+        match (&self.server, &self.publisher) {
+            (Server::RabbitMq(_) | Server::RocketMq(_), Some(p)) => p.resent.load(Ordering::Relaxed),
+            _ => 0,
+        }
+    }
+
+    /// Takes the broker down: Kafka's broker refuses connections and drops those it had; RabbitMQ's node stops
+    /// (`rabbitmqctl stop`); RocketMQ's broker and the NATS server are killed (SIGKILL).
+    ///
+    /// Errors: the server could not be stopped.
+    pub fn down(&mut self) -> anyhow::Result<()> {
+        match &mut self.server {
+            Server::Kafka(kafka) => kafka.mock().broker_down(1)?,
+            Server::RabbitMq(node) => tokio::task::block_in_place(|| node.stop())?,
+            Server::RocketMq(node) => node.broker_down(),
+            Server::Nats(server) => server.crash(),
+        }
+        Ok(())
+    }
+
+    /// Brings the broker back on the same port and data.
+    ///
+    /// Errors: the server did not start again.
+    pub fn up(&mut self) -> anyhow::Result<()> {
+        match &mut self.server {
+            Server::Kafka(kafka) => kafka.mock().broker_up(1)?,
+            Server::RabbitMq(node) => tokio::task::block_in_place(|| node.start_again())?,
+            Server::RocketMq(node) => tokio::task::block_in_place(|| node.broker_up())?,
+            Server::Nats(server) => tokio::task::block_in_place(|| server.start_again())?,
+        }
+        Ok(())
+    }
+}
+
+/// The publishing task of a broker other than Kafka: records in order, each sent until acknowledged.
+struct Publisher {
+    tx: mpsc::UnboundedSender<Vec<Outgoing>>,
+    queued: u64,
+    acknowledged: Arc<AtomicU64>,
+    resent: Arc<AtomicU64>,
+    failure: Arc<std::sync::Mutex<Option<String>>>,
+}
+
+impl Publisher {
+    fn spawn(mut sender: Sender) -> Publisher {
+        let (tx, mut rx) = mpsc::unbounded_channel::<Vec<Outgoing>>();
+        let acknowledged = Arc::new(AtomicU64::new(0));
+        let resent = Arc::new(AtomicU64::new(0));
+        let failure = Arc::new(std::sync::Mutex::new(None));
+        let (acked, again, failed) = (acknowledged.clone(), resent.clone(), failure.clone());
+        tokio::spawn(async move {
+            while let Some(mut batch) = rx.recv().await {
+                let mut backoff = Duration::from_millis(200);
+                while !batch.is_empty() {
+                    let attempted = batch.len() as u64;
+                    match sender.send(&batch).await {
+                        Ok(()) => {
+                            acked.fetch_add(attempted, Ordering::Relaxed);
+                            batch.clear();
+                        }
+                        Err(SendError { stored, uncertain, error }) => {
+                            // The first `stored` are acknowledged; of the rest, `uncertain` may have been stored.
+                            acked.fetch_add(stored as u64, Ordering::Relaxed);
+                            batch.drain(..stored);
+                            again.fetch_add(uncertain as u64, Ordering::Relaxed);
+                            *failed.lock().unwrap_or_else(|e| e.into_inner()) = Some(error);
+                            tokio::time::sleep(backoff).await;
+                            backoff = (backoff * 2).min(Duration::from_secs(2));
+                        }
+                    }
+                }
+            }
+        });
+        Publisher { tx, queued: 0, acknowledged, resent, failure }
+    }
+
+    fn queue(&mut self, records: Vec<Outgoing>) -> anyhow::Result<()> {
+        self.queued += records.len() as u64;
+        self.tx.send(records).map_err(|_| anyhow::anyhow!("the publishing task ended"))
+    }
+
+    async fn flush(&self, timeout: Duration) -> anyhow::Result<()> {
+        let deadline = Instant::now() + timeout;
+        while self.acknowledged.load(Ordering::Relaxed) < self.queued {
+            if Instant::now() > deadline {
+                let last = self.failure.lock().unwrap_or_else(|e| e.into_inner()).clone().unwrap_or_default();
+                bail!(
+                    "{} of {} records acknowledged by the broker after {timeout:?} (the last failure: {last})",
+                    self.acknowledged.load(Ordering::Relaxed),
+                    self.queued
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Ok(())
+    }
+}
+
+/// A failed send of a batch: how many of its first records were acknowledged, how many of the rest may have been
+/// stored anyway, and why.
+struct SendError {
+    stored: usize,
+    uncertain: usize,
+    error: String,
+}
+
+impl SendError {
+    fn before_sending(error: impl std::fmt::Display) -> SendError {
+        SendError { stored: 0, uncertain: 0, error: error.to_string() }
+    }
+}
+
+/// A RocketMQ producer and the client runtime it runs on.
+type RocketMqProducer = (crate::source::rocketmq::Runtime, rocketmq_client_rust::DefaultMQProducer);
+
+/// A producer that connects again after a failure.
+enum Sender {
+    /// Publisher confirms on a channel (RabbitMQ documentation, "Consumer Acknowledgements and Publisher
+    /// Confirms"), persistent messages through the default exchange.
+    RabbitMq { url: String, channel: Option<(lapin::Connection, lapin::Channel)> },
+    /// Synchronous batch sends, one per queue.
+    RocketMq {
+        name_server: String,
+        producer: Option<Box<RocketMqProducer>>,
+        /// Whether a send has succeeded: before, a failure is the topic not routable yet (nothing stored).
+        routed: bool,
+    },
+    /// JetStream publishes, each acknowledged by the stream.
+    Nats { url: String, js: Option<async_nats::jetstream::Context> },
+}
+
+impl Sender {
+    async fn send(&mut self, batch: &[Outgoing]) -> Result<(), SendError> {
+        let result = match self {
+            Sender::RabbitMq { url, channel } => Self::send_rabbitmq(url, channel, batch).await,
+            Sender::RocketMq { name_server, producer, routed } => Self::send_rocketmq(name_server, producer, routed, batch).await,
+            Sender::Nats { url, js } => Self::send_nats(url, js, batch).await,
+        };
+        if result.is_err() {
+            self.disconnect().await;
+        }
+        result
+    }
+
+    async fn disconnect(&mut self) {
+        match self {
+            Sender::RabbitMq { channel, .. } => {
+                if let Some((connection, _)) = channel.take() {
+                    let _ = tokio::time::timeout(Duration::from_secs(1), connection.close(200, "reconnecting".into())).await;
+                }
+            }
+            Sender::RocketMq { producer, .. } => {
+                if let Some((runtime, mut p)) = producer.take().map(|b| *b) {
+                    p.shutdown().await;
+                    runtime.shutdown().await;
+                }
+            }
+            Sender::Nats { .. } => {}
+        }
+    }
+
+    async fn send_rabbitmq(url: &str, channel: &mut Option<(lapin::Connection, lapin::Channel)>, batch: &[Outgoing]) -> Result<(), SendError> {
+        use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+        if channel.is_none() {
+            let opened = tokio::time::timeout(SEND_TIMEOUT, async {
+                let connection = lapin::Connection::connect(url, lapin::ConnectionProperties::default()).await?;
+                let ch = connection.create_channel().await?;
+                ch.confirm_select(ConfirmSelectOptions::default()).await?;
+                Ok::<_, lapin::Error>((connection, ch))
+            })
+            .await;
+            match opened {
+                Ok(Ok(c)) => *channel = Some(c),
+                Ok(Err(e)) => return Err(SendError::before_sending(format!("connecting to RabbitMQ: {e}"))),
+                Err(_) => return Err(SendError::before_sending("connecting to RabbitMQ: no answer")),
+            }
+        }
+        let ch = &channel.as_ref().expect("opened above").1;
+        let mut pending = Vec::with_capacity(batch.len());
+        for m in batch {
+            let props = lapin::BasicProperties::default()
+                .with_delivery_mode(2)
+                .with_content_type("application/json".into())
+                .with_message_id(m.id.as_str().into());
+            match ch.basic_publish("".into(), TOPIC.into(), BasicPublishOptions::default(), &m.body, props).await {
+                Ok(confirm) => pending.push(confirm),
+                // The ones before may be stored; this one and those after were not sent.
+                Err(e) => return Err(SendError { stored: 0, uncertain: pending.len(), error: format!("publishing: {e}") }),
+            }
+        }
+        let sent = pending.len();
+        let mut stored = 0;
+        for p in pending {
+            match tokio::time::timeout(SEND_TIMEOUT, p).await {
+                Ok(Ok(lapin::Confirmation::Ack(_))) => stored += 1,
+                Ok(Ok(other)) => return Err(SendError { stored, uncertain: sent - stored, error: format!("not confirmed: {other:?}") }),
+                Ok(Err(e)) => return Err(SendError { stored, uncertain: sent - stored, error: format!("waiting for confirms: {e}") }),
+                Err(_) => return Err(SendError { stored, uncertain: sent - stored, error: "no confirm within 10 s".into() }),
+            }
+        }
+        Ok(())
+    }
+
+    async fn send_rocketmq(
+        name_server: &str,
+        producer: &mut Option<Box<RocketMqProducer>>,
+        routed: &mut bool,
+        batch: &[Outgoing],
+    ) -> Result<(), SendError> {
+        use rocketmq_model::common::message::message_queue::MessageQueue;
+        use rocketmq_model::common::message::message_single::Message;
+        if producer.is_none() {
+            let started = rocketmq::start_producer(name_server, &format!("idemflow-soak-{}", std::process::id())).await;
+            *producer = Some(Box::new(started.map_err(|e| SendError::before_sending(format!("{e:#}")))?));
+        }
+        let p = &producer.as_ref().expect("started above").1;
+        // One synchronous batch send per queue, in the records' order within each queue; `stored` counts only a
+        // prefix of the batch, so after a failure the whole batch is sent again.
+        let mut sent = 0;
+        for queue in 0..ROCKETMQ_QUEUES {
+            let of_queue: Vec<&Outgoing> = batch.iter().filter(|m| m.partition.rem_euclid(ROCKETMQ_QUEUES) == queue).collect();
+            if of_queue.is_empty() {
+                continue;
+            }
+            let messages: Result<Vec<Message>, _> =
+                of_queue.iter().map(|m| Message::builder().topic(TOPIC).keys(vec![m.id.clone()]).body_slice(&m.body).build()).collect();
+            let messages = messages.map_err(|e| SendError::before_sending(e.to_string()))?;
+            let sending = p.send_batch_to_queue(messages, MessageQueue::from_parts(TOPIC, ROCKETMQ_BROKER, queue));
+            match tokio::time::timeout(SEND_TIMEOUT, sending).await {
+                Ok(Ok(_)) => {
+                    *routed = true;
+                    sent += of_queue.len();
+                }
+                failed => {
+                    let error = match failed {
+                        Ok(Err(e)) => e.to_string(),
+                        _ => "no answer within 10 s".to_owned(),
+                    };
+                    // Before the topic has a route nothing is stored; after, this queue's batch may have been.
+                    let uncertain = if *routed { sent + of_queue.len() } else { sent };
+                    return Err(SendError { stored: 0, uncertain, error });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    async fn send_nats(url: &str, js: &mut Option<async_nats::jetstream::Context>, batch: &[Outgoing]) -> Result<(), SendError> {
+        if js.is_none() {
+            let client = tokio::time::timeout(SEND_TIMEOUT, async_nats::connect(url)).await;
+            match client {
+                Ok(Ok(c)) => *js = Some(async_nats::jetstream::new(c)),
+                Ok(Err(e)) => return Err(SendError::before_sending(format!("connecting to {url}: {e}"))),
+                Err(_) => return Err(SendError::before_sending(format!("connecting to {url}: no answer"))),
+            }
+        }
+        let js = js.as_ref().expect("connected above");
+        let subject = format!("{TOPIC}.created");
+        let mut acks = Vec::with_capacity(batch.len());
+        for m in batch {
+            let mut headers = async_nats::HeaderMap::new();
+            headers.insert(crate::source::nats::MSG_ID_HEADER, m.id.as_str());
+            match js.publish_with_headers(subject.clone(), headers, bytes::Bytes::copy_from_slice(&m.body)).await {
+                Ok(ack) => acks.push(ack),
+                Err(e) => return Err(SendError::before_sending(format!("publishing: {e}"))),
+            }
+        }
+        // A re-send is dropped by the stream (its Nats-Msg-Id seen within the duplicate window): nothing uncertain.
+        let mut stored = 0;
+        for ack in acks {
+            match tokio::time::timeout(SEND_TIMEOUT, ack).await {
+                Ok(Ok(_)) => stored += 1,
+                Ok(Err(e)) => return Err(SendError { stored, uncertain: 0, error: format!("not acknowledged: {e}") }),
+                Err(_) => return Err(SendError { stored, uncertain: 0, error: "no acknowledgement within 10 s".into() }),
+            }
+        }
+        Ok(())
+    }
+}
