@@ -40,7 +40,9 @@
 //!   dead letter keeps), [`secret`] (credentials never printed), [`terminal`], [`shutdown`].
 //! - The tools, beside the worker's layers and above them (`tools` feature): `bench` (`idemflow bench`, the
 //!   benchmark against its baselines), `demo` (`idemflow demo`, the whole job on an embedded broker and a
-//!   throwaway store) and `soak` (`idemflow soak`, the guarantee held for an hour under faults at random moments).
+//!   throwaway store; its `broker` and `store` are the throwaway servers of every broker and store, one shape each,
+//!   that the soak shares) and `soak` (`idemflow soak`, the guarantee held for an hour under faults at random
+//!   moments, on one broker x store pair or on each in turn).
 //!
 //! The binary (`src/main.rs`) parses the command line; `src/cli/` has one file per command. Layers point one way:
 //!

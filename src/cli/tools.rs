@@ -96,8 +96,12 @@ pub struct SoakArgs {
 ///
 /// Errors: the soak could not be set up, did not finish, or one of its checks failed.
 pub async fn soak(a: SoakArgs) -> anyhow::Result<()> {
-    // The embedded broker's own client complains while the soak has it down: that is the point, not news.
-    telemetry::init(&config::LogSettings { level: "error,rdkafka=off,librdkafka=off".into(), ..Default::default() });
+    // The brokers' own clients (the soak's producers) complain while the soak has the broker down: that is the
+    // point, not news.
+    telemetry::init(&config::LogSettings {
+        level: "error,rdkafka=off,librdkafka=off,rocketmq_transport=off,rocketmq_client_rust=off,rocketmq_remoting=off".into(),
+        ..Default::default()
+    });
     if a.fault_gap_min > a.fault_gap_max || a.minutes <= 0.0 || a.rate == 0 {
         bail!("--fault-gap-min must not exceed --fault-gap-max, and --minutes and --rate must be above 0");
     }

@@ -105,6 +105,8 @@ enum Server {
 /// A throwaway broker with its topic, queue or stream, and its producer.
 pub struct ThrowawayBroker {
     kind: BrokerKind,
+    /// Kafka's partitions, RocketMQ's queues, or 1.
+    partitions: i32,
     server: Server,
     /// RabbitMQ, RocketMQ, NATS: the publishing task.
     publisher: Option<Publisher>,
@@ -139,7 +141,29 @@ impl ThrowawayBroker {
             Server::RocketMq(node) => Some(Publisher::spawn(Sender::RocketMq { name_server: node.name_server(), producer: None, routed: false })),
             Server::Nats(server) => Some(Publisher::spawn(Sender::Nats { url: server.url(), js: None })),
         };
-        Ok(ThrowawayBroker { kind, server, publisher })
+        let partitions = match kind {
+            BrokerKind::Kafka => partitions,
+            BrokerKind::Rocketmq => ROCKETMQ_QUEUES,
+            BrokerKind::Rabbitmq | BrokerKind::Nats => 1,
+        };
+        Ok(ThrowawayBroker { kind, partitions, server, publisher })
+    }
+
+    /// Where it is and what it holds, for a user to look at: `Kafka (embedded broker): 127.0.0.1:PORT (topic
+    /// payments, ...)`, the RabbitMQ URL without its password, ...
+    pub fn describe(&self) -> String {
+        match &self.server {
+            Server::Kafka(kafka) => format!(
+                "Kafka (embedded broker): {} (topic {TOPIC}, {} partitions, consumer group idemflow-payments)",
+                kafka.bootstrap_servers(),
+                self.partitions
+            ),
+            Server::RabbitMq(node) => format!("RabbitMQ: {} (quorum queue {TOPIC}; user guest, from localhost only)", crate::secret::mask_url(&node.url())),
+            Server::RocketMq(node) => format!("RocketMQ: name server {} (topic {TOPIC}, {ROCKETMQ_QUEUES} queues)", node.name_server()),
+            Server::Nats(server) => {
+                format!("NATS JetStream: {} (stream {NATS_STREAM}, subjects {TOPIC}.>, durable consumer idemflow-payments)", server.url())
+            }
+        }
     }
 
     /// Which broker this is.
@@ -149,12 +173,8 @@ impl ThrowawayBroker {
 
     /// How many partitions the stream should be spread over: Kafka's topic's, RocketMQ's 4 queues, 1 for a queue
     /// or a stream.
-    pub fn partitions(&self, kafka_partitions: i32) -> i32 {
-        match self.kind {
-            BrokerKind::Kafka => kafka_partitions,
-            BrokerKind::Rocketmq => ROCKETMQ_QUEUES,
-            BrokerKind::Rabbitmq | BrokerKind::Nats => 1,
-        }
+    pub fn partitions(&self) -> i32 {
+        self.partitions
     }
 
     /// What replaces `topics = ["payments"]` in a shipped pipeline to read this broker: RocketMQ with its
@@ -206,7 +226,14 @@ impl ThrowawayBroker {
                 }
                 Ok(())
             }
-            (_, Some(p)) => p.queue(records),
+            (_, Some(p)) => {
+                // In slices of 1,000: one send each, its acknowledgements awaited together.
+                let mut records = records.into_iter().peekable();
+                while records.peek().is_some() {
+                    p.queue(records.by_ref().take(1000).collect())?;
+                }
+                Ok(())
+            }
             (_, None) => bail!("no publisher"),
         }
     }
@@ -230,6 +257,12 @@ impl ThrowawayBroker {
             (Server::RabbitMq(_) | Server::RocketMq(_), Some(p)) => p.resent.load(Ordering::Relaxed),
             _ => 0,
         }
+    }
+
+    /// Publishes the NATS stream dropped as duplicates of a `Nats-Msg-Id` it had seen within its duplicate window
+    /// (2 minutes by default): a re-send, or a record whose [`Outgoing::id`] another had.
+    pub fn dropped(&self) -> u64 {
+        self.publisher.as_ref().map_or(0, |p| p.dropped.load(Ordering::Relaxed))
     }
 
     /// Takes the broker down: Kafka's broker refuses connections and drops those it had; RabbitMQ's node stops
@@ -266,7 +299,16 @@ struct Publisher {
     queued: u64,
     acknowledged: Arc<AtomicU64>,
     resent: Arc<AtomicU64>,
+    dropped: Arc<AtomicU64>,
     failure: Arc<std::sync::Mutex<Option<String>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Publisher {
+    /// A broker given up on (its server gone) leaves no task sending to it.
+    fn drop(&mut self) {
+        self.task.abort();
+    }
 }
 
 impl Publisher {
@@ -274,14 +316,15 @@ impl Publisher {
         let (tx, mut rx) = mpsc::unbounded_channel::<Vec<Outgoing>>();
         let acknowledged = Arc::new(AtomicU64::new(0));
         let resent = Arc::new(AtomicU64::new(0));
+        let dropped = Arc::new(AtomicU64::new(0));
         let failure = Arc::new(std::sync::Mutex::new(None));
-        let (acked, again, failed) = (acknowledged.clone(), resent.clone(), failure.clone());
-        tokio::spawn(async move {
+        let (acked, again, failed, duplicate) = (acknowledged.clone(), resent.clone(), failure.clone(), dropped.clone());
+        let task = tokio::spawn(async move {
             while let Some(mut batch) = rx.recv().await {
                 let mut backoff = Duration::from_millis(200);
                 while !batch.is_empty() {
                     let attempted = batch.len() as u64;
-                    match sender.send(&batch).await {
+                    match sender.send(&batch, &duplicate).await {
                         Ok(()) => {
                             acked.fetch_add(attempted, Ordering::Relaxed);
                             batch.clear();
@@ -299,7 +342,7 @@ impl Publisher {
                 }
             }
         });
-        Publisher { tx, queued: 0, acknowledged, resent, failure }
+        Publisher { tx, queued: 0, acknowledged, resent, dropped, failure, task }
     }
 
     fn queue(&mut self, records: Vec<Outgoing>) -> anyhow::Result<()> {
@@ -350,7 +393,7 @@ enum Sender {
     RocketMq {
         name_server: String,
         producer: Option<Box<RocketMqProducer>>,
-        /// Whether a send has succeeded: before, a failure is the topic not routable yet (nothing stored).
+        /// Whether the topic exists (a send has succeeded).
         routed: bool,
     },
     /// JetStream publishes, each acknowledged by the stream.
@@ -358,11 +401,12 @@ enum Sender {
 }
 
 impl Sender {
-    async fn send(&mut self, batch: &[Outgoing]) -> Result<(), SendError> {
+    /// Sends `batch` in order; a NATS publish the stream dropped as a duplicate adds one to `dropped`.
+    async fn send(&mut self, batch: &[Outgoing], dropped: &AtomicU64) -> Result<(), SendError> {
         let result = match self {
             Sender::RabbitMq { url, channel } => Self::send_rabbitmq(url, channel, batch).await,
             Sender::RocketMq { name_server, producer, routed } => Self::send_rocketmq(name_server, producer, routed, batch).await,
-            Sender::Nats { url, js } => Self::send_nats(url, js, batch).await,
+            Sender::Nats { url, js } => Self::send_nats(url, js, batch, dropped).await,
         };
         if result.is_err() {
             self.disconnect().await;
@@ -442,38 +486,50 @@ impl Sender {
             *producer = Some(Box::new(started.map_err(|e| SendError::before_sending(format!("{e:#}")))?));
         }
         let p = &producer.as_ref().expect("started above").1;
+        let message = |m: &Outgoing| Message::builder().topic(TOPIC).keys(vec![m.id.clone()]).body_slice(&m.body).build();
+        let mut batch = batch;
+        let mut first = 0;
+        if !*routed {
+            // The topic does not exist yet: the first send, to a queue the producer chooses, creates it
+            // (autoCreateTopicEnable); a send to a queue of a topic without a route is refused. That record is a
+            // first occurrence (nothing of the stream came before it), so its queue does not matter.
+            let m = message(&batch[0]).map_err(|e| SendError::before_sending(e.to_string()))?;
+            match tokio::time::timeout(SEND_TIMEOUT, p.send(m)).await {
+                Ok(Ok(_)) => {
+                    *routed = true;
+                    (batch, first) = (&batch[1..], 1);
+                }
+                Ok(Err(e)) => return Err(SendError::before_sending(format!("creating topic {TOPIC}: {e}"))),
+                Err(_) => return Err(SendError { stored: 0, uncertain: 1, error: format!("creating topic {TOPIC}: no answer within 10 s") }),
+            }
+        }
         // One synchronous batch send per queue, in the records' order within each queue; `stored` counts only a
-        // prefix of the batch, so after a failure the whole batch is sent again.
+        // prefix of the batch, so after a failure the rest is sent again (the queues already sent among it too).
         let mut sent = 0;
         for queue in 0..ROCKETMQ_QUEUES {
             let of_queue: Vec<&Outgoing> = batch.iter().filter(|m| m.partition.rem_euclid(ROCKETMQ_QUEUES) == queue).collect();
             if of_queue.is_empty() {
                 continue;
             }
-            let messages: Result<Vec<Message>, _> =
-                of_queue.iter().map(|m| Message::builder().topic(TOPIC).keys(vec![m.id.clone()]).body_slice(&m.body).build()).collect();
+            let messages: Result<Vec<Message>, _> = of_queue.iter().map(|m| message(m)).collect();
             let messages = messages.map_err(|e| SendError::before_sending(e.to_string()))?;
             let sending = p.send_batch_to_queue(messages, MessageQueue::from_parts(TOPIC, ROCKETMQ_BROKER, queue));
             match tokio::time::timeout(SEND_TIMEOUT, sending).await {
-                Ok(Ok(_)) => {
-                    *routed = true;
-                    sent += of_queue.len();
-                }
+                Ok(Ok(_)) => sent += of_queue.len(),
                 failed => {
                     let error = match failed {
                         Ok(Err(e)) => e.to_string(),
                         _ => "no answer within 10 s".to_owned(),
                     };
-                    // Before the topic has a route nothing is stored; after, this queue's batch may have been.
-                    let uncertain = if *routed { sent + of_queue.len() } else { sent };
-                    return Err(SendError { stored: 0, uncertain, error });
+                    // The queues sent before are stored; this queue's batch may have been.
+                    return Err(SendError { stored: first, uncertain: sent + of_queue.len(), error });
                 }
             }
         }
         Ok(())
     }
 
-    async fn send_nats(url: &str, js: &mut Option<async_nats::jetstream::Context>, batch: &[Outgoing]) -> Result<(), SendError> {
+    async fn send_nats(url: &str, js: &mut Option<async_nats::jetstream::Context>, batch: &[Outgoing], dropped: &AtomicU64) -> Result<(), SendError> {
         if js.is_none() {
             let client = tokio::time::timeout(SEND_TIMEOUT, async_nats::connect(url)).await;
             match client {
@@ -497,7 +553,12 @@ impl Sender {
         let mut stored = 0;
         for ack in acks {
             match tokio::time::timeout(SEND_TIMEOUT, ack).await {
-                Ok(Ok(_)) => stored += 1,
+                Ok(Ok(ack)) => {
+                    stored += 1;
+                    if ack.duplicate {
+                        dropped.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
                 Ok(Err(e)) => return Err(SendError { stored, uncertain: 0, error: format!("not acknowledged: {e}") }),
                 Err(_) => return Err(SendError { stored, uncertain: 0, error: "no acknowledgement within 10 s".into() }),
             }

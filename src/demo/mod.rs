@@ -26,16 +26,13 @@ pub mod redis;
 pub mod rocketmq;
 pub mod store;
 
-use crate::config::{
-    self, DatabaseSettings, KafkaSettings, LogSettings, MetricsSettings, PropertyValue, Settings, ShutdownSettings,
-};
+use crate::config::{self, Settings};
+use broker::{BrokerKind, Outgoing, ThrowawayBroker};
 use crate::http::{self, Health};
 use crate::metrics::Metrics;
 use crate::shutdown::{self, Shutdown};
 use crate::worker::{self, Faults, PipelineFailure};
 use anyhow::{bail, Context as _};
-use rdkafka::producer::BaseRecord;
-use std::collections::BTreeMap;
 use std::io::IsTerminal;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -47,8 +44,6 @@ pub(crate) const SHIPPED_PIPELINE: &str = include_str!("../../pipelines/payments
 pub(crate) const SHIPPED_TABLES: &str = include_str!("../../pipelines/payments.sql");
 const SHIPPED_RABBITMQ_PIPELINE: &str = include_str!("../../examples/rabbitmq/payments.toml");
 const SHIPPED_NATS_PIPELINE: &str = include_str!("../../examples/nats/payments.toml");
-/// The stream of the NATS demo (the shipped example's), on subjects `payments.>`.
-const NATS_STREAM: &str = "PAYMENTS";
 const SHIPPED_MYSQL_PIPELINE: &str = include_str!("../../examples/mysql/payments.toml");
 const SHIPPED_MYSQL_TABLES: &str = include_str!("../../examples/mysql/payments.sql");
 const SHIPPED_REDIS_PIPELINE: &str = include_str!("../../examples/redis/payments.toml");
@@ -90,11 +85,15 @@ pub enum DemoSource {
     Nats,
 }
 
-/// The running broker of a demo.
-enum Broker {
-    Kafka(kafka::EmbeddedKafka),
-    RabbitMq(rabbitmq::Throwaway),
-    Nats(nats::Throwaway),
+impl DemoSource {
+    /// The broker this is.
+    fn broker(self) -> BrokerKind {
+        match self {
+            DemoSource::Kafka => BrokerKind::Kafka,
+            DemoSource::Rabbitmq => BrokerKind::Rabbitmq,
+            DemoSource::Nats => BrokerKind::Nats,
+        }
+    }
 }
 
 /// The message-id a payment is published with: its order id (a retry keeps it); a poison message gets its own.
@@ -352,24 +351,9 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<bool> {
     // Kafka: the embedded broker, with enough partitions for the mock's per-partition limit. RabbitMQ: a node of
     // this demo and a quorum queue.
     let partitions = if rabbit { 1 } else { ((options.records * 200) / (3 << 20) + 1).max(4) as i32 };
-    let broker = if nats {
-        eprintln!("starting a throwaway NATS server with JetStream (Debian's nats-server)...");
-        let server = nats::Throwaway::start()?;
-        nats::create_stream(&server.url(), NATS_STREAM, TOPIC).await?;
-        eprintln!("NATS server on {} (stream {NATS_STREAM}, subjects {TOPIC}.>)", server.url());
-        Broker::Nats(server)
-    } else if rabbit {
-        eprintln!("starting a throwaway RabbitMQ node (Debian's rabbitmq-server)...");
-        let node = rabbitmq::Throwaway::start()?;
-        rabbitmq::declare_quorum_queue(&node.url(), TOPIC).await.context("declaring the queue")?;
-        eprintln!("RabbitMQ node on {} (quorum queue {TOPIC})", crate::secret::mask_url(&node.url()));
-        Broker::RabbitMq(node)
-    } else {
-        let kafka = kafka::EmbeddedKafka::start()?;
-        kafka.create_topic(TOPIC, partitions)?;
-        eprintln!("embedded Kafka broker on {} (topic {TOPIC}, {partitions} partitions)", kafka.bootstrap_servers());
-        Broker::Kafka(kafka)
-    };
+    eprintln!("starting a throwaway {} broker...", options.source.broker().name());
+    let mut broker = ThrowawayBroker::start(options.source.broker(), partitions).await?;
+    eprintln!("{}", broker.describe());
 
     // Workspace: settings and the pipeline, as a user would have them.
     let dir = tempfile::Builder::new().prefix("idemflow-demo-").tempdir()?;
@@ -387,76 +371,32 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<bool> {
     };
     std::fs::create_dir(dir.path().join("pipelines"))?;
     std::fs::write(dir.path().join("pipelines/payments.toml"), &pipeline_text)?;
-    let mut properties = BTreeMap::new();
-    properties.insert("session.timeout.ms".to_owned(), PropertyValue::Text("3000".into()));
-    properties.insert("heartbeat.interval.ms".to_owned(), PropertyValue::Text("300".into()));
-    let settings = Settings {
-        pipelines: dir.path().join("pipelines"),
-        database: (!redis).then(|| DatabaseSettings { url: url.clone().into(), max_connections: 4, acquire_timeout: Duration::from_secs(10), prepared_statements: true, batch_timeout: crate::config::DEFAULT_BATCH_TIMEOUT }),
-        redis: redis.then(|| database::DemoDb::redis_settings(&url)),
-        kafka: KafkaSettings {
-            bootstrap_servers: match &broker {
-                Broker::Kafka(kafka) => kafka.bootstrap_servers().to_owned(),
-                Broker::RabbitMq(_) | Broker::Nats(_) => String::new(),
-            },
-            properties,
-            no_partitions_warning: Duration::from_secs(120),
-        },
-        rabbitmq: match &broker {
-            Broker::Kafka(_) | Broker::Nats(_) => None,
-            Broker::RabbitMq(node) => Some(config::RabbitMqSettings {
-                url: node.url().into(),
-                heartbeat: Duration::from_secs(10),
-                connect_timeout: Duration::from_secs(5),
-                tls_ca_file: None,
-                tls_cert_file: None,
-                tls_key_file: None,
-            }),
-        },
-        rocketmq: None,
-        nats: match &broker {
-            Broker::Nats(server) => Some(config::NatsSettings {
-                url: server.url().into(),
-                user: None,
-                password: None,
-                token: None,
-                nkey_seed: None,
-                credentials_file: None,
-                tls_ca_file: None,
-                tls_cert_file: None,
-                tls_key_file: None,
-                connect_timeout: Duration::from_secs(5),
-                request_timeout: Duration::from_secs(5),
-            }),
-            Broker::Kafka(_) | Broker::RabbitMq(_) => None,
-        },
-        metrics: MetricsSettings { listen: options.metrics_listen, ..MetricsSettings::default() },
-        log: LogSettings::default(),
-        shutdown: ShutdownSettings::default(),
+    let store_section = if redis {
+        format!("[redis]\nurl = {}\nresponse_timeout = \"30s\"\n", toml_string(&url))
+    } else {
+        format!("[database]\nurl = {}\nmax_connections = 4\n", toml_string(&url))
     };
+    let settings_text = format!(
+        "pipelines = \"pipelines\"\n{store_section}{}[metrics]\nlisten = \"{}\"\n",
+        broker.settings_toml(),
+        options.metrics_listen
+    );
+    let settings_file = dir.path().join("idemflow.toml");
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        let mut f = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&settings_file)?;
+        std::io::Write::write_all(&mut f, settings_text.as_bytes())?;
+    }
+    let settings = config::load_settings_from(&settings_file, std::iter::empty()).map_err(|e| anyhow::anyhow!("{e}"))?.settings;
     db.setup(&tables_sql, ACCOUNTS, OPENING_BALANCE_CENTS).await?;
 
     let s = stream(options.records, partitions);
-    // Publishes the NATS demo drops as duplicates of an id seen within the stream's duplicate window.
-    let mut dropped = 0u64;
-    match &broker {
-        Broker::Kafka(kafka) => {
-            for (partition, value) in &s.records {
-                kafka.send(BaseRecord::<[u8], [u8]>::to(TOPIC).partition(*partition).payload(value))?;
-            }
-            kafka.flush()?;
-        }
-        Broker::RabbitMq(node) => {
-            let messages: Vec<(String, Vec<u8>)> =
-                s.records.iter().enumerate().map(|(i, (_, body))| (message_id(i, body), body.clone())).collect();
-            rabbitmq::publish(&node.url(), TOPIC, &messages).await.context("publishing")?;
-        }
-        Broker::Nats(server) => {
-            let messages: Vec<(String, Vec<u8>)> =
-                s.records.iter().enumerate().map(|(i, (_, body))| (message_id(i, body), body.clone())).collect();
-            dropped = nats::publish(&server.url(), &format!("{TOPIC}.created"), &messages, true).await.context("publishing")?;
-        }
-    }
+    // Each record with its order id as its message id (RabbitMQ, NATS: the examples' business key), as a
+    // producer retry keeps it; a JetStream stream drops a copy whose Nats-Msg-Id it saw within its duplicate window.
+    let records = s.records.iter().enumerate().map(|(i, (partition, body))| Outgoing { partition: *partition, id: message_id(i, body), body: body.clone() });
+    broker.publish(records.collect())?;
+    broker.flush(Duration::from_secs(600)).await.context("publishing")?;
+    let dropped = broker.dropped();
     eprintln!(
         "{} {} records: {} operations, {} {} retries, {} reused order ids, {} poison records",
         if rabbit { "published" } else { "produced" },
@@ -646,13 +586,7 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<bool> {
     if let Some(signals) = keep_running {
         let database = crate::config::SecretUrl::from(url.clone());
         eprintln!("\nkeeping the worker and http://{}/metrics up; Ctrl-C to stop", server.addr());
-        match &broker {
-            Broker::Kafka(kafka) => {
-                eprintln!("  Kafka (embedded broker): {} (topic {TOPIC}, consumer group idemflow-payments)", kafka.bootstrap_servers())
-            }
-            Broker::RabbitMq(node) => eprintln!("  RabbitMQ: {} (queue {TOPIC}; user guest, from localhost only)", crate::secret::mask_url(&node.url())),
-            Broker::Nats(server) => eprintln!("  NATS: {} (stream {NATS_STREAM}, durable consumer idemflow-payments)", server.url()),
-        }
+        eprintln!("  {}", broker.describe());
         match &throwaway {
             Some(cluster) => eprintln!(
                 "  PostgreSQL: {database} (a throwaway cluster: the password of its superuser postgres is in {}, readable \
@@ -670,6 +604,11 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<bool> {
     a.stop().await?;
     db.close().await;
     Ok(rows_ok && total_ok && reconciled)
+}
+
+/// `text` as a TOML basic string (JSON's escapes are TOML's).
+fn toml_string(text: &str) -> String {
+    serde_json::to_string(text).expect("a string serializes")
 }
 
 /// Where `idemflow demo-producer` sends.

@@ -58,18 +58,24 @@ pub fn checks(o: &Outcome) -> Vec<(bool, String)> {
         format!("last worker: received {} == applied + duplicates + dead letters + tombstones {}", o.last.received, o.last.parts())));
     checks.push((o.stopped.is_some_and(|s| s.success()), format!("last worker stopped by SIGTERM: {:?}", o.stopped)));
     checks.extend(counted(o));
-    let resources = [
-        ("resident memory (KiB)", flat(&o.samples, |s| s.rss_kib, 8 * 1024)),
-        ("open files", flat(&o.samples, |s| s.fds, 8)),
-        ("threads", flat(&o.samples, |s| s.threads, 4)),
-    ];
-    for (what, f) in resources {
-        if let Some((middle, last, ok)) = f {
-            checks.push((ok, format!("{what}: largest in the last third {last}, in the middle third {middle}")));
+    if o.streamed >= RESOURCES_JUDGED_FROM {
+        let resources = [
+            ("resident memory (KiB)", flat(&o.samples, |s| s.rss_kib, 8 * 1024)),
+            ("open files", flat(&o.samples, |s| s.fds, 8)),
+            ("threads", flat(&o.samples, |s| s.threads, 4)),
+        ];
+        for (what, f) in resources {
+            if let Some((middle, last, ok)) = f {
+                checks.push((ok, format!("{what}: largest in the last third {last}, in the middle third {middle}")));
+            }
         }
     }
     checks
 }
+
+/// The shortest run whose resource samples are judged flat or not: in a shorter one the catch-up after a single
+/// outage (a backlog read at once, the client's buffers filling) can fall in its last third and look like growth.
+pub const RESOURCES_JUDGED_FROM: Duration = Duration::from_secs(600);
 
 /// ` (+ at most N sent again)` when the producer sent records again.
 fn slack(resent: u64) -> String {
@@ -158,6 +164,9 @@ pub fn report(o: &Outcome, checks: &[(bool, String)], rate: u32, seed: u64) -> S
         let _ = writeln!(r, "- {}: {text}", if *ok { "ok" } else { "FAILED" });
     }
     let _ = writeln!(r, "\n### The worker's resources (a sample every 10 s; the largest of each ~5 minutes)\n");
+    if o.streamed < RESOURCES_JUDGED_FROM {
+        let _ = writeln!(r, "Not judged flat or growing: the run is shorter than {} minutes.\n", RESOURCES_JUDGED_FROM.as_secs() / 60);
+    }
     let _ = writeln!(r, "| minutes | pid | resident MiB | open files | threads |\n|---|---|---|---|---|");
     resources(&mut r, &o.samples);
     let _ = writeln!(r, "\nThe faults, in order:\n");
@@ -179,5 +188,107 @@ fn resources(r: &mut String, samples: &[Sample]) {
             let _ = writeln!(r, "| {}-{} | {} | {:.1} | {fds} | {threads} |", from.as_secs() / 60, (from + window).as_secs() / 60, peak.pid, peak.rss_kib as f64 / 1024.0);
         }
         from += window;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::demo::database::{Ledger, Totals};
+    use crate::demo::store::StoreKind;
+    use crate::soak::pair::Injected;
+    use crate::soak::worker::Counts;
+    use std::os::unix::process::ExitStatusExt as _;
+
+    /// A run where everything came out exact: 1,000 operations, 20 retries, 3 reused ids, 2 poison records.
+    fn exact(broker: BrokerKind) -> Outcome {
+        let injected = Injected { produced: 1025, distinct: 1000, retries: 20, mismatches: 3, poison: 2, expected_cents: 500_000 };
+        let counted = Counts { received: 1025.0, applied: 1000.0, republished: 20.0, redelivered: 0.0, mismatched: 3.0, dead_letters: 2.0, tombstones: 0.0 };
+        Outcome {
+            broker,
+            store: StoreKind::Postgres,
+            partitions: 1,
+            injected,
+            resent: 0,
+            totals: Totals { rows: 1000, distinct_rows: 1000, deducted_cents: 500_000, applied_cents: 500_000 },
+            ledger: Ledger { dedup_rows: 1000, duplicates: 23, dead_letters: 2, dead_payloads: 2, dead_reasons: vec!["decode_failed".into()] },
+            counted,
+            last: counted,
+            stopped: Some(std::process::ExitStatus::from_raw(0)),
+            samples: Vec::new(),
+            journal: Vec::new(),
+            exits: Vec::new(),
+            streamed: Duration::from_secs(5),
+            drained: Duration::from_secs(1),
+            longest_stall: Duration::ZERO,
+            iptables: true,
+        }
+    }
+
+    fn failed(o: &Outcome) -> Vec<String> {
+        checks(o).into_iter().filter(|(ok, _)| !ok).map(|(_, text)| text).collect()
+    }
+
+    #[test]
+    fn an_exact_run_passes_on_every_broker() {
+        for broker in BrokerKind::ALL {
+            assert_eq!(failed(&exact(broker)), Vec::<String>::new(), "{broker:?}");
+        }
+    }
+
+    #[test]
+    fn a_positional_broker_is_held_to_exact_figures() {
+        // One operation applied twice: a row too many, a deduction too many.
+        let mut o = exact(BrokerKind::Kafka);
+        o.totals.rows = 1001;
+        o.totals.deducted_cents += 100;
+        assert_eq!(failed(&o).len(), 2, "{:?}", failed(&o));
+        // A poison record dead-lettered twice, a duplicate counted twice.
+        let mut o = exact(BrokerKind::Rocketmq);
+        o.ledger.dead_letters = 3;
+        o.ledger.duplicates = 24;
+        assert_eq!(failed(&o).len(), 2, "{:?}", failed(&o));
+        // ... unless the producer sent a record again: then one more duplicate is allowed, never two.
+        o.ledger.dead_letters = 2;
+        o.resent = 1;
+        o.counted.republished = 21.0;
+        assert_eq!(failed(&o), Vec::<String>::new());
+        o.ledger.duplicates = 25;
+        assert_eq!(failed(&o).len(), 1);
+        // A copy with another amount applied first is an error where the order is kept.
+        let mut o = exact(BrokerKind::Kafka);
+        o.totals.deducted_cents += 1;
+        o.totals.applied_cents += 1;
+        assert_eq!(failed(&o).len(), 1);
+    }
+
+    #[test]
+    fn a_queue_allows_what_redeliveries_and_lost_order_do_and_nothing_more() {
+        let mut o = exact(BrokerKind::Rabbitmq);
+        // A reused order id applied before its original (one cent more each), a redelivered poison message
+        // dead-lettered again, redeliveries counted as duplicates.
+        o.totals.deducted_cents += 3;
+        o.totals.applied_cents += 3;
+        o.ledger.dead_letters = 3;
+        o.ledger.duplicates = 40;
+        o.counted.redelivered = 17.0;
+        assert_eq!(failed(&o), Vec::<String>::new());
+        // But never an amount beyond every swap, a deduction that is not the applied amounts, a poison payload
+        // missing, or fewer duplicates than were injected.
+        o.totals.applied_cents += 1;
+        o.totals.deducted_cents += 1;
+        assert_eq!(failed(&o).len(), 1);
+        let mut o = exact(BrokerKind::Nats);
+        o.totals.deducted_cents += 1;
+        o.ledger.dead_payloads = 1;
+        o.ledger.duplicates = 22;
+        assert_eq!(failed(&o).len(), 3, "{:?}", failed(&o));
+    }
+
+    #[test]
+    fn a_dead_letter_for_an_outage_fails() {
+        let mut o = exact(BrokerKind::Nats);
+        o.ledger.dead_reasons = vec!["decode_failed".into(), "sink_failed".into()];
+        assert_eq!(failed(&o).len(), 1);
     }
 }

@@ -141,7 +141,7 @@ impl Soak {
         let start = Instant::now();
         let next_fault = start + rng.between(options.fault_gap.0, options.fault_gap.1);
         Ok(Soak {
-            partitions: broker_server.partitions(KAFKA_PARTITIONS),
+            partitions: broker_server.partitions(),
             broker: broker_server,
             store: store_server,
             db,

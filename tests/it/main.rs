@@ -30,6 +30,7 @@ mod retention;
 mod scaleout;
 mod security;
 mod semantics;
+mod soak;
 mod upgrade;
 mod visibility;
 mod walkthroughs;
