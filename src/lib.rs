@@ -51,7 +51,7 @@
 //! ```
 //!
 //! Sources and stores never import the worker, the sink or `config`: they take what they need of a pipeline
-//! ([`source::contract::Context`], [`store::spec`]) and of the settings ([`source::Brokers`], [`store::Stores`]).
+//! ([`source::contract::Context`], [`store::spec`]) and of the settings ([`source::Brokers`], [`store::open::Stores`]).
 //! A batch travels as one value ([`batch::Batch`]: its records, each record's prepared form, the positions computed
 //! once) from the worker to the sink to the source's commit.
 //!
@@ -85,7 +85,7 @@
 //! its error codes mapped into [`store::disposition::Disposition`]. Outside its folder: its settings and `[sink]`
 //! form in [`store::spec`], one variant of [`store::Store`], [`store::SqlSideEffect`] or [`store::SideEffect`], and
 //! [`store::Tx`], its line in each dispatch macro (`each_store!`, `each_tx!`, `each_effect!` in `store/mod.rs`), its
-//! arms in [`store::open`] with its [`store::StoreCapabilities`], a feature in `Cargo.toml`, and its column of the
+//! arms in [`store::open`] with its [`store::open::StoreCapabilities`], a feature in `Cargo.toml`, and its column of the
 //! matrix (how its state is read).
 //!
 //! # Why a crash can neither lose a record nor apply it twice
@@ -114,8 +114,13 @@
 //!   its `COMMIT` (a side effect that ended the transaction itself, then a retryable failure), the pipeline stops:
 //!   part of the batch may be committed without the rest. Tested with a lost answer injected
 //!   ([`worker::Faults::lose_commit_answer`]) on PostgreSQL and MariaDB, and a procedure's `COMMIT` followed by a
-//!   lock wait timeout (`tests/it/hardening.rs`, `tests/it/mariadb.rs`). Redis's script has no such record: a lost
-//!   answer's retry counts the batch as duplicates (effects once). On PostgreSQL an attempt abandoned at
+//!   lock wait timeout (`tests/it/hardening.rs`, `tests/it/mariadb.rs`). On Redis the stored positions are that
+//!   record: the script stores them with the effects, so a retry whose partitions all stand at this batch's next
+//!   positions knows the batch applied; it writes nothing and answers the outcome the lost attempt left, read back
+//!   from the dedup keys (own value: applied; another record's: a duplicate, classified against the positions
+//!   before the batch) and the dead-letter marks (`store/redis/batch.lua`). Tested with the same injected lost
+//!   answer (`redis::a_lost_script_answer_counts_the_batch_once`). A source without positions (a queue) has no such
+//!   record: there the retry counts the batch as duplicates (effects once). On PostgreSQL an attempt abandoned at
 //!   `batch_timeout` before its `COMMIT` has its server session ended (`Store::end_session`, on a connection of its
 //!   own, matched by the backend pid and the transaction start the attempt marker returned, so a session that
 //!   moved on is never touched): its transaction is rolled back there, not left in the statement it was stuck in

@@ -8,7 +8,8 @@ use idemflow::field::{self, FieldPath, Render};
 use idemflow::record::{Position, Record};
 use idemflow::rounding;
 use idemflow::sink::template;
-use idemflow::store::redis::{command, numbers};
+use idemflow::store::redis::numbers;
+use idemflow::store::redis_command as command;
 use std::path::Path;
 use std::sync::Arc;
 

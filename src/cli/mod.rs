@@ -206,7 +206,7 @@ async fn open_stores(settings: &Settings, config: &Path, pipelines: &[config::Pi
 async fn durability(stores: &[(StoreKind, Store)], pipelines: &[config::Pipeline]) -> Vec<String> {
     let mut lines = Vec::new();
     for (kind, store) in stores {
-        let tenants: Vec<idemflow::store::Tenant> = pipelines.iter().filter(|p| p.sink.store() == *kind).map(|p| p.tenant()).collect();
+        let tenants: Vec<idemflow::store::contract::Tenant> = pipelines.iter().filter(|p| p.sink.store() == *kind).map(|p| p.tenant()).collect();
         lines.extend(store.durability(&tenants).await);
     }
     lines

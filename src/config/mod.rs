@@ -64,9 +64,9 @@ fn default_pipelines() -> PathBuf {
 }
 
 impl Settings {
-    /// The stores' settings, as the stores take them ([`crate::store::Stores`]).
-    pub fn stores(&self) -> crate::store::Stores {
-        crate::store::Stores { database: self.database.clone(), redis: self.redis.clone() }
+    /// The stores' settings, as the stores take them ([`crate::store::open::Stores`]).
+    pub fn stores(&self) -> crate::store::open::Stores {
+        crate::store::open::Stores { database: self.database.clone(), redis: self.redis.clone() }
     }
 
     /// The brokers' settings, as the sources take them ([`crate::source::Brokers`]).

@@ -89,9 +89,9 @@ pub enum TombstonePolicy {
 }
 
 impl Pipeline {
-    /// What its store's durability report needs of it ([`crate::store::Tenant`]).
-    pub fn tenant(&self) -> crate::store::Tenant {
-        crate::store::Tenant { name: self.name.clone(), retention: self.dedup.retention, has_positions: self.source.positional() }
+    /// What its store's durability report needs of it ([`crate::store::contract::Tenant`]).
+    pub fn tenant(&self) -> crate::store::contract::Tenant {
+        crate::store::contract::Tenant { name: self.name.clone(), retention: self.dedup.retention, has_positions: self.source.positional() }
     }
 
     /// What its source is given of it ([`crate::source::SourceContext`]).

@@ -330,9 +330,13 @@ impl Publisher {
                             batch.clear();
                         }
                         Err(SendError { stored, uncertain, error }) => {
-                            // The first `stored` are acknowledged; of the rest, `uncertain` may have been stored.
-                            acked.fetch_add(stored as u64, Ordering::Relaxed);
-                            batch.drain(..stored);
+                            // `stored` are acknowledged (sent no more); of the rest, `uncertain` may have been stored.
+                            acked.fetch_add(stored.len() as u64, Ordering::Relaxed);
+                            let mut index = 0;
+                            batch.retain(|_| {
+                                index += 1;
+                                !stored.contains(&(index - 1))
+                            });
                             again.fetch_add(uncertain as u64, Ordering::Relaxed);
                             *failed.lock().unwrap_or_else(|e| e.into_inner()) = Some(error);
                             tokio::time::sleep(backoff).await;
@@ -367,17 +371,17 @@ impl Publisher {
     }
 }
 
-/// A failed send of a batch: how many of its first records were acknowledged, how many of the rest may have been
-/// stored anyway, and why.
+/// A failed send of a batch: which of its records were acknowledged (their indices), how many of the rest may have
+/// been stored anyway, and why.
 struct SendError {
-    stored: usize,
+    stored: Vec<usize>,
     uncertain: usize,
     error: String,
 }
 
 impl SendError {
     fn before_sending(error: impl std::fmt::Display) -> SendError {
-        SendError { stored: 0, uncertain: 0, error: error.to_string() }
+        SendError { stored: Vec::new(), uncertain: 0, error: error.to_string() }
     }
 }
 
@@ -457,17 +461,17 @@ impl Sender {
             match ch.basic_publish("".into(), TOPIC.into(), BasicPublishOptions::default(), &m.body, props).await {
                 Ok(confirm) => pending.push(confirm),
                 // The ones before may be stored; this one and those after were not sent.
-                Err(e) => return Err(SendError { stored: 0, uncertain: pending.len(), error: format!("publishing: {e}") }),
+                Err(e) => return Err(SendError { stored: Vec::new(), uncertain: pending.len(), error: format!("publishing: {e}") }),
             }
         }
         let sent = pending.len();
-        let mut stored = 0;
-        for p in pending {
+        for (stored, p) in pending.into_iter().enumerate() {
+            let failed = |error: String| SendError { stored: (0..stored).collect(), uncertain: sent - stored, error };
             match tokio::time::timeout(SEND_TIMEOUT, p).await {
-                Ok(Ok(lapin::Confirmation::Ack(_))) => stored += 1,
-                Ok(Ok(other)) => return Err(SendError { stored, uncertain: sent - stored, error: format!("not confirmed: {other:?}") }),
-                Ok(Err(e)) => return Err(SendError { stored, uncertain: sent - stored, error: format!("waiting for confirms: {e}") }),
-                Err(_) => return Err(SendError { stored, uncertain: sent - stored, error: "no confirm within 10 s".into() }),
+                Ok(Ok(lapin::Confirmation::Ack(_))) => {}
+                Ok(Ok(other)) => return Err(failed(format!("not confirmed: {other:?}"))),
+                Ok(Err(e)) => return Err(failed(format!("waiting for confirms: {e}"))),
+                Err(_) => return Err(failed("no confirm within 10 s".into())),
             }
         }
         Ok(())
@@ -487,42 +491,42 @@ impl Sender {
         }
         let p = &producer.as_ref().expect("started above").1;
         let message = |m: &Outgoing| Message::builder().topic(TOPIC).keys(vec![m.id.clone()]).body_slice(&m.body).build();
-        let mut batch = batch;
-        let mut first = 0;
+        // The indices acknowledged so far: on a failure they are not sent again.
+        let mut stored: Vec<usize> = Vec::new();
         if !*routed {
             // The topic does not exist yet: the first send, to a queue the producer chooses, creates it
-            // (autoCreateTopicEnable); a send to a queue of a topic without a route is refused. That record is a
-            // first occurrence (nothing of the stream came before it), so its queue does not matter.
+            // (autoCreateTopicEnable); a send to a queue of a topic without a route is refused. That record is the
+            // stream's first, a first occurrence; the stream reuses no order id that early, so no copy of it
+            // follows in another queue (the exact checks would see one applied before it).
             let m = message(&batch[0]).map_err(|e| SendError::before_sending(e.to_string()))?;
             match tokio::time::timeout(SEND_TIMEOUT, p.send(m)).await {
                 Ok(Ok(_)) => {
                     *routed = true;
-                    (batch, first) = (&batch[1..], 1);
+                    stored.push(0);
                 }
                 Ok(Err(e)) => return Err(SendError::before_sending(format!("creating topic {TOPIC}: {e}"))),
-                Err(_) => return Err(SendError { stored: 0, uncertain: 1, error: format!("creating topic {TOPIC}: no answer within 10 s") }),
+                Err(_) => return Err(SendError { stored, uncertain: 1, error: format!("creating topic {TOPIC}: no answer within 10 s") }),
             }
         }
-        // One synchronous batch send per queue, in the records' order within each queue; `stored` counts only a
-        // prefix of the batch, so after a failure the rest is sent again (the queues already sent among it too).
-        let mut sent = 0;
+        // One synchronous batch send per queue, in the records' order within each queue.
         for queue in 0..ROCKETMQ_QUEUES {
-            let of_queue: Vec<&Outgoing> = batch.iter().filter(|m| m.partition.rem_euclid(ROCKETMQ_QUEUES) == queue).collect();
+            let of_queue: Vec<usize> =
+                (0..batch.len()).filter(|i| !stored.contains(i) && batch[*i].partition.rem_euclid(ROCKETMQ_QUEUES) == queue).collect();
             if of_queue.is_empty() {
                 continue;
             }
-            let messages: Result<Vec<Message>, _> = of_queue.iter().map(|m| message(m)).collect();
+            let messages: Result<Vec<Message>, _> = of_queue.iter().map(|i| message(&batch[*i])).collect();
             let messages = messages.map_err(|e| SendError::before_sending(e.to_string()))?;
             let sending = p.send_batch_to_queue(messages, MessageQueue::from_parts(TOPIC, ROCKETMQ_BROKER, queue));
             match tokio::time::timeout(SEND_TIMEOUT, sending).await {
-                Ok(Ok(_)) => sent += of_queue.len(),
+                Ok(Ok(_)) => stored.extend(of_queue),
                 failed => {
                     let error = match failed {
                         Ok(Err(e)) => e.to_string(),
                         _ => "no answer within 10 s".to_owned(),
                     };
-                    // The queues sent before are stored; this queue's batch may have been.
-                    return Err(SendError { stored: first, uncertain: sent + of_queue.len(), error });
+                    // The queues sent before are stored; this queue's records may have been.
+                    return Err(SendError { stored, uncertain: of_queue.len(), error });
                 }
             }
         }
@@ -550,17 +554,16 @@ impl Sender {
             }
         }
         // A re-send is dropped by the stream (its Nats-Msg-Id seen within the duplicate window): nothing uncertain.
-        let mut stored = 0;
-        for ack in acks {
+        for (stored, ack) in acks.into_iter().enumerate() {
+            let failed = |error: String| SendError { stored: (0..stored).collect(), uncertain: 0, error };
             match tokio::time::timeout(SEND_TIMEOUT, ack).await {
                 Ok(Ok(ack)) => {
-                    stored += 1;
                     if ack.duplicate {
                         dropped.fetch_add(1, Ordering::Relaxed);
                     }
                 }
-                Ok(Err(e)) => return Err(SendError { stored, uncertain: 0, error: format!("not acknowledged: {e}") }),
-                Err(_) => return Err(SendError { stored, uncertain: 0, error: "no acknowledgement within 10 s".into() }),
+                Ok(Err(e)) => return Err(failed(format!("not acknowledged: {e}"))),
+                Err(_) => return Err(failed("no acknowledgement within 10 s".into())),
             }
         }
         Ok(())

@@ -166,14 +166,13 @@ impl DemoDb {
     }
 
     /// `(dedup rows, distinct dead-lettered payloads)` of pipeline `payments` (Redis: entries of the example's
-    /// `payments-applied` stream, one per applied payment, and of the dead-letter stream, one per position).
+    /// `payments-applied` stream, one per applied payment, and the dead-letter stream's distinct payloads).
     pub async fn progress(&self) -> anyhow::Result<(i64, i64)> {
         Ok(match self {
             DemoDb::Redis(_, client, _) => {
                 let mut c = client.get_multiplexed_async_connection().await?;
                 let applied: i64 = redis::cmd("XLEN").arg("payments-applied").query_async(&mut c).await?;
-                let dead: i64 = redis::cmd("XLEN").arg("idemflow:dead-letters").query_async(&mut c).await?;
-                (applied, dead)
+                (applied, redis_dead_letters(&mut c).await?.1)
             }
             DemoDb::Postgres(pool) => {
                 sqlx::query_as(
@@ -301,44 +300,26 @@ async fn redis_ledger(client: &redis::Client) -> anyhow::Result<Ledger> {
             duplicates += v.split('|').nth(2).and_then(|d| d.parse::<i64>().ok()).with_context(|| format!("a dedup value {v:?}"))?;
         }
     }
-    let entries: Vec<StreamEntry> =
-        redis::cmd("XRANGE").arg("idemflow:dead-letters").arg("-").arg("+").query_async(&mut c).await?;
+    let (dead_letters, dead_payloads, dead_reasons) = redis_dead_letters(&mut c).await?;
+    Ok(Ledger { dedup_rows: keys.len() as i64, duplicates, dead_letters, dead_payloads, dead_reasons })
+}
+
+/// The dead-letter stream `idemflow:dead-letters`: its entries, its distinct payloads, its reasons (sorted).
+async fn redis_dead_letters(c: &mut redis::aio::MultiplexedConnection) -> anyhow::Result<(i64, i64, Vec<String>)> {
+    let entries: Vec<StreamEntry> = redis::cmd("XRANGE").arg("idemflow:dead-letters").arg("-").arg("+").query_async(c).await?;
     let field = |name: &str| -> Vec<Vec<u8>> {
         entries.iter().filter_map(|(_, fields)| fields.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone())).collect()
     };
     let payloads: std::collections::BTreeSet<Vec<u8>> = field("payload").into_iter().collect();
     let reasons: std::collections::BTreeSet<String> = field("reason").into_iter().map(|r| String::from_utf8_lossy(&r).into_owned()).collect();
-    Ok(Ledger {
-        dedup_rows: keys.len() as i64,
-        duplicates,
-        dead_letters: entries.len() as i64,
-        dead_payloads: payloads.len() as i64,
-        dead_reasons: reasons.into_iter().collect(),
-    })
+    Ok((entries.len() as i64, payloads.len() as i64, reasons.into_iter().collect()))
 }
 
 /// The example's Redis keys, read back: a `payment:<order>` hash per applied payment (its `amount`) and a
 /// `balance:<account>` hash per account (its running `total`, a float Redis keeps to 17 significant digits).
 async fn redis_totals(client: &redis::Client) -> anyhow::Result<Totals> {
     let mut c = client.get_multiplexed_async_connection().await?;
-    let scanner = c.clone();
-    let keys = |pattern: &'static str| {
-        let mut c = scanner.clone();
-        async move {
-            let mut cursor = 0u64;
-            let mut all: Vec<String> = Vec::new();
-            loop {
-                let (next, page): (u64, Vec<String>) =
-                    redis::cmd("SCAN").arg(cursor).arg("MATCH").arg(pattern).arg("COUNT").arg(10_000).query_async(&mut c).await?;
-                all.extend(page);
-                if next == 0 {
-                    return Ok::<_, redis::RedisError>(all);
-                }
-                cursor = next;
-            }
-        }
-    };
-    let payments = keys("payment:*").await?;
+    let payments = scan(&mut c, "payment:*").await?;
     let mut applied_cents = 0i128;
     for chunk in payments.chunks(1000) {
         let mut pipe = redis::pipe();
@@ -351,7 +332,7 @@ async fn redis_totals(client: &redis::Client) -> anyhow::Result<Totals> {
         }
     }
     let mut deducted_cents = 0i128;
-    for k in keys("balance:*").await? {
+    for k in scan(&mut c, "balance:*").await? {
         let total: String = redis::cmd("HGET").arg(&k).arg("total").query_async(&mut c).await?;
         let value: f64 = total.parse().with_context(|| format!("{k}: {total:?} is not a number"))?;
         deducted_cents += (value * 100.0).round() as i128;

@@ -277,76 +277,13 @@ fn counter(metrics: &Metrics, name: &str, reason: Option<&str>) -> u64 {
 
 /// Runs the demo; `Ok(true)` when the final check passed.
 pub async fn run(options: DemoOptions) -> anyhow::Result<bool> {
-    let nats = options.source == DemoSource::Nats;
-    // A queue, or a JetStream consumer shared by two workers: deliveries without a kept order (competing consumers).
-    let rabbit = options.source == DemoSource::Rabbitmq || nats;
-    let source_flag = if nats { "--source nats" } else { "--source rabbitmq" };
-    let mysql = options.database_url.as_deref().is_some_and(|u| config::Dialect::of_url(u) == config::Dialect::MySql);
-    if rabbit && mysql {
-        bail!("the demo runs RabbitMQ and NATS with PostgreSQL, and MySQL/MariaDB with Kafka: choose one of {source_flag} and a mysql:// --database-url");
-    }
-    let redis_url = options.database_url.as_deref().filter(|u| u.starts_with("redis://") || u.starts_with("rediss://"));
-    let redis = options.redis || redis_url.is_some();
-    let mysql = mysql && !redis;
-    if redis && rabbit {
-        bail!("the Redis demo runs with Kafka: drop {source_flag}");
-    }
-    let (default_file, built_in, shipped_tables) = if redis {
-        ("examples/redis/payments.toml", SHIPPED_REDIS_PIPELINE, "")
-    } else if nats {
-        ("examples/nats/payments.toml", SHIPPED_NATS_PIPELINE, SHIPPED_TABLES)
-    } else if rabbit {
-        ("examples/rabbitmq/payments.toml", SHIPPED_RABBITMQ_PIPELINE, SHIPPED_TABLES)
-    } else if mysql {
-        ("examples/mysql/payments.toml", SHIPPED_MYSQL_PIPELINE, SHIPPED_MYSQL_TABLES)
-    } else {
-        ("pipelines/payments.toml", SHIPPED_PIPELINE, SHIPPED_TABLES)
-    };
-    let file = options.pipeline.clone().unwrap_or_else(|| PathBuf::from(default_file));
-    let (pipeline_text, tables_sql, source) = if file.is_file() {
-        let sql_path = file.with_extension("sql");
-        let sql = if redis {
-            String::new()
-        } else if sql_path.is_file() || options.pipeline.is_some() {
-            std::fs::read_to_string(&sql_path).with_context(|| format!("reading {}", sql_path.display()))?
-        } else {
-            shipped_tables.to_owned()
-        };
-        (std::fs::read_to_string(&file)?, sql, file.display().to_string())
-    } else if options.pipeline.is_some() {
-        bail!("{}: no such pipeline file", file.display());
-    } else {
-        (built_in.to_owned(), shipped_tables.to_owned(), format!("the built-in copy of {default_file}"))
-    };
-    eprintln!("idemflow demo: {} records through {source}", options.records);
+    let plan = Plan::of(&options)?;
+    let (nats, rabbit) = (plan.nats, plan.rabbit);
+    eprintln!("idemflow demo: {} records through {}", options.records, plan.label);
 
     // Postgres: a throwaway cluster, or a new database on the given server. Redis: a throwaway server, or the
     // given one as it is.
-    let (throwaway, db, url) = if redis {
-        if redis_url.is_none() {
-            eprintln!("starting a throwaway redis-server (appendonly yes, appendfsync everysec)...");
-        }
-        let (db, url) = database::DemoDb::redis(redis_url)?;
-        eprintln!("Redis on {}", crate::secret::mask_url(&url));
-        (None, db, url)
-    } else {
-        let (throwaway, admin_url) = match &options.database_url {
-            Some(url) => (None, url.clone()),
-            None => {
-                eprintln!("starting a throwaway PostgreSQL cluster from the local server binaries...");
-                let cluster = postgres::Throwaway::start()?;
-                let url = cluster.url();
-                (Some(cluster), url)
-            }
-        };
-        // The second and this process's id: two demos started in the same second on one server get databases of
-        // their own.
-        let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_secs();
-        let database = format!("idemflow_demo_{secs}_{}", std::process::id());
-        let (db, url) = database::DemoDb::create(&admin_url, &database).await?;
-        eprintln!("database {database} created{}", if db.is_mysql() { " (MySQL/MariaDB)" } else { "" });
-        (throwaway, db, url)
-    };
+    let (throwaway, db, url) = open_store(&options, &plan).await?;
 
     // Kafka: the embedded broker, with enough partitions for the mock's per-partition limit. RabbitMQ: a node of
     // this demo and a quorum queue.
@@ -369,26 +306,8 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<bool> {
             std::process::exit(130);
         })
     };
-    std::fs::create_dir(dir.path().join("pipelines"))?;
-    std::fs::write(dir.path().join("pipelines/payments.toml"), &pipeline_text)?;
-    let store_section = if redis {
-        format!("[redis]\nurl = {}\nresponse_timeout = \"30s\"\n", toml_string(&url))
-    } else {
-        format!("[database]\nurl = {}\nmax_connections = 4\n", toml_string(&url))
-    };
-    let settings_text = format!(
-        "pipelines = \"pipelines\"\n{store_section}{}[metrics]\nlisten = \"{}\"\n",
-        broker.settings_toml(),
-        options.metrics_listen
-    );
-    let settings_file = dir.path().join("idemflow.toml");
-    {
-        use std::os::unix::fs::OpenOptionsExt;
-        let mut f = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&settings_file)?;
-        std::io::Write::write_all(&mut f, settings_text.as_bytes())?;
-    }
-    let settings = config::load_settings_from(&settings_file, std::iter::empty()).map_err(|e| anyhow::anyhow!("{e}"))?.settings;
-    db.setup(&tables_sql, ACCOUNTS, OPENING_BALANCE_CENTS).await?;
+    let settings = write_workspace(dir.path(), &plan, &url, &broker, options.metrics_listen)?;
+    db.setup(&plan.tables_sql, ACCOUNTS, OPENING_BALANCE_CENTS).await?;
 
     let s = stream(options.records, partitions);
     // Each record with its order id as its message id (RabbitMQ, NATS: the examples' business key), as a
@@ -415,32 +334,203 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<bool> {
         .with_context(|| format!("serving /metrics on {}", options.metrics_listen))?;
     eprintln!("metrics on http://{}/metrics", server.addr());
 
-    // The script: A crashes after a database commit and is restarted; B joins and later leaves.
+    let a = drive(&plan, &settings, &db, &metrics, &health, &s, dropped).await?;
+
+    // The summary, from the metrics and the business tables.
+    let totals = db.totals(ACCOUNTS, OPENING_BALANCE_CENTS).await?;
+    let checked = summary(&plan, &metrics, &s, &totals, dropped);
+
+    // Listening before the interruption handler goes, so that a signal in between (a user's Ctrl-C as the addresses
+    // print) is kept for the end of --keep-running rather than lost.
+    let keep_running = options.keep_running.then(shutdown::Signals::new);
+    interrupted.abort();
+    if let Some(signals) = keep_running {
+        let database = crate::config::SecretUrl::from(url.clone());
+        eprintln!("\nkeeping the worker and http://{}/metrics up; Ctrl-C to stop", server.addr());
+        eprintln!("  {}", broker.describe());
+        match &throwaway {
+            Some(cluster) => eprintln!(
+                "  PostgreSQL: {database} (a throwaway cluster: the password of its superuser postgres is in {}, readable \
+                 only by you)",
+                cluster.password_file().display()
+            ),
+            None if db.is_redis() => eprintln!("  Redis: {database} (keys payment:*, balance:*, payments-applied, idemflow:*)"),
+            None => eprintln!(
+                "  {}: {database} (the password of your --database-url)",
+                if db.is_mysql() { "MySQL/MariaDB" } else { "PostgreSQL" }
+            ),
+        }
+        signals.first().await;
+    }
+    a.stop().await?;
+    db.close().await;
+    Ok(checked)
+}
+
+/// What the demo runs: the broker, the store, and the pipeline with its business tables.
+struct Plan {
+    /// NATS JetStream.
+    nats: bool,
+    /// A queue or a JetStream consumer shared by two workers (RabbitMQ, NATS): deliveries without a kept order.
+    rabbit: bool,
+    /// The Redis store.
+    redis: bool,
+    /// A Redis server given with `--database-url`.
+    redis_url: Option<String>,
+    /// The pipeline file's text.
+    pipeline_text: String,
+    /// The business tables' SQL (Redis: none).
+    tables_sql: String,
+    /// Where the pipeline came from, for the first line.
+    label: String,
+}
+
+impl Plan {
+    /// The plan for `options`.
+    ///
+    /// Errors: a broker and a store the demo does not pair, or a pipeline file that cannot be read.
+    fn of(options: &DemoOptions) -> anyhow::Result<Plan> {
+        let nats = options.source == DemoSource::Nats;
+        // A queue, or a JetStream consumer shared by two workers: deliveries without a kept order (competing consumers).
+        let rabbit = options.source == DemoSource::Rabbitmq || nats;
+        let source_flag = if nats { "--source nats" } else { "--source rabbitmq" };
+        let mysql = options.database_url.as_deref().is_some_and(|u| config::Dialect::of_url(u) == config::Dialect::MySql);
+        if rabbit && mysql {
+            bail!("the demo runs RabbitMQ and NATS with PostgreSQL, and MySQL/MariaDB with Kafka: choose one of {source_flag} and a mysql:// --database-url");
+        }
+        let redis_url = options.database_url.as_deref().filter(|u| u.starts_with("redis://") || u.starts_with("rediss://"));
+        let redis = options.redis || redis_url.is_some();
+        let mysql = mysql && !redis;
+        if redis && rabbit {
+            bail!("the Redis demo runs with Kafka: drop {source_flag}");
+        }
+        let (default_file, built_in, shipped_tables) = if redis {
+            ("examples/redis/payments.toml", SHIPPED_REDIS_PIPELINE, "")
+        } else if nats {
+            ("examples/nats/payments.toml", SHIPPED_NATS_PIPELINE, SHIPPED_TABLES)
+        } else if rabbit {
+            ("examples/rabbitmq/payments.toml", SHIPPED_RABBITMQ_PIPELINE, SHIPPED_TABLES)
+        } else if mysql {
+            ("examples/mysql/payments.toml", SHIPPED_MYSQL_PIPELINE, SHIPPED_MYSQL_TABLES)
+        } else {
+            ("pipelines/payments.toml", SHIPPED_PIPELINE, SHIPPED_TABLES)
+        };
+        let file = options.pipeline.clone().unwrap_or_else(|| PathBuf::from(default_file));
+        let (pipeline_text, tables_sql, source) = if file.is_file() {
+            let sql_path = file.with_extension("sql");
+            let sql = if redis {
+                String::new()
+            } else if sql_path.is_file() || options.pipeline.is_some() {
+                std::fs::read_to_string(&sql_path).with_context(|| format!("reading {}", sql_path.display()))?
+            } else {
+                shipped_tables.to_owned()
+            };
+            (std::fs::read_to_string(&file)?, sql, file.display().to_string())
+        } else if options.pipeline.is_some() {
+            bail!("{}: no such pipeline file", file.display());
+        } else {
+            (built_in.to_owned(), shipped_tables.to_owned(), format!("the built-in copy of {default_file}"))
+        };
+        let redis_url = redis_url.map(str::to_owned);
+        Ok(Plan { nats, rabbit, redis, redis_url, pipeline_text, tables_sql, label: source })
+    }
+}
+
+/// The demo's store: a throwaway PostgreSQL cluster (or a new database on `--database-url`), or Redis (a
+/// throwaway server, or the one given as it is); returns the cluster it started, the database and its URL.
+///
+/// Errors: the server could not be started or reached.
+async fn open_store(options: &DemoOptions, plan: &Plan) -> anyhow::Result<(Option<postgres::Throwaway>, database::DemoDb, String)> {
+    let (redis, redis_url) = (plan.redis, plan.redis_url.as_deref());
+    Ok(if redis {
+        if redis_url.is_none() {
+            eprintln!("starting a throwaway redis-server (appendonly yes, appendfsync everysec)...");
+        }
+        let (db, url) = database::DemoDb::redis(redis_url)?;
+        eprintln!("Redis on {}", crate::secret::mask_url(&url));
+        (None, db, url)
+    } else {
+        let (throwaway, admin_url) = match &options.database_url {
+            Some(url) => (None, url.clone()),
+            None => {
+                eprintln!("starting a throwaway PostgreSQL cluster from the local server binaries...");
+                let cluster = postgres::Throwaway::start()?;
+                let url = cluster.url();
+                (Some(cluster), url)
+            }
+        };
+        // The second and this process's id: two demos started in the same second on one server get databases of
+        // their own.
+        let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_secs();
+        let database = format!("idemflow_demo_{secs}_{}", std::process::id());
+        let (db, url) = database::DemoDb::create(&admin_url, &database).await?;
+        eprintln!("database {database} created{}", if db.is_mysql() { " (MySQL/MariaDB)" } else { "" });
+        (throwaway, db, url)
+    })
+}
+
+/// Writes the workspace into `dir` as a user would have it: `pipelines/payments.toml` and an `idemflow.toml` whose
+/// store section is `url`'s and whose broker section is `broker`'s; returns the settings loaded from it.
+///
+/// Errors: the files could not be written or the settings not loaded.
+fn write_workspace(dir: &std::path::Path, plan: &Plan, url: &str, broker: &ThrowawayBroker, listen: SocketAddr) -> anyhow::Result<Settings> {
+    let (redis, pipeline_text) = (plan.redis, &plan.pipeline_text);
+    std::fs::create_dir(dir.join("pipelines"))?;
+    std::fs::write(dir.join("pipelines/payments.toml"), &pipeline_text)?;
+    let store_section = if redis {
+        format!("[redis]\nurl = {}\nresponse_timeout = \"30s\"\n", toml_string(url))
+    } else {
+        format!("[database]\nurl = {}\nmax_connections = 4\n", toml_string(url))
+    };
+    let settings_text = format!(
+        "pipelines = \"pipelines\"\n{store_section}{}[metrics]\nlisten = \"{}\"\n",
+        broker.settings_toml(),
+        listen
+    );
+    let settings_file = dir.join("idemflow.toml");
+    write_private(&settings_file, &settings_text)?;
+    Ok(config::load_settings_from(&settings_file, std::iter::empty()).map_err(|e| anyhow::anyhow!("{e}"))?.settings)
+}
+
+/// The script: worker A crashes after a database commit and is restarted; B joins and later leaves; until every
+/// operation is applied and every poison record dead-lettered. Returns worker A, still running.
+///
+/// Errors: a worker failed, or the demo did not finish within 30 minutes.
+async fn drive(
+    plan: &Plan,
+    settings: &Settings,
+    db: &database::DemoDb,
+    metrics: &Metrics,
+    health: &Health,
+    s: &Stream,
+    dropped: u64,
+) -> anyhow::Result<DemoWorker> {
+    let (nats, rabbit, redis) = (plan.nats, plan.rabbit, plan.redis);
     let total = s.records.len() as u64;
     let batches_before_crash = (total / 5 / 500).max(1);
     let mut progress = Progress::new(total);
-    let pipelines = config::load_pipelines_for(&settings).map_err(|e| lines(&e))?;
+    let pipelines = config::load_pipelines_for(settings).map_err(|e| lines(&e))?;
     let ready = worker::prepare(&db.store(), &pipelines).await.map_err(|e| lines(&e))?;
-    let mut a = start_worker(&settings, &ready, &metrics, &health, Faults { crash_after_commits: Some(batches_before_crash), ..Default::default() });
+    let mut a = start_worker(settings, &ready, metrics, health, Faults { crash_after_commits: Some(batches_before_crash), ..Default::default() });
     let mut b: Option<DemoWorker> = None;
     let (mut crashed, mut joined, mut left) = (false, false, false);
     let deadline = Instant::now() + Duration::from_secs(30 * 60);
     loop {
         tokio::time::sleep(Duration::from_millis(200)).await;
-        let consumed = counter(&metrics, "idemflow_records_received_total", None);
-        let applied = counter(&metrics, "idemflow_records_applied_total", None);
-        let duplicates = counter(&metrics, "idemflow_duplicates_skipped_total", None);
+        let consumed = counter(metrics, "idemflow_records_received_total", None);
+        let applied = counter(metrics, "idemflow_records_applied_total", None);
+        let duplicates = counter(metrics, "idemflow_duplicates_skipped_total", None);
         let mut event = None;
         if !crashed && a.handle.is_finished() {
             crashed = true;
-            a = start_worker(&settings, &ready, &metrics, &health, Faults::default());
+            a = start_worker(settings, &ready, metrics, health, Faults::default());
             let durable_at = if nats { "acks" } else if rabbit { "acknowledgement" } else { "offset commit" };
             // Redis has no commit: a batch is durable once its script ran (the positions went with it).
             let committed = if redis { "its batch's Redis script ran" } else { "a database commit" };
             event = Some(format!("worker A stopped abruptly after {committed}, before its {durable_at}; restarted"));
         } else if crashed && !joined && consumed >= total * 2 / 5 {
             joined = true;
-            b = Some(start_worker(&settings, &ready, &metrics, &health, Faults::default()));
+            b = Some(start_worker(settings, &ready, metrics, health, Faults::default()));
             event = Some(if nats {
                 "worker B started on the same durable consumer: a competing consumer".to_owned()
             } else if rabbit {
@@ -466,16 +556,21 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<bool> {
         }
     }
     progress.update(
-        counter(&metrics, "idemflow_records_received_total", None),
-        counter(&metrics, "idemflow_records_applied_total", None),
-        counter(&metrics, "idemflow_duplicates_skipped_total", None),
+        counter(metrics, "idemflow_records_received_total", None),
+        counter(metrics, "idemflow_records_applied_total", None),
+        counter(metrics, "idemflow_duplicates_skipped_total", None),
         None,
     );
     progress.finish();
+    Ok(a)
+}
 
-    // The summary, from the metrics and the business tables.
+/// Prints the summary: what was injected and counted, the checks on the business tables, and how the counters
+/// reconcile with what was injected; returns whether every check passed.
+fn summary(plan: &Plan, metrics: &Metrics, s: &Stream, totals: &database::Totals, dropped: u64) -> bool {
+    let (nats, rabbit) = (plan.nats, plan.rabbit);
+    let total = s.records.len() as u64;
     let expected = money(s.expected_cents);
-    let totals = db.totals(ACCOUNTS, OPENING_BALANCE_CENTS).await?;
     let (rows, distinct_rows) = (totals.rows, totals.distinct_rows);
     let (deducted, applied_sum) = (money(totals.deducted_cents as i64), money(totals.applied_cents as i64));
     let as_published = totals.deducted_cents == i128::from(s.expected_cents);
@@ -488,14 +583,14 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<bool> {
         line("dropped by the stream (duplicate window)", dropped);
     }
     line("distinct operations", s.distinct);
-    line("applied (business effects)", counter(&metrics, "idemflow_records_applied_total", None));
+    line("applied (business effects)", counter(metrics, "idemflow_records_applied_total", None));
     println!("  duplicates skipped");
-    line("  republished (producer retries)", counter(&metrics, "idemflow_duplicates_skipped_total", Some("republished")));
-    line("  redelivered (crash, rebalance)", counter(&metrics, "idemflow_duplicates_skipped_total", Some("redelivered")));
-    line("  payload_mismatch (order id reused)", counter(&metrics, "idemflow_duplicates_skipped_total", Some("payload_mismatch")));
+    line("  republished (producer retries)", counter(metrics, "idemflow_duplicates_skipped_total", Some("republished")));
+    line("  redelivered (crash, rebalance)", counter(metrics, "idemflow_duplicates_skipped_total", Some("redelivered")));
+    line("  payload_mismatch (order id reused)", counter(metrics, "idemflow_duplicates_skipped_total", Some("payload_mismatch")));
     println!("  dead letters");
     for reason in crate::metrics::DeadLetterReason::ALL {
-        let n = counter(&metrics, "idemflow_dead_letters_total", Some(reason.as_str()));
+        let n = counter(metrics, "idemflow_dead_letters_total", Some(reason.as_str()));
         if n > 0 {
             line(&format!("  {}", reason.as_str()), n);
         }
@@ -521,7 +616,7 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<bool> {
     };
     // How the counts reconcile with what was injected: every consumed record is counted exactly once as applied,
     // skipped or dead-lettered; a record consumed again after the crash or a rebalance is a `redelivered` skip.
-    let count = |name: &str, reason: Option<&str>| counter(&metrics, name, reason);
+    let count = |name: &str, reason: Option<&str>| counter(metrics, name, reason);
     let consumed = count("idemflow_records_received_total", None);
     let applied = count("idemflow_records_applied_total", None);
     let skipped = count("idemflow_duplicates_skipped_total", None);
@@ -578,36 +673,21 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<bool> {
         );
     }
     let reconciled = reconciled.iter().all(|(ok, _)| *ok);
+    rows_ok && total_ok && reconciled
+}
 
-    // Listening before the interruption handler goes, so that a signal in between (a user's Ctrl-C as the addresses
-    // print) is kept for the end of --keep-running rather than lost.
-    let keep_running = options.keep_running.then(shutdown::Signals::new);
-    interrupted.abort();
-    if let Some(signals) = keep_running {
-        let database = crate::config::SecretUrl::from(url.clone());
-        eprintln!("\nkeeping the worker and http://{}/metrics up; Ctrl-C to stop", server.addr());
-        eprintln!("  {}", broker.describe());
-        match &throwaway {
-            Some(cluster) => eprintln!(
-                "  PostgreSQL: {database} (a throwaway cluster: the password of its superuser postgres is in {}, readable \
-                 only by you)",
-                cluster.password_file().display()
-            ),
-            None if db.is_redis() => eprintln!("  Redis: {database} (keys payment:*, balance:*, payments-applied, idemflow:*)"),
-            None => eprintln!(
-                "  {}: {database} (the password of your --database-url)",
-                if db.is_mysql() { "MySQL/MariaDB" } else { "PostgreSQL" }
-            ),
-        }
-        signals.first().await;
-    }
-    a.stop().await?;
-    db.close().await;
-    Ok(rows_ok && total_ok && reconciled)
+
+/// Writes `text` to `path`, readable by this user only (settings hold passwords).
+///
+/// Errors: the file could not be written.
+pub(crate) fn write_private(path: &std::path::Path, text: &str) -> std::io::Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut f = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(path)?;
+    std::io::Write::write_all(&mut f, text.as_bytes())
 }
 
 /// `text` as a TOML basic string (JSON's escapes are TOML's).
-fn toml_string(text: &str) -> String {
+pub(crate) fn toml_string(text: &str) -> String {
     serde_json::to_string(text).expect("a string serializes")
 }
 

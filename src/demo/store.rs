@@ -108,9 +108,11 @@ impl ThrowawayStore {
     pub fn settings_toml(&self, url: &str) -> String {
         match self {
             ThrowawayStore::Postgres(_) | ThrowawayStore::MariaDb(_) => {
-                format!("[database]\nurl = \"{url}\"\nmax_connections = 4\nbatch_timeout = \"30s\"\n")
+                format!("[database]\nurl = {}\nmax_connections = 4\nbatch_timeout = \"30s\"\n", super::toml_string(url))
             }
-            ThrowawayStore::Redis(_) => format!("[redis]\nurl = \"{url}\"\nconnect_timeout = \"5s\"\nresponse_timeout = \"30s\"\n"),
+            ThrowawayStore::Redis(_) => {
+                format!("[redis]\nurl = {}\nconnect_timeout = \"5s\"\nresponse_timeout = \"30s\"\n", super::toml_string(url))
+            }
         }
     }
 

@@ -190,7 +190,8 @@ impl Sink {
     /// `guard` sees the batch's counts just before `COMMIT` and may refuse them (the dead-letter ratio limit),
     /// which rolls the batch back. `attempt` says which attempt this is and which came before it: when one of those
     /// committed though its answer was lost, the batch is not run again and its outcome is that attempt's (SQL
-    /// stores; on Redis the dedup keys make the retry safe, and it counts the batch's records as duplicates).
+    /// stores; on Redis the retry's script finds the batch applied by its stored positions, writes nothing, and
+    /// answers the outcome that attempt left).
     ///
     /// Errors: a [`SinkError`] whose [`SinkError::disposition`] is `Retry` (roll back, back off, call again with
     /// the same batch, the failed attempt added to the next one's [`Attempt::earlier`]: the dedup rows make that
@@ -284,7 +285,7 @@ impl Sink {
         match &self.side_effect {
             SideEffect::Sql(sql) => self.run_sql(sql, batch, positions, guard, replaying, attempt).await,
             #[cfg(feature = "redis")]
-            SideEffect::Script(redis, commands) => script::run(self, redis, commands, batch, positions, guard, replaying).await,
+            SideEffect::Script(redis, commands) => script::run(self, redis, commands, batch, positions, guard, replaying, attempt).await,
         }
     }
 }

@@ -1,7 +1,9 @@
 //! A batch on Redis: one Lua script that Redis runs atomically ([`crate::store::redis::batch`]) takes the place of
 //! the SQL transaction, with the same steps in the same order (positions fenced, keys claimed, the effect for new
 //! keys only, dead letters, positions stored), and its answer is counted and classified by the same rules as the
-//! SQL path ([`super::transaction`]).
+//! SQL path ([`super::transaction`]). A script whose answer was lost (a reply cut off, `[redis] response_timeout`)
+//! ran or did not: the retry's script finds out by the stored positions, and when this very batch was applied it
+//! writes nothing and answers that attempt's outcome, so the batch is counted once, as it was applied.
 
 use super::error::SinkError;
 use super::{BatchOutcome, Fate, Sink};
@@ -22,7 +24,10 @@ pub(super) async fn run(
     positions: Option<&Positions>,
     guard: impl Fn(&BatchCounts) -> Result<(), SinkError>,
     replaying: &[i64],
+    attempt: Option<&super::Attempt>,
 ) -> Result<BatchOutcome, SinkError> {
+    let again = attempt.is_some_and(|a| !a.earlier.is_empty());
+    let lose_answer = attempt.is_some_and(|a| a.lose_commit_answer);
     let (records, prepared) = (batch.records(), batch.prepared());
     // A replayed dead letter does not run again the commands that took effect when it failed.
     let mut skip = None;
@@ -64,7 +69,7 @@ pub(super) async fn run(
         items.push(item);
         sent.push(i);
     }
-    let ran = match redis.run_batch(&sink.pipeline, sink.retention, positions, replaying, &side_effect.template(), &items).await {
+    let ran = match redis.run_batch(again, &sink.pipeline, sink.retention, positions, replaying, &side_effect.template(), &items).await {
         Ok(ran) => ran,
         Err(Refused::Redis(e)) => return Err(SinkError::redis("running the batch script", e)),
         Err(Refused::Fenced(partitions)) => return Err(SinkError::Fenced { partitions }),
@@ -72,6 +77,16 @@ pub(super) async fn run(
         Err(Refused::Replayed(id)) => return Err(SinkError::Replayed(id)),
         Err(Refused::Unexpected(why)) => return Err(SinkError::Schema(why)),
     };
+    if ran.again {
+        tracing::info!(pipeline = %sink.pipeline,
+            "an earlier attempt of this batch ran though its answer was lost: its outcome is counted, nothing was written again");
+    }
+    if lose_answer {
+        // Fault injection ([`crate::worker::Faults::lose_commit_answer`]): the script ran, its answer is lost. The
+        // retry finds this very batch applied and reads its outcome back (`batch.lua`).
+        let lost = std::io::Error::new(std::io::ErrorKind::ConnectionReset, "the script's answer was lost (fault injection)");
+        return Err(SinkError::redis("running the batch script", lost.into()));
+    }
     let mut counts = BatchCounts { received: records.len() as u64, ..BatchCounts::default() };
     let mut dead_letters = Vec::new();
     let mut results = sent.iter().copied().zip(ran.results);

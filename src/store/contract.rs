@@ -90,6 +90,17 @@ pub trait PreparedEffect {
     }
 }
 
+/// What a store's durability report needs to know of one pipeline writing to it.
+#[derive(Clone, Debug)]
+pub struct Tenant {
+    /// The pipeline's name.
+    pub name: String,
+    /// `[dedup] retention`.
+    pub retention: Duration,
+    /// Whether its source has positions to resume from (a queue has none: an acknowledged message is gone).
+    pub has_positions: bool,
+}
+
 /// A store's connection and what runs outside a batch. Implemented in each store's folder, behind its feature.
 // Dispatched statically through the hub's enum, on the concrete types: their futures' `Send` is known there.
 #[allow(async_fn_in_trait)]

@@ -3,6 +3,18 @@
 
 use crate::metrics::RetryCause;
 
+/// The disposition of a sqlx error that is not the server's answer (the connection, the pool): the same on every
+/// SQL store. A server's answer ([`sqlx::Error::Database`]) is its store's to classify, by its own codes: fatal here.
+pub fn of_client(error: &sqlx::Error) -> Disposition {
+    match error {
+        sqlx::Error::Io(_) | sqlx::Error::Tls(_) | sqlx::Error::Protocol(_) | sqlx::Error::WorkerCrashed => {
+            Disposition::Retry(RetryCause::Connection)
+        }
+        sqlx::Error::PoolTimedOut => Disposition::Retry(RetryCause::PoolTimeout),
+        _ => Disposition::Fatal,
+    }
+}
+
 /// What to do about a failure.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Disposition {

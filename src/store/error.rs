@@ -10,13 +10,11 @@
 //! | a data error or a constraint violated by one record's side effect | dead-letter that record (`side_effect_rejected`), the rest of the batch commits |
 //! | a missing table or column, a syntax error, a permission refused, and anything else | fatal: the pipeline stops |
 
-use crate::metrics::RetryCause;
-
 pub use super::disposition::Disposition;
 
 /// Classifies a sqlx error (see the module table).
 pub fn classify(error: &sqlx::Error) -> Disposition {
-    use Disposition::*;
+    use Disposition::Fatal;
     match error {
         sqlx::Error::Database(db) => {
             #[cfg(feature = "mysql")]
@@ -28,12 +26,7 @@ pub fn classify(error: &sqlx::Error) -> Disposition {
                 None => Fatal,
             }
         }
-        sqlx::Error::Io(_) | sqlx::Error::Tls(_) | sqlx::Error::Protocol(_) | sqlx::Error::WorkerCrashed => {
-            Retry(RetryCause::Connection)
-        }
-        sqlx::Error::PoolTimedOut => Retry(RetryCause::PoolTimeout),
-        sqlx::Error::PoolClosed => Fatal,
-        _ => Fatal,
+        other => super::disposition::of_client(other),
     }
 }
 
@@ -85,8 +78,7 @@ pub fn savepoint_gone(error: &sqlx::Error) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
+        #[test]
     fn errors_without_a_database_code() {
         assert_eq!(classify(&sqlx::Error::PoolTimedOut), Disposition::Retry(RetryCause::PoolTimeout));
         assert_eq!(classify(&sqlx::Error::Io(std::io::ErrorKind::ConnectionReset.into())), Disposition::Retry(RetryCause::Connection));

@@ -23,12 +23,12 @@ pub mod contract;
 pub mod disposition;
 pub mod error;
 pub mod open;
+pub mod redis_command;
 pub mod rows;
 pub mod spec;
 pub mod template;
 
 pub use contract::{BatchTx, Connector, PrepareError, PreparedEffect, Session, StoreError, ATTEMPT_ROWS_KEPT, FORGET_REFUSED_WITHIN};
-pub use open::{StoreCapabilities, Stores, Tenant};
 #[cfg(feature = "mysql")]
 pub mod mysql;
 pub mod postgres;

@@ -19,17 +19,6 @@ pub struct Stores {
     pub redis: Option<RedisSettings>,
 }
 
-/// What a store's durability report needs to know of one pipeline writing to it.
-#[derive(Clone, Debug)]
-pub struct Tenant {
-    /// The pipeline's name.
-    pub name: String,
-    /// `[dedup] retention`.
-    pub retention: Duration,
-    /// Whether its source has positions to resume from (a queue has none: an acknowledged message is gone).
-    pub has_positions: bool,
-}
-
 /// What a store asks of the pipelines writing to it, asked by the configuration's checks instead of which store it
 /// is. Each `Err` holds the reason given to a pipeline that asks otherwise.
 #[derive(Debug)]
@@ -256,7 +245,7 @@ impl Store {
     /// What this store's durability means for `pipelines` (those writing to it): one line each, warnings prefixed
     /// `warning: `. The databases make every COMMIT durable and say nothing; Redis depends on its settings.
     #[cfg_attr(not(feature = "redis"), allow(unused_variables))]
-    pub async fn durability(&self, pipelines: &[Tenant]) -> Vec<String> {
+    pub async fn durability(&self, pipelines: &[super::contract::Tenant]) -> Vec<String> {
         match self {
             Store::Postgres(_) => Vec::new(),
             #[cfg(feature = "mysql")]

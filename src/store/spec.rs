@@ -172,7 +172,7 @@ pub enum SinkSpec {
     },
 }
 
-pub use crate::store::redis::command::RedisCommand;
+pub use super::redis_command::RedisCommand;
 
 /// Which store a side effect runs in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -592,3 +592,31 @@ async fn numbers_redis_would_refuse_run_nothing_of_the_record() {
     let (status, out, err) = idemflow(&["check", "--config", setup.config.to_str().unwrap()], setup.dir.path());
     assert!(!status.success() && err.contains("sink.redis[0]: idemflow does not know where BITFIELD takes numbers"), "{out}{err}");
 }
+
+/// A script that ran but whose answer was lost (injected: the script runs, then the attempt fails as on a lost
+/// connection) used to make the retry count its own batch as duplicates (`redelivered`, every key's duplicate count
+/// raised). The retry's script now finds every partition at the batch's next position, writes nothing, and answers
+/// the outcome the lost attempt left: the counts are those of a batch applied once. Issue 42, item 10, on Redis.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_lost_script_answer_counts_the_batch_once() {
+    let server = RedisServer::start();
+    let (kafka, setup, s) = fixture(&server, 3_000, "");
+    let w = BinWorker::start_with_env(&setup, &[(idemflow::worker::LOSE_COMMIT_ANSWER_VAR, "1")]);
+    wait_all_durable(&server, &kafka, 3, &s, &[&w]).await;
+    assert_exactly_once(&server, &s);
+    let m = w.scrape();
+    assert_counters_add_up(&m);
+    let dup = |reason| metric(&m, "idemflow_duplicates_skipped_total", &[("pipeline", "payments"), ("reason", reason)]);
+    assert_eq!(dup("redelivered"), 0.0, "the batch's own records are not counted as duplicates: {m}");
+    assert_eq!(dup("republished"), s.republished as f64, "{m}");
+    assert_eq!(dup("payload_mismatch"), s.mismatched as f64);
+    assert_eq!(metric(&m, "idemflow_records_applied_total", &[("pipeline", "payments")]), s.distinct as f64);
+    assert_eq!(metric(&m, "idemflow_dead_letters_total", &[("pipeline", "payments"), ("reason", "decode_failed")]), s.poison as f64);
+    let mut r = server.conn();
+    let absorbed: usize = keys(&mut r, "idemflow:payments:k:*")
+        .iter()
+        .map(|k| r.get::<_, String>(k).unwrap().split('|').nth(2).unwrap().parse::<usize>().unwrap())
+        .sum();
+    assert_eq!(absorbed, s.republished + s.mismatched, "no key's duplicate count raised by the retry");
+    assert!(w.log_text().contains("fault injection"), "the fault was injected: {}", w.log_text());
+}

@@ -33,6 +33,23 @@ pub fn classify_number(number: u16) -> Disposition {
     }
 }
 
+/// Classifies a sqlx error of a MySQL or MariaDB connection: the server's answer by its error number
+/// ([`classify`]), anything else as every SQL store does ([`crate::store::disposition::of_client`]).
+pub fn classify_error(error: &sqlx::Error) -> Disposition {
+    match error {
+        sqlx::Error::Database(db) => db.try_downcast_ref::<MySqlDatabaseError>().map_or(Disposition::Fatal, classify),
+        other => crate::store::disposition::of_client(other),
+    }
+}
+
+/// A sqlx error's text with its error number when the server answered (`MySQL error 1366 (22007): ...`).
+pub fn describe_error(error: &sqlx::Error) -> String {
+    match error {
+        sqlx::Error::Database(db) => db.try_downcast_ref::<MySqlDatabaseError>().map_or_else(|| db.message().to_owned(), describe),
+        other => other.to_string(),
+    }
+}
+
 /// Whether error `number` is a statement stopped by its time limit: 3024 (MySQL, `max_execution_time`) or 1969
 /// (MariaDB, `max_statement_time`). 1317 (`KILL QUERY`) is not: it is retried as it is.
 pub fn time_limit(number: u16) -> bool {

@@ -209,7 +209,7 @@ pub async fn check_binlog(pool: &MySqlPool) -> Result<(), String> {
     let (log_bin, format): (i64, Option<String>) = sqlx::query_as("SELECT @@log_bin, CAST(@@binlog_format AS CHAR)")
         .fetch_one(pool)
         .await
-        .map_err(|e| format!("cannot read the binary log's settings: {}", crate::store::error::describe(&e)))?;
+        .map_err(|e| format!("cannot read the binary log's settings: {}", error::describe_error(&e)))?;
     match format.as_deref() {
         Some(f) if log_bin != 0 && f.eq_ignore_ascii_case("STATEMENT") => Err(
             "the binary log is on with binlog_format = STATEMENT, with which InnoDB refuses writes in READ COMMITTED \

@@ -25,9 +25,18 @@ pub fn pooler_hint(error: &sqlx::Error) -> &'static str {
 
 /// PostgreSQL's `query_canceled`: a statement stopped by `statement_timeout` or by a cancel request
 /// (`pg_cancel_backend`). The SQLSTATE is the same for both, and the message is in the server's `lc_messages`, so
-/// neither tells them apart: both are taken for a statement too slow for its limit ([`crate::store::error::time_limit`]).
+/// neither tells them apart: both are taken for a statement too slow for its limit (the store's `error::time_limit`).
 /// A wait for a lock ends as 55P03 before the limit (the batch sets a shorter `lock_timeout`), so it is not one.
 pub const QUERY_CANCELED: &str = "57014";
+
+/// Classifies a sqlx error of a PostgreSQL connection: the server's answer by its SQLSTATE
+/// ([`classify_sqlstate`]), anything else as every SQL store does ([`crate::store::disposition::of_client`]).
+pub fn classify_error(error: &sqlx::Error) -> Disposition {
+    match error {
+        sqlx::Error::Database(db) => db.code().map_or(Disposition::Fatal, |code| classify_sqlstate(&code)),
+        other => crate::store::disposition::of_client(other),
+    }
+}
 
 /// Classifies a SQLSTATE (see the module table).
 pub fn classify_sqlstate(code: &str) -> Disposition {

@@ -16,7 +16,9 @@ local ttl = ARGV[2]
 local stream = ARGV[3]
 local seq = ARGV[4]
 local pipeline = ARGV[5]
-local i = 6
+-- '1': an earlier attempt of this very batch failed without an answer (it may have run).
+local again = ARGV[6] == '1'
+local i = 7
 local t = redis.call('TIME')
 local now = tostring(t[1] * 1000 + math.floor(t[2] / 1000))
 
@@ -24,6 +26,7 @@ local offsets = P .. 'offsets'
 local np = tonumber(ARGV[i]); i = i + 1
 local parts = {}
 local marks = {}
+local rerun = again and np > 0
 local bad = {}
 for p = 1, np do
   local field, nxt, epoch, expected = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
@@ -43,6 +46,9 @@ for p = 1, np do
     bad[#bad + 1] = {'lost', field, cn}
   end
   marks[p] = cn
+  if cn ~= nxt then
+    rerun = false
+  end
   parts[p] = {field, epoch .. ' ' .. nxt}
 end
 if #bad > 0 then
@@ -183,6 +189,60 @@ do
       end
     end
   end
+end
+
+-- Every partition's stored position is this batch's next one: this very batch was applied by an attempt whose
+-- answer was lost (a reply cut off, the client's response timeout; `again` says the worker saw an attempt of this
+-- batch fail). Nothing is written again: each record's outcome is read back as that attempt left it (its own key:
+-- applied, or dead-lettered; another record's: a duplicate, its count already raised), and the answer says so
+-- ('again'), so that the worker classifies the duplicates as that attempt did, not as redeliveries of positions
+-- now stored. Its counts never reached the worker: they are these.
+local function fields_of(id)
+  local e = id and redis.call('XRANGE', stream, id, id)
+  local out = {}
+  if e and e[1] then
+    local f = e[1][2]
+    for j = 1, #f, 2 do
+      out[f[j]] = f[j + 1]
+    end
+  end
+  return out
+end
+
+if rerun and nr == 0 then
+  local j = i
+  local n = tonumber(ARGV[j]); j = j + 1
+  local out = {}
+  for r = 1, n do
+    local kind, dlpos = ARGV[j], ARGV[j + 1]
+    j = j + 3
+    local dl = dlpos ~= '' and redis.call('GET', P .. 'dl:' .. dlpos)
+    if kind == 'D' or kind == 'DR' then
+      j = j + 5
+      out[r] = {3, 1, dl or ''}
+    else
+      local dk, value = P .. 'k:' .. ARGV[j], ARGV[j + 1]
+      j = j + 2
+      for c = 1, nc do
+        j = j + #holes[c]
+      end
+      local old = redis.call('GET', dk)
+      local state, rest = nil, nil
+      if old then
+        state, rest = string.match(old, '^(%a)|%d+|%d+|%d*|(.*)$')
+      end
+      if old and rest ~= value then
+        out[r] = {1, old}
+      elseif state == 'A' then
+        out[r] = 0
+      else
+        -- Its key released (none of its commands took effect) or marked 'D' (some did): dead-lettered then.
+        local f = fields_of(dl)
+        out[r] = {2, 1, dl or '', f['commands_done'] or '0', f['error'] or 'dead-lettered by an earlier attempt of this batch'}
+      end
+    end
+  end
+  return {'ok', marks, out, 'again'}
 end
 
 -- Dead letters being replayed are taken first; one already taken (another replay of it ran) refuses the batch.

@@ -1,7 +1,8 @@
 //! One batch as one Lua script ([`SCRIPT`], `batch.lua` beside this file), run atomically by Redis.
 //!
 //! Arguments (all `ARGV`; idemflow refuses Redis Cluster, where a script must declare its keys):
-//! `prefix ttl_ms stream seq pipeline`; `NP` and per partition `topic/partition next epoch expected`; `NR` and the
+//! `prefix ttl_ms stream seq pipeline again` (`again`: `1` when an earlier attempt of this batch failed without an
+//! answer); `NP` and per partition `topic/partition next epoch expected`; `NR` and the
 //! stream ids of dead letters being replayed; `NC` and per command `NA` and its arguments, the name first, each
 //! `=text` for a constant or `?` for a record's value; then `N` and per record `kind dl_position blob` (`blob`: the
 //! dead letter's `meta` JSON, a newline, the payload), followed for kinds `D` (a dead letter) and `DR` (a replayed
@@ -13,7 +14,9 @@
 //! for every argument of a script, and that was most of a batch's time in Redis when each record carried its
 //! whole commands.
 //!
-//! The script answers `{"ok", marks, results}` (marks: each partition's stored position before the batch),
+//! The script answers `{"ok", marks, results}` (marks: each partition's stored position before the batch), or
+//! `{"ok", marks, results, "again"}` when `again` and every partition already stood at the batch's next position:
+//! the earlier attempt ran, nothing was written again, and the results are what it left,
 //! `{"refused", {{"fenced"|"lost", "topic/partition", ...}, ...}}` or `{"replayed", id}` (a dead letter being
 //! replayed is gone: another replay took it) having written nothing, or Redis's own error of a command that is not
 //! the record's fault (`NOPERM`, `OOM`, `READONLY`, ...) raised before any command of that record ran.
@@ -82,8 +85,12 @@ pub enum ItemResult {
 /// A batch the script ran.
 #[derive(Debug)]
 pub struct Ran {
-    /// Per partition, the stored position before the batch: a record below it was processed before.
+    /// Per partition, the stored position before the batch: a record below it was processed before. Empty when
+    /// [`Ran::again`]: the positions stored are this batch's own.
     pub marks: Processed,
+    /// An earlier attempt of this batch ran though its answer was lost: nothing was written again, and the results
+    /// are what it left.
+    pub again: bool,
     /// One result per item, in order.
     pub results: Vec<ItemResult>,
     /// The script's round trip.
@@ -164,9 +171,11 @@ impl RedisStore {
     /// `retention` after they are applied.
     ///
     /// Errors: see [`Refused`]. A refused batch wrote nothing; a Redis error may come after the script ran (a lost
-    /// answer): run the same batch again, its dedup keys make that safe.
+    /// answer): run the same batch again with `again`, and the script answers what that run left ([`Ran::again`]).
+    #[allow(clippy::too_many_arguments)]
     pub async fn run_batch(
         &self,
+        again: bool,
         pipeline: &str,
         retention: Duration,
         positions: Option<&Positions>,
@@ -178,6 +187,7 @@ impl RedisStore {
         let stream = self.dead_letter_stream();
         let mut inv = self.script.prepare_invoke();
         inv.arg(&prefix).arg(retention.as_millis().max(1) as u64).arg(&stream).arg(format!("{stream}:seq")).arg(pipeline);
+        inv.arg(if again { "1" } else { "0" });
         let parts: Vec<(String, i64)> = positions.map_or_else(Vec::new, |p| p.0.iter().map(|(t, p, next, _)| (partition_field(t, *p), *next)).collect());
         inv.arg(parts.len());
         {
@@ -228,10 +238,12 @@ impl RedisStore {
             }
         }
         drop(expected);
+        let (marks, again) = (ran.0, ran.2);
         let marks = Processed(
             parts
                 .iter()
-                .zip(ran.0)
+                .zip(marks)
+                .filter(|_| !again)
                 .filter_map(|((field, _), mark)| {
                     let (t, p) = parse_field(field)?;
                     let next = mark?;
@@ -239,7 +251,7 @@ impl RedisStore {
                 })
                 .collect(),
         );
-        Ok(Ran { marks, results: ran.1, round_trip })
+        Ok(Ran { marks, results: ran.1, round_trip, again })
     }
 
     /// Records what this worker claimed for `pipeline` (`(field, epoch, next)`): batches expect to find these
@@ -303,8 +315,9 @@ fn int(v: &Value) -> Option<i64> {
     }
 }
 
-/// Per partition its mark (`None` before the first batch), and per item its result.
-type Parsed = (Vec<Option<i64>>, Vec<ItemResult>);
+/// Per partition its mark (`None` before the first batch), per item its result, and whether an earlier attempt's
+/// run was read back.
+type Parsed = (Vec<Option<i64>>, Vec<ItemResult>, bool);
 
 fn parse_answer(answer: Value, parts: &[(String, i64)], items: usize) -> Result<Parsed, Refused> {
     let unexpected = |what: &str| Refused::Unexpected(format!("the batch script answered {what}"));
@@ -333,7 +346,8 @@ fn parse_answer(answer: Value, parts: &[(String, i64)], items: usize) -> Result<
             }
             let marks = marks.iter().map(int).collect();
             let results = out.iter().map(|r| parse_result(r).ok_or_else(|| unexpected("a malformed record result"))).collect::<Result<_, _>>()?;
-            Ok((marks, results))
+            let again = top.get(3).and_then(text).is_some_and(|t| t == "again");
+            Ok((marks, results, again))
         }
         _ => Err(unexpected("an unknown status")),
     }

@@ -313,7 +313,7 @@ pub struct ServerFacts {
 impl RedisStore {
     /// What this server's durability means for `pipelines` (those writing to it), for `check` and `run`: one line
     /// each, warnings prefixed `warning: `.
-    pub async fn durability(&self, pipelines: &[crate::store::open::Tenant]) -> Vec<String> {
+    pub async fn durability(&self, pipelines: &[crate::store::contract::Tenant]) -> Vec<String> {
         let mut lines = Vec::new();
         let facts = match self.check_server().await {
             Ok(f) => f,

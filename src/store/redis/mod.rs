@@ -1,9 +1,9 @@
-//! The Redis store: the `[sink] redis` commands as a pipeline file writes them ([`command`], [`numbers`]: always
-//! built, so a pipeline file naming Redis is read and refused with the reason by a build without it), and, with the
+//! The Redis store: the numbers of the `[sink] redis` commands ([`numbers`]: always built, as the commands
+//! themselves, [`crate::store::redis_command`], so a pipeline file naming Redis is read and refused with the reason by
+//! a build without it), and, with the
 //! `redis` feature, the client: a batch as one script, dedup keys with a TTL, stored positions, the dead-letter
 //! stream.
 
-pub mod command;
 pub mod numbers;
 
 #[cfg(feature = "redis")]

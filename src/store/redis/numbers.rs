@@ -9,7 +9,7 @@
 //! and `getExpireCommand`; `t_zset.c` `zaddGenericCommand`; `t_stream.c` `streamParseAddOrTrimArgsOrReply` and
 //! `streamParseStrictIDOrReply`; `bitops.c` `getBitOffsetFromArgument`).
 
-use super::command::Arg;
+use crate::store::redis_command::Arg;
 
 /// A number an argument must be.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -267,7 +267,7 @@ pub fn schema(name: &str, args: &[Arg]) -> Result<Vec<Option<Number>>, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::redis::command::parse_arg;
+    use crate::store::redis_command::parse_arg;
 
     #[test]
     fn integers_as_string2ll_reads_them() {

@@ -1,6 +1,6 @@
 //! The side effect of a Redis pipeline: its commands checked against the server and rendered for each record.
 
-use super::command::{Piece, RedisCommand};
+use crate::store::redis_command::{Piece, RedisCommand};
 use super::numbers::{self, Number};
 use super::RedisStore;
 use crate::store::spec::{Binding, DeclaredType, SinkSpec};
