@@ -78,7 +78,9 @@ pub fn savepoint_gone(error: &sqlx::Error) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-        #[test]
+    use crate::metrics::RetryCause;
+
+    #[test]
     fn errors_without_a_database_code() {
         assert_eq!(classify(&sqlx::Error::PoolTimedOut), Disposition::Retry(RetryCause::PoolTimeout));
         assert_eq!(classify(&sqlx::Error::Io(std::io::ErrorKind::ConnectionReset.into())), Disposition::Retry(RetryCause::Connection));
