@@ -19,6 +19,9 @@ impl EmbeddedKafka {
     pub fn start() -> Result<EmbeddedKafka, KafkaError> {
         let producer: ThreadedProducer<DefaultProducerContext> = ClientConfig::new()
             .set("test.mock.num.brokers", "1")
+            // A produce request the broker appended but whose answer was lost (the soak takes the broker down and
+            // drops its packets) is retried without a second copy: the broker drops it by the producer's sequence.
+            .set("enable.idempotence", "true")
             .set("linger.ms", "5")
             .set("message.max.bytes", "10000000")
             .create()?;
