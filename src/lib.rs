@@ -114,13 +114,12 @@
 //!   its `COMMIT` (a side effect that ended the transaction itself, then a retryable failure), the pipeline stops:
 //!   part of the batch may be committed without the rest. Tested with a lost answer injected
 //!   ([`worker::Faults::lose_commit_answer`]) on PostgreSQL and MariaDB, and a procedure's `COMMIT` followed by a
-//!   lock wait timeout (`tests/it/hardening.rs`, `tests/it/mariadb.rs`). On Redis the stored positions are that
-//!   record: the script stores them with the effects, so a retry whose partitions all stand at this batch's next
-//!   positions knows the batch applied; it writes nothing and answers the outcome the lost attempt left, read back
-//!   from the dedup keys (own value: applied; another record's: a duplicate, classified against the positions
-//!   before the batch) and the dead-letter marks (`store/redis/batch.lua`). Tested with the same injected lost
-//!   answer (`redis::a_lost_script_answer_counts_the_batch_once`). A source without positions (a queue) has no such
-//!   record: there the retry counts the batch as duplicates (effects once). On PostgreSQL an attempt abandoned at
+//!   lock wait timeout (`tests/it/hardening.rs`, `tests/it/mariadb.rs`). On Redis the script keeps its own answer,
+//!   in the same atomic run as the effects, under the batch's number (its first attempt's, the same on every
+//!   attempt; one key per lane): a retry after an attempt that failed gets that answer back when that attempt ran,
+//!   and writes nothing; when it did not run, the key holds another batch's number and the batch runs
+//!   (`store/redis/batch.lua`, steps 0 and 5). Tested with the same injected lost answer
+//!   (`redis::a_lost_script_answer_counts_the_batch_once`: 2,000 records counted `redelivered` before). On PostgreSQL an attempt abandoned at
 //!   `batch_timeout` before its `COMMIT` has its server session ended (`Store::end_session`, on a connection of its
 //!   own, matched by the backend pid and the transaction start the attempt marker returned, so a session that
 //!   moved on is never touched): its transaction is rolled back there, not left in the statement it was stuck in

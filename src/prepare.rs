@@ -2,7 +2,8 @@
 //! transaction opens, so a bad record is classified without touching the database.
 
 use crate::batch::Batch;
-use crate::config::{Binding, Meta, Pipeline, TombstonePolicy, ValueSource};
+use crate::config::{Pipeline, TombstonePolicy};
+use crate::store::spec::{Binding, Meta, ValueSource};
 use crate::decode::{DecodeError, Decoder, Selection};
 use crate::field::{self, Render};
 use crate::key::{BusinessKey, KeyError, KeySpec};
@@ -103,7 +104,7 @@ impl Preparer {
             key_slots,
             tombstones: pipeline.tombstones,
             bindings,
-            refuse_naive: pipeline.time.naive == crate::config::NaiveTimestamps::DeadLetter,
+            refuse_naive: pipeline.time.naive == crate::store::spec::NaiveTimestamps::DeadLetter,
             max_record_bytes: None,
             zone: jiff::tz::TimeZone::get(&pipeline.time.zone).unwrap_or(jiff::tz::TimeZone::UTC),
         }
@@ -327,7 +328,7 @@ fn describe(source: &ValueSource) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::Dialect;
+    use crate::store::template::Dialect;
     use crate::record::Position;
     use std::path::Path;
     use std::sync::Arc;

@@ -1,7 +1,8 @@
 //! Runs every pipeline: source -> prepare (decode, key, values) -> sink transaction -> offset commit, batch after
 //! batch, until shutdown.
 
-use crate::config::{DeadLetterSettings, Pipeline, PipelineError, Settings};
+use crate::config::{Pipeline, PipelineError, Settings};
+use crate::dead_letter::DeadLetterSettings;
 use crate::metrics::BatchCounts;
 use crate::http::Health;
 use crate::metrics::{Metrics, PipelineMetrics};
@@ -11,7 +12,7 @@ use crate::record::Record;
 use crate::shutdown::Shutdown;
 use crate::sink::{Attempt, Disposition, Earlier, Sink, SinkError};
 use crate::source::{DeadLetterOut, Source, StoredStart};
-use crate::config::OffsetStore;
+use crate::offsets::OffsetStore;
 use crate::retry::backoff;
 use crate::store::Store;
 use std::collections::{BTreeMap, VecDeque};
@@ -302,7 +303,7 @@ async fn run_pipeline(
 fn lane_settings(settings: &Settings, lane: usize) -> Settings {
     let mut settings = settings.clone();
     if let Some(id) = settings.kafka.properties.get_mut("group.instance.id") {
-        *id = crate::config::PropertyValue::Text(format!("{id}-{lane}"));
+        *id = crate::source::kafka::PropertyValue::Text(format!("{id}-{lane}"));
     }
     settings
 }

@@ -2,7 +2,7 @@
 //! (`fuzz/fuzz_targets/*.rs`, run with `cargo fuzz run <target>`) and by the test that replays the corpus
 //! (`tests/it/fuzz_corpus.rs`), so a finding kept in `fuzz/corpus/<target>/` stays a regression test.
 
-use idemflow::config::Dialect;
+use idemflow::store::template::Dialect;
 use idemflow::decode::{Decoder, Format};
 use idemflow::field::{self, FieldPath, Render};
 use idemflow::record::{Position, Record};

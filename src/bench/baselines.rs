@@ -272,7 +272,7 @@ pub(super) async fn consume_only(kafka: &EmbeddedKafka, url: &str, total: usize,
 pub(super) async fn consume_only_nats(url: &str, stream: &str, db_url: &str, pipeline_text: &str, total: usize) -> anyhow::Result<RunResult> {
     use futures_util::StreamExt;
     let (pipeline, preparer) = preparer(db_url, pipeline_text).await?;
-    let crate::config::SourceSpec::Nats(spec) = &pipeline.source else { bail!("(5): not a NATS pipeline") };
+    let crate::source::spec::SourceSpec::Nats(spec) = &pipeline.source else { bail!("(5): not a NATS pipeline") };
     let js = async_nats::jetstream::new(async_nats::connect(url).await?);
     let consumer = js.get_stream(stream).await?.create_consumer(crate::source::nats::consumer_config(spec)).await?;
     let mut messages = consumer.stream().max_messages_per_batch(2000).messages().await?;
@@ -319,14 +319,14 @@ pub(super) async fn consume_only_nats(url: &str, stream: &str, db_url: &str, pip
 /// each batch's consume offsets committed after it, as the worker commits them; no database.
 pub(super) async fn consume_only_rocketmq(name_server: &str, db_url: &str, pipeline_text: &str, total: usize) -> anyhow::Result<RunResult> {
     let (pipeline, preparer) = preparer(db_url, pipeline_text).await?;
-    let rocketmq = crate::config::RocketMqSettings {
+    let rocketmq = crate::source::rocketmq::RocketMqSettings {
         name_server: name_server.to_owned(),
         access_key: None,
         secret_key: None,
         timeout: Duration::from_secs(10),
     };
     let brokers = crate::source::Brokers {
-        kafka: crate::config::KafkaSettings::default(),
+        kafka: crate::source::kafka::KafkaSettings::default(),
         rabbitmq: None,
         rocketmq: Some(rocketmq),
         nats: None,
@@ -369,7 +369,7 @@ pub(super) async fn consume_only_rabbitmq(amqp: &str, queue: &str, url: &str, pi
     use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
     let (pipeline, preparer) = preparer(url, pipeline_text).await?;
     let prefetch = match &pipeline.source {
-        crate::config::SourceSpec::RabbitMq(r) => r.prefetch,
+        crate::source::spec::SourceSpec::RabbitMq(r) => r.prefetch,
         _ => bail!("(5): not a RabbitMQ pipeline"),
     };
     let connection = lapin::Connection::connect(amqp, lapin::ConnectionProperties::default()).await?;

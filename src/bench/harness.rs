@@ -338,7 +338,7 @@ pub(super) async fn preparer(url: &str, text: &str) -> anyhow::Result<(crate::co
     let dir = tempfile::Builder::new().prefix("idemflow-bench-").tempdir()?;
     let file = dir.path().join("orders.toml");
     std::fs::write(&file, text)?;
-    let pipeline = crate::config::pipeline::load_file_in(&file, crate::config::Dialect::of_url(url)).map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    let pipeline = crate::config::pipeline::load_file_in(&file, crate::store::template::Dialect::of_url(url)).map_err(|e| anyhow::anyhow!("{e:?}"))?;
     let store = crate::store::Store::connect(&settings_for(url))?;
     let ready = crate::worker::prepare(&store, std::slice::from_ref(&pipeline)).await.map_err(|e| anyhow::anyhow!("{e:?}"))?;
     store.close().await;

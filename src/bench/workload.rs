@@ -71,12 +71,12 @@ pub(super) const MYSQL_TABLE_SQL: &str = "CREATE TABLE orders (order_id VARCHAR(
 
 /// Whether `url` names MySQL or MariaDB.
 pub(super) fn is_mysql(url: &str) -> bool {
-    crate::config::Dialect::of_url(url) == crate::config::Dialect::MySql
+    crate::store::template::Dialect::of_url(url) == crate::store::template::Dialect::MySql
 }
 
 /// Connect settings for `url`, for the bench's own connections.
-pub(super) fn settings_for(url: &str) -> crate::config::DatabaseSettings {
-    crate::config::DatabaseSettings { url: url.to_owned().into(), max_connections: 2, acquire_timeout: Duration::from_secs(30), prepared_statements: true, batch_timeout: crate::config::DEFAULT_BATCH_TIMEOUT }
+pub(super) fn settings_for(url: &str) -> crate::store::spec::DatabaseSettings {
+    crate::store::spec::DatabaseSettings { url: url.to_owned().into(), max_connections: 2, acquire_timeout: Duration::from_secs(30), prepared_statements: true, batch_timeout: crate::store::spec::DEFAULT_BATCH_TIMEOUT }
 }
 
 /// The business columns and where their values come from, for both forms of the side effect.

@@ -3,7 +3,8 @@
 use super::{load, open_store, report};
 use anyhow::{bail, Context as _};
 use clap::Subcommand;
-use idemflow::config::{self, StoreKind};
+use idemflow::config;
+use idemflow::store::spec::StoreKind;
 use idemflow::terminal::{escape, printable};
 use idemflow::worker;
 use std::path::PathBuf;

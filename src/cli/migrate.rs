@@ -2,7 +2,7 @@
 
 use super::{load, ConfigArg};
 use anyhow::{bail, Context as _};
-use idemflow::config::StoreKind;
+use idemflow::store::spec::StoreKind;
 use idemflow::store::Store;
 
 /// Runs `migrate`.
@@ -24,10 +24,10 @@ pub async fn run(a: ConfigArg) -> anyhow::Result<()> {
             a.config.display()
         );
     }
-    let store = match idemflow::config::Dialect::of_url(database.url.expose()) {
+    let store = match idemflow::store::template::Dialect::of_url(database.url.expose()) {
         // The migrator's `CREATE TABLE IF NOT EXISTS _sqlx_migrations` draws a NOTICE ("relation already exists,
         // skipping") on every run after the first: not news to an operator.
-        idemflow::config::Dialect::Postgres => {
+        idemflow::store::template::Dialect::Postgres => {
             let options = idemflow::store::postgres::connect_options(database)?.options([("client_min_messages", "warning")]);
             Store::Postgres(sqlx::postgres::PgPoolOptions::new().max_connections(1).acquire_timeout(database.acquire_timeout).connect_lazy_with(options))
         }

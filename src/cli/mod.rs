@@ -14,7 +14,8 @@ mod tools;
 
 use anyhow::bail;
 use clap::{Parser, Subcommand};
-use idemflow::config::{self, PipelineError, Settings, StoreKind};
+use idemflow::config::{self, PipelineError, Settings};
+use idemflow::store::spec::StoreKind;
 use idemflow::store::Store;
 use idemflow::{telemetry, worker};
 use std::path::{Path, PathBuf};

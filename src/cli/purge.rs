@@ -2,7 +2,8 @@
 //! themselves).
 
 use super::{load, named, open_store, report};
-use idemflow::config::{self, StoreKind};
+use idemflow::config;
+use idemflow::store::spec::StoreKind;
 use std::path::PathBuf;
 
 #[derive(clap::Args)]

@@ -2,7 +2,8 @@
 //! record already applied.
 
 use super::{load, named, open_store, report};
-use idemflow::config::{self, OffsetStore};
+use idemflow::config;
+use idemflow::offsets::OffsetStore;
 use std::path::PathBuf;
 
 #[derive(clap::Args)]

@@ -8,14 +8,13 @@
 pub mod pipeline;
 pub mod schema;
 
-pub use pipeline::{BatchSettings, Binding, DeadLetterSettings, DeclaredType, DedupSettings, KafkaSpec, Meta, OffsetStore, OnConflict, Pipeline, RedisCommand, StoreKind, PipelineError, QueueType, RabbitMqSpec, RocketMqSpec, SinkSpec, SourceSpec, NaiveTimestamps, TimeSettings, TombstonePolicy, ValueSource};
-pub use crate::store::template::Dialect;
-pub use crate::secret::{Secret, SecretUrl};
-pub use crate::source::kafka::{KafkaSettings, PropertyValue};
-pub use crate::source::rabbitmq::RabbitMqSettings;
-pub use crate::source::rocketmq::RocketMqSettings;
-pub use crate::source::nats::NatsSettings;
-pub use crate::store::spec::{DatabaseSettings, RedisSettings, DEFAULT_BATCH_TIMEOUT};
+pub use pipeline::{DedupSettings, Pipeline, PipelineError, TombstonePolicy};
+use crate::source::kafka::KafkaSettings;
+use crate::source::nats::NatsSettings;
+use crate::source::rabbitmq::RabbitMqSettings;
+use crate::source::rocketmq::RocketMqSettings;
+use crate::store::spec::{DatabaseSettings, RedisSettings};
+use crate::store::template::Dialect;
 
 use figment::providers::{Format as _, Toml};
 use figment::Figment;

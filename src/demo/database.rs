@@ -65,22 +65,22 @@ impl DemoDb {
     pub async fn create(admin_url: &str, name: &str) -> anyhow::Result<(DemoDb, String)> {
         let base = admin_url.rsplit_once('/').map_or(admin_url, |(b, _)| b);
         let url = format!("{base}/{name}");
-        let settings = crate::config::DatabaseSettings {
+        let settings = crate::store::spec::DatabaseSettings {
             url: url.clone().into(),
             max_connections: 4,
             acquire_timeout: std::time::Duration::from_secs(10),
             prepared_statements: true,
-            batch_timeout: crate::config::DEFAULT_BATCH_TIMEOUT,
+            batch_timeout: crate::store::spec::DEFAULT_BATCH_TIMEOUT,
         };
-        let db = match crate::config::Dialect::of_url(admin_url) {
-            crate::config::Dialect::Postgres => {
+        let db = match crate::store::template::Dialect::of_url(admin_url) {
+            crate::store::template::Dialect::Postgres => {
                 let mut admin = sqlx::PgConnection::connect(admin_url).await.context("connecting to PostgreSQL")?;
                 admin.execute(format!("CREATE DATABASE {name}").as_str()).await?;
                 let _ = admin.close().await;
                 DemoDb::Postgres(crate::store::postgres::pool(&settings)?)
             }
-            crate::config::Dialect::MySql => {
-                let admin_settings = crate::config::DatabaseSettings { url: format!("{base}/").into(), ..settings.clone() };
+            crate::store::template::Dialect::MySql => {
+                let admin_settings = crate::store::spec::DatabaseSettings { url: format!("{base}/").into(), ..settings.clone() };
                 let options = crate::store::mysql::connect_options(&admin_settings)?;
                 let mut admin = sqlx::MySqlConnection::connect_with(&options).await.context("connecting to MySQL/MariaDB")?;
                 admin.execute(format!("CREATE DATABASE {name} CHARACTER SET utf8mb4 COLLATE utf8mb4_bin").as_str()).await?;
@@ -109,8 +109,8 @@ impl DemoDb {
     }
 
     /// The `[redis]` settings of a demo on `url`.
-    pub fn redis_settings(url: &str) -> crate::config::RedisSettings {
-        crate::config::RedisSettings {
+    pub fn redis_settings(url: &str) -> crate::store::spec::RedisSettings {
+        crate::store::spec::RedisSettings {
             url: url.to_owned().into(),
             key_prefix: "idemflow:".into(),
             connect_timeout: std::time::Duration::from_secs(5),

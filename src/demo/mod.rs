@@ -345,7 +345,7 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<bool> {
     let keep_running = options.keep_running.then(shutdown::Signals::new);
     interrupted.abort();
     if let Some(signals) = keep_running {
-        let database = crate::config::SecretUrl::from(url.clone());
+        let database = crate::secret::SecretUrl::from(url.clone());
         eprintln!("\nkeeping the worker and http://{}/metrics up; Ctrl-C to stop", server.addr());
         eprintln!("  {}", broker.describe());
         match &throwaway {
@@ -394,7 +394,7 @@ impl Plan {
         // A queue, or a JetStream consumer shared by two workers: deliveries without a kept order (competing consumers).
         let rabbit = options.source == DemoSource::Rabbitmq || nats;
         let source_flag = if nats { "--source nats" } else { "--source rabbitmq" };
-        let mysql = options.database_url.as_deref().is_some_and(|u| config::Dialect::of_url(u) == config::Dialect::MySql);
+        let mysql = options.database_url.as_deref().is_some_and(|u| crate::store::template::Dialect::of_url(u) == crate::store::template::Dialect::MySql);
         if rabbit && mysql {
             bail!("the demo runs RabbitMQ and NATS with PostgreSQL, and MySQL/MariaDB with Kafka: choose one of {source_flag} and a mysql:// --database-url");
         }

@@ -2,15 +2,15 @@
 //! the SQL transaction, with the same steps in the same order (positions fenced, keys claimed, the effect for new
 //! keys only, dead letters, positions stored), and its answer is counted and classified by the same rules as the
 //! SQL path ([`super::transaction`]). A script whose answer was lost (a reply cut off, `[redis] response_timeout`)
-//! ran or did not: the retry's script finds out by the stored positions, and when this very batch was applied it
-//! writes nothing and answers that attempt's outcome, so the batch is counted once, as it was applied.
+//! ran or did not: a script that runs keeps its answer under the batch's number (the first attempt's), and the
+//! retry's script, finding it, answers it again and writes nothing, so the batch is counted once, as it was applied.
 
 use super::error::SinkError;
 use super::{BatchOutcome, Fate, Sink};
 use crate::metrics::{BatchCounts, DeadLetterReason};
 use crate::offsets::Positions;
 use crate::prepare::{Prepared, PreparedBatch};
-use crate::store::redis::batch::{Item, ItemResult, Refused};
+use crate::store::redis::batch::{BatchAttempt, Item, ItemResult, Refused};
 use crate::store::redis::RedisStore;
 use crate::store::redis::side_effect::SideEffect;
 
@@ -26,8 +26,12 @@ pub(super) async fn run(
     replaying: &[i64],
     attempt: Option<&super::Attempt>,
 ) -> Result<BatchOutcome, SinkError> {
-    let again = attempt.is_some_and(|a| !a.earlier.is_empty());
     let lose_answer = attempt.is_some_and(|a| a.lose_commit_answer);
+    let this = BatchAttempt {
+        token: attempt.map(|a| a.earlier.first().map_or(a.id, |e| e.id)),
+        again: attempt.is_some_and(|a| !a.earlier.is_empty()),
+        lane: attempt.map_or("", |a| &a.owner),
+    };
     let (records, prepared) = (batch.records(), batch.prepared());
     // A replayed dead letter does not run again the commands that took effect when it failed.
     let mut skip = None;
@@ -69,7 +73,7 @@ pub(super) async fn run(
         items.push(item);
         sent.push(i);
     }
-    let ran = match redis.run_batch(again, &sink.pipeline, sink.retention, positions, replaying, &side_effect.template(), &items).await {
+    let ran = match redis.run_batch(&this, &sink.pipeline, sink.retention, positions, replaying, &side_effect.template(), &items).await {
         Ok(ran) => ran,
         Err(Refused::Redis(e)) => return Err(SinkError::redis("running the batch script", e)),
         Err(Refused::Fenced(partitions)) => return Err(SinkError::Fenced { partitions }),

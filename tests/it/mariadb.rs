@@ -29,7 +29,7 @@ pub(crate) async fn payments_db(server: Option<&str>) -> MyDb {
 pub(crate) async fn example_side_effect(store: &idemflow::store::Store) -> idemflow::store::SqlSideEffect {
     let text = std::fs::read_to_string(project_root().join("examples/mysql/payments.toml")).unwrap();
     let path = std::path::Path::new("payments.toml");
-    let p = idemflow::config::pipeline::load_text_in(&text, path, idemflow::config::Dialect::MySql).unwrap();
+    let p = idemflow::config::pipeline::load_text_in(&text, path, idemflow::store::template::Dialect::MySql).unwrap();
     match store.prepare_side_effect(&p.sink, &p.time).await.unwrap().0 {
         idemflow::store::SideEffect::Sql(sql) => sql,
         #[allow(unreachable_patterns)]

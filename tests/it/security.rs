@@ -139,7 +139,7 @@ pub(crate) fn certificates(dir: &std::path::Path) {
 /// `verify-ca` accepts the other host name, `require` encrypts without verifying.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_tls_verifies_the_server_certificate() {
-    use idemflow::config::DatabaseSettings;
+    use idemflow::store::spec::DatabaseSettings;
     use std::os::unix::fs::PermissionsExt;
     let cluster = postgres::Cluster::start().unwrap();
     let tls = tempfile::tempdir().unwrap();
@@ -172,7 +172,7 @@ async fn postgres_tls_verifies_the_server_certificate() {
         max_connections: 2,
         acquire_timeout: Duration::from_secs(5),
         prepared_statements: true,
-        batch_timeout: idemflow::config::DEFAULT_BATCH_TIMEOUT,
+        batch_timeout: idemflow::store::spec::DEFAULT_BATCH_TIMEOUT,
     };
 
     // Accepted: the right CA and host name; the worker's pool is on TLS.

@@ -1,5 +1,6 @@
 -- idemflow: one batch of one pipeline, atomically (see src/store/redis/batch.rs for the argument layout).
 --
+-- 0. See below: a retry of a batch that ran gets that run's answer.
 -- 1. The stored positions of the batch's partitions are checked against the owner epoch and the position this
 --    worker last stored: nothing is written when a partition was claimed by another worker ("fenced") or when
 --    Redis lost writes this worker had seen ("lost").
@@ -11,14 +12,33 @@
 -- 3. Dead letters are appended to a stream, once per Kafka position.
 -- 4. The new positions are stored last, so a script that stops half-way (an error raised by Redis itself) leaves
 --    them where they were and the retried batch finds its finished records' keys.
+-- 5. The answer is kept under the batch's token: a retry whose earlier attempt's answer was lost gets it again
+--    (step 0) instead of running the batch a second time and counting its records as duplicates.
 local P = ARGV[1]
 local ttl = ARGV[2]
 local stream = ARGV[3]
 local seq = ARGV[4]
 local pipeline = ARGV[5]
--- '1': an earlier attempt of this very batch failed without an answer (it may have run).
-local again = ARGV[6] == '1'
-local i = 7
+-- The batch's token (the worker's number for it, the same on every attempt; '' for none), whether an earlier
+-- attempt of it failed (it may have run, its answer lost), and the lane whose last answer is kept.
+local token = ARGV[6]
+local again = ARGV[7] == '1'
+local answer_key = P .. 'answer:' .. ARGV[8]
+local i = 9
+
+-- 0. An earlier attempt of this very batch ran though its answer was lost (a reply cut off, the client's response
+--    timeout): its answer, stored by that run, is answered again as it was, and nothing is written again. The
+--    batch is counted once, as that run classified it.
+if again and token ~= '' then
+  local stored = redis.call('GET', answer_key)
+  if stored then
+    local sep = string.find(stored, ':', 1, true)
+    if sep and string.sub(stored, 1, sep - 1) == token then
+      local a = cjson.decode(string.sub(stored, sep + 1))
+      return {'ok', a[1], a[2], 'again'}
+    end
+  end
+end
 local t = redis.call('TIME')
 local now = tostring(t[1] * 1000 + math.floor(t[2] / 1000))
 
@@ -26,7 +46,6 @@ local offsets = P .. 'offsets'
 local np = tonumber(ARGV[i]); i = i + 1
 local parts = {}
 local marks = {}
-local rerun = again and np > 0
 local bad = {}
 for p = 1, np do
   local field, nxt, epoch, expected = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
@@ -46,9 +65,6 @@ for p = 1, np do
     bad[#bad + 1] = {'lost', field, cn}
   end
   marks[p] = cn
-  if cn ~= nxt then
-    rerun = false
-  end
   parts[p] = {field, epoch .. ' ' .. nxt}
 end
 if #bad > 0 then
@@ -191,60 +207,6 @@ do
   end
 end
 
--- Every partition's stored position is this batch's next one: this very batch was applied by an attempt whose
--- answer was lost (a reply cut off, the client's response timeout; `again` says the worker saw an attempt of this
--- batch fail). Nothing is written again: each record's outcome is read back as that attempt left it (its own key:
--- applied, or dead-lettered; another record's: a duplicate, its count already raised), and the answer says so
--- ('again'), so that the worker classifies the duplicates as that attempt did, not as redeliveries of positions
--- now stored. Its counts never reached the worker: they are these.
-local function fields_of(id)
-  local e = id and redis.call('XRANGE', stream, id, id)
-  local out = {}
-  if e and e[1] then
-    local f = e[1][2]
-    for j = 1, #f, 2 do
-      out[f[j]] = f[j + 1]
-    end
-  end
-  return out
-end
-
-if rerun and nr == 0 then
-  local j = i
-  local n = tonumber(ARGV[j]); j = j + 1
-  local out = {}
-  for r = 1, n do
-    local kind, dlpos = ARGV[j], ARGV[j + 1]
-    j = j + 3
-    local dl = dlpos ~= '' and redis.call('GET', P .. 'dl:' .. dlpos)
-    if kind == 'D' or kind == 'DR' then
-      j = j + 5
-      out[r] = {3, 1, dl or ''}
-    else
-      local dk, value = P .. 'k:' .. ARGV[j], ARGV[j + 1]
-      j = j + 2
-      for c = 1, nc do
-        j = j + #holes[c]
-      end
-      local old = redis.call('GET', dk)
-      local state, rest = nil, nil
-      if old then
-        state, rest = string.match(old, '^(%a)|%d+|%d+|%d*|(.*)$')
-      end
-      if old and rest ~= value then
-        out[r] = {1, old}
-      elseif state == 'A' then
-        out[r] = 0
-      else
-        -- Its key released (none of its commands took effect) or marked 'D' (some did): dead-lettered then.
-        local f = fields_of(dl)
-        out[r] = {2, 1, dl or '', f['commands_done'] or '0', f['error'] or 'dead-lettered by an earlier attempt of this batch'}
-      end
-    end
-  end
-  return {'ok', marks, out, 'again'}
-end
-
 -- Dead letters being replayed are taken first; one already taken (another replay of it ran) refuses the batch.
 for r = 1, nr do
   if redis.call('XDEL', stream, replays[r]) == 0 then
@@ -345,5 +307,9 @@ end
 
 for p = 1, np do
   redis.call('HSET', offsets, parts[p][1], parts[p][2])
+end
+-- 5. The answer, kept for a retry of this batch whose answer was lost (one key per lane, the last batch's).
+if token ~= '' then
+  redis.call('SET', answer_key, token .. ':' .. cjson.encode({marks, out}), 'PX', ttl)
 end
 return {'ok', marks, out}

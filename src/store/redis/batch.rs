@@ -1,8 +1,9 @@
 //! One batch as one Lua script ([`SCRIPT`], `batch.lua` beside this file), run atomically by Redis.
 //!
 //! Arguments (all `ARGV`; idemflow refuses Redis Cluster, where a script must declare its keys):
-//! `prefix ttl_ms stream seq pipeline again` (`again`: `1` when an earlier attempt of this batch failed without an
-//! answer); `NP` and per partition `topic/partition next epoch expected`; `NR` and the
+//! `prefix ttl_ms stream seq pipeline token again lane` (`token`: the batch's number, the same on every attempt, empty
+//! for none; `again`: `1` when an earlier attempt of this batch failed; `lane`: whose last answer is kept under
+//! `<prefix>answer:<lane>`); `NP` and per partition `topic/partition next epoch expected`; `NR` and the
 //! stream ids of dead letters being replayed; `NC` and per command `NA` and its arguments, the name first, each
 //! `=text` for a constant or `?` for a record's value; then `N` and per record `kind dl_position blob` (`blob`: the
 //! dead letter's `meta` JSON, a newline, the payload), followed for kinds `D` (a dead letter) and `DR` (a replayed
@@ -15,8 +16,8 @@
 //! whole commands.
 //!
 //! The script answers `{"ok", marks, results}` (marks: each partition's stored position before the batch), or
-//! `{"ok", marks, results, "again"}` when `again` and every partition already stood at the batch's next position:
-//! the earlier attempt ran, nothing was written again, and the results are what it left,
+//! `{"ok", marks, results, "again"}`: an earlier attempt of the batch ran (its answer lost), and this is its answer,
+//! kept by that run, nothing written again,
 //! `{"refused", {{"fenced"|"lost", "topic/partition", ...}, ...}}` or `{"replayed", id}` (a dead letter being
 //! replayed is gone: another replay took it) having written nothing, or Redis's own error of a command that is not
 //! the record's fault (`NOPERM`, `OOM`, `READONLY`, ...) raised before any command of that record ran.
@@ -82,14 +83,25 @@ pub enum ItemResult {
     DeadLettered(bool),
 }
 
+/// Which attempt of which batch a script run is ([`RedisStore::run_batch`]).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct BatchAttempt<'a> {
+    /// The batch's number, the same on every attempt of it (its first attempt's); `None`: no answer is kept (a
+    /// dead letter replayed).
+    pub token: Option<i64>,
+    /// An earlier attempt of this batch failed: it may have run, its answer lost.
+    pub again: bool,
+    /// The worker lane, whose last answer is kept.
+    pub lane: &'a str,
+}
+
 /// A batch the script ran.
 #[derive(Debug)]
 pub struct Ran {
-    /// Per partition, the stored position before the batch: a record below it was processed before. Empty when
-    /// [`Ran::again`]: the positions stored are this batch's own.
+    /// Per partition, the stored position before the batch: a record below it was processed before.
     pub marks: Processed,
-    /// An earlier attempt of this batch ran though its answer was lost: nothing was written again, and the results
-    /// are what it left.
+    /// An earlier attempt of this batch ran though its answer was lost: this is its answer, kept by that run;
+    /// nothing was written again.
     pub again: bool,
     /// One result per item, in order.
     pub results: Vec<ItemResult>,
@@ -171,11 +183,12 @@ impl RedisStore {
     /// `retention` after they are applied.
     ///
     /// Errors: see [`Refused`]. A refused batch wrote nothing; a Redis error may come after the script ran (a lost
-    /// answer): run the same batch again with `again`, and the script answers what that run left ([`Ran::again`]).
+    /// answer): run the same batch again with its `attempt` saying so, and the script answers that run's answer
+    /// ([`Ran::again`]).
     #[allow(clippy::too_many_arguments)]
     pub async fn run_batch(
         &self,
-        again: bool,
+        attempt: &BatchAttempt<'_>,
         pipeline: &str,
         retention: Duration,
         positions: Option<&Positions>,
@@ -187,7 +200,7 @@ impl RedisStore {
         let stream = self.dead_letter_stream();
         let mut inv = self.script.prepare_invoke();
         inv.arg(&prefix).arg(retention.as_millis().max(1) as u64).arg(&stream).arg(format!("{stream}:seq")).arg(pipeline);
-        inv.arg(if again { "1" } else { "0" });
+        inv.arg(attempt.token.map_or_else(String::new, |t| t.to_string())).arg(if attempt.again { "1" } else { "0" }).arg(attempt.lane);
         let parts: Vec<(String, i64)> = positions.map_or_else(Vec::new, |p| p.0.iter().map(|(t, p, next, _)| (partition_field(t, *p), *next)).collect());
         inv.arg(parts.len());
         {
@@ -243,7 +256,6 @@ impl RedisStore {
             parts
                 .iter()
                 .zip(marks)
-                .filter(|_| !again)
                 .filter_map(|((field, _), mark)| {
                     let (t, p) = parse_field(field)?;
                     let next = mark?;

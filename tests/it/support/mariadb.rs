@@ -48,12 +48,12 @@ impl MyDb {
         sqlx::query(&format!("CREATE DATABASE {name} CHARACTER SET utf8mb4 COLLATE utf8mb4_bin")).execute(&admin).await.unwrap();
         admin.close().await;
         let url = format!("{base}/{name}");
-        let settings = idemflow::config::DatabaseSettings {
+        let settings = idemflow::store::spec::DatabaseSettings {
             url: url.clone().into(),
             max_connections: 4,
             acquire_timeout: std::time::Duration::from_secs(10),
             prepared_statements: true,
-            batch_timeout: idemflow::config::DEFAULT_BATCH_TIMEOUT,
+            batch_timeout: idemflow::store::spec::DEFAULT_BATCH_TIMEOUT,
         };
         let pool = idemflow::store::mysql::pool(&settings).unwrap();
         match version {

@@ -258,8 +258,8 @@ async fn wait_for_route(name_server: &str, topic: &str) {
 }
 
 /// Settings for an admin client of `name_server`, without ACL.
-fn admin_settings(name_server: &str) -> idemflow::config::RocketMqSettings {
-    idemflow::config::RocketMqSettings { name_server: name_server.to_owned(), access_key: None, secret_key: None, timeout: Duration::from_secs(10) }
+fn admin_settings(name_server: &str) -> idemflow::source::rocketmq::RocketMqSettings {
+    idemflow::source::rocketmq::RocketMqSettings { name_server: name_server.to_owned(), access_key: None, secret_key: None, timeout: Duration::from_secs(10) }
 }
 
 /// The consumer group's consume offsets of `topic` summed over its queues, and the queues' max offsets summed
