@@ -51,7 +51,7 @@
 //! ```
 //!
 //! Sources and stores never import the worker, the sink or `config`: they take what they need of a pipeline
-//! ([`source::contract::Context`], [`store::spec`]) and of the settings ([`source::Brokers`], [`store::open::Stores`]).
+//! ([`source::contract::Context`], [`store::spec`]) and of the settings ([`source::spec::Brokers`], [`store::open::Stores`]).
 //! A batch travels as one value ([`batch::Batch`]: its records, each record's prepared form, the positions computed
 //! once) from the worker to the sink to the source's commit.
 //!
@@ -75,7 +75,7 @@
 //! Outside its folder a broker is: one variant of [`source::Source`] and of [`source::spec::SourceSpec`], its line in
 //! each dispatch macro (`each_source!` in `source/mod.rs`, `each_spec!` in `source/spec.rs`) and in
 //! [`source::spec::ALL`] and [`source::spec::parse`], its raw part in [`source::spec::RawSource`] (a field and its reader), its field of
-//! [`source::Brokers`] and of the settings, a feature in `Cargo.toml`, and its row of the guarantee matrix
+//! [`source::spec::Brokers`] and of the settings, a feature in `Cargo.toml`, and its row of the guarantee matrix
 //! (`tests/it/matrix.rs`: how to publish, and the settings section).
 //!
 //! A store is the same under `src/store/<store>/`, implementing the contract of [`store::contract`]: its

@@ -26,7 +26,7 @@ pub enum Prepared {
     Tombstone,
 }
 
-pub use crate::store::rows::Apply;
+use crate::store::rows::Apply;
 
 /// A batch of records, each beside what the sink does with it ([`crate::batch::Batch`]).
 pub type PreparedBatch = Batch<Prepared>;

@@ -7,7 +7,7 @@ use idemflow::decode::{Decoder, Format};
 use idemflow::field::{self, FieldPath, Render};
 use idemflow::record::{Position, Record};
 use idemflow::rounding;
-use idemflow::sink::template;
+use idemflow::store::template;
 use idemflow::store::redis::numbers;
 use idemflow::store::redis_command as command;
 use std::path::Path;

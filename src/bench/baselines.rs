@@ -325,7 +325,7 @@ pub(super) async fn consume_only_rocketmq(name_server: &str, db_url: &str, pipel
         secret_key: None,
         timeout: Duration::from_secs(10),
     };
-    let brokers = crate::source::Brokers {
+    let brokers = crate::source::spec::Brokers {
         kafka: crate::source::kafka::KafkaSettings::default(),
         rabbitmq: None,
         rocketmq: Some(rocketmq),

@@ -80,7 +80,7 @@ impl From<config::PipelineError> for Problem {
 struct PipelineOk {
     name: String,
     file: String,
-    source: source::Reads,
+    source: source::contract::Reads,
 }
 
 impl Findings {
@@ -160,11 +160,11 @@ async fn find(a: &CheckArgs) -> Findings {
     for p in &pipelines {
         match source::check(&brokers, &p.source_context()).await {
             Ok(found) => found.into_iter().for_each(|l| findings.line(l)),
-            Err(source::CheckError::Settings(e)) => {
+            Err(source::contract::CheckError::Settings(e)) => {
                 findings.problems.push(Problem::of_file(&a.config, e));
                 return findings;
             }
-            Err(source::CheckError::Broker(e)) => findings.problems.push(Problem {
+            Err(source::contract::CheckError::Broker(e)) => findings.problems.push(Problem {
                 text: format!("{}: pipeline {:?}: {}: {e}", p.file.display(), p.name, p.source.kind()),
                 file: Some(p.file.display().to_string()),
                 pipeline: Some(p.name.clone()),

@@ -56,7 +56,7 @@ pub enum DeadLettersCommand {
 
 /// Where a dead letter came from: `topic/partition@offset`, or `queue NAME` (a queue has no stable position; the
 /// stored "offset" of a queue's dead letter only numbers it).
-fn stored_position(d: &idemflow::sink::dead_letter::Stored) -> String {
+fn stored_position(d: &idemflow::dead_letter::Stored) -> String {
     if d.partition == idemflow::record::NO_PARTITION {
         format!("queue {}", d.topic)
     } else {

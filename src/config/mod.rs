@@ -68,9 +68,9 @@ impl Settings {
         crate::store::open::Stores { database: self.database.clone(), redis: self.redis.clone() }
     }
 
-    /// The brokers' settings, as the sources take them ([`crate::source::Brokers`]).
-    pub fn brokers(&self) -> crate::source::Brokers {
-        crate::source::Brokers {
+    /// The brokers' settings, as the sources take them ([`crate::source::spec::Brokers`]).
+    pub fn brokers(&self) -> crate::source::spec::Brokers {
+        crate::source::spec::Brokers {
             kafka: self.kafka.clone(),
             rabbitmq: self.rabbitmq.clone(),
             rocketmq: self.rocketmq.clone(),

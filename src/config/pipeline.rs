@@ -14,7 +14,8 @@ use crate::batch::{BatchSettings, DEFAULT_MAX_RECORDS, DEFAULT_MAX_WAIT, MAX_CON
 use crate::dead_letter::DeadLetterSettings;
 use crate::offsets::OffsetStore;
 use crate::source::spec::SourceSpec;
-use crate::store::spec::{Binding, DeclaredType, Meta, NaiveTimestamps, OnConflict, RedisCommand, SinkSpec, StoreKind, TimeSettings, ValueSource};
+use crate::store::redis_command::RedisCommand;
+use crate::store::spec::{Binding, DeclaredType, Meta, NaiveTimestamps, OnConflict, SinkSpec, StoreKind, TimeSettings, ValueSource};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -91,9 +92,9 @@ impl Pipeline {
         crate::store::contract::Tenant { name: self.name.clone(), retention: self.dedup.retention, has_positions: self.source.positional() }
     }
 
-    /// What its source is given of it ([`crate::source::SourceContext`]).
-    pub fn source_context(&self) -> crate::source::SourceContext {
-        crate::source::SourceContext {
+    /// What its source is given of it ([`crate::source::spec::SourceContext`]).
+    pub fn source_context(&self) -> crate::source::spec::SourceContext {
+        crate::source::spec::SourceContext {
             name: self.name.clone(),
             source: self.source.clone(),
             batch: self.batch,
@@ -852,6 +853,9 @@ fn table_form(field: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::source::kafka::KafkaSpec;
+    use crate::source::rabbitmq::RabbitMqSpec;
+    use crate::source::rocketmq::RocketMqSpec;
 
     fn load(text: &str) -> Result<Pipeline, Vec<PipelineError>> {
         let dir = tempfile::tempdir().unwrap();

@@ -9,7 +9,7 @@
 
 use crate::metrics::DuplicateReason;
 use crate::record::Position;
-pub use crate::store::rows::{Claim, Existing, Explained, ExplainedRow};
+use crate::store::rows::Existing;
 
 /// Classifies a record against the dedup row of its key (see [`DuplicateReason`]).
 ///

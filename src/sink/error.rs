@@ -1,7 +1,8 @@
 //! Why a batch did not commit ([`SinkError`]) and what the worker does about it: the disposition of each failure
 //! is decided once, in [`crate::store::error`], for every store.
 
-pub use crate::store::error::{classify, describe, Disposition};
+use crate::store::disposition::Disposition;
+use crate::store::error::classify;
 
 /// Why a batch did not commit.
 #[derive(Debug, thiserror::Error)]

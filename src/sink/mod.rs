@@ -7,16 +7,14 @@
 //! - [`template`]: named parameters in `sink.sql`.
 //! - [`transaction`]: the batch transaction that ties them together.
 
-pub use crate::dead_letter;
 pub mod dedup;
 pub mod error;
-pub use crate::store::template;
 #[cfg(feature = "redis")]
 mod script;
 pub mod transaction;
 
-pub use error::{Disposition, SinkError};
-pub use crate::dead_letter::DeadLettered;
+pub use error::SinkError;
+use crate::dead_letter::DeadLettered;
 
 use crate::key::BusinessKey;
 use crate::metrics::{BatchCounts, DeadLetterReason, DuplicateReason};

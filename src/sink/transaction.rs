@@ -23,11 +23,14 @@
 //! guard sees the records dead-lettered before the script (decoding, keys, values); a command failing inside the
 //! script cannot be refused after the fact, because Redis has no rollback.
 
-use super::dedup::{Claim, Existing};
-use super::error::{describe, Disposition, SinkError};
+use crate::store::rows::{Claim, Existing};
+use super::error::SinkError;
+use crate::store::disposition::Disposition;
+use crate::store::error::{classify, describe};
 use crate::metrics::{BatchCounts, DeadLetterReason, DuplicateReason};
 use crate::offsets::{Positions, Processed, Replay};
-use crate::prepare::{Apply, Prepared, PreparedBatch};
+use crate::prepare::{Prepared, PreparedBatch};
+use crate::store::rows::Apply;
 use crate::key::BusinessKey;
 use crate::record::Record;
 use super::{Attempt, BatchOutcome, Earlier, Fate, Sink};
@@ -354,7 +357,7 @@ impl Sink {
             let claim = [Claim { key: &a.key, position: &record.position, fingerprint: &a.fingerprint }];
             let new = match tx.claim(&self.pipeline, &claim).await {
                 Ok(new) => !new.is_empty(),
-                Err(e) => match super::error::classify(&e) {
+                Err(e) => match classify(&e) {
                     Disposition::Record => {
                         tx.rollback_to_savepoint().await.map_err(savepoint_failed("rolling back a savepoint"))?;
                         fates.push(Fate::DeadLetter(DeadLetterReason::KeyInvalid, describe(&e)));
@@ -377,7 +380,7 @@ impl Sink {
                     tx.release_savepoint().await.map_err(savepoint_failed("releasing a savepoint"))?;
                     fates.push(Fate::Applied);
                 }
-                Err(e) if super::error::classify(&e) == Disposition::Record => {
+                Err(e) if classify(&e) == Disposition::Record => {
                     tx.rollback_to_savepoint().await.map_err(savepoint_failed("rolling back a savepoint"))?;
                     fates.push(Fate::DeadLetter(DeadLetterReason::SideEffectRejected, describe(&e)));
                 }

@@ -5,7 +5,7 @@
 //! stream, [`crate::demo::stream_from`], one second's worth at a time) flows from a throwaway broker
 //! ([`crate::demo::broker`]: an embedded Kafka, RabbitMQ, RocketMQ or NATS JetStream) through the store's shipped
 //! example pipeline into a throwaway store with durability on ([`crate::demo::store`]: PostgreSQL, MariaDB or
-//! Redis), on the release worker run as a child process (`idemflow run`), while at random moments one of [`Fault`]
+//! Redis), on the release worker run as a child process (`idemflow run`), while at random moments one of [`faults::Fault`]
 //! happens: the worker SIGKILLed and started again, the store restarted (a clean stop, or a crash with recovery),
 //! the broker down and up again, every packet to and from the store's or the broker's port dropped for a while
 //! (Debian's `iptables` on loopback; needs root, left out otherwise and said so). The phases of one pair are in
@@ -33,7 +33,6 @@ pub mod faults;
 pub mod pair;
 mod worker;
 
-pub use faults::{Blackhole, Fault};
 
 use crate::demo::{broker::BrokerKind, store::StoreKind};
 use anyhow::Context as _;

@@ -28,9 +28,8 @@ use crate::metrics::PipelineMetrics;
 use crate::offsets::{Claimed, PassedFloor, Positions};
 use crate::record::Record;
 use crate::shutdown::Shutdown;
-pub use contract::{not_built, CheckError, Connector, Reads, StoredStart};
-pub use dead_letter_out::DeadLetterOut;
-pub use spec::{Brokers, SourceContext, SourceSpec};
+use contract::{CheckError, Connector, Reads, StoredStart};
+use spec::{Brokers, SourceContext, SourceSpec};
 use std::path::Path;
 use std::time::Duration;
 

@@ -141,7 +141,7 @@ impl SourceSpec {
 
     /// Whether this build has the source's connector (its cargo feature).
     ///
-    /// Errors: the broker and the feature to build with ([`crate::source::not_built`]).
+    /// Errors: the broker and the feature to build with ([`crate::source::contract::not_built`]).
     pub fn built(&self) -> Result<(), String> {
         fn built<S: BrokerSpec>(_: &S) -> Result<(), String> {
             if S::BUILT { Ok(()) } else { Err(not_built(S::NAME, S::FEATURE)) }

@@ -10,7 +10,7 @@
 //! | a data error or a constraint violated by one record's side effect | dead-letter that record (`side_effect_rejected`), the rest of the batch commits |
 //! | a missing table or column, a syntax error, a permission refused, and anything else | fatal: the pipeline stops |
 
-pub use super::disposition::Disposition;
+use super::disposition::Disposition;
 
 /// Classifies a sqlx error (see the module table).
 pub fn classify(error: &sqlx::Error) -> Disposition {

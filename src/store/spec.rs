@@ -172,7 +172,7 @@ pub enum SinkSpec {
     },
 }
 
-pub use super::redis_command::RedisCommand;
+use super::redis_command::RedisCommand;
 
 /// Which store a side effect runs in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -468,8 +468,8 @@ async fn mysqls_claim_without_returning_tells_new_keys_from_old() {
     fn claims<'a>(
         ks: &'a [idemflow::key::BusinessKey],
         position: &'a idemflow::record::Position,
-    ) -> Vec<idemflow::sink::dedup::Claim<'a>> {
-        ks.iter().map(|k| idemflow::sink::dedup::Claim { key: k, position, fingerprint: &[7; 32] }).collect()
+    ) -> Vec<idemflow::store::rows::Claim<'a>> {
+        ks.iter().map(|k| idemflow::store::rows::Claim { key: k, position, fingerprint: &[7; 32] }).collect()
     }
     let mut tx = effect.begin().await.unwrap();
     assert_eq!(tx.claim("p", &claims(&keys[..3], &position)).await.unwrap().len(), 3);

@@ -12,12 +12,12 @@ use crate::support::*;
 use std::process::Command;
 use std::time::Duration;
 
-/// Drops every packet to and from a loopback port while it lives (the soak's, [`idemflow::soak::Blackhole`]).
+/// Drops every packet to and from a loopback port while it lives (the soak's, [`idemflow::soak::faults::Blackhole`]).
 struct Blackhole;
 
 impl Blackhole {
-    fn start(port: u16) -> idemflow::soak::Blackhole {
-        idemflow::soak::Blackhole::start(port).unwrap_or_else(|e| panic!("{e:#} (Debian package iptables): run the suite as root"))
+    fn start(port: u16) -> idemflow::soak::faults::Blackhole {
+        idemflow::soak::faults::Blackhole::start(port).unwrap_or_else(|e| panic!("{e:#} (Debian package iptables): run the suite as root"))
     }
 }
 

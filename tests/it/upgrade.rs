@@ -363,8 +363,8 @@ async fn mariadb_upgrade_keeps_every_stored_key_a_duplicate_and_fences_the_previ
     let mut all: Vec<BusinessKey> = keys.iter().chain(&held_key).map(|k| BusinessKey::new(k.clone())).collect();
     all.push(BusinessKey::new("o-new".into()));
     let position = idemflow::record::Position { topic: "orders".into(), partition: 0, offset: 500 };
-    let claims: Vec<idemflow::sink::dedup::Claim<'_>> =
-        all.iter().map(|k| idemflow::sink::dedup::Claim { key: k, position: &position, fingerprint: &[7; 32] }).collect();
+    let claims: Vec<idemflow::store::rows::Claim<'_>> =
+        all.iter().map(|k| idemflow::store::rows::Claim { key: k, position: &position, fingerprint: &[7; 32] }).collect();
     let mut tx = effect.begin().await.unwrap();
     let new = tx.claim("payments", &claims).await.unwrap();
     assert_eq!(new.len(), 1);
