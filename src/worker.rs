@@ -327,7 +327,7 @@ async fn run_lane(
     let source_error = |message| PipelineFailure::Source { pipeline: name.clone(), message };
     let owner = lane.map_or_else(owner, |lane| format!("{}/{lane}", owner()));
     let stored = (r.pipeline.offsets == OffsetStore::Database).then(|| StoredStart {
-        store: r.store.clone(),
+        store: crate::store::PositionStore::new(r.store.clone()),
         owner: owner.clone(),
         runtime: tokio::runtime::Handle::current(),
         shutdown: shutdown.clone(),

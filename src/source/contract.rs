@@ -201,8 +201,8 @@ impl std::fmt::Display for Reads {
 /// What a source needs to start partitions (Kafka) or queues (RocketMQ) from their stored positions
 /// (`[offsets] store = "database"`).
 pub struct StoredStart {
-    /// The store that keeps the positions.
-    pub store: crate::store::Store,
+    /// The store that keeps the positions: only its claims.
+    pub store: crate::store::PositionStore,
     /// Recorded as the owner of claimed partitions (for operators): `host/pid` by default.
     pub owner: String,
     /// The runtime the Kafka source's claim tasks run on.

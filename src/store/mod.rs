@@ -450,3 +450,22 @@ impl Tx<'_> {
         each_tx!(self, |t| t.renew_processed(pipeline, partitions).await)
     }
 }
+
+/// The part of a store a broker's consumer uses with `[offsets] store = "database"`: claiming its partitions'
+/// stored positions, and nothing else of the [`Store`] (not its batches, its dead letters, its rewinds).
+#[derive(Clone)]
+pub struct PositionStore(Store);
+
+impl PositionStore {
+    /// The positions kept in `store`.
+    pub fn new(store: Store) -> PositionStore {
+        PositionStore(store)
+    }
+
+    /// [`Store::claim_offsets`]: takes ownership of `partitions` for `pipeline`, returns their stored positions.
+    ///
+    /// Errors: any store error (the caller retries).
+    pub async fn claim_offsets(&self, pipeline: &str, owner: &str, partitions: &[(String, i32)]) -> Result<Vec<Claimed>, StoreError> {
+        self.0.claim_offsets(pipeline, owner, partitions).await
+    }
+}

@@ -120,7 +120,7 @@ impl Ownership {
 /// Claims `parts` for `owner` (`[offsets] store = "database"`), retrying with backoff while the store cannot be
 /// reached (`waiting` is logged at each retry). `None` when shutdown came first.
 pub(super) async fn claim_while_down(
-    store: &crate::store::Store,
+    store: &crate::store::PositionStore,
     pipeline: &str,
     owner: &str,
     parts: &[(String, i32)],
