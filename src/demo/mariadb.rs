@@ -19,14 +19,9 @@ pub struct Throwaway {
     child: Option<Child>,
 }
 
-fn as_root() -> bool {
-    // SAFETY: geteuid has no preconditions.
-    unsafe { libc::geteuid() == 0 }
-}
-
 /// `program`, run as the `mysql` user when we are root.
 fn command(program: &str) -> Command {
-    if as_root() {
+    if super::as_root() {
         let mut c = Command::new("runuser");
         c.args(["-u", "mysql", "--", program]);
         c
@@ -47,7 +42,7 @@ impl Throwaway {
         }
         let dir = tempfile::Builder::new().prefix("idemflow-mariadb.").tempdir()?;
         std::fs::create_dir(dir.path().join("tmp"))?;
-        if as_root() {
+        if super::as_root() {
             let status = Command::new("chown").arg("mysql:mysql").arg(dir.path()).arg(dir.path().join("tmp")).status()?;
             if !status.success() {
                 bail!("chown mysql:mysql {} failed", dir.path().display());

@@ -677,6 +677,13 @@ fn summary(plan: &Plan, metrics: &Metrics, s: &Stream, totals: &database::Totals
 }
 
 
+/// Whether this process runs as root: the servers that refuse root (PostgreSQL, MariaDB, RabbitMQ) then run as
+/// their package's user.
+pub(crate) fn as_root() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() == 0 }
+}
+
 /// Writes `text` to `path`, readable by this user only (settings hold passwords).
 ///
 /// Errors: the file could not be written.

@@ -74,10 +74,6 @@ fn pg_bin() -> Result<PathBuf, ThrowawayError> {
     found.pop().map(|(_, bin)| bin).ok_or(ThrowawayError::NoBinaries)
 }
 
-fn is_root() -> bool {
-    Command::new("id").arg("-u").output().map(|o| o.stdout.starts_with(b"0\n")).unwrap_or(false)
-}
-
 fn run(mut command: Command) -> Result<(), ThrowawayError> {
     // The server started here must not keep an embedded broker's sockets open ([`super::kafka`]).
     super::kafka::without_inherited_descriptors(&mut command);
@@ -106,7 +102,7 @@ impl Throwaway {
 
     fn start_with(durable: bool) -> Result<Throwaway, ThrowawayError> {
         let bin = pg_bin()?;
-        let root = is_root();
+        let root = super::as_root();
         use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
         let dir = tempfile::Builder::new().prefix("idemflow-pg-").tempdir()?.keep();
         std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))?;

@@ -18,11 +18,6 @@ pub struct Throwaway {
     child: Option<Child>,
 }
 
-fn as_root() -> bool {
-    // SAFETY: geteuid has no preconditions.
-    unsafe { libc::geteuid() == 0 }
-}
-
 impl Throwaway {
     /// Starts a node on a free loopback port and waits (at most 60 s) until it accepts connections.
     ///
@@ -44,7 +39,7 @@ impl Throwaway {
             );
         }
         let dir = tempfile::Builder::new().prefix("idemflow-rabbitmq.").tempdir()?;
-        if as_root() {
+        if super::as_root() {
             let owned = Command::new("chown").args(["-R", "rabbitmq:rabbitmq"]).arg(dir.path()).status()?;
             if !owned.success() {
                 bail!("chown rabbitmq:rabbitmq {} failed", dir.path().display());
@@ -63,7 +58,7 @@ impl Throwaway {
 
     fn command(&self, program: &str) -> Command {
         let d = self.dir.path();
-        let mut c = if as_root() {
+        let mut c = if super::as_root() {
             let mut c = Command::new("runuser");
             c.args(["-u", "rabbitmq", "--", "env"]);
             c
