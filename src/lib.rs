@@ -73,10 +73,12 @@
 //!   and `consumer/` (the runtime, with `claims.rs` for claimed, fenced and floored partitions).
 //!
 //! Outside its folder a broker is: one variant of [`source::Source`] and of [`source::spec::SourceSpec`], its line in
-//! each dispatch macro (`each_source!` in `source/mod.rs`, `each_spec!` in `source/spec.rs`) and in
-//! [`source::spec::ALL`] and [`source::spec::parse`], its raw part in [`source::spec::RawSource`] (a field and its reader), its field of
-//! [`source::spec::Brokers`] and of the settings, a feature in `Cargo.toml`, and its row of the guarantee matrix
-//! (`tests/it/matrix.rs`: how to publish, and the settings section).
+//! `each_source!` (`source/mod.rs`) and in `with_brokers!` (`source/spec.rs`: its spec type, its raw keys' field,
+//! its settings section; every per-broker match there, [`source::spec::ALL`], [`source::spec::RawSource`] and
+//! [`source::spec::parse`] are made from that list), its field of [`source::spec::Brokers`] and of the settings
+//! (and their section name), a feature in `Cargo.toml`, and its row of the guarantee matrix (`tests/it/matrix.rs`:
+//! how to publish, and the settings section). Its `[source]` keys are read and checked in its folder
+//! ([`source::contract::BrokerSpec::parse`], with its `Raw` keys).
 //!
 //! A store is the same under `src/store/<store>/`, implementing the contract of [`store::contract`]: its
 //! `connector.rs` ([`store::contract::Connector`] for what runs outside a batch, where the defaults say what the

@@ -117,11 +117,30 @@ pub trait RawKeys: Default {
     fn take<'de, A: serde::de::MapAccess<'de>>(&mut self, key: &str, map: &mut A) -> Result<bool, A::Error>;
 }
 
+/// What a broker's [`BrokerSpec::parse`] is given of its pipeline besides its own keys.
+#[derive(Clone, Copy, Debug)]
+pub struct ParseContext<'a> {
+    /// The pipeline's name (the default consumer group or durable consumer is named after it).
+    pub name: &'a str,
+    /// `[batch] max_records` (a prefetch or `max_ack_pending` must hold a batch).
+    pub max_records: usize,
+    /// The top-level `topics` of earlier versions (a Kafka source).
+    pub legacy_topics: Option<&'a Vec<String>>,
+    /// The top-level `group_id` of earlier versions (a Kafka source).
+    pub legacy_group: Option<&'a String>,
+}
+
 /// A broker's `[source]` spec: what the configuration and `check` ask of it, in every build. Implemented by each
 /// broker's spec type in its folder (`<broker>/spec.rs`).
 pub trait BrokerSpec: Clone + Sized {
     /// Its settings section (`[kafka]`, `[rabbitmq]`, ...).
     type Settings;
+    /// Its `[source]` keys as written ([`RawKeys`]).
+    type Raw: RawKeys;
+
+    /// Its spec from its keys (`raw`: all unset when the pipeline has no `[source]`), checked by its own rules.
+    /// Every problem goes to `e`; `None` when the spec cannot be built.
+    fn parse(raw: &Self::Raw, cx: &ParseContext<'_>, e: &mut impl crate::validate::Problems) -> Option<Self>;
     /// What it can do.
     const CAPABILITIES: Capabilities;
     /// Its name in messages (`"RabbitMQ"`).

@@ -1,10 +1,10 @@
 //! `[source]`: which broker a pipeline reads, and what each broker's part of the pipeline file says.
 
-use super::contract::{not_built, BrokerSpec, Capabilities, Conflict, Context, RawKeys};
-use super::kafka::{KafkaRaw, KafkaSpec};
-use super::nats::{NatsRaw, NatsSpec};
-use super::rabbitmq::{RabbitMqRaw, RabbitMqSpec};
-use super::rocketmq::{RocketMqRaw, RocketMqSpec};
+use super::contract::{not_built, BrokerSpec, Capabilities, Conflict, Context, ParseContext, RawKeys};
+use super::kafka::KafkaSpec;
+use super::nats::NatsSpec;
+use super::rabbitmq::RabbitMqSpec;
+use super::rocketmq::RocketMqSpec;
 use crate::validate::Problems;
 use serde::Deserialize;
 use std::time::Duration;
@@ -42,35 +42,113 @@ pub struct Brokers {
     pub shutdown_timeout: Duration,
 }
 
-/// The one list of brokers' specs, as a dispatch: `each_spec!(spec, |s| expr)` is `expr` on the broker's own spec
-/// `s` ([`BrokerSpec`]); `each_spec!(spec, brokers, |s, settings| expr)` also binds its settings section of
-/// [`Brokers`] (an `Option`).
-macro_rules! each_spec {
-    ($spec:expr, |$s:ident| $e:expr) => {
-        match $spec {
-            SourceSpec::Kafka($s) => $e,
-            SourceSpec::RabbitMq($s) => $e,
-            SourceSpec::RocketMq($s) => $e,
-            SourceSpec::Nats($s) => $e,
-        }
-    };
-    ($spec:expr, $brokers:expr, |$s:ident, $set:ident| $e:expr) => {
-        match $spec {
-            SourceSpec::Kafka($s) => { let $set = Some(&$brokers.kafka); $e }
-            SourceSpec::RabbitMq($s) => { let $set = $brokers.rabbitmq.as_ref(); $e }
-            SourceSpec::RocketMq($s) => { let $set = $brokers.rocketmq.as_ref(); $e }
-            SourceSpec::Nats($s) => { let $set = $brokers.nats.as_ref(); $e }
+/// The one list of brokers: each once, as `Variant(its spec type, its field of [`RawSource`], its section of
+/// [`Brokers`])`, in the order their names are listed in messages. Every per-broker match of this file is made from
+/// it: `with_brokers!(m! args)` calls `m! { [args] Kafka(KafkaSpec, kafka, |b| ...), ... }`.
+macro_rules! with_brokers {
+    ($m:ident ! $($args:tt)*) => {
+        $m! { [$($args)*]
+            Kafka(KafkaSpec, kafka, |b| Some(&b.kafka)),
+            RabbitMq(RabbitMqSpec, rabbitmq, |b| b.rabbitmq.as_ref()),
+            RocketMq(RocketMqSpec, rocketmq, |b| b.rocketmq.as_ref()),
+            Nats(NatsSpec, nats, |b| b.nats.as_ref()),
         }
     };
 }
 
+/// The brokers' specs as a dispatch: `each_spec!(spec, |s| expr)` is `expr` on the broker's own spec `s`
+/// ([`BrokerSpec`]); `each_spec!(spec, brokers, |s, settings| expr)` also binds its settings section of
+/// [`Brokers`] (an `Option`).
+macro_rules! each_spec {
+    ($spec:expr, |$s:ident| $e:expr) => {
+        with_brokers!(each_spec_arms! $spec, $s, $e)
+    };
+    ($spec:expr, $brokers:expr, |$s:ident, $set:ident| $e:expr) => {
+        with_brokers!(each_spec_settings_arms! $spec, $brokers, $s, $set, $e)
+    };
+}
+
+macro_rules! each_spec_arms {
+    ([$spec:expr, $s:ident, $e:expr] $($v:ident($t:ty, $f:ident, |$b:ident| $set:expr)),* $(,)?) => {
+        match $spec {
+            $(SourceSpec::$v($s) => $e,)*
+        }
+    };
+}
+
+macro_rules! each_spec_settings_arms {
+    ([$spec:expr, $brokers:expr, $s:ident, $setting:ident, $e:expr] $($v:ident($t:ty, $f:ident, |$b:ident| $set:expr)),* $(,)?) => {
+        match $spec {
+            $(SourceSpec::$v($s) => {
+                let $setting = { let $b = $brokers; $set };
+                $e
+            })*
+        }
+    };
+}
+
+/// `[$(capabilities),*]` of the listed brokers.
+macro_rules! all_capabilities {
+    ([] $($v:ident($t:ty, $f:ident, |$b:ident| $set:expr)),* $(,)?) => {
+        [$(&<$t as BrokerSpec>::CAPABILITIES),*]
+    };
+}
+
+/// The two specs' conflict when both are of the same broker.
+macro_rules! conflict_arms {
+    ([$earlier:expr, $this:expr] $($v:ident($t:ty, $f:ident, |$b:ident| $set:expr)),* $(,)?) => {
+        match ($earlier, $this) {
+            $((SourceSpec::$v(a), SourceSpec::$v(b)) => b.conflict_with(a),)*
+            #[allow(unreachable_patterns)]
+            _ => None,
+        }
+    };
+}
+
+/// [`RawSource`]: `kind`, the keys set, and each broker's raw keys.
+macro_rules! raw_source {
+    ([] $($v:ident($t:ty, $f:ident, |$b:ident| $set:expr)),* $(,)?) => {
+        /// `[source]` as written: its `kind`, and each broker's own keys read by that broker's raw struct
+        /// ([`RawKeys`]), key by key from the document, so an error keeps its position. A key no broker takes is
+        /// refused as serde refuses an unknown key (`unknown field ..., expected one of ...`, every broker's keys
+        /// listed); a key of another broker than `kind`'s is refused by [`parse`], with that broker's name.
+        #[derive(Debug, Default)]
+        pub struct RawSource {
+            /// `kind`: `kafka` (the default), or another broker's kind ([`Capabilities::kind`]).
+            pub kind: Option<String>,
+            /// The keys it sets besides `kind`, in the order written.
+            pub keys: Vec<String>,
+            $($f: <$t as BrokerSpec>::Raw,)*
+        }
+
+        impl RawSource {
+            /// Reads `key` into the raw struct of the broker that takes it; whether one did.
+            fn take<'de, A: serde::de::MapAccess<'de>>(&mut self, key: &str, map: &mut A) -> Result<bool, A::Error> {
+                $(if self.$f.take(key, map)? {
+                    return Ok(true);
+                })*
+                Ok(false)
+            }
+
+            /// The spec of the broker of kind `kind`, parsed from its keys (`None` for a kind no broker has).
+            fn parse_kind(&self, kind: &str, cx: &ParseContext<'_>, e: &mut impl Problems) -> Option<Option<SourceSpec>> {
+                $(if kind == <$t as BrokerSpec>::CAPABILITIES.kind {
+                    return Some(<$t as BrokerSpec>::parse(&self.$f, cx, e).map(SourceSpec::$v));
+                })*
+                None
+            }
+        }
+    };
+}
+
+with_brokers!(raw_source!);
+
 /// Every broker's capabilities, in the order their names are listed in messages.
-pub const ALL: [&Capabilities; 4] =
-    [&KafkaSpec::CAPABILITIES, &RabbitMqSpec::CAPABILITIES, &RocketMqSpec::CAPABILITIES, &NatsSpec::CAPABILITIES];
+pub const ALL: &[&Capabilities] = &with_brokers!(all_capabilities!);
 
 /// The capabilities of the broker named `kind` in `[source] kind`, if there is one.
 pub fn by_kind(kind: &str) -> Option<&'static Capabilities> {
-    ALL.into_iter().find(|c| c.kind == kind)
+    ALL.iter().copied().find(|c| c.kind == kind)
 }
 
 impl SourceSpec {
@@ -94,13 +172,7 @@ impl SourceSpec {
     /// What this source shares with `earlier` (another pipeline's) that two pipelines must not: a consumer group,
     /// or a queue ([`BrokerSpec::conflict_with`]). Sources of two brokers share nothing.
     pub fn conflict_with(&self, earlier: &SourceSpec) -> Option<Conflict> {
-        match (earlier, self) {
-            (SourceSpec::Kafka(a), SourceSpec::Kafka(b)) => b.conflict_with(a),
-            (SourceSpec::RabbitMq(a), SourceSpec::RabbitMq(b)) => b.conflict_with(a),
-            (SourceSpec::RocketMq(a), SourceSpec::RocketMq(b)) => b.conflict_with(a),
-            (SourceSpec::Nats(a), SourceSpec::Nats(b)) => b.conflict_with(a),
-            _ => None,
-        }
+        with_brokers!(conflict_arms! earlier, self)
     }
 
     /// Whether `topic` is one it consumes (a dead-letter topic must not be).
@@ -150,21 +222,6 @@ impl SourceSpec {
     }
 }
 
-/// `[source]` as written: its `kind`, and each broker's own keys read by that broker's raw struct
-/// ([`RawKeys`]), key by key from the document, so an error keeps its position. A key no broker takes is refused as
-/// serde refuses an unknown key (`unknown field ..., expected one of ...`, every broker's keys listed); a key of
-/// another broker than `kind`'s is refused by [`parse`], with that broker's name.
-#[derive(Debug, Default)]
-pub struct RawSource {
-    /// `kind`: `kafka` (the default), `rabbitmq`, `rocketmq` or `nats`.
-    pub kind: Option<String>,
-    /// The keys it sets besides `kind`, in the order written.
-    pub keys: Vec<String>,
-    kafka: KafkaRaw,
-    rabbitmq: RabbitMqRaw,
-    rocketmq: RocketMqRaw,
-    nats: NatsRaw,
-}
 
 /// Every `[source]` key: `kind`, then each broker's, in the order of [`ALL`] (the list an unknown key's error gives).
 static KEYS: std::sync::LazyLock<Vec<&'static str>> =
@@ -187,11 +244,7 @@ impl<'de> Deserialize<'de> for RawSource {
                         raw.kind = Some(map.next_value()?);
                         continue;
                     }
-                    let taken = raw.kafka.take(&key, &mut map)?
-                        || raw.rabbitmq.take(&key, &mut map)?
-                        || raw.rocketmq.take(&key, &mut map)?
-                        || raw.nats.take(&key, &mut map)?;
-                    if !taken {
+                    if !raw.take(&key, &mut map)? {
                         // A key in a broker's `CAPABILITIES.fields` that its raw struct does not read (a defect).
                         return Err(serde::de::Error::custom(format!("no broker reads the [source] key `{key}`")));
                     }
@@ -234,7 +287,8 @@ pub fn parse(
 ) -> Option<SourceSpec> {
     let kind = s.and_then(|s| s.kind.as_deref()).unwrap_or("kafka");
     let top_level = legacy_topics.is_some() || legacy_group.is_some();
-    if top_level && s.is_some_and(|s| s.kafka.topics.is_some() || s.kafka.group_id.is_some() || kind != "kafka") {
+    // The top-level keys of earlier versions are a Kafka source's `topics` and `group_id`.
+    if top_level && s.is_some_and(|s| s.keys.iter().any(|k| k == "topics" || k == "group_id") || kind != "kafka") {
         e.push("topics", "set the source in [source] or with the top-level topics and group_id, not both");
         return None;
     }
@@ -246,13 +300,14 @@ pub fn parse(
             }
         }
     }
-    match kind {
-        "kafka" => super::kafka::parse(s.map(|s| &s.kafka), legacy_topics, legacy_group, name, e).map(SourceSpec::Kafka),
-        "rabbitmq" => super::rabbitmq::parse(&s?.rabbitmq, max_records, e).map(SourceSpec::RabbitMq),
-        "rocketmq" => super::rocketmq::parse(&s?.rocketmq, name, e).map(SourceSpec::RocketMq),
-        "nats" => super::nats::parse(&s?.nats, name, max_records, e).map(SourceSpec::Nats),
-        other => {
-            e.push("source.kind", format!("{other:?} is not a source kind: kafka, rabbitmq, rocketmq or nats"));
+    let cx = ParseContext { name, max_records, legacy_topics, legacy_group };
+    let none = RawSource::default();
+    match s.unwrap_or(&none).parse_kind(kind, &cx, e) {
+        Some(spec) => spec,
+        None => {
+            let kinds: Vec<&str> = ALL.iter().map(|c| c.kind).collect();
+            let (last, rest) = kinds.split_last().expect("brokers");
+            e.push("source.kind", format!("{kind:?} is not a source kind: {} or {last}", rest.join(", ")));
             None
         }
     }

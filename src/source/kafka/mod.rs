@@ -5,7 +5,7 @@
 //! asks of the cluster ([`check`]), rewind and the dead-letter publisher.
 
 mod spec;
-pub use spec::{parse, KafkaRaw, KafkaSettings, KafkaSpec, PropertyValue};
+pub use spec::{KafkaRaw, KafkaSettings, KafkaSpec, PropertyValue};
 
 #[cfg(feature = "kafka")]
 mod check;

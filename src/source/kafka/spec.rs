@@ -1,6 +1,6 @@
 //! Kafka's `[kafka]` settings and the `[source]` of a Kafka pipeline.
 
-use crate::source::contract::{BrokerSpec, Capabilities, Conflict, Context, RawKeys};
+use crate::source::contract::{BrokerSpec, Capabilities, Conflict, Context, ParseContext, RawKeys};
 use crate::validate::Problems;
 use serde::Deserialize;
 use std::collections::BTreeMap;
@@ -76,6 +76,12 @@ pub struct KafkaSpec {
 }
 
 impl BrokerSpec for KafkaSpec {
+    type Raw = KafkaRaw;
+
+    fn parse(raw: &KafkaRaw, cx: &ParseContext<'_>, e: &mut impl Problems) -> Option<Self> {
+        parse(raw, cx, e)
+    }
+
     const CAPABILITIES: Capabilities = Capabilities {
         kind: "kafka",
         fields: &["topics", "group_id"],
@@ -137,14 +143,9 @@ impl RawKeys for KafkaRaw {
 /// The `[source]` of a Kafka pipeline named `name`: its topics and consumer group, from `[source]` (`s`) or from the
 /// top-level `topics` and `group_id` of earlier versions (`legacy_topics`, `legacy_group`). Every problem goes to
 /// `e`; `None` when the spec cannot be built.
-pub fn parse(
-    s: Option<&KafkaRaw>,
-    legacy_topics: Option<&Vec<String>>,
-    legacy_group: Option<&String>,
-    name: &str,
-    e: &mut impl Problems,
-) -> Option<KafkaSpec> {
-    let (topics, field) = match s.and_then(|s| s.topics.clone()) {
+fn parse(s: &KafkaRaw, cx: &ParseContext<'_>, e: &mut impl Problems) -> Option<KafkaSpec> {
+    let (legacy_topics, legacy_group, name) = (cx.legacy_topics, cx.legacy_group, cx.name);
+    let (topics, field) = match s.topics.clone() {
         Some(t) => (t, "source.topics"),
         None => (legacy_topics.cloned().unwrap_or_default(), "topics"),
     };
@@ -156,7 +157,7 @@ pub fn parse(
             e.push(&format!("{field}[{i}]"), format!("{t:?} is not a valid Kafka topic name"));
         }
     }
-    let (group_id, field) = match s.and_then(|s| s.group_id.clone()) {
+    let (group_id, field) = match s.group_id.clone() {
         Some(g) => (g, "source.group_id"),
         None => (legacy_group.cloned().unwrap_or_else(|| format!("idemflow-{name}")), "group_id"),
     };

@@ -4,7 +4,7 @@
 //! ([`record`]) and what `check` asks of the server ([`check`]).
 
 mod spec;
-pub use spec::{add_command, parse, NatsRaw, NatsSettings, NatsSpec};
+pub use spec::{add_command, NatsRaw, NatsSettings, NatsSpec};
 
 #[cfg(feature = "nats")]
 mod check;

@@ -1,7 +1,7 @@
 //! NATS's `[nats]` settings and the `[source]` of a JetStream pipeline.
 
 use crate::secret::{Secret, SecretUrl};
-use crate::source::contract::{BrokerSpec, Capabilities, Conflict, Context, RawKeys, LANES};
+use crate::source::contract::{BrokerSpec, Capabilities, Conflict, Context, ParseContext, RawKeys, LANES};
 use std::path::Path;
 use crate::validate::Problems;
 use serde::Deserialize;
@@ -79,6 +79,12 @@ pub struct NatsSpec {
 }
 
 impl BrokerSpec for NatsSpec {
+    type Raw = NatsRaw;
+
+    fn parse(raw: &NatsRaw, cx: &ParseContext<'_>, e: &mut impl Problems) -> Option<Self> {
+        parse(raw, cx.name, cx.max_records, e)
+    }
+
     type Settings = NatsSettings;
     const CAPABILITIES: Capabilities = Capabilities {
         kind: "nats",
@@ -206,7 +212,7 @@ impl RawKeys for NatsRaw {
 
 /// The `[source]` of a JetStream pipeline named `name` (`s`), its `max_ack_pending` defaulting from
 /// `max_records`. Every problem goes to `e`; `None` when the spec cannot be built.
-pub fn parse(s: &NatsRaw, name: &str, max_records: usize, e: &mut impl Problems) -> Option<NatsSpec> {
+fn parse(s: &NatsRaw, name: &str, max_records: usize, e: &mut impl Problems) -> Option<NatsSpec> {
     let Some(stream) = s.stream.clone() else {
         e.push("source.stream", "a NATS JetStream source needs its stream");
         return None;

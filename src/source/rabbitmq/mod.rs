@@ -3,7 +3,7 @@
 //! `check` and dead-letter publisher.
 
 mod spec;
-pub use spec::{parse, QueueType, RabbitMqRaw, RabbitMqSettings, RabbitMqSpec};
+pub use spec::{QueueType, RabbitMqRaw, RabbitMqSettings, RabbitMqSpec};
 
 #[cfg(feature = "rabbitmq")]
 mod consumer;

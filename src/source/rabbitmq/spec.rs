@@ -1,6 +1,6 @@
 //! RabbitMQ's `[rabbitmq]` settings and the `[source]` of a RabbitMQ pipeline.
 
-use crate::source::contract::{BrokerSpec, Capabilities, Conflict, Context, RawKeys, LANES};
+use crate::source::contract::{BrokerSpec, Capabilities, Conflict, Context, ParseContext, RawKeys, LANES};
 use std::path::Path;
 use crate::validate::Problems;
 use crate::secret::SecretUrl;
@@ -83,6 +83,12 @@ impl QueueType {
 }
 
 impl BrokerSpec for RabbitMqSpec {
+    type Raw = RabbitMqRaw;
+
+    fn parse(raw: &RabbitMqRaw, cx: &ParseContext<'_>, e: &mut impl Problems) -> Option<Self> {
+        parse(raw, cx.max_records, e)
+    }
+
     const CAPABILITIES: Capabilities = Capabilities {
         kind: "rabbitmq",
         fields: &["queue", "queues", "prefetch", "queue_type", "single_active_consumer"],
@@ -176,7 +182,7 @@ impl RawKeys for RabbitMqRaw {
 
 /// The `[source]` of a RabbitMQ pipeline (`s`), its prefetch defaulting from `max_records`. Every problem goes to
 /// `e`; `None` when the spec cannot be built.
-pub fn parse(s: &RabbitMqRaw, max_records: usize, e: &mut impl Problems) -> Option<RabbitMqSpec> {
+fn parse(s: &RabbitMqRaw, max_records: usize, e: &mut impl Problems) -> Option<RabbitMqSpec> {
     let queues = match (&s.queue, &s.queues) {
         (Some(q), None) => vec![q.clone()],
         (None, Some(qs)) if !qs.is_empty() => qs.clone(),

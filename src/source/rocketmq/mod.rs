@@ -4,7 +4,7 @@
 //! `check` asks of the name server and brokers ([`check`]).
 
 mod spec;
-pub use spec::{parse, RocketMqContext, RocketMqRaw, RocketMqSettings, RocketMqSpec};
+pub use spec::{RocketMqContext, RocketMqRaw, RocketMqSettings, RocketMqSpec};
 
 #[cfg(feature = "rocketmq")]
 mod check;

@@ -1,7 +1,7 @@
 //! RocketMQ's `[rocketmq]` settings and the `[source]` of a RocketMQ pipeline.
 
 use crate::offsets::OffsetStore;
-use crate::source::contract::{BrokerSpec, Capabilities, Conflict, Context, RawKeys, LANES};
+use crate::source::contract::{BrokerSpec, Capabilities, Conflict, Context, ParseContext, RawKeys, LANES};
 use crate::validate::Problems;
 use crate::secret::Secret;
 use serde::Deserialize;
@@ -46,6 +46,12 @@ fn default_connect_timeout() -> Duration {
 pub type RocketMqContext = Context<RocketMqSpec>;
 
 impl BrokerSpec for RocketMqSpec {
+    type Raw = RocketMqRaw;
+
+    fn parse(raw: &RocketMqRaw, cx: &ParseContext<'_>, e: &mut impl Problems) -> Option<Self> {
+        parse(raw, cx.name, e)
+    }
+
     const CAPABILITIES: Capabilities = Capabilities {
         kind: "rocketmq",
         fields: &["topic", "consumer_group", "tag_expression"],
@@ -126,7 +132,7 @@ impl RawKeys for RocketMqRaw {
 
 /// The `[source]` of a RocketMQ pipeline named `name` (`s`). Every problem goes to `e`; `None` when the spec cannot
 /// be built.
-pub fn parse(s: &RocketMqRaw, name: &str, e: &mut impl Problems) -> Option<RocketMqSpec> {
+fn parse(s: &RocketMqRaw, name: &str, e: &mut impl Problems) -> Option<RocketMqSpec> {
     // RocketMQ topic and group names: at most 127 characters of [%|a-zA-Z0-9_-] (the brokers'
     // TopicValidator); '/' never occurs, which positions rely on (see `record::Position`).
     let valid = |n: &str| !n.is_empty() && n.len() <= 127 && n.bytes().all(|b| b.is_ascii_alphanumeric() || b"%|_-".contains(&b));
