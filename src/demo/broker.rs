@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 
 /// The topic (Kafka, RocketMQ), queue (RabbitMQ) or subject prefix (NATS) the stream goes to.
-pub const TOPIC: &str = super::TOPIC;
+pub const TOPIC: &str = super::shipped::TOPIC;
 /// The JetStream stream, on subjects `payments.>`.
 pub const NATS_STREAM: &str = "PAYMENTS";
 /// Queues of a RocketMQ topic created on first use ([`rocketmq::broker_properties`]).

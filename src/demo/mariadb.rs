@@ -21,7 +21,7 @@ pub struct Throwaway {
 
 /// `program`, run as the `mysql` user when we are root.
 fn command(program: &str) -> Command {
-    if super::as_root() {
+    if super::host::as_root() {
         let mut c = Command::new("runuser");
         c.args(["-u", "mysql", "--", program]);
         c
@@ -42,7 +42,7 @@ impl Throwaway {
         }
         let dir = tempfile::Builder::new().prefix("idemflow-mariadb.").tempdir()?;
         std::fs::create_dir(dir.path().join("tmp"))?;
-        if super::as_root() {
+        if super::host::as_root() {
             let status = Command::new("chown").arg("mysql:mysql").arg(dir.path()).arg(dir.path().join("tmp")).status()?;
             if !status.success() {
                 bail!("chown mysql:mysql {} failed", dir.path().display());

@@ -17,6 +17,7 @@
 
 pub mod broker;
 pub mod database;
+pub(crate) mod host;
 pub mod kafka;
 pub mod mariadb;
 pub mod nats;
@@ -24,6 +25,7 @@ pub mod postgres;
 pub mod rabbitmq;
 pub mod redis;
 pub mod rocketmq;
+pub(crate) mod shipped;
 pub mod store;
 
 use crate::config::{self, Settings};
@@ -39,18 +41,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 use tokio::task::JoinHandle;
 
-/// The shipped pipeline and its tables, built in for when the demo runs outside the source tree.
-pub(crate) const SHIPPED_PIPELINE: &str = include_str!("../../pipelines/payments.toml");
-pub(crate) const SHIPPED_TABLES: &str = include_str!("../../pipelines/payments.sql");
-const SHIPPED_RABBITMQ_PIPELINE: &str = include_str!("../../examples/rabbitmq/payments.toml");
-const SHIPPED_NATS_PIPELINE: &str = include_str!("../../examples/nats/payments.toml");
-const SHIPPED_MYSQL_PIPELINE: &str = include_str!("../../examples/mysql/payments.toml");
-const SHIPPED_MYSQL_TABLES: &str = include_str!("../../examples/mysql/payments.sql");
-const SHIPPED_REDIS_PIPELINE: &str = include_str!("../../examples/redis/payments.toml");
-pub(crate) const TOPIC: &str = "payments";
-pub(crate) const ACCOUNTS: usize = 100;
-/// Each account starts with this balance, in cents.
-pub(crate) const OPENING_BALANCE_CENTS: i64 = 100_000_000;
+use shipped::*;
 
 /// Options of `idemflow demo`.
 #[derive(Clone, Debug)]
@@ -478,9 +469,9 @@ fn write_workspace(dir: &std::path::Path, plan: &Plan, url: &str, broker: &Throw
     std::fs::create_dir(dir.join("pipelines"))?;
     std::fs::write(dir.join("pipelines/payments.toml"), &pipeline_text)?;
     let store_section = if redis {
-        format!("[redis]\nurl = {}\nresponse_timeout = \"30s\"\n", toml_string(url))
+        format!("[redis]\nurl = {}\nresponse_timeout = \"30s\"\n", host::toml_string(url))
     } else {
-        format!("[database]\nurl = {}\nmax_connections = 4\n", toml_string(url))
+        format!("[database]\nurl = {}\nmax_connections = 4\n", host::toml_string(url))
     };
     let settings_text = format!(
         "pipelines = \"pipelines\"\n{store_section}{}[metrics]\nlisten = \"{}\"\n",
@@ -488,7 +479,7 @@ fn write_workspace(dir: &std::path::Path, plan: &Plan, url: &str, broker: &Throw
         listen
     );
     let settings_file = dir.join("idemflow.toml");
-    write_private(&settings_file, &settings_text)?;
+    host::write_private(&settings_file, &settings_text)?;
     Ok(config::load_settings_from(&settings_file, std::iter::empty()).map_err(|e| anyhow::anyhow!("{e}"))?.settings)
 }
 
@@ -676,27 +667,6 @@ fn summary(plan: &Plan, metrics: &Metrics, s: &Stream, totals: &database::Totals
     rows_ok && total_ok && reconciled
 }
 
-
-/// Whether this process runs as root: the servers that refuse root (PostgreSQL, MariaDB, RabbitMQ) then run as
-/// their package's user.
-pub(crate) fn as_root() -> bool {
-    // SAFETY: geteuid has no preconditions.
-    unsafe { libc::geteuid() == 0 }
-}
-
-/// Writes `text` to `path`, readable by this user only (settings hold passwords).
-///
-/// Errors: the file could not be written.
-pub(crate) fn write_private(path: &std::path::Path, text: &str) -> std::io::Result<()> {
-    use std::os::unix::fs::OpenOptionsExt;
-    let mut f = std::fs::OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(path)?;
-    std::io::Write::write_all(&mut f, text.as_bytes())
-}
-
-/// `text` as a TOML basic string (JSON's escapes are TOML's).
-pub(crate) fn toml_string(text: &str) -> String {
-    serde_json::to_string(text).expect("a string serializes")
-}
 
 /// Where `idemflow demo-producer` sends.
 pub enum ProducerTarget {

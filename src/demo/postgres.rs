@@ -102,7 +102,7 @@ impl Throwaway {
 
     fn start_with(durable: bool) -> Result<Throwaway, ThrowawayError> {
         let bin = pg_bin()?;
-        let root = super::as_root();
+        let root = super::host::as_root();
         use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
         let dir = tempfile::Builder::new().prefix("idemflow-pg-").tempdir()?.keep();
         std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))?;

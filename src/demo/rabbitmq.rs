@@ -39,7 +39,7 @@ impl Throwaway {
             );
         }
         let dir = tempfile::Builder::new().prefix("idemflow-rabbitmq.").tempdir()?;
-        if super::as_root() {
+        if super::host::as_root() {
             let owned = Command::new("chown").args(["-R", "rabbitmq:rabbitmq"]).arg(dir.path()).status()?;
             if !owned.success() {
                 bail!("chown rabbitmq:rabbitmq {} failed", dir.path().display());
@@ -58,7 +58,7 @@ impl Throwaway {
 
     fn command(&self, program: &str) -> Command {
         let d = self.dir.path();
-        let mut c = if super::as_root() {
+        let mut c = if super::host::as_root() {
             let mut c = Command::new("runuser");
             c.args(["-u", "rabbitmq", "--", "env"]);
             c

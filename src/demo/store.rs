@@ -42,17 +42,17 @@ impl StoreKind {
     /// `examples/mysql/payments.toml`, `examples/redis/payments.toml`.
     pub fn pipeline(self) -> &'static str {
         match self {
-            StoreKind::Postgres => super::SHIPPED_PIPELINE,
-            StoreKind::Mariadb => super::SHIPPED_MYSQL_PIPELINE,
-            StoreKind::Redis => super::SHIPPED_REDIS_PIPELINE,
+            StoreKind::Postgres => super::shipped::SHIPPED_PIPELINE,
+            StoreKind::Mariadb => super::shipped::SHIPPED_MYSQL_PIPELINE,
+            StoreKind::Redis => super::shipped::SHIPPED_REDIS_PIPELINE,
         }
     }
 
     /// The business tables of [`StoreKind::pipeline`] (Redis: none).
     fn tables(self) -> &'static str {
         match self {
-            StoreKind::Postgres => super::SHIPPED_TABLES,
-            StoreKind::Mariadb => super::SHIPPED_MYSQL_TABLES,
+            StoreKind::Postgres => super::shipped::SHIPPED_TABLES,
+            StoreKind::Mariadb => super::shipped::SHIPPED_MYSQL_TABLES,
             StoreKind::Redis => "",
         }
     }
@@ -99,7 +99,7 @@ impl ThrowawayStore {
             ThrowawayStore::MariaDb(server) => DemoDb::create(&server.url(), name).await?,
             ThrowawayStore::Redis(server) => DemoDb::redis(Some(&server.url()))?,
         };
-        db.setup(self.kind().tables(), super::ACCOUNTS, super::OPENING_BALANCE_CENTS).await?;
+        db.setup(self.kind().tables(), super::shipped::ACCOUNTS, super::shipped::OPENING_BALANCE_CENTS).await?;
         Ok((db, url))
     }
 
@@ -108,10 +108,10 @@ impl ThrowawayStore {
     pub fn settings_toml(&self, url: &str) -> String {
         match self {
             ThrowawayStore::Postgres(_) | ThrowawayStore::MariaDb(_) => {
-                format!("[database]\nurl = {}\nmax_connections = 4\nbatch_timeout = \"30s\"\n", super::toml_string(url))
+                format!("[database]\nurl = {}\nmax_connections = 4\nbatch_timeout = \"30s\"\n", super::host::toml_string(url))
             }
             ThrowawayStore::Redis(_) => {
-                format!("[redis]\nurl = {}\nconnect_timeout = \"5s\"\nresponse_timeout = \"30s\"\n", super::toml_string(url))
+                format!("[redis]\nurl = {}\nconnect_timeout = \"5s\"\nresponse_timeout = \"30s\"\n", super::host::toml_string(url))
             }
         }
     }

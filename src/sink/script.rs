@@ -14,33 +14,23 @@ use crate::store::redis::batch::{BatchAttempt, Item, ItemResult, Refused};
 use crate::store::redis::RedisStore;
 use crate::store::redis::side_effect::SideEffect;
 
-/// The batch as one Redis script (see [`super::transaction`]): the same steps as the SQL transaction, in the same
-/// order, run by Redis atomically; what it answers is classified as the SQL path classifies.
-pub(super) async fn run(
-    sink: &Sink,
-    redis: &RedisStore,
-    side_effect: &SideEffect,
-    batch: &PreparedBatch,
-    positions: Option<&Positions>,
-    guard: impl Fn(&BatchCounts) -> Result<(), SinkError>,
-    replaying: &[i64],
-    attempt: Option<&super::Attempt>,
-) -> Result<BatchOutcome, SinkError> {
-    let lose_answer = attempt.is_some_and(|a| a.lose_commit_answer);
-    let this = BatchAttempt {
+/// Which attempt of its batch this run is: the batch's number (its first attempt's), whether an earlier attempt
+/// failed, the lane (see `batch.lua`: a retry gets the answer of an earlier attempt that ran).
+fn batch_attempt(attempt: Option<&super::Attempt>) -> BatchAttempt<'_> {
+    BatchAttempt {
         token: attempt.map(|a| a.earlier.first().map_or(a.id, |e| e.id)),
         again: attempt.is_some_and(|a| !a.earlier.is_empty()),
         lane: attempt.map_or("", |a| &a.owner),
-    };
-    let (records, prepared) = (batch.records(), batch.prepared());
-    // A replayed dead letter does not run again the commands that took effect when it failed.
-    let mut skip = None;
-    if let Some(id) = replaying.first() {
-        let stored = redis.dead_letter(*id).await.map_err(|e| SinkError::redis("reading the replayed dead letter", e))?;
-        skip = Some(stored.and_then(|d| d.commands_done).unwrap_or(0));
     }
-    let mut fates: Vec<Option<Fate>> = Vec::with_capacity(records.len());
-    let mut rendered: Vec<Option<Result<Vec<String>, String>>> = Vec::with_capacity(records.len());
+}
+
+/// Each prepared record's fate before the script (a tombstone, a dead letter, one whose values the commands
+/// cannot take) and the commands' values of each record to apply.
+type Rendered = (Vec<Option<Fate>>, Vec<Option<Result<Vec<String>, String>>>);
+
+fn render(side_effect: &SideEffect, prepared: &[Prepared]) -> Rendered {
+    let mut fates: Vec<Option<Fate>> = Vec::with_capacity(prepared.len());
+    let mut rendered: Vec<Option<Result<Vec<String>, String>>> = Vec::with_capacity(prepared.len());
     for p in prepared {
         let (fate, commands) = match p {
             Prepared::Tombstone => (Some(Fate::Tombstone), None),
@@ -53,6 +43,30 @@ pub(super) async fn run(
         fates.push(fate);
         rendered.push(commands);
     }
+    (fates, rendered)
+}
+
+/// The batch as one Redis script (see [`super::transaction`]): the same steps as the SQL transaction, in the same
+/// order, run by Redis atomically; what it answers is classified as the SQL path classifies.
+pub(super) async fn run(
+    sink: &Sink,
+    redis: &RedisStore,
+    side_effect: &SideEffect,
+    batch: &PreparedBatch,
+    positions: Option<&Positions>,
+    guard: impl Fn(&BatchCounts) -> Result<(), SinkError>,
+    replaying: &[i64],
+    attempt: Option<&super::Attempt>,
+) -> Result<BatchOutcome, SinkError> {
+    let (lose_answer, this) = (attempt.is_some_and(|a| a.lose_commit_answer), batch_attempt(attempt));
+    let (records, prepared) = (batch.records(), batch.prepared());
+    // A replayed dead letter does not run again the commands that took effect when it failed.
+    let mut skip = None;
+    if let Some(id) = replaying.first() {
+        let stored = redis.dead_letter(*id).await.map_err(|e| SinkError::redis("reading the replayed dead letter", e))?;
+        skip = Some(stored.and_then(|d| d.commands_done).unwrap_or(0));
+    }
+    let (fates, mut rendered) = render(side_effect, prepared);
     let mut before = BatchCounts { received: records.len() as u64, ..BatchCounts::default() };
     for f in fates.iter().flatten() {
         if let Fate::DeadLetter(reason, _) = f {

@@ -111,7 +111,7 @@ pub async fn run(options: SoakOptions) -> anyhow::Result<bool> {
 
 /// One pair: `(every check passed, its section of the report, its line in the summary)`.
 async fn run_pair(broker: BrokerKind, store: StoreKind, options: &SoakOptions, work: &Path) -> anyhow::Result<(bool, String, String)> {
-    let mut soak = pair::Soak::start(broker, store, options, work).await?;
+    let mut soak = pair::Soak::start(broker, store, options.seed, options.fault_gap, work).await?;
     let mut second = 0u64;
     while soak.elapsed() < options.duration {
         soak.second(second, options.rate).await?;

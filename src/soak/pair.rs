@@ -5,7 +5,6 @@
 
 use super::faults::{Active, Blackhole, Fault, Rng};
 use super::worker::{Counts, Sample, Worker};
-use super::SoakOptions;
 use crate::demo::{self, broker::BrokerKind, broker::Outgoing, broker::ThrowawayBroker, database::DemoDb, store::StoreKind, store::ThrowawayStore};
 use anyhow::{bail, Context as _};
 use std::path::{Path, PathBuf};
@@ -103,10 +102,11 @@ pub struct Soak {
 
 impl Soak {
     /// Starts the pair's servers, makes the database, writes the worker's workspace into `dir` (its settings,
-    /// the pipeline: the store's shipped example reading the broker) and starts the worker.
+    /// the pipeline: the store's shipped example reading the broker) and starts the worker. `seed` draws the
+    /// faults' moments and kinds, `fault_gap` is the shortest and longest time between two.
     ///
     /// Errors: a server could not start, or the workspace could not be written.
-    pub async fn start(broker: BrokerKind, store: StoreKind, options: &SoakOptions, dir: &Path) -> anyhow::Result<Soak> {
+    pub async fn start(broker: BrokerKind, store: StoreKind, seed: u64, fault_gap: (Duration, Duration), dir: &Path) -> anyhow::Result<Soak> {
         eprintln!("starting a throwaway {} (durable)...", store.name());
         let store_server = tokio::task::block_in_place(|| ThrowawayStore::start(store))?;
         let (db, url) = store_server.database("idemflow_soak").await?;
@@ -130,12 +130,12 @@ impl Soak {
             store_server.settings_toml(&url),
             broker_server.settings_toml()
         );
-        demo::write_private(&config, &settings)?;
+        demo::host::write_private(&config, &settings)?;
         let log = dir.join("worker.log");
         let worker = Some(Worker::start(&config, &log, metrics)?);
-        let mut rng = Rng(options.seed | 1);
+        let mut rng = Rng(seed | 1);
         let start = Instant::now();
-        let next_fault = start + rng.between(options.fault_gap.0, options.fault_gap.1);
+        let next_fault = start + rng.between(fault_gap.0, fault_gap.1);
         Ok(Soak {
             partitions: broker_server.partitions(),
             broker: broker_server,
@@ -154,7 +154,7 @@ impl Soak {
             rng,
             active: None,
             next_fault,
-            fault_gap: options.fault_gap,
+            fault_gap,
             start,
             last_sample: start - Duration::from_secs(10),
             last_progress: start,
@@ -334,7 +334,7 @@ impl Soak {
         let last = w.last.unwrap_or_default();
         let (stopped, counts) = w.stop(Duration::from_secs(30));
         self.total.add(&counts.unwrap_or_default());
-        let totals = self.db.totals(demo::ACCOUNTS, demo::OPENING_BALANCE_CENTS).await?;
+        let totals = self.db.totals(demo::shipped::ACCOUNTS, demo::shipped::OPENING_BALANCE_CENTS).await?;
         let ledger = self.db.ledger().await?;
         self.db.close().await;
         Ok(Outcome {
