@@ -7,64 +7,51 @@ use super::report::*;
 use super::workload::*;
 use super::harness::*;
 use super::baselines::*;
+use crate::demo::broker::{BrokerKind, ThrowawayBroker};
 
 /// A broker the bench reads through one queue or stream per run, its messages published before timing starts:
 /// RabbitMQ (`--source rabbitmq`, a quorum queue per run), NATS JetStream (`--source nats`, a stream per run,
 /// read by a durable pull consumer the worker creates) or RocketMQ (`--source rocketmq`, a topic of 4 queues per
-/// run, read by the worker's pull consumer in clustering mode).
-pub(super) enum OneStream {
-    RabbitMq(crate::demo::rabbitmq::Throwaway),
-    Nats(crate::demo::nats::Throwaway),
-    RocketMq(crate::demo::rocketmq::Throwaway),
-}
+/// run, read by the worker's pull consumer in clustering mode): the throwaway broker of the demo and the soak
+/// ([`ThrowawayBroker`]), one stream of its own per run.
+pub(super) struct OneStream(ThrowawayBroker);
 
 impl OneStream {
-    pub(super) fn start(source: BenchSource) -> anyhow::Result<OneStream> {
-        Ok(match source {
-            BenchSource::Nats => {
-                eprintln!("starting a throwaway NATS server with JetStream (Debian's nats-server)...");
-                OneStream::Nats(crate::demo::nats::Throwaway::start()?)
-            }
-            BenchSource::Rocketmq => {
-                eprintln!("starting a throwaway RocketMQ name server and broker (rocketmq-namesrv-rust, rocketmq-broker-rust)...");
-                OneStream::RocketMq(crate::demo::rocketmq::Throwaway::start()?)
-            }
-            BenchSource::Rabbitmq | BenchSource::Kafka => {
-                eprintln!("starting a throwaway RabbitMQ node (Debian's rabbitmq-server)...");
-                OneStream::RabbitMq(crate::demo::rabbitmq::Throwaway::start()?)
-            }
-        })
+    pub(super) async fn start(source: BenchSource) -> anyhow::Result<OneStream> {
+        let kind = match source {
+            BenchSource::Nats => BrokerKind::Nats,
+            BenchSource::Rocketmq => BrokerKind::Rocketmq,
+            BenchSource::Rabbitmq | BenchSource::Kafka => BrokerKind::Rabbitmq,
+        };
+        eprintln!("starting a throwaway {} broker...", kind.name());
+        Ok(OneStream(ThrowawayBroker::start(kind, 1).await?))
     }
 
     /// Its name in the runs' names and ratios, and in database names.
     pub(super) fn tag(&self) -> (&'static str, &'static str) {
-        match self {
-            OneStream::RabbitMq(_) => ("rabbitmq", "RabbitMQ"),
-            OneStream::Nats(_) => ("nats", "NATS JetStream"),
-            OneStream::RocketMq(_) => ("rocketmq", "RocketMQ"),
-        }
+        (self.0.kind().flag(), self.0.kind().name())
     }
 
     /// The broker's line of the environment table.
     pub(super) fn describe(&self) -> String {
-        match self {
-            OneStream::RabbitMq(node) => format!("RabbitMQ {} (throwaway node, quorum queues)", node.ctl(&["version"]).unwrap_or_default().trim()),
-            OneStream::Nats(server) => {
-                format!("{} (throwaway server, JetStream file storage, a durable pull consumer with explicit acks)", server.version())
-            }
-            OneStream::RocketMq(_) => "RocketMQ name server and broker, the Rust implementation from crates.io (throwaway, one broker, a topic of 4 queues per run, consume offsets kept by the broker)".to_owned(),
-        }
+        let how = match self.0.kind() {
+            BrokerKind::Rabbitmq => "throwaway node, quorum queues",
+            BrokerKind::Nats => "throwaway server, JetStream file storage, a durable pull consumer with explicit acks",
+            _ => "throwaway, one broker, a topic of 4 queues per run, consume offsets kept by the broker",
+        };
+        format!("{} ({how})", self.0.version())
     }
 
     /// Where run `n` reads, in the runs' names.
     pub(super) fn what(&self) -> &'static str {
-        match self {
-            OneStream::RabbitMq(_) => "a RabbitMQ quorum queue",
-            OneStream::Nats(_) => "a NATS JetStream stream",
-            OneStream::RocketMq(_) => "a RocketMQ topic",
+        match self.0.kind() {
+            BrokerKind::Rabbitmq => "a RabbitMQ quorum queue",
+            BrokerKind::Nats => "a NATS JetStream stream",
+            _ => "a RocketMQ topic",
         }
     }
 
+    /// Run `n`'s queue, stream or topic.
     pub(super) fn name(n: u8) -> String {
         format!("bench-{n}")
     }
@@ -72,39 +59,18 @@ impl OneStream {
     /// Creates run `n`'s queue or stream and publishes `messages` to it, each confirmed by the broker. A JetStream
     /// publish carries no Nats-Msg-Id: the stream keeps the republished copies, as the Kafka and RabbitMQ runs do.
     pub(super) async fn publish(&self, n: u8, messages: &[(String, Vec<u8>)]) -> anyhow::Result<()> {
-        match self {
-            OneStream::RabbitMq(node) => {
-                crate::demo::rabbitmq::declare_quorum_queue(&node.url(), &Self::name(n)).await?;
-                crate::demo::rabbitmq::publish(&node.url(), &Self::name(n), messages).await
-            }
-            OneStream::Nats(server) => {
-                let stream = format!("BENCH_{n}");
-                crate::demo::nats::create_stream(&server.url(), &stream, &stream).await?;
-                crate::demo::nats::publish(&server.url(), &format!("{stream}.payments"), messages, false).await.map(drop)
-            }
-            OneStream::RocketMq(node) => {
-                let bodies: Vec<Vec<u8>> = messages.iter().map(|(_, body)| body.clone()).collect();
-                crate::demo::rocketmq::publish(&node.name_server(), &Self::name(n), &bodies).await
-            }
-        }
+        self.0.create(&Self::name(n)).await?;
+        self.0.publish_to(&Self::name(n), messages).await
     }
 
     /// The `[source]` of run `n`.
     pub(super) fn source(&self, n: u8) -> String {
-        match self {
-            OneStream::RabbitMq(_) => format!("[source]\nkind = \"rabbitmq\"\nqueue = \"{}\"", Self::name(n)),
-            OneStream::Nats(_) => format!("[source]\nkind = \"nats\"\nstream = \"BENCH_{n}\""),
-            OneStream::RocketMq(_) => format!("[source]\nkind = \"rocketmq\"\ntopic = \"{}\"", Self::name(n)),
-        }
+        self.0.source_for(&Self::name(n))
     }
 
     /// The settings' broker section.
     pub(super) fn section(&self) -> String {
-        match self {
-            OneStream::RabbitMq(node) => format!("[rabbitmq]\nurl = \"{}\"\n", node.url()),
-            OneStream::Nats(server) => format!("[nats]\nurl = \"{}\"\n", server.url()),
-            OneStream::RocketMq(node) => format!("[rocketmq]\nname_server = \"{}\"\n", node.name_server()),
-        }
+        self.0.settings_toml()
     }
 }
 
@@ -112,7 +78,7 @@ impl OneStream {
 /// throwaway RabbitMQ node (NATS server), then (1) the worker (table form, default batching), (5) a consume-only
 /// pass, (7) the Redis sink and (8) the shipped example, each from its own queue (stream).
 pub(super) async fn run_one_stream(o: &BenchOptions, admin_url: &str) -> anyhow::Result<Report> {
-    let broker = OneStream::start(o.source)?;
+    let broker = OneStream::start(o.source).await?;
     let what = broker.what();
     let mut env = environment(admin_url, o.database_url.is_none(), o, 1).await?;
     env.retain(|(k, _)| k != "kafka" && k != "stream");
@@ -157,10 +123,11 @@ pub(super) async fn run_one_stream(o: &BenchOptions, admin_url: &str) -> anyhow:
             let run = WorkerRun { id: "(7)", name: &name, pipeline: from_queue(redis_pipeline()), group: "", target: total };
             worker_run_on(run, &section, &format!("[redis]\nurl = \"{}\"\n", redis.url()), o.perf, &Probe::default()).await?
         } else {
-            match &broker {
-                OneStream::RabbitMq(node) => consume_only_rabbitmq(&node.url(), &OneStream::name(n), &url, &pipeline, s.records.len()).await?,
-                OneStream::Nats(server) => consume_only_nats(&server.url(), &format!("BENCH_{n}"), &url, &pipeline, s.records.len()).await?,
-                OneStream::RocketMq(node) => consume_only_rocketmq(&node.name_server(), &url, &pipeline, s.records.len()).await?,
+            let (address, name, total) = (broker.0.address(), OneStream::name(n), s.records.len());
+            match broker.0.kind() {
+                BrokerKind::Rabbitmq => consume_only_rabbitmq(&address, &name, &url, &pipeline, total).await?,
+                BrokerKind::Nats => consume_only_nats(&address, &name, &url, &pipeline, total).await?,
+                _ => consume_only_rocketmq(&address, &url, &pipeline, total).await?,
             }
         };
         eprintln!("{} {}: {:.0} records/s ({})", r.id, r.name, r.records_per_second, r.note);

@@ -188,6 +188,74 @@ impl ThrowawayBroker {
         }
     }
 
+    /// Where its clients connect: Kafka's bootstrap servers, RabbitMQ's AMQP URL, RocketMQ's name server, the NATS
+    /// URL.
+    pub fn address(&self) -> String {
+        match &self.server {
+            Server::Kafka(kafka) => kafka.bootstrap_servers().to_owned(),
+            Server::RabbitMq(node) => node.url(),
+            Server::RocketMq(node) => node.name_server(),
+            Server::Nats(server) => server.url(),
+        }
+    }
+
+    /// What the server says of its version, for an environment table (empty if it says nothing).
+    pub fn version(&self) -> String {
+        match &self.server {
+            Server::Kafka(_) => "librdkafka's mock cluster".to_owned(),
+            Server::RabbitMq(node) => node.ctl(&["version"]).map(|v| format!("RabbitMQ {}", v.trim())).unwrap_or_default(),
+            Server::RocketMq(_) => "RocketMQ name server and broker, the Rust implementation from crates.io".to_owned(),
+            Server::Nats(server) => server.version(),
+        }
+    }
+
+    /// Makes another stream, `name`, beside the demo's: a topic of as many partitions (Kafka), a quorum queue
+    /// (RabbitMQ), a stream on subjects `<name>.>` (NATS); RocketMQ's topic is made by its first message.
+    ///
+    /// Errors: the broker refused.
+    pub async fn create(&self, name: &str) -> anyhow::Result<()> {
+        match &self.server {
+            Server::Kafka(kafka) => kafka.create_topic(name, self.partitions)?,
+            Server::RabbitMq(node) => rabbitmq::declare_quorum_queue(&node.url(), name).await?,
+            Server::RocketMq(_) => {}
+            Server::Nats(server) => nats::create_stream(&server.url(), name, name).await?,
+        }
+        Ok(())
+    }
+
+    /// Publishes `messages` (id, body) to stream `name` (made by [`ThrowawayBroker::create`]) and returns once the
+    /// broker acknowledged every one; a failure is an error, nothing is sent again (a bench's stream, published
+    /// before timing starts). NATS: on subject `<name>.payments`, without `Nats-Msg-Id` (the stream keeps every copy).
+    ///
+    /// Errors: a message was not acknowledged.
+    pub async fn publish_to(&self, name: &str, messages: &[(String, Vec<u8>)]) -> anyhow::Result<()> {
+        match &self.server {
+            Server::Kafka(kafka) => {
+                for (_, body) in messages {
+                    kafka.send(BaseRecord::<[u8], [u8]>::to(name).payload(body))?;
+                }
+                Ok(tokio::task::block_in_place(|| kafka.flush())?)
+            }
+            Server::RabbitMq(node) => rabbitmq::publish(&node.url(), name, messages).await,
+            Server::RocketMq(node) => {
+                let bodies: Vec<Vec<u8>> = messages.iter().map(|(_, body)| body.clone()).collect();
+                rocketmq::publish(&node.name_server(), name, &bodies).await
+            }
+            Server::Nats(server) => nats::publish(&server.url(), &format!("{name}.payments"), messages, false).await.map(drop),
+        }
+    }
+
+    /// The `[source]` reading stream `name` (made by [`ThrowawayBroker::create`]), as [`ThrowawayBroker::source_toml`]
+    /// reads the demo's.
+    pub fn source_for(&self, name: &str) -> String {
+        match self.kind {
+            BrokerKind::Kafka => format!("topics = [\"{name}\"]"),
+            BrokerKind::Rabbitmq => format!("[source]\nkind = \"rabbitmq\"\nqueue = \"{name}\""),
+            BrokerKind::Rocketmq => format!("[source]\nkind = \"rocketmq\"\ntopic = \"{name}\""),
+            BrokerKind::Nats => format!("[source]\nkind = \"nats\"\nstream = \"{name}\""),
+        }
+    }
+
     /// The settings' broker section (`[kafka]`, `[rabbitmq]`, `[rocketmq]`, `[nats]`), with timeouts that notice a
     /// broker gone within seconds.
     pub fn settings_toml(&self) -> String {
