@@ -74,7 +74,7 @@
 //!
 //! Outside its folder a broker is: one variant of [`source::Source`] and of [`source::spec::SourceSpec`], its line in
 //! `each_source!` (`source/mod.rs`) and in `with_brokers!` (`source/spec.rs`: its spec type, its raw keys' field,
-//! its settings section; every per-broker match there, [`source::spec::ALL`], [`source::spec::RawSource`] and
+//! its settings section; every per-broker match there, [`source::spec::ALL`], [`source::spec::SourceKeys`] and
 //! [`source::spec::parse`] are made from that list), its field of [`source::spec::Brokers`] and of the settings
 //! (and their section name), a feature in `Cargo.toml`, and its row of the guarantee matrix (`tests/it/matrix.rs`:
 //! how to publish, and the settings section). Its `[source]` keys are read and checked in its folder

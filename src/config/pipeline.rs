@@ -8,7 +8,7 @@ use crate::field::FieldPath;
 use crate::key::{KeySource, KeySpec};
 use crate::store::template::{self, Dialect, Statement};
 use serde::Deserialize;
-use crate::source::spec::RawSource;
+use crate::source::spec::SourceKeys;
 use crate::validate::Problems as _;
 use crate::batch::{BatchSettings, DEFAULT_MAX_RECORDS, DEFAULT_MAX_WAIT, MAX_CONCURRENCY};
 use crate::dead_letter::DeadLetterSettings;
@@ -159,7 +159,7 @@ struct RawPipeline {
     name: Option<String>,
     topics: Option<Vec<String>>,
     group_id: Option<String>,
-    source: Option<RawSource>,
+    source: Option<SourceKeys>,
     #[serde(default)]
     format: Format,
     max_payload_bytes: Option<usize>,

@@ -108,7 +108,7 @@ pub struct Conflict {
 }
 
 /// A broker's own `[source]` keys as written, before its rules check them: read key by key from the pipeline file's
-/// `[source]` table by the hub ([`super::spec::RawSource`]), so the document's positions stay with any error.
+/// `[source]` table by the hub ([`super::spec::SourceKeys`]), so the document's positions stay with any error.
 pub trait RawKeys: Default {
     /// Reads the value of `key` from `map` into this struct when `key` is one of its broker's keys. Returns whether
     /// it was.

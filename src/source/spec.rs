@@ -42,7 +42,7 @@ pub struct Brokers {
     pub shutdown_timeout: Duration,
 }
 
-/// The one list of brokers: each once, as `Variant(its spec type, its field of [`RawSource`], its section of
+/// The one list of brokers: each once, as `Variant(its spec type, its field of [`SourceKeys`], its section of
 /// [`Brokers`])`, in the order their names are listed in messages. Every per-broker match of this file is made from
 /// it: `with_brokers!(m! args)` calls `m! { [args] Kafka(KafkaSpec, kafka, |b| ...), ... }`.
 macro_rules! with_brokers {
@@ -105,15 +105,15 @@ macro_rules! conflict_arms {
     };
 }
 
-/// [`RawSource`]: `kind`, the keys set, and each broker's raw keys.
-macro_rules! raw_source {
+/// [`SourceKeys`]: `kind`, the keys set, and each broker's own keys ([`BrokerSpec::Raw`]).
+macro_rules! source_keys {
     ([] $($v:ident($t:ty, $f:ident, |$b:ident| $set:expr)),* $(,)?) => {
         /// `[source]` as written: its `kind`, and each broker's own keys read by that broker's raw struct
         /// ([`RawKeys`]), key by key from the document, so an error keeps its position. A key no broker takes is
         /// refused as serde refuses an unknown key (`unknown field ..., expected one of ...`, every broker's keys
         /// listed); a key of another broker than `kind`'s is refused by [`parse`], with that broker's name.
         #[derive(Debug, Default)]
-        pub struct RawSource {
+        pub struct SourceKeys {
             /// `kind`: `kafka` (the default), or another broker's kind ([`Capabilities::kind`]).
             pub kind: Option<String>,
             /// The keys it sets besides `kind`, in the order written.
@@ -121,7 +121,7 @@ macro_rules! raw_source {
             $($f: <$t as BrokerSpec>::Raw,)*
         }
 
-        impl RawSource {
+        impl SourceKeys {
             /// Reads `key` into the raw struct of the broker that takes it; whether one did.
             fn take<'de, A: serde::de::MapAccess<'de>>(&mut self, key: &str, map: &mut A) -> Result<bool, A::Error> {
                 $(if self.$f.take(key, map)? {
@@ -141,7 +141,7 @@ macro_rules! raw_source {
     };
 }
 
-with_brokers!(raw_source!);
+with_brokers!(source_keys!);
 
 /// Every broker's capabilities, in the order their names are listed in messages.
 pub const ALL: &[&Capabilities] = &with_brokers!(all_capabilities!);
@@ -227,18 +227,18 @@ impl SourceSpec {
 static KEYS: std::sync::LazyLock<Vec<&'static str>> =
     std::sync::LazyLock::new(|| std::iter::once("kind").chain(ALL.iter().flat_map(|c| c.fields.iter().copied())).collect());
 
-impl<'de> Deserialize<'de> for RawSource {
+impl<'de> Deserialize<'de> for SourceKeys {
     fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
         struct Keys;
         impl<'de> serde::de::Visitor<'de> for Keys {
-            type Value = RawSource;
+            type Value = SourceKeys;
 
             fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
                 f.write_str("a table of source settings")
             }
 
-            fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<RawSource, A::Error> {
-                let mut raw = RawSource::default();
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<SourceKeys, A::Error> {
+                let mut raw = SourceKeys::default();
                 while let Some(key) = map.next_key_seed(Known)? {
                     if key == "kind" {
                         raw.kind = Some(map.next_value()?);
@@ -278,7 +278,7 @@ impl<'de> serde::de::DeserializeSeed<'de> for Known {
 /// versions: the keys checked against the kind's ([`Capabilities::fields`]), then the broker's own rules. Every
 /// problem goes to `e`; `None` when the spec cannot be built.
 pub fn parse(
-    s: Option<&RawSource>,
+    s: Option<&SourceKeys>,
     legacy_topics: Option<&Vec<String>>,
     legacy_group: Option<&String>,
     name: &str,
@@ -301,7 +301,7 @@ pub fn parse(
         }
     }
     let cx = ParseContext { name, max_records, legacy_topics, legacy_group };
-    let none = RawSource::default();
+    let none = SourceKeys::default();
     match s.unwrap_or(&none).parse_kind(kind, &cx, e) {
         Some(spec) => spec,
         None => {
@@ -338,7 +338,7 @@ mod tests {
 
     #[derive(Debug, Deserialize)]
     struct File {
-        source: RawSource,
+        source: SourceKeys,
     }
 
     /// Every key a broker's capabilities list is read by its raw struct (a key listed but not read would be
