@@ -620,3 +620,61 @@ async fn a_lost_script_answer_counts_the_batch_once() {
     assert_eq!(absorbed, s.republished + s.mismatched, "no key's duplicate count raised by the retry");
     assert!(w.log_text().contains("fault injection"), "the fault was injected: {}", w.log_text());
 }
+
+/// The stored answer of a batch is for that batch only: a retry of it (an earlier attempt failed) gets it back, and
+/// nothing runs again; the same batch after it lost a partition's records (revoked during the back-off) has other
+/// sizes, runs as it is now, and finds its remaining keys claimed (without the size check its answer would not
+/// line up, and the pipeline would stop).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stored_answer_is_for_the_same_batch_only() {
+    use idemflow::offsets::Positions;
+    use idemflow::record::{Position, Receipt, Record};
+    use idemflow::store::redis::batch::{BatchAttempt, Item, ItemResult};
+    let server = RedisServer::start();
+    let store = idemflow::store::redis::RedisStore::new(&idemflow::demo::database::DemoDb::redis_settings(&server.url)).unwrap();
+    let parts = vec![("t".to_owned(), 0), ("t".to_owned(), 1)];
+    let claimed = store.claim_offsets("p", "me", &parts).await.unwrap();
+    let epoch = |p: i32| claimed.iter().find(|c| c.partition == p).unwrap().epoch;
+    let record = |partition: i32| Record {
+        position: Position { topic: "t".into(), partition, offset: 0 },
+        timestamp_ms: None,
+        key: None,
+        headers: Vec::new(),
+        payload: Some(format!("{{\"p\":{partition}}}").into_bytes()),
+        oversized: None,
+        properties: Vec::new(),
+        delivered_before: None,
+        receipt: Receipt::NONE,
+    };
+    let records = [record(0), record(1)];
+    let items: Vec<Item<'_>> = records
+        .iter()
+        .map(|r| Item::Apply {
+            record: r,
+            digest: [r.position.partition as u8; 32],
+            fingerprint: [7; 32],
+            values: vec![format!("applied:{}", r.position.partition)],
+            replay_skip: None,
+        })
+        .collect();
+    let both = Positions(vec![("t".into(), 0, 1, epoch(0)), ("t".into(), 1, 1, epoch(1))]);
+    let template = vec![vec![Some("INCR".to_owned()), None]];
+    let retention = Duration::from_secs(3600);
+    let first = BatchAttempt { token: Some(42), again: false, lane: "host/1" };
+    let ran = store.run_batch(&first, "p", retention, Some(&both), &[], &template, &items).await.unwrap();
+    assert!(!ran.again);
+    assert!(ran.results.iter().all(|r| matches!(r, ItemResult::Applied)), "{:?}", ran.results);
+    // Its answer lost: the retry gets it back, and nothing runs again.
+    let retry = BatchAttempt { token: Some(42), again: true, lane: "host/1" };
+    let ran = store.run_batch(&retry, "p", retention, Some(&both), &[], &template, &items).await.unwrap();
+    assert!(ran.again, "the stored answer");
+    assert!(ran.results.iter().all(|r| matches!(r, ItemResult::Applied)), "{:?}", ran.results);
+    let mut c = server.conn();
+    assert_eq!((c.get::<_, i64>("applied:0").unwrap(), c.get::<_, i64>("applied:1").unwrap()), (1, 1), "each command ran once");
+    // Partition 1 revoked meanwhile: the smaller batch runs as it is, its record's key found claimed.
+    let one = Positions(vec![("t".into(), 0, 1, epoch(0))]);
+    let ran = store.run_batch(&retry, "p", retention, Some(&one), &[], &template, &items[..1]).await.unwrap();
+    assert!(!ran.again, "not the answer of a batch of another size");
+    assert!(matches!(ran.results[0], ItemResult::Duplicate(_)), "{:?}", ran.results);
+    assert_eq!(c.get::<_, i64>("applied:0").unwrap(), 1, "nothing applied twice");
+}

@@ -28,13 +28,25 @@ local i = 9
 
 -- 0. An earlier attempt of this very batch ran though its answer was lost (a reply cut off, the client's response
 --    timeout): its answer, stored by that run, is answered again as it was, and nothing is written again. The
---    batch is counted once, as that run classified it.
+--    batch is counted once, as that run classified it. Only for the same batch (as many partitions and records):
+--    one that lost records since (a partition revoked or fenced during the back-off) runs as it is now, its
+--    records' keys found claimed.
 if again and token ~= '' then
   local stored = redis.call('GET', answer_key)
-  if stored then
-    local sep = string.find(stored, ':', 1, true)
-    if sep and string.sub(stored, 1, sep - 1) == token then
-      local a = cjson.decode(string.sub(stored, sep + 1))
+  local sep = stored and string.find(stored, ':', 1, true)
+  if sep and string.sub(stored, 1, sep - 1) == token then
+    -- This batch's partitions and records, counted from its arguments (see batch.rs for their layout).
+    local j = i
+    local parts_n = tonumber(ARGV[j])
+    j = j + 1 + 4 * parts_n
+    j = j + 1 + tonumber(ARGV[j])
+    local commands_n = tonumber(ARGV[j])
+    j = j + 1
+    for _ = 1, commands_n do
+      j = j + 1 + tonumber(ARGV[j])
+    end
+    local a = cjson.decode(string.sub(stored, sep + 1))
+    if #a[1] == parts_n and #a[2] == tonumber(ARGV[j]) then
       return {'ok', a[1], a[2], 'again'}
     end
   end
