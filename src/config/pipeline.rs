@@ -15,7 +15,7 @@ use crate::dead_letter::DeadLetterSettings;
 use crate::offsets::OffsetStore;
 use crate::source::spec::SourceSpec;
 use crate::store::redis_command::RedisCommand;
-use crate::store::spec::{Binding, DeclaredType, Meta, NaiveTimestamps, OnConflict, SinkSpec, StoreKind, TimeSettings, ValueSource};
+use crate::store::spec::{Binding, DeclaredType, Meta, NaiveTimestamps, OnConflict, RedisEffect, SinkSpec, SqlEffect, StoreKind, TimeSettings, ValueSource};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -458,11 +458,7 @@ fn validate(raw: RawPipeline, path: &Path, stem: &str, dialect: Dialect, e: &mut
 /// Refuses bound values the pipeline's source cannot give: message properties from Kafka; a record key, a partition
 /// or an offset from a queue (a delivery tag is no position).
 fn check_bindings_for_source(source: &SourceSpec, sink: &SinkSpec, e: &mut Errors<'_>) {
-    let (table, bindings) = match sink {
-        SinkSpec::Table { columns, .. } => ("sink.columns", columns),
-        SinkSpec::Sql { params, .. } | SinkSpec::Redis { params, .. } => ("sink.params", params),
-        SinkSpec::BatchSql { columns, .. } => ("sink.params", columns),
-    };
+    let (table, bindings) = sink.bindings();
     for b in bindings {
         let caps = source.capabilities();
         let can = match &b.source {
@@ -633,7 +629,7 @@ fn validate_sink(raw: RawSink, dialect: Dialect, e: &mut Errors<'_>) -> Option<S
         let raw_params = raw.params.unwrap_or_default();
         match_params(parsed.iter().flat_map(RedisCommand::params).collect(), &raw_params, "sink.redis", |n| format!("{{{n}}}"), e);
         let params = bindings(raw_params, "sink.params", false, e)?;
-        return Some(SinkSpec::Redis { commands: parsed, params });
+        return Some(SinkSpec::Redis(RedisEffect { commands: parsed, params }));
     }
     if let Some(table) = raw.table {
         if raw.params.is_some() {
@@ -651,7 +647,7 @@ fn validate_sink(raw: RawSink, dialect: Dialect, e: &mut Errors<'_>) -> Option<S
             e.push("sink.columns", "map at least one column to a value");
         }
         let columns = bindings(columns, "sink.columns", false, e);
-        return Some(SinkSpec::Table { table, columns: columns?, on_conflict, conflict_columns: raw.conflict_columns });
+        return Some(SinkSpec::Sql(SqlEffect::Table { table, columns: columns?, on_conflict, conflict_columns: raw.conflict_columns }));
     }
     for (set, field) in [
         (raw.columns.is_some(), "sink.columns"),
@@ -672,7 +668,7 @@ fn validate_sink(raw: RawSink, dialect: Dialect, e: &mut Errors<'_>) -> Option<S
     let raw_params = raw.params.unwrap_or_default();
     match_params(statements.iter().flat_map(|s| s.params.iter().map(String::as_str)).collect(), &raw_params, "sink.sql", |n| format!(":{n}"), e);
     let params = bindings(raw_params, "sink.params", false, e)?;
-    Some(SinkSpec::Sql { statements, params, allow_procedures: raw.allow_procedures.unwrap_or(false) })
+    Some(SinkSpec::Sql(SqlEffect::PerRecord { statements, params, allow_procedures: raw.allow_procedures.unwrap_or(false) }))
 }
 
 /// Checks that every placeholder `used` in `form` (`sink.sql`, `sink.redis`; written as `written(name)`) has its
@@ -745,7 +741,7 @@ fn validate_batch_sql(
         e.push("sink.params", "name at least one column of new_records and where its value comes from");
     }
     let columns = bindings(raw_params, "sink.params", true, e)?;
-    Some(SinkSpec::BatchSql { statements, columns })
+    Some(SinkSpec::Sql(SqlEffect::BatchSql { statements, columns }))
 }
 
 /// The bindings of one table of the file; `free_types`: `type` names a PostgreSQL type (a `batch_sql` column),
@@ -1042,7 +1038,7 @@ msg = { header = "message-id" }
         let SourceSpec::Kafka(kafka) = &p.source else { panic!("a Kafka source") };
         assert_eq!(kafka.group_id, "idemflow-payments");
         assert_eq!(p.batch, BatchSettings { max_records: DEFAULT_MAX_RECORDS, max_wait: Duration::from_millis(20), concurrency: 1 });
-        let SinkSpec::Table { columns, on_conflict, .. } = &p.sink else { panic!("table form") };
+        let SinkSpec::Sql(SqlEffect::Table { columns, on_conflict, .. }) = &p.sink else { panic!("table form") };
         assert_eq!(*on_conflict, OnConflict::Nothing);
         let by_name = |n: &str| columns.iter().find(|b| b.name == n).unwrap().clone();
         assert_eq!(by_name("currency").default.as_deref(), Some("USD"));
@@ -1057,7 +1053,7 @@ msg = { header = "message-id" }
         let base = "topics = [\"t\"]\n[key]\nfield = \"/id\"\n[sink]\nbatch_sql = [\"INSERT INTO t SELECT id, amount FROM new_records\"]\n\
                     [sink.params]\nid = \"/id\"\namount = { field = \"/amount\", type = \"numeric(12, 2)\" }\n";
         let p = load(base).unwrap();
-        let SinkSpec::BatchSql { statements, columns } = &p.sink else { panic!("{:?}", p.sink) };
+        let SinkSpec::Sql(SqlEffect::BatchSql { statements, columns }) = &p.sink else { panic!("{:?}", p.sink) };
         assert_eq!(statements.len(), 1);
         assert_eq!(statements[0].origin, "sink.batch_sql");
         assert_eq!(columns.iter().map(|c| (c.name.as_str(), c.type_name.as_deref())).collect::<Vec<_>>(), [("amount", Some("numeric(12, 2)")), ("id", None)]);

@@ -110,23 +110,27 @@ impl Store {
         time: &TimeSettings,
     ) -> Result<(SideEffect, Vec<(Binding, Render)>), PrepareError> {
         let unavailable = |e: sqlx::Error| PrepareError { field: "database".into(), message: format!("cannot connect: {e}"), unavailable: true };
-        match self {
-            Store::Postgres(pool) => {
+        let refuse = |field: &str, message: &str| Err(PrepareError { field: field.into(), message: message.into(), unavailable: false });
+        match (self, spec) {
+            (Store::Postgres(pool), SinkSpec::Sql(effect)) => {
                 let mut conn = pool.acquire().await.map_err(unavailable)?;
-                let (s, b) = postgres::side_effect::SideEffect::prepare(&mut conn, spec, time).await?;
+                let (s, b) = postgres::side_effect::SideEffect::prepare(&mut conn, effect, time).await?;
                 Ok((SideEffect::Sql(SqlSideEffect::Postgres(pool.clone(), s)), b))
             }
             #[cfg(feature = "mysql")]
-            Store::MySql(store) => {
+            (Store::MySql(store), SinkSpec::Sql(effect)) => {
                 let mut conn = store.pool.acquire().await.map_err(unavailable)?;
-                let (s, b) = mysql::side_effect::SideEffect::prepare(&mut conn, spec, time).await?;
+                let (s, b) = mysql::side_effect::SideEffect::prepare(&mut conn, effect, time).await?;
                 Ok((SideEffect::Sql(SqlSideEffect::MySql(store.clone(), s)), b))
             }
             #[cfg(feature = "redis")]
-            Store::Redis(r) => {
-                let (s, b) = redis::side_effect::SideEffect::prepare(r, spec).await?;
+            (Store::Redis(r), SinkSpec::Redis(effect)) => {
+                let (s, b) = redis::side_effect::SideEffect::prepare(r, effect).await?;
                 Ok((SideEffect::Script(r.clone(), s), b))
             }
+            #[cfg(feature = "redis")]
+            (Store::Redis(_), SinkSpec::Sql(_)) => refuse("sink", "a SQL side effect needs [database], not [redis]"),
+            (_, SinkSpec::Redis(_)) => refuse("sink.redis", "a Redis side effect runs in [redis], not in the database"),
         }
     }
 

@@ -130,9 +130,19 @@ fn default_redis_response_timeout() -> Duration {
     Duration::from_secs(30)
 }
 
-/// The side effect of a pipeline.
+/// The side effect of a pipeline, in the form of the store it runs in: each store is handed its own form only
+/// ([`crate::store::Store::prepare_side_effect`] refuses the other).
 #[derive(Clone, Debug)]
 pub enum SinkSpec {
+    /// Statements run in the batch's transaction in the database of `[database]` (PostgreSQL, MySQL/MariaDB).
+    Sql(SqlEffect),
+    /// Redis commands run by the batch's script in Redis (`[redis]`).
+    Redis(RedisEffect),
+}
+
+/// A side effect in SQL, run in the batch's transaction: the table, `sql` and `batch_sql` forms of `[sink]`.
+#[derive(Clone, Debug)]
+pub enum SqlEffect {
     /// A generated set-based `INSERT` of all new records of a batch in one statement.
     Table {
         /// The target table as written (`payments` or `schema.payments`).
@@ -145,7 +155,7 @@ pub enum SinkSpec {
         conflict_columns: Option<Vec<String>>,
     },
     /// Statements with named parameters, run for each new record, in order, inside the batch transaction.
-    Sql {
+    PerRecord {
         /// The statements, parameters already located.
         statements: Vec<Statement>,
         /// The value of each named parameter.
@@ -163,13 +173,15 @@ pub enum SinkSpec {
         /// The columns of `new_records`, in order, each with its PostgreSQL type in [`Binding::type_name`].
         columns: Vec<Binding>,
     },
-    /// Redis commands run for each new record, in order, by the batch's script in Redis (`[sink] redis`).
-    Redis {
-        /// The commands, placeholders located.
-        commands: Vec<RedisCommand>,
-        /// The value of each placeholder.
-        params: Vec<Binding>,
-    },
+}
+
+/// Redis commands run for each new record, in order, by the batch's script in Redis (`[sink] redis`).
+#[derive(Clone, Debug)]
+pub struct RedisEffect {
+    /// The commands, placeholders located.
+    pub commands: Vec<RedisCommand>,
+    /// The value of each placeholder.
+    pub params: Vec<Binding>,
 }
 
 use super::redis_command::RedisCommand;
@@ -187,8 +199,18 @@ impl SinkSpec {
     /// The store this side effect runs in.
     pub fn store(&self) -> StoreKind {
         match self {
-            SinkSpec::Table { .. } | SinkSpec::Sql { .. } | SinkSpec::BatchSql { .. } => StoreKind::Database,
-            SinkSpec::Redis { .. } => StoreKind::Redis,
+            SinkSpec::Sql(_) => StoreKind::Database,
+            SinkSpec::Redis(_) => StoreKind::Redis,
+        }
+    }
+
+    /// The values the side effect binds, with the `[sink]` table that declares them (`sink.columns` or
+    /// `sink.params`).
+    pub fn bindings(&self) -> (&'static str, &[Binding]) {
+        match self {
+            SinkSpec::Sql(SqlEffect::Table { columns, .. }) => ("sink.columns", columns),
+            SinkSpec::Sql(SqlEffect::PerRecord { params, .. }) | SinkSpec::Redis(RedisEffect { params, .. }) => ("sink.params", params),
+            SinkSpec::Sql(SqlEffect::BatchSql { columns, .. }) => ("sink.params", columns),
         }
     }
 }

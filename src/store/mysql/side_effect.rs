@@ -26,7 +26,7 @@
 //! rebuilds it. A dropped table is error 1146, fatal.
 
 use super::marks;
-use crate::store::spec::{Binding, DeclaredType, MetaSample, OnConflict, SinkSpec, TimeSettings, ValueSource};
+use crate::store::spec::{Binding, DeclaredType, MetaSample, OnConflict, SqlEffect, TimeSettings, ValueSource};
 use crate::field::Render;
 use crate::store::rows::Apply;
 use crate::store::template::{Part, Statement};
@@ -176,7 +176,7 @@ impl SideEffect {
     /// database could not be asked.
     pub async fn prepare(
         conn: &mut MySqlConnection,
-        spec: &SinkSpec,
+        spec: &SqlEffect,
         time: &TimeSettings,
     ) -> Result<(SideEffect, Vec<(Binding, Render)>), PrepareError> {
         if jiff::tz::TimeZone::get(&time.zone).is_err() {
@@ -184,15 +184,14 @@ impl SideEffect {
         }
         let packet = super::max_allowed_packet(conn).await.map_err(|e| db_error("database", e, ""))?;
         let prepared = match spec {
-            SinkSpec::Table { table, columns, on_conflict, conflict_columns } => {
+            SqlEffect::Table { table, columns, on_conflict, conflict_columns } => {
                 prepare_table(conn, table, columns, *on_conflict, conflict_columns.as_deref()).await
             }
-            SinkSpec::Sql { statements, params, allow_procedures } => prepare_sql(conn, statements, params, *allow_procedures).await,
-            SinkSpec::BatchSql { .. } => Err(prepare_error(
+            SqlEffect::PerRecord { statements, params, allow_procedures } => prepare_sql(conn, statements, params, *allow_procedures).await,
+            SqlEffect::BatchSql { .. } => Err(prepare_error(
                 "sink.batch_sql",
                 "runs on PostgreSQL only: on MySQL/MariaDB write per-record statements in sink.sql".to_owned(),
             )),
-            SinkSpec::Redis { .. } => Err(prepare_error("sink.redis", "a Redis side effect runs in [redis], not in the database".to_owned())),
         };
         prepared.map(|(side_effect, bindings)| (SideEffect { packet, ..side_effect }, bindings))
     }

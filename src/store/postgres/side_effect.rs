@@ -42,7 +42,7 @@ use super::types::{target_types, TargetType, NUMERIC, TIME, TIMESTAMP, TIMESTAMP
 use crate::store::template::Statement;
 use crate::store::contract::PrepareError;
 use crate::store::spec::{
-    Binding, MetaSample, OnConflict, SinkSpec, TimeSettings, ValueSource, IDLE_IN_TRANSACTION_TIMEOUT, TCP_KEEPALIVE_COUNT, TCP_KEEPALIVE_IDLE_SECS,
+    Binding, MetaSample, OnConflict, SqlEffect, TimeSettings, ValueSource, IDLE_IN_TRANSACTION_TIMEOUT, TCP_KEEPALIVE_COUNT, TCP_KEEPALIVE_IDLE_SECS,
     TCP_KEEPALIVE_INTERVAL_SECS,
 };
 use crate::field::Render;
@@ -288,21 +288,18 @@ impl SideEffect {
     /// not be asked.
     pub async fn prepare(
         conn: &mut PgConnection,
-        spec: &SinkSpec,
+        spec: &SqlEffect,
         time: &TimeSettings,
     ) -> Result<(SideEffect, Vec<(Binding, Render)>), PrepareError> {
         let mut tx = conn.begin().await.map_err(|e| db_error("database", e, ""))?;
         let zone = format!("SET LOCAL TIME ZONE {}", quote_literal(&time.zone));
         (&mut *tx).execute(sqlx::raw_sql(&zone)).await.map_err(|e| db_error("sink.time_zone", e, ""))?;
         let prepared = match spec {
-            SinkSpec::Table { table, columns, on_conflict, conflict_columns } => {
+            SqlEffect::Table { table, columns, on_conflict, conflict_columns } => {
                 prepare_table(&mut tx, table, columns, *on_conflict, conflict_columns.as_deref()).await
             }
-            SinkSpec::Sql { statements, params, .. } => prepare_sql(&mut tx, statements, params).await,
-            SinkSpec::BatchSql { statements, columns } => prepare_batch(&mut tx, statements, columns).await,
-            SinkSpec::Redis { .. } => {
-                return Err(PrepareError { field: "sink.redis".into(), message: "a Redis side effect runs in [redis], not in the database".into(), unavailable: false })
-            }
+            SqlEffect::PerRecord { statements, params, .. } => prepare_sql(&mut tx, statements, params).await,
+            SqlEffect::BatchSql { statements, columns } => prepare_batch(&mut tx, statements, columns).await,
         };
         let (form, schema_probe, bindings) = prepared?;
         let probe_sql = schema_probe.sql();

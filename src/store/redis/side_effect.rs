@@ -3,7 +3,7 @@
 use crate::store::redis_command::{Piece, RedisCommand};
 use super::numbers::{self, Number};
 use super::RedisStore;
-use crate::store::spec::{Binding, DeclaredType, SinkSpec};
+use crate::store::spec::{Binding, DeclaredType, RedisEffect};
 use crate::field::Render;
 use crate::store::rows::Apply;
 use crate::store::contract::PrepareError;
@@ -41,10 +41,8 @@ impl SideEffect {
     /// declared `type`).
     ///
     /// Errors: a [`PrepareError`] naming `sink.redis[i]`, or `unavailable` when Redis could not be asked.
-    pub async fn prepare(store: &RedisStore, spec: &SinkSpec) -> Result<(SideEffect, Vec<(Binding, Render)>), PrepareError> {
-        let SinkSpec::Redis { commands, params } = spec else {
-            return Err(PrepareError { field: "sink".into(), message: "a SQL side effect needs [database], not [redis]".into(), unavailable: false });
-        };
+    pub async fn prepare(store: &RedisStore, spec: &RedisEffect) -> Result<(SideEffect, Vec<(Binding, Render)>), PrepareError> {
+        let RedisEffect { commands, params } = spec;
         let mut conn = store.conn().await.map_err(|e| PrepareError { field: "redis".into(), message: format!("cannot connect: {e}"), unavailable: true })?;
         let mut compiled = Vec::new();
         for c in commands {
