@@ -927,6 +927,10 @@ mod tests {
         let e = load(&format!("[source]\ntopics = [\"t\"]\n{rest}")).unwrap_err();
         assert!(e[0].to_string().contains("key: a Kafka record has no message properties"), "{e:?}");
         assert_eq!(kafka.source, SourceSpec::Kafka(KafkaSpec { topics: vec!["t".into()], group_id: "g".into() }));
+        for both in ["group_id = \"g\"\n[source]\ntopics = [\"t\"]\n", "topics = [\"t\"]\n[source]\nkind = \"rabbitmq\"\nqueue = \"q\"\n"] {
+            let e = load(&format!("{both}{kafka_rest}")).unwrap_err();
+            assert!(e[0].to_string().contains("topics: set the source in [source] or with the top-level topics and group_id, not both"), "{e:?}");
+        }
         let rabbit = load(&format!("[source]\nkind = \"rabbitmq\"\nqueue = \"q\"\n{rest}")).unwrap();
         assert_eq!(
             rabbit.source,

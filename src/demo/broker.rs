@@ -181,10 +181,9 @@ impl ThrowawayBroker {
     /// positions stored with each batch, as the shipped RocketMQ example.
     pub fn source_toml(&self) -> String {
         match self.kind {
-            BrokerKind::Kafka => format!("topics = [\"{TOPIC}\"]"),
-            BrokerKind::Rabbitmq => format!("[source]\nkind = \"rabbitmq\"\nqueue = \"{TOPIC}\""),
-            BrokerKind::Rocketmq => format!("[source]\nkind = \"rocketmq\"\ntopic = \"{TOPIC}\"\n[offsets]\nstore = \"database\""),
-            BrokerKind::Nats => format!("[source]\nkind = \"nats\"\nstream = \"{NATS_STREAM}\""),
+            BrokerKind::Rocketmq => format!("{}\n[offsets]\nstore = \"database\"", self.source_for(TOPIC)),
+            BrokerKind::Nats => self.source_for(NATS_STREAM),
+            BrokerKind::Kafka | BrokerKind::Rabbitmq => self.source_for(TOPIC),
         }
     }
 

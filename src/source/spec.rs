@@ -274,6 +274,9 @@ impl<'de> serde::de::DeserializeSeed<'de> for Known {
     }
 }
 
+/// The kind of a pipeline without `[source] kind`, the only one before there were others.
+const DEFAULT_KIND: &str = "kafka";
+
 /// A pipeline's source from its `[source]` (`s`, or none) and the top-level `topics` and `group_id` of earlier
 /// versions: the keys checked against the kind's ([`Capabilities::fields`]), then the broker's own rules. Every
 /// problem goes to `e`; `None` when the spec cannot be built.
@@ -285,10 +288,9 @@ pub fn parse(
     max_records: usize,
     e: &mut impl Problems,
 ) -> Option<SourceSpec> {
-    let kind = s.and_then(|s| s.kind.as_deref()).unwrap_or("kafka");
-    let top_level = legacy_topics.is_some() || legacy_group.is_some();
-    // The top-level keys of earlier versions are a Kafka source's `topics` and `group_id`.
-    if top_level && s.is_some_and(|s| s.keys.iter().any(|k| k == "topics" || k == "group_id") || kind != "kafka") {
+    let kind = s.and_then(|s| s.kind.as_deref()).unwrap_or(DEFAULT_KIND);
+    // The top-level keys of earlier versions belong to the default kind, which reads them ([`ParseContext`]).
+    if (legacy_topics.is_some() || legacy_group.is_some()) && kind != DEFAULT_KIND {
         e.push("topics", "set the source in [source] or with the top-level topics and group_id, not both");
         return None;
     }

@@ -145,6 +145,10 @@ impl RawKeys for KafkaRaw {
 /// `e`; `None` when the spec cannot be built.
 fn parse(s: &KafkaRaw, cx: &ParseContext<'_>, e: &mut impl Problems) -> Option<KafkaSpec> {
     let (legacy_topics, legacy_group, name) = (cx.legacy_topics, cx.legacy_group, cx.name);
+    if (legacy_topics.is_some() || legacy_group.is_some()) && (s.topics.is_some() || s.group_id.is_some()) {
+        e.push("topics", "set the source in [source] or with the top-level topics and group_id, not both");
+        return None;
+    }
     let (topics, field) = match s.topics.clone() {
         Some(t) => (t, "source.topics"),
         None => (legacy_topics.cloned().unwrap_or_default(), "topics"),
