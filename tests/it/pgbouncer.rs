@@ -125,6 +125,43 @@ async fn the_per_record_sql_form_behind_pgbouncer_in_transaction_mode() {
     behind_pgbouncer(&per_record).await;
 }
 
+/// What a worker reads outside a batch (the start-up schema check, the cleanup of attempt rows) shares PgBouncer's one
+/// server connection with other clients: each read runs in a transaction, so a statement parsed for one client is
+/// never bound by another's. Outside one, the extended protocol's two round trips (parse and describe, then bind and
+/// execute) may each land on the server connection when another client's unnamed statement is there: "bind message
+/// supplies 1 parameters, but prepared statement requires 0" or "invalid message format" (SQLSTATE 08P01), and a
+/// worker starting beside another exited on it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reads_outside_a_batch_behind_pgbouncer_stay_on_one_server_connection() {
+    let bouncer = PgBouncer::start();
+    let db = payments_db(None).await;
+    // As a worker's pool is behind PgBouncer: no statement prepared by name.
+    let settings = idemflow::store::spec::DatabaseSettings {
+        url: bouncer.url(&db).into(),
+        max_connections: 1,
+        acquire_timeout: Duration::from_secs(10),
+        prepared_statements: false,
+        batch_timeout: idemflow::store::spec::DEFAULT_BATCH_TIMEOUT,
+    };
+    let mut clients = tokio::task::JoinSet::new();
+    for client in 0..16 {
+        let pool = idemflow::store::postgres::pool(&settings).unwrap();
+        clients.spawn(async move {
+            for round in 0..200 {
+                let checked = idemflow::store::postgres::check_schema(&pool).await;
+                let cleaned = idemflow::store::postgres::offsets::forget_attempts(&pool, "payments", Duration::from_secs(3600)).await;
+                if let Err(e) = checked.as_ref().map(drop).map_err(ToString::to_string).and(cleaned.map(drop).map_err(|e| e.to_string())) {
+                    return Err(format!("client {client}, round {round}: {e}"));
+                }
+            }
+            Ok(())
+        });
+    }
+    while let Some(done) = clients.join_next().await {
+        done.unwrap().unwrap();
+    }
+}
+
 async fn behind_pgbouncer(pipeline: &str) {
     let mut bouncer = PgBouncer::start();
     let db = payments_db(None).await;

@@ -101,7 +101,10 @@ pub async fn pgbouncer(settings: &DatabaseSettings) -> Option<String> {
             let _ = conn.close().await;
             version.contains("PgBouncer").then_some(version)
         }
-        Ok(Err(sqlx::Error::Database(e))) if e.message() == "not allowed" || e.message().starts_with("unsupported startup parameter") => {
+        // PgBouncer refuses a role not in `admin_users`/`stats_users` ("not allowed"), or a startup parameter it does
+        // not pass on, with SQLSTATE 08P01 (protocol_violation), which PostgreSQL itself does not answer to a valid
+        // startup message; PostgreSQL without a database of that name answers 3D000.
+        Ok(Err(sqlx::Error::Database(e))) if e.code().as_deref() == Some("08P01") => {
             Some(format!("PgBouncer (its admin database answered: {})", e.message()))
         }
         _ => None,
@@ -173,7 +176,9 @@ pub async fn migrate(pool: &PgPool) -> Result<(), sqlx::migrate::MigrateError> {
 pub async fn check_schema(pool: &PgPool) -> Result<(), String> {
     let latest = MIGRATOR.iter().map(|m| m.version).max().unwrap_or_default();
     let missing = || "the idemflow schema is missing: run `idemflow migrate --config ...` first".to_owned();
-    let mut conn = pool.acquire().await.map_err(|e| format!("cannot read the schema version: {e}"))?;
+    // In a transaction, as every access is: behind a transaction-pooling proxy (PgBouncer before 1.21) a statement
+    // of the extended protocol outside one may be parsed on one server connection and bound on another.
+    let mut conn = pool.begin().await.map_err(|e| format!("cannot read the schema version: {e}"))?;
     let Some(home) = migrations_schema(&mut conn).await.map_err(|e| format!("cannot read the schema version: {e}"))? else {
         return Err(missing());
     };
@@ -187,7 +192,7 @@ pub async fn check_schema(pool: &PgPool) -> Result<(), String> {
         sqlx::Error::Database(db) if db.code().as_deref() == Some("42P01") => missing(),
         _ => format!("cannot read the schema version: {e}"),
     })?;
-    drop(conn);
+    let _ = conn.rollback().await;
     match applied {
         Some(v) if v >= latest => check_dedup_key(pool).await,
         Some(v) => Err(format!("the idemflow schema is at version {v}, this binary needs {latest}: run `idemflow migrate`")),

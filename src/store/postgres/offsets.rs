@@ -288,6 +288,8 @@ pub async fn mark_attempt(conn: &mut PgConnection, pipeline: &str, owner: &str, 
 pub async fn end_session(pool: &PgPool, pid: i32, started: i64) -> sqlx::Result<bool> {
     use sqlx::Connection as _;
     let mut conn = sqlx::PgConnection::connect_with(&pool.connect_options()).await?;
+    // In a transaction, as every access is (a transaction-pooling proxy).
+    let mut tx = conn.begin().await?;
     let ended: Option<bool> = sqlx::query_scalar(
         "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
          WHERE pid = $1 AND (extract(epoch FROM xact_start) * 1000000)::int8 = $2 \
@@ -296,8 +298,9 @@ pub async fn end_session(pool: &PgPool, pid: i32, started: i64) -> sqlx::Result<
     .bind(pid)
     .bind(started)
     .persistent(false)
-    .fetch_optional(&mut conn)
+    .fetch_optional(&mut *tx)
     .await?;
+    tx.commit().await?;
     let _ = conn.close().await;
     Ok(ended.unwrap_or(false))
 }
@@ -307,11 +310,14 @@ pub async fn end_session(pool: &PgPool, pid: i32, started: i64) -> sqlx::Result<
 ///
 /// Errors: the database's.
 pub async fn forget_attempts(pool: &PgPool, pipeline: &str, idle: std::time::Duration) -> sqlx::Result<u64> {
+    // In a transaction, as every access is (a transaction-pooling proxy).
+    let mut tx = pool.begin().await?;
     let done = sqlx::query("DELETE FROM idemflow.attempts WHERE pipeline = $1 AND updated_at < now() - make_interval(secs => $2)")
         .bind(pipeline)
         .bind(idle.as_secs_f64())
         .persistent(super::persistent())
-        .execute(pool)
+        .execute(&mut *tx)
         .await?;
+    tx.commit().await?;
     Ok(done.rows_affected())
 }
