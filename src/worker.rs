@@ -37,18 +37,38 @@ pub struct Ready {
     pub notes: Vec<String>,
 }
 
+/// Why pipelines could not be prepared: every problem found, and whether the store could not be asked for one of
+/// them (worth waiting for: [`crate::store::PrepareError::unavailable`]).
+#[derive(Debug)]
+pub struct Unprepared {
+    /// Every problem, each naming its file, pipeline and field.
+    pub problems: Vec<PipelineError>,
+    /// The store could not be asked (a connection, the pool) for at least one pipeline.
+    pub unavailable: bool,
+}
+
+impl std::fmt::Display for Unprepared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let lines: Vec<String> = self.problems.iter().map(ToString::to_string).collect();
+        f.write_str(&lines.join("\n"))
+    }
+}
+
 /// Checks every pipeline's side effect against the database (tables, columns, statements and their parameter
-/// types) and builds what runs it. Returns all problems at once, of every pipeline.
-pub async fn prepare(store: &Store, pipelines: &[Pipeline]) -> Result<Vec<Ready>, Vec<PipelineError>> {
+/// types) and builds what runs it. Returns all problems at once, of every pipeline, one per line.
+pub async fn prepare(store: &Store, pipelines: &[Pipeline]) -> Result<Vec<Ready>, Unprepared> {
     let mut ready = Vec::new();
-    let mut errors = Vec::new();
+    let mut errors = Unprepared { problems: Vec::new(), unavailable: false };
     for p in pipelines {
         match Ready::prepare(store, p).await {
             Ok(r) => ready.push(r),
-            Err(e) => errors.extend(e.split()),
+            Err(e) => {
+                errors.unavailable |= e.unavailable;
+                errors.problems.extend(e.problems.into_iter().flat_map(PipelineError::split));
+            }
         }
     }
-    if errors.is_empty() {
+    if errors.problems.is_empty() {
         Ok(ready)
     } else {
         Err(errors)
@@ -58,16 +78,13 @@ pub async fn prepare(store: &Store, pipelines: &[Pipeline]) -> Result<Vec<Ready>
 impl Ready {
     /// Checks one pipeline's side effect against the database and builds what runs it.
     ///
-    /// Errors: the problem, naming the pipeline's file and field (`database` when it cannot connect).
-    pub async fn prepare(store: &Store, p: &Pipeline) -> Result<Ready, PipelineError> {
-        let error = |field: String, message: String| PipelineError {
-            file: p.file.display().to_string(),
-            pipeline: p.name.clone(),
-            field,
-            message,
-        };
-        let (side_effect, bindings) =
-            store.prepare_side_effect(&p.sink, &p.time).await.map_err(|e| error(e.field, e.message))?;
+    /// Errors: the problem, naming the pipeline's file and field (`database` when it cannot connect, and then
+    /// [`Unprepared::unavailable`]).
+    pub async fn prepare(store: &Store, p: &Pipeline) -> Result<Ready, Unprepared> {
+        let (side_effect, bindings) = store.prepare_side_effect(&p.sink, &p.time).await.map_err(|e| Unprepared {
+            problems: vec![PipelineError { file: p.file.display().to_string(), pipeline: p.name.clone(), field: e.field, message: e.message }],
+            unavailable: e.unavailable,
+        })?;
         Ok(Ready {
             pipeline: p.clone(),
             preparer: Preparer::new(p, bindings).with_max_record_bytes(side_effect.max_record_bytes()),
@@ -671,7 +688,7 @@ impl Step<'_> {
                         batch.prepare_again(|r| preparer.prepare(r));
                         Ok(true)
                     }
-                    Err(problem) if problem.field == "database" => {
+                    Err(problem) if problem.unavailable => {
                         let delay = retrying.next_delay();
                         tracing::warn!(error = %problem, retry_in = ?delay, "rebuilding the side effect failed; retrying");
                         Ok(source.pause_for(delay, batch, shutdown).await)

@@ -173,10 +173,11 @@ async fn find(a: &CheckArgs) -> Findings {
             }),
         }
     }
-    let stores = match open_stores(&settings, &a.config, &pipelines).await {
+    let stores = match open_stores(&settings, &pipelines).await {
         Ok(s) => s,
         Err(e) => {
-            findings.problems.push(Problem { text: format!("{e:#}"), file: None, pipeline: None, field: None, message: format!("{e:#}") });
+            let text = format!("{}: {e}", a.config.display());
+            findings.problems.push(Problem { text: text.clone(), file: None, pipeline: None, field: None, message: text });
             return findings;
         }
     };
@@ -184,7 +185,7 @@ async fn find(a: &CheckArgs) -> Findings {
     let ready = match prepare_all(&stores, &pipelines).await {
         Ok(ready) => ready,
         Err(e) => {
-            findings.problems.extend(lines(e));
+            findings.problems.extend(lines(e.problems));
             return findings;
         }
     };

@@ -120,7 +120,7 @@ pub async fn run(cmd: DeadLettersCommand) -> anyhow::Result<()> {
             let Some(p) = pipelines.into_iter().find(|p| p.name == d.pipeline) else {
                 bail!("dead letter {id} belongs to pipeline {:?}, which is not configured in {}", d.pipeline, settings.pipelines.display());
             };
-            let ready = worker::prepare(&store, std::slice::from_ref(&p)).await.map_err(|e| report(&e))?;
+            let ready = worker::prepare(&store, std::slice::from_ref(&p)).await.map_err(|e| report(&e.problems))?;
             let r = &ready[0];
             let mut record = d.record();
             if let Some(file) = payload {

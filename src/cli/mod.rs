@@ -15,6 +15,7 @@ mod tools;
 use anyhow::bail;
 use clap::{Parser, Subcommand};
 use idemflow::config::{self, PipelineError, Settings};
+use idemflow::store::contract::NotReady;
 use idemflow::store::spec::StoreKind;
 use idemflow::store::Store;
 use idemflow::{telemetry, worker};
@@ -194,10 +195,12 @@ async fn open_store(settings: &Settings, config: &Path, kind: StoreKind) -> anyh
 }
 
 /// Every store `pipelines` write to, opened, the database first.
-async fn open_stores(settings: &Settings, config: &Path, pipelines: &[config::Pipeline]) -> anyhow::Result<Vec<(StoreKind, Store)>> {
+///
+/// Errors: as [`idemflow::store::open::Stores::open`]; the caller names the settings file.
+async fn open_stores(settings: &Settings, pipelines: &[config::Pipeline]) -> Result<Vec<(StoreKind, Store)>, NotReady> {
     let mut stores = Vec::new();
     for kind in idemflow::store::open::needed(pipelines.iter().map(|p| p.sink.store())) {
-        stores.push((kind, open_store(settings, config, kind).await?));
+        stores.push((kind, settings.stores().open(kind).await?));
     }
     Ok(stores)
 }
@@ -214,15 +217,18 @@ async fn durability(stores: &[(StoreKind, Store)], pipelines: &[config::Pipeline
 }
 
 /// Checks every pipeline against its store, all problems at once.
-async fn prepare_all(stores: &[(StoreKind, Store)], pipelines: &[config::Pipeline]) -> Result<Vec<worker::Ready>, Vec<PipelineError>> {
+async fn prepare_all(stores: &[(StoreKind, Store)], pipelines: &[config::Pipeline]) -> Result<Vec<worker::Ready>, worker::Unprepared> {
     let mut ready = Vec::new();
-    let mut errors = Vec::new();
+    let mut errors = worker::Unprepared { problems: Vec::new(), unavailable: false };
     for (kind, store) in stores {
         let mine: Vec<config::Pipeline> = pipelines.iter().filter(|p| p.sink.store() == *kind).cloned().collect();
         match worker::prepare(store, &mine).await {
             Ok(r) => ready.extend(r),
-            Err(e) => errors.extend(e),
+            Err(e) => {
+                errors.unavailable |= e.unavailable;
+                errors.problems.extend(e.problems);
+            }
         }
     }
-    if errors.is_empty() { Ok(ready) } else { Err(errors) }
+    if errors.problems.is_empty() { Ok(ready) } else { Err(errors) }
 }

@@ -3,7 +3,47 @@
 
 use super::{durability, load, open_stores, prepare_all, report, ConfigArg};
 use anyhow::{bail, Context as _};
+use idemflow::store::spec::StoreKind;
+use idemflow::store::Store;
 use idemflow::{config, http, metrics, shutdown, worker};
+use std::time::Duration;
+
+/// Opens the stores and prepares every pipeline, waiting out what a store could not answer (it went away after
+/// [`idemflow::store::open::Stores::wait_for`] saw it, or a pooler failed a statement) with the same backoff, saying
+/// why on every attempt: `None` if shutdown came meanwhile.
+///
+/// Errors: what an operator must fix (the schema missing or behind, a side effect that does not fit its tables),
+/// reported against the settings file `config` or each pipeline's file.
+async fn start(
+    settings: &config::Settings,
+    config: &std::path::Path,
+    pipelines: &[config::Pipeline],
+    stop: &mut idemflow::shutdown::Shutdown,
+) -> anyhow::Result<Option<(Vec<(StoreKind, Store)>, Vec<worker::Ready>)>> {
+    let mut backoff = idemflow::retry::backoff(Duration::from_millis(200), Duration::from_secs(10));
+    loop {
+        let why = match open_stores(settings, pipelines).await {
+            Err(e) if !e.is_unavailable() => bail!("{}: {e}", config.display()),
+            Err(e) => e.to_string(),
+            Ok(stores) => match prepare_all(&stores, pipelines).await {
+                Ok(ready) => {
+                    for line in durability(&stores, pipelines).await {
+                        log_line(&line);
+                    }
+                    return Ok(Some((stores, ready)));
+                }
+                Err(e) if !e.unavailable => return Err(report(&e.problems)),
+                Err(e) => e.to_string(),
+            },
+        };
+        let delay = backoff.next().unwrap_or(Duration::from_secs(10));
+        tracing::warn!(retry_in = ?delay, "starting: {why}");
+        tokio::select! {
+            _ = tokio::time::sleep(delay) => {}
+            _ = stop.wait() => return Ok(None),
+        }
+    }
+}
 
 /// Runs the worker.
 ///
@@ -40,11 +80,10 @@ pub async fn run(a: ConfigArg) -> anyhow::Result<()> {
         }
     }
     health.database(true);
-    let stores = open_stores(&settings, &a.config, &pipelines).await?;
-    for line in durability(&stores, &pipelines).await {
-        log_line(&line);
-    }
-    let ready = prepare_all(&stores, &pipelines).await.map_err(|e| report(&e))?;
+    let Some((stores, ready)) = start(&settings, &a.config, &pipelines, &mut stop).await? else {
+        tracing::info!("stopped before the stores were ready");
+        return Ok(());
+    };
     for p in &pipelines {
         let (brokers, context) = (settings.brokers(), p.source_context());
         tokio::spawn(async move {

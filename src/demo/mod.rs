@@ -501,7 +501,7 @@ async fn drive(
     let batches_before_crash = (total / 5 / 500).max(1);
     let mut progress = Progress::new(total);
     let pipelines = config::load_pipelines_for(settings).map_err(|e| lines(&e))?;
-    let ready = worker::prepare(&db.store(), &pipelines).await.map_err(|e| lines(&e))?;
+    let ready = worker::prepare(&db.store(), &pipelines).await.map_err(|e| lines(&e.problems))?;
     let mut a = start_worker(settings, &ready, metrics, health, Faults { crash_after_commits: Some(batches_before_crash), ..Default::default() });
     let mut b: Option<DemoWorker> = None;
     let (mut crashed, mut joined, mut left) = (false, false, false);

@@ -42,6 +42,40 @@ pub enum StoreError {
     Refused(String),
 }
 
+/// Why a store cannot be used yet ([`Connector::check_schema`], [`crate::store::open::Stores::open`]): the
+/// worker waits out the first and stops on the second.
+#[derive(Debug, thiserror::Error)]
+pub enum NotReady {
+    /// The store could not be asked (a connection refused, lost or timed out, the pool timed out, a pooler's
+    /// protocol error): what a store's own classification retries in a batch. Worth waiting for.
+    #[error("{0}")]
+    Unavailable(String),
+    /// The store answered, and what it holds is not what this binary needs (the schema missing or behind, the
+    /// dedup key gone, a server idemflow cannot run on), or its settings are refused: an operator must act.
+    #[error("{0}")]
+    Refused(String),
+}
+
+impl NotReady {
+    /// `Unavailable(message)` when `transient`, else `Refused(message)`.
+    pub fn new(transient: bool, message: String) -> NotReady {
+        if transient { NotReady::Unavailable(message) } else { NotReady::Refused(message) }
+    }
+
+    /// Whether waiting may help.
+    pub fn is_unavailable(&self) -> bool {
+        matches!(self, NotReady::Unavailable(_))
+    }
+
+    /// The same, its message prefixed with `what` (`database: ...`).
+    pub fn within(self, what: &str) -> NotReady {
+        match self {
+            NotReady::Unavailable(m) => NotReady::Unavailable(format!("{what}: {m}")),
+            NotReady::Refused(m) => NotReady::Refused(format!("{what}: {m}")),
+        }
+    }
+}
+
 /// Why a side effect does not fit the database. Each is a configuration error naming the field.
 #[derive(Debug, thiserror::Error)]
 #[error("{field}: {message}")]
@@ -113,8 +147,9 @@ pub trait Connector: Send + Sync {
     /// Whether idemflow's tables are migrated to the version this binary needs, with the unique index the claim
     /// depends on.
     ///
-    /// Errors: what is missing and what to run.
-    async fn check_schema(&self) -> Result<(), String>;
+    /// Errors: [`NotReady::Refused`] with what is missing and what to run; [`NotReady::Unavailable`] when the
+    /// store could not be asked.
+    async fn check_schema(&self) -> Result<(), NotReady>;
 
     /// Closes the pool, waiting for connections in use to be returned. Default: nothing to close.
     async fn close(&self) {}

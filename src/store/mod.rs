@@ -89,8 +89,8 @@ impl Store {
     /// Whether idemflow's tables are migrated to the version this binary needs, with the unique index the claim
     /// depends on ([`Connector::check_schema`]).
     ///
-    /// Errors: what is missing and what to run.
-    pub async fn check_schema(&self) -> Result<(), String> {
+    /// Errors: [`contract::NotReady`]: what is missing and what to run, or that the store could not be asked.
+    pub async fn check_schema(&self) -> Result<(), contract::NotReady> {
         each_store!(self, |s| Connector::check_schema(s).await)
     }
 

@@ -4,6 +4,7 @@
 //! it ([`Store::durability`]). One match per question, one arm per store.
 
 use super::spec::{DatabaseSettings, RedisSettings, StoreKind};
+use super::contract::NotReady;
 use super::template::Dialect;
 use super::{postgres, Store};
 #[cfg(feature = "mysql")]
@@ -167,16 +168,24 @@ impl Stores {
 
     /// The store of `kind`, reachable and with idemflow's schema (the database) or a usable server (Redis).
     ///
-    /// Errors: as [`Stores::reachable`] and [`Stores::pool`], or the schema is missing or behind
-    /// (`database: ...`).
-    pub async fn open(&self, kind: StoreKind) -> Result<Store, String> {
-        self.reachable(kind).await?;
+    /// Errors, each prefixed with the store (`database: ...`): [`NotReady::Refused`]: its section is missing, this
+    /// build leaves it out, its URL is refused, or the schema is missing or behind; [`NotReady::Unavailable`]: it
+    /// cannot be reached or asked (worth waiting for, as [`Stores::wait_for`] does).
+    pub async fn open(&self, kind: StoreKind) -> Result<Store, NotReady> {
+        let refused = |why: String| NotReady::Refused(format!("{}: {why}", kind.name()));
+        match kind {
+            StoreKind::Database => self.database().map(drop).map_err(refused)?,
+            StoreKind::Redis => self.redis().map(drop).map_err(refused)?,
+        }
+        self.built(kind).map_err(refused)?;
+        self.reachable(kind).await.map_err(NotReady::Unavailable)?;
         // Only the database can be behind PgBouncer: opening Redis asks nothing of it.
         let store = match kind {
-            StoreKind::Database => self.behind_pgbouncer().await.pool(kind)?,
-            StoreKind::Redis => self.pool(kind)?,
-        };
-        store.check_schema().await.map_err(|why| format!("{}: {why}", kind.name()))?;
+            StoreKind::Database => self.behind_pgbouncer().await.pool(kind),
+            StoreKind::Redis => self.pool(kind),
+        }
+        .map_err(refused)?;
+        store.check_schema().await.map_err(|e| e.within(kind.name()))?;
         Ok(store)
     }
 

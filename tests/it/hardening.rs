@@ -360,6 +360,33 @@ async fn check_refuses_a_dedup_store_without_its_unique_index() {
     assert!(status.success(), "{out}{err}");
 }
 
+/// A database that cannot answer the worker's start-up reads after it was seen reachable (here its migration record
+/// locked past the database's `lock_timeout`: SQLSTATE 55P03, as a restart or a pooler's failure would fail them):
+/// the worker waits and retries, saying why, instead of exiting, and runs once it can read them. A schema that is
+/// behind still stops it at once (`check_refuses_a_dedup_store_without_its_unique_index`, `upgrade::`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_database_that_cannot_answer_at_start_is_waited_for() {
+    let pipeline = "topics = [\"t\"]\n[key]\nfield = \"/id\"\n[sink]\ntable = \"t\"\n[sink.columns]\nid = \"/id\"\n";
+    let (db, kafka, setup) = fixture("CREATE TABLE t (id text PRIMARY KEY);", "t", 1, &[("t.toml", pipeline)]).await;
+    let name = db.url.rsplit_once('/').unwrap().1.split('?').next().unwrap().to_owned();
+    sqlx::raw_sql(&format!("ALTER DATABASE \"{name}\" SET lock_timeout = '300ms'")).execute(&db.pool).await.unwrap();
+    let mut lock = db.pool.begin().await.unwrap();
+    let home = idemflow::store::postgres::migrations_schema(&mut lock).await.unwrap().expect("migrated");
+    sqlx::raw_sql(&format!("LOCK TABLE {home}._sqlx_migrations IN ACCESS EXCLUSIVE MODE")).execute(&mut *lock).await.unwrap();
+    kafka.produce("t", &[Out::json(0, r#"{"id":"a"}"#)]);
+    let mut w = BinWorker::start(&setup);
+    wait_until(Duration::from_secs(30), "the worker saying it waits for the schema version", || async {
+        w.log_text().matches("starting: database: cannot read the schema version").count() >= 2
+    })
+    .await;
+    lock.rollback().await.unwrap();
+    wait_until(Duration::from_secs(30), "the record applied once the reads answer", || async {
+        db.scalar::<i64>("SELECT count(*) FROM t").await == 1
+    })
+    .await;
+    assert!(w.sigterm().success(), "{}", w.log_text());
+}
+
 /// A settings file named with --config that does not exist is an error, not an environment-only fallback.
 #[test]
 fn a_missing_config_file_is_an_error() {

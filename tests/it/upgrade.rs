@@ -333,7 +333,7 @@ async fn mariadb_upgrade_keeps_every_stored_key_a_duplicate_and_fences_the_previ
     assert_eq!(previous_mysql_claim(&mut conn, &keys, 0).await.unwrap(), keys.len());
     drop(conn);
     let err = idemflow::store::mysql::check_schema(&db.pool).await.unwrap_err();
-    assert!(err.contains("this binary needs 4"), "{err}");
+    assert!(matches!(&err, idemflow::store::contract::NotReady::Refused(m) if m.contains("this binary needs 4")), "{err}");
 
     // A batch of the previous version under way when the migration starts: the migration waits for it.
     let mut held = db.pool.begin().await.unwrap();
@@ -377,7 +377,7 @@ async fn mariadb_upgrade_keeps_every_stored_key_a_duplicate_and_fences_the_previ
     // A migration recorded as incomplete (it stopped between its statements) keeps this version's workers out.
     db.exec("UPDATE _sqlx_migrations SET success = FALSE WHERE version = 4").await;
     let err = idemflow::store::mysql::check_schema(&db.pool).await.unwrap_err();
-    assert!(err.contains("this binary needs 4"), "{err}");
+    assert!(matches!(&err, idemflow::store::contract::NotReady::Refused(m) if m.contains("this binary needs 4")), "{err}");
 
     // Going back (docs/operations.md): the rollback script, then the previous version's claim finds every key
     // again (o-new was only claimed in a transaction rolled back above).

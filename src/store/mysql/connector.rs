@@ -16,12 +16,12 @@ use std::time::Duration;
 
 impl Connector for MySqlStore {
     async fn migrate(&self) -> Result<i64, sqlx::migrate::MigrateError> {
-        super::check_binlog(&self.pool).await.map_err(|why| sqlx::migrate::MigrateError::Execute(sqlx::Error::Configuration(why.into())))?;
+        super::check_binlog(&self.pool).await.map_err(|why| sqlx::migrate::MigrateError::Execute(sqlx::Error::Configuration(why.to_string().into())))?;
         super::MIGRATOR.run(&self.pool).await?;
         Ok(super::MIGRATOR.iter().map(|m| m.version).max().unwrap_or_default())
     }
 
-    async fn check_schema(&self) -> Result<(), String> {
+    async fn check_schema(&self) -> Result<(), crate::store::contract::NotReady> {
         super::check_schema(&self.pool).await
     }
 

@@ -28,6 +28,8 @@ pub mod side_effect;
 mod connector;
 pub use connector::MyTx;
 
+use crate::store::contract::NotReady;
+use crate::store::disposition::Disposition;
 use crate::store::spec::DatabaseSettings;
 use sqlx::mysql::{MySqlConnectOptions, MySqlPool, MySqlPoolOptions};
 use sqlx::{ConnectOptions as _, Executor as _};
@@ -204,18 +206,19 @@ pub async fn ping(settings: &DatabaseSettings) -> Result<(), String> {
 /// Whether the binary log, when it is on, takes row-based events: with `binlog_format = STATEMENT` InnoDB refuses
 /// every write in `READ COMMITTED` (error 1665), which idemflow's sessions use.
 ///
-/// Errors: the format to change, or the server's error.
-pub async fn check_binlog(pool: &MySqlPool) -> Result<(), String> {
+/// Errors: [`NotReady::Refused`] with the format to change; the server's error, [`NotReady::Unavailable`] where
+/// a batch would retry it.
+pub async fn check_binlog(pool: &MySqlPool) -> Result<(), NotReady> {
     let (log_bin, format): (i64, Option<String>) = sqlx::query_as("SELECT @@log_bin, CAST(@@binlog_format AS CHAR)")
         .fetch_one(pool)
         .await
-        .map_err(|e| format!("cannot read the binary log's settings: {}", error::describe_error(&e)))?;
+        .map_err(|e| asked("cannot read the binary log's settings", e))?;
     match format.as_deref() {
-        Some(f) if log_bin != 0 && f.eq_ignore_ascii_case("STATEMENT") => Err(
+        Some(f) if log_bin != 0 && f.eq_ignore_ascii_case("STATEMENT") => Err(NotReady::Refused(
             "the binary log is on with binlog_format = STATEMENT, with which InnoDB refuses writes in READ COMMITTED \
              (error 1665), the isolation idemflow's sessions use: set binlog_format to ROW (MySQL 8's default) or MIXED"
                 .to_owned(),
-        ),
+        )),
         _ => Ok(()),
     }
 }
@@ -224,8 +227,14 @@ pub async fn check_binlog(pool: &MySqlPool) -> Result<(), String> {
 /// its primary key `(pipeline, key_id)`, which the claim depends on (and the binary log's format suits it,
 /// [`check_binlog`]).
 ///
-/// Errors: what is missing and what to run.
-pub async fn check_schema(pool: &MySqlPool) -> Result<(), String> {
+/// `what` failed with `e`: [`NotReady::Unavailable`] where a batch would retry it ([`error::classify_error`]).
+fn asked(what: &str, e: sqlx::Error) -> NotReady {
+    NotReady::new(matches!(error::classify_error(&e), Disposition::Retry(_)), format!("{what}: {}", error::describe_error(&e)))
+}
+
+/// Errors: [`NotReady::Refused`] with what is missing and what to run; [`NotReady::Unavailable`] when the server
+/// could not be asked.
+pub async fn check_schema(pool: &MySqlPool) -> Result<(), NotReady> {
     check_binlog(pool).await?;
     let latest = MIGRATOR.iter().map(|m| m.version).max().unwrap_or_default();
     let applied: Option<i64> = sqlx::query_scalar(
@@ -236,14 +245,14 @@ pub async fn check_schema(pool: &MySqlPool) -> Result<(), String> {
     .await
     .map_err(|e| match &e {
         sqlx::Error::Database(db) if db.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>().is_some_and(|m| m.number() == 1146) => {
-            "the idemflow tables are missing: run `idemflow migrate --config ...` first".to_owned()
+            NotReady::Refused("the idemflow tables are missing: run `idemflow migrate --config ...` first".to_owned())
         }
-        _ => format!("cannot read the schema version: {e}"),
+        _ => asked("cannot read the schema version", e),
     })?;
     match applied {
         Some(v) if v >= latest => {}
-        Some(v) => return Err(format!("the idemflow schema is at version {v}, this binary needs {latest}: run `idemflow migrate`")),
-        None => return Err("the idemflow tables are missing: run `idemflow migrate --config ...` first".to_owned()),
+        Some(v) => return Err(NotReady::Refused(format!("the idemflow schema is at version {v}, this binary needs {latest}: run `idemflow migrate`"))),
+        None => return Err(NotReady::Refused("the idemflow tables are missing: run `idemflow migrate --config ...` first".to_owned())),
     }
     let key: Vec<String> = sqlx::query_scalar(
         "SELECT COLUMN_NAME FROM information_schema.STATISTICS WHERE TABLE_SCHEMA = DATABASE() \
@@ -251,13 +260,15 @@ pub async fn check_schema(pool: &MySqlPool) -> Result<(), String> {
     )
     .fetch_all(pool)
     .await
-    .map_err(|e| format!("cannot read the dedup store's indexes: {e}"))?;
+    .map_err(|e| asked("cannot read the dedup store's indexes", e))?;
     if key == ["pipeline", "key_id"] {
         Ok(())
     } else {
-        Err("idemflow_dedup has no primary key on (pipeline, key_id), which the claim needs to apply each key \
+        Err(NotReady::Refused(
+            "idemflow_dedup has no primary key on (pipeline, key_id), which the claim needs to apply each key \
              once: restore it (ALTER TABLE idemflow_dedup ADD PRIMARY KEY (pipeline, key_id))"
-            .to_owned())
+                .to_owned(),
+        ))
     }
 }
 

@@ -20,7 +20,7 @@ impl Connector for PgPool {
         Ok(super::MIGRATOR.iter().map(|m| m.version).max().unwrap_or_default())
     }
 
-    async fn check_schema(&self) -> Result<(), String> {
+    async fn check_schema(&self) -> Result<(), crate::store::contract::NotReady> {
         super::check_schema(self).await
     }
 

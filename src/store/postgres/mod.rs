@@ -19,6 +19,8 @@ mod connector;
 pub use connector::PgTx;
 
 use crate::store::spec::DatabaseSettings;
+use crate::store::contract::NotReady;
+use crate::store::disposition::Disposition;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::ConnectOptions as _;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -172,14 +174,16 @@ pub async fn migrate(pool: &PgPool) -> Result<(), sqlx::migrate::MigrateError> {
 
 /// Whether the idemflow schema is migrated to the latest version this binary knows.
 ///
-/// Errors: the database is unreachable, or the schema is missing or older (`run idemflow migrate`).
-pub async fn check_schema(pool: &PgPool) -> Result<(), String> {
+/// Errors: [`NotReady::Refused`]: the schema is missing or older (`run idemflow migrate`), or the dedup key is gone;
+/// [`NotReady::Unavailable`]: the database could not be asked (by [`error::classify_error`]: what a batch retries).
+pub async fn check_schema(pool: &PgPool) -> Result<(), NotReady> {
     let latest = MIGRATOR.iter().map(|m| m.version).max().unwrap_or_default();
-    let missing = || "the idemflow schema is missing: run `idemflow migrate --config ...` first".to_owned();
+    let missing = || NotReady::Refused("the idemflow schema is missing: run `idemflow migrate --config ...` first".to_owned());
+    let asked = |what: &str, e: sqlx::Error| NotReady::new(matches!(error::classify_error(&e), Disposition::Retry(_)), format!("{what}: {e}"));
     // In a transaction, as every access is: behind a transaction-pooling proxy (PgBouncer before 1.21) a statement
     // of the extended protocol outside one may be parsed on one server connection and bound on another.
-    let mut conn = pool.begin().await.map_err(|e| format!("cannot read the schema version: {e}"))?;
-    let Some(home) = migrations_schema(&mut conn).await.map_err(|e| format!("cannot read the schema version: {e}"))? else {
+    let mut conn = pool.begin().await.map_err(|e| asked("cannot read the schema version", e))?;
+    let Some(home) = migrations_schema(&mut conn).await.map_err(|e| asked("cannot read the schema version", e))? else {
         return Err(missing());
     };
     let applied: Option<i64> = sqlx::Executor::fetch_one(
@@ -190,39 +194,35 @@ pub async fn check_schema(pool: &PgPool) -> Result<(), String> {
     .and_then(|row| sqlx::Row::try_get(&row, 0))
     .map_err(|e| match &e {
         sqlx::Error::Database(db) if db.code().as_deref() == Some("42P01") => missing(),
-        _ => format!("cannot read the schema version: {e}"),
+        _ => asked("cannot read the schema version", e),
     })?;
+    // Whether the dedup store still has the unique index the claim depends on: `(pipeline, key_id)`, valid and
+    // unique (`INSERT ... ON CONFLICT (pipeline, key_id)` needs it; without it nothing would stop a key from being
+    // applied twice, and the first batch would fail with SQLSTATE 42P10).
+    let usable: bool = match applied {
+        Some(v) if v >= latest => sqlx::Executor::fetch_one(
+            &mut *conn,
+            sqlx::raw_sql(
+                "SELECT EXISTS (SELECT FROM pg_index i WHERE i.indrelid = 'idemflow.dedup'::regclass AND i.indisunique \
+                 AND i.indisvalid AND i.indpred IS NULL AND i.indexprs IS NULL AND i.indnkeyatts = 2 \
+                 AND (SELECT array_agg(a.attname::text ORDER BY a.attname) FROM pg_attribute a \
+                      WHERE a.attrelid = i.indrelid AND a.attnum = ANY(i.indkey)) = ARRAY['key_id', 'pipeline'])",
+            ),
+        )
+        .await
+        .and_then(|row| sqlx::Row::try_get(&row, 0))
+        .map_err(|e| asked("cannot read the dedup store's indexes", e))?,
+        Some(v) => return Err(NotReady::Refused(format!("the idemflow schema is at version {v}, this binary needs {latest}: run `idemflow migrate`"))),
+        None => return Err(missing()),
+    };
     let _ = conn.rollback().await;
-    match applied {
-        Some(v) if v >= latest => check_dedup_key(pool).await,
-        Some(v) => Err(format!("the idemflow schema is at version {v}, this binary needs {latest}: run `idemflow migrate`")),
-        None => Err("the idemflow schema is missing: run `idemflow migrate --config ...` first".to_owned()),
-    }
-}
-
-/// Whether `idemflow.dedup` still has the unique index the claim depends on: `(pipeline, key_id)`, valid and
-/// unique (`INSERT ... ON CONFLICT (pipeline, key_id)` needs it; without it nothing would stop a key from being
-/// applied twice, and the first batch would fail with SQLSTATE 42P10).
-///
-/// Errors: the index is missing or unusable, with what to do; or the catalog cannot be read.
-pub async fn check_dedup_key(pool: &PgPool) -> Result<(), String> {
-    let usable: bool = sqlx::Executor::fetch_one(
-        pool,
-        sqlx::raw_sql(
-            "SELECT EXISTS (SELECT FROM pg_index i WHERE i.indrelid = 'idemflow.dedup'::regclass AND i.indisunique \
-             AND i.indisvalid AND i.indpred IS NULL AND i.indexprs IS NULL AND i.indnkeyatts = 2 \
-             AND (SELECT array_agg(a.attname::text ORDER BY a.attname) FROM pg_attribute a \
-                  WHERE a.attrelid = i.indrelid AND a.attnum = ANY(i.indkey)) = ARRAY['key_id', 'pipeline'])",
-        ),
-    )
-    .await
-    .and_then(|row| sqlx::Row::try_get(&row, 0))
-    .map_err(|e| format!("cannot read the dedup store's indexes: {e}"))?;
     if usable {
         Ok(())
     } else {
-        Err("idemflow.dedup has no valid unique index on (pipeline, key_id), which the claim needs to apply each \
+        Err(NotReady::Refused(
+            "idemflow.dedup has no valid unique index on (pipeline, key_id), which the claim needs to apply each \
              key once: restore it (ALTER TABLE idemflow.dedup ADD PRIMARY KEY (pipeline, key_id))"
-            .to_owned())
+                .to_owned(),
+        ))
     }
 }

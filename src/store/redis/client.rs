@@ -28,6 +28,8 @@
 //!   A queue source (RabbitMQ) has no position to resume from: `check` warns unless `appendfsync always`.
 
 
+use crate::store::contract::NotReady;
+use crate::store::disposition::Disposition;
 use crate::store::spec::RedisSettings;
 use crate::key::BusinessKey;
 use crate::store::rows::Explained;
@@ -359,28 +361,30 @@ impl RedisStore {
     /// Checks the server idemflow runs on: version, not a Cluster node. Returns what it found (for the warnings
     /// about durability, [`ServerFacts`]).
     ///
-    /// Errors: the reason the server cannot be used, or Redis's error.
-    pub async fn check_server(&self) -> Result<ServerFacts, String> {
-        let mut conn = self.conn().await.map_err(|e| e.to_string())?;
-        let info: String = redis::cmd("INFO").arg("server").arg("persistence").arg("cluster").query_async(&mut conn).await.map_err(|e| e.to_string())?;
+    /// Errors: [`NotReady::Refused`] with the reason the server cannot be used; Redis's error, as
+    /// [`NotReady::Unavailable`] where a batch would retry it ([`super::error::classify`]).
+    pub async fn check_server(&self) -> Result<ServerFacts, NotReady> {
+        let asked = |e: redis::RedisError| NotReady::new(matches!(super::error::classify(&e), Disposition::Retry(_)), e.to_string());
+        let mut conn = self.conn().await.map_err(asked)?;
+        let info: String = redis::cmd("INFO").arg("server").arg("persistence").arg("cluster").query_async(&mut conn).await.map_err(asked)?;
         let field = |name: &str| info.lines().find_map(|l| l.strip_prefix(name).and_then(|r| r.strip_prefix(':'))).map(str::trim);
         let version = field("redis_version").unwrap_or("unknown").to_owned();
         let mut parts = version.split('.').map(|p| p.parse::<u32>().unwrap_or(0));
         let (major, minor) = (parts.next().unwrap_or(0), parts.next().unwrap_or(0));
         if (major, minor) < MIN_VERSION {
-            return Err(format!(
+            return Err(NotReady::Refused(format!(
                 "Redis {version} is too old: idemflow needs {}.{} or later (before 7.0 an error inside a script loses its code, \
                  so a failover's READONLY or an OOM could not be told from a fatal error)",
                 MIN_VERSION.0, MIN_VERSION.1
-            ));
+            )));
         }
         if field("cluster_enabled") == Some("1") {
-            return Err(
+            return Err(NotReady::Refused(
                 "this is a Redis Cluster node: idemflow runs each batch as one script, and a script can touch keys of one \
                  hash slot only, while a batch's dedup keys, effects and positions span many. Use a standalone Redis (or a \
                  Sentinel-managed primary)"
                     .to_owned(),
-            );
+            ));
         }
         let aof = field("aof_enabled") == Some("1");
         let get = |name: &'static str| {

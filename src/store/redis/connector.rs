@@ -20,7 +20,7 @@ impl Connector for RedisStore {
         Ok(0)
     }
 
-    async fn check_schema(&self) -> Result<(), String> {
+    async fn check_schema(&self) -> Result<(), crate::store::contract::NotReady> {
         self.check_server().await.map(drop)
     }
 
