@@ -42,9 +42,12 @@
 //! The workers run as child processes (`idemflow run`), so their CPU time is that process's alone: user + system
 //! time from `/proc/<pid>/stat` when the target is reached (start-up included, shutdown not; the notes also give
 //! the whole process's from `wait4`), and their peak RSS its `/proc/<pid>/status` `VmHWM`, read just before it is
-//! stopped. Throughput is taken between the first and the last record received (so start-up and group join are
-//! left out). Latencies are quantiles of the worker's
-//! own histograms, interpolated within buckets as Prometheus' `histogram_quantile` does.
+//! stopped. Throughput is taken between the first record received and the end: every record received and, for
+//! runs that read the whole stream, every distinct key applied (so start-up and group join are left out, and a
+//! rebalance's redeliveries cannot end a run early). Batch latencies are quantiles of the worker's own histogram,
+//! interpolated within buckets as Prometheus' `histogram_quantile` does; end-to-end latencies are taken from the
+//! run's own start (its first record received) until that share of its records was applied, from the metrics
+//! scraped every 25 ms, since the stream is produced once before every run.
 
 mod baselines;
 mod harness;
@@ -96,6 +99,8 @@ pub async fn run(o: BenchOptions) -> anyhow::Result<Report> {
     }
     let s = produce(&kafka, o.records, partitions)?;
     let total = s.records.len() as u64;
+    // The whole stream's runs also wait until every distinct key was applied.
+    let distinct = Some(s.firsts.len() as u64);
     let mut runs = Vec::new();
     let report_run = |r: &RunResult| eprintln!("{} {}: {:.0} records/s ({})", r.id, r.name, r.records_per_second, r.note);
 
@@ -127,7 +132,7 @@ pub async fn run(o: BenchOptions) -> anyhow::Result<Report> {
                             ("(15)", "idemflow, default batching (table form), batch.concurrency = 4")
                         };
                         let group = group(n);
-                        let run = WorkerRun { id, name, pipeline: concurrent_table_pipeline(lanes), group: &group, target: total };
+                        let run = WorkerRun { id, name, pipeline: concurrent_table_pipeline(lanes), group: &group, target: total, applied: distinct };
                         // The lanes' consumers join the new group together, as on a real broker, whose new groups wait
                         // 3 s for more members before the first assignment; with the mock's 0 they would join one after
                         // another, each join a rebalance that the mock holds for session.timeout.ms - 1 s while the
@@ -140,7 +145,7 @@ pub async fn run(o: BenchOptions) -> anyhow::Result<Report> {
                     13 => {
                         let url = payments_database(&admin_url, "bench_13").await?;
                         let name = "idemflow, the shipped example in the per-record SQL form, examples/per-record-sql/payments.toml";
-                        let run = WorkerRun { id: "(13)", name, pipeline: per_record_payments_pipeline(), group: &group(13), target: total };
+                        let run = WorkerRun { id: "(13)", name, pipeline: per_record_payments_pipeline(), group: &group(13), target: total, applied: None };
                         worker_run(run, &kafka_settings(&kafka), &url, perf).await?
                     }
                     12 => {
@@ -150,13 +155,13 @@ pub async fn run(o: BenchOptions) -> anyhow::Result<Report> {
                         let pipeline = per_record.replace(":paid_at, :details)", ":paid_at, :details) RETURNING order_id");
                         anyhow::ensure!(pipeline != per_record, "examples/per-record-sql/payments.toml's INSERT ends with `:paid_at, :details)`");
                         let single = o.single_records.min(o.records) as u64;
-                        let run = WorkerRun { id: "(12)", name, pipeline, group: &group(12), target: single };
+                        let run = WorkerRun { id: "(12)", name, pipeline, group: &group(12), target: single, applied: None };
                         worker_run(run, &kafka_settings(&kafka), &url, perf).await?
                     }
                     8 => {
                         let url = payments_database(&admin_url, "bench_8").await?;
                         let name = "idemflow, the shipped example pipelines/payments.toml (batch SQL form: INSERT payments + UPDATE accounts per batch)";
-                        let run = WorkerRun { id: "(8)", name, pipeline: payments_pipeline(), group: &group(8), target: total };
+                        let run = WorkerRun { id: "(8)", name, pipeline: payments_pipeline(), group: &group(8), target: total, applied: None };
                         worker_run(run, &kafka_settings(&kafka), &url, perf).await?
                     }
                     9 => minimal_copy_ceiling(&minimal_database(&admin_url, "bench_9").await?, &s, s.records.len()).await?,
@@ -178,15 +183,18 @@ pub async fn run(o: BenchOptions) -> anyhow::Result<Report> {
                     }
                 };
                 eprintln!("redis: {} (throwaway server, appendonly yes, appendfsync everysec)", redis.version());
-                let run = WorkerRun { id: "(7)", name: "idemflow, Redis sink (one script per batch)", pipeline: redis_pipeline(), group: &group(7), target: total };
+                let run = WorkerRun { id: "(7)", name: "idemflow, Redis sink (one script per batch)", pipeline: redis_pipeline(), group: &group(7), target: total, applied: distinct };
                 let store = format!("[redis]\nurl = \"{}\"\n", redis.url());
                 worker_run_on(run, &kafka_settings(&kafka), &store, perf, &Probe::default()).await?
             } else {
                 let url = fresh_database(&admin_url, &format!("bench_{n}")).await?;
                 let run_group = group(n);
-                let worker = |id, name, pipeline, target| WorkerRun { id, name, pipeline, group: &run_group, target };
+                let worker = |id, name, pipeline, target| WorkerRun { id, name, pipeline, group: &run_group, target, applied: None };
                 match n {
-                    1 => worker_run(worker("(1)", "idemflow, default batching (table form)", table_pipeline(None), total), &kafka_settings(&kafka), &url, perf).await?,
+                    1 => {
+                        let run = WorkerRun { applied: distinct, ..worker("(1)", "idemflow, default batching (table form)", table_pipeline(None), total) };
+                        worker_run(run, &kafka_settings(&kafka), &url, perf).await?
+                    }
                     2 => {
                         let single = o.single_records.min(o.records) as u64;
                         let name = "idemflow, one record per transaction (max_records = 1)";
@@ -196,7 +204,8 @@ pub async fn run(o: BenchOptions) -> anyhow::Result<Report> {
                     4 => {
                         let preload_secs = preload(&url, o.preload).await?;
                         let name = "idemflow, default batching, dedup store preloaded";
-                        let mut r = worker_run(worker("(4)", name, table_pipeline(None), total), &kafka_settings(&kafka), &url, perf).await?;
+                        let run = WorkerRun { applied: distinct, ..worker("(4)", name, table_pipeline(None), total) };
+                        let mut r = worker_run(run, &kafka_settings(&kafka), &url, perf).await?;
                         r.note = format!("{} preloaded keys (in {preload_secs:.1} s); {}", o.preload, r.note);
                         r
                     }

@@ -48,7 +48,7 @@ async fn bench_runs_every_baseline_and_writes_markdown_and_json() {
         [
             "(1) / min((3), (5))",
             "(1) / (2)",
-            "(4) / (1)",
+            "(4) / (1), with the dedup keys preloaded",
             "(6) / (1)",
             "(7) / (1), Redis against the Postgres table form",
             "(7) / (5), Redis against consume-only",
@@ -62,9 +62,16 @@ async fn bench_runs_every_baseline_and_writes_markdown_and_json() {
             "(14) / (10), two batch transactions at once against the hand-written consumer",
             "PostgreSQL CPU per record, (1) / (10)",
             "PostgreSQL WAL bytes per record, (1) / (10)",
+            "worker CPU µs per record of (1) (a figure, not a ratio)",
+            "peak RSS MiB of (1), the default configuration (a figure)",
             "(1) / (11), against the guides' per-message consumer",
         ]
     );
+    // Each with its target and whether the median meets it.
+    for r in report["ratios"].as_array().unwrap() {
+        let target = r["target"].as_str().unwrap();
+        assert!(target == "(measured)" || target.starts_with(">= ") || target.starts_with("<= "), "{r}");
+    }
     assert!(runs[7]["note"].as_str().unwrap().contains("4000 received"), "the shipped example: {}", runs[7]);
     assert!(runs[12]["note"].as_str().unwrap().contains("4000 received"), "its per-record form: {}", runs[12]);
     let applied = |r: &serde_json::Value| r["note"].as_str().unwrap().split(" applied").next().unwrap().rsplit(' ').next().unwrap().to_owned();
@@ -86,7 +93,8 @@ async fn bench_runs_every_baseline_and_writes_markdown_and_json() {
     assert!(settings.contains("synchronous_commit") && settings.contains("fsync"), "{settings}");
     let table = std::fs::read_to_string(&md).unwrap();
     assert!(table.contains("| (1) | idemflow, default batching (table form) |"), "{table}");
-    assert!(out.contains("| ratio | measured | target |"), "{out}");
+    assert!(out.contains("| ratio | measured | target | met |"), "{out}");
+    assert!(out.contains("| yes |") || out.contains("| no |"), "{out}");
 }
 
 /// `idemflow bench --only 1,10 --repeat 3`, small: the two runs three times in turn, each repetition reading the
@@ -113,6 +121,14 @@ async fn bench_repeats_runs_in_turn_and_gives_the_median_ratio() {
         let whole = if r["id"] == "(1)" { r["note"].as_str().unwrap().contains("3000 received") } else { r["records"] == 3000 };
         assert!(whole, "{r}");
         assert!(r["wal_bytes_per_record"].as_f64().unwrap() > 10.0, "{r}");
+        if r["id"] == "(1)" {
+            // Every distinct key applied before the run ended, and the end-to-end latency counted from the run's
+            // own start: within the run, not carrying the earlier repetitions' time.
+            let applied: u64 = r["note"].as_str().unwrap().split(" applied").next().unwrap().rsplit(' ').next().unwrap().parse().unwrap();
+            assert!(applied > 2900, "{r}");
+            let (p50, p99) = (r["e2e_p50_ms"].as_f64().unwrap(), r["e2e_p99_ms"].as_f64().unwrap());
+            assert!(p50 <= p99 && p99 <= r["seconds"].as_f64().unwrap() * 1000.0 + 1.0, "{r}");
+        }
     }
     let ratio = |name: &str| report["ratios"].as_array().unwrap().iter().find(|r| r["name"] == name).cloned().unwrap();
     let rates: Vec<f64> = [0, 2, 4]
