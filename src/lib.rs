@@ -93,7 +93,7 @@
 //! # Why a crash can neither lose a record nor apply it twice
 //!
 //! For every batch, one database transaction inserts one dedup row per business key (on PostgreSQL
-//! `INSERT ... ON CONFLICT DO NOTHING RETURNING`, on MySQL/MariaDB `INSERT IGNORE ... RETURNING` or its token form,
+//! `INSERT ... ON CONFLICT DO NOTHING RETURNING`, the returned ids gathered into one array, on MySQL/MariaDB `INSERT IGNORE ... RETURNING` or its token form,
 //! always on the primary key `(pipeline, key_id)`, [`key::BusinessKey::key_id`]), runs the side effect only for the keys that insert
 //! returned, writes the dead letters, and commits. The argument below is PostgreSQL's wording; InnoDB gives the same
 //! guarantees (a rolled-back transaction, an insert waiting for another's uncommitted duplicate key). Only after the commit are

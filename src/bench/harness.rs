@@ -144,6 +144,14 @@ pub(super) async fn worker_run_on(run: WorkerRun<'_>, broker: &str, store: &str,
     let last_scrape = loop {
         tokio::time::sleep(pause).await;
         let m = scrape(addr);
+        if m.is_empty() {
+            // No answer this time (the worker busy, or gone: the time limits below still apply).
+            if started.elapsed() > Duration::from_secs(1800) {
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+                bail!("{id}: the worker's /metrics did not answer");
+            }
+            continue;
+        }
         let n = received(&m);
         let now = Instant::now();
         if n > 0.0 && first.is_none() {

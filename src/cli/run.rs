@@ -3,6 +3,7 @@
 
 use super::{durability, load, open_stores, prepare_all, report, ConfigArg};
 use anyhow::{bail, Context as _};
+use idemflow::store::contract::NotReady;
 use idemflow::store::spec::StoreKind;
 use idemflow::store::Store;
 use idemflow::{config, http, metrics, shutdown, worker};
@@ -22,19 +23,30 @@ async fn start(
 ) -> anyhow::Result<Option<(Vec<(StoreKind, Store)>, Vec<worker::Ready>)>> {
     let mut backoff = idemflow::retry::backoff(Duration::from_millis(200), Duration::from_secs(10));
     loop {
-        let why = match open_stores(settings, pipelines).await {
-            Err(e) if !e.is_unavailable() => bail!("{}: {e}", config.display()),
-            Err(e) => e.to_string(),
-            Ok(stores) => match prepare_all(&stores, pipelines).await {
-                Ok(ready) => {
+        // Shutdown ends an attempt too (a read waiting on a lock, a connection that does not answer).
+        let attempt = async {
+            let stores = open_stores(settings, pipelines).await.map_err(|e| match e {
+                NotReady::Unavailable(why) => (true, why),
+                NotReady::Refused(why) => (false, format!("{}: {why}", config.display())),
+            })?;
+            match prepare_all(&stores, pipelines).await {
+                Ok(ready) => Ok((stores, ready)),
+                Err(e) if e.unavailable => Err((true, e.to_string())),
+                Err(e) => Err((false, report(&e.problems).to_string())),
+            }
+        };
+        let why = tokio::select! {
+            attempt = attempt => match attempt {
+                Ok((stores, ready)) => {
                     for line in durability(&stores, pipelines).await {
                         log_line(&line);
                     }
                     return Ok(Some((stores, ready)));
                 }
-                Err(e) if !e.unavailable => return Err(report(&e.problems)),
-                Err(e) => e.to_string(),
+                Err((false, why)) => bail!("{why}"),
+                Err((true, why)) => why,
             },
+            _ = stop.wait() => return Ok(None),
         };
         let delay = backoff.next().unwrap_or(Duration::from_secs(10));
         tracing::warn!(retry_in = ?delay, "starting: {why}");
@@ -73,7 +85,7 @@ pub async fn run(a: ConfigArg) -> anyhow::Result<()> {
     let needed = idemflow::store::open::needed(pipelines.iter().map(|p| p.sink.store()));
     let stores = settings.stores();
     tokio::select! {
-        _ = stores.wait_for(&needed) => {}
+        waited = stores.wait_for(&needed) => waited.map_err(|e| anyhow::anyhow!("{}: {e}", a.config.display()))?,
         _ = stop.wait() => {
             tracing::info!("stopped before the stores were reachable");
             return Ok(());

@@ -128,16 +128,19 @@ impl Stores {
 
     /// One direct connection attempt to the store of `kind`.
     ///
-    /// Errors: its section is missing, or it cannot be reached (`database: ...`, `redis: ...`).
-    pub async fn reachable(&self, kind: StoreKind) -> Result<(), String> {
+    /// Errors, prefixed with the store (`database: ...`, `redis: ...`): [`NotReady::Refused`] when its section is
+    /// missing or what it answered can never change by waiting (a wrong password, a database that does not exist);
+    /// [`NotReady::Unavailable`] when it cannot be reached yet.
+    pub async fn reachable(&self, kind: StoreKind) -> Result<(), NotReady> {
+        let refused = |why: String| NotReady::Refused(why);
         let result = match kind {
-            StoreKind::Database => Store::ping(self.database()?).await,
+            StoreKind::Database => Store::ping(self.database().map_err(refused)?).await,
             #[cfg(feature = "redis")]
-            StoreKind::Redis => super::redis::ping(self.redis()?).await,
+            StoreKind::Redis => super::redis::ping(self.redis().map_err(refused)?).await,
             #[cfg(not(feature = "redis"))]
-            StoreKind::Redis => self.redis().and(Err(super::not_built("Redis", "redis"))),
+            StoreKind::Redis => Err(NotReady::Refused(self.redis().err().unwrap_or_else(|| super::not_built("Redis", "redis")))),
         };
-        result.map_err(|why| format!("{}: {why}", kind.name()))
+        result.map_err(|e| e.within(kind.name()))
     }
 
     /// A pool for the store of `kind`, without connecting.
@@ -178,7 +181,7 @@ impl Stores {
             StoreKind::Redis => self.redis().map(drop).map_err(refused)?,
         }
         self.built(kind).map_err(refused)?;
-        self.reachable(kind).await.map_err(NotReady::Unavailable)?;
+        self.reachable(kind).await?;
         // Only the database can be behind PgBouncer: opening Redis asks nothing of it.
         let store = match kind {
             StoreKind::Database => self.behind_pgbouncer().await.pool(kind),
@@ -191,16 +194,25 @@ impl Stores {
 
     /// At start-up the stores may not be up yet (a compose file starts everything at once): waits for each of
     /// `kinds`, with exponential backoff, saying why on every attempt.
-    pub async fn wait_for(&self, kinds: &[StoreKind]) {
+    ///
+    /// Errors: a store's [`NotReady::Refused`], which waiting cannot change (a wrong password, a database that does
+    /// not exist): said at once instead of retried forever.
+    pub async fn wait_for(&self, kinds: &[StoreKind]) -> Result<(), NotReady> {
         for kind in kinds {
             let mut backoff = crate::retry::backoff(Duration::from_millis(200), Duration::from_secs(10));
             loop {
-                let Err(why) = self.reachable(*kind).await else { break };
-                let delay = backoff.next().unwrap_or(Duration::from_secs(10));
-                tracing::warn!(retry_in = ?delay, "{why}");
-                tokio::time::sleep(delay).await;
+                match self.reachable(*kind).await {
+                    Ok(()) => break,
+                    Err(e @ NotReady::Refused(_)) => return Err(e),
+                    Err(NotReady::Unavailable(why)) => {
+                        let delay = backoff.next().unwrap_or(Duration::from_secs(10));
+                        tracing::warn!(retry_in = ?delay, "{why}");
+                        tokio::time::sleep(delay).await;
+                    }
+                }
             }
         }
+        Ok(())
     }
 }
 
@@ -241,13 +253,13 @@ impl Store {
 
     /// Connects once, directly, to tell whether the database is reachable, with the server's or the network's
     /// own reason when it is not. The error never contains the password.
-    pub async fn ping(settings: &DatabaseSettings) -> Result<(), String> {
+    pub async fn ping(settings: &DatabaseSettings) -> Result<(), NotReady> {
         match Dialect::of_url(settings.url.expose()) {
             Dialect::Postgres => postgres::ping(settings).await,
             #[cfg(feature = "mysql")]
             Dialect::MySql => mysql::ping(settings).await,
             #[cfg(not(feature = "mysql"))]
-            Dialect::MySql => Err(super::not_built("MySQL/MariaDB", "mysql")),
+            Dialect::MySql => Err(NotReady::Refused(super::not_built("MySQL/MariaDB", "mysql"))),
         }
     }
 

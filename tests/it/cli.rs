@@ -287,5 +287,21 @@ async fn migrate_twice_and_check_as_a_role_named_like_the_schema() {
             .unwrap();
     assert_eq!(records, 1, "one migration record");
     assert_eq!(sqlx::query_scalar::<_, String>("SELECT current_schema()").fetch_one(&pool).await.unwrap(), "idemflow", "the trap is set");
+    // Another application's migration record in a schema this role may not read (another sqlx-migrated service
+    // sharing the database) is not idemflow's, and `check` and `migrate` pass over it: its schema check runs in a
+    // transaction, which a refused read would have aborted.
+    let mut admin_here = url::Url::parse(admin).unwrap();
+    admin_here.set_path(&name);
+    let mut other: sqlx::PgConnection = sqlx::Connection::connect(admin_here.as_str()).await.unwrap();
+    sqlx::raw_sql(
+        "CREATE SCHEMA other_app; CREATE TABLE other_app._sqlx_migrations (version bigint PRIMARY KEY, success boolean NOT NULL);          INSERT INTO other_app._sqlx_migrations VALUES (99, true)",
+    )
+    .execute(&mut other)
+    .await
+    .unwrap();
+    for command in ["check", "migrate", "check"] {
+        let (status, out, err) = idemflow(&[command, "--config", cfg], dir.path());
+        assert!(status.success(), "{command} beside a record it may not read: {out}{err}");
+    }
     pool.close().await;
 }

@@ -387,6 +387,21 @@ async fn a_database_that_cannot_answer_at_start_is_waited_for() {
     assert!(w.sigterm().success(), "{}", w.log_text());
 }
 
+/// A database that can never answer as configured (one that does not exist, SQLSTATE 3D000; a wrong password would
+/// be class 28): `run` says so and exits at once instead of waiting for it forever, as it waits for one not up yet.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_database_that_does_not_exist_stops_the_worker_at_once() {
+    let pipeline = "topics = [\"t\"]\n[key]\nfield = \"/id\"\n[sink]\ntable = \"t\"\n[sink.columns]\nid = \"/id\"\n";
+    let (db, _kafka, setup) = fixture("CREATE TABLE t (id text PRIMARY KEY);", "t", 1, &[("t.toml", pipeline)]).await;
+    let name = db.url.rsplit_once('/').unwrap().1.split('?').next().unwrap().to_owned();
+    let text = std::fs::read_to_string(&setup.config).unwrap();
+    std::fs::write(&setup.config, text.replace(&format!("/{name}"), "/no_such_database_here")).unwrap();
+    let mut w = BinWorker::start(&setup);
+    let status = w.wait_exit(Duration::from_secs(30));
+    assert!(!status.success(), "{}", w.log_text());
+    assert!(w.log_text().contains("no_such_database_here\" does not exist"), "{}", w.log_text());
+}
+
 /// A settings file named with --config that does not exist is an error, not an environment-only fallback.
 #[test]
 fn a_missing_config_file_is_an_error() {

@@ -33,10 +33,16 @@ impl Runtime {
         self.client.clone()
     }
 
-    /// Stops the client's tasks and the runtime's threads.
+    /// Stops the client's tasks and the runtime's threads, waiting at most [`super::consumer::CLOSE_TIMEOUT`] for
+    /// the tasks (then they are left to end with the process).
     pub async fn shutdown(self) {
-        let _ = self.client.shutdown().await;
-        let _ = self.owner.shutdown_tasks().await;
+        let tasks = async {
+            let _ = self.client.shutdown().await;
+            let _ = self.owner.shutdown_tasks().await;
+        };
+        if tokio::time::timeout(super::consumer::CLOSE_TIMEOUT, tasks).await.is_err() {
+            tracing::warn!(timeout = ?super::consumer::CLOSE_TIMEOUT, "the RocketMQ client's tasks did not stop in time; left to end with the process");
+        }
         self.owner.shutdown_background();
     }
 }

@@ -70,6 +70,12 @@ type Queue = (Arc<str>, i32);
 /// How long a queue whose seek failed waits before it is claimed again.
 const RESEEK_AFTER: Duration = Duration::from_secs(3);
 
+/// How long closing the consumer, then the client's runtime, may each take at shutdown before they are left to
+/// stop in the background. Nothing of the guarantee waits on them: each batch's consume offsets were sent to the
+/// broker after its commit ([`RocketMqSource::commit`]). The client's own shutdown has been seen to wait 5 s per
+/// task after a failed rebalance sync ("lite pull task shutdown report is unhealthy"), past `shutdown.timeout`.
+pub const CLOSE_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// The queues this source paused in the client, and those it gave up with when they may be claimed again
 /// ([`RocketMqSource::lose`], [`RocketMqSource::start_from`]): bookkeeping only, no client calls, so its rule can be
 /// tested. A pause is ended only by a start from a claimed position ([`Holds::started`]), whatever happens in
@@ -404,8 +410,9 @@ impl Connector for RocketMqSource {
     /// Ends cleanly: the consumer leaves its group (its consume offsets, all committed already, are flushed once
     /// more) and the client's runtime stops.
     async fn close(mut self) {
-        if self.started {
-            self.consumer.shutdown().await;
+        if self.started && tokio::time::timeout(CLOSE_TIMEOUT, self.consumer.shutdown()).await.is_err() {
+            tracing::warn!(pipeline = %self.pipeline, timeout = ?CLOSE_TIMEOUT,
+                "the RocketMQ consumer did not stop in time; left to stop in the background (its consume offsets were sent after each batch)");
         }
         if let Some(runtime) = self.runtime.take() {
             runtime.shutdown().await;

@@ -188,18 +188,22 @@ pub fn pool(settings: &DatabaseSettings) -> Result<MySqlPool, sqlx::Error> {
 
 /// Connects once, directly, to tell whether the database is reachable, with the server's or the network's own
 /// reason when it is not. The error never contains the password.
-pub async fn ping(settings: &DatabaseSettings) -> Result<(), String> {
+pub async fn ping(settings: &DatabaseSettings) -> Result<(), NotReady> {
     use sqlx::Connection as _;
     let url = &settings.url;
-    require_database(settings).map_err(|e| url.scrub(&e.to_string()))?;
-    let options = connect_options(settings).map_err(|e| format!("cannot connect to {url}: {}", url.scrub(&e.to_string())))?;
+    require_database(settings).map_err(|e| NotReady::Refused(url.scrub(&e.to_string())))?;
+    let options = connect_options(settings).map_err(|e| NotReady::Refused(format!("cannot connect to {url}: {}", url.scrub(&e.to_string()))))?;
     match tokio::time::timeout(settings.acquire_timeout, sqlx::MySqlConnection::connect_with(&options)).await {
         Ok(Ok(conn)) => {
             let _ = conn.close().await;
             Ok(())
         }
-        Ok(Err(e)) => Err(format!("cannot connect to {url}: {}", url.scrub(&e.to_string()))),
-        Err(_) => Err(format!("cannot connect to {url}: no answer within {:?}", settings.acquire_timeout)),
+        // Waited for where a batch would retry; refused where it never would (access denied 1045, unknown database 1049).
+        Ok(Err(e)) => Err(NotReady::new(
+            matches!(error::classify_error(&e), Disposition::Retry(_)),
+            format!("cannot connect to {url}: {}", url.scrub(&e.to_string())),
+        )),
+        Err(_) => Err(NotReady::Unavailable(format!("cannot connect to {url}: no answer within {:?}", settings.acquire_timeout))),
     }
 }
 

@@ -72,18 +72,23 @@ pub fn pool(settings: &DatabaseSettings) -> Result<PgPool, sqlx::Error> {
 
 /// Connects once, directly, to tell whether the database is reachable, with the server's or the network's own
 /// reason when it is not (a pool would only say it timed out). The error never contains the password.
-pub async fn ping(settings: &DatabaseSettings) -> Result<(), String> {
+pub async fn ping(settings: &DatabaseSettings) -> Result<(), NotReady> {
     use sqlx::Connection as _;
     let url = &settings.url;
-    let options = connect_options(settings).map_err(|e| format!("cannot connect to {url}: {}", url.scrub(&e.to_string())))?;
+    let options = connect_options(settings).map_err(|e| NotReady::Refused(format!("cannot connect to {url}: {}", url.scrub(&e.to_string()))))?;
     let attempt = sqlx::PgConnection::connect_with(&options);
     match tokio::time::timeout(settings.acquire_timeout, attempt).await {
         Ok(Ok(conn)) => {
             let _ = conn.close().await;
             Ok(())
         }
-        Ok(Err(e)) => Err(format!("cannot connect to {url}: {}", url.scrub(&e.to_string()))),
-        Err(_) => Err(format!("cannot connect to {}: no answer within {:?}", settings.url, settings.acquire_timeout)),
+        // Waited for where a batch would retry (the server starting or shutting down, a refused or lost connection);
+        // refused where it never would (a wrong password, SQLSTATE class 28; a database that does not exist, 3D000).
+        Ok(Err(e)) => Err(NotReady::new(
+            matches!(error::classify_error(&e), Disposition::Retry(_)),
+            format!("cannot connect to {url}: {}", url.scrub(&e.to_string())),
+        )),
+        Err(_) => Err(NotReady::Unavailable(format!("cannot connect to {}: no answer within {:?}", settings.url, settings.acquire_timeout))),
     }
 }
 
@@ -122,16 +127,19 @@ pub async fn pgbouncer(settings: &DatabaseSettings) -> Option<String> {
 ///
 /// Errors: the database's.
 pub async fn migrations_schema(conn: &mut sqlx::PgConnection) -> Result<Option<String>, sqlx::Error> {
+    // Only records this role may read: a refused read would abort the transaction the schema check runs in.
     let schemas: Vec<String> = sqlx::query_scalar(
         "SELECT quote_ident(n.nspname) FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace \
-         WHERE c.relname = '_sqlx_migrations' AND c.relkind IN ('r', 'p') ORDER BY n.nspname",
+         WHERE c.relname = '_sqlx_migrations' AND c.relkind IN ('r', 'p') \
+           AND has_schema_privilege(n.oid, 'USAGE') AND has_table_privilege(c.oid, 'SELECT') ORDER BY n.nspname",
     )
     .persistent(false)
     .fetch_all(&mut *conn)
     .await?;
     let mut best: Option<(i64, String)> = None;
     for schema in schemas {
-        // A record this role cannot read is not one it keeps.
+        // A record this role cannot read is not one it keeps (filtered above; a column privilege refused still
+        // comes here).
         let version: Option<i64> = match sqlx::query_scalar(&format!("SELECT max(version) FROM {schema}._sqlx_migrations WHERE success"))
             .persistent(false)
             .fetch_one(&mut *conn)

@@ -284,7 +284,7 @@ pub(crate) fn format_ms(ms: i64) -> String {
 
 /// Connects once, directly, to tell whether Redis is reachable and answers `PING` (with Sentinel: the primary the
 /// sentinels name), with Redis's or the network's own reason when it is not. The error never contains the password.
-pub async fn ping(settings: &RedisSettings) -> Result<(), String> {
+pub async fn ping(settings: &RedisSettings) -> Result<(), NotReady> {
     let attempt = async {
         let primary = if settings.sentinels.is_empty() { None } else { Some(ask_sentinels(settings).await?) };
         let client = client(settings, primary.as_ref()).map_err(|why| redis::RedisError::from((redis::ErrorKind::InvalidClientConfig, "redis", why)))?;
@@ -294,8 +294,13 @@ pub async fn ping(settings: &RedisSettings) -> Result<(), String> {
     let at = if settings.sentinels.is_empty() { settings.url.to_string() } else { format!("the primary the sentinels {:?} name", settings.sentinels) };
     match tokio::time::timeout(settings.connect_timeout * 2, attempt).await {
         Ok(Ok(_)) => Ok(()),
-        Ok(Err(e)) => Err(format!("cannot connect to Redis at {at}: {}", settings.url.scrub(&e.to_string()))),
-        Err(_) => Err(format!("cannot connect to Redis at {at}: no answer in {:?}", settings.connect_timeout * 2)),
+        // Waited for where a batch would retry (a refused or lost connection, LOADING, a failover); refused where it
+        // never would (a wrong password, a configuration the client refuses).
+        Ok(Err(e)) => Err(NotReady::new(
+            matches!(super::error::classify(&e), Disposition::Retry(_)),
+            format!("cannot connect to Redis at {at}: {}", settings.url.scrub(&e.to_string())),
+        )),
+        Err(_) => Err(NotReady::Unavailable(format!("cannot connect to Redis at {at}: no answer in {:?}", settings.connect_timeout * 2))),
     }
 }
 
