@@ -175,13 +175,9 @@ impl Stores {
     /// build leaves it out, its URL is refused, or the schema is missing or behind; [`NotReady::Unavailable`]: it
     /// cannot be reached or asked (worth waiting for, as [`Stores::wait_for`] does).
     pub async fn open(&self, kind: StoreKind) -> Result<Store, NotReady> {
-        let refused = |why: String| NotReady::Refused(format!("{}: {why}", kind.name()));
-        match kind {
-            StoreKind::Database => self.database().map(drop).map_err(refused)?,
-            StoreKind::Redis => self.redis().map(drop).map_err(refused)?,
-        }
-        self.built(kind).map_err(refused)?;
+        // A missing section and a store this build leaves out are refused by `reachable` too.
         self.reachable(kind).await?;
+        let refused = |why: String| NotReady::Refused(format!("{}: {why}", kind.name()));
         // Only the database can be behind PgBouncer: opening Redis asks nothing of it.
         let store = match kind {
             StoreKind::Database => self.behind_pgbouncer().await.pool(kind),
