@@ -54,6 +54,7 @@ mod harness;
 mod one_stream;
 mod options;
 mod report;
+mod server_lock;
 mod workload;
 
 pub use harness::histogram_quantile;
@@ -68,6 +69,7 @@ use baselines::*;
 use harness::*;
 use one_stream::*;
 use report::*;
+use server_lock::ServerLock;
 use workload::*;
 
 /// Runs the benchmark and writes the Markdown table and the JSON.
@@ -86,8 +88,15 @@ pub async fn run(o: BenchOptions) -> anyhow::Result<Report> {
     };
     if o.source != BenchSource::Kafka {
         anyhow::ensure!(o.repeat <= 1, "--repeat is for the embedded Kafka's runs; run `idemflow bench --source {:?}` several times instead", o.source);
-        return run_one_stream(&o, &admin_url).await;
     }
+    let lock = ServerLock::take(&admin_url).await?;
+    let report = if o.source == BenchSource::Kafka { run_kafka(&o, &admin_url).await } else { run_one_stream(&o, &admin_url).await };
+    lock.release().await;
+    report
+}
+
+/// The runs on the embedded Kafka broker's stream, (1) to (15), `--repeat` times.
+async fn run_kafka(o: &BenchOptions, admin_url: &str) -> anyhow::Result<Report> {
     let mysql = is_mysql(&admin_url);
     let kafka = EmbeddedKafka::start()?;
     // About 200 bytes a record; the mock keeps about 5 MiB per partition: stay under 2 MiB.

@@ -223,3 +223,34 @@ async fn bench_on_mariadb_runs_the_worker_runs_and_the_consume_only_ceiling() {
     let settings = report["environment"].to_string();
     assert!(settings.contains("MariaDB") && settings.contains("innodb_flush_log_at_trx_commit"), "{settings}");
 }
+
+/// Two benches against one database server run in turn, not side by side (they would drop each other's databases
+/// and measure each other): a bench that finds the server's bench lock held says so and waits, then runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_bench_on_the_same_server_waits_for_the_first() {
+    use sqlx::Connection;
+    // The lock a bench holds: PostgreSQL's session-level advisory lock on the bytes "idemflow" as a bigint.
+    let key = i64::from_be_bytes(*b"idemflow");
+    let mut holder = sqlx::PgConnection::connect(postgres::server_url()).await.unwrap();
+    sqlx::query("SELECT pg_advisory_lock($1)").bind(key).execute(&mut holder).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("bench.json");
+    let args: Vec<String> = [
+        "bench", "--records", "500", "--only", "5", "--database-url", postgres::server_url(), "--markdown",
+        dir.path().join("bench.md").to_str().unwrap(), "--json", json.to_str().unwrap(),
+    ]
+    .map(String::from)
+    .into();
+    let cwd = dir.path().to_owned();
+    let second = tokio::task::spawn_blocking(move || {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        idemflow(&args, &cwd)
+    });
+    tokio::time::sleep(std::time::Duration::from_secs(4)).await;
+    assert!(!second.is_finished() && !json.exists(), "the second bench ran while the lock was held");
+    holder.close().await.unwrap();
+    let (status, out, err) = second.await.unwrap();
+    assert!(status.success(), "{out}\n{err}");
+    assert!(err.contains("another idemflow bench is running against this database server; waiting"), "{err}");
+    assert!(json.exists());
+}
