@@ -30,7 +30,8 @@
 //!   failure classification.
 //! - [`offsets`]: the next offset of each partition after a batch (the only place that adds 1), and the fenced
 //!   positions stored in Postgres with `[offsets] store = "database"`.
-//! - [`retention`]: purging dedup rows older than the pipeline's retention, in bounded batches.
+//! - [`retention`]: the paced sweep that deletes dedup rows older than the pipeline's retention, slice by slice,
+//!   resuming at a stored cursor.
 //! - [`metrics`]: every Prometheus metric; [`http`]: `/metrics`, `/healthz`, `/readyz`.
 //! - [`worker`]: runs every pipeline until shutdown; [`shutdown`]: the signal that stops it.
 //! - [`store`]: the database that holds the business data and idemflow's tables, one module per database behind
@@ -196,6 +197,13 @@
 //!   leaves its entry unused. Tested with a batch stalled on a lock while the table's column types change
 //!   (`tests/it/hardening.rs`).
 //!
+//! - Retention deletes a dedup row only once it is older than `[dedup] retention` by the database's clock at the
+//!   slice's transaction ([`retention`]): each slice is one transaction with its cursor, so a worker killed in a
+//!   slice rolls it back and resumes at the last committed cursor, deleting nothing early. On PostgreSQL a slice never
+//!   waits on a row a batch holds (`SKIP LOCKED`: the row waits for the next pass); on MySQL/MariaDB its `DELETE`
+//!   waits for one as any statement does (a deadlock rolls one transaction back, and a batch retries). A row lives
+//!   at most its retention plus a full pass and `purge_interval`; what a record redelivered after that meets is the
+//!   next point. Tested: `tests/it/retention.rs`, `mariadb::the_sweep_walks_the_primary_key_in_slices_one_replica_at_a_time`.
 //! - A consumer group that starts over (its committed offsets expired after `offsets.retention.minutes`, a new
 //!   `group_id`) replays records whose dedup rows may have been purged since. Every batch's transaction reads its
 //!   partitions' processed marks and their floor ([`offsets::Mark`]) first, under the rows' locks, and raises them

@@ -7,7 +7,7 @@
 //! committed.
 
 use prometheus::{
-    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
+    Encoder, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
     TextEncoder,
 };
 use std::collections::HashMap;
@@ -221,6 +221,9 @@ pub struct Metrics {
     consumer_lag: IntGaugeVec,
     assigned_partitions: IntGaugeVec,
     dedup_rows_purged: IntCounterVec,
+    retention_rows_examined: IntCounterVec,
+    retention_passes: IntCounterVec,
+    retention_pass_seconds: GaugeVec,
     db_retries: IntCounterVec,
     prepared_ahead: IntCounterVec,
     offset_commits: IntCounterVec,
@@ -295,6 +298,17 @@ impl Metrics {
                 g
             },
             dedup_rows_purged: counter(&r, "idemflow_dedup_rows_purged_total", "Dedup rows deleted by retention.", &["pipeline"]),
+            retention_rows_examined: counter(&r, "idemflow_retention_rows_examined_total", "Dedup rows the retention sweep looked at (on PostgreSQL, of every pipeline sharing the table).", &["pipeline"]),
+            retention_passes: counter(&r, "idemflow_retention_passes_total", "Full passes of the retention sweep over the dedup table.", &["pipeline"]),
+            retention_pass_seconds: {
+                let g = GaugeVec::new(
+                    Opts::new("idemflow_retention_pass_seconds", "Seconds the last full pass of the retention sweep took, first slice to last: a dedup row lives at most its retention plus this and purge_interval."),
+                    &["pipeline"],
+                )
+                .expect("valid metric");
+                r.register(Box::new(g.clone())).expect("registered once");
+                g
+            },
             db_retries: counter(&r, "idemflow_db_retries_total", "Batch attempts that failed with a retryable database error, by cause.", &["pipeline", "cause"]),
             prepared_ahead: counter(&r, "idemflow_records_prepared_ahead_total", "Records prepared (decoded, keyed, their values taken) while the batch before theirs was in its transaction, by result: used for their batch, or dropped unused (their partition revoked, fenced or resynced, or their channel lost, before it; the statements rebuilt).", &["pipeline", "result"]),
             offset_commits: counter(&r, "idemflow_offset_commits_total", "Kafka offset commits and RabbitMQ acknowledgements after a batch's COMMIT, by result.", &["pipeline", "result"]),
@@ -376,6 +390,8 @@ impl Metrics {
         self.pipeline_up.with_label_values(&[p]).set(1);
         self.assigned_partitions.with_label_values(&[p]).set(0);
         self.dedup_rows_purged.with_label_values(&[p]);
+        self.retention_rows_examined.with_label_values(&[p]);
+        self.retention_passes.with_label_values(&[p]);
         PipelineMetrics {
             name: name.to_owned(),
             metrics: self.clone(),
@@ -570,9 +586,16 @@ impl PipelineMetrics {
         all.remove(&(self.name.clone(), topic.to_owned(), partition));
     }
 
-    /// Counts dedup rows deleted by retention.
-    pub fn purged(&self, rows: u64) {
-        self.metrics.dedup_rows_purged.with_label_values(&[&self.name]).inc_by(rows);
+    /// Counts one committed slice of the retention sweep: the rows it examined and deleted, and, when it ended a
+    /// pass, the pass and its duration.
+    pub fn swept(&self, slice: &crate::retention::Slice) {
+        let p = [self.name.as_str()];
+        self.metrics.dedup_rows_purged.with_label_values(&p).inc_by(slice.purged);
+        self.metrics.retention_rows_examined.with_label_values(&p).inc_by(slice.examined);
+        if let Some(seconds) = slice.pass_seconds {
+            self.metrics.retention_passes.with_label_values(&p).inc();
+            self.metrics.retention_pass_seconds.with_label_values(&p).set(seconds);
+        }
     }
 
     /// Counts one failed, retryable batch attempt.

@@ -1,25 +1,132 @@
-//! Retention of the dedup store: rows older than the pipeline's `[dedup] retention` are deleted in bounded batches.
+//! Retention of the dedup store: a continuous, paced sweep deletes the rows older than the pipeline's
+//! `[dedup] retention`.
 //!
-//! Each batch is one short transaction deleting at most `purge_batch` rows, oldest first, through the
-//! `(pipeline, applied_at)` index, so no long lock is held and no giant `DELETE` runs. One replica at a time purges
-//! a pipeline: one that finds another's purge lock held skips its pass (without scanning), so nobody waits. How each
-//! store does it: [`crate::store::postgres::retention`] (an advisory lock per batch transaction) and
-//! [`crate::store::mysql::retention`] (`GET_LOCK` for the pass).
+//! No index is kept for retention (one on `applied_at` would be written by every claimed key): the sweep walks the
+//! dedup table in slices instead, each slice one short transaction that examines about `purge_batch` rows, deletes
+//! those of the pipeline older than the retention, and stores the sweep's cursor, so a sweep resumes where it stopped
+//! after a restart. How each store slices: [`crate::store::postgres::retention`] by ranges of the heap (TID range
+//! scans), [`crate::store::mysql::retention`] by ranges of the clustered primary key. A pass ends when the cursor
+//! reaches the end of the table; the worker paces its slices to `purge_rate` rows examined per second and waits
+//! `purge_interval` between passes. One replica at a time sweeps a pipeline: a slice first locks the pipeline's
+//! cursor without waiting, and one that finds it locked skips its pass.
 //!
-//! A record redelivered after its key's row was purged is applied again: retention must cover the longest time a
-//! record can come back (the topic's retention, a consumer group rewound to the earliest offset). See docs/operations.md, "Retention and growth".
+//! So a row lives at least its retention and at most its retention plus one full pass and `purge_interval` (a row
+//! moved by an update while its pass runs, a duplicate counted, can wait one pass more). A record redelivered after
+//! its key's row was purged is applied again: retention must cover the longest time a record can come back (the
+//! topic's retention, a consumer group rewound to the earliest offset). See docs/operations.md, "Retention and growth".
 
+use std::future::Future;
 use std::time::Duration;
 
-/// What one purge pass did.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+/// What one slice of a sweep did ([`crate::store::Connector::sweep_slice`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Slice {
+    /// Dedup rows the slice looked at, of every pipeline sharing the table (PostgreSQL's heap slices) or of this
+    /// pipeline (MySQL's key ranges).
+    pub examined: u64,
+    /// Rows deleted: this pipeline's, older than the retention.
+    pub purged: u64,
+    /// Another replica holds the pipeline's sweep cursor: nothing was done.
+    pub skipped_locked: bool,
+    /// The slice reached the end of the table: the pass ended, in this many seconds since its first slice (its
+    /// cursor is back at the start). `Some(0.0)` from a store that has nothing to sweep.
+    pub pass_seconds: Option<f64>,
+}
+
+/// What one sweep pass did ([`sweep_pass`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct PurgeOutcome {
     /// Rows deleted.
     pub purged: u64,
-    /// Batches run.
-    pub batches: u64,
-    /// Whether the pass was skipped because another replica held the pipeline's purge lock.
+    /// Rows examined.
+    pub examined: u64,
+    /// Slices run.
+    pub slices: u64,
+    /// Whether the pass was given up because another replica held the pipeline's sweep cursor.
     pub skipped_locked: bool,
+    /// How long the pass took, from its first slice (by whichever replica) to its last; `None` when it did not end.
+    pub pass_seconds: Option<f64>,
+}
+
+/// How a pass runs its slices.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pace {
+    /// As the worker does: continue the pass the cursor is in, sleeping after each slice so that at most this many
+    /// rows are examined per second.
+    RowsPerSecond(u32),
+    /// As `idemflow purge` does: start a pass from the beginning of the table and run its slices back to back.
+    FromStartAtOnce,
+}
+
+/// Runs slices until a pass ends, another replica is found sweeping, or a slice fails. `slice(restart)` runs one
+/// slice (`restart`: put the cursor back at the start of the table first); `on_slice` is told of each committed
+/// slice as it goes (the worker counts its rows in the metrics then, not once per pass).
+///
+/// # Errors
+/// The slice's; the slices committed before it stay committed, and the next pass resumes at the stored cursor.
+pub async fn sweep_pass<E, F, Fut>(pace: Pace, mut slice: F, mut on_slice: impl FnMut(&Slice)) -> Result<PurgeOutcome, E>
+where
+    F: FnMut(bool) -> Fut,
+    Fut: Future<Output = Result<Slice, E>>,
+{
+    let mut outcome = PurgeOutcome::default();
+    let mut restart = pace == Pace::FromStartAtOnce;
+    loop {
+        let s = slice(restart).await?;
+        restart = false;
+        if s.skipped_locked {
+            outcome.skipped_locked = true;
+            return Ok(outcome);
+        }
+        outcome.slices += 1;
+        outcome.examined += s.examined;
+        outcome.purged += s.purged;
+        on_slice(&s);
+        if s.pass_seconds.is_some() {
+            outcome.pass_seconds = s.pass_seconds;
+            return Ok(outcome);
+        }
+        if let Pace::RowsPerSecond(rate) = pace {
+            tokio::time::sleep(Duration::from_secs_f64(s.examined as f64 / f64::from(rate.max(1)))).await;
+        }
+    }
+}
+
+/// Where a pipeline's sweep stands, as its store keeps it ([`crate::store::Connector::sweep_state`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct SweepState {
+    /// Full passes finished.
+    pub passes: u64,
+    /// How long the last full pass took, in seconds; `None` before the first.
+    pub last_pass_seconds: Option<f64>,
+    /// How long the pass under way has been running, in seconds; `None` between passes.
+    pub current_pass_seconds: Option<f64>,
+}
+
+/// How long `pipeline`'s dedup rows live, as `check` says it: at least `retention`; at most `retention` plus the
+/// last full pass and `purge_interval` (the longer of the last pass and the one under way), once a pass finished.
+pub fn lifetime_note(pipeline: &str, retention: Duration, purge_interval: Duration, state: Option<&SweepState>) -> String {
+    let d = crate::terminal::duration;
+    let state = state.copied().unwrap_or_default();
+    let pass = state.last_pass_seconds.into_iter().chain(state.current_pass_seconds).fold(None::<f64>, |m, s| Some(m.map_or(s, |m| m.max(s))));
+    match (state.last_pass_seconds, pass) {
+        (Some(_), Some(pass)) => {
+            let pass = Duration::from_secs_f64(pass.max(0.0)).as_secs().max(1);
+            let pass = Duration::from_secs(pass);
+            format!(
+                "pipeline {pipeline:?}: dedup rows live at least {} and at most {} (retention, plus the retention sweep's \
+                 longest recent pass, {}, and purge_interval, {}; {} passes so far)",
+                d(retention), d(retention + pass + purge_interval), d(pass), d(purge_interval), state.passes
+            )
+        }
+        _ => format!(
+            "pipeline {pipeline:?}: dedup rows live at least {}; the retention sweep has not finished a pass yet{} (the \
+             longest they live is the retention plus one pass and purge_interval, {})",
+            d(retention),
+            state.current_pass_seconds.map_or(String::new(), |s| format!(" (one under way for {})", d(Duration::from_secs(s.max(0.0) as u64)))),
+            d(purge_interval)
+        ),
+    }
 }
 
 /// What a Kafka topic says about how long it keeps a record (its topic configuration, Kafka's "Topic Configs").
@@ -80,6 +187,21 @@ pub fn window_warnings(pipeline: &str, topic: &str, kept: &TopicRetention, dedup
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_lifetime_is_the_retention_plus_the_longest_recent_pass_and_the_interval() {
+        let (day, minute) = (Duration::from_secs(24 * 3600), Duration::from_secs(60));
+        let state = |last: Option<f64>, current: Option<f64>| SweepState { passes: 3, last_pass_seconds: last, current_pass_seconds: current };
+        let note = lifetime_note("p", day, minute, Some(&state(Some(600.0), None)));
+        assert!(note.contains("live at least 1d and at most 1d 11m") && note.contains("pass, 10m") && note.contains("3 passes"), "{note}");
+        // A pass under way that has run longer than the last one counts.
+        let note = lifetime_note("p", day, minute, Some(&state(Some(600.0), Some(1200.0))));
+        assert!(note.contains("at most 1d 21m"), "{note}");
+        let note = lifetime_note("p", day, minute, None);
+        assert!(note.contains("at least 1d; the retention sweep has not finished a pass yet ("), "{note}");
+        let note = lifetime_note("p", day, minute, Some(&state(None, Some(90.0))));
+        assert!(note.contains("not finished a pass yet (one under way for 1m 30s)"), "{note}");
+    }
 
     #[test]
     fn warns_when_the_topic_outlives_the_dedup_rows() {

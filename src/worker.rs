@@ -233,23 +233,25 @@ async fn stall_watch(metrics: PipelineMetrics) -> std::convert::Infallible {
     }
 }
 
-/// Purges the pipeline's expired dedup rows every `purge_interval`, forever (it is dropped when its pipeline
-/// ends). Failures are logged and the next pass tries again.
+/// Sweeps the pipeline's expired dedup rows ([`crate::retention`]), forever (it is dropped when its pipeline ends):
+/// a pass at `purge_rate` rows examined per second, then `purge_interval` before the next. A pass that fails, or
+/// finds another replica sweeping, is logged and tried again after `purge_interval`, resuming at the stored cursor.
 async fn purge_loop(
     store: Store,
     pipeline: String,
     dedup: crate::config::DedupSettings,
     metrics: PipelineMetrics,
 ) -> std::convert::Infallible {
+    let pace = crate::retention::Pace::RowsPerSecond(dedup.purge_rate);
     loop {
         tokio::time::sleep(dedup.purge_interval).await;
-        match store.purge(&pipeline, dedup.retention, dedup.purge_batch, |n| metrics.purged(n)).await {
-            Ok(o) => {
-                if o.purged > 0 {
-                    tracing::info!(pipeline = %pipeline, purged = o.purged, batches = o.batches, "expired dedup rows purged");
-                }
-            }
-            Err(e) => tracing::warn!(pipeline = %pipeline, error = %e, "purging expired dedup rows failed; retrying next interval"),
+        match store.sweep_pass(&pipeline, dedup.retention, dedup.purge_batch, pace, |s| metrics.swept(s)).await {
+            Ok(o) if o.skipped_locked => tracing::debug!(pipeline = %pipeline, "another replica is sweeping the dedup rows"),
+            Ok(o) => tracing::info!(
+                pipeline = %pipeline, purged = o.purged, examined = o.examined, slices = o.slices,
+                pass_seconds = o.pass_seconds.unwrap_or_default(), "retention sweep: a pass ended"
+            ),
+            Err(e) => tracing::warn!(pipeline = %pipeline, error = %e, "retention sweep failed; resuming after purge_interval"),
         }
     }
 }

@@ -216,6 +216,20 @@ async fn durability(stores: &[(StoreKind, Store)], pipelines: &[config::Pipeline
     lines
 }
 
+/// How long each pipeline's dedup rows live, from its retention and its store's sweep
+/// ([`idemflow::retention::lifetime_note`]); nothing for a store whose keys expire by themselves (Redis says its own).
+async fn lifetimes(stores: &[(StoreKind, Store)], pipelines: &[config::Pipeline]) -> Vec<String> {
+    let mut lines = Vec::new();
+    for p in pipelines.iter().filter(|p| !p.sink.store().expires_dedup_keys()) {
+        let Some((_, store)) = stores.iter().find(|(kind, _)| *kind == p.sink.store()) else { continue };
+        match store.sweep_state(&p.name).await {
+            Ok(state) => lines.push(idemflow::retention::lifetime_note(&p.name, p.dedup.retention, p.dedup.purge_interval, state.as_ref())),
+            Err(e) => lines.push(format!("warning: pipeline {:?}: could not read its retention sweep's state: {e}", p.name)),
+        }
+    }
+    lines
+}
+
 /// Checks every pipeline against its store, all problems at once.
 async fn prepare_all(stores: &[(StoreKind, Store)], pipelines: &[config::Pipeline]) -> Result<Vec<worker::Ready>, worker::Unprepared> {
     let mut ready = Vec::new();

@@ -1,8 +1,9 @@
-//! `idemflow purge`: one retention pass by hand (PostgreSQL, MySQL/MariaDB; Redis expires its dedup keys by
+//! `idemflow purge`: one full pass of the retention sweep by hand, from the start of the table, unpaced (PostgreSQL, MySQL/MariaDB; Redis expires its dedup keys by
 //! themselves).
 
 use super::{load, named, open_store, report};
 use idemflow::config;
+use idemflow::retention::Pace;
 use idemflow::store::spec::StoreKind;
 use std::path::PathBuf;
 
@@ -38,13 +39,18 @@ pub async fn run(a: PurgeArgs) -> anyhow::Result<()> {
     }
     let store = open_store(&settings, &a.config, StoreKind::Database).await?;
     for p in chosen {
-        let o = store.purge(&p.name, p.dedup.retention, p.dedup.purge_batch, |_| {}).await?;
+        let o = store.sweep_pass(&p.name, p.dedup.retention, p.dedup.purge_batch, Pace::FromStartAtOnce, |_| {}).await?;
         if o.skipped_locked {
-            println!("pipeline {:?}: skipped, another process is purging it", p.name);
+            println!("pipeline {:?}: skipped, another process is sweeping it", p.name);
         } else {
             println!(
-                "pipeline {:?}: purged {} dedup rows older than {} in {} batch(es)",
-                p.name, o.purged, idemflow::terminal::duration(p.dedup.retention), o.batches
+                "pipeline {:?}: purged {} dedup rows older than {}, {} rows examined in {} slice(s), {:.1} s",
+                p.name,
+                o.purged,
+                idemflow::terminal::duration(p.dedup.retention),
+                o.examined,
+                o.slices,
+                o.pass_seconds.unwrap_or_default()
             );
         }
     }

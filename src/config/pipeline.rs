@@ -59,10 +59,13 @@ pub struct DedupSettings {
     /// Dedup rows older than this are deleted (default 7 days). A record redelivered after its row was purged is
     /// applied again, so this must cover the longest redelivery window (the topic's `retention.ms`).
     pub retention: Duration,
-    /// How often the worker runs a purge pass (default 1 minute).
+    /// How long the worker waits between two passes of its retention sweep (default 1 minute).
     pub purge_interval: Duration,
-    /// Rows deleted per purge transaction (default 5000).
+    /// Rows a slice of the sweep examines, one short transaction each (default 5000).
     pub purge_batch: u32,
+    /// Rows the worker's sweep examines per second at most, its pace (default 5000: a pass over 10 million rows in
+    /// about 35 minutes).
+    pub purge_rate: u32,
 }
 
 impl Default for DedupSettings {
@@ -71,6 +74,7 @@ impl Default for DedupSettings {
             retention: Duration::from_secs(7 * 24 * 3600),
             purge_interval: Duration::from_secs(60),
             purge_batch: 5000,
+            purge_rate: 5000,
         }
     }
 }
@@ -193,6 +197,7 @@ struct RawDedup {
     #[serde(default, with = "humantime_serde")]
     purge_interval: Option<Duration>,
     purge_batch: Option<u32>,
+    purge_rate: Option<u32>,
 }
 
 #[derive(Deserialize, Default)]
@@ -403,7 +408,11 @@ fn validate(raw: RawPipeline, path: &Path, stem: &str, dialect: Dialect, e: &mut
         Some(store) => store,
     };
     if let Err(why) = caps.purge_settings {
-        for (set, field) in [(raw.dedup.purge_interval.is_some(), "dedup.purge_interval"), (raw.dedup.purge_batch.is_some(), "dedup.purge_batch")] {
+        for (set, field) in [
+            (raw.dedup.purge_interval.is_some(), "dedup.purge_interval"),
+            (raw.dedup.purge_batch.is_some(), "dedup.purge_batch"),
+            (raw.dedup.purge_rate.is_some(), "dedup.purge_rate"),
+        ] {
             if set {
                 e.push(field, why);
             }
@@ -527,6 +536,7 @@ fn validate_dedup(raw: &RawDedup, e: &mut Errors<'_>) -> DedupSettings {
         retention: raw.retention.unwrap_or(dd.retention),
         purge_interval: raw.purge_interval.unwrap_or(dd.purge_interval),
         purge_batch: raw.purge_batch.unwrap_or(dd.purge_batch),
+        purge_rate: raw.purge_rate.unwrap_or(dd.purge_rate),
     };
     if dedup.retention.is_zero() {
         e.push("dedup.retention", "must be longer than 0");
@@ -536,6 +546,9 @@ fn validate_dedup(raw: &RawDedup, e: &mut Errors<'_>) -> DedupSettings {
     }
     if dedup.purge_batch == 0 {
         e.push("dedup.purge_batch", "must be at least 1");
+    }
+    if dedup.purge_rate == 0 {
+        e.push("dedup.purge_rate", "must be at least 1 (rows examined per second)");
     }
     dedup
 }

@@ -16,7 +16,7 @@ use crate::key::BusinessKey;
 use crate::metrics::DeadLetterReason;
 use crate::offsets::{Claimed, NextOffsets, Positions, Processed};
 use crate::record::{Position, Record};
-use crate::retention::PurgeOutcome;
+use crate::retention::{Slice, SweepState};
 use crate::store::rows::{Apply, Claim, Digests, Existing, Explained, Forget, Forgotten};
 use std::time::Duration;
 
@@ -195,13 +195,24 @@ pub trait Connector: Send + Sync {
         Ok(0)
     }
 
-    /// Deletes the dedup rows of `pipeline` older than `retention`, `batch` rows per transaction, and the attempt
-    /// rows of lanes gone for [`ATTEMPT_ROWS_KEPT`]. Default: nothing to purge (keys that expire by
-    /// themselves).
+    /// Runs one slice of `pipeline`'s retention sweep ([`crate::retention`]): resumes at the stored cursor (at the
+    /// start of the table with `restart`), examines about `rows` dedup rows, deletes those of `pipeline` older than
+    /// `retention`, and stores the cursor, in one transaction; when the slice ends a pass, also deletes the attempt
+    /// rows of lanes gone for [`ATTEMPT_ROWS_KEPT`]. Another replica sweeping the pipeline is not waited for: the
+    /// slice says [`Slice::skipped_locked`]. Default: nothing to sweep (keys that expire by themselves), a pass that
+    /// ends at once.
     ///
-    /// Errors: the store's; a pass interrupted by one leaves the store consistent.
-    async fn purge(&self, _pipeline: &str, _retention: Duration, _batch: u32, _on_batch: impl FnMut(u64) + Send) -> Result<PurgeOutcome, StoreError> {
-        Ok(PurgeOutcome::default())
+    /// Errors: the store's; the slice is rolled back and its cursor stays.
+    async fn sweep_slice(&self, _pipeline: &str, _retention: Duration, _rows: u32, _restart: bool) -> Result<Slice, StoreError> {
+        Ok(Slice { pass_seconds: Some(0.0), ..Slice::default() })
+    }
+
+    /// Where `pipeline`'s retention sweep stands: its passes, the last one's duration, the current one's age.
+    /// Default: nothing swept here (`None`).
+    ///
+    /// Errors: the store's.
+    async fn sweep_state(&self, _pipeline: &str) -> Result<Option<SweepState>, StoreError> {
+        Ok(None)
     }
 
     /// What the dedup store knows of one business key (`idemflow explain`).

@@ -40,7 +40,7 @@ use crate::key::BusinessKey;
 use crate::offsets::{Claimed, NextOffsets, Positions, Processed};
 use crate::store::rows::Apply;
 use crate::record::Record;
-use crate::retention::PurgeOutcome;
+use crate::retention::{Pace, PurgeOutcome, Slice, SweepState};
 use crate::dead_letter::Stored;
 use crate::store::rows::{Claim, Existing, Explained};
 use crate::metrics::DeadLetterReason;
@@ -218,14 +218,29 @@ impl Store {
         each_store!(self, |s| Connector::lower_floors(s, pipeline, positions).await)
     }
 
-    /// Deletes the dedup rows of `pipeline` older than `retention`, `batch` rows per transaction, until none is
-    /// left (see [`crate::retention`]). `on_batch` is called after each committed batch with the rows it deleted.
+    /// Where `pipeline`'s retention sweep stands ([`Connector::sweep_state`]); `None` where nothing is swept.
     ///
-    /// Redis purges nothing: its dedup keys expire by themselves (their TTL is the retention).
+    /// Errors: the store's.
+    pub async fn sweep_state(&self, pipeline: &str) -> Result<Option<SweepState>, StoreError> {
+        each_store!(self, |s| Connector::sweep_state(s, pipeline).await)
+    }
+
+    /// Runs one pass of `pipeline`'s retention sweep ([`crate::retention::sweep_pass`]): slices of about `rows` rows
+    /// each ([`Connector::sweep_slice`]) at `pace`, until the pass ends or another replica is found sweeping;
+    /// `on_slice` is told of each committed slice. Redis sweeps nothing: its dedup keys expire by themselves (their
+    /// TTL is the retention), and its pass ends at once.
     ///
-    /// Errors: the database's; a pass interrupted by one leaves the store consistent (each batch is atomic).
-    pub async fn purge(&self, pipeline: &str, retention: Duration, batch: u32, on_batch: impl FnMut(u64) + Send) -> Result<PurgeOutcome, StoreError> {
-        each_store!(self, |s| Connector::purge(s, pipeline, retention, batch, on_batch).await)
+    /// Errors: the store's; the slices committed before it stay, and the next pass resumes at the stored cursor.
+    pub async fn sweep_pass(
+        &self,
+        pipeline: &str,
+        retention: Duration,
+        rows: u32,
+        pace: Pace,
+        on_slice: impl FnMut(&Slice) + Send,
+    ) -> Result<PurgeOutcome, StoreError> {
+        let slice = |restart| async move { each_store!(self, |s| Connector::sweep_slice(s, pipeline, retention, rows, restart).await) };
+        crate::retention::sweep_pass(pace, slice, on_slice).await
     }
 
     /// What the dedup store knows of one business key (`idemflow explain`).

@@ -28,7 +28,7 @@ pub struct StoreCapabilities {
     /// whose last writes can be lost together with the positions): `[offsets] store` defaults to `"database"`, and
     /// `"broker"` is refused with this reason.
     pub keeps_positions: Result<(), &'static str>,
-    /// `[dedup] purge_interval` and `purge_batch` (a store whose dedup keys expire by themselves has none).
+    /// `[dedup] purge_interval`, `purge_batch` and `purge_rate` (a store whose dedup keys expire by themselves has none).
     pub purge_settings: Result<(), &'static str>,
     /// `batch.concurrency` above 1.
     pub lanes: Result<(), &'static str>,

@@ -382,7 +382,7 @@ async fn migrate_explain_dead_letters_replay_and_purge_on_mariadb() {
     // A fresh database without idemflow's tables: `check` says to migrate, `migrate` creates them.
     let base = crate::support::mariadb::server_url();
     let db = MyDb::new("CREATE TABLE orders (id VARCHAR(64) PRIMARY KEY, amount DECIMAL(12, 2) NOT NULL) ENGINE = InnoDB;").await;
-    db.exec("DROP TABLE idemflow_dedup, idemflow_dead_letters, idemflow_offsets, idemflow_processed, idemflow_attempts, _sqlx_migrations").await;
+    db.exec("DROP TABLE idemflow_dedup, idemflow_dead_letters, idemflow_offsets, idemflow_processed, idemflow_attempts, idemflow_retention_sweeps, _sqlx_migrations").await;
     let kafka = Kafka::new();
     kafka.create_topic("orders", 1);
     let pipeline = "topics = [\"orders\"]\n[key]\nfield = \"/id\"\n[sink]\ntable = \"orders\"\n[sink.columns]\nid = \"/id\"\namount = \"/amount\"\n\
@@ -396,7 +396,7 @@ async fn migrate_explain_dead_letters_replay_and_purge_on_mariadb() {
     let (status, _, err) = run(&["check"]);
     assert!(!status.success() && err.contains("idemflow migrate"), "{err}");
     let (status, out, err) = run(&["migrate"]);
-    assert!(status.success() && out.contains("version 4"), "{out}{err}");
+    assert!(status.success() && out.contains("version 5"), "{out}{err}");
     let (status, out, err) = run(&["check"]);
     assert!(status.success(), "{out}{err}");
     kafka.produce("orders", &[Out::json(0, r#"{"id":"o-1","amount":"12.50"}"#), Out::json(0, r#"{"id":"o-2","amount":"abc"}"#)]);
@@ -856,39 +856,49 @@ async fn declared_decimals_are_exact_and_unsafe_statements_are_refused() {
     assert!(err.contains("sink.columns.flags") && err.contains("BIT"), "{err}");
 }
 
-/// Retention on MariaDB: expired rows are deleted in bounded batches, and while another session holds the
-/// pipeline's purge lock a pass is skipped without deleting anything.
+/// Retention on MariaDB: the sweep walks the pipeline's primary key in slices, each committed with its cursor (the
+/// last key id swept), resumes there, skips at once while another replica holds the pipeline's cursor, and ends its
+/// pass at the last key, having deleted the expired rows and kept the fresh one.
 #[tokio::test(flavor = "multi_thread")]
-async fn purge_deletes_in_bounded_batches_one_purger_at_a_time() {
+async fn the_sweep_walks_the_primary_key_in_slices_one_replica_at_a_time() {
+    use idemflow::retention::Pace;
     let db = MyDb::new("").await;
     let rows: Vec<String> = (0..7)
         .map(|i| format!("('p', 'k{i}', 'k{i}', 't', 0, {i}, UNHEX(SHA2('{i}', 256)), NOW(6) - INTERVAL 8 DAY)"))
         .collect();
     db.exec(&format!(
         "INSERT INTO idemflow_dedup (pipeline, key_id, business_key, topic, `partition`, `offset`, fingerprint, applied_at) VALUES {}, \
-         ('p', 'fresh', 'fresh', 't', 0, 9, UNHEX(SHA2('9', 256)), NOW(6))",
+         ('p', 'k3a', 'k3a', 't', 0, 9, UNHEX(SHA2('9', 256)), NOW(6)), ('q', 'k0', 'k0', 't', 0, 9, UNHEX(SHA2('9', 256)), NOW(6) - INTERVAL 8 DAY)",
         rows.join(", ")
     ))
     .await;
     let store = idemflow::store::Store::MySql(idemflow::store::mysql::MySqlStore::new(db.pool.clone()));
     let week = Duration::from_secs(7 * 24 * 3600);
-    // Another replica holds the lock: this pass is skipped.
-    let lock_name: String = db
-        .scalar("SELECT CONCAT('idemflow_purge_', LEFT(SHA2('p', 256), 24))")
-        .await;
-    let mut holder = db.pool.acquire().await.unwrap();
-    let held: i64 = sqlx::query_scalar("SELECT GET_LOCK(?, 0)").bind(&lock_name).fetch_one(&mut *holder).await.unwrap();
-    assert_eq!(held, 1);
-    let o = store.purge("p", week, 3, |_| {}).await.unwrap();
-    assert!(o.skipped_locked && o.purged == 0, "{o:?}");
-    assert_eq!(db.scalar::<i64>("SELECT COUNT(*) FROM idemflow_dedup").await, 8);
-    sqlx::query("SELECT RELEASE_LOCK(?)").bind(&lock_name).execute(&mut *holder).await.unwrap();
-    drop(holder);
-    let mut batches = Vec::new();
-    let o = store.purge("p", week, 3, |n| batches.push(n)).await.unwrap();
-    assert_eq!((o.purged, o.batches, o.skipped_locked), (7, 3, false));
-    assert_eq!(batches, vec![3, 3, 1]);
-    assert_eq!(db.scalar::<i64>("SELECT COUNT(*) FROM idemflow_dedup").await, 1, "the fresh row stays");
+    let slice = |restart| idemflow::store::mysql::retention::sweep_slice(&db.pool, "p", week, 3, restart);
+    let first = slice(false).await.unwrap();
+    assert_eq!((first.examined, first.purged, first.pass_seconds), (3, 3, None), "k0, k1, k2");
+    let cursor = || db.scalar::<String>("SELECT CAST(swept_to AS CHAR) FROM idemflow_retention_sweeps WHERE pipeline = 'p'");
+    assert_eq!(cursor().await, "k2");
+
+    // Another replica's slice holds the cursor: this one skips at once.
+    let mut other = db.pool.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM idemflow_retention_sweeps WHERE pipeline = 'p' FOR UPDATE").execute(&mut *other).await.unwrap();
+    let started = std::time::Instant::now();
+    let skipped = slice(false).await.unwrap();
+    assert!(skipped.skipped_locked && skipped.examined == 0, "{skipped:?}");
+    assert!(started.elapsed() < Duration::from_secs(5), "it did not wait for the other replica");
+    assert_eq!(db.scalar::<i64>("SELECT COUNT(*) FROM idemflow_dedup").await, 6);
+    other.rollback().await.unwrap();
+
+    // The rest of the pass resumes after k2: k3, k3a (fresh, kept), k4; then k5, k6 and the end of the pipeline's keys.
+    let mut examined = Vec::new();
+    let o = store.sweep_pass("p", week, 3, Pace::RowsPerSecond(1_000_000), |s| examined.push(s.examined)).await.unwrap();
+    assert_eq!(examined, vec![3, 2], "{o:?}");
+    assert_eq!((o.purged, o.slices), (4, 2));
+    assert!(o.pass_seconds.is_some(), "{o:?}");
+    assert_eq!(db.scalar::<String>("SELECT GROUP_CONCAT(CAST(key_id AS CHAR) ORDER BY pipeline, key_id) FROM idemflow_dedup").await, "k3a,k0", "the fresh row and the other pipeline's stay");
+    assert_eq!(db.scalar::<Option<String>>("SELECT CAST(swept_to AS CHAR) FROM idemflow_retention_sweeps WHERE pipeline = 'p'").await, None);
+    assert_eq!(db.scalar::<i64>("SELECT passes FROM idemflow_retention_sweeps WHERE pipeline = 'p'").await, 1);
 }
 
 /// With the binary log on in `STATEMENT` format, InnoDB refuses writes in `READ COMMITTED`: `migrate` and `check`

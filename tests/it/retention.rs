@@ -1,4 +1,4 @@
-//! Retention of the dedup store: bounded batches, one replica at a time, by hand and on the worker's interval.
+//! Retention of the dedup store: the sweep's slices and cursor, one replica at a time, by hand and in the worker.
 
 use crate::support::*;
 use std::time::Duration;
@@ -17,28 +17,87 @@ async fn insert_rows(db: &TestDb, pipeline: &str, n: i32, age: &str) {
     .unwrap();
 }
 
+/// The sweep walks the heap in slices of about `rows` rows, each committed with its cursor: it resumes where the
+/// last slice stopped (a restarted worker), skips while another replica holds the pipeline's cursor (without
+/// waiting), never waits for a row a batch holds (it is left for the next pass), and at the end of the table ends its
+/// pass, having deleted exactly this pipeline's expired rows.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn purge_deletes_expired_rows_in_bounded_batches_one_replica_at_a_time() {
+async fn the_sweep_deletes_expired_rows_slice_by_slice_resuming_at_its_cursor() {
+    use idemflow::retention::{Pace, Slice};
+    use idemflow::store::postgres::retention::sweep_slice;
     let db = TestDb::new("").await;
-    insert_rows(&db, "payments", 10, "8 days").await;
-    insert_rows(&db, "payments", 3, "1 hour").await;
-    insert_rows(&db, "other", 5, "8 days").await;
+    // About 20 rows to a block (a 300-byte key each), so 1,000 rows span about 50 blocks, expired and fresh mixed.
+    for (pipeline, n, age) in [("payments", 600, "8 days"), ("payments", 300, "1 hour"), ("other", 100, "8 days")] {
+        sqlx::query(
+            "INSERT INTO idemflow.dedup (pipeline, key_id, business_key, topic, partition, \"offset\", fingerprint, applied_at) \
+             SELECT $1, convert_to(left($3 || g || repeat('x', 64), 64), 'UTF8'), $3 || g || repeat('x', 300), 't', 0, g, '\\x00', now() - $2::interval \
+             FROM generate_series(1, $4) g ORDER BY random()",
+        )
+        .bind(pipeline)
+        .bind(age)
+        .bind(format!("{pipeline}-{age}-"))
+        .bind(n)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    }
+    sqlx::query("ANALYZE idemflow.dedup").execute(&db.pool).await.unwrap();
     let week = Duration::from_secs(7 * 24 * 3600);
-    let mut batches = Vec::new();
+    let cursor = || db.scalar::<i64>("SELECT next_block FROM idemflow.retention_sweeps WHERE pipeline = 'payments'");
 
-    // Another replica holds the pipeline's purge lock: this one skips, it does not wait.
-    let mut other: sqlx::PgConnection = sqlx::Connection::connect(&db.url).await.unwrap();
-    sqlx::query("SELECT pg_advisory_lock($1, hashtext('payments'))").bind(0x1de_f10).execute(&mut other).await.unwrap();
-    let o = idemflow::store::postgres::retention::purge(&db.pool, "payments", week, 3, |n| batches.push(n)).await.unwrap();
-    assert!(o.skipped_locked && o.purged == 0, "{o:?}");
-    sqlx::query("SELECT pg_advisory_unlock($1, hashtext('payments'))").bind(0x1de_f10).execute(&mut other).await.unwrap();
+    let first = sweep_slice(&db.pool, "payments", week, 100, false).await.unwrap();
+    assert!(first.examined >= 50 && first.examined <= 200 && first.pass_seconds.is_none(), "{first:?}");
+    let after_first = cursor().await;
+    assert!(after_first >= 3, "the cursor moved past the slice: {after_first}");
+    // A restarted worker's next slice starts at the stored cursor, not at the first block.
+    let second = sweep_slice(&db.pool, "payments", week, 100, false).await.unwrap();
+    assert!(second.pass_seconds.is_none(), "{second:?}");
+    assert_eq!(cursor().await, 2 * after_first, "the second slice began where the first ended");
 
-    let o = idemflow::store::postgres::retention::purge(&db.pool, "payments", week, 3, |n| batches.push(n)).await.unwrap();
-    assert_eq!((o.purged, o.batches, o.skipped_locked), (10, 4, false), "10 rows in batches of 3");
-    // Each committed batch is reported as it goes (the worker's idemflow_dedup_rows_purged_total moves with each).
-    assert_eq!(batches, vec![3, 3, 3, 1]);
-    assert_eq!(db.scalar::<i64>("SELECT count(*) FROM idemflow.dedup WHERE pipeline = 'payments'").await, 3);
-    assert_eq!(db.scalar::<i64>("SELECT count(*) FROM idemflow.dedup WHERE pipeline = 'other'").await, 5, "other pipelines untouched");
+    // Another replica's slice holds the cursor: this one skips at once, deleting nothing.
+    let before = db.scalar::<i64>("SELECT count(*) FROM idemflow.dedup").await;
+    let mut other = db.pool.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM idemflow.retention_sweeps WHERE pipeline = 'payments' FOR UPDATE").execute(&mut *other).await.unwrap();
+    let started = std::time::Instant::now();
+    let skipped = sweep_slice(&db.pool, "payments", week, 100, false).await.unwrap();
+    assert!(skipped.skipped_locked && skipped.purged == 0 && skipped.examined == 0, "{skipped:?}");
+    assert!(started.elapsed() < Duration::from_secs(5), "it did not wait for the other replica");
+    assert_eq!(db.scalar::<i64>("SELECT count(*) FROM idemflow.dedup").await, before);
+    other.rollback().await.unwrap();
+
+    // A batch in flight holds an expired row (counting a duplicate on it): the sweep neither waits for it nor
+    // deletes it under the batch; the row is left for the next pass.
+    let mut batch = db.pool.begin().await.unwrap();
+    let held: String = sqlx::query_scalar(
+        "SELECT business_key FROM idemflow.dedup WHERE pipeline = 'payments' AND applied_at < now() - interval '7 days' \
+         ORDER BY ctid DESC LIMIT 1 FOR UPDATE",
+    )
+    .fetch_one(&mut *batch)
+    .await
+    .unwrap();
+
+    // The rest of the pass, through the store as the worker runs it: slice by slice to the end of the table.
+    let store = idemflow::store::Store::Postgres(db.pool.clone());
+    let mut slices: Vec<Slice> = Vec::new();
+    let started = std::time::Instant::now();
+    let o = store.sweep_pass("payments", week, 100, Pace::RowsPerSecond(1_000_000), |s| slices.push(*s)).await.unwrap();
+    assert!(started.elapsed() < Duration::from_secs(10), "the sweep did not wait for the batch");
+    assert!(o.pass_seconds.is_some() && !o.skipped_locked && slices.len() >= 5, "{o:?} {slices:?}");
+    assert_eq!(o.purged, slices.iter().map(|s| s.purged).sum::<u64>(), "each committed slice is reported as it goes");
+    assert_eq!(first.purged + second.purged + o.purged, 599, "every expired row of the pipeline but the held one, once");
+    batch.rollback().await.unwrap();
+    let kept = format!("SELECT count(*) FROM idemflow.dedup WHERE business_key = '{held}'");
+    assert_eq!(db.scalar::<i64>(&kept).await, 1);
+    assert_eq!(first.examined + second.examined + o.examined, 1000, "every row of the table examined once");
+    assert_eq!(db.scalar::<i64>("SELECT count(*) FROM idemflow.dedup WHERE pipeline = 'payments'").await, 301, "the fresh rows stay");
+    assert_eq!(db.scalar::<i64>("SELECT count(*) FROM idemflow.dedup WHERE pipeline = 'other'").await, 100, "other pipelines untouched");
+    assert_eq!(cursor().await, 0, "the next pass starts at the first block");
+    assert_eq!(db.scalar::<i64>("SELECT passes FROM idemflow.retention_sweeps WHERE pipeline = 'payments'").await, 1);
+    // `idemflow purge`'s pass starts from the first block, whatever the cursor says.
+    sweep_slice(&db.pool, "payments", week, 100, false).await.unwrap();
+    let o = store.sweep_pass("payments", week, 100, Pace::FromStartAtOnce, |_| {}).await.unwrap();
+    assert_eq!((o.purged, o.examined), (1, 401), "the row the batch held, now: {o:?}");
+    assert_eq!(db.scalar::<i64>(&kept).await, 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -77,8 +136,56 @@ async fn the_worker_purges_on_its_interval() {
     })
     .await;
     assert_eq!(db.scalar::<i64>("SELECT count(*) FROM idemflow.dedup").await, 0);
+    // The sweep's own figures: the rows it looked at, its passes and how long the last one took.
+    assert!(w.metric("idemflow_retention_rows_examined_total", &[("pipeline", "orders")]) >= 2.0);
+    assert!(w.metric("idemflow_retention_passes_total", &[("pipeline", "orders")]) >= 1.0);
+    assert!(w.metric("idemflow_retention_pass_seconds", &[("pipeline", "orders")]) >= 0.0);
+    // `check` says how long the rows live: the retention, plus the last pass and purge_interval.
+    let (status, out, err) = idemflow(&["check", "--config", setup.config.to_str().unwrap()], setup.dir.path());
+    assert!(status.success(), "{out}{err}");
+    assert!(out.contains("pipeline \"orders\": dedup rows live at least 1s and at most 2s"), "{out}");
     kafka.produce("orders", &[Out::json(0, r#"{"id":"a"}"#)]);
     w.wait_received("orders", 3).await;
     assert!(w.stop().await.is_empty());
     assert_eq!(db.scalar::<i64>("SELECT count(*) FROM seen WHERE k = 'a'").await, 2, "applied again after expiry");
+}
+
+/// The worker's sweep, SIGKILLed in the middle of a pass: nothing it had not committed is lost or done early, and
+/// the restarted worker goes on from the stored cursor instead of starting the pass again; the pass then ends with
+/// every expired row deleted and every fresh one kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_killed_mid_sweep_resumes_at_the_stored_cursor() {
+    // Slices of about 40 rows, at most 400 rows a second: a pass over 4,000 rows takes about 10 s.
+    let p = "topics = [\"orders\"]\n[key]\nfield = \"/id\"\n[sink]\ntable = \"seen\"\n[sink.columns]\nk = \"/id\"\n\
+             [dedup]\nretention = \"1d\"\npurge_interval = \"100ms\"\npurge_batch = 40\npurge_rate = 400\n";
+    let (db, _kafka, setup) = fixture("CREATE TABLE seen (k text);", "orders", 1, &[("orders.toml", p)]).await;
+    sqlx::query(
+        "INSERT INTO idemflow.dedup (pipeline, key_id, business_key, topic, partition, \"offset\", fingerprint, applied_at) \
+         SELECT 'orders', convert_to('k' || g, 'UTF8'), 'k' || g || repeat('x', 60), 't', 0, g, '\\x00', \
+                now() - CASE WHEN g % 4 = 0 THEN interval '1 hour' ELSE interval '2 days' END \
+         FROM generate_series(1, 4000) g",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    sqlx::query("ANALYZE idemflow.dedup").execute(&db.pool).await.unwrap();
+    let cursor = || db.scalar::<Option<i64>>("SELECT max(next_block) FROM idemflow.retention_sweeps WHERE pipeline = 'orders'");
+
+    let mut w = BinWorker::start(&setup);
+    wait_until(Duration::from_secs(30), "the sweep to be part way through its pass", || async { cursor().await.unwrap_or(0) >= 10 }).await;
+    w.kill();
+    let at_kill = cursor().await.unwrap();
+    let remaining = db.scalar::<i64>("SELECT count(*) FROM idemflow.dedup").await;
+    assert!(remaining < 4000 && remaining > 1000, "part of the expired rows deleted: {remaining}");
+    assert_eq!(db.scalar::<i64>("SELECT passes FROM idemflow.retention_sweeps WHERE pipeline = 'orders'").await, 0);
+
+    let _w = BinWorker::start(&setup);
+    wait_until(Duration::from_secs(30), "the restarted sweep to move on", || async { cursor().await.unwrap_or(0) != at_kill }).await;
+    assert!(cursor().await.unwrap() > at_kill, "went on from the stored cursor ({at_kill}), not from the first block");
+    wait_until(Duration::from_secs(60), "the pass to end", || async {
+        db.scalar::<i64>("SELECT passes FROM idemflow.retention_sweeps WHERE pipeline = 'orders'").await >= 1
+    })
+    .await;
+    assert_eq!(db.scalar::<i64>("SELECT count(*) FROM idemflow.dedup WHERE applied_at < now() - interval '1 day'").await, 0);
+    assert_eq!(db.scalar::<i64>("SELECT count(*) FROM idemflow.dedup").await, 1000, "every fresh row kept");
 }

@@ -10,6 +10,61 @@ use idemflow::key::BusinessKey;
 use sha2::{Digest, Sha256};
 use std::time::Duration;
 
+/// The retention purge of the versions before migration 11, as it shipped: found old rows through the
+/// `(pipeline, applied_at)` index.
+const V10_POSTGRES_PURGE: &str = r#"
+WITH lock AS (SELECT pg_try_advisory_xact_lock($1, hashtext($2)) AS held),
+victims AS (
+    SELECT d.ctid FROM idemflow.dedup d
+    WHERE (SELECT held FROM lock) AND d.pipeline = $2 AND d.applied_at < now() - make_interval(secs => $3)
+    ORDER BY d.applied_at
+    LIMIT $4
+    FOR UPDATE OF d SKIP LOCKED
+),
+deleted AS (DELETE FROM idemflow.dedup WHERE ctid IN (SELECT ctid FROM victims) RETURNING 1)
+SELECT (SELECT held FROM lock), (SELECT count(*) FROM deleted)"#;
+
+/// Migration 11 (retention by a sweep of the heap, no index on `applied_at`): the index is dropped in place and the
+/// sweep cursors' table made; a worker of the previous version left running still purges correctly (by a scan); the
+/// rollback builds the index again, and this version then refuses the schema.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_migration_11_drops_the_retention_index_and_the_rollback_builds_it_again() {
+    let db = TestDb::at_version(10, "").await;
+    sqlx::query(
+        "INSERT INTO idemflow.dedup (pipeline, key_id, business_key, topic, partition, \"offset\", fingerprint, applied_at) \
+         SELECT 'payments', convert_to('k' || g, 'UTF8'), 'k' || g, 't', 0, g, '\\x00', now() - CASE WHEN g <= 5 THEN interval '8 days' ELSE interval '1 hour' END \
+         FROM generate_series(1, 8) g",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let index = "SELECT count(*) FROM pg_indexes WHERE schemaname = 'idemflow' AND indexname = 'dedup_pipeline_applied_at'";
+    assert_eq!(db.scalar::<i64>(index).await, 1);
+    idemflow::store::postgres::MIGRATOR.run(&db.pool).await.unwrap();
+    assert_eq!(db.scalar::<i64>(index).await, 0);
+    assert_eq!(db.scalar::<i64>("SELECT count(*) FROM idemflow.retention_sweeps").await, 0);
+    // The previous version's purge still deletes exactly the expired rows.
+    let (held, deleted): (Option<bool>, i64) = sqlx::query_as(V10_POSTGRES_PURGE)
+        .bind(0x1de_f10)
+        .bind("payments")
+        .bind(7.0 * 24.0 * 3600.0)
+        .bind(3_i64)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!((held, deleted), (Some(true), 3));
+    // This version's sweep takes the rest.
+    let store = idemflow::store::Store::Postgres(db.pool.clone());
+    let week = Duration::from_secs(7 * 24 * 3600);
+    let o = store.sweep_pass("payments", week, 100, idemflow::retention::Pace::FromStartAtOnce, |_| {}).await.unwrap();
+    assert_eq!((o.purged, o.examined), (2, 5), "{o:?}");
+    roll_back(&db, "postgres-0011.sql").await;
+    assert_eq!(db.scalar::<i64>(index).await, 1);
+    assert_eq!(db.scalar::<Option<String>>("SELECT to_regclass('idemflow.retention_sweeps')::text").await, None);
+    let err = idemflow::store::postgres::check_schema(&db.pool).await.unwrap_err();
+    assert!(err.to_string().contains("at version 10, this binary needs 11"), "{err}");
+}
+
 /// Migration 10 (dead letters unique by position and payload digest): a dead letter of the previous version gets the
 /// digest this version computes (the same poison record consumed again is recognised as the one dead-lettered, not
 /// stored twice); the rollback refuses while a position holds two dead letters and goes through once it holds one.
@@ -51,6 +106,7 @@ async fn postgres_migration_10_makes_dead_letters_unique_by_position_and_payload
     .execute(&db.pool)
     .await
     .unwrap();
+    roll_back(&db, "postgres-0011.sql").await;
     let rollback = std::fs::read_to_string(project_root().join("migrations/rollback/postgres-0010.sql")).unwrap();
     let mut tx = db.pool.begin().await.unwrap();
     let e = sqlx::raw_sql(&rollback).execute(&mut *tx).await.unwrap_err();
@@ -59,7 +115,7 @@ async fn postgres_migration_10_makes_dead_letters_unique_by_position_and_payload
     sqlx::query("DELETE FROM idemflow.dead_letters WHERE payload = '{worse'").execute(&db.pool).await.unwrap();
     roll_back(&db, "postgres-0010.sql").await;
     let (status, out, err) = idemflow(&["check", "--config", &config], setup.dir.path());
-    assert!(!status.success() && err.contains("at version 9, this binary needs 10"), "{out}{err}");
+    assert!(!status.success() && err.contains("at version 9, this binary needs 11"), "{out}{err}");
 }
 
 /// Keys on both sides of the 64-byte limit, one cut inside a two-byte character, a number, and long ones that
@@ -164,7 +220,7 @@ async fn postgres_upgrade_keeps_every_stored_key_a_duplicate_and_fences_the_prev
 
     // This version refuses the old schema.
     let (status, out, err) = idemflow(&["check", "--config", &config], setup.dir.path());
-    assert!(!status.success() && err.contains("this binary needs 10"), "{out}{err}");
+    assert!(!status.success() && err.contains("this binary needs 11"), "{out}{err}");
 
     // A batch of the previous version is under way (its claim made, not committed) when the migration starts.
     let mut held = db.pool.begin().await.unwrap();
@@ -207,7 +263,7 @@ async fn postgres_upgrade_keeps_every_stored_key_a_duplicate_and_fences_the_prev
 
     // Going back (docs/operations.md): the rollback scripts, the last migration's first, then the previous version's
     // claim works again and finds every key applied before and after the upgrade; this version refuses the schema.
-    for script in ["postgres-0010.sql", "postgres-0009.sql", "postgres-0008.sql", "postgres-0007.sql"] {
+    for script in ["postgres-0011.sql", "postgres-0010.sql", "postgres-0009.sql", "postgres-0008.sql", "postgres-0007.sql"] {
         roll_back(&db, script).await;
     }
     let mut conn = db.pool.acquire().await.unwrap();
@@ -215,7 +271,7 @@ async fn postgres_upgrade_keeps_every_stored_key_a_duplicate_and_fences_the_prev
     assert_eq!(previous_postgres_claim(&mut conn, &again, 300).await.unwrap(), 1, "only o-rolled-back is new");
     drop(conn);
     let (status, out, err) = idemflow(&["check", "--config", &config], setup.dir.path());
-    assert!(!status.success() && err.contains("this binary needs 10"), "{out}{err}");
+    assert!(!status.success() && err.contains("this binary needs 11"), "{out}{err}");
 }
 
 /// The claim of the versions from migration 0007 to 0008, as it shipped (key ids, `src/key.rs`).
@@ -264,7 +320,7 @@ async fn postgres_migration_8_compares_pipelines_bytewise_and_keeps_every_key() 
     assert_eq!(v7_postgres_claim(&mut conn, &keys, 0).await.unwrap(), keys.len());
     drop(conn);
     let (status, out, err) = idemflow(&["check", "--config", &config], setup.dir.path());
-    assert!(!status.success() && err.contains("at version 7, this binary needs 10"), "{out}{err}");
+    assert!(!status.success() && err.contains("at version 7, this binary needs 11"), "{out}{err}");
 
     let mut held = db.pool.begin().await.unwrap();
     let held_key = vec!["o-held".to_owned()];
@@ -292,6 +348,7 @@ async fn postgres_migration_8_compares_pipelines_bytewise_and_keeps_every_key() 
     assert!(worker.stop().await.is_empty());
     assert_eq!(db.scalar::<String>("SELECT string_agg(order_id, ',') FROM payments").await, "o-new");
 
+    roll_back(&db, "postgres-0011.sql").await;
     roll_back(&db, "postgres-0010.sql").await;
     roll_back(&db, "postgres-0009.sql").await;
     roll_back(&db, "postgres-0008.sql").await;
@@ -300,7 +357,7 @@ async fn postgres_migration_8_compares_pipelines_bytewise_and_keeps_every_key() 
     assert_eq!(v7_postgres_claim(&mut conn, &["o-new".to_owned(), "o-rolled-back".to_owned()], 300).await.unwrap(), 1);
     drop(conn);
     let (status, out, err) = idemflow(&["check", "--config", &config], setup.dir.path());
-    assert!(!status.success() && err.contains("at version 7, this binary needs 10"), "{out}{err}");
+    assert!(!status.success() && err.contains("at version 7, this binary needs 11"), "{out}{err}");
 }
 
 /// The MariaDB claim of the version before migration 0002 (its `INSERT IGNORE ... RETURNING` form), as it shipped.
@@ -333,7 +390,7 @@ async fn mariadb_upgrade_keeps_every_stored_key_a_duplicate_and_fences_the_previ
     assert_eq!(previous_mysql_claim(&mut conn, &keys, 0).await.unwrap(), keys.len());
     drop(conn);
     let err = idemflow::store::mysql::check_schema(&db.pool).await.unwrap_err();
-    assert!(matches!(&err, idemflow::store::contract::NotReady::Refused(m) if m.contains("this binary needs 4")), "{err}");
+    assert!(matches!(&err, idemflow::store::contract::NotReady::Refused(m) if m.contains("this binary needs 5")), "{err}");
 
     // A batch of the previous version under way when the migration starts: the migration waits for it.
     let mut held = db.pool.begin().await.unwrap();
@@ -357,6 +414,11 @@ async fn mariadb_upgrade_keeps_every_stored_key_a_duplicate_and_fences_the_previ
     assert_eq!(e.as_database_error().and_then(|d| d.code()).as_deref(), Some("42S22"), "{e}");
     drop(conn);
 
+    // Migration 5: retention sweeps the primary key; the (pipeline, applied_at) index is gone.
+    let retention_index = "SELECT COUNT(DISTINCT index_name) FROM information_schema.statistics WHERE table_schema = DATABASE() \
+                           AND table_name = 'idemflow_dedup' AND index_name = 'dedup_pipeline_applied_at'";
+    assert_eq!(db.scalar::<i64>(retention_index).await, 0);
+
     // This version's claim of the same keys and a new one: only the new one is claimed, the others are found.
     let store = idemflow::store::Store::MySql(idemflow::store::mysql::MySqlStore::new(db.pool.clone()));
     let effect = crate::mariadb::example_side_effect(&store).await;
@@ -375,14 +437,17 @@ async fn mariadb_upgrade_keeps_every_stored_key_a_duplicate_and_fences_the_previ
     tx.rollback().await.unwrap();
 
     // A migration recorded as incomplete (it stopped between its statements) keeps this version's workers out.
-    db.exec("UPDATE _sqlx_migrations SET success = FALSE WHERE version = 4").await;
+    db.exec("UPDATE _sqlx_migrations SET success = FALSE WHERE version = 5").await;
     let err = idemflow::store::mysql::check_schema(&db.pool).await.unwrap_err();
-    assert!(matches!(&err, idemflow::store::contract::NotReady::Refused(m) if m.contains("this binary needs 4")), "{err}");
+    assert!(matches!(&err, idemflow::store::contract::NotReady::Refused(m) if m.contains("this binary needs 5")), "{err}");
 
     // Going back (docs/operations.md): the rollback script, then the previous version's claim finds every key
     // again (o-new was only claimed in a transaction rolled back above).
-    for script in ["mysql-0004.sql", "mysql-0003.sql", "mysql-0002.sql"] {
+    for script in ["mysql-0005.sql", "mysql-0004.sql", "mysql-0003.sql", "mysql-0002.sql"] {
         db.exec(&std::fs::read_to_string(project_root().join("migrations/rollback").join(script)).unwrap()).await;
+        if script == "mysql-0005.sql" {
+            assert_eq!(db.scalar::<i64>(retention_index).await, 1, "the rollback builds the index again");
+        }
     }
     let mut conn = db.pool.acquire().await.unwrap();
     let again: Vec<String> = keys.iter().chain(&held_key).cloned().chain(["o-new".to_owned(), "o-rolled-back".to_owned()]).collect();

@@ -1,54 +1,125 @@
-//! MySQL and MariaDB retention: a purge pass holds a named lock for the pipeline (`GET_LOCK(name, 0)`, MySQL
-//! Reference Manual "Locking Functions") on one connection; when another replica holds it, this one skips its pass.
-//! Each batch is one `DELETE ... ORDER BY applied_at LIMIT n` through the `(pipeline, applied_at)` index, committed
-//! on its own. The lock is a session's: the pass's connection is closed when the pass ends, however it ends, and the
-//! server releases the lock with it (a connection returned to the pool would keep holding it).
+//! MySQL and MariaDB retention: the sweep ([`crate::retention`]) by ranges of the clustered primary key,
+//! `(pipeline, key_id)`: InnoDB keeps the rows in that order, so a range of one pipeline's keys is a range of pages.
+//!
+//! A slice is one transaction (`READ COMMITTED`, as every idemflow session): it locks the pipeline's row of
+//! `idemflow_retention_sweeps` without waiting (`FOR UPDATE NOWAIT`, MySQL 8.0 and MariaDB 10.3; error 3572 on
+//! MySQL, 1205 on MariaDB when another replica holds it: this one skips its pass), finds the next `rows` key ids
+//! after the cursor, deletes those of them older than the retention, and moves the cursor to the last. The pass ends
+//! when fewer than `rows` keys were left.
 
-use crate::retention::PurgeOutcome;
-use sha2::{Digest, Sha256};
+use crate::retention::Slice;
 use sqlx::MySqlPool;
 use std::time::Duration;
 
-/// The lock's name: `idemflow_purge_` and 24 hex digits of the pipeline name's SHA-256 (lock names are limited to
-/// 64 characters).
-fn lock_name(pipeline: &str) -> String {
-    format!("idemflow_purge_{}", &crate::terminal::hex(&Sha256::digest(pipeline.as_bytes()))[..24])
-}
+/// Error codes of a `NOWAIT` lock that was held: MySQL's `ER_LOCK_NOWAIT` and MariaDB's `ER_LOCK_WAIT_TIMEOUT`
+/// (MariaDB reports `NOWAIT` as a lock wait that timed out at once).
+const LOCK_HELD: [u16; 2] = [3572, 1205];
 
-/// Deletes the dedup rows of `pipeline` older than `retention`, `batch` rows per statement, until none is left.
+/// Runs one slice of `pipeline`'s sweep, examining up to `rows` of its rows (see the module's documentation);
+/// `restart` puts the cursor back at the pipeline's first key first.
 ///
-/// Errors: the database's; a pass interrupted by one leaves the store consistent (each batch is atomic).
-pub async fn purge(pool: &MySqlPool, pipeline: &str, retention: Duration, batch: u32, mut on_batch: impl FnMut(u64)) -> Result<PurgeOutcome, sqlx::Error> {
-    let mut conn = pool.acquire().await?;
-    // The lock and the connection go together: however the pass ends (an error, or the pass dropped when its
-    // pipeline stops), the connection is closed rather than returned to the pool, and the server releases the lock.
-    conn.close_on_drop();
-    let name = lock_name(pipeline);
-    let held: Option<i64> = sqlx::query_scalar("SELECT GET_LOCK(?, 0)").bind(&name).fetch_one(&mut *conn).await?;
-    if held != Some(1) {
-        return Ok(PurgeOutcome { skipped_locked: true, ..PurgeOutcome::default() });
-    }
-    let mut outcome = PurgeOutcome::default();
-    let pass = async {
-        loop {
-            let deleted = sqlx::query(
-                "DELETE FROM idemflow_dedup WHERE pipeline = ? AND applied_at < CURRENT_TIMESTAMP(6) - INTERVAL ? MICROSECOND \
-                 ORDER BY applied_at LIMIT ?",
-            )
-            .bind(pipeline)
-            .bind(i64::try_from(retention.as_micros()).unwrap_or(i64::MAX))
-            .bind(batch)
-            .execute(&mut *conn)
-            .await?
-            .rows_affected();
-            outcome.batches += 1;
-            outcome.purged += deleted;
-            on_batch(deleted);
-            if deleted < u64::from(batch) {
-                return Ok::<_, sqlx::Error>(());
+/// # Errors
+/// The database's; the slice's transaction is rolled back, the cursor stays where it was.
+pub async fn sweep_slice(pool: &MySqlPool, pipeline: &str, retention: Duration, rows: u32, restart: bool) -> Result<Slice, sqlx::Error> {
+    let mut tx = pool.begin().await?;
+    let lock = "SELECT swept_to FROM idemflow_retention_sweeps WHERE pipeline = ? FOR UPDATE NOWAIT";
+    let mut cursor = None;
+    for _ in 0..2 {
+        match sqlx::query_scalar::<_, Option<Vec<u8>>>(lock).bind(pipeline).fetch_optional(&mut *tx).await {
+            Ok(Some(position)) => {
+                cursor = Some(position);
+                break;
             }
+            // The pipeline's first slice: its cursor row is made (INSERT IGNORE could wait on a row locked by
+            // another replica's slice, so it runs only when no row was found) and locked.
+            Ok(None) => {
+                sqlx::query("INSERT IGNORE INTO idemflow_retention_sweeps (pipeline) VALUES (?)").bind(pipeline).execute(&mut *tx).await?;
+            }
+            Err(sqlx::Error::Database(e))
+                if e.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>().is_some_and(|m| LOCK_HELD.contains(&m.number())) =>
+            {
+                break
+            }
+            Err(e) => return Err(e),
         }
     }
-    .await;
-    pass.map(|()| outcome)
+    let Some(cursor) = cursor else {
+        tx.rollback().await?;
+        return Ok(Slice { skipped_locked: true, ..Slice::default() });
+    };
+    let after = if restart { None } else { cursor };
+    let bound = if after.is_some() { " AND key_id > ?" } else { "" };
+    let range = format!("SELECT COUNT(*), MAX(key_id) FROM (SELECT key_id FROM idemflow_dedup WHERE pipeline = ?{bound} ORDER BY key_id LIMIT ?) s");
+    let range = sqlx::query_as::<_, (i64, Option<Vec<u8>>)>(&range).bind(pipeline);
+    let range = match &after {
+        Some(after) => range.bind(after),
+        None => range,
+    };
+    let (examined, last) = range.bind(rows).fetch_one(&mut *tx).await?;
+    let purged = match &last {
+        Some(last) => {
+            let delete = format!(
+                "DELETE FROM idemflow_dedup WHERE pipeline = ?{bound} AND key_id <= ? \
+                 AND applied_at < CURRENT_TIMESTAMP(6) - INTERVAL ? MICROSECOND"
+            );
+            let delete = sqlx::query(&delete).bind(pipeline);
+            let delete = match &after {
+                Some(after) => delete.bind(after),
+                None => delete,
+            };
+            delete.bind(last).bind(i64::try_from(retention.as_micros()).unwrap_or(i64::MAX)).execute(&mut *tx).await?.rows_affected()
+        }
+        None => 0,
+    };
+    let pass_seconds = if examined < i64::from(rows) {
+        // The pass ends: its duration from its first slice (this one, on a restart) to now. MySQL assigns left to
+        // right, so the duration is computed before pass_started_at is cleared.
+        sqlx::query(
+            "UPDATE idemflow_retention_sweeps SET swept_to = NULL, passes = passes + 1, \
+             last_pass_seconds = TIMESTAMPDIFF(MICROSECOND, CASE WHEN ? THEN CURRENT_TIMESTAMP(6) ELSE COALESCE(pass_started_at, CURRENT_TIMESTAMP(6)) END, CURRENT_TIMESTAMP(6)) / 1e6, \
+             pass_started_at = NULL, updated_at = CURRENT_TIMESTAMP(6) WHERE pipeline = ?",
+        )
+        .bind(restart)
+        .bind(pipeline)
+        .execute(&mut *tx)
+        .await?;
+        let seconds: Option<f64> = sqlx::query_scalar("SELECT last_pass_seconds FROM idemflow_retention_sweeps WHERE pipeline = ?")
+            .bind(pipeline)
+            .fetch_one(&mut *tx)
+            .await?;
+        Some(seconds.unwrap_or_default())
+    } else {
+        sqlx::query(
+            "UPDATE idemflow_retention_sweeps SET swept_to = ?, \
+             pass_started_at = CASE WHEN ? OR pass_started_at IS NULL THEN CURRENT_TIMESTAMP(6) ELSE pass_started_at END, \
+             updated_at = CURRENT_TIMESTAMP(6) WHERE pipeline = ?",
+        )
+        .bind(&last)
+        .bind(restart)
+        .bind(pipeline)
+        .execute(&mut *tx)
+        .await?;
+        None
+    };
+    tx.commit().await?;
+    Ok(Slice { examined: examined as u64, purged, skipped_locked: false, pass_seconds })
+}
+
+/// Where `pipeline`'s sweep stands ([`crate::retention::SweepState`]); `None` before its first slice.
+///
+/// # Errors
+/// The database's.
+pub async fn sweep_state(pool: &MySqlPool, pipeline: &str) -> Result<Option<crate::retention::SweepState>, sqlx::Error> {
+    let row: Option<(i64, Option<f64>, Option<f64>)> = sqlx::query_as(
+        "SELECT passes, last_pass_seconds, TIMESTAMPDIFF(MICROSECOND, pass_started_at, CURRENT_TIMESTAMP(6)) / 1e6 \
+         FROM idemflow_retention_sweeps WHERE pipeline = ?",
+    )
+    .bind(pipeline)
+    .fetch_optional(pool)
+    .await?;
+    Ok(row.map(|(passes, last_pass_seconds, current_pass_seconds)| crate::retention::SweepState {
+        passes: passes.max(0) as u64,
+        last_pass_seconds,
+        current_pass_seconds,
+    }))
 }

@@ -7,7 +7,7 @@ use crate::key::BusinessKey;
 use crate::metrics::DeadLetterReason;
 use crate::offsets::{Claimed, NextOffsets, Positions, Processed};
 use crate::record::{Position, Record};
-use crate::retention::PurgeOutcome;
+use crate::retention::{Slice, SweepState};
 use crate::store::contract::{BatchTx, Connector, Session, StoreError};
 use crate::store::rows::{Apply, Claim, Digests, Existing, Explained, Forget, Forgotten};
 use crate::store::contract::ATTEMPT_ROWS_KEPT;
@@ -57,10 +57,16 @@ impl Connector for PgPool {
         Ok(offsets::lower_floors(self, pipeline, positions).await?)
     }
 
-    async fn purge(&self, pipeline: &str, retention: Duration, batch: u32, on_batch: impl FnMut(u64) + Send) -> Result<PurgeOutcome, StoreError> {
-        let outcome = retention::purge(self, pipeline, retention, batch, on_batch).await?;
-        offsets::forget_attempts(self, pipeline, ATTEMPT_ROWS_KEPT).await?;
-        Ok(outcome)
+    async fn sweep_slice(&self, pipeline: &str, retention: Duration, rows: u32, restart: bool) -> Result<Slice, StoreError> {
+        let slice = retention::sweep_slice(self, pipeline, retention, rows, restart).await?;
+        if slice.pass_seconds.is_some() {
+            offsets::forget_attempts(self, pipeline, ATTEMPT_ROWS_KEPT).await?;
+        }
+        Ok(slice)
+    }
+
+    async fn sweep_state(&self, pipeline: &str) -> Result<Option<SweepState>, StoreError> {
+        Ok(retention::sweep_state(self, pipeline).await?)
     }
 
     async fn explain(&self, pipeline: &str, key: &BusinessKey) -> Result<Option<Explained>, StoreError> {
