@@ -302,7 +302,7 @@ impl Metrics {
             retention_passes: counter(&r, "idemflow_retention_passes_total", "Full passes of the retention sweep over the dedup table.", &["pipeline"]),
             retention_pass_seconds: {
                 let g = GaugeVec::new(
-                    Opts::new("idemflow_retention_pass_seconds", "Seconds the last full pass of the retention sweep took, first slice to last: a dedup row lives at most its retention plus this and purge_interval."),
+                    Opts::new("idemflow_retention_pass_seconds", "Seconds the last full pass of the retention sweep took, first slice to last: a dedup row lives at most its retention plus this and purge_interval (one pass more if an update moved it behind the sweep while its pass ran)."),
                     &["pipeline"],
                 )
                 .expect("valid metric");

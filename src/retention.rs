@@ -5,10 +5,13 @@
 //! dedup table in slices instead, each slice one short transaction that examines about `purge_batch` rows, deletes
 //! those of the pipeline older than the retention, and stores the sweep's cursor, so a sweep resumes where it stopped
 //! after a restart. How each store slices: [`crate::store::postgres::retention`] by ranges of the heap (TID range
-//! scans), [`crate::store::mysql::retention`] by ranges of the clustered primary key. A pass ends when the cursor
+//! scans, PostgreSQL 14 and later; by ranges of the primary key before), [`crate::store::mysql::retention`] by
+//! ranges of the clustered primary key. A pass ends when the cursor
 //! reaches the end of the table; the worker paces its slices to `purge_rate` rows examined per second and waits
-//! `purge_interval` between passes. One replica at a time sweeps a pipeline: a slice first locks the pipeline's
-//! cursor without waiting, and one that finds it locked skips its pass.
+//! `purge_interval` between passes. One replica at a time sweeps a pipeline: a slice locks the pipeline's cursor
+//! without waiting and renews its replica's lease on the pass ([`Sweep::lease`]); a replica that finds the cursor
+//! locked, or the pass leased to another, skips (and takes the pass over once the lease runs out: its owner died),
+//! and a new pass starts only `purge_interval` after the last one ended, whichever replica ran it.
 //!
 //! So a row lives at least its retention and at most its retention plus one full pass and `purge_interval` (a row
 //! moved by an update while its pass runs, a duplicate counted, can wait one pass more). A record redelivered after
@@ -18,16 +21,61 @@
 use std::future::Future;
 use std::time::Duration;
 
+/// One pipeline's sweep, as a worker or `idemflow purge` runs it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Sweep<'a> {
+    /// The pipeline whose rows are deleted.
+    pub pipeline: &'a str,
+    /// Who sweeps: the worker's (or the `purge` command's) name, recorded as the pass's owner.
+    pub owner: &'a str,
+    /// `[dedup] retention`: rows older than this are deleted.
+    pub retention: Duration,
+    /// `[dedup] purge_batch`: about this many rows examined per slice.
+    pub rows: u32,
+    /// `[dedup] purge_interval`: a new pass starts no sooner than this after the last one ended, whichever replica
+    /// ran it.
+    pub interval: Duration,
+    /// How the slices follow each other.
+    pub pace: Pace,
+}
+
+impl Sweep<'_> {
+    /// How long the owner's hold on a pass lasts after each of its slices: ten of its pauses between slices and
+    /// [`LEASE_SLACK`] for a slow slice (at the defaults, 40 s). Another replica takes the pass over once it runs out
+    /// (its owner stopped or died mid-pass).
+    pub fn lease(&self) -> Duration {
+        let pause = match self.pace {
+            Pace::RowsPerSecond(rate) => Duration::from_secs_f64(f64::from(self.rows) / f64::from(rate.max(1))),
+            Pace::FromStartAtOnce => Duration::ZERO,
+        };
+        pause * 10 + LEASE_SLACK
+    }
+}
+
+/// What a lease on a pass adds to its owner's pauses between slices: a slice that takes long on a loaded server
+/// does not lose its pass to another replica.
+pub const LEASE_SLACK: Duration = Duration::from_secs(30);
+
+/// Why a slice did nothing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Skipped {
+    /// Another replica is sweeping the pipeline: its slice holds the cursor now, or its lease on the pass under way
+    /// has not run out.
+    OtherReplica,
+    /// The last pass ended less than `purge_interval` ago.
+    NotDue,
+}
+
 /// What one slice of a sweep did ([`crate::store::Connector::sweep_slice`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Slice {
-    /// Dedup rows the slice looked at, of every pipeline sharing the table (PostgreSQL's heap slices) or of this
-    /// pipeline (MySQL's key ranges).
+    /// Dedup rows the slice looked at: on PostgreSQL 14 and later of every pipeline sharing the table (a heap
+    /// range), elsewhere of this pipeline (a key range).
     pub examined: u64,
     /// Rows deleted: this pipeline's, older than the retention.
     pub purged: u64,
-    /// Another replica holds the pipeline's sweep cursor: nothing was done.
-    pub skipped_locked: bool,
+    /// Nothing was done, and why.
+    pub skipped: Option<Skipped>,
     /// The slice reached the end of the table: the pass ended, in this many seconds since its first slice (its
     /// cursor is back at the start). `Some(0.0)` from a store that has nothing to sweep.
     pub pass_seconds: Option<f64>,
@@ -42,8 +90,8 @@ pub struct PurgeOutcome {
     pub examined: u64,
     /// Slices run.
     pub slices: u64,
-    /// Whether the pass was given up because another replica held the pipeline's sweep cursor.
-    pub skipped_locked: bool,
+    /// Why the pass was given up before its end, if it was.
+    pub skipped: Option<Skipped>,
     /// How long the pass took, from its first slice (by whichever replica) to its last; `None` when it did not end.
     pub pass_seconds: Option<f64>,
 }
@@ -51,16 +99,18 @@ pub struct PurgeOutcome {
 /// How a pass runs its slices.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Pace {
-    /// As the worker does: continue the pass the cursor is in, sleeping after each slice so that at most this many
-    /// rows are examined per second.
+    /// As the worker does: continue the pass the cursor is in (or start one when `purge_interval` has passed since
+    /// the last ended), sleeping after each slice so that at most this many rows are examined per second.
     RowsPerSecond(u32),
-    /// As `idemflow purge` does: start a pass from the beginning of the table and run its slices back to back.
+    /// As `idemflow purge` does: take the pass over and start it from the beginning of the table, whatever replica
+    /// held it, and run its slices back to back.
     FromStartAtOnce,
 }
 
-/// Runs slices until a pass ends, another replica is found sweeping, or a slice fails. `slice(restart)` runs one
-/// slice (`restart`: put the cursor back at the start of the table first); `on_slice` is told of each committed
-/// slice as it goes (the worker counts its rows in the metrics then, not once per pass).
+/// Runs slices until a pass ends, another replica is found sweeping (or the pass is not due), or a slice fails.
+/// `slice(restart)` runs one slice (`restart`: take the pass over and put the cursor back at the start of the table
+/// first); `on_slice` is told of each committed slice as it goes (the worker counts its rows in the metrics then,
+/// not once per pass).
 ///
 /// # Errors
 /// The slice's; the slices committed before it stay committed, and the next pass resumes at the stored cursor.
@@ -74,8 +124,8 @@ where
     loop {
         let s = slice(restart).await?;
         restart = false;
-        if s.skipped_locked {
-            outcome.skipped_locked = true;
+        if s.skipped.is_some() {
+            outcome.skipped = s.skipped;
             return Ok(outcome);
         }
         outcome.slices += 1;
@@ -115,7 +165,8 @@ pub fn lifetime_note(pipeline: &str, retention: Duration, purge_interval: Durati
             let pass = Duration::from_secs(pass);
             format!(
                 "pipeline {pipeline:?}: dedup rows live at least {} and at most {} (retention, plus the retention sweep's \
-                 longest recent pass, {}, and purge_interval, {}; {} passes so far)",
+                 longest recent pass, {}, and purge_interval, {}; a pass more for a row an update moved behind the \
+                 sweep; {} passes so far)",
                 d(retention), d(retention + pass + purge_interval), d(pass), d(purge_interval), state.passes
             )
         }

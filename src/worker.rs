@@ -234,23 +234,35 @@ async fn stall_watch(metrics: PipelineMetrics) -> std::convert::Infallible {
 }
 
 /// Sweeps the pipeline's expired dedup rows ([`crate::retention`]), forever (it is dropped when its pipeline ends):
-/// a pass at `purge_rate` rows examined per second, then `purge_interval` before the next. A pass that fails, or
-/// finds another replica sweeping, is logged and tried again after `purge_interval`, resuming at the stored cursor.
+/// a pass at `purge_rate` rows examined per second, then `purge_interval` before the next. A pass that fails, finds
+/// another replica sweeping, or is not due yet (another replica ended one less than `purge_interval` ago) is tried
+/// again after `purge_interval`, resuming at the stored cursor; a failure is logged.
 async fn purge_loop(
     store: Store,
     pipeline: String,
     dedup: crate::config::DedupSettings,
     metrics: PipelineMetrics,
 ) -> std::convert::Infallible {
-    let pace = crate::retention::Pace::RowsPerSecond(dedup.purge_rate);
+    let owner = owner();
+    let sweep = crate::retention::Sweep {
+        pipeline: &pipeline,
+        owner: &owner,
+        retention: dedup.retention,
+        rows: dedup.purge_batch,
+        interval: dedup.purge_interval,
+        pace: crate::retention::Pace::RowsPerSecond(dedup.purge_rate),
+    };
     loop {
         tokio::time::sleep(dedup.purge_interval).await;
-        match store.sweep_pass(&pipeline, dedup.retention, dedup.purge_batch, pace, |s| metrics.swept(s)).await {
-            Ok(o) if o.skipped_locked => tracing::debug!(pipeline = %pipeline, "another replica is sweeping the dedup rows"),
-            Ok(o) => tracing::info!(
+        match store.sweep_pass(&sweep, |s| metrics.swept(s)).await {
+            Ok(o) if o.skipped == Some(crate::retention::Skipped::OtherReplica) => {
+                tracing::debug!(pipeline = %pipeline, "another replica is sweeping the dedup rows");
+            }
+            Ok(o) if o.pass_seconds.is_some() => tracing::info!(
                 pipeline = %pipeline, purged = o.purged, examined = o.examined, slices = o.slices,
                 pass_seconds = o.pass_seconds.unwrap_or_default(), "retention sweep: a pass ended"
             ),
+            Ok(_) => {}
             Err(e) => tracing::warn!(pipeline = %pipeline, error = %e, "retention sweep failed; resuming after purge_interval"),
         }
     }

@@ -3,7 +3,7 @@
 
 use super::{load, named, open_store, report};
 use idemflow::config;
-use idemflow::retention::Pace;
+use idemflow::retention::{Pace, Sweep};
 use idemflow::store::spec::StoreKind;
 use std::path::PathBuf;
 
@@ -38,9 +38,18 @@ pub async fn run(a: PurgeArgs) -> anyhow::Result<()> {
         return Ok(());
     }
     let store = open_store(&settings, &a.config, StoreKind::Database).await?;
+    let owner = format!("idemflow purge/{}", std::process::id());
     for p in chosen {
-        let o = store.sweep_pass(&p.name, p.dedup.retention, p.dedup.purge_batch, Pace::FromStartAtOnce, |_| {}).await?;
-        if o.skipped_locked {
+        let sweep = Sweep {
+            pipeline: &p.name,
+            owner: &owner,
+            retention: p.dedup.retention,
+            rows: p.dedup.purge_batch,
+            interval: p.dedup.purge_interval,
+            pace: Pace::FromStartAtOnce,
+        };
+        let o = store.sweep_pass(&sweep, |_| {}).await?;
+        if o.skipped.is_some() {
             println!("pipeline {:?}: skipped, another process is sweeping it", p.name);
         } else {
             println!(

@@ -16,7 +16,7 @@ use crate::key::BusinessKey;
 use crate::metrics::DeadLetterReason;
 use crate::offsets::{Claimed, NextOffsets, Positions, Processed};
 use crate::record::{Position, Record};
-use crate::retention::{Slice, SweepState};
+use crate::retention::{Slice, Sweep, SweepState};
 use crate::store::rows::{Apply, Claim, Digests, Existing, Explained, Forget, Forgotten};
 use std::time::Duration;
 
@@ -195,15 +195,16 @@ pub trait Connector: Send + Sync {
         Ok(0)
     }
 
-    /// Runs one slice of `pipeline`'s retention sweep ([`crate::retention`]): resumes at the stored cursor (at the
-    /// start of the table with `restart`), examines about `rows` dedup rows, deletes those of `pipeline` older than
-    /// `retention`, and stores the cursor, in one transaction; when the slice ends a pass, also deletes the attempt
-    /// rows of lanes gone for [`ATTEMPT_ROWS_KEPT`]. Another replica sweeping the pipeline is not waited for: the
-    /// slice says [`Slice::skipped_locked`]. Default: nothing to sweep (keys that expire by themselves), a pass that
-    /// ends at once.
+    /// Runs one slice of a retention sweep ([`crate::retention`]): resumes at the stored cursor (takes the pass
+    /// over and starts at the beginning of the table with `restart`), examines about `sweep.rows` dedup rows,
+    /// deletes those of the pipeline older than its retention, and stores the cursor and the owner's lease, in one
+    /// transaction; when the slice ends a pass, also deletes the attempt rows of lanes gone for
+    /// [`ATTEMPT_ROWS_KEPT`]. Another replica sweeping the pipeline is not waited for, nor a pass begun before it is
+    /// due: the slice says why in [`Slice::skipped`]. Default: nothing to sweep (keys that expire by themselves), a
+    /// pass that ends at once.
     ///
     /// Errors: the store's; the slice is rolled back and its cursor stays.
-    async fn sweep_slice(&self, _pipeline: &str, _retention: Duration, _rows: u32, _restart: bool) -> Result<Slice, StoreError> {
+    async fn sweep_slice(&self, _sweep: &Sweep<'_>, _restart: bool) -> Result<Slice, StoreError> {
         Ok(Slice { pass_seconds: Some(0.0), ..Slice::default() })
     }
 

@@ -40,11 +40,10 @@ use crate::key::BusinessKey;
 use crate::offsets::{Claimed, NextOffsets, Positions, Processed};
 use crate::store::rows::Apply;
 use crate::record::Record;
-use crate::retention::{Pace, PurgeOutcome, Slice, SweepState};
+use crate::retention::{PurgeOutcome, Slice, Sweep, SweepState};
 use crate::dead_letter::Stored;
 use crate::store::rows::{Claim, Existing, Explained};
 use crate::metrics::DeadLetterReason;
-use std::time::Duration;
 
 /// A store's connection pool. Cheap to clone (the pool is shared).
 #[derive(Clone, Debug)]
@@ -225,22 +224,15 @@ impl Store {
         each_store!(self, |s| Connector::sweep_state(s, pipeline).await)
     }
 
-    /// Runs one pass of `pipeline`'s retention sweep ([`crate::retention::sweep_pass`]): slices of about `rows` rows
-    /// each ([`Connector::sweep_slice`]) at `pace`, until the pass ends or another replica is found sweeping;
-    /// `on_slice` is told of each committed slice. Redis sweeps nothing: its dedup keys expire by themselves (their
-    /// TTL is the retention), and its pass ends at once.
+    /// Runs one pass of a retention sweep ([`crate::retention::sweep_pass`]): slices of about `sweep.rows` rows each
+    /// ([`Connector::sweep_slice`]) at `sweep.pace`, until the pass ends, another replica is found sweeping, or the
+    /// pass is not due; `on_slice` is told of each committed slice. Redis sweeps nothing: its dedup keys expire by
+    /// themselves (their TTL is the retention), and its pass ends at once.
     ///
     /// Errors: the store's; the slices committed before it stay, and the next pass resumes at the stored cursor.
-    pub async fn sweep_pass(
-        &self,
-        pipeline: &str,
-        retention: Duration,
-        rows: u32,
-        pace: Pace,
-        on_slice: impl FnMut(&Slice) + Send,
-    ) -> Result<PurgeOutcome, StoreError> {
-        let slice = |restart| async move { each_store!(self, |s| Connector::sweep_slice(s, pipeline, retention, rows, restart).await) };
-        crate::retention::sweep_pass(pace, slice, on_slice).await
+    pub async fn sweep_pass(&self, sweep: &Sweep<'_>, on_slice: impl FnMut(&Slice) + Send) -> Result<PurgeOutcome, StoreError> {
+        let slice = |restart| async move { each_store!(self, |s| Connector::sweep_slice(s, sweep, restart).await) };
+        crate::retention::sweep_pass(sweep.pace, slice, on_slice).await
     }
 
     /// What the dedup store knows of one business key (`idemflow explain`).

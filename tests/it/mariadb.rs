@@ -861,7 +861,7 @@ async fn declared_decimals_are_exact_and_unsafe_statements_are_refused() {
 /// pass at the last key, having deleted the expired rows and kept the fresh one.
 #[tokio::test(flavor = "multi_thread")]
 async fn the_sweep_walks_the_primary_key_in_slices_one_replica_at_a_time() {
-    use idemflow::retention::Pace;
+    use idemflow::retention::{Pace, Skipped};
     let db = MyDb::new("").await;
     let rows: Vec<String> = (0..7)
         .map(|i| format!("('p', 'k{i}', 'k{i}', 't', 0, {i}, UNHEX(SHA2('{i}', 256)), NOW(6) - INTERVAL 8 DAY)"))
@@ -873,32 +873,46 @@ async fn the_sweep_walks_the_primary_key_in_slices_one_replica_at_a_time() {
     ))
     .await;
     let store = idemflow::store::Store::MySql(idemflow::store::mysql::MySqlStore::new(db.pool.clone()));
-    let week = Duration::from_secs(7 * 24 * 3600);
-    let slice = |restart| idemflow::store::mysql::retention::sweep_slice(&db.pool, "p", week, 3, restart);
-    let first = slice(false).await.unwrap();
+    let sweep = |owner, interval| idemflow::retention::Sweep {
+        pipeline: "p",
+        owner,
+        retention: Duration::from_secs(7 * 24 * 3600),
+        rows: 3,
+        interval,
+        pace: Pace::RowsPerSecond(1_000_000),
+    };
+    let (a, b) = (sweep("replica-a", Duration::ZERO), sweep("replica-b", Duration::ZERO));
+    let pool = &db.pool;
+    let slice = |s| async move { idemflow::store::mysql::retention::sweep_slice(pool, &s, false).await };
+    let first = slice(a).await.unwrap();
     assert_eq!((first.examined, first.purged, first.pass_seconds), (3, 3, None), "k0, k1, k2");
     let cursor = || db.scalar::<String>("SELECT CAST(swept_to AS CHAR) FROM idemflow_retention_sweeps WHERE pipeline = 'p'");
     assert_eq!(cursor().await, "k2");
+    // Another replica, while replica-a's lease on the pass holds: it leaves the pass alone.
+    assert_eq!(slice(b).await.unwrap().skipped, Some(Skipped::OtherReplica));
+    assert_eq!(cursor().await, "k2");
 
-    // Another replica's slice holds the cursor: this one skips at once.
+    // Another replica's slice holds the cursor at this moment: this one skips at once.
     let mut other = db.pool.begin().await.unwrap();
     sqlx::query("SELECT 1 FROM idemflow_retention_sweeps WHERE pipeline = 'p' FOR UPDATE").execute(&mut *other).await.unwrap();
     let started = std::time::Instant::now();
-    let skipped = slice(false).await.unwrap();
-    assert!(skipped.skipped_locked && skipped.examined == 0, "{skipped:?}");
+    let skipped = slice(a).await.unwrap();
+    assert!(skipped.skipped == Some(Skipped::OtherReplica) && skipped.examined == 0, "{skipped:?}");
     assert!(started.elapsed() < Duration::from_secs(5), "it did not wait for the other replica");
     assert_eq!(db.scalar::<i64>("SELECT COUNT(*) FROM idemflow_dedup").await, 6);
     other.rollback().await.unwrap();
 
     // The rest of the pass resumes after k2: k3, k3a (fresh, kept), k4; then k5, k6 and the end of the pipeline's keys.
     let mut examined = Vec::new();
-    let o = store.sweep_pass("p", week, 3, Pace::RowsPerSecond(1_000_000), |s| examined.push(s.examined)).await.unwrap();
+    let o = store.sweep_pass(&a, |s| examined.push(s.examined)).await.unwrap();
     assert_eq!(examined, vec![3, 2], "{o:?}");
     assert_eq!((o.purged, o.slices), (4, 2));
     assert!(o.pass_seconds.is_some(), "{o:?}");
     assert_eq!(db.scalar::<String>("SELECT GROUP_CONCAT(CAST(key_id AS CHAR) ORDER BY pipeline, key_id) FROM idemflow_dedup").await, "k3a,k0", "the fresh row and the other pipeline's stay");
     assert_eq!(db.scalar::<Option<String>>("SELECT CAST(swept_to AS CHAR) FROM idemflow_retention_sweeps WHERE pipeline = 'p'").await, None);
     assert_eq!(db.scalar::<i64>("SELECT passes FROM idemflow_retention_sweeps WHERE pipeline = 'p'").await, 1);
+    // The next pass is due `purge_interval` after this one ended, whichever replica asks.
+    assert_eq!(slice(sweep("replica-b", Duration::from_secs(3600))).await.unwrap().skipped, Some(Skipped::NotDue));
 }
 
 /// With the binary log on in `STATEMENT` format, InnoDB refuses writes in `READ COMMITTED`: `migrate` and `check`

@@ -17,13 +17,18 @@ async fn insert_rows(db: &TestDb, pipeline: &str, n: i32, age: &str) {
     .unwrap();
 }
 
+/// A sweep of pipeline `payments` by replica `owner`, a week's retention, slices of about 100 rows.
+fn sweep<'a>(owner: &'a str, interval: Duration, pace: idemflow::retention::Pace) -> idemflow::retention::Sweep<'a> {
+    idemflow::retention::Sweep { pipeline: "payments", owner, retention: Duration::from_secs(7 * 24 * 3600), rows: 100, interval, pace }
+}
+
 /// The sweep walks the heap in slices of about `rows` rows, each committed with its cursor: it resumes where the
-/// last slice stopped (a restarted worker), skips while another replica holds the pipeline's cursor (without
-/// waiting), never waits for a row a batch holds (it is left for the next pass), and at the end of the table ends its
-/// pass, having deleted exactly this pipeline's expired rows.
+/// last slice stopped (a restarted worker), leaves the pass to the replica that holds its lease (without waiting),
+/// never waits for a row a batch holds (it is left for the next pass), ends its pass at the end of the table having
+/// deleted exactly this pipeline's expired rows, and starts the next only `purge_interval` later.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_sweep_deletes_expired_rows_slice_by_slice_resuming_at_its_cursor() {
-    use idemflow::retention::{Pace, Slice};
+    use idemflow::retention::{Pace, Skipped, Slice};
     use idemflow::store::postgres::retention::sweep_slice;
     let db = TestDb::new("").await;
     // About 20 rows to a block (a 300-byte key each), so 1,000 rows span about 50 blocks, expired and fresh mixed.
@@ -42,28 +47,34 @@ async fn the_sweep_deletes_expired_rows_slice_by_slice_resuming_at_its_cursor() 
         .unwrap();
     }
     sqlx::query("ANALYZE idemflow.dedup").execute(&db.pool).await.unwrap();
-    let week = Duration::from_secs(7 * 24 * 3600);
+    let paced = Pace::RowsPerSecond(1_000_000);
+    let (a, b) = (sweep("replica-a", Duration::ZERO, paced), sweep("replica-b", Duration::ZERO, paced));
     let cursor = || db.scalar::<i64>("SELECT next_block FROM idemflow.retention_sweeps WHERE pipeline = 'payments'");
 
-    let first = sweep_slice(&db.pool, "payments", week, 100, false).await.unwrap();
+    let first = sweep_slice(&db.pool, &a, false).await.unwrap();
     assert!(first.examined >= 50 && first.examined <= 200 && first.pass_seconds.is_none(), "{first:?}");
     let after_first = cursor().await;
     assert!(after_first >= 3, "the cursor moved past the slice: {after_first}");
     // A restarted worker's next slice starts at the stored cursor, not at the first block.
-    let second = sweep_slice(&db.pool, "payments", week, 100, false).await.unwrap();
+    let second = sweep_slice(&db.pool, &a, false).await.unwrap();
     assert!(second.pass_seconds.is_none(), "{second:?}");
     assert_eq!(cursor().await, 2 * after_first, "the second slice began where the first ended");
 
-    // Another replica's slice holds the cursor: this one skips at once, deleting nothing.
+    // Another replica, while replica-a's lease on the pass holds: it leaves the pass alone.
+    let other = sweep_slice(&db.pool, &b, false).await.unwrap();
+    assert_eq!((other.skipped, other.examined), (Some(Skipped::OtherReplica), 0), "{other:?}");
+    assert_eq!(cursor().await, 2 * after_first);
+
+    // Another replica's slice holds the cursor at this moment: this one skips at once, deleting nothing.
     let before = db.scalar::<i64>("SELECT count(*) FROM idemflow.dedup").await;
-    let mut other = db.pool.begin().await.unwrap();
-    sqlx::query("SELECT 1 FROM idemflow.retention_sweeps WHERE pipeline = 'payments' FOR UPDATE").execute(&mut *other).await.unwrap();
+    let mut holder = db.pool.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM idemflow.retention_sweeps WHERE pipeline = 'payments' FOR UPDATE").execute(&mut *holder).await.unwrap();
     let started = std::time::Instant::now();
-    let skipped = sweep_slice(&db.pool, "payments", week, 100, false).await.unwrap();
-    assert!(skipped.skipped_locked && skipped.purged == 0 && skipped.examined == 0, "{skipped:?}");
+    let skipped = sweep_slice(&db.pool, &a, false).await.unwrap();
+    assert!(skipped.skipped == Some(Skipped::OtherReplica) && skipped.purged == 0 && skipped.examined == 0, "{skipped:?}");
     assert!(started.elapsed() < Duration::from_secs(5), "it did not wait for the other replica");
     assert_eq!(db.scalar::<i64>("SELECT count(*) FROM idemflow.dedup").await, before);
-    other.rollback().await.unwrap();
+    holder.rollback().await.unwrap();
 
     // A batch in flight holds an expired row (counting a duplicate on it): the sweep neither waits for it nor
     // deletes it under the batch; the row is left for the next pass.
@@ -80,9 +91,9 @@ async fn the_sweep_deletes_expired_rows_slice_by_slice_resuming_at_its_cursor() 
     let store = idemflow::store::Store::Postgres(db.pool.clone());
     let mut slices: Vec<Slice> = Vec::new();
     let started = std::time::Instant::now();
-    let o = store.sweep_pass("payments", week, 100, Pace::RowsPerSecond(1_000_000), |s| slices.push(*s)).await.unwrap();
+    let o = store.sweep_pass(&a, |s| slices.push(*s)).await.unwrap();
     assert!(started.elapsed() < Duration::from_secs(10), "the sweep did not wait for the batch");
-    assert!(o.pass_seconds.is_some() && !o.skipped_locked && slices.len() >= 5, "{o:?} {slices:?}");
+    assert!(o.pass_seconds.is_some() && o.skipped.is_none() && slices.len() >= 5, "{o:?} {slices:?}");
     assert_eq!(o.purged, slices.iter().map(|s| s.purged).sum::<u64>(), "each committed slice is reported as it goes");
     assert_eq!(first.purged + second.purged + o.purged, 599, "every expired row of the pipeline but the held one, once");
     batch.rollback().await.unwrap();
@@ -93,11 +104,42 @@ async fn the_sweep_deletes_expired_rows_slice_by_slice_resuming_at_its_cursor() 
     assert_eq!(db.scalar::<i64>("SELECT count(*) FROM idemflow.dedup WHERE pipeline = 'other'").await, 100, "other pipelines untouched");
     assert_eq!(cursor().await, 0, "the next pass starts at the first block");
     assert_eq!(db.scalar::<i64>("SELECT passes FROM idemflow.retention_sweeps WHERE pipeline = 'payments'").await, 1);
-    // `idemflow purge`'s pass starts from the first block, whatever the cursor says.
-    sweep_slice(&db.pool, "payments", week, 100, false).await.unwrap();
-    let o = store.sweep_pass("payments", week, 100, Pace::FromStartAtOnce, |_| {}).await.unwrap();
-    assert_eq!((o.purged, o.examined), (1, 401), "the row the batch held, now: {o:?}");
+    assert_eq!(db.scalar::<Option<String>>("SELECT owner FROM idemflow.retention_sweeps WHERE pipeline = 'payments'").await, None, "the lease is freed");
+
+    // The next pass is due `purge_interval` after this one ended, whichever replica asks.
+    let hourly = sweep("replica-b", Duration::from_secs(3600), paced);
+    let early = sweep_slice(&db.pool, &hourly, false).await.unwrap();
+    assert_eq!((early.skipped, early.examined), (Some(Skipped::NotDue), 0), "{early:?}");
+    // `idemflow purge`'s pass takes the pass over and starts from the first block, due or not.
+    let by_hand = sweep("idemflow purge/1", Duration::from_secs(3600), Pace::FromStartAtOnce);
+    let o = store.sweep_pass(&by_hand, |_| {}).await.unwrap();
+    assert_eq!((o.purged, o.examined, o.skipped), (1, 401, None), "the row the batch held, now: {o:?}");
     assert_eq!(db.scalar::<i64>(&kept).await, 0);
+}
+
+/// Before PostgreSQL 14 (no TID range scans) a slice is a range of the pipeline's primary key, as on MySQL: the
+/// statement examines the next `rows` keys after the cursor, returns the last, and deletes the expired among them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn before_postgresql_14_a_slice_is_a_range_of_the_primary_key() {
+    use idemflow::store::postgres::retention::key_range_slice;
+    let db = TestDb::new("").await;
+    sqlx::query(
+        "INSERT INTO idemflow.dedup (pipeline, key_id, business_key, topic, partition, \"offset\", fingerprint, applied_at) \
+         SELECT p, convert_to('k' || g, 'UTF8'), 'k' || g, 't', 0, g, '\\x00', now() - CASE WHEN g = 3 THEN interval '1 hour' ELSE interval '8 days' END \
+         FROM generate_series(1, 7) g, (VALUES ('p'), ('q')) AS ps(p) ORDER BY random()",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let week = Duration::from_secs(7 * 24 * 3600);
+    let (examined, last, purged) = key_range_slice(&db.pool, "p", 3, week, None).await.unwrap();
+    assert_eq!((examined, last.as_deref(), purged), (3, Some(&b"k3"[..]), 2), "k1, k2 and the fresh k3");
+    let (examined, last, purged) = key_range_slice(&db.pool, "p", 3, week, Some(b"k3")).await.unwrap();
+    assert_eq!((examined, last.as_deref(), purged), (3, Some(&b"k6"[..]), 3));
+    let (examined, last, purged) = key_range_slice(&db.pool, "p", 3, week, Some(b"k6")).await.unwrap();
+    assert_eq!((examined, last.as_deref(), purged), (1, Some(&b"k7"[..]), 1), "fewer than asked: the pass ends");
+    assert_eq!(db.scalar::<String>("SELECT string_agg(pipeline || ':' || business_key, ',' ORDER BY pipeline, key_id) FROM idemflow.dedup WHERE pipeline = 'p'").await, "p:k3");
+    assert_eq!(db.scalar::<i64>("SELECT count(*) FROM idemflow.dedup WHERE pipeline = 'q'").await, 7, "another pipeline's keys untouched");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -151,8 +193,8 @@ async fn the_worker_purges_on_its_interval() {
 }
 
 /// The worker's sweep, SIGKILLed in the middle of a pass: nothing it had not committed is lost or done early, and
-/// the restarted worker goes on from the stored cursor instead of starting the pass again; the pass then ends with
-/// every expired row deleted and every fresh one kept.
+/// the restarted worker, once the killed one's lease on the pass has run out, goes on from the stored cursor instead
+/// of starting the pass again; the pass then ends with every expired row deleted and every fresh one kept.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_killed_mid_sweep_resumes_at_the_stored_cursor() {
     // Slices of about 40 rows, at most 400 rows a second: a pass over 4,000 rows takes about 10 s.
@@ -179,8 +221,14 @@ async fn a_worker_killed_mid_sweep_resumes_at_the_stored_cursor() {
     assert!(remaining < 4000 && remaining > 1000, "part of the expired rows deleted: {remaining}");
     assert_eq!(db.scalar::<i64>("SELECT passes FROM idemflow.retention_sweeps WHERE pipeline = 'orders'").await, 0);
 
+    // The restarted worker is another replica to the sweep: it takes the pass over once the killed one's lease has
+    // run out (10 pauses of 0.1 s and 30 s), not before.
+    let killed_at = std::time::Instant::now();
     let _w = BinWorker::start(&setup);
-    wait_until(Duration::from_secs(30), "the restarted sweep to move on", || async { cursor().await.unwrap_or(0) != at_kill }).await;
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    assert_eq!(cursor().await.unwrap(), at_kill, "the pass is the killed worker's until its lease runs out");
+    wait_until(Duration::from_secs(60), "the restarted sweep to move on", || async { cursor().await.unwrap_or(0) != at_kill }).await;
+    assert!(killed_at.elapsed() >= Duration::from_secs(25), "taken over after the lease: {:?}", killed_at.elapsed());
     assert!(cursor().await.unwrap() > at_kill, "went on from the stored cursor ({at_kill}), not from the first block");
     wait_until(Duration::from_secs(60), "the pass to end", || async {
         db.scalar::<i64>("SELECT passes FROM idemflow.retention_sweeps WHERE pipeline = 'orders'").await >= 1

@@ -55,8 +55,15 @@ async fn postgres_migration_11_drops_the_retention_index_and_the_rollback_builds
     assert_eq!((held, deleted), (Some(true), 3));
     // This version's sweep takes the rest.
     let store = idemflow::store::Store::Postgres(db.pool.clone());
-    let week = Duration::from_secs(7 * 24 * 3600);
-    let o = store.sweep_pass("payments", week, 100, idemflow::retention::Pace::FromStartAtOnce, |_| {}).await.unwrap();
+    let sweep = idemflow::retention::Sweep {
+        pipeline: "payments",
+        owner: "idemflow purge/1",
+        retention: Duration::from_secs(7 * 24 * 3600),
+        rows: 100,
+        interval: Duration::from_secs(60),
+        pace: idemflow::retention::Pace::FromStartAtOnce,
+    };
+    let o = store.sweep_pass(&sweep, |_| {}).await.unwrap();
     assert_eq!((o.purged, o.examined), (2, 5), "{o:?}");
     roll_back(&db, "postgres-0011.sql").await;
     assert_eq!(db.scalar::<i64>(index).await, 1);

@@ -3,11 +3,14 @@
 //!
 //! A slice is one transaction (`READ COMMITTED`, as every idemflow session): it locks the pipeline's row of
 //! `idemflow_retention_sweeps` without waiting (`FOR UPDATE NOWAIT`, MySQL 8.0 and MariaDB 10.3; error 3572 on
-//! MySQL, 1205 on MariaDB when another replica holds it: this one skips its pass), finds the next `rows` key ids
-//! after the cursor, deletes those of them older than the retention, and moves the cursor to the last. The pass ends
-//! when fewer than `rows` keys were left.
+//! MySQL, 1205 on MariaDB when another replica's slice holds it: this one skips its pass), skips when another
+//! replica holds the pass's lease or the pass is not due (see [`crate::retention`]), finds the next `rows` key ids
+//! after the cursor, deletes those of them older than the retention, and moves the cursor to the last and renews
+//! the lease. The pass ends when fewer than `rows` keys were left. Its `DELETE` waits for a row a batch holds, as any
+//! statement does (MariaDB 10.5 has no `SKIP LOCKED`): at most `innodb_lock_wait_timeout`, and a deadlock rolls one
+//! of the two back (a batch retries; a slice is tried again next pass).
 
-use crate::retention::Slice;
+use crate::retention::{Skipped, Slice, Sweep};
 use sqlx::MySqlPool;
 use std::time::Duration;
 
@@ -15,25 +18,34 @@ use std::time::Duration;
 /// (MariaDB reports `NOWAIT` as a lock wait that timed out at once).
 const LOCK_HELD: [u16; 2] = [3572, 1205];
 
-/// Runs one slice of `pipeline`'s sweep, examining up to `rows` of its rows (see the module's documentation);
-/// `restart` puts the cursor back at the pipeline's first key first.
+/// Runs one slice of `sweep` (see the module's documentation); `restart` takes the pass over and puts the cursor
+/// back at the pipeline's first key first.
 ///
 /// # Errors
 /// The database's; the slice's transaction is rolled back, the cursor stays where it was.
-pub async fn sweep_slice(pool: &MySqlPool, pipeline: &str, retention: Duration, rows: u32, restart: bool) -> Result<Slice, sqlx::Error> {
+pub async fn sweep_slice(pool: &MySqlPool, sweep: &Sweep<'_>, restart: bool) -> Result<Slice, sqlx::Error> {
     let mut tx = pool.begin().await?;
-    let lock = "SELECT swept_to FROM idemflow_retention_sweeps WHERE pipeline = ? FOR UPDATE NOWAIT";
-    let mut cursor = None;
+    let lock = "SELECT swept_to, COALESCE(NOT (owner <=> ?) AND lease_until > CURRENT_TIMESTAMP(6), FALSE), \
+                COALESCE(pass_started_at IS NULL AND last_pass_ended_at > CURRENT_TIMESTAMP(6) - INTERVAL ? MICROSECOND, FALSE) \
+                FROM idemflow_retention_sweeps WHERE pipeline = ? FOR UPDATE NOWAIT";
+    let micros = |d: Duration| i64::try_from(d.as_micros()).unwrap_or(i64::MAX);
+    let mut state = None;
     for _ in 0..2 {
-        match sqlx::query_scalar::<_, Option<Vec<u8>>>(lock).bind(pipeline).fetch_optional(&mut *tx).await {
-            Ok(Some(position)) => {
-                cursor = Some(position);
+        let row = sqlx::query_as::<_, (Option<Vec<u8>>, bool, bool)>(lock)
+            .bind(sweep.owner)
+            .bind(micros(sweep.interval))
+            .bind(sweep.pipeline)
+            .fetch_optional(&mut *tx)
+            .await;
+        match row {
+            Ok(Some(row)) => {
+                state = Some(row);
                 break;
             }
             // The pipeline's first slice: its cursor row is made (INSERT IGNORE could wait on a row locked by
             // another replica's slice, so it runs only when no row was found) and locked.
             Ok(None) => {
-                sqlx::query("INSERT IGNORE INTO idemflow_retention_sweeps (pipeline) VALUES (?)").bind(pipeline).execute(&mut *tx).await?;
+                sqlx::query("INSERT IGNORE INTO idemflow_retention_sweeps (pipeline) VALUES (?)").bind(sweep.pipeline).execute(&mut *tx).await?;
             }
             Err(sqlx::Error::Database(e))
                 if e.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>().is_some_and(|m| LOCK_HELD.contains(&m.number())) =>
@@ -43,48 +55,55 @@ pub async fn sweep_slice(pool: &MySqlPool, pipeline: &str, retention: Duration, 
             Err(e) => return Err(e),
         }
     }
-    let Some(cursor) = cursor else {
+    let skipped = match &state {
+        None => Some(Skipped::OtherReplica),
+        Some((_, true, _)) if !restart => Some(Skipped::OtherReplica),
+        Some((_, _, true)) if !restart => Some(Skipped::NotDue),
+        Some(_) => None,
+    };
+    let (Some((cursor, _, _)), None) = (state, skipped) else {
         tx.rollback().await?;
-        return Ok(Slice { skipped_locked: true, ..Slice::default() });
+        return Ok(Slice { skipped, ..Slice::default() });
     };
     let after = if restart { None } else { cursor };
     let bound = if after.is_some() { " AND key_id > ?" } else { "" };
     let range = format!("SELECT COUNT(*), MAX(key_id) FROM (SELECT key_id FROM idemflow_dedup WHERE pipeline = ?{bound} ORDER BY key_id LIMIT ?) s");
-    let range = sqlx::query_as::<_, (i64, Option<Vec<u8>>)>(&range).bind(pipeline);
+    let range = sqlx::query_as::<_, (i64, Option<Vec<u8>>)>(&range).bind(sweep.pipeline);
     let range = match &after {
         Some(after) => range.bind(after),
         None => range,
     };
-    let (examined, last) = range.bind(rows).fetch_one(&mut *tx).await?;
+    let (examined, last) = range.bind(sweep.rows).fetch_one(&mut *tx).await?;
     let purged = match &last {
         Some(last) => {
             let delete = format!(
                 "DELETE FROM idemflow_dedup WHERE pipeline = ?{bound} AND key_id <= ? \
                  AND applied_at < CURRENT_TIMESTAMP(6) - INTERVAL ? MICROSECOND"
             );
-            let delete = sqlx::query(&delete).bind(pipeline);
+            let delete = sqlx::query(&delete).bind(sweep.pipeline);
             let delete = match &after {
                 Some(after) => delete.bind(after),
                 None => delete,
             };
-            delete.bind(last).bind(i64::try_from(retention.as_micros()).unwrap_or(i64::MAX)).execute(&mut *tx).await?.rows_affected()
+            delete.bind(last).bind(micros(sweep.retention)).execute(&mut *tx).await?.rows_affected()
         }
         None => 0,
     };
-    let pass_seconds = if examined < i64::from(rows) {
+    let pass_seconds = if examined < i64::from(sweep.rows) {
         // The pass ends: its duration from its first slice (this one, on a restart) to now. MySQL assigns left to
         // right, so the duration is computed before pass_started_at is cleared.
         sqlx::query(
             "UPDATE idemflow_retention_sweeps SET swept_to = NULL, passes = passes + 1, \
              last_pass_seconds = TIMESTAMPDIFF(MICROSECOND, CASE WHEN ? THEN CURRENT_TIMESTAMP(6) ELSE COALESCE(pass_started_at, CURRENT_TIMESTAMP(6)) END, CURRENT_TIMESTAMP(6)) / 1e6, \
-             pass_started_at = NULL, updated_at = CURRENT_TIMESTAMP(6) WHERE pipeline = ?",
+             pass_started_at = NULL, last_pass_ended_at = CURRENT_TIMESTAMP(6), owner = NULL, lease_until = NULL, \
+             updated_at = CURRENT_TIMESTAMP(6) WHERE pipeline = ?",
         )
         .bind(restart)
-        .bind(pipeline)
+        .bind(sweep.pipeline)
         .execute(&mut *tx)
         .await?;
         let seconds: Option<f64> = sqlx::query_scalar("SELECT last_pass_seconds FROM idemflow_retention_sweeps WHERE pipeline = ?")
-            .bind(pipeline)
+            .bind(sweep.pipeline)
             .fetch_one(&mut *tx)
             .await?;
         Some(seconds.unwrap_or_default())
@@ -92,17 +111,19 @@ pub async fn sweep_slice(pool: &MySqlPool, pipeline: &str, retention: Duration, 
         sqlx::query(
             "UPDATE idemflow_retention_sweeps SET swept_to = ?, \
              pass_started_at = CASE WHEN ? OR pass_started_at IS NULL THEN CURRENT_TIMESTAMP(6) ELSE pass_started_at END, \
-             updated_at = CURRENT_TIMESTAMP(6) WHERE pipeline = ?",
+             owner = ?, lease_until = CURRENT_TIMESTAMP(6) + INTERVAL ? MICROSECOND, updated_at = CURRENT_TIMESTAMP(6) WHERE pipeline = ?",
         )
         .bind(&last)
         .bind(restart)
-        .bind(pipeline)
+        .bind(sweep.owner)
+        .bind(micros(sweep.lease()))
+        .bind(sweep.pipeline)
         .execute(&mut *tx)
         .await?;
         None
     };
     tx.commit().await?;
-    Ok(Slice { examined: examined as u64, purged, skipped_locked: false, pass_seconds })
+    Ok(Slice { examined: examined as u64, purged, skipped: None, pass_seconds })
 }
 
 /// Where `pipeline`'s sweep stands ([`crate::retention::SweepState`]); `None` before its first slice.

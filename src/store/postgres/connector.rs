@@ -7,7 +7,7 @@ use crate::key::BusinessKey;
 use crate::metrics::DeadLetterReason;
 use crate::offsets::{Claimed, NextOffsets, Positions, Processed};
 use crate::record::{Position, Record};
-use crate::retention::{Slice, SweepState};
+use crate::retention::{Slice, Sweep, SweepState};
 use crate::store::contract::{BatchTx, Connector, Session, StoreError};
 use crate::store::rows::{Apply, Claim, Digests, Existing, Explained, Forget, Forgotten};
 use crate::store::contract::ATTEMPT_ROWS_KEPT;
@@ -57,10 +57,10 @@ impl Connector for PgPool {
         Ok(offsets::lower_floors(self, pipeline, positions).await?)
     }
 
-    async fn sweep_slice(&self, pipeline: &str, retention: Duration, rows: u32, restart: bool) -> Result<Slice, StoreError> {
-        let slice = retention::sweep_slice(self, pipeline, retention, rows, restart).await?;
+    async fn sweep_slice(&self, sweep: &Sweep<'_>, restart: bool) -> Result<Slice, StoreError> {
+        let slice = retention::sweep_slice(self, sweep, restart).await?;
         if slice.pass_seconds.is_some() {
-            offsets::forget_attempts(self, pipeline, ATTEMPT_ROWS_KEPT).await?;
+            offsets::forget_attempts(self, sweep.pipeline, ATTEMPT_ROWS_KEPT).await?;
         }
         Ok(slice)
     }

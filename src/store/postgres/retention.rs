@@ -1,25 +1,37 @@
 //! PostgreSQL retention: the sweep ([`crate::retention`]) by ranges of the dedup table's heap.
 //!
 //! A slice is one transaction: it locks the pipeline's row of `idemflow.retention_sweeps` without waiting
-//! (`FOR UPDATE SKIP LOCKED`; a replica that finds it locked skips its pass), reads a range of heap blocks
-//! `[next_block, next_block + n)` with a TID range scan (PostgreSQL 14 and later: "TID Range Scan", no index needed),
-//! deletes the rows in it of this pipeline older than the retention, those not locked by a batch in flight
-//! (`SKIP LOCKED`: a batch counting a duplicate on a row is never waited for, the row is left for the next pass), and
-//! moves the cursor. `n` is about `rows` rows' worth of blocks, from the table's own statistics (`reltuples` /
-//! `relpages`). The pass ends at the block the relation ends at when the slice runs (`pg_relation_size`); rows
-//! inserted meanwhile are new, not expired.
+//! (`FOR UPDATE SKIP LOCKED`), skips when another replica holds the pass's lease or the pass is not due (see
+//! [`crate::retention`]), reads a range of heap blocks `[next_block, next_block + n)` with a TID range scan
+//! (PostgreSQL 14 and later: "TID Range Scan", no index needed), deletes the rows in it of this pipeline older than
+//! the retention, those not locked by a batch in flight (`SKIP LOCKED`: a batch counting a duplicate on a row is
+//! never waited for, the row is left for the next pass), and moves the cursor and renews the lease. `n` is about
+//! `rows` rows' worth of blocks by the table's own statistics (`reltuples` / `relpages`), and at most `rows / 4`
+//! blocks (a dedup row fits 4 times in a block at least: past about 2 KB its key is stored out of line), so stale
+//! statistics cannot make one slice scan the table. The pass ends at the block the relation ends at when the slice
+//! runs (`pg_relation_size`); rows inserted meanwhile are new, not expired. A heap range holds every pipeline's
+//! rows: pipelines sharing the table each sweep all of it, each its own cursor.
 //!
-//! A heap range holds every pipeline's rows: pipelines sharing the table each sweep all of it, each its own cursor.
+//! Before PostgreSQL 14 (no TID range scans) a slice is a range of the pipeline's primary key instead, as on
+//! MySQL: the next `rows` key ids after the cursor (`swept_to`). A full pass then reads the heap in key order, about
+//! nine times the work of a heap pass on a table of 10 million rows (docs/operations.md).
 
-use crate::retention::Slice;
-use sqlx::PgPool;
-use std::time::Duration;
+use crate::retention::{Skipped, Slice, Sweep};
+use sqlx::{PgPool, Postgres, Transaction};
 
 /// Rows per heap block assumed before the table has statistics (a dedup row with a short key is about 160 bytes of
 /// heap: about 50 to a block of 8 KiB).
 const ROWS_PER_BLOCK_UNKNOWN: f64 = 50.0;
 
-const SLICE: &str = r#"
+/// The fewest rows a heap block holds, whatever the statistics say: a dedup row's key text is stored out of line
+/// past about 2 KB, so a row takes at most about a quarter of a block.
+const ROWS_PER_BLOCK_AT_LEAST: f64 = 4.0;
+
+/// The first `server_version_num` with TID range scans (PostgreSQL 14).
+const TID_RANGE_SCANS: i32 = 140_000;
+
+/// One heap slice: `$2`, `$3` the first and the end block as `(n,0)`, `$4` the retention in seconds.
+const HEAP_SLICE: &str = r#"
 WITH slice AS MATERIALIZED (
     SELECT ctid, pipeline = $1 AND applied_at < now() - make_interval(secs => $4) AS expired
     FROM idemflow.dedup
@@ -34,91 +46,154 @@ victims AS (
 deleted AS (DELETE FROM idemflow.dedup WHERE ctid = ANY (ARRAY(SELECT ctid FROM victims)) RETURNING 1)
 SELECT (SELECT count(*) FROM slice), (SELECT count(*) FROM deleted)"#;
 
-/// The table's size in blocks now, and its statistics' rows and blocks (as of the last `VACUUM` or `ANALYZE`).
-/// And the server's version number (`server_version_num`): TID range scans are PostgreSQL 14's.
+/// One key slice (before PostgreSQL 14): `{after}` the lower bound when there is one (`$4`), `$2` the rows, `$3` the
+/// retention in seconds.
+fn key_slice(after: bool) -> String {
+    let after = if after { " AND key_id > $4" } else { "" };
+    format!(
+        r#"
+WITH slice AS MATERIALIZED (
+    SELECT key_id, applied_at < now() - make_interval(secs => $3) AS expired
+    FROM idemflow.dedup WHERE pipeline = $1{after} ORDER BY key_id LIMIT $2
+),
+victims AS (
+    SELECT d.ctid FROM idemflow.dedup d JOIN slice s ON s.key_id = d.key_id
+    WHERE s.expired AND d.pipeline = $1 AND d.applied_at < now() - make_interval(secs => $3)
+    FOR UPDATE OF d SKIP LOCKED
+),
+deleted AS (DELETE FROM idemflow.dedup WHERE ctid = ANY (ARRAY(SELECT ctid FROM victims)) RETURNING 1)
+SELECT (SELECT count(*) FROM slice), (SELECT key_id FROM slice ORDER BY key_id DESC LIMIT 1), (SELECT count(*) FROM deleted)"#
+    )
+}
+
+/// The table's size in blocks now, its statistics' rows and blocks (as of the last `VACUUM` or `ANALYZE`), and the
+/// server's version number.
 const SIZE: &str = "SELECT pg_relation_size(c.oid) / current_setting('block_size')::int8, c.reltuples::float8, c.relpages::int8, \
                     current_setting('server_version_num')::int4 FROM pg_class c WHERE c.oid = 'idemflow.dedup'::regclass";
 
-/// The first `server_version_num` with TID range scans (PostgreSQL 14).
-const TID_RANGE_SCANS: i32 = 140_000;
+/// Where a slice leaves the cursor.
+enum Cursor {
+    /// The pass ended: back to the start.
+    End,
+    /// The next heap block.
+    Block(i64),
+    /// The last key id swept.
+    Key(Vec<u8>),
+}
 
-/// Runs one slice of `pipeline`'s sweep, examining about `rows` rows (see the module's documentation); `restart`
-/// puts the cursor back at the first block first.
+/// Runs one slice of `sweep` (see the module's documentation); `restart` takes the pass over and puts the cursor
+/// back at the start first.
 ///
 /// # Errors
 /// The database's; the slice's transaction is rolled back, the cursor stays where it was.
-pub async fn sweep_slice(pool: &PgPool, pipeline: &str, retention: Duration, rows: u32, restart: bool) -> Result<Slice, sqlx::Error> {
+pub async fn sweep_slice(pool: &PgPool, sweep: &Sweep<'_>, restart: bool) -> Result<Slice, sqlx::Error> {
     let persistent = super::persistent();
     let mut tx = pool.begin().await?;
     sqlx::query("INSERT INTO idemflow.retention_sweeps (pipeline) VALUES ($1) ON CONFLICT DO NOTHING")
-        .bind(pipeline)
+        .bind(sweep.pipeline)
         .persistent(persistent)
         .execute(&mut *tx)
         .await?;
-    let cursor: Option<i64> =
-        sqlx::query_scalar("SELECT next_block FROM idemflow.retention_sweeps WHERE pipeline = $1 FOR UPDATE SKIP LOCKED")
-            .bind(pipeline)
-            .persistent(persistent)
-            .fetch_optional(&mut *tx)
-            .await?;
-    let Some(cursor) = cursor else {
+    let state: Option<(i64, Option<Vec<u8>>, bool, bool)> = sqlx::query_as(
+        "SELECT next_block, swept_to, coalesce(owner IS DISTINCT FROM $2 AND lease_until > now(), false), \
+         coalesce(pass_started_at IS NULL AND last_pass_ended_at > now() - make_interval(secs => $3), false) \
+         FROM idemflow.retention_sweeps WHERE pipeline = $1 FOR UPDATE SKIP LOCKED",
+    )
+    .bind(sweep.pipeline)
+    .bind(sweep.owner)
+    .bind(sweep.interval.as_secs_f64())
+    .persistent(persistent)
+    .fetch_optional(&mut *tx)
+    .await?;
+    let skipped = match &state {
+        None => Some(Skipped::OtherReplica),
+        Some((_, _, true, _)) if !restart => Some(Skipped::OtherReplica),
+        Some((_, _, _, true)) if !restart => Some(Skipped::NotDue),
+        Some(_) => None,
+    };
+    let (Some((next_block, swept_to, _, _)), None) = (state, skipped) else {
         tx.rollback().await?;
-        return Ok(Slice { skipped_locked: true, ..Slice::default() });
+        return Ok(Slice { skipped, ..Slice::default() });
     };
-    let from = if restart { 0 } else { cursor };
     let (blocks, reltuples, relpages, version): (i64, f64, i64, i32) = sqlx::query_as(SIZE).persistent(persistent).fetch_one(&mut *tx).await?;
-    if version < TID_RANGE_SCANS {
-        // Before PostgreSQL 14 a slice would read the whole table: refused, and said at every pass.
-        return Err(sqlx::Error::Protocol(format!(
-            "the retention sweep needs PostgreSQL 14 or later (TID range scans); this server is version {version}: \
-             expired dedup rows are not deleted (`idemflow purge` neither); upgrade the server (PostgreSQL 13 is past its end of life)"
-        )));
-    }
-    let per_block = if reltuples > 0.0 && relpages > 0 { reltuples / relpages as f64 } else { ROWS_PER_BLOCK_UNKNOWN };
-    let span = ((f64::from(rows) / per_block).ceil() as i64).max(1);
-    let to = from.saturating_add(span);
-    let (examined, purged) = if from < blocks {
-        let (examined, purged): (i64, i64) = sqlx::query_as(SLICE)
-            .bind(pipeline)
-            .bind(format!("({from},0)"))
-            .bind(format!("({},0)", to.min(i64::from(u32::MAX))))
-            .bind(retention.as_secs_f64())
-            .persistent(persistent)
-            .fetch_one(&mut *tx)
-            .await?;
-        (examined as u64, purged as u64)
+    let (examined, purged, cursor) = if version >= TID_RANGE_SCANS {
+        let from = if restart { 0 } else { next_block };
+        let per_block = if reltuples > 0.0 && relpages > 0 { reltuples / relpages as f64 } else { ROWS_PER_BLOCK_UNKNOWN };
+        let span = ((f64::from(sweep.rows) / per_block.max(ROWS_PER_BLOCK_AT_LEAST)).ceil() as i64).max(1);
+        let to = from.saturating_add(span);
+        let (examined, purged) = if from < blocks {
+            sqlx::query_as::<_, (i64, i64)>(HEAP_SLICE)
+                .bind(sweep.pipeline)
+                .bind(format!("({from},0)"))
+                .bind(format!("({},0)", to.min(i64::from(u32::MAX))))
+                .bind(sweep.retention.as_secs_f64())
+                .persistent(persistent)
+                .fetch_one(&mut *tx)
+                .await?
+        } else {
+            (0, 0)
+        };
+        (examined, purged, if to >= blocks { Cursor::End } else { Cursor::Block(to) })
     } else {
-        (0, 0)
+        let after = if restart { None } else { swept_to };
+        let sql = key_slice(after.is_some());
+        let query = sqlx::query_as::<_, (i64, Option<Vec<u8>>, i64)>(&sql)
+            .bind(sweep.pipeline)
+            .bind(i64::from(sweep.rows))
+            .bind(sweep.retention.as_secs_f64());
+        let query = match after {
+            Some(after) => query.bind(after),
+            None => query,
+        };
+        let (examined, last, purged) = query.persistent(persistent).fetch_one(&mut *tx).await?;
+        let cursor = match last {
+            Some(last) if examined >= i64::from(sweep.rows) => Cursor::Key(last),
+            _ => Cursor::End,
+        };
+        (examined, purged, cursor)
     };
-    let pass_seconds = if to >= blocks {
-        // The pass ends: its duration from its first slice (this one, on a restart) to now.
-        let seconds: f64 = sqlx::query_scalar(
-            "UPDATE idemflow.retention_sweeps SET next_block = 0, passes = passes + 1, \
-             last_pass_seconds = extract(epoch FROM now() - CASE WHEN $2 THEN now() ELSE coalesce(pass_started_at, now()) END)::float8, \
-             pass_started_at = NULL, updated_at = now() WHERE pipeline = $1 RETURNING last_pass_seconds",
-        )
-        .bind(pipeline)
-        .bind(restart)
-        .persistent(persistent)
-        .fetch_one(&mut *tx)
-        .await?;
-        Some(seconds)
-    } else {
-        sqlx::query(
-            "UPDATE idemflow.retention_sweeps SET next_block = $2, \
-             pass_started_at = CASE WHEN $3 OR pass_started_at IS NULL THEN now() ELSE pass_started_at END, updated_at = now() \
-             WHERE pipeline = $1",
-        )
-        .bind(pipeline)
-        .bind(to)
-        .bind(restart)
-        .persistent(persistent)
-        .execute(&mut *tx)
-        .await?;
-        None
-    };
+    let pass_seconds = move_cursor(&mut tx, sweep, restart, cursor).await?;
     tx.commit().await?;
-    Ok(Slice { examined, purged, skipped_locked: false, pass_seconds })
+    Ok(Slice { examined: examined as u64, purged: purged as u64, skipped: None, pass_seconds })
+}
+
+/// Stores where the slice left the cursor and renews the owner's lease; at the end of a pass, counts it, frees the
+/// lease, and returns how long the pass took (from its first slice, this one on a restart).
+async fn move_cursor(tx: &mut Transaction<'_, Postgres>, sweep: &Sweep<'_>, restart: bool, cursor: Cursor) -> Result<Option<f64>, sqlx::Error> {
+    let persistent = super::persistent();
+    let (block, key) = match cursor {
+        Cursor::End => {
+            let seconds: f64 = sqlx::query_scalar(
+                "UPDATE idemflow.retention_sweeps SET next_block = 0, swept_to = NULL, passes = passes + 1, \
+                 last_pass_seconds = extract(epoch FROM now() - CASE WHEN $2 THEN now() ELSE coalesce(pass_started_at, now()) END)::float8, \
+                 pass_started_at = NULL, last_pass_ended_at = now(), owner = NULL, lease_until = NULL, updated_at = now() \
+                 WHERE pipeline = $1 RETURNING last_pass_seconds",
+            )
+            .bind(sweep.pipeline)
+            .bind(restart)
+            .persistent(persistent)
+            .fetch_one(&mut **tx)
+            .await?;
+            return Ok(Some(seconds));
+        }
+        Cursor::Block(block) => (block, None),
+        Cursor::Key(key) => (0, Some(key)),
+    };
+    sqlx::query(
+        "UPDATE idemflow.retention_sweeps SET next_block = $2, swept_to = $3, \
+         pass_started_at = CASE WHEN $4 OR pass_started_at IS NULL THEN now() ELSE pass_started_at END, \
+         owner = $5, lease_until = now() + make_interval(secs => $6), updated_at = now() WHERE pipeline = $1",
+    )
+    .bind(sweep.pipeline)
+    .bind(block)
+    .bind(key)
+    .bind(restart)
+    .bind(sweep.owner)
+    .bind(sweep.lease().as_secs_f64())
+    .persistent(persistent)
+    .execute(&mut **tx)
+    .await?;
+    Ok(None)
 }
 
 /// Where `pipeline`'s sweep stands ([`crate::retention::SweepState`]); `None` before its first slice.
@@ -142,4 +217,19 @@ pub async fn sweep_state(pool: &PgPool, pipeline: &str) -> Result<Option<crate::
         last_pass_seconds,
         current_pass_seconds,
     }))
+}
+
+/// The key-range slice's statement, for tests on a server that has TID range scans (PostgreSQL 14 and later) to run
+/// the path older servers take: `(examined, last key id, purged)` of one slice of `rows` keys after `after`.
+///
+/// # Errors
+/// The database's.
+#[doc(hidden)]
+pub async fn key_range_slice(pool: &PgPool, pipeline: &str, rows: u32, retention: std::time::Duration, after: Option<&[u8]>) -> Result<(i64, Option<Vec<u8>>, i64), sqlx::Error> {
+    let sql = key_slice(after.is_some());
+    let query = sqlx::query_as(&sql).bind(pipeline).bind(i64::from(rows)).bind(retention.as_secs_f64());
+    match after {
+        Some(after) => query.bind(after).fetch_one(pool).await,
+        None => query.fetch_one(pool).await,
+    }
 }
