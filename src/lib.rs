@@ -96,7 +96,11 @@
 //! For every batch, one database transaction inserts one dedup row per business key (on PostgreSQL
 //! `INSERT ... ON CONFLICT DO NOTHING RETURNING`, the returned ids gathered into one array, on MySQL/MariaDB `INSERT IGNORE ... RETURNING` or its token form,
 //! always on the primary key `(pipeline, key_id)`, [`key::BusinessKey::key_id`]), runs the side effect only for the keys that insert
-//! returned, writes the dead letters, and commits. The argument below is PostgreSQL's wording; InnoDB gives the same
+//! returned, writes the dead letters, and commits. In PostgreSQL's table form the claim and the table's `INSERT` are
+//! one statement ([`store::Tx::claim_and_apply`]): the claim is a CTE whose `RETURNING` list is the only thing the
+//! `INSERT` reads, so a business row is written exactly for a key that statement inserted, with the claim's waiting
+//! for another transaction's uncommitted key unchanged; a failure of either part fails the statement, and with it
+//! the transaction, as the two statements did. The argument below is PostgreSQL's wording; InnoDB gives the same
 //! guarantees (a rolled-back transaction, an insert waiting for another's uncommitted duplicate key). Only after the commit are
 //! the Kafka offsets committed, and an offset is only ever committed for records whose outcome is durable.
 //!

@@ -7,10 +7,11 @@
 //!    the batch's positions, fenced by the owner epoch ([`Tx::advance_offsets`]); lock and read the processed
 //!    marks ([`Tx::processed`]): a record below its partition's mark is a redelivery, whatever its key's dedup
 //!    row says, and one below its floor is neither claimed nor applied;
-//! 1. claim the distinct keys of the batch in one statement;
+//! 1. claim the distinct keys of the batch and run the side effect for the keys that were new
+//!    ([`Tx::claim_and_apply`]): in PostgreSQL's table form one statement, the claim's `RETURNING` feeding the
+//!    table's `INSERT`; otherwise the claim in one statement, then the side effect;
 //! 2. read the dedup rows of keys that were not new (only when there are some) and classify those duplicates;
-//! 3. run the side effect for the new keys (one statement in the table form);
-//! 4. write the dead letters; raise the processed marks ([`Tx::raise_processed`]); 5. `COMMIT`.
+//! 3. write the dead letters; raise the processed marks ([`Tx::raise_processed`]); 4. `COMMIT`.
 //!
 //! If the side effect raises an error that belongs to one record (see [`super::error`]), the transaction is
 //! rolled back and the batch is redone record by record in a new one, each record inside a savepoint, so the
@@ -256,9 +257,11 @@ impl Sink {
         let below = below_floor(records, processed);
         self.log_below_floor(&below);
         let dead_below = self.dead_letters_below(tx, records, &below).await?;
-        // The first occurrence of each key in the batch is the one that claims it.
+        // The first occurrence of each key in the batch is the one that claims it, and the one applied if its key
+        // was new (`firsts`, in the batch's order: the order effects are applied in).
         let mut first: DigestMap<usize> = DigestMap::default();
         let mut claims = Vec::new();
+        let mut firsts: Vec<&Apply> = Vec::new();
         for (i, p) in prepared.iter().enumerate() {
             if below.get(i).copied().unwrap_or(false) {
                 continue;
@@ -266,6 +269,7 @@ impl Sink {
             if let Prepared::Apply(a) = p {
                 first.entry(a.key.digest).or_insert_with(|| {
                     claims.push(Claim { key: &a.key, position: &records[i].position, fingerprint: &a.fingerprint });
+                    firsts.push(a);
                     i
                 });
             }
@@ -274,10 +278,14 @@ impl Sink {
         // partitions) then take its locks in the same order and wait for each other instead of deadlocking, and the
         // inserts walk the index's leaves in order.
         claims.sort_by_cached_key(|c| c.key.key_id());
+        // The claim, and the side effect of the keys it returned: one statement where the store can (PostgreSQL's
+        // table form), otherwise the claim, then the side effect.
         let new = if claims.is_empty() {
             Digests::default()
         } else {
-            tx.claim(&self.pipeline, &claims).await.map_err(|e| SinkError::new("claiming business keys", e))?
+            tx.claim_and_apply(&self.pipeline, &claims, &firsts)
+                .await
+                .map_err(|e| SinkError::new("claiming business keys and applying the side effect", e))?
         };
         let old: Vec<&BusinessKey> = claims.iter().map(|c| c.key).filter(|k| !new.contains(&k.digest)).collect();
         let stored: DigestMap<Existing> = if old.is_empty() {
@@ -290,7 +298,6 @@ impl Sink {
                 .collect()
         };
         let mut fates = Vec::with_capacity(prepared.len());
-        let mut to_apply: Vec<&Apply> = Vec::new();
         for (i, p) in prepared.iter().enumerate() {
             let fate = match p {
                 Prepared::Tombstone => Fate::Tombstone,
@@ -299,7 +306,6 @@ impl Sink {
                 Prepared::Apply(a) => {
                     let f = first[&a.key.digest];
                     if i == f && new.contains(&a.key.digest) {
-                        to_apply.push(a);
                         Fate::Applied
                     } else {
                         // Against the stored row when the key existed before this batch, otherwise against the
@@ -320,9 +326,6 @@ impl Sink {
             };
             fates.push(fate);
         }
-        tx.apply_all(&to_apply)
-            .await
-            .map_err(|e| SinkError::new("applying the side effect", e))?;
         Ok(fates)
     }
 

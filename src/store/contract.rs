@@ -250,6 +250,16 @@ pub trait BatchTx: Send {
     async fn apply_one(&mut self, row: &Apply) -> Result<(), sqlx::Error>;
     /// Claims distinct keys in one statement, insert-then-check; the digests of the keys that were new.
     async fn claim(&mut self, pipeline: &str, claims: &[Claim<'_>]) -> Result<Digests, sqlx::Error>;
+    /// The fast path's two steps: claims `claims` and applies the side effect for those of `rows` whose keys were
+    /// new; `rows` holds one record per claim, in the batch's order, which is the order their effects are applied
+    /// in. The digests of the keys that were new. Default: [`claim_then_apply`], two steps; a store that can do
+    /// both in one statement for some side effects does (PostgreSQL's table form).
+    async fn claim_and_apply(&mut self, pipeline: &str, claims: &[Claim<'_>], rows: &[&Apply]) -> Result<Digests, sqlx::Error>
+    where
+        Self: Sized,
+    {
+        claim_then_apply(self, pipeline, claims, rows).await
+    }
     /// Reads the dedup rows of keys that the claim did not return.
     async fn existing(&mut self, pipeline: &str, keys: &[&BusinessKey]) -> Result<Vec<([u8; 32], Existing)>, sqlx::Error>;
     /// Adds skipped duplicates to their keys' dedup rows, in key id order.
@@ -270,4 +280,15 @@ pub trait BatchTx: Send {
     async fn mark_attempt(&mut self, pipeline: &str, owner: &str, attempt: i64) -> Result<(Option<i64>, Session), sqlx::Error>;
     /// Sets the processed marks and floors of `partitions` afresh (a topic created again).
     async fn renew_processed(&mut self, pipeline: &str, partitions: &[(&str, i32, i64)]) -> Result<(), sqlx::Error>;
+}
+
+/// [`BatchTx::claim_and_apply`] in two steps: the claim, then [`BatchTx::apply_all`] of the rows whose keys it
+/// returned, in their order.
+///
+/// Errors: the claim's or the side effect's.
+pub async fn claim_then_apply<T: BatchTx>(tx: &mut T, pipeline: &str, claims: &[Claim<'_>], rows: &[&Apply]) -> Result<Digests, sqlx::Error> {
+    let new = tx.claim(pipeline, claims).await?;
+    let fresh: Vec<&Apply> = rows.iter().copied().filter(|r| new.contains(&r.key.digest)).collect();
+    tx.apply_all(&fresh).await?;
+    Ok(new)
 }

@@ -390,11 +390,6 @@ impl Tx<'_> {
         each_tx!(self, |t| t.begin_side_effect().await)
     }
 
-    /// Applies the side effect for all `rows` (the fast path).
-    pub async fn apply_all(&mut self, rows: &[&Apply]) -> Result<(), sqlx::Error> {
-        each_tx!(self, |t| t.apply_all(rows).await)
-    }
-
     /// Applies the side effect for one record (the slow path).
     pub async fn apply_one(&mut self, row: &Apply) -> Result<(), sqlx::Error> {
         each_tx!(self, |t| t.apply_one(row).await)
@@ -403,6 +398,13 @@ impl Tx<'_> {
     /// Claims distinct keys in one statement, insert-then-check. Returns the digests of the keys that were new.
     pub async fn claim(&mut self, pipeline: &str, claims: &[Claim<'_>]) -> Result<crate::store::rows::Digests, sqlx::Error> {
         each_tx!(self, |t| t.claim(pipeline, claims).await)
+    }
+
+    /// Claims `claims` and applies the side effect for those of `rows` (one per claim, in the batch's order) whose
+    /// keys were new ([`BatchTx::claim_and_apply`]): one statement where the store can, two otherwise. Returns the
+    /// digests of the keys that were new.
+    pub async fn claim_and_apply(&mut self, pipeline: &str, claims: &[Claim<'_>], rows: &[&Apply]) -> Result<crate::store::rows::Digests, sqlx::Error> {
+        each_tx!(self, |t| t.claim_and_apply(pipeline, claims, rows).await)
     }
 
     /// Reads the dedup rows of keys that the claim did not return, by their keys' digests.

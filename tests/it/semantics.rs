@@ -319,6 +319,44 @@ amount = "/order/amount"
     assert_eq!(db.scalar::<i64>("SELECT count(*) FROM receipts").await, 6);
 }
 
+/// The table form's claim and `INSERT` are one statement on PostgreSQL (the claim's `RETURNING` feeding the
+/// `INSERT`): the rows of a batch's new keys are written in the batch's order, each once, by that statement; a key
+/// repeated in the batch or stored by an earlier one writes nothing; a row the table refuses sends the batch down
+/// the slow path, where that record alone is dead-lettered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_table_form_claims_and_inserts_in_one_statement_in_the_batch_order() {
+    let p = "topics = [\"orders\"]\n[key]\nfield = \"/id\"\n[sink]\ntable = \"seen\"\n[sink.columns]\nk = \"/id\"\namount = \"/amount\"\n";
+    let (db, kafka, setup) = fixture(
+        "CREATE TABLE seen (n bigserial PRIMARY KEY, k text NOT NULL, amount int NOT NULL CHECK (amount >= 0), \
+         query text DEFAULT current_query());",
+        "orders",
+        1,
+        &[("orders.toml", p)],
+    )
+    .await;
+    let order = |id: &str, amount: i32| Out::json(0, format!(r#"{{"id":"{id}","amount":{amount}}}"#));
+    let first = vec![order("z", 1), order("a", 2), order("m", 3), order("a", 2), order("c", 4), order("z", 1)];
+    kafka.produce("orders", &first);
+    let worker = InProc::start(&setup).await;
+    worker.wait_received("orders", first.len() as u64).await;
+    assert_eq!(db.scalar::<String>("SELECT string_agg(k, ',' ORDER BY n) FROM seen").await, "z,a,m,c", "the batch's order, each key once");
+    assert_eq!(
+        db.scalar::<i64>("SELECT count(*) FROM seen WHERE query LIKE 'WITH new AS (%INSERT INTO idemflow.dedup%'").await,
+        4,
+        "every row written by the claim's own statement"
+    );
+    // A refused row (the CHECK): that record alone is dead-lettered; the rest of its batch is applied, a key stored
+    // by the first batch is a duplicate.
+    let second = vec![order("b", -1), order("d", 5), order("a", 2)];
+    kafka.produce("orders", &second);
+    worker.wait_received("orders", (first.len() + second.len()) as u64).await;
+    assert_eq!(worker.metric("idemflow_dead_letters_total", &[("pipeline", "orders"), ("reason", "side_effect_rejected")]), 1.0);
+    assert_eq!(worker.metric("idemflow_records_applied_total", &[("pipeline", "orders")]), 5.0);
+    assert!(worker.stop().await.is_empty());
+    assert_eq!(db.scalar::<String>("SELECT string_agg(k, ',' ORDER BY n) FROM seen").await, "z,a,m,c,d");
+    assert_eq!(db.scalar::<i64>("SELECT count(*) FROM idemflow.dedup WHERE pipeline = 'orders'").await, 5, "b's claim rolled back with its row");
+}
+
 /// A `statement_timeout` that each statement keeps but the whole batch, run server-side as one call, does not: the
 /// batch is redone one statement at a time (each timed on its own) instead of being retried forever.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -122,6 +122,13 @@ impl BatchTx for PgTx<'_> {
         dedup::claim(&mut self.tx, pipeline, claims).await
     }
 
+    async fn claim_and_apply(&mut self, pipeline: &str, claims: &[Claim<'_>], rows: &[&Apply]) -> Result<Digests, sqlx::Error> {
+        match self.effect.claim_and_insert() {
+            Some((sql, columns)) => dedup::claim_and_insert(&mut self.tx, sql, columns, pipeline, claims, rows).await,
+            None => crate::store::contract::claim_then_apply(self, pipeline, claims, rows).await,
+        }
+    }
+
     async fn existing(&mut self, pipeline: &str, keys: &[&BusinessKey]) -> Result<Vec<([u8; 32], Existing)>, sqlx::Error> {
         dedup::existing(&mut self.tx, pipeline, keys).await
     }

@@ -7,23 +7,87 @@
 
 use crate::record::Position;
 use crate::key::BusinessKey;
-use crate::store::rows::{floors_to_lower, Claim, Existing, Explained, Forget, Forgotten, KeyIds};
+use crate::store::rows::{floors_to_lower, Apply, Claim, Existing, Explained, Forget, Forgotten, KeyIds};
 use sqlx::PgConnection;
 
-const CLAIM: &str = r#"
-WITH new AS (
-INSERT INTO idemflow.dedup (pipeline, key_id, business_key, topic, partition, "offset", fingerprint)
+/// The claim's `INSERT`, parameters `$1` to `$7` (see [`ClaimArrays`]); its `RETURNING key_id` are the keys that
+/// were new.
+macro_rules! claim_insert {
+    () => {
+        r#"INSERT INTO idemflow.dedup (pipeline, key_id, business_key, topic, partition, "offset", fingerprint)
 SELECT $1, u.key_id, u.business_key, u.topic, u.partition, u."offset", u.fingerprint
 FROM unnest($2::bytea[], $3::text[], $4::text[], $5::int4[], $6::int8[], $7::bytea[])
      AS u(key_id, business_key, topic, partition, "offset", fingerprint)
 ON CONFLICT (pipeline, key_id) DO NOTHING
-RETURNING key_id)
-SELECT array_agg(key_id) FROM new"#;
+RETURNING key_id"#
+    };
+}
+
+/// The claim alone, its new keys gathered into one array.
+const CLAIM: &str = concat!("WITH new AS (\n", claim_insert!(), ")\nSELECT array_agg(key_id) FROM new");
+
+/// The claim's `INSERT`, for a statement that does more with the keys it returns (the table form's
+/// [`super::side_effect`] claim-and-insert): a CTE named `new` of it.
+pub(super) const CLAIM_INSERT: &str = claim_insert!();
 
 const EXISTING: &str = r#"
 SELECT key_id, topic, partition, "offset", fingerprint
 FROM idemflow.dedup
 WHERE pipeline = $1 AND key_id = ANY($2::bytea[])"#;
+
+/// The claim's parameters `$2` to `$7`, one array each, in the claims' order.
+struct ClaimArrays<'a> {
+    ids: KeyIds<'a>,
+    keys: Vec<&'a str>,
+    topics: Vec<&'a str>,
+    partitions: Vec<i32>,
+    offsets: Vec<i64>,
+    prints: Vec<&'a [u8]>,
+}
+
+impl<'a> ClaimArrays<'a> {
+    fn new(claims: &'a [Claim<'a>]) -> Self {
+        let n = claims.len();
+        let mut a = ClaimArrays {
+            ids: KeyIds::new(claims.iter().map(|c| c.key)),
+            keys: Vec::with_capacity(n),
+            topics: Vec::with_capacity(n),
+            partitions: Vec::with_capacity(n),
+            offsets: Vec::with_capacity(n),
+            prints: Vec::with_capacity(n),
+        };
+        for c in claims {
+            a.keys.push(c.key.text.as_str());
+            a.topics.push(&c.position.topic);
+            a.partitions.push(c.position.partition);
+            a.offsets.push(c.position.offset);
+            a.prints.push(&c.fingerprint[..]);
+        }
+        a
+    }
+
+    /// Binds `$1` (the pipeline) and the arrays to `query`.
+    fn bind<'q, O>(
+        &'q self,
+        query: sqlx::query::QueryScalar<'q, sqlx::Postgres, O, sqlx::postgres::PgArguments>,
+        pipeline: &'q str,
+    ) -> sqlx::query::QueryScalar<'q, sqlx::Postgres, O, sqlx::postgres::PgArguments> {
+        query
+            .bind(pipeline)
+            .bind(self.ids.ids())
+            .bind(&self.keys)
+            .bind(&self.topics)
+            .bind(&self.partitions)
+            .bind(&self.offsets)
+            .bind(&self.prints)
+    }
+
+    /// The digests of the ids a statement returned (NULL when no key was new).
+    fn new_keys(&self, returned: Option<Vec<Vec<u8>>>) -> Result<crate::store::rows::Digests, sqlx::Error> {
+        let digests = self.ids.digests();
+        returned.unwrap_or_default().iter().map(|id| digests.get(id)).collect()
+    }
+}
 
 /// Claims distinct keys in one statement. Returns the digests of the keys that were new.
 pub async fn claim(
@@ -31,32 +95,35 @@ pub async fn claim(
     pipeline: &str,
     claims: &[Claim<'_>],
 ) -> Result<crate::store::rows::Digests, sqlx::Error> {
-    let n = claims.len();
-    let ids = KeyIds::new(claims.iter().map(|c| c.key));
-    let (mut keys, mut topics) = (Vec::with_capacity(n), Vec::with_capacity(n));
-    let (mut partitions, mut offsets, mut prints) = (Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n));
-    for c in claims {
-        keys.push(c.key.text.as_str());
-        topics.push(&*c.position.topic);
-        partitions.push(c.position.partition);
-        offsets.push(c.position.offset);
-        prints.push(&c.fingerprint[..]);
-    }
+    let arrays = ClaimArrays::new(claims);
     // A row per new key cost the worker about 7% of its CPU in the driver's row handling (`idemflow bench` run (1)
     // under `perf`); the array is one row. NULL when no key was new.
-    let rows: Option<Vec<Vec<u8>>> = sqlx::query_scalar(CLAIM)
-        .bind(pipeline)
-        .bind(ids.ids())
-        .bind(&keys)
-        .bind(&topics)
-        .bind(&partitions)
-        .bind(&offsets)
-        .bind(&prints)
-        .persistent(super::persistent())
-        .fetch_one(&mut *conn)
-        .await?;
-    let digests = ids.digests();
-    rows.unwrap_or_default().iter().map(|id| digests.get(id)).collect()
+    let returned: Option<Vec<Vec<u8>>> =
+        arrays.bind(sqlx::query_scalar(CLAIM), pipeline).persistent(super::persistent()).fetch_one(&mut *conn).await?;
+    arrays.new_keys(returned)
+}
+
+/// Claims distinct keys and inserts the table form's rows of those that were new, in one statement: `sql` is the
+/// side effect's claim-and-insert ([`CLAIM_INSERT`] as `new`, then the table's `INSERT` of the rows whose key id is
+/// in `new`); `rows` are the records of the claims, one each, in the order their rows are inserted, with `columns`
+/// values each. Returns the digests of the keys that were new.
+pub async fn claim_and_insert(
+    conn: &mut PgConnection,
+    sql: &str,
+    columns: usize,
+    pipeline: &str,
+    claims: &[Claim<'_>],
+    rows: &[&Apply],
+) -> Result<crate::store::rows::Digests, sqlx::Error> {
+    let arrays = ClaimArrays::new(claims);
+    let row_ids = KeyIds::new(rows.iter().map(|r| &r.key));
+    let mut query = arrays.bind(sqlx::query_scalar(sql), pipeline).bind(row_ids.ids());
+    for c in 0..columns {
+        let column: Vec<Option<&str>> = rows.iter().map(|r| r.values[c].as_deref()).collect();
+        query = query.bind(column);
+    }
+    let returned: Option<Vec<Vec<u8>>> = query.persistent(super::persistent()).fetch_one(&mut *conn).await?;
+    arrays.new_keys(returned)
 }
 
 /// Reads the dedup rows of keys that the claim did not return, by their keys' digests.

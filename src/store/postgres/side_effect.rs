@@ -85,8 +85,9 @@ impl Probe {
 #[derive(Clone, Debug)]
 enum Form {
     /// One set-based `INSERT` per batch: the generated statement, whose parameter `n` is the text array of
-    /// column `n`, and the number of columns.
-    Table { sql: String, columns: usize },
+    /// column `n`, the number of columns, and the same `INSERT` folded into the claim ([`claim_and_insert_statement`],
+    /// the fast path's one statement).
+    Table { sql: String, columns: usize, claim_and_insert: String },
     /// Statements run per record; with the server-side loop when the statements allow one.
     Sql { statements: Vec<PreparedStatement>, server_loop: Option<SqlLoop> },
     /// `batch_sql`: each statement once per batch, `new_records` built from one text array per column (parameter
@@ -329,7 +330,7 @@ impl SideEffect {
     /// Applies the side effect for all `rows` (the fast path).
     pub async fn apply_all(&self, conn: &mut PgConnection, rows: &[&Apply]) -> Result<(), sqlx::Error> {
         match &self.form {
-            Form::Table { sql, columns } => run_over_columns(conn, sql, *columns, rows).await,
+            Form::Table { sql, columns, .. } => run_over_columns(conn, sql, *columns, rows).await,
             Form::Batch { statements, columns } => {
                 for sql in statements {
                     run_over_columns(conn, sql, *columns, rows).await?;
@@ -346,10 +347,19 @@ impl SideEffect {
         }
     }
 
+    /// The table form's claim-and-insert statement and its number of columns (see
+    /// [`super::dedup::claim_and_insert`]); `None` for the other forms, which claim and apply in two steps.
+    pub fn claim_and_insert(&self) -> Option<(&str, usize)> {
+        match &self.form {
+            Form::Table { claim_and_insert, columns, .. } => Some((claim_and_insert, *columns)),
+            _ => None,
+        }
+    }
+
     /// Applies the side effect for one record (the slow path).
     pub async fn apply_one(&self, conn: &mut PgConnection, row: &Apply) -> Result<(), sqlx::Error> {
         match &self.form {
-            Form::Table { sql, columns } => run_over_columns(conn, sql, *columns, &[row]).await,
+            Form::Table { sql, columns, .. } => run_over_columns(conn, sql, *columns, &[row]).await,
             Form::Batch { statements, columns } => {
                 for sql in statements {
                     run_over_columns(conn, sql, *columns, &[row]).await?;
@@ -416,6 +426,32 @@ async fn check_parses(conn: &mut PgConnection, sql: &str) -> Result<Vec<i64>, sq
 /// The table form's one statement: every column's values as a text array, unnested and cast to the column's type
 /// (`types`, all bindable), then `conflict` (`ON CONFLICT ...`, or empty).
 fn insert_statement(qualified: &str, columns: &[Binding], types: &[TargetType], conflict: &str) -> String {
+    let (names, casts) = insert_columns(columns, types);
+    let arrays = (1..=columns.len()).map(|n| format!("${n}::text[]")).collect::<Vec<_>>().join(", ");
+    let aliases = (0..columns.len()).map(|i| format!("c{i}")).collect::<Vec<_>>().join(", ");
+    format!("INSERT INTO {qualified} ({names}) SELECT {casts} FROM unnest({arrays}) AS u({aliases}){conflict}")
+}
+
+/// The table form's fast path as one statement: the claim ([`super::dedup::CLAIM_INSERT`], parameters `$1` to
+/// `$7`) as the CTE `new`, then the table's `INSERT` of the rows whose key id the claim returned, in the order they
+/// are given: `$8` the rows' key ids, `$9` on one text array per column. It returns the new keys' ids as one array,
+/// as the claim alone does. The `INSERT` reads only what `new` returned, so a business row is written exactly for a
+/// key this statement inserted (PostgreSQL docs, "Data-Modifying Statements in WITH": the sub-statements run on one
+/// snapshot, and a `RETURNING` list is the way to pass rows between them).
+fn claim_and_insert_statement(qualified: &str, columns: &[Binding], types: &[TargetType], conflict: &str) -> String {
+    let (names, casts) = insert_columns(columns, types);
+    let arrays = (0..columns.len()).map(|n| format!(", ${}::text[]", n + 9)).collect::<String>();
+    let aliases = (0..columns.len()).map(|i| format!(", c{i}")).collect::<String>();
+    format!(
+        "WITH new AS (\n{claim}),\ninserted AS (\nINSERT INTO {qualified} ({names}) SELECT {casts} \
+         FROM unnest($8::bytea[]{arrays}) WITH ORDINALITY AS u(key_id{aliases}, ord) \
+         WHERE u.key_id IN (SELECT key_id FROM new) ORDER BY u.ord{conflict})\nSELECT array_agg(key_id) FROM new",
+        claim = super::dedup::CLAIM_INSERT
+    )
+}
+
+/// The table form's quoted column names and their values' casts from `u.c0`, `u.c1`, ...
+fn insert_columns(columns: &[Binding], types: &[TargetType]) -> (String, String) {
     let names = columns.iter().map(|b| quote_ident(&b.name)).collect::<Vec<_>>().join(", ");
     let casts = types
         .iter()
@@ -423,9 +459,7 @@ fn insert_statement(qualified: &str, columns: &[Binding], types: &[TargetType], 
         .map(|(i, t)| t.target.as_ref().expect("checked by the caller").cast(&format!("u.c{i}"), &t.name))
         .collect::<Vec<_>>()
         .join(", ");
-    let arrays = (1..=columns.len()).map(|n| format!("${n}::text[]")).collect::<Vec<_>>().join(", ");
-    let aliases = (0..columns.len()).map(|i| format!("c{i}")).collect::<Vec<_>>().join(", ");
-    format!("INSERT INTO {qualified} ({names}) SELECT {casts} FROM unnest({arrays}) AS u({aliases}){conflict}")
+    (names, casts)
 }
 
 /// A table's column, as the catalog describes it: name, type OID, whether it is in the primary key, whether it is
@@ -523,9 +557,12 @@ async fn prepare_table(
     };
     let conflict = conflict_clause(on_conflict, &target, columns, &qualified)?;
     let sql = insert_statement(&qualified, columns, &types, &conflict);
-    check_parses(conn, &sql)
-        .await
-        .map_err(|e| prepare_error("sink", format!("the generated statement is refused: {e}\n  {sql}")))?;
+    let claim_and_insert = claim_and_insert_statement(&qualified, columns, &types, &conflict);
+    for sql in [&sql, &claim_and_insert] {
+        check_parses(conn, sql)
+            .await
+            .map_err(|e| prepare_error("sink", format!("the generated statement is refused: {e}\n  {sql}")))?;
+    }
     // The probe of every batch: the table's lock, then its identity, columns (name, type, modifier, NOT NULL,
     // default, identity, generated) and primary key.
     let probe_sql = format!(
@@ -544,7 +581,7 @@ async fn prepare_table(
         .map(|(b, limit)| Binding { limit, ..b })
         .zip(types.iter().map(|t| t.target.as_ref().expect("checked").render()))
         .collect();
-    Ok((Form::Table { sql, columns: columns.len() }, Probe::Table(probe_sql), bindings))
+    Ok((Form::Table { sql, columns: columns.len(), claim_and_insert }, Probe::Table(probe_sql), bindings))
 }
 
 /// Where a value is bound, for [`meta_mismatches`]: the pipeline-file field (`sink.columns.at`,
