@@ -9,7 +9,8 @@
 //!    row says, and one below its floor is neither claimed nor applied;
 //! 1. claim the distinct keys of the batch and run the side effect for the keys that were new
 //!    ([`Tx::claim_and_apply`]): in PostgreSQL's table form one statement, the claim's `RETURNING` feeding the
-//!    table's `INSERT`; otherwise the claim in one statement, then the side effect;
+//!    table's `INSERT` (so a `statement_timeout` times both together: a batch past it is redone record by record,
+//!    as below); otherwise the claim in one statement, then the side effect;
 //! 2. read the dedup rows of keys that were not new (only when there are some) and classify those duplicates;
 //! 3. write the dead letters; raise the processed marks ([`Tx::raise_processed`]); 4. `COMMIT`.
 //!

@@ -62,6 +62,12 @@ impl NotReady {
         if transient { NotReady::Unavailable(message) } else { NotReady::Refused(message) }
     }
 
+    /// `Unavailable(message)` where a batch would retry the error behind it (`disposition` is
+    /// [`Disposition::Retry`]), else `Refused(message)`: start-up waits for what a batch would wait for.
+    pub fn after(disposition: crate::store::disposition::Disposition, message: String) -> NotReady {
+        NotReady::new(matches!(disposition, crate::store::disposition::Disposition::Retry(_)), message)
+    }
+
     /// Whether waiting may help.
     pub fn is_unavailable(&self) -> bool {
         matches!(self, NotReady::Unavailable(_))

@@ -352,9 +352,37 @@ async fn the_table_form_claims_and_inserts_in_one_statement_in_the_batch_order()
     worker.wait_received("orders", (first.len() + second.len()) as u64).await;
     assert_eq!(worker.metric("idemflow_dead_letters_total", &[("pipeline", "orders"), ("reason", "side_effect_rejected")]), 1.0);
     assert_eq!(worker.metric("idemflow_records_applied_total", &[("pipeline", "orders")]), 5.0);
+    // A batch the fast path takes whole: a key stored before and a new one; only the new one's row is written.
+    let third = vec![order("a", 2), order("e", 6)];
+    kafka.produce("orders", &third);
+    worker.wait_received("orders", (first.len() + second.len() + third.len()) as u64).await;
+    assert_eq!(worker.metric("idemflow_records_applied_total", &[("pipeline", "orders")]), 6.0);
     assert!(worker.stop().await.is_empty());
-    assert_eq!(db.scalar::<String>("SELECT string_agg(k, ',' ORDER BY n) FROM seen").await, "z,a,m,c,d");
-    assert_eq!(db.scalar::<i64>("SELECT count(*) FROM idemflow.dedup WHERE pipeline = 'orders'").await, 5, "b's claim rolled back with its row");
+    assert_eq!(db.scalar::<String>("SELECT string_agg(k, ',' ORDER BY n) FROM seen").await, "z,a,m,c,d,e");
+    assert_eq!(db.scalar::<i64>("SELECT count(*) FROM seen WHERE query LIKE 'WITH new AS (%'").await, 5, "e by the one statement too");
+    assert_eq!(db.scalar::<i64>("SELECT count(*) FROM idemflow.dedup WHERE pipeline = 'orders'").await, 6, "b's claim rolled back with its row");
+}
+
+/// A table with a rule (here an audit `DO ALSO`) cannot be the target of an `INSERT` inside `WITH` (SQLSTATE 0A000):
+/// its pipeline still starts, and claims and inserts in two statements, the rule firing for each new row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_table_with_a_rule_is_claimed_and_inserted_into_in_two_statements() {
+    let p = "topics = [\"orders\"]\n[key]\nfield = \"/id\"\n[sink]\ntable = \"seen\"\n[sink.columns]\nk = \"/id\"\n";
+    let (db, kafka, setup) = fixture(
+        "CREATE TABLE seen (k text NOT NULL, query text DEFAULT current_query()); CREATE TABLE audit (k text); \
+         CREATE RULE seen_audit AS ON INSERT TO seen DO ALSO INSERT INTO audit VALUES (NEW.k);",
+        "orders",
+        1,
+        &[("orders.toml", p)],
+    )
+    .await;
+    kafka.produce("orders", &[Out::json(0, r#"{"id":"x"}"#), Out::json(0, r#"{"id":"y"}"#), Out::json(0, r#"{"id":"x"}"#)]);
+    let worker = InProc::start(&setup).await;
+    worker.wait_received("orders", 3).await;
+    assert!(worker.stop().await.is_empty());
+    assert_eq!(db.scalar::<String>("SELECT string_agg(k, ',' ORDER BY k) FROM seen").await, "x,y");
+    assert_eq!(db.scalar::<String>("SELECT string_agg(k, ',' ORDER BY k) FROM audit").await, "x,y", "the rule fired once a row");
+    assert_eq!(db.scalar::<i64>("SELECT count(*) FROM seen WHERE query LIKE 'INSERT INTO %'").await, 2, "by the INSERT alone");
 }
 
 /// A `statement_timeout` that each statement keeps but the whole batch, run server-side as one call, does not: the

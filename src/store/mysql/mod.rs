@@ -29,7 +29,6 @@ mod connector;
 pub use connector::MyTx;
 
 use crate::store::contract::NotReady;
-use crate::store::disposition::Disposition;
 use crate::store::spec::DatabaseSettings;
 use sqlx::mysql::{MySqlConnectOptions, MySqlPool, MySqlPoolOptions};
 use sqlx::{ConnectOptions as _, Executor as _};
@@ -199,10 +198,7 @@ pub async fn ping(settings: &DatabaseSettings) -> Result<(), NotReady> {
             Ok(())
         }
         // Waited for where a batch would retry; refused where it never would (access denied 1045, unknown database 1049).
-        Ok(Err(e)) => Err(NotReady::new(
-            matches!(error::classify_error(&e), Disposition::Retry(_)),
-            format!("cannot connect to {url}: {}", url.scrub(&e.to_string())),
-        )),
+        Ok(Err(e)) => Err(NotReady::after(error::classify_error(&e), format!("cannot connect to {url}: {}", url.scrub(&e.to_string())))),
         Err(_) => Err(NotReady::Unavailable(format!("cannot connect to {url}: no answer within {:?}", settings.acquire_timeout))),
     }
 }
@@ -233,7 +229,7 @@ pub async fn check_binlog(pool: &MySqlPool) -> Result<(), NotReady> {
 ///
 /// `what` failed with `e`: [`NotReady::Unavailable`] where a batch would retry it ([`error::classify_error`]).
 fn asked(what: &str, e: sqlx::Error) -> NotReady {
-    NotReady::new(matches!(error::classify_error(&e), Disposition::Retry(_)), format!("{what}: {}", error::describe_error(&e)))
+    NotReady::after(error::classify_error(&e), format!("{what}: {}", error::describe_error(&e)))
 }
 
 /// Errors: [`NotReady::Refused`] with what is missing and what to run; [`NotReady::Unavailable`] when the server

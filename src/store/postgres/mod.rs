@@ -20,7 +20,6 @@ pub use connector::PgTx;
 
 use crate::store::spec::DatabaseSettings;
 use crate::store::contract::NotReady;
-use crate::store::disposition::Disposition;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::ConnectOptions as _;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -84,10 +83,7 @@ pub async fn ping(settings: &DatabaseSettings) -> Result<(), NotReady> {
         }
         // Waited for where a batch would retry (the server starting or shutting down, a refused or lost connection);
         // refused where it never would (a wrong password, SQLSTATE class 28; a database that does not exist, 3D000).
-        Ok(Err(e)) => Err(NotReady::new(
-            matches!(error::classify_error(&e), Disposition::Retry(_)),
-            format!("cannot connect to {url}: {}", url.scrub(&e.to_string())),
-        )),
+        Ok(Err(e)) => Err(NotReady::after(error::classify_error(&e), format!("cannot connect to {url}: {}", url.scrub(&e.to_string())))),
         Err(_) => Err(NotReady::Unavailable(format!("cannot connect to {}: no answer within {:?}", settings.url, settings.acquire_timeout))),
     }
 }
@@ -187,7 +183,7 @@ pub async fn migrate(pool: &PgPool) -> Result<(), sqlx::migrate::MigrateError> {
 pub async fn check_schema(pool: &PgPool) -> Result<(), NotReady> {
     let latest = MIGRATOR.iter().map(|m| m.version).max().unwrap_or_default();
     let missing = || NotReady::Refused("the idemflow schema is missing: run `idemflow migrate --config ...` first".to_owned());
-    let asked = |what: &str, e: sqlx::Error| NotReady::new(matches!(error::classify_error(&e), Disposition::Retry(_)), format!("{what}: {e}"));
+    let asked = |what: &str, e: sqlx::Error| NotReady::after(error::classify_error(&e), format!("{what}: {e}"));
     // In a transaction, as every access is: behind a transaction-pooling proxy (PgBouncer before 1.21) a statement
     // of the extended protocol outside one may be parsed on one server connection and bound on another.
     let mut conn = pool.begin().await.map_err(|e| asked("cannot read the schema version", e))?;

@@ -86,8 +86,8 @@ impl Probe {
 enum Form {
     /// One set-based `INSERT` per batch: the generated statement, whose parameter `n` is the text array of
     /// column `n`, the number of columns, and the same `INSERT` folded into the claim ([`claim_and_insert_statement`],
-    /// the fast path's one statement).
-    Table { sql: String, columns: usize, claim_and_insert: String },
+    /// the fast path's one statement), where PostgreSQL takes it (not for a table with rules).
+    Table { sql: String, columns: usize, claim_and_insert: Option<String> },
     /// Statements run per record; with the server-side loop when the statements allow one.
     Sql { statements: Vec<PreparedStatement>, server_loop: Option<SqlLoop> },
     /// `batch_sql`: each statement once per batch, `new_records` built from one text array per column (parameter
@@ -351,7 +351,7 @@ impl SideEffect {
     /// [`super::dedup::claim_and_insert`]); `None` for the other forms, which claim and apply in two steps.
     pub fn claim_and_insert(&self) -> Option<(&str, usize)> {
         match &self.form {
-            Form::Table { claim_and_insert, columns, .. } => Some((claim_and_insert, *columns)),
+            Form::Table { claim_and_insert: Some(sql), columns, .. } => Some((sql, *columns)),
             _ => None,
         }
     }
@@ -448,6 +448,29 @@ fn claim_and_insert_statement(qualified: &str, columns: &[Binding], types: &[Tar
          WHERE u.key_id IN (SELECT key_id FROM new) ORDER BY u.ord{conflict})\nSELECT array_agg(key_id) FROM new",
         claim = super::dedup::CLAIM_INSERT
     )
+}
+
+/// The claim-and-insert statement `sql` where PostgreSQL takes it for the table of `oid`: an `INSERT` inside `WITH`
+/// is refused for a table with `INSERT` rules (`DO ALSO`, conditional or multi-statement `DO INSTEAD`: SQLSTATE
+/// 0A000, PostgreSQL's "Data-Modifying Statements in WITH"), and such a table is claimed and inserted into in two
+/// statements (`None`), as before the fold. The statement is not `PREPARE`d here, as the table's `INSERT` is: that
+/// would lock `idemflow.dedup` at start-up, waiting on whoever holds it, where a batch is what should wait (and say
+/// so in the stall signal). Its parts are the claim, the same text as the claim alone, and the `INSERT` checked
+/// just before, over arrays of the same types.
+///
+/// Errors: the catalog could not be read (`sink.table`).
+async fn fold_if_taken(conn: &mut PgConnection, sql: String, oid: i64, qualified: &str) -> Result<Option<String>, PrepareError> {
+    let rules: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_rewrite WHERE ev_class = $1::int8::oid AND ev_type = '3')")
+        .bind(oid)
+        .persistent(super::persistent())
+        .fetch_one(&mut *conn)
+        .await
+        .map_err(|e| db_error("sink.table", e, ""))?;
+    if rules {
+        tracing::info!(table = %qualified, "the table has INSERT rules, which PostgreSQL refuses in WITH: the table form claims and inserts in two statements");
+        return Ok(None);
+    }
+    Ok(Some(sql))
 }
 
 /// The table form's quoted column names and their values' casts from `u.c0`, `u.c1`, ...
@@ -557,12 +580,10 @@ async fn prepare_table(
     };
     let conflict = conflict_clause(on_conflict, &target, columns, &qualified)?;
     let sql = insert_statement(&qualified, columns, &types, &conflict);
-    let claim_and_insert = claim_and_insert_statement(&qualified, columns, &types, &conflict);
-    for sql in [&sql, &claim_and_insert] {
-        check_parses(conn, sql)
-            .await
-            .map_err(|e| prepare_error("sink", format!("the generated statement is refused: {e}\n  {sql}")))?;
-    }
+    check_parses(conn, &sql)
+        .await
+        .map_err(|e| prepare_error("sink", format!("the generated statement is refused: {e}\n  {sql}")))?;
+    let claim_and_insert = fold_if_taken(conn, claim_and_insert_statement(&qualified, columns, &types, &conflict), oid, &qualified).await?;
     // The probe of every batch: the table's lock, then its identity, columns (name, type, modifier, NOT NULL,
     // default, identity, generated) and primary key.
     let probe_sql = format!(

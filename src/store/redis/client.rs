@@ -29,7 +29,6 @@
 
 
 use crate::store::contract::NotReady;
-use crate::store::disposition::Disposition;
 use crate::store::spec::RedisSettings;
 use crate::key::BusinessKey;
 use crate::store::rows::Explained;
@@ -296,8 +295,8 @@ pub async fn ping(settings: &RedisSettings) -> Result<(), NotReady> {
         Ok(Ok(_)) => Ok(()),
         // Waited for where a batch would retry (a refused or lost connection, LOADING, a failover); refused where it
         // never would (a wrong password, a configuration the client refuses).
-        Ok(Err(e)) => Err(NotReady::new(
-            matches!(super::error::classify(&e), Disposition::Retry(_)),
+        Ok(Err(e)) => Err(NotReady::after(
+            super::error::classify(&e),
             format!("cannot connect to Redis at {at}: {}", settings.url.scrub(&e.to_string())),
         )),
         Err(_) => Err(NotReady::Unavailable(format!("cannot connect to Redis at {at}: no answer in {:?}", settings.connect_timeout * 2))),
@@ -369,7 +368,7 @@ impl RedisStore {
     /// Errors: [`NotReady::Refused`] with the reason the server cannot be used; Redis's error, as
     /// [`NotReady::Unavailable`] where a batch would retry it ([`super::error::classify`]).
     pub async fn check_server(&self) -> Result<ServerFacts, NotReady> {
-        let asked = |e: redis::RedisError| NotReady::new(matches!(super::error::classify(&e), Disposition::Retry(_)), e.to_string());
+        let asked = |e: redis::RedisError| NotReady::after(super::error::classify(&e), e.to_string());
         let mut conn = self.conn().await.map_err(asked)?;
         let info: String = redis::cmd("INFO").arg("server").arg("persistence").arg("cluster").query_async(&mut conn).await.map_err(asked)?;
         let field = |name: &str| info.lines().find_map(|l| l.strip_prefix(name).and_then(|r| r.strip_prefix(':'))).map(str::trim);
