@@ -6,6 +6,13 @@ use rocketmq_client_rust::{
 };
 use std::sync::Arc;
 
+/// How long closing the consumer, then the client's runtime, may each take at shutdown before they are left to
+/// stop in the background. Nothing of the guarantee waits on them: each batch's consume offsets were sent to the
+/// broker after its commit (the consumer's `commit`). The client's own shutdown has been seen to
+/// wait 5 s per task after a failed rebalance sync ("lite pull task shutdown report is unhealthy"), past
+/// `shutdown.timeout`.
+pub const CLOSE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// The RocketMQ client's own runtime (heartbeats, pulls, rebalances, requests), with the client runtime built on
 /// it. One per source, `check` and `rewind`; dropping it stops its tasks.
 pub struct Runtime {
@@ -33,15 +40,15 @@ impl Runtime {
         self.client.clone()
     }
 
-    /// Stops the client's tasks and the runtime's threads, waiting at most [`super::consumer::CLOSE_TIMEOUT`] for
+    /// Stops the client's tasks and the runtime's threads, waiting at most [`CLOSE_TIMEOUT`] for
     /// the tasks (then they are left to end with the process).
     pub async fn shutdown(self) {
         let tasks = async {
             let _ = self.client.shutdown().await;
             let _ = self.owner.shutdown_tasks().await;
         };
-        if tokio::time::timeout(super::consumer::CLOSE_TIMEOUT, tasks).await.is_err() {
-            tracing::warn!(timeout = ?super::consumer::CLOSE_TIMEOUT, "the RocketMQ client's tasks did not stop in time; left to end with the process");
+        if tokio::time::timeout(CLOSE_TIMEOUT, tasks).await.is_err() {
+            tracing::warn!(timeout = ?CLOSE_TIMEOUT, "the RocketMQ client's tasks did not stop in time; left to end with the process");
         }
         self.owner.shutdown_background();
     }

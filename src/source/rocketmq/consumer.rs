@@ -70,11 +70,6 @@ type Queue = (Arc<str>, i32);
 /// How long a queue whose seek failed waits before it is claimed again.
 const RESEEK_AFTER: Duration = Duration::from_secs(3);
 
-/// How long closing the consumer, then the client's runtime, may each take at shutdown before they are left to
-/// stop in the background. Nothing of the guarantee waits on them: each batch's consume offsets were sent to the
-/// broker after its commit ([`RocketMqSource::commit`]). The client's own shutdown has been seen to wait 5 s per
-/// task after a failed rebalance sync ("lite pull task shutdown report is unhealthy"), past `shutdown.timeout`.
-pub const CLOSE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The queues this source paused in the client, and those it gave up with when they may be claimed again
 /// ([`RocketMqSource::lose`], [`RocketMqSource::start_from`]): bookkeeping only, no client calls, so its rule can be
