@@ -392,6 +392,7 @@ impl Metrics {
         self.dedup_rows_purged.with_label_values(&[p]);
         self.retention_rows_examined.with_label_values(&[p]);
         self.retention_passes.with_label_values(&[p]);
+        self.retention_pass_seconds.with_label_values(&[p]).set(0.0);
         PipelineMetrics {
             name: name.to_owned(),
             metrics: self.clone(),

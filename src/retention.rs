@@ -151,33 +151,38 @@ pub struct SweepState {
     pub last_pass_seconds: Option<f64>,
     /// How long the pass under way has been running, in seconds; `None` between passes.
     pub current_pass_seconds: Option<f64>,
+    /// About how many rows a pass examines (the dedup table's row estimate from the database's statistics), so
+    /// how long one takes at `purge_rate`; `None` when the statistics have none yet.
+    pub rows: Option<f64>,
 }
 
-/// How long `pipeline`'s dedup rows live, as `check` says it: at least `retention`; at most `retention` plus the
-/// last full pass and `purge_interval` (the longer of the last pass and the one under way), once a pass finished.
-pub fn lifetime_note(pipeline: &str, retention: Duration, purge_interval: Duration, state: Option<&SweepState>) -> String {
+/// How long `pipeline`'s dedup rows live, as `check` says it: at least `retention`; at most `retention` plus a
+/// full pass and `purge_interval`, the pass being the longest of: the table's rows at `purge_rate` (a worker's paced
+/// pass), the last pass recorded (which may be an unpaced `idemflow purge`), and the one under way.
+pub fn lifetime_note(pipeline: &str, retention: Duration, purge_interval: Duration, purge_rate: u32, state: Option<&SweepState>) -> String {
     let d = crate::terminal::duration;
     let state = state.copied().unwrap_or_default();
-    let pass = state.last_pass_seconds.into_iter().chain(state.current_pass_seconds).fold(None::<f64>, |m, s| Some(m.map_or(s, |m| m.max(s))));
-    match (state.last_pass_seconds, pass) {
-        (Some(_), Some(pass)) => {
-            let pass = Duration::from_secs_f64(pass.max(0.0)).as_secs().max(1);
-            let pass = Duration::from_secs(pass);
-            format!(
-                "pipeline {pipeline:?}: dedup rows live at least {} and at most {} (retention, plus the retention sweep's \
-                 longest recent pass, {}, and purge_interval, {}; a pass more for a row an update moved behind the \
-                 sweep; {} passes so far)",
-                d(retention), d(retention + pass + purge_interval), d(pass), d(purge_interval), state.passes
-            )
-        }
-        _ => format!(
-            "pipeline {pipeline:?}: dedup rows live at least {}; the retention sweep has not finished a pass yet{} (the \
-             longest they live is the retention plus one pass and purge_interval, {})",
+    let paced = state.rows.filter(|r| *r > 0.0).map(|rows| rows / f64::from(purge_rate.max(1)));
+    let pass = [paced, state.last_pass_seconds, state.current_pass_seconds].into_iter().flatten().fold(None::<f64>, |m, s| Some(m.map_or(s, |m| m.max(s))));
+    let Some(pass) = pass else {
+        return format!(
+            "pipeline {pipeline:?}: dedup rows live at least {} (the most is the retention plus a full pass of the retention \
+             sweep and purge_interval, {}; the table has no row estimate and no pass yet)",
             d(retention),
-            state.current_pass_seconds.map_or(String::new(), |s| format!(" (one under way for {})", d(Duration::from_secs(s.max(0.0) as u64)))),
             d(purge_interval)
-        ),
-    }
+        );
+    };
+    let pass = Duration::from_secs(pass.max(1.0).ceil() as u64);
+    format!(
+        "pipeline {pipeline:?}: dedup rows live at least {} and at most {} (the retention, plus a full pass of the retention \
+         sweep, about {}{}, and purge_interval, {}; a pass more for a row an update moved behind the sweep; {} passes so far)",
+        d(retention),
+        d(retention + pass + purge_interval),
+        d(pass),
+        paced.map_or(String::new(), |_| format!(" for about {} rows at purge_rate {purge_rate}/s", state.rows.unwrap_or_default().round() as u64)),
+        d(purge_interval),
+        state.passes
+    )
 }
 
 /// What a Kafka topic says about how long it keeps a record (its topic configuration, Kafka's "Topic Configs").
@@ -240,18 +245,25 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_lifetime_is_the_retention_plus_the_longest_recent_pass_and_the_interval() {
+    fn the_lifetime_is_the_retention_plus_the_longest_pass_and_the_interval() {
         let (day, minute) = (Duration::from_secs(24 * 3600), Duration::from_secs(60));
-        let state = |last: Option<f64>, current: Option<f64>| SweepState { passes: 3, last_pass_seconds: last, current_pass_seconds: current };
-        let note = lifetime_note("p", day, minute, Some(&state(Some(600.0), None)));
-        assert!(note.contains("live at least 1d and at most 1d 11m") && note.contains("pass, 10m") && note.contains("3 passes"), "{note}");
-        // A pass under way that has run longer than the last one counts.
-        let note = lifetime_note("p", day, minute, Some(&state(Some(600.0), Some(1200.0))));
+        let state = |rows: Option<f64>, last: Option<f64>, current: Option<f64>| SweepState {
+            passes: 3,
+            last_pass_seconds: last,
+            current_pass_seconds: current,
+            rows,
+        };
+        // 3 million rows at 5,000 a second: a paced pass of 10 minutes, longer than an unpaced one by hand.
+        let note = lifetime_note("p", day, minute, 5000, Some(&state(Some(3e6), Some(4.0), None)));
+        assert!(note.contains("live at least 1d and at most 1d 11m") && note.contains("about 10m for about 3000000 rows at purge_rate 5000/s"), "{note}");
+        assert!(note.contains("3 passes"), "{note}");
+        // A pass under way or recorded that took longer counts.
+        let note = lifetime_note("p", day, minute, 5000, Some(&state(Some(3e6), Some(600.0), Some(1200.0))));
         assert!(note.contains("at most 1d 21m"), "{note}");
-        let note = lifetime_note("p", day, minute, None);
-        assert!(note.contains("at least 1d; the retention sweep has not finished a pass yet ("), "{note}");
-        let note = lifetime_note("p", day, minute, Some(&state(None, Some(90.0))));
-        assert!(note.contains("not finished a pass yet (one under way for 1m 30s)"), "{note}");
+        let note = lifetime_note("p", day, minute, 5000, Some(&state(None, Some(90.0), None)));
+        assert!(note.contains("at most 1d 2m 30s") && note.contains("about 1m 30s, and"), "{note}");
+        let note = lifetime_note("p", day, minute, 5000, None);
+        assert!(note.contains("live at least 1d (the most is") && note.contains("no row estimate and no pass yet"), "{note}");
     }
 
     #[test]

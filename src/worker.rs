@@ -198,8 +198,10 @@ pub async fn run_with_faults(
         let shutdown = shutdown.clone();
         tasks.spawn(async move {
             let name = r.pipeline.name.clone();
-            // Retention runs beside the pipeline and ends with it.
-            let purge = purge_loop(r.store.clone(), name.clone(), r.pipeline.dedup, pm.clone());
+            // Retention runs beside the pipeline and ends with it, and starts no slice once shutdown is asked for
+            // (a pass left there is taken over, where it stopped, once its lease runs out).
+            let sweeps = !r.pipeline.sink.store().expires_dedup_keys();
+            let purge = purge_loop(sweeps.then(|| r.store.clone()), name.clone(), r.pipeline.dedup, pm.clone(), shutdown.clone());
             let result = tokio::select! {
                 result = run_pipeline(&settings, r, pm.clone(), health.clone(), shutdown, faults) => result,
                 never = purge => match never {},
@@ -233,16 +235,22 @@ async fn stall_watch(metrics: PipelineMetrics) -> std::convert::Infallible {
     }
 }
 
-/// Sweeps the pipeline's expired dedup rows ([`crate::retention`]), forever (it is dropped when its pipeline ends):
+/// Sweeps the pipeline's expired dedup rows in `store` ([`crate::retention`]; `None`: a store whose keys expire by
+/// themselves, nothing to do), forever (it is dropped when its pipeline ends):
 /// a pass at `purge_rate` rows examined per second, then `purge_interval` before the next. A pass that fails, finds
 /// another replica sweeping, or is not due yet (another replica ended one less than `purge_interval` ago) is tried
-/// again after `purge_interval`, resuming at the stored cursor; a failure is logged.
+/// again after `purge_interval`, resuming at the stored cursor; a failure is logged. The first pass starts
+/// `purge_interval` after the pipeline does. Once shutdown is asked for, no slice starts, and one under way is
+/// rolled back with its transaction (the pass is taken over where it stopped once its lease runs out).
 async fn purge_loop(
-    store: Store,
+    store: Option<Store>,
     pipeline: String,
     dedup: crate::config::DedupSettings,
     metrics: PipelineMetrics,
+    mut shutdown: Shutdown,
 ) -> std::convert::Infallible {
+    // A store whose dedup keys expire by themselves (Redis) has nothing to sweep.
+    let Some(store) = store else { return std::future::pending().await };
     let owner = owner();
     let sweep = crate::retention::Sweep {
         pipeline: &pipeline,
@@ -254,7 +262,14 @@ async fn purge_loop(
     };
     loop {
         tokio::time::sleep(dedup.purge_interval).await;
-        match store.sweep_pass(&sweep, |s| metrics.swept(s)).await {
+        if shutdown.is_triggered() {
+            break;
+        }
+        let pass = tokio::select! {
+            pass = store.sweep_pass(&sweep, |s| metrics.swept(s)) => pass,
+            () = shutdown.wait() => break,
+        };
+        match pass {
             Ok(o) if o.skipped == Some(crate::retention::Skipped::OtherReplica) => {
                 tracing::debug!(pipeline = %pipeline, "another replica is sweeping the dedup rows");
             }
@@ -266,6 +281,8 @@ async fn purge_loop(
             Err(e) => tracing::warn!(pipeline = %pipeline, error = %e, "retention sweep failed; resuming after purge_interval"),
         }
     }
+    // Shutting down: the pipeline ends this future with itself.
+    std::future::pending().await
 }
 
 /// Runs one pipeline: one lane, or with `batch.concurrency = N` N lanes at once, each its own consumer in the

@@ -223,7 +223,7 @@ async fn lifetimes(stores: &[(StoreKind, Store)], pipelines: &[config::Pipeline]
     for p in pipelines.iter().filter(|p| !p.sink.store().expires_dedup_keys()) {
         let Some((_, store)) = stores.iter().find(|(kind, _)| *kind == p.sink.store()) else { continue };
         match store.sweep_state(&p.name).await {
-            Ok(state) => lines.push(idemflow::retention::lifetime_note(&p.name, p.dedup.retention, p.dedup.purge_interval, state.as_ref())),
+            Ok(state) => lines.push(idemflow::retention::lifetime_note(&p.name, p.dedup.retention, p.dedup.purge_interval, p.dedup.purge_rate, state.as_ref())),
             Err(e) => lines.push(format!("warning: pipeline {:?}: could not read its retention sweep's state: {e}", p.name)),
         }
     }

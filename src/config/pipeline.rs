@@ -529,6 +529,10 @@ fn check_capabilities(source: &SourceSpec, key: &RawKey, offsets: Option<OffsetS
     }
 }
 
+/// The most rows `[dedup] purge_batch` may ask one slice of the retention sweep to examine: a slice is one
+/// transaction, holding the locks of the expired rows it deletes until it commits.
+const MAX_PURGE_BATCH: u32 = 1_000_000;
+
 /// `[dedup]`: retention and purging, checked.
 fn validate_dedup(raw: &RawDedup, e: &mut Errors<'_>) -> DedupSettings {
     let dd = DedupSettings::default();
@@ -546,6 +550,9 @@ fn validate_dedup(raw: &RawDedup, e: &mut Errors<'_>) -> DedupSettings {
     }
     if dedup.purge_batch == 0 {
         e.push("dedup.purge_batch", "must be at least 1");
+    }
+    if dedup.purge_batch > MAX_PURGE_BATCH {
+        e.push("dedup.purge_batch", format!("must be at most {MAX_PURGE_BATCH} (rows a slice of the retention sweep examines in one transaction)"));
     }
     if dedup.purge_rate == 0 {
         e.push("dedup.purge_rate", "must be at least 1 (rows examined per second)");

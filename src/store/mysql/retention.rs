@@ -126,21 +126,24 @@ pub async fn sweep_slice(pool: &MySqlPool, sweep: &Sweep<'_>, restart: bool) -> 
     Ok(Slice { examined: examined as u64, purged, skipped: None, pass_seconds })
 }
 
-/// Where `pipeline`'s sweep stands ([`crate::retention::SweepState`]); `None` before its first slice.
+/// Where `pipeline`'s sweep stands ([`crate::retention::SweepState`]): no pass before its first slice, and the
+/// table's row estimate (`information_schema.tables.table_rows`, InnoDB's).
 ///
 /// # Errors
 /// The database's.
 pub async fn sweep_state(pool: &MySqlPool, pipeline: &str) -> Result<Option<crate::retention::SweepState>, sqlx::Error> {
-    let row: Option<(i64, Option<f64>, Option<f64>)> = sqlx::query_as(
-        "SELECT passes, last_pass_seconds, TIMESTAMPDIFF(MICROSECOND, pass_started_at, CURRENT_TIMESTAMP(6)) / 1e6 \
-         FROM idemflow_retention_sweeps WHERE pipeline = ?",
+    let (passes, last_pass_seconds, current_pass_seconds, rows): (Option<i64>, Option<f64>, Option<f64>, Option<i64>) = sqlx::query_as(
+        "SELECT s.passes, s.last_pass_seconds, TIMESTAMPDIFF(MICROSECOND, s.pass_started_at, CURRENT_TIMESTAMP(6)) / 1e6, \
+         (SELECT CAST(table_rows AS SIGNED) FROM information_schema.tables WHERE table_schema = DATABASE() AND table_name = 'idemflow_dedup') \
+         FROM (SELECT 1 AS one) AS one LEFT JOIN idemflow_retention_sweeps s ON s.pipeline = ?",
     )
     .bind(pipeline)
-    .fetch_optional(pool)
+    .fetch_one(pool)
     .await?;
-    Ok(row.map(|(passes, last_pass_seconds, current_pass_seconds)| crate::retention::SweepState {
-        passes: passes.max(0) as u64,
+    Ok(Some(crate::retention::SweepState {
+        passes: passes.unwrap_or_default().max(0) as u64,
         last_pass_seconds,
         current_pass_seconds,
+        rows: rows.filter(|r| *r > 0).map(|r| r as f64),
     }))
 }

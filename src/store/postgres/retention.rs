@@ -196,26 +196,29 @@ async fn move_cursor(tx: &mut Transaction<'_, Postgres>, sweep: &Sweep<'_>, rest
     Ok(None)
 }
 
-/// Where `pipeline`'s sweep stands ([`crate::retention::SweepState`]); `None` before its first slice.
+/// Where `pipeline`'s sweep stands ([`crate::retention::SweepState`]): no pass before its first slice, and the
+/// table's row estimate (`reltuples`; none before the first `ANALYZE`).
 ///
 /// # Errors
 /// The database's.
 pub async fn sweep_state(pool: &PgPool, pipeline: &str) -> Result<Option<crate::retention::SweepState>, sqlx::Error> {
     // In a transaction, as every access is (a transaction-pooling proxy, PgBouncer).
     let mut tx = pool.begin().await?;
-    let row: Option<(i64, Option<f64>, Option<f64>)> = sqlx::query_as(
-        "SELECT passes, last_pass_seconds, extract(epoch FROM now() - pass_started_at)::float8 \
-         FROM idemflow.retention_sweeps WHERE pipeline = $1",
+    let (passes, last_pass_seconds, current_pass_seconds, rows): (Option<i64>, Option<f64>, Option<f64>, f64) = sqlx::query_as(
+        "SELECT s.passes, s.last_pass_seconds, extract(epoch FROM now() - s.pass_started_at)::float8, \
+         (SELECT reltuples::float8 FROM pg_class WHERE oid = 'idemflow.dedup'::regclass) \
+         FROM (SELECT 1) AS one LEFT JOIN idemflow.retention_sweeps s ON s.pipeline = $1",
     )
     .bind(pipeline)
     .persistent(super::persistent())
-    .fetch_optional(&mut *tx)
+    .fetch_one(&mut *tx)
     .await?;
     tx.commit().await?;
-    Ok(row.map(|(passes, last_pass_seconds, current_pass_seconds)| crate::retention::SweepState {
-        passes: passes.max(0) as u64,
+    Ok(Some(crate::retention::SweepState {
+        passes: passes.unwrap_or_default().max(0) as u64,
         last_pass_seconds,
         current_pass_seconds,
+        rows: (rows > 0.0).then_some(rows),
     }))
 }
 
