@@ -907,6 +907,17 @@ mod tests {
     }
 
     #[test]
+    fn the_retention_sweep_settings_are_bounded() {
+        let base = "topics = [\"t\"]\n[key]\nfield = \"/id\"\n[sink]\ntable = \"t\"\n[sink.columns]\nid = \"/id\"\n[dedup]\n";
+        let p = load(&format!("{base}purge_batch = 1000000\npurge_rate = 20000\npurge_interval = \"30s\"\n")).unwrap();
+        assert_eq!((p.dedup.purge_batch, p.dedup.purge_rate, p.dedup.purge_interval), (1_000_000, 20_000, Duration::from_secs(30)));
+        let fields = |text: &str| load(text).unwrap_err().into_iter().map(|e| format!("{}: {}", e.field, e.message)).collect::<Vec<_>>();
+        let e = fields(&format!("{base}purge_batch = 1000001\npurge_rate = 0\n"));
+        assert!(e.iter().any(|e| e.starts_with("dedup.purge_batch: must be at most 1000000")), "{e:?}");
+        assert!(e.iter().any(|e| e.starts_with("dedup.purge_rate: must be at least 1")), "{e:?}");
+    }
+
+    #[test]
     fn a_rocketmq_source() {
         let rest = "[key]\nmessage_key = true\n[sink]\ntable = \"x\"\n[sink.columns]\nid = \"/id\"\nq = { meta = \"partition\" }\n";
         let p = load(&format!("[source]\nkind = \"rocketmq\"\ntopic = \"payments\"\n{rest}")).unwrap();
