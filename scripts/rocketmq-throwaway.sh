@@ -41,7 +41,8 @@ rocketmq_wait_port() {
   local port=$1 pid=$2 log=$3 waited=0
   until (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; do
     if [ $waited -ge 600 ] || ! kill -0 "$pid" 2>/dev/null; then
-      echo "RocketMQ did not start listening on $port; its log:" >&2
+      echo "RocketMQ did not start listening on $port; its errors, then the end of its log:" >&2
+      grep -E "ERROR|panicked|[Ee]rror:" "$log" | head -10 >&2
       tail -20 "$log" >&2
       return 1
     fi
@@ -64,8 +65,22 @@ refuses every write. Free some space (a few GB: target/ of other checkouts, say)
   fi
 }
 
+# Starts a name server and a broker, trying three times: the broker's three ports are found free before it starts,
+# and another process can take one of them in between (an outgoing connection's ephemeral port), which fails its
+# start ("Broker lifecycle ... failed", reason "startup").
 rocketmq_throwaway_start() {
   rocketmq_install || return 1
+  local try
+  for try in 1 2 3; do
+    rocketmq_throwaway_start_once && return 0
+    rocketmq_throwaway_stop
+    unset ROCKETMQ_THROWAWAY_DIR ROCKETMQ_NAMESRV_PID ROCKETMQ_BROKER_PID
+    [ "$try" -lt 3 ] && echo "RocketMQ did not start (try $try of 3); starting it again on other ports" >&2
+  done
+  return 1
+}
+
+rocketmq_throwaway_start_once() {
   local bin="${CARGO_HOME:-$HOME/.cargo}/bin"
   ROCKETMQ_THROWAWAY_DIR=$(mktemp -d /tmp/idemflow-rocketmq.XXXXXX)
   rocketmq_disk_check "$ROCKETMQ_THROWAWAY_DIR" || return 1
