@@ -163,7 +163,7 @@ pub fn lifetime_note(pipeline: &str, retention: Duration, purge_interval: Durati
     let d = crate::terminal::duration;
     let state = state.copied().unwrap_or_default();
     let paced = state.rows.filter(|r| *r > 0.0).map(|rows| rows / f64::from(purge_rate.max(1)));
-    let pass = [paced, state.last_pass_seconds, state.current_pass_seconds].into_iter().flatten().fold(None::<f64>, |m, s| Some(m.map_or(s, |m| m.max(s))));
+    let pass = [paced, state.last_pass_seconds, state.current_pass_seconds].into_iter().flatten().reduce(f64::max);
     let Some(pass) = pass else {
         return format!(
             "pipeline {pipeline:?}: dedup rows live at least {} (the most is the retention plus a full pass of the retention \

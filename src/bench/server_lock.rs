@@ -64,9 +64,7 @@ impl ServerLock {
         }
         Ok(Self::Postgres(conn))
     }
-}
 
-impl ServerLock {
     /// Releases the lock by closing its connection (as dropping it would, but waiting for the server to hear it).
     pub(super) async fn release(self) {
         let closed = match self {

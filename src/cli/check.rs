@@ -215,4 +215,3 @@ async fn find(a: &CheckArgs) -> Findings {
     }
     findings
 }
-

@@ -65,7 +65,7 @@ impl NotReady {
     /// `Unavailable(message)` where a batch would retry the error behind it (`disposition` is
     /// [`Disposition::Retry`]), else `Refused(message)`: start-up waits for what a batch would wait for.
     pub fn after(disposition: crate::store::disposition::Disposition, message: String) -> NotReady {
-        NotReady::new(matches!(disposition, crate::store::disposition::Disposition::Retry(_)), message)
+        NotReady::new(disposition.is_retry(), message)
     }
 
     /// Whether waiting may help.

@@ -32,3 +32,10 @@ pub enum Disposition {
     /// partitions again and consume them from the positions the store kept.
     Resync,
 }
+
+impl Disposition {
+    /// Whether a batch would retry after this failure: what start-up and `prepare` wait for instead of refusing.
+    pub fn is_retry(self) -> bool {
+        matches!(self, Disposition::Retry(_))
+    }
+}

@@ -109,17 +109,13 @@ impl Store {
         time: &TimeSettings,
     ) -> Result<(SideEffect, Vec<(Binding, Render)>), PrepareError> {
         // Unavailable where a batch would retry the same error (a wrong password would never succeed).
-        let unavailable = |e: sqlx::Error, d: disposition::Disposition| PrepareError {
-            field: "database".into(),
-            message: format!("cannot connect: {e}"),
-            unavailable: matches!(d, disposition::Disposition::Retry(_)),
-        };
+        let unavailable = |e: sqlx::Error, retry: bool| PrepareError { field: "database".into(), message: format!("cannot connect: {e}"), unavailable: retry };
         let refuse = |field: &str, message: &str| Err(PrepareError { field: field.into(), message: message.into(), unavailable: false });
         match (self, spec) {
             (Store::Postgres(pool), SinkSpec::Sql(effect)) => {
                 let mut conn = pool.acquire().await.map_err(|e| {
-                    let d = postgres::error::classify_error(&e);
-                    unavailable(e, d)
+                    let retry = postgres::error::classify_error(&e).is_retry();
+                    unavailable(e, retry)
                 })?;
                 let (s, b) = postgres::side_effect::SideEffect::prepare(&mut conn, effect, time).await?;
                 Ok((SideEffect::Sql(SqlSideEffect::Postgres(pool.clone(), s)), b))
@@ -127,8 +123,8 @@ impl Store {
             #[cfg(feature = "mysql")]
             (Store::MySql(store), SinkSpec::Sql(effect)) => {
                 let mut conn = store.pool.acquire().await.map_err(|e| {
-                    let d = mysql::error::classify_error(&e);
-                    unavailable(e, d)
+                    let retry = mysql::error::classify_error(&e).is_retry();
+                    unavailable(e, retry)
                 })?;
                 let (s, b) = mysql::side_effect::SideEffect::prepare(&mut conn, effect, time).await?;
                 Ok((SideEffect::Sql(SqlSideEffect::MySql(store.clone(), s)), b))

@@ -58,7 +58,7 @@ fn prepare_error(field: impl Into<String>, message: impl Into<String>) -> Prepar
 }
 
 fn db_error(field: impl Into<String>, e: sqlx::Error, context: &str) -> PrepareError {
-    let unavailable = matches!(super::error::classify_error(&e), crate::store::disposition::Disposition::Retry(_));
+    let unavailable = super::error::classify_error(&e).is_retry();
     let e = super::error::describe_error(&e);
     let message = if context.is_empty() { e } else { format!("{e}\n  in: {context}") };
     PrepareError { field: field.into(), message, unavailable }

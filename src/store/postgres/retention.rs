@@ -136,16 +136,7 @@ pub async fn sweep_slice(pool: &PgPool, sweep: &Sweep<'_>, restart: bool) -> Res
         (examined, purged, if to >= blocks { Cursor::End } else { Cursor::Block(to) })
     } else {
         let after = if restart { None } else { swept_to };
-        let sql = key_slice(after.is_some());
-        let query = sqlx::query_as::<_, (i64, Option<Vec<u8>>, i64)>(&sql)
-            .bind(sweep.pipeline)
-            .bind(i64::from(sweep.rows))
-            .bind(sweep.retention.as_secs_f64());
-        let query = match after {
-            Some(after) => query.bind(after),
-            None => query,
-        };
-        let (examined, last, purged) = query.persistent(persistent).fetch_one(&mut *tx).await?;
+        let (examined, last, purged) = run_key_slice(&mut tx, sweep.pipeline, sweep.rows, sweep.retention, after.as_deref()).await?;
         let cursor = match last {
             Some(last) if examined >= i64::from(sweep.rows) => Cursor::Key(last),
             _ => Cursor::End,
@@ -222,17 +213,30 @@ pub async fn sweep_state(pool: &PgPool, pipeline: &str) -> Result<Option<crate::
     }))
 }
 
+/// Runs one key-range slice (before PostgreSQL 14): `(examined, last key id, purged)` of the `rows` keys of
+/// `pipeline` after `after` (from its first key when `None`).
+async fn run_key_slice(
+    conn: &mut sqlx::PgConnection,
+    pipeline: &str,
+    rows: u32,
+    retention: std::time::Duration,
+    after: Option<&[u8]>,
+) -> Result<(i64, Option<Vec<u8>>, i64), sqlx::Error> {
+    let sql = key_slice(after.is_some());
+    let query = sqlx::query_as(&sql).bind(pipeline).bind(i64::from(rows)).bind(retention.as_secs_f64());
+    let query = match after {
+        Some(after) => query.bind(after),
+        None => query,
+    };
+    query.persistent(super::persistent()).fetch_one(conn).await
+}
+
 /// The key-range slice's statement, for tests on a server that has TID range scans (PostgreSQL 14 and later) to run
-/// the path older servers take: `(examined, last key id, purged)` of one slice of `rows` keys after `after`.
+/// the path older servers take ([`run_key_slice`]), outside a sweep's transaction.
 ///
 /// # Errors
 /// The database's.
 #[doc(hidden)]
 pub async fn key_range_slice(pool: &PgPool, pipeline: &str, rows: u32, retention: std::time::Duration, after: Option<&[u8]>) -> Result<(i64, Option<Vec<u8>>, i64), sqlx::Error> {
-    let sql = key_slice(after.is_some());
-    let query = sqlx::query_as(&sql).bind(pipeline).bind(i64::from(rows)).bind(retention.as_secs_f64());
-    match after {
-        Some(after) => query.bind(after).fetch_one(pool).await,
-        None => query.fetch_one(pool).await,
-    }
+    run_key_slice(&mut *pool.acquire().await?, pipeline, rows, retention, after).await
 }

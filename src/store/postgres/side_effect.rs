@@ -200,7 +200,7 @@ fn prepare_error(field: impl Into<String>, message: impl Into<String>) -> Prepar
 
 /// A database error met while preparing: a configuration error unless the database itself was unavailable.
 fn db_error(field: impl Into<String>, e: sqlx::Error, context: &str) -> PrepareError {
-    let unavailable = matches!(super::error::classify_error(&e), crate::store::disposition::Disposition::Retry(_));
+    let unavailable = super::error::classify_error(&e).is_retry();
     let hint = super::error::pooler_hint(&e);
     let message = if context.is_empty() { format!("{e}{hint}") } else { format!("{e}{hint}\n  in: {context}") };
     PrepareError { field: field.into(), message, unavailable }
