@@ -177,8 +177,8 @@
 //!   `max_statement_time`, MySQL `max_execution_time`; told by SQLSTATE or error number, never by the message,
 //!   [`store::error::time_limit`]) rolls back like any failed attempt; it is redone record by record (each statement
 //!   timed on its own) rather than retried whole forever. A record whose side effect alone exceeds the limit rolls
-//!   the attempt back and the batch is retried ([`sink::SOLO_TIME_LIMIT_ATTEMPTS`], over
-//!   [`sink::SOLO_TIME_LIMIT_SPAN`] at least): a lock wait or a stall is not the record's fault; only slow alone in
+//!   the attempt back and the batch is retried ([`sink::error::SOLO_TIME_LIMIT_ATTEMPTS`], over
+//!   [`sink::error::SOLO_TIME_LIMIT_SPAN`] at least): a lock wait or a stall is not the record's fault; only slow alone in
 //!   every one of those attempts is it dead-lettered, nothing committed for it, its claim rolled back with its
 //!   savepoint.
 //! - A worker that vanishes mid-batch (no FIN, no RST) holds nothing for long: its transaction is ended by the

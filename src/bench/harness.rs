@@ -96,7 +96,7 @@ pub(super) async fn worker_run_on(run: WorkerRun<'_>, broker: &str, store: &str,
     let dir = tempfile::Builder::new().prefix("idemflow-bench-").tempdir()?;
     std::fs::create_dir(dir.path().join("pipelines"))?;
     std::fs::write(dir.path().join("pipelines/orders.toml"), pipeline.replace("topics =", &format!("group_id = \"{group}\"\ntopics =")))?;
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    let port = crate::demo::host::free_port()?;
     let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse()?;
     std::fs::write(
         dir.path().join("idemflow.toml"),
@@ -134,73 +134,12 @@ pub(super) async fn worker_run_on(run: WorkerRun<'_>, broker: &str, store: &str,
     } else {
         None
     };
+    let log = dir.path().join("worker.log");
+    let Watched { last_scrape, started, first, progress } = watch(addr, pid, id, target, drain, &log).await?;
     let received = |m: &str| sample(m, "idemflow_records_received_total");
-    let applied = |m: &str| sample(m, "idemflow_records_applied_total");
-    let started = Instant::now();
-    let mut first: Option<(Instant, f64)> = None;
-    // When each scrape saw how many records applied, for the latency from the run's own start.
-    let mut progress: Vec<(Instant, f64)> = Vec::new();
-    let (mut pause, mut before) = (Duration::from_millis(25), (started, 0.0));
-    let last_scrape = loop {
-        tokio::time::sleep(pause).await;
-        let m = scrape(addr);
-        if m.is_empty() {
-            // No answer this time (the worker busy, or gone: the time limits below still apply).
-            if started.elapsed() > Duration::from_secs(1800) {
-                unsafe { libc::kill(pid, libc::SIGKILL) };
-                bail!("{id}: the worker's /metrics did not answer");
-            }
-            continue;
-        }
-        let n = received(&m);
-        let now = Instant::now();
-        if n > 0.0 && first.is_none() {
-            first = Some((now, n));
-        }
-        progress.push((now, applied(&m)));
-        // A scrape renders every series, which costs the worker CPU that a consumer without metrics does not spend
-        // (40 a second cost 6-8% of its CPU): every 25 ms only until the first record and from about a second
-        // before the end (so both ends of the window are found within 25 ms), every 250 ms in between.
-        let rate = (n - before.1) / now.duration_since(before.0).as_secs_f64().max(1e-3);
-        let left = (target as f64 - n).max(0.0) / rate.max(1.0);
-        pause = if first.is_some() && left > 1.0 { Duration::from_millis(250) } else { Duration::from_millis(25) };
-        before = (now, n);
-        if n >= target as f64 && drain.is_none_or(|want| applied(&m) >= want as f64) {
-            break m;
-        }
-        let moved = progress.iter().rev().find(|(_, a)| *a < applied(&m)).map_or(started, |(at, _)| *at);
-        if n >= target as f64 && moved.elapsed() > Duration::from_secs(60) {
-            let log = std::fs::read_to_string(dir.path().join("worker.log")).unwrap_or_default();
-            unsafe { libc::kill(pid, libc::SIGKILL) };
-            bail!("{id}: every record received, {} of {} distinct keys applied, none more in 60 s; its log:\n{log}", applied(&m), drain.unwrap_or(0));
-        }
-        if started.elapsed() > Duration::from_secs(1800) {
-            let log = std::fs::read_to_string(dir.path().join("worker.log")).unwrap_or_default();
-            unsafe { libc::kill(pid, libc::SIGKILL) };
-            bail!("{id}: the worker received {n} of {target} records in 30 minutes; its log:\n{log}");
-        }
-        if started.elapsed() > Duration::from_secs(60) && first.is_none() {
-            let log = std::fs::read_to_string(dir.path().join("worker.log")).unwrap_or_default();
-            unsafe { libc::kill(pid, libc::SIGKILL) };
-            bail!("{id}: the worker received nothing in 60 s; its log:\n{log}");
-        }
-    };
     let end = Instant::now();
     let (db_cpu, wal) = probe.since(db0, received(&last_scrape)).await;
-    // CPU up to the target (utime + stime of /proc/<pid>/stat, in clock ticks): the worker's shutdown is not what a
-    // record costs. With a backlog left (runs over a prefix), closing the consumer costs seconds of CPU in
-    // librdkafka, which the whole-process figure from wait4 includes.
-    let ticks = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok().and_then(|s| {
-        let fields: Vec<&str> = s.rsplit_once(')')?.1.split_whitespace().collect();
-        Some(fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?)
-    });
-    // SAFETY: sysconf has no preconditions.
-    let cpu_at_target = ticks.map(|t| t / unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64);
-    if let Some(mut p) = profiler {
-        // SAFETY: a signal to our own child.
-        unsafe { libc::kill(p.id() as libc::pid_t, libc::SIGINT) };
-        let _ = p.wait();
-    }
+    let Stopped { cpu_at_target, peak_kib, whole } = stop(pid, child, profiler);
     let (mut t0, mut n0) = first.unwrap_or((started, 0.0));
     let mut short = "";
     if received(&last_scrape) - n0 <= 0.0 {
@@ -209,22 +148,6 @@ pub(super) async fn worker_run_on(run: WorkerRun<'_>, broker: &str, store: &str,
         short = " (run shorter than a scrape: timed from process start)";
     }
     let total = received(&last_scrape);
-    // The peak RSS of the worker's own address space (VmHWM; reset by exec). wait4's ru_maxrss would not do: Linux
-    // carries the high-water mark of the forked copy of this (large) process across exec.
-    let peak_kib = std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| s.lines().find(|l| l.starts_with("VmHWM:")).and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok()));
-    // SAFETY: plain syscalls on our own child's pid; `usage` is a zeroed out-parameter.
-    let usage = unsafe {
-        libc::kill(pid, libc::SIGTERM);
-        let mut status = 0;
-        let mut usage: libc::rusage = std::mem::zeroed();
-        libc::wait4(pid, &mut status, 0, &mut usage);
-        usage
-    };
-    drop(child);
-    let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
-    let whole = secs(usage.ru_utime) + secs(usage.ru_stime);
     let cpu = cpu_at_target.unwrap_or(whole);
     let window = end.duration_since(t0).as_secs_f64().max(1e-9);
     let processed = total - n0;
@@ -257,6 +180,120 @@ pub(super) async fn worker_run_on(run: WorkerRun<'_>, broker: &str, store: &str,
             sample(&last_scrape, "idemflow_records_applied_total")
         ),
     })
+}
+
+/// What the scrapes of a worker run saw.
+struct Watched {
+    /// The last scrape of `/metrics`, taken when the target was reached.
+    last_scrape: String,
+    /// When the watch started (the process had just been started).
+    started: Instant,
+    /// When the first record was seen received, and how many were by then.
+    first: Option<(Instant, f64)>,
+    /// When each scrape saw how many records applied, for the latency from the run's own start.
+    progress: Vec<(Instant, f64)>,
+}
+
+/// Scrapes the worker's `/metrics` at `addr` until it has received `target` records (and applied `drain`, if set).
+/// The worker is killed and the run fails when it receives nothing in 60 s, applies nothing more in 60 s after
+/// the last record arrived, or takes over 30 minutes; the failure quotes its log (`log`).
+async fn watch(addr: std::net::SocketAddr, pid: libc::pid_t, id: &str, target: u64, drain: Option<u64>, log: &std::path::Path) -> anyhow::Result<Watched> {
+    let received = |m: &str| sample(m, "idemflow_records_received_total");
+    let applied = |m: &str| sample(m, "idemflow_records_applied_total");
+    let started = Instant::now();
+    let mut first: Option<(Instant, f64)> = None;
+    let mut progress: Vec<(Instant, f64)> = Vec::new();
+    let (mut pause, mut before) = (Duration::from_millis(25), (started, 0.0));
+    let last_scrape = loop {
+        tokio::time::sleep(pause).await;
+        let m = scrape(addr);
+        if m.is_empty() {
+            // No answer this time (the worker busy, or gone: the time limits below still apply).
+            if started.elapsed() > Duration::from_secs(1800) {
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+                bail!("{id}: the worker's /metrics did not answer");
+            }
+            continue;
+        }
+        let n = received(&m);
+        let now = Instant::now();
+        if n > 0.0 && first.is_none() {
+            first = Some((now, n));
+        }
+        progress.push((now, applied(&m)));
+        // A scrape renders every series, which costs the worker CPU that a consumer without metrics does not spend
+        // (40 a second cost 6-8% of its CPU): every 25 ms only until the first record and from about a second
+        // before the end (so both ends of the window are found within 25 ms), every 250 ms in between.
+        let rate = (n - before.1) / now.duration_since(before.0).as_secs_f64().max(1e-3);
+        let left = (target as f64 - n).max(0.0) / rate.max(1.0);
+        pause = if first.is_some() && left > 1.0 { Duration::from_millis(250) } else { Duration::from_millis(25) };
+        before = (now, n);
+        if n >= target as f64 && drain.is_none_or(|want| applied(&m) >= want as f64) {
+            break m;
+        }
+        let moved = progress.iter().rev().find(|(_, a)| *a < applied(&m)).map_or(started, |(at, _)| *at);
+        if n >= target as f64 && moved.elapsed() > Duration::from_secs(60) {
+            let log = std::fs::read_to_string(log).unwrap_or_default();
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+            bail!("{id}: every record received, {} of {} distinct keys applied, none more in 60 s; its log:\n{log}", applied(&m), drain.unwrap_or(0));
+        }
+        if started.elapsed() > Duration::from_secs(1800) {
+            let log = std::fs::read_to_string(log).unwrap_or_default();
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+            bail!("{id}: the worker received {n} of {target} records in 30 minutes; its log:\n{log}");
+        }
+        if started.elapsed() > Duration::from_secs(60) && first.is_none() {
+            let log = std::fs::read_to_string(log).unwrap_or_default();
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+            bail!("{id}: the worker received nothing in 60 s; its log:\n{log}");
+        }
+    };
+    Ok(Watched { last_scrape, started, first, progress })
+}
+
+/// What a worker run's process cost, read as it is stopped.
+struct Stopped {
+    /// CPU seconds (user and system) up to the target, when `/proc` answered.
+    cpu_at_target: Option<f64>,
+    /// The worker's peak resident set, KiB.
+    peak_kib: Option<f64>,
+    /// CPU seconds of the whole process, its shutdown included.
+    whole: f64,
+}
+
+/// Reads the worker's CPU and peak memory, stops `perf` if it ran, then stops the worker (SIGTERM) and reaps it.
+fn stop(pid: libc::pid_t, child: std::process::Child, profiler: Option<std::process::Child>) -> Stopped {
+    // CPU up to the target (utime + stime of /proc/<pid>/stat, in clock ticks): the worker's shutdown is not what a
+    // record costs. With a backlog left (runs over a prefix), closing the consumer costs seconds of CPU in
+    // librdkafka, which the whole-process figure from wait4 includes.
+    let ticks = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok().and_then(|s| {
+        let fields: Vec<&str> = s.rsplit_once(')')?.1.split_whitespace().collect();
+        Some(fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?)
+    });
+    // SAFETY: sysconf has no preconditions.
+    let cpu_at_target = ticks.map(|t| t / unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64);
+    if let Some(mut p) = profiler {
+        // SAFETY: a signal to our own child.
+        unsafe { libc::kill(p.id() as libc::pid_t, libc::SIGINT) };
+        let _ = p.wait();
+    }
+    // The peak RSS of the worker's own address space (VmHWM; reset by exec). wait4's ru_maxrss would not do: Linux
+    // carries the high-water mark of the forked copy of this (large) process across exec.
+    let peak_kib = std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| s.lines().find(|l| l.starts_with("VmHWM:")).and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok()));
+    // SAFETY: plain syscalls on our own child's pid; `usage` is a zeroed out-parameter.
+    let usage = unsafe {
+        libc::kill(pid, libc::SIGTERM);
+        let mut status = 0;
+        let mut usage: libc::rusage = std::mem::zeroed();
+        libc::wait4(pid, &mut status, 0, &mut usage);
+        usage
+    };
+    drop(child);
+    let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
+    let whole = secs(usage.ru_utime) + secs(usage.ru_stime);
+    Stopped { cpu_at_target, peak_kib, whole }
 }
 
 /// The latency quantile `q` of a run's records from the run's own start `t0` (its first record received: the stream

@@ -97,12 +97,12 @@ pub async fn run(o: BenchOptions) -> anyhow::Result<Report> {
 
 /// The runs on the embedded Kafka broker's stream, (1) to (15), `--repeat` times.
 async fn run_kafka(o: &BenchOptions, admin_url: &str) -> anyhow::Result<Report> {
-    let mysql = is_mysql(&admin_url);
+    let mysql = is_mysql(admin_url);
     let kafka = EmbeddedKafka::start()?;
     // About 200 bytes a record; the mock keeps about 5 MiB per partition: stay under 2 MiB.
     let partitions = ((o.records * 230) / (2 << 20) + 1).max(4) as i32;
     kafka.create_topic(TOPIC, partitions)?;
-    let env = environment(&admin_url, o.database_url.is_none(), &o, partitions).await?;
+    let env = environment(admin_url, o.database_url.is_none(), o, partitions).await?;
     for (k, v) in &env {
         eprintln!("{k}: {v}");
     }
@@ -134,7 +134,7 @@ async fn run_kafka(o: &BenchOptions, admin_url: &str) -> anyhow::Result<Report> 
                 match n {
                     14 | 15 => {
                         let lanes = if n == 14 { 2 } else { 4 };
-                        let url = fresh_database(&admin_url, &format!("bench_{n}")).await?;
+                        let url = fresh_database(admin_url, &format!("bench_{n}")).await?;
                         let (id, name) = if n == 14 {
                             ("(14)", "idemflow, default batching (table form), batch.concurrency = 2")
                         } else {
@@ -152,13 +152,13 @@ async fn run_kafka(o: &BenchOptions, admin_url: &str) -> anyhow::Result<Report> 
                         r?
                     }
                     13 => {
-                        let url = payments_database(&admin_url, "bench_13").await?;
+                        let url = payments_database(admin_url, "bench_13").await?;
                         let name = "idemflow, the shipped example in the per-record SQL form, examples/per-record-sql/payments.toml";
                         let run = WorkerRun { id: "(13)", name, pipeline: per_record_payments_pipeline(), group: &group(13), target: total, applied: None };
                         worker_run(run, &kafka_settings(&kafka), &url, perf).await?
                     }
                     12 => {
-                        let url = payments_database(&admin_url, "bench_12").await?;
+                        let url = payments_database(admin_url, "bench_12").await?;
                         let name = "idemflow, the per-record SQL form with one round trip per statement and record (its INSERT given RETURNING)";
                         let per_record = per_record_payments_pipeline();
                         let pipeline = per_record.replace(":paid_at, :details)", ":paid_at, :details) RETURNING order_id");
@@ -168,16 +168,16 @@ async fn run_kafka(o: &BenchOptions, admin_url: &str) -> anyhow::Result<Report> 
                         worker_run(run, &kafka_settings(&kafka), &url, perf).await?
                     }
                     8 => {
-                        let url = payments_database(&admin_url, "bench_8").await?;
+                        let url = payments_database(admin_url, "bench_8").await?;
                         let name = "idemflow, the shipped example pipelines/payments.toml (batch SQL form: INSERT payments + UPDATE accounts per batch)";
                         let run = WorkerRun { id: "(8)", name, pipeline: payments_pipeline(), group: &group(8), target: total, applied: None };
                         worker_run(run, &kafka_settings(&kafka), &url, perf).await?
                     }
-                    9 => minimal_copy_ceiling(&minimal_database(&admin_url, "bench_9").await?, &s, s.records.len()).await?,
-                    10 => hand_written_batched(&kafka, &minimal_database(&admin_url, "bench_10").await?, s.records.len(), &group(10)).await?,
+                    9 => minimal_copy_ceiling(&minimal_database(admin_url, "bench_9").await?, &s, s.records.len()).await?,
+                    10 => hand_written_batched(&kafka, &minimal_database(admin_url, "bench_10").await?, s.records.len(), &group(10)).await?,
                     _ => {
                         let single = o.single_records.min(o.records);
-                        per_message(&kafka, &minimal_database(&admin_url, "bench_11").await?, single, &group(11)).await?
+                        per_message(&kafka, &minimal_database(admin_url, "bench_11").await?, single, &group(11)).await?
                     }
                 }
             } else if n == 7 {
@@ -196,7 +196,7 @@ async fn run_kafka(o: &BenchOptions, admin_url: &str) -> anyhow::Result<Report> 
                 let store = format!("[redis]\nurl = \"{}\"\n", redis.url());
                 worker_run_on(run, &kafka_settings(&kafka), &store, perf, &Probe::default()).await?
             } else {
-                let url = fresh_database(&admin_url, &format!("bench_{n}")).await?;
+                let url = fresh_database(admin_url, &format!("bench_{n}")).await?;
                 let run_group = group(n);
                 let worker = |id, name, pipeline, target| WorkerRun { id, name, pipeline, group: &run_group, target, applied: None };
                 match n {

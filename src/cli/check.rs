@@ -2,7 +2,7 @@
 //! side effect prepared against its store; every problem reported at once, as text for people or as one JSON
 //! object for a CI job (`--format json`).
 
-use super::{durability, lifetimes, load, open_stores, prepare_all};
+use super::workspace::{durability, lifetimes, load, open_stores, prepare_all};
 use idemflow::config;
 use idemflow::source;
 use idemflow::telemetry;

@@ -1,6 +1,6 @@
 //! `idemflow dead-letters`: list, show and replay dead letters, in any store.
 
-use super::{load, open_store, report};
+use super::workspace::{load, open_store, report};
 use anyhow::{bail, Context as _};
 use clap::Subcommand;
 use idemflow::config;
@@ -83,7 +83,7 @@ pub async fn run(cmd: DeadLettersCommand) -> anyhow::Result<()> {
             println!("{:>8}  {:<16} {:<28} {:<22} {:<32} error", "id", "pipeline", "position", "reason", "created_at");
             for d in &rows {
                 let error: String = escape(&d.error).chars().take(100).collect();
-                let position = stored_position(&d);
+                let position = stored_position(d);
                 println!("{:>8}  {:<16} {:<28} {:<22} {:<32} {error}", d.id, d.pipeline, position, d.reason, d.created_at);
             }
             println!("{} dead letter(s)", rows.len());

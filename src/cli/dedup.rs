@@ -3,7 +3,7 @@
 //! the named dedup rows are deleted and the processed floors of their partitions lowered, so the records come back
 //! through the pipeline and are applied. PostgreSQL and MySQL/MariaDB.
 
-use super::{load, named, open_store, report};
+use super::workspace::{load, named, open_store, report};
 use idemflow::config;
 use idemflow::store::rows::Forget;
 use std::path::PathBuf;

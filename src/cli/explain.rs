@@ -1,7 +1,7 @@
 //! `idemflow explain`: was this business key applied, when, from which record, and how many duplicates of it
 //! were skipped since (any store).
 
-use super::{load, named, open_store, report};
+use super::workspace::{load, named, open_store, report};
 use idemflow::config;
 use std::path::PathBuf;
 

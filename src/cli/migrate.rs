@@ -1,6 +1,6 @@
 //! `idemflow migrate`: create or upgrade idemflow's tables in PostgreSQL or MySQL/MariaDB; Redis needs none.
 
-use super::{load, ConfigArg};
+use super::workspace::{load, ConfigArg};
 use anyhow::{bail, Context as _};
 use idemflow::store::spec::StoreKind;
 use idemflow::store::Store;

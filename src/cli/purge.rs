@@ -1,7 +1,7 @@
 //! `idemflow purge`: one full pass of the retention sweep by hand, from the start of the table, unpaced (PostgreSQL, MySQL/MariaDB; Redis expires its dedup keys by
 //! themselves).
 
-use super::{load, named, open_store, report};
+use super::workspace::{load, named, open_store, report};
 use idemflow::config;
 use idemflow::retention::{Pace, Sweep};
 use idemflow::store::spec::StoreKind;

@@ -1,7 +1,7 @@
 //! `idemflow rewind`: move a stopped pipeline's consumer group back (Kafka, RocketMQ); the dedup store skips every
 //! record already applied.
 
-use super::{load, named, open_store, report};
+use super::workspace::{load, named, open_store, report};
 use idemflow::config;
 use idemflow::offsets::OffsetStore;
 use std::path::PathBuf;

@@ -1,7 +1,7 @@
 //! `idemflow run`: the worker, every pipeline, until SIGTERM or SIGINT; `/metrics`, `/healthz` and `/readyz`
 //! served from the start.
 
-use super::{durability, load, open_stores, prepare_all, report, ConfigArg};
+use super::workspace::{durability, load, open_stores, prepare_all, report, ConfigArg};
 use anyhow::{bail, Context as _};
 use idemflow::store::contract::NotReady;
 use idemflow::store::spec::StoreKind;

@@ -266,7 +266,7 @@ fn locate(e: &figment::Error, text: Option<&str>, from_env: &[(String, String)])
             figment::error::Actual::Str(_) => "a string (not shown)".to_owned(),
             figment::error::Actual::Signed(_) | figment::error::Actual::Unsigned(_) => "an integer (not shown)".to_owned(),
             figment::error::Actual::Float(_) => "a number (not shown)".to_owned(),
-            other => format!("{}", kind_of(other)),
+            other => kind_of(other).to_string(),
         };
         match &e.kind {
             figment::error::Kind::InvalidType(actual, expected) => problem = format!("invalid type: found {}, expected {expected}", found(actual)),
@@ -277,7 +277,7 @@ fn locate(e: &figment::Error, text: Option<&str>, from_env: &[(String, String)])
     if let Some((_, var)) = from_env.iter().find(|(k, _)| *k == key || key.starts_with(&format!("{k}."))) {
         return format!("{key} (from environment variable {var}): {problem}");
     }
-    let at = text.and_then(|t| position(t, &path, at_key).map(|offset| line_column(t, offset)));
+    let at = text.and_then(|t| position(t, &path, at_key).map(|offset| pipeline::line_column(t, offset)));
     match at {
         Some((line, column)) => format!("line {line}, column {column}: {key}: {problem}"),
         None if key.is_empty() => problem,
@@ -320,14 +320,6 @@ fn position(text: &str, path: &[&str], at_key: bool) -> Option<usize> {
         }
     }
     found
-}
-
-/// 1-based line and column (in characters) of a byte offset.
-fn line_column(text: &str, offset: usize) -> (usize, usize) {
-    let before = &text[..offset.min(text.len())];
-    let line = before.matches('\n').count() + 1;
-    let column = before.rsplit('\n').next().unwrap_or_default().chars().count() + 1;
-    (line, column)
 }
 
 /// Environment values are strings; numbers and booleans are typed the way figment's `Env` types them.

@@ -329,7 +329,7 @@ fn toml_problem(text: &str, e: &toml::de::Error) -> (String, String) {
         None => said,
     };
     let Some(span) = e.span() else { return (String::new(), said) };
-    let (line, column) = super::line_column(text, span.start);
+    let (line, column) = line_column(text, span.start);
     let field = toml_edit::ImDocument::parse(text).ok().map(|doc| key_path_at(doc.as_table(), span.start)).unwrap_or_default();
     (field.join("."), format!("{said} (line {line}, column {column})"))
 }
@@ -864,6 +864,14 @@ fn binding(name: &str, value: toml::Value, field: &str, free_types: bool, e: &mu
 /// Whether `field` is a column of the table form (`sink.columns.x`), where `round` applies.
 fn table_form(field: &str) -> bool {
     field.starts_with("sink.columns.")
+}
+
+/// 1-based line and column (in characters) of a byte offset.
+pub(super) fn line_column(text: &str, offset: usize) -> (usize, usize) {
+    let before = &text[..offset.min(text.len())];
+    let line = before.matches('\n').count() + 1;
+    let column = before.rsplit('\n').next().unwrap_or_default().chars().count() + 1;
+    (line, column)
 }
 
 #[cfg(test)]

@@ -58,7 +58,7 @@ impl Throwaway {
         if !install.status.success() {
             bail!("mariadb-install-db failed: {}{}", String::from_utf8_lossy(&install.stdout), String::from_utf8_lossy(&install.stderr));
         }
-        let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+        let port = super::host::free_port()?;
         let mut server = Throwaway { dir, port, child: None };
         server.start_again()?;
         // root over TCP from 127.0.0.1, with a password, as the tests' server has it.

@@ -17,7 +17,7 @@
 
 pub mod broker;
 pub mod database;
-pub(crate) mod host;
+pub mod host;
 pub mod kafka;
 pub mod mariadb;
 pub mod nats;
@@ -467,7 +467,7 @@ async fn open_store(options: &DemoOptions, plan: &Plan) -> anyhow::Result<(Optio
 fn write_workspace(dir: &std::path::Path, plan: &Plan, url: &str, broker: &ThrowawayBroker, listen: SocketAddr) -> anyhow::Result<Settings> {
     let (redis, pipeline_text) = (plan.redis, &plan.pipeline_text);
     std::fs::create_dir(dir.join("pipelines"))?;
-    std::fs::write(dir.join("pipelines/payments.toml"), &pipeline_text)?;
+    std::fs::write(dir.join("pipelines/payments.toml"), pipeline_text)?;
     let store_section = if redis {
         format!("[redis]\nurl = {}\nresponse_timeout = \"30s\"\n", host::toml_string(url))
     } else {

@@ -27,7 +27,7 @@ impl Throwaway {
             bail!("nats-server is not installed: apt-get update && apt-get install -y --no-install-recommends nats-server");
         };
         let dir = tempfile::Builder::new().prefix("idemflow-nats.").tempdir()?;
-        let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+        let port = super::host::free_port()?;
         let mut server = Throwaway { dir, binary, child: None, port };
         server.start_again()?;
         Ok(server)

@@ -106,7 +106,7 @@ impl Throwaway {
         use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
         let dir = tempfile::Builder::new().prefix("idemflow-pg-").tempdir()?.keep();
         std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))?;
-        let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+        let port = super::host::free_port()?;
         let password = random_password()?;
         let pw = dir.join("password");
         let mut file = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&pw)?;

@@ -45,7 +45,7 @@ impl Throwaway {
                 bail!("chown rabbitmq:rabbitmq {} failed", dir.path().display());
             }
         }
-        let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+        let port = super::host::free_port()?;
         std::fs::write(dir.path().join("rabbitmq.conf"), conf)?;
         let mut node = Throwaway { dir, port, child: None };
         node.start_again()?;

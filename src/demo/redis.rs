@@ -40,7 +40,7 @@ impl Throwaway {
 
     fn start_with(fsync: &'static str) -> anyhow::Result<Throwaway> {
         let dir = tempfile::Builder::new().prefix("idemflow-redis-").tempdir()?;
-        let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+        let port = super::host::free_port()?;
         let mut t = Throwaway { child: None, dir, port, fsync };
         t.start_again()?;
         Ok(t)

@@ -45,8 +45,8 @@ pub fn broker_properties(dir: &Path, port: u16, ns_port: u16) -> String {
 pub fn free_broker_port() -> anyhow::Result<u16> {
     let free = |q: u16| std::net::TcpListener::bind(("127.0.0.1", q)).is_ok();
     for _ in 0..1000 {
-        let p = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
-        if p > 20_000 && p < 65_000 && free(p - 2) && free(p - 9) && free(p + 1) {
+        let p = super::host::free_port()?;
+        if p > 20_010 && free(p - 2) && free(p - 9) && free(p + 1) {
             return Ok(p);
         }
     }
@@ -71,7 +71,7 @@ impl Throwaway {
         let namesrv = binary("rocketmq-namesrv-rust")?;
         binary("rocketmq-broker-rust")?;
         let dir = tempfile::Builder::new().prefix("idemflow-rocketmq.").tempdir()?;
-        let ns_port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+        let ns_port = super::host::free_port()?;
         let broker_port = free_broker_port()?;
         let mut node = Throwaway { dir, ns_port, broker_port, children: Vec::new() };
         let d = node.dir.path().to_owned();

@@ -3,6 +3,19 @@
 
 use crate::store::disposition::Disposition;
 use crate::store::error::classify;
+use std::time::Duration;
+
+/// In how many consecutive attempts of its batch, and over how long at least ([`SOLO_TIME_LIMIT_SPAN`]), a record's
+/// side effect must run past the server's statement time limit on its own before the record is dead-lettered as the
+/// cause (`side_effect_rejected`). A lock wait or an I/O stall makes a good record slow for a while (a lock of a
+/// vanished worker's transaction is held up to `idle_in_transaction_session_timeout`, 15 s); a record too slow for
+/// the limit is slow every time. Between the attempts the batch is rolled back and the worker backs off as for any
+/// retry (0.1 s doubling). A record not received from a broker (a dead letter replayed by `idemflow dead-letters
+/// replay`, which retries nothing) is dead-lettered at the first.
+pub const SOLO_TIME_LIMIT_ATTEMPTS: u32 = 3;
+
+/// See [`SOLO_TIME_LIMIT_ATTEMPTS`]: the least time from the first of those attempts to the one that dead-letters.
+pub const SOLO_TIME_LIMIT_SPAN: Duration = Duration::from_secs(20);
 
 /// Why a batch did not commit.
 #[derive(Debug, thiserror::Error)]
@@ -115,15 +128,15 @@ pub enum SinkError {
     )]
     TransactionEnded,
     /// One record's side effect alone ran past the server's time limit for one statement, in fewer consecutive
-    /// attempts than [`crate::sink::SOLO_TIME_LIMIT_ATTEMPTS`] or over less than [`crate::sink::SOLO_TIME_LIMIT_SPAN`]:
+    /// attempts than [`SOLO_TIME_LIMIT_ATTEMPTS`] or over less than [`SOLO_TIME_LIMIT_SPAN`]:
     /// a lock wait or an I/O stall can make a good record
     /// slow once, so the batch is rolled back and retried before the record is taken for the cause and
     /// dead-lettered.
     #[error(
         "the side effect of the record at {position} alone ran past the statement time limit ({attempts} attempt(s) in \
          a row; dead-lettered after {limit} over at least {span}s): {source}; the batch was rolled back and is retried",
-        limit = crate::sink::SOLO_TIME_LIMIT_ATTEMPTS,
-        span = crate::sink::SOLO_TIME_LIMIT_SPAN.as_secs()
+        limit = SOLO_TIME_LIMIT_ATTEMPTS,
+        span = SOLO_TIME_LIMIT_SPAN.as_secs()
     )]
     RecordTimeLimit {
         /// The record's position.

@@ -14,6 +14,7 @@ mod script;
 pub mod transaction;
 
 pub use error::SinkError;
+use error::{SOLO_TIME_LIMIT_ATTEMPTS, SOLO_TIME_LIMIT_SPAN};
 use crate::dead_letter::DeadLettered;
 
 use crate::key::BusinessKey;
@@ -36,7 +37,7 @@ pub struct Sink {
     #[cfg_attr(not(feature = "redis"), allow(dead_code))]
     pub(super) retention: Duration,
     /// The records whose side effect alone ran past the statement time limit in the last attempts of their batch,
-    /// with how many attempts in a row it did ([`SOLO_TIME_LIMIT_ATTEMPTS`]). Shared by the clones of the sink that
+    /// with how many attempts in a row it did ([`error::SOLO_TIME_LIMIT_ATTEMPTS`]). Shared by the clones of the sink that
     /// run one lane's attempts; an entry goes when its batch commits.
     pub(super) solo_time_limits: std::sync::Arc<std::sync::Mutex<SoloTimeLimits>>,
 }
@@ -44,18 +45,6 @@ pub struct Sink {
 /// Per record (its receipt and position), the consecutive attempts in which its side effect alone ran past the
 /// statement time limit, and when the first of them did.
 type SoloTimeLimits = HashMap<(Receipt, Position), (u32, std::time::Instant)>;
-
-/// In how many consecutive attempts of its batch, and over how long at least ([`SOLO_TIME_LIMIT_SPAN`]), a record's
-/// side effect must run past the server's statement time limit on its own before the record is dead-lettered as the
-/// cause (`side_effect_rejected`). A lock wait or an I/O stall makes a good record slow for a while (a lock of a
-/// vanished worker's transaction is held up to `idle_in_transaction_session_timeout`, 15 s); a record too slow for
-/// the limit is slow every time. Between the attempts the batch is rolled back and the worker backs off as for any
-/// retry (0.1 s doubling). A record not received from a broker (a dead letter replayed by `idemflow dead-letters
-/// replay`, which retries nothing) is dead-lettered at the first.
-pub const SOLO_TIME_LIMIT_ATTEMPTS: u32 = 3;
-
-/// See [`SOLO_TIME_LIMIT_ATTEMPTS`]: the least time from the first of those attempts to the one that dead-letters.
-pub const SOLO_TIME_LIMIT_SPAN: Duration = Duration::from_secs(20);
 
 /// What a committed batch did.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -283,7 +272,7 @@ impl Sink {
         match &self.side_effect {
             SideEffect::Sql(sql) => self.run_sql(sql, batch, positions, guard, replaying, attempt).await,
             #[cfg(feature = "redis")]
-            SideEffect::Script(redis, commands) => script::run(self, redis, commands, batch, positions, guard, replaying, attempt).await,
+            SideEffect::Script(redis, commands) => self.run_script(redis, commands, batch, positions, guard, replaying, attempt).await,
         }
     }
 }

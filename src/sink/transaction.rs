@@ -405,7 +405,7 @@ impl Sink {
                         format!(
                             "{} (this record's side effect alone ran past the statement time limit, in {attempts} attempts in a row over at least {}s)",
                             describe(&e),
-                            super::SOLO_TIME_LIMIT_SPAN.as_secs()
+                            super::error::SOLO_TIME_LIMIT_SPAN.as_secs()
                         ),
                     ));
                 }

@@ -123,7 +123,7 @@ impl Soak {
             bail!("the shipped {} pipeline no longer reads topics = [\"payments\"]", store.name());
         }
         std::fs::write(dir.join("pipelines/payments.toml"), pipeline.replace("topics = [\"payments\"]", &broker_server.source_toml()))?;
-        let metrics = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?;
+        let metrics = std::net::SocketAddr::from(([127, 0, 0, 1], crate::demo::host::free_port()?));
         let config = dir.join("idemflow.toml");
         let settings = format!(
             "{}{}[metrics]\nlisten = \"{metrics}\"\n[log]\nlevel = \"info\"\n",

@@ -277,7 +277,7 @@ impl SqlSideEffect {
     /// Errors: the database's (no connection within the pool's timeout, the connection lost).
     pub async fn begin(&self) -> Result<Tx<'_>, sqlx::Error> {
         Ok(match self {
-            SqlSideEffect::Postgres(pool, effect) => Tx::Postgres(postgres::PgTx { tx: pool.begin().await?, effect }),
+            SqlSideEffect::Postgres(pool, effect) => Tx::Postgres(postgres::connector::PgTx { tx: pool.begin().await?, effect }),
             #[cfg(feature = "mysql")]
             SqlSideEffect::MySql(store, effect) => {
                 // The claim form first: reading it takes a connection of its own (once), which a pool of one could
@@ -285,7 +285,7 @@ impl SqlSideEffect {
                 let form = store.claim_form().await?;
                 let mut tx = store.pool.begin().await?;
                 mysql::mark_transaction(&mut tx).await?;
-                Tx::MySql(mysql::MyTx { tx, form, effect })
+                Tx::MySql(mysql::connector::MyTx { tx, form, effect })
             }
         })
     }
@@ -321,10 +321,10 @@ impl SideEffect {
 /// transactions ([`BatchTx`]). Dropped without [`Tx::commit`], it rolls back.
 pub enum Tx<'a> {
     /// PostgreSQL.
-    Postgres(postgres::PgTx<'a>),
+    Postgres(postgres::connector::PgTx<'a>),
     /// MySQL or MariaDB.
     #[cfg(feature = "mysql")]
-    MySql(mysql::MyTx<'a>),
+    MySql(mysql::connector::MyTx<'a>),
 }
 
 /// The one list of stores with interactive transactions, as a dispatch: `each_tx!(tx, |t| expr)` is `expr` on the

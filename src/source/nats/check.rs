@@ -1,6 +1,6 @@
 //! What `idemflow check` asks of a JetStream server for a pipeline.
 
-use super::{NatsSettings, NatsSpec};
+use super::spec::{NatsSettings, NatsSpec};
 use super::client::*;
 use crate::source::contract::Context;
 type NatsContext = Context<NatsSpec>;

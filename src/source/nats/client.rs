@@ -2,7 +2,7 @@
 //! creates and the checks an existing one must pass ([`verify_consumer`], [`creation_refusal`]), pull requests, and
 //! the server's answers told apart by their error codes.
 
-use super::{add_command, NatsSettings, NatsSpec};
+use super::spec::{add_command, NatsSettings, NatsSpec};
 use async_nats::jetstream::{self, consumer::pull, consumer::AckPolicy, consumer::IntoConsumerConfig};
 use std::time::Duration;
 

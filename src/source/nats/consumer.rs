@@ -49,7 +49,7 @@
 //! consumer's, shared by its workers: a worker that cannot reach its database keeps its deliveries (as a RabbitMQ
 //! consumer keeps its prefetch, or a Kafka member its partitions), and they count against the others' share.
 
-use super::{add_command, NatsSettings, NatsSpec};
+use super::spec::{add_command, NatsSettings, NatsSpec};
 use super::check::check;
 use super::client::*;
 use super::record::to_record;

@@ -37,7 +37,7 @@
 //! [`Record::delivered_before`] holds the broker's redelivery mark, from which duplicates are classified.
 
 
-use super::{RabbitMqSettings, RabbitMqSpec};
+use super::spec::{RabbitMqSettings, RabbitMqSpec};
 
 use crate::batch::{BatchSettings, Records};
 use crate::offsets::NextOffsets;

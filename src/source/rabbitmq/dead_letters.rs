@@ -10,7 +10,7 @@
 //! `x-idemflow-payload-sha256` for an oversized payload, of which only the first 1 KiB is kept); `message_id`,
 //! `correlation_id`, `content_type` and `type` are carried over.
 
-use super::RabbitMqSettings;
+use super::spec::RabbitMqSettings;
 use crate::record::Record;
 use crate::dead_letter::DeadLettered;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};

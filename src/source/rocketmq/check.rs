@@ -2,7 +2,7 @@
 //! asks with.
 
 use super::client::{admin, Runtime};
-use super::{RocketMqContext, RocketMqSettings};
+use super::spec::{RocketMqContext, RocketMqSettings};
 
 /// What `idemflow check` reports about a RocketMQ pipeline: the name server answers, the topic has a route (its
 /// brokers and read queues), and the consumer group's consume offsets and members, if any. Returns lines to print.

@@ -1,6 +1,6 @@
 //! The RocketMQ client's runtime, its ACL signing, and the admin client `check` and `rewind` ask with.
 
-use super::RocketMqSettings;
+use super::spec::RocketMqSettings;
 use rocketmq_client_rust::{
     AclClientRPCHook, ClientRuntime, ClientRuntimeConfig, SessionCredentials, TelemetryHandle,
 };
@@ -25,7 +25,7 @@ impl Runtime {
     ///
     /// Errors: the runtime could not be built, as text.
     pub fn new(scope: &str) -> Result<Runtime, String> {
-        let config = rocketmq_runtime::RuntimeConfig::for_parallelism(&format!("idemflow-rocketmq-{scope}"), 2);
+        let config = rocketmq_runtime::RuntimeConfig::for_parallelism(format!("idemflow-rocketmq-{scope}"), 2);
         let owner = rocketmq_runtime::RuntimeOwner::plan(config)
             .map_err(|e| format!("RocketMQ client runtime: {e}"))?
             .build()

@@ -28,11 +28,8 @@
 //! A poll is never cancelled (a dropped poll could lose the messages it had taken from the client's buffer):
 //! polls are short (at most [`POLL_MS`]) and shutdown is checked between them.
 
-#[path = "rewind.rs"]
-pub mod rewind;
-pub use rewind::rewind;
 
-use super::{RocketMqContext, RocketMqSettings, RocketMqSpec};
+use super::spec::{spec, RocketMqContext, RocketMqSettings, RocketMqSpec};
 use super::check::check;
 use super::client::*;
 
@@ -124,11 +121,6 @@ impl Holds {
         self.given_up.remove(q);
         self.paused.remove(q)
     }
-}
-
-/// The RocketMQ source of a pipeline.
-pub fn spec(pipeline: &RocketMqContext) -> &RocketMqSpec {
-    &pipeline.source
 }
 
 /// Copies a polled message into a [`Record`]: payload (bounded), born timestamp, the properties `message_id`
@@ -250,7 +242,7 @@ impl Connector for RocketMqSource {
         request: crate::source::rewind::Request,
         store: Option<crate::source::rewind::StoreSide<'_>>,
     ) -> anyhow::Result<()> {
-        rewind::run(settings, cx, file, request, store).await
+        super::rewind::run(settings, cx, file, request, store).await
     }
 
     /// The next batch: at least one record, at most `settings.max_records`, waiting at most `max_wait` after the

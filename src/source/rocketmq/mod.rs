@@ -15,4 +15,8 @@ pub use client::{acl_hook, admin, position_topic, Runtime};
 #[cfg(feature = "rocketmq")]
 mod consumer;
 #[cfg(feature = "rocketmq")]
+mod rewind;
+#[cfg(feature = "rocketmq")]
+pub use rewind::rewind;
+#[cfg(feature = "rocketmq")]
 pub use consumer::*;

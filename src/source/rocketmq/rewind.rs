@@ -1,7 +1,10 @@
 //! `idemflow rewind` for a RocketMQ pipeline: the group's consume offsets (or the stored positions) moved back
 //! with acknowledged `UPDATE_CONSUMER_OFFSET` requests, refused while members are online.
 
-use super::*;
+use super::client::*;
+use super::spec::{spec, RocketMqContext, RocketMqSettings};
+use rocketmq_model::common::message::message_queue::MessageQueue;
+use std::time::Duration;
 use crate::source::rewind::{Move, Target};
 
 /// One queue of a rewind plan: its master broker's address beside the move.

@@ -153,3 +153,9 @@ fn parse(s: &RocketMqRaw, name: &str, e: &mut impl Problems) -> Option<RocketMqS
     }
     Some(RocketMqSpec { topic, consumer_group, tag_expression: tag_expression.trim().to_owned() })
 }
+
+/// The RocketMQ source of a pipeline.
+#[cfg(feature = "rocketmq")]
+pub fn spec(pipeline: &RocketMqContext) -> &RocketMqSpec {
+    &pipeline.source
+}

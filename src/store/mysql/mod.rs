@@ -25,8 +25,7 @@ pub use error::savepoint_gone;
 pub mod offsets;
 pub mod retention;
 pub mod side_effect;
-mod connector;
-pub use connector::MyTx;
+pub mod connector;
 
 use crate::store::contract::NotReady;
 use crate::store::spec::DatabaseSettings;
@@ -296,7 +295,7 @@ pub(crate) const MAX_PARAMS: usize = 65_535;
 /// Splits `rows` into runs that fit in one statement: at most [`MAX_PARAMS`] placeholders of `per_row` each, and
 /// about `max_bytes` of bound data (`bytes` of a row), so no statement approaches `max_allowed_packet` (16 MiB
 /// by default on MariaDB, 64 MiB on MySQL 8).
-pub(crate) fn chunks<'a, T>(rows: &'a [T], per_row: usize, bytes: impl Fn(&T) -> usize) -> Vec<&'a [T]> {
+pub(crate) fn chunks<T>(rows: &[T], per_row: usize, bytes: impl Fn(&T) -> usize) -> Vec<&[T]> {
     // Well inside the smallest max_allowed_packet in common use (1 MiB): a statement over the server's limit is not
     // an error the server answers but a connection it closes, which would be retried forever.
     const MAX_BYTES: usize = 512 << 10;

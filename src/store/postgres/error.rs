@@ -67,7 +67,7 @@ mod tests {
         assert_eq!(classify_sqlstate("22P02"), Disposition::Record);
         assert_eq!(classify_sqlstate("23505"), Disposition::Record);
         assert_eq!(classify_sqlstate("54000"), Disposition::Record);
-        assert_eq!(classify_sqlstate(super::super::side_effect::CANCELLED_LOOP), Disposition::Record);
+        assert_eq!(classify_sqlstate(super::super::sql_loop::CANCELLED_LOOP), Disposition::Record);
         assert_eq!(classify_sqlstate("42P01"), Disposition::Fatal);
         assert_eq!(classify_sqlstate("42703"), Disposition::Fatal);
     }

@@ -3,7 +3,8 @@
 //!
 //! - [`dedup`]: the claim, the existing rows, the duplicate counts, `explain`.
 //! - [`side_effect`]: the table form (one set-based `INSERT`) and the SQL form (statements per record).
-//! - [`dead_letter`]: `idemflow.dead_letters`.
+//! - `sql_loop`: the SQL form's statements for a whole batch in one round trip.
+//! - [`dead_letter`]: the dead letters, `idemflow.dead_letters`.
 //! - [`offsets`]: stored positions with fencing, and the processed marks.
 //! - [`retention`]: the purge.
 //! - [`error`]: the SQLSTATE table.
@@ -14,9 +15,10 @@ pub mod error;
 pub mod offsets;
 pub mod retention;
 pub mod side_effect;
+mod quote;
+mod sql_loop;
 mod types;
-mod connector;
-pub use connector::PgTx;
+pub mod connector;
 
 use crate::store::spec::DatabaseSettings;
 use crate::store::contract::NotReady;

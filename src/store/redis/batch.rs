@@ -34,6 +34,9 @@ use std::time::{Duration, Instant};
 /// The batch script.
 pub const SCRIPT: &str = include_str!("batch.lua");
 
+/// The batch script as the client runs it (`EVALSHA` by its SHA-1, loaded on `NOSCRIPT`), hashed once per process.
+static BATCH_SCRIPT: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| redis::Script::new(SCRIPT));
+
 /// One record sent to the script.
 pub enum Item<'a> {
     /// Claim the key; if new, run `commands` (the rendered `[sink] redis`).
@@ -198,7 +201,7 @@ impl RedisStore {
     ) -> Result<Ran, Refused> {
         let prefix = self.pipeline_prefix(pipeline);
         let stream = self.dead_letter_stream();
-        let mut inv = self.script.prepare_invoke();
+        let mut inv = BATCH_SCRIPT.prepare_invoke();
         inv.arg(&prefix).arg(retention.as_millis().max(1) as u64).arg(&stream).arg(format!("{stream}:seq")).arg(pipeline);
         inv.arg(attempt.token.map_or_else(String::new, |t| t.to_string())).arg(if attempt.again { "1" } else { "0" }).arg(attempt.lane);
         let parts: Vec<(String, i64)> = positions.map_or_else(Vec::new, |p| p.0.iter().map(|(t, p, next, _)| (partition_field(t, *p), *next)).collect());

@@ -46,7 +46,6 @@ pub struct RedisStore {
     /// Per `(pipeline, "topic/partition")`, the position this worker last stored or claimed: what each batch expects
     /// to find, so that writes Redis lost are noticed (see [`batch`]).
     expected: Arc<Mutex<HashMap<(String, String), (i64, String)>>>,
-    pub(super) script: Arc<redis::Script>,
 }
 
 /// The connection in use.
@@ -153,7 +152,6 @@ impl RedisStore {
             conn: Arc::new(tokio::sync::RwLock::new(current)),
             prefix: settings.key_prefix.clone(),
             expected: Arc::default(),
-            script: Arc::new(redis::Script::new(super::batch::SCRIPT)),
         })
     }
 

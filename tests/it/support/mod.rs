@@ -11,7 +11,7 @@ pub mod relay;
 pub mod rocketmq;
 
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -32,9 +32,10 @@ impl Database for TestDb {
     }
 }
 
-/// A port that was free a moment ago.
+/// A loopback port that was free a moment ago, below the kernel's ephemeral range (see
+/// `idemflow::demo::host::free_port`).
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    idemflow::demo::host::free_port().expect("a free loopback port")
 }
 
 /// A name no other test in any process uses.

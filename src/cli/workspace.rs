@@ -1,0 +1,113 @@
+//! What the commands share: the settings loaded (`--config`), a pipeline named, its store opened, the pipelines
+//! prepared against their stores, and problems reported.
+
+use anyhow::bail;
+use idemflow::config::{self, PipelineError, Settings};
+use idemflow::store::contract::NotReady;
+use idemflow::store::spec::StoreKind;
+use idemflow::store::Store;
+use idemflow::{telemetry, worker};
+use std::path::{Path, PathBuf};
+
+/// `--config`, for the commands that need nothing else.
+#[derive(clap::Args)]
+pub struct ConfigArg {
+    /// The settings file.
+    #[arg(long, short, default_value = "idemflow.toml")]
+    pub(super) config: PathBuf,
+}
+
+/// The settings of `path` (and `IDEMFLOW_*` variables), with logging set up from them.
+///
+/// Errors: a `--config` file that is not there, or settings that do not parse (file, line and key named).
+pub(super) fn load(path: &Path) -> anyhow::Result<Settings> {
+    // Only the default settings file may be absent (settings then come from IDEMFLOW_* variables alone): a file
+    // named with --config that is not there is a mistake, not a fallback.
+    if !path.exists() && path != Path::new(DEFAULT_CONFIG) {
+        bail!("{}: no such settings file (given with --config)", path.display());
+    }
+    let loaded = config::load_settings(path)?;
+    telemetry::init(&loaded.settings.log);
+    for w in &loaded.warnings {
+        tracing::warn!("{w}");
+    }
+    Ok(loaded.settings)
+}
+
+
+/// The settings file read when `--config` is not given.
+const DEFAULT_CONFIG: &str = "idemflow.toml";
+
+/// Prints every pipeline problem, one per line; the error counts them.
+pub(super) fn report(errors: &[PipelineError]) -> anyhow::Error {
+    for e in errors {
+        eprintln!("{e}");
+    }
+    anyhow::anyhow!("{} problem(s) in the pipelines", errors.len())
+}
+
+/// The pipeline named `name`, or an error saying where pipelines were looked for.
+pub(super) fn named<'p>(pipelines: &'p [config::Pipeline], name: &str, settings: &Settings) -> anyhow::Result<&'p config::Pipeline> {
+    pipelines
+        .iter()
+        .find(|p| p.name == name)
+        .ok_or_else(|| anyhow::anyhow!("no pipeline named {name:?} in {}", settings.pipelines.display()))
+}
+
+/// The store of `kind`, reachable and with idemflow's schema, or the reason against the settings file `config`.
+pub(super) async fn open_store(settings: &Settings, config: &Path, kind: StoreKind) -> anyhow::Result<Store> {
+    settings.stores().open(kind).await.map_err(|why| anyhow::anyhow!("{}: {why}", config.display()))
+}
+
+/// Every store `pipelines` write to, opened, the database first.
+///
+/// Errors: as [`idemflow::store::open::Stores::open`]; the caller names the settings file.
+pub(super) async fn open_stores(settings: &Settings, pipelines: &[config::Pipeline]) -> Result<Vec<(StoreKind, Store)>, NotReady> {
+    let mut stores = Vec::new();
+    for kind in idemflow::store::open::needed(pipelines.iter().map(|p| p.sink.store())) {
+        stores.push((kind, settings.stores().open(kind).await?));
+    }
+    Ok(stores)
+}
+
+/// What each store's durability means for the pipelines writing to it: one line each, `warning: ` first where it
+/// is one.
+pub(super) async fn durability(stores: &[(StoreKind, Store)], pipelines: &[config::Pipeline]) -> Vec<String> {
+    let mut lines = Vec::new();
+    for (kind, store) in stores {
+        let tenants: Vec<idemflow::store::contract::Tenant> = pipelines.iter().filter(|p| p.sink.store() == *kind).map(|p| p.tenant()).collect();
+        lines.extend(store.durability(&tenants).await);
+    }
+    lines
+}
+
+/// How long each pipeline's dedup rows live, from its retention and its store's sweep
+/// ([`idemflow::retention::lifetime_note`]); nothing for a store whose keys expire by themselves (Redis says its own).
+pub(super) async fn lifetimes(stores: &[(StoreKind, Store)], pipelines: &[config::Pipeline]) -> Vec<String> {
+    let mut lines = Vec::new();
+    for p in pipelines.iter().filter(|p| !p.sink.store().expires_dedup_keys()) {
+        let Some((_, store)) = stores.iter().find(|(kind, _)| *kind == p.sink.store()) else { continue };
+        match store.sweep_state(&p.name).await {
+            Ok(state) => lines.push(idemflow::retention::lifetime_note(&p.name, p.dedup.retention, p.dedup.purge_interval, p.dedup.purge_rate, state.as_ref())),
+            Err(e) => lines.push(format!("warning: pipeline {:?}: could not read its retention sweep's state: {e}", p.name)),
+        }
+    }
+    lines
+}
+
+/// Checks every pipeline against its store, all problems at once.
+pub(super) async fn prepare_all(stores: &[(StoreKind, Store)], pipelines: &[config::Pipeline]) -> Result<Vec<worker::Ready>, worker::Unprepared> {
+    let mut ready = Vec::new();
+    let mut errors = worker::Unprepared { problems: Vec::new(), unavailable: false };
+    for (kind, store) in stores {
+        let mine: Vec<config::Pipeline> = pipelines.iter().filter(|p| p.sink.store() == *kind).cloned().collect();
+        match worker::prepare(store, &mine).await {
+            Ok(r) => ready.extend(r),
+            Err(e) => {
+                errors.unavailable |= e.unavailable;
+                errors.problems.extend(e.problems);
+            }
+        }
+    }
+    if errors.problems.is_empty() { Ok(ready) } else { Err(errors) }
+}
