@@ -73,8 +73,10 @@ async fn lanes_apply_each_operation_once(offsets_in_database: bool) {
     let kafka = Kafka::new();
     kafka.create_topic("payments", PARTITIONS);
     let s = payments(12_000, PARTITIONS, true);
-    // Each transaction leaves its connection's backend, its start and the time of its last record.
-    let span = "  \"INSERT INTO spans VALUES (pg_backend_pid(), now(), clock_timestamp()) ON CONFLICT (pid, started) DO UPDATE SET ended = clock_timestamp()\",\n]";
+    // Each transaction leaves its connection's backend, its start and the time of its last record. Each record
+    // takes at least 0.5 ms (pg_sleep), so a batch of 200 lasts 100 ms or more: lanes that run side by side overlap
+    // even on a loaded machine, where batches of a few milliseconds could happen to run one after the other.
+    let span = "  \"INSERT INTO spans SELECT pg_backend_pid(), now(), clock_timestamp() FROM pg_sleep(0.0005) ON CONFLICT (pid, started) DO UPDATE SET ended = clock_timestamp()\",\n]";
     let shipped = shipped();
     let mut pipeline = with_max_records(&shipped.replacen("\n]", &format!("\n{span}"), 1), 200) + "concurrency = 3\n";
     assert!(pipeline.contains("spans") && pipeline.contains("[batch]\nmax_records = 200\nconcurrency = 3"), "{pipeline}");
