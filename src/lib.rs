@@ -32,6 +32,8 @@
 //!   positions stored in Postgres with `[offsets] store = "database"`.
 //! - [`retention`]: the paced sweep that deletes dedup rows older than the pipeline's retention, slice by slice,
 //!   resuming at a stored cursor.
+//! - [`sweeper`]: the worker's side of it: a pass after another beside each pipeline, and the pass handed over
+//!   when the worker stops.
 //! - [`metrics`]: every Prometheus metric; [`http`]: `/metrics`, `/healthz`, `/readyz`.
 //! - [`worker`]: runs every pipeline until shutdown; [`shutdown`]: the signal that stops it.
 //! - [`store`]: the database that holds the business data and idemflow's tables, one module per database behind
@@ -205,9 +207,11 @@
 //!   slice's transaction ([`retention`]): each slice is one transaction with its cursor, so a worker killed in a
 //!   slice rolls it back and resumes at the last committed cursor, deleting nothing early. On PostgreSQL a slice never
 //!   waits on a row a batch holds (`SKIP LOCKED`: the row waits for the next pass); on MySQL/MariaDB its `DELETE`
-//!   waits for one as any statement does (a deadlock rolls one transaction back, and a batch retries). A row lives
-//!   at most its retention plus a full pass and `purge_interval`; what a record redelivered after that meets is the
-//!   next point. Tested: `tests/it/retention.rs`, `mariadb::the_sweep_walks_the_primary_key_in_slices_one_replica_at_a_time`.
+//!   waits for one as any statement does (a deadlock rolls one transaction back, and a batch retries). A worker
+//!   that stops gives up its lease on a pass once its pipeline has stopped (no slice of its can run then), keeping
+//!   the cursor; one killed keeps the lease until it runs out. Either way the pass resumes at the stored cursor. A
+//!   row lives at most its retention plus a full pass and `purge_interval`; what a record redelivered after that
+//!   meets is the next point. Tested: `tests/it/retention.rs`, `mariadb::the_sweep_walks_the_primary_key_in_slices_one_replica_at_a_time`.
 //! - A consumer group that starts over (its committed offsets expired after `offsets.retention.minutes`, a new
 //!   `group_id`) replays records whose dedup rows may have been purged since. Every batch's transaction reads its
 //!   partitions' processed marks and their floor ([`offsets::Mark`]) first, under the rows' locks, and raises them
@@ -277,6 +281,7 @@ pub mod rounding;
 pub mod secret;
 pub mod shutdown;
 pub mod sink;
+pub mod sweeper;
 #[cfg(feature = "tools")]
 pub mod soak;
 pub mod source;

@@ -17,6 +17,7 @@ use crate::source::dead_letter_out::DeadLetterOut;
 use crate::source::Source;
 use crate::offsets::OffsetStore;
 use crate::retry::backoff;
+use crate::sweeper::Sweeper;
 use crate::store::Store;
 use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, Instant};
@@ -198,15 +199,19 @@ pub async fn run_with_faults(
         let shutdown = shutdown.clone();
         tasks.spawn(async move {
             let name = r.pipeline.name.clone();
-            // Retention runs beside the pipeline and ends with it, and starts no slice once shutdown is asked for
-            // (a pass left there is taken over, where it stopped, once its lease runs out).
+            // Retention runs beside the pipeline and ends with it, and starts no slice once shutdown is asked for;
+            // a pass left there is handed over, where it stopped, once the pipeline has stopped.
             let sweeps = !r.pipeline.sink.store().expires_dedup_keys();
-            let purge = purge_loop(sweeps.then(|| r.store.clone()), name.clone(), r.pipeline.dedup, pm.clone(), shutdown.clone());
+            let sweeper = sweeps.then(|| Sweeper { store: r.store.clone(), pipeline: name.clone(), owner: owner(), dedup: r.pipeline.dedup });
+            let stopping = shutdown.clone();
             let result = tokio::select! {
-                result = run_pipeline(&settings, r, pm.clone(), health.clone(), shutdown, faults) => result,
-                never = purge => match never {},
+                result = run_pipeline(&settings, r, pm.clone(), health.clone(), shutdown.clone(), faults) => result,
+                never = Sweeper::run_if_any(sweeper.as_ref(), pm.clone(), shutdown) => match never {},
                 never = stall_watch(pm.clone()) => match never {},
             };
+            if let (Some(sweeper), true) = (&sweeper, stopping.is_triggered()) {
+                sweeper.release().await;
+            }
             if let Err(e) = &result {
                 pm.set_fatal();
                 health.pipeline_fatal();
@@ -233,56 +238,6 @@ async fn stall_watch(metrics: PipelineMetrics) -> std::convert::Infallible {
         tokio::time::sleep(Duration::from_secs(5)).await;
         metrics.stalls();
     }
-}
-
-/// Sweeps the pipeline's expired dedup rows in `store` ([`crate::retention`]; `None`: a store whose keys expire by
-/// themselves, nothing to do), forever (it is dropped when its pipeline ends):
-/// a pass at `purge_rate` rows examined per second, then `purge_interval` before the next. A pass that fails, finds
-/// another replica sweeping, or is not due yet (another replica ended one less than `purge_interval` ago) is tried
-/// again after `purge_interval`, resuming at the stored cursor; a failure is logged. The first pass starts
-/// `purge_interval` after the pipeline does. Once shutdown is asked for, no slice starts, and one under way is
-/// rolled back with its transaction (the pass is taken over where it stopped once its lease runs out).
-async fn purge_loop(
-    store: Option<Store>,
-    pipeline: String,
-    dedup: crate::config::DedupSettings,
-    metrics: PipelineMetrics,
-    mut shutdown: Shutdown,
-) -> std::convert::Infallible {
-    // A store whose dedup keys expire by themselves (Redis) has nothing to sweep.
-    let Some(store) = store else { return std::future::pending().await };
-    let owner = owner();
-    let sweep = crate::retention::Sweep {
-        pipeline: &pipeline,
-        owner: &owner,
-        retention: dedup.retention,
-        rows: dedup.purge_batch,
-        interval: dedup.purge_interval,
-        pace: crate::retention::Pace::RowsPerSecond(dedup.purge_rate),
-    };
-    loop {
-        tokio::time::sleep(dedup.purge_interval).await;
-        if shutdown.is_triggered() {
-            break;
-        }
-        let pass = tokio::select! {
-            pass = store.sweep_pass(&sweep, |s| metrics.swept(s)) => pass,
-            () = shutdown.wait() => break,
-        };
-        match pass {
-            Ok(o) if o.skipped == Some(crate::retention::Skipped::OtherReplica) => {
-                tracing::debug!(pipeline = %pipeline, "another replica is sweeping the dedup rows");
-            }
-            Ok(o) if o.pass_seconds.is_some() => tracing::info!(
-                pipeline = %pipeline, purged = o.purged, examined = o.examined, slices = o.slices,
-                pass_seconds = o.pass_seconds.unwrap_or_default(), "retention sweep: a pass ended"
-            ),
-            Ok(_) => {}
-            Err(e) => tracing::warn!(pipeline = %pipeline, error = %e, "retention sweep failed; resuming after purge_interval"),
-        }
-    }
-    // Shutting down: the pipeline ends this future with itself.
-    std::future::pending().await
 }
 
 /// Runs one pipeline: one lane, or with `batch.concurrency = N` N lanes at once, each its own consumer in the

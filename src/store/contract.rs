@@ -214,6 +214,15 @@ pub trait Connector: Send + Sync {
         Ok(Slice { pass_seconds: Some(0.0), ..Slice::default() })
     }
 
+    /// Gives up `sweep.owner`'s lease on the pipeline's pass, keeping the cursor: the worker stops mid-pass, and
+    /// another replica takes the pass over where it stopped at its next slice instead of after the lease
+    /// ([`Sweep::lease`]). Nothing when the lease is another's. Default: no lease kept here.
+    ///
+    /// Errors: the store's; the lease then runs out by itself.
+    async fn release_sweep(&self, _sweep: &Sweep<'_>) -> Result<(), StoreError> {
+        Ok(())
+    }
+
     /// Where `pipeline`'s retention sweep stands: its passes, the last one's duration, the current one's age.
     /// Default: nothing swept here (`None`).
     ///

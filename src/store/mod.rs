@@ -231,6 +231,13 @@ impl Store {
         crate::retention::sweep_pass(sweep.pace, slice, on_slice).await
     }
 
+    /// Gives up this replica's lease on the pipeline's pass ([`Connector::release_sweep`]), the cursor kept.
+    ///
+    /// Errors: the store's.
+    pub async fn release_sweep(&self, sweep: &Sweep<'_>) -> Result<(), StoreError> {
+        each_store!(self, |s| Connector::release_sweep(s, sweep).await)
+    }
+
     /// What the dedup store knows of one business key (`idemflow explain`).
     pub async fn explain(&self, pipeline: &str, key: &BusinessKey) -> Result<Option<Explained>, StoreError> {
         each_store!(self, |s| Connector::explain(s, pipeline, key).await)

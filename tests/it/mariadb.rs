@@ -902,11 +902,22 @@ async fn the_sweep_walks_the_primary_key_in_slices_one_replica_at_a_time() {
     assert_eq!(db.scalar::<i64>("SELECT COUNT(*) FROM idemflow_dedup").await, 6);
     other.rollback().await.unwrap();
 
-    // The rest of the pass resumes after k2: k3, k3a (fresh, kept), k4; then k5, k6 and the end of the pipeline's keys.
+    // Replica-b's release is not replica-a's: the lease holds. Replica-a stopping gives it up, the cursor kept,
+    // and replica-b goes on from k2 at once.
+    idemflow::store::mysql::retention::release(pool, &b).await.unwrap();
+    assert_eq!(slice(b).await.unwrap().skipped, Some(Skipped::OtherReplica));
+    idemflow::store::mysql::retention::release(pool, &a).await.unwrap();
+    assert_eq!(cursor().await, "k2");
+    let taken = slice(b).await.unwrap();
+    assert_eq!((taken.skipped, taken.examined, taken.purged), (None, 3, 2), "k3, k3a (fresh, kept), k4");
+    // Replica-a stopped; the rest of the pass is replica-b's from here, and replica-a takes it back once released.
+    idemflow::store::mysql::retention::release(pool, &b).await.unwrap();
+
+    // The rest of the pass resumes after k4: k5, k6 and the end of the pipeline's keys.
     let mut examined = Vec::new();
     let o = store.sweep_pass(&a, |s| examined.push(s.examined)).await.unwrap();
-    assert_eq!(examined, vec![3, 2], "{o:?}");
-    assert_eq!((o.purged, o.slices), (4, 2));
+    assert_eq!(examined, vec![2], "{o:?}");
+    assert_eq!((o.purged, o.slices), (2, 1));
     assert!(o.pass_seconds.is_some(), "{o:?}");
     assert_eq!(db.scalar::<String>("SELECT GROUP_CONCAT(CAST(key_id AS CHAR) ORDER BY pipeline, key_id) FROM idemflow_dedup").await, "k3a,k0", "the fresh row and the other pipeline's stay");
     assert_eq!(db.scalar::<Option<String>>("SELECT CAST(swept_to AS CHAR) FROM idemflow_retention_sweeps WHERE pipeline = 'p'").await, None);

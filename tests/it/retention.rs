@@ -192,6 +192,46 @@ async fn the_worker_purges_on_its_interval() {
     assert_eq!(db.scalar::<i64>("SELECT count(*) FROM seen WHERE k = 'a'").await, 2, "applied again after expiry");
 }
 
+/// A worker stopped (SIGTERM) in the middle of a pass gives up its lease as it stops, the cursor kept: another
+/// replica takes the pass over where it stopped at its next try, not after the lease (40 s here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_stopped_mid_sweep_hands_the_pass_over_at_once() {
+    let p = "topics = [\"orders\"]\n[key]\nfield = \"/id\"\n[sink]\ntable = \"seen\"\n[sink.columns]\nk = \"/id\"\n\
+             [dedup]\nretention = \"1d\"\npurge_interval = \"100ms\"\npurge_batch = 40\npurge_rate = 400\n";
+    let (db, _kafka, setup) = fixture("CREATE TABLE seen (k text);", "orders", 1, &[("orders.toml", p)]).await;
+    sqlx::query(
+        "INSERT INTO idemflow.dedup (pipeline, key_id, business_key, topic, partition, \"offset\", fingerprint, applied_at) \
+         SELECT 'orders', convert_to('k' || g, 'UTF8'), 'k' || g || repeat('x', 60), 't', 0, g, '\\x00', \
+                now() - CASE WHEN g % 4 = 0 THEN interval '1 hour' ELSE interval '2 days' END \
+         FROM generate_series(1, 4000) g",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    sqlx::query("ANALYZE idemflow.dedup").execute(&db.pool).await.unwrap();
+    let cursor = || db.scalar::<Option<i64>>("SELECT max(next_block) FROM idemflow.retention_sweeps WHERE pipeline = 'orders'");
+    let leased = || db.scalar::<bool>("SELECT lease_until IS NOT NULL FROM idemflow.retention_sweeps WHERE pipeline = 'orders'");
+
+    let mut w = BinWorker::start(&setup);
+    wait_until(Duration::from_secs(30), "the sweep to be part way through its pass", || async { cursor().await.unwrap_or(0) >= 10 }).await;
+    assert!(leased().await, "the pass is leased while it runs");
+    assert!(w.sigterm().success(), "{}", w.log_text());
+    let at_stop = cursor().await.unwrap();
+    assert!(!leased().await, "the lease given up as the worker stopped: {}", w.log_text());
+    assert_eq!(db.scalar::<i64>("SELECT passes FROM idemflow.retention_sweeps WHERE pipeline = 'orders'").await, 0, "the pass is still under way");
+
+    let stopped_at = std::time::Instant::now();
+    let _w = BinWorker::start(&setup);
+    wait_until(Duration::from_secs(20), "the new worker to take the pass over", || async { cursor().await.unwrap_or(0) != at_stop }).await;
+    assert!(stopped_at.elapsed() < Duration::from_secs(20), "taken over before the lease (40 s) ran out: {:?}", stopped_at.elapsed());
+    assert!(cursor().await.unwrap() > at_stop, "went on from the stored cursor ({at_stop}), not from the first block");
+    wait_until(Duration::from_secs(60), "the pass to end", || async {
+        db.scalar::<i64>("SELECT passes FROM idemflow.retention_sweeps WHERE pipeline = 'orders'").await >= 1
+    })
+    .await;
+    assert_eq!(db.scalar::<i64>("SELECT count(*) FROM idemflow.dedup").await, 1000, "every fresh row kept, every expired one gone");
+}
+
 /// The worker's sweep, SIGKILLed in the middle of a pass: nothing it had not committed is lost or done early, and
 /// the restarted worker, once the killed one's lease on the pass has run out, goes on from the stored cursor instead
 /// of starting the pass again; the pass then ends with every expired row deleted and every fresh one kept.

@@ -61,6 +61,10 @@ impl Connector for MySqlStore {
         Ok(slice)
     }
 
+    async fn release_sweep(&self, sweep: &Sweep<'_>) -> Result<(), StoreError> {
+        Ok(retention::release(&self.pool, sweep).await?)
+    }
+
     async fn sweep_state(&self, pipeline: &str) -> Result<Option<SweepState>, StoreError> {
         Ok(retention::sweep_state(&self.pool, pipeline).await?)
     }

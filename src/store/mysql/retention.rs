@@ -154,6 +154,20 @@ async fn advance(tx: &mut sqlx::Transaction<'_, sqlx::MySql>, sweep: &Sweep<'_>,
     Ok(())
 }
 
+/// Gives up `sweep.owner`'s lease on the pipeline's pass ([`crate::store::contract::Connector::release_sweep`]): the
+/// cursor and the pass's start stay, so another replica resumes the pass at its next slice.
+///
+/// # Errors
+/// The database's.
+pub async fn release(pool: &MySqlPool, sweep: &Sweep<'_>) -> Result<(), sqlx::Error> {
+    sqlx::query("UPDATE idemflow_retention_sweeps SET lease_until = NULL, updated_at = CURRENT_TIMESTAMP(6) WHERE pipeline = ? AND owner = ?")
+        .bind(sweep.pipeline)
+        .bind(sweep.owner)
+        .execute(pool)
+        .await?;
+    Ok(())
+}
+
 /// Where `pipeline`'s sweep stands ([`crate::retention::SweepState`]): no pass before its first slice, and the
 /// table's row estimate (`information_schema.tables.table_rows`, InnoDB's).
 ///

@@ -65,6 +65,10 @@ impl Connector for PgPool {
         Ok(slice)
     }
 
+    async fn release_sweep(&self, sweep: &Sweep<'_>) -> Result<(), StoreError> {
+        Ok(retention::release(self, sweep).await?)
+    }
+
     async fn sweep_state(&self, pipeline: &str) -> Result<Option<SweepState>, StoreError> {
         Ok(retention::sweep_state(self, pipeline).await?)
     }

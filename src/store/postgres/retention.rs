@@ -187,6 +187,21 @@ async fn move_cursor(tx: &mut Transaction<'_, Postgres>, sweep: &Sweep<'_>, rest
     Ok(None)
 }
 
+/// Gives up `sweep.owner`'s lease on the pipeline's pass ([`crate::store::contract::Connector::release_sweep`]): the
+/// cursor and the pass's start stay, so another replica resumes the pass at its next slice.
+///
+/// # Errors
+/// The database's.
+pub async fn release(pool: &PgPool, sweep: &Sweep<'_>) -> Result<(), sqlx::Error> {
+    sqlx::query("UPDATE idemflow.retention_sweeps SET lease_until = NULL, updated_at = now() WHERE pipeline = $1 AND owner = $2")
+        .persistent(super::persistent())
+        .bind(sweep.pipeline)
+        .bind(sweep.owner)
+        .execute(pool)
+        .await?;
+    Ok(())
+}
+
 /// Where `pipeline`'s sweep stands ([`crate::retention::SweepState`]): no pass before its first slice, and the
 /// table's row estimate (`reltuples`; none before the first `ANALYZE`).
 ///
