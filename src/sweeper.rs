@@ -6,6 +6,7 @@ use crate::metrics::PipelineMetrics;
 use crate::retention::{Pace, Skipped, Sweep};
 use crate::shutdown::Shutdown;
 use crate::store::Store;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 /// How long a stopped pipeline waits for its store to take back its lease on a retention pass
@@ -15,16 +16,23 @@ pub const RELEASE_TIMEOUT: Duration = Duration::from_secs(5);
 /// One pipeline's sweeper.
 pub struct Sweeper {
     /// The pipeline's dedup store.
-    pub store: Store,
+    store: Store,
     /// The pipeline.
-    pub pipeline: String,
+    pipeline: String,
     /// This worker's name, the pass's owner while it sweeps.
-    pub owner: String,
+    owner: String,
     /// The pipeline's `[dedup]` settings: retention, `purge_batch`, `purge_interval`, `purge_rate`.
-    pub dedup: DedupSettings,
+    dedup: DedupSettings,
+    /// Whether shutdown stopped a pass under way: only then is there a lease to give up.
+    interrupted: AtomicBool,
 }
 
 impl Sweeper {
+    /// The sweeper of `pipeline`'s dedup rows in `store`, sweeping as `owner` with the pipeline's `dedup` settings.
+    pub fn new(store: Store, pipeline: String, owner: String, dedup: DedupSettings) -> Sweeper {
+        Sweeper { store, pipeline, owner, dedup, interrupted: AtomicBool::new(false) }
+    }
+
     fn sweep(&self) -> Sweep<'_> {
         Sweep {
             pipeline: &self.pipeline,
@@ -60,7 +68,10 @@ impl Sweeper {
             }
             let pass = tokio::select! {
                 pass = self.store.sweep_pass(&sweep, |s| metrics.swept(s)) => pass,
-                () = shutdown.wait() => break,
+                () = shutdown.wait() => {
+                    self.interrupted.store(true, Ordering::Relaxed);
+                    break;
+                }
             };
             match pass {
                 Ok(o) if o.skipped == Some(Skipped::OtherReplica) => {
@@ -78,11 +89,14 @@ impl Sweeper {
         std::future::pending().await
     }
 
-    /// Gives up this worker's lease on a pass it was in the middle of (nothing when it holds none), the cursor kept,
+    /// Gives up this worker's lease on a pass shutdown stopped in the middle (nothing otherwise), the cursor kept,
     /// so another replica resumes the pass at its next slice instead of after the lease ([`Sweep::lease`], 40 s at
     /// the defaults). Run once the pipeline has stopped, when no slice of this worker's can run any more. Bounded by
     /// [`RELEASE_TIMEOUT`]: a store that does not answer lets the lease run out; either failure is logged.
     pub async fn release(&self) {
+        if !self.interrupted.load(Ordering::Relaxed) {
+            return;
+        }
         let pipeline = &self.pipeline;
         match tokio::time::timeout(RELEASE_TIMEOUT, self.store.release_sweep(&self.sweep())).await {
             Ok(Ok(())) => {}

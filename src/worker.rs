@@ -202,7 +202,7 @@ pub async fn run_with_faults(
             // Retention runs beside the pipeline and ends with it, and starts no slice once shutdown is asked for;
             // a pass left there is handed over, where it stopped, once the pipeline has stopped.
             let sweeps = !r.pipeline.sink.store().expires_dedup_keys();
-            let sweeper = sweeps.then(|| Sweeper { store: r.store.clone(), pipeline: name.clone(), owner: owner(), dedup: r.pipeline.dedup });
+            let sweeper = sweeps.then(|| Sweeper::new(r.store.clone(), name.clone(), owner(), r.pipeline.dedup));
             let stopping = shutdown.clone();
             let result = tokio::select! {
                 result = run_pipeline(&settings, r, pm.clone(), health.clone(), shutdown.clone(), faults) => result,

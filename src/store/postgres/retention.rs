@@ -193,13 +193,15 @@ async fn move_cursor(tx: &mut Transaction<'_, Postgres>, sweep: &Sweep<'_>, rest
 /// # Errors
 /// The database's.
 pub async fn release(pool: &PgPool, sweep: &Sweep<'_>) -> Result<(), sqlx::Error> {
+    // In a transaction, as every access is (a transaction-pooling proxy keeps a statement's steps on one session).
+    let mut tx = pool.begin().await?;
     sqlx::query("UPDATE idemflow.retention_sweeps SET lease_until = NULL, updated_at = now() WHERE pipeline = $1 AND owner = $2")
         .persistent(super::persistent())
         .bind(sweep.pipeline)
         .bind(sweep.owner)
-        .execute(pool)
+        .execute(&mut *tx)
         .await?;
-    Ok(())
+    tx.commit().await
 }
 
 /// Where `pipeline`'s sweep stands ([`crate::retention::SweepState`]): no pass before its first slice, and the
