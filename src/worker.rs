@@ -202,7 +202,9 @@ pub async fn run_with_faults(
             // Retention runs beside the pipeline and ends with it, and starts no slice once shutdown is asked for;
             // a pass left there is handed over, where it stopped, once the pipeline has stopped.
             let sweeps = !r.pipeline.sink.store().expires_dedup_keys();
-            let sweeper = sweeps.then(|| Sweeper::new(r.store.clone(), name.clone(), owner(), r.pipeline.dedup));
+            // The sweep's owner carries the process's nonce, as the lanes' attempt rows do: two replicas with the same
+            // host name and pid (containers) do not take each other's lease for their own.
+            let sweeper = sweeps.then(|| Sweeper::new(r.store.clone(), name.clone(), Attempt::lane(&owner()).to_string(), r.pipeline.dedup));
             let stopping = shutdown.clone();
             let result = tokio::select! {
                 result = run_pipeline(&settings, r, pm.clone(), health.clone(), shutdown.clone(), faults) => result,
