@@ -23,14 +23,16 @@ pub struct Sweeper {
     owner: String,
     /// The pipeline's `[dedup]` settings: retention, `purge_batch`, `purge_interval`, `purge_rate`.
     dedup: DedupSettings,
-    /// Whether shutdown stopped a pass under way: only then is there a lease to give up.
-    interrupted: AtomicBool,
+    /// Whether a pass is under way: set before it starts, cleared when it returns. Still set once the pipeline has
+    /// stopped, the pass was dropped in the middle (whichever noticed shutdown first): only then is there a lease to
+    /// give up.
+    in_pass: AtomicBool,
 }
 
 impl Sweeper {
     /// The sweeper of `pipeline`'s dedup rows in `store`, sweeping as `owner` with the pipeline's `dedup` settings.
     pub fn new(store: Store, pipeline: String, owner: String, dedup: DedupSettings) -> Sweeper {
-        Sweeper { store, pipeline, owner, dedup, interrupted: AtomicBool::new(false) }
+        Sweeper { store, pipeline, owner, dedup, in_pass: AtomicBool::new(false) }
     }
 
     fn sweep(&self) -> Sweep<'_> {
@@ -66,13 +68,12 @@ impl Sweeper {
             if shutdown.is_triggered() {
                 break;
             }
+            self.in_pass.store(true, Ordering::Relaxed);
             let pass = tokio::select! {
                 pass = self.store.sweep_pass(&sweep, |s| metrics.swept(s)) => pass,
-                () = shutdown.wait() => {
-                    self.interrupted.store(true, Ordering::Relaxed);
-                    break;
-                }
+                () = shutdown.wait() => break,
             };
+            self.in_pass.store(false, Ordering::Relaxed);
             match pass {
                 Ok(o) if o.skipped == Some(Skipped::OtherReplica) => {
                     tracing::debug!(pipeline = %pipeline, "another replica is sweeping the dedup rows");
@@ -94,7 +95,7 @@ impl Sweeper {
     /// the defaults). Run once the pipeline has stopped, when no slice of this worker's can run any more. Bounded by
     /// [`RELEASE_TIMEOUT`]: a store that does not answer lets the lease run out; either failure is logged.
     pub async fn release(&self) {
-        if !self.interrupted.load(Ordering::Relaxed) {
+        if !self.in_pass.load(Ordering::Relaxed) {
             return;
         }
         let pipeline = &self.pipeline;

@@ -192,13 +192,12 @@ async fn the_worker_purges_on_its_interval() {
     assert_eq!(db.scalar::<i64>("SELECT count(*) FROM seen WHERE k = 'a'").await, 2, "applied again after expiry");
 }
 
-/// A worker stopped (SIGTERM) in the middle of a pass gives up its lease as it stops, the cursor kept: another
-/// replica takes the pass over where it stopped at its next try, not after the lease (40 s here).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_worker_stopped_mid_sweep_hands_the_pass_over_at_once() {
+/// A pipeline `orders` swept in slices of about 40 rows, at most 400 rows a second (a pass over its 4,000 dedup rows
+/// takes about 10 s), three in four of them older than its retention of a day.
+async fn mid_sweep_fixture() -> (TestDb, Kafka, Setup) {
     let p = "topics = [\"orders\"]\n[key]\nfield = \"/id\"\n[sink]\ntable = \"seen\"\n[sink.columns]\nk = \"/id\"\n\
              [dedup]\nretention = \"1d\"\npurge_interval = \"100ms\"\npurge_batch = 40\npurge_rate = 400\n";
-    let (db, _kafka, setup) = fixture("CREATE TABLE seen (k text);", "orders", 1, &[("orders.toml", p)]).await;
+    let (db, kafka, setup) = fixture("CREATE TABLE seen (k text);", "orders", 1, &[("orders.toml", p)]).await;
     sqlx::query(
         "INSERT INTO idemflow.dedup (pipeline, key_id, business_key, topic, partition, \"offset\", fingerprint, applied_at) \
          SELECT 'orders', convert_to('k' || g, 'UTF8'), 'k' || g || repeat('x', 60), 't', 0, g, '\\x00', \
@@ -209,6 +208,14 @@ async fn a_worker_stopped_mid_sweep_hands_the_pass_over_at_once() {
     .await
     .unwrap();
     sqlx::query("ANALYZE idemflow.dedup").execute(&db.pool).await.unwrap();
+    (db, kafka, setup)
+}
+
+/// A worker stopped (SIGTERM) in the middle of a pass gives up its lease as it stops, the cursor kept: another
+/// replica takes the pass over where it stopped at its next try, not after the lease (40 s here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_stopped_mid_sweep_hands_the_pass_over_at_once() {
+    let (db, _kafka, setup) = mid_sweep_fixture().await;
     let cursor = || db.scalar::<Option<i64>>("SELECT max(next_block) FROM idemflow.retention_sweeps WHERE pipeline = 'orders'");
     let leased = || db.scalar::<bool>("SELECT lease_until IS NOT NULL FROM idemflow.retention_sweeps WHERE pipeline = 'orders'");
 
@@ -237,20 +244,7 @@ async fn a_worker_stopped_mid_sweep_hands_the_pass_over_at_once() {
 /// of starting the pass again; the pass then ends with every expired row deleted and every fresh one kept.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_killed_mid_sweep_resumes_at_the_stored_cursor() {
-    // Slices of about 40 rows, at most 400 rows a second: a pass over 4,000 rows takes about 10 s.
-    let p = "topics = [\"orders\"]\n[key]\nfield = \"/id\"\n[sink]\ntable = \"seen\"\n[sink.columns]\nk = \"/id\"\n\
-             [dedup]\nretention = \"1d\"\npurge_interval = \"100ms\"\npurge_batch = 40\npurge_rate = 400\n";
-    let (db, _kafka, setup) = fixture("CREATE TABLE seen (k text);", "orders", 1, &[("orders.toml", p)]).await;
-    sqlx::query(
-        "INSERT INTO idemflow.dedup (pipeline, key_id, business_key, topic, partition, \"offset\", fingerprint, applied_at) \
-         SELECT 'orders', convert_to('k' || g, 'UTF8'), 'k' || g || repeat('x', 60), 't', 0, g, '\\x00', \
-                now() - CASE WHEN g % 4 = 0 THEN interval '1 hour' ELSE interval '2 days' END \
-         FROM generate_series(1, 4000) g",
-    )
-    .execute(&db.pool)
-    .await
-    .unwrap();
-    sqlx::query("ANALYZE idemflow.dedup").execute(&db.pool).await.unwrap();
+    let (db, _kafka, setup) = mid_sweep_fixture().await;
     let cursor = || db.scalar::<Option<i64>>("SELECT max(next_block) FROM idemflow.retention_sweeps WHERE pipeline = 'orders'");
 
     let mut w = BinWorker::start(&setup);
