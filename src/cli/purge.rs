@@ -53,7 +53,7 @@ pub async fn run(a: PurgeArgs) -> anyhow::Result<()> {
             println!("pipeline {:?}: skipped, another process is sweeping it", p.name);
         } else {
             println!(
-                "pipeline {:?}: purged {} dedup rows older than {}, {} rows examined in {} slice(s), {:.1} s",
+                "pipeline {:?}: purged {} dedup rows older than {}; {} rows of the dedup table examined in {} slice(s), {:.1} s",
                 p.name,
                 o.purged,
                 idemflow::terminal::duration(p.dedup.retention),
