@@ -44,7 +44,7 @@ idemflow_build_packages_missing() {
 }
 
 idemflow_venv_ready() {
-  "$IDEMFLOW_VENV/bin/python3" -c 'import check_jsonschema, ruamel.yaml, kubernetes_validate, yaml' >/dev/null 2>&1 && [ -x "$IDEMFLOW_VENV/bin/noida-db" ]
+  "$IDEMFLOW_VENV/bin/python3" -c 'import check_jsonschema, ruamel.yaml, kubernetes_validate, yaml, fastavro, jsonschema, confluent_kafka.schema_registry.avro' >/dev/null 2>&1 && [ -x "$IDEMFLOW_VENV/bin/noida-db" ]
 }
 
 # Everything the test suite needs:
@@ -68,7 +68,9 @@ idemflow_venv_ready() {
 #   curl               the walkthroughs as the docs show them (tests/it/walkthroughs.rs; psql comes with postgresql)
 #   python3-venv       the virtual environment with check-jsonschema and ruamel.yaml (docker-compose.yml checks),
 #                      kubernetes-validate (deploy/kubernetes/ against the Kubernetes schemas)
-#                      and noida-db (a second Kafka implementation: DescribeGroups, which the mock cluster lacks)
+#                      noida-db (a second Kafka implementation: DescribeGroups, which the mock cluster lacks)
+#                      and confluent-kafka with its Avro and JSON Schema serializers (payloads in the schema
+#                      registry's wire format, tests/it/formats.rs)
 idemflow_test_preflight() {
   if ! command -v cargo >/dev/null 2>&1; then
     echo "cargo not found: install the Rust toolchain (https://rustup.rs) first" >&2
@@ -107,10 +109,11 @@ idemflow_test_preflight() {
   fi
 
   if ! idemflow_venv_ready; then
-    echo "creating $IDEMFLOW_VENV with check-jsonschema, noida-db and kubernetes-validate from PyPI" >&2
+    echo "creating $IDEMFLOW_VENV with check-jsonschema, noida-db, kubernetes-validate and confluent-kafka from PyPI" >&2
     /usr/bin/python3 -m venv --clear "$IDEMFLOW_VENV" || return 1
-    "$IDEMFLOW_VENV/bin/python3" -m pip install --quiet --disable-pip-version-check check-jsonschema noida-db==0.2.3 kubernetes-validate==1.37.0 || return 1
-    idemflow_venv_ready || { echo "$IDEMFLOW_VENV: check-jsonschema, noida-db or kubernetes-validate did not install" >&2; return 1; }
+    "$IDEMFLOW_VENV/bin/python3" -m pip install --quiet --disable-pip-version-check check-jsonschema noida-db==0.2.3 kubernetes-validate==1.37.0 \
+      'confluent-kafka[avro,json,schemaregistry]==2.16.2' || return 1
+    idemflow_venv_ready || { echo "$IDEMFLOW_VENV: check-jsonschema, noida-db, kubernetes-validate or confluent-kafka did not install" >&2; return 1; }
   fi
   idemflow_test_path
 }

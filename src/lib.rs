@@ -23,7 +23,8 @@
 //!   position.
 //! - [`field`]: field paths (RFC 6901 JSON Pointers, or the dotted form) and how a JSON value becomes text;
 //!   [`rounding`]: target columns that would round a value (`numeric(12, 2)`, `timestamptz(0)`), refused instead.
-//! - [`decode`]: payload bytes to a JSON document, with the size limit checked before parsing.
+//! - [`decode`]: payload bytes to a JSON document, with the size limit checked before parsing: JSON, Avro (by the
+//!   schema registry's schema ids or a schema file) and JSON Schema; [`schema_registry`]: the registry's client.
 //! - [`key`]: the business key of a record and its SHA-256 digest.
 //! - [`prepare`]: one record through decode, key and parameter extraction, into what the sink needs.
 //! - [`sink`]: the batch protocol, once for every store: dedup claim, side effect, dead letters, duplicate and
@@ -202,6 +203,13 @@
 //!   give. A rebuild of the statements (a schema change) drops every entry; a record dropped before its batch
 //!   leaves its entry unused. Tested with a batch stalled on a lock while the table's column types change
 //!   (`tests/it/hardening.rs`).
+//! - Schemas from the registry: a wire-format payload's schema is fetched before its batch is prepared (and a record
+//!   waiting on one is never prepared ahead), while the source serves its broker; each request is bounded by
+//!   `[schema_registry] timeout`. While the registry does not answer, the batch waits with consumption paused and
+//!   nothing claimed, written or acknowledged; only the registry's own "no such schema" (error code 40403) makes a
+//!   record's schema unknown, and that record a dead letter. An id is fetched once and kept, so what a record
+//!   decodes to never depends on when it is prepared. Tested with the registry answering 503
+//!   (`formats::a_registry_outage_pauses_the_pipeline_and_dead_letters_nothing`).
 //!
 //! - Retention deletes a dedup row only once it is older than `[dedup] retention` by the database's clock at the
 //!   slice's transaction ([`retention`]): each slice is one transaction with its cursor, so a worker killed in a
@@ -266,6 +274,7 @@ pub mod bench;
 pub mod config;
 pub mod dead_letter;
 pub mod decode;
+pub mod schema_registry;
 #[cfg(feature = "tools")]
 pub mod demo;
 pub mod field;

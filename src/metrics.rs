@@ -225,6 +225,7 @@ pub struct Metrics {
     retention_passes: IntCounterVec,
     retention_pass_seconds: GaugeVec,
     db_retries: IntCounterVec,
+    schema_registry_retries: IntCounterVec,
     prepared_ahead: IntCounterVec,
     offset_commits: IntCounterVec,
     rebalances: IntCounterVec,
@@ -310,6 +311,7 @@ impl Metrics {
                 g
             },
             db_retries: counter(&r, "idemflow_db_retries_total", "Batch attempts that failed with a retryable database error, by cause.", &["pipeline", "cause"]),
+            schema_registry_retries: counter(&r, "idemflow_schema_registry_retries_total", "Fetches of schemas from the schema registry that failed (unreachable, timed out, 5xx, credentials refused) and were retried with consumption paused.", &["pipeline"]),
             prepared_ahead: counter(&r, "idemflow_records_prepared_ahead_total", "Records prepared (decoded, keyed, their values taken) while the batch before theirs was in its transaction, by result: used for their batch, or dropped unused (their partition revoked, fenced or resynced, or their channel lost, before it; the statements rebuilt).", &["pipeline", "result"]),
             offset_commits: counter(&r, "idemflow_offset_commits_total", "Kafka offset commits and RabbitMQ acknowledgements after a batch's COMMIT, by result.", &["pipeline", "result"]),
             rebalances: counter(&r, "idemflow_rebalances_total", "Consumer group rebalance events (RabbitMQ: consumers started, assign, and lost with their connection, revoke), by event.", &["pipeline", "event"]),
@@ -381,6 +383,7 @@ impl Metrics {
         for result in CommitResult::ALL {
             self.offset_commits.with_label_values(&[p, result.as_str()]);
         }
+        self.schema_registry_retries.with_label_values(&[p]);
         for result in ["used", "dropped"] {
             self.prepared_ahead.with_label_values(&[p, result]);
         }
@@ -602,6 +605,11 @@ impl PipelineMetrics {
     /// Counts one failed, retryable batch attempt.
     pub fn retry(&self, cause: RetryCause) {
         self.metrics.db_retries.with_label_values(&[&self.name, cause.as_str()]).inc();
+    }
+
+    /// Counts one failed fetch of schemas from the schema registry, retried with consumption paused.
+    pub fn schema_registry_retry(&self) {
+        self.metrics.schema_registry_retries.with_label_values(&[&self.name]).inc();
     }
 
     /// Counts records prepared ahead ([`crate::prepare::Ahead::tally`]): `(used, dropped)`.

@@ -116,7 +116,18 @@ impl Preparer {
         Preparer { max_record_bytes: limit, ..self }
     }
 
-    /// Decodes the record, takes its key and values. Never fails: failures are dead letters.
+    /// The pipeline's decoder.
+    pub fn decoder(&self) -> &Decoder {
+        &self.decoder
+    }
+
+    /// Whether `record` names a schema not fetched yet ([`Decoder::fetch_schemas`]): it is prepared only after.
+    pub fn waits_on_registry(&self, record: &Record) -> bool {
+        self.decoder.waits_on_registry(record.payload.as_deref())
+    }
+
+    /// Decodes the record, takes its key and values. Never fails: failures are dead letters. A record that
+    /// [waits on the registry](Preparer::waits_on_registry) is prepared only after its schema was fetched.
     pub fn prepare(&self, record: &Record) -> Prepared {
         let Some(payload) = record.payload.as_deref() else {
             return match self.tombstones {
@@ -209,6 +220,10 @@ impl Ahead {
     pub fn offer(&mut self, record: &Record, preparer: &Preparer) {
         let newest = self.entries.back().map_or(Receipt::NONE, |(r, _)| *r);
         if record.receipt == Receipt::NONE || self.entries.len() >= self.limit || record.receipt <= newest {
+            return;
+        }
+        // Its schema is fetched before its batch is prepared (the worker's own step, which may pause).
+        if preparer.waits_on_registry(record) {
             return;
         }
         // A panic here (a bug) would unwind while the batch before is in its transaction: the record is left to be

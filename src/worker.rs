@@ -526,6 +526,7 @@ impl Step<'_> {
         records: Vec<Record>,
         shutdown: &mut Shutdown,
     ) -> Result<Option<PreparedBatch>, SinkError> {
+        let Some(records) = self.fetch_schemas(source, records, shutdown).await else { return Ok(None) };
         let mut batch = self.ahead.take(records, &self.ready.preparer);
         self.metrics.prepared_ahead(self.ahead.tally());
         let mut holding: BTreeMap<(&str, i32), i64> = BTreeMap::new();
@@ -555,6 +556,43 @@ impl Step<'_> {
         };
         let finished = self.finish(source, &batch, &outcome, retrying.started, shutdown).await?;
         Ok(finished.then_some(batch))
+    }
+
+    /// Fetches the schemas that the payloads of `records` name and that are not known yet (wire-format payloads,
+    /// `[schema_registry]`), while the source keeps serving its broker. While the registry does not answer, the
+    /// pipeline pauses and retries with the batches' back-off (`idemflow_schema_registry_retries_total`; its
+    /// partitions stall): nothing is dead-lettered for an outage, and nothing is written before the schemas are
+    /// known. Gives the records back (those of revoked partitions dropped), or `None` when shutdown came.
+    async fn fetch_schemas(&mut self, source: &mut Source, mut records: Vec<Record>, shutdown: &mut Shutdown) -> Option<Vec<Record>> {
+        let mut backoff = retry_backoff();
+        let mut failing_since: Option<Instant> = None;
+        loop {
+            let decoder = self.ready.preparer.decoder().clone();
+            let payloads: Vec<Option<Vec<u8>>> = records
+                .iter()
+                .filter(|r| self.ready.preparer.waits_on_registry(r))
+                .map(|r| r.payload.as_deref().map(<[u8]>::to_vec))
+                .collect();
+            if payloads.is_empty() {
+                if let Some(since) = failing_since {
+                    tracing::info!(failing_for = ?since.elapsed(), "the schema registry answers again");
+                }
+                return Some(records);
+            }
+            let fetch = tokio::spawn(async move { decoder.fetch_schemas(payloads.iter().map(Option::as_deref)).await }.in_current_span());
+            let error = match source.poll_while(fetch).await {
+                Ok(()) => continue,
+                Err(e) => e.to_string(),
+            };
+            let since = *failing_since.get_or_insert_with(Instant::now);
+            self.metrics.schema_registry_retry();
+            let delay = backoff.next().unwrap_or(MAX_RETRY_DELAY);
+            tracing::warn!(error, retry_in = ?delay, failing_for = ?since.elapsed(),
+                "fetching schemas from the schema registry failed; retrying with consumption paused (nothing is dead-lettered for this)");
+            if !source.pause_for(delay, &mut records, shutdown).await {
+                return None;
+            }
+        }
     }
 
     /// One attempt of `batch`: its transaction in its own task while the source keeps serving its broker and the

@@ -13,6 +13,39 @@ use idemflow::store::redis_command as command;
 use std::path::Path;
 use std::sync::Arc;
 
+/// The schemas the `avro` target reads datums with: every kind of type, named types, a recursive one, and an
+/// array of values that take no bytes.
+const AVRO_SCHEMAS: [&str; 4] = [
+    r#"{"type": "record", "name": "P", "namespace": "f", "fields": [
+        {"name": "s", "type": "string"}, {"name": "d", "type": {"type": "bytes", "logicalType": "decimal", "precision": 20, "scale": 4}},
+        {"name": "u", "type": ["null", "long", "double", "float", "boolean"]}, {"name": "e", "type": {"type": "enum", "name": "E", "symbols": ["A", "B"]}},
+        {"name": "a", "type": {"type": "array", "items": "int"}}, {"name": "m", "type": {"type": "map", "values": "bytes"}},
+        {"name": "x", "type": {"type": "fixed", "name": "X", "size": 3}}, {"name": "e2", "type": "E"},
+        {"name": "t", "type": {"type": "long", "logicalType": "timestamp-micros"}}, {"name": "day", "type": {"type": "int", "logicalType": "date"}},
+        {"name": "tm", "type": {"type": "int", "logicalType": "time-millis"}}, {"name": "lt", "type": {"type": "long", "logicalType": "local-timestamp-nanos"}},
+        {"name": "dur", "type": {"type": "fixed", "name": "D", "size": 12, "logicalType": "duration"}},
+        {"name": "fd", "type": {"type": "fixed", "name": "FD", "size": 9, "logicalType": "decimal", "precision": 20, "scale": 25}}]}"#,
+    r#"{"type": "record", "name": "L", "fields": [{"name": "v", "type": "long"}, {"name": "next", "type": ["null", "L"]}]}"#,
+    r#"{"type": "array", "items": "null"}"#,
+    r#"{"type": "map", "values": {"type": "array", "items": ["null", "string"]}}"#,
+];
+
+/// An Avro datum (the bytes after the first, whose value picks one of [`AVRO_SCHEMAS`]), and the same bytes as a
+/// wire-format payload: never a panic, an abort or unbounded memory; a datum that decodes is its whole input (one
+/// more byte is refused as left over).
+pub fn avro(data: &[u8]) {
+    let Some((pick, datum)) = data.split_first() else { return };
+    let schema = idemflow::decode::avro::AvroSchema::parse(AVRO_SCHEMAS[usize::from(*pick) % AVRO_SCHEMAS.len()], &[]).unwrap();
+    if schema.decode(datum).is_ok() {
+        let mut longer = datum.to_vec();
+        longer.push(0);
+        assert!(schema.decode(&longer).is_err(), "a byte left over was not refused");
+    }
+    if let Ok((_, rest)) = idemflow::decode::wire::split(datum) {
+        assert_eq!(rest.len() + 5, datum.len());
+    }
+}
+
 /// A pipeline file's text: validated for both SQL dialects, never a panic.
 pub fn pipeline(data: &[u8]) {
     let Ok(text) = std::str::from_utf8(data) else { return };

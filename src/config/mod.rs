@@ -24,7 +24,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 /// Top-level sections that may be set from the environment.
-const SECTIONS: [&str; 10] = ["database", "redis", "kafka", "rabbitmq", "rocketmq", "nats", "metrics", "log", "pipelines", "shutdown"];
+const SECTIONS: [&str; 11] = ["database", "redis", "kafka", "rabbitmq", "rocketmq", "nats", "schema_registry", "metrics", "log", "pipelines", "shutdown"];
 
 /// The worker's settings, from `idemflow.toml` and the environment.
 #[derive(Clone, Debug, Deserialize)]
@@ -47,6 +47,9 @@ pub struct Settings {
     pub rocketmq: Option<RocketMqSettings>,
     /// NATS, for pipelines with a NATS JetStream source (required then).
     pub nats: Option<NatsSettings>,
+    /// The schema registry, for pipelines whose payloads are in its wire format (`format = "avro"` or
+    /// `"json_schema"` without `schema_file`; required then).
+    pub schema_registry: Option<crate::schema_registry::RegistrySettings>,
     /// The `/metrics` endpoint.
     #[serde(default)]
     pub metrics: MetricsSettings,
@@ -336,8 +339,12 @@ pub fn load_pipelines(dir: &Path) -> Result<Vec<Pipeline>, Vec<PipelineError>> {
 /// The pipelines of `settings` (`settings.pipelines`), their SQL scanned by the rules of the store that
 /// `[database] url` names ([`Dialect::of_url`]).
 pub fn load_pipelines_for(settings: &Settings) -> Result<Vec<Pipeline>, Vec<PipelineError>> {
-    let dialect = settings.database.as_ref().map_or(Dialect::Postgres, |d| Dialect::of_url(d.url.expose()));
-    load_pipelines_in(&settings.pipelines, dialect)
+    let (pipelines, errors) = load_some_pipelines_for(settings);
+    if errors.is_empty() {
+        Ok(pipelines)
+    } else {
+        Err(errors)
+    }
 }
 
 /// [`load_pipelines`], for a store whose SQL follows `dialect`.
@@ -354,7 +361,38 @@ pub fn load_pipelines_in(dir: &Path, dialect: Dialect) -> Result<Vec<Pipeline>, 
 /// files share): `idemflow check` goes on with the first to report every file's problems in one run.
 pub fn load_some_pipelines_for(settings: &Settings) -> (Vec<Pipeline>, Vec<PipelineError>) {
     let dialect = settings.database.as_ref().map_or(Dialect::Postgres, |d| Dialect::of_url(d.url.expose()));
-    load_pipelines_partly(&settings.pipelines, dialect)
+    let (mut pipelines, mut errors) = load_pipelines_partly(&settings.pipelines, dialect);
+    attach_registry(settings, &mut pipelines, &mut errors);
+    (pipelines, errors)
+}
+
+/// Gives the pipelines whose payloads are in the schema registry's wire format the registry of `settings`, one
+/// client and one schema cache for all ([`crate::decode::schemas::Schemas`]). A pipeline that needs it when there
+/// is no `[schema_registry]`, or when its settings are wrong, is an error (and is left out).
+pub fn attach_registry(settings: &Settings, pipelines: &mut Vec<Pipeline>, errors: &mut Vec<PipelineError>) {
+    if !pipelines.iter().any(|p| p.decoder.needs_registry()) {
+        return;
+    }
+    let registry = match &settings.schema_registry {
+        None => Err("no [schema_registry] in the settings: set its url, or name an Avro schema_file in the pipeline".to_owned()),
+        Some(r) => crate::schema_registry::SchemaRegistry::new(r).map(crate::decode::schemas::Schemas::new).map_err(|why| format!("[schema_registry] {why}")),
+    };
+    pipelines.retain_mut(|p| {
+        if !p.decoder.needs_registry() {
+            return true;
+        }
+        match &registry {
+            Ok(schemas) => {
+                p.decoder = p.decoder.clone().with_registry(schemas.clone());
+                true
+            }
+            Err(why) => {
+                let message = format!("format {:?} reads the schema registry's wire format: {why}", p.decoder.format().name());
+                errors.push(dup_error(p, "format", message));
+                false
+            }
+        }
+    });
 }
 
 fn load_pipelines_partly(dir: &Path, dialect: Dialect) -> (Vec<Pipeline>, Vec<PipelineError>) {

@@ -166,6 +166,7 @@ struct RawPipeline {
     source: Option<SourceKeys>,
     #[serde(default)]
     format: Format,
+    schema_file: Option<PathBuf>,
     max_payload_bytes: Option<usize>,
     #[serde(default)]
     tombstones: TombstonePolicy,
@@ -383,6 +384,7 @@ fn validate(raw: RawPipeline, path: &Path, stem: &str, dialect: Dialect, e: &mut
     if max_payload_bytes == 0 {
         e.push("max_payload_bytes", "must be at least 1");
     }
+    let decoder = validate_format(&raw, path, max_payload_bytes, e);
     let key = validate_key(&raw.key, e);
     let time = TimeSettings {
         zone: raw.sink.time_zone.clone().unwrap_or_else(|| TimeSettings::default().zone),
@@ -452,7 +454,7 @@ fn validate(raw: RawPipeline, path: &Path, stem: &str, dialect: Dialect, e: &mut
         name,
         file: path.to_owned(),
         source: source?,
-        decoder: Decoder::new(raw.format, max_payload_bytes),
+        decoder: decoder?,
         key: key?,
         tombstones: raw.tombstones,
         sink: sink?,
@@ -462,6 +464,33 @@ fn validate(raw: RawPipeline, path: &Path, stem: &str, dialect: Dialect, e: &mut
         offsets,
         time,
     })
+}
+
+/// The pipeline's decoder: `format`, with the Avro schema of `schema_file` (read relative to the pipeline file's
+/// directory) when one is named. A format that reads the schema registry gets it later
+/// ([`super::attach_registry`]).
+fn validate_format(raw: &RawPipeline, path: &Path, max_payload_bytes: usize, e: &mut Errors<'_>) -> Option<Decoder> {
+    let decoder = Decoder::new(raw.format, max_payload_bytes);
+    let Some(file) = &raw.schema_file else { return Some(decoder) };
+    if raw.format != Format::Avro {
+        e.push("schema_file", format!("is for format = \"avro\" (plain Avro datums); format = {:?} takes no schema file", raw.format.name()));
+        return None;
+    }
+    let full = path.parent().map_or_else(|| file.clone(), |dir| dir.join(file));
+    let text = match std::fs::read_to_string(&full) {
+        Ok(text) => text,
+        Err(err) => {
+            e.push("schema_file", format!("cannot read {}: {err}", full.display()));
+            return None;
+        }
+    };
+    match crate::decode::avro::AvroSchema::parse(&text, &[]) {
+        Ok(schema) => Some(decoder.with_schema_file(schema, &file.display().to_string())),
+        Err(err) => {
+            e.push("schema_file", format!("{} is not an Avro schema: {err}", full.display()));
+            None
+        }
+    }
 }
 
 /// Refuses bound values the pipeline's source cannot give: message properties from Kafka; a record key, a partition

@@ -343,7 +343,7 @@ fn the_json_schemas_have_the_keys_the_parsers_take() {
     let mut sections = expected_keys(&message);
     sections.insert("pipelines".into());
     assert_eq!(schema_keys(&settings, &[]), sections, "idemflow.toml: the schema's sections and the parser's differ");
-    for section in ["database", "redis", "kafka", "rabbitmq", "rocketmq", "nats", "metrics", "log", "shutdown"] {
+    for section in ["database", "redis", "kafka", "rabbitmq", "rocketmq", "nats", "schema_registry", "metrics", "log", "shutdown"] {
         let message = settings_problem(&format!("[{section}]\nzzz_unknown = 1\n")).expect("an unknown key is refused");
         assert_eq!(schema_keys(&settings, &[section]), expected_keys(&message), "idemflow.toml [{section}]: the schema's keys and the parser's differ");
     }

@@ -24,4 +24,5 @@ fn the_fuzz_corpus_replays_without_a_failure() {
     replay("sql", targets::sql);
     replay("values", targets::values);
     replay("redis", targets::redis);
+    replay("avro", targets::avro);
 }

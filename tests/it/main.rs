@@ -8,6 +8,7 @@ mod support;
 mod bench;
 mod e2e;
 mod failures;
+mod formats;
 mod fuzz_corpus;
 mod hardening;
 mod mariadb;

@@ -7,6 +7,7 @@ pub mod noida;
 pub mod postgres;
 pub mod rabbitmq;
 pub mod redis;
+pub mod registry;
 pub mod relay;
 pub mod rocketmq;
 

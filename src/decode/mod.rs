@@ -1,4 +1,5 @@
-//! Payload bytes to a JSON document.
+//! Payload bytes to a JSON document: JSON itself, or Avro and JSON Schema payloads read by their schemas
+//! ([`Format`]; docs/formats.md).
 //!
 //! The size limit is checked before parsing, so an oversized payload costs no memory beyond its bytes. Nesting is
 //! bounded by serde_json's recursion limit (128 levels): a deeper document is an error, never a stack overflow.
@@ -12,20 +13,47 @@
 //! allocation. Each selected path has a slot, numbered when the selection is built, and the decode puts the value
 //! at that path straight into it ([`Selected`]): no objects or member names are built on the way, and the slot
 //! holds what looking the path up in the whole document gives.
+//!
+//! An Avro payload is read whole into a JSON value by its writer's schema ([`avro`]), and the selection taken
+//! from it. Payloads in the schema registry's wire format ([`wire`]) name their schema by id; the ids are fetched
+//! before decoding ([`Decoder::fetch_schemas`], [`schemas`]), so decoding never waits on the network.
 
+pub mod avro;
+pub mod schemas;
+pub mod wire;
+
+use schemas::{Known, Schemas};
 use serde::de::{DeserializeSeed, MapAccess, SeqAccess, Visitor};
 use serde::{Deserialize, Deserializer};
 use serde_json::Value;
 use std::collections::BTreeMap;
 use std::fmt;
+use std::sync::Arc;
 
-/// How a pipeline's payloads are encoded. One format today; the enum is closed on purpose.
+/// How a pipeline's payloads are encoded (`format`).
 #[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
-#[serde(rename_all = "lowercase")]
+#[serde(rename_all = "snake_case")]
 pub enum Format {
     /// UTF-8 JSON (RFC 8259), one document per record.
     #[default]
     Json,
+    /// JSON documents in the schema registry's wire format (Confluent's `JSONSerializer`): the header names a JSON
+    /// Schema in the registry; the document after it is read as [`Format::Json`] is.
+    JsonSchema,
+    /// Apache Avro binary: in the schema registry's wire format (Confluent's `AvroSerializer`, Kafka Connect's
+    /// `AvroConverter`), or plain datums of the pipeline's `schema_file` (`.avsc`).
+    Avro,
+}
+
+impl Format {
+    /// The name a pipeline file gives it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Format::Json => "json",
+            Format::JsonSchema => "json_schema",
+            Format::Avro => "avro",
+        }
+    }
 }
 
 /// Why a payload could not be decoded. Each sends the record to the dead letters.
@@ -43,6 +71,30 @@ pub enum DecodeError {
     /// than 128 levels).
     #[error("payload is not valid JSON: {0}")]
     Json(#[from] serde_json::Error),
+    /// Not in the schema registry's wire format.
+    #[error("{0}")]
+    Wire(#[from] wire::WireError),
+    /// The schema id is not known to the registry, its schema cannot be read, or it is not of the pipeline's
+    /// format.
+    #[error("{0}")]
+    Schema(String),
+    /// The bytes do not decode with their schema.
+    #[error("payload does not decode with {schema}: {why}")]
+    Avro {
+        /// `schema id N` or `schema_file <path>`.
+        schema: String,
+        /// The decoder's words.
+        why: String,
+    },
+}
+
+/// Where a pipeline's payloads find their schema.
+#[derive(Clone, Debug)]
+enum SchemaSource {
+    /// `schema_file`: every payload a plain datum of this schema.
+    File(Arc<avro::AvroSchema>, Arc<str>),
+    /// The schema registry: payloads in its wire format.
+    Registry(Schemas),
 }
 
 /// Decodes payloads of one pipeline.
@@ -50,12 +102,44 @@ pub enum DecodeError {
 pub struct Decoder {
     format: Format,
     max_payload_bytes: usize,
+    schema: Option<SchemaSource>,
 }
 
 impl Decoder {
-    /// A decoder for `format` that rejects payloads over `max_payload_bytes` bytes before parsing.
+    /// A decoder for `format` that rejects payloads over `max_payload_bytes` bytes before parsing. A format other
+    /// than JSON needs its schemas: [`Decoder::with_schema_file`] or [`Decoder::with_registry`].
     pub fn new(format: Format, max_payload_bytes: usize) -> Self {
-        Decoder { format, max_payload_bytes }
+        Decoder { format, max_payload_bytes, schema: None }
+    }
+
+    /// The same, reading every payload as a plain datum of `schema` (an Avro schema from `file`, named in
+    /// errors).
+    pub fn with_schema_file(self, schema: avro::AvroSchema, file: &str) -> Self {
+        Decoder { schema: Some(SchemaSource::File(Arc::new(schema), file.into())), ..self }
+    }
+
+    /// The same, reading payloads in the wire format with the registry's schemas.
+    pub fn with_registry(self, schemas: Schemas) -> Self {
+        Decoder { schema: Some(SchemaSource::Registry(schemas)), ..self }
+    }
+
+    /// The payload format.
+    pub fn format(&self) -> Format {
+        self.format
+    }
+
+    /// Whether this decoder reads wire-format payloads and has no registry yet (a pipeline whose format is not
+    /// JSON and that names no `schema_file`).
+    pub fn needs_registry(&self) -> bool {
+        self.format != Format::Json && self.schema.is_none()
+    }
+
+    /// The schema registry this decoder fetches from, if any.
+    pub fn schemas(&self) -> Option<&Schemas> {
+        match &self.schema {
+            Some(SchemaSource::Registry(s)) => Some(s),
+            _ => None,
+        }
     }
 
     /// The largest payload decoded, in bytes.
@@ -63,14 +147,43 @@ impl Decoder {
         self.max_payload_bytes
     }
 
+    /// Whether `payload` names a schema not fetched yet: it cannot be decoded before [`Decoder::fetch_schemas`].
+    pub fn waits_on_registry(&self, payload: Option<&[u8]>) -> bool {
+        match (&self.schema, payload) {
+            (Some(SchemaSource::Registry(s)), Some(p)) if p.len() <= self.max_payload_bytes => {
+                wire::schema_id(p).is_some_and(|id| s.get(id).is_none())
+            }
+            _ => false,
+        }
+    }
+
+    /// Fetches the schemas `payloads` name that are not known yet, each once: afterwards every one decodes without
+    /// waiting (or fails as a record's fault: an id the registry does not know).
+    ///
+    /// Errors: the registry gave no answer; the caller pauses and retries.
+    pub async fn fetch_schemas<'p>(&self, payloads: impl IntoIterator<Item = Option<&'p [u8]>>) -> Result<(), crate::schema_registry::RegistryError> {
+        let Some(SchemaSource::Registry(schemas)) = &self.schema else { return Ok(()) };
+        let mut ids: Vec<u32> = payloads
+            .into_iter()
+            .flatten()
+            .filter(|p| p.len() <= self.max_payload_bytes)
+            .filter_map(wire::schema_id)
+            .filter(|id| schemas.get(*id).is_none())
+            .collect();
+        ids.sort_unstable();
+        ids.dedup();
+        for id in ids {
+            schemas.fetch(id).await?;
+        }
+        Ok(())
+    }
+
     /// Decodes one non-null payload.
     pub fn decode(&self, payload: &[u8]) -> Result<Value, DecodeError> {
-        if payload.len() > self.max_payload_bytes {
-            return Err(DecodeError::TooLarge { size: payload.len(), limit: self.max_payload_bytes });
-        }
-        match self.format {
-            Format::Json => Ok(serde_json::from_slice(payload)?),
-        }
+        let mut selection = Selection::default();
+        let slot = selection.add(&[]);
+        let mut selected = self.decode_selected(payload, &selection)?;
+        Ok(selected.take(slot).unwrap_or(Value::Null))
     }
 
     /// Decodes one non-null payload as [`Decoder::decode`] does, keeping only the members in `selection` (see the
@@ -80,16 +193,45 @@ impl Decoder {
         if payload.len() > self.max_payload_bytes {
             return Err(DecodeError::TooLarge { size: payload.len(), limit: self.max_payload_bytes });
         }
-        match self.format {
-            Format::Json => {
-                let mut de = serde_json::Deserializer::from_slice(payload);
-                let mut slots = vec![None; selection.slots];
-                Select { selection, slots: &mut slots }.deserialize(&mut de)?;
-                de.end()?;
-                Ok(Selected { slots })
+        match (self.format, &self.schema) {
+            (Format::Json, _) => json_selected(payload, selection),
+            (Format::Avro, Some(SchemaSource::File(schema, file))) => {
+                let value = schema.decode(payload).map_err(|why| DecodeError::Avro { schema: format!("schema_file {file}"), why })?;
+                Ok(Selected::from_value(selection, value))
             }
+            (format, Some(SchemaSource::Registry(schemas))) => {
+                let (id, body) = wire::split(payload)?;
+                let known = schemas.get(id).ok_or_else(|| {
+                    DecodeError::Schema(format!("schema id {id} was not fetched from the schema registry (a defect: please report it)"))
+                })?;
+                match (format, &*known) {
+                    (_, Known::Unusable(why)) => Err(DecodeError::Schema(why.clone())),
+                    (Format::Avro, Known::Avro(schema)) => {
+                        let value = schema.decode(body).map_err(|why| DecodeError::Avro { schema: format!("schema id {id}"), why })?;
+                        Ok(Selected::from_value(selection, value))
+                    }
+                    (Format::JsonSchema, Known::Json) => json_selected(body, selection),
+                    (format, other) => Err(DecodeError::Schema(format!(
+                        "schema id {id} is a {} schema, and the pipeline's format is {}",
+                        other.kind(),
+                        format.name()
+                    ))),
+                }
+            }
+            // Refused when the pipeline is loaded (`schema_file` is for Avro only).
+            (Format::JsonSchema, Some(SchemaSource::File(..))) => Err(DecodeError::Schema("format json_schema takes no schema_file".to_owned())),
+            (format, None) => Err(DecodeError::Schema(format!("format {} has no schema: set schema_file or [schema_registry]", format.name()))),
         }
     }
+}
+
+/// A JSON document, keeping `selection`'s members.
+fn json_selected(payload: &[u8], selection: &Selection) -> Result<Selected, DecodeError> {
+    let mut de = serde_json::Deserializer::from_slice(payload);
+    let mut slots = vec![None; selection.slots];
+    Select { selection, slots: &mut slots }.deserialize(&mut de)?;
+    de.end()?;
+    Ok(Selected { slots })
 }
 
 /// The members of a document a pipeline reads: a tree of member names (array indexes as decimal text) whose leaves
@@ -160,6 +302,16 @@ pub struct Selected {
 }
 
 impl Selected {
+    /// The values at `selection`'s paths in `value`, a whole document.
+    fn from_value(selection: &Selection, value: Value) -> Selected {
+        let mut slots = vec![None; selection.slots];
+        selection.fill(&value, &mut slots);
+        if let Some(s) = selection.whole {
+            slots[s] = Some(value);
+        }
+        Selected { slots }
+    }
+
     /// The value at the path of `slot`; `None` when the document has nothing there (a missing member, an index out
     /// of range, a step into a scalar) or `slot` is not the selection's.
     pub fn get(&self, slot: usize) -> Option<&Value> {

@@ -1,0 +1,219 @@
+//! Avro and JSON Schema payloads through the schema registry (docs/formats.md), encoded by confluent-kafka's own
+//! serializers against the suite's registry (tests/schema-registry/), read from the Kafka mock cluster into
+//! PostgreSQL by the worker.
+
+use crate::support::registry::Registry;
+use crate::support::*;
+use std::time::Duration;
+
+const TABLE: &str = "CREATE TABLE payments (
+    order_id text PRIMARY KEY, account text NOT NULL, amount numeric NOT NULL, paid_at timestamptz, method text,
+    tags jsonb, fingerprint bytea, channel text, seq bigint);";
+
+/// Every kind of value a payment carries: a nested record, an exact decimal, a timestamp in a union with null, an
+/// enum, an array, bytes, a map, a 64-bit integer beyond a double's exact range.
+const PAYMENT_AVSC: &str = r#"{"type": "record", "name": "Payment", "namespace": "shop.events", "fields": [
+  {"name": "order", "type": {"type": "record", "name": "Order", "fields": [
+    {"name": "id", "type": "string"},
+    {"name": "account", "type": "string"},
+    {"name": "amount", "type": {"type": "bytes", "logicalType": "decimal", "precision": 38, "scale": 18}}]}},
+  {"name": "paid_at", "type": ["null", {"type": "long", "logicalType": "timestamp-millis"}], "default": null},
+  {"name": "method", "type": {"type": "enum", "name": "Method", "symbols": ["CARD", "BANK", "WALLET"]}},
+  {"name": "tags", "type": {"type": "array", "items": "string"}},
+  {"name": "fingerprint", "type": "bytes"},
+  {"name": "context", "type": {"type": "map", "values": "string"}},
+  {"name": "seq", "type": "long"}
+]}"#;
+
+fn payment(id: &str, amount: &str) -> String {
+    format!(
+        "{{\"order\": {{\"id\": \"{id}\", \"account\": \"ACC-1\", \"amount\": {amount}}}, \"paid_at\": 1764410400123, \"method\": \"BANK\", \
+         \"tags\": [\"a\", \"b\"], \"fingerprint\": {{\"$bytes\": \"dead\"}}, \"context\": {{\"channel\": \"web\"}}, \"seq\": 9007199254740993}}"
+    )
+}
+
+fn pipeline(topic: &str, top: &str) -> String {
+    format!(
+        r#"topics = ["{topic}"]
+{top}
+[key]
+field = "/order/id"
+[sink]
+table = "payments"
+[sink.columns]
+order_id = "/order/id"
+account = "/order/account"
+amount = "/order/amount"
+paid_at = {{ field = "/paid_at", optional = true }}
+method = "/method"
+tags = "/tags"
+fingerprint = "/fingerprint"
+channel = "/context/channel"
+seq = "/seq"
+"#
+    )
+}
+
+fn registry_section(registry: &Registry, auth: &str) -> String {
+    format!("[schema_registry]\nurl = \"{}\"\ntimeout = \"2s\"\n{auth}\n", registry.url())
+}
+
+fn schema_file(dir: &std::path::Path, text: &str) -> std::path::PathBuf {
+    let path = dir.join("payment.avsc");
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+/// The serializer's bytes go through the worker as any producer's would: each payment applied once, its values
+/// exact; the same bytes again and another amount under the same id are duplicates by reason; a payload that is
+/// not in the wire format and one naming a schema id the registry does not know are dead letters
+/// (`decode_failed`, the schema id named), and the stream moves on. The registry requires basic authentication, and
+/// each schema id is fetched once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn avro_payments_from_the_registry_are_applied_once_with_exact_values() {
+    let registry = Registry::start(&["--user", "reader:s3cret"]);
+    let db = TestDb::new(TABLE).await;
+    let kafka = Kafka::new();
+    kafka.create_topic("payments", 1);
+    let tmp = tempfile::tempdir().unwrap();
+    let avsc = schema_file(tmp.path(), PAYMENT_AVSC);
+    let docs = [payment("ORD-1", "100.000000000000000001"), payment("ORD-2", "-0.5"), payment("ORD-2", "7.0")];
+    let values = registry.serialize("avro", "payments", &avsc, &docs);
+    let mut unknown = vec![0, 0, 0, 3, 231];
+    unknown.extend(&values[0][5..]);
+    let records = [
+        Out { value: Some(values[0].clone()), ..Out::default() },
+        Out { value: Some(values[1].clone()), ..Out::default() },
+        Out { value: Some(values[0].clone()), ..Out::default() },
+        Out { value: Some(values[2].clone()), ..Out::default() },
+        Out::json(0, r#"{"order":{"id":"ORD-9"}}"#),
+        Out { value: Some(unknown), ..Out::default() },
+    ];
+    kafka.produce("payments", &records);
+    let auth = "username = \"reader\"\npassword = \"s3cret\"";
+    let setup = Setup::with(&db, &kafka, &[("payments.toml", &pipeline("payments", "format = \"avro\""))], "", &registry_section(&registry, auth));
+    let w = InProc::start(&setup).await;
+    w.wait_received("payments", records.len() as u64).await;
+    let p = [("pipeline", "payments")];
+    assert_eq!(w.metric("idemflow_records_applied_total", &p), 2.0);
+    assert_eq!(w.metric("idemflow_duplicates_skipped_total", &[("pipeline", "payments"), ("reason", "republished")]), 1.0);
+    assert_eq!(w.metric("idemflow_duplicates_skipped_total", &[("pipeline", "payments"), ("reason", "payload_mismatch")]), 1.0);
+    assert_eq!(w.metric("idemflow_dead_letters_total", &[("pipeline", "payments"), ("reason", "decode_failed")]), 2.0);
+    assert_eq!(w.metric("idemflow_schema_registry_retries_total", &p), 0.0);
+    assert!(w.stop().await.is_empty());
+
+    let row: String = db
+        .scalar(
+            "SELECT concat_ws('|', account, amount::text, paid_at = '2025-11-29T10:00:00.123Z', method, tags->>1, \
+             encode(fingerprint, 'hex'), channel, seq) FROM payments WHERE order_id = 'ORD-1'",
+        )
+        .await;
+    assert_eq!(row, "ACC-1|100.000000000000000001|t|BANK|b|dead|web|9007199254740993");
+    assert_eq!(db.scalar::<String>("SELECT amount::text FROM payments WHERE order_id = 'ORD-2'").await, "-0.500000000000000000");
+    let errors: String = db.scalar("SELECT string_agg(reason || ': ' || error, E'\\n' ORDER BY \"offset\") FROM idemflow.dead_letters").await;
+    assert!(errors.contains("decode_failed: not in the schema registry wire format: the first byte is 0x7b"), "{errors}");
+    assert!(errors.contains("decode_failed: schema id 999 is not known to the schema registry"), "{errors}");
+    assert_eq!(kafka.committed("idemflow-payments", "payments", 1), vec![6]);
+    assert_eq!(registry.requests("/schemas/ids/1"), 1, "a schema id is fetched once");
+}
+
+/// While the registry answers 503 (or cannot be reached), the pipeline pauses and retries: nothing is applied,
+/// nothing is dead-lettered, the retries are counted; once it answers, every record is applied.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_registry_outage_pauses_the_pipeline_and_dead_letters_nothing() {
+    let registry = Registry::start(&[]);
+    let db = TestDb::new(TABLE).await;
+    let kafka = Kafka::new();
+    kafka.create_topic("payments", 1);
+    let tmp = tempfile::tempdir().unwrap();
+    let avsc = schema_file(tmp.path(), PAYMENT_AVSC);
+    let values = registry.serialize("avro", "payments", &avsc, &[payment("ORD-1", "1.5"), payment("ORD-2", "2.5")]);
+    kafka.produce("payments", &values.iter().map(|v| Out { value: Some(v.clone()), ..Out::default() }).collect::<Vec<_>>());
+    registry.fail(503, -1);
+    let setup = Setup::with(&db, &kafka, &[("payments.toml", &pipeline("payments", "format = \"avro\""))], "", &registry_section(&registry, ""));
+    let w = InProc::start(&setup).await;
+    let p = [("pipeline", "payments")];
+    wait_until(Duration::from_secs(30), "the fetch to be retried", || async {
+        w.metric("idemflow_schema_registry_retries_total", &p) >= 3.0
+    })
+    .await;
+    assert_eq!(w.metric("idemflow_records_applied_total", &p), 0.0);
+    assert_eq!(w.metric("idemflow_dead_letters_total", &[("pipeline", "payments"), ("reason", "decode_failed")]), 0.0);
+    assert_eq!(db.scalar::<i64>("SELECT count(*) FROM payments").await, 0);
+    registry.fail(0, 0);
+    wait_until(Duration::from_secs(60), "the records to be applied", || async { w.metric("idemflow_records_applied_total", &p) >= 2.0 }).await;
+    assert!(w.stop().await.is_empty());
+    assert_eq!(db.scalar::<i64>("SELECT count(*) FROM idemflow.dead_letters").await, 0);
+    assert_eq!(kafka.committed("idemflow-payments", "payments", 1), vec![2]);
+}
+
+/// JSON Schema payloads (confluent-kafka's `JSONSerializer`): the header names the schema, the document is read as
+/// JSON is; and plain Avro datums (no header) read with the pipeline's `schema_file`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn json_schema_payloads_and_plain_avro_with_a_schema_file() {
+    let registry = Registry::start(&[]);
+    let db = TestDb::new(TABLE).await;
+    let kafka = Kafka::new();
+    kafka.create_topic("json-payments", 1);
+    kafka.create_topic("avro-payments", 1);
+    let tmp = tempfile::tempdir().unwrap();
+    let schema = tmp.path().join("payment.json");
+    std::fs::write(&schema, r#"{"$schema": "http://json-schema.org/draft-07/schema#", "title": "Payment", "type": "object",
+        "properties": {"order": {"type": "object", "properties": {"id": {"type": "string"}, "account": {"type": "string"},
+        "amount": {"type": "string"}}, "required": ["id", "account", "amount"]}}}"#).unwrap();
+    let json = registry.serialize("json_schema", "json-payments", &schema, &[r#"{"order": {"id": "J-1", "account": "ACC-2", "amount": "12.34"}}"#.to_owned()]);
+    kafka.produce("json-payments", &[Out { value: Some(json[0].clone()), ..Out::default() }]);
+    let avsc = schema_file(tmp.path(), PAYMENT_AVSC);
+    let avro = registry.serialize("avro", "avro-payments", &avsc, &[payment("A-1", "3.25")]);
+    // A producer of plain datums: the same bytes without the wire format's header.
+    kafka.produce("avro-payments", &[Out { value: Some(avro[0][5..].to_vec()), ..Out::default() }]);
+
+    let json_pipeline = r#"topics = ["json-payments"]
+format = "json_schema"
+[key]
+field = "/order/id"
+[sink]
+table = "payments"
+[sink.columns]
+order_id = "/order/id"
+account = "/order/account"
+amount = "/order/amount"
+"#;
+    let setup = Setup::with(
+        &db,
+        &kafka,
+        &[("json.toml", json_pipeline), ("avro.toml", &pipeline("avro-payments", "format = \"avro\"\nschema_file = \"payment.avsc\""))],
+        "",
+        &registry_section(&registry, ""),
+    );
+    std::fs::write(setup.dir.path().join("pipelines/payment.avsc"), PAYMENT_AVSC).unwrap();
+    let w = InProc::start(&setup).await;
+    w.wait_received("json", 1).await;
+    w.wait_received("avro", 1).await;
+    assert!(w.stop().await.is_empty());
+    assert_eq!(db.scalar::<String>("SELECT string_agg(order_id || '=' || amount::text, ',' ORDER BY order_id) FROM payments").await, "A-1=3.250000000000000000,J-1=12.34");
+}
+
+/// `check` and `run` refuse a wire-format pipeline without `[schema_registry]`, and a `schema_file` that is not an
+/// Avro schema, naming the file, the pipeline and the field.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_format_without_its_schemas_is_refused_by_name() {
+    let db = TestDb::new(TABLE).await;
+    let kafka = Kafka::new();
+    let setup = Setup::with(
+        &db,
+        &kafka,
+        &[
+            ("a.toml", &pipeline("a", "format = \"avro\"")),
+            ("b.toml", &pipeline("b", "format = \"avro\"\nschema_file = \"bad.avsc\"")),
+        ],
+        "",
+        "",
+    );
+    std::fs::write(setup.dir.path().join("pipelines/bad.avsc"), r#"{"type": "record", "name": "X"}"#).unwrap();
+    let (status, out, err) = idemflow(&["check", "--config", setup.config.to_str().unwrap()], setup.dir.path());
+    assert!(!status.success(), "{out}{err}");
+    let text = format!("{out}{err}");
+    assert!(text.contains("a.toml") && text.contains("pipeline \"a\"") && text.contains("format") && text.contains("no [schema_registry]"), "{text}");
+    assert!(text.contains("b.toml") && text.contains("schema_file") && text.contains("bad.avsc is not an Avro schema"), "{text}");
+}

@@ -1,0 +1,89 @@
+//! The suite's schema registry (tests/schema-registry/server.py: the documented REST endpoints of Confluent's
+//! Schema Registry), and payloads encoded by confluent-kafka's own serializers (tests/schema-registry/serialize.py),
+//! both run with the test virtual environment's python3 (scripts/preflight.sh installs confluent-kafka there).
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+/// A running registry on a free port, stopped on drop.
+pub struct Registry {
+    child: Child,
+    /// Its port on 127.0.0.1.
+    pub port: u16,
+    /// `USER:PASSWORD` when it requires basic authentication.
+    user: Option<String>,
+}
+
+impl Registry {
+    /// Starts it (with more arguments: `--user u:p`, `--bearer t`) and waits until it listens.
+    pub fn start(args: &[&str]) -> Registry {
+        let port = super::free_port();
+        let mut child = Command::new("python3")
+            .arg(super::project_root().join("tests/schema-registry/server.py"))
+            .args(["--port", &port.to_string()])
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("python3 (scripts/preflight.sh puts the test environment's first on PATH)");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+        assert!(line.starts_with("listening"), "the registry did not start: {line:?}");
+        let user = args.iter().position(|a| *a == "--user").map(|i| args[i + 1].to_owned());
+        Registry { child, port, user }
+    }
+
+    /// `http://127.0.0.1:PORT`.
+    pub fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// The values `docs` (JSON, one each) encoded in the wire format by confluent-kafka's serializer for `format`
+    /// (`avro`, `json_schema`), which registers `schema_file`'s schema under `<topic>-value`.
+    pub fn serialize(&self, format: &str, topic: &str, schema_file: &Path, docs: &[String]) -> Vec<Vec<u8>> {
+        let mut cmd = Command::new("python3");
+        cmd.arg(super::project_root().join("tests/schema-registry/serialize.py"))
+            .args([&self.url(), format, topic])
+            .arg(schema_file)
+            .args(self.user.iter())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let mut child = cmd.spawn().unwrap();
+        child.stdin.take().unwrap().write_all(docs.join("\n").as_bytes()).unwrap();
+        let out = child.wait_with_output().unwrap();
+        assert!(out.status.success(), "serialize.py failed: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stdout).unwrap().lines().map(|l| hex::decode(l).unwrap()).collect()
+    }
+
+    /// The next `count` requests (-1: all until cleared) answer `status` (0 clears).
+    pub fn fail(&self, status: u16, count: i64) {
+        self.post("/_test/fail", &format!(r#"{{"status":{status},"count":{count}}}"#));
+    }
+
+    /// How many requests `path` had.
+    pub fn requests(&self, path: &str) -> u64 {
+        let (_, body) = super::http_get(([127, 0, 0, 1], self.port).into(), "/_test/requests").unwrap();
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        v.get(path).and_then(serde_json::Value::as_u64).unwrap_or(0)
+    }
+
+    fn post(&self, path: &str, body: &str) {
+        let mut s = TcpStream::connect(("127.0.0.1", self.port)).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        write!(s, "POST {path} HTTP/1.0\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}", body.len()).unwrap();
+        let mut text = String::new();
+        let _ = s.read_to_string(&mut text);
+        assert!(text.starts_with("HTTP/1.0 200") || text.starts_with("HTTP/1.1 200"), "{text}");
+    }
+}
+
+impl Drop for Registry {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

@@ -1,0 +1,193 @@
+#!/usr/bin/env python3
+"""A small schema registry for idemflow's test suite.
+
+It serves the documented REST endpoints of Confluent's Schema Registry that serializers and idemflow call
+(https://docs.confluent.io/platform/current/schema-registry/develop/api.html): schemas by id, subjects and their
+versions, registration and lookup, with the documented error codes (40401 subject not found, 40402 version not
+found, 40403 schema not found). No registry server installs on the test machines (Confluent's and Apicurio's are
+Java programs that no reachable registry distributes, Karapace is not on PyPI), so the suite runs this one, and the
+ecosystem's own serializers (confluent-kafka's) register their schemas in it.
+
+Also, for the tests:
+  --user USER:PASSWORD   basic authentication required (401 otherwise)
+  --bearer TOKEN         bearer authentication required (401 otherwise)
+  --tls CERT KEY         HTTPS with this certificate and key
+  POST /_test/fail {"status": 503, "count": 5}    the next 5 requests answer 503 ("count" -1: until cleared)
+  POST /_test/fail {"status": 0}                  answer normally again
+  GET  /_test/requests                             how many requests each path had
+Prints "listening on PORT" once it accepts connections.
+"""
+
+import argparse
+import base64
+import json
+import re
+import ssl
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+LOCK = threading.Lock()
+SCHEMAS = []  # index + 1 is the id: {"schema", "schemaType", "references"}
+SUBJECTS = {}  # subject -> [id of version 1, id of version 2, ...]
+FAIL = {"status": 0, "count": 0}
+REQUESTS = {}
+
+
+def canonical(body):
+    return (body.get("schemaType", "AVRO"), body["schema"], json.dumps(body.get("references", []), sort_keys=True))
+
+
+def entry(schema_id):
+    s = SCHEMAS[schema_id - 1]
+    out = {"schema": s["schema"]}
+    if s["schemaType"] != "AVRO":
+        out["schemaType"] = s["schemaType"]
+    if s["references"]:
+        out["references"] = s["references"]
+    return out
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    auth = None
+
+    def log_message(self, *args):
+        pass
+
+    def answer(self, status, body):
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/vnd.schemaregistry.v1+json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def error(self, status, code, message):
+        self.answer(status, {"error_code": code, "message": message})
+
+    def body(self):
+        n = int(self.headers.get("Content-Length") or 0)
+        return json.loads(self.rfile.read(n) or b"{}")
+
+    def gate(self):
+        """Counts the request, applies an injected failure and the authentication. True when it may go on."""
+        path = self.path.split("?")[0]
+        with LOCK:
+            REQUESTS[path] = REQUESTS.get(path, 0) + 1
+            if path.startswith("/_test/"):
+                return True
+            if FAIL["status"] and FAIL["count"] != 0:
+                FAIL["count"] -= 1 if FAIL["count"] > 0 else 0
+                status = FAIL["status"]
+                if FAIL["count"] == 0:
+                    FAIL["status"] = 0
+                self.error(status, status * 100 + 1 if status < 1000 else status, "injected failure")
+                return False
+        if self.auth is not None and self.headers.get("Authorization") != self.auth:
+            self.error(401, 401, "Unauthorized")
+            return False
+        return True
+
+    def do_GET(self):
+        if not self.gate():
+            return
+        path = self.path.split("?")[0]
+        with LOCK:
+            if path == "/_test/requests":
+                return self.answer(200, REQUESTS)
+            if path in ("/config", "/config/"):
+                return self.answer(200, {"compatibilityLevel": "BACKWARD"})
+            if path == "/schemas/types":
+                return self.answer(200, ["AVRO", "JSON", "PROTOBUF"])
+            if path == "/subjects":
+                return self.answer(200, sorted(SUBJECTS))
+            m = re.fullmatch(r"/schemas/ids/(\d+)(/versions|/subjects)?", path)
+            if m:
+                sid = int(m.group(1))
+                if not 1 <= sid <= len(SCHEMAS):
+                    return self.error(404, 40403, "Schema %d not found" % sid)
+                if m.group(2):
+                    pairs = [(s, v + 1) for s, ids in SUBJECTS.items() for v, i in enumerate(ids) if i == sid]
+                    if m.group(2) == "/subjects":
+                        return self.answer(200, sorted({s for s, _ in pairs}))
+                    return self.answer(200, [{"subject": s, "version": v} for s, v in pairs])
+                return self.answer(200, entry(sid))
+            m = re.fullmatch(r"/subjects/([^/]+)/versions(?:/([^/]+))?", path)
+            if m:
+                subject = unquote(m.group(1))
+                if subject not in SUBJECTS:
+                    return self.error(404, 40401, "Subject '%s' not found." % subject)
+                ids = SUBJECTS[subject]
+                if m.group(2) is None:
+                    return self.answer(200, list(range(1, len(ids) + 1)))
+                version = len(ids) if m.group(2) in ("latest", "-1") else int(m.group(2))
+                if not 1 <= version <= len(ids):
+                    return self.error(404, 40402, "Version %s not found." % m.group(2))
+                sid = ids[version - 1]
+                return self.answer(200, dict(entry(sid), subject=subject, version=version, id=sid))
+        self.error(404, 404, "HTTP 404 Not Found")
+
+    def do_POST(self):
+        if not self.gate():
+            return
+        path = self.path.split("?")[0]
+        body = self.body()
+        with LOCK:
+            if path == "/_test/fail":
+                FAIL["status"] = int(body.get("status", 0))
+                FAIL["count"] = int(body.get("count", -1))
+                return self.answer(200, FAIL)
+            m = re.fullmatch(r"/subjects/([^/]+)(/versions)?", path)
+            if not m:
+                return self.error(404, 404, "HTTP 404 Not Found")
+            subject = unquote(m.group(1))
+            key = canonical(body)
+            existing = [i + 1 for i, s in enumerate(SCHEMAS) if canonical(s) == key]
+            if m.group(2) is None:  # lookup
+                ids = SUBJECTS.get(subject)
+                if ids is None:
+                    return self.error(404, 40401, "Subject '%s' not found." % subject)
+                for v, sid in enumerate(ids):
+                    if existing and sid == existing[0]:
+                        return self.answer(200, dict(entry(sid), subject=subject, version=v + 1, id=sid))
+                return self.error(404, 40403, "Schema not found")
+            if existing:
+                sid = existing[0]
+            else:
+                SCHEMAS.append({"schema": body["schema"], "schemaType": body.get("schemaType", "AVRO"),
+                                "references": body.get("references", [])})
+                sid = len(SCHEMAS)
+            ids = SUBJECTS.setdefault(subject, [])
+            if sid not in ids:
+                ids.append(sid)
+            return self.answer(200, {"id": sid})
+
+
+def unquote(s):
+    from urllib.parse import unquote as u
+    return u(s)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--user")
+    parser.add_argument("--bearer")
+    parser.add_argument("--tls", nargs=2, metavar=("CERT", "KEY"))
+    args = parser.parse_args()
+    if args.user:
+        Handler.auth = "Basic " + base64.b64encode(args.user.encode()).decode()
+    if args.bearer:
+        Handler.auth = "Bearer " + args.bearer
+    server = ThreadingHTTPServer(("127.0.0.1", args.port), Handler)
+    server.daemon_threads = True
+    if args.tls:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(args.tls[0], args.tls[1])
+        server.socket = context.wrap_socket(server.socket, server_side=True)
+    print("listening on %d" % args.port, flush=True)
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()
