@@ -44,7 +44,7 @@ idemflow_build_packages_missing() {
 }
 
 idemflow_venv_ready() {
-  "$IDEMFLOW_VENV/bin/python3" -c 'import check_jsonschema, ruamel.yaml, kubernetes_validate, yaml, fastavro, jsonschema, confluent_kafka.schema_registry.avro' >/dev/null 2>&1 && [ -x "$IDEMFLOW_VENV/bin/noida-db" ]
+  "$IDEMFLOW_VENV/bin/python3" -c 'import check_jsonschema, ruamel.yaml, kubernetes_validate, yaml, fastavro, jsonschema, grpc_tools, confluent_kafka.schema_registry.avro, confluent_kafka.schema_registry.protobuf' >/dev/null 2>&1 && [ -x "$IDEMFLOW_VENV/bin/noida-db" ]
 }
 
 # Everything the test suite needs:
@@ -69,8 +69,9 @@ idemflow_venv_ready() {
 #   python3-venv       the virtual environment with check-jsonschema and ruamel.yaml (docker-compose.yml checks),
 #                      kubernetes-validate (deploy/kubernetes/ against the Kubernetes schemas)
 #                      noida-db (a second Kafka implementation: DescribeGroups, which the mock cluster lacks)
-#                      and confluent-kafka with its Avro and JSON Schema serializers (payloads in the schema
-#                      registry's wire format, tests/it/formats.rs)
+#                      and confluent-kafka with its Avro, JSON Schema and Protobuf serializers (payloads in the
+#                      schema registry's wire format, tests/it/formats.rs), grpcio-tools (protoc, for the Protobuf
+#                      producer's generated message class)
 idemflow_test_preflight() {
   if ! command -v cargo >/dev/null 2>&1; then
     echo "cargo not found: install the Rust toolchain (https://rustup.rs) first" >&2
@@ -112,7 +113,7 @@ idemflow_test_preflight() {
     echo "creating $IDEMFLOW_VENV with check-jsonschema, noida-db, kubernetes-validate and confluent-kafka from PyPI" >&2
     /usr/bin/python3 -m venv --clear "$IDEMFLOW_VENV" || return 1
     "$IDEMFLOW_VENV/bin/python3" -m pip install --quiet --disable-pip-version-check check-jsonschema noida-db==0.2.3 kubernetes-validate==1.37.0 \
-      'confluent-kafka[avro,json,schemaregistry]==2.16.2' || return 1
+      'confluent-kafka[avro,json,protobuf,schemaregistry]==2.16.2' grpcio-tools==1.85.4 || return 1
     idemflow_venv_ready || { echo "$IDEMFLOW_VENV: check-jsonschema, noida-db, kubernetes-validate or confluent-kafka did not install" >&2; return 1; }
   fi
   idemflow_test_path

@@ -121,13 +121,17 @@ impl Preparer {
         &self.decoder
     }
 
-    /// Whether `record` names a schema not fetched yet ([`Decoder::fetch_schemas`]): it is prepared only after.
-    pub fn waits_on_registry(&self, record: &Record) -> bool {
-        self.decoder.waits_on_registry(record.payload.as_deref())
+    /// The schema id `record` waits on ([`Decoder::schema_to_fetch`]): it is prepared only once that was fetched.
+    /// None for an oversized record (a dead letter whatever its schema).
+    pub fn schema_to_fetch(&self, record: &Record) -> Option<u32> {
+        match record.oversized {
+            Some(_) => None,
+            None => self.decoder.schema_to_fetch(record.payload.as_deref()),
+        }
     }
 
     /// Decodes the record, takes its key and values. Never fails: failures are dead letters. A record that
-    /// [waits on the registry](Preparer::waits_on_registry) is prepared only after its schema was fetched.
+    /// [waits on the registry](Preparer::schema_to_fetch) is prepared only after its schema was fetched.
     pub fn prepare(&self, record: &Record) -> Prepared {
         let Some(payload) = record.payload.as_deref() else {
             return match self.tombstones {
@@ -223,7 +227,7 @@ impl Ahead {
             return;
         }
         // Its schema is fetched before its batch is prepared (the worker's own step, which may pause).
-        if preparer.waits_on_registry(record) {
+        if preparer.schema_to_fetch(record).is_some() {
             return;
         }
         // A panic here (a bug) would unwind while the batch before is in its transaction: the record is left to be

@@ -42,6 +42,16 @@ pub struct RegistrySettings {
     /// The most connecting (TCP and TLS) may take (default 5 s).
     #[serde(default = "default_connect_timeout", with = "humantime_serde")]
     pub connect_timeout: Duration,
+    /// How long a schema id the registry does not know (or a schema it references) is waited on, the pipeline
+    /// paused and the registry asked again, before its records go to the dead letters (default 60 s; `"0s"`: at
+    /// once). A registry follower that has not caught up with a new schema yet, or one being restored, is waited
+    /// out; a payload naming an id no registry has costs this wait once.
+    #[serde(default = "default_missing_schema_wait", with = "humantime_serde")]
+    pub missing_schema_wait: Duration,
+}
+
+fn default_missing_schema_wait() -> Duration {
+    Duration::from_secs(60)
 }
 
 fn default_timeout() -> Duration {
@@ -63,6 +73,15 @@ pub enum RegistryError {
         /// What happened.
         why: String,
     },
+    /// The registry does not know a schema id (or a schema it refers to) yet: waited on for
+    /// `missing_schema_wait` ([`crate::decode::schemas`]).
+    #[error("{why}: waiting for it up to [schema_registry] missing_schema_wait = {} before dead-lettering its records", humantime::format_duration(*wait))]
+    Missing {
+        /// What is missing, and where.
+        why: String,
+        /// `missing_schema_wait`.
+        wait: Duration,
+    },
     /// 401 or 403: the credentials are wrong or lack the permission to read schemas.
     #[error("schema registry {url} refused the request ({status}): check [schema_registry] username, password or bearer_token")]
     Refused {
@@ -74,8 +93,7 @@ pub enum RegistryError {
 }
 
 /// The kind of a registered schema (`schemaType`; absent means Avro).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "UPPERCASE")]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum SchemaType {
     /// Apache Avro (JSON schema text).
     Avro,
@@ -83,6 +101,19 @@ pub enum SchemaType {
     Protobuf,
     /// JSON Schema.
     Json,
+    /// A type this client does not know (a registry's extension): its schemas are not read.
+    Other(String),
+}
+
+impl<'de> Deserialize<'de> for SchemaType {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        Ok(match String::deserialize(d)?.as_str() {
+            "AVRO" => SchemaType::Avro,
+            "PROTOBUF" => SchemaType::Protobuf,
+            "JSON" => SchemaType::Json,
+            other => SchemaType::Other(other.to_owned()),
+        })
+    }
 }
 
 /// A reference from a schema to another registered schema (`references`): Avro named types defined in another
@@ -128,6 +159,12 @@ struct Body {
 struct ErrorBody {
     error_code: Option<i64>,
 }
+
+/// The largest answer read (a schema with its text): a URL that serves something else is not read whole.
+const MAX_BODY_BYTES: usize = 16 << 20;
+
+/// What is escaped in a path segment (a subject): all but RFC 3986's unreserved characters.
+const SEGMENT: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPHANUMERIC.remove(b'-').remove(b'.').remove(b'_').remove(b'~');
 
 /// Error codes of a 404 that mean "no such schema, subject or version".
 const NOT_FOUND_CODES: [i64; 3] = [40401, 40402, 40403];
@@ -175,7 +212,10 @@ impl SchemaRegistry {
             let path = format!("{}/", base.path());
             base.set_path(&path);
         }
-        let shown = base.as_str().trim_end_matches('/').to_owned();
+        // Without the query (which may carry a token) in messages.
+        let mut without_query = base.clone();
+        without_query.set_query(None);
+        let shown = without_query.as_str().trim_end_matches('/').to_owned();
         let auth = match (in_url, &settings.username, &settings.bearer_token) {
             (Some(_), Some(_), _) => return Err("url holds credentials and username is set too: give them once".to_owned()),
             (Some(_), _, Some(_)) | (None, Some(_), Some(_)) => {
@@ -234,8 +274,10 @@ impl SchemaRegistry {
     ///
     /// Errors: see the module documentation.
     pub async fn version(&self, subject: &str, version: Option<i64>) -> Result<Option<RegisteredSchema>, RegistryError> {
-        let v = version.map_or_else(|| "latest".to_owned(), |v| v.to_string());
-        let path = format!("subjects/{}/versions/{v}", url::form_urlencoded::byte_serialize(subject.as_bytes()).collect::<String>());
+        // A referenced version is read even when soft-deleted since (as Confluent's clients read it): the schemas
+        // referring to it still need it.
+        let v = version.map_or_else(|| "latest".to_owned(), |v| format!("{v}?deleted=true"));
+        let path = format!("subjects/{}/versions/{v}", percent_encoding::utf8_percent_encode(subject, SEGMENT));
         let got = self.get(&path).await?;
         Ok(got.map(|b| RegisteredSchema {
             id: b.id.unwrap_or_default(),
@@ -255,9 +297,15 @@ impl SchemaRegistry {
             Auth::Basic(user, password) => request.basic_auth(user, password.as_deref()),
             Auth::Bearer(token) => request.bearer_auth(token),
         };
-        let response = request.send().await.map_err(|e| unavailable(describe(&e)))?;
+        let mut response = request.send().await.map_err(|e| unavailable(describe(&e)))?;
         let status = response.status();
-        let body = response.bytes().await.map_err(|e| unavailable(describe(&e)))?;
+        let mut body = Vec::new();
+        while let Some(chunk) = response.chunk().await.map_err(|e| unavailable(describe(&e)))? {
+            if body.len() + chunk.len() > MAX_BODY_BYTES {
+                return Err(unavailable(format!("GET {path}: an answer of more than {MAX_BODY_BYTES} bytes (is url the registry's?)")));
+            }
+            body.extend_from_slice(&chunk);
+        }
         match status.as_u16() {
             200..=299 => serde_json::from_slice(&body).map(Some).map_err(|e| unavailable(format!("GET {path}: the answer is not a schema: {e}"))),
             401 | 403 => Err(RegistryError::Refused { url: self.shown.clone(), status: status.as_u16() }),
@@ -283,8 +331,9 @@ fn describe(e: &reqwest::Error) -> String {
     text
 }
 
+/// A URL's user or password as written (`%2B` is `+`, and `+` stays `+`).
 fn percent_decoded(s: &str) -> String {
-    url::form_urlencoded::parse(format!("x={s}").as_bytes()).next().map(|(_, v)| v.into_owned()).unwrap_or_default()
+    percent_encoding::percent_decode_str(s).decode_utf8_lossy().into_owned()
 }
 
 #[cfg(test)]
@@ -300,14 +349,15 @@ mod tests {
             ca_file: None,
             timeout: default_timeout(),
             connect_timeout: default_connect_timeout(),
+            missing_schema_wait: default_missing_schema_wait(),
         }
     }
 
     #[test]
     fn credentials_in_the_url_are_basic_authentication_and_never_shown() {
-        let r = SchemaRegistry::new(&settings("https://key:s%3Acret@registry.example:8081/prefix")).unwrap();
+        let r = SchemaRegistry::new(&settings("https://key:s%3Ac+ret@registry.example:8081/prefix?token=x")).unwrap();
         assert_eq!(r.url(), "https://registry.example:8081/prefix");
-        assert!(matches!(&*r.auth, Auth::Basic(u, Some(p)) if u == "key" && p == "s:cret"));
+        assert!(matches!(&*r.auth, Auth::Basic(u, Some(p)) if u == "key" && p == "s:c+ret"));
         assert!(!format!("{r:?}").contains("cret"));
     }
 

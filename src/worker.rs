@@ -526,15 +526,17 @@ impl Step<'_> {
         records: Vec<Record>,
         shutdown: &mut Shutdown,
     ) -> Result<Option<PreparedBatch>, SinkError> {
+        let mut holding: BTreeMap<(&str, i32), i64> = BTreeMap::new();
+        for run in records.chunk_by(|a, b| a.position.same_partition(&b.position)) {
+            *holding.entry((run[0].position.topic_name(), run[0].position.partition)).or_default() += run.len() as i64;
+        }
+        // Before the schemas are fetched: a pipeline paused on the registry holds these records, and its
+        // partitions count as stalled while it waits.
+        self.metrics.in_flight(holding.iter().map(|((t, p), n)| (*t, *p, *n)));
+        drop(holding);
         let Some(records) = self.fetch_schemas(source, records, shutdown).await else { return Ok(None) };
         let mut batch = self.ahead.take(records, &self.ready.preparer);
         self.metrics.prepared_ahead(self.ahead.tally());
-        let mut holding: BTreeMap<(&str, i32), i64> = BTreeMap::new();
-        for run in batch.records().chunk_by(|a, b| a.position.same_partition(&b.position)) {
-            *holding.entry((run[0].position.topic_name(), run[0].position.partition)).or_default() += run.len() as i64;
-        }
-        self.metrics.in_flight(holding.iter().map(|((t, p), n)| (*t, *p, *n)));
-        drop(holding);
         let mut retrying = Retrying::new(self.batch_timeout);
         let outcome = loop {
             if batch.is_empty() {
@@ -568,18 +570,14 @@ impl Step<'_> {
         let mut failing_since: Option<Instant> = None;
         loop {
             let decoder = self.ready.preparer.decoder().clone();
-            let payloads: Vec<Option<Vec<u8>>> = records
-                .iter()
-                .filter(|r| self.ready.preparer.waits_on_registry(r))
-                .map(|r| r.payload.as_deref().map(<[u8]>::to_vec))
-                .collect();
-            if payloads.is_empty() {
+            let ids: Vec<u32> = records.iter().filter_map(|r| self.ready.preparer.schema_to_fetch(r)).collect();
+            if ids.is_empty() {
                 if let Some(since) = failing_since {
                     tracing::info!(failing_for = ?since.elapsed(), "the schema registry answers again");
                 }
                 return Some(records);
             }
-            let fetch = tokio::spawn(async move { decoder.fetch_schemas(payloads.iter().map(Option::as_deref)).await }.in_current_span());
+            let fetch = tokio::spawn(async move { decoder.fetch_schemas(ids).await }.in_current_span());
             let error = match source.poll_while(fetch).await {
                 Ok(()) => continue,
                 Err(e) => e.to_string(),

@@ -135,6 +135,12 @@ pub async fn run(cmd: DeadLettersCommand) -> anyhow::Result<()> {
                     o.size
                 );
             }
+            // A wire-format payload's schema, from the registry, as the worker fetches it before preparing.
+            if let Some(schema_id) = r.preparer.schema_to_fetch(&record) {
+                if let Err(e) = r.preparer.decoder().fetch_schemas(vec![schema_id]).await {
+                    bail!("dead letter {id}: cannot fetch its schema (id {schema_id}): {e}; the dead letter is kept");
+                }
+            }
             let prepared = r.preparer.prepare(&record);
             let batch = idemflow::batch::Batch::single(record, prepared);
             let outcome = r.sink.apply_replaying(&batch, |_| Ok(()), &[id]).await?;

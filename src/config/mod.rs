@@ -375,7 +375,9 @@ pub fn attach_registry(settings: &Settings, pipelines: &mut Vec<Pipeline>, error
     }
     let registry = match &settings.schema_registry {
         None => Err("no [schema_registry] in the settings: set its url, or name an Avro schema_file in the pipeline".to_owned()),
-        Some(r) => crate::schema_registry::SchemaRegistry::new(r).map(crate::decode::schemas::Schemas::new).map_err(|why| format!("[schema_registry] {why}")),
+        Some(r) => crate::schema_registry::SchemaRegistry::new(r)
+            .map(|registry| crate::decode::schemas::Schemas::new(registry, r.missing_schema_wait))
+            .map_err(|why| format!("[schema_registry] {why}")),
     };
     pipelines.retain_mut(|p| {
         if !p.decoder.needs_registry() {

@@ -167,6 +167,7 @@ struct RawPipeline {
     #[serde(default)]
     format: Format,
     schema_file: Option<PathBuf>,
+    message: Option<String>,
     max_payload_bytes: Option<usize>,
     #[serde(default)]
     tombstones: TombstonePolicy,
@@ -466,14 +467,19 @@ fn validate(raw: RawPipeline, path: &Path, stem: &str, dialect: Dialect, e: &mut
     })
 }
 
-/// The pipeline's decoder: `format`, with the Avro schema of `schema_file` (read relative to the pipeline file's
-/// directory) when one is named. A format that reads the schema registry gets it later
-/// ([`super::attach_registry`]).
+/// The pipeline's decoder: `format`, with the schema of `schema_file` (read relative to the pipeline file's
+/// directory: an Avro schema, or a `.proto` file and its `message`) when one is named. A format that reads the
+/// schema registry gets it later ([`super::attach_registry`]).
 fn validate_format(raw: &RawPipeline, path: &Path, max_payload_bytes: usize, e: &mut Errors<'_>) -> Option<Decoder> {
+    use crate::decode::FileSchema;
     let decoder = Decoder::new(raw.format, max_payload_bytes);
+    if raw.message.is_some() && !(raw.format == Format::Protobuf && raw.schema_file.is_some()) {
+        e.push("message", "is for format = \"protobuf\" with a schema_file (the message of the .proto file payloads are)");
+        return None;
+    }
     let Some(file) = &raw.schema_file else { return Some(decoder) };
-    if raw.format != Format::Avro {
-        e.push("schema_file", format!("is for format = \"avro\" (plain Avro datums); format = {:?} takes no schema file", raw.format.name()));
+    if !matches!(raw.format, Format::Avro | Format::Protobuf) {
+        e.push("schema_file", format!("is for format = \"avro\" or \"protobuf\" (plain datums or messages); format = {:?} takes no schema file", raw.format.name()));
         return None;
     }
     let full = path.parent().map_or_else(|| file.clone(), |dir| dir.join(file));
@@ -484,10 +490,22 @@ fn validate_format(raw: &RawPipeline, path: &Path, max_payload_bytes: usize, e: 
             return None;
         }
     };
-    match crate::decode::avro::AvroSchema::parse(&text, &[]) {
-        Ok(schema) => Some(decoder.with_schema_file(schema, &file.display().to_string())),
+    let shown = file.display().to_string();
+    let schema = if raw.format == Format::Avro {
+        crate::decode::avro::AvroSchema::parse(&text, &[]).map(FileSchema::Avro).map_err(|err| format!("{} is not an Avro schema: {err}", full.display()))
+    } else {
+        let name = file.file_name().map_or_else(|| shown.clone(), |n| n.to_string_lossy().into_owned());
+        crate::decode::protobuf::ProtoFile::compile(&name, &text, &[])
+            .map_err(|err| format!("{} is not a .proto file idemflow can compile: {err}", full.display()))
+            .and_then(|f| match &raw.message {
+                Some(m) => f.message(m).map(FileSchema::Protobuf).map_err(|err| format!("message: {err}")),
+                None => f.by_indexes(&[0]).map(FileSchema::Protobuf).map_err(|err| format!("{}: {err}", full.display())),
+            })
+    };
+    match schema {
+        Ok(schema) => Some(decoder.with_schema_file(schema, &shown)),
         Err(err) => {
-            e.push("schema_file", format!("{} is not an Avro schema: {err}", full.display()));
+            e.push(if err.starts_with("message: ") { "message" } else { "schema_file" }, err.trim_start_matches("message: ").to_owned());
             None
         }
     }

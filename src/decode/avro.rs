@@ -6,7 +6,8 @@
 //! process aborts when they cannot be had) and recurses as deep as a recursive schema's payload nests (a stack
 //! overflow): a bad record would stop the worker instead of going to the dead letters. This reader bounds both: an
 //! array or map grows only as its items are read, the values a datum may hold are bounded by its length
-//! ([`Reader::budget`]), and nesting by [`MAX_DEPTH`].
+//! (one value a byte), and nesting by [`MAX_DEPTH`]. A `decimal` longer than its precision allows is refused
+//! before it is converted (a huge one would take seconds of CPU to print).
 //!
 //! What each Avro type becomes (docs/formats.md has the table): records and maps are JSON objects (a record's
 //! fields in schema order), arrays arrays, a union its branch's value (`null` as null), an enum its symbol, `int`
@@ -38,10 +39,12 @@ impl AvroSchema {
     ///
     /// Errors: the schema or a reference does not parse, or a named type is used but defined nowhere.
     pub fn parse(text: &str, references: &[String]) -> Result<AvroSchema, String> {
+        let text = fixed_logical_types(text)?;
+        let references = references.iter().map(|r| fixed_logical_types(r)).collect::<Result<Vec<_>, _>>()?;
         let (root, refs) = if references.is_empty() {
-            (Schema::parse_str(text).map_err(|e| e.to_string())?, Vec::new())
+            (Schema::parse_str(&text).map_err(|e| e.to_string())?, Vec::new())
         } else {
-            Schema::parse_str_with_list(text, references).map_err(|e| e.to_string())?
+            Schema::parse_str_with_list(&text, &references).map_err(|e| e.to_string())?
         };
         let mut names = HashMap::new();
         for s in refs.iter().chain(std::iter::once(&root)) {
@@ -71,13 +74,50 @@ impl AvroSchema {
     /// that is not UTF-8, a negative length), nest deeper than [`MAX_DEPTH`], hold more values than their length
     /// allows, or bytes are left over.
     pub fn decode(&self, bytes: &[u8]) -> Result<Value, String> {
-        let mut r = Reader { bytes, pos: 0, budget: bytes.len().saturating_mul(8).saturating_add(1024), schema: self };
+        let mut r = Reader { bytes, pos: 0, budget: bytes.len().saturating_add(1024), schema: self };
         let value = r.value(&self.root, &None, 0)?;
         if r.pos != bytes.len() {
             return Err(format!("{} bytes left over after the datum", bytes.len() - r.pos));
         }
         Ok(value)
     }
+}
+
+/// The attribute a `fixed` type carries instead of `"logicalType": "uuid"` (16 bytes) or `"duration"` (12 bytes)
+/// when [`fixed_logical_types`] rewrote it: its value is the logical type.
+const FIXED_LOGICAL: &str = "idemflow.logicalType";
+
+/// The schema text with the `uuid` and `duration` logical types of `fixed` types moved to [`FIXED_LOGICAL`]: the
+/// Avro crate parses both into types that no longer say they are `fixed` of a size and a name (a uuid on `fixed(16)`
+/// would be read as a string, a named duration could not be referred to). A logical type on a `fixed` of the wrong
+/// size is dropped, as the specification says (the type reads as its `fixed`).
+fn fixed_logical_types(text: &str) -> Result<String, String> {
+    fn walk(v: &mut Value) {
+        match v {
+            Value::Object(o) => {
+                let size = o.get("size").and_then(Value::as_u64);
+                let logical = o.get("logicalType").and_then(Value::as_str).map(str::to_owned);
+                if o.get("type").and_then(Value::as_str) == Some("fixed") {
+                    match (logical.as_deref(), size) {
+                        (Some("uuid"), Some(16)) | (Some("duration"), Some(12)) => {
+                            o.remove("logicalType");
+                            o.insert(FIXED_LOGICAL.to_owned(), Value::String(logical.unwrap_or_default()));
+                        }
+                        (Some("uuid" | "duration"), _) => {
+                            o.remove("logicalType");
+                        }
+                        _ => {}
+                    }
+                }
+                o.values_mut().for_each(walk);
+            }
+            Value::Array(a) => a.iter_mut().for_each(walk),
+            _ => {}
+        }
+    }
+    let mut v: Value = serde_json::from_str(text).map_err(|e| format!("not JSON: {e}"))?;
+    walk(&mut v);
+    Ok(v.to_string())
 }
 
 /// Adds the named types `schema` defines (records, enums, fixed; a named `decimal` on `fixed` too) to `names`, by
@@ -131,7 +171,10 @@ struct Reader<'a> {
     bytes: &'a [u8],
     pos: usize,
     /// Values still allowed: every value read takes one. Items of `null` take no bytes, so a block's count alone
-    /// could say a billion; the budget (eight values a byte, and 1,024) bounds what a datum decodes to.
+    /// could say a billion; the budget (one value a byte, and 1,024) bounds what a datum decodes to. Every other
+    /// type takes at least a byte a value (a boolean, an array of booleans), so no valid datum that is not mostly
+    /// `null`s comes near it; the memory it bounds is about what serde_json builds for a JSON array of as many
+    /// numbers.
     budget: usize,
     schema: &'a AvroSchema,
 }
@@ -219,7 +262,11 @@ impl Reader<'_> {
                 float(d, &d.to_string())
             }
             Schema::Bytes | Schema::BigDecimal => Value::String(hex(self.bytes_value()?)),
-            Schema::Fixed(f) => Value::String(hex(self.take(f.size)?)),
+            Schema::Fixed(f) => match f.attributes.get(FIXED_LOGICAL).and_then(Value::as_str) {
+                Some("uuid") => Value::String(uuid(self.take(16)?)),
+                Some("duration") => duration(self.take(12)?),
+                _ => Value::String(hex(self.take(f.size)?)),
+            },
             Schema::String | Schema::Uuid => Value::String(self.text()?),
             Schema::Enum(e) => {
                 let i = self.int()?;
@@ -281,12 +328,13 @@ impl Reader<'_> {
                     Schema::Fixed(f) => self.take(f.size)?,
                     _ => self.bytes_value()?,
                 };
-                decimal(raw, d.scale)?
+                decimal(raw, d.precision, d.scale)?
             }
             Schema::Date => {
                 let days = self.int()?;
-                let date = jiff::civil::date(1970, 1, 1).checked_add(jiff::Span::new().days(i64::from(days)));
-                Value::String(date.map_err(|_| format!("date {days} days from 1970-01-01 is out of range"))?.to_string())
+                let out_of_range = || format!("date {days} days from 1970-01-01 is out of range");
+                let span = jiff::Span::new().try_days(i64::from(days)).map_err(|_| out_of_range())?;
+                Value::String(jiff::civil::date(1970, 1, 1).checked_add(span).map_err(|_| out_of_range())?.to_string())
             }
             Schema::TimeMillis => Value::String(time_of_day(i64::from(self.int()?) * 1_000, 3)?),
             Schema::TimeMicros => Value::String(time_of_day(self.long()?, 6)?),
@@ -296,18 +344,28 @@ impl Reader<'_> {
             Schema::LocalTimestampMillis => instant(i128::from(self.long()?) * 1_000_000, true)?,
             Schema::LocalTimestampMicros => instant(i128::from(self.long()?) * 1_000, true)?,
             Schema::LocalTimestampNanos => instant(i128::from(self.long()?), true)?,
-            Schema::Duration => {
-                let b = self.take(12)?;
-                let part = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
-                let (months, days, millis) = (part(0), part(4), part(8));
-                Value::String(format!("P{months}M{days}DT{}.{:03}S", millis / 1000, millis % 1000))
-            }
+            // Rewritten to a fixed by `fixed_logical_types`; read the same should a schema still have it.
+            Schema::Duration => duration(self.take(12)?),
         })
     }
 }
 
+/// An Avro `duration`: three little-endian unsigned 32-bit integers (months, days, milliseconds), as ISO 8601.
+fn duration(b: &[u8]) -> Value {
+    let part = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
+    let (months, days, millis) = (part(0), part(4), part(8));
+    Value::String(format!("P{months}M{days}DT{}.{:03}S", millis / 1000, millis % 1000))
+}
+
+/// 16 bytes as a UUID's text (RFC 9562: lowercase hex, hyphens 8-4-4-4-12).
+fn uuid(b: &[u8]) -> String {
+    let h = hex(b);
+    let h = &h[2..];
+    format!("{}-{}-{}-{}-{}", &h[0..8], &h[8..12], &h[12..16], &h[16..20], &h[20..32])
+}
+
 /// A float's value: its shortest exact decimal (`text`, Rust's), or the name of a value JSON cannot hold.
-fn float(v: f64, text: &str) -> Value {
+pub(super) fn float(v: f64, text: &str) -> Value {
     if v.is_nan() {
         Value::String("NaN".to_owned())
     } else if v.is_infinite() {
@@ -318,7 +376,7 @@ fn float(v: f64, text: &str) -> Value {
 }
 
 /// `\x` and lowercase hex: PostgreSQL's `bytea` text form.
-fn hex(bytes: &[u8]) -> String {
+pub(super) fn hex(bytes: &[u8]) -> String {
     let mut s = String::with_capacity(2 + 2 * bytes.len());
     s.push_str("\\x");
     for b in bytes {
@@ -327,9 +385,18 @@ fn hex(bytes: &[u8]) -> String {
     s
 }
 
-/// A `decimal`: the two's-complement big-endian unscaled value `raw`, with `scale` digits after the point.
-fn decimal(raw: &[u8], scale: usize) -> Result<Value, String> {
+/// A `decimal`: the two's-complement big-endian unscaled value `raw`, with `scale` digits after the point, of at
+/// most `precision` digits (the Avro specification's rule: a value beyond its precision is not of its type).
+fn decimal(raw: &[u8], precision: usize, scale: usize) -> Result<Value, String> {
+    // A `precision`-digit value needs at most precision * log2(10) / 8 + 1 bytes; more is refused unconverted.
+    if raw.len() > precision.saturating_mul(3322) / 8000 + 2 {
+        return Err(format!("a decimal of {} bytes is longer than its precision of {precision} digits allows", raw.len()));
+    }
     let unscaled = num_bigint::BigInt::from_signed_bytes_be(raw).to_string();
+    let digits = unscaled.trim_start_matches('-').len();
+    if digits > precision && unscaled != "0" {
+        return Err(format!("decimal {unscaled} (unscaled) has {digits} digits, more than its precision of {precision}"));
+    }
     let (sign, digits) = match unscaled.strip_prefix('-') {
         Some(d) => ("-", d),
         None => ("", unscaled.as_str()),
@@ -448,8 +515,10 @@ mod tests {
 
     #[test]
     fn logical_values() {
-        assert_eq!(decimal(&[0x00, 0x01], 3).unwrap().to_string(), "0.001");
-        assert_eq!(decimal(&[0xff], 0).unwrap().to_string(), "-1");
+        assert_eq!(decimal(&[0x00, 0x01], 5, 3).unwrap().to_string(), "0.001");
+        assert!(decimal(&[0x01; 40], 38, 2).unwrap_err().contains("longer"));
+        assert!(decimal(&[0x27, 0x10], 4, 0).unwrap_err().contains("more than its precision"));
+        assert_eq!(decimal(&[0xff], 1, 0).unwrap().to_string(), "-1");
         assert_eq!(time_of_day(3_723_004_005, 6).unwrap(), "01:02:03.004005");
         assert_eq!(instant(-1_000_000, true).unwrap(), Value::String("1969-12-31T23:59:59.999".into()));
         assert_eq!(float(f64::from(0.1f32), &0.1f32.to_string()).to_string(), "0.1");
@@ -459,6 +528,33 @@ mod tests {
         b.extend(2u32.to_le_bytes());
         b.extend(3004u32.to_le_bytes());
         assert_eq!(s.decode(&b).unwrap(), Value::String("P1M2DT3.004S".into()));
+    }
+
+    #[test]
+    fn uuid_and_duration_on_named_fixed_types() {
+        let schema = r#"{"type": "record", "name": "R", "fields": [
+            {"name": "id", "type": {"type": "fixed", "name": "U", "size": 16, "logicalType": "uuid"}},
+            {"name": "d", "type": {"type": "fixed", "name": "D", "size": 12, "logicalType": "duration"}},
+            {"name": "again", "type": "D"},
+            {"name": "odd", "type": {"type": "fixed", "name": "O", "size": 2, "logicalType": "duration"}},
+            {"name": "day", "type": {"type": "int", "logicalType": "date"}}]}"#;
+        let s = AvroSchema::parse(schema, &[]).unwrap();
+        let mut b: Vec<u8> = (0u8..16).collect();
+        for _ in 0..2 {
+            b.extend(1u32.to_le_bytes());
+            b.extend(2u32.to_le_bytes());
+            b.extend(3004u32.to_le_bytes());
+        }
+        b.extend([0xab, 0xcd]);
+        b.extend(zz(-1));
+        assert_eq!(
+            s.decode(&b).unwrap().to_string(),
+            r#"{"id":"00010203-0405-0607-0809-0a0b0c0d0e0f","d":"P1M2DT3.004S","again":"P1M2DT3.004S","odd":"\\xabcd","day":"1969-12-31"}"#
+        );
+        // A date far out of range is a decode error, never a panic.
+        let mut far = b[..b.len() - 1].to_vec();
+        far.extend(zz(8_000_000));
+        assert!(s.decode(&far).unwrap_err().contains("out of range"));
     }
 
     #[test]

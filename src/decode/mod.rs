@@ -19,6 +19,7 @@
 //! before decoding ([`Decoder::fetch_schemas`], [`schemas`]), so decoding never waits on the network.
 
 pub mod avro;
+pub mod protobuf;
 pub mod schemas;
 pub mod wire;
 
@@ -43,6 +44,10 @@ pub enum Format {
     /// Apache Avro binary: in the schema registry's wire format (Confluent's `AvroSerializer`, Kafka Connect's
     /// `AvroConverter`), or plain datums of the pipeline's `schema_file` (`.avsc`).
     Avro,
+    /// Protocol Buffers: in the schema registry's wire format (Confluent's `ProtobufSerializer`: the message
+    /// indexes after the schema id name the message), or plain messages of the pipeline's `schema_file` (`.proto`)
+    /// and `message`.
+    Protobuf,
 }
 
 impl Format {
@@ -52,6 +57,7 @@ impl Format {
             Format::Json => "json",
             Format::JsonSchema => "json_schema",
             Format::Avro => "avro",
+            Format::Protobuf => "protobuf",
         }
     }
 }
@@ -78,7 +84,7 @@ pub enum DecodeError {
     /// format.
     #[error("{0}")]
     Schema(String),
-    /// The bytes do not decode with their schema.
+    /// The bytes do not decode with their schema (Avro or Protobuf).
     #[error("payload does not decode with {schema}: {why}")]
     Avro {
         /// `schema id N` or `schema_file <path>`.
@@ -88,11 +94,20 @@ pub enum DecodeError {
     },
 }
 
+/// The schema of a pipeline's `schema_file`.
+#[derive(Clone, Debug)]
+pub enum FileSchema {
+    /// An Avro schema (`.avsc`).
+    Avro(avro::AvroSchema),
+    /// The pipeline's `message` of a `.proto` file.
+    Protobuf(prost_reflect::MessageDescriptor),
+}
+
 /// Where a pipeline's payloads find their schema.
 #[derive(Clone, Debug)]
 enum SchemaSource {
-    /// `schema_file`: every payload a plain datum of this schema.
-    File(Arc<avro::AvroSchema>, Arc<str>),
+    /// `schema_file`: every payload a plain datum or message of this schema.
+    File(Arc<FileSchema>, Arc<str>),
     /// The schema registry: payloads in its wire format.
     Registry(Schemas),
 }
@@ -112,9 +127,8 @@ impl Decoder {
         Decoder { format, max_payload_bytes, schema: None }
     }
 
-    /// The same, reading every payload as a plain datum of `schema` (an Avro schema from `file`, named in
-    /// errors).
-    pub fn with_schema_file(self, schema: avro::AvroSchema, file: &str) -> Self {
+    /// The same, reading every payload as a plain datum or message of `schema` (from `file`, named in errors).
+    pub fn with_schema_file(self, schema: FileSchema, file: &str) -> Self {
         Decoder { schema: Some(SchemaSource::File(Arc::new(schema), file.into())), ..self }
     }
 
@@ -147,29 +161,24 @@ impl Decoder {
         self.max_payload_bytes
     }
 
-    /// Whether `payload` names a schema not fetched yet: it cannot be decoded before [`Decoder::fetch_schemas`].
-    pub fn waits_on_registry(&self, payload: Option<&[u8]>) -> bool {
+    /// The schema id `payload` names when it must be fetched before the payload is decoded
+    /// ([`Decoder::fetch_schemas`]); `None` for a payload that decodes (or fails) without the registry.
+    pub fn schema_to_fetch(&self, payload: Option<&[u8]>) -> Option<u32> {
         match (&self.schema, payload) {
             (Some(SchemaSource::Registry(s)), Some(p)) if p.len() <= self.max_payload_bytes => {
-                wire::schema_id(p).is_some_and(|id| s.get(id).is_none())
+                wire::schema_id(p).filter(|id| s.needs_fetch(*id))
             }
-            _ => false,
+            _ => None,
         }
     }
 
-    /// Fetches the schemas `payloads` name that are not known yet, each once: afterwards every one decodes without
-    /// waiting (or fails as a record's fault: an id the registry does not know).
+    /// Fetches the schemas `ids` (as [`Decoder::schema_to_fetch`] gives them), each once: afterwards every payload
+    /// naming one decodes without waiting (or fails as a record's fault: an id the registry has not known for
+    /// `missing_schema_wait`).
     ///
-    /// Errors: the registry gave no answer; the caller pauses and retries.
-    pub async fn fetch_schemas<'p>(&self, payloads: impl IntoIterator<Item = Option<&'p [u8]>>) -> Result<(), crate::schema_registry::RegistryError> {
+    /// Errors: the registry gave no answer, or does not know an id yet; the caller pauses and retries.
+    pub async fn fetch_schemas(&self, mut ids: Vec<u32>) -> Result<(), crate::schema_registry::RegistryError> {
         let Some(SchemaSource::Registry(schemas)) = &self.schema else { return Ok(()) };
-        let mut ids: Vec<u32> = payloads
-            .into_iter()
-            .flatten()
-            .filter(|p| p.len() <= self.max_payload_bytes)
-            .filter_map(wire::schema_id)
-            .filter(|id| schemas.get(*id).is_none())
-            .collect();
         ids.sort_unstable();
         ids.dedup();
         for id in ids {
@@ -193,22 +202,32 @@ impl Decoder {
         if payload.len() > self.max_payload_bytes {
             return Err(DecodeError::TooLarge { size: payload.len(), limit: self.max_payload_bytes });
         }
+        let failed = |schema: String| move |why: String| DecodeError::Avro { schema, why };
         match (self.format, &self.schema) {
             (Format::Json, _) => json_selected(payload, selection),
-            (Format::Avro, Some(SchemaSource::File(schema, file))) => {
-                let value = schema.decode(payload).map_err(|why| DecodeError::Avro { schema: format!("schema_file {file}"), why })?;
-                Ok(Selected::from_value(selection, value))
-            }
+            (Format::Avro, Some(SchemaSource::File(schema, file))) => match &**schema {
+                FileSchema::Avro(a) => Ok(Selected::from_value(selection, a.decode(payload).map_err(failed(format!("schema_file {file}")))?)),
+                FileSchema::Protobuf(_) => Err(DecodeError::Schema(format!("schema_file {file} is not an Avro schema"))),
+            },
+            (Format::Protobuf, Some(SchemaSource::File(schema, file))) => match &**schema {
+                FileSchema::Protobuf(m) => {
+                    Ok(Selected::from_value(selection, protobuf::decode(m, payload).map_err(failed(format!("schema_file {file}")))?))
+                }
+                FileSchema::Avro(_) => Err(DecodeError::Schema(format!("schema_file {file} is not a .proto file"))),
+            },
             (format, Some(SchemaSource::Registry(schemas))) => {
                 let (id, body) = wire::split(payload)?;
                 let known = schemas.get(id).ok_or_else(|| {
                     DecodeError::Schema(format!("schema id {id} was not fetched from the schema registry (a defect: please report it)"))
                 })?;
+                let schema = || format!("schema id {id}");
                 match (format, &*known) {
                     (_, Known::Unusable(why)) => Err(DecodeError::Schema(why.clone())),
-                    (Format::Avro, Known::Avro(schema)) => {
-                        let value = schema.decode(body).map_err(|why| DecodeError::Avro { schema: format!("schema id {id}"), why })?;
-                        Ok(Selected::from_value(selection, value))
+                    (Format::Avro, Known::Avro(a)) => Ok(Selected::from_value(selection, a.decode(body).map_err(failed(schema()))?)),
+                    (Format::Protobuf, Known::Protobuf(file)) => {
+                        let (indexes, message) = protobuf::message_indexes(body).map_err(failed(schema()))?;
+                        let descriptor = file.by_indexes(&indexes).map_err(failed(schema()))?;
+                        Ok(Selected::from_value(selection, protobuf::decode(&descriptor, message).map_err(failed(schema()))?))
                     }
                     (Format::JsonSchema, Known::Json) => json_selected(body, selection),
                     (format, other) => Err(DecodeError::Schema(format!(
@@ -218,7 +237,6 @@ impl Decoder {
                     ))),
                 }
             }
-            // Refused when the pipeline is loaded (`schema_file` is for Avro only).
             (Format::JsonSchema, Some(SchemaSource::File(..))) => Err(DecodeError::Schema("format json_schema takes no schema_file".to_owned())),
             (format, None) => Err(DecodeError::Schema(format!("format {} has no schema: set schema_file or [schema_registry]", format.name()))),
         }

@@ -55,7 +55,7 @@ seq = "/seq"
 }
 
 fn registry_section(registry: &Registry, auth: &str) -> String {
-    format!("[schema_registry]\nurl = \"{}\"\ntimeout = \"2s\"\n{auth}\n", registry.url())
+    format!("[schema_registry]\nurl = \"{}\"\ntimeout = \"2s\"\nmissing_schema_wait = \"1s\"\n{auth}\n", registry.url())
 }
 
 fn schema_file(dir: &std::path::Path, text: &str) -> std::path::PathBuf {
@@ -99,7 +99,8 @@ async fn avro_payments_from_the_registry_are_applied_once_with_exact_values() {
     assert_eq!(w.metric("idemflow_duplicates_skipped_total", &[("pipeline", "payments"), ("reason", "republished")]), 1.0);
     assert_eq!(w.metric("idemflow_duplicates_skipped_total", &[("pipeline", "payments"), ("reason", "payload_mismatch")]), 1.0);
     assert_eq!(w.metric("idemflow_dead_letters_total", &[("pipeline", "payments"), ("reason", "decode_failed")]), 2.0);
-    assert_eq!(w.metric("idemflow_schema_registry_retries_total", &p), 0.0);
+    // Schema id 999 was waited on (missing_schema_wait = 1s) before its record was dead-lettered.
+    assert!(w.metric("idemflow_schema_registry_retries_total", &p) >= 1.0);
     assert!(w.stop().await.is_empty());
 
     let row: String = db
@@ -216,4 +217,111 @@ async fn a_format_without_its_schemas_is_refused_by_name() {
     let text = format!("{out}{err}");
     assert!(text.contains("a.toml") && text.contains("pipeline \"a\"") && text.contains("format") && text.contains("no [schema_registry]"), "{text}");
     assert!(text.contains("b.toml") && text.contains("schema_file") && text.contains("bad.avsc is not an Avro schema"), "{text}");
+}
+
+const PAYMENT_PROTO: &str = r#"syntax = "proto3";
+package shop.events;
+import "google/protobuf/timestamp.proto";
+import "google/protobuf/wrappers.proto";
+
+message Payment {
+  message Order { string id = 1; string account = 2; string amount = 3; }
+  enum Method { METHOD_UNSPECIFIED = 0; CARD = 1; BANK = 2; }
+  Order order = 1;
+  google.protobuf.Timestamp paid_at = 2;
+  Method method = 3;
+  repeated string tags = 4;
+  bytes fingerprint = 5;
+  map<string, string> context = 6;
+  int64 seq = 7;
+  oneof instrument { string card = 8; string iban = 9; }
+  google.protobuf.StringValue note = 10;
+}
+"#;
+
+fn proto_payment(id: &str, amount: &str) -> String {
+    format!(
+        r#"{{"order": {{"id": "{id}", "account": "ACC-1", "amount": "{amount}"}}, "paidAt": "2025-11-29T10:00:00.123Z", "method": "BANK", "tags": ["a", "b"], "fingerprint": "3q0=", "context": {{"channel": "web"}}, "seq": "9007199254740993", "iban": "DE89", "note": "n"}}"#
+    )
+}
+
+/// Protobuf payloads of confluent-kafka's `ProtobufSerializer` (the schema registered in its serialized form, the
+/// message indexes after the id), and the same messages plain with a `.proto` `schema_file` and `message`: the
+/// values exact (a `oneof` member by its name, a `Timestamp`, a wrapper as its value, an enum as its name), each
+/// applied once; a message that is not valid Protobuf is `decode_failed`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn protobuf_payments_from_the_registry_and_from_a_proto_file() {
+    let registry = Registry::start(&[]);
+    let db = TestDb::new(&format!("{TABLE} ALTER TABLE payments ADD COLUMN iban text, ADD COLUMN note text;")).await;
+    let kafka = Kafka::new();
+    kafka.create_topic("proto-payments", 1);
+    kafka.create_topic("plain-payments", 1);
+    let tmp = tempfile::tempdir().unwrap();
+    let proto = tmp.path().join("payment.proto");
+    std::fs::write(&proto, PAYMENT_PROTO).unwrap();
+    let values = registry.serialize_protobuf("proto-payments", &proto, "Payment", &[proto_payment("P-1", "100.000000000000000001"), proto_payment("P-2", "2.50")]);
+    let mut garbage = values[0][..6].to_vec();
+    garbage.extend([0xff, 0xff, 0xff]);
+    let out = |v: &[u8]| Out { value: Some(v.to_vec()), ..Out::default() };
+    kafka.produce("proto-payments", &[out(&values[0]), out(&values[1]), out(&values[0]), out(&garbage)]);
+    // A plain producer: the message without the header (5 bytes) and the message indexes (one byte, [0]).
+    let plain = registry.serialize_protobuf("plain-payments", &proto, "Payment", &[proto_payment("Q-1", "3.25")]);
+    kafka.produce("plain-payments", &[out(&plain[0][6..])]);
+
+    let columns = "[sink.columns]\norder_id = \"/order/id\"\naccount = \"/order/account\"\namount = \"/order/amount\"\n\
+                   paid_at = \"/paid_at\"\nmethod = \"/method\"\ntags = \"/tags\"\nfingerprint = \"/fingerprint\"\n\
+                   channel = \"/context/channel\"\nseq = \"/seq\"\niban = \"/iban\"\nnote = \"/note\"\n";
+    let registry_pipeline = format!("topics = [\"proto-payments\"]\nformat = \"protobuf\"\n[key]\nfield = \"/order/id\"\n[sink]\ntable = \"payments\"\n{columns}");
+    let file_pipeline = format!(
+        "topics = [\"plain-payments\"]\nformat = \"protobuf\"\nschema_file = \"payment.proto\"\nmessage = \"shop.events.Payment\"\n[key]\nfield = \"/order/id\"\n[sink]\ntable = \"payments\"\n{columns}"
+    );
+    let setup = Setup::with(&db, &kafka, &[("proto.toml", &registry_pipeline), ("plain.toml", &file_pipeline)], "", &registry_section(&registry, ""));
+    std::fs::write(setup.dir.path().join("pipelines/payment.proto"), PAYMENT_PROTO).unwrap();
+    let w = InProc::start(&setup).await;
+    w.wait_received("proto", 4).await;
+    w.wait_received("plain", 1).await;
+    assert_eq!(w.metric("idemflow_records_applied_total", &[("pipeline", "proto")]), 2.0);
+    assert_eq!(w.metric("idemflow_duplicates_skipped_total", &[("pipeline", "proto"), ("reason", "republished")]), 1.0);
+    assert_eq!(w.metric("idemflow_dead_letters_total", &[("pipeline", "proto"), ("reason", "decode_failed")]), 1.0);
+    assert!(w.stop().await.is_empty());
+    let row: String = db
+        .scalar(
+            "SELECT concat_ws('|', account, amount::text, paid_at = '2025-11-29T10:00:00.123Z', method, tags->>1, \
+             encode(fingerprint, 'hex'), channel, seq, iban, note) FROM payments WHERE order_id = 'P-1'",
+        )
+        .await;
+    assert_eq!(row, "ACC-1|100.000000000000000001|t|BANK|b|dead|web|9007199254740993|DE89|n");
+    assert_eq!(db.scalar::<String>("SELECT string_agg(order_id, ',' ORDER BY order_id) FROM payments").await, "P-1,P-2,Q-1");
+    let errors: String = db.scalar("SELECT string_agg(error, E'\\n') FROM idemflow.dead_letters").await;
+    assert!(errors.contains("does not decode with schema id 1"), "{errors}");
+}
+
+/// A schema id the registry does not know yet (a follower not caught up, a restore) is waited on, the pipeline
+/// paused: once the registry learns it within `missing_schema_wait`, its records are applied, none dead-lettered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_id_the_registry_learns_while_waited_on_is_read_not_dead_lettered() {
+    let registry = Registry::start(&[]);
+    let db = TestDb::new(TABLE).await;
+    let kafka = Kafka::new();
+    kafka.create_topic("payments", 1);
+    let tmp = tempfile::tempdir().unwrap();
+    let avsc = schema_file(tmp.path(), PAYMENT_AVSC);
+    // Encoded against another registry (a scratch one), where the schema has id 1: this registry has no id 1 yet.
+    let scratch = Registry::start(&[]);
+    let values = scratch.serialize("avro", "payments", &avsc, &[payment("ORD-1", "1.5")]);
+    kafka.produce("payments", &[Out { value: Some(values[0].clone()), ..Out::default() }]);
+    let section = format!("[schema_registry]\nurl = \"{}\"\nmissing_schema_wait = \"5m\"\n", registry.url());
+    let setup = Setup::with(&db, &kafka, &[("payments.toml", &pipeline("payments", "format = \"avro\""))], "", &section);
+    let w = InProc::start(&setup).await;
+    let p = [("pipeline", "payments")];
+    wait_until(Duration::from_secs(30), "the missing id to be asked for again", || async {
+        w.metric("idemflow_schema_registry_retries_total", &p) >= 2.0
+    })
+    .await;
+    assert_eq!(w.metric("idemflow_dead_letters_total", &[("pipeline", "payments"), ("reason", "decode_failed")]), 0.0);
+    // The registry learns the schema (as id 1).
+    registry.serialize("avro", "payments", &avsc, &[payment("ORD-0", "0.5")]);
+    wait_until(Duration::from_secs(60), "the record to be applied", || async { w.metric("idemflow_records_applied_total", &p) >= 1.0 }).await;
+    assert!(w.stop().await.is_empty());
+    assert_eq!(db.scalar::<i64>("SELECT count(*) FROM idemflow.dead_letters").await, 0);
 }

@@ -8,6 +8,10 @@ found, 40403 schema not found). No registry server installs on the test machines
 Java programs that no reachable registry distributes, Karapace is not on PyPI), so the suite runs this one, and the
 ecosystem's own serializers (confluent-kafka's) register their schemas in it.
 
+A Protobuf schema registered in its serialized form (a base64 FileDescriptorProto, as confluent-kafka's
+ProtobufSerializer registers it) is kept as .proto text, as Confluent's registry keeps it, and served as text; as
+the serialized form only with ?format=serialized.
+
 Also, for the tests:
   --user USER:PASSWORD   basic authentication required (401 otherwise)
   --bearer TOKEN         bearer authentication required (401 otherwise)
@@ -33,13 +37,85 @@ FAIL = {"status": 0, "count": 0}
 REQUESTS = {}
 
 
+SCALARS = {1: "double", 2: "float", 3: "int64", 4: "uint64", 5: "int32", 6: "fixed64", 7: "fixed32", 8: "bool",
+           9: "string", 12: "bytes", 13: "uint32", 15: "sfixed32", 16: "sfixed64", 17: "sint32", 18: "sint64"}
+
+
+def proto_text(serialized):
+    """The .proto text of a base64 FileDescriptorProto (messages, enums, nested types, maps, oneofs, optional)."""
+    from google.protobuf import descriptor_pb2
+    fd = descriptor_pb2.FileDescriptorProto.FromString(base64.b64decode(serialized))
+    proto3 = fd.syntax == "proto3"
+    out = ['syntax = "%s";' % (fd.syntax or "proto2")]
+    if fd.package:
+        out.append("package %s;" % fd.package)
+    out += ['import "%s";' % d for d in fd.dependency]
+
+    def type_of(f, nested):
+        if f.type in (11, 14):
+            entry = nested.get(f.type_name.rsplit(".", 1)[-1])
+            if entry is not None and entry.options.map_entry:
+                k, v = entry.field[0], entry.field[1]
+                return "map<%s, %s>" % (type_of(k, {}), type_of(v, {}))
+            return f.type_name
+        return SCALARS[f.type]
+
+    def field(f, nested, indent):
+        t = type_of(f, nested)
+        label = ""
+        if not t.startswith("map<"):
+            if f.label == 3:
+                label = "repeated "
+            elif f.label == 2:
+                label = "required "
+            elif f.proto3_optional or not proto3:
+                label = "optional "
+        return "%s%s%s %s = %d;" % (indent, label, t, f.name, f.number)
+
+    def enum(e, indent):
+        lines = ["%senum %s {" % (indent, e.name)]
+        lines += ["%s  %s = %d;" % (indent, v.name, v.number) for v in e.value]
+        return lines + [indent + "}"]
+
+    def message(m, indent):
+        lines = ["%smessage %s {" % (indent, m.name)]
+        nested = {n.name: n for n in m.nested_type}
+        for n in m.nested_type:
+            if not n.options.map_entry:
+                lines += message(n, indent + "  ")
+        for e in m.enum_type:
+            lines += enum(e, indent + "  ")
+        real_oneofs = {i for i, _ in enumerate(m.oneof_decl)
+                       if not all(f.proto3_optional for f in m.field if f.HasField("oneof_index") and f.oneof_index == i)}
+        done = set()
+        for f in m.field:
+            if f.HasField("oneof_index") and f.oneof_index in real_oneofs:
+                if f.oneof_index not in done:
+                    done.add(f.oneof_index)
+                    lines.append("%s  oneof %s {" % (indent, m.oneof_decl[f.oneof_index].name))
+                    for g in m.field:
+                        if g.HasField("oneof_index") and g.oneof_index == f.oneof_index:
+                            lines.append(field(g, nested, indent + "    ").replace("optional ", ""))
+                    lines.append(indent + "  }")
+            else:
+                lines.append(field(f, nested, indent + "  "))
+        return lines + [indent + "}"]
+
+    for m in fd.message_type:
+        out += message(m, "")
+    for e in fd.enum_type:
+        out += enum(e, "")
+    return "\n".join(out) + "\n"
+
+
 def canonical(body):
-    return (body.get("schemaType", "AVRO"), body["schema"], json.dumps(body.get("references", []), sort_keys=True))
+    schema = body.get("serialized", body["schema"])
+    return (body.get("schemaType", "AVRO"), schema, json.dumps(body.get("references", []), sort_keys=True))
 
 
-def entry(schema_id):
+def entry(schema_id, serialized=False):
     s = SCHEMAS[schema_id - 1]
-    out = {"schema": s["schema"]}
+    out = {"schema": s.get("serialized", s["schema"]) if serialized else s["schema"]}
     if s["schemaType"] != "AVRO":
         out["schemaType"] = s["schemaType"]
     if s["references"]:
@@ -111,7 +187,7 @@ class Handler(BaseHTTPRequestHandler):
                     if m.group(2) == "/subjects":
                         return self.answer(200, sorted({s for s, _ in pairs}))
                     return self.answer(200, [{"subject": s, "version": v} for s, v in pairs])
-                return self.answer(200, entry(sid))
+                return self.answer(200, entry(sid, "format=serialized" in self.path))
             m = re.fullmatch(r"/subjects/([^/]+)/versions(?:/([^/]+))?", path)
             if m:
                 subject = unquote(m.group(1))
@@ -154,8 +230,12 @@ class Handler(BaseHTTPRequestHandler):
             if existing:
                 sid = existing[0]
             else:
-                SCHEMAS.append({"schema": body["schema"], "schemaType": body.get("schemaType", "AVRO"),
-                                "references": body.get("references", [])})
+                entry_ = {"schema": body["schema"], "schemaType": body.get("schemaType", "AVRO"),
+                          "references": body.get("references", [])}
+                if entry_["schemaType"] == "PROTOBUF" and "{" not in body["schema"]:
+                    entry_["serialized"] = body["schema"]
+                    entry_["schema"] = proto_text(body["schema"])
+                SCHEMAS.append(entry_)
                 sid = len(SCHEMAS)
             ids = SUBJECTS.setdefault(subject, [])
             if sid not in ids:

@@ -44,11 +44,22 @@ impl Registry {
     /// The values `docs` (JSON, one each) encoded in the wire format by confluent-kafka's serializer for `format`
     /// (`avro`, `json_schema`), which registers `schema_file`'s schema under `<topic>-value`.
     pub fn serialize(&self, format: &str, topic: &str, schema_file: &Path, docs: &[String]) -> Vec<Vec<u8>> {
+        self.serialize_as(format, topic, schema_file, "", docs)
+    }
+
+    /// [`Registry::serialize`] for Protobuf: `message` of the `.proto` file `schema_file` (docs in protobuf's
+    /// JSON mapping), by confluent-kafka's `ProtobufSerializer`.
+    pub fn serialize_protobuf(&self, topic: &str, schema_file: &Path, message: &str, docs: &[String]) -> Vec<Vec<u8>> {
+        self.serialize_as("protobuf", topic, schema_file, message, docs)
+    }
+
+    fn serialize_as(&self, format: &str, topic: &str, schema_file: &Path, message: &str, docs: &[String]) -> Vec<Vec<u8>> {
         let mut cmd = Command::new("python3");
         cmd.arg(super::project_root().join("tests/schema-registry/serialize.py"))
             .args([&self.url(), format, topic])
             .arg(schema_file)
-            .args(self.user.iter())
+            .arg(self.user.as_deref().unwrap_or(""))
+            .arg(message)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
