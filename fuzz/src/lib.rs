@@ -46,6 +46,35 @@ pub fn avro(data: &[u8]) {
     }
 }
 
+/// The `.proto` the `protobuf` target reads messages with: nested messages, enums, maps, oneofs, well-known types,
+/// and a recursive message.
+const PROTO: &str = r#"syntax = "proto3";
+package f;
+import "google/protobuf/timestamp.proto";
+import "google/protobuf/duration.proto";
+import "google/protobuf/wrappers.proto";
+import "google/protobuf/struct.proto";
+message P {
+  message Inner { string s = 1; repeated P again = 2; }
+  enum E { Z = 0; A = 1; }
+  Inner inner = 1; E e = 2; map<string, Inner> m = 3; map<int64, bytes> mb = 4;
+  oneof o { string x = 5; double d = 6; }
+  google.protobuf.Timestamp t = 7; google.protobuf.Duration du = 8; google.protobuf.Int64Value w = 9;
+  google.protobuf.Struct st = 10; repeated float fl = 11; optional uint64 u = 12; sint32 si = 13;
+}
+"#;
+
+/// A wire-format Protobuf value (message indexes, then the message's bytes) of [`PROTO`]: never a panic; indexes
+/// that name a message decode or fail, never both ways for the same bytes.
+pub fn protobuf(data: &[u8]) {
+    static FILE: std::sync::OnceLock<idemflow::decode::protobuf::ProtoFile> = std::sync::OnceLock::new();
+    let file = FILE.get_or_init(|| idemflow::decode::protobuf::ProtoFile::compile("f.proto", PROTO, &[]).unwrap());
+    let Ok((indexes, body)) = idemflow::decode::protobuf::message_indexes(data) else { return };
+    let Ok(message) = file.by_indexes(&indexes) else { return };
+    let first = idemflow::decode::protobuf::decode(&message, body);
+    assert_eq!(first.is_ok(), idemflow::decode::protobuf::decode(&message, body).is_ok());
+}
+
 /// A pipeline file's text: validated for both SQL dialects, never a panic.
 pub fn pipeline(data: &[u8]) {
     let Ok(text) = std::str::from_utf8(data) else { return };

@@ -25,4 +25,5 @@ fn the_fuzz_corpus_replays_without_a_failure() {
     replay("values", targets::values);
     replay("redis", targets::redis);
     replay("avro", targets::avro);
+    replay("protobuf", targets::protobuf);
 }
