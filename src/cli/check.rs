@@ -156,6 +156,9 @@ async fn find(a: &CheckArgs) -> Findings {
         findings.problems.extend(lines(e));
         return findings;
     }
+    for p in &pipelines {
+        schema_paths(p, &mut findings).await;
+    }
     let brokers = settings.brokers();
     for p in &pipelines {
         match source::check(&brokers, &p.source_context()).await {
@@ -214,4 +217,48 @@ async fn find(a: &CheckArgs) -> Findings {
         }
     }
     findings
+}
+
+/// Holds the pipeline's key and value paths to the schemas its payloads are written with now (its `schema_file`, or
+/// its subjects' latest versions in the schema registry): a path the schema cannot have is a problem naming the
+/// pipeline, the field, the path and the schema; a registry that cannot be asked, too. A subject not registered
+/// yet, and a JSON Schema, are noted (their paths are not checked).
+async fn schema_paths(p: &config::Pipeline, findings: &mut Findings) {
+    let problem = |field: &str, message: String| Problem {
+        text: format!("{}: pipeline {:?}: {field}: {message}", p.file.display(), p.name),
+        file: Some(p.file.display().to_string()),
+        pipeline: Some(p.name.clone()),
+        field: Some(field.to_owned()),
+        message,
+    };
+    let current = match p.decoder.current_schemas(p.source.streams()).await {
+        Ok(current) => current,
+        Err(e) => {
+            findings.problems.push(problem("format", format!("cannot read the schema its payloads are written with: {e}")));
+            return;
+        }
+    };
+    let (table, bindings) = p.sink.bindings();
+    let mut paths: Vec<(String, &idemflow::field::FieldPath)> = p.key.paths().iter().map(|path| ("key".to_owned(), path)).collect();
+    for b in bindings {
+        if let idemflow::store::spec::ValueSource::Field(path) = &b.source {
+            paths.push((format!("{table}.{}", b.name), path));
+        }
+    }
+    for c in current {
+        let Some(schema) = &c.schema else {
+            findings.line(format!("pipeline {:?}: {}: its paths are not checked", p.name, c.label));
+            continue;
+        };
+        let mut missing = 0;
+        for (field, path) in &paths {
+            if let idemflow::decode::paths::Lookup::Missing { at } = schema.lookup(path.tokens()) {
+                missing += 1;
+                findings.problems.push(problem(field, format!("{path} is not in {}: it has no {at}", c.label)));
+            }
+        }
+        if missing == 0 {
+            findings.line(format!("pipeline {:?}: {}: all {} paths found", p.name, c.label, paths.len()));
+        }
+    }
 }

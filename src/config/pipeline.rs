@@ -168,6 +168,9 @@ struct RawPipeline {
     format: Format,
     schema_file: Option<PathBuf>,
     message: Option<String>,
+    #[serde(default)]
+    subject_name_strategy: crate::decode::SubjectNameStrategy,
+    record_name: Option<String>,
     max_payload_bytes: Option<usize>,
     #[serde(default)]
     tombstones: TombstonePolicy,
@@ -471,8 +474,11 @@ fn validate(raw: RawPipeline, path: &Path, stem: &str, dialect: Dialect, e: &mut
 /// directory: an Avro schema, or a `.proto` file and its `message`) when one is named. A format that reads the
 /// schema registry gets it later ([`super::attach_registry`]).
 fn validate_format(raw: &RawPipeline, path: &Path, max_payload_bytes: usize, e: &mut Errors<'_>) -> Option<Decoder> {
-    use crate::decode::FileSchema;
-    let decoder = Decoder::new(raw.format, max_payload_bytes);
+    use crate::decode::{FileSchema, SubjectNameStrategy};
+    let decoder = Decoder::new(raw.format, max_payload_bytes).with_subjects(raw.subject_name_strategy, raw.record_name.clone());
+    if raw.subject_name_strategy != SubjectNameStrategy::TopicName && raw.record_name.is_none() {
+        e.push("record_name", "is required with subject_name_strategy = \"record_name\" or \"topic_record_name\" (the record's full name, as the producer's serializer names its subject)");
+    }
     if raw.message.is_some() && !(raw.format == Format::Protobuf && raw.schema_file.is_some()) {
         e.push("message", "is for format = \"protobuf\" with a schema_file (the message of the .proto file payloads are)");
         return None;

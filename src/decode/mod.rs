@@ -19,6 +19,7 @@
 //! before decoding ([`Decoder::fetch_schemas`], [`schemas`]), so decoding never waits on the network.
 
 pub mod avro;
+pub mod paths;
 pub mod protobuf;
 pub mod schemas;
 pub mod wire;
@@ -60,6 +61,51 @@ impl Format {
             Format::Protobuf => "protobuf",
         }
     }
+}
+
+/// How the subject a pipeline's value schema is registered under is named: the Confluent serializers'
+/// `value.subject.name.strategy` (`TopicNameStrategy`, `RecordNameStrategy`, `TopicRecordNameStrategy`). Decoding
+/// needs none (payloads carry their schema id); `check` reads the subject's latest version.
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum SubjectNameStrategy {
+    /// `<topic>-value` (the default of every Confluent serializer).
+    #[default]
+    TopicName,
+    /// `<record name>`: the record's (message's) full name, whatever the topic.
+    RecordName,
+    /// `<topic>-<record name>`.
+    TopicRecordName,
+}
+
+/// The schema `check` holds a pipeline's paths to.
+#[derive(Clone, Debug)]
+pub enum CheckedSchema {
+    /// An Avro schema.
+    Avro(avro::AvroSchema),
+    /// A Protobuf message.
+    Protobuf(prost_reflect::MessageDescriptor),
+}
+
+impl CheckedSchema {
+    /// Whether the schema has the path `tokens` ([`paths`]).
+    pub fn lookup(&self, tokens: &[String]) -> paths::Lookup {
+        match self {
+            CheckedSchema::Avro(a) => paths::avro(a, tokens),
+            CheckedSchema::Protobuf(m) => paths::protobuf(m, tokens),
+        }
+    }
+}
+
+/// One schema a pipeline's payloads are written with now: where it is (`schema_file payment.avsc`, `subject
+/// payments-value version 3 (schema id 7)`), and the schema when its paths can be checked (`None` for a JSON
+/// Schema, or a subject not registered yet).
+#[derive(Clone, Debug)]
+pub struct CurrentSchema {
+    /// Where it is, for messages.
+    pub label: String,
+    /// The schema.
+    pub schema: Option<CheckedSchema>,
 }
 
 /// Why a payload could not be decoded. Each sends the record to the dead letters.
@@ -118,13 +164,69 @@ pub struct Decoder {
     format: Format,
     max_payload_bytes: usize,
     schema: Option<SchemaSource>,
+    /// How its subjects are named, and the record name the record-name strategies need.
+    subjects: (SubjectNameStrategy, Option<String>),
 }
 
 impl Decoder {
     /// A decoder for `format` that rejects payloads over `max_payload_bytes` bytes before parsing. A format other
     /// than JSON needs its schemas: [`Decoder::with_schema_file`] or [`Decoder::with_registry`].
     pub fn new(format: Format, max_payload_bytes: usize) -> Self {
-        Decoder { format, max_payload_bytes, schema: None }
+        Decoder { format, max_payload_bytes, schema: None, subjects: (SubjectNameStrategy::TopicName, None) }
+    }
+
+    /// The same, its subjects named by `strategy` (with `record_name` for the record-name strategies).
+    pub fn with_subjects(self, strategy: SubjectNameStrategy, record_name: Option<String>) -> Self {
+        Decoder { subjects: (strategy, record_name), ..self }
+    }
+
+    /// The subjects the value schemas of `streams` (topics, queues) are registered under.
+    pub fn subjects(&self, streams: &[String]) -> Vec<String> {
+        match &self.subjects {
+            (SubjectNameStrategy::RecordName, Some(record)) => vec![record.clone()],
+            (SubjectNameStrategy::TopicRecordName, Some(record)) => streams.iter().map(|t| format!("{t}-{record}")).collect(),
+            _ => streams.iter().map(|t| format!("{t}-value")).collect(),
+        }
+    }
+
+    /// The schemas the payloads of `streams` are written with now, for `check`: the `schema_file`, or the latest
+    /// version of each subject ([`Decoder::subjects`]) fetched from the registry (a Protobuf subject's first
+    /// message). Nothing for JSON.
+    ///
+    /// Errors: the registry gave no answer, or a subject's schema cannot be read or is not of the pipeline's format.
+    pub async fn current_schemas(&self, streams: &[String]) -> Result<Vec<CurrentSchema>, String> {
+        match &self.schema {
+            None => Ok(Vec::new()),
+            Some(SchemaSource::File(schema, file)) => Ok(vec![CurrentSchema {
+                label: format!("schema_file {file}"),
+                schema: Some(match &**schema {
+                    FileSchema::Avro(a) => CheckedSchema::Avro(a.clone()),
+                    FileSchema::Protobuf(m) => CheckedSchema::Protobuf(m.clone()),
+                }),
+            }]),
+            Some(SchemaSource::Registry(schemas)) => {
+                let mut out = Vec::new();
+                for subject in self.subjects(streams) {
+                    let Some(latest) = schemas.registry().latest(&subject).await.map_err(|e| e.to_string())? else {
+                        out.push(CurrentSchema { label: format!("subject {subject} (not registered yet)"), schema: None });
+                        continue;
+                    };
+                    let version = latest.subject_version.as_ref().map_or(0, |(_, v)| *v);
+                    let label = format!("subject {subject} version {version} (schema id {})", latest.id);
+                    schemas.fetch(latest.id).await.map_err(|e| format!("{label}: {e}"))?;
+                    let known = schemas.get(latest.id).ok_or_else(|| format!("{label}: not fetched"))?;
+                    let schema = match (self.format, &*known) {
+                        (_, Known::Unusable(why)) => return Err(format!("{label}: {why}")),
+                        (Format::Avro, Known::Avro(a)) => Some(CheckedSchema::Avro(a.clone())),
+                        (Format::Protobuf, Known::Protobuf(f)) => Some(CheckedSchema::Protobuf(f.by_indexes(&[0]).map_err(|e| format!("{label}: {e}"))?)),
+                        (Format::JsonSchema, Known::Json) => None,
+                        (format, other) => return Err(format!("{label} is a {} schema, and the pipeline's format is {}", other.kind(), format.name())),
+                    };
+                    out.push(CurrentSchema { label, schema });
+                }
+                Ok(out)
+            }
+        }
     }
 
     /// The same, reading every payload as a plain datum or message of `schema` (from `file`, named in errors).

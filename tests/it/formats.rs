@@ -325,3 +325,35 @@ async fn an_id_the_registry_learns_while_waited_on_is_read_not_dead_lettered() {
     assert!(w.stop().await.is_empty());
     assert_eq!(db.scalar::<i64>("SELECT count(*) FROM idemflow.dead_letters").await, 0);
 }
+
+/// `check` holds the key's and the columns' paths to the subject's latest schema in the registry: a path it cannot
+/// have is a problem naming the pipeline, the field, the path, the subject, its version and the schema id; the
+/// right paths are found.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_refuses_a_path_the_registered_schema_does_not_have() {
+    let registry = Registry::start(&[]);
+    let db = TestDb::new(TABLE).await;
+    let kafka = Kafka::new();
+    kafka.create_topic("payments", 1);
+    kafka.create_topic("orders", 1);
+    let tmp = tempfile::tempdir().unwrap();
+    let avsc = schema_file(tmp.path(), PAYMENT_AVSC);
+    registry.serialize("avro", "payments", &avsc, &[payment("ORD-1", "1.5")]);
+    registry.serialize("avro", "orders", &avsc, &[payment("ORD-1", "1.5")]);
+    let typo = pipeline("orders", "format = \"avro\"").replace("amount = \"/order/amount\"", "amount = \"/order/amont\"");
+    let setup = Setup::with(
+        &db,
+        &kafka,
+        &[("payments.toml", &pipeline("payments", "format = \"avro\"")), ("orders.toml", &typo)],
+        "",
+        &registry_section(&registry, ""),
+    );
+    let (status, out, err) = idemflow(&["check", "--config", setup.config.to_str().unwrap()], setup.dir.path());
+    let text = format!("{out}{err}");
+    assert!(!status.success(), "{text}");
+    assert!(
+        text.contains("pipeline \"orders\": sink.columns.amount: /order/amont is not in subject orders-value version 1 (schema id 1): it has no /order/amont"),
+        "{text}"
+    );
+    assert!(text.contains("pipeline \"payments\": subject payments-value version 1 (schema id 1): all 10 paths found"), "{text}");
+}
