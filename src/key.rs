@@ -44,6 +44,8 @@ pub enum KeySource {
     Fields(Vec<FieldPath>),
     /// The Kafka record key.
     RecordKey,
+    /// A field of the record key, decoded with the pipeline's `record_key_format` (a Debezium key struct: `/id`).
+    RecordKeyField(FieldPath),
     /// The value of a Kafka header (the last one with this name), or of a RabbitMQ message header.
     Header(String),
     /// A message property ([`crate::record::PROPERTIES`]): RabbitMQ's `message_id` above all.
@@ -128,7 +130,7 @@ impl KeySpec {
         match &self.source {
             KeySource::Field(path) => std::slice::from_ref(path),
             KeySource::Fields(paths) => paths,
-            KeySource::RecordKey | KeySource::Header(_) | KeySource::Property(_) => &[],
+            KeySource::RecordKey | KeySource::RecordKeyField(_) | KeySource::Header(_) | KeySource::Property(_) => &[],
         }
     }
 
@@ -143,6 +145,8 @@ impl KeySpec {
                 serde_json::to_string(&parts).expect("a list of strings serialises")
             }
             KeySource::RecordKey => self.bytes(&"(the record key)", record.key.as_deref())?,
+            // The decoded record key's value at the path, which the caller gives as `found(0)`.
+            KeySource::RecordKeyField(path) => self.part(path, found(0))?,
             KeySource::Header(name) => self.bytes(&format_args!("(header {name:?})"), record.header(name).flatten())?,
             // Each broker's users know the message id by its own name.
             KeySource::Property(name) if name == crate::record::MESSAGE_ID => self.bytes(

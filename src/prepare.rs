@@ -58,6 +58,8 @@ impl Prepared {
 #[derive(Clone, Debug)]
 pub struct Preparer {
     decoder: Decoder,
+    /// For a business key from a field of the record key: how record keys are decoded.
+    key_decoder: Option<Decoder>,
     /// The members of a payload the key and the values read: decoding keeps only these.
     selection: Selection,
     key: KeySpec,
@@ -99,6 +101,7 @@ impl Preparer {
         }
         Preparer {
             decoder: pipeline.decoder.clone(),
+            key_decoder: pipeline.key_decoder.clone(),
             selection,
             key: pipeline.key.clone(),
             key_slots,
@@ -121,17 +124,29 @@ impl Preparer {
         &self.decoder
     }
 
-    /// The schema id `record` waits on ([`Decoder::schema_to_fetch`]): it is prepared only once that was fetched.
-    /// None for an oversized record (a dead letter whatever its schema).
-    pub fn schema_to_fetch(&self, record: &Record) -> Option<u32> {
-        match record.oversized {
+    /// The schema ids `record` waits on, its payload's and its record key's ([`Decoder::schema_to_fetch`]): it is
+    /// prepared only once they were fetched. None for an oversized record (a dead letter whatever its schema).
+    pub fn schemas_to_fetch(&self, record: &Record) -> impl Iterator<Item = u32> {
+        let value = match record.oversized {
             Some(_) => None,
             None => self.decoder.schema_to_fetch(record.payload.as_deref()),
-        }
+        };
+        let key = self.key_decoder.as_ref().and_then(|k| k.schema_to_fetch(record.key.as_deref()));
+        value.into_iter().chain(key)
+    }
+
+    /// Whether `record` waits on the registry ([`Preparer::schemas_to_fetch`]).
+    pub fn waits_on_registry(&self, record: &Record) -> bool {
+        self.schemas_to_fetch(record).next().is_some()
+    }
+
+    /// The schema registry's schemas this preparer's decoders read, if any (one cache for the process).
+    pub fn schemas(&self) -> Option<&crate::decode::schemas::Schemas> {
+        self.decoder.schemas().or_else(|| self.key_decoder.as_ref().and_then(Decoder::schemas))
     }
 
     /// Decodes the record, takes its key and values. Never fails: failures are dead letters. A record that
-    /// [waits on the registry](Preparer::schema_to_fetch) is prepared only after its schema was fetched.
+    /// [waits on the registry](Preparer::schemas_to_fetch) is prepared only after its schema was fetched.
     pub fn prepare(&self, record: &Record) -> Prepared {
         let Some(payload) = record.payload.as_deref() else {
             return match self.tombstones {
@@ -148,7 +163,14 @@ impl Preparer {
             Err(e @ DecodeError::TooLarge { .. }) => return Prepared::dead(DeadLetterReason::PayloadTooLarge, e),
             Err(e) => return Prepared::dead(DeadLetterReason::DecodeFailed, e),
         };
-        let key = match self.key.extract_found(record, |i| self.key_slots.get(i).and_then(|s| doc.get(*s))) {
+        let record_key = match self.record_key(record) {
+            Ok(k) => k,
+            Err(dead) => return dead,
+        };
+        let key = match self.key.extract_found(record, |i| match &record_key {
+            Some(k) => k.as_ref(),
+            None => self.key_slots.get(i).and_then(|s| doc.get(*s)),
+        }) {
             Ok(key) => key,
             Err(e @ KeyError::Missing { .. }) => return Prepared::dead(DeadLetterReason::KeyMissing, e),
             Err(e @ KeyError::Invalid { .. }) => return Prepared::dead(DeadLetterReason::KeyInvalid, e),
@@ -192,6 +214,19 @@ impl Preparer {
     }
 }
 
+impl Preparer {
+    /// For a business key from a field of the record key: the value at that field of the decoded record key
+    /// (`Some(None)` when the record key has no such field, or there is no record key). `Ok(None)` for any other key.
+    fn record_key(&self, record: &Record) -> Result<Option<Option<Value>>, Prepared> {
+        let (crate::key::KeySource::RecordKeyField(path), Some(decoder)) = (&self.key.source, &self.key_decoder) else { return Ok(None) };
+        let Some(bytes) = record.key.as_deref() else { return Ok(Some(None)) };
+        match decoder.decode(bytes) {
+            Ok(doc) => Ok(Some(path.lookup(&doc).cloned())),
+            Err(e) => Err(Prepared::dead(DeadLetterReason::DecodeFailed, format!("the record key: {e}"))),
+        }
+    }
+}
+
 /// Records prepared before their batch is cut. While a batch is in its transaction the worker prepares the
 /// records its source receives meanwhile ([`crate::source::Source::poll_while_receiving`]), so that the next
 /// batch's decoding, keys and values are done when that transaction ends instead of after it. At most one batch's
@@ -227,7 +262,7 @@ impl Ahead {
             return;
         }
         // Its schema is fetched before its batch is prepared (the worker's own step, which may pause).
-        if preparer.schema_to_fetch(record).is_some() {
+        if preparer.waits_on_registry(record) {
             return;
         }
         // A panic here (a bug) would unwind while the batch before is in its transaction: the record is left to be

@@ -569,15 +569,14 @@ impl Step<'_> {
         let mut backoff = retry_backoff();
         let mut failing_since: Option<Instant> = None;
         loop {
-            let decoder = self.ready.preparer.decoder().clone();
-            let ids: Vec<u32> = records.iter().filter_map(|r| self.ready.preparer.schema_to_fetch(r)).collect();
-            if ids.is_empty() {
+            let ids: Vec<u32> = records.iter().flat_map(|r| self.ready.preparer.schemas_to_fetch(r)).collect();
+            let Some(schemas) = self.ready.preparer.schemas().cloned().filter(|_| !ids.is_empty()) else {
                 if let Some(since) = failing_since {
                     tracing::info!(failing_for = ?since.elapsed(), "the schema registry answers again");
                 }
                 return Some(records);
-            }
-            let fetch = tokio::spawn(async move { decoder.fetch_schemas(ids).await }.in_current_span());
+            };
+            let fetch = tokio::spawn(async move { schemas.fetch_all(ids).await }.in_current_span());
             let error = match source.poll_while(fetch).await {
                 Ok(()) => continue,
                 Err(e) => e.to_string(),

@@ -136,9 +136,10 @@ pub async fn run(cmd: DeadLettersCommand) -> anyhow::Result<()> {
                 );
             }
             // A wire-format payload's schema, from the registry, as the worker fetches it before preparing.
-            if let Some(schema_id) = r.preparer.schema_to_fetch(&record) {
-                if let Err(e) = r.preparer.decoder().fetch_schemas(vec![schema_id]).await {
-                    bail!("dead letter {id}: cannot fetch its schema (id {schema_id}): {e}; the dead letter is kept");
+            let ids: Vec<u32> = r.preparer.schemas_to_fetch(&record).collect();
+            if let (Some(schemas), false) = (r.preparer.schemas(), ids.is_empty()) {
+                if let Err(e) = schemas.fetch_all(ids.clone()).await {
+                    bail!("dead letter {id}: cannot fetch its schemas (ids {ids:?}): {e}; the dead letter is kept");
                 }
             }
             let prepared = r.preparer.prepare(&record);

@@ -370,7 +370,8 @@ pub fn load_some_pipelines_for(settings: &Settings) -> (Vec<Pipeline>, Vec<Pipel
 /// client and one schema cache for all ([`crate::decode::schemas::Schemas`]). A pipeline that needs it when there
 /// is no `[schema_registry]`, or when its settings are wrong, is an error (and is left out).
 pub fn attach_registry(settings: &Settings, pipelines: &mut Vec<Pipeline>, errors: &mut Vec<PipelineError>) {
-    if !pipelines.iter().any(|p| p.decoder.needs_registry()) {
+    let needs = |p: &Pipeline| p.decoder.needs_registry() || p.key_decoder.as_ref().is_some_and(crate::decode::Decoder::needs_registry);
+    if !pipelines.iter().any(needs) {
         return;
     }
     let registry = match &settings.schema_registry {
@@ -380,17 +381,25 @@ pub fn attach_registry(settings: &Settings, pipelines: &mut Vec<Pipeline>, error
             .map_err(|why| format!("[schema_registry] {why}")),
     };
     pipelines.retain_mut(|p| {
-        if !p.decoder.needs_registry() {
+        if !needs(p) {
             return true;
         }
         match &registry {
             Ok(schemas) => {
-                p.decoder = p.decoder.clone().with_registry(schemas.clone());
+                if p.decoder.needs_registry() {
+                    p.decoder = p.decoder.clone().with_registry(schemas.clone());
+                }
+                if let Some(k) = p.key_decoder.as_mut().filter(|k| k.needs_registry()) {
+                    *k = k.clone().with_registry(schemas.clone());
+                }
                 true
             }
             Err(why) => {
-                let message = format!("format {:?} reads the schema registry's wire format: {why}", p.decoder.format().name());
-                errors.push(dup_error(p, "format", message));
+                let (field, format) = match &p.key_decoder {
+                    Some(k) if k.needs_registry() && !p.decoder.needs_registry() => ("key.record_key_format", k.format()),
+                    _ => ("format", p.decoder.format()),
+                };
+                errors.push(dup_error(p, field, format!("format {:?} reads the schema registry's wire format: {why}", format.name())));
                 false
             }
         }

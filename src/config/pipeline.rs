@@ -35,6 +35,8 @@ pub struct Pipeline {
     pub source: SourceSpec,
     /// How payloads are decoded.
     pub decoder: Decoder,
+    /// How record keys are decoded, for a business key from a field of the record key (`[key] record_key = "/id"`).
+    pub key_decoder: Option<Decoder>,
     /// Where the business key comes from.
     pub key: KeySpec,
     /// What happens to a null value (a tombstone).
@@ -221,7 +223,8 @@ struct RawDeadLetters {
 struct RawKey {
     field: Option<String>,
     fields: Option<Vec<String>>,
-    record_key: Option<bool>,
+    record_key: Option<RecordKey>,
+    record_key_format: Option<Format>,
     header: Option<String>,
     property: Option<String>,
     message_id: Option<bool>,
@@ -229,6 +232,14 @@ struct RawKey {
     #[serde(default)]
     allow_empty: bool,
     max_bytes: Option<usize>,
+}
+
+/// `[key] record_key`: `true` (the record key's bytes as UTF-8), or a path into the decoded record key.
+#[derive(Deserialize, Clone)]
+#[serde(untagged)]
+enum RecordKey {
+    Whole(bool),
+    Path(String),
 }
 
 #[derive(Deserialize)]
@@ -390,6 +401,14 @@ fn validate(raw: RawPipeline, path: &Path, stem: &str, dialect: Dialect, e: &mut
     }
     let decoder = validate_format(&raw, path, max_payload_bytes, e);
     let key = validate_key(&raw.key, e);
+    let key_decoder = match (&raw.key.record_key, raw.key.record_key_format) {
+        (Some(RecordKey::Path(_)), format) => Some(Decoder::new(format.unwrap_or_default(), max_payload_bytes).with_subjects_for_keys()),
+        (_, Some(_)) => {
+            e.push("key.record_key_format", "is for record_key = \"/path\" (a field of the decoded record key)");
+            None
+        }
+        _ => None,
+    };
     let time = TimeSettings {
         zone: raw.sink.time_zone.clone().unwrap_or_else(|| TimeSettings::default().zone),
         naive: raw.sink.naive_timestamps.unwrap_or_default(),
@@ -459,6 +478,7 @@ fn validate(raw: RawPipeline, path: &Path, stem: &str, dialect: Dialect, e: &mut
         file: path.to_owned(),
         source: source?,
         decoder: decoder?,
+        key_decoder,
         key: key?,
         tombstones: raw.tombstones,
         sink: sink?,
@@ -572,7 +592,7 @@ fn check_capabilities(source: &SourceSpec, key: &RawKey, offsets: Option<OffsetS
         (dead_letters.topic.is_some(), "dead_letters.topic", caps.dead_letter_topic),
         (key.message_id == Some(true) || key.message_key == Some(true) || key.property.is_some(), "key", caps.key_properties),
         (key.message_key == Some(true), "key.message_key", caps.key_message_key),
-        (key.record_key == Some(true), "key.record_key", caps.key_record_key),
+        (matches!(key.record_key, Some(RecordKey::Whole(true)) | Some(RecordKey::Path(_))), "key.record_key", caps.key_record_key),
         (offsets == Some(OffsetStore::Database), "offsets.store", caps.positions),
     ];
     for (asked, field, can) in asks {
@@ -621,14 +641,14 @@ fn validate_key(raw: &RawKey, e: &mut Errors<'_>) -> Option<KeySpec> {
     let given = [
         raw.field.is_some(),
         raw.fields.is_some(),
-        raw.record_key == Some(true),
+        matches!(raw.record_key, Some(RecordKey::Whole(true)) | Some(RecordKey::Path(_))),
         raw.header.is_some(),
         raw.property.is_some(),
         raw.message_id == Some(true),
         raw.message_key == Some(true),
     ];
     if given.iter().filter(|g| **g).count() != 1 {
-        e.push("key", "set exactly one of field, fields, record_key = true, header, property, message_id = true, message_key = true");
+        e.push("key", "set exactly one of field, fields, record_key = true (or a path into the record key), header, property, message_id = true, message_key = true");
         return None;
     }
     if raw.max_bytes == Some(0) {
@@ -644,7 +664,9 @@ fn validate_key(raw: &RawKey, e: &mut Errors<'_>) -> Option<KeySpec> {
         let paths: Vec<_> =
             fs.iter().enumerate().map(|(i, f)| path_or_error(f, &format!("key.fields[{i}]"), e)).collect();
         KeySource::Fields(paths.into_iter().collect::<Option<_>>()?)
-    } else if raw.record_key == Some(true) {
+    } else if let Some(RecordKey::Path(p)) = &raw.record_key {
+        KeySource::RecordKeyField(path_or_error(p, "key.record_key", e)?)
+    } else if matches!(raw.record_key, Some(RecordKey::Whole(true))) {
         KeySource::RecordKey
     } else if raw.message_id == Some(true) {
         KeySource::Property(crate::record::MESSAGE_ID.to_owned())

@@ -180,9 +180,15 @@ impl Decoder {
         Decoder { subjects: (strategy, record_name), ..self }
     }
 
+    /// The same, for record keys: its subjects are `<topic>-key` (the key serializers' topic name strategy).
+    pub fn with_subjects_for_keys(self) -> Self {
+        Decoder { subjects: (SubjectNameStrategy::TopicName, Some("key".to_owned())), ..self }
+    }
+
     /// The subjects the value schemas of `streams` (topics, queues) are registered under.
     pub fn subjects(&self, streams: &[String]) -> Vec<String> {
         match &self.subjects {
+            (SubjectNameStrategy::TopicName, Some(key)) => streams.iter().map(|t| format!("{t}-{key}")).collect(),
             (SubjectNameStrategy::RecordName, Some(record)) => vec![record.clone()],
             (SubjectNameStrategy::TopicRecordName, Some(record)) => streams.iter().map(|t| format!("{t}-{record}")).collect(),
             _ => streams.iter().map(|t| format!("{t}-value")).collect(),
@@ -279,14 +285,11 @@ impl Decoder {
     /// `missing_schema_wait`).
     ///
     /// Errors: the registry gave no answer, or does not know an id yet; the caller pauses and retries.
-    pub async fn fetch_schemas(&self, mut ids: Vec<u32>) -> Result<(), crate::schema_registry::RegistryError> {
-        let Some(SchemaSource::Registry(schemas)) = &self.schema else { return Ok(()) };
-        ids.sort_unstable();
-        ids.dedup();
-        for id in ids {
-            schemas.fetch(id).await?;
+    pub async fn fetch_schemas(&self, ids: Vec<u32>) -> Result<(), crate::schema_registry::RegistryError> {
+        match &self.schema {
+            Some(SchemaSource::Registry(schemas)) => schemas.fetch_all(ids).await,
+            _ => Ok(()),
         }
-        Ok(())
     }
 
     /// Decodes one non-null payload.

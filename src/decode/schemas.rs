@@ -150,6 +150,18 @@ impl Schemas {
         }
     }
 
+    /// Fetches each of `ids` that [must be](Schemas::needs_fetch), each once.
+    ///
+    /// Errors: as [`Schemas::fetch`], at the first id that fails.
+    pub async fn fetch_all(&self, mut ids: Vec<u32>) -> Result<(), RegistryError> {
+        ids.sort_unstable();
+        ids.dedup();
+        for id in ids {
+            self.fetch(id).await?;
+        }
+        Ok(())
+    }
+
     /// Asks the registry for `id` and the schemas it references, and reads what it answers.
     async fn ask(&self, id: u32) -> Result<Answer, RegistryError> {
         let registry = &self.inner.registry;

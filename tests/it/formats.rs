@@ -357,3 +357,50 @@ async fn check_refuses_a_path_the_registered_schema_does_not_have() {
     );
     assert!(text.contains("pipeline \"payments\": subject payments-value version 1 (schema id 1): all 10 paths found"), "{text}");
 }
+
+/// A business key from a field of an Avro record key (a Debezium key struct, `{"id": 42}` under `<topic>-key`):
+/// the key is the field's value; the same key again is a duplicate whatever the value; a record key that does not
+/// decode is `decode_failed`, one without the field `key_missing`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_business_key_from_a_field_of_an_avro_record_key() {
+    let registry = Registry::start(&[]);
+    let db = TestDb::new("CREATE TABLE changes (id bigint PRIMARY KEY, name text);").await;
+    let kafka = Kafka::new();
+    kafka.create_topic("dbserver.inventory.customers", 1);
+    let tmp = tempfile::tempdir().unwrap();
+    let key_schema = tmp.path().join("key.avsc");
+    std::fs::write(&key_schema, r#"{"type": "record", "name": "Key", "namespace": "dbserver.inventory.customers", "fields": [{"name": "id", "type": "long"}]}"#).unwrap();
+    let keys = registry.serialize("avro", "dbserver.inventory.customers:key", &key_schema, &[r#"{"id": 42}"#.to_owned(), r#"{"id": 43}"#.to_owned()]);
+    let rec = |key: &[u8], value: &str| Out { key: Some(key.to_vec()), value: Some(value.as_bytes().to_vec()), ..Out::default() };
+    kafka.produce(
+        "dbserver.inventory.customers",
+        &[
+            rec(&keys[0], r#"{"after": {"id": 42, "name": "Ada"}}"#),
+            rec(&keys[1], r#"{"after": {"id": 43, "name": "Bob"}}"#),
+            rec(&keys[0], r#"{"after": {"id": 42, "name": "Ada L."}}"#),
+            rec(b"not avro", r#"{"after": {"id": 44, "name": "Cy"}}"#),
+        ],
+    );
+    let pipeline = r#"topics = ["dbserver.inventory.customers"]
+[key]
+record_key = "/id"
+record_key_format = "avro"
+[sink]
+table = "changes"
+[sink.columns]
+id = "/after/id"
+name = "/after/name"
+"#;
+    let setup = Setup::with(&db, &kafka, &[("customers.toml", pipeline)], "", &registry_section(&registry, ""));
+    let w = InProc::start(&setup).await;
+    w.wait_received("customers", 4).await;
+    let p = [("pipeline", "customers")];
+    assert_eq!(w.metric("idemflow_records_applied_total", &p), 2.0);
+    assert_eq!(w.metric("idemflow_duplicates_skipped_total", &[("pipeline", "customers"), ("reason", "payload_mismatch")]), 1.0);
+    assert_eq!(w.metric("idemflow_dead_letters_total", &[("pipeline", "customers"), ("reason", "decode_failed")]), 1.0);
+    assert!(w.stop().await.is_empty());
+    assert_eq!(db.scalar::<String>("SELECT string_agg(id || '=' || name, ',' ORDER BY id) FROM changes").await, "42=Ada,43=Bob");
+    let error: String = db.scalar("SELECT error FROM idemflow.dead_letters").await;
+    assert!(error.starts_with("the record key: not in the schema registry wire format"), "{error}");
+    assert_eq!(db.scalar::<i64>("SELECT count(*) FROM idemflow.dedup WHERE pipeline = 'customers' AND key_id IN ('42', '43')").await, 2);
+}

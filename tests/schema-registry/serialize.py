@@ -3,7 +3,7 @@
 
     serialize.py REGISTRY_URL FORMAT TOPIC SCHEMA_FILE [USER:PASSWORD] [MESSAGE]
 
-FORMAT is avro, json_schema or protobuf (SCHEMA_FILE a .proto file, MESSAGE its message, compiled with protoc
+TOPIC:key encodes record keys instead (the subject TOPIC-key). FORMAT is avro, json_schema or protobuf (SCHEMA_FILE a .proto file, MESSAGE its message, compiled with protoc
 from grpcio-tools into a Python module first, as a producer's build does). Reads one JSON document per line on standard input and prints each encoded value in
 the schema registry's wire format, as hex, one per line. The serializer registers SCHEMA_FILE's schema under the
 subject TOPIC-value (the default topic name strategy), as a producer's does. In the JSON, numbers with a fraction
@@ -59,7 +59,11 @@ def main():
         serializer = ProtobufSerializer(message_type, client, conf={"auto.register.schemas": True, "use.deprecated.format": False})
     else:
         sys.exit("unknown format %r" % fmt)
-    ctx = SerializationContext(topic, MessageField.VALUE)
+    # TOPIC:key encodes record keys (the subject TOPIC-key), as a producer's key serializer does.
+    field = MessageField.VALUE
+    if topic.endswith(":key"):
+        topic, field = topic[: -len(":key")], MessageField.KEY
+    ctx = SerializationContext(topic, field)
     for line in sys.stdin:
         if line.strip():
             if fmt == "protobuf":
