@@ -404,3 +404,50 @@ name = "/after/name"
     assert!(error.starts_with("the record key: not in the schema registry wire format"), "{error}");
     assert_eq!(db.scalar::<i64>("SELECT count(*) FROM idemflow.dedup WHERE pipeline = 'customers' AND key_id IN ('42', '43')").await, 2);
 }
+
+/// The registry over HTTPS with a private CA and bearer authentication: with `ca_file` the CA, the schema is
+/// fetched and the records applied; with an unrelated CA, `check` says it cannot read the schema (the certificate
+/// is not trusted) and the worker pauses and retries, dead-lettering nothing. The token is never printed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_registry_over_tls_with_a_private_ca_and_a_bearer_token() {
+    let certs = tempfile::tempdir().unwrap();
+    crate::security::certificates(certs.path());
+    let (crt, key) = (certs.path().join("server.crt"), certs.path().join("server.key"));
+    let registry = Registry::start(&["--bearer", "s3cret-token", "--tls", crt.to_str().unwrap(), key.to_str().unwrap()]);
+    let db = TestDb::new(TABLE).await;
+    let kafka = Kafka::new();
+    kafka.create_topic("payments", 1);
+    let tmp = tempfile::tempdir().unwrap();
+    let avsc = schema_file(tmp.path(), PAYMENT_AVSC);
+    // Encoded against a plain registry; the TLS one learns the same schema (as id 1) from a plain twin's text.
+    let plain = Registry::start(&[]);
+    let values = plain.serialize("avro", "payments", &avsc, &[payment("ORD-1", "1.5")]);
+    registry.register_over_tls("payments-value", PAYMENT_AVSC, &certs.path().join("ca.crt"), "s3cret-token");
+    kafka.produce("payments", &[Out { value: Some(values[0].clone()), ..Out::default() }]);
+    let section = |ca: &str| {
+        format!(
+            "[schema_registry]\nurl = \"https://localhost:{}\"\nbearer_token = \"s3cret-token\"\nca_file = \"{}\"\nmissing_schema_wait = \"1s\"\n",
+            registry.port,
+            certs.path().join(ca).display()
+        )
+    };
+    let wrong = Setup::with(&db, &kafka, &[("payments.toml", &pipeline("payments", "format = \"avro\""))], "", &section("other-ca.crt"));
+    let (status, out, err) = idemflow(&["check", "--config", wrong.config.to_str().unwrap()], wrong.dir.path());
+    let text = format!("{out}{err}");
+    assert!(!status.success(), "{text}");
+    assert!(text.contains("cannot read the schema its payloads are written with") && text.contains("unavailable"), "{text}");
+    assert!(!text.contains("s3cret-token"), "{text}");
+    let w = InProc::start(&wrong).await;
+    let p = [("pipeline", "payments")];
+    wait_until(Duration::from_secs(30), "the fetch to be retried", || async { w.metric("idemflow_schema_registry_retries_total", &p) >= 2.0 }).await;
+    assert_eq!(w.metric("idemflow_records_applied_total", &p), 0.0);
+    assert!(w.stop().await.is_empty());
+
+    let right = Setup::with(&db, &kafka, &[("payments.toml", &pipeline("payments", "format = \"avro\""))], "", &section("ca.crt"));
+    let (status, out, err) = idemflow(&["check", "--config", right.config.to_str().unwrap()], right.dir.path());
+    assert!(out.contains("subject payments-value version 1 (schema id 1): all 10 paths found"), "{out}{err}{status:?}");
+    let w = InProc::start(&right).await;
+    wait_until(Duration::from_secs(30), "the record to be applied", || async { w.metric("idemflow_records_applied_total", &p) >= 1.0 }).await;
+    assert!(w.stop().await.is_empty());
+    assert_eq!(db.scalar::<i64>("SELECT count(*) FROM idemflow.dead_letters").await, 0);
+}

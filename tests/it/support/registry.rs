@@ -70,6 +70,20 @@ impl Registry {
         String::from_utf8(out.stdout).unwrap().lines().map(|l| hex::decode(l).unwrap()).collect()
     }
 
+    /// Registers `schema` (Avro) under `subject` over HTTPS (the registry started with `--tls`), trusting `ca`,
+    /// with a bearer `token`: with curl, as an operator would.
+    pub fn register_over_tls(&self, subject: &str, schema: &str, ca: &Path, token: &str) {
+        let body = serde_json::json!({ "schema": schema }).to_string();
+        let out = Command::new("curl")
+            .args(["-sS", "--fail", "--cacert"])
+            .arg(ca)
+            .args(["-H", &format!("Authorization: Bearer {token}"), "-H", "Content-Type: application/json", "--data", &body])
+            .arg(format!("https://localhost:{}/subjects/{subject}/versions", self.port))
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "curl: {}", String::from_utf8_lossy(&out.stderr));
+    }
+
     /// The next `count` requests (-1: all until cleared) answer `status` (0 clears).
     pub fn fail(&self, status: u16, count: i64) {
         self.post("/_test/fail", &format!(r#"{{"status":{status},"count":{count}}}"#));
