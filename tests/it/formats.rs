@@ -451,3 +451,49 @@ async fn a_registry_over_tls_with_a_private_ca_and_a_bearer_token() {
     assert!(w.stop().await.is_empty());
     assert_eq!(db.scalar::<i64>("SELECT count(*) FROM idemflow.dead_letters").await, 0);
 }
+
+/// The formats are the same for every broker: Avro payloads in the wire format from a RabbitMQ queue, and plain
+/// Protobuf messages of a `.proto` schema_file from a NATS JetStream stream, each applied once with the same paths.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rabbitmq_and_nats_payloads_in_the_same_formats() {
+    use crate::support::{nats::NatsServer, rabbitmq};
+    let registry = Registry::start(&[]);
+    let tmp = tempfile::tempdir().unwrap();
+    let avsc = schema_file(tmp.path(), PAYMENT_AVSC);
+    let queue = format!("avro-payments-{}", free_port());
+    let values = registry.serialize("avro", &queue, &avsc, &[payment("R-1", "1.25"), payment("R-2", "2.5")]);
+    let db = TestDb::new(TABLE).await;
+    let client = rabbitmq::Client::connect(rabbitmq::shared_url()).await;
+    client.declare(&queue, "classic", false).await;
+    let msg = |id: &str, body: &[u8]| rabbitmq::Msg { message_id: Some(id.to_owned()), body: body.to_vec() };
+    client.publish(&queue, &[msg("m-1", &values[0]), msg("m-2", &values[1]), msg("m-3", &values[0])]).await;
+    // The Kafka pipeline's keys and columns, reading the queue instead of a topic.
+    let rabbit_pipeline = pipeline("x", "format = \"avro\"")
+        .replace("topics = [\"x\"]\nformat = \"avro\"\n", &format!("format = \"avro\"\n[source]\nkind = \"rabbitmq\"\nqueue = \"{queue}\"\n"));
+    let setup = Setup::rabbitmq(&db, rabbitmq::shared_url(), &[("rabbit.toml", &rabbit_pipeline)], &registry_section(&registry, ""));
+    let w = InProc::start(&setup).await;
+    w.wait_received("rabbit", 3).await;
+    assert_eq!(w.metric("idemflow_records_applied_total", &[("pipeline", "rabbit")]), 2.0);
+    assert_eq!(w.metric("idemflow_duplicates_skipped_total", &[("pipeline", "rabbit"), ("reason", "republished")]), 1.0);
+    assert!(w.stop().await.is_empty());
+    assert_eq!(db.scalar::<String>("SELECT string_agg(order_id || '=' || amount::text, ',' ORDER BY order_id) FROM payments").await, "R-1=1.250000000000000000,R-2=2.500000000000000000");
+
+    let server = NatsServer::start();
+    server.create_stream("PAYMENTS").await;
+    let proto = tmp.path().join("payment.proto");
+    std::fs::write(&proto, PAYMENT_PROTO).unwrap();
+    let encoded = registry.serialize_protobuf("nats-payments", &proto, "Payment", &[proto_payment("N-1", "3.5")]);
+    // Plain messages: without the wire format's header and message indexes.
+    server.publish("PAYMENTS.created", &[(Some("n-1".into()), encoded[0][6..].to_vec()), (Some("n-2".into()), encoded[0][6..].to_vec())]).await;
+    let nats_pipeline = "format = \"protobuf\"\nschema_file = \"payment.proto\"\nmessage = \"Payment\"\n\
+        [source]\nkind = \"nats\"\nstream = \"PAYMENTS\"\n[key]\nfield = \"/order/id\"\n[sink]\ntable = \"payments\"\n\
+        [sink.columns]\norder_id = \"/order/id\"\naccount = \"/order/account\"\namount = \"/order/amount\"\nseq = \"/seq\"\n";
+    let setup = Setup::nats(&db, &server, &[("nats.toml", nats_pipeline)], "");
+    std::fs::write(setup.dir.path().join("pipelines/payment.proto"), PAYMENT_PROTO).unwrap();
+    let w = InProc::start(&setup).await;
+    w.wait_received("nats", 2).await;
+    assert_eq!(w.metric("idemflow_records_applied_total", &[("pipeline", "nats")]), 1.0);
+    assert_eq!(w.metric("idemflow_duplicates_skipped_total", &[("pipeline", "nats"), ("reason", "republished")]), 1.0);
+    assert!(w.stop().await.is_empty());
+    assert_eq!(db.scalar::<String>("SELECT amount::text || ' ' || seq FROM payments WHERE order_id = 'N-1'").await, "3.5 9007199254740993");
+}
