@@ -58,6 +58,10 @@ pub struct DemoArgs {
     /// database number, redis://host:port/15).
     #[arg(long)]
     redis: bool,
+    /// How the payments are encoded: json, or avro or protobuf (the schemas of examples/formats/, which the
+    /// pipeline then reads as its schema_file).
+    #[arg(long, value_enum, default_value = "json")]
+    format: idemflow::demo::formats::DemoFormat,
 }
 
 #[derive(clap::Args)]
@@ -217,6 +221,7 @@ pub async fn demo(a: DemoArgs) -> anyhow::Result<()> {
         metrics_listen: a.metrics_listen,
         keep_running: a.keep_running,
         redis: a.redis,
+        format: a.format,
     };
     if idemflow::demo::run(options).await? {
         Ok(())

@@ -17,6 +17,7 @@
 
 pub mod broker;
 pub mod database;
+pub mod formats;
 pub mod host;
 pub mod kafka;
 pub mod mariadb;
@@ -62,6 +63,9 @@ pub struct DemoOptions {
     /// Redis as the store (`examples/redis/payments.toml`): a throwaway `redis-server`, or the server of a
     /// `redis://` `database_url`.
     pub redis: bool,
+    /// How the payments are encoded: JSON, or Avro or Protobuf (`examples/formats/`), which the pipeline then reads
+    /// with its `schema_file`.
+    pub format: formats::DemoFormat,
 }
 
 /// The broker the demo runs on.
@@ -303,7 +307,11 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<bool> {
     let s = stream(options.records, partitions);
     // Each record with its order id as its message id (RabbitMQ, NATS: the examples' business key), as a
     // producer retry keeps it; a JetStream stream drops a copy whose Nats-Msg-Id it saw within its duplicate window.
-    let records = s.records.iter().enumerate().map(|(i, (partition, body))| Outgoing { partition: *partition, id: message_id(i, body), body: body.clone() });
+    let records = s.records.iter().enumerate().map(|(i, (partition, body))| Outgoing {
+        partition: *partition,
+        id: message_id(i, body),
+        body: plan.encoder.encode(body),
+    });
     broker.publish(records.collect())?;
     broker.flush(Duration::from_secs(600)).await.context("publishing")?;
     let dropped = broker.dropped();
@@ -374,6 +382,8 @@ struct Plan {
     tables_sql: String,
     /// Where the pipeline came from, for the first line.
     label: String,
+    /// How the payments are encoded, and the schema file the pipeline reads them with.
+    encoder: formats::Encoder,
 }
 
 impl Plan {
@@ -423,7 +433,12 @@ impl Plan {
             (built_in.to_owned(), shipped_tables.to_owned(), format!("the built-in copy of {default_file}"))
         };
         let redis_url = redis_url.map(str::to_owned);
-        Ok(Plan { nats, rabbit, redis, redis_url, pipeline_text, tables_sql, label: source })
+        let encoder = formats::Encoder::new(options.format)?;
+        let (pipeline_text, label) = match options.format {
+            formats::DemoFormat::Json => (pipeline_text, source),
+            f => (encoder.pipeline(&pipeline_text).0, format!("{source}, its payments in {f:?}")),
+        };
+        Ok(Plan { nats, rabbit, redis, redis_url, pipeline_text, tables_sql, label, encoder })
     }
 }
 
@@ -468,6 +483,9 @@ fn write_workspace(dir: &std::path::Path, plan: &Plan, url: &str, broker: &Throw
     let (redis, pipeline_text) = (plan.redis, &plan.pipeline_text);
     std::fs::create_dir(dir.join("pipelines"))?;
     std::fs::write(dir.join("pipelines/payments.toml"), pipeline_text)?;
+    if let Some((name, text)) = plan.encoder.pipeline("").1 {
+        std::fs::write(dir.join("pipelines").join(name), text)?;
+    }
     let store_section = if redis {
         format!("[redis]\nurl = {}\nresponse_timeout = \"30s\"\n", host::toml_string(url))
     } else {

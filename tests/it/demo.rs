@@ -186,3 +186,16 @@ fn demo_on_redis_checks_exactly_once() {
     assert!(stderr.contains("through examples/redis/payments.toml") && stderr.contains("throwaway redis-server"), "{stderr}");
     assert!(stdout.contains("redelivered 0 (consumed again"), "{stdout}");
 }
+
+/// `idemflow demo --format avro` and `--format protobuf`: the same payments encoded as Avro datums and Protobuf
+/// messages of `examples/formats/`, read by the pipeline with its `schema_file`; every check passes, poison records
+/// dead-lettered as `decode_failed`.
+#[test]
+fn demo_in_avro_and_protobuf_checks_exactly_once() {
+    for format in ["avro", "protobuf"] {
+        let (stdout, stderr) = demo_passes(&["--format", format]);
+        let shown = if format == "avro" { "Avro" } else { "Protobuf" };
+        assert!(stderr.contains(&format!("its payments in {shown}")), "{stderr}");
+        assert!(stdout.contains("decode_failed"), "{stdout}");
+    }
+}
