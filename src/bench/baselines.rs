@@ -226,7 +226,14 @@ pub(super) async fn per_message(kafka: &EmbeddedKafka, url: &str, total: usize, 
 }
 
 pub(super) async fn consume_only(kafka: &EmbeddedKafka, url: &str, total: usize, group: &str) -> anyhow::Result<RunResult> {
-    let (pipeline, preparer) = preparer(url, &table_pipeline(None)).await?;
+    let name = "ceiling: consume-only pass (decode and key extraction, no database)";
+    consume_only_of(kafka, url, total, group, (TOPIC, &table_pipeline(None), name)).await
+}
+
+/// [`consume_only`] of `topic` through `pipeline` (runs (18) and (19): the Avro and Protobuf topics), named `name`.
+pub(super) async fn consume_only_of(kafka: &EmbeddedKafka, url: &str, total: usize, group: &str, (topic, pipeline, name): (&str, &str, &'static str)) -> anyhow::Result<RunResult> {
+    let (pipeline, preparer) = preparer(url, pipeline).await?;
+    let topic_name = topic.to_owned();
     let max_payload_bytes = pipeline.decoder.max_payload_bytes();
     let bootstrap = kafka.bootstrap_servers().to_owned();
     let group = group.to_owned();
@@ -237,8 +244,8 @@ pub(super) async fn consume_only(kafka: &EmbeddedKafka, url: &str, total: usize,
             .set("enable.auto.commit", "false")
             .set("auto.offset.reset", "earliest")
             .create()?;
-        consumer.subscribe(&[TOPIC])?;
-        let topic: std::sync::Arc<str> = std::sync::Arc::from(TOPIC);
+        consumer.subscribe(&[&topic_name])?;
+        let topic: std::sync::Arc<str> = std::sync::Arc::from(topic_name.as_str());
         let mut n = 0usize;
         let mut applied = 0usize;
         let mut t0 = None;
@@ -260,7 +267,6 @@ pub(super) async fn consume_only(kafka: &EmbeddedKafka, url: &str, total: usize,
                 None => {}
             }
         }
-        let name = "ceiling: consume-only pass (decode and key extraction, no database)";
         Ok(ceiling_result(name, n, t0, format!("{applied} records prepared for applying")))
     })
     .await?

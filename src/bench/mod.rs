@@ -30,6 +30,9 @@
 //!     tables;
 //! 14. and 15. run (1) with `batch.concurrency = 2` and `4`: as many batch transactions at once, on disjoint
 //!     partitions (one consumer each in the pipeline's group).
+//! 16. and 17. run (1) with the same orders as Avro datums and as Protobuf messages (plain, of a `schema_file`),
+//!     produced to topics of their own before any timing: the decode's cost beside JSON's, in worker CPU per record;
+//! 18. and 19. run (5) over those topics: the decode and key extraction alone, per format.
 //!
 //! With `--database-url mysql://...` (or `mariadb://`) runs (1), (2), (5) and (6) run on MySQL or MariaDB; (3), (4)
 //! and (8) to (15) are PostgreSQL's.
@@ -108,13 +111,24 @@ async fn run_kafka(o: &BenchOptions, admin_url: &str) -> anyhow::Result<Report> 
     }
     let s = produce(&kafka, o.records, partitions)?;
     let total = s.records.len() as u64;
+    // The same orders as Avro and Protobuf, for runs (16) to (19), with their schema files.
+    let schemas = tempfile::Builder::new().prefix("idemflow-bench-schemas-").tempdir()?;
+    let formats = [(crate::demo::formats::DemoFormat::Avro, "bench-avro", "orders.avsc", ORDER_AVSC), (crate::demo::formats::DemoFormat::Protobuf, "bench-protobuf", "orders.proto", ORDER_PROTO)];
+    if (16..=19).any(|n| o.only.is_empty() || o.only.contains(&n)) {
+        for (format, topic, file, text) in formats {
+            std::fs::write(schemas.path().join(file), text)?;
+            kafka.create_topic(topic, partitions)?;
+            let avg = produce_encoded(&kafka, &s, topic, format)?;
+            eprintln!("produced the same records as {format:?} to {topic} ({avg} bytes on average)");
+        }
+    }
     // The whole stream's runs also wait until every distinct key was applied.
     let distinct = Some(s.firsts.len() as u64);
     let mut runs = Vec::new();
     let report_run = |r: &RunResult| eprintln!("{} {}: {:.0} records/s ({})", r.id, r.name, r.records_per_second, r.note);
 
     // On MySQL/MariaDB, runs (3) and (4) are PostgreSQL's (a COPY ceiling, a preload with generate_series).
-    let want = |n: u8| (o.only.is_empty() || o.only.contains(&n)) && !(mysql && matches!(n, 3 | 4 | 8..=15));
+    let want = |n: u8| (o.only.is_empty() || o.only.contains(&n)) && !(mysql && matches!(n, 3 | 4 | 8..=19));
     let perf = o.perf;
     if mysql {
         eprintln!("MySQL/MariaDB: runs (1), (2), (5) and (6); (3), (4) and (8) to (15) are PostgreSQL's");
@@ -126,11 +140,34 @@ async fn run_kafka(o: &BenchOptions, admin_url: &str) -> anyhow::Result<Report> 
         let tag = if repetition == 1 { String::new() } else { format!("-r{repetition}") };
         let group = |n: u8| format!("bench-{n}{tag}");
         let first = runs.len();
-        for n in 1..=15u8 {
+        for n in 1..=19u8 {
             if !want(n) {
                 continue;
             }
-            let r = if (8..=15).contains(&n) {
+            let r = if (16..=19).contains(&n) {
+                let (format, topic, file, _) = formats[usize::from(n % 2 == 1)];
+                let pipeline = format_table_pipeline(topic, format, &schemas.path().join(file));
+                let url = fresh_database(admin_url, &format!("bench_{n}")).await?;
+                match n {
+                    16 | 17 => {
+                        let (id, name) = if n == 16 {
+                            ("(16)", "idemflow, default batching (table form), Avro payloads")
+                        } else {
+                            ("(17)", "idemflow, default batching (table form), Protobuf payloads")
+                        };
+                        let run = WorkerRun { id, name, pipeline, group: &group(n), target: total, applied: distinct };
+                        worker_run(run, &kafka_settings(&kafka), &url, perf).await?
+                    }
+                    _ => {
+                        let (id, name) = if n == 18 {
+                            ("(18)", "ceiling: consume-only pass, Avro payloads (decode and key extraction, no database)")
+                        } else {
+                            ("(19)", "ceiling: consume-only pass, Protobuf payloads (decode and key extraction, no database)")
+                        };
+                        RunResult { id: id.to_owned(), ..consume_only_of(&kafka, &url, s.records.len(), &group(n), (topic, &pipeline, name)).await? }
+                    }
+                }
+            } else if (8..=15).contains(&n) {
                 match n {
                     14 | 15 => {
                         let lanes = if n == 14 { 2 } else { 4 };

@@ -159,6 +159,13 @@ pub(super) fn ratios(runs: &[RunResult], mysql: bool) -> Vec<(String, f64, Strin
     let rss = |id: &str| runs.iter().find(|r| r.id == id).and_then(|r| r.peak_rss_mib);
     ratio("peak RSS MiB of (1), the default configuration (a figure)", rss("(1)"), one, "<= 64");
     ratio("(1) / (11), against the guides' per-message consumer", rate("(1)"), rate("(11)"), "(measured)");
+    ratio("(16) / (1), Avro payloads against JSON", rate("(16)"), rate("(1)"), "(measured)");
+    ratio("(17) / (1), Protobuf payloads against JSON", rate("(17)"), rate("(1)"), "(measured)");
+    ratio("(18) / (5), consume-only: Avro decode against JSON", rate("(18)"), rate("(5)"), "(measured)");
+    ratio("(19) / (5), consume-only: Protobuf decode against JSON", rate("(19)"), rate("(5)"), "(measured)");
+    let more = |a: &str, b: &str| cpu(a).zip(cpu(b)).map(|(a, b)| a - b);
+    ratio("worker CPU µs per record, (16) - (1): Avro's decode against JSON's (a figure)", more("(16)", "(1)"), one, "(measured)");
+    ratio("worker CPU µs per record, (17) - (1): Protobuf's decode against JSON's (a figure)", more("(17)", "(1)"), one, "(measured)");
     ratios
 }
 

@@ -219,3 +219,46 @@ pub(super) fn produce(kafka: &crate::demo::kafka::EmbeddedKafka, records: usize,
     );
     Ok(s)
 }
+
+/// The orders' Avro schema, for runs (16) and (18).
+pub(super) const ORDER_AVSC: &str = r#"{"type": "record", "name": "Order", "namespace": "idemflow.bench", "fields": [
+  {"name": "order", "type": {"type": "record", "name": "Details", "fields": [
+    {"name": "id", "type": "string"}, {"name": "account", "type": "string"},
+    {"name": "amount", "type": {"type": "bytes", "logicalType": "decimal", "precision": 18, "scale": 2}},
+    {"name": "currency", "type": "string"}, {"name": "channel", "type": "string"}, {"name": "note", "type": "string"}]}},
+  {"name": "created_at", "type": {"type": "long", "logicalType": "timestamp-millis"}}]}"#;
+
+/// The orders' `.proto`, for runs (17) and (19).
+pub(super) const ORDER_PROTO: &str = r#"syntax = "proto3";
+package idemflow.bench;
+import "google/protobuf/timestamp.proto";
+message Order {
+  message Details { string id = 1; string account = 2; string amount = 3; string currency = 4; string channel = 5; string note = 6; }
+  Details order = 1;
+  google.protobuf.Timestamp created_at = 2;
+}
+"#;
+
+/// The stream's records in `format`, produced to `topic` (the same partitions), for the format runs (16) to
+/// (19). Returns the encoded records' average size in bytes.
+pub(super) fn produce_encoded(kafka: &crate::demo::kafka::EmbeddedKafka, s: &Stream, topic: &str, format: crate::demo::formats::DemoFormat) -> anyhow::Result<usize> {
+    let encoder = crate::demo::formats::Encoder::of(format, ORDER_AVSC, ORDER_PROTO, "Order")?;
+    let mut bytes = 0;
+    for (partition, value) in &s.records {
+        let encoded = encoder.encode(value);
+        bytes += encoded.len();
+        kafka.send(rdkafka::producer::BaseRecord::<[u8], [u8]>::to(topic).partition(*partition).payload(&encoded))?;
+    }
+    kafka.flush()?;
+    Ok(bytes / s.records.len().max(1))
+}
+
+/// The table form of run (1) reading `topic`, whose payloads are `format` with the schema in `schema_file` (an
+/// absolute path).
+pub(super) fn format_table_pipeline(topic: &str, format: crate::demo::formats::DemoFormat, schema_file: &std::path::Path) -> String {
+    let head = match format {
+        crate::demo::formats::DemoFormat::Protobuf => format!("format = \"protobuf\"\nschema_file = {:?}\nmessage = \"idemflow.bench.Order\"\n", schema_file),
+        _ => format!("format = \"avro\"\nschema_file = {:?}\n", schema_file),
+    };
+    format!("{head}{}", table_pipeline(None).replace(&format!("topics = [\"{TOPIC}\"]"), &format!("topics = [\"{topic}\"]")))
+}

@@ -23,7 +23,7 @@ pub enum DemoFormat {
     Protobuf,
 }
 
-/// Encodes JSON payments in a [`DemoFormat`].
+/// Encodes JSON records in a [`DemoFormat`], by a schema: the demo's payments, the bench's orders.
 pub(crate) enum Encoder {
     Json,
     Avro(apache_avro::Schema),
@@ -31,16 +31,23 @@ pub(crate) enum Encoder {
 }
 
 impl Encoder {
-    /// The encoder of `format`, its schema parsed.
+    /// The encoder of `format` for the demo's payments (`examples/formats/`).
     ///
     /// Errors: a shipped schema that does not parse (a defect).
     pub(crate) fn new(format: DemoFormat) -> anyhow::Result<Encoder> {
+        Encoder::of(format, PAYMENT_AVSC, PAYMENT_PROTO, "Payment")
+    }
+
+    /// The encoder of `format` with the Avro schema `avsc`, or the `.proto` `proto` and its `message`.
+    ///
+    /// Errors: a schema that does not parse.
+    pub(crate) fn of(format: DemoFormat, avsc: &str, proto: &str, message: &str) -> anyhow::Result<Encoder> {
         Ok(match format {
             DemoFormat::Json => Encoder::Json,
-            DemoFormat::Avro => Encoder::Avro(apache_avro::Schema::parse_str(PAYMENT_AVSC).context("payment.avsc")?),
+            DemoFormat::Avro => Encoder::Avro(apache_avro::Schema::parse_str(avsc).context("the Avro schema")?),
             DemoFormat::Protobuf => {
-                let file = crate::decode::protobuf::ProtoFile::compile("payment.proto", PAYMENT_PROTO, &[]).map_err(anyhow::Error::msg)?;
-                Encoder::Protobuf(file.message("Payment").map_err(anyhow::Error::msg)?)
+                let file = crate::decode::protobuf::ProtoFile::compile("payment.proto", proto, &[]).map_err(anyhow::Error::msg)?;
+                Encoder::Protobuf(file.message(message).map_err(anyhow::Error::msg)?)
             }
         })
     }
@@ -58,57 +65,68 @@ impl Encoder {
         }
     }
 
-    /// `body`, a JSON payment, in this format; a body that is not a payment (a poison record) as it is.
+    /// `body`, a JSON record, in this format (fields by name; a decimal from its text, a timestamp from RFC 3339, a
+    /// union with `null` from the value or its absence); a body that is not JSON (a poison record) as it is.
     pub(crate) fn encode(&self, body: &[u8]) -> Vec<u8> {
         let Ok(v) = serde_json::from_slice::<Value>(body) else { return body.to_vec() };
-        let text = |v: &Value| v.as_str().unwrap_or_default().to_owned();
-        let (order, paid_ms) = (&v["order"], v["paid_at"].as_str().and_then(|t| t.parse::<jiff::Timestamp>().ok()).map(|t| t.as_millisecond()));
         match self {
             Encoder::Json => body.to_vec(),
-            Encoder::Avro(schema) => {
-                use apache_avro::types::Value as A;
-                let cents = cents(order["amount"].as_str().unwrap_or("0"));
-                let value = A::Record(vec![
-                    (
-                        "order".into(),
-                        A::Record(vec![
-                            ("id".into(), A::String(text(&order["id"]))),
-                            ("account".into(), A::String(text(&order["account"]))),
-                            ("amount".into(), A::Decimal(apache_avro::Decimal::from(twos_complement(cents)))),
-                            ("currency".into(), A::String(text(&order["currency"]))),
-                        ]),
-                    ),
-                    ("paid_at".into(), paid_ms.map_or(A::Union(0, Box::new(A::Null)), |ms| A::Union(1, Box::new(A::TimestampMillis(ms))))),
-                ]);
-                apache_avro::to_avro_datum(schema, value).unwrap_or_else(|_| body.to_vec())
-            }
+            Encoder::Avro(schema) => avro_value(&v, schema)
+                .and_then(|value| apache_avro::to_avro_datum(schema, value).ok())
+                .unwrap_or_else(|| body.to_vec()),
             Encoder::Protobuf(message) => {
                 use prost_reflect::prost::Message as _;
-                use prost_reflect::{DynamicMessage, Kind, Value as P};
-                let mut m = DynamicMessage::new(message.clone());
-                let Some(Kind::Message(order_desc)) = message.get_field_by_name("order").map(|f| f.kind()) else { return body.to_vec() };
-                let mut o = DynamicMessage::new(order_desc);
-                for field in ["id", "account", "amount", "currency"] {
-                    o.set_field_by_name(field, P::String(text(&order[field])));
-                }
-                m.set_field_by_name("order", P::Message(o));
-                if let (Some(ms), Some(Kind::Message(ts_desc))) = (paid_ms, message.get_field_by_name("paid_at").map(|f| f.kind())) {
-                    let mut ts = DynamicMessage::new(ts_desc);
-                    ts.set_field_by_name("seconds", P::I64(ms.div_euclid(1000)));
-                    ts.set_field_by_name("nanos", P::I32((ms.rem_euclid(1000) * 1_000_000) as i32));
-                    m.set_field_by_name("paid_at", P::Message(ts));
-                }
-                m.encode_to_vec()
+                proto_message(&v, message).encode_to_vec()
             }
         }
     }
 }
 
-/// `"123.45"` in cents.
-fn cents(amount: &str) -> i64 {
-    let (units, fraction) = amount.split_once('.').unwrap_or((amount, "0"));
-    let fraction = format!("{fraction:0<2}");
-    units.parse::<i64>().unwrap_or(0) * 100 + fraction[..2].parse::<i64>().unwrap_or(0)
+/// `v` as an Avro value of `schema` (the types the demo's and the bench's schemas use).
+fn avro_value(v: &Value, schema: &apache_avro::Schema) -> Option<apache_avro::types::Value> {
+    use apache_avro::schema::Schema as S;
+    use apache_avro::types::Value as A;
+    Some(match schema {
+        S::Record(r) => A::Record(r.fields.iter().map(|f| Some((f.name.clone(), avro_value(&v[&f.name], &f.schema)?))).collect::<Option<_>>()?),
+        S::String => A::String(v.as_str()?.to_owned()),
+        S::Long => A::Long(v.as_i64()?),
+        S::Decimal(d) => {
+            let text = v.as_str().map(str::to_owned).unwrap_or_else(|| v.to_string());
+            let (units, fraction) = text.split_once('.').unwrap_or((&text, ""));
+            let unscaled: i64 = format!("{units}{fraction:0<width$}", width = d.scale).parse().ok()?;
+            A::Decimal(apache_avro::Decimal::from(twos_complement(unscaled)))
+        }
+        S::TimestampMillis => A::TimestampMillis(v.as_str()?.parse::<jiff::Timestamp>().ok()?.as_millisecond()),
+        S::Union(u) => match (v.is_null(), u.variants().iter().position(|b| *b != S::Null)) {
+            (true, _) | (_, None) => A::Union(0, Box::new(A::Null)),
+            (false, Some(i)) => A::Union(i as u32, Box::new(avro_value(v, &u.variants()[i])?)),
+        },
+        _ => return None,
+    })
+}
+
+/// `v` as a `message` (string and message fields, `google.protobuf.Timestamp` from RFC 3339).
+fn proto_message(v: &Value, message: &prost_reflect::MessageDescriptor) -> prost_reflect::DynamicMessage {
+    use prost_reflect::{DynamicMessage, Kind, Value as P};
+    let mut m = DynamicMessage::new(message.clone());
+    for f in message.fields() {
+        let field = &v[f.name()];
+        let value = match (f.kind(), field) {
+            (_, Value::Null) => continue,
+            (Kind::Message(t), Value::String(text)) if t.full_name() == "google.protobuf.Timestamp" => {
+                let Ok(at) = text.parse::<jiff::Timestamp>() else { continue };
+                let mut ts = DynamicMessage::new(t);
+                ts.set_field_by_name("seconds", P::I64(at.as_second()));
+                ts.set_field_by_name("nanos", P::I32(at.subsec_nanosecond()));
+                P::Message(ts)
+            }
+            (Kind::Message(t), _) => P::Message(proto_message(field, &t)),
+            (Kind::String, _) => P::String(field.as_str().map(str::to_owned).unwrap_or_else(|| field.to_string())),
+            _ => continue,
+        };
+        m.set_field_by_name(f.name(), value);
+    }
+    m
 }
 
 /// `n` as the shortest big-endian two's complement bytes (Avro's `decimal` on `bytes`).
@@ -143,6 +161,5 @@ mod tests {
         assert_eq!(avro.encode(b"{\"order\": {\"id"), b"{\"order\": {\"id".to_vec(), "poison stays poison");
         assert_eq!(twos_complement(-12345), vec![0xcf, 0xc7]);
         assert_eq!(twos_complement(128), vec![0x00, 0x80]);
-        assert_eq!(cents("5.5"), 550);
     }
 }

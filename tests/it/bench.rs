@@ -30,12 +30,15 @@ async fn bench_runs_every_baseline_and_writes_markdown_and_json() {
     let (out, report) = bench(args, dir.path(), &json).await;
     let runs = report["runs"].as_array().unwrap();
     let ids: Vec<&str> = runs.iter().map(|r| r["id"].as_str().unwrap()).collect();
-    assert_eq!(ids, ["(1)", "(2)", "(3)", "(4)", "(5)", "(6)", "(7)", "(8)", "(9)", "(10)", "(11)", "(12)", "(13)", "(14)", "(15)"]);
+    assert_eq!(
+        ids,
+        ["(1)", "(2)", "(3)", "(4)", "(5)", "(6)", "(7)", "(8)", "(9)", "(10)", "(11)", "(12)", "(13)", "(14)", "(15)", "(16)", "(17)", "(18)", "(19)"]
+    );
     for r in runs {
         assert!(r["records_per_second"].as_f64().unwrap() > 0.0, "{r}");
         assert!(r["records"].as_u64().unwrap() > 0, "{r}");
     }
-    for worker_run in [0, 1, 3, 5, 6, 7, 11, 12, 13, 14] {
+    for worker_run in [0, 1, 3, 5, 6, 7, 11, 12, 13, 14, 15, 16] {
         let r = &runs[worker_run];
         assert!(r["cpu_us_per_record"].as_f64().unwrap() > 0.0, "{r}");
         assert!(r["peak_rss_mib"].as_f64().unwrap() > 1.0, "{r}");
@@ -65,6 +68,12 @@ async fn bench_runs_every_baseline_and_writes_markdown_and_json() {
             "worker CPU µs per record of (1) (a figure, not a ratio)",
             "peak RSS MiB of (1), the default configuration (a figure)",
             "(1) / (11), against the guides' per-message consumer",
+            "(16) / (1), Avro payloads against JSON",
+            "(17) / (1), Protobuf payloads against JSON",
+            "(18) / (5), consume-only: Avro decode against JSON",
+            "(19) / (5), consume-only: Protobuf decode against JSON",
+            "worker CPU µs per record, (16) - (1): Avro's decode against JSON's (a figure)",
+            "worker CPU µs per record, (17) - (1): Protobuf's decode against JSON's (a figure)",
         ]
     );
     // Each with its target and whether the median meets it.
@@ -77,6 +86,12 @@ async fn bench_runs_every_baseline_and_writes_markdown_and_json() {
     let applied = |r: &serde_json::Value| r["note"].as_str().unwrap().split(" applied").next().unwrap().rsplit(' ').next().unwrap().to_owned();
     assert!(applied(&runs[7]).parse::<u64>().unwrap() > 3000, "{}", runs[7]);
     assert_eq!(applied(&runs[12]), applied(&runs[7]), "the per-record form applies what the batch SQL form does");
+    // The same orders as Avro and Protobuf: the same records applied as from JSON, every one prepared.
+    assert_eq!(applied(&runs[15]), applied(&runs[0]), "Avro: {}", runs[15]);
+    assert_eq!(applied(&runs[16]), applied(&runs[0]), "Protobuf: {}", runs[16]);
+    for consume_only in [17, 18] {
+        assert!(runs[consume_only]["note"].as_str().unwrap().starts_with("4000 records prepared"), "{}", runs[consume_only]);
+    }
     for hand_written in [9, 10] {
         assert!(runs[hand_written]["cpu_us_per_record"].as_f64().unwrap() > 0.0, "{}", runs[hand_written]);
     }
