@@ -497,3 +497,17 @@ async fn rabbitmq_and_nats_payloads_in_the_same_formats() {
     assert!(w.stop().await.is_empty());
     assert_eq!(db.scalar::<String>("SELECT amount::text || ' ' || seq FROM payments WHERE order_id = 'N-1'").await, "3.5 9007199254740993");
 }
+
+/// The guarantee matrix's scenario (a) and (d) with the payloads in Avro and in Protobuf (`matrix::core_in`): the
+/// shipped example on Kafka and PostgreSQL, the stream encoded by confluent-kafka's serializers; every duplicate
+/// counted under its reason, every poison record dead-lettered, then a rewind: nothing applied twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn matrix_core_avro_kafka_postgres() {
+    crate::matrix::core_in(crate::matrix::PayloadFormat::Avro, crate::matrix::Broker::Kafka, crate::matrix::Db::Postgres).await;
+}
+
+/// [`matrix_core_avro_kafka_postgres`] in Protobuf.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn matrix_core_protobuf_kafka_postgres() {
+    crate::matrix::core_in(crate::matrix::PayloadFormat::Protobuf, crate::matrix::Broker::Kafka, crate::matrix::Db::Postgres).await;
+}

@@ -18,6 +18,10 @@
 //! nothing is applied twice. JetStream pairs run with `ack_wait = "4s"`, shorter than the store outage of (c):
 //! there the in-progress acks must keep every held delivery from being redelivered.
 //! The table in docs/guarantee.md is made from the test names here (`the_guarantee_page_table_is_made_from_the_matrix`).
+//!
+//! Scenario (a) also runs with the payloads in Avro and in Protobuf ([`core_in`], `formats::matrix_core_*`): the
+//! same stream encoded by confluent-kafka's serializers in the schema registry's wire format, read through
+//! `[schema_registry]`; the poison records stay the bytes they are.
 
 use crate::failures::{assert_counters_add_up, payments, Payments, Rng};
 use crate::support::mariadb::MyDb;
@@ -35,7 +39,7 @@ const DISTINCT: usize = 600;
 
 /// A pair's broker.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Broker {
+pub(crate) enum Broker {
     Kafka,
     RabbitMq,
     RocketMq,
@@ -44,7 +48,7 @@ enum Broker {
 
 /// A pair's store.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Db {
+pub(crate) enum Db {
     Postgres,
     MariaDb,
     Redis,
@@ -331,6 +335,21 @@ struct Pair {
     s: Payments,
     broker: Broker,
     db: Db,
+    /// The schema registry the payloads' schemas are in, and its `[schema_registry]` section (not JSON).
+    registry: Option<(crate::support::registry::Registry, String)>,
+    /// The pipeline's `format` line (empty for JSON).
+    format: &'static str,
+}
+
+/// How a scenario's payloads are encoded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum PayloadFormat {
+    /// JSON, as the shipped examples read it.
+    Json,
+    /// Avro of `examples/formats/payment.avsc`, in the schema registry's wire format.
+    Avro,
+    /// Protobuf of `examples/formats/payment.proto`, in the schema registry's wire format.
+    Protobuf,
 }
 
 impl Pair {
@@ -340,10 +359,45 @@ impl Pair {
     }
 
     async fn new(broker: Broker, db: Db) -> Pair {
+        Pair::new_in(PayloadFormat::Json, broker, db).await
+    }
+
+    /// A pair whose stream is encoded in `format` by confluent-kafka's serializers (poison records as they are),
+    /// their schema registered in a registry of the test's own.
+    async fn new_in(format: PayloadFormat, broker: Broker, db: Db) -> Pair {
         let src = Src::new(broker).await;
         let dst = Dst::new(db).await;
-        let s = src.stream();
-        Pair { src, dst, s, broker, db }
+        let mut s = src.stream();
+        let (registry, format) = match format {
+            PayloadFormat::Json => (None, ""),
+            f => {
+                let registry = crate::support::registry::Registry::start(&[]);
+                let docs: Vec<(usize, String)> = s
+                    .records
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(i, r)| {
+                        let text = String::from_utf8(r.value.clone()?).ok()?;
+                        serde_json::from_str::<serde_json::Value>(&text).ok().map(|_| (i, text))
+                    })
+                    .collect();
+                let texts: Vec<String> = docs.iter().map(|(_, t)| t.clone()).collect();
+                let root = project_root().join("examples/formats");
+                let (encoded, line) = if f == PayloadFormat::Avro {
+                    (registry.serialize("avro", "payments", &root.join("payment.avsc"), &texts), "format = \"avro\"\n")
+                } else {
+                    // Protobuf's JSON mapping names the field paidAt.
+                    let texts: Vec<String> = texts.iter().map(|t| t.replace("\"paid_at\"", "\"paidAt\"")).collect();
+                    (registry.serialize_protobuf("payments", &root.join("payment.proto"), "Payment", &texts), "format = \"protobuf\"\n")
+                };
+                for ((i, _), bytes) in docs.iter().zip(encoded) {
+                    s.records[*i].value = Some(bytes);
+                }
+                let section = format!("[schema_registry]\nurl = \"{}\"\n", registry.url());
+                (Some((registry, section)), line)
+            }
+        };
+        Pair { src, dst, s, broker, db, registry, format }
     }
 
     /// Whether a batch committed in the store whose offset commit or acknowledgement a crash prevented comes back
@@ -361,8 +415,9 @@ impl Pair {
     /// Settings and the pipeline for one worker (each worker gets its own `/metrics` port), through `relay` when
     /// given.
     fn setup(&self, relay: Option<&Relay>) -> Setup {
-        let pipeline = self.dst.pipeline(&self.src.source());
-        Setup::sections(&self.dst.section(relay), &self.src.section(), &[("payments.toml", &pipeline)], "")
+        let pipeline = format!("{}{}", self.format, self.dst.pipeline(&self.src.source()));
+        let extra = self.registry.as_ref().map_or("", |(_, section)| section.as_str());
+        Setup::sections(&self.dst.section(relay), &self.src.section(), &[("payments.toml", &pipeline)], extra)
     }
 
     /// Waits (at most 240 s) until every operation has its dedup row and every poison payload its dead letter,
@@ -449,7 +504,14 @@ fn duplicates(m: &str, reason: &str) -> f64 {
 /// group rewound with `idemflow rewind` and the stream consumed again by a new worker: every original counted
 /// `redelivered`, every copy under its reason again, nothing applied twice.
 async fn core(broker: Broker, db: Db) {
-    let mut pair = Pair::new(broker, db).await;
+    core_in(PayloadFormat::Json, broker, db).await
+}
+
+/// [`core`] with the payloads in `format`: Kafka's pairs (the other brokers' messages are published as text, with
+/// the JSON order id as their message id).
+pub(crate) async fn core_in(format: PayloadFormat, broker: Broker, db: Db) {
+    assert!(format == PayloadFormat::Json || broker == Broker::Kafka, "encoded payloads are published to Kafka only");
+    let mut pair = Pair::new_in(format, broker, db).await;
     let n = pair.len();
     pair.src.publish(&pair.s, 0..n).await;
     let setup = pair.setup(None);

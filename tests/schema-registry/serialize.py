@@ -7,7 +7,8 @@ TOPIC:key encodes record keys instead (the subject TOPIC-key). FORMAT is avro, j
 from grpcio-tools into a Python module first, as a producer's build does). Reads one JSON document per line on standard input and prints each encoded value in
 the schema registry's wire format, as hex, one per line. The serializer registers SCHEMA_FILE's schema under the
 subject TOPIC-value (the default topic name strategy), as a producer's does. In the JSON, numbers with a fraction
-are read as Python Decimals (what the Avro serializer takes for `decimal`), and {"$bytes": "<hex>"} as bytes.
+are read as Python Decimals (what the Avro serializer takes for `decimal`), and {"$bytes": "<hex>"} as bytes; for
+Avro, text is read as the schema's logical type says (a `decimal` from "123.45", a timestamp from RFC 3339).
 """
 
 import decimal
@@ -16,6 +17,35 @@ import sys
 
 from confluent_kafka.schema_registry import SchemaRegistryClient
 from confluent_kafka.serialization import MessageField, SerializationContext
+
+
+def for_avro(value, schema, named=None):
+    """value (from JSON) as fastavro takes it for schema: a decimal from its text, a timestamp from RFC 3339."""
+    named = {} if named is None else named
+    if isinstance(schema, str):
+        schema = named.get(schema, schema)
+    if isinstance(schema, list):
+        if value is None:
+            return None
+        branch = next(b for b in schema if b != "null")
+        return for_avro(value, branch, named)
+    if not isinstance(schema, dict):
+        return value
+    if "name" in schema:
+        named[schema["name"]] = schema
+    logical = schema.get("logicalType")
+    if logical == "decimal" and isinstance(value, (str, int)):
+        return decimal.Decimal(str(value))
+    if logical and logical.startswith("timestamp") and isinstance(value, str):
+        import datetime
+        return datetime.datetime.fromisoformat(value.replace("Z", "+00:00"))
+    if schema.get("type") == "record" and isinstance(value, dict):
+        return {f["name"]: for_avro(value.get(f["name"]), f["type"], named) for f in schema["fields"] if f["name"] in value}
+    if schema.get("type") == "array" and isinstance(value, list):
+        return [for_avro(v, schema["items"], named) for v in value]
+    if schema.get("type") == "map" and isinstance(value, dict):
+        return {k: for_avro(v, schema["values"], named) for k, v in value.items()}
+    return value
 
 
 def as_bytes(obj):
@@ -70,6 +100,8 @@ def main():
                 value = json_format.Parse(line, message_type())
             else:
                 value = json.loads(line, parse_float=decimal.Decimal, object_hook=as_bytes)
+                if fmt == "avro":
+                    value = for_avro(value, json.loads(schema))
             print(serializer(value, ctx).hex(), flush=True)
 
 
