@@ -119,6 +119,11 @@ impl Preparer {
         Preparer { max_record_bytes: limit, ..self }
     }
 
+    /// What the sink binds, each as the store prepared it (with its target's type, [`Binding::target_type`]).
+    pub fn bindings(&self) -> impl Iterator<Item = &Binding> {
+        self.bindings.iter().map(|(b, ..)| b)
+    }
+
     /// The pipeline's decoder.
     pub fn decoder(&self) -> &Decoder {
         &self.decoder
@@ -389,7 +394,7 @@ mod tests {
 
     fn binding(name: &str, path: &str) -> (Binding, Render) {
         let source = ValueSource::Field(crate::field::FieldPath::parse(path).unwrap());
-        let b = Binding { name: name.into(), source, default: None, optional: true, declared: None, type_name: None, round: false, limit: None };
+        let b = Binding { name: name.into(), source, default: None, optional: true, declared: None, type_name: None, round: false, limit: None, target_type: None };
         (b, Render::Text)
     }
 

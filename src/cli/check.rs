@@ -156,8 +156,9 @@ async fn find(a: &CheckArgs) -> Findings {
         findings.problems.extend(lines(e));
         return findings;
     }
+    let mut current = std::collections::HashMap::new();
     for p in &pipelines {
-        schema_paths(p, &mut findings).await;
+        current.insert(p.name.clone(), schema_paths(p, &mut findings).await);
     }
     let brokers = settings.brokers();
     for p in &pipelines {
@@ -198,6 +199,12 @@ async fn find(a: &CheckArgs) -> Findings {
         return findings;
     }
     for r in &ready {
+        schema_types(r, current.get(&r.pipeline.name).map_or(&[][..], Vec::as_slice), &mut findings);
+    }
+    if !findings.problems.is_empty() {
+        return findings;
+    }
+    for r in &ready {
         let p = &r.pipeline;
         findings.pipelines.push(PipelineOk {
             name: p.name.clone(),
@@ -222,20 +229,15 @@ async fn find(a: &CheckArgs) -> Findings {
 /// Holds the pipeline's key and value paths to the schemas its payloads are written with now (its `schema_file`, or
 /// its subjects' latest versions in the schema registry): a path the schema cannot have is a problem naming the
 /// pipeline, the field, the path and the schema; a registry that cannot be asked, too. A subject not registered
-/// yet, and a JSON Schema, are noted (their paths are not checked).
-async fn schema_paths(p: &config::Pipeline, findings: &mut Findings) {
-    let problem = |field: &str, message: String| Problem {
-        text: format!("{}: pipeline {:?}: {field}: {message}", p.file.display(), p.name),
-        file: Some(p.file.display().to_string()),
-        pipeline: Some(p.name.clone()),
-        field: Some(field.to_owned()),
-        message,
-    };
+/// yet, and a JSON Schema, are noted (their paths are not checked). Returns the schemas read, for
+/// [`schema_types`].
+async fn schema_paths(p: &config::Pipeline, findings: &mut Findings) -> Vec<idemflow::decode::CurrentSchema> {
+    let problem = |field: &str, message: String| pipeline_problem(p, field, message);
     let current = match p.decoder.current_schemas(p.source.streams()).await {
         Ok(current) => current,
         Err(e) => {
             findings.problems.push(problem("format", format!("cannot read the schema its payloads are written with: {e}")));
-            return;
+            return Vec::new();
         }
     };
     let (table, bindings) = p.sink.bindings();
@@ -245,7 +247,7 @@ async fn schema_paths(p: &config::Pipeline, findings: &mut Findings) {
             paths.push((format!("{table}.{}", b.name), path));
         }
     }
-    for c in current {
+    for c in &current {
         let Some(schema) = &c.schema else {
             findings.line(format!("pipeline {:?}: {}: its paths are not checked", p.name, c.label));
             continue;
@@ -259,6 +261,39 @@ async fn schema_paths(p: &config::Pipeline, findings: &mut Findings) {
         }
         if missing == 0 {
             findings.line(format!("pipeline {:?}: {}: all {} paths found", p.name, c.label, paths.len()));
+        }
+    }
+    current
+}
+
+/// A problem of pipeline `p`'s `field`.
+fn pipeline_problem(p: &config::Pipeline, field: &str, message: String) -> Problem {
+    Problem {
+        text: format!("{}: pipeline {:?}: {field}: {message}", p.file.display(), p.name),
+        file: Some(p.file.display().to_string()),
+        pipeline: Some(p.name.clone()),
+        field: Some(field.to_owned()),
+        message,
+    }
+}
+
+/// Holds each value the pipeline binds from the payload to its target's type, as the store prepared it: a path
+/// whose every kind of value (each branch of a union, null aside) is one the target cannot take (a record into a
+/// `numeric` column, a timestamp into a `boolean`) is a problem naming the pipeline, the field, the path, the
+/// schema and the type.
+fn schema_types(r: &idemflow::worker::Ready, current: &[idemflow::decode::CurrentSchema], findings: &mut Findings) {
+    use idemflow::decode::paths::{binds, describe, Leaf, Lookup};
+    let (table, _) = r.pipeline.sink.bindings();
+    for b in r.preparer.bindings() {
+        let (idemflow::store::spec::ValueSource::Field(path), Some(target)) = (&b.source, &b.target_type) else { continue };
+        let kind = idemflow::store::spec::TargetKind::of(target);
+        for c in current {
+            let Some(Lookup::Found(leaves)) = c.schema.as_ref().map(|s| s.lookup(path.tokens())) else { continue };
+            let values: Vec<Leaf> = leaves.into_iter().filter(|l| *l != Leaf::Null).collect();
+            if !values.is_empty() && values.iter().all(|l| !binds(*l, kind)) {
+                let message = format!("{path} is {} in {}, which its target's type {target} cannot take", describe(values[0]), c.label);
+                findings.problems.push(pipeline_problem(&r.pipeline, &format!("{table}.{}", b.name), message));
+            }
         }
     }
 }

@@ -849,7 +849,7 @@ fn bindings(raw: BTreeMap<String, toml::Value>, table: &str, free_types: bool, e
 
 fn binding(name: &str, value: toml::Value, field: &str, free_types: bool, e: &mut Errors<'_>) -> Option<Binding> {
     let plain =
-        |source| Binding { name: name.to_owned(), source, default: None, optional: false, declared: None, type_name: None, round: false, limit: None };
+        |source| Binding { name: name.to_owned(), source, default: None, optional: false, declared: None, type_name: None, round: false, limit: None, target_type: None };
     let table = match value {
         toml::Value::String(path) => return path_or_error(&path, field, e).map(|p| plain(ValueSource::Field(p))),
         toml::Value::Table(table) => table,

@@ -85,7 +85,7 @@ impl AvroSchema {
 
 /// The attribute a `fixed` type carries instead of `"logicalType": "uuid"` (16 bytes) or `"duration"` (12 bytes)
 /// when [`fixed_logical_types`] rewrote it: its value is the logical type.
-const FIXED_LOGICAL: &str = "idemflow.logicalType";
+pub(super) const FIXED_LOGICAL: &str = "idemflow.logicalType";
 
 /// The schema text with the `uuid` and `duration` logical types of `fixed` types moved to [`FIXED_LOGICAL`]: the
 /// Avro crate parses both into types that no longer say they are `fixed` of a size and a name (a uuid on `fixed(16)`

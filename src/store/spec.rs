@@ -251,6 +251,42 @@ pub struct Binding {
     /// What the target column keeps of a value, where it would round the rest: set by the store when the pipeline
     /// starts (the table form), never from the file.
     pub limit: Option<crate::rounding::Limit>,
+    /// The target's type as its store names it (`numeric`, `timestamp with time zone`, `bytea`; MySQL's
+    /// `DATA_TYPE`): set by the store when the pipeline starts, for `check` ([`TargetKind::of`]); `None` where the
+    /// store does not say (the SQL form on MySQL and MariaDB, Redis).
+    pub target_type: Option<String>,
+}
+
+/// What kind of value a target type takes, for `check`'s comparison with the field types of a payload's schema.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TargetKind {
+    /// Numbers (`numeric`, `integer`, `double precision`; MySQL's `DECIMAL`, `INT`, ...).
+    Number,
+    /// `boolean`.
+    Boolean,
+    /// Dates and times (`timestamptz`, `timestamp`, `date`, `time`; MySQL's `DATETIME`, `TIMESTAMP`, ...).
+    Instant,
+    /// Arrays (`text[]`, ...).
+    Array,
+    /// Anything that takes text (`text`, `varchar`, `jsonb`, `bytea`, `uuid`, enums, ...).
+    Text,
+}
+
+impl TargetKind {
+    /// The kind of the type named `name` (PostgreSQL's `format_type`, or MySQL's `DATA_TYPE`).
+    pub fn of(name: &str) -> TargetKind {
+        let name = name.to_ascii_lowercase();
+        if name.ends_with("[]") {
+            return TargetKind::Array;
+        }
+        match name.as_str() {
+            "numeric" | "decimal" | "integer" | "bigint" | "smallint" | "real" | "double precision" | "tinyint" | "mediumint" | "int"
+            | "float" | "double" => TargetKind::Number,
+            "boolean" => TargetKind::Boolean,
+            n if n.starts_with("timestamp") || n.starts_with("time ") || matches!(n, "date" | "time" | "datetime") => TargetKind::Instant,
+            _ => TargetKind::Text,
+        }
+    }
 }
 
 /// A parameter's declared target type (`type = "decimal" | "integer" | "timestamp" | "datetime" | "json"` in

@@ -511,3 +511,29 @@ async fn matrix_core_avro_kafka_postgres() {
 async fn matrix_core_protobuf_kafka_postgres() {
     crate::matrix::core_in(crate::matrix::PayloadFormat::Protobuf, crate::matrix::Broker::Kafka, crate::matrix::Db::Postgres).await;
 }
+
+/// `check` holds each bound path's kind of value to its column's type: a timestamp into a `numeric` column and a
+/// record into a `bigint` are refused, naming the field, the path, the schema and the type; a record into a `jsonb`
+/// or `text` column binds (as its JSON text).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_refuses_a_value_its_column_cannot_take() {
+    let registry = Registry::start(&[]);
+    let db = TestDb::new(TABLE).await;
+    let kafka = Kafka::new();
+    kafka.create_topic("payments", 1);
+    let tmp = tempfile::tempdir().unwrap();
+    let avsc = schema_file(tmp.path(), PAYMENT_AVSC);
+    registry.serialize("avro", "payments", &avsc, &[payment("ORD-1", "1.5")]);
+    let wrong = pipeline("payments", "format = \"avro\"")
+        .replace("amount = \"/order/amount\"", "amount = \"/paid_at\"")
+        .replace("seq = \"/seq\"", "seq = \"/order\"")
+        .replace("tags = \"/tags\"", "tags = \"/context\"");
+    let setup = Setup::with(&db, &kafka, &[("payments.toml", &wrong)], "", &registry_section(&registry, ""));
+    let (status, out, err) = idemflow(&["check", "--config", setup.config.to_str().unwrap()], setup.dir.path());
+    let text = format!("{out}{err}");
+    assert!(!status.success(), "{text}");
+    let schema = "subject payments-value version 1 (schema id 1)";
+    assert!(text.contains(&format!("sink.columns.amount: /paid_at is a date or time in {schema}, which its target's type numeric cannot take")), "{text}");
+    assert!(text.contains(&format!("sink.columns.seq: /order is a record in {schema}, which its target's type bigint cannot take")), "{text}");
+    assert!(!text.contains("sink.columns.tags"), "a map into jsonb binds: {text}");
+}

@@ -410,8 +410,8 @@ async fn prepare_table(
     let bindings = columns
         .iter()
         .cloned()
-        .zip(found.iter().map(|c| (c.limit(), render_for(c, json_columns.contains(&c.name)))))
-        .map(|(b, (limit, render))| (Binding { limit, ..b }, render))
+        .zip(found.iter().map(|c| (c.limit(), render_for(c, json_columns.contains(&c.name)), c.data_type.clone())))
+        .map(|(b, (limit, render, data_type))| (Binding { limit, target_type: Some(data_type), ..b }, render))
         .collect();
     Ok((SideEffect { form: Form::Table { head, tail, columns: columns.len() }, probe: Some(probe), schema: schema_now, packet: 0 }, bindings))
 }

@@ -500,8 +500,8 @@ async fn prepare_table(
         .iter()
         .cloned()
         .zip(limits)
-        .map(|(b, limit)| Binding { limit, ..b })
-        .zip(types.iter().map(|t| t.target.as_ref().expect("checked").render()))
+        .zip(&types)
+        .map(|((b, limit), t)| (Binding { limit, target_type: Some(t.name.clone()), ..b }, t.target.as_ref().expect("checked").render()))
         .collect();
     Ok((Form::Table { sql, columns: columns.len(), claim_and_insert }, Probe::Table(probe_sql), bindings))
 }
@@ -617,6 +617,7 @@ async fn prepare_sql(
     params: &[Binding],
 ) -> Result<(Form, Probe, Vec<(Binding, Render)>), PrepareError> {
     let mut renders: Vec<Option<Render>> = vec![None; params.len()];
+    let mut type_names: Vec<Option<String>> = vec![None; params.len()];
     let mut prepared = Vec::new();
     let mut plains = Vec::new();
     // The statements as the server-side loop runs them; `None` once one of them cannot be looped.
@@ -659,6 +660,7 @@ async fn prepare_sql(
                 Some(Render::Json) => Some(Render::Json),
                 _ => Some(render),
             };
+            type_names[*slot].get_or_insert_with(|| t.name.clone());
             casts.push(target.cast(&format!("${}::text", n + 1), &t.name));
             looped.push(target.cast(&format!("$1[idemflow_base + {}]", slot + 1), &t.name));
         }
@@ -672,7 +674,13 @@ async fn prepare_sql(
         plains.push(plain);
         prepared.push(PreparedStatement { sql, slots });
     }
-    let bindings = params.iter().cloned().zip(renders.into_iter().map(|r| r.unwrap_or(Render::Text))).collect();
+    let bindings = params
+        .iter()
+        .cloned()
+        .zip(type_names)
+        .map(|(b, target_type)| Binding { target_type, ..b })
+        .zip(renders.into_iter().map(|r| r.unwrap_or(Render::Text)))
+        .collect();
     let mut server_loop = bodies.and_then(|b| SqlLoop::new(&b, params.len()));
     if let Some(l) = &server_loop {
         // Checked and created once here, in a savepoint of the transaction that is rolled back: statements that
@@ -760,7 +768,12 @@ async fn prepare_batch(
         })?;
         prepared.push(sql);
     }
-    let bindings = columns.iter().cloned().zip(types.iter().map(|t| t.target.as_ref().expect("checked").render())).collect();
+    let bindings = columns
+        .iter()
+        .cloned()
+        .zip(&types)
+        .map(|(b, t)| (Binding { target_type: Some(t.name.clone()), ..b }, t.target.as_ref().expect("checked").render()))
+        .collect();
     // The probe of every batch: a PREPARE of each statement, which takes its locks. Its parameter types are the
     // text arrays whatever the schema; a change that breaks a statement fails the PREPARE.
     Ok((Form::Batch { columns: columns.len(), statements: prepared.clone() }, Probe::Statements(prepared), bindings))
