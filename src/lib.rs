@@ -203,13 +203,16 @@
 //!   give. A rebuild of the statements (a schema change) drops every entry; a record dropped before its batch
 //!   leaves its entry unused. Tested with a batch stalled on a lock while the table's column types change
 //!   (`tests/it/hardening.rs`).
-//! - Schemas from the registry: a wire-format payload's schema is fetched before its batch is prepared (and a record
-//!   waiting on one is never prepared ahead), while the source serves its broker; each request is bounded by
-//!   `[schema_registry] timeout`. While the registry does not answer, the batch waits with consumption paused and
-//!   nothing claimed, written or acknowledged; only the registry's own "no such schema" (error code 40403) makes a
-//!   record's schema unknown, and that record a dead letter. An id is fetched once and kept, so what a record
-//!   decodes to never depends on when it is prepared. Tested with the registry answering 503
-//!   (`formats::a_registry_outage_pauses_the_pipeline_and_dead_letters_nothing`).
+//! - Schemas from the registry: the schemas a record's payload and record key name (wire format) are fetched
+//!   before its batch is prepared (and a record waiting on one is never prepared ahead), while the source serves
+//!   its broker; each request is bounded by `[schema_registry] timeout`. While the registry does not answer, the
+//!   batch waits with consumption paused and nothing claimed, written or acknowledged. The registry's own "no such
+//!   schema" (error codes 40401 to 40403) is waited on too, for `missing_schema_wait` (a follower not caught up
+//!   with a new schema must not dead-letter its records); only after that wait is the record a dead letter. A
+//!   schema found is kept for the process's life, so a prepared record decodes the same on every retry of its
+//!   batch. Tested with the registry answering 503
+//!   (`formats::a_registry_outage_pauses_the_pipeline_and_dead_letters_nothing`) and learning an id while it is
+//!   waited on (`formats::an_id_the_registry_learns_while_waited_on_is_read_not_dead_lettered`).
 //!
 //! - Retention deletes a dedup row only once it is older than `[dedup] retention` by the database's clock at the
 //!   slice's transaction ([`retention`]): each slice is one transaction with its cursor, so a worker killed in a

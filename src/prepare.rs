@@ -132,17 +132,18 @@ impl Preparer {
     /// The schema ids `record` waits on, its payload's and its record key's ([`Decoder::schema_to_fetch`]): it is
     /// prepared only once they were fetched. None for an oversized record (a dead letter whatever its schema).
     pub fn schemas_to_fetch(&self, record: &Record) -> impl Iterator<Item = u32> {
-        let value = match record.oversized {
-            Some(_) => None,
-            None => self.decoder.schema_to_fetch(record.payload.as_deref()),
-        };
-        let key = self.key_decoder.as_ref().and_then(|k| k.schema_to_fetch(record.key.as_deref()));
+        // A tombstone or an oversized record is what it is without its key.
+        let decoded = record.oversized.is_none() && record.payload.is_some();
+        let value = if decoded { self.decoder.schema_to_fetch(record.payload.as_deref()) } else { None };
+        let key = self.key_decoder.as_ref().filter(|_| decoded).and_then(|k| k.schema_to_fetch(record.key.as_deref()));
         value.into_iter().chain(key)
     }
 
-    /// Whether `record` waits on the registry ([`Preparer::schemas_to_fetch`]).
-    pub fn waits_on_registry(&self, record: &Record) -> bool {
-        self.schemas_to_fetch(record).next().is_some()
+    /// Whether `record` may be prepared ahead of its batch ([`Ahead`]): every schema it names is fetched (a record
+    /// naming one still missing is prepared with its batch, after the registry was asked again).
+    pub fn prepares_ahead(&self, record: &Record) -> bool {
+        self.decoder.decodes_for_good(record.payload.as_deref())
+            && self.key_decoder.as_ref().is_none_or(|k| k.decodes_for_good(record.key.as_deref()))
     }
 
     /// The schema registry's schemas this preparer's decoders read, if any (one cache for the process).
@@ -151,7 +152,7 @@ impl Preparer {
     }
 
     /// Decodes the record, takes its key and values. Never fails: failures are dead letters. A record that
-    /// [waits on the registry](Preparer::schemas_to_fetch) is prepared only after its schema was fetched.
+    /// names a schema to fetch ([`Preparer::schemas_to_fetch`]) is prepared only after it was fetched.
     pub fn prepare(&self, record: &Record) -> Prepared {
         let Some(payload) = record.payload.as_deref() else {
             return match self.tombstones {
@@ -267,7 +268,7 @@ impl Ahead {
             return;
         }
         // Its schema is fetched before its batch is prepared (the worker's own step, which may pause).
-        if preparer.waits_on_registry(record) {
+        if !preparer.prepares_ahead(record) {
             return;
         }
         // A panic here (a bug) would unwind while the batch before is in its transaction: the record is left to be

@@ -570,15 +570,17 @@ impl Step<'_> {
         let mut failing_since: Option<Instant> = None;
         loop {
             let ids: Vec<u32> = records.iter().flat_map(|r| self.ready.preparer.schemas_to_fetch(r)).collect();
-            let Some(schemas) = self.ready.preparer.schemas().cloned().filter(|_| !ids.is_empty()) else {
-                if let Some(since) = failing_since {
-                    tracing::info!(failing_for = ?since.elapsed(), "the schema registry answers again");
-                }
-                return Some(records);
-            };
+            let Some(schemas) = self.ready.preparer.schemas().cloned().filter(|_| !ids.is_empty()) else { return Some(records) };
             let fetch = tokio::spawn(async move { schemas.fetch_all(ids).await }.in_current_span());
             let error = match source.poll_while(fetch).await {
-                Ok(()) => continue,
+                // Every id is now known, or known to be missing past its wait (its records are dead letters): asked
+                // once, never again for this batch (a wait of 0 would otherwise ask without end).
+                Ok(()) => {
+                    if let Some(since) = failing_since {
+                        tracing::info!(failing_for = ?since.elapsed(), "the schema registry answers again");
+                    }
+                    return Some(records);
+                }
                 Err(e) => e.to_string(),
             };
             let since = *failing_since.get_or_insert_with(Instant::now);

@@ -241,10 +241,11 @@ async fn schema_paths(p: &config::Pipeline, findings: &mut Findings) -> Vec<idem
         }
     };
     let (table, bindings) = p.sink.bindings();
-    let mut paths: Vec<(String, &idemflow::field::FieldPath)> = p.key.paths().iter().map(|path| ("key".to_owned(), path)).collect();
+    // (field, path, whether a missing value is allowed: an optional value or one with a default)
+    let mut paths: Vec<(String, &idemflow::field::FieldPath, bool)> = p.key.paths().iter().map(|path| ("key".to_owned(), path, false)).collect();
     for b in bindings {
         if let idemflow::store::spec::ValueSource::Field(path) = &b.source {
-            paths.push((format!("{table}.{}", b.name), path));
+            paths.push((format!("{table}.{}", b.name), path, b.optional || b.default.is_some()));
         }
     }
     for c in &current {
@@ -253,10 +254,17 @@ async fn schema_paths(p: &config::Pipeline, findings: &mut Findings) -> Vec<idem
             continue;
         };
         let mut missing = 0;
-        for (field, path) in &paths {
+        for (field, path, may_miss) in &paths {
             if let idemflow::decode::paths::Lookup::Missing { at } = schema.lookup(path.tokens()) {
                 missing += 1;
-                findings.problems.push(problem(field, format!("{path} is not in {}: it has no {at}", c.label)));
+                if *may_miss {
+                    findings.line(format!(
+                        "warning: pipeline {:?}: {field}: {path} is not in {} (it has no {at}): its value is always missing there, so it binds its default or NULL",
+                        p.name, c.label
+                    ));
+                } else {
+                    findings.problems.push(problem(field, format!("{path} is not in {}: it has no {at}", c.label)));
+                }
             }
         }
         if missing == 0 {

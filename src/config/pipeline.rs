@@ -496,6 +496,9 @@ fn validate(raw: RawPipeline, path: &Path, stem: &str, dialect: Dialect, e: &mut
 fn validate_format(raw: &RawPipeline, path: &Path, max_payload_bytes: usize, e: &mut Errors<'_>) -> Option<Decoder> {
     use crate::decode::{FileSchema, SubjectNameStrategy};
     let decoder = Decoder::new(raw.format, max_payload_bytes).with_subjects(raw.subject_name_strategy, raw.record_name.clone());
+    if raw.subject_name_strategy == SubjectNameStrategy::TopicName && raw.record_name.is_some() {
+        e.push("record_name", "is for subject_name_strategy = \"record_name\" or \"topic_record_name\" (the default, \"topic_name\", names subjects <topic>-value)");
+    }
     if raw.subject_name_strategy != SubjectNameStrategy::TopicName && raw.record_name.is_none() {
         e.push("record_name", "is required with subject_name_strategy = \"record_name\" or \"topic_record_name\" (the record's full name, as the producer's serializer names its subject)");
     }

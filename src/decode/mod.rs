@@ -83,8 +83,8 @@ pub enum SubjectNameStrategy {
 pub enum CheckedSchema {
     /// An Avro schema.
     Avro(avro::AvroSchema),
-    /// A Protobuf message.
-    Protobuf(prost_reflect::MessageDescriptor),
+    /// The Protobuf messages the payloads may be (a path is the schema's when one of them has it).
+    Protobuf(Vec<prost_reflect::MessageDescriptor>),
 }
 
 impl CheckedSchema {
@@ -92,7 +92,14 @@ impl CheckedSchema {
     pub fn lookup(&self, tokens: &[String]) -> paths::Lookup {
         match self {
             CheckedSchema::Avro(a) => paths::avro(a, tokens),
-            CheckedSchema::Protobuf(m) => paths::protobuf(m, tokens),
+            CheckedSchema::Protobuf(messages) => {
+                let mut lookups = messages.iter().map(|m| paths::protobuf(m, tokens));
+                let first = lookups.next().unwrap_or(paths::Lookup::Found(vec![paths::Leaf::Any]));
+                if matches!(first, paths::Lookup::Found(_)) {
+                    return first;
+                }
+                lookups.find(|l| matches!(l, paths::Lookup::Found(_))).unwrap_or(first)
+            }
         }
     }
 }
@@ -166,13 +173,15 @@ pub struct Decoder {
     schema: Option<SchemaSource>,
     /// How its subjects are named, and the record name the record-name strategies need.
     subjects: (SubjectNameStrategy, Option<String>),
+    /// A record key's decoder: its subjects are `<topic>-key`.
+    of_keys: bool,
 }
 
 impl Decoder {
     /// A decoder for `format` that rejects payloads over `max_payload_bytes` bytes before parsing. A format other
     /// than JSON needs its schemas: [`Decoder::with_schema_file`] or [`Decoder::with_registry`].
     pub fn new(format: Format, max_payload_bytes: usize) -> Self {
-        Decoder { format, max_payload_bytes, schema: None, subjects: (SubjectNameStrategy::TopicName, None) }
+        Decoder { format, max_payload_bytes, schema: None, subjects: (SubjectNameStrategy::TopicName, None), of_keys: false }
     }
 
     /// The same, its subjects named by `strategy` (with `record_name` for the record-name strategies).
@@ -182,13 +191,15 @@ impl Decoder {
 
     /// The same, for record keys: its subjects are `<topic>-key` (the key serializers' topic name strategy).
     pub fn with_subjects_for_keys(self) -> Self {
-        Decoder { subjects: (SubjectNameStrategy::TopicName, Some("key".to_owned())), ..self }
+        Decoder { of_keys: true, ..self }
     }
 
     /// The subjects the value schemas of `streams` (topics, queues) are registered under.
     pub fn subjects(&self, streams: &[String]) -> Vec<String> {
+        if self.of_keys {
+            return streams.iter().map(|t| format!("{t}-key")).collect();
+        }
         match &self.subjects {
-            (SubjectNameStrategy::TopicName, Some(key)) => streams.iter().map(|t| format!("{t}-{key}")).collect(),
             (SubjectNameStrategy::RecordName, Some(record)) => vec![record.clone()],
             (SubjectNameStrategy::TopicRecordName, Some(record)) => streams.iter().map(|t| format!("{t}-{record}")).collect(),
             _ => streams.iter().map(|t| format!("{t}-value")).collect(),
@@ -196,8 +207,8 @@ impl Decoder {
     }
 
     /// The schemas the payloads of `streams` are written with now, for `check`: the `schema_file`, or the latest
-    /// version of each subject ([`Decoder::subjects`]) fetched from the registry (a Protobuf subject's first
-    /// message). Nothing for JSON.
+    /// version of each subject ([`Decoder::subjects`]) fetched from the registry (for Protobuf, the message
+    /// `record_name` names, or every top-level message of the subject's file). Nothing for JSON.
     ///
     /// Errors: the registry gave no answer, or a subject's schema cannot be read or is not of the pipeline's format.
     pub async fn current_schemas(&self, streams: &[String]) -> Result<Vec<CurrentSchema>, String> {
@@ -207,7 +218,7 @@ impl Decoder {
                 label: format!("schema_file {file}"),
                 schema: Some(match &**schema {
                     FileSchema::Avro(a) => CheckedSchema::Avro(a.clone()),
-                    FileSchema::Protobuf(m) => CheckedSchema::Protobuf(m.clone()),
+                    FileSchema::Protobuf(m) => CheckedSchema::Protobuf(vec![m.clone()]),
                 }),
             }]),
             Some(SchemaSource::Registry(schemas)) => {
@@ -224,7 +235,11 @@ impl Decoder {
                     let schema = match (self.format, &*known) {
                         (_, Known::Unusable(why)) => return Err(format!("{label}: {why}")),
                         (Format::Avro, Known::Avro(a)) => Some(CheckedSchema::Avro(a.clone())),
-                        (Format::Protobuf, Known::Protobuf(f)) => Some(CheckedSchema::Protobuf(f.by_indexes(&[0]).map_err(|e| format!("{label}: {e}"))?)),
+                        (Format::Protobuf, Known::Protobuf(f)) => Some(CheckedSchema::Protobuf(match &self.subjects.1 {
+                            // The record-name strategies name the message; otherwise any top-level message of the file.
+                            Some(record) if self.subjects.0 != SubjectNameStrategy::TopicName => vec![f.message(record).map_err(|e| format!("{label}: {e}"))?],
+                            _ => f.messages(),
+                        })),
                         (Format::JsonSchema, Known::Json) => None,
                         (format, other) => return Err(format!("{label} is a {} schema, and the pipeline's format is {}", other.kind(), format.name())),
                     };
@@ -280,6 +295,15 @@ impl Decoder {
         }
     }
 
+    /// Whether `payload` decodes now the same as at any later time: it names no schema, or one fetched (not one
+    /// missing, which the registry may learn before the record's batch).
+    pub fn decodes_for_good(&self, payload: Option<&[u8]>) -> bool {
+        match (&self.schema, payload) {
+            (Some(SchemaSource::Registry(s)), Some(p)) if p.len() <= self.max_payload_bytes => wire::schema_id(p).is_none_or(|id| s.is_ready(id)),
+            _ => true,
+        }
+    }
+
     /// Fetches the schemas `ids` (as [`Decoder::schema_to_fetch`] gives them), each once: afterwards every payload
     /// naming one decodes without waiting (or fails as a record's fault: an id the registry has not known for
     /// `missing_schema_wait`).
@@ -315,9 +339,7 @@ impl Decoder {
                 FileSchema::Protobuf(_) => Err(DecodeError::Schema(format!("schema_file {file} is not an Avro schema"))),
             },
             (Format::Protobuf, Some(SchemaSource::File(schema, file))) => match &**schema {
-                FileSchema::Protobuf(m) => {
-                    Ok(Selected::from_value(selection, protobuf::decode(m, payload).map_err(failed(format!("schema_file {file}")))?))
-                }
+                FileSchema::Protobuf(m) => protobuf::decode_selected(m, payload, selection).map_err(failed(format!("schema_file {file}"))),
                 FileSchema::Avro(_) => Err(DecodeError::Schema(format!("schema_file {file} is not a .proto file"))),
             },
             (format, Some(SchemaSource::Registry(schemas))) => {
@@ -332,7 +354,7 @@ impl Decoder {
                     (Format::Protobuf, Known::Protobuf(file)) => {
                         let (indexes, message) = protobuf::message_indexes(body).map_err(failed(schema()))?;
                         let descriptor = file.by_indexes(&indexes).map_err(failed(schema()))?;
-                        Ok(Selected::from_value(selection, protobuf::decode(&descriptor, message).map_err(failed(schema()))?))
+                        protobuf::decode_selected(&descriptor, message, selection).map_err(failed(schema()))
                     }
                     (Format::JsonSchema, Known::Json) => json_selected(body, selection),
                     (format, other) => Err(DecodeError::Schema(format!(

@@ -130,6 +130,8 @@ pub fn protobuf(message: &MessageDescriptor, tokens: &[String]) -> Lookup {
         let Kind::Message(m) = &kind else { return missing(tokens, i) };
         match m.full_name() {
             "google.protobuf.Struct" | "google.protobuf.Value" | "google.protobuf.ListValue" => return Lookup::Found(vec![Leaf::Any]),
+            // The other well-known types decode to a value of their own: nothing below them.
+            name if name.starts_with("google.protobuf.") && proto_leaf(&kind) != Leaf::Object => return missing(tokens, i),
             _ => {}
         }
         let Some(f) = m.fields().find(|f| f.name() == tokens[i]) else { return missing(tokens, i) };
@@ -258,6 +260,7 @@ mod tests {
         assert_eq!(protobuf(&m, &t("/extra/anything/deep")), Lookup::Found(vec![Leaf::Any]));
         assert_eq!(protobuf(&m, &t("/order/idd")), Lookup::Missing { at: "/order/idd".into() });
         assert_eq!(protobuf(&m, &t("/card/x")), Lookup::Missing { at: "/card/x".into() });
+        assert_eq!(protobuf(&m, &t("/at/seconds")), Lookup::Missing { at: "/at/seconds".into() });
     }
 
     #[test]

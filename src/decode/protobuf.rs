@@ -33,7 +33,8 @@ impl ProtoFile {
     ///
     /// Errors: a file that does not parse, an import that is neither given nor well-known, a type defined nowhere.
     pub fn compile(name: &str, text: &str, imports: &[(String, String)]) -> Result<ProtoFile, String> {
-        if let Some(file) = serialized(name, text, imports)? {
+        let serialized = std::panic::catch_unwind(|| serialized(name, text, imports)).map_err(|_| "the serialized descriptor is not usable".to_owned())?;
+        if let Some(file) = serialized? {
             return Ok(ProtoFile { file });
         }
         let mut sources: HashMap<String, String> = imports.iter().cloned().collect();
@@ -60,6 +61,11 @@ impl ProtoFile {
             let all: Vec<String> = pool.all_messages().filter(|m| m.parent_file() == self.file).map(|m| m.full_name().to_owned()).collect();
             format!("no message {name:?} (the file has {})", all.join(", "))
         })
+    }
+
+    /// The file's top-level messages.
+    pub fn messages(&self) -> Vec<MessageDescriptor> {
+        self.file.messages().collect()
     }
 
     /// The message a wire-format payload's message indexes name: the first index a top-level message of the file,
@@ -113,6 +119,11 @@ fn serialized(name: &str, text: &str, imports: &[(String, String)]) -> Result<Op
         }
     }
     pool.add_file_descriptor_protos(files).map_err(|e| e.to_string())?;
+    // prost-reflect takes a map entry's key and value fields for granted: a descriptor without them is refused
+    // here, before a decode would panic on it.
+    if let Some(bad) = pool.all_messages().find(|m| m.is_map_entry() && (m.get_field(1).is_none() || m.get_field(2).is_none())) {
+        return Err(format!("the map entry {} has no key or value field", bad.full_name()));
+    }
     Ok(pool.get_file_by_name(&main_name))
 }
 
@@ -176,76 +187,190 @@ pub fn message_indexes(body: &[u8]) -> Result<(Vec<i64>, &[u8]), String> {
     Ok((indexes, &body[pos..]))
 }
 
-/// Decodes `bytes` as a `message` and renders it (see the module documentation).
+/// Decodes `bytes` as a `message` and renders it whole (see the module documentation).
 ///
-/// Errors: the bytes are not a valid encoding of the message.
+/// Errors: the bytes are not a valid encoding of the message, a well-known type holds a value out of its range, or
+/// the message renders to more values than its length allows ([`Renderer`]).
 pub fn decode(message: &MessageDescriptor, bytes: &[u8]) -> Result<Value, String> {
-    let m = DynamicMessage::decode(message.clone(), bytes).map_err(|e| e.to_string())?;
-    Ok(render_message(&m))
+    let mut selection = super::Selection::default();
+    let slot = selection.add(&[]);
+    let mut selected = decode_selected(message, bytes, &selection)?;
+    Ok(selected.take(slot).unwrap_or(Value::Null))
 }
 
-fn render_message(m: &DynamicMessage) -> Value {
-    let desc = m.descriptor();
-    match desc.full_name() {
-        "google.protobuf.Timestamp" => {
-            let (s, n) = seconds_nanos(m);
-            return match jiff::Timestamp::new(s, n) {
-                Ok(t) => Value::String(t.to_string()),
-                Err(_) => Value::Null,
-            };
+/// Decodes `bytes` as a `message`, rendering only what `selection` reads: a plain message on a selected path is
+/// walked field by field, and only the selected values (and the lists, maps and well-known types a path goes
+/// through) are rendered. Each selected path's slot holds what looking it up in the whole rendering gives.
+///
+/// Errors: as [`decode`].
+pub(super) fn decode_selected(message: &MessageDescriptor, bytes: &[u8], selection: &super::Selection) -> Result<super::Selected, String> {
+    // A descriptor the registry served that prost-reflect cannot use may make it panic: an error, never a crash.
+    let decoded = std::panic::catch_unwind(|| DynamicMessage::decode(message.clone(), bytes))
+        .map_err(|_| "the message's descriptor is not usable".to_owned())?
+        .map_err(|e| e.to_string())?;
+    let mut slots = vec![None; selection.slots];
+    let mut r = Renderer { budget: bytes.len().saturating_mul(4).saturating_add(4096) };
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        if let Some(s) = selection.whole {
+            slots[s] = Some(r.message(&decoded)?);
         }
-        "google.protobuf.Duration" => {
-            let (s, n) = seconds_nanos(m);
-            let sign = if s < 0 || n < 0 { "-" } else { "" };
-            let (s, n) = (s.unsigned_abs(), n.unsigned_abs());
-            // 0, 3, 6 or 9 digits of the fraction, as protobuf's JSON mapping writes a Duration.
-            let fraction = match n {
-                0 => String::new(),
-                n if n % 1_000_000 == 0 => format!(".{:03}", n / 1_000_000),
-                n if n % 1_000 == 0 => format!(".{:06}", n / 1_000),
-                n => format!(".{n:09}"),
-            };
-            return Value::String(format!("{sign}{s}{fraction}s"));
-        }
-        "google.protobuf.DoubleValue" | "google.protobuf.FloatValue" | "google.protobuf.Int64Value" | "google.protobuf.UInt64Value"
-        | "google.protobuf.Int32Value" | "google.protobuf.UInt32Value" | "google.protobuf.BoolValue" | "google.protobuf.StringValue"
-        | "google.protobuf.BytesValue" => {
-            return desc.get_field(1).map_or(Value::Null, |f| render(&m.get_field(&f), &f.kind()));
-        }
-        "google.protobuf.Struct" | "google.protobuf.ListValue" => {
-            return desc.get_field(1).map_or(Value::Null, |f| render(&m.get_field(&f), &f.kind()));
-        }
-        "google.protobuf.Value" => {
-            return match m.fields().next() {
-                Some((f, v)) if f.name() != "null_value" => render(v, &f.kind()),
-                _ => Value::Null,
-            };
-        }
-        _ => {}
-    }
-    let mut out = Map::new();
-    for f in desc.fields() {
+        walk(selection, &decoded, &mut slots, &mut r)
+    }))
+    .map_err(|_| "the message's descriptor is not usable".to_owned())??;
+    Ok(super::Selected { slots })
+}
+
+/// Fills the slots of `sel`'s members from message `m`.
+fn walk(sel: &super::Selection, m: &DynamicMessage, slots: &mut [Option<Value>], r: &mut Renderer) -> Result<(), String> {
+    for (name, child) in &sel.members {
+        let Some(f) = m.descriptor().get_field_by_name(name) else { continue };
         if f.supports_presence() && !m.has_field(&f) {
             continue;
         }
         let v = m.get_field(&f);
-        let rendered = if f.is_map() {
-            let Kind::Message(entry) = f.kind() else { continue };
-            let value_kind = entry.map_entry_value_field().kind();
-            match &*v {
-                PValue::Map(entries) => {
-                    let mut keys: Vec<&MapKey> = entries.keys().collect();
-                    keys.sort();
-                    Value::Object(keys.into_iter().map(|k| (map_key(k), render(&entries[k], &value_kind))).collect())
+        match &*v {
+            PValue::Message(sub) if !f.is_list() && !f.is_map() && !well_known(sub.descriptor().full_name()) => {
+                if let Some(s) = child.whole {
+                    slots[s] = Some(r.message(sub)?);
                 }
-                _ => Value::Null,
+                walk(child, sub, slots, r)?;
             }
-        } else {
-            render(&v, &f.kind())
-        };
-        out.insert(f.name().to_owned(), rendered);
+            _ => {
+                let value = r.field(&f, &v)?;
+                child.fill(&value, slots);
+                if let Some(s) = child.whole {
+                    slots[s] = Some(value);
+                }
+            }
+        }
     }
-    Value::Object(out)
+    Ok(())
+}
+
+/// Whether a message type renders as a value of its own rather than an object of its fields.
+fn well_known(name: &str) -> bool {
+    name.starts_with("google.protobuf.")
+        && matches!(
+            &name["google.protobuf.".len()..],
+            "Timestamp" | "Duration" | "DoubleValue" | "FloatValue" | "Int64Value" | "UInt64Value" | "Int32Value" | "UInt32Value"
+                | "BoolValue" | "StringValue" | "BytesValue" | "Struct" | "Value" | "ListValue"
+        )
+}
+
+/// Renders decoded values as JSON, each value taking one of its budget: four values a byte of the payload, and
+/// 4,096 (proto3 fields without presence render as their defaults, so a list of empty sub-messages, two bytes
+/// each, could otherwise render to billions of values).
+struct Renderer {
+    budget: usize,
+}
+
+impl Renderer {
+    fn spend(&mut self) -> Result<(), String> {
+        self.budget = self.budget.checked_sub(1).ok_or("the message renders to more values than its length allows")?;
+        Ok(())
+    }
+
+    fn message(&mut self, m: &DynamicMessage) -> Result<Value, String> {
+        self.spend()?;
+        let desc = m.descriptor();
+        let field = |n: u32| desc.get_field(n);
+        match desc.full_name() {
+            "google.protobuf.Timestamp" => {
+                let (s, n) = seconds_nanos(m);
+                return jiff::Timestamp::new(s, n).map(|t| Value::String(t.to_string())).map_err(|_| format!("a Timestamp out of range ({s} s, {n} ns)"));
+            }
+            "google.protobuf.Duration" => {
+                let (s, n) = seconds_nanos(m);
+                if n.unsigned_abs() >= 1_000_000_000 || (s > 0 && n < 0) || (s < 0 && n > 0) {
+                    return Err(format!("a Duration out of range ({s} s, {n} ns)"));
+                }
+                let sign = if s < 0 || n < 0 { "-" } else { "" };
+                let (s, n) = (s.unsigned_abs(), n.unsigned_abs());
+                // 0, 3, 6 or 9 digits of the fraction, as protobuf's JSON mapping writes a Duration.
+                let fraction = match n {
+                    0 => String::new(),
+                    n if n % 1_000_000 == 0 => format!(".{:03}", n / 1_000_000),
+                    n if n % 1_000 == 0 => format!(".{:06}", n / 1_000),
+                    n => format!(".{n:09}"),
+                };
+                return Ok(Value::String(format!("{sign}{s}{fraction}s")));
+            }
+            name if well_known(name) && name != "google.protobuf.Value" => {
+                return match field(1) {
+                    Some(f) => self.value(&m.get_field(&f), &f.kind()),
+                    None => Ok(Value::Null),
+                };
+            }
+            "google.protobuf.Value" => {
+                return match m.fields().next() {
+                    Some((f, v)) if f.name() != "null_value" => self.value(v, &f.kind()),
+                    _ => Ok(Value::Null),
+                };
+            }
+            _ => {}
+        }
+        let mut out = Map::new();
+        for f in desc.fields() {
+            if f.supports_presence() && !m.has_field(&f) {
+                continue;
+            }
+            let rendered = self.field(&f, &m.get_field(&f))?;
+            out.insert(f.name().to_owned(), rendered);
+        }
+        Ok(Value::Object(out))
+    }
+
+    /// The value `v` of field `f` (a map field's entries as an object).
+    fn field(&mut self, f: &prost_reflect::FieldDescriptor, v: &PValue) -> Result<Value, String> {
+        if f.is_map() {
+            let Kind::Message(entry) = f.kind() else { return Ok(Value::Null) };
+            return self.map(v, &entry.map_entry_value_field().kind());
+        }
+        self.value(v, &f.kind())
+    }
+
+    fn map(&mut self, v: &PValue, value_kind: &Kind) -> Result<Value, String> {
+        self.spend()?;
+        let PValue::Map(entries) = v else { return Ok(Value::Null) };
+        let mut keys: Vec<&MapKey> = entries.keys().collect();
+        keys.sort();
+        let mut out = Map::new();
+        for k in keys {
+            out.insert(map_key(k), self.value(&entries[k], value_kind)?);
+        }
+        Ok(Value::Object(out))
+    }
+
+    fn value(&mut self, v: &PValue, kind: &Kind) -> Result<Value, String> {
+        if let PValue::Message(m) = v {
+            return self.message(m);
+        }
+        if let PValue::Map(_) = v {
+            let value_kind = match kind {
+                Kind::Message(entry) if entry.is_map_entry() => entry.map_entry_value_field().kind(),
+                other => other.clone(),
+            };
+            return self.map(v, &value_kind);
+        }
+        self.spend()?;
+        Ok(match v {
+            PValue::Bool(b) => Value::Bool(*b),
+            PValue::I32(n) => Value::from(*n),
+            PValue::I64(n) => Value::from(*n),
+            PValue::U32(n) => Value::from(*n),
+            PValue::U64(n) => Value::from(*n),
+            PValue::F32(f) => super::avro::float(f64::from(*f), &f.to_string()),
+            PValue::F64(f) => super::avro::float(*f, &f.to_string()),
+            PValue::String(s) => Value::String(s.clone()),
+            PValue::Bytes(b) => Value::String(super::avro::hex(b)),
+            PValue::EnumNumber(n) => match kind {
+                Kind::Enum(e) => e.get_value(*n).map_or_else(|| Value::from(*n), |v| Value::String(v.name().to_owned())),
+                _ => Value::from(*n),
+            },
+            PValue::List(items) => Value::Array(items.iter().map(|i| self.value(i, kind)).collect::<Result<_, _>>()?),
+            PValue::Message(_) | PValue::Map(_) => unreachable!("handled above"),
+        })
+    }
 }
 
 fn seconds_nanos(m: &DynamicMessage) -> (i64, i32) {
@@ -269,35 +394,6 @@ fn map_key(k: &MapKey) -> String {
         MapKey::U32(n) => n.to_string(),
         MapKey::U64(n) => n.to_string(),
         MapKey::String(s) => s.clone(),
-    }
-}
-
-fn render(v: &PValue, kind: &Kind) -> Value {
-    match v {
-        PValue::Bool(b) => Value::Bool(*b),
-        PValue::I32(n) => Value::from(*n),
-        PValue::I64(n) => Value::from(*n),
-        PValue::U32(n) => Value::from(*n),
-        PValue::U64(n) => Value::from(*n),
-        PValue::F32(f) => super::avro::float(f64::from(*f), &f.to_string()),
-        PValue::F64(f) => super::avro::float(*f, &f.to_string()),
-        PValue::String(s) => Value::String(s.clone()),
-        PValue::Bytes(b) => Value::String(super::avro::hex(b)),
-        PValue::EnumNumber(n) => match kind {
-            Kind::Enum(e) => e.get_value(*n).map_or_else(|| Value::from(*n), |v| Value::String(v.name().to_owned())),
-            _ => Value::from(*n),
-        },
-        PValue::Message(m) => render_message(m),
-        PValue::List(items) => Value::Array(items.iter().map(|i| render(i, kind)).collect()),
-        PValue::Map(entries) => {
-            let mut keys: Vec<&MapKey> = entries.keys().collect();
-            keys.sort();
-            let value_kind = match kind {
-                Kind::Message(entry) if entry.is_map_entry() => entry.map_entry_value_field().kind(),
-                other => other.clone(),
-            };
-            Value::Object(keys.into_iter().map(|k| (map_key(k), render(&entries[k], &value_kind))).collect())
-        }
     }
 }
 
@@ -387,6 +483,22 @@ message Payment {
             r#"{"order":{"id":"ORD-1","account":"","amount":"100.000000000000000001"},"paid_at":"2025-11-29T10:00:00.123Z","method":"BANK","tags":["a","b"],"fingerprint":"\\xdead","context":{"channel":"web"},"seq":9007199254740993,"iban":"DE89","retries":0}"#
         );
         assert!(decode(&m, &[0xff]).is_err());
+        // A list of empty sub-messages, two bytes each, each rendering its defaults: bounded, an error.
+        let mut many = Vec::new();
+        for _ in 0..5000 {
+            bytes_field(1, &[], &mut many);
+        }
+        let fields: String = (1..=12).map(|n| format!("int32 f{n} = {n}; ")).collect();
+        let f = ProtoFile::compile("l.proto", &format!("syntax = \"proto3\"; message E {{ {fields}}} message L {{ repeated E e = 1; }}"), &[]).unwrap();
+        let bounded = decode(&f.message("L").unwrap(), &many);
+        assert!(bounded.as_ref().is_err_and(|e| e.contains("more values")), "{:?}", bounded.map(|v| v.to_string().len()));
+        // A Timestamp out of range is an error, not a null.
+        let mut ts = Vec::new();
+        field(1, 0, &mut ts);
+        varint(i64::MAX as u64, &mut ts);
+        let mut b = Vec::new();
+        bytes_field(2, &ts, &mut b);
+        assert!(decode(&m, &b).unwrap_err().contains("Timestamp out of range"));
     }
 
     #[test]

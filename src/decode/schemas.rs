@@ -122,6 +122,10 @@ impl Schemas {
         }
         let answer = self.ask(id).await?;
         let mut by_id = self.inner.by_id.write().unwrap_or_else(std::sync::PoisonError::into_inner);
+        // Another lane's fetch found it meanwhile: a follower's late "no such schema" never undoes that.
+        if let Some(Entry::Ready(_)) = by_id.get(&id) {
+            return Ok(());
+        }
         match answer {
             Answer::Found(known) => {
                 tracing::info!(schema_id = id, kind = known.kind(), registry = self.inner.registry.url(), "schema fetched");
@@ -150,16 +154,30 @@ impl Schemas {
         }
     }
 
-    /// Fetches each of `ids` that [must be](Schemas::needs_fetch), each once.
+    /// Fetches each of `ids` that [must be](Schemas::needs_fetch), each once. Every id is asked even when one is
+    /// missing, so the waits on several missing ids run at once, not one after another.
     ///
-    /// Errors: as [`Schemas::fetch`], at the first id that fails.
+    /// Errors: as [`Schemas::fetch`]: the registry gave no answer (at once), or the first id still waited on.
     pub async fn fetch_all(&self, mut ids: Vec<u32>) -> Result<(), RegistryError> {
         ids.sort_unstable();
         ids.dedup();
+        let mut waiting = None;
         for id in ids {
-            self.fetch(id).await?;
+            match self.fetch(id).await {
+                Ok(()) => {}
+                Err(e @ RegistryError::Missing { .. }) => {
+                    waiting.get_or_insert(e);
+                }
+                Err(e) => return Err(e),
+            }
         }
-        Ok(())
+        waiting.map_or(Ok(()), Err)
+    }
+
+    /// Whether `id`'s schema is fetched (not missing, not unknown): a record naming it may be prepared ahead of its
+    /// batch, its schema never to change.
+    pub fn is_ready(&self, id: u32) -> bool {
+        matches!(self.inner.by_id.read().unwrap_or_else(std::sync::PoisonError::into_inner).get(&id), Some(Entry::Ready(_)))
     }
 
     /// Asks the registry for `id` and the schemas it references, and reads what it answers.

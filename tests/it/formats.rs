@@ -537,3 +537,29 @@ async fn check_refuses_a_value_its_column_cannot_take() {
     assert!(text.contains(&format!("sink.columns.seq: /order is a record in {schema}, which its target's type bigint cannot take")), "{text}");
     assert!(!text.contains("sink.columns.tags"), "a map into jsonb binds: {text}");
 }
+
+/// `missing_schema_wait = "0s"`: a record naming an id the registry does not know is dead-lettered at once, the
+/// registry asked about it once per batch (never in a loop), and the stream moves on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_no_wait_an_unknown_id_is_dead_lettered_at_once_and_asked_once() {
+    let registry = Registry::start(&[]);
+    let db = TestDb::new(TABLE).await;
+    let kafka = Kafka::new();
+    kafka.create_topic("payments", 1);
+    let tmp = tempfile::tempdir().unwrap();
+    let avsc = schema_file(tmp.path(), PAYMENT_AVSC);
+    let values = registry.serialize("avro", "payments", &avsc, &[payment("ORD-1", "1.5")]);
+    let mut unknown = vec![0, 0, 0, 0, 77];
+    unknown.extend(&values[0][5..]);
+    kafka.produce("payments", &[Out { value: Some(unknown), ..Out::default() }, Out { value: Some(values[0].clone()), ..Out::default() }]);
+    let section = format!("[schema_registry]\nurl = \"{}\"\nmissing_schema_wait = \"0s\"\n", registry.url());
+    let setup = Setup::with(&db, &kafka, &[("payments.toml", &pipeline("payments", "format = \"avro\""))], "", &section);
+    let w = InProc::start(&setup).await;
+    w.wait_received("payments", 2).await;
+    let p = [("pipeline", "payments")];
+    wait_until(Duration::from_secs(30), "the record to be applied", || async { w.metric("idemflow_records_applied_total", &p) >= 1.0 }).await;
+    assert_eq!(w.metric("idemflow_dead_letters_total", &[("pipeline", "payments"), ("reason", "decode_failed")]), 1.0);
+    assert!(w.stop().await.is_empty());
+    let asked = registry.requests("/schemas/ids/77");
+    assert!((1..=3).contains(&asked), "asked {asked} times");
+}
