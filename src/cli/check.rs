@@ -159,6 +159,7 @@ async fn find(a: &CheckArgs) -> Findings {
     let mut current = std::collections::HashMap::new();
     for p in &pipelines {
         current.insert(p.name.clone(), schema_paths(p, &mut findings).await);
+        record_key_path(p, &mut findings).await;
     }
     let brokers = settings.brokers();
     for p in &pipelines {
@@ -272,6 +273,28 @@ async fn schema_paths(p: &config::Pipeline, findings: &mut Findings) -> Vec<idem
         }
     }
     current
+}
+
+/// For a business key from a field of the record key (`[key] record_key = "/id"`): the path looked up in the record
+/// keys' current schema (`<topic>-key`), as [`schema_paths`] does for the payload's.
+async fn record_key_path(p: &config::Pipeline, findings: &mut Findings) {
+    let (idemflow::key::KeySource::RecordKeyField(path), Some(decoder)) = (&p.key.source, &p.key_decoder) else { return };
+    let current = match decoder.current_schemas(p.source.streams()).await {
+        Ok(current) => current,
+        Err(e) => {
+            findings.problems.push(pipeline_problem(p, "key.record_key_format", format!("cannot read the schema its record keys are written with: {e}")));
+            return;
+        }
+    };
+    for c in current {
+        match c.schema.as_ref().map(|s| s.lookup(path.tokens())) {
+            Some(idemflow::decode::paths::Lookup::Missing { at }) => {
+                findings.problems.push(pipeline_problem(p, "key.record_key", format!("{path} is not in {}: it has no {at}", c.label)));
+            }
+            Some(_) => findings.line(format!("pipeline {:?}: record keys: {}: {path} found", p.name, c.label)),
+            None => findings.line(format!("pipeline {:?}: record keys: {}: its path is not checked", p.name, c.label)),
+        }
+    }
 }
 
 /// A problem of pipeline `p`'s `field`.

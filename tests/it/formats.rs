@@ -403,6 +403,13 @@ name = "/after/name"
     let error: String = db.scalar("SELECT error FROM idemflow.dead_letters").await;
     assert!(error.starts_with("the record key: not in the schema registry wire format"), "{error}");
     assert_eq!(db.scalar::<i64>("SELECT count(*) FROM idemflow.dedup WHERE pipeline = 'customers' AND key_id IN ('42', '43')").await, 2);
+
+    // check looks the key's path up in the record keys' schema (<topic>-key).
+    let (_, out, err) = idemflow(&["check", "--config", setup.config.to_str().unwrap()], setup.dir.path());
+    assert!(out.contains("record keys: subject dbserver.inventory.customers-key version 1 (schema id 1): /id found"), "{out}{err}");
+    let typo = Setup::with(&db, &kafka, &[("customers.toml", &pipeline.replace("record_key = \"/id\"", "record_key = \"/ID\""))], "", &registry_section(&registry, ""));
+    let (status, out, err) = idemflow(&["check", "--config", typo.config.to_str().unwrap()], typo.dir.path());
+    assert!(!status.success() && err.contains("key.record_key: /ID is not in subject dbserver.inventory.customers-key"), "{out}{err}");
 }
 
 /// The registry over HTTPS with a private CA and bearer authentication: with `ca_file` the CA, the schema is
