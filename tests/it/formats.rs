@@ -58,6 +58,26 @@ fn registry_section(registry: &Registry, auth: &str) -> String {
     format!("[schema_registry]\nurl = \"{}\"\ntimeout = \"2s\"\nmissing_schema_wait = \"1s\"\n{auth}\n", registry.url())
 }
 
+/// What most tests here start from: a registry (started with `args`), the payments table, the mock cluster with
+/// topic `payments`, and the payments' Avro schema in a file.
+struct Fixture {
+    registry: Registry,
+    db: TestDb,
+    kafka: Kafka,
+    avsc: std::path::PathBuf,
+    _tmp: tempfile::TempDir,
+}
+
+async fn fixture(args: &[&str]) -> Fixture {
+    let registry = Registry::start(args);
+    let db = TestDb::new(TABLE).await;
+    let kafka = Kafka::new();
+    kafka.create_topic("payments", 1);
+    let tmp = tempfile::tempdir().unwrap();
+    let avsc = schema_file(tmp.path(), PAYMENT_AVSC);
+    Fixture { registry, db, kafka, avsc, _tmp: tmp }
+}
+
 fn schema_file(dir: &std::path::Path, text: &str) -> std::path::PathBuf {
     let path = dir.join("payment.avsc");
     std::fs::write(&path, text).unwrap();
@@ -71,12 +91,7 @@ fn schema_file(dir: &std::path::Path, text: &str) -> std::path::PathBuf {
 /// each schema id is fetched once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn avro_payments_from_the_registry_are_applied_once_with_exact_values() {
-    let registry = Registry::start(&["--user", "reader:s3cret"]);
-    let db = TestDb::new(TABLE).await;
-    let kafka = Kafka::new();
-    kafka.create_topic("payments", 1);
-    let tmp = tempfile::tempdir().unwrap();
-    let avsc = schema_file(tmp.path(), PAYMENT_AVSC);
+    let Fixture { registry, db, kafka, avsc, _tmp } = fixture(&["--user", "reader:s3cret"]).await;
     let docs = [payment("ORD-1", "100.000000000000000001"), payment("ORD-2", "-0.5"), payment("ORD-2", "7.0")];
     let values = registry.serialize("avro", "payments", &avsc, &docs);
     let mut unknown = vec![0, 0, 0, 3, 231];
@@ -122,12 +137,7 @@ async fn avro_payments_from_the_registry_are_applied_once_with_exact_values() {
 /// nothing is dead-lettered, the retries are counted; once it answers, every record is applied.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_registry_outage_pauses_the_pipeline_and_dead_letters_nothing() {
-    let registry = Registry::start(&[]);
-    let db = TestDb::new(TABLE).await;
-    let kafka = Kafka::new();
-    kafka.create_topic("payments", 1);
-    let tmp = tempfile::tempdir().unwrap();
-    let avsc = schema_file(tmp.path(), PAYMENT_AVSC);
+    let Fixture { registry, db, kafka, avsc, _tmp } = fixture(&[]).await;
     let values = registry.serialize("avro", "payments", &avsc, &[payment("ORD-1", "1.5"), payment("ORD-2", "2.5")]);
     kafka.produce("payments", &values.iter().map(|v| Out { value: Some(v.clone()), ..Out::default() }).collect::<Vec<_>>());
     registry.fail(503, -1);
@@ -300,12 +310,7 @@ async fn protobuf_payments_from_the_registry_and_from_a_proto_file() {
 /// paused: once the registry learns it within `missing_schema_wait`, its records are applied, none dead-lettered.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_id_the_registry_learns_while_waited_on_is_read_not_dead_lettered() {
-    let registry = Registry::start(&[]);
-    let db = TestDb::new(TABLE).await;
-    let kafka = Kafka::new();
-    kafka.create_topic("payments", 1);
-    let tmp = tempfile::tempdir().unwrap();
-    let avsc = schema_file(tmp.path(), PAYMENT_AVSC);
+    let Fixture { registry, db, kafka, avsc, _tmp } = fixture(&[]).await;
     // Encoded against another registry (a scratch one), where the schema has id 1: this registry has no id 1 yet.
     let scratch = Registry::start(&[]);
     let values = scratch.serialize("avro", "payments", &avsc, &[payment("ORD-1", "1.5")]);
@@ -524,12 +529,7 @@ async fn matrix_core_protobuf_kafka_postgres() {
 /// or `text` column binds (as its JSON text).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn check_refuses_a_value_its_column_cannot_take() {
-    let registry = Registry::start(&[]);
-    let db = TestDb::new(TABLE).await;
-    let kafka = Kafka::new();
-    kafka.create_topic("payments", 1);
-    let tmp = tempfile::tempdir().unwrap();
-    let avsc = schema_file(tmp.path(), PAYMENT_AVSC);
+    let Fixture { registry, db, kafka, avsc, _tmp } = fixture(&[]).await;
     registry.serialize("avro", "payments", &avsc, &[payment("ORD-1", "1.5")]);
     let wrong = pipeline("payments", "format = \"avro\"")
         .replace("amount = \"/order/amount\"", "amount = \"/paid_at\"")
@@ -549,12 +549,7 @@ async fn check_refuses_a_value_its_column_cannot_take() {
 /// registry asked about it once per batch (never in a loop), and the stream moves on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_no_wait_an_unknown_id_is_dead_lettered_at_once_and_asked_once() {
-    let registry = Registry::start(&[]);
-    let db = TestDb::new(TABLE).await;
-    let kafka = Kafka::new();
-    kafka.create_topic("payments", 1);
-    let tmp = tempfile::tempdir().unwrap();
-    let avsc = schema_file(tmp.path(), PAYMENT_AVSC);
+    let Fixture { registry, db, kafka, avsc, _tmp } = fixture(&[]).await;
     let values = registry.serialize("avro", "payments", &avsc, &[payment("ORD-1", "1.5")]);
     let mut unknown = vec![0, 0, 0, 0, 77];
     unknown.extend(&values[0][5..]);
