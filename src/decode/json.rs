@@ -1,7 +1,7 @@
 //! JSON documents decoded keeping only a [`Selection`]'s members (see the module documentation of
 //! [`crate::decode`]): serde_json's own parser and checks, with no value built for a member outside the selection.
 
-use super::{DecodeError, Selected, Selection};
+use super::select::{Selected, Selection};
 use serde::de::{DeserializeSeed, MapAccess, SeqAccess, Visitor};
 use serde::{Deserialize, Deserializer};
 use serde_json::Value;
@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use std::fmt;
 
 /// A JSON document, keeping `selection`'s members.
-pub(super) fn json_selected(payload: &[u8], selection: &Selection) -> Result<Selected, DecodeError> {
+pub(super) fn json_selected(payload: &[u8], selection: &Selection) -> Result<Selected, serde_json::Error> {
     let mut de = serde_json::Deserializer::from_slice(payload);
     let mut slots = vec![None; selection.slots];
     Select { selection, slots: &mut slots }.deserialize(&mut de)?;

@@ -23,13 +23,14 @@ mod json;
 pub mod paths;
 pub mod protobuf;
 pub mod schemas;
+mod select;
 pub mod wire;
 
 use json::json_selected;
+pub use select::{Selected, Selection};
 use schemas::{Known, Schemas};
 use serde::Deserialize;
 use serde_json::Value;
-use std::collections::BTreeMap;
 use std::sync::Arc;
 
 /// How a pipeline's payloads are encoded (`format`).
@@ -333,7 +334,7 @@ impl Decoder {
         }
         let failed = |schema: String| move |why: String| DecodeError::Avro { schema, why };
         match (self.format, &self.schema) {
-            (Format::Json, _) => json_selected(payload, selection),
+            (Format::Json, _) => Ok(json_selected(payload, selection)?),
             (Format::Avro, Some(SchemaSource::File(schema, file))) => match &**schema {
                 FileSchema::Avro(a) => Ok(Selected::from_value(selection, a.decode(payload).map_err(failed(format!("schema_file {file}")))?)),
                 FileSchema::Protobuf(_) => Err(DecodeError::Schema(format!("schema_file {file} is not an Avro schema"))),
@@ -356,7 +357,7 @@ impl Decoder {
                         let descriptor = file.by_indexes(&indexes).map_err(failed(schema()))?;
                         protobuf::decode_selected(&descriptor, message, selection).map_err(failed(schema()))
                     }
-                    (Format::JsonSchema, Known::Json) => json_selected(body, selection),
+                    (Format::JsonSchema, Known::Json) => Ok(json_selected(body, selection)?),
                     (format, other) => Err(DecodeError::Schema(format!(
                         "schema id {id} is a {} schema, and the pipeline's format is {}",
                         other.kind(),
@@ -367,96 +368,6 @@ impl Decoder {
             (Format::JsonSchema, Some(SchemaSource::File(..))) => Err(DecodeError::Schema("format json_schema takes no schema_file".to_owned())),
             (format, None) => Err(DecodeError::Schema(format!("format {} has no schema: set schema_file or [schema_registry]", format.name()))),
         }
-    }
-}
-
-/// The members of a document a pipeline reads: a tree of member names (array indexes as decimal text) whose leaves
-/// are kept whole, each path with its slot. Built from the pipeline's field paths ([`Selection::add`]).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Selection {
-    /// Keep this value whole, in this slot (a path ends here).
-    whole: Option<usize>,
-    /// The members to descend into.
-    members: BTreeMap<String, Selection>,
-    /// Every slot of this part of the tree (its own and its members'): emptied before a member named twice is read
-    /// again, since the whole document keeps the last value of such a member.
-    below: Vec<usize>,
-    /// How many slots the tree has (the root's count; 0 in the other nodes).
-    slots: usize,
-}
-
-impl Selection {
-    /// Adds the path `tokens` (as [`crate::field::FieldPath::tokens`] gives them; an empty path selects the whole
-    /// document) and returns its slot in what [`Decoder::decode_selected`] returns: a new one, or the slot of the
-    /// same path added before.
-    pub fn add(&mut self, tokens: &[String]) -> usize {
-        let fresh = self.slots;
-        let slot = self.add_at(tokens, fresh);
-        if slot == fresh {
-            self.slots += 1;
-        }
-        slot
-    }
-
-    fn add_at(&mut self, tokens: &[String], fresh: usize) -> usize {
-        let slot = match tokens.split_first() {
-            None => *self.whole.get_or_insert(fresh),
-            Some((first, rest)) => self.members.entry(first.clone()).or_default().add_at(rest, fresh),
-        };
-        if slot == fresh {
-            self.below.push(slot);
-        }
-        slot
-    }
-
-    /// Empties every slot of this part of the tree.
-    fn clear(&self, slots: &mut [Option<Value>]) {
-        for s in &self.below {
-            slots[*s] = None;
-        }
-    }
-
-    /// Fills the slots below this node from `value`, the whole value at this node (paths selected inside a path
-    /// selected whole), as looking them up in it would.
-    fn fill(&self, value: &Value, slots: &mut [Option<Value>]) {
-        for (name, child) in &self.members {
-            if let Some(found) = crate::field::step(value, name) {
-                if let Some(s) = child.whole {
-                    slots[s] = Some(found.clone());
-                }
-                child.fill(found, slots);
-            }
-        }
-    }
-}
-
-/// What [`Decoder::decode_selected`] found: the value at each selected path, by the slot [`Selection::add`] gave
-/// it.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct Selected {
-    slots: Vec<Option<Value>>,
-}
-
-impl Selected {
-    /// The values at `selection`'s paths in `value`, a whole document.
-    fn from_value(selection: &Selection, value: Value) -> Selected {
-        let mut slots = vec![None; selection.slots];
-        selection.fill(&value, &mut slots);
-        if let Some(s) = selection.whole {
-            slots[s] = Some(value);
-        }
-        Selected { slots }
-    }
-
-    /// The value at the path of `slot`; `None` when the document has nothing there (a missing member, an index out
-    /// of range, a step into a scalar) or `slot` is not the selection's.
-    pub fn get(&self, slot: usize) -> Option<&Value> {
-        self.slots.get(slot).and_then(Option::as_ref)
-    }
-
-    /// The value at the path of `slot`, taken out: [`Selected::get`] finds nothing there afterwards.
-    pub fn take(&mut self, slot: usize) -> Option<Value> {
-        self.slots.get_mut(slot).and_then(Option::take)
     }
 }
 

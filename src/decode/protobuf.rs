@@ -192,7 +192,7 @@ pub fn message_indexes(body: &[u8]) -> Result<(Vec<i64>, &[u8]), String> {
 /// Errors: the bytes are not a valid encoding of the message, a well-known type holds a value out of its range, or
 /// the message renders to more values than its length allows ([`Renderer`]).
 pub fn decode(message: &MessageDescriptor, bytes: &[u8]) -> Result<Value, String> {
-    let mut selection = super::Selection::default();
+    let mut selection = super::select::Selection::default();
     let slot = selection.add(&[]);
     let mut selected = decode_selected(message, bytes, &selection)?;
     Ok(selected.take(slot).unwrap_or(Value::Null))
@@ -203,7 +203,7 @@ pub fn decode(message: &MessageDescriptor, bytes: &[u8]) -> Result<Value, String
 /// through) are rendered. Each selected path's slot holds what looking it up in the whole rendering gives.
 ///
 /// Errors: as [`decode`].
-pub(super) fn decode_selected(message: &MessageDescriptor, bytes: &[u8], selection: &super::Selection) -> Result<super::Selected, String> {
+pub(super) fn decode_selected(message: &MessageDescriptor, bytes: &[u8], selection: &super::select::Selection) -> Result<super::select::Selected, String> {
     // A descriptor the registry served that prost-reflect cannot use may make it panic: an error, never a crash.
     let decoded = std::panic::catch_unwind(|| DynamicMessage::decode(message.clone(), bytes))
         .map_err(|_| "the message's descriptor is not usable".to_owned())?
@@ -217,11 +217,11 @@ pub(super) fn decode_selected(message: &MessageDescriptor, bytes: &[u8], selecti
         walk(selection, &decoded, &mut slots, &mut r)
     }))
     .map_err(|_| "the message's descriptor is not usable".to_owned())??;
-    Ok(super::Selected { slots })
+    Ok(super::select::Selected { slots })
 }
 
 /// Fills the slots of `sel`'s members from message `m`.
-fn walk(sel: &super::Selection, m: &DynamicMessage, slots: &mut [Option<Value>], r: &mut Renderer) -> Result<(), String> {
+fn walk(sel: &super::select::Selection, m: &DynamicMessage, slots: &mut [Option<Value>], r: &mut Renderer) -> Result<(), String> {
     for (name, child) in &sel.members {
         let Some(f) = m.descriptor().get_field_by_name(name) else { continue };
         if f.supports_presence() && !m.has_field(&f) {
