@@ -124,11 +124,6 @@ impl Preparer {
         self.bindings.iter().map(|(b, ..)| b)
     }
 
-    /// The pipeline's decoder.
-    pub fn decoder(&self) -> &Decoder {
-        &self.decoder
-    }
-
     /// The schema ids `record` waits on, its payload's and its record key's ([`Decoder::schema_to_fetch`]): it is
     /// prepared only once they were fetched. None for an oversized record (a dead letter whatever its schema).
     pub fn schemas_to_fetch(&self, record: &Record) -> impl Iterator<Item = u32> {

@@ -3,7 +3,7 @@
 //! wire format carry a schema id; [`SchemaRegistry::schema`] fetches the schema of an id (`GET /schemas/ids/{id}`),
 //! [`SchemaRegistry::latest`] a subject's current version (`GET /subjects/{subject}/versions/latest`, for `check`),
 //! and [`SchemaRegistry::version`] a referenced schema. Ids never change meaning, so callers cache what they get by
-//! id ([`crate::decode::Schemas`]); this module keeps nothing.
+//! id ([`crate::decode::schemas::Schemas`]); this module keeps nothing.
 //!
 //! Every request is bounded by `[schema_registry] timeout` (the whole exchange) and `connect_timeout`. A registry
 //! that cannot be reached, answers 5xx, 408 or 429, or with a body that is not its JSON is [`RegistryError::Unavailable`]:

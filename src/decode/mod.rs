@@ -16,7 +16,7 @@
 //!
 //! An Avro payload is read whole into a JSON value by its writer's schema ([`avro`]), and the selection taken
 //! from it. Payloads in the schema registry's wire format ([`wire`]) name their schema by id; the ids are fetched
-//! before decoding ([`Decoder::fetch_schemas`], [`schemas`]), so decoding never waits on the network.
+//! before decoding ([`schemas::Schemas::fetch_all`]), so decoding never waits on the network.
 
 pub mod avro;
 mod json;
@@ -140,7 +140,7 @@ pub enum DecodeError {
     Schema(String),
     /// The bytes do not decode with their schema (Avro or Protobuf).
     #[error("payload does not decode with {schema}: {why}")]
-    Avro {
+    Undecodable {
         /// `schema id N` or `schema_file <path>`.
         schema: String,
         /// The decoder's words.
@@ -286,7 +286,7 @@ impl Decoder {
     }
 
     /// The schema id `payload` names when it must be fetched before the payload is decoded
-    /// ([`Decoder::fetch_schemas`]); `None` for a payload that decodes (or fails) without the registry.
+    /// ([`schemas::Schemas::fetch_all`]); `None` for a payload that decodes (or fails) without the registry.
     pub fn schema_to_fetch(&self, payload: Option<&[u8]>) -> Option<u32> {
         match (&self.schema, payload) {
             (Some(SchemaSource::Registry(s)), Some(p)) if p.len() <= self.max_payload_bytes => {
@@ -305,18 +305,6 @@ impl Decoder {
         }
     }
 
-    /// Fetches the schemas `ids` (as [`Decoder::schema_to_fetch`] gives them), each once: afterwards every payload
-    /// naming one decodes without waiting (or fails as a record's fault: an id the registry has not known for
-    /// `missing_schema_wait`).
-    ///
-    /// Errors: the registry gave no answer, or does not know an id yet; the caller pauses and retries.
-    pub async fn fetch_schemas(&self, ids: Vec<u32>) -> Result<(), crate::schema_registry::RegistryError> {
-        match &self.schema {
-            Some(SchemaSource::Registry(schemas)) => schemas.fetch_all(ids).await,
-            _ => Ok(()),
-        }
-    }
-
     /// Decodes one non-null payload.
     pub fn decode(&self, payload: &[u8]) -> Result<Value, DecodeError> {
         let mut selection = Selection::default();
@@ -332,7 +320,7 @@ impl Decoder {
         if payload.len() > self.max_payload_bytes {
             return Err(DecodeError::TooLarge { size: payload.len(), limit: self.max_payload_bytes });
         }
-        let failed = |schema: String| move |why: String| DecodeError::Avro { schema, why };
+        let failed = |schema: String| move |why: String| DecodeError::Undecodable { schema, why };
         match (self.format, &self.schema) {
             (Format::Json, _) => Ok(json_selected(payload, selection)?),
             (Format::Avro, Some(SchemaSource::File(schema, file))) => match &**schema {

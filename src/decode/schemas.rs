@@ -2,7 +2,7 @@
 //! meaning, so nothing is ever fetched again or evicted (a deployment has as many ids as its subjects have
 //! versions). One [`Schemas`] serves every pipeline of a process ([`crate::config::attach_registry`]).
 //!
-//! The worker fetches the ids a batch's payloads carry before it decodes them ([`crate::decode::Decoder::fetch_schemas`]):
+//! The worker fetches the ids a batch's payloads carry before it decodes them ([`Schemas::fetch_all`]):
 //! decoding itself never waits on the network, and a registry outage pauses the pipeline instead of failing
 //! records. An id the registry does not know (a follower not caught up yet, a registry being restored, a `url`
 //! naming another registry) is waited on too, for `[schema_registry] missing_schema_wait`, asked again with the

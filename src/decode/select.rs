@@ -21,7 +21,7 @@ pub struct Selection {
 
 impl Selection {
     /// Adds the path `tokens` (as [`crate::field::FieldPath::tokens`] gives them; an empty path selects the whole
-    /// document) and returns its slot in what [`Decoder::decode_selected`] returns: a new one, or the slot of the
+    /// document) and returns its slot in what [`super::Decoder::decode_selected`] returns: a new one, or the slot of the
     /// same path added before.
     pub fn add(&mut self, tokens: &[String]) -> usize {
         let fresh = self.slots;
@@ -64,7 +64,7 @@ impl Selection {
     }
 }
 
-/// What [`Decoder::decode_selected`] found: the value at each selected path, by the slot [`Selection::add`] gave
+/// What [`super::Decoder::decode_selected`] found: the value at each selected path, by the slot [`Selection::add`] gave
 /// it.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Selected {
