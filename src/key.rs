@@ -85,15 +85,21 @@ impl BusinessKey {
         BusinessKey { text, digest }
     }
 
+    /// Whether the key's id is its text's own bytes (at most [`KEY_ID_MAX_BYTES`] of them): the text can then be
+    /// read back from the id, and PostgreSQL's dedup row does not store it twice (migration 12).
+    pub fn id_is_text(&self) -> bool {
+        self.text.len() <= KEY_ID_MAX_BYTES
+    }
+
     /// The key's id in the SQL dedup stores (column `key_id`, see the module documentation): the text's bytes when
     /// there are at most [`KEY_ID_MAX_BYTES`] of them (borrowed), otherwise the first [`KEY_ID_PREFIX_BYTES`], a
     /// zero byte and the digest. The migrations that moved stored rows to it compute the same in SQL
     /// (`migrations/postgres/0007_ordered_key_ids.sql`, `migrations/mysql/0002_ordered_key_ids.sql`).
     pub fn key_id(&self) -> Cow<'_, [u8]> {
-        let text = self.text.as_bytes();
-        if text.len() <= KEY_ID_MAX_BYTES {
-            return Cow::Borrowed(text);
+        if self.id_is_text() {
+            return Cow::Borrowed(self.text.as_bytes());
         }
+        let text = self.text.as_bytes();
         let mut id = Vec::with_capacity(KEY_ID_MAX_BYTES);
         id.extend_from_slice(&text[..KEY_ID_PREFIX_BYTES]);
         id.push(0);

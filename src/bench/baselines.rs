@@ -27,9 +27,9 @@ pub(super) async fn copy_ceiling(url: &str, s: &Stream, total: usize) -> anyhow:
         let key = BusinessKey::new(id.to_owned());
         let fingerprint: [u8; 32] = Sha256::digest(payload).into();
         dedup.push_str(&format!(
-            "{PIPELINE}\t\\\\x{}\t{id}\t{TOPIC}\t{partition}\t{i}\t\\\\x{}\n",
+            "{PIPELINE}\t\\\\x{}\t{TOPIC}\t{partition}\t{i}\t\\\\x{}\n",
             hex(&key.key_id()),
-            hex(&fingerprint)
+            hex(&fingerprint[..crate::store::rows::FINGERPRINT_BYTES])
         ));
         orders.push_str(&format!(
             "{id}\t{}\t{}\t{}\t{}\n",
@@ -39,7 +39,7 @@ pub(super) async fn copy_ceiling(url: &str, s: &Stream, total: usize) -> anyhow:
             doc["created_at"].as_str().unwrap_or_default()
         ));
     }
-    let copy_dedup = r#"COPY idemflow.dedup (pipeline, key_id, business_key, topic, partition, "offset", fingerprint) FROM STDIN"#;
+    let copy_dedup = r#"COPY idemflow.dedup (pipeline, key_id, topic, partition, "offset", fingerprint) FROM STDIN"#;
     let secs = copy_with_orders(url, copy_dedup, &dedup, &orders).await?;
     Ok(RunResult {
         id: "(3)".into(),

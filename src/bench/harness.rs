@@ -496,8 +496,8 @@ pub(super) async fn preload(url: &str, keys: u64) -> anyhow::Result<f64> {
     let mut conn = PgConnection::connect(url).await?;
     eprintln!("(4) preloading {keys} dedup keys...");
     sqlx::query(
-        r#"INSERT INTO idemflow.dedup (pipeline, key_id, business_key, topic, partition, "offset", fingerprint)
-           SELECT $1, convert_to('PRE-' || g, 'UTF8'), 'PRE-' || g, 'preload', 0, g, sha256(convert_to(g::text, 'UTF8'))
+        r#"INSERT INTO idemflow.dedup (pipeline, key_id, topic, partition, "offset", fingerprint)
+           SELECT $1, convert_to('PRE-' || g, 'UTF8'), 'preload', 0, g, substring(sha256(convert_to(g::text, 'UTF8')) FROM 1 FOR 16)
            FROM generate_series(1, $2::int8) g"#,
     )
     .bind(PIPELINE)

@@ -39,7 +39,11 @@ pub async fn run(a: ExplainArgs) -> anyhow::Result<()> {
             println!("  applied at         {}", e.applied_at);
             let position = idemflow::record::Position { topic: e.topic.as_str().into(), partition: e.partition, offset: e.offset };
             println!("  from               {position}");
-            println!("  payload sha256     {}", e.fingerprint);
+            if e.fingerprint.len() < 64 {
+                println!("  payload sha256     {} (its first {} bytes)", e.fingerprint, e.fingerprint.len() / 2);
+            } else {
+                println!("  payload sha256     {}", e.fingerprint);
+            }
             match e.last_duplicate_at {
                 Some(at) => println!("  duplicates skipped {} since (the last at {at})", e.duplicates),
                 None => println!("  duplicates skipped 0 since"),

@@ -201,7 +201,7 @@ impl DemoDb {
             DemoDb::Postgres(pool) => {
                 sqlx::query_as(
                     "SELECT (SELECT count(*) FROM idemflow.dedup WHERE pipeline = 'payments'), \
-                            (SELECT coalesce(sum(duplicates), 0)::bigint FROM idemflow.dedup WHERE pipeline = 'payments'), \
+                            (SELECT coalesce(sum(duplicates), 0)::bigint FROM idemflow.dedup_duplicates WHERE pipeline = 'payments'), \
                             (SELECT count(*) FROM idemflow.dead_letters WHERE pipeline = 'payments'), \
                             (SELECT count(DISTINCT payload) FROM idemflow.dead_letters WHERE pipeline = 'payments'), \
                             (SELECT coalesce(string_agg(DISTINCT reason, ',' ORDER BY reason), '') FROM idemflow.dead_letters WHERE pipeline = 'payments')",

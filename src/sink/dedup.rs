@@ -25,7 +25,7 @@ use crate::store::rows::Existing;
 ///   delivered twice. Only equality is used: the order of sequences proves nothing, deliveries do not follow it.
 ///   The same sequence with another payload (a stream created again) is `payload_mismatch`.
 pub fn classify(existing: &Existing, position: &Position, delivered_before: Option<bool>, fingerprint: &[u8; 32]) -> DuplicateReason {
-    let same_payload = existing.fingerprint == fingerprint;
+    let same_payload = existing.same_payload(fingerprint);
     let redelivered = match delivered_before {
         None => existing.position == *position,
         Some(mark) if position.partition == crate::record::NO_PARTITION => mark && same_payload,
@@ -33,7 +33,7 @@ pub fn classify(existing: &Existing, position: &Position, delivered_before: Opti
     };
     if redelivered {
         DuplicateReason::Redelivered
-    } else if existing.fingerprint == fingerprint {
+    } else if same_payload {
         DuplicateReason::Republished
     } else {
         DuplicateReason::PayloadMismatch
@@ -67,5 +67,21 @@ mod tests {
         assert_eq!(classify(&stored, &seq(9), Some(true), &same), DuplicateReason::Republished, "a publish again, delivered twice");
         assert_eq!(classify(&stored, &seq(9), Some(false), &same), DuplicateReason::Republished);
         assert_eq!(classify(&stored, &seq(5), Some(true), &other), DuplicateReason::PayloadMismatch, "a stream created again");
+    }
+
+    #[test]
+    fn a_fingerprint_of_16_bytes_is_the_payloads_sha256_prefix() {
+        let at = |offset| Position { topic: "t".into(), partition: 0, offset };
+        let mut same = [1u8; 32];
+        same[20] = 9; // past the stored 16 bytes: not compared
+        let mut other = [1u8; 32];
+        other[15] = 9;
+        let stored = Existing { position: at(5), fingerprint: vec![1; 16] };
+        assert_eq!(classify(&stored, &at(5), None, &same), DuplicateReason::Redelivered);
+        assert_eq!(classify(&stored, &at(9), None, &same), DuplicateReason::Republished);
+        assert_eq!(classify(&stored, &at(9), None, &other), DuplicateReason::PayloadMismatch);
+        // Fewer than 16 bytes compare as another payload, never as the same.
+        let short = Existing { position: at(5), fingerprint: vec![1; 8] };
+        assert_eq!(classify(&short, &at(9), None, &same), DuplicateReason::PayloadMismatch);
     }
 }

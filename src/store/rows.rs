@@ -63,13 +63,27 @@ pub struct Claim<'a> {
     pub fingerprint: &'a [u8; 32],
 }
 
+/// The fewest bytes of a payload's SHA-256 a dedup store keeps as its fingerprint: PostgreSQL stores these 16
+/// (migration 12), MySQL/MariaDB and Redis all 32. 128 bits tell a changed payload from the applied one as surely as
+/// 256 do for this use (no adversary gains anything by a collision: both copies carry the same business key).
+pub const FINGERPRINT_BYTES: usize = 16;
+
 /// The dedup row that was already there for a key.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Existing {
     /// Where the applied record was.
     pub position: Position,
-    /// Its payload fingerprint.
+    /// Its payload fingerprint: the first 16 ([`FINGERPRINT_BYTES`]) or all 32 bytes of the payload's SHA-256, as
+    /// the store keeps it.
     pub fingerprint: Vec<u8>,
+}
+
+impl Existing {
+    /// Whether the applied payload is the one whose SHA-256 is `fingerprint`: the stored fingerprint is a prefix of
+    /// it of at least [`FINGERPRINT_BYTES`].
+    pub fn same_payload(&self, fingerprint: &[u8; 32]) -> bool {
+        self.fingerprint.len() >= FINGERPRINT_BYTES && fingerprint.starts_with(&self.fingerprint)
+    }
 }
 
 /// What the dedup store knows of one business key (`idemflow explain`).
@@ -85,7 +99,7 @@ pub struct Explained {
     pub partition: i32,
     /// Its offset.
     pub offset: i64,
-    /// SHA-256 of its payload, hex.
+    /// Its payload's fingerprint, hex: the first 16 bytes of its SHA-256 (PostgreSQL since migration 12) or all 32.
     pub fingerprint: String,
     /// Duplicates of it skipped since.
     pub duplicates: i64,

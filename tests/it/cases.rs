@@ -264,7 +264,7 @@ async fn case_c11_missing_null_empty_key() {
     assert!(w.stop().await.is_empty());
     assert_eq!(db.scalar::<i64>("SELECT count(*) FROM idemflow.dedup").await, 0);
     assert_eq!(db.scalar::<i64>("SELECT count(*) FROM payments").await, 0);
-    assert!(db.scalar::<bool>("SELECT NOT attnotnull = false FROM pg_attribute WHERE attrelid = 'idemflow.dedup'::regclass AND attname = 'business_key'").await);
+    assert!(db.scalar::<bool>("SELECT attnotnull FROM pg_attribute WHERE attrelid = 'idemflow.dedup'::regclass AND attname = 'key_id'").await);
 }
 
 /// c14: a 200-level-deep document is dead-lettered (`decode_failed`), an oversized payload is rejected by the

@@ -257,7 +257,7 @@ async fn equal_numbers_are_one_business_key() {
     assert_eq!(db.scalar::<i64>("SELECT count(*) FROM orders").await, 2);
     assert_eq!(db.scalar::<String>("SELECT string_agg(order_id, ',' ORDER BY order_id) FROM orders").await, "100,1500");
     assert_eq!(db.scalar::<String>("SELECT note FROM orders WHERE order_id = '1500'").await, "0.25");
-    assert_eq!(db.scalar::<String>("SELECT business_key FROM idemflow.dedup ORDER BY business_key LIMIT 1").await, "100");
+    assert_eq!(db.scalar::<String>("SELECT convert_from(key_id, 'UTF8') FROM idemflow.dedup ORDER BY key_id LIMIT 1").await, "100");
 }
 
 /// JSON arrays into PostgreSQL array columns, of every scalar kind, with elements needing quotes and NULLs.
@@ -352,7 +352,7 @@ async fn check_refuses_a_dedup_store_without_its_unique_index() {
     assert!(!status.success(), "{out}{err}");
     assert!(err.contains("no valid unique index on (pipeline, key_id)") && err.contains("ADD PRIMARY KEY"), "{err}");
     // A unique index on other columns does not count.
-    sqlx::raw_sql("CREATE UNIQUE INDEX ON idemflow.dedup (pipeline, business_key)").execute(&db.pool).await.unwrap();
+    sqlx::raw_sql("CREATE UNIQUE INDEX ON idemflow.dedup (pipeline, topic, key_id)").execute(&db.pool).await.unwrap();
     let (status, _, err) = idemflow(&["check", "--config", &config], setup.dir.path());
     assert!(!status.success() && err.contains("no valid unique index"), "{err}");
     sqlx::raw_sql("ALTER TABLE idemflow.dedup ADD PRIMARY KEY (pipeline, key_id)").execute(&db.pool).await.unwrap();
@@ -501,5 +501,5 @@ async fn a_commit_whose_answer_was_lost_is_recognised_by_the_retry() {
     assert_eq!(retries, 1.0);
     assert_eq!(db.scalar::<i64>("SELECT count(*) FROM paid").await, 30);
     assert_eq!(db.scalar::<i64>("SELECT count(*) FROM idemflow.dead_letters").await, 1);
-    assert_eq!(db.scalar::<i64>("SELECT coalesce(sum(duplicates), 0)::int8 FROM idemflow.dedup").await, 0);
+    assert_eq!(db.scalar::<i64>("SELECT coalesce(sum(duplicates), 0)::int8 FROM idemflow.dedup_duplicates").await, 0);
 }

@@ -59,7 +59,7 @@ async fn a_crash_between_the_commits_redelivers_nothing_with_the_database_store(
         assert!(w.stop().await.is_empty());
         assert_exactly_once(&db, &s).await;
         let redelivered = dup(&m, "redelivered");
-        let stored_duplicates = db.scalar::<i64>("SELECT coalesce(sum(duplicates), 0)::int8 FROM idemflow.dedup").await;
+        let stored_duplicates = db.scalar::<i64>("SELECT coalesce(sum(duplicates), 0)::int8 FROM idemflow.dedup_duplicates").await;
         match store {
             "kafka" => {
                 assert!(redelivered > 0.0, "the uncommitted batch is redelivered with the Kafka store");
@@ -133,7 +133,7 @@ async fn sigkills_with_the_database_store_redeliver_nothing() {
         assert!(status.success(), "{status:?}: {}", w.log_text().lines().rev().take(40).collect::<Vec<_>>().join("\n"));
     }
     assert_exactly_once(&db, &s).await;
-    let stored_duplicates = db.scalar::<i64>("SELECT coalesce(sum(duplicates), 0)::int8 FROM idemflow.dedup").await;
+    let stored_duplicates = db.scalar::<i64>("SELECT coalesce(sum(duplicates), 0)::int8 FROM idemflow.dedup_duplicates").await;
     assert_eq!(stored_duplicates, injected(&s), "a record was redelivered");
     assert_eq!(stored_next_offsets(&db).await, kafka.end_offsets(TOPIC, PARTITIONS));
 }
@@ -498,7 +498,7 @@ async fn a_group_whose_offsets_are_gone_does_not_apply_purged_records_again() {
 
     // The operator's rewind to the log start, to rebuild effects that were lost (here: taken out by hand): the replay
     // is applied where dedup rows no longer cover it.
-    sqlx::raw_sql("DELETE FROM paid WHERE id NOT IN (SELECT business_key FROM idemflow.dedup); UPDATE accounts SET balance = 20")
+    sqlx::raw_sql("DELETE FROM paid WHERE id NOT IN (SELECT convert_from(key_id, 'UTF8') FROM idemflow.dedup); UPDATE accounts SET balance = 20")
         .execute(&db.pool)
         .await
         .unwrap();

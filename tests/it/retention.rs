@@ -5,8 +5,8 @@ use std::time::Duration;
 
 async fn insert_rows(db: &TestDb, pipeline: &str, n: i32, age: &str) {
     sqlx::query(
-        "INSERT INTO idemflow.dedup (pipeline, key_id, business_key, topic, partition, \"offset\", fingerprint, applied_at) \
-         SELECT $1, convert_to($3 || g, 'UTF8'), $3 || g, 't', 0, g, '\\x00', now() - $2::interval FROM generate_series(1, $4) g",
+        "INSERT INTO idemflow.dedup (pipeline, key_id, key_text, topic, partition, \"offset\", fingerprint, applied_at) \
+         SELECT $1, convert_to($3 || g, 'UTF8'), $3 || g, 't', 0, g, '\\x00000000000000000000000000000000', now() - $2::interval FROM generate_series(1, $4) g",
     )
     .bind(pipeline)
     .bind(age)
@@ -34,8 +34,8 @@ async fn the_sweep_deletes_expired_rows_slice_by_slice_resuming_at_its_cursor() 
     // About 20 rows to a block (a 300-byte key each), so 1,000 rows span about 50 blocks, expired and fresh mixed.
     for (pipeline, n, age) in [("payments", 600, "8 days"), ("payments", 300, "1 hour"), ("other", 100, "8 days")] {
         sqlx::query(
-            "INSERT INTO idemflow.dedup (pipeline, key_id, business_key, topic, partition, \"offset\", fingerprint, applied_at) \
-             SELECT $1, convert_to(left($3 || g || repeat('x', 64), 64), 'UTF8'), $3 || g || repeat('x', 300), 't', 0, g, '\\x00', now() - $2::interval \
+            "INSERT INTO idemflow.dedup (pipeline, key_id, key_text, topic, partition, \"offset\", fingerprint, applied_at) \
+             SELECT $1, convert_to(left($3 || g || repeat('x', 64), 64), 'UTF8'), $3 || g || repeat('x', 300), 't', 0, g, '\\x00000000000000000000000000000000', now() - $2::interval \
              FROM generate_series(1, $4) g ORDER BY random()",
         )
         .bind(pipeline)
@@ -76,11 +76,11 @@ async fn the_sweep_deletes_expired_rows_slice_by_slice_resuming_at_its_cursor() 
     assert_eq!(db.scalar::<i64>("SELECT count(*) FROM idemflow.dedup").await, before);
     holder.rollback().await.unwrap();
 
-    // A batch in flight holds an expired row (counting a duplicate on it): the sweep neither waits for it nor
-    // deletes it under the batch; the row is left for the next pass.
+    // Another transaction holds an expired row (`idemflow dedup forget` reading it, say): the sweep neither waits
+    // for it nor deletes it under that transaction; the row is left for the next pass.
     let mut batch = db.pool.begin().await.unwrap();
     let held: String = sqlx::query_scalar(
-        "SELECT business_key FROM idemflow.dedup WHERE pipeline = 'payments' AND applied_at < now() - interval '7 days' \
+        "SELECT key_text FROM idemflow.dedup WHERE pipeline = 'payments' AND applied_at < now() - interval '7 days' \
          ORDER BY ctid DESC LIMIT 1 FOR UPDATE",
     )
     .fetch_one(&mut *batch)
@@ -97,7 +97,7 @@ async fn the_sweep_deletes_expired_rows_slice_by_slice_resuming_at_its_cursor() 
     assert_eq!(o.purged, slices.iter().map(|s| s.purged).sum::<u64>(), "each committed slice is reported as it goes");
     assert_eq!(first.purged + second.purged + o.purged, 599, "every expired row of the pipeline but the held one, once");
     batch.rollback().await.unwrap();
-    let kept = format!("SELECT count(*) FROM idemflow.dedup WHERE business_key = '{held}'");
+    let kept = format!("SELECT count(*) FROM idemflow.dedup WHERE key_text = '{held}'");
     assert_eq!(db.scalar::<i64>(&kept).await, 1);
     assert_eq!(first.examined + second.examined + o.examined, 1000, "every row of the table examined once");
     assert_eq!(db.scalar::<i64>("SELECT count(*) FROM idemflow.dedup WHERE pipeline = 'payments'").await, 301, "the fresh rows stay");
@@ -124,8 +124,8 @@ async fn before_postgresql_14_a_slice_is_a_range_of_the_primary_key() {
     use idemflow::store::postgres::retention::key_range_slice;
     let db = TestDb::new("").await;
     sqlx::query(
-        "INSERT INTO idemflow.dedup (pipeline, key_id, business_key, topic, partition, \"offset\", fingerprint, applied_at) \
-         SELECT p, convert_to('k' || g, 'UTF8'), 'k' || g, 't', 0, g, '\\x00', now() - CASE WHEN g = 3 THEN interval '1 hour' ELSE interval '8 days' END \
+        "INSERT INTO idemflow.dedup (pipeline, key_id, key_text, topic, partition, \"offset\", fingerprint, applied_at) \
+         SELECT p, convert_to('k' || g, 'UTF8'), 'k' || g, 't', 0, g, '\\x00000000000000000000000000000000', now() - CASE WHEN g = 3 THEN interval '1 hour' ELSE interval '8 days' END \
          FROM generate_series(1, 7) g, (VALUES ('p'), ('q')) AS ps(p) ORDER BY random()",
     )
     .execute(&db.pool)
@@ -138,7 +138,7 @@ async fn before_postgresql_14_a_slice_is_a_range_of_the_primary_key() {
     assert_eq!((examined, last.as_deref(), purged), (3, Some(&b"k6"[..]), 3));
     let (examined, last, purged) = key_range_slice(&db.pool, "p", 3, week, Some(b"k6")).await.unwrap();
     assert_eq!((examined, last.as_deref(), purged), (1, Some(&b"k7"[..]), 1), "fewer than asked: the pass ends");
-    assert_eq!(db.scalar::<String>("SELECT string_agg(pipeline || ':' || business_key, ',' ORDER BY pipeline, key_id) FROM idemflow.dedup WHERE pipeline = 'p'").await, "p:k3");
+    assert_eq!(db.scalar::<String>("SELECT string_agg(pipeline || ':' || key_text, ',' ORDER BY pipeline, key_id) FROM idemflow.dedup WHERE pipeline = 'p'").await, "p:k3");
     assert_eq!(db.scalar::<i64>("SELECT count(*) FROM idemflow.dedup WHERE pipeline = 'q'").await, 7, "another pipeline's keys untouched");
 }
 
@@ -199,8 +199,8 @@ async fn mid_sweep_fixture() -> (TestDb, Kafka, Setup) {
              [dedup]\nretention = \"1d\"\npurge_interval = \"100ms\"\npurge_batch = 40\npurge_rate = 400\n";
     let (db, kafka, setup) = fixture("CREATE TABLE seen (k text);", "orders", 1, &[("orders.toml", p)]).await;
     sqlx::query(
-        "INSERT INTO idemflow.dedup (pipeline, key_id, business_key, topic, partition, \"offset\", fingerprint, applied_at) \
-         SELECT 'orders', convert_to('k' || g, 'UTF8'), 'k' || g || repeat('x', 60), 't', 0, g, '\\x00', \
+        "INSERT INTO idemflow.dedup (pipeline, key_id, key_text, topic, partition, \"offset\", fingerprint, applied_at) \
+         SELECT 'orders', convert_to('k' || g, 'UTF8'), 'k' || g || repeat('x', 60), 't', 0, g, '\\x00000000000000000000000000000000', \
                 now() - CASE WHEN g % 4 = 0 THEN interval '1 hour' ELSE interval '2 days' END \
          FROM generate_series(1, 4000) g",
     )

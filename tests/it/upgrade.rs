@@ -32,7 +32,7 @@ async fn postgres_migration_11_drops_the_retention_index_and_the_rollback_builds
     let db = TestDb::at_version(10, "").await;
     sqlx::query(
         "INSERT INTO idemflow.dedup (pipeline, key_id, business_key, topic, partition, \"offset\", fingerprint, applied_at) \
-         SELECT 'payments', convert_to('k' || g, 'UTF8'), 'k' || g, 't', 0, g, '\\x00', now() - CASE WHEN g <= 5 THEN interval '8 days' ELSE interval '1 hour' END \
+         SELECT 'payments', convert_to('k' || g, 'UTF8'), 'k' || g, 't', 0, g, sha256(convert_to('k' || g, 'UTF8')), now() - CASE WHEN g <= 5 THEN interval '8 days' ELSE interval '1 hour' END \
          FROM generate_series(1, 8) g",
     )
     .execute(&db.pool)
@@ -65,11 +65,12 @@ async fn postgres_migration_11_drops_the_retention_index_and_the_rollback_builds
     };
     let o = store.sweep_pass(&sweep, |_| {}).await.unwrap();
     assert_eq!((o.purged, o.examined), (2, 5), "{o:?}");
+    roll_back(&db, "postgres-0012.sql").await;
     roll_back(&db, "postgres-0011.sql").await;
     assert_eq!(db.scalar::<i64>(index).await, 1);
     assert_eq!(db.scalar::<Option<String>>("SELECT to_regclass('idemflow.retention_sweeps')::text").await, None);
     let err = idemflow::store::postgres::check_schema(&db.pool).await.unwrap_err();
-    assert!(err.to_string().contains("at version 10, this binary needs 11"), "{err}");
+    assert!(err.to_string().contains("at version 10, this binary needs 12"), "{err}");
 }
 
 /// Migration 10 (dead letters unique by position and payload digest): a dead letter of the previous version gets the
@@ -113,6 +114,7 @@ async fn postgres_migration_10_makes_dead_letters_unique_by_position_and_payload
     .execute(&db.pool)
     .await
     .unwrap();
+    roll_back(&db, "postgres-0012.sql").await;
     roll_back(&db, "postgres-0011.sql").await;
     let rollback = std::fs::read_to_string(project_root().join("migrations/rollback/postgres-0010.sql")).unwrap();
     let mut tx = db.pool.begin().await.unwrap();
@@ -122,7 +124,7 @@ async fn postgres_migration_10_makes_dead_letters_unique_by_position_and_payload
     sqlx::query("DELETE FROM idemflow.dead_letters WHERE payload = '{worse'").execute(&db.pool).await.unwrap();
     roll_back(&db, "postgres-0010.sql").await;
     let (status, out, err) = idemflow(&["check", "--config", &config], setup.dir.path());
-    assert!(!status.success() && err.contains("at version 9, this binary needs 11"), "{out}{err}");
+    assert!(!status.success() && err.contains("at version 9, this binary needs 12"), "{out}{err}");
 }
 
 /// Keys on both sides of the 64-byte limit, one cut inside a two-byte character, a number, and long ones that
@@ -148,6 +150,9 @@ fn payload(key: &str) -> String {
 fn sha256(bytes: &[u8]) -> Vec<u8> {
     Sha256::digest(bytes).to_vec()
 }
+
+/// Each dedup row's key text and id, since migration 12 (the text stored only where the id is not the text).
+const SHOWN_KEYS: &str = "SELECT coalesce(key_text, convert_from(key_id, 'UTF8')), key_id FROM idemflow.dedup";
 
 /// The claim of the version before migration 0007, as it shipped.
 const PREVIOUS_POSTGRES_CLAIM: &str = r#"
@@ -227,7 +232,7 @@ async fn postgres_upgrade_keeps_every_stored_key_a_duplicate_and_fences_the_prev
 
     // This version refuses the old schema.
     let (status, out, err) = idemflow(&["check", "--config", &config], setup.dir.path());
-    assert!(!status.success() && err.contains("this binary needs 11"), "{out}{err}");
+    assert!(!status.success() && err.contains("this binary needs 12"), "{out}{err}");
 
     // A batch of the previous version is under way (its claim made, not committed) when the migration starts.
     let mut held = db.pool.begin().await.unwrap();
@@ -236,7 +241,7 @@ async fn postgres_upgrade_keeps_every_stored_key_a_duplicate_and_fences_the_prev
     migrate_while_open(&setup, held).await;
 
     // Every stored row, the held batch's too, is at the id this version computes for its key.
-    let rows: Vec<(String, Vec<u8>)> = sqlx::query_as("SELECT business_key, key_id FROM idemflow.dedup").fetch_all(&db.pool).await.unwrap();
+    let rows: Vec<(String, Vec<u8>)> = sqlx::query_as(SHOWN_KEYS).fetch_all(&db.pool).await.unwrap();
     assert_key_ids(&rows, keys.len() + 1);
 
     // The previous version's claim fails now, before it could claim anything.
@@ -261,7 +266,7 @@ async fn postgres_upgrade_keeps_every_stored_key_a_duplicate_and_fences_the_prev
     assert_eq!(skipped("payload_mismatch"), 0.0);
     assert!(worker.stop().await.is_empty());
     assert_eq!(db.scalar::<String>("SELECT string_agg(order_id, ',') FROM payments").await, "o-new");
-    assert_eq!(db.scalar::<i64>("SELECT sum(duplicates)::int8 FROM idemflow.dedup").await, (keys.len() + 1) as i64);
+    assert_eq!(db.scalar::<i64>("SELECT sum(duplicates)::int8 FROM idemflow.dedup_duplicates").await, (keys.len() + 1) as i64);
 
     // `explain` finds a long key by its text.
     let long = &keys[keys.len() - 1];
@@ -270,7 +275,7 @@ async fn postgres_upgrade_keeps_every_stored_key_a_duplicate_and_fences_the_prev
 
     // Going back (docs/operations.md): the rollback scripts, the last migration's first, then the previous version's
     // claim works again and finds every key applied before and after the upgrade; this version refuses the schema.
-    for script in ["postgres-0011.sql", "postgres-0010.sql", "postgres-0009.sql", "postgres-0008.sql", "postgres-0007.sql"] {
+    for script in ["postgres-0012.sql", "postgres-0011.sql", "postgres-0010.sql", "postgres-0009.sql", "postgres-0008.sql", "postgres-0007.sql"] {
         roll_back(&db, script).await;
     }
     let mut conn = db.pool.acquire().await.unwrap();
@@ -278,10 +283,11 @@ async fn postgres_upgrade_keeps_every_stored_key_a_duplicate_and_fences_the_prev
     assert_eq!(previous_postgres_claim(&mut conn, &again, 300).await.unwrap(), 1, "only o-rolled-back is new");
     drop(conn);
     let (status, out, err) = idemflow(&["check", "--config", &config], setup.dir.path());
-    assert!(!status.success() && err.contains("this binary needs 11"), "{out}{err}");
+    assert!(!status.success() && err.contains("this binary needs 12"), "{out}{err}");
 }
 
-/// The claim of the versions from migration 0007 to 0008, as it shipped (key ids, `src/key.rs`).
+/// The claim of the versions from migration 0007 to 0011, as it shipped (key ids, `src/key.rs`; the key text in every
+/// row, the payload's whole SHA-256).
 const V7_POSTGRES_CLAIM: &str = r#"
 INSERT INTO idemflow.dedup (pipeline, key_id, business_key, topic, partition, "offset", fingerprint)
 SELECT $1, u.key_id, u.business_key, u.topic, u.partition, u."offset", u.fingerprint
@@ -327,12 +333,21 @@ async fn postgres_migration_8_compares_pipelines_bytewise_and_keeps_every_key() 
     assert_eq!(v7_postgres_claim(&mut conn, &keys, 0).await.unwrap(), keys.len());
     drop(conn);
     let (status, out, err) = idemflow(&["check", "--config", &config], setup.dir.path());
-    assert!(!status.success() && err.contains("at version 7, this binary needs 11"), "{out}{err}");
+    assert!(!status.success() && err.contains("at version 7, this binary needs 12"), "{out}{err}");
 
     let mut held = db.pool.begin().await.unwrap();
     let held_key = vec!["o-held".to_owned()];
     assert_eq!(v7_postgres_claim(&mut held, &held_key, 100).await.unwrap(), 1);
-    migrate_while_open(&setup, held).await;
+    // Up to migration 11, the last that keeps the v7 claim's columns (12 fences it).
+    let up_to_11 = migrator_up_to("migrations/postgres", 11).await;
+    let migrating = {
+        let pool = db.pool.clone();
+        tokio::spawn(async move { up_to_11.run(&pool).await })
+    };
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(!migrating.is_finished(), "the migration waits for the batch under way");
+    held.commit().await.unwrap();
+    migrating.await.unwrap().unwrap();
     assert_eq!(db.scalar::<String>(collation).await, "C");
     let rows: Vec<(String, Vec<u8>)> = sqlx::query_as("SELECT business_key, key_id FROM idemflow.dedup").fetch_all(&db.pool).await.unwrap();
     assert_key_ids(&rows, keys.len() + 1);
@@ -343,6 +358,7 @@ async fn postgres_migration_8_compares_pipelines_bytewise_and_keeps_every_key() 
     let mixed: Vec<String> = keys.iter().cloned().chain(["o-v7-late".to_owned()]).collect();
     assert_eq!(v7_postgres_claim(&mut conn, &mixed, 0).await.unwrap(), 1, "only o-v7-late is new");
     drop(conn);
+    idemflow::store::postgres::MIGRATOR.run(&db.pool).await.unwrap();
 
     // This version: the stored keys are duplicates, only the new key is applied.
     let mut records: Vec<Out> = keys.iter().chain(&held_key).map(|k| Out::json(0, payload(k))).collect();
@@ -355,6 +371,7 @@ async fn postgres_migration_8_compares_pipelines_bytewise_and_keeps_every_key() 
     assert!(worker.stop().await.is_empty());
     assert_eq!(db.scalar::<String>("SELECT string_agg(order_id, ',') FROM payments").await, "o-new");
 
+    roll_back(&db, "postgres-0012.sql").await;
     roll_back(&db, "postgres-0011.sql").await;
     roll_back(&db, "postgres-0010.sql").await;
     roll_back(&db, "postgres-0009.sql").await;
@@ -364,7 +381,84 @@ async fn postgres_migration_8_compares_pipelines_bytewise_and_keeps_every_key() 
     assert_eq!(v7_postgres_claim(&mut conn, &["o-new".to_owned(), "o-rolled-back".to_owned()], 300).await.unwrap(), 1);
     drop(conn);
     let (status, out, err) = idemflow(&["check", "--config", &config], setup.dir.path());
-    assert!(!status.success() && err.contains("at version 7, this binary needs 11"), "{out}{err}");
+    assert!(!status.success() && err.contains("at version 7, this binary needs 12"), "{out}{err}");
+}
+
+/// Migration 12 (the narrower dedup row): a database written by the previous version (every key's text, 32-byte
+/// fingerprints, duplicate counts in the row), a batch of that version under way while `idemflow migrate` runs. After
+/// it: every row at its key id with its text kept only where the id is not the text, the fingerprints cut to 16
+/// bytes, the counts in `dedup_duplicates`; the previous version's claim fails (fenced); the stored keys are
+/// duplicates to this version, classified against the migrated rows (redelivered, republished, payload_mismatch);
+/// `explain` adds to the counts carried over. The rollback puts the previous shape back with every key and count.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_migration_12_narrows_the_dedup_row_keeps_every_key_and_fences_the_previous_version() {
+    let db = TestDb::at_version(11, "CREATE TABLE payments (order_id text PRIMARY KEY, amount numeric NOT NULL);").await;
+    let kafka = Kafka::new();
+    kafka.create_topic("orders", 1);
+    let setup = Setup::new(&db, &kafka, &[("payments.toml", PIPELINE)]);
+    let config = setup.config.to_str().unwrap().to_owned();
+    let keys = keys();
+    let mut conn = db.pool.acquire().await.unwrap();
+    assert_eq!(v7_postgres_claim(&mut conn, &keys, 0).await.unwrap(), keys.len());
+    drop(conn);
+    sqlx::query("UPDATE idemflow.dedup SET duplicates = 2, last_duplicate_at = now() WHERE business_key = 'o-1'").execute(&db.pool).await.unwrap();
+    let (status, out, err) = idemflow(&["check", "--config", &config], setup.dir.path());
+    assert!(!status.success() && err.contains("at version 11, this binary needs 12"), "{out}{err}");
+
+    let mut held = db.pool.begin().await.unwrap();
+    let held_key = vec!["o-held".to_owned()];
+    assert_eq!(v7_postgres_claim(&mut held, &held_key, 100).await.unwrap(), 1);
+    migrate_while_open(&setup, held).await;
+
+    let rows: Vec<(String, Vec<u8>)> = sqlx::query_as(SHOWN_KEYS).fetch_all(&db.pool).await.unwrap();
+    assert_key_ids(&rows, keys.len() + 1);
+    let long = keys.iter().filter(|k| k.len() > 64).count() as i64;
+    assert_eq!(db.scalar::<i64>("SELECT count(*) FROM idemflow.dedup WHERE key_text IS NOT NULL").await, long, "only the long keys' texts");
+    assert_eq!(db.scalar::<i64>("SELECT count(*) FROM idemflow.dedup WHERE octet_length(fingerprint) = 16").await, keys.len() as i64 + 1);
+    assert_eq!(db.scalar::<String>("SELECT encode(fingerprint, 'hex') FROM idemflow.dedup WHERE key_id = 'o-1'").await, hex::encode(&sha256(payload("o-1").as_bytes())[..16]));
+    assert_eq!(db.scalar::<i64>("SELECT sum(duplicates)::int8 FROM idemflow.dedup_duplicates").await, 2);
+
+    // The previous version's claim fails now, before it could claim anything.
+    let mut conn = db.pool.acquire().await.unwrap();
+    let e = v7_postgres_claim(&mut conn, &["o-late".to_owned()], 200).await.unwrap_err();
+    assert_eq!(e.as_database_error().and_then(|d| d.code()).as_deref(), Some("42703"), "{e}");
+    drop(conn);
+
+    // This version: the stored keys at their stored positions are redelivered, the held key at another position
+    // republished (its 16-byte fingerprint matches the payload's SHA-256), o-1 with another payload a mismatch; only
+    // the new key is applied.
+    let mut records: Vec<Out> = keys.iter().chain(&held_key).map(|k| Out::json(0, payload(k))).collect();
+    records.push(Out::json(0, r#"{"order":{"id":"o-1","amount":"9.99"}}"#));
+    records.push(Out::json(0, payload("o-new")));
+    kafka.produce("orders", &records);
+    let worker = InProc::start(&setup).await;
+    worker.wait_received("payments", records.len() as u64).await;
+    assert_eq!(worker.metric("idemflow_records_applied_total", &[("pipeline", "payments")]), 1.0);
+    let skipped = |reason| worker.metric("idemflow_duplicates_skipped_total", &[("pipeline", "payments"), ("reason", reason)]);
+    assert_eq!((skipped("redelivered"), skipped("republished"), skipped("payload_mismatch")), (keys.len() as f64, 1.0, 1.0));
+    assert!(worker.stop().await.is_empty());
+    assert_eq!(db.scalar::<String>("SELECT string_agg(order_id, ',') FROM payments").await, "o-new");
+    assert_eq!(db.scalar::<Option<String>>("SELECT key_text FROM idemflow.dedup WHERE key_id = 'o-new'").await, None);
+
+    // `explain`: the count carried over plus this run's two; a long key found by its text.
+    let (status, out, err) = idemflow(&["explain", "--config", &config, "--pipeline", "payments", "--key", "o-1"], setup.dir.path());
+    assert!(status.success() && out.contains("duplicates skipped 4 since") && out.contains("(its first 16 bytes)"), "{out}{err}");
+    let long_key = &keys[keys.len() - 1];
+    let (status, out, err) = idemflow(&["explain", "--config", &config, "--pipeline", "payments", &format!("--key={long_key}")], setup.dir.path());
+    assert!(status.success() && out.contains("duplicates skipped 1 since"), "{out}{err}");
+
+    // Going back: the previous shape with every key's text and count; its claim finds every key and claims a new one.
+    roll_back(&db, "postgres-0012.sql").await;
+    let rows: Vec<(String, Vec<u8>)> = sqlx::query_as("SELECT business_key, key_id FROM idemflow.dedup").fetch_all(&db.pool).await.unwrap();
+    assert_key_ids(&rows, keys.len() + 2);
+    assert_eq!(db.scalar::<i64>("SELECT duplicates FROM idemflow.dedup WHERE key_id = 'o-1'").await, 4);
+    assert_eq!(db.scalar::<i64>("SELECT sum(duplicates)::int8 FROM idemflow.dedup").await, 2 + keys.len() as i64 + 2);
+    let mut conn = db.pool.acquire().await.unwrap();
+    let again: Vec<String> = keys.iter().chain(&held_key).cloned().chain(["o-new".to_owned(), "o-rolled-back".to_owned()]).collect();
+    assert_eq!(v7_postgres_claim(&mut conn, &again, 300).await.unwrap(), 1, "only o-rolled-back is new");
+    drop(conn);
+    let (status, out, err) = idemflow(&["check", "--config", &config], setup.dir.path());
+    assert!(!status.success() && err.contains("at version 11, this binary needs 12"), "{out}{err}");
 }
 
 /// The MariaDB claim of the version before migration 0002 (its `INSERT IGNORE ... RETURNING` form), as it shipped.

@@ -4,20 +4,25 @@
 //! never an error (a unique violation would abort the Postgres transaction). When another transaction holds an
 //! uncommitted row for the same key, Postgres makes this `INSERT` wait for it (PostgreSQL docs, "INSERT ... ON
 //! CONFLICT").
+//!
+//! The row (migration 12): the position, `applied_at`, the pipeline and topic, the key id, the payload's fingerprint
+//! (the first [`FINGERPRINT_BYTES`] of its SHA-256) and, for keys whose id is not their text (over 64 bytes), the
+//! key's text. Duplicate counts live in `idemflow.dedup_duplicates`, written only for keys that had duplicates.
 
 use crate::record::Position;
 use crate::key::BusinessKey;
 use crate::store::rows::{floors_to_lower, Apply, Claim, Existing, Explained, Forget, Forgotten, KeyIds};
+use crate::store::rows::FINGERPRINT_BYTES;
 use sqlx::PgConnection;
 
 /// The claim's `INSERT`, parameters `$1` to `$7` (see [`ClaimArrays`]); its `RETURNING key_id` are the keys that
 /// were new.
 macro_rules! claim_insert {
     () => {
-        r#"INSERT INTO idemflow.dedup (pipeline, key_id, business_key, topic, partition, "offset", fingerprint)
-SELECT $1, u.key_id, u.business_key, u.topic, u.partition, u."offset", u.fingerprint
+        r#"INSERT INTO idemflow.dedup (pipeline, key_id, key_text, topic, partition, "offset", fingerprint)
+SELECT $1, u.key_id, u.key_text, u.topic, u.partition, u."offset", u.fingerprint
 FROM unnest($2::bytea[], $3::text[], $4::text[], $5::int4[], $6::int8[], $7::bytea[])
-     AS u(key_id, business_key, topic, partition, "offset", fingerprint)
+     AS u(key_id, key_text, topic, partition, "offset", fingerprint)
 ON CONFLICT (pipeline, key_id) DO NOTHING
 RETURNING key_id"#
     };
@@ -38,7 +43,8 @@ WHERE pipeline = $1 AND key_id = ANY($2::bytea[])"#;
 /// The claim's parameters `$2` to `$7`, one array each, in the claims' order.
 struct ClaimArrays<'a> {
     ids: KeyIds<'a>,
-    keys: Vec<&'a str>,
+    /// The key's text where its id is not the text (keys over 64 bytes), else NULL.
+    keys: Vec<Option<&'a str>>,
     topics: Vec<&'a str>,
     partitions: Vec<i32>,
     offsets: Vec<i64>,
@@ -57,11 +63,11 @@ impl<'a> ClaimArrays<'a> {
             prints: Vec::with_capacity(n),
         };
         for c in claims {
-            a.keys.push(c.key.text.as_str());
+            a.keys.push((!c.key.id_is_text()).then_some(c.key.text.as_str()));
             a.topics.push(&c.position.topic);
             a.partitions.push(c.position.partition);
             a.offsets.push(c.position.offset);
-            a.prints.push(&c.fingerprint[..]);
+            a.prints.push(&c.fingerprint[..FINGERPRINT_BYTES]);
         }
         a
     }
@@ -144,14 +150,22 @@ pub async fn existing(
         .collect()
 }
 
+/// Adds `$3` duplicates to the count of each key id in `$2` (in key id order), for the dedup row it counts for: a
+/// count left by an earlier row of the key (purged, then claimed again) starts over.
 const COUNT_DUPLICATES: &str = r#"
-UPDATE idemflow.dedup AS d
-SET duplicates = d.duplicates + u.n, last_duplicate_at = now()
-FROM unnest($2::bytea[], $3::int8[]) AS u(key_id, n)
-WHERE d.pipeline = $1 AND d.key_id = u.key_id"#;
+INSERT INTO idemflow.dedup_duplicates AS c (pipeline, key_id, applied_at, duplicates, last_duplicate_at)
+SELECT d.pipeline, d.key_id, d.applied_at, u.n, now()
+FROM unnest($2::bytea[], $3::int8[]) WITH ORDINALITY AS u(key_id, n, i)
+JOIN idemflow.dedup d ON d.pipeline = $1 AND d.key_id = u.key_id
+ORDER BY u.i
+ON CONFLICT (pipeline, key_id) DO UPDATE
+SET duplicates = CASE WHEN c.applied_at = EXCLUDED.applied_at THEN c.duplicates + EXCLUDED.duplicates ELSE EXCLUDED.duplicates END,
+    applied_at = EXCLUDED.applied_at,
+    last_duplicate_at = EXCLUDED.last_duplicate_at"#;
 
-/// Adds skipped duplicates to their keys' dedup rows (`duplicates`, `last_duplicate_at`), one statement for a
-/// batch. Keys whose row is not there (a duplicate of a dead-lettered record) are left alone.
+/// Adds skipped duplicates to their keys' counts (`idemflow.dedup_duplicates`: `duplicates`,
+/// `last_duplicate_at`), one statement for a batch. Keys whose dedup row is not there (a duplicate of a
+/// dead-lettered record) are left alone.
 pub async fn count_duplicates(
     conn: &mut PgConnection,
     pipeline: &str,
@@ -160,7 +174,7 @@ pub async fn count_duplicates(
     if counts.is_empty() {
         return Ok(());
     }
-    // Rows are updated in key id order, so two workers updating the same keys cannot deadlock.
+    // Rows are written in key id order, so two workers counting the same keys cannot deadlock.
     let mut sorted: Vec<(std::borrow::Cow<'_, [u8]>, i64)> = counts.iter().map(|(k, n)| (k.key_id(), *n)).collect();
     sorted.sort_unstable();
     let ids: Vec<&[u8]> = sorted.iter().map(|(id, _)| &id[..]).collect();
@@ -169,35 +183,51 @@ pub async fn count_duplicates(
     Ok(())
 }
 
+/// What `explain` and `dedup forget` show of a dedup row `d` and its duplicate count `c` (which may be missing):
+/// [`crate::store::rows::ExplainedRow`]'s columns. A key whose id is its text has no `key_text`.
+const SHOWN: &str = r#"coalesce(d.key_text, convert_from(d.key_id, 'UTF8')), d.applied_at::text, d.topic, d.partition, d."offset",
+       encode(d.fingerprint, 'hex'), coalesce(c.duplicates, 0), c.last_duplicate_at::text"#;
+
+/// The dedup row `d` with its count `c`, when the count is this row's.
+const WITH_COUNT: &str =
+    "idemflow.dedup d LEFT JOIN idemflow.dedup_duplicates c ON c.pipeline = d.pipeline AND c.key_id = d.key_id AND c.applied_at = d.applied_at";
+
 /// Looks a business key up by its canonical text.
 pub async fn explain(conn: &mut PgConnection, pipeline: &str, key: &BusinessKey) -> Result<Option<Explained>, sqlx::Error> {
-    let row: Option<crate::store::rows::ExplainedRow> = sqlx::query_as(
-        r#"SELECT business_key, applied_at::text AS applied_at, topic, partition, "offset", encode(fingerprint, 'hex') AS fingerprint,
-                  duplicates, last_duplicate_at::text AS last_duplicate_at
-           FROM idemflow.dedup WHERE pipeline = $1 AND key_id = $2"#,
-    )
-    .bind(pipeline)
-    .bind(&key.key_id()[..])
-    .persistent(super::persistent())
-    .fetch_optional(&mut *conn)
-    .await?;
+    let row: Option<crate::store::rows::ExplainedRow> =
+        sqlx::query_as(&format!("SELECT {SHOWN} FROM {WITH_COUNT} WHERE d.pipeline = $1 AND d.key_id = $2"))
+            .bind(pipeline)
+            .bind(&key.key_id()[..])
+            .persistent(super::persistent())
+            .fetch_optional(&mut *conn)
+            .await?;
     Ok(row.map(Explained::from))
 }
 
 /// `idemflow dedup forget`: the dedup rows of `pipeline` that `what` names, deleted (or only read, with `dry_run`)
-/// in one transaction, with the processed floors of their partitions lowered to the lowest offset forgotten on each
-/// (else a record below the floor would be skipped as processed: see [`crate::offsets::Mark::floor`]). Returns the
-/// rows as they were.
+/// in one transaction with their duplicate counts, and the processed floors of their partitions lowered to the
+/// lowest offset forgotten on each (else a record below the floor would be skipped as processed: see
+/// [`crate::offsets::Mark::floor`]). Returns the rows as they were.
 ///
 /// Errors: the database's.
 pub async fn forget(pool: &sqlx::PgPool, pipeline: &str, what: &Forget, dry_run: bool) -> Result<Forgotten, sqlx::Error> {
-    let verb = if dry_run { "SELECT business_key, applied_at::text, topic, partition, \"offset\", encode(fingerprint, 'hex'), duplicates, last_duplicate_at::text FROM idemflow.dedup" } else { "DELETE FROM idemflow.dedup" };
-    let tail = if dry_run { "" } else { " RETURNING business_key, applied_at::text, topic, partition, \"offset\", encode(fingerprint, 'hex'), duplicates, last_duplicate_at::text" };
+    // `{which}`: the rows' condition on `d`.
+    let statement = |which: &str| {
+        if dry_run {
+            format!("SELECT {SHOWN} FROM {WITH_COUNT} WHERE d.pipeline = $1 AND {which}")
+        } else {
+            format!(
+                "WITH gone AS (DELETE FROM idemflow.dedup d WHERE d.pipeline = $1 AND {which} RETURNING d.*), \
+                 counts AS (DELETE FROM idemflow.dedup_duplicates c USING gone WHERE c.pipeline = gone.pipeline AND c.key_id = gone.key_id RETURNING c.*) \
+                 SELECT {SHOWN} FROM gone d LEFT JOIN counts c ON c.key_id = d.key_id AND c.applied_at = d.applied_at"
+            )
+        }
+    };
     let mut tx = pool.begin().await?;
     let rows: Vec<crate::store::rows::ExplainedRow> = match what {
         Forget::Keys(keys) => {
             let ids: Vec<Vec<u8>> = keys.iter().map(|k| k.key_id().to_vec()).collect();
-            sqlx::query_as(&format!("{verb} WHERE pipeline = $1 AND key_id = ANY($2){tail}"))
+            sqlx::query_as(&statement("d.key_id = ANY($2)"))
                 .bind(pipeline)
                 .bind(&ids)
                 .persistent(super::persistent())
@@ -205,7 +235,7 @@ pub async fn forget(pool: &sqlx::PgPool, pipeline: &str, what: &Forget, dry_run:
                 .await?
         }
         Forget::Positions { topic, partition, from, to } => {
-            sqlx::query_as(&format!("{verb} WHERE pipeline = $1 AND topic = $2 AND partition = $3 AND \"offset\" BETWEEN $4 AND $5{tail}"))
+            sqlx::query_as(&statement(r#"d.topic = $2 AND d.partition = $3 AND d."offset" BETWEEN $4 AND $5"#))
                 .bind(pipeline)
                 .bind(topic)
                 .bind(partition)

@@ -4,8 +4,10 @@
 //! (`FOR UPDATE SKIP LOCKED`), skips when another replica holds the pass's lease or the pass is not due (see
 //! [`crate::retention`]), reads a range of heap blocks `[next_block, next_block + n)` with a TID range scan
 //! (PostgreSQL 14 and later: "TID Range Scan", no index needed), deletes the rows in it of this pipeline older than
-//! the retention, those not locked by a batch in flight (`SKIP LOCKED`: a batch counting a duplicate on a row is
-//! never waited for, the row is left for the next pass), and moves the cursor and renews the lease. `n` is about
+//! the retention, those not locked by another transaction (`SKIP LOCKED`: never waited for, the row is left for the
+//! next pass), with their duplicate counts (`idemflow.dedup_duplicates`; a count a batch in flight is writing is
+//! skipped too and stays behind, unread: a count is shown only with the row it was written for, the same
+//! `applied_at`), and moves the cursor and renews the lease. `n` is about
 //! `rows` rows' worth of blocks by the table's own statistics (`reltuples` / `relpages`), and at most `rows / 4`
 //! blocks (a dedup row fits 4 times in a block at least: past about 2 KB its key is stored out of line), so stale
 //! statistics cannot make one slice scan the table. The pass ends at the block the relation ends at when the slice
@@ -43,7 +45,12 @@ victims AS (
       AND d.pipeline = $1 AND d.applied_at < now() - make_interval(secs => $4)
     FOR UPDATE OF d SKIP LOCKED
 ),
-deleted AS (DELETE FROM idemflow.dedup WHERE ctid = ANY (ARRAY(SELECT ctid FROM victims)) RETURNING 1)
+deleted AS (DELETE FROM idemflow.dedup WHERE ctid = ANY (ARRAY(SELECT ctid FROM victims)) RETURNING pipeline, key_id, applied_at),
+counted AS (
+    SELECT c.ctid FROM idemflow.dedup_duplicates c JOIN deleted x USING (pipeline, key_id, applied_at)
+    FOR UPDATE OF c SKIP LOCKED
+),
+uncounted AS (DELETE FROM idemflow.dedup_duplicates WHERE ctid = ANY (ARRAY(SELECT ctid FROM counted)))
 SELECT (SELECT count(*) FROM slice), (SELECT count(*) FROM deleted)"#;
 
 /// One key slice (before PostgreSQL 14): `{after}` the lower bound when there is one (`$4`), `$2` the rows, `$3` the
@@ -61,7 +68,12 @@ victims AS (
     WHERE s.expired AND d.pipeline = $1 AND d.applied_at < now() - make_interval(secs => $3)
     FOR UPDATE OF d SKIP LOCKED
 ),
-deleted AS (DELETE FROM idemflow.dedup WHERE ctid = ANY (ARRAY(SELECT ctid FROM victims)) RETURNING 1)
+deleted AS (DELETE FROM idemflow.dedup WHERE ctid = ANY (ARRAY(SELECT ctid FROM victims)) RETURNING pipeline, key_id, applied_at),
+counted AS (
+    SELECT c.ctid FROM idemflow.dedup_duplicates c JOIN deleted x USING (pipeline, key_id, applied_at)
+    FOR UPDATE OF c SKIP LOCKED
+),
+uncounted AS (DELETE FROM idemflow.dedup_duplicates WHERE ctid = ANY (ARRAY(SELECT ctid FROM counted)))
 SELECT (SELECT count(*) FROM slice), (SELECT key_id FROM slice ORDER BY key_id DESC LIMIT 1), (SELECT count(*) FROM deleted)"#
     )
 }
