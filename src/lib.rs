@@ -154,6 +154,13 @@
 //!   (`migrations/rollback/`) renames the column back, which fences this version the same way. Tested with the
 //!   previous version's claim held open across the migration, with an edited key, and after the rollback
 //!   (`tests/it/upgrade.rs`).
+//!   PostgreSQL's migration 12 (the narrower dedup row) keeps every key id, and fences the previous version the same
+//!   way: its rows are copied into a table without `business_key`, which the previous claim names. It changes no
+//!   claim: the unique index is still `(pipeline, key_id)`. What it narrows is the classification's input: the
+//!   stored fingerprint is the first 16 bytes of the payload's SHA-256, compared as a prefix
+//!   ([`store::rows::Existing::same_payload`]), so only a duplicate's reason could change, never whether it is one.
+//!   The duplicate counts (`idemflow.dedup_duplicates`) are written in the batch's transaction after the claim, keyed
+//!   by the dedup row's `applied_at`, so a count is never shown for a later row of the same key.
 //!
 //! - RabbitMQ: a batch is acknowledged (`basic.ack`, `multiple`) only after its COMMIT; a crash or a lost channel
 //!   before that makes the broker requeue it, and the dedup rows skip what was applied (see [`source::rabbitmq`]).

@@ -47,6 +47,7 @@ async fn the_sweep_deletes_expired_rows_slice_by_slice_resuming_at_its_cursor() 
         .unwrap();
     }
     sqlx::query("ANALYZE idemflow.dedup").execute(&db.pool).await.unwrap();
+    sqlx::query("INSERT INTO idemflow.dedup_duplicates SELECT pipeline, key_id, applied_at, 1, now() FROM idemflow.dedup").execute(&db.pool).await.unwrap();
     let paced = Pace::RowsPerSecond(1_000_000);
     let (a, b) = (sweep("replica-a", Duration::ZERO, paced), sweep("replica-b", Duration::ZERO, paced));
     let cursor = || db.scalar::<i64>("SELECT next_block FROM idemflow.retention_sweeps WHERE pipeline = 'payments'");
@@ -99,6 +100,11 @@ async fn the_sweep_deletes_expired_rows_slice_by_slice_resuming_at_its_cursor() 
     batch.rollback().await.unwrap();
     let kept = format!("SELECT count(*) FROM idemflow.dedup WHERE key_text = '{held}'");
     assert_eq!(db.scalar::<i64>(&kept).await, 1);
+    // Each row's duplicate count went with it, and only with it.
+    let orphans = "SELECT count(*) FROM idemflow.dedup_duplicates c WHERE NOT EXISTS \
+                   (SELECT FROM idemflow.dedup d WHERE (d.pipeline, d.key_id, d.applied_at) = (c.pipeline, c.key_id, c.applied_at))";
+    assert_eq!(db.scalar::<i64>(orphans).await, 0);
+    assert_eq!(db.scalar::<i64>("SELECT count(*) FROM idemflow.dedup_duplicates").await, 401, "the held row's, the fresh and the other pipeline's");
     assert_eq!(first.examined + second.examined + o.examined, 1000, "every row of the table examined once");
     assert_eq!(db.scalar::<i64>("SELECT count(*) FROM idemflow.dedup WHERE pipeline = 'payments'").await, 301, "the fresh rows stay");
     assert_eq!(db.scalar::<i64>("SELECT count(*) FROM idemflow.dedup WHERE pipeline = 'other'").await, 100, "other pipelines untouched");
@@ -131,6 +137,8 @@ async fn before_postgresql_14_a_slice_is_a_range_of_the_primary_key() {
     .execute(&db.pool)
     .await
     .unwrap();
+    // Every key had duplicates: the counts go with their rows, the fresh key's and the other pipeline's stay.
+    sqlx::query("INSERT INTO idemflow.dedup_duplicates SELECT pipeline, key_id, applied_at, 1, now() FROM idemflow.dedup").execute(&db.pool).await.unwrap();
     let week = Duration::from_secs(7 * 24 * 3600);
     let (examined, last, purged) = key_range_slice(&db.pool, "p", 3, week, None).await.unwrap();
     assert_eq!((examined, last.as_deref(), purged), (3, Some(&b"k3"[..]), 2), "k1, k2 and the fresh k3");
@@ -140,6 +148,11 @@ async fn before_postgresql_14_a_slice_is_a_range_of_the_primary_key() {
     assert_eq!((examined, last.as_deref(), purged), (1, Some(&b"k7"[..]), 1), "fewer than asked: the pass ends");
     assert_eq!(db.scalar::<String>("SELECT string_agg(pipeline || ':' || key_text, ',' ORDER BY pipeline, key_id) FROM idemflow.dedup WHERE pipeline = 'p'").await, "p:k3");
     assert_eq!(db.scalar::<i64>("SELECT count(*) FROM idemflow.dedup WHERE pipeline = 'q'").await, 7, "another pipeline's keys untouched");
+    assert_eq!(
+        db.scalar::<String>("SELECT string_agg(pipeline || ':' || convert_from(key_id, 'UTF8'), ',' ORDER BY pipeline, key_id) FROM idemflow.dedup_duplicates WHERE pipeline = 'p'").await,
+        "p:k3"
+    );
+    assert_eq!(db.scalar::<i64>("SELECT count(*) FROM idemflow.dedup_duplicates WHERE pipeline = 'q'").await, 7);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
