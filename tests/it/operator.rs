@@ -67,7 +67,7 @@ async fn a_count_left_by_an_earlier_row_of_the_key_is_not_shown_and_starts_over(
 /// `dedup forget` on PostgreSQL: by key and by offsets, a dry run first; the rows go with their duplicate counts
 /// (a long key found by its text, its key text read back), and the processed floor is lowered.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn dedup_forget_takes_the_rows_with_their_counts_and_the_records_apply_again() {
+async fn dedup_forget_takes_the_rows_with_their_counts_and_lowers_the_floor() {
     let p = "topics = [\"orders\"]\n[key]\nfield = \"/id\"\n[sink]\ntable = \"seen\"\n[sink.columns]\nk = \"/id\"\n";
     let (db, kafka, setup) = fixture("CREATE TABLE seen (k text);", "orders", 1, &[("orders.toml", p)]).await;
     let long = format!("o-{}", "x".repeat(100));
