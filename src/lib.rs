@@ -159,8 +159,12 @@
 //!   claim: the unique index is still `(pipeline, key_id)`. What it narrows is the classification's input: the
 //!   stored fingerprint is the first 16 bytes of the payload's SHA-256, compared as a prefix
 //!   ([`store::rows::Existing::same_payload`]), so only a duplicate's reason could change, never whether it is one.
-//!   The duplicate counts (`idemflow.dedup_duplicates`) are written in the batch's transaction after the claim, keyed
-//!   by the dedup row's `applied_at`, so a count is never shown for a later row of the same key.
+//!   The duplicate counts (`idemflow.dedup_duplicates`) are written in the batch's transaction after the claim, with
+//!   the dedup row they count for share-locked (`FOR KEY SHARE`: the retention sweep skips it, and a claim never
+//!   waits on it) and its `applied_at`, so a count is never shown for a later row of the same key. What the copy
+//!   would not carry over (a trigger, an index, a policy, a publication, a view of the user's) stops the migration
+//!   with nothing changed, rather than drop it silently (a publication feeding a failover replica would otherwise
+//!   stop carrying dedup rows there).
 //!
 //! - RabbitMQ: a batch is acknowledged (`basic.ack`, `multiple`) only after its COMMIT; a crash or a lost channel
 //!   before that makes the broker requeue it, and the dedup rows skip what was applied (see [`source::rabbitmq`]).

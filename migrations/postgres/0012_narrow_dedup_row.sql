@@ -19,6 +19,30 @@
 -- Workers of this version refuse to start until the migration is recorded as applied.
 LOCK TABLE idemflow.dedup IN ACCESS EXCLUSIVE MODE;
 
+-- What a copy would not carry over stops the migration, with nothing changed: a trigger, an index or a row security
+-- policy of yours on the table, or the table named in a publication (a logical replica or a change capture would
+-- stop receiving its rows without a word). Views over it stop it too (the DROP below, without CASCADE).
+DO $$
+DECLARE
+    what text;
+BEGIN
+    SELECT string_agg(x, ', ') INTO what FROM (
+        SELECT 'trigger ' || tgname AS x FROM pg_trigger WHERE tgrelid = 'idemflow.dedup'::regclass AND NOT tgisinternal
+        UNION ALL
+        SELECT 'index ' || indexrelid::regclass::text FROM pg_index WHERE indrelid = 'idemflow.dedup'::regclass
+            AND NOT indisprimary
+        UNION ALL
+        SELECT 'policy ' || polname FROM pg_policy WHERE polrelid = 'idemflow.dedup'::regclass
+        UNION ALL
+        SELECT 'publication ' || p.pubname FROM pg_publication_rel r JOIN pg_publication p ON p.oid = r.prpubid
+            WHERE r.prrelid = 'idemflow.dedup'::regclass
+    ) found;
+    IF what IS NOT NULL THEN
+        RAISE EXCEPTION 'idemflow migration 12 copies idemflow.dedup into a new table and would not carry over: %; nothing was changed', what
+            USING HINT = 'drop them, run idemflow migrate, then create them again on the new table (docs/operations.md, "Upgrading")';
+    END IF;
+END $$;
+
 -- One row per key that had skipped duplicates, for `idemflow explain`. `applied_at` is the dedup row's it counts
 -- for: a count left behind by a key purged and claimed again is not that new row's (the worker starts it over).
 CREATE TABLE idemflow.dedup_duplicates (
@@ -45,15 +69,27 @@ CREATE TABLE idemflow.dedup_narrow (
 );
 INSERT INTO idemflow.dedup_narrow ("offset", applied_at, partition, pipeline, topic, key_id, fingerprint, key_text)
 SELECT "offset", applied_at, partition, pipeline, topic, key_id, substring(fingerprint FROM 1 FOR 16),
-       CASE WHEN key_id = convert_to(business_key, 'UTF8') THEN NULL ELSE business_key END
+       -- In a database whose encoding is not UTF8 every key keeps its text (the worker reads a short key's text
+       -- back from its id only where that needs no conversion that could fail).
+       CASE WHEN current_setting('server_encoding') = 'UTF8' AND key_id = convert_to(business_key, 'UTF8') THEN NULL
+            ELSE business_key END
 FROM idemflow.dedup;
 
--- The privileges granted on the old table (to a monitoring role, say), on both new tables.
+-- The old table's owner (the role the workers may run as), storage parameters (autovacuum settings, say) and the
+-- privileges granted on it (to a monitoring role, say), on both new tables. Column privileges are not carried over.
 DO $$
 DECLARE
     g record;
     t text;
+    old regclass := 'idemflow.dedup'::regclass;
 BEGIN
+    FOREACH t IN ARRAY ARRAY['idemflow.dedup_narrow', 'idemflow.dedup_duplicates'] LOOP
+        EXECUTE format('ALTER TABLE %s OWNER TO %I', t, (SELECT pg_get_userbyid(relowner) FROM pg_class WHERE oid = old));
+    END LOOP;
+    IF (SELECT reloptions FROM pg_class WHERE oid = old) IS NOT NULL THEN
+        EXECUTE format('ALTER TABLE idemflow.dedup_narrow SET (%s)',
+                       (SELECT array_to_string(reloptions, ', ') FROM pg_class WHERE oid = old));
+    END IF;
     FOR g IN
         SELECT a.privilege_type, a.grantee, a.is_grantable
         FROM pg_class c, aclexplode(c.relacl) a
@@ -72,3 +108,6 @@ DROP TABLE idemflow.dedup;
 ALTER TABLE idemflow.dedup_narrow RENAME TO dedup;
 ALTER TABLE idemflow.dedup ADD CONSTRAINT dedup_pkey PRIMARY KEY (pipeline, key_id);
 ANALYZE idemflow.dedup;
+-- A heap sweep's cursor named blocks of the old table: a pass under way starts again at the first block of the new
+-- one (its start time kept). A key-range cursor stays valid (the key ids do not change).
+UPDATE idemflow.retention_sweeps SET next_block = 0;

@@ -1,7 +1,9 @@
 -- Undoes PostgreSQL migration 12 (migrations/postgres/0012_narrow_dedup_row.sql): the dedup rows copied back into
 -- the previous shape (the key text of every row, the duplicate counts in the row), `dedup_duplicates` dropped, the
--- migration's record removed. The fingerprints stay 16 bytes: the previous version counts a republished copy of a
--- key applied before the rollback as `payload_mismatch` (a reason's count, nothing applied twice). The copy holds a
+-- migration's record removed (and a heap sweep's cursor put back at the first block). The fingerprints stay 16
+-- bytes: the previous version, which compares whole fingerprints, counts a republished copy of a key applied before
+-- the rollback (and, on a queue or a JetStream stream, a redelivery) as `payload_mismatch`: a reason's count and its
+-- alert, nothing applied twice. Triggers, indexes and policies of yours on the table are not carried over. The copy holds a
 -- lock that blocks idemflow.dedup while it runs (about 10 s per million rows): stop the workers first. This version's
 -- workers refuse to start afterwards ("this binary needs 12"). To go back further, run this first, then
 -- postgres-0011.sql. In one transaction:
@@ -28,7 +30,12 @@ LEFT JOIN idemflow.dedup_duplicates c ON c.pipeline = d.pipeline AND c.key_id = 
 DO $$
 DECLARE
     g record;
+    old regclass := 'idemflow.dedup'::regclass;
 BEGIN
+    EXECUTE format('ALTER TABLE idemflow.dedup_wide OWNER TO %I', (SELECT pg_get_userbyid(relowner) FROM pg_class WHERE oid = old));
+    IF (SELECT reloptions FROM pg_class WHERE oid = old) IS NOT NULL THEN
+        EXECUTE format('ALTER TABLE idemflow.dedup_wide SET (%s)', (SELECT array_to_string(reloptions, ', ') FROM pg_class WHERE oid = old));
+    END IF;
     FOR g IN
         SELECT a.privilege_type, a.grantee, a.is_grantable
         FROM pg_class c, aclexplode(c.relacl) a
@@ -43,4 +50,5 @@ DROP TABLE idemflow.dedup, idemflow.dedup_duplicates;
 ALTER TABLE idemflow.dedup_wide RENAME TO dedup;
 ALTER TABLE idemflow.dedup ADD CONSTRAINT dedup_pkey PRIMARY KEY (pipeline, key_id);
 ANALYZE idemflow.dedup;
+UPDATE idemflow.retention_sweeps SET next_block = 0;
 DELETE FROM _sqlx_migrations WHERE version = 12;

@@ -461,6 +461,71 @@ async fn postgres_migration_12_narrows_the_dedup_row_keeps_every_key_and_fences_
     assert!(!status.success() && err.contains("at version 11, this binary needs 12"), "{out}{err}");
 }
 
+/// Migration 12 in a database whose encoding is not UTF8 (LATIN1): every key keeps its text, before and after the
+/// upgrade, so reading one back never converts; a key the encoding cannot hold fails its record (SQLSTATE 22P05) as
+/// it did before, dead-lettered, instead of being claimed with a text no one can read back. What a copy would not
+/// carry over (a trigger of the user's) stops the migration with nothing changed; the table's owner and grants are
+/// carried over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_migration_12_in_a_latin1_database_keeps_every_key_text_and_the_tables_owner() {
+    let db = TestDb::in_encoding("LATIN1", 11, "CREATE TABLE payments (order_id text PRIMARY KEY, amount numeric NOT NULL);").await;
+    let kafka = Kafka::new();
+    kafka.create_topic("orders", 1);
+    let setup = Setup::new(&db, &kafka, &[("payments.toml", PIPELINE)]);
+    let config = setup.config.to_str().unwrap().to_owned();
+    let keys: Vec<String> = vec!["o-1".into(), "café".into(), format!("{}-long", "é".repeat(40))];
+    let mut conn = db.pool.acquire().await.unwrap();
+    assert_eq!(v7_postgres_claim(&mut conn, &keys, 0).await.unwrap(), keys.len());
+    drop(conn);
+    // The table belongs to another role than the one migrating, which granted SELECT to a third.
+    let (owner, reader) = (format!("owner_{}", unique()), format!("reader_{}", unique()));
+    for role in [&owner, &reader] {
+        sqlx::raw_sql(&format!("CREATE ROLE {role}")).execute(&db.pool).await.unwrap();
+    }
+    sqlx::raw_sql(&format!("ALTER TABLE idemflow.dedup OWNER TO {owner}; GRANT SELECT ON idemflow.dedup TO {reader}")).execute(&db.pool).await.unwrap();
+
+    // A trigger of the user's on the table: the migration stops, nothing changed.
+    sqlx::raw_sql(
+        "CREATE FUNCTION audit() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN RETURN NEW; END $$; \
+         CREATE TRIGGER audit_dedup AFTER INSERT ON idemflow.dedup FOR EACH ROW EXECUTE FUNCTION audit()",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let (status, out, err) = idemflow(&["migrate", "--config", &config], setup.dir.path());
+    assert!(!status.success() && err.contains("would not carry over: trigger audit_dedup"), "{out}{err}");
+    assert_eq!(db.scalar::<i64>("SELECT count(*) FROM idemflow.dedup WHERE business_key IS NOT NULL").await, 3, "nothing changed");
+    sqlx::raw_sql("DROP TRIGGER audit_dedup ON idemflow.dedup").execute(&db.pool).await.unwrap();
+    let (status, out, err) = idemflow(&["migrate", "--config", &config], setup.dir.path());
+    assert!(status.success(), "{out}{err}");
+
+    assert_eq!(db.scalar::<i64>("SELECT count(*) FROM idemflow.dedup WHERE key_text IS NULL").await, 0, "every key keeps its text");
+    let owned = "SELECT string_agg(relname || ':' || pg_get_userbyid(relowner), ',' ORDER BY relname) FROM pg_class \
+                 WHERE relnamespace = 'idemflow'::regnamespace AND relname IN ('dedup', 'dedup_duplicates')";
+    assert_eq!(db.scalar::<String>(owned).await, format!("dedup:{owner},dedup_duplicates:{owner}"));
+    assert!(db.scalar::<bool>(&format!("SELECT has_table_privilege('{reader}', 'idemflow.dedup', 'SELECT')")).await);
+
+    let euro = "€-1".to_owned();
+    let mut records: Vec<Out> = keys.iter().map(|k| Out::json(0, payload(k))).collect();
+    records.push(Out::json(0, payload("o-new")));
+    records.push(Out::json(0, payload(&euro)));
+    kafka.produce("orders", &records);
+    let worker = InProc::start(&setup).await;
+    worker.wait_received("payments", records.len() as u64).await;
+    assert_eq!(worker.metric("idemflow_records_applied_total", &[("pipeline", "payments")]), 1.0);
+    assert_eq!(worker.metric("idemflow_duplicates_skipped_total", &[("pipeline", "payments"), ("reason", "redelivered")]), 3.0);
+    assert!(worker.stop().await.is_empty());
+    assert_eq!(db.scalar::<String>("SELECT key_text FROM idemflow.dedup WHERE key_id = 'o-new'").await, "o-new");
+    assert_eq!(db.scalar::<i64>("SELECT count(*) FROM idemflow.dead_letters").await, 1, "the key LATIN1 cannot hold");
+    let (status, out, err) = idemflow(&["explain", "--config", &config, "--pipeline", "payments", "--key", "café"], setup.dir.path());
+    assert!(status.success() && out.contains("duplicates skipped 1 since"), "{out}{err}");
+
+    roll_back(&db, "postgres-0012.sql").await;
+    let rows: Vec<(String, Vec<u8>)> = sqlx::query_as("SELECT business_key, key_id FROM idemflow.dedup").fetch_all(&db.pool).await.unwrap();
+    assert_key_ids(&rows, keys.len() + 1);
+    assert_eq!(db.scalar::<String>("SELECT pg_get_userbyid(relowner)::text FROM pg_class WHERE oid = 'idemflow.dedup'::regclass").await, owner);
+}
+
 /// The MariaDB claim of the version before migration 0002 (its `INSERT IGNORE ... RETURNING` form), as it shipped.
 async fn previous_mysql_claim(conn: &mut sqlx::MySqlConnection, keys: &[String], first_offset: i64) -> Result<usize, sqlx::Error> {
     let marks = vec!["(?, ?, ?, ?, ?, ?, ?)"; keys.len()].join(", ");

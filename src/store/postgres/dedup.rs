@@ -16,11 +16,16 @@ use crate::store::rows::FINGERPRINT_BYTES;
 use sqlx::PgConnection;
 
 /// The claim's `INSERT`, parameters `$1` to `$7` (see [`ClaimArrays`]); its `RETURNING key_id` are the keys that
-/// were new.
+/// were new. A short key's text is read back from its id, except in a database whose encoding is not UTF8: there
+/// every key keeps its text (converted once, here, where a character the encoding cannot hold fails the record with
+/// SQLSTATE 22P05 as the text itself did before migration 12), so that reading it back never has to convert.
 macro_rules! claim_insert {
     () => {
         r#"INSERT INTO idemflow.dedup (pipeline, key_id, key_text, topic, partition, "offset", fingerprint)
-SELECT $1, u.key_id, u.key_text, u.topic, u.partition, u."offset", u.fingerprint
+SELECT $1, u.key_id,
+       CASE WHEN u.key_text IS NULL AND (SELECT current_setting('server_encoding') <> 'UTF8')
+            THEN convert_from(u.key_id, 'UTF8') ELSE u.key_text END,
+       u.topic, u.partition, u."offset", u.fingerprint
 FROM unnest($2::bytea[], $3::text[], $4::text[], $5::int4[], $6::int8[], $7::bytea[])
      AS u(key_id, key_text, topic, partition, "offset", fingerprint)
 ON CONFLICT (pipeline, key_id) DO NOTHING
@@ -151,17 +156,22 @@ pub async fn existing(
 }
 
 /// Adds `$3` duplicates to the count of each key id in `$2` (in key id order), for the dedup row it counts for: a
-/// count left by an earlier row of the key (purged, then claimed again) starts over.
+/// count left by an earlier row of the key (purged, then claimed again) starts over; a count of a later row is never
+/// overwritten by one of an earlier. The dedup rows counted for are share-locked (`FOR KEY SHARE`) until the batch
+/// ends, so the retention sweep (which skips locked rows) cannot delete a row while its count is being written and
+/// leave the count behind; a row the sweep deleted first is not counted.
 const COUNT_DUPLICATES: &str = r#"
 INSERT INTO idemflow.dedup_duplicates AS c (pipeline, key_id, applied_at, duplicates, last_duplicate_at)
 SELECT d.pipeline, d.key_id, d.applied_at, u.n, now()
 FROM unnest($2::bytea[], $3::int8[]) WITH ORDINALITY AS u(key_id, n, i)
 JOIN idemflow.dedup d ON d.pipeline = $1 AND d.key_id = u.key_id
 ORDER BY u.i
+FOR KEY SHARE OF d
 ON CONFLICT (pipeline, key_id) DO UPDATE
 SET duplicates = CASE WHEN c.applied_at = EXCLUDED.applied_at THEN c.duplicates + EXCLUDED.duplicates ELSE EXCLUDED.duplicates END,
     applied_at = EXCLUDED.applied_at,
-    last_duplicate_at = EXCLUDED.last_duplicate_at"#;
+    last_duplicate_at = EXCLUDED.last_duplicate_at
+WHERE c.applied_at <= EXCLUDED.applied_at"#;
 
 /// Adds skipped duplicates to their keys' counts (`idemflow.dedup_duplicates`: `duplicates`,
 /// `last_duplicate_at`), one statement for a batch. Keys whose dedup row is not there (a duplicate of a

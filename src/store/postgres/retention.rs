@@ -5,9 +5,10 @@
 //! [`crate::retention`]), reads a range of heap blocks `[next_block, next_block + n)` with a TID range scan
 //! (PostgreSQL 14 and later: "TID Range Scan", no index needed), deletes the rows in it of this pipeline older than
 //! the retention, those not locked by another transaction (`SKIP LOCKED`: never waited for, the row is left for the
-//! next pass), with their duplicate counts (`idemflow.dedup_duplicates`; a count a batch in flight is writing is
-//! skipped too and stays behind, unread: a count is shown only with the row it was written for, the same
-//! `applied_at`), and moves the cursor and renews the lease. `n` is about
+//! next pass; a batch counting a duplicate holds its row so), with their keys' duplicate counts
+//! (`idemflow.dedup_duplicates`), and moves the cursor and renews the lease. The last slice of a pass also deletes
+//! the pipeline's counts left without their row (by a worker of the version before migration 12, whose sweep did
+//! not know them, or a count locked when its row went), so the counts table cannot grow without end. `n` is about
 //! `rows` rows' worth of blocks by the table's own statistics (`reltuples` / `relpages`), and at most `rows / 4`
 //! blocks (a dedup row fits 4 times in a block at least: past about 2 KB its key is stored out of line), so stale
 //! statistics cannot make one slice scan the table. The pass ends at the block the relation ends at when the slice
@@ -47,7 +48,7 @@ victims AS (
 ),
 deleted AS (DELETE FROM idemflow.dedup WHERE ctid = ANY (ARRAY(SELECT ctid FROM victims)) RETURNING pipeline, key_id, applied_at),
 counted AS (
-    SELECT c.ctid FROM idemflow.dedup_duplicates c JOIN deleted x USING (pipeline, key_id, applied_at)
+    SELECT c.ctid FROM idemflow.dedup_duplicates c JOIN deleted x USING (pipeline, key_id)
     FOR UPDATE OF c SKIP LOCKED
 ),
 uncounted AS (DELETE FROM idemflow.dedup_duplicates WHERE ctid = ANY (ARRAY(SELECT ctid FROM counted)))
@@ -70,7 +71,7 @@ victims AS (
 ),
 deleted AS (DELETE FROM idemflow.dedup WHERE ctid = ANY (ARRAY(SELECT ctid FROM victims)) RETURNING pipeline, key_id, applied_at),
 counted AS (
-    SELECT c.ctid FROM idemflow.dedup_duplicates c JOIN deleted x USING (pipeline, key_id, applied_at)
+    SELECT c.ctid FROM idemflow.dedup_duplicates c JOIN deleted x USING (pipeline, key_id)
     FOR UPDATE OF c SKIP LOCKED
 ),
 uncounted AS (DELETE FROM idemflow.dedup_duplicates WHERE ctid = ANY (ARRAY(SELECT ctid FROM counted)))
@@ -82,6 +83,17 @@ SELECT (SELECT count(*) FROM slice), (SELECT key_id FROM slice ORDER BY key_id D
 /// server's version number.
 const SIZE: &str = "SELECT pg_relation_size(c.oid) / current_setting('block_size')::int8, c.reltuples::float8, c.relpages::int8, \
                     current_setting('server_version_num')::int4 FROM pg_class c WHERE c.oid = 'idemflow.dedup'::regclass";
+
+/// The pipeline's duplicate counts without the dedup row they were written for (see the module's documentation),
+/// deleted at the end of a pass; a count a batch holds is left for the next.
+const ORPHAN_COUNTS: &str = r#"
+WITH orphans AS (
+    SELECT c.ctid FROM idemflow.dedup_duplicates c
+    WHERE c.pipeline = $1
+      AND NOT EXISTS (SELECT FROM idemflow.dedup d WHERE d.pipeline = c.pipeline AND d.key_id = c.key_id AND d.applied_at = c.applied_at)
+    FOR UPDATE OF c SKIP LOCKED
+)
+DELETE FROM idemflow.dedup_duplicates WHERE ctid = ANY (ARRAY(SELECT ctid FROM orphans))"#;
 
 /// Where a slice leaves the cursor.
 enum Cursor {
@@ -166,6 +178,7 @@ async fn move_cursor(tx: &mut Transaction<'_, Postgres>, sweep: &Sweep<'_>, rest
     let persistent = super::persistent();
     let (block, key) = match cursor {
         Cursor::End => {
+            sqlx::query(ORPHAN_COUNTS).bind(sweep.pipeline).persistent(persistent).execute(&mut **tx).await?;
             let seconds: f64 = sqlx::query_scalar(
                 "UPDATE idemflow.retention_sweeps SET next_block = 0, swept_to = NULL, passes = passes + 1, \
                  last_pass_seconds = extract(epoch FROM now() - CASE WHEN $2 THEN now() ELSE coalesce(pass_started_at, now()) END)::float8, \

@@ -50,10 +50,20 @@ impl TestDb {
         Self::migrated(server_url(), setup, Some(version)).await
     }
 
+    /// A database on the shared test server in `encoding` (`LATIN1`, say; collation `C`), migrated up to `version`.
+    pub async fn in_encoding(encoding: &str, version: i64, setup: &str) -> TestDb {
+        let options = format!(" ENCODING '{encoding}' LC_COLLATE 'C' LC_CTYPE 'C' TEMPLATE template0");
+        Self::created(server_url(), &options, setup, Some(version)).await
+    }
+
     async fn migrated(admin: &str, setup: &str, version: Option<i64>) -> TestDb {
+        Self::created(admin, "", setup, version).await
+    }
+
+    async fn created(admin: &str, options: &str, setup: &str, version: Option<i64>) -> TestDb {
         let name = format!("t_{}", super::unique());
         let mut conn: sqlx::PgConnection = sqlx::Connection::connect(admin).await.expect("connecting to the test server");
-        sqlx::Executor::execute(&mut conn, format!("CREATE DATABASE {name}").as_str()).await.unwrap();
+        sqlx::Executor::execute(&mut conn, format!("CREATE DATABASE {name}{options}").as_str()).await.unwrap();
         let base = admin.rsplit_once('/').map(|(b, _)| b).unwrap_or(admin);
         let url = format!("{base}/{name}");
         let pool = sqlx::postgres::PgPoolOptions::new().max_connections(4).connect(&url).await.unwrap();
