@@ -78,7 +78,7 @@ async fn postgres_migration_11_drops_the_retention_index_and_the_rollback_builds
 /// stored twice); the rollback refuses while a position holds two dead letters and goes through once it holds one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_migration_10_makes_dead_letters_unique_by_position_and_payload() {
-    let db = TestDb::at_version(9, "CREATE TABLE payments (order_id text PRIMARY KEY, amount numeric NOT NULL);").await;
+    let db = TestDb::at_version(9, PAYMENTS).await;
     sqlx::query(
         r#"INSERT INTO idemflow.dead_letters (pipeline, topic, partition, "offset", payload, reason, error)
            VALUES ('payments', 'orders', 0, 0, '{bad', 'decode_failed', 'written by the previous version')"#,
@@ -86,10 +86,7 @@ async fn postgres_migration_10_makes_dead_letters_unique_by_position_and_payload
     .execute(&db.pool)
     .await
     .unwrap();
-    let kafka = Kafka::new();
-    kafka.create_topic("orders", 1);
-    let setup = Setup::new(&db, &kafka, &[("payments.toml", PIPELINE)]);
-    let config = setup.config.to_str().unwrap().to_owned();
+    let (kafka, setup, config) = on_orders(&db);
     let (status, out, err) = idemflow(&["migrate", "--config", &config], setup.dir.path());
     assert!(status.success(), "{out}{err}");
     assert_eq!(db.scalar::<Vec<u8>>("SELECT payload_digest FROM idemflow.dead_letters").await, sha256(b"{bad"));
@@ -218,13 +215,22 @@ order_id = "/order/id"
 amount = "/order/amount"
 "#;
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postgres_upgrade_keeps_every_stored_key_a_duplicate_and_fences_the_previous_version() {
-    let db = TestDb::at_version(6, "CREATE TABLE payments (order_id text PRIMARY KEY, amount numeric NOT NULL);").await;
+/// The business table [`PIPELINE`] inserts into.
+const PAYMENTS: &str = "CREATE TABLE payments (order_id text PRIMARY KEY, amount numeric NOT NULL);";
+
+/// A mock cluster with topic `orders`, and the settings of [`PIPELINE`] on `db`, with their file's path.
+fn on_orders(db: &TestDb) -> (Kafka, Setup, String) {
     let kafka = Kafka::new();
     kafka.create_topic("orders", 1);
-    let setup = Setup::new(&db, &kafka, &[("payments.toml", PIPELINE)]);
+    let setup = Setup::new(db, &kafka, &[("payments.toml", PIPELINE)]);
     let config = setup.config.to_str().unwrap().to_owned();
+    (kafka, setup, config)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_upgrade_keeps_every_stored_key_a_duplicate_and_fences_the_previous_version() {
+    let db = TestDb::at_version(6, PAYMENTS).await;
+    let (kafka, setup, config) = on_orders(&db);
     let keys = keys();
     let mut conn = db.pool.acquire().await.unwrap();
     assert_eq!(previous_postgres_claim(&mut conn, &keys, 0).await.unwrap(), keys.len());
@@ -320,11 +326,8 @@ async fn v7_postgres_claim(conn: &mut sqlx::PgConnection, keys: &[String], first
 /// fence is needed: equality is the same); its rollback puts the database's collation back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_migration_8_compares_pipelines_bytewise_and_keeps_every_key() {
-    let db = TestDb::at_version(7, "CREATE TABLE payments (order_id text PRIMARY KEY, amount numeric NOT NULL);").await;
-    let kafka = Kafka::new();
-    kafka.create_topic("orders", 1);
-    let setup = Setup::new(&db, &kafka, &[("payments.toml", PIPELINE)]);
-    let config = setup.config.to_str().unwrap().to_owned();
+    let db = TestDb::at_version(7, PAYMENTS).await;
+    let (kafka, setup, config) = on_orders(&db);
     let collation = "SELECT coalesce(collation_name, 'default') FROM information_schema.columns \
                      WHERE table_schema = 'idemflow' AND table_name = 'dedup' AND column_name = 'pipeline'";
     assert_eq!(db.scalar::<String>(collation).await, "default");
@@ -392,11 +395,8 @@ async fn postgres_migration_8_compares_pipelines_bytewise_and_keeps_every_key() 
 /// `explain` adds to the counts carried over. The rollback puts the previous shape back with every key and count.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_migration_12_narrows_the_dedup_row_keeps_every_key_and_fences_the_previous_version() {
-    let db = TestDb::at_version(11, "CREATE TABLE payments (order_id text PRIMARY KEY, amount numeric NOT NULL);").await;
-    let kafka = Kafka::new();
-    kafka.create_topic("orders", 1);
-    let setup = Setup::new(&db, &kafka, &[("payments.toml", PIPELINE)]);
-    let config = setup.config.to_str().unwrap().to_owned();
+    let db = TestDb::at_version(11, PAYMENTS).await;
+    let (kafka, setup, config) = on_orders(&db);
     let keys = keys();
     let mut conn = db.pool.acquire().await.unwrap();
     assert_eq!(v7_postgres_claim(&mut conn, &keys, 0).await.unwrap(), keys.len());
@@ -468,11 +468,8 @@ async fn postgres_migration_12_narrows_the_dedup_row_keeps_every_key_and_fences_
 /// carried over.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_migration_12_in_a_latin1_database_keeps_every_key_text_and_the_tables_owner() {
-    let db = TestDb::in_encoding("LATIN1", 11, "CREATE TABLE payments (order_id text PRIMARY KEY, amount numeric NOT NULL);").await;
-    let kafka = Kafka::new();
-    kafka.create_topic("orders", 1);
-    let setup = Setup::new(&db, &kafka, &[("payments.toml", PIPELINE)]);
-    let config = setup.config.to_str().unwrap().to_owned();
+    let db = TestDb::in_encoding("LATIN1", 11, PAYMENTS).await;
+    let (kafka, setup, config) = on_orders(&db);
     let keys: Vec<String> = vec!["o-1".into(), "café".into(), format!("{}-long", "é".repeat(40))];
     let mut conn = db.pool.acquire().await.unwrap();
     assert_eq!(v7_postgres_claim(&mut conn, &keys, 0).await.unwrap(), keys.len());

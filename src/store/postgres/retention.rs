@@ -33,8 +33,23 @@ const ROWS_PER_BLOCK_AT_LEAST: f64 = 4.0;
 /// The first `server_version_num` with TID range scans (PostgreSQL 14).
 const TID_RANGE_SCANS: i32 = 140_000;
 
+/// A slice's last steps, after its `victims` CTE: the victims deleted (`deleted`) with their keys' duplicate counts,
+/// those not locked by another transaction (a count left is deleted at the pass's end, [`ORPHAN_COUNTS`]).
+macro_rules! delete_victims {
+    () => {
+        r#"deleted AS (DELETE FROM idemflow.dedup WHERE ctid = ANY (ARRAY(SELECT ctid FROM victims)) RETURNING pipeline, key_id),
+counted AS (
+    SELECT c.ctid FROM idemflow.dedup_duplicates c JOIN deleted x USING (pipeline, key_id)
+    FOR UPDATE OF c SKIP LOCKED
+),
+uncounted AS (DELETE FROM idemflow.dedup_duplicates WHERE ctid = ANY (ARRAY(SELECT ctid FROM counted)))
+"#
+    };
+}
+
 /// One heap slice: `$2`, `$3` the first and the end block as `(n,0)`, `$4` the retention in seconds.
-const HEAP_SLICE: &str = r#"
+const HEAP_SLICE: &str = concat!(
+    r#"
 WITH slice AS MATERIALIZED (
     SELECT ctid, pipeline = $1 AND applied_at < now() - make_interval(secs => $4) AS expired
     FROM idemflow.dedup
@@ -46,13 +61,10 @@ victims AS (
       AND d.pipeline = $1 AND d.applied_at < now() - make_interval(secs => $4)
     FOR UPDATE OF d SKIP LOCKED
 ),
-deleted AS (DELETE FROM idemflow.dedup WHERE ctid = ANY (ARRAY(SELECT ctid FROM victims)) RETURNING pipeline, key_id, applied_at),
-counted AS (
-    SELECT c.ctid FROM idemflow.dedup_duplicates c JOIN deleted x USING (pipeline, key_id)
-    FOR UPDATE OF c SKIP LOCKED
-),
-uncounted AS (DELETE FROM idemflow.dedup_duplicates WHERE ctid = ANY (ARRAY(SELECT ctid FROM counted)))
-SELECT (SELECT count(*) FROM slice), (SELECT count(*) FROM deleted)"#;
+"#,
+    delete_victims!(),
+    "SELECT (SELECT count(*) FROM slice), (SELECT count(*) FROM deleted)"
+);
 
 /// One key slice (before PostgreSQL 14): `{after}` the lower bound when there is one (`$4`), `$2` the rows, `$3` the
 /// retention in seconds.
@@ -69,13 +81,8 @@ victims AS (
     WHERE s.expired AND d.pipeline = $1 AND d.applied_at < now() - make_interval(secs => $3)
     FOR UPDATE OF d SKIP LOCKED
 ),
-deleted AS (DELETE FROM idemflow.dedup WHERE ctid = ANY (ARRAY(SELECT ctid FROM victims)) RETURNING pipeline, key_id, applied_at),
-counted AS (
-    SELECT c.ctid FROM idemflow.dedup_duplicates c JOIN deleted x USING (pipeline, key_id)
-    FOR UPDATE OF c SKIP LOCKED
-),
-uncounted AS (DELETE FROM idemflow.dedup_duplicates WHERE ctid = ANY (ARRAY(SELECT ctid FROM counted)))
-SELECT (SELECT count(*) FROM slice), (SELECT key_id FROM slice ORDER BY key_id DESC LIMIT 1), (SELECT count(*) FROM deleted)"#
+{delete}SELECT (SELECT count(*) FROM slice), (SELECT key_id FROM slice ORDER BY key_id DESC LIMIT 1), (SELECT count(*) FROM deleted)"#,
+        delete = delete_victims!()
     )
 }
 

@@ -41,13 +41,13 @@ impl TestDb {
 
     /// The same on the server at `admin` (for example a [`Cluster`] of the test's own).
     pub async fn on(admin: &str, setup: &str) -> TestDb {
-        Self::migrated(admin, setup, None).await
+        Self::created(admin, "", setup, None).await
     }
 
     /// A database on the shared test server with the idemflow schema as an older version left it: migrated up to
     /// `version` (upgrade tests).
     pub async fn at_version(version: i64, setup: &str) -> TestDb {
-        Self::migrated(server_url(), setup, Some(version)).await
+        Self::created(server_url(), "", setup, Some(version)).await
     }
 
     /// A database on the shared test server in `encoding` (`LATIN1`, say; collation `C`), migrated up to `version`.
@@ -56,10 +56,7 @@ impl TestDb {
         Self::created(server_url(), &options, setup, Some(version)).await
     }
 
-    async fn migrated(admin: &str, setup: &str, version: Option<i64>) -> TestDb {
-        Self::created(admin, "", setup, version).await
-    }
-
+    /// A database made on `admin` with `CREATE DATABASE ...{options}`, migrated (up to `version`), with `setup` run.
     async fn created(admin: &str, options: &str, setup: &str, version: Option<i64>) -> TestDb {
         let name = format!("t_{}", super::unique());
         let mut conn: sqlx::PgConnection = sqlx::Connection::connect(admin).await.expect("connecting to the test server");
