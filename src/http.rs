@@ -33,6 +33,8 @@ struct HealthInner {
     /// one lane's commit does not make another's failing store look reachable.
     failing: Mutex<BTreeSet<(String, Arc<str>)>>,
     fatal_pipelines: AtomicUsize,
+    /// The pipelines not consuming because their outbox is over its bounds, with why.
+    outbox_paused: Mutex<std::collections::BTreeMap<String, String>>,
 }
 
 impl Health {
@@ -54,6 +56,15 @@ impl Health {
         }
     }
 
+    /// Records whether `pipeline` is paused by its outbox's back-pressure (`Some(why)`); not ready while any is.
+    pub fn outbox_paused(&self, pipeline: &str, why: Option<String>) {
+        let mut paused = self.inner.outbox_paused.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        match why {
+            Some(why) => paused.insert(pipeline.to_owned(), why),
+            None => paused.remove(pipeline),
+        };
+    }
+
     /// Records that a pipeline stopped on a fatal error.
     pub fn pipeline_fatal(&self) {
         self.inner.fatal_pipelines.fetch_add(1, Ordering::Relaxed);
@@ -68,6 +79,11 @@ impl Health {
         if self.inner.database_down.load(Ordering::Relaxed) {
             return Err("the database is unreachable; batches are being retried".to_owned());
         }
+        let paused = self.inner.outbox_paused.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some((pipeline, why)) = paused.iter().next() {
+            return Err(format!("pipeline {pipeline:?} is paused: {why}"));
+        }
+        drop(paused);
         let failing = self.inner.failing.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         if !failing.is_empty() {
             let mut names: Vec<&str> = failing.iter().map(|(pipeline, _)| pipeline.as_str()).collect();

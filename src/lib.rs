@@ -296,6 +296,7 @@ pub mod http;
 pub mod key;
 pub mod metrics;
 pub mod offsets;
+pub mod outbox;
 pub mod prepare;
 pub mod record;
 pub mod retention;

@@ -63,11 +63,14 @@ pub enum DeadLetterReason {
     SideEffectRejected,
     /// The value is null and the pipeline dead-letters tombstones.
     Tombstone,
+    /// An outbox request ([`crate::outbox`]) its target refused for good, or that ran out of its attempts: the
+    /// dead letter keeps the request whole, and `idemflow dead-letters replay` puts it back in the outbox.
+    DeliveryFailed,
 }
 
 impl DeadLetterReason {
     /// Every reason, for pre-initialising series.
-    pub const ALL: [DeadLetterReason; 8] = [
+    pub const ALL: [DeadLetterReason; 9] = [
         DeadLetterReason::DecodeFailed,
         DeadLetterReason::PayloadTooLarge,
         DeadLetterReason::KeyMissing,
@@ -76,6 +79,7 @@ impl DeadLetterReason {
         DeadLetterReason::ParamInvalid,
         DeadLetterReason::SideEffectRejected,
         DeadLetterReason::Tombstone,
+        DeadLetterReason::DeliveryFailed,
     ];
 
     /// The reason stored as `text` (its [`DeadLetterReason::as_str`]), if it is one.
@@ -94,6 +98,7 @@ impl DeadLetterReason {
             DeadLetterReason::ParamInvalid => "param_invalid",
             DeadLetterReason::SideEffectRejected => "side_effect_rejected",
             DeadLetterReason::Tombstone => "tombstone",
+            DeadLetterReason::DeliveryFailed => "delivery_failed",
         }
     }
 }
@@ -232,6 +237,12 @@ pub struct Metrics {
     pipeline_up: IntGaugeVec,
     partition_stalled: IntGaugeVec,
     stalls: Arc<Stalls>,
+    outbox_rows: IntGaugeVec,
+    outbox_oldest: GaugeVec,
+    outbox_paused: IntGaugeVec,
+    outbox_attempts: IntCounterVec,
+    outbox_deliveries: IntCounterVec,
+    outbox_delivery_seconds: HistogramVec,
     /// Held while a batch's counts are added and while the registry is read, so every scrape sees whole batches:
     /// received = applied + duplicates + dead letters + tombstones in any scrape.
     batch_counts: std::sync::Arc<std::sync::Mutex<()>>,
@@ -326,6 +337,45 @@ impl Metrics {
                 g
             },
             stalls: Arc::new(Stalls { after_secs: AtomicU64::new(DEFAULT_STALL_AFTER.as_secs()), partitions: Mutex::default() }),
+            outbox_rows: {
+                let g = IntGaugeVec::new(
+                    Opts::new("idemflow_outbox_rows", "Outbox rows of the pipeline waiting for delivery (every worker's: the outbox is shared), counted up to twice [outbox] max_rows."),
+                    &["pipeline"],
+                )
+                .expect("valid metric");
+                r.register(Box::new(g.clone())).expect("registered once");
+                g
+            },
+            outbox_oldest: {
+                let g = GaugeVec::new(
+                    Opts::new("idemflow_outbox_oldest_seconds", "Seconds since the oldest outbox row of the pipeline still waiting was written; 0 when none waits."),
+                    &["pipeline"],
+                )
+                .expect("valid metric");
+                r.register(Box::new(g.clone())).expect("registered once");
+                g
+            },
+            outbox_paused: {
+                let g = IntGaugeVec::new(
+                    Opts::new("idemflow_outbox_paused", "1 while the pipeline does not consume because its outbox is over [outbox] max_rows or max_age (back-pressure), else 0."),
+                    &["pipeline"],
+                )
+                .expect("valid metric");
+                r.register(Box::new(g.clone())).expect("registered once");
+                g
+            },
+            outbox_attempts: counter(&r, "idemflow_outbox_attempts_total", "Attempts at delivering outbox requests, by target and result: confirmed, retry_status, rejected, connection, timeout.", &["pipeline", "target", "result"]),
+            outbox_deliveries: counter(&r, "idemflow_outbox_deliveries_total", "Outbox requests done with, by target and outcome: confirmed by the target, or dead_lettered (delivery_failed).", &["pipeline", "target", "outcome"]),
+            outbox_delivery_seconds: {
+                let h = HistogramVec::new(
+                    HistogramOpts::new("idemflow_outbox_delivery_seconds", "Time from an outbox row's write (its batch's commit) to its target's confirmation, retries included.")
+                        .buckets(vec![0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0]),
+                    &["pipeline", "target"],
+                )
+                .expect("valid metric");
+                r.register(Box::new(h.clone())).expect("registered once");
+                h
+            },
             batch_counts: Default::default(),
             registry: r,
         }
@@ -412,6 +462,14 @@ impl Metrics {
         }
     }
 
+    /// The handle of one pipeline's outbox relay, its series initialised to 0.
+    pub fn outbox(&self, pipeline: &str) -> OutboxMetrics {
+        self.outbox_rows.with_label_values(&[pipeline]).set(0);
+        self.outbox_oldest.with_label_values(&[pipeline]).set(0.0);
+        self.outbox_paused.with_label_values(&[pipeline]).set(0);
+        OutboxMetrics { pipeline: pipeline.to_owned(), metrics: self.clone() }
+    }
+
     /// The text exposition format (version 0.0.4) of every metric.
     pub fn render(&self) -> Vec<u8> {
         self.stalls();
@@ -443,7 +501,7 @@ pub struct BatchCounts {
     /// Duplicates by reason, in [`DuplicateReason::ALL`] order.
     pub duplicates: [u64; 3],
     /// Dead letters by reason, in [`DeadLetterReason::ALL`] order.
-    pub dead_letters: [u64; 8],
+    pub dead_letters: [u64; 9],
 }
 
 impl BatchCounts {
@@ -639,5 +697,53 @@ impl PipelineMetrics {
     /// Marks the pipeline stopped on a fatal error.
     pub fn set_fatal(&self) {
         self.up.set(0);
+    }
+}
+
+/// One pipeline's outbox metrics ([`Metrics::outbox`]).
+#[derive(Clone)]
+pub struct OutboxMetrics {
+    pipeline: String,
+    metrics: Metrics,
+}
+
+impl OutboxMetrics {
+    /// Initialises the series of one target.
+    pub fn target(&self, target: &str) {
+        let p = self.pipeline.as_str();
+        for result in crate::outbox::deliver::AttemptResult::ALL {
+            self.metrics.outbox_attempts.with_label_values(&[p, target, result.as_str()]);
+        }
+        for outcome in ["confirmed", "dead_lettered"] {
+            self.metrics.outbox_deliveries.with_label_values(&[p, target, outcome]);
+        }
+        self.metrics.outbox_delivery_seconds.with_label_values(&[p, target]);
+    }
+
+    /// Sets the rows waiting and the oldest one's age.
+    pub fn depth(&self, rows: i64, oldest_seconds: f64) {
+        self.metrics.outbox_rows.with_label_values(&[&self.pipeline]).set(rows);
+        self.metrics.outbox_oldest.with_label_values(&[&self.pipeline]).set(oldest_seconds);
+    }
+
+    /// Sets whether consumption is paused for the outbox.
+    pub fn paused(&self, paused: bool) {
+        self.metrics.outbox_paused.with_label_values(&[&self.pipeline]).set(i64::from(paused));
+    }
+
+    /// Counts one attempt.
+    pub fn attempt(&self, target: &str, result: crate::outbox::deliver::AttemptResult) {
+        self.metrics.outbox_attempts.with_label_values(&[&self.pipeline, target, result.as_str()]).inc();
+    }
+
+    /// Counts one request confirmed, `seconds` after its row was written.
+    pub fn confirmed(&self, target: &str, seconds: f64) {
+        self.metrics.outbox_deliveries.with_label_values(&[&self.pipeline, target, "confirmed"]).inc();
+        self.metrics.outbox_delivery_seconds.with_label_values(&[&self.pipeline, target]).observe(seconds);
+    }
+
+    /// Counts one request dead-lettered.
+    pub fn dead_lettered(&self, target: &str) {
+        self.metrics.outbox_deliveries.with_label_values(&[&self.pipeline, target, "dead_lettered"]).inc();
     }
 }

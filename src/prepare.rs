@@ -74,12 +74,19 @@ pub struct Preparer {
     /// The pipeline's `time_zone`, for MySQL's time targets ([`field::wall_clock`]); UTC when jiff does not know
     /// the name (a PostgreSQL pipeline, whose server reads the zone itself).
     zone: jiff::tz::TimeZone,
+    /// The outbox's requests (`[[sink.http]]`), with the pipeline's name (their idempotency keys') and where their
+    /// values start among `bindings` (after the side effect's, each rendered as JSON).
+    outbox: Option<(std::sync::Arc<crate::outbox::spec::OutboxSpec>, String, usize)>,
 }
 
 impl Preparer {
     /// A preparer for `pipeline`, whose sink binds `bindings` in this order, each rendered as given (from the
     /// target's type: JSON text for `json`/`jsonb`, array literals for arrays, see [`Render`]).
-    pub fn new(pipeline: &Pipeline, bindings: Vec<(Binding, Render)>) -> Self {
+    pub fn new(pipeline: &Pipeline, mut bindings: Vec<(Binding, Render)>) -> Self {
+        let outbox = pipeline.outbox.as_ref().map(|o| (std::sync::Arc::new(o.clone()), pipeline.name.clone(), bindings.len()));
+        if let Some(o) = &pipeline.outbox {
+            bindings.extend(o.params.iter().map(|b| (b.clone(), Render::Json)));
+        }
         let mut selection = Selection::default();
         let key_slots = pipeline.key.paths().iter().map(|path| selection.add(path.tokens())).collect();
         let mut bindings: Vec<(Binding, Render, Option<Slot>)> = bindings
@@ -110,6 +117,7 @@ impl Preparer {
             refuse_naive: pipeline.time.naive == crate::store::spec::NaiveTimestamps::DeadLetter,
             max_record_bytes: None,
             zone: jiff::tz::TimeZone::get(&pipeline.time.zone).unwrap_or(jiff::tz::TimeZone::UTC),
+            outbox,
         }
     }
 
@@ -121,7 +129,8 @@ impl Preparer {
 
     /// What the sink binds, each as the store prepared it (with its target's type, [`Binding::target_type`]).
     pub fn bindings(&self) -> impl Iterator<Item = &Binding> {
-        self.bindings.iter().map(|(b, ..)| b)
+        let sink = self.outbox.as_ref().map_or(self.bindings.len(), |(_, _, from)| *from);
+        self.bindings[..sink].iter().map(|(b, ..)| b)
     }
 
     /// The schema ids `record` waits on, its payload's and its record key's ([`Decoder::schema_to_fetch`]): it is
@@ -199,6 +208,13 @@ impl Preparer {
             }
             values.push(v);
         }
+        let requests = match &self.outbox {
+            Some((spec, pipeline, from)) => match spec.render(pipeline, &key, payload, &values.split_off(*from)) {
+                Ok(requests) => requests,
+                Err(why) => return Prepared::dead(DeadLetterReason::ParamInvalid, why),
+            },
+            None => Vec::new(),
+        };
         if let Some(limit) = self.max_record_bytes {
             let size: u64 = values.iter().flatten().map(|v| v.len() as u64).sum::<u64>() + key.text.len() as u64;
             if size > limit {
@@ -211,7 +227,7 @@ impl Preparer {
                 );
             }
         }
-        Prepared::Apply(Apply { key, fingerprint: Sha256::digest(payload).into(), values })
+        Prepared::Apply(Apply { key, fingerprint: Sha256::digest(payload).into(), values, requests })
     }
 }
 

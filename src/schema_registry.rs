@@ -319,8 +319,9 @@ impl SchemaRegistry {
     }
 }
 
-/// A reqwest error without its URL (which may carry credentials), with its causes.
-fn describe(e: &reqwest::Error) -> String {
+/// A reqwest error without its URL (which may carry credentials), with its causes (the outbox's deliveries say
+/// theirs so too).
+pub fn describe(e: &reqwest::Error) -> String {
     let mut text = if e.is_timeout() { "timed out".to_owned() } else if e.is_connect() { "cannot connect".to_owned() } else { "request failed".to_owned() };
     let mut source = std::error::Error::source(e);
     while let Some(s) = source {

@@ -131,6 +131,9 @@ pub struct Faults {
     /// as if the connection had broken before the answer came (SQL stores). The batch is retried; the next attempt
     /// must find out from the store that it committed.
     pub lose_commit_answer: Option<u64>,
+    /// End the whole process with `abort()` right after the Nth outbox request its target confirmed, before the
+    /// outbox records it ([`crate::outbox::relay::CRASH_AFTER_DELIVERIES_VAR`]).
+    pub crash_after_deliveries: Option<u64>,
 }
 
 /// The variable that injects [`Faults`] into `idemflow run`: `IDEMFLOW_FAULT_CRASH_AFTER_COMMITS=N` aborts the
@@ -143,8 +146,8 @@ pub const CRASH_AFTER_COMMITS_VAR: &str = "IDEMFLOW_FAULT_CRASH_AFTER_COMMITS";
 pub const LOSE_COMMIT_ANSWER_VAR: &str = "IDEMFLOW_FAULT_LOSE_COMMIT_ANSWER";
 
 impl Faults {
-    /// The faults `idemflow run` is asked for through [`CRASH_AFTER_COMMITS_VAR`] and [`LOSE_COMMIT_ANSWER_VAR`];
-    /// none when they are unset.
+    /// The faults `idemflow run` is asked for through [`CRASH_AFTER_COMMITS_VAR`], [`LOSE_COMMIT_ANSWER_VAR`] and
+    /// [`crate::outbox::relay::CRASH_AFTER_DELIVERIES_VAR`]; none when they are unset.
     ///
     /// Errors: a variable is set but is not a positive whole number.
     pub fn from_env() -> Result<Faults, String> {
@@ -156,7 +159,12 @@ impl Faults {
             }
         };
         let crash_after_commits = batch(CRASH_AFTER_COMMITS_VAR)?;
-        Ok(Faults { crash_after_commits, abort: crash_after_commits.is_some(), lose_commit_answer: batch(LOSE_COMMIT_ANSWER_VAR)? })
+        Ok(Faults {
+            crash_after_commits,
+            abort: crash_after_commits.is_some(),
+            lose_commit_answer: batch(LOSE_COMMIT_ANSWER_VAR)?,
+            crash_after_deliveries: batch(crate::outbox::relay::CRASH_AFTER_DELIVERIES_VAR)?,
+        })
     }
 }
 
@@ -195,6 +203,7 @@ pub async fn run_with_faults(
     for r in ready {
         let settings = settings.clone();
         let pm = metrics.pipeline(&r.pipeline.name);
+        let pm_root = metrics.clone();
         let health = health.clone();
         let shutdown = shutdown.clone();
         tasks.spawn(async move {
@@ -206,13 +215,41 @@ pub async fn run_with_faults(
             // host name and pid (containers) do not take each other's lease for their own.
             let sweeper = sweeps.then(|| Sweeper::new(r.store.clone(), name.clone(), Attempt::lane(&owner()).to_string(), r.pipeline.dedup));
             let stopping = shutdown.clone();
+            // The outbox's relay runs beside the pipeline in a task of its own, and ends its round when the pipeline
+            // ends (bounded by its lease), then gives up what it still holds.
+            let outbox = match r.pipeline.outbox.clone().map(|spec| {
+                let signals = crate::outbox::relay::Signals::default();
+                let owner = Attempt::lane(&owner()).to_string();
+                let relay = crate::outbox::relay::Relay::new(
+                    r.store.clone(), name.clone(), owner, spec, signals.clone(), pm_root.outbox(&name), health.clone(), faults.crash_after_deliveries,
+                );
+                relay.map(|relay| (signals, std::sync::Arc::new(relay)))
+            }) {
+                Some(Err(message)) => return Err(PipelineFailure::Source { pipeline: name.clone(), message }),
+                Some(Ok(pair)) => Some(pair),
+                None => None,
+            };
+            let (relay_stop, relay_shutdown) = crate::shutdown::channel();
+            let relay_task = outbox.as_ref().map(|(_, relay)| {
+                let relay = relay.clone();
+                tokio::spawn(async move { relay.run(relay_shutdown).await }.in_current_span())
+            });
+            let signals = outbox.as_ref().map(|(s, _)| s.clone());
             let result = tokio::select! {
-                result = run_pipeline(&settings, r, pm.clone(), health.clone(), shutdown.clone(), faults) => result,
+                result = run_pipeline(&settings, r, pm.clone(), health.clone(), shutdown.clone(), faults, signals) => result,
                 never = Sweeper::run_if_any(sweeper.as_ref(), pm.clone(), shutdown) => match never {},
                 never = stall_watch(pm.clone()) => match never {},
             };
             if let (Some(sweeper), true) = (&sweeper, stopping.is_triggered()) {
                 sweeper.release().await;
+            }
+            if let (Some(task), Some((_, relay))) = (relay_task, &outbox) {
+                relay_stop.trigger();
+                let abort = task.abort_handle();
+                if tokio::time::timeout(relay.round_bound(), task).await.is_err() {
+                    abort.abort();
+                }
+                relay.release().await;
             }
             if let Err(e) = &result {
                 pm.set_fatal();
@@ -254,10 +291,11 @@ async fn run_pipeline(
     health: Health,
     shutdown: Shutdown,
     faults: Faults,
+    outbox: Option<crate::outbox::relay::Signals>,
 ) -> Result<(), PipelineFailure> {
     let lanes = r.pipeline.batch.concurrency;
     if lanes <= 1 {
-        return run_lane(settings, r, metrics, health, shutdown, faults, None).await;
+        return run_lane(settings, r, metrics, health, shutdown, faults, None, outbox).await;
     }
     let (stop, lane_shutdown) = crate::shutdown::channel();
     let stop = std::sync::Arc::new(stop);
@@ -280,10 +318,11 @@ async fn run_pipeline(
         let (settings, r, metrics, health) = (lane_settings(settings, lane), r.clone(), metrics.lane(lane), health.clone());
         let (shutdown, stop) = (lane_shutdown.clone(), StopOthers(stop.clone()));
         let span = tracing::info_span!("lane", lane);
+        let outbox = outbox.clone();
         set.spawn(
             async move {
                 let _stop = stop;
-                run_lane(&settings, r, metrics, health, shutdown, faults, Some(lane)).await
+                run_lane(&settings, r, metrics, health, shutdown, faults, Some(lane), outbox).await
             }
             .instrument(span),
         );
@@ -326,6 +365,7 @@ async fn run_lane(
     mut shutdown: Shutdown,
     faults: Faults,
     lane: Option<usize>,
+    outbox: Option<crate::outbox::relay::Signals>,
 ) -> Result<(), PipelineFailure> {
     let name = r.pipeline.name.clone();
     let mut commits = 0u64;
@@ -372,6 +412,23 @@ async fn run_lane(
         if batch.is_empty() {
             continue;
         }
+        // Back-pressure: while the outbox is over its bounds the batch is held, consumption paused, until the relay
+        // catches up (the relay logs the pause and its end, and /readyz says why).
+        if let Some(signals) = &outbox {
+            let mut stopped = false;
+            while signals.paused().is_some() {
+                if !source.pause_for(OUTBOX_PAUSE_STEP, &mut batch, &mut shutdown).await {
+                    stopped = true;
+                    break;
+                }
+            }
+            if stopped {
+                break;
+            }
+            if batch.is_empty() {
+                continue;
+            }
+        }
         let span = tracing::info_span!(
             "batch", pipeline = %name, records = batch.len(),
             first = %batch[0].position, last = %batch[batch.len() - 1].position
@@ -382,6 +439,9 @@ async fn run_lane(
         match done {
             Ok(Some(batch)) => {
                 commits += 1;
+                if let Some(signals) = &outbox {
+                    signals.wake();
+                }
                 if faults.crash_after_commits == Some(commits) {
                     if faults.abort {
                         eprintln!("injected crash ({CRASH_AFTER_COMMITS_VAR}): pipeline {name} aborts the process after the database commit, before the offset commit");
@@ -408,6 +468,9 @@ async fn run_lane(
     source.close().await;
     outcome
 }
+
+/// How long a lane holds its batch, consumption paused, before it looks at the outbox's back-pressure again.
+const OUTBOX_PAUSE_STEP: Duration = Duration::from_millis(500);
 
 /// The dead letters of the most recent records, for the `[dead_letters] max_ratio` guard. Whole batches are
 /// kept while they fit in `window` records (the newest batch always counts).

@@ -38,7 +38,8 @@ pub enum DeadLettersCommand {
         redis: bool,
     },
     /// Apply a dead letter through the pipeline's transactional path; its row is removed in the same transaction
-    /// (if it fails again, it is dead-lettered again with the new error).
+    /// (if it fails again, it is dead-lettered again with the new error). An outbox request (`delivery_failed`) is
+    /// put back in the outbox instead, for the relay to send again.
     Replay {
         /// The settings file.
         #[arg(long, short, default_value = "idemflow.toml")]
@@ -116,6 +117,23 @@ pub async fn run(cmd: DeadLettersCommand) -> anyhow::Result<()> {
         }
         DeadLettersCommand::Replay { id, payload, .. } => {
             let Some(d) = store.dead_letter(id).await? else { bail!("no dead letter with id {id}") };
+            if d.reason == idemflow::metrics::DeadLetterReason::DeliveryFailed.as_str() {
+                // An outbox request: back in the outbox, sent again by the pipeline's relay with the same idempotency
+                // key (the target recognises it if an earlier attempt did reach it).
+                if payload.is_some() {
+                    bail!("dead letter {id} is an outbox request (delivery_failed): it is sent again as it was, without --payload");
+                }
+                let Some(row) = store.outbox_requeue(id).await? else {
+                    bail!("dead letter {id} keeps no request to send again (written before migration 13, or replayed meanwhile)");
+                };
+                println!(
+                    "dead letter {id}: its request is back in the outbox (row {row}); the relay of a running worker of pipeline {:?} \
+                     sends it with the same idempotency key, and the row is gone once its target confirms it",
+                    d.pipeline
+                );
+                store.close().await;
+                return Ok(());
+            }
             let pipelines = config::load_pipelines_for(&settings).map_err(|e| report(&e))?;
             let Some(p) = pipelines.into_iter().find(|p| p.name == d.pipeline) else {
                 bail!("dead letter {id} belongs to pipeline {:?}, which is not configured in {}", d.pipeline, settings.pipelines.display());

@@ -15,6 +15,7 @@ use crate::dead_letter::DeadLetterSettings;
 use crate::offsets::OffsetStore;
 use crate::source::spec::SourceSpec;
 use crate::store::redis_command::RedisCommand;
+use crate::outbox::spec::{OutboxSpec, RawOutbox};
 use crate::store::spec::{Binding, DeclaredType, Meta, NaiveTimestamps, OnConflict, RedisEffect, SinkSpec, SqlEffect, StoreKind, TimeSettings, ValueSource};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -53,6 +54,8 @@ pub struct Pipeline {
     pub offsets: OffsetStore,
     /// How timestamps without a UTC offset are read (`[sink] time_zone`, `naive_timestamps`).
     pub time: TimeSettings,
+    /// The requests each new business key sends through the outbox (`[[sink.http]]`, `[outbox]`); `None` without.
+    pub outbox: Option<crate::outbox::spec::OutboxSpec>,
 }
 
 /// `[dedup]`: how long dedup rows are kept, and how they are purged.
@@ -186,6 +189,8 @@ struct RawPipeline {
     dedup: RawDedup,
     #[serde(default)]
     offsets: RawOffsets,
+    #[serde(default)]
+    outbox: crate::outbox::spec::RawOutbox,
 }
 
 
@@ -256,6 +261,7 @@ struct RawSink {
     allow_procedures: Option<bool>,
     time_zone: Option<String>,
     naive_timestamps: Option<NaiveTimestamps>,
+    http: Option<crate::outbox::spec::RawHttpList>,
 }
 
 #[derive(Deserialize)]
@@ -443,7 +449,10 @@ fn validate(raw: RawPipeline, path: &Path, stem: &str, dialect: Dialect, e: &mut
             }
         }
     }
-    let sink = validate_sink(raw.sink, dialect, e);
+    let (sink, outbox) = match validate_sink(raw.sink, raw.outbox, dialect, e) {
+        Some((sink, outbox)) => (Some(sink), outbox),
+        None => (None, None),
+    };
     if let (Some(source), Some(sink)) = (&source, &sink) {
         check_bindings_for_source(source, sink, e);
     }
@@ -487,6 +496,7 @@ fn validate(raw: RawPipeline, path: &Path, stem: &str, dialect: Dialect, e: &mut
         dedup,
         offsets,
         time,
+        outbox,
     })
 }
 
@@ -690,16 +700,54 @@ fn validate_key(raw: &RawKey, e: &mut Errors<'_>) -> Option<KeySpec> {
     Some(KeySpec { source, allow_empty: raw.allow_empty, max_bytes: raw.max_bytes })
 }
 
-fn validate_sink(raw: RawSink, dialect: Dialect, e: &mut Errors<'_>) -> Option<SinkSpec> {
+/// `[sink]` (and `[outbox]`, for `[[sink.http]]`): the side effect in its store, and the outbox's requests beside it
+/// or instead of it.
+fn validate_sink(mut raw: RawSink, outbox: RawOutbox, dialect: Dialect, e: &mut Errors<'_>) -> Option<(SinkSpec, Option<OutboxSpec>)> {
+    let http = raw.http.take().map(crate::outbox::spec::RawHttpList::into_vec);
+    if http.is_none() && outbox.is_set() {
+        e.push("outbox", "applies to the requests of [[sink.http]], which this pipeline has none of");
+    }
     let forms =
         [raw.table.is_some(), raw.sql.is_some(), raw.batch_sql.is_some(), raw.redis.is_some()].iter().filter(|set| **set).count();
-    if forms != 1 {
+    if forms > 1 || (forms == 0 && http.is_none()) {
         e.push(
             "sink",
-            "set exactly one of table (with [sink.columns]), sql, batch_sql or redis (each with [sink.params])",
+            "set exactly one of table (with [sink.columns]), sql, batch_sql or redis (each with [sink.params]), or [[sink.http]] alone",
         );
         return None;
     }
+    let Some(http) = http else { return validate_effect(raw, &[], dialect, e).map(|(sink, _)| (sink, None)) };
+    if raw.redis.is_some() {
+        e.push("sink.http", "runs through an outbox in the database: the table, sql and batch_sql forms (PostgreSQL, MySQL/MariaDB), or alone; not with redis");
+        return None;
+    }
+    let used = crate::outbox::spec::used_params(&http);
+    let (sink, params) = if forms == 0 {
+        for (set, field) in [
+            (raw.columns.is_some(), "sink.columns"),
+            (raw.on_conflict.is_some(), "sink.on_conflict"),
+            (raw.conflict_columns.is_some(), "sink.conflict_columns"),
+            (raw.allow_procedures.is_some(), "sink.allow_procedures"),
+        ] {
+            if set {
+                e.push(field, "belongs to the table or sql form; [[sink.http]] alone uses [sink.params]");
+            }
+        }
+        let raw_params = raw.params.take().unwrap_or_default();
+        match_params(used.iter().map(String::as_str).collect(), &raw_params, "sink.http", |n| format!("{{{n}}}"), e);
+        let params = bindings(raw_params, "sink.params", false, e)?;
+        (SinkSpec::Sql(SqlEffect::PerRecord { statements: Vec::new(), params: Vec::new(), allow_procedures: false }), params)
+    } else {
+        validate_effect(raw, &used, dialect, e)?
+    };
+    let outbox = crate::outbox::spec::parse(http, &params, outbox, e)?;
+    Some((sink, Some(outbox)))
+}
+
+/// The side effect of `[sink]`, and every `[sink.params]` entry; `outbox_params` are the placeholders of
+/// `[[sink.http]]` (which read `[sink.params]`, the table form's too).
+fn validate_effect(raw: RawSink, outbox_params: &[String], dialect: Dialect, e: &mut Errors<'_>) -> Option<(SinkSpec, Vec<Binding>)> {
+    let http = !outbox_params.is_empty();
     if raw.allow_procedures.is_some() && raw.sql.is_none() {
         e.push("sink.allow_procedures", "belongs to the sql form (CALL statements in sink.sql)");
     }
@@ -727,12 +775,20 @@ fn validate_sink(raw: RawSink, dialect: Dialect, e: &mut Errors<'_>) -> Option<S
         let raw_params = raw.params.unwrap_or_default();
         match_params(parsed.iter().flat_map(RedisCommand::params).collect(), &raw_params, "sink.redis", |n| format!("{{{n}}}"), e);
         let params = bindings(raw_params, "sink.params", false, e)?;
-        return Some(SinkSpec::Redis(RedisEffect { commands: parsed, params }));
+        return Some((SinkSpec::Redis(RedisEffect { commands: parsed, params }), Vec::new()));
     }
     if let Some(table) = raw.table {
-        if raw.params.is_some() {
-            e.push("sink.params", "belongs to the sql form; the table form uses [sink.columns]");
-        }
+        let params = match raw.params {
+            Some(_) if !http => {
+                e.push("sink.params", "belongs to the sql form; the table form uses [sink.columns] ([sink.params] are for [[sink.http]] beside it)");
+                Vec::new()
+            }
+            Some(raw_params) => {
+                match_params(outbox_params.iter().map(String::as_str).collect(), &raw_params, "sink.http", |n| format!("{{{n}}}"), e);
+                bindings(raw_params, "sink.params", false, e)?
+            }
+            None => Vec::new(),
+        };
         if table.split('.').count() > 2 || table.split('.').any(str::is_empty) {
             e.push("sink.table", format!("{table:?} must be `table` or `schema.table`"));
         }
@@ -745,7 +801,7 @@ fn validate_sink(raw: RawSink, dialect: Dialect, e: &mut Errors<'_>) -> Option<S
             e.push("sink.columns", "map at least one column to a value");
         }
         let columns = bindings(columns, "sink.columns", false, e);
-        return Some(SinkSpec::Sql(SqlEffect::Table { table, columns: columns?, on_conflict, conflict_columns: raw.conflict_columns }));
+        return Some((SinkSpec::Sql(SqlEffect::Table { table, columns: columns?, on_conflict, conflict_columns: raw.conflict_columns }), params));
     }
     for (set, field) in [
         (raw.columns.is_some(), "sink.columns"),
@@ -757,17 +813,31 @@ fn validate_sink(raw: RawSink, dialect: Dialect, e: &mut Errors<'_>) -> Option<S
         }
     }
     if let Some(texts) = raw.batch_sql {
-        return validate_batch_sql(texts, raw.params.unwrap_or_default(), dialect, e);
+        let sink = validate_batch_sql(texts, raw.params.unwrap_or_default(), dialect, e)?;
+        let SinkSpec::Sql(SqlEffect::BatchSql { columns, .. }) = &sink else { unreachable!("validate_batch_sql gives the batch_sql form") };
+        let columns = columns.clone();
+        for name in outbox_params.iter().filter(|n| !columns.iter().any(|c| c.name == **n)) {
+            e.push("sink.params", format!("{{{name}}} is used in sink.http but has no entry in [sink.params]"));
+        }
+        return Some((sink, columns));
     }
     let statements = parse_statements(raw.sql.expect("checked above"), "sink.sql", dialect, e);
     if statements.is_empty() && e.list.is_empty() {
         e.push("sink.sql", "holds no statement");
     }
     let raw_params = raw.params.unwrap_or_default();
-    match_params(statements.iter().flat_map(|s| s.params.iter().map(String::as_str)).collect(), &raw_params, "sink.sql", |n| format!(":{n}"), e);
+    let in_sql: Vec<&str> = statements.iter().flat_map(|s| s.params.iter().map(String::as_str)).collect();
+    let form = if http { "sink.sql or sink.http" } else { "sink.sql" };
+    let used: Vec<&str> = in_sql.iter().copied().chain(outbox_params.iter().map(String::as_str)).collect();
+    match_params(used, &raw_params, form, |n| if in_sql.contains(&n) || !http { format!(":{n}") } else { format!("{{{n}}}") }, e);
     let params = bindings(raw_params, "sink.params", false, e)?;
-    Some(SinkSpec::Sql(SqlEffect::PerRecord { statements, params, allow_procedures: raw.allow_procedures.unwrap_or(false) }))
+    // The statements bind only what they name; [[sink.http]] takes its own.
+    let sql_params = params.iter().filter(|b| in_sql.contains(&b.name.as_str())).cloned().collect();
+    let allow_procedures = raw.allow_procedures.unwrap_or(false);
+    Some((SinkSpec::Sql(SqlEffect::PerRecord { statements, params: sql_params, allow_procedures }), params))
 }
+
+
 
 /// Checks that every placeholder `used` in `form` (`sink.sql`, `sink.redis`; written as `written(name)`) has its
 /// `[sink.params]` entry and every entry is used, with a "did you mean" where a misspelling is likely.

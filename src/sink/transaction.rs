@@ -12,7 +12,8 @@
 //!    table's `INSERT` (so a `statement_timeout` times both together: a batch past it is redone record by record,
 //!    as below); otherwise the claim in one statement, then the side effect;
 //! 2. read the dedup rows of keys that were not new (only when there are some) and classify those duplicates;
-//! 3. write the dead letters; raise the processed marks ([`Tx::raise_processed`]); 4. `COMMIT`.
+//! 3. write the outbox's requests of the records applied ([`Tx::write_outbox`], `[[sink.http]]`), the dead letters;
+//!    raise the processed marks ([`Tx::raise_processed`]); 4. `COMMIT`.
 //!
 //! If the side effect raises an error that belongs to one record (see [`super::error`]), the transaction is
 //! rolled back and the batch is redone record by record in a new one, each record inside a savepoint, so the
@@ -185,6 +186,20 @@ impl Sink {
             }
         }
         let per_key: Vec<(&BusinessKey, i64)> = per_key.into_values().collect();
+        // The outbox's requests of the records applied (their keys were new), in the batch's order: a duplicate
+        // writes none, so a request exists once per business key, committed or rolled back with its dedup row.
+        let outgoing: Vec<(&Record, &Apply)> = records
+            .iter()
+            .zip(prepared)
+            .zip(&fates)
+            .filter_map(|((r, p), fate)| match (p, fate) {
+                (Prepared::Apply(a), Fate::Applied) if !a.requests.is_empty() => Some((r, a)),
+                _ => None,
+            })
+            .collect();
+        tx.write_outbox(&self.pipeline, &outgoing)
+            .await
+            .map_err(|e| SinkError::new("writing the outbox", e))?;
         tx.count_duplicates(&self.pipeline, &per_key)
             .await
             .map_err(|e| SinkError::new("counting duplicates", e))?;

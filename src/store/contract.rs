@@ -17,7 +17,7 @@ use crate::metrics::DeadLetterReason;
 use crate::offsets::{Claimed, NextOffsets, Positions, Processed};
 use crate::record::{Position, Record};
 use crate::retention::{Slice, Sweep, SweepState};
-use crate::store::rows::{Apply, Claim, Digests, Existing, Explained, Forget, Forgotten};
+use crate::store::rows::{Apply, Claim, Digests, Existing, Explained, Forget, Forgotten, Leased, OutboxDepth, Settled};
 use std::time::Duration;
 
 /// `idemflow dedup forget` is refused while a lane of the pipeline recorded a batch attempt this recently.
@@ -239,7 +239,54 @@ pub trait Connector: Send + Sync {
 
     /// One dead letter by id.
     async fn dead_letter(&self, id: i64) -> Result<Option<Stored>, StoreError>;
+
+    /// Leases up to `limit` outbox rows of `pipeline` that are due, for `lease`, to `owner` ([`crate::outbox`]): rows
+    /// no other relay holds (`FOR UPDATE SKIP LOCKED`, then a lease that outlives the transaction), whose next
+    /// attempt is due, and that are the oldest row of their business key (a key's rows go one at a time, in the
+    /// order they were written); each one's attempts go up by one. In id order. Default: this store keeps no outbox.
+    ///
+    /// Errors: the store's; [`StoreError::Refused`] where there is no outbox.
+    async fn outbox_lease(&self, _pipeline: &str, _owner: &str, _limit: i64, _lease: Duration) -> Result<Vec<Leased>, StoreError> {
+        Err(StoreError::Refused(NO_OUTBOX.to_owned()))
+    }
+
+    /// Records what became of leased rows, in one transaction: confirmed rows deleted, rows to retry given a next
+    /// attempt and their lease given up (only where `owner` still holds it), failed rows moved to the dead letters.
+    /// Default: this store keeps no outbox.
+    ///
+    /// Errors: the store's (nothing is recorded; the leases run out and the rows are sent again with the same
+    /// idempotency key).
+    async fn outbox_settle(&self, _pipeline: &str, _owner: &str, _settled: &[Settled]) -> Result<(), StoreError> {
+        Err(StoreError::Refused(NO_OUTBOX.to_owned()))
+    }
+
+    /// How many rows of `pipeline`'s outbox wait (counted up to `up_to`) and the age of the oldest. Default: none.
+    ///
+    /// Errors: the store's.
+    async fn outbox_depth(&self, _pipeline: &str, _up_to: i64) -> Result<OutboxDepth, StoreError> {
+        Ok(OutboxDepth::default())
+    }
+
+    /// Gives up `owner`'s leases on `pipeline`'s outbox rows (a relay that stops with deliveries in flight): another
+    /// relay sends them at once instead of after their lease. Returns how many. Default: none held here.
+    ///
+    /// Errors: the store's (the leases then run out by themselves).
+    async fn outbox_release(&self, _pipeline: &str, _owner: &str) -> Result<u64, StoreError> {
+        Ok(0)
+    }
+
+    /// Puts the request of dead letter `id` (reason `delivery_failed`) back in its pipeline's outbox and deletes the
+    /// dead letter, in one transaction; returns the new outbox row's id, `None` when `id` is no such dead letter.
+    /// Default: this store keeps no outbox.
+    ///
+    /// Errors: the store's; [`StoreError::Refused`] where there is no outbox.
+    async fn outbox_requeue(&self, _id: i64) -> Result<Option<i64>, StoreError> {
+        Err(StoreError::Refused(NO_OUTBOX.to_owned()))
+    }
 }
+
+/// What a store without an outbox answers ([`Connector::outbox_lease`]).
+pub const NO_OUTBOX: &str = "this store keeps no outbox: HTTP effects ([[sink.http]]) run on PostgreSQL and MySQL/MariaDB stores";
 
 /// One open batch transaction of a store with interactive transactions, with the side effect it runs: every step
 /// the batch protocol takes in it (see [`super::Tx`], which documents each step). Dropped without
@@ -279,6 +326,9 @@ pub trait BatchTx: Send {
     async fn existing(&mut self, pipeline: &str, keys: &[&BusinessKey]) -> Result<Vec<([u8; 32], Existing)>, sqlx::Error>;
     /// Adds skipped duplicates to their keys' dedup rows, in key id order.
     async fn count_duplicates(&mut self, pipeline: &str, counts: &[(&BusinessKey, i64)]) -> Result<(), sqlx::Error>;
+    /// Writes the outbox requests of `rows` (records whose keys this batch claimed as new, [`Apply::requests`]) in
+    /// one statement, in their order: the order the relay delivers a key's requests in.
+    async fn write_outbox(&mut self, pipeline: &str, rows: &[(&Record, &Apply)]) -> Result<(), sqlx::Error>;
     /// Writes one dead letter; `false` when this record was dead-lettered before.
     async fn write_dead_letter(&mut self, pipeline: &str, record: &Record, reason: DeadLetterReason, error: &str) -> Result<bool, sqlx::Error>;
     /// The dead letters of `pipeline` stored for `records`, as `(position, reason, error)`.

@@ -252,6 +252,44 @@ impl Store {
     pub async fn dead_letter(&self, id: i64) -> Result<Option<Stored>, StoreError> {
         each_store!(self, |s| Connector::dead_letter(s, id).await)
     }
+
+    /// Leases up to `limit` due outbox rows of `pipeline` to `owner` for `lease` ([`Connector::outbox_lease`]).
+    ///
+    /// Errors: the store's; [`StoreError::Refused`] where there is no outbox (Redis).
+    pub async fn outbox_lease(&self, pipeline: &str, owner: &str, limit: i64, lease: std::time::Duration) -> Result<Vec<rows::Leased>, StoreError> {
+        each_store!(self, |s| Connector::outbox_lease(s, pipeline, owner, limit, lease).await)
+    }
+
+    /// Records what became of leased outbox rows, in one transaction ([`Connector::outbox_settle`]).
+    ///
+    /// Errors: the store's.
+    pub async fn outbox_settle(&self, pipeline: &str, owner: &str, settled: &[rows::Settled]) -> Result<(), StoreError> {
+        if settled.is_empty() {
+            return Ok(());
+        }
+        each_store!(self, |s| Connector::outbox_settle(s, pipeline, owner, settled).await)
+    }
+
+    /// How `pipeline`'s outbox stands: rows waiting (up to `up_to`), the oldest's age ([`Connector::outbox_depth`]).
+    ///
+    /// Errors: the store's.
+    pub async fn outbox_depth(&self, pipeline: &str, up_to: i64) -> Result<rows::OutboxDepth, StoreError> {
+        each_store!(self, |s| Connector::outbox_depth(s, pipeline, up_to).await)
+    }
+
+    /// Gives up `owner`'s leases on `pipeline`'s outbox rows ([`Connector::outbox_release`]).
+    ///
+    /// Errors: the store's.
+    pub async fn outbox_release(&self, pipeline: &str, owner: &str) -> Result<u64, StoreError> {
+        each_store!(self, |s| Connector::outbox_release(s, pipeline, owner).await)
+    }
+
+    /// Puts a `delivery_failed` dead letter's request back in the outbox ([`Connector::outbox_requeue`]).
+    ///
+    /// Errors: the store's; [`StoreError::Refused`] where there is no outbox.
+    pub async fn outbox_requeue(&self, id: i64) -> Result<Option<i64>, StoreError> {
+        each_store!(self, |s| Connector::outbox_requeue(s, id).await)
+    }
 }
 
 /// A pipeline's side effect, built by its store ([`Store::prepare_side_effect`]) and bound to that store's pool:
@@ -418,6 +456,14 @@ impl Tx<'_> {
     /// Adds skipped duplicates to their keys' dedup rows, in key id order (two workers cannot deadlock on them).
     pub async fn count_duplicates(&mut self, pipeline: &str, counts: &[(&BusinessKey, i64)]) -> Result<(), sqlx::Error> {
         each_tx!(self, |t| t.count_duplicates(pipeline, counts).await)
+    }
+
+    /// Writes the outbox requests of records whose keys this batch claimed as new ([`BatchTx::write_outbox`]).
+    pub async fn write_outbox(&mut self, pipeline: &str, rows: &[(&Record, &Apply)]) -> Result<(), sqlx::Error> {
+        if rows.iter().all(|(_, a)| a.requests.is_empty()) {
+            return Ok(());
+        }
+        each_tx!(self, |t| t.write_outbox(pipeline, rows).await)
     }
 
     /// Writes one dead letter. Returns `false` when this record (its position and payload) was already dead-lettered

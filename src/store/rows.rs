@@ -180,4 +180,72 @@ pub struct Apply {
     pub fingerprint: [u8; 32],
     /// One value per binding of the sink, in binding order; `None` binds SQL NULL.
     pub values: Vec<Option<String>>,
+    /// The outbox requests of the record (`[[sink.http]]`), written in the batch's transaction only when its key was
+    /// new; empty for a pipeline without an outbox.
+    pub requests: Vec<OutboxRequest>,
+}
+
+/// One request for the outbox ([`crate::outbox`]), rendered from a record when it was prepared: written in the batch's
+/// transaction when the record's business key was new ([`crate::store::BatchTx::write_outbox`]), delivered by the
+/// relay after the commit.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OutboxRequest {
+    /// The target's name (`[[sink.http]] name`): the `target` label of the outbox metrics.
+    pub target: String,
+    /// The HTTP method.
+    pub method: String,
+    /// The URL, placeholders filled in (each value percent-encoded).
+    pub url: String,
+    /// The headers, the idempotency key's among them, in order.
+    pub headers: Vec<(String, String)>,
+    /// The body: the rendered JSON template, or the record's payload.
+    pub body: Vec<u8>,
+}
+
+/// An outbox row the relay leased ([`crate::store::Store::outbox_lease`]): its request, and how it stands.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Leased {
+    /// The row's id (increasing in the order rows were written).
+    pub id: i64,
+    /// The request.
+    pub request: OutboxRequest,
+    /// Attempts so far, this one included (the lease counts it).
+    pub attempts: i32,
+    /// Seconds since the row was written (its batch's commit, near enough).
+    pub age_seconds: f64,
+}
+
+/// What became of one leased outbox row ([`crate::store::Store::outbox_settle`]).
+#[derive(Clone, Debug, PartialEq)]
+pub enum Settled {
+    /// The target confirmed it: the row is deleted.
+    Confirmed(i64),
+    /// Worth trying again: the row waits `after` (the back-off, or the target's `Retry-After`), its lease is given
+    /// up, and `error` is kept as its last error.
+    Retry {
+        /// The row.
+        id: i64,
+        /// How long until the next attempt.
+        after: std::time::Duration,
+        /// Why this attempt failed.
+        error: String,
+    },
+    /// It can never succeed, or ran out of attempts: the row moves to the dead letters with reason
+    /// `delivery_failed` and `error` (the status and the head of the answer), its request kept whole for
+    /// `idemflow dead-letters replay`.
+    Failed {
+        /// The row.
+        id: i64,
+        /// Why.
+        error: String,
+    },
+}
+
+/// How an outbox stands ([`crate::store::Store::outbox_depth`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct OutboxDepth {
+    /// Rows waiting for delivery, counted up to the bound asked for.
+    pub rows: i64,
+    /// Seconds since the oldest of them was written; 0 when there are none.
+    pub oldest_seconds: f64,
 }

@@ -1,7 +1,7 @@
 //! MySQL and MariaDB as a store connector ([`crate::store::contract`]): the pool's calls outside a batch, and a batch
 //! transaction ([`MyTx`]), each step one call into this folder's modules.
 
-use super::{dead_letter, dedup, offsets, retention, side_effect};
+use super::{dead_letter, dedup, offsets, outbox, retention, side_effect};
 use crate::dead_letter::Stored;
 use crate::key::BusinessKey;
 use crate::metrics::DeadLetterReason;
@@ -9,7 +9,7 @@ use crate::offsets::{Claimed, NextOffsets, Positions, Processed};
 use crate::record::{Position, Record};
 use crate::retention::{Slice, Sweep, SweepState};
 use crate::store::contract::{BatchTx, Connector, Session, StoreError};
-use crate::store::rows::{Apply, Claim, Digests, Existing, Explained, Forget, Forgotten};
+use crate::store::rows::{Apply, Claim, Digests, Existing, Explained, Forget, Forgotten, Leased, OutboxDepth, Settled};
 use crate::store::contract::ATTEMPT_ROWS_KEPT;
 use super::{ClaimForm, MySqlStore};
 use std::time::Duration;
@@ -80,6 +80,26 @@ impl Connector for MySqlStore {
     async fn dead_letter(&self, id: i64) -> Result<Option<Stored>, StoreError> {
         Ok(dead_letter::get(&mut *self.pool.acquire().await?, id).await?)
     }
+
+    async fn outbox_lease(&self, pipeline: &str, owner: &str, limit: i64, lease: Duration) -> Result<Vec<Leased>, StoreError> {
+        Ok(outbox::lease(&self.pool, pipeline, owner, limit, lease).await?)
+    }
+
+    async fn outbox_settle(&self, pipeline: &str, owner: &str, settled: &[Settled]) -> Result<(), StoreError> {
+        Ok(outbox::settle(&self.pool, pipeline, owner, settled).await?)
+    }
+
+    async fn outbox_depth(&self, pipeline: &str, up_to: i64) -> Result<OutboxDepth, StoreError> {
+        Ok(outbox::depth(&self.pool, pipeline, up_to).await?)
+    }
+
+    async fn outbox_release(&self, pipeline: &str, owner: &str) -> Result<u64, StoreError> {
+        Ok(outbox::release(&self.pool, pipeline, owner).await?)
+    }
+
+    async fn outbox_requeue(&self, id: i64) -> Result<Option<i64>, StoreError> {
+        Ok(outbox::requeue(&self.pool, id).await?)
+    }
 }
 
 /// A MySQL/MariaDB batch transaction with the side effect it runs, and how its claim learns which keys were new.
@@ -132,6 +152,10 @@ impl BatchTx for MyTx<'_> {
 
     async fn count_duplicates(&mut self, pipeline: &str, counts: &[(&BusinessKey, i64)]) -> Result<(), sqlx::Error> {
         dedup::count_duplicates(&mut self.tx, pipeline, counts).await
+    }
+
+    async fn write_outbox(&mut self, pipeline: &str, rows: &[(&Record, &Apply)]) -> Result<(), sqlx::Error> {
+        outbox::write(&mut self.tx, pipeline, rows).await
     }
 
     async fn write_dead_letter(&mut self, pipeline: &str, record: &Record, reason: DeadLetterReason, error: &str) -> Result<bool, sqlx::Error> {

@@ -1,0 +1,192 @@
+//! One attempt at one outbox request over HTTP, and what its answer means: confirmed, worth another attempt (with
+//! the target's `Retry-After` when it gave one), or never going to succeed.
+
+use super::spec::{HttpTarget, MAX_RETRY_AFTER};
+use crate::store::rows::OutboxRequest;
+use crate::schema_registry::describe;
+use std::time::Duration;
+
+/// How much of an answer's body a dead letter or a log line keeps.
+pub const RESPONSE_HEAD_BYTES: usize = 512;
+
+/// What one attempt came to.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// The target answered one of `success`.
+    Confirmed,
+    /// Worth another attempt: a `retry` status, a connection error, a time-out.
+    Retry {
+        /// The target's `Retry-After`, when it answered one (bounded by [`MAX_RETRY_AFTER`]).
+        after: Option<Duration>,
+        /// What happened, for the row's last error and the dead letter should the attempts run out.
+        error: String,
+        /// The `result` label of `idemflow_outbox_attempts_total`.
+        result: AttemptResult,
+    },
+    /// Any other status: the request can never succeed as it is.
+    Rejected {
+        /// The status and the head of the answer.
+        error: String,
+    },
+}
+
+/// How an attempt ended: label `result` of `idemflow_outbox_attempts_total`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttemptResult {
+    /// A `success` status.
+    Confirmed,
+    /// A `retry` status.
+    RetryStatus,
+    /// Another status.
+    Rejected,
+    /// No connection, or the connection was lost before the answer.
+    Connection,
+    /// No answer within `timeout`.
+    Timeout,
+}
+
+impl AttemptResult {
+    /// Every result, for pre-initialising series.
+    pub const ALL: [AttemptResult; 5] =
+        [AttemptResult::Confirmed, AttemptResult::RetryStatus, AttemptResult::Rejected, AttemptResult::Connection, AttemptResult::Timeout];
+
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AttemptResult::Confirmed => "confirmed",
+            AttemptResult::RetryStatus => "retry_status",
+            AttemptResult::Rejected => "rejected",
+            AttemptResult::Connection => "connection",
+            AttemptResult::Timeout => "timeout",
+        }
+    }
+}
+
+impl Outcome {
+    /// Its `result` label.
+    pub fn result(&self) -> AttemptResult {
+        match self {
+            Outcome::Confirmed => AttemptResult::Confirmed,
+            Outcome::Retry { result, .. } => *result,
+            Outcome::Rejected { .. } => AttemptResult::Rejected,
+        }
+    }
+}
+
+/// The client of one target: its time-out, no redirects followed (a 3xx is an answer like any other: a charge
+/// redirected elsewhere is not confirmed), no proxy from the environment.
+///
+/// Errors: the client cannot be built (no TLS provider).
+pub fn client(target: &HttpTarget) -> Result<reqwest::Client, String> {
+    crate::install_tls_provider();
+    reqwest::Client::builder()
+        .timeout(target.timeout)
+        .connect_timeout(target.timeout.min(Duration::from_secs(10)))
+        .redirect(reqwest::redirect::Policy::none())
+        .no_proxy()
+        .user_agent(concat!("idemflow/", env!("CARGO_PKG_VERSION")))
+        .build()
+        .map_err(|e| format!("cannot build the HTTP client of {}: {e}", target.name))
+}
+
+/// Sends `request` once and classifies the answer by `target`'s `success` and `retry` statuses.
+pub async fn send(client: &reqwest::Client, target: &HttpTarget, request: &OutboxRequest) -> Outcome {
+    let shown = shown_url(&request.url);
+    let method = match reqwest::Method::from_bytes(request.method.as_bytes()) {
+        Ok(m) => m,
+        Err(_) => return Outcome::Rejected { error: format!("{} is not an HTTP method", request.method) },
+    };
+    let mut builder = client.request(method, &request.url).body(request.body.clone());
+    for (name, value) in &request.headers {
+        builder = builder.header(name, value);
+    }
+    let response = match builder.send().await {
+        Ok(r) => r,
+        Err(e) => {
+            let result = if e.is_timeout() { AttemptResult::Timeout } else { AttemptResult::Connection };
+            return Outcome::Retry { after: None, error: format!("{} {shown}: {}", request.method, describe(&e)), result };
+        }
+    };
+    let status = response.status().as_u16();
+    if target.success.iter().any(|s| s.contains(status)) {
+        return Outcome::Confirmed;
+    }
+    let after = response.headers().get(reqwest::header::RETRY_AFTER).and_then(|v| v.to_str().ok()).and_then(retry_after);
+    let head = head(response).await;
+    let error = format!("{} {shown}: HTTP {status}: {head}", request.method);
+    if target.retry.iter().any(|s| s.contains(status)) {
+        Outcome::Retry { after, error, result: AttemptResult::RetryStatus }
+    } else {
+        Outcome::Rejected { error }
+    }
+}
+
+/// The first [`RESPONSE_HEAD_BYTES`] of an answer's body, as text; what could not be read is said.
+async fn head(mut response: reqwest::Response) -> String {
+    let mut bytes = Vec::new();
+    loop {
+        match response.chunk().await {
+            Ok(Some(chunk)) => {
+                bytes.extend_from_slice(&chunk);
+                if bytes.len() >= RESPONSE_HEAD_BYTES {
+                    bytes.truncate(RESPONSE_HEAD_BYTES);
+                    break;
+                }
+            }
+            Ok(None) => break,
+            Err(e) => {
+                return format!("{} (then the body could not be read: {})", String::from_utf8_lossy(&bytes), describe(&e));
+            }
+        }
+    }
+    String::from_utf8_lossy(&bytes).into_owned()
+}
+
+/// `Retry-After` (RFC 9110, section 10.2.3): seconds, or an HTTP date; bounded by [`MAX_RETRY_AFTER`].
+pub fn retry_after(value: &str) -> Option<Duration> {
+    let value = value.trim();
+    let wait = match value.parse::<u64>() {
+        Ok(secs) => Duration::from_secs(secs),
+        Err(_) => {
+            let at = httpdate::parse_http_date(value).ok()?;
+            at.duration_since(std::time::SystemTime::now()).unwrap_or(Duration::ZERO)
+        }
+    };
+    Some(wait.min(MAX_RETRY_AFTER))
+}
+
+/// A URL as logs and dead letters show it: without its user, password and query (which may carry credentials).
+pub fn shown_url(url: &str) -> String {
+    match url::Url::parse(url) {
+        Ok(mut u) => {
+            let _ = u.set_username("");
+            let _ = u.set_password(None);
+            let query = u.query().is_some();
+            u.set_query(None);
+            format!("{u}{}", if query { "?..." } else { "" })
+        }
+        Err(_) => "(a URL that does not parse)".to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retry_after_in_seconds_or_as_a_date_within_bounds() {
+        assert_eq!(retry_after("2"), Some(Duration::from_secs(2)));
+        assert_eq!(retry_after(" 120 "), Some(Duration::from_secs(120)));
+        assert_eq!(retry_after("999999"), Some(MAX_RETRY_AFTER));
+        assert_eq!(retry_after("Wed, 21 Oct 2015 07:28:00 GMT"), Some(Duration::ZERO), "a date past");
+        let later = httpdate::fmt_http_date(std::time::SystemTime::now() + Duration::from_secs(30));
+        assert!(retry_after(&later).is_some_and(|d| d > Duration::from_secs(25) && d <= Duration::from_secs(30)));
+        assert_eq!(retry_after("soon"), None);
+    }
+
+    #[test]
+    fn urls_are_shown_without_credentials_or_query() {
+        assert_eq!(shown_url("https://u:p@pay.example/charges?api_key=s3cret"), "https://pay.example/charges?...");
+        assert_eq!(shown_url("http://h:8080/a/b"), "http://h:8080/a/b");
+    }
+}

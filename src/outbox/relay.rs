@@ -1,0 +1,283 @@
+//! The relay: beside each pipeline with `[[sink.http]]`, delivers the outbox's rows after their batches committed,
+//! and says when the outbox has grown past its bounds so the pipeline stops consuming ([`Signals`]).
+//!
+//! A round: lease up to `[outbox] concurrency` due rows ([`Store::outbox_lease`]: rows no other relay holds, the
+//! oldest of each business key only), send each once, at the same time, and record what came of them in one
+//! transaction ([`Store::outbox_settle`]): confirmed rows deleted, others given their next attempt, or moved to the
+//! dead letters. A crash, a lost connection or a stop between a target's answer and that transaction leaves the row
+//! leased: once its lease runs out (the longest `timeout` plus [`LEASE_MARGIN`]) a relay sends it again, with the same
+//! idempotency key, which the target recognises. See `src/lib.rs`, "The outbox".
+
+use super::deliver::{self, AttemptResult, Outcome};
+use super::spec::{HttpTarget, OutboxSpec};
+use crate::metrics::OutboxMetrics;
+use crate::shutdown::Shutdown;
+use crate::store::rows::{Leased, Settled};
+use crate::store::Store;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// How much longer than the longest request `timeout` a lease holds: time to record the answer.
+pub const LEASE_MARGIN: Duration = Duration::from_secs(30);
+
+/// How often the relay counts the rows waiting (back-pressure, `idemflow_outbox_rows`).
+pub const MEASURE_EVERY: Duration = Duration::from_secs(1);
+
+/// The variable that makes `idemflow run` abort right after the Nth request a target confirmed, before the outbox
+/// records it: `IDEMFLOW_FAULT_CRASH_AFTER_DELIVERIES=N`. For tests; a worker started with it says so loudly.
+pub const CRASH_AFTER_DELIVERIES_VAR: &str = "IDEMFLOW_FAULT_CRASH_AFTER_DELIVERIES";
+
+/// What the relay and the pipeline's lanes share: whether consumption is paused for the outbox, and the wake-up a
+/// committed batch gives the relay. Cheap to clone.
+#[derive(Clone, Debug, Default)]
+pub struct Signals {
+    inner: Arc<SignalsInner>,
+}
+
+#[derive(Debug, Default)]
+struct SignalsInner {
+    paused: AtomicBool,
+    why: Mutex<String>,
+    wake: tokio::sync::Notify,
+}
+
+impl Signals {
+    /// Why the pipeline must not consume now, while the outbox is over a bound.
+    pub fn paused(&self) -> Option<String> {
+        self.inner.paused.load(Ordering::Relaxed).then(|| self.inner.why.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone())
+    }
+
+    /// A batch committed rows: the relay looks at once instead of at its next poll.
+    pub fn wake(&self) {
+        self.inner.wake.notify_one();
+    }
+
+    fn set(&self, why: Option<String>) {
+        if let Some(why) = &why {
+            *self.inner.why.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = why.clone();
+        }
+        self.inner.paused.store(why.is_some(), Ordering::Relaxed);
+    }
+}
+
+/// One pipeline's relay.
+pub struct Relay {
+    store: Store,
+    pipeline: String,
+    /// This worker's name as the owner of its leases.
+    owner: String,
+    spec: OutboxSpec,
+    /// One client per target, in [`OutboxSpec::http`]'s order.
+    clients: Vec<reqwest::Client>,
+    lease: Duration,
+    signals: Signals,
+    metrics: OutboxMetrics,
+    health: crate::http::Health,
+    /// [`CRASH_AFTER_DELIVERIES_VAR`].
+    crash_after: Option<u64>,
+    confirmed: AtomicU64,
+}
+
+impl Relay {
+    /// The relay of `pipeline`'s outbox in `store`, leasing as `owner`.
+    ///
+    /// Errors: a target's client cannot be built.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        store: Store,
+        pipeline: String,
+        owner: String,
+        spec: OutboxSpec,
+        signals: Signals,
+        metrics: OutboxMetrics,
+        health: crate::http::Health,
+        crash_after: Option<u64>,
+    ) -> Result<Relay, String> {
+        let clients = spec.http.iter().map(deliver::client).collect::<Result<Vec<_>, _>>()?;
+        let lease = spec.http.iter().map(|t| t.timeout).max().unwrap_or_default() + LEASE_MARGIN;
+        for t in &spec.http {
+            metrics.target(&t.name);
+        }
+        Ok(Relay { store, pipeline, owner, spec, clients, lease, signals, metrics, health, crash_after, confirmed: AtomicU64::new(0) })
+    }
+
+    /// Delivers until `shutdown`: round after round, each at once after the last while rows are due, otherwise at
+    /// the next wake-up or `poll_interval`. Returns at the end of the round under way when shutdown is asked for;
+    /// [`Relay::release`] then gives up what it still holds.
+    pub async fn run(&self, mut shutdown: Shutdown) {
+        let settings = self.spec.settings;
+        let mut measured: Option<Instant> = None;
+        while !shutdown.is_triggered() {
+            if measured.is_none_or(|m| m.elapsed() >= MEASURE_EVERY) {
+                measured = Some(Instant::now());
+                self.measure().await;
+            }
+            let leased = match self.store.outbox_lease(&self.pipeline, &self.owner, settings.concurrency as i64, self.lease).await {
+                Ok(rows) => rows,
+                Err(e) => {
+                    tracing::warn!(pipeline = %self.pipeline, error = %e, "cannot lease outbox rows; trying again");
+                    self.wait(&mut shutdown, settings.poll_interval).await;
+                    continue;
+                }
+            };
+            if leased.is_empty() {
+                self.wait(&mut shutdown, settings.poll_interval).await;
+                continue;
+            }
+            let outcomes = futures_util::future::join_all(leased.iter().map(|row| self.deliver(row))).await;
+            let settled: Vec<Settled> = leased.iter().zip(outcomes).map(|(row, outcome)| self.settle(row, outcome)).collect();
+            self.record(&settled).await;
+        }
+    }
+
+    /// Gives up this worker's leases (the relay stopped): another relay sends those rows at once.
+    pub async fn release(&self) {
+        match tokio::time::timeout(Duration::from_secs(5), self.store.outbox_release(&self.pipeline, &self.owner)).await {
+            Ok(Ok(n)) if n > 0 => tracing::info!(pipeline = %self.pipeline, rows = n, "outbox leases given up"),
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => tracing::warn!(pipeline = %self.pipeline, error = %e, "cannot give up the outbox leases; they run out by themselves"),
+            Err(_) => tracing::warn!(pipeline = %self.pipeline, "giving up the outbox leases timed out; they run out by themselves"),
+        }
+    }
+
+    /// The longest time the relay may take to end its round once shutdown is asked for.
+    pub fn round_bound(&self) -> Duration {
+        self.lease
+    }
+
+    async fn wait(&self, shutdown: &mut Shutdown, poll: Duration) {
+        tokio::select! {
+            () = self.signals.inner.wake.notified() => {}
+            () = tokio::time::sleep(poll) => {}
+            () = shutdown.wait() => {}
+        }
+    }
+
+    /// Counts the rows waiting and sets the back-pressure from them.
+    async fn measure(&self) {
+        let s = self.spec.settings;
+        let depth = match self.store.outbox_depth(&self.pipeline, s.max_rows.saturating_mul(2).min(i64::MAX as u64) as i64 + 1).await {
+            Ok(d) => d,
+            Err(e) => {
+                tracing::warn!(pipeline = %self.pipeline, error = %e, "cannot count the outbox's rows");
+                return;
+            }
+        };
+        self.metrics.depth(depth.rows, depth.oldest_seconds);
+        let over = if depth.rows as u64 > s.max_rows {
+            Some(format!("the outbox holds {}{} rows, over [outbox] max_rows = {}", depth.rows, if depth.rows as u64 > 2 * s.max_rows { " or more" } else { "" }, s.max_rows))
+        } else if depth.oldest_seconds > s.max_age.as_secs_f64() {
+            Some(format!(
+                "the outbox's oldest row waits for {:.0} s, over [outbox] max_age = {}",
+                depth.oldest_seconds,
+                humantime::format_duration(s.max_age)
+            ))
+        } else {
+            None
+        };
+        let was = self.signals.paused().is_some();
+        match (&over, was) {
+            (Some(why), false) => tracing::warn!(pipeline = %self.pipeline, "consumption paused: {why}; it resumes when the relay catches up"),
+            (None, true) => tracing::info!(pipeline = %self.pipeline, rows = depth.rows, "consumption resumed: the outbox is back within its bounds"),
+            _ => {}
+        }
+        self.metrics.paused(over.is_some());
+        self.health.outbox_paused(&self.pipeline, over.clone());
+        self.signals.set(over);
+    }
+
+    fn target(&self, name: &str) -> Option<(&HttpTarget, &reqwest::Client)> {
+        let i = self.spec.http.iter().position(|t| t.name == name)?;
+        Some((&self.spec.http[i], &self.clients[i]))
+    }
+
+    async fn deliver(&self, row: &Leased) -> Outcome {
+        let Some((target, client)) = self.target(&row.request.target) else {
+            return Outcome::Rejected {
+                error: format!(
+                    "its target {:?} is not among the pipeline's [[sink.http]] names any more (renamed or removed since the row was written): \
+                     `idemflow dead-letters replay` sends it once the target is back",
+                    row.request.target
+                ),
+            };
+        };
+        let started = Instant::now();
+        let outcome = deliver::send(client, target, &row.request).await;
+        if outcome == Outcome::Confirmed {
+            self.metrics.confirmed(&target.name, row.age_seconds + started.elapsed().as_secs_f64());
+            let n = self.confirmed.fetch_add(1, Ordering::Relaxed) + 1;
+            if self.crash_after == Some(n) {
+                eprintln!(
+                    "injected crash ({CRASH_AFTER_DELIVERIES_VAR}): pipeline {} aborts the process after its target confirmed outbox row {}, before the outbox records it",
+                    self.pipeline, row.id
+                );
+                std::process::abort();
+            }
+        }
+        self.metrics.attempt(&target.name, outcome.result());
+        outcome
+    }
+
+    /// What to record of one row's attempt.
+    fn settle(&self, row: &Leased, outcome: Outcome) -> Settled {
+        let target = self.target(&row.request.target).map(|(t, _)| t);
+        let max_attempts = target.map_or(1, |t| t.max_attempts);
+        let failed = |error: String| {
+            tracing::warn!(pipeline = %self.pipeline, row = row.id, target = %row.request.target, attempts = row.attempts, error = %error,
+                "outbox request dead-lettered (delivery_failed)");
+            self.metrics.dead_lettered(&row.request.target);
+            Settled::Failed { id: row.id, error }
+        };
+        match outcome {
+            Outcome::Confirmed => Settled::Confirmed(row.id),
+            Outcome::Rejected { error } => failed(error),
+            Outcome::Retry { error, .. } if row.attempts as u32 >= max_attempts => {
+                failed(format!("{error} (the last of {} attempts)", row.attempts))
+            }
+            Outcome::Retry { after, error, result } => {
+                let after = after.unwrap_or_else(|| backoff(self.spec.settings.backoff, self.spec.settings.max_backoff, row.attempts));
+                let level_warn = result != AttemptResult::RetryStatus || row.attempts > 1;
+                if level_warn {
+                    tracing::warn!(pipeline = %self.pipeline, row = row.id, attempts = row.attempts, error = %error, retry_in = ?after, "outbox request failed; retrying");
+                } else {
+                    tracing::info!(pipeline = %self.pipeline, row = row.id, attempts = row.attempts, error = %error, retry_in = ?after, "outbox request answered a retry status; retrying");
+                }
+                Settled::Retry { id: row.id, after, error }
+            }
+        }
+    }
+
+    /// Records a round's outcomes; a failure leaves the rows leased, to be sent again after their lease.
+    async fn record(&self, settled: &[Settled]) {
+        for attempt in 0..3u32 {
+            match self.store.outbox_settle(&self.pipeline, &self.owner, settled).await {
+                Ok(()) => return,
+                Err(e) => {
+                    tracing::warn!(pipeline = %self.pipeline, error = %e, attempt = attempt + 1,
+                        "cannot record the outbox round's outcomes; its rows are sent again after their lease if this keeps failing");
+                    tokio::time::sleep(Duration::from_millis(200 << attempt)).await;
+                }
+            }
+        }
+    }
+}
+
+/// The wait before attempt `attempts + 1`: `first` doubled for each attempt after the first, at most `max`.
+pub fn backoff(first: Duration, max: Duration, attempts: i32) -> Duration {
+    let doublings = attempts.saturating_sub(1).clamp(0, 30) as u32;
+    first.saturating_mul(1u32 << doublings).min(max)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_up_to_its_bound() {
+        let (first, max) = (Duration::from_secs(1), Duration::from_secs(60));
+        let waits: Vec<u64> = (1..=8).map(|a| backoff(first, max, a).as_secs()).collect();
+        assert_eq!(waits, [1, 2, 4, 8, 16, 32, 60, 60]);
+        assert_eq!(backoff(first, max, 1000), max);
+    }
+}

@@ -1,0 +1,518 @@
+//! What a pipeline declares of its outbox: `[[sink.http]]` (the requests each new business key sends) and `[outbox]`
+//! (back-pressure and the relay's pace), read from the raw TOML and checked, every problem naming its field.
+//!
+//! Templates are the Redis form's (`{name}` placeholders naming `[sink.params]` entries, `{{` and `}}` for braces;
+//! [`crate::store::redis_command::parse_arg`]).
+
+use crate::store::redis_command::{parse_arg, Arg};
+use crate::store::spec::Binding;
+use crate::validate::Problems;
+use serde::Deserialize;
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+/// The outbox of one pipeline.
+#[derive(Clone, Debug)]
+pub struct OutboxSpec {
+    /// The HTTP requests of each record whose business key was new, in the order written (the order a key's
+    /// requests are delivered in).
+    pub http: Vec<HttpTarget>,
+    /// The `[sink.params]` entries the templates name, in the order their values are taken ([`Binding`]s rendered
+    /// as JSON, [`crate::field::Render::Json`]).
+    pub params: Vec<Binding>,
+    /// `[outbox]`.
+    pub settings: OutboxSettings,
+}
+
+/// `[[sink.http]]`: one HTTP request per record whose business key was new.
+#[derive(Clone, Debug)]
+pub struct HttpTarget {
+    /// `name`: the `target` label of the metrics and the dead letters (default `http`, `http-2`, ... in order).
+    pub name: String,
+    /// `method` (default `POST`), upper case.
+    pub method: String,
+    /// `url`: an `http://` or `https://` URL; each placeholder's value is percent-encoded.
+    pub url: Arg,
+    /// `[sink.http.headers]`: name and value template, in name order.
+    pub headers: Vec<(String, Arg)>,
+    /// `body`: a JSON template, or the record's payload as it is.
+    pub body: Body,
+    /// `content_type` (default `application/json`).
+    pub content_type: String,
+    /// `idempotency_header` (default `Idempotency-Key`): carries `<pipeline>:<business key>`, the same on every
+    /// attempt (IETF httpapi draft "The Idempotency-Key HTTP Header Field").
+    pub idempotency_header: String,
+    /// `timeout` (default 10 s): the whole request, connecting included.
+    pub timeout: Duration,
+    /// `success` (default `["2xx"]`): statuses that confirm the request.
+    pub success: Vec<Statuses>,
+    /// `retry` (default `[408, 409, 425, 429, "5xx"]`): statuses worth another attempt (409: the draft's answer
+    /// to a request whose key another request is still being processed under). Connection errors and time-outs
+    /// are always retried; any other status can never succeed.
+    pub retry: Vec<Statuses>,
+    /// `max_attempts` (default 10): after as many, a request still failing becomes a dead letter.
+    pub max_attempts: u32,
+}
+
+/// A JSON body template: the TOML value of `body`, where a string that is one placeholder alone (`"{amount}"`)
+/// becomes that value as JSON (a number stays a number), and other strings are text with the values' text in them.
+#[derive(Clone, Debug)]
+pub enum Body {
+    /// No `body`: the record's payload, byte for byte.
+    Payload,
+    /// `body = { ... }`.
+    Json(JsonTemplate),
+}
+
+/// One node of a JSON body template.
+#[derive(Clone, Debug)]
+pub enum JsonTemplate {
+    /// A number, boolean or string without placeholders.
+    Literal(serde_json::Value),
+    /// `"{name}"`: the value itself.
+    Value(String),
+    /// Text with placeholders.
+    Text(Arg),
+    /// An array.
+    Array(Vec<JsonTemplate>),
+    /// An object, its keys in order.
+    Object(Vec<(String, JsonTemplate)>),
+}
+
+/// Statuses in `success` or `retry`: one (`404`) or a class (`"4xx"`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Statuses {
+    /// First status.
+    pub from: u16,
+    /// Last status.
+    pub to: u16,
+}
+
+impl Statuses {
+    /// Whether `status` is one of them.
+    pub fn contains(self, status: u16) -> bool {
+        (self.from..=self.to).contains(&status)
+    }
+}
+
+/// `[outbox]`: back-pressure and the relay's pace.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OutboxSettings {
+    /// `max_rows` (default 10000): with more rows waiting, the pipeline stops consuming until the relay catches up.
+    pub max_rows: u64,
+    /// `max_age` (default 5 minutes): with an older row waiting, the same.
+    pub max_age: Duration,
+    /// `concurrency` (default 16): requests in flight at once in this worker.
+    pub concurrency: usize,
+    /// `backoff` (default 1 s): the wait before a request's second attempt, doubled for each one after.
+    pub backoff: Duration,
+    /// `max_backoff` (default 5 minutes): the longest wait between two attempts (a `Retry-After` is honoured up to
+    /// [`MAX_RETRY_AFTER`]).
+    pub max_backoff: Duration,
+    /// `poll_interval` (default 1 s): how often the relay looks for rows written by other workers, or due again
+    /// (rows this worker commits are sent at once).
+    pub poll_interval: Duration,
+}
+
+/// The longest `Retry-After` honoured; a longer one waits this long.
+pub const MAX_RETRY_AFTER: Duration = Duration::from_secs(3600);
+
+impl Default for OutboxSettings {
+    fn default() -> Self {
+        OutboxSettings {
+            max_rows: 10_000,
+            max_age: Duration::from_secs(300),
+            concurrency: 16,
+            backoff: Duration::from_secs(1),
+            max_backoff: Duration::from_secs(300),
+            poll_interval: Duration::from_secs(1),
+        }
+    }
+}
+
+/// `[[sink.http]]` as written.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawHttp {
+    name: Option<String>,
+    method: Option<String>,
+    url: String,
+    #[serde(default)]
+    headers: BTreeMap<String, String>,
+    body: Option<toml::Value>,
+    content_type: Option<String>,
+    idempotency_header: Option<String>,
+    #[serde(default, with = "humantime_serde")]
+    timeout: Option<Duration>,
+    success: Option<Vec<toml::Value>>,
+    retry: Option<Vec<toml::Value>>,
+    max_attempts: Option<u32>,
+}
+
+/// `[sink] http`: one request (`[sink.http]`) or several (`[[sink.http]]`).
+#[derive(Deserialize)]
+#[serde(untagged)]
+pub enum RawHttpList {
+    /// `[sink.http]`.
+    One(Box<RawHttp>),
+    /// `[[sink.http]]`.
+    Many(Vec<RawHttp>),
+}
+
+impl RawHttpList {
+    /// The requests, in order.
+    pub fn into_vec(self) -> Vec<RawHttp> {
+        match self {
+            RawHttpList::One(r) => vec![*r],
+            RawHttpList::Many(v) => v,
+        }
+    }
+}
+
+/// `[outbox]` as written.
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct RawOutbox {
+    max_rows: Option<u64>,
+    #[serde(default, with = "humantime_serde")]
+    max_age: Option<Duration>,
+    concurrency: Option<usize>,
+    #[serde(default, with = "humantime_serde")]
+    backoff: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    max_backoff: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    poll_interval: Option<Duration>,
+}
+
+impl RawOutbox {
+    /// Whether anything was set (an `[outbox]` without `[sink.http]` is refused).
+    pub fn is_set(&self) -> bool {
+        self.max_rows.is_some()
+            || self.max_age.is_some()
+            || self.concurrency.is_some()
+            || self.backoff.is_some()
+            || self.max_backoff.is_some()
+            || self.poll_interval.is_some()
+    }
+}
+
+/// The names of the `[sink.params]` entries `http`'s templates use, each once (for the check that every entry is
+/// used by some form).
+pub fn used_params(http: &[RawHttp]) -> Vec<String> {
+    let mut names = Vec::new();
+    for h in http {
+        let mut texts: Vec<&str> = vec![&h.url];
+        texts.extend(h.headers.values().map(String::as_str));
+        if let Some(body) = &h.body {
+            strings(body, &mut texts);
+        }
+        for t in texts {
+            if let Ok(arg) = parse_arg(t) {
+                names.extend(arg.params().map(str::to_owned));
+            }
+        }
+    }
+    names.sort();
+    names.dedup();
+    names
+}
+
+fn strings<'a>(v: &'a toml::Value, out: &mut Vec<&'a str>) {
+    match v {
+        toml::Value::String(s) => out.push(s),
+        toml::Value::Array(a) => a.iter().for_each(|v| strings(v, out)),
+        toml::Value::Table(t) => t.values().for_each(|v| strings(v, out)),
+        _ => {}
+    }
+}
+
+/// The outbox of a pipeline: `http` checked, the `params` (every `[sink.params]` entry) its templates name taken,
+/// `[outbox]` read. `None` after reporting problems to `e`.
+pub fn parse(http: Vec<RawHttp>, params: &[Binding], raw: RawOutbox, e: &mut impl Problems) -> Option<OutboxSpec> {
+    let known = |name: &str| params.iter().any(|b| b.name == name);
+    let mut targets = Vec::new();
+    let mut ok = true;
+    let many = http.len() > 1;
+    for (i, h) in http.into_iter().enumerate() {
+        let field = if many { format!("sink.http[{i}]") } else { "sink.http".to_owned() };
+        let check = |what: &str, text: &str, e: &mut dyn FnMut(&str, String)| -> Option<Arg> {
+            match parse_arg(text) {
+                Ok(arg) => {
+                    for p in arg.params().filter(|p| !known(p)) {
+                        e(what, format!("{{{p}}} is used but has no entry in [sink.params]"));
+                    }
+                    Some(arg)
+                }
+                Err(why) => {
+                    e(what, why);
+                    None
+                }
+            }
+        };
+        let mut push = |f: &str, m: String| {
+            ok = false;
+            e.push(&format!("{field}.{f}"), m);
+        };
+        let url = check("url", &h.url, &mut push);
+        if let Some(url) = &url {
+            // With every placeholder a plain word, the URL must parse, as http or https, with a host.
+            let sample: String = url.0.iter().map(|p| match p {
+                crate::store::redis_command::Piece::Text(t) => t.clone(),
+                crate::store::redis_command::Piece::Param(_) => "x".to_owned(),
+            }).collect();
+            match url::Url::parse(&sample) {
+                Ok(u) if matches!(u.scheme(), "http" | "https") && u.host_str().is_some_and(|h| !h.is_empty()) => {}
+                Ok(u) => push("url", format!("{:?}: the scheme must be http or https with a host (found {:?})", h.url, u.scheme())),
+                Err(why) => push("url", format!("{:?} is not a URL: {why}", h.url)),
+            }
+        }
+        let method = h.method.unwrap_or_else(|| "POST".to_owned()).to_ascii_uppercase();
+        if method.is_empty() || !method.bytes().all(|b| b.is_ascii_alphabetic()) {
+            push("method", format!("{method:?} is not an HTTP method (GET, POST, PUT, PATCH, DELETE)"));
+        }
+        let idempotency_header = h.idempotency_header.unwrap_or_else(|| "Idempotency-Key".to_owned());
+        if !token(&idempotency_header) {
+            push("idempotency_header", format!("{idempotency_header:?} is not a header name"));
+        }
+        let mut headers = Vec::new();
+        for (name, value) in &h.headers {
+            if !token(name) {
+                push(&format!("headers.{name}"), format!("{name:?} is not a header name"));
+            } else if name.eq_ignore_ascii_case(&idempotency_header) {
+                push(&format!("headers.{name}"), format!("is the idempotency key's header, which idemflow sets (to <pipeline>:<business key>); set idempotency_header to use another"));
+            } else if let Some(arg) = check(&format!("headers.{name}"), value, &mut push) {
+                headers.push((name.clone(), arg));
+            }
+        }
+        let body = match h.body {
+            None => Some(Body::Payload),
+            Some(v) => json_template(v, &mut |m| push("body", m), &known).map(Body::Json),
+        };
+        let statuses = |list: Option<Vec<toml::Value>>, default: &[Statuses], f: &str, push: &mut dyn FnMut(&str, String)| -> Vec<Statuses> {
+            let Some(list) = list else { return default.to_vec() };
+            list.iter()
+                .filter_map(|v| {
+                    let s = status(v);
+                    if s.is_none() {
+                        push(f, format!("{v} is not a status (a number from 100 to 599, or a class such as \"5xx\")"));
+                    }
+                    s
+                })
+                .collect()
+        };
+        let success = statuses(h.success, &[Statuses { from: 200, to: 299 }], "success", &mut push);
+        let retry = statuses(h.retry, &DEFAULT_RETRY, "retry", &mut push);
+        let timeout = h.timeout.unwrap_or(Duration::from_secs(10));
+        if timeout.is_zero() {
+            push("timeout", "must be more than 0s".to_owned());
+        }
+        let max_attempts = h.max_attempts.unwrap_or(10);
+        if max_attempts == 0 {
+            push("max_attempts", "must be at least 1".to_owned());
+        }
+        let name = h.name.unwrap_or_else(|| if i == 0 { "http".to_owned() } else { format!("http-{}", i + 1) });
+        if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || "_-.".contains(c)) {
+            push("name", format!("{name:?}: letters, digits, _, - and . only"));
+        }
+        if let (Some(url), Some(body)) = (url, body) {
+            targets.push(HttpTarget {
+                name,
+                method,
+                url,
+                headers,
+                body,
+                content_type: h.content_type.unwrap_or_else(|| "application/json".to_owned()),
+                idempotency_header,
+                timeout,
+                success,
+                retry,
+                max_attempts,
+            });
+        }
+    }
+    let names: std::collections::HashSet<&str> = targets.iter().map(|t| t.name.as_str()).collect();
+    if names.len() != targets.len() {
+        ok = false;
+        e.push("sink.http", "two requests have the same name: give each its own (name = \"...\")");
+    }
+    let d = OutboxSettings::default();
+    let settings = OutboxSettings {
+        max_rows: raw.max_rows.unwrap_or(d.max_rows),
+        max_age: raw.max_age.unwrap_or(d.max_age),
+        concurrency: raw.concurrency.unwrap_or(d.concurrency),
+        backoff: raw.backoff.unwrap_or(d.backoff),
+        max_backoff: raw.max_backoff.unwrap_or(d.max_backoff),
+        poll_interval: raw.poll_interval.unwrap_or(d.poll_interval),
+    };
+    for (bad, field, why) in [
+        (settings.max_rows == 0, "outbox.max_rows", "must be at least 1"),
+        (settings.max_age.is_zero(), "outbox.max_age", "must be more than 0s"),
+        (!(1..=1024).contains(&settings.concurrency), "outbox.concurrency", "must be from 1 to 1024"),
+        (settings.backoff.is_zero(), "outbox.backoff", "must be more than 0s"),
+        (settings.max_backoff < settings.backoff, "outbox.max_backoff", "must be at least backoff"),
+        (settings.poll_interval.is_zero(), "outbox.poll_interval", "must be more than 0s"),
+    ] {
+        if bad {
+            ok = false;
+            e.push(field, why);
+        }
+    }
+    let used = targets.iter().flat_map(HttpTarget::params).collect::<std::collections::HashSet<_>>();
+    let params = params.iter().filter(|b| used.contains(b.name.as_str())).cloned().collect();
+    ok.then_some(OutboxSpec { http: targets, params, settings })
+}
+
+/// `retry`'s default.
+const DEFAULT_RETRY: [Statuses; 5] = [
+    Statuses { from: 408, to: 408 },
+    Statuses { from: 409, to: 409 },
+    Statuses { from: 425, to: 425 },
+    Statuses { from: 429, to: 429 },
+    Statuses { from: 500, to: 599 },
+];
+
+impl HttpTarget {
+    /// The parameter names its templates use.
+    pub fn params(&self) -> impl Iterator<Item = &str> {
+        let body: Vec<&str> = match &self.body {
+            Body::Json(t) => t.params(),
+            Body::Payload => Vec::new(),
+        };
+        self.url.params().chain(self.headers.iter().flat_map(|(_, a)| a.params())).chain(body)
+    }
+
+    /// The URL's host when no placeholder is in it (what `check` tries to connect to), with its port.
+    pub fn fixed_host(&self) -> Option<(String, u16)> {
+        let text = self.url.literal()?;
+        let u = url::Url::parse(&text).ok()?;
+        Some((u.host_str()?.to_owned(), u.port_or_known_default()?))
+    }
+}
+
+impl JsonTemplate {
+    fn params(&self) -> Vec<&str> {
+        match self {
+            JsonTemplate::Literal(_) => Vec::new(),
+            JsonTemplate::Value(n) => vec![n.as_str()],
+            JsonTemplate::Text(a) => a.params().collect(),
+            JsonTemplate::Array(items) => items.iter().flat_map(JsonTemplate::params).collect(),
+            JsonTemplate::Object(members) => members.iter().flat_map(|(_, t)| t.params()).collect(),
+        }
+    }
+}
+
+fn json_template(v: toml::Value, e: &mut dyn FnMut(String), known: &dyn Fn(&str) -> bool) -> Option<JsonTemplate> {
+    Some(match v {
+        toml::Value::String(s) => {
+            let arg = match parse_arg(&s) {
+                Ok(a) => a,
+                Err(why) => {
+                    e(why);
+                    return None;
+                }
+            };
+            for p in arg.params().filter(|p| !known(p)) {
+                e(format!("{{{p}}} is used but has no entry in [sink.params]"));
+            }
+            match (arg.literal(), arg.0.as_slice()) {
+                (Some(text), _) => JsonTemplate::Literal(serde_json::Value::String(text)),
+                (None, [crate::store::redis_command::Piece::Param(name)]) => JsonTemplate::Value(name.clone()),
+                _ => JsonTemplate::Text(arg),
+            }
+        }
+        toml::Value::Integer(i) => JsonTemplate::Literal(i.into()),
+        toml::Value::Float(f) => JsonTemplate::Literal(serde_json::Number::from_f64(f).map_or(serde_json::Value::Null, Into::into)),
+        toml::Value::Boolean(b) => JsonTemplate::Literal(b.into()),
+        toml::Value::Datetime(d) => JsonTemplate::Literal(d.to_string().into()),
+        toml::Value::Array(items) => JsonTemplate::Array(items.into_iter().map(|v| json_template(v, e, known)).collect::<Option<_>>()?),
+        toml::Value::Table(t) => JsonTemplate::Object(t.into_iter().map(|(k, v)| json_template(v, e, known).map(|t| (k, t))).collect::<Option<_>>()?),
+    })
+}
+
+fn status(v: &toml::Value) -> Option<Statuses> {
+    match v {
+        toml::Value::Integer(i) if (100..=599).contains(i) => Some(Statuses { from: *i as u16, to: *i as u16 }),
+        toml::Value::String(s) if s.len() == 3 && s.ends_with("xx") => {
+            let class = s[..1].parse::<u16>().ok().filter(|c| (1..=5).contains(c))?;
+            Some(Statuses { from: class * 100, to: class * 100 + 99 })
+        }
+        _ => None,
+    }
+}
+
+/// An HTTP header name (RFC 9110 `token`).
+fn token(name: &str) -> bool {
+    !name.is_empty() && name.bytes().all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct Collect(Vec<String>);
+    impl Problems for Collect {
+        fn push(&mut self, field: &str, message: impl Into<String>) {
+            self.0.push(format!("{field}: {}", message.into()));
+        }
+    }
+
+    fn param(name: &str) -> Binding {
+        Binding {
+            name: name.into(),
+            source: crate::store::spec::ValueSource::Field(crate::field::FieldPath::parse(&format!("/{name}")).unwrap()),
+            default: None,
+            optional: false,
+            declared: None,
+            type_name: None,
+            round: false,
+            limit: None,
+            target_type: None,
+        }
+    }
+
+    fn raw(text: &str) -> Vec<RawHttp> {
+        #[derive(Deserialize)]
+        struct Doc {
+            http: RawHttpList,
+        }
+        toml::from_str::<Doc>(text).unwrap().http.into_vec()
+    }
+
+    /// Templates name [sink.params] entries; only those used are taken; every problem names its field.
+    #[test]
+    fn requests_are_checked_field_by_field() {
+        let params = [param("account"), param("amount"), param("unused")];
+        let mut e = Collect(Vec::new());
+        let spec = parse(
+            raw("[http]\nurl = \"https://pay.example/accounts/{account}/charges\"\nbody = { amount = \"{amount}\", note = \"for {account}\" }\n"),
+            &params,
+            RawOutbox::default(),
+            &mut e,
+        )
+        .unwrap();
+        assert!(e.0.is_empty(), "{:?}", e.0);
+        assert_eq!(spec.params.iter().map(|b| b.name.as_str()).collect::<Vec<_>>(), ["account", "amount"]);
+        assert_eq!(spec.http[0].name, "http");
+        assert_eq!(spec.http[0].method, "POST");
+        assert_eq!(spec.http[0].fixed_host(), None, "a placeholder in the path: no fixed URL");
+        let bad = raw(
+            "[[http]]\nurl = \"ftp://x/{nope}\"\nmethod = \"P O\"\nsuccess = [200, \"7xx\"]\nheaders = { \"Idempotency-Key\" = \"x\", \"bad name\" = \"y\" }\n\
+             [[http]]\nurl = \"http://h/\"\nname = \"http\"\n",
+        );
+        let mut e = Collect(Vec::new());
+        assert!(parse(bad, &params, RawOutbox::default(), &mut e).is_none());
+        let text = e.0.join("\n");
+        for expected in [
+            "sink.http[0].url: {nope} is used but has no entry in [sink.params]",
+            "sink.http[0].url: \"ftp://x/{nope}\": the scheme must be http or https",
+            "sink.http[0].method: \"P O\" is not an HTTP method",
+            "sink.http[0].success: \"7xx\" is not a status",
+            "sink.http[0].headers.Idempotency-Key: is the idempotency key's header",
+            "sink.http[0].headers.bad name: \"bad name\" is not a header name",
+            "sink.http: two requests have the same name",
+        ] {
+            assert!(text.contains(expected), "{expected:?} missing from:\n{text}");
+        }
+    }
+}

@@ -1,0 +1,233 @@
+//! The PostgreSQL outbox: `idemflow.outbox` (migration 13; [`crate::outbox`] has the protocol). Rows are written in
+//! the batch's transaction, leased by the relay in a short transaction of their own, and settled in another.
+
+use crate::record::Record;
+use crate::store::rows::{Apply, Leased, OutboxDepth, OutboxRequest, Settled};
+use sqlx::{PgConnection, PgPool};
+use std::time::Duration;
+
+/// Writes the requests of `rows` in one statement, in order (the ids the relay follows).
+pub async fn write(conn: &mut PgConnection, pipeline: &str, rows: &[(&Record, &Apply)]) -> Result<(), sqlx::Error> {
+    let mut cols = Columns::default();
+    for (record, apply) in rows {
+        for request in &apply.requests {
+            cols.push(record, &apply.key.digest, request);
+        }
+    }
+    sqlx::query(
+        r#"INSERT INTO idemflow.outbox (pipeline, key_digest, target, method, url, header_names, header_values, body, topic, partition, "offset")
+           SELECT $1, u.key_digest, u.target, u.method, u.url,
+                  ARRAY(SELECT jsonb_array_elements_text(u.names::jsonb)), ARRAY(SELECT jsonb_array_elements_text(u.vals::jsonb)),
+                  u.body, u.topic, u.partition, u."offset"
+           FROM unnest($2::bytea[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::bytea[], $9::text[], $10::int4[], $11::int8[])
+                WITH ORDINALITY AS u(key_digest, target, method, url, names, vals, body, topic, partition, "offset", n)
+           ORDER BY u.n"#,
+    )
+    .bind(pipeline)
+    .bind(&cols.digests)
+    .bind(&cols.targets)
+    .bind(&cols.methods)
+    .bind(&cols.urls)
+    .bind(&cols.names)
+    .bind(&cols.values)
+    .bind(&cols.bodies)
+    .bind(&cols.topics)
+    .bind(&cols.partitions)
+    .bind(&cols.offsets)
+    .persistent(super::persistent())
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
+}
+
+/// The outbox columns of a batch, one array each.
+#[derive(Default)]
+struct Columns<'a> {
+    digests: Vec<&'a [u8]>,
+    targets: Vec<&'a str>,
+    methods: Vec<&'a str>,
+    urls: Vec<&'a str>,
+    names: Vec<String>,
+    values: Vec<String>,
+    bodies: Vec<&'a [u8]>,
+    topics: Vec<&'a str>,
+    partitions: Vec<i32>,
+    offsets: Vec<i64>,
+}
+
+impl<'a> Columns<'a> {
+    fn push(&mut self, record: &'a Record, digest: &'a [u8; 32], r: &'a OutboxRequest) {
+        self.digests.push(digest);
+        self.targets.push(&r.target);
+        self.methods.push(&r.method);
+        self.urls.push(&r.url);
+        // Arrays of arrays cannot be unnested row by row: each row's headers travel as a JSON array.
+        self.names.push(serde_json::Value::from(r.headers.iter().map(|(k, _)| k.as_str()).collect::<Vec<_>>()).to_string());
+        self.values.push(serde_json::Value::from(r.headers.iter().map(|(_, v)| v.as_str()).collect::<Vec<_>>()).to_string());
+        self.bodies.push(&r.body);
+        self.topics.push(&record.position.topic);
+        self.partitions.push(record.position.partition);
+        self.offsets.push(record.position.offset);
+    }
+}
+
+/// A leased row as read: id, target, method, url, header names, header values, body, attempts, age in seconds.
+type LeasedRow = (i64, String, String, String, Vec<String>, Vec<String>, Vec<u8>, i32, f64);
+
+fn leased((id, target, method, url, names, values, body, attempts, age_seconds): LeasedRow) -> Leased {
+    Leased { id, request: OutboxRequest { target, method, url, headers: names.into_iter().zip(values).collect(), body }, attempts, age_seconds }
+}
+
+/// Leases up to `limit` due rows of `pipeline` to `owner` ([`crate::store::Connector::outbox_lease`]): one
+/// statement, its own transaction. A row is due when its next attempt has come, no lease on it holds, and no older
+/// row of its business key is left (leased, waiting for a retry, or due: a key's rows go in order).
+pub async fn lease(pool: &PgPool, pipeline: &str, owner: &str, limit: i64, lease: Duration) -> Result<Vec<Leased>, sqlx::Error> {
+    let mut tx = pool.begin().await?;
+    let rows: Vec<LeasedRow> = sqlx::query_as(
+        r#"WITH due AS (
+               SELECT o.id FROM idemflow.outbox o
+               WHERE o.pipeline = $1 AND o.next_attempt_at <= now() AND (o.leased_until IS NULL OR o.leased_until < now())
+                 AND NOT EXISTS (SELECT 1 FROM idemflow.outbox e WHERE e.pipeline = o.pipeline AND e.key_digest = o.key_digest AND e.id < o.id)
+               ORDER BY o.id LIMIT $2
+               FOR UPDATE SKIP LOCKED)
+           UPDATE idemflow.outbox o SET leased_until = now() + make_interval(secs => $3), lease_owner = $4, attempts = o.attempts + 1
+           FROM due WHERE o.id = due.id
+           RETURNING o.id, o.target, o.method, o.url, o.header_names, o.header_values, o.body, o.attempts,
+                     extract(epoch FROM now() - o.created_at)::float8"#,
+    )
+    .bind(pipeline)
+    .bind(limit)
+    .bind(lease.as_secs_f64())
+    .bind(owner)
+    .persistent(super::persistent())
+    .fetch_all(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    let mut rows: Vec<Leased> = rows.into_iter().map(leased).collect();
+    rows.sort_by_key(|r| r.id);
+    Ok(rows)
+}
+
+/// Records what became of leased rows, in one transaction ([`crate::store::Connector::outbox_settle`]).
+pub async fn settle(pool: &PgPool, pipeline: &str, owner: &str, settled: &[Settled]) -> Result<(), sqlx::Error> {
+    let mut confirmed = Vec::new();
+    let (mut retry_ids, mut retry_after, mut retry_errors) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut failed_ids, mut failed_errors) = (Vec::new(), Vec::new());
+    for s in settled {
+        match s {
+            Settled::Confirmed(id) => confirmed.push(*id),
+            Settled::Retry { id, after, error } => {
+                retry_ids.push(*id);
+                retry_after.push(after.as_secs_f64());
+                retry_errors.push(error.replace('\0', "\\u0000"));
+            }
+            Settled::Failed { id, error } => {
+                failed_ids.push(*id);
+                failed_errors.push(error.replace('\0', "\\u0000"));
+            }
+        }
+    }
+    let mut tx = pool.begin().await?;
+    if !confirmed.is_empty() {
+        // Whoever holds the lease now: the target confirmed the request, another send would only be recognised.
+        sqlx::query("DELETE FROM idemflow.outbox WHERE pipeline = $1 AND id = ANY($2)")
+            .bind(pipeline)
+            .bind(&confirmed)
+            .persistent(super::persistent())
+            .execute(&mut *tx)
+            .await?;
+    }
+    if !retry_ids.is_empty() {
+        sqlx::query(
+            "UPDATE idemflow.outbox o SET next_attempt_at = now() + make_interval(secs => r.after), leased_until = NULL, lease_owner = NULL, last_error = r.error
+             FROM unnest($3::int8[], $4::float8[], $5::text[]) AS r(id, after, error)
+             WHERE o.pipeline = $1 AND o.id = r.id AND o.lease_owner = $2",
+        )
+        .bind(pipeline)
+        .bind(owner)
+        .bind(&retry_ids)
+        .bind(&retry_after)
+        .bind(&retry_errors)
+        .persistent(super::persistent())
+        .execute(&mut *tx)
+        .await?;
+    }
+    if !failed_ids.is_empty() {
+        // The request moves whole: its headers and body, and what `dead-letters replay` needs to send it again. The
+        // digest makes each failed row a dead letter of its own (two targets of one record fail apart).
+        sqlx::query(
+            r#"WITH gone AS (
+                   DELETE FROM idemflow.outbox o USING unnest($3::int8[], $4::text[]) AS f(id, error)
+                   WHERE o.pipeline = $1 AND o.id = f.id AND o.lease_owner = $2
+                   RETURNING o.*, f.error)
+               INSERT INTO idemflow.dead_letters
+                   (pipeline, topic, partition, "offset", record_key, header_names, header_values, payload, reason, error,
+                    property_names, property_values, payload_digest, request)
+               SELECT g.pipeline, g.topic, g.partition,
+                      CASE WHEN g.partition < 0 THEN nextval('idemflow.queue_dead_letter_seq') ELSE g."offset" END,
+                      NULL, g.header_names, ARRAY(SELECT convert_to(v, 'UTF8') FROM unnest(g.header_values) v), g.body,
+                      'delivery_failed', g.error, '{}', '{}', sha256(convert_to('outbox:' || g.id, 'UTF8')),
+                      jsonb_build_object('target', g.target, 'method', g.method, 'url', g.url, 'key_digest', encode(g.key_digest, 'hex'))
+               FROM gone g
+               ON CONFLICT (pipeline, topic, partition, "offset", payload_digest) DO NOTHING"#,
+        )
+        .bind(pipeline)
+        .bind(owner)
+        .bind(&failed_ids)
+        .bind(&failed_errors)
+        .persistent(super::persistent())
+        .execute(&mut *tx)
+        .await?;
+    }
+    tx.commit().await
+}
+
+/// Rows of `pipeline` waiting (up to `up_to`) and the age of the oldest ([`crate::store::Connector::outbox_depth`]).
+pub async fn depth(pool: &PgPool, pipeline: &str, up_to: i64) -> Result<OutboxDepth, sqlx::Error> {
+    let mut tx = pool.begin().await?;
+    let (rows, oldest_seconds): (i64, f64) = sqlx::query_as(
+        "SELECT count(*), coalesce(extract(epoch FROM now() - min(created_at)), 0)::float8
+         FROM (SELECT created_at FROM idemflow.outbox WHERE pipeline = $1 ORDER BY id LIMIT $2) s",
+    )
+    .bind(pipeline)
+    .bind(up_to)
+    .persistent(super::persistent())
+    .fetch_one(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    Ok(OutboxDepth { rows, oldest_seconds: oldest_seconds.max(0.0) })
+}
+
+/// Gives up `owner`'s leases ([`crate::store::Connector::outbox_release`]).
+pub async fn release(pool: &PgPool, pipeline: &str, owner: &str) -> Result<u64, sqlx::Error> {
+    let mut tx = pool.begin().await?;
+    let done = sqlx::query("UPDATE idemflow.outbox SET leased_until = NULL, lease_owner = NULL WHERE pipeline = $1 AND lease_owner = $2")
+        .bind(pipeline)
+        .bind(owner)
+        .persistent(super::persistent())
+        .execute(&mut *tx)
+        .await?;
+    tx.commit().await?;
+    Ok(done.rows_affected())
+}
+
+/// Puts dead letter `id`'s request back in the outbox ([`crate::store::Connector::outbox_requeue`]).
+pub async fn requeue(pool: &PgPool, id: i64) -> Result<Option<i64>, sqlx::Error> {
+    let mut tx = pool.begin().await?;
+    let new: Option<i64> = sqlx::query_scalar(
+        r#"WITH d AS (
+               DELETE FROM idemflow.dead_letters WHERE id = $1 AND reason = 'delivery_failed' AND request IS NOT NULL RETURNING *)
+           INSERT INTO idemflow.outbox (pipeline, key_digest, target, method, url, header_names, header_values, body, topic, partition, "offset")
+           SELECT d.pipeline, decode(d.request->>'key_digest', 'hex'), d.request->>'target', d.request->>'method', d.request->>'url',
+                  d.header_names, ARRAY(SELECT convert_from(v, 'UTF8') FROM unnest(d.header_values) v), coalesce(d.payload, ''::bytea),
+                  d.topic, d.partition, d."offset"
+           FROM d
+           RETURNING id"#,
+    )
+    .bind(id)
+    .persistent(super::persistent())
+    .fetch_optional(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    Ok(new)
+}
