@@ -219,7 +219,9 @@ pub async fn run_with_faults(
             // ends (bounded by its lease), then gives up what it still holds.
             let outbox = match r.pipeline.outbox.clone().map(|spec| {
                 let signals = crate::outbox::relay::Signals::default();
-                let owner = Attempt::lane(&owner()).to_string();
+                // Each relay its own owner, even two in one process (tests run several workers in one).
+                static RELAYS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+                let owner = format!("{}/relay{}", Attempt::lane(&owner()), RELAYS.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
                 let relay = crate::outbox::relay::Relay::new(
                     r.store.clone(), name.clone(), owner, spec, signals.clone(), pm_root.outbox(&name), health.clone(), faults.crash_after_deliveries,
                 );

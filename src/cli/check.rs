@@ -178,6 +178,9 @@ async fn find(a: &CheckArgs) -> Findings {
             }),
         }
     }
+    for p in &pipelines {
+        outbox_targets(p, &mut findings).await;
+    }
     let stores = match open_stores(&settings, &pipelines).await {
         Ok(s) => s,
         Err(e) => {
@@ -225,6 +228,24 @@ async fn find(a: &CheckArgs) -> Findings {
         }
     }
     findings
+}
+
+/// Whether each `[[sink.http]]` target of `p` answers: its host resolves (a problem if not) and accepts a TCP
+/// connection (a warning if not: the worker retries, and pauses at the outbox's bounds), without a request sent.
+async fn outbox_targets(p: &config::Pipeline, findings: &mut Findings) {
+    use idemflow::outbox::deliver::{reachable, Unreachable};
+    let Some(outbox) = &p.outbox else { return };
+    for t in &outbox.http {
+        match reachable(t, std::time::Duration::from_secs(5)).await {
+            Ok(Some(what)) => findings.line(format!("pipeline {:?}: sink.http {}: {what}", p.name, t.name)),
+            Ok(None) => findings.line(format!("pipeline {:?}: sink.http {}: its host comes from the record's values; not checked", p.name, t.name)),
+            Err(Unreachable::Refused(why)) => findings.line(format!(
+                "warning: pipeline {:?}: sink.http {}: does not accept connections now ({why}); the relay retries, and consumption pauses at the outbox's bounds",
+                p.name, t.name
+            )),
+            Err(Unreachable::Unresolved(why)) => findings.problems.push(pipeline_problem(p, "sink.http", format!("{}: the host does not resolve: {why}", t.name))),
+        }
+    }
 }
 
 /// Holds the pipeline's key and value paths to the schemas its payloads are written with now (its `schema_file`, or

@@ -121,6 +121,36 @@ pub async fn send(client: &reqwest::Client, target: &HttpTarget, request: &Outbo
     }
 }
 
+/// How `check` finds a target: its host resolved and a TCP connection accepted within `within`, no request sent.
+/// `Ok` with what was reached; `Err(Unreachable::Unresolved)` for a host that does not resolve, `Refused` for one
+/// that does not accept a connection. A URL whose host comes from the record's values is not asked.
+pub async fn reachable(target: &HttpTarget, within: Duration) -> Result<Option<String>, Unreachable> {
+    let Some((host, port)) = target.fixed_host() else { return Ok(None) };
+    let addrs: Vec<std::net::SocketAddr> = match tokio::time::timeout(within, tokio::net::lookup_host((host.as_str(), port))).await {
+        Ok(Ok(a)) => a.collect(),
+        Ok(Err(e)) => return Err(Unreachable::Unresolved(format!("{host}: {e}"))),
+        Err(_) => return Err(Unreachable::Unresolved(format!("{host}: no answer from the resolver within {within:?}"))),
+    };
+    let mut last = format!("{host}:{port}: no address");
+    for addr in addrs {
+        match tokio::time::timeout(within, tokio::net::TcpStream::connect(addr)).await {
+            Ok(Ok(_)) => return Ok(Some(format!("{host}:{port} ({addr}) accepts connections"))),
+            Ok(Err(e)) => last = format!("{host}:{port} ({addr}): {e}"),
+            Err(_) => last = format!("{host}:{port} ({addr}): no connection within {within:?}"),
+        }
+    }
+    Err(Unreachable::Refused(last))
+}
+
+/// Why `check` could not reach a target ([`reachable`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Unreachable {
+    /// The host name does not resolve: a mistake in the URL, most likely.
+    Unresolved(String),
+    /// It resolves, and nothing accepts a connection there (now).
+    Refused(String),
+}
+
 /// The first [`RESPONSE_HEAD_BYTES`] of an answer's body, as text; what could not be read is said.
 async fn head(mut response: reqwest::Response) -> String {
     let mut bytes = Vec::new();

@@ -5,7 +5,7 @@
 //! oldest of each business key only), send each once, at the same time, and record what came of them in one
 //! transaction ([`Store::outbox_settle`]): confirmed rows deleted, others given their next attempt, or moved to the
 //! dead letters. A crash, a lost connection or a stop between a target's answer and that transaction leaves the row
-//! leased: once its lease runs out (the longest `timeout` plus [`LEASE_MARGIN`]) a relay sends it again, with the same
+//! leased: once its lease runs out (`[outbox] lease`: the longest `timeout` plus [`LEASE_MARGIN`]) a relay sends it again, with the same
 //! idempotency key, which the target recognises. See `src/lib.rs`, "The outbox".
 
 use super::deliver::{self, AttemptResult, Outcome};
@@ -18,11 +18,13 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-/// How much longer than the longest request `timeout` a lease holds: time to record the answer.
+/// How much longer than the longest request `timeout` a lease holds by default (`[outbox] lease`): time to record
+/// the answer.
 pub const LEASE_MARGIN: Duration = Duration::from_secs(30);
 
-/// How often the relay counts the rows waiting (back-pressure, `idemflow_outbox_rows`).
-pub const MEASURE_EVERY: Duration = Duration::from_secs(1);
+/// How often the relay counts the rows waiting (back-pressure, `idemflow_outbox_rows`): a pipeline over its bounds
+/// consumes at most this long more. The count reads at most twice `max_rows` index entries.
+pub const MEASURE_EVERY: Duration = Duration::from_millis(250);
 
 /// The variable that makes `idemflow run` abort right after the Nth request a target confirmed, before the outbox
 /// records it: `IDEMFLOW_FAULT_CRASH_AFTER_DELIVERIES=N`. For tests; a worker started with it says so loudly.
@@ -95,7 +97,7 @@ impl Relay {
         crash_after: Option<u64>,
     ) -> Result<Relay, String> {
         let clients = spec.http.iter().map(deliver::client).collect::<Result<Vec<_>, _>>()?;
-        let lease = spec.http.iter().map(|t| t.timeout).max().unwrap_or_default() + LEASE_MARGIN;
+        let lease = spec.settings.lease.unwrap_or_else(|| spec.http.iter().map(|t| t.timeout).max().unwrap_or_default() + LEASE_MARGIN);
         for t in &spec.http {
             metrics.target(&t.name);
         }
@@ -105,14 +107,14 @@ impl Relay {
     /// Delivers until `shutdown`: round after round, each at once after the last while rows are due, otherwise at
     /// the next wake-up or `poll_interval`. Returns at the end of the round under way when shutdown is asked for;
     /// [`Relay::release`] then gives up what it still holds.
-    pub async fn run(&self, mut shutdown: Shutdown) {
+    pub async fn run(&self, shutdown: Shutdown) {
+        tokio::join!(self.deliver_rounds(shutdown.clone()), self.measure_every(shutdown));
+    }
+
+    /// Rounds of deliveries until `shutdown`.
+    async fn deliver_rounds(&self, mut shutdown: Shutdown) {
         let settings = self.spec.settings;
-        let mut measured: Option<Instant> = None;
         while !shutdown.is_triggered() {
-            if measured.is_none_or(|m| m.elapsed() >= MEASURE_EVERY) {
-                measured = Some(Instant::now());
-                self.measure().await;
-            }
             let leased = match self.store.outbox_lease(&self.pipeline, &self.owner, settings.concurrency as i64, self.lease).await {
                 Ok(rows) => rows,
                 Err(e) => {
@@ -128,6 +130,17 @@ impl Relay {
             let outcomes = futures_util::future::join_all(leased.iter().map(|row| self.deliver(row))).await;
             let settled: Vec<Settled> = leased.iter().zip(outcomes).map(|(row, outcome)| self.settle(row, outcome)).collect();
             self.record(&settled).await;
+        }
+    }
+
+    /// Counts the rows waiting every [`MEASURE_EVERY`] until `shutdown`, whatever the rounds take.
+    async fn measure_every(&self, mut shutdown: Shutdown) {
+        while !shutdown.is_triggered() {
+            self.measure().await;
+            tokio::select! {
+                () = tokio::time::sleep(MEASURE_EVERY) => {}
+                () = shutdown.wait() => {}
+            }
         }
     }
 

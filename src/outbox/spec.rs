@@ -112,6 +112,10 @@ pub struct OutboxSettings {
     /// `poll_interval` (default 1 s): how often the relay looks for rows written by other workers, or due again
     /// (rows this worker commits are sent at once).
     pub poll_interval: Duration,
+    /// `lease` (default: the longest request `timeout` plus 30 s): how long a relay holds the rows it is sending.
+    /// A worker that died holding some leaves them to be sent again (with the same idempotency key) after it.
+    /// Longer than every `timeout`, so a live relay's request ends before its lease does.
+    pub lease: Option<Duration>,
 }
 
 /// The longest `Retry-After` honoured; a longer one waits this long.
@@ -126,6 +130,7 @@ impl Default for OutboxSettings {
             backoff: Duration::from_secs(1),
             max_backoff: Duration::from_secs(300),
             poll_interval: Duration::from_secs(1),
+            lease: None,
         }
     }
 }
@@ -183,6 +188,8 @@ pub struct RawOutbox {
     max_backoff: Option<Duration>,
     #[serde(default, with = "humantime_serde")]
     poll_interval: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    lease: Option<Duration>,
 }
 
 impl RawOutbox {
@@ -194,6 +201,7 @@ impl RawOutbox {
             || self.backoff.is_some()
             || self.max_backoff.is_some()
             || self.poll_interval.is_some()
+            || self.lease.is_some()
     }
 }
 
@@ -344,7 +352,13 @@ pub fn parse(http: Vec<RawHttp>, params: &[Binding], raw: RawOutbox, e: &mut imp
         backoff: raw.backoff.unwrap_or(d.backoff),
         max_backoff: raw.max_backoff.unwrap_or(d.max_backoff),
         poll_interval: raw.poll_interval.unwrap_or(d.poll_interval),
+        lease: raw.lease,
     };
+    let longest = targets.iter().map(|t| t.timeout).max().unwrap_or_default();
+    if settings.lease.is_some_and(|l| l <= longest + Duration::from_secs(1)) {
+        ok = false;
+        e.push("outbox.lease", format!("must be longer than the longest request timeout ({}) by a second at least", humantime::format_duration(longest)));
+    }
     for (bad, field, why) in [
         (settings.max_rows == 0, "outbox.max_rows", "must be at least 1"),
         (settings.max_age.is_zero(), "outbox.max_age", "must be more than 0s"),
@@ -382,11 +396,17 @@ impl HttpTarget {
         self.url.params().chain(self.headers.iter().flat_map(|(_, a)| a.params())).chain(body)
     }
 
-    /// The URL's host when no placeholder is in it (what `check` tries to connect to), with its port.
+    /// The URL's host and port when no placeholder is in them (what `check` tries to connect to).
     pub fn fixed_host(&self) -> Option<(String, u16)> {
-        let text = self.url.literal()?;
-        let u = url::Url::parse(&text).ok()?;
-        Some((u.host_str()?.to_owned(), u.port_or_known_default()?))
+        const MARK: &str = "idemflowplaceholder";
+        let sample: String = self.url.0.iter().map(|p| match p {
+            crate::store::redis_command::Piece::Text(t) => t.as_str(),
+            crate::store::redis_command::Piece::Param(_) => MARK,
+        }).collect();
+        // A placeholder in the port does not parse; one in the host shows in it.
+        let u = url::Url::parse(&sample).ok()?;
+        let host = u.host_str().filter(|h| !h.contains(MARK))?;
+        Some((host.to_owned(), u.port_or_known_default()?))
     }
 }
 
@@ -495,7 +515,7 @@ mod tests {
         assert_eq!(spec.params.iter().map(|b| b.name.as_str()).collect::<Vec<_>>(), ["account", "amount"]);
         assert_eq!(spec.http[0].name, "http");
         assert_eq!(spec.http[0].method, "POST");
-        assert_eq!(spec.http[0].fixed_host(), None, "a placeholder in the path: no fixed URL");
+        assert_eq!(spec.http[0].fixed_host(), Some(("pay.example".to_owned(), 443)), "a placeholder in the path only");
         let bad = raw(
             "[[http]]\nurl = \"ftp://x/{nope}\"\nmethod = \"P O\"\nsuccess = [200, \"7xx\"]\nheaders = { \"Idempotency-Key\" = \"x\", \"bad name\" = \"y\" }\n\
              [[http]]\nurl = \"http://h/\"\nname = \"http\"\n",

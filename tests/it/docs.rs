@@ -315,7 +315,7 @@ fn settings_problem(text: &str) -> Option<String> {
 fn the_json_schemas_have_the_keys_the_parsers_take() {
     // Each table: an unknown key makes the parser list the keys it takes; the schema must allow exactly those.
     let pipeline = schema("pipeline.schema.json");
-    for table in ["", "source", "key", "sink", "batch", "dead_letters", "dedup", "offsets"] {
+    for table in ["", "source", "key", "sink", "batch", "dead_letters", "dedup", "offsets", "outbox"] {
         let text = if table.is_empty() {
             "zzz_unknown = 1\n".to_owned()
         } else {
@@ -364,7 +364,7 @@ fn check_jsonschema(schema: &str, files: &[PathBuf]) -> (bool, String) {
 fn the_json_schemas_take_every_shipped_file_and_refuse_what_the_parsers_refuse() {
     let root = project_root();
     let mut pipelines: Vec<PathBuf> = Vec::new();
-    for dir in ["pipelines", "examples/per-record-sql", "examples/mysql", "examples/nats", "examples/rabbitmq", "examples/redis", "examples/rocketmq", "examples/formats", "fuzz/corpus/pipeline"] {
+    for dir in ["pipelines", "examples/per-record-sql", "examples/mysql", "examples/nats", "examples/rabbitmq", "examples/redis", "examples/rocketmq", "examples/formats", "examples/outbox", "fuzz/corpus/pipeline"] {
         for entry in std::fs::read_dir(root.join(dir)).unwrap() {
             let path = entry.unwrap().path();
             if path.extension().is_some_and(|e| e == "toml") {

@@ -22,6 +22,7 @@ mod demo;
 mod deploy;
 mod docs;
 mod offsets;
+mod outbox;
 mod operator;
 mod pgbouncer;
 mod rabbitmq;

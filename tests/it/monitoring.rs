@@ -64,7 +64,11 @@ async fn every_dashboard_and_alert_query_returns_data_from_a_real_prometheus() {
     kafka.create_topic("payments", 2);
     // The retention sweep on a short interval, so that its pass gauge has a value while Prometheus scrapes.
     let pipeline = format!("{}\n[dedup]\npurge_interval = \"1s\"\n", shipped());
-    let setup = Setup::new(&db, &kafka, &[("payments.toml", &pipeline)]);
+    // Beside it, the same stream charged through the outbox (examples/outbox/charges.toml), so the outbox's series
+    // have values too.
+    let provider = provider::Provider::start(&[]);
+    let charges = std::fs::read_to_string(project_root().join("examples/outbox/charges.toml")).unwrap().replace("http://127.0.0.1:8085", &provider.url());
+    let setup = Setup::new(&db, &kafka, &[("payments.toml", &pipeline), ("charges.toml", &charges)]);
     let s = payments(3_000, 2, false);
     let worker = BinWorker::start(&setup);
 
@@ -138,7 +142,7 @@ async fn every_dashboard_and_alert_query_returns_data_from_a_real_prometheus() {
         .iter()
         .map(|r| (r["name"].as_str().unwrap().to_owned(), r["query"].as_str().unwrap().to_owned()))
         .collect();
-    assert_eq!(rules.len(), 10, "{rules:?}");
+    assert_eq!(rules.len(), 12, "{rules:?}");
     for (name, q) in &rules {
         let v = query(addr, q);
         for metric in metric_names(q) {

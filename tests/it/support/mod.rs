@@ -5,6 +5,7 @@ pub mod mariadb;
 pub mod nats;
 pub mod noida;
 pub mod postgres;
+pub mod provider;
 pub mod rabbitmq;
 pub mod redis;
 pub mod registry;

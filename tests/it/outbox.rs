@@ -1,0 +1,284 @@
+//! The outbox ([[sink.http]], docs/outbox.md) through the binary, against the suite's payment provider
+//! (tests/payment-provider/server.py: idempotency keys honoured as the IETF httpapi draft describes, failures on
+//! demand): each business key charged once across a crash between the provider's answer and the outbox's record of
+//! it, on PostgreSQL and MariaDB; retries, a dead letter and its replay; three workers on one outbox; back-pressure
+//! while the provider is down.
+
+use crate::support::mariadb::MyDb;
+use crate::support::provider::Provider;
+use crate::support::{http_get, metric, unique, wait_until, BinWorker, Database, Kafka, Out, Setup, TestDb};
+use serde_json::Value;
+use std::time::Duration;
+
+/// The business table, the same on both stores.
+const PAYMENTS: &str = "CREATE TABLE payments (id VARCHAR(64) PRIMARY KEY, amount DECIMAL(12, 2) NOT NULL)";
+
+/// A pipeline that records each payment in `payments` and charges it through the provider at `url`, with `extra`
+/// lines at the end (an `[outbox]` table's keys go there).
+fn pipeline(topic: &str, url: &str, http_extra: &str, outbox_extra: &str) -> String {
+    format!(
+        r#"topics = ["{topic}"]
+[key]
+field = "/id"
+[sink]
+table = "payments"
+[sink.columns]
+id = "/id"
+amount = "/amount"
+[sink.params]
+order = "/id"
+amount = "/amount"
+account = "/account"
+[[sink.http]]
+name = "provider"
+url = "{url}/v1/accounts/{{account}}/charges"
+body = {{ amount = "{{amount}}", order = "{{order}}" }}
+headers = {{ X-Order = "{{order}}" }}
+timeout = "2s"
+max_attempts = 10
+{http_extra}
+[outbox]
+poll_interval = "200ms"
+backoff = "200ms"
+max_backoff = "1s"
+lease = "4s"
+{outbox_extra}
+"#
+    )
+}
+
+/// `n` payments (ids `o-0` ...), over two partitions, then the first `again` of them produced once more (a
+/// producer's retries: the same payload at another offset).
+fn payments(n: usize, again: usize) -> Vec<Out> {
+    let one = |i: usize| Out::json((i % 2) as i32, format!(r#"{{"id":"o-{i}","amount":{}.50,"account":"acct-{}"}}"#, i + 1, i % 3));
+    (0..n).map(one).chain((0..again).map(one)).collect()
+}
+
+/// The outbox's rows on either store.
+async fn outbox_rows(db: &Store) -> i64 {
+    match db {
+        Store::Pg(db) => db.scalar("SELECT count(*) FROM idemflow.outbox").await,
+        Store::My(db) => db.scalar("SELECT COUNT(*) FROM idemflow_outbox").await,
+    }
+}
+
+async fn business_rows(db: &Store) -> i64 {
+    match db {
+        Store::Pg(db) => db.scalar("SELECT count(*) FROM payments").await,
+        Store::My(db) => db.scalar("SELECT COUNT(*) FROM payments").await,
+    }
+}
+
+/// Both stores the outbox runs on.
+enum Store {
+    Pg(TestDb),
+    My(MyDb),
+}
+
+impl Store {
+    fn db(&self) -> &dyn Database {
+        match self {
+            Store::Pg(db) => db,
+            Store::My(db) => db,
+        }
+    }
+}
+
+/// Every key the provider charged, charged once; returns the provider's state.
+fn charged_once(provider: &Provider, n: usize, pipeline: &str) -> Value {
+    let state = provider.state();
+    assert_eq!(state["distinct_keys"], n, "{state:#}");
+    assert_eq!(state["charges"], n, "each key charged once: {state:#}");
+    for i in 0..n {
+        let key = format!("{pipeline}:o-{i}");
+        let k = &state["keys"][&key];
+        assert_eq!(k["charges"], 1, "{key}: {k:#}");
+        assert_eq!(k["headers"]["x-order"], format!("o-{i}"), "{key}: {k:#}");
+        assert_eq!(k["path"], format!("/v1/accounts/acct-{}/charges", i % 3), "{key}: {k:#}");
+    }
+    state
+}
+
+/// The worker aborts right after the provider confirmed a charge and before the outbox recorded it; started again,
+/// it sends that request again with the same idempotency key (after the dead worker's lease), the provider answers
+/// it from its record of the key, and every payment is charged exactly once (none lost, none doubled), while the
+/// producer's retries charge nothing.
+async fn a_crash_after_the_target_confirmed(db: Store) {
+    let provider = Provider::start(&[]);
+    let topic = format!("orders_{}", unique());
+    let kafka = Kafka::new();
+    kafka.create_topic(&topic, 2);
+    let setup = Setup::new(db.db(), &kafka, &[("orders.toml", &pipeline(&topic, &provider.url(), "", ""))]);
+    kafka.produce(&topic, &payments(40, 10));
+    let mut w = BinWorker::start_with_env(&setup, &[("IDEMFLOW_FAULT_CRASH_AFTER_DELIVERIES", "5")]);
+    let status = w.wait_exit(Duration::from_secs(60));
+    assert!(!status.success(), "the injected crash aborts the worker: {status:?}");
+    assert!(w.log_text().contains("injected crash (IDEMFLOW_FAULT_CRASH_AFTER_DELIVERIES)"), "{}", w.log_text());
+    let before = provider.state();
+    assert!(before["charges"].as_u64().unwrap() >= 5, "{before:#}");
+    assert!(outbox_rows(&db).await > 0, "the confirmed request was not recorded as delivered");
+    let mut w = BinWorker::start(&setup);
+    wait_until(Duration::from_secs(90), "every payment charged and the outbox empty", || async {
+        provider.state()["distinct_keys"] == 40 && outbox_rows(&db).await == 0
+    })
+    .await;
+    w.sigterm();
+    let state = charged_once(&provider, 40, "orders");
+    let replayed: Vec<&String> = state["keys"].as_object().unwrap().iter().filter(|(_, k)| k["replays"].as_u64() > Some(0)).map(|(key, _)| key).collect();
+    assert!(!replayed.is_empty(), "the request confirmed before the crash was sent again and recognised: {state:#}");
+    assert_eq!(state["mismatches"], 0, "a request sent again is the same request: {state:#}");
+    assert_eq!(business_rows(&db).await, 40, "the producer's retries were duplicates");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_after_the_target_confirmed_charges_once_on_postgres() {
+    a_crash_after_the_target_confirmed(Store::Pg(TestDb::new(PAYMENTS).await)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_after_the_target_confirmed_charges_once_on_mariadb() {
+    a_crash_after_the_target_confirmed(Store::My(MyDb::new(PAYMENTS).await)).await;
+}
+
+/// Answers worth retrying (503, 429 with Retry-After, a connection reset, a slow answer past the timeout whose
+/// charge stands, and the 409 the provider gives a retry while that charge is in flight) are retried until
+/// confirmed, each payment charged once; a 422 makes the request a `delivery_failed` dead letter with the status and
+/// the answer's head, and `dead-letters replay` sends it again: charged then. The metrics count every attempt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failures_are_retried_and_a_refused_request_is_dead_lettered_then_replayed() {
+    let provider = Provider::start(&[]);
+    for rule in [
+        serde_json::json!({"status": 503, "count": 2}),
+        serde_json::json!({"status": 429, "count": 1, "retry_after": 1}),
+        serde_json::json!({"reset": true, "count": 1}),
+        serde_json::json!({"delay": 3.0, "count": 1}),
+        serde_json::json!({"status": 422, "count": 1}),
+    ] {
+        provider.fault(rule);
+    }
+    let topic = format!("orders_{}", unique());
+    let db = TestDb::new(PAYMENTS).await;
+    let kafka = Kafka::new();
+    kafka.create_topic(&topic, 2);
+    let setup = Setup::new(&db, &kafka, &[("orders.toml", &pipeline(&topic, &provider.url(), "", ""))]);
+    kafka.produce(&topic, &payments(10, 0));
+    let mut w = BinWorker::start(&setup);
+    wait_until(Duration::from_secs(60), "nine payments charged, one dead-lettered", || async {
+        db.scalar::<i64>("SELECT count(*) FROM idemflow.outbox").await == 0
+            && db.scalar::<i64>("SELECT count(*) FROM idemflow.dead_letters").await == 1
+    })
+    .await;
+    let state = provider.state();
+    assert_eq!(state["distinct_keys"], 9, "{state:#}");
+    let (id, error, request): (i64, String, Value) =
+        sqlx::query_as("SELECT id, error, request FROM idemflow.dead_letters WHERE reason = 'delivery_failed'").fetch_one(&db.pool).await.unwrap();
+    assert!(error.contains("HTTP 422") && error.contains("/v1/accounts/"), "{error}");
+    assert_eq!(request["target"], "provider", "{request}");
+    let (status, out, err) = crate::support::idemflow(&["dead-letters", "replay", "--config", setup.config.to_str().unwrap(), &id.to_string()], setup.dir.path());
+    assert!(status.success(), "{out}\n{err}");
+    assert!(out.contains("back in the outbox"), "{out}");
+    wait_until(Duration::from_secs(30), "the replayed request charged", || async { provider.state()["distinct_keys"] == 10 }).await;
+    wait_until(Duration::from_secs(10), "the outbox empty", || async { db.scalar::<i64>("SELECT count(*) FROM idemflow.outbox").await == 0 }).await;
+    let metrics = w.scrape();
+    w.sigterm();
+    charged_once(&provider, 10, "orders");
+    assert_eq!(db.scalar::<i64>("SELECT count(*) FROM idemflow.dead_letters").await, 0, "the replay took the dead letter out");
+    let attempts = |result: &str| metric(&metrics, "idemflow_outbox_attempts_total", &[("pipeline", "orders"), ("target", "provider"), ("result", result)]);
+    assert!(attempts("retry_status") >= 3.0, "two 503s and a 429 at least:\n{metrics}");
+    assert!(attempts("connection") >= 1.0, "the reset:\n{metrics}");
+    assert!(attempts("timeout") >= 1.0, "the slow answer:\n{metrics}");
+    assert_eq!(attempts("rejected"), 1.0, "the 422:\n{metrics}");
+    assert_eq!(attempts("confirmed"), 10.0, "{metrics}");
+    let deliveries = |outcome: &str| metric(&metrics, "idemflow_outbox_deliveries_total", &[("pipeline", "orders"), ("target", "provider"), ("outcome", outcome)]);
+    assert_eq!(deliveries("confirmed"), 10.0, "{metrics}");
+    assert_eq!(deliveries("dead_lettered"), 1.0, "{metrics}");
+}
+
+/// Three workers share one outbox: every row is sent by one of them, once (no request twice, so none the provider
+/// had to answer 409 for), and each payment is charged once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_workers_share_one_outbox_without_sending_a_row_twice() {
+    let provider = Provider::start(&[]);
+    let topic = format!("orders_{}", unique());
+    let db = TestDb::new(PAYMENTS).await;
+    let kafka = Kafka::new();
+    kafka.create_topic(&topic, 2);
+    let setup = Setup::new(&db, &kafka, &[("orders.toml", &pipeline(&topic, &provider.url(), "", "concurrency = 4"))]);
+    let mut workers: Vec<BinWorker> = (0..3).map(|_| BinWorker::start(&setup)).collect();
+    kafka.produce(&topic, &payments(150, 30));
+    wait_until(Duration::from_secs(90), "every payment charged and the outbox empty", || async {
+        provider.state()["distinct_keys"] == 150 && db.scalar::<i64>("SELECT count(*) FROM idemflow.outbox").await == 0
+    })
+    .await;
+    for w in &mut workers {
+        w.sigterm();
+    }
+    let state = charged_once(&provider, 150, "orders");
+    assert_eq!(state["requests"], 150, "no row sent twice: {state:#}");
+    assert_eq!(state["conflicts"], 0, "{state:#}");
+}
+
+/// While the provider is down, the outbox grows past `max_rows` and the pipeline stops consuming: said in the log,
+/// `idemflow_outbox_paused` and `/readyz`; the provider back, the relay catches up, consumption resumes by itself,
+/// and every payment is charged once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_target_down_pauses_consumption_until_the_outbox_drains() {
+    let provider = Provider::start(&[]);
+    provider.fault(serde_json::json!({"status": 503, "count": -1}));
+    let topic = format!("orders_{}", unique());
+    let db = TestDb::new(PAYMENTS).await;
+    let kafka = Kafka::new();
+    kafka.create_topic(&topic, 2);
+    let text = pipeline(&topic, &provider.url(), "", "max_rows = 5\n[batch]\nmax_records = 3\nmax_wait = \"50ms\"").replace("max_attempts = 10", "max_attempts = 1000");
+    let n = 400;
+    let setup = Setup::new(&db, &kafka, &[("orders.toml", &text)]);
+    kafka.produce(&topic, &payments(n, 0));
+    let mut w = BinWorker::start(&setup);
+    wait_until(Duration::from_secs(60), "the pipeline paused", || async {
+        metric(&w.scrape(), "idemflow_outbox_paused", &[("pipeline", "orders")]) == 1.0
+    })
+    .await;
+    let (status, body) = http_get(w.metrics, "/readyz").unwrap();
+    assert_eq!(status, 503, "{body}");
+    assert!(body.contains("paused") && body.contains("max_rows"), "{body}");
+    let received = |m: &str| metric(m, "idemflow_records_received_total", &[("pipeline", "orders")]);
+    let first = received(&w.scrape());
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let later = received(&w.scrape());
+    assert_eq!(first, later, "nothing consumed while paused");
+    assert!(later < n as f64, "{later}");
+    let rows = db.scalar::<i64>("SELECT count(*) FROM idemflow.outbox").await;
+    assert!(rows > 5 && (rows as f64) <= later, "the outbox stopped growing past its bound: {rows} rows");
+    assert!(w.log_text().contains("consumption paused: the outbox holds"), "{}", w.log_text());
+    provider.clear_faults();
+    wait_until(Duration::from_secs(90), "every payment charged and the outbox empty", || async {
+        provider.state()["distinct_keys"] == n && db.scalar::<i64>("SELECT count(*) FROM idemflow.outbox").await == 0
+    })
+    .await;
+    wait_until(Duration::from_secs(10), "ready again", || async { http_get(w.metrics, "/readyz").is_ok_and(|(s, _)| s == 200) }).await;
+    assert!(w.log_text().contains("consumption resumed"), "{}", w.log_text());
+    w.sigterm();
+    charged_once(&provider, n, "orders");
+}
+
+/// `check` says whether each target accepts connections, without sending it a request, and refuses a host that
+/// does not resolve.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_tells_whether_each_target_answers() {
+    let provider = Provider::start(&[]);
+    let topic = format!("orders_{}", unique());
+    let db = TestDb::new(PAYMENTS).await;
+    let kafka = Kafka::new();
+    kafka.create_topic(&topic, 1);
+    let fixed = pipeline(&topic, &provider.url(), "", "");
+    let setup = Setup::new(&db, &kafka, &[("orders.toml", &fixed)]);
+    let (status, out, err) = crate::support::idemflow(&["check", "--config", setup.config.to_str().unwrap()], setup.dir.path());
+    assert!(status.success(), "{out}\n{err}");
+    assert!(out.contains(&format!("sink.http provider: 127.0.0.1:{} (127.0.0.1:{}) accepts connections", provider.port, provider.port)), "{out}");
+    assert_eq!(provider.state()["requests"], 0, "no request sent");
+    let nowhere = fixed.replace(&provider.url(), "http://no-such-host.invalid");
+    std::fs::write(setup.dir.path().join("pipelines/orders.toml"), nowhere).unwrap();
+    let (status, out, err) = crate::support::idemflow(&["check", "--config", setup.config.to_str().unwrap()], setup.dir.path());
+    assert!(!status.success(), "{out}\n{err}");
+    assert!(err.contains("sink.http: provider: the host does not resolve"), "{err}");
+}
