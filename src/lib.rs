@@ -27,8 +27,10 @@
 //!   schema registry's schema ids or a schema file) and JSON Schema; [`schema_registry`]: the registry's client.
 //! - [`key`]: the business key of a record and its SHA-256 digest.
 //! - [`prepare`]: one record through decode, key and parameter extraction, into what the sink needs.
-//! - [`sink`]: the batch protocol, once for every store: dedup claim, side effect, dead letters, duplicate and
-//!   failure classification.
+//! - [`sink`]: the batch protocol, once for every store: dedup claim, side effect, outbox rows, dead letters,
+//!   duplicate and failure classification.
+//! - [`outbox`]: effects outside the database (`[[sink.http]]`): the requests of a record rendered when it is
+//!   prepared, written by the sink for new keys only, sent after the commit by the relay beside the pipeline.
 //! - [`offsets`]: the next offset of each partition after a batch (the only place that adds 1), and the fenced
 //!   positions stored in Postgres with `[offsets] store = "database"`.
 //! - [`retention`]: the paced sweep that deletes dedup rows older than the pipeline's retention, slice by slice,
@@ -253,6 +255,42 @@
 //!   position and its payload's digest ([`record::Record::payload_sha256`]): a poison record at a position reused by
 //!   a topic or a JetStream stream created again is kept as a dead letter of its own, never taken for a redelivery
 //!   of the one dead-lettered there (`nats::a_new_poison_message_at_the_sequence_of_an_old_one_...`).
+//!
+//! # The outbox: effects outside the database
+//!
+//! An HTTP request (`[[sink.http]]`, [`outbox`]) cannot join the transaction, so it is written into it: the batch
+//! inserts the request's row into the outbox after the claim, only for records whose claim returned their key
+//! ([`store::Tx::write_outbox`]), and the row commits or rolls back with the dedup row. A duplicate never writes one,
+//! so there is one row per business key (and request). Everything before `COMMIT` is as above. After it, the relay:
+//!
+//! 1. leases due rows in a short transaction of its own (`FOR UPDATE SKIP LOCKED`, then `leased_until`, the attempt
+//!    counted): two relays never hold one row at once, and a key's next row is not due while an older row of the key
+//!    is left (it is sent in order, one at a time);
+//! 2. sends each with `Idempotency-Key: <pipeline>:<business key>`, the same on every attempt and from every worker
+//!    ([`outbox::render::idempotency_key`]), bounded by its `timeout`;
+//! 3. records the outcomes in one transaction ([`store::Store::outbox_settle`]): a confirmed row deleted (whoever
+//!    holds its lease by then: the target confirmed it), a retry given its next attempt and its lease given up (only
+//!    by its holder), a failure moved whole to the dead letters (`delivery_failed`, only by its holder).
+//!
+//! - A crash, kill or lost database connection before 3 commits (the target may have confirmed): the row stays,
+//!   leased until `[outbox] lease` (longer than every `timeout`) runs out; a relay then leases it and sends it
+//!   again, with the same key, which a target honouring the IETF httpapi draft "The Idempotency-Key HTTP Header Field"
+//!   answers from its record of the first request: applied once. A target that ignores the key applies it again;
+//!   that is the at-least-once docs/outbox.md states. Tested with the worker aborted right after the target's
+//!   confirmation ([`outbox::relay::CRASH_AFTER_DELIVERIES_VAR`]) on PostgreSQL and MariaDB
+//!   (`outbox::a_crash_after_the_target_confirmed_charges_once_on_*`).
+//! - A relay stalled past its lease (a frozen process) may find its row leased and sent by another: the target sees
+//!   the key twice at once and answers the draft's 409 to one, which is retried; whichever confirms first deletes the
+//!   row, and the other's record finds nothing to do. Nothing is sent without its lease having been taken first.
+//! - A stop: the relay ends its round (bounded by the lease), then gives its leases up: the rows go at once to
+//!   another relay.
+//! - A row is deleted only after its target answered a `success` status; a lost answer is a retry. A status that
+//!   can never succeed, or the last of `max_attempts`, moves it to the dead letters in the same transaction as its
+//!   deletion, its request kept whole; `dead-letters replay` moves it back, in one transaction too. Nothing retries
+//!   silently forever: attempts are counted at each lease, so even a request that crashes its worker every time
+//!   runs out of them.
+//! - Back-pressure pauses consumption (the batch in hand held, nothing committed) while the outbox is over its
+//!   bounds; it bounds the outbox's growth, never what is applied.
 //!
 //! The dedup row and the effect are in the same transaction, so "marked as seen" and "applied" are one fact: there
 //! is no window in which a key is claimed but its effect is lost. No cache in memory ever claims a key.

@@ -223,7 +223,7 @@ pub async fn run_with_faults(
                 static RELAYS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
                 let owner = format!("{}/relay{}", Attempt::lane(&owner()), RELAYS.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
                 let relay = crate::outbox::relay::Relay::new(
-                    r.store.clone(), name.clone(), owner, spec, signals.clone(), pm_root.outbox(&name), health.clone(), faults.crash_after_deliveries,
+                    r.store.clone(), name.clone(), owner, spec, &settings.brokers().kafka, signals.clone(), pm_root.outbox(&name), health.clone(), faults.crash_after_deliveries,
                 );
                 relay.map(|relay| (signals, std::sync::Arc::new(relay)))
             }) {

@@ -1,7 +1,8 @@
 -- The outbox (docs/outbox.md), as PostgreSQL's migration 13: effects outside the database (HTTP calls) written in
 -- the batch's transaction for records whose business key was new, delivered after the commit by the worker's relay
 -- (rows leased with FOR UPDATE SKIP LOCKED: MySQL 8.0 and MariaDB 10.6 or later), deleted once their target
--- confirmed them, moved to the dead letters (`delivery_failed`) when they can never succeed. Headers are JSON arrays
+-- confirmed them, moved to the dead letters (`delivery_failed`) when they can never succeed. A Kafka record
+-- (`[[sink.kafka]]`) has method `PRODUCE`, its topic in `url`, its key in `record_key`. Headers are JSON arrays
 -- as the dead letters keep them: names as strings, values as hex strings.
 CREATE TABLE idemflow_outbox (
     id              BIGINT        NOT NULL AUTO_INCREMENT PRIMARY KEY,
@@ -13,6 +14,7 @@ CREATE TABLE idemflow_outbox (
     header_names    LONGTEXT      NOT NULL,
     header_values   LONGTEXT      NOT NULL,
     body            LONGBLOB      NOT NULL,
+    record_key      LONGBLOB      NULL,
     topic           VARCHAR(255)  NOT NULL,
     `partition`     INT           NOT NULL,
     `offset`        BIGINT        NULL,

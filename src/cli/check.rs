@@ -179,7 +179,7 @@ async fn find(a: &CheckArgs) -> Findings {
         }
     }
     for p in &pipelines {
-        outbox_targets(p, &mut findings).await;
+        outbox_targets(p, &brokers.kafka, &mut findings).await;
     }
     let stores = match open_stores(&settings, &pipelines).await {
         Ok(s) => s,
@@ -231,8 +231,9 @@ async fn find(a: &CheckArgs) -> Findings {
 }
 
 /// Whether each `[[sink.http]]` target of `p` answers: its host resolves (a problem if not) and accepts a TCP
-/// connection (a warning if not: the worker retries, and pauses at the outbox's bounds), without a request sent.
-async fn outbox_targets(p: &config::Pipeline, findings: &mut Findings) {
+/// connection (a warning if not: the worker retries, and pauses at the outbox's bounds), without a request sent; and
+/// whether each `[[sink.kafka]]` topic exists (a problem if not), without a record produced.
+async fn outbox_targets(p: &config::Pipeline, kafka: &idemflow::source::kafka::KafkaSettings, findings: &mut Findings) {
     use idemflow::outbox::deliver::{reachable, Unreachable};
     let Some(outbox) = &p.outbox else { return };
     for t in &outbox.http {
@@ -246,6 +247,23 @@ async fn outbox_targets(p: &config::Pipeline, findings: &mut Findings) {
             Err(Unreachable::Unresolved(why)) => findings.problems.push(pipeline_problem(p, "sink.http", format!("{}: the host does not resolve: {why}", t.name))),
         }
     }
+    #[cfg(feature = "kafka")]
+    for t in &outbox.kafka {
+        let Some(topic) = t.topic.literal() else {
+            findings.line(format!("pipeline {:?}: sink.kafka {}: its topic comes from the record's values; not checked", p.name, t.name));
+            continue;
+        };
+        let exists = idemflow::source::kafka::outbox::OutboxProducer::new(kafka, &p.name, &t.name, t.timeout)
+            .map_err(|e| e.to_string())
+            .and_then(|producer| producer.topic_exists(&topic, std::time::Duration::from_secs(10)));
+        match exists {
+            Ok(true) => findings.line(format!("pipeline {:?}: sink.kafka {}: topic {topic:?} exists", p.name, t.name)),
+            Ok(false) => findings.problems.push(pipeline_problem(p, "sink.kafka", format!("{}: topic {topic:?} does not exist on [kafka] bootstrap_servers", t.name))),
+            Err(e) => findings.problems.push(pipeline_problem(p, "sink.kafka", format!("{}: cannot ask the brokers about topic {topic:?}: {e}", t.name))),
+        }
+    }
+    #[cfg(not(feature = "kafka"))]
+    let _ = kafka;
 }
 
 /// Holds the pipeline's key and value paths to the schemas its payloads are written with now (its `schema_file`, or

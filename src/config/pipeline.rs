@@ -262,6 +262,7 @@ struct RawSink {
     time_zone: Option<String>,
     naive_timestamps: Option<NaiveTimestamps>,
     http: Option<crate::outbox::spec::RawHttpList>,
+    kafka: Option<crate::outbox::spec::RawKafkaList>,
 }
 
 #[derive(Deserialize)]
@@ -703,25 +704,30 @@ fn validate_key(raw: &RawKey, e: &mut Errors<'_>) -> Option<KeySpec> {
 /// `[sink]` (and `[outbox]`, for `[[sink.http]]`): the side effect in its store, and the outbox's requests beside it
 /// or instead of it.
 fn validate_sink(mut raw: RawSink, outbox: RawOutbox, dialect: Dialect, e: &mut Errors<'_>) -> Option<(SinkSpec, Option<OutboxSpec>)> {
-    let http = raw.http.take().map(crate::outbox::spec::RawHttpList::into_vec);
+    let kafka = raw.kafka.take().map(crate::outbox::spec::RawKafkaList::into_vec);
+    let http = match (raw.http.take().map(crate::outbox::spec::RawHttpList::into_vec), &kafka) {
+        (None, None) => None,
+        (http, _) => Some(http.unwrap_or_default()),
+    };
     if http.is_none() && outbox.is_set() {
-        e.push("outbox", "applies to the requests of [[sink.http]], which this pipeline has none of");
+        e.push("outbox", "applies to the requests of [[sink.http]] and [[sink.kafka]], which this pipeline has none of");
     }
     let forms =
         [raw.table.is_some(), raw.sql.is_some(), raw.batch_sql.is_some(), raw.redis.is_some()].iter().filter(|set| **set).count();
     if forms > 1 || (forms == 0 && http.is_none()) {
         e.push(
             "sink",
-            "set exactly one of table (with [sink.columns]), sql, batch_sql or redis (each with [sink.params]), or [[sink.http]] alone",
+            "set exactly one of table (with [sink.columns]), sql, batch_sql or redis (each with [sink.params]), or [[sink.http]] or [[sink.kafka]] alone",
         );
         return None;
     }
     let Some(http) = http else { return validate_effect(raw, &[], dialect, e).map(|(sink, _)| (sink, None)) };
+    let kafka = kafka.unwrap_or_default();
     if raw.redis.is_some() {
-        e.push("sink.http", "runs through an outbox in the database: the table, sql and batch_sql forms (PostgreSQL, MySQL/MariaDB), or alone; not with redis");
+        e.push(if http.is_empty() { "sink.kafka" } else { "sink.http" }, "runs through an outbox in the database: the table, sql and batch_sql forms (PostgreSQL, MySQL/MariaDB), or alone; not with redis");
         return None;
     }
-    let used = crate::outbox::spec::used_params(&http);
+    let used = crate::outbox::spec::used_params(&http, &kafka);
     let (sink, params) = if forms == 0 {
         for (set, field) in [
             (raw.columns.is_some(), "sink.columns"),
@@ -740,7 +746,10 @@ fn validate_sink(mut raw: RawSink, outbox: RawOutbox, dialect: Dialect, e: &mut 
     } else {
         validate_effect(raw, &used, dialect, e)?
     };
-    let outbox = crate::outbox::spec::parse(http, &params, outbox, e)?;
+    if !kafka.is_empty() && !cfg!(feature = "kafka") {
+        e.push("sink.kafka", crate::store::not_built("Kafka", "kafka"));
+    }
+    let outbox = crate::outbox::spec::parse(http, kafka, &params, outbox, e)?;
     Some((sink, Some(outbox)))
 }
 

@@ -9,7 +9,7 @@
 //! idempotency key, which the target recognises. See `src/lib.rs`, "The outbox".
 
 use super::deliver::{self, AttemptResult, Outcome};
-use super::spec::{HttpTarget, OutboxSpec};
+use super::spec::{HttpTarget, KafkaTarget, OutboxSpec};
 use crate::metrics::OutboxMetrics;
 use crate::shutdown::Shutdown;
 use crate::store::rows::{Leased, Settled};
@@ -70,8 +70,11 @@ pub struct Relay {
     /// This worker's name as the owner of its leases.
     owner: String,
     spec: OutboxSpec,
-    /// One client per target, in [`OutboxSpec::http`]'s order.
+    /// One client per HTTP target, in [`OutboxSpec::http`]'s order.
     clients: Vec<reqwest::Client>,
+    /// One producer per Kafka target, in [`OutboxSpec::kafka`]'s order.
+    #[cfg(feature = "kafka")]
+    producers: Vec<crate::source::kafka::outbox::OutboxProducer>,
     lease: Duration,
     signals: Signals,
     metrics: OutboxMetrics,
@@ -82,26 +85,53 @@ pub struct Relay {
 }
 
 impl Relay {
-    /// The relay of `pipeline`'s outbox in `store`, leasing as `owner`.
+    /// The relay of `pipeline`'s outbox in `store`, leasing as `owner`; its Kafka records go to the brokers of
+    /// `kafka`.
     ///
-    /// Errors: a target's client cannot be built.
+    /// Errors: a target's client or producer cannot be built (`[kafka] bootstrap_servers` missing, a property
+    /// librdkafka refuses).
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         store: Store,
         pipeline: String,
         owner: String,
         spec: OutboxSpec,
+        kafka: &crate::source::kafka::KafkaSettings,
         signals: Signals,
         metrics: OutboxMetrics,
         health: crate::http::Health,
         crash_after: Option<u64>,
     ) -> Result<Relay, String> {
         let clients = spec.http.iter().map(deliver::client).collect::<Result<Vec<_>, _>>()?;
-        let lease = spec.settings.lease.unwrap_or_else(|| spec.http.iter().map(|t| t.timeout).max().unwrap_or_default() + LEASE_MARGIN);
-        for t in &spec.http {
-            metrics.target(&t.name);
+        if !spec.kafka.is_empty() && kafka.bootstrap_servers.trim().is_empty() {
+            return Err("[[sink.kafka]] produces to the brokers of [kafka]: set [kafka] bootstrap_servers".to_owned());
         }
-        Ok(Relay { store, pipeline, owner, spec, clients, lease, signals, metrics, health, crash_after, confirmed: AtomicU64::new(0) })
+        #[cfg(feature = "kafka")]
+        let producers = spec
+            .kafka
+            .iter()
+            .map(|t| crate::source::kafka::outbox::OutboxProducer::new(kafka, &pipeline, &t.name, t.timeout).map_err(|e| format!("sink.kafka {}: {e}", t.name)))
+            .collect::<Result<Vec<_>, _>>()?;
+        let longest = spec.http.iter().map(|t| t.timeout).chain(spec.kafka.iter().map(|t| t.timeout + Duration::from_secs(1))).max().unwrap_or_default();
+        let lease = spec.settings.lease.unwrap_or(longest + LEASE_MARGIN);
+        for name in spec.http.iter().map(|t| &t.name).chain(spec.kafka.iter().map(|t| &t.name)) {
+            metrics.target(name);
+        }
+        Ok(Relay {
+            store,
+            pipeline,
+            owner,
+            spec,
+            clients,
+            #[cfg(feature = "kafka")]
+            producers,
+            lease,
+            signals,
+            metrics,
+            health,
+            crash_after,
+            confirmed: AtomicU64::new(0),
+        })
     }
 
     /// Delivers until `shutdown`: round after round, each at once after the last while rows are due, otherwise at
@@ -200,13 +230,19 @@ impl Relay {
         self.signals.set(over);
     }
 
-    fn target(&self, name: &str) -> Option<(&HttpTarget, &reqwest::Client)> {
-        let i = self.spec.http.iter().position(|t| t.name == name)?;
-        Some((&self.spec.http[i], &self.clients[i]))
+    fn target(&self, name: &str) -> Option<Target<'_>> {
+        if let Some(i) = self.spec.http.iter().position(|t| t.name == name) {
+            return Some(Target::Http(&self.spec.http[i], &self.clients[i]));
+        }
+        let i = self.spec.kafka.iter().position(|t| t.name == name)?;
+        #[cfg(feature = "kafka")]
+        return Some(Target::Kafka(&self.spec.kafka[i], &self.producers[i]));
+        #[cfg(not(feature = "kafka"))]
+        return Some(Target::Kafka(&self.spec.kafka[i]));
     }
 
     async fn deliver(&self, row: &Leased) -> Outcome {
-        let Some((target, client)) = self.target(&row.request.target) else {
+        let Some(target) = self.target(&row.request.target) else {
             return Outcome::Rejected {
                 error: format!(
                     "its target {:?} is not among the pipeline's [[sink.http]] names any more (renamed or removed since the row was written): \
@@ -216,9 +252,9 @@ impl Relay {
             };
         };
         let started = Instant::now();
-        let outcome = deliver::send(client, target, &row.request).await;
+        let outcome = target.send(&row.request).await;
         if outcome == Outcome::Confirmed {
-            self.metrics.confirmed(&target.name, row.age_seconds + started.elapsed().as_secs_f64());
+            self.metrics.confirmed(target.name(), row.age_seconds + started.elapsed().as_secs_f64());
             let n = self.confirmed.fetch_add(1, Ordering::Relaxed) + 1;
             if self.crash_after == Some(n) {
                 eprintln!(
@@ -228,14 +264,13 @@ impl Relay {
                 std::process::abort();
             }
         }
-        self.metrics.attempt(&target.name, outcome.result());
+        self.metrics.attempt(target.name(), outcome.result());
         outcome
     }
 
     /// What to record of one row's attempt.
     fn settle(&self, row: &Leased, outcome: Outcome) -> Settled {
-        let target = self.target(&row.request.target).map(|(t, _)| t);
-        let max_attempts = target.map_or(1, |t| t.max_attempts);
+        let max_attempts = self.target(&row.request.target).map_or(1, |t| t.max_attempts());
         let failed = |error: String| {
             tracing::warn!(pipeline = %self.pipeline, row = row.id, target = %row.request.target, attempts = row.attempts, error = %error,
                 "outbox request dead-lettered (delivery_failed)");
@@ -272,6 +307,55 @@ impl Relay {
                     tokio::time::sleep(Duration::from_millis(200 << attempt)).await;
                 }
             }
+        }
+    }
+}
+
+/// One target of the relay, with what sends to it.
+enum Target<'a> {
+    Http(&'a HttpTarget, &'a reqwest::Client),
+    #[cfg(feature = "kafka")]
+    Kafka(&'a KafkaTarget, &'a crate::source::kafka::outbox::OutboxProducer),
+    #[cfg(not(feature = "kafka"))]
+    Kafka(&'a KafkaTarget),
+}
+
+impl Target<'_> {
+    fn name(&self) -> &str {
+        match self {
+            Target::Http(t, ..) => &t.name,
+            Target::Kafka(t, ..) => &t.name,
+        }
+    }
+
+    fn max_attempts(&self) -> u32 {
+        match self {
+            Target::Http(t, ..) => t.max_attempts,
+            Target::Kafka(t, ..) => t.max_attempts,
+        }
+    }
+
+    /// One attempt. A Kafka record's failure is the brokers' answer: a retryable code counts as a retry status, the
+    /// producer's time-out as a time-out.
+    async fn send(&self, request: &crate::store::rows::OutboxRequest) -> Outcome {
+        match self {
+            Target::Http(t, client) => deliver::send(client, t, request).await,
+            #[cfg(feature = "kafka")]
+            Target::Kafka(_, producer) => {
+                use crate::source::kafka::outbox::ProduceError;
+                match producer.produce(&request.url, request.key.as_deref(), &request.headers, &request.body).await {
+                    Ok(()) => Outcome::Confirmed,
+                    Err(ProduceError::Rejected(error)) => Outcome::Rejected { error: format!("producing to {}: {error}", request.url) },
+                    Err(ProduceError::Retry(error)) => {
+                        Outcome::Retry { after: None, error: format!("producing to {}: {error}", request.url), result: AttemptResult::RetryStatus }
+                    }
+                    Err(ProduceError::TimedOut(error)) => {
+                        Outcome::Retry { after: None, error: format!("producing to {}: {error}", request.url), result: AttemptResult::Timeout }
+                    }
+                }
+            }
+            #[cfg(not(feature = "kafka"))]
+            Target::Kafka(t) => Outcome::Rejected { error: format!("{}: {}", t.name, crate::store::not_built("Kafka", "kafka")) },
         }
     }
 }

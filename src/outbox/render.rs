@@ -2,7 +2,7 @@
 //! where its template puts it (a null in a URL, a line break in a header) makes the record a `param_invalid` dead
 //! letter before any transaction, as a value its column refuses does.
 
-use super::spec::{Body, HttpTarget, JsonTemplate, OutboxSpec};
+use super::spec::{Body, HttpTarget, JsonTemplate, KafkaTarget, OutboxSpec};
 use crate::key::BusinessKey;
 use crate::store::redis_command::{Arg, Piece};
 use crate::store::rows::OutboxRequest;
@@ -27,8 +27,36 @@ impl OutboxSpec {
     /// Errors: which value cannot be used, and where.
     pub fn render(&self, pipeline: &str, key: &BusinessKey, payload: &[u8], values: &[Option<String>]) -> Result<Vec<OutboxRequest>, String> {
         let lookup = |name: &str| -> Option<&Option<String>> { self.params.iter().position(|b| b.name == name).and_then(|i| values.get(i)) };
-        self.http.iter().map(|t| render_one(t, pipeline, key, payload, &lookup)).collect()
+        let requests = self.http.iter().map(|t| render_one(t, pipeline, key, payload, &lookup));
+        requests.chain(self.kafka.iter().map(|t| render_record(t, pipeline, key, payload, &lookup))).collect()
     }
+}
+
+/// A Kafka record of `[[sink.kafka]]`: method [`crate::store::rows::PRODUCE`], the topic as its URL.
+fn render_record<'v>(
+    t: &KafkaTarget,
+    pipeline: &str,
+    key: &BusinessKey,
+    payload: &[u8],
+    lookup: &dyn Fn(&str) -> Option<&'v Option<String>>,
+) -> Result<OutboxRequest, String> {
+    let topic = text(&t.topic, lookup, &str::to_owned).map_err(|e| format!("sink.kafka {} topic: {e}", t.name))?;
+    if !super::spec::kafka_topic(&topic) {
+        return Err(format!("sink.kafka {} topic: {topic:?} is not a Kafka topic name", t.name));
+    }
+    let record_key = match &t.key {
+        Some(template) => text(template, lookup, &str::to_owned).map_err(|e| format!("sink.kafka {} key: {e}", t.name))?,
+        None => key.text.clone(),
+    };
+    let mut headers = vec![(t.idempotency_header.clone(), idempotency_key(pipeline, key))];
+    for (name, template) in &t.headers {
+        headers.push((name.clone(), text(template, lookup, &str::to_owned).map_err(|e| format!("sink.kafka {} header {name}: {e}", t.name))?));
+    }
+    let value = match &t.value {
+        Body::Payload => payload.to_vec(),
+        Body::Json(template) => json(template, lookup).map_err(|e| format!("sink.kafka {} value: {e}", t.name))?.to_string().into_bytes(),
+    };
+    Ok(OutboxRequest { target: t.name.clone(), method: crate::store::rows::PRODUCE.to_owned(), url: topic, headers, body: value, key: Some(record_key.into_bytes()) })
 }
 
 fn render_one<'v>(
@@ -61,7 +89,7 @@ fn render_one<'v>(
         Body::Payload => payload.to_vec(),
         Body::Json(template) => json(template, lookup).map_err(|e| format!("sink.http {} body: {e}", t.name))?.to_string().into_bytes(),
     };
-    Ok(OutboxRequest { target: t.name.clone(), method: t.method.clone(), url, headers, body })
+    Ok(OutboxRequest { target: t.name.clone(), method: t.method.clone(), url, headers, body, key: None })
 }
 
 /// A value as text: a JSON string's contents, any other JSON as written.
@@ -136,7 +164,7 @@ mod tests {
                 target_type: None,
             })
             .collect();
-        parse(toml::from_str::<Doc>(toml_text).unwrap().http.into_vec(), &params, RawOutbox::default(), &mut Panic).unwrap()
+        parse(toml::from_str::<Doc>(toml_text).unwrap().http.into_vec(), Vec::new(), &params, RawOutbox::default(), &mut Panic).unwrap()
     }
 
     /// A value alone in a body string keeps its JSON type; in text it is its text; in a URL it is percent-encoded;

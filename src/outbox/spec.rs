@@ -1,4 +1,5 @@
-//! What a pipeline declares of its outbox: `[[sink.http]]` (the requests each new business key sends) and `[outbox]`
+//! What a pipeline declares of its outbox: `[[sink.http]]` and `[[sink.kafka]]` (the requests and records each new
+//! business key sends) and `[outbox]`
 //! (back-pressure and the relay's pace), read from the raw TOML and checked, every problem naming its field.
 //!
 //! Templates are the Redis form's (`{name}` placeholders naming `[sink.params]` entries, `{{` and `}}` for braces;
@@ -17,6 +18,8 @@ pub struct OutboxSpec {
     /// The HTTP requests of each record whose business key was new, in the order written (the order a key's
     /// requests are delivered in).
     pub http: Vec<HttpTarget>,
+    /// The Kafka records of each record whose business key was new, after its HTTP requests.
+    pub kafka: Vec<KafkaTarget>,
     /// The `[sink.params]` entries the templates name, in the order their values are taken ([`Binding`]s rendered
     /// as JSON, [`crate::field::Render::Json`]).
     pub params: Vec<Binding>,
@@ -51,6 +54,30 @@ pub struct HttpTarget {
     /// are always retried; any other status can never succeed.
     pub retry: Vec<Statuses>,
     /// `max_attempts` (default 10): after as many, a request still failing becomes a dead letter.
+    pub max_attempts: u32,
+}
+
+/// `[[sink.kafka]]`: one Kafka record per record whose business key was new, produced to the brokers of `[kafka]`
+/// by an idempotent producer with `acks=all`.
+#[derive(Clone, Debug)]
+pub struct KafkaTarget {
+    /// `name`: the `target` label (default `kafka`, `kafka-2`, ...).
+    pub name: String,
+    /// `topic`: the topic, a template.
+    pub topic: Arg,
+    /// `key`: the record key, a template; default the business key.
+    pub key: Option<Arg>,
+    /// `[sink.kafka.headers]`: name and value template, in name order.
+    pub headers: Vec<(String, Arg)>,
+    /// `value`: a JSON template, or the record's payload as it is.
+    pub value: Body,
+    /// `idempotency_header` (default `Idempotency-Key`): the header carrying `<pipeline>:<business key>`, the same on
+    /// every attempt, by which a consumer recognises a record produced again after a crash.
+    pub idempotency_header: String,
+    /// `timeout` (default 30 s): how long one attempt may wait for the brokers' acknowledgement
+    /// (`message.timeout.ms`).
+    pub timeout: Duration,
+    /// `max_attempts` (default 10): after as many, a record still failing becomes a dead letter.
     pub max_attempts: u32,
 }
 
@@ -174,6 +201,42 @@ impl RawHttpList {
     }
 }
 
+/// `[[sink.kafka]]` as written.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawKafka {
+    name: Option<String>,
+    topic: String,
+    key: Option<String>,
+    #[serde(default)]
+    headers: BTreeMap<String, String>,
+    value: Option<toml::Value>,
+    idempotency_header: Option<String>,
+    #[serde(default, with = "humantime_serde")]
+    timeout: Option<Duration>,
+    max_attempts: Option<u32>,
+}
+
+/// `[sink] kafka`: one record (`[sink.kafka]`) or several (`[[sink.kafka]]`).
+#[derive(Deserialize)]
+#[serde(untagged)]
+pub enum RawKafkaList {
+    /// `[sink.kafka]`.
+    One(Box<RawKafka>),
+    /// `[[sink.kafka]]`.
+    Many(Vec<RawKafka>),
+}
+
+impl RawKafkaList {
+    /// The records, in order.
+    pub fn into_vec(self) -> Vec<RawKafka> {
+        match self {
+            RawKafkaList::One(r) => vec![*r],
+            RawKafkaList::Many(v) => v,
+        }
+    }
+}
+
 /// `[outbox]` as written.
 #[derive(Deserialize, Default)]
 #[serde(deny_unknown_fields)]
@@ -207,14 +270,25 @@ impl RawOutbox {
 
 /// The names of the `[sink.params]` entries `http`'s templates use, each once (for the check that every entry is
 /// used by some form).
-pub fn used_params(http: &[RawHttp]) -> Vec<String> {
+pub fn used_params(http: &[RawHttp], kafka: &[RawKafka]) -> Vec<String> {
     let mut names = Vec::new();
+    let mut texts: Vec<&str> = Vec::new();
     for h in http {
-        let mut texts: Vec<&str> = vec![&h.url];
+        texts.push(&h.url);
         texts.extend(h.headers.values().map(String::as_str));
         if let Some(body) = &h.body {
             strings(body, &mut texts);
         }
+    }
+    for k in kafka {
+        texts.push(&k.topic);
+        texts.extend(k.key.as_deref());
+        texts.extend(k.headers.values().map(String::as_str));
+        if let Some(value) = &k.value {
+            strings(value, &mut texts);
+        }
+    }
+    {
         for t in texts {
             if let Ok(arg) = parse_arg(t) {
                 names.extend(arg.params().map(str::to_owned));
@@ -237,7 +311,7 @@ fn strings<'a>(v: &'a toml::Value, out: &mut Vec<&'a str>) {
 
 /// The outbox of a pipeline: `http` checked, the `params` (every `[sink.params]` entry) its templates name taken,
 /// `[outbox]` read. `None` after reporting problems to `e`.
-pub fn parse(http: Vec<RawHttp>, params: &[Binding], raw: RawOutbox, e: &mut impl Problems) -> Option<OutboxSpec> {
+pub fn parse(http: Vec<RawHttp>, kafka: Vec<RawKafka>, params: &[Binding], raw: RawOutbox, e: &mut impl Problems) -> Option<OutboxSpec> {
     let known = |name: &str| params.iter().any(|b| b.name == name);
     let mut targets = Vec::new();
     let mut ok = true;
@@ -339,10 +413,11 @@ pub fn parse(http: Vec<RawHttp>, params: &[Binding], raw: RawOutbox, e: &mut imp
             });
         }
     }
-    let names: std::collections::HashSet<&str> = targets.iter().map(|t| t.name.as_str()).collect();
-    if names.len() != targets.len() {
+    let records = parse_kafka(kafka, &known, &mut ok, e);
+    let names: std::collections::HashSet<&str> = targets.iter().map(|t| t.name.as_str()).chain(records.iter().map(|t| t.name.as_str())).collect();
+    if names.len() != targets.len() + records.len() {
         ok = false;
-        e.push("sink.http", "two requests have the same name: give each its own (name = \"...\")");
+        e.push(if records.is_empty() { "sink.http" } else { "sink" }, "two requests have the same name: give each its own (name = \"...\")");
     }
     let d = OutboxSettings::default();
     let settings = OutboxSettings {
@@ -354,7 +429,7 @@ pub fn parse(http: Vec<RawHttp>, params: &[Binding], raw: RawOutbox, e: &mut imp
         poll_interval: raw.poll_interval.unwrap_or(d.poll_interval),
         lease: raw.lease,
     };
-    let longest = targets.iter().map(|t| t.timeout).max().unwrap_or_default();
+    let longest = targets.iter().map(|t| t.timeout).chain(records.iter().map(|t| t.timeout)).max().unwrap_or_default();
     if settings.lease.is_some_and(|l| l <= longest + Duration::from_secs(1)) {
         ok = false;
         e.push("outbox.lease", format!("must be longer than the longest request timeout ({}) by a second at least", humantime::format_duration(longest)));
@@ -372,9 +447,82 @@ pub fn parse(http: Vec<RawHttp>, params: &[Binding], raw: RawOutbox, e: &mut imp
             e.push(field, why);
         }
     }
-    let used = targets.iter().flat_map(HttpTarget::params).collect::<std::collections::HashSet<_>>();
+    let used = targets.iter().flat_map(HttpTarget::params).chain(records.iter().flat_map(KafkaTarget::params)).collect::<std::collections::HashSet<_>>();
     let params = params.iter().filter(|b| used.contains(b.name.as_str())).cloned().collect();
-    ok.then_some(OutboxSpec { http: targets, params, settings })
+    ok.then_some(OutboxSpec { http: targets, kafka: records, params, settings })
+}
+
+/// `[[sink.kafka]]`, checked; problems to `e`, `ok` cleared with the first.
+fn parse_kafka(kafka: Vec<RawKafka>, known: &dyn Fn(&str) -> bool, ok: &mut bool, e: &mut impl Problems) -> Vec<KafkaTarget> {
+    let many = kafka.len() > 1;
+    let mut records = Vec::new();
+    for (i, k) in kafka.into_iter().enumerate() {
+        let field = if many { format!("sink.kafka[{i}]") } else { "sink.kafka".to_owned() };
+        let mut push = |f: &str, m: String| {
+            *ok = false;
+            e.push(&format!("{field}.{f}"), m);
+        };
+        let template = |what: &str, text: &str, push: &mut dyn FnMut(&str, String)| -> Option<Arg> {
+            match parse_arg(text) {
+                Ok(arg) => {
+                    for p in arg.params().filter(|p| !known(p)) {
+                        push(what, format!("{{{p}}} is used but has no entry in [sink.params]"));
+                    }
+                    Some(arg)
+                }
+                Err(why) => {
+                    push(what, why);
+                    None
+                }
+            }
+        };
+        let topic = template("topic", &k.topic, &mut push);
+        if let Some(literal) = topic.as_ref().and_then(Arg::literal) {
+            if !kafka_topic(&literal) {
+                push("topic", format!("{literal:?} is not a Kafka topic name (1 to 249 of a-z A-Z 0-9 . _ -)"));
+            }
+        }
+        let key = k.key.as_deref().map(|t| template("key", t, &mut push));
+        let idempotency_header = k.idempotency_header.unwrap_or_else(|| "Idempotency-Key".to_owned());
+        if idempotency_header.is_empty() {
+            push("idempotency_header", "must name a header".to_owned());
+        }
+        let mut headers = Vec::new();
+        for (name, value) in &k.headers {
+            if name == &idempotency_header {
+                push(&format!("headers.{name}"), "is the idempotency key's header, which idemflow sets (to <pipeline>:<business key>); set idempotency_header to use another".to_owned());
+            } else if let Some(arg) = template(&format!("headers.{name}"), value, &mut push) {
+                headers.push((name.clone(), arg));
+            }
+        }
+        let value = match k.value {
+            None => Some(Body::Payload),
+            Some(v) => json_template(v, &mut |m| push("value", m), known).map(Body::Json),
+        };
+        let timeout = k.timeout.unwrap_or(Duration::from_secs(30));
+        if timeout < Duration::from_millis(1) {
+            push("timeout", "must be 1ms or more".to_owned());
+        }
+        let max_attempts = k.max_attempts.unwrap_or(10);
+        if max_attempts == 0 {
+            push("max_attempts", "must be at least 1".to_owned());
+        }
+        let name = k.name.unwrap_or_else(|| if i == 0 { "kafka".to_owned() } else { format!("kafka-{}", i + 1) });
+        if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || "_-.".contains(c)) {
+            push("name", format!("{name:?}: letters, digits, _, - and . only"));
+        }
+        let key_ok = !matches!(key, Some(None));
+        if let (Some(topic), true, Some(value)) = (topic, key_ok, value) {
+            records.push(KafkaTarget { name, topic, key: key.flatten(), headers, value, idempotency_header, timeout, max_attempts });
+        }
+    }
+    records
+}
+
+/// A Kafka topic name: 1 to 249 characters of `a-z A-Z 0-9 . _ -`, not `.` or `..` (Kafka's own rule,
+/// `org.apache.kafka.common.internals.Topic`).
+pub fn kafka_topic(name: &str) -> bool {
+    (1..=249).contains(&name.len()) && name != "." && name != ".." && name.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
 }
 
 /// `retry`'s default.
@@ -407,6 +555,17 @@ impl HttpTarget {
         let u = url::Url::parse(&sample).ok()?;
         let host = u.host_str().filter(|h| !h.contains(MARK))?;
         Some((host.to_owned(), u.port_or_known_default()?))
+    }
+}
+
+impl KafkaTarget {
+    /// The parameter names its templates use.
+    pub fn params(&self) -> impl Iterator<Item = &str> {
+        let value: Vec<&str> = match &self.value {
+            Body::Json(t) => t.params(),
+            Body::Payload => Vec::new(),
+        };
+        self.topic.params().chain(self.key.iter().flat_map(Arg::params)).chain(self.headers.iter().flat_map(|(_, a)| a.params())).chain(value)
     }
 }
 
@@ -506,6 +665,7 @@ mod tests {
         let mut e = Collect(Vec::new());
         let spec = parse(
             raw("[http]\nurl = \"https://pay.example/accounts/{account}/charges\"\nbody = { amount = \"{amount}\", note = \"for {account}\" }\n"),
+            Vec::new(),
             &params,
             RawOutbox::default(),
             &mut e,
@@ -521,7 +681,7 @@ mod tests {
              [[http]]\nurl = \"http://h/\"\nname = \"http\"\n",
         );
         let mut e = Collect(Vec::new());
-        assert!(parse(bad, &params, RawOutbox::default(), &mut e).is_none());
+        assert!(parse(bad, Vec::new(), &params, RawOutbox::default(), &mut e).is_none());
         let text = e.0.join("\n");
         for expected in [
             "sink.http[0].url: {nope} is used but has no entry in [sink.params]",

@@ -192,15 +192,20 @@ pub struct Apply {
 pub struct OutboxRequest {
     /// The target's name (`[[sink.http]] name`): the `target` label of the outbox metrics.
     pub target: String,
-    /// The HTTP method.
+    /// The HTTP method, or [`PRODUCE`] for a Kafka record.
     pub method: String,
-    /// The URL, placeholders filled in (each value percent-encoded).
+    /// The URL, placeholders filled in (each value percent-encoded); a Kafka record's topic.
     pub url: String,
     /// The headers, the idempotency key's among them, in order.
     pub headers: Vec<(String, String)>,
-    /// The body: the rendered JSON template, or the record's payload.
+    /// The body: the rendered JSON template, or the record's payload (a Kafka record's value).
     pub body: Vec<u8>,
+    /// A Kafka record's key (`[[sink.kafka]]`); `None` for an HTTP request.
+    pub key: Option<Vec<u8>>,
 }
+
+/// The method of an outbox row that is a Kafka record (`[[sink.kafka]]`): its `url` is the topic.
+pub const PRODUCE: &str = "PRODUCE";
 
 /// An outbox row the relay leased ([`crate::store::Store::outbox_lease`]): its request, and how it stands.
 #[derive(Clone, Debug, PartialEq)]

@@ -282,3 +282,116 @@ async fn check_tells_whether_each_target_answers() {
     assert!(!status.success(), "{out}\n{err}");
     assert!(err.contains("sink.http: provider: the host does not resolve"), "{err}");
 }
+
+/// `[[sink.kafka]]` on the embedded broker: each new key's record produced once (the producer's retries and a
+/// redelivery produce nothing), keyed by the business key, with its idempotency header and the value template; read
+/// back from the topic. Then the worker aborted right after the brokers acknowledged a record and before the outbox
+/// recorded it: that record is produced again, with the same idempotency header (at least once: a consumer
+/// recognises it by the header), and every key is there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_records_are_produced_for_new_keys_with_their_idempotency_header() {
+    use rdkafka::consumer::{BaseConsumer, Consumer};
+    use rdkafka::Message;
+    let (input, output) = (format!("orders_{}", unique()), format!("charged_{}", unique()));
+    let db = TestDb::new(PAYMENTS).await;
+    let kafka = Kafka::new();
+    kafka.create_topic(&input, 2);
+    kafka.create_topic(&output, 1);
+    let text = format!(
+        r#"topics = ["{input}"]
+[key]
+field = "/id"
+[sink]
+table = "payments"
+[sink.columns]
+id = "/id"
+amount = "/amount"
+[sink.params]
+order = "/id"
+amount = "/amount"
+[[sink.kafka]]
+name = "events"
+topic = "{output}"
+value = {{ order = "{{order}}", amount = "{{amount}}", kind = "charged" }}
+headers = {{ source = "idemflow" }}
+timeout = "5s"
+[outbox]
+poll_interval = "200ms"
+lease = "8s"
+"#
+    );
+    let setup = Setup::new(&db, &kafka, &[("orders.toml", &text)]);
+    let (status, out, err) = crate::support::idemflow(&["check", "--config", setup.config.to_str().unwrap()], setup.dir.path());
+    assert!(status.success(), "{out}\n{err}");
+    assert!(out.contains(&format!("sink.kafka events: topic {output:?} exists")), "{out}");
+    kafka.produce(&input, &payments(30, 10));
+    let mut w = BinWorker::start_with_env(&setup, &[("IDEMFLOW_FAULT_CRASH_AFTER_DELIVERIES", "40")]);
+    wait_until(Duration::from_secs(60), "30 records produced and the outbox empty", || async {
+        kafka.end_offsets(&output, 1) == vec![30] && db.scalar::<i64>("SELECT count(*) FROM idemflow.outbox").await == 0
+    })
+    .await;
+    let c: BaseConsumer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", kafka.bootstrap())
+        .set("group.id", format!("reader_{}", unique()))
+        .set("auto.offset.reset", "earliest")
+        .create()
+        .unwrap();
+    c.subscribe(&[output.as_str()]).unwrap();
+    let mut got: Vec<(String, String, std::collections::HashMap<String, String>)> = Vec::new();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while got.len() < 30 && std::time::Instant::now() < deadline {
+        if let Some(Ok(m)) = c.poll(Duration::from_millis(200)) {
+            let headers = m
+                .headers()
+                .map(|h| {
+                    use rdkafka::message::Headers;
+                    h.iter().map(|h| (h.key.to_owned(), String::from_utf8_lossy(h.value.unwrap_or_default()).into_owned())).collect()
+                })
+                .unwrap_or_default();
+            let key = String::from_utf8_lossy(m.key().unwrap_or_default()).into_owned();
+            got.push((key, String::from_utf8_lossy(m.payload().unwrap_or_default()).into_owned(), headers));
+        }
+    }
+    assert_eq!(got.len(), 30);
+    let mut keys: Vec<&str> = got.iter().map(|(k, ..)| k.as_str()).collect();
+    keys.sort();
+    keys.dedup();
+    assert_eq!(keys.len(), 30, "each key once");
+    for (key, value, headers) in &got {
+        assert_eq!(headers["Idempotency-Key"], format!("orders:{key}"), "{headers:?}");
+        assert_eq!(headers["source"], "idemflow");
+        let v: Value = serde_json::from_str(value).unwrap();
+        assert_eq!(v["order"], key.as_str());
+        assert_eq!(v["kind"], "charged");
+    }
+    // A crash after the 40th acknowledgement in all (the 10th of these), before the outbox records it.
+    kafka.produce(&input, &(30..40).map(|i| Out::json(0, format!(r#"{{"id":"o-{i}","amount":1.50,"account":"a"}}"#))).collect::<Vec<_>>());
+    let status = w.wait_exit(Duration::from_secs(60));
+    assert!(!status.success(), "the injected crash aborts the worker: {status:?}");
+    let _ = w;
+    let mut w = BinWorker::start(&setup);
+    wait_until(Duration::from_secs(60), "every record produced and the outbox empty", || async {
+        kafka.end_offsets(&output, 1)[0] >= 40 && db.scalar::<i64>("SELECT count(*) FROM idemflow.outbox").await == 0
+    })
+    .await;
+    w.sigterm();
+    let mut more: Vec<(String, String)> = Vec::new();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let end = kafka.end_offsets(&output, 1)[0] as usize;
+    while 30 + more.len() < end && std::time::Instant::now() < deadline {
+        if let Some(Ok(m)) = c.poll(Duration::from_millis(200)) {
+            use rdkafka::message::Headers;
+            let key = String::from_utf8_lossy(m.key().unwrap_or_default()).into_owned();
+            let header = m.headers().and_then(|h| h.iter().find(|h| h.key == "Idempotency-Key").and_then(|h| h.value).map(|v| String::from_utf8_lossy(v).into_owned()));
+            more.push((key, header.unwrap_or_default()));
+        }
+    }
+    let mut keys: Vec<&str> = more.iter().map(|(k, _)| k.as_str()).collect();
+    keys.sort();
+    keys.dedup();
+    assert_eq!(keys.len(), 10, "every new key produced: {more:?}");
+    assert!(more.len() > 10, "the record acknowledged before the crash was produced again: {more:?}");
+    for (key, header) in &more {
+        assert_eq!(header, &format!("orders:{key}"), "the same key on every copy");
+    }
+}

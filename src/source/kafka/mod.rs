@@ -28,4 +28,6 @@ pub use record::to_record;
 #[cfg(feature = "kafka")]
 pub mod dead_letters;
 #[cfg(feature = "kafka")]
+pub mod outbox;
+#[cfg(feature = "kafka")]
 pub mod rewind;

@@ -8,7 +8,7 @@ use crate::store::rows::{Apply, Leased, OutboxDepth, OutboxRequest, Settled};
 use sqlx::{MySqlConnection, MySqlPool};
 use std::time::Duration;
 
-/// Rows per `INSERT` (11 placeholders each), and the bytes of bodies after which a statement is sent before it
+/// Rows per `INSERT` (12 placeholders each), and the bytes of bodies after which a statement is sent before it
 /// grows past a server's `max_allowed_packet` (16 MiB by default on MariaDB, 64 MiB on MySQL).
 const ROWS_PER_INSERT: usize = 1000;
 const BYTES_PER_INSERT: usize = 4 << 20;
@@ -26,9 +26,9 @@ pub async fn write(conn: &mut MySqlConnection, pipeline: &str, rows: &[(&Record,
             end += 1;
         }
         let chunk = &all[start..end];
-        let values = vec!["(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"; chunk.len()].join(", ");
+        let values = vec!["(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"; chunk.len()].join(", ");
         let sql = format!(
-            "INSERT INTO idemflow_outbox (pipeline, key_digest, target, method, url, header_names, header_values, body, topic, `partition`, `offset`) VALUES {values}"
+            "INSERT INTO idemflow_outbox (pipeline, key_digest, target, method, url, header_names, header_values, body, record_key, topic, `partition`, `offset`) VALUES {values}"
         );
         let mut q = sqlx::query(&sql);
         for (record, digest, r) in chunk {
@@ -42,6 +42,7 @@ pub async fn write(conn: &mut MySqlConnection, pipeline: &str, rows: &[(&Record,
                 .bind(serde_json::Value::from(r.headers.iter().map(|(k, _)| k.as_str()).collect::<Vec<_>>()).to_string())
                 .bind(serde_json::Value::from(r.headers.iter().map(|(_, v)| crate::terminal::hex(v.as_bytes())).collect::<Vec<_>>()).to_string())
                 .bind(&r.body)
+                .bind(r.key.as_deref())
                 .bind(&*p.topic)
                 .bind(p.partition)
                 .bind((p.partition != NO_PARTITION).then_some(p.offset));
@@ -52,11 +53,11 @@ pub async fn write(conn: &mut MySqlConnection, pipeline: &str, rows: &[(&Record,
     Ok(())
 }
 
-/// A leased row as read: id, target, method, url, header names (JSON), header values (JSON, hex), body, attempts,
-/// age in microseconds.
-type LeasedRow = (i64, String, String, String, String, String, Vec<u8>, i32, i64);
+/// A leased row as read: id, target, method, url, header names (JSON), header values (JSON, hex), body, record key,
+/// attempts, age in microseconds.
+type LeasedRow = (i64, String, String, String, String, String, Vec<u8>, Option<Vec<u8>>, i32, i64);
 
-fn leased((id, target, method, url, names, values, body, attempts, age_us): LeasedRow) -> Result<Leased, sqlx::Error> {
+fn leased((id, target, method, url, names, values, body, key, attempts, age_us): LeasedRow) -> Result<Leased, sqlx::Error> {
     let bad = |what: &str| sqlx::Error::Decode(format!("outbox row {id}: its {what} are not what idemflow writes").into());
     let names: Vec<String> = serde_json::from_str(&names).map_err(|_| bad("header names"))?;
     let values: Vec<String> = serde_json::from_str(&values).map_err(|_| bad("header values"))?;
@@ -64,7 +65,7 @@ fn leased((id, target, method, url, names, values, body, attempts, age_us): Leas
         .iter()
         .map(|v| hex::decode(v).ok().and_then(|b| String::from_utf8(b).ok()).ok_or_else(|| bad("header values")))
         .collect::<Result<Vec<String>, _>>()?;
-    let request = OutboxRequest { target, method, url, headers: names.into_iter().zip(values).collect(), body };
+    let request = OutboxRequest { target, method, url, headers: names.into_iter().zip(values).collect(), body, key };
     Ok(Leased { id, request, attempts, age_seconds: age_us.max(0) as f64 / 1e6 })
 }
 
@@ -103,7 +104,7 @@ pub async fn lease(pool: &MySqlPool, pipeline: &str, owner: &str, limit: i64, le
     }
     update.execute(&mut *tx).await?;
     let read_sql = format!(
-        "SELECT id, CAST(target AS CHAR), CAST(method AS CHAR), CAST(url AS CHAR), CAST(header_names AS CHAR), CAST(header_values AS CHAR), body, attempts,
+        "SELECT id, CAST(target AS CHAR), CAST(method AS CHAR), CAST(url AS CHAR), CAST(header_names AS CHAR), CAST(header_values AS CHAR), body, record_key, attempts,
                 TIMESTAMPDIFF(MICROSECOND, created_at, NOW(6))
          FROM idemflow_outbox WHERE id IN ({list}) ORDER BY id"
     );
@@ -150,7 +151,7 @@ pub async fn settle(pool: &MySqlPool, pipeline: &str, owner: &str, settled: &[Se
                     "INSERT INTO idemflow_dead_letters
                          (pipeline, topic, `partition`, `offset`, record_key, header_names, header_values, property_names, property_values,
                           payload, reason, error, payload_digest, request)
-                     SELECT pipeline, topic, `partition`, `offset`, NULL, header_names, header_values, '[]', '[]',
+                     SELECT pipeline, topic, `partition`, `offset`, record_key, header_names, header_values, '[]', '[]',
                             body, 'delivery_failed', ?, UNHEX(SHA2(CONCAT('outbox:', id), 256)),
                             JSON_OBJECT('target', target, 'method', method, 'url', url, 'key_digest', LOWER(HEX(key_digest)))
                      FROM idemflow_outbox WHERE pipeline = ? AND id = ? AND lease_owner = ?
@@ -211,10 +212,10 @@ pub async fn requeue(pool: &MySqlPool, id: i64) -> Result<Option<i64>, sqlx::Err
         return Ok(None);
     }
     let done = sqlx::query(
-        "INSERT INTO idemflow_outbox (pipeline, key_digest, target, method, url, header_names, header_values, body, topic, `partition`, `offset`)
+        "INSERT INTO idemflow_outbox (pipeline, key_digest, target, method, url, header_names, header_values, body, record_key, topic, `partition`, `offset`)
          SELECT pipeline, UNHEX(JSON_UNQUOTE(JSON_EXTRACT(request, '$.key_digest'))), JSON_UNQUOTE(JSON_EXTRACT(request, '$.target')),
                 JSON_UNQUOTE(JSON_EXTRACT(request, '$.method')), JSON_UNQUOTE(JSON_EXTRACT(request, '$.url')),
-                header_names, header_values, COALESCE(payload, ''), topic, `partition`, `offset`
+                header_names, header_values, COALESCE(payload, ''), record_key, topic, `partition`, `offset`
          FROM idemflow_dead_letters WHERE id = ?",
     )
     .bind(id)

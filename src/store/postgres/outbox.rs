@@ -15,12 +15,12 @@ pub async fn write(conn: &mut PgConnection, pipeline: &str, rows: &[(&Record, &A
         }
     }
     sqlx::query(
-        r#"INSERT INTO idemflow.outbox (pipeline, key_digest, target, method, url, header_names, header_values, body, topic, partition, "offset")
+        r#"INSERT INTO idemflow.outbox (pipeline, key_digest, target, method, url, header_names, header_values, body, record_key, topic, partition, "offset")
            SELECT $1, u.key_digest, u.target, u.method, u.url,
                   ARRAY(SELECT jsonb_array_elements_text(u.names::jsonb)), ARRAY(SELECT jsonb_array_elements_text(u.vals::jsonb)),
-                  u.body, u.topic, u.partition, u."offset"
-           FROM unnest($2::bytea[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::bytea[], $9::text[], $10::int4[], $11::int8[])
-                WITH ORDINALITY AS u(key_digest, target, method, url, names, vals, body, topic, partition, "offset", n)
+                  u.body, u.record_key, u.topic, u.partition, u."offset"
+           FROM unnest($2::bytea[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::bytea[], $9::bytea[], $10::text[], $11::int4[], $12::int8[])
+                WITH ORDINALITY AS u(key_digest, target, method, url, names, vals, body, record_key, topic, partition, "offset", n)
            ORDER BY u.n"#,
     )
     .bind(pipeline)
@@ -31,6 +31,7 @@ pub async fn write(conn: &mut PgConnection, pipeline: &str, rows: &[(&Record, &A
     .bind(&cols.names)
     .bind(&cols.values)
     .bind(&cols.bodies)
+    .bind(&cols.keys)
     .bind(&cols.topics)
     .bind(&cols.partitions)
     .bind(&cols.offsets)
@@ -50,6 +51,7 @@ struct Columns<'a> {
     names: Vec<String>,
     values: Vec<String>,
     bodies: Vec<&'a [u8]>,
+    keys: Vec<Option<&'a [u8]>>,
     topics: Vec<&'a str>,
     partitions: Vec<i32>,
     offsets: Vec<i64>,
@@ -65,17 +67,19 @@ impl<'a> Columns<'a> {
         self.names.push(serde_json::Value::from(r.headers.iter().map(|(k, _)| k.as_str()).collect::<Vec<_>>()).to_string());
         self.values.push(serde_json::Value::from(r.headers.iter().map(|(_, v)| v.as_str()).collect::<Vec<_>>()).to_string());
         self.bodies.push(&r.body);
+        self.keys.push(r.key.as_deref());
         self.topics.push(&record.position.topic);
         self.partitions.push(record.position.partition);
         self.offsets.push(record.position.offset);
     }
 }
 
-/// A leased row as read: id, target, method, url, header names, header values, body, attempts, age in seconds.
-type LeasedRow = (i64, String, String, String, Vec<String>, Vec<String>, Vec<u8>, i32, f64);
+/// A leased row as read: id, target, method, url, header names, header values, body, record key, attempts, age in
+/// seconds.
+type LeasedRow = (i64, String, String, String, Vec<String>, Vec<String>, Vec<u8>, Option<Vec<u8>>, i32, f64);
 
-fn leased((id, target, method, url, names, values, body, attempts, age_seconds): LeasedRow) -> Leased {
-    Leased { id, request: OutboxRequest { target, method, url, headers: names.into_iter().zip(values).collect(), body }, attempts, age_seconds }
+fn leased((id, target, method, url, names, values, body, key, attempts, age_seconds): LeasedRow) -> Leased {
+    Leased { id, request: OutboxRequest { target, method, url, headers: names.into_iter().zip(values).collect(), body, key }, attempts, age_seconds }
 }
 
 /// Leases up to `limit` due rows of `pipeline` to `owner` ([`crate::store::Connector::outbox_lease`]): one
@@ -92,7 +96,7 @@ pub async fn lease(pool: &PgPool, pipeline: &str, owner: &str, limit: i64, lease
                FOR UPDATE SKIP LOCKED)
            UPDATE idemflow.outbox o SET leased_until = now() + make_interval(secs => $3), lease_owner = $4, attempts = o.attempts + 1
            FROM due WHERE o.id = due.id
-           RETURNING o.id, o.target, o.method, o.url, o.header_names, o.header_values, o.body, o.attempts,
+           RETURNING o.id, o.target, o.method, o.url, o.header_names, o.header_values, o.body, o.record_key, o.attempts,
                      extract(epoch FROM now() - o.created_at)::float8"#,
     )
     .bind(pipeline)
@@ -165,7 +169,7 @@ pub async fn settle(pool: &PgPool, pipeline: &str, owner: &str, settled: &[Settl
                     property_names, property_values, payload_digest, request)
                SELECT g.pipeline, g.topic, g.partition,
                       CASE WHEN g.partition < 0 THEN nextval('idemflow.queue_dead_letter_seq') ELSE g."offset" END,
-                      NULL, g.header_names, ARRAY(SELECT convert_to(v, 'UTF8') FROM unnest(g.header_values) v), g.body,
+                      g.record_key, g.header_names, ARRAY(SELECT convert_to(v, 'UTF8') FROM unnest(g.header_values) v), g.body,
                       'delivery_failed', g.error, '{}', '{}', sha256(convert_to('outbox:' || g.id, 'UTF8')),
                       jsonb_build_object('target', g.target, 'method', g.method, 'url', g.url, 'key_digest', encode(g.key_digest, 'hex'))
                FROM gone g
@@ -217,10 +221,10 @@ pub async fn requeue(pool: &PgPool, id: i64) -> Result<Option<i64>, sqlx::Error>
     let new: Option<i64> = sqlx::query_scalar(
         r#"WITH d AS (
                DELETE FROM idemflow.dead_letters WHERE id = $1 AND reason = 'delivery_failed' AND request IS NOT NULL RETURNING *)
-           INSERT INTO idemflow.outbox (pipeline, key_digest, target, method, url, header_names, header_values, body, topic, partition, "offset")
+           INSERT INTO idemflow.outbox (pipeline, key_digest, target, method, url, header_names, header_values, body, record_key, topic, partition, "offset")
            SELECT d.pipeline, decode(d.request->>'key_digest', 'hex'), d.request->>'target', d.request->>'method', d.request->>'url',
                   d.header_names, ARRAY(SELECT convert_from(v, 'UTF8') FROM unnest(d.header_values) v), coalesce(d.payload, ''::bytea),
-                  d.topic, d.partition, d."offset"
+                  d.record_key, d.topic, d.partition, d."offset"
            FROM d
            RETURNING id"#,
     )
