@@ -742,8 +742,9 @@ impl OutboxMetrics {
         self.metrics.outbox_delivery_seconds.with_label_values(&[&self.pipeline, target]).observe(seconds);
     }
 
-    /// Counts one request dead-lettered.
+    /// Counts one request dead-lettered, in `idemflow_dead_letters_total{reason="delivery_failed"}` too.
     pub fn dead_lettered(&self, target: &str) {
         self.metrics.outbox_deliveries.with_label_values(&[&self.pipeline, target, "dead_lettered"]).inc();
+        self.metrics.dead_letters.with_label_values(&[&self.pipeline, DeadLetterReason::DeliveryFailed.as_str()]).inc();
     }
 }

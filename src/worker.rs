@@ -86,6 +86,12 @@ impl Ready {
             problems: vec![PipelineError { file: p.file.display().to_string(), pipeline: p.name.clone(), field: e.field, message: e.message }],
             unavailable: e.unavailable,
         })?;
+        if p.outbox.is_some() {
+            store.outbox_ready().await.map_err(|message| Unprepared {
+                problems: vec![PipelineError { file: p.file.display().to_string(), pipeline: p.name.clone(), field: "sink".into(), message }],
+                unavailable: false,
+            })?;
+        }
         Ok(Ready {
             pipeline: p.clone(),
             preparer: Preparer::new(p, bindings).with_max_record_bytes(side_effect.max_record_bytes()),

@@ -103,7 +103,11 @@ pub async fn run(cmd: DeadLettersCommand) -> anyhow::Result<()> {
                 println!("property    {}: {}", escape(k), escape(v));
             }
             for (k, v) in d.header_names.iter().zip(&d.header_values) {
-                println!("header      {}: {}", escape(k), v.as_deref().map_or("(null)".to_owned(), printable));
+                // An outbox request's credentials are not shown (a template may have put one there).
+                let hidden = d.reason == idemflow::metrics::DeadLetterReason::DeliveryFailed.as_str()
+                    && ["authorization", "proxy-authorization", "cookie", "x-api-key", "api-key"].contains(&k.to_ascii_lowercase().as_str());
+                let shown = if hidden { "(hidden)".to_owned() } else { v.as_deref().map_or("(null)".to_owned(), printable) };
+                println!("header      {}: {}", escape(k), shown);
             }
             println!("payload     {}", d.payload.as_deref().map_or("(null: a tombstone)".to_owned(), printable));
             if let (Some(size), Some(sha256)) = (d.payload_bytes, &d.payload_sha256) {

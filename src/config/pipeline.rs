@@ -727,6 +727,13 @@ fn validate_sink(mut raw: RawSink, outbox: RawOutbox, dialect: Dialect, e: &mut 
         e.push(if http.is_empty() { "sink.kafka" } else { "sink.http" }, "runs through an outbox in the database: the table, sql and batch_sql forms (PostgreSQL, MySQL/MariaDB), or alone; not with redis");
         return None;
     }
+    if raw.allow_procedures == Some(true) {
+        e.push(
+            "sink.allow_procedures",
+            "cannot be combined with [[sink.http]] or [[sink.kafka]]: a procedure that commits would commit the claims \
+             without their outbox rows, and those requests would never be sent",
+        );
+    }
     let used = crate::outbox::spec::used_params(&http, &kafka);
     let (sink, params) = if forms == 0 {
         for (set, field) in [

@@ -97,11 +97,16 @@ pub async fn send(client: &reqwest::Client, target: &HttpTarget, request: &Outbo
         Err(_) => return Outcome::Rejected { error: format!("{} is not an HTTP method", request.method) },
     };
     let mut builder = client.request(method, &request.url).body(request.body.clone());
+    for (name, value) in target.headers.iter().filter_map(|(n, a)| a.literal().map(|v| (n, v))) {
+        builder = builder.header(name, value);
+    }
     for (name, value) in &request.headers {
         builder = builder.header(name, value);
     }
     let response = match builder.send().await {
         Ok(r) => r,
+        // A request reqwest cannot build (a header it refuses) never will be.
+        Err(e) if e.is_builder() => return Outcome::Rejected { error: format!("{} {shown}: {}", request.method, describe(&e)) },
         Err(e) => {
             let result = if e.is_timeout() { AttemptResult::Timeout } else { AttemptResult::Connection };
             return Outcome::Retry { after: None, error: format!("{} {shown}: {}", request.method, describe(&e)), result };

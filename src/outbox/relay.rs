@@ -82,6 +82,9 @@ pub struct Relay {
     /// [`CRASH_AFTER_DELIVERIES_VAR`].
     crash_after: Option<u64>,
     confirmed: AtomicU64,
+    /// Outcomes whose record failed: recorded again with the next round's, and a row among them confirmed by its
+    /// target is not sent again meanwhile, even if this relay leases it again.
+    unrecorded: Mutex<Vec<Settled>>,
 }
 
 impl Relay {
@@ -131,6 +134,7 @@ impl Relay {
             health,
             crash_after,
             confirmed: AtomicU64::new(0),
+            unrecorded: Mutex::new(Vec::new()),
         })
     }
 
@@ -153,13 +157,34 @@ impl Relay {
                     continue;
                 }
             };
-            if leased.is_empty() {
+            let mut settled = std::mem::take(&mut *self.unrecorded.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
+            if leased.is_empty() && settled.is_empty() {
                 self.wait(&mut shutdown, settings.poll_interval).await;
                 continue;
             }
-            let outcomes = futures_util::future::join_all(leased.iter().map(|row| self.deliver(row))).await;
-            let settled: Vec<Settled> = leased.iter().zip(outcomes).map(|(row, outcome)| self.settle(row, outcome)).collect();
-            self.record(&settled).await;
+            let started = Instant::now();
+            let confirmed_before: Vec<i64> = settled.iter().filter_map(|s| if let Settled::Confirmed(id) = s { Some(*id) } else { None }).collect();
+            let to_send: Vec<&Leased> = leased.iter().filter(|r| !confirmed_before.contains(&r.id)).collect();
+            let outcomes = futures_util::future::join_all(to_send.iter().map(|row| self.deliver(row))).await;
+            let round: Vec<(&Leased, Settled)> = to_send.iter().zip(outcomes).map(|(row, outcome)| (*row, self.settle(row, outcome))).collect();
+            if started.elapsed() >= self.lease {
+                tracing::warn!(pipeline = %self.pipeline, took = ?started.elapsed(), lease = ?self.lease,
+                    "an outbox round outlasted its lease: another relay may have sent its rows again (with the same idempotency keys)");
+            }
+            // An earlier outcome of a row sent again now is stale.
+            settled.retain(|s| !round.iter().any(|(row, _)| row.id == s.id()));
+            settled.extend(round.iter().map(|(_, s)| s.clone()));
+            if self.record(&settled).await {
+                for (row, s) in &round {
+                    if let Settled::Failed { error, .. } = s {
+                        tracing::warn!(pipeline = %self.pipeline, row = row.id, target = %row.request.target, attempts = row.attempts, error = %error,
+                            "outbox request dead-lettered (delivery_failed)");
+                        self.metrics.dead_lettered(&row.request.target);
+                    }
+                }
+            } else {
+                *self.unrecorded.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = settled;
+            }
         }
     }
 
@@ -271,12 +296,7 @@ impl Relay {
     /// What to record of one row's attempt.
     fn settle(&self, row: &Leased, outcome: Outcome) -> Settled {
         let max_attempts = self.target(&row.request.target).map_or(1, |t| t.max_attempts());
-        let failed = |error: String| {
-            tracing::warn!(pipeline = %self.pipeline, row = row.id, target = %row.request.target, attempts = row.attempts, error = %error,
-                "outbox request dead-lettered (delivery_failed)");
-            self.metrics.dead_lettered(&row.request.target);
-            Settled::Failed { id: row.id, error }
-        };
+        let failed = |error: String| Settled::Failed { id: row.id, error };
         match outcome {
             Outcome::Confirmed => Settled::Confirmed(row.id),
             Outcome::Rejected { error } => failed(error),
@@ -296,18 +316,24 @@ impl Relay {
         }
     }
 
-    /// Records a round's outcomes; a failure leaves the rows leased, to be sent again after their lease.
-    async fn record(&self, settled: &[Settled]) {
+    /// Records a round's outcomes, trying three times; whether they were recorded. Not recorded, the caller keeps
+    /// them for the next round (a confirmed row is then not sent again by this relay; another relay may, after the
+    /// lease, with the same idempotency key).
+    async fn record(&self, settled: &[Settled]) -> bool {
         for attempt in 0..3u32 {
             match self.store.outbox_settle(&self.pipeline, &self.owner, settled).await {
-                Ok(()) => return,
+                Ok(()) => return true,
+                Err(e) if attempt == 2 => {
+                    tracing::error!(pipeline = %self.pipeline, error = %e, rows = settled.len(),
+                        "cannot record the outbox's outcomes; kept to record with the next round (confirmed rows are not sent again by this worker)");
+                }
                 Err(e) => {
-                    tracing::warn!(pipeline = %self.pipeline, error = %e, attempt = attempt + 1,
-                        "cannot record the outbox round's outcomes; its rows are sent again after their lease if this keeps failing");
+                    tracing::warn!(pipeline = %self.pipeline, error = %e, attempt = attempt + 1, "cannot record the outbox round's outcomes; trying again");
                     tokio::time::sleep(Duration::from_millis(200 << attempt)).await;
                 }
             }
         }
+        false
     }
 }
 
@@ -341,9 +367,12 @@ impl Target<'_> {
         match self {
             Target::Http(t, client) => deliver::send(client, t, request).await,
             #[cfg(feature = "kafka")]
-            Target::Kafka(_, producer) => {
+            Target::Kafka(t, producer) => {
                 use crate::source::kafka::outbox::ProduceError;
-                match producer.produce(&request.url, request.key.as_deref(), &request.headers, &request.body).await {
+                // The target's headers without placeholders, as configured now, then the row's.
+                let mut headers: Vec<(String, String)> = t.headers.iter().filter_map(|(n, a)| a.literal().map(|v| (n.clone(), v))).collect();
+                headers.extend(request.headers.iter().cloned());
+                match producer.produce(&request.url, request.key.as_deref(), &headers, &request.body).await {
                     Ok(()) => Outcome::Confirmed,
                     Err(ProduceError::Rejected(error)) => Outcome::Rejected { error: format!("producing to {}: {error}", request.url) },
                     Err(ProduceError::Retry(error)) => {

@@ -13,11 +13,16 @@ use serde_json::Value;
 /// percent-encoded, so a value is one path segment or query value whatever it holds.
 const URL_VALUE: &AsciiSet = &NON_ALPHANUMERIC.remove(b'-').remove(b'.').remove(b'_').remove(b'~');
 
-/// The idempotency key of a business key's requests: `<pipeline>:<business key>`, the same on every attempt and in
-/// every worker (IETF httpapi draft "The Idempotency-Key HTTP Header Field", section 2: a unique key per
+/// The idempotency key of a business key's request to `target`: `<pipeline>:<business key>`, or
+/// `<pipeline>:<business key>:<target>` in a pipeline with several targets (two requests of one operation to the same
+/// service must not share a key: the second would be answered from the first's record). The same on every attempt and
+/// in every worker (IETF httpapi draft "The Idempotency-Key HTTP Header Field", section 2: a unique key per
 /// operation, chosen by the client).
-pub fn idempotency_key(pipeline: &str, key: &BusinessKey) -> String {
-    format!("{pipeline}:{}", key.text)
+pub fn idempotency_key(pipeline: &str, key: &BusinessKey, target: Option<&str>) -> String {
+    match target {
+        Some(t) => format!("{pipeline}:{}:{t}", key.text),
+        None => format!("{pipeline}:{}", key.text),
+    }
 }
 
 impl OutboxSpec {
@@ -27,8 +32,9 @@ impl OutboxSpec {
     /// Errors: which value cannot be used, and where.
     pub fn render(&self, pipeline: &str, key: &BusinessKey, payload: &[u8], values: &[Option<String>]) -> Result<Vec<OutboxRequest>, String> {
         let lookup = |name: &str| -> Option<&Option<String>> { self.params.iter().position(|b| b.name == name).and_then(|i| values.get(i)) };
-        let requests = self.http.iter().map(|t| render_one(t, pipeline, key, payload, &lookup));
-        requests.chain(self.kafka.iter().map(|t| render_record(t, pipeline, key, payload, &lookup))).collect()
+        let several = self.http.len() + self.kafka.len() > 1;
+        let requests = self.http.iter().map(|t| render_one(t, pipeline, key, several, payload, &lookup));
+        requests.chain(self.kafka.iter().map(|t| render_record(t, pipeline, key, several, payload, &lookup))).collect()
     }
 }
 
@@ -37,6 +43,7 @@ fn render_record<'v>(
     t: &KafkaTarget,
     pipeline: &str,
     key: &BusinessKey,
+    several: bool,
     payload: &[u8],
     lookup: &dyn Fn(&str) -> Option<&'v Option<String>>,
 ) -> Result<OutboxRequest, String> {
@@ -48,8 +55,9 @@ fn render_record<'v>(
         Some(template) => text(template, lookup, &str::to_owned).map_err(|e| format!("sink.kafka {} key: {e}", t.name))?,
         None => key.text.clone(),
     };
-    let mut headers = vec![(t.idempotency_header.clone(), idempotency_key(pipeline, key))];
-    for (name, template) in &t.headers {
+    let mut headers = vec![(t.idempotency_header.clone(), idempotency_key(pipeline, key, several.then_some(t.name.as_str())))];
+    // Headers without placeholders are the target's, added when sent (a rotated credential reaches waiting rows).
+    for (name, template) in t.headers.iter().filter(|(_, a)| a.literal().is_none()) {
         headers.push((name.clone(), text(template, lookup, &str::to_owned).map_err(|e| format!("sink.kafka {} header {name}: {e}", t.name))?));
     }
     let value = match &t.value {
@@ -63,13 +71,14 @@ fn render_one<'v>(
     t: &HttpTarget,
     pipeline: &str,
     key: &BusinessKey,
+    several: bool,
     payload: &[u8],
     lookup: &dyn Fn(&str) -> Option<&'v Option<String>>,
 ) -> Result<OutboxRequest, String> {
     let url = text(&t.url, lookup, &|v| utf8_percent_encode(v, URL_VALUE).to_string()).map_err(|e| format!("sink.http {} url: {e}", t.name))?;
-    url::Url::parse(&url).map_err(|e| format!("sink.http {} url: {url:?} is not a URL: {e}", t.name))?;
+    url::Url::parse(&url).map_err(|e| format!("sink.http {} url: the values make it no URL: {e}", t.name))?;
     let mut headers = Vec::with_capacity(t.headers.len() + 2);
-    let idempotency = idempotency_key(pipeline, key);
+    let idempotency = idempotency_key(pipeline, key, several.then_some(t.name.as_str()));
     if !header_value(&idempotency) {
         return Err(format!(
             "the business key cannot be sent as the {} header: it holds a control character (a line break, NUL)",
@@ -78,7 +87,9 @@ fn render_one<'v>(
     }
     headers.push((t.idempotency_header.clone(), idempotency));
     headers.push(("Content-Type".to_owned(), t.content_type.clone()));
-    for (name, template) in &t.headers {
+    // Headers without placeholders (a credential) are the target's, added when sent: a rotated credential reaches the
+    // rows already waiting, and no row or dead letter keeps it.
+    for (name, template) in t.headers.iter().filter(|(_, a)| a.literal().is_none()) {
         let value = text(template, lookup, &str::to_owned).map_err(|e| format!("sink.http {} header {name}: {e}", t.name))?;
         if !header_value(&value) {
             return Err(format!("sink.http {} header {name}: the value holds a control character (a line break, NUL)", t.name));

@@ -343,14 +343,15 @@ pub fn parse(http: Vec<RawHttp>, kafka: Vec<RawKafka>, params: &[Binding], raw: 
                 crate::store::redis_command::Piece::Text(t) => t.clone(),
                 crate::store::redis_command::Piece::Param(_) => "x".to_owned(),
             }).collect();
+            // Shown without its user, password and query: they may hold a credential.
             match url::Url::parse(&sample) {
                 Ok(u) if matches!(u.scheme(), "http" | "https") && u.host_str().is_some_and(|h| !h.is_empty()) => {}
-                Ok(u) => push("url", format!("{:?}: the scheme must be http or https with a host (found {:?})", h.url, u.scheme())),
-                Err(why) => push("url", format!("{:?} is not a URL: {why}", h.url)),
+                Ok(u) => push("url", format!("{:?}: the scheme must be http or https with a host (found {:?})", shown_template(&h.url), u.scheme())),
+                Err(why) => push("url", format!("is not a URL: {why}")),
             }
         }
         let method = h.method.unwrap_or_else(|| "POST".to_owned()).to_ascii_uppercase();
-        if method.is_empty() || !method.bytes().all(|b| b.is_ascii_alphabetic()) {
+        if method.is_empty() || method.len() > 16 || !method.bytes().all(|b| b.is_ascii_alphabetic()) {
             push("method", format!("{method:?} is not an HTTP method (GET, POST, PUT, PATCH, DELETE)"));
         }
         let idempotency_header = h.idempotency_header.unwrap_or_else(|| "Idempotency-Key".to_owned());
@@ -394,8 +395,8 @@ pub fn parse(http: Vec<RawHttp>, kafka: Vec<RawKafka>, params: &[Binding], raw: 
             push("max_attempts", "must be at least 1".to_owned());
         }
         let name = h.name.unwrap_or_else(|| if i == 0 { "http".to_owned() } else { format!("http-{}", i + 1) });
-        if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || "_-.".contains(c)) {
-            push("name", format!("{name:?}: letters, digits, _, - and . only"));
+        if !target_name(&name) {
+            push("name", format!("{name:?}: 1 to 64 letters, digits, _, - and . only"));
         }
         if let (Some(url), Some(body)) = (url, body) {
             targets.push(HttpTarget {
@@ -429,10 +430,14 @@ pub fn parse(http: Vec<RawHttp>, kafka: Vec<RawKafka>, params: &[Binding], raw: 
         poll_interval: raw.poll_interval.unwrap_or(d.poll_interval),
         lease: raw.lease,
     };
-    let longest = targets.iter().map(|t| t.timeout).chain(records.iter().map(|t| t.timeout)).max().unwrap_or_default();
-    if settings.lease.is_some_and(|l| l <= longest + Duration::from_secs(1)) {
+    // A Kafka record also waits up to a second for the producer's local queue.
+    let longest = targets.iter().map(|t| t.timeout).chain(records.iter().map(|t| t.timeout + Duration::from_secs(1))).max().unwrap_or_default();
+    if settings.lease.is_some_and(|l| l < longest + MIN_LEASE_MARGIN) {
         ok = false;
-        e.push("outbox.lease", format!("must be longer than the longest request timeout ({}) by a second at least", humantime::format_duration(longest)));
+        e.push(
+            "outbox.lease",
+            format!("must outlast the longest request timeout ({}) by {} at least", humantime::format_duration(longest), humantime::format_duration(MIN_LEASE_MARGIN)),
+        );
     }
     for (bad, field, why) in [
         (settings.max_rows == 0, "outbox.max_rows", "must be at least 1"),
@@ -508,8 +513,8 @@ fn parse_kafka(kafka: Vec<RawKafka>, known: &dyn Fn(&str) -> bool, ok: &mut bool
             push("max_attempts", "must be at least 1".to_owned());
         }
         let name = k.name.unwrap_or_else(|| if i == 0 { "kafka".to_owned() } else { format!("kafka-{}", i + 1) });
-        if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || "_-.".contains(c)) {
-            push("name", format!("{name:?}: letters, digits, _, - and . only"));
+        if !target_name(&name) {
+            push("name", format!("{name:?}: 1 to 64 letters, digits, _, - and . only"));
         }
         let key_ok = !matches!(key, Some(None));
         if let (Some(topic), true, Some(value)) = (topic, key_ok, value) {
@@ -518,6 +523,30 @@ fn parse_kafka(kafka: Vec<RawKafka>, known: &dyn Fn(&str) -> bool, ok: &mut bool
     }
     records
 }
+
+/// A URL template as errors show it: without a user and password, and its query as `?...` (either may hold a
+/// credential).
+fn shown_template(url: &str) -> String {
+    let (scheme, rest) = url.split_once("://").unwrap_or(("", url));
+    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let rest = match rest[..authority_end].rfind('@') {
+        Some(at) => &rest[at + 1..],
+        None => rest,
+    };
+    let shown = match rest.split_once('?') {
+        Some((before, _)) => format!("{before}?..."),
+        None => rest.to_owned(),
+    };
+    if scheme.is_empty() { shown } else { format!("{scheme}://{shown}") }
+}
+
+/// A target's name: 1 to 64 of `a-z A-Z 0-9 _ - .`.
+fn target_name(name: &str) -> bool {
+    (1..=64).contains(&name.len()) && name.chars().all(|c| c.is_ascii_alphanumeric() || "_-.".contains(c))
+}
+
+/// The least a lease outlasts the longest `timeout` by (`[outbox] lease`): time to record the answer.
+pub const MIN_LEASE_MARGIN: Duration = Duration::from_secs(5);
 
 /// A Kafka topic name: 1 to 249 characters of `a-z A-Z 0-9 . _ -`, not `.` or `..` (Kafka's own rule,
 /// `org.apache.kafka.common.internals.Topic`).
@@ -656,6 +685,12 @@ mod tests {
             http: RawHttpList,
         }
         toml::from_str::<Doc>(text).unwrap().http.into_vec()
+    }
+
+    #[test]
+    fn url_templates_are_shown_without_credentials() {
+        assert_eq!(shown_template("ftp://u:p@x/{nope}?key=s3cret"), "ftp://x/{nope}?...");
+        assert_eq!(shown_template("http://h/a"), "http://h/a");
     }
 
     /// Templates name [sink.params] entries; only those used are taken; every problem names its field.

@@ -240,6 +240,14 @@ pub trait Connector: Send + Sync {
     /// One dead letter by id.
     async fn dead_letter(&self, id: i64) -> Result<Option<Stored>, StoreError>;
 
+    /// Whether this store can keep an outbox: `Err` says why not (a store without one, a server without `FOR UPDATE
+    /// SKIP LOCKED`). Default: it cannot.
+    ///
+    /// Errors: the reason, for the pipeline's `[[sink.http]]`; the server could not be asked.
+    async fn outbox_ready(&self) -> Result<(), String> {
+        Err(NO_OUTBOX.to_owned())
+    }
+
     /// Leases up to `limit` outbox rows of `pipeline` that are due, for `lease`, to `owner` ([`crate::outbox`]): rows
     /// no other relay holds (`FOR UPDATE SKIP LOCKED`, then a lease that outlives the transaction), whose next
     /// attempt is due, and that are the oldest row of their business key (a key's rows go one at a time, in the

@@ -253,6 +253,13 @@ impl Store {
         each_store!(self, |s| Connector::dead_letter(s, id).await)
     }
 
+    /// Whether this store can keep an outbox ([`Connector::outbox_ready`]).
+    ///
+    /// Errors: why not.
+    pub async fn outbox_ready(&self) -> Result<(), String> {
+        each_store!(self, |s| Connector::outbox_ready(s).await)
+    }
+
     /// Leases up to `limit` due outbox rows of `pipeline` to `owner` for `lease` ([`Connector::outbox_lease`]).
     ///
     /// Errors: the store's; [`StoreError::Refused`] where there is no outbox (Redis).

@@ -246,6 +246,15 @@ pub enum Settled {
     },
 }
 
+impl Settled {
+    /// The row it is about.
+    pub fn id(&self) -> i64 {
+        match self {
+            Settled::Confirmed(id) | Settled::Retry { id, .. } | Settled::Failed { id, .. } => *id,
+        }
+    }
+}
+
 /// How an outbox stands ([`crate::store::Store::outbox_depth`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct OutboxDepth {

@@ -41,7 +41,7 @@ max_attempts = 10
 poll_interval = "200ms"
 backoff = "200ms"
 max_backoff = "1s"
-lease = "4s"
+lease = "8s"
 {outbox_extra}
 "#
     )
@@ -317,7 +317,7 @@ headers = {{ source = "idemflow" }}
 timeout = "5s"
 [outbox]
 poll_interval = "200ms"
-lease = "8s"
+lease = "12s"
 "#
     );
     let setup = Setup::new(&db, &kafka, &[("orders.toml", &text)]);

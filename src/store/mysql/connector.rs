@@ -81,6 +81,11 @@ impl Connector for MySqlStore {
         Ok(dead_letter::get(&mut *self.pool.acquire().await?, id).await?)
     }
 
+    async fn outbox_ready(&self) -> Result<(), String> {
+        let version: String = sqlx::query_scalar("SELECT VERSION()").fetch_one(&self.pool).await.map_err(|e| format!("cannot read the server's version: {e}"))?;
+        outbox::supported(&version)
+    }
+
     async fn outbox_lease(&self, pipeline: &str, owner: &str, limit: i64, lease: Duration) -> Result<Vec<Leased>, StoreError> {
         Ok(outbox::lease(&self.pool, pipeline, owner, limit, lease).await?)
     }

@@ -13,6 +13,21 @@ use std::time::Duration;
 const ROWS_PER_INSERT: usize = 1000;
 const BYTES_PER_INSERT: usize = 4 << 20;
 
+/// Whether a server of `version` (`SELECT VERSION()`) takes `FOR UPDATE SKIP LOCKED`: MySQL 8.0, MariaDB 10.6 and
+/// later.
+///
+/// Errors: the version, and what is needed.
+pub fn supported(version: &str) -> Result<(), String> {
+    let mut parts = version.split(['.', '-']).map(|p| p.parse::<u32>().unwrap_or(0));
+    let (major, minor) = (parts.next().unwrap_or(0), parts.next().unwrap_or(0));
+    let (ok, needed) = if version.contains("MariaDB") { ((major, minor) >= (10, 6), "MariaDB 10.6") } else { (major >= 8, "MySQL 8.0") };
+    if ok {
+        Ok(())
+    } else {
+        Err(format!("the outbox's relay takes rows with FOR UPDATE SKIP LOCKED, which needs {needed} or later; this server is {version}"))
+    }
+}
+
 /// Writes the requests of `rows`, in order, in as few statements as fit.
 pub async fn write(conn: &mut MySqlConnection, pipeline: &str, rows: &[(&Record, &Apply)]) -> Result<(), sqlx::Error> {
     let all: Vec<(&Record, &[u8; 32], &OutboxRequest)> =
@@ -51,6 +66,18 @@ pub async fn write(conn: &mut MySqlConnection, pipeline: &str, rows: &[(&Record,
         start = end;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn skip_locked_needs_mysql_8_or_mariadb_10_6() {
+        assert!(super::supported("8.0.36").is_ok());
+        assert!(super::supported("10.11.6-MariaDB-0+deb12u1").is_ok());
+        assert!(super::supported("10.6.1-MariaDB").is_ok());
+        assert!(super::supported("10.5.23-MariaDB").unwrap_err().contains("MariaDB 10.6"));
+        assert!(super::supported("5.7.44").unwrap_err().contains("MySQL 8.0"));
+    }
 }
 
 /// A leased row as read: id, target, method, url, header names (JSON), header values (JSON, hex), body, record key,

@@ -87,6 +87,10 @@ impl Connector for PgPool {
         Ok(dead_letter::get(&mut *self.begin().await?, id).await?)
     }
 
+    async fn outbox_ready(&self) -> Result<(), String> {
+        Ok(())
+    }
+
     async fn outbox_lease(&self, pipeline: &str, owner: &str, limit: i64, lease: Duration) -> Result<Vec<Leased>, StoreError> {
         Ok(outbox::lease(self, pipeline, owner, limit, lease).await?)
     }
