@@ -266,14 +266,15 @@
 //! 1. leases due rows in a short transaction of its own (`FOR UPDATE SKIP LOCKED`, then `leased_until`, the attempt
 //!    counted): two relays never hold one row at once, and a key's next row is not due while an older row of the key
 //!    is left (it is sent in order, one at a time);
-//! 2. sends each with `Idempotency-Key: <pipeline>:<business key>`, the same on every attempt and from every worker
-//!    ([`outbox::render::idempotency_key`]), bounded by its `timeout`;
+//! 2. sends each with `Idempotency-Key: <pipeline>:<business key>` (with `:<target>` after it where the pipeline
+//!    has several targets), the same on every attempt and from every worker ([`outbox::render::idempotency_key`]),
+//!    rendered into the row when it was written, bounded by its `timeout`;
 //! 3. records the outcomes in one transaction ([`store::Store::outbox_settle`]): a confirmed row deleted (whoever
 //!    holds its lease by then: the target confirmed it), a retry given its next attempt and its lease given up (only
 //!    by its holder), a failure moved whole to the dead letters (`delivery_failed`, only by its holder).
 //!
 //! - A crash, kill or lost database connection before 3 commits (the target may have confirmed): the row stays,
-//!   leased until `[outbox] lease` (longer than every `timeout`) runs out; a relay then leases it and sends it
+//!   leased until `[outbox] lease` (the longest `timeout` plus 5 s at least) runs out; a relay then leases it and sends it
 //!   again, with the same key, which a target honouring the IETF httpapi draft "The Idempotency-Key HTTP Header Field"
 //!   answers from its record of the first request: applied once. A target that ignores the key applies it again;
 //!   that is the at-least-once docs/outbox.md states. Tested with the worker aborted right after the target's
@@ -282,8 +283,15 @@
 //! - A relay stalled past its lease (a frozen process) may find its row leased and sent by another: the target sees
 //!   the key twice at once and answers the draft's 409 to one, which is retried; whichever confirms first deletes the
 //!   row, and the other's record finds nothing to do. Nothing is sent without its lease having been taken first.
+//! - A record of 3 that fails (three tries) keeps the round's outcomes in the relay, recorded with its next round;
+//!   a row among them its target confirmed is not sent again by this relay meanwhile, even leased again by it. A
+//!   round that outlasts its lease is logged: another relay may have sent its rows again, with the same keys.
 //! - A stop: the relay ends its round (bounded by the lease), then gives its leases up: the rows go at once to
 //!   another relay.
+//! - Kafka records (`[[sink.kafka]]`) go the same way, acknowledged by the brokers (`acks=all`, an idempotent
+//!   producer, which removes the duplicates of its own retries). A record produced again after a crash between the
+//!   acknowledgement and 3 is another record in the topic, with the same `Idempotency-Key` header: at least once
+//!   there, as docs/outbox.md says (`outbox::kafka_records_are_produced_for_new_keys_with_their_idempotency_header`).
 //! - A row is deleted only after its target answered a `success` status; a lost answer is a retry. A status that
 //!   can never succeed, or the last of `max_attempts`, moves it to the dead letters in the same transaction as its
 //!   deletion, its request kept whole; `dead-letters replay` moves it back, in one transaction too. Nothing retries

@@ -62,6 +62,10 @@ pub struct DemoArgs {
     /// pipeline then reads as its schema_file).
     #[arg(long, value_enum, default_value = "json")]
     format: idemflow::demo::formats::DemoFormat,
+    /// The side effect: table (the pipeline's own), or http: each payment also charged through a throwaway payment
+    /// provider that honours idempotency keys, through the outbox ([[sink.http]]; docs/outbox.md).
+    #[arg(long, value_enum, default_value = "table")]
+    effect: idemflow::demo::DemoEffect,
 }
 
 #[derive(clap::Args)]
@@ -222,6 +226,7 @@ pub async fn demo(a: DemoArgs) -> anyhow::Result<()> {
         keep_running: a.keep_running,
         redis: a.redis,
         format: a.format,
+        effect: a.effect,
     };
     if idemflow::demo::run(options).await? {
         Ok(())

@@ -23,6 +23,7 @@ pub mod kafka;
 pub mod mariadb;
 pub mod nats;
 pub mod postgres;
+pub mod provider;
 pub mod rabbitmq;
 pub mod redis;
 pub mod rocketmq;
@@ -66,6 +67,32 @@ pub struct DemoOptions {
     /// How the payments are encoded: JSON, or Avro or Protobuf (`examples/formats/`), which the pipeline then reads
     /// with its `schema_file`.
     pub format: formats::DemoFormat,
+    /// The side effect: the pipeline's tables only, or with `http` each payment also charged through a throwaway
+    /// payment provider over HTTP, through the outbox (`[[sink.http]]`).
+    pub effect: DemoEffect,
+}
+
+/// The demo's side effect.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum DemoEffect {
+    /// The pipeline's own: rows and balances in the store.
+    #[default]
+    Table,
+    /// The same, and each payment charged through a throwaway payment provider that honours idempotency keys
+    /// ([`provider`]), through the outbox; the provider drops every 50th answer after charging, so the relay sends
+    /// those again and the provider recognises them.
+    Http,
+}
+
+/// The `[[sink.http]]` the demo adds to its pipeline with `--effect http`: each payment charged at `url`, from the
+/// shipped pipelines' `[sink.params]` (order_id, account_id, amount, currency).
+fn http_effect(url: &str) -> String {
+    format!(
+        "\n# Added by `idemflow demo --effect http`: each new payment also charged through the provider, via the outbox.\n\
+         [[sink.http]]\nname = \"provider\"\nurl = \"{url}/v1/charges\"\n\
+         body = {{ order = \"{{order_id}}\", account = \"{{account_id}}\", amount = \"{{amount}}\", currency = \"{{currency}}\" }}\n\
+         timeout = \"5s\"\n\n[outbox]\npoll_interval = \"200ms\"\nbackoff = \"200ms\"\nmax_backoff = \"2s\"\n"
+    )
 }
 
 /// The broker the demo runs on.
@@ -301,6 +328,17 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<bool> {
             std::process::exit(130);
         })
     };
+    // --effect http: the throwaway payment provider, and the pipeline's [[sink.http]] pointed at it.
+    let mut plan = plan;
+    let provider = match options.effect {
+        DemoEffect::Table => None,
+        DemoEffect::Http => {
+            let p = provider::Provider::start(Some(LOSE_EVERY)).await.context("starting the demo's payment provider")?;
+            eprintln!("a throwaway payment provider on {} (it honours Idempotency-Key; it drops every {LOSE_EVERY}th answer after charging)", p.url());
+            plan.pipeline_text.push_str(&http_effect(&p.url()));
+            Some(p)
+        }
+    };
     let settings = write_workspace(dir.path(), &plan, &url, &broker, options.metrics_listen)?;
     db.setup(&plan.tables_sql, ACCOUNTS, OPENING_BALANCE_CENTS).await?;
 
@@ -333,11 +371,11 @@ pub async fn run(options: DemoOptions) -> anyhow::Result<bool> {
         .with_context(|| format!("serving /metrics on {}", options.metrics_listen))?;
     eprintln!("metrics on http://{}/metrics", server.addr());
 
-    let a = drive(&plan, &settings, &db, &metrics, &health, &s, dropped).await?;
+    let a = drive(&plan, &settings, &db, &metrics, &health, &s, dropped, provider.as_ref()).await?;
 
     // The summary, from the metrics and the business tables.
     let totals = db.totals(ACCOUNTS, OPENING_BALANCE_CENTS).await?;
-    let checked = summary(&plan, &metrics, &s, &totals, dropped);
+    let checked = summary(&plan, &metrics, &s, &totals, dropped) & provider.as_ref().is_none_or(|p| provider_summary(&p.counts(), &s, &totals));
 
     // Listening before the interruption handler goes, so that a signal in between (a user's Ctrl-C as the addresses
     // print) is kept for the end of --keep-running rather than lost.
@@ -404,6 +442,9 @@ impl Plan {
         let mysql = mysql && !redis;
         if redis && rabbit {
             bail!("the Redis demo runs with Kafka: drop {source_flag}");
+        }
+        if redis && options.effect == DemoEffect::Http {
+            bail!("--effect http runs through the outbox, in a database: drop --redis (or --store redis)");
         }
         let (default_file, built_in, shipped_tables) = if redis {
             ("examples/redis/payments.toml", SHIPPED_REDIS_PIPELINE, "")
@@ -513,6 +554,7 @@ async fn drive(
     health: &Health,
     s: &Stream,
     dropped: u64,
+    provider: Option<&provider::Provider>,
 ) -> anyhow::Result<DemoWorker> {
     let (nats, rabbit, redis) = (plan.nats, plan.rabbit, plan.redis);
     let total = s.records.len() as u64;
@@ -557,7 +599,12 @@ async fn drive(
         progress.update(consumed, applied, duplicates, event.as_deref());
         // Distinct payloads: a queue records a poison message redelivered after the crash a second time.
         let done = db.progress().await?;
-        if left && done == (s.distinct as i64, s.poison as i64) && consumed >= total - dropped {
+        // With --effect http, until every payment is charged and every answer the provider lost was sent again.
+        let charged = provider.is_none_or(|p| {
+            let c = p.counts();
+            c.charges == s.distinct && c.replays >= c.lost_answers
+        });
+        if left && done == (s.distinct as i64, s.poison as i64) && consumed >= total - dropped && charged {
             break;
         }
         if Instant::now() > deadline {
@@ -572,6 +619,30 @@ async fn drive(
     );
     progress.finish();
     Ok(a)
+}
+
+/// How often the demo's provider loses an answer after charging (`--effect http`).
+const LOSE_EVERY: u64 = 50;
+
+/// The summary's lines for `--effect http`: what the provider did, and the checks that each distinct operation was
+/// charged once, for its applied amount. Returns whether they passed.
+fn provider_summary(c: &provider::Counts, s: &Stream, totals: &database::Totals) -> bool {
+    let line = |label: &str, n: u64| println!("  {label:<44} {n:>10}");
+    println!("  the payment provider (--effect http, through the outbox)");
+    line("  requests it received", c.requests);
+    line("  charges it made", c.charges);
+    line("  answers it lost after charging", c.lost_answers);
+    line("  repeated requests it recognised", c.replays);
+    let once = c.charges == s.distinct && c.mismatches == 0;
+    println!("  check: charges made {} == distinct operations {}: {}", c.charges, s.distinct, if once { "ok" } else { "FAILED" });
+    let amounts = c.charged_cents == totals.applied_cents;
+    println!(
+        "  check: total charged {} == sum of the applied payments {}: {}",
+        money(c.charged_cents as i64),
+        money(totals.applied_cents as i64),
+        if amounts { "ok" } else { "FAILED" }
+    );
+    once && amounts
 }
 
 /// Prints the summary: what was injected and counted, the checks on the business tables, and how the counters

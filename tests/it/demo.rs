@@ -32,6 +32,32 @@ fn demo_summary_checks_exactly_once() {
     }
 }
 
+/// `demo --effect http`: the same stream, each payment also charged through the demo's payment provider over HTTP,
+/// through the outbox, with the crash, the rebalance and the producer's retries; the provider drops some answers after
+/// charging, the relay sends those again, and the provider recognises them: charges made == distinct operations.
+#[test]
+fn demo_with_the_http_effect_charges_each_operation_once() {
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_idemflow"));
+    cmd.args(["demo", "--records", "4000", "--metrics-listen", "127.0.0.1:0", "--effect", "http"]).current_dir(project_root());
+    if std::env::var("DATABASE_URL").is_err() {
+        cmd.env("DATABASE_URL", postgres::server_url());
+    }
+    let out = cmd.output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(stderr.contains("a throwaway payment provider on http://127.0.0.1:") && stderr.contains("worker A stopped abruptly"), "{stderr}");
+    let number = |label: &str| -> u64 {
+        let line = stdout.lines().find(|l| l.trim_start().starts_with(label)).unwrap_or_else(|| panic!("no {label:?} in:\n{stdout}"));
+        line.split_whitespace().last().unwrap().parse().unwrap()
+    };
+    assert_eq!(number("charges it made"), number("distinct operations"));
+    assert!(number("answers it lost after charging") > 0, "{stdout}");
+    assert!(number("repeated requests it recognised") >= number("answers it lost after charging"), "{stdout}");
+    assert!(stdout.contains("check: charges made") && stdout.contains("check: total charged"), "{stdout}");
+    assert!(!stdout.contains("FAILED") && !stdout.contains("differs"), "{stdout}");
+}
+
 /// `demo --keep-running` says where its broker and database are, so a user can look at them, without printing the
 /// database password.
 #[test]
