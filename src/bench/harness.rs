@@ -75,6 +75,9 @@ pub(super) struct WorkerRun<'a> {
     /// rebalance's redeliveries, received again, do not end it early). `None` for a run over a prefix, or whose
     /// side effect applies another count (the shipped example's poison records).
     pub(super) applied: Option<u64>,
+    /// With an outbox (`[[sink.http]]`): the run also waits until that many requests were confirmed by their
+    /// target, and its note gives the commit-to-confirmation quantiles.
+    pub(super) delivered: Option<u64>,
 }
 
 /// The `[kafka]` settings of a worker run on the embedded broker.
@@ -92,7 +95,7 @@ pub(super) async fn worker_run(run: WorkerRun<'_>, broker: &str, url: &str, perf
 /// [`worker_run`] with the store's section of the settings (`[database]` or `[redis]`) given whole. `probe` reads
 /// the PostgreSQL server whose CPU and WAL over the run are measured (nothing for another store).
 pub(super) async fn worker_run_on(run: WorkerRun<'_>, broker: &str, store: &str, perf: bool, probe: &Probe) -> anyhow::Result<RunResult> {
-    let WorkerRun { id, name, ref pipeline, group, target, applied: drain } = run;
+    let WorkerRun { id, name, ref pipeline, group, target, applied: drain, delivered } = run;
     let dir = tempfile::Builder::new().prefix("idemflow-bench-").tempdir()?;
     std::fs::create_dir(dir.path().join("pipelines"))?;
     std::fs::write(dir.path().join("pipelines/orders.toml"), pipeline.replace("topics =", &format!("group_id = \"{group}\"\ntopics =")))?;
@@ -135,7 +138,7 @@ pub(super) async fn worker_run_on(run: WorkerRun<'_>, broker: &str, store: &str,
         None
     };
     let log = dir.path().join("worker.log");
-    let Watched { last_scrape, started, first, progress } = watch(addr, pid, id, target, drain, &log).await?;
+    let Watched { last_scrape, started, first, progress } = watch(addr, pid, id, target, drain, delivered, &log).await?;
     let received = |m: &str| sample(m, "idemflow_records_received_total");
     let end = Instant::now();
     let (db_cpu, wal) = probe.since(db0, received(&last_scrape)).await;
@@ -160,6 +163,18 @@ pub(super) async fn worker_run_on(run: WorkerRun<'_>, broker: &str, store: &str,
         .filter_map(|l| l.rsplit_once(' ').and_then(|(_, v)| v.parse::<f64>().ok()))
         .sum();
     let rebalanced = if revocations > 0.0 { format!(" ({revocations} rebalance revocations)") } else { String::new() };
+    let outbox = match delivered {
+        Some(_) => {
+            let q = |p| ms(histogram_quantile(&last_scrape, "idemflow_outbox_delivery_seconds", p)).map_or("-".to_owned(), |v| format!("{v:.1}"));
+            format!(
+                "; {} requests confirmed by the provider, commit to confirmation p50 {} ms, p99 {} ms",
+                sample(&last_scrape, "idemflow_outbox_deliveries_total"),
+                q(0.5),
+                q(0.99)
+            )
+        }
+        None => String::new(),
+    };
     Ok(RunResult {
         id: id.into(),
         repetition: 1,
@@ -176,7 +191,7 @@ pub(super) async fn worker_run_on(run: WorkerRun<'_>, broker: &str, store: &str,
         e2e_p50_ms: ms(applied_after(&progress, t0, 0.5)),
         e2e_p99_ms: ms(applied_after(&progress, t0, 0.99)),
         note: format!(
-            "{total} received, {} applied, {dup} duplicates skipped{rebalanced}; CPU {cpu:.2} s to the target, {whole:.2} s with shutdown{short}",
+            "{total} received, {} applied, {dup} duplicates skipped{rebalanced}; CPU {cpu:.2} s to the target, {whole:.2} s with shutdown{short}{outbox}",
             sample(&last_scrape, "idemflow_records_applied_total")
         ),
     })
@@ -194,10 +209,20 @@ struct Watched {
     progress: Vec<(Instant, f64)>,
 }
 
-/// Scrapes the worker's `/metrics` at `addr` until it has received `target` records (and applied `drain`, if set).
+/// Scrapes the worker's `/metrics` at `addr` until it has received `target` records (and applied `drain`, and had
+/// `delivered` outbox requests confirmed, if set).
 /// The worker is killed and the run fails when it receives nothing in 60 s, applies nothing more in 60 s after
 /// the last record arrived, or takes over 30 minutes; the failure quotes its log (`log`).
-async fn watch(addr: std::net::SocketAddr, pid: libc::pid_t, id: &str, target: u64, drain: Option<u64>, log: &std::path::Path) -> anyhow::Result<Watched> {
+#[allow(clippy::too_many_arguments)]
+async fn watch(
+    addr: std::net::SocketAddr,
+    pid: libc::pid_t,
+    id: &str,
+    target: u64,
+    drain: Option<u64>,
+    delivered: Option<u64>,
+    log: &std::path::Path,
+) -> anyhow::Result<Watched> {
     let received = |m: &str| sample(m, "idemflow_records_received_total");
     let applied = |m: &str| sample(m, "idemflow_records_applied_total");
     let started = Instant::now();
@@ -228,7 +253,8 @@ async fn watch(addr: std::net::SocketAddr, pid: libc::pid_t, id: &str, target: u
         let left = (target as f64 - n).max(0.0) / rate.max(1.0);
         pause = if first.is_some() && left > 1.0 { Duration::from_millis(250) } else { Duration::from_millis(25) };
         before = (now, n);
-        if n >= target as f64 && drain.is_none_or(|want| applied(&m) >= want as f64) {
+        let confirmed = |m: &str| sample(m, "idemflow_outbox_deliveries_total");
+        if n >= target as f64 && drain.is_none_or(|want| applied(&m) >= want as f64) && delivered.is_none_or(|want| confirmed(&m) >= want as f64) {
             break m;
         }
         let moved = progress.iter().rev().find(|(_, a)| *a < applied(&m)).map_or(started, |(at, _)| *at);

@@ -33,6 +33,9 @@
 //! 16. and 17. run (1) with the same orders as Avro datums and as Protobuf messages (plain, of a `schema_file`),
 //!     produced to topics of their own before any timing: the decode's cost beside JSON's, in worker CPU per record;
 //! 18. and 19. run (5) over those topics: the decode and key extraction alone, per format.
+//! 20. run (1) with an HTTP request per new key through the outbox (`[[sink.http]]` with its defaults) to a payment
+//!     provider on a loopback port (the demo's, [`crate::demo::provider`]): until every request is confirmed; its note
+//!     gives the commit-to-confirmation p50 and p99.
 //!
 //! With `--database-url mysql://...` (or `mariadb://`) runs (1), (2), (5) and (6) run on MySQL or MariaDB; (3), (4)
 //! and (8) to (15) are PostgreSQL's.
@@ -128,7 +131,7 @@ async fn run_kafka(o: &BenchOptions, admin_url: &str) -> anyhow::Result<Report> 
     let report_run = |r: &RunResult| eprintln!("{} {}: {:.0} records/s ({})", r.id, r.name, r.records_per_second, r.note);
 
     // On MySQL/MariaDB, runs (3) and (4) are PostgreSQL's (a COPY ceiling, a preload with generate_series).
-    let want = |n: u8| (o.only.is_empty() || o.only.contains(&n)) && !(mysql && matches!(n, 3 | 4 | 8..=19));
+    let want = |n: u8| (o.only.is_empty() || o.only.contains(&n)) && !(mysql && matches!(n, 3 | 4 | 8..=20));
     let perf = o.perf;
     if mysql {
         eprintln!("MySQL/MariaDB: runs (1), (2), (5) and (6); (3), (4) and (8) to (15) are PostgreSQL's");
@@ -140,11 +143,18 @@ async fn run_kafka(o: &BenchOptions, admin_url: &str) -> anyhow::Result<Report> 
         let tag = if repetition == 1 { String::new() } else { format!("-r{repetition}") };
         let group = |n: u8| format!("bench-{n}{tag}");
         let first = runs.len();
-        for n in 1..=19u8 {
+        for n in 1..=20u8 {
             if !want(n) {
                 continue;
             }
-            let r = if (16..=19).contains(&n) {
+            let r = if n == 20 {
+                let provider = crate::demo::provider::Provider::start(None).await?;
+                let url = fresh_database(admin_url, "bench_20").await?;
+                let name = "idemflow, default batching (table form) and an HTTP request per new key through the outbox, to a local provider";
+                let pipeline = http_table_pipeline(&provider.url());
+                let run = WorkerRun { id: "(20)", name, pipeline, group: &group(20), target: total, applied: distinct, delivered: distinct };
+                worker_run(run, &kafka_settings(&kafka), &url, perf).await?
+            } else if (16..=19).contains(&n) {
                 let (format, topic, file, _) = formats[usize::from(n % 2 == 1)];
                 let pipeline = format_table_pipeline(topic, format, &schemas.path().join(file));
                 let url = fresh_database(admin_url, &format!("bench_{n}")).await?;
@@ -155,7 +165,7 @@ async fn run_kafka(o: &BenchOptions, admin_url: &str) -> anyhow::Result<Report> 
                         } else {
                             ("(17)", "idemflow, default batching (table form), Protobuf payloads")
                         };
-                        let run = WorkerRun { id, name, pipeline, group: &group(n), target: total, applied: distinct };
+                        let run = WorkerRun { id, name, pipeline, group: &group(n), target: total, applied: distinct, delivered: None };
                         worker_run(run, &kafka_settings(&kafka), &url, perf).await?
                     }
                     _ => {
@@ -178,7 +188,7 @@ async fn run_kafka(o: &BenchOptions, admin_url: &str) -> anyhow::Result<Report> 
                             ("(15)", "idemflow, default batching (table form), batch.concurrency = 4")
                         };
                         let group = group(n);
-                        let run = WorkerRun { id, name, pipeline: concurrent_table_pipeline(lanes), group: &group, target: total, applied: distinct };
+                        let run = WorkerRun { id, name, pipeline: concurrent_table_pipeline(lanes), group: &group, target: total, applied: distinct, delivered: None };
                         // The lanes' consumers join the new group together, as on a real broker, whose new groups wait
                         // 3 s for more members before the first assignment; with the mock's 0 they would join one after
                         // another, each join a rebalance that the mock holds for session.timeout.ms - 1 s while the
@@ -191,7 +201,7 @@ async fn run_kafka(o: &BenchOptions, admin_url: &str) -> anyhow::Result<Report> 
                     13 => {
                         let url = payments_database(admin_url, "bench_13").await?;
                         let name = "idemflow, the shipped example in the per-record SQL form, examples/per-record-sql/payments.toml";
-                        let run = WorkerRun { id: "(13)", name, pipeline: per_record_payments_pipeline(), group: &group(13), target: total, applied: None };
+                        let run = WorkerRun { id: "(13)", name, pipeline: per_record_payments_pipeline(), group: &group(13), target: total, applied: None, delivered: None };
                         worker_run(run, &kafka_settings(&kafka), &url, perf).await?
                     }
                     12 => {
@@ -201,13 +211,13 @@ async fn run_kafka(o: &BenchOptions, admin_url: &str) -> anyhow::Result<Report> 
                         let pipeline = per_record.replace(":paid_at, :details)", ":paid_at, :details) RETURNING order_id");
                         anyhow::ensure!(pipeline != per_record, "examples/per-record-sql/payments.toml's INSERT ends with `:paid_at, :details)`");
                         let single = o.single_records.min(o.records) as u64;
-                        let run = WorkerRun { id: "(12)", name, pipeline, group: &group(12), target: single, applied: None };
+                        let run = WorkerRun { id: "(12)", name, pipeline, group: &group(12), target: single, applied: None, delivered: None };
                         worker_run(run, &kafka_settings(&kafka), &url, perf).await?
                     }
                     8 => {
                         let url = payments_database(admin_url, "bench_8").await?;
                         let name = "idemflow, the shipped example pipelines/payments.toml (batch SQL form: INSERT payments + UPDATE accounts per batch)";
-                        let run = WorkerRun { id: "(8)", name, pipeline: payments_pipeline(), group: &group(8), target: total, applied: None };
+                        let run = WorkerRun { id: "(8)", name, pipeline: payments_pipeline(), group: &group(8), target: total, applied: None, delivered: None };
                         worker_run(run, &kafka_settings(&kafka), &url, perf).await?
                     }
                     9 => minimal_copy_ceiling(&minimal_database(admin_url, "bench_9").await?, &s, s.records.len()).await?,
@@ -229,13 +239,13 @@ async fn run_kafka(o: &BenchOptions, admin_url: &str) -> anyhow::Result<Report> 
                     }
                 };
                 eprintln!("redis: {} (throwaway server, appendonly yes, appendfsync everysec)", redis.version());
-                let run = WorkerRun { id: "(7)", name: "idemflow, Redis sink (one script per batch)", pipeline: redis_pipeline(), group: &group(7), target: total, applied: distinct };
+                let run = WorkerRun { id: "(7)", name: "idemflow, Redis sink (one script per batch)", pipeline: redis_pipeline(), group: &group(7), target: total, applied: distinct, delivered: None };
                 let store = format!("[redis]\nurl = \"{}\"\n", redis.url());
                 worker_run_on(run, &kafka_settings(&kafka), &store, perf, &Probe::default()).await?
             } else {
                 let url = fresh_database(admin_url, &format!("bench_{n}")).await?;
                 let run_group = group(n);
-                let worker = |id, name, pipeline, target| WorkerRun { id, name, pipeline, group: &run_group, target, applied: None };
+                let worker = |id, name, pipeline, target| WorkerRun { id, name, pipeline, group: &run_group, target, applied: None, delivered: None };
                 match n {
                     1 => {
                         let run = WorkerRun { applied: distinct, ..worker("(1)", "idemflow, default batching (table form)", table_pipeline(None), total) };

@@ -111,16 +111,16 @@ pub(super) async fn run_one_stream(o: &BenchOptions, admin_url: &str) -> anyhow:
         };
         let r = if n == 8 {
             let name = format!("idemflow from {what}, the shipped example pipelines/payments.toml (batch SQL form)");
-            let run = WorkerRun { id: "(8)", name: &name, pipeline: from_queue(payments_pipeline()), group: "", target: total, applied: None };
+            let run = WorkerRun { id: "(8)", name: &name, pipeline: from_queue(payments_pipeline()), group: "", target: total, applied: None, delivered: None };
             worker_run(run, &section, &url, o.perf).await?
         } else if n == 1 {
             let name = format!("idemflow from {what}, default batching (table form)");
-            let run = WorkerRun { id: "(1)", name: &name, pipeline, group: "", target: total, applied: Some(s.firsts.len() as u64) };
+            let run = WorkerRun { id: "(1)", name: &name, pipeline, group: "", target: total, applied: Some(s.firsts.len() as u64), delivered: None };
             worker_run(run, &section, &url, o.perf).await?
         } else if n == 7 {
             let redis = crate::demo::redis::Throwaway::start()?;
             let name = format!("idemflow from {what}, Redis sink (one script per batch)");
-            let run = WorkerRun { id: "(7)", name: &name, pipeline: from_queue(redis_pipeline()), group: "", target: total, applied: Some(s.firsts.len() as u64) };
+            let run = WorkerRun { id: "(7)", name: &name, pipeline: from_queue(redis_pipeline()), group: "", target: total, applied: Some(s.firsts.len() as u64), delivered: None };
             worker_run_on(run, &section, &format!("[redis]\nurl = \"{}\"\n", redis.url()), o.perf, &Probe::default()).await?
         } else {
             let (address, name, total) = (broker.0.address(), OneStream::name(n), s.records.len());

@@ -19,7 +19,7 @@ pub struct BenchOptions {
     pub markdown: PathBuf,
     /// Where the JSON goes.
     pub json: PathBuf,
-    /// Only these runs (1..=19); all when empty (a ratio needs both of its runs).
+    /// Only these runs (1..=20); all when empty (a ratio needs both of its runs).
     pub only: Vec<u8>,
     /// Run each worker under `perf record -g` (output `perf-<run>.data` in the current directory).
     pub perf: bool,

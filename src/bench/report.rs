@@ -163,6 +163,7 @@ pub(super) fn ratios(runs: &[RunResult], mysql: bool) -> Vec<(String, f64, Strin
     ratio("(17) / (1), Protobuf payloads against JSON", rate("(17)"), rate("(1)"), "(measured)");
     ratio("(18) / (5), consume-only: Avro decode against JSON", rate("(18)"), rate("(5)"), "(measured)");
     ratio("(19) / (5), consume-only: Protobuf decode against JSON", rate("(19)"), rate("(5)"), "(measured)");
+    ratio("(20) / (1), an HTTP request per new key through the outbox against the table form alone", rate("(20)"), rate("(1)"), "(measured)");
     let more = |a: &str, b: &str| cpu(a).zip(cpu(b)).map(|(a, b)| a - b);
     ratio("worker CPU µs per record, (16) - (1): Avro's decode against JSON's (a figure)", more("(16)", "(1)"), one, "(measured)");
     ratio("worker CPU µs per record, (17) - (1): Protobuf's decode against JSON's (a figure)", more("(17)", "(1)"), one, "(measured)");

@@ -99,6 +99,17 @@ pub(super) fn table_pipeline(max_records: Option<usize>) -> String {
     pipeline_text("table = \"orders\"", "sink.columns", &batch)
 }
 
+/// Run (20): the table form, and one HTTP request per new key through the outbox (`[[sink.http]]`, its defaults) to
+/// the provider at `url` (the demo's, [`crate::demo::provider`], on a loopback port).
+pub(super) fn http_table_pipeline(url: &str) -> String {
+    let http = format!(
+        "[sink.params]\norder = \"/order/id\"\naccount = \"/order/account\"\namount = \"/order/amount\"\n\
+         [[sink.http]]\nname = \"provider\"\nurl = \"{url}/v1/charges\"\n\
+         body = {{ order = \"{{order}}\", account = \"{{account}}\", amount = \"{{amount}}\" }}\n"
+    );
+    pipeline_text("table = \"orders\"", "sink.columns", &http)
+}
+
 /// The table form with default batching and `batch.concurrency = lanes` (runs (14) and (15)).
 pub(super) fn concurrent_table_pipeline(lanes: usize) -> String {
     pipeline_text("table = \"orders\"", "sink.columns", &format!("[batch]\nconcurrency = {lanes}\n"))

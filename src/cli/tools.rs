@@ -161,7 +161,7 @@ pub struct BenchArgs {
     /// Profile each worker run with `perf record -g` (writes perf-N.data here; CPU figures then include perf).
     #[arg(long)]
     perf: bool,
-    /// The broker: the embedded Kafka (runs 1-19), a throwaway RabbitMQ node (runs 1, 5, 7 and 8 from quorum queues;
+    /// The broker: the embedded Kafka (runs 1-20), a throwaway RabbitMQ node (runs 1, 5, 7 and 8 from quorum queues;
     /// needs Debian's rabbitmq-server), a throwaway NATS server (the same runs from JetStream streams; needs Debian's
     /// nats-server), or a throwaway RocketMQ name server and broker (the same runs from topics; needs
     /// rocketmq-namesrv-rust and rocketmq-broker-rust: scripts/rocketmq-throwaway.sh installs them).
