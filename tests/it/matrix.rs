@@ -19,6 +19,11 @@
 //! there the in-progress acks must keep every held delivery from being redelivered.
 //! The table in docs/guarantee.md is made from the test names here (`the_guarantee_page_table_is_made_from_the_matrix`).
 //!
+//! The same scenarios run again with the outbox (`matrix_outbox!`, `outbox_<scenario>_<source>_<store>`): the
+//! shipped example's effect and an HTTP charge per operation through `[[sink.http]]` to the suite's payment
+//! provider, on Kafka x PostgreSQL and MySQL/MariaDB (the stores that keep an outbox) and RabbitMQ x PostgreSQL's crash
+//! loop: every operation also charged exactly once by the provider.
+//!
 //! Scenario (a) also runs with the payloads in Avro and in Protobuf ([`core_in`], `formats::matrix_core_*`): the
 //! same stream encoded by confluent-kafka's serializers in the schema registry's wire format, read through
 //! `[schema_registry]`; the poison records stay the bytes they are.
@@ -339,6 +344,26 @@ struct Pair {
     registry: Option<(crate::support::registry::Registry, String)>,
     /// The pipeline's `format` line (empty for JSON).
     format: &'static str,
+    /// With [`Effect::Outbox`]: the payment provider every operation is also charged at, through the outbox.
+    provider: Option<crate::support::provider::Provider>,
+}
+
+/// The side effect a scenario runs: the shipped example's, or that and an HTTP charge per operation through the
+/// outbox (`[[sink.http]]` to the suite's payment provider), each operation then also charged exactly once.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Effect {
+    Sink,
+    Outbox,
+}
+
+/// The `[[sink.http]]` the outbox scenarios add to the shipped example: each operation charged at `url`, from its
+/// `[sink.params]` (the same names in every shipped database example).
+fn http_effect(url: &str) -> String {
+    format!(
+        "\n[[sink.http]]\nname = \"provider\"\nurl = \"{url}/v1/charges\"\n\
+         body = {{ order = \"{{order_id}}\", account = \"{{account_id}}\", amount = \"{{amount}}\" }}\n\
+         timeout = \"2s\"\n\n[outbox]\npoll_interval = \"200ms\"\nbackoff = \"200ms\"\nmax_backoff = \"1s\"\nlease = \"8s\"\n"
+    )
 }
 
 /// How a scenario's payloads are encoded.
@@ -355,11 +380,25 @@ pub(crate) enum PayloadFormat {
 impl Pair {
     /// [`Dst::assert_exactly_once`] for this pair's source.
     async fn assert_exactly_once(&self) {
-        self.dst.assert_exactly_once(&self.s, self.src.positional()).await
+        self.dst.assert_exactly_once(&self.s, self.src.positional()).await;
+        self.assert_charged_once();
     }
 
-    async fn new(broker: Broker, db: Db) -> Pair {
-        Pair::new_in(PayloadFormat::Json, broker, db).await
+    /// With the outbox: every operation charged once by the provider, no key twice.
+    fn assert_charged_once(&self) {
+        let Some(provider) = &self.provider else { return };
+        let state = provider.state();
+        assert_eq!(state["distinct_keys"], self.s.distinct, "{state:#}");
+        assert_eq!(state["charges"], self.s.distinct, "each operation charged once: {state:#}");
+        assert_eq!(state["mismatches"], 0, "a request sent again is the same request: {state:#}");
+    }
+
+    async fn new(broker: Broker, db: Db, effect: Effect) -> Pair {
+        let mut pair = Pair::new_in(PayloadFormat::Json, broker, db).await;
+        if effect == Effect::Outbox {
+            pair.provider = Some(crate::support::provider::Provider::start(&[]));
+        }
+        pair
     }
 
     /// A pair whose stream is encoded in `format` by confluent-kafka's serializers (poison records as they are),
@@ -397,7 +436,7 @@ impl Pair {
                 (Some((registry, section)), line)
             }
         };
-        Pair { src, dst, s, broker, db, registry, format }
+        Pair { src, dst, s, broker, db, registry, format, provider: None }
     }
 
     /// Whether a batch committed in the store whose offset commit or acknowledgement a crash prevented comes back
@@ -415,7 +454,8 @@ impl Pair {
     /// Settings and the pipeline for one worker (each worker gets its own `/metrics` port), through `relay` when
     /// given.
     fn setup(&self, relay: Option<&Relay>) -> Setup {
-        let pipeline = format!("{}{}", self.format, self.dst.pipeline(&self.src.source()));
+        let http = self.provider.as_ref().map(|p| http_effect(&p.url())).unwrap_or_default();
+        let pipeline = format!("{}{}{http}", self.format, self.dst.pipeline(&self.src.source()));
         let extra = self.registry.as_ref().map_or("", |(_, section)| section.as_str());
         Setup::sections(&self.dst.section(relay), &self.src.section(), &[("payments.toml", &pipeline)], extra)
     }
@@ -427,7 +467,9 @@ impl Pair {
         loop {
             let progress = self.dst.progress().await;
             let received: f64 = workers.iter().map(|w| received(&w.scrape())).sum();
-            if progress == Some((self.s.distinct as i64, self.s.poison as i64)) && received >= at_least {
+            // With the outbox, also until the provider has charged every operation (the relay runs in the workers).
+            let charged = self.provider.as_ref().is_none_or(|p| p.state()["distinct_keys"] == self.s.distinct);
+            if progress == Some((self.s.distinct as i64, self.s.poison as i64)) && received >= at_least && charged {
                 return;
             }
             if Instant::now() > deadline {
@@ -503,15 +545,19 @@ fn duplicates(m: &str, reason: &str) -> f64 {
 /// poison record dead-lettered with its reason while the rest commits. Then, where the source has positions, the
 /// group rewound with `idemflow rewind` and the stream consumed again by a new worker: every original counted
 /// `redelivered`, every copy under its reason again, nothing applied twice.
-async fn core(broker: Broker, db: Db) {
-    core_in(PayloadFormat::Json, broker, db).await
+async fn core(broker: Broker, db: Db, effect: Effect) {
+    let pair = Pair::new(broker, db, effect).await;
+    core_of(pair).await
 }
 
 /// [`core`] with the payloads in `format`: Kafka's pairs (the other brokers' messages are published as text, with
 /// the JSON order id as their message id).
 pub(crate) async fn core_in(format: PayloadFormat, broker: Broker, db: Db) {
     assert!(format == PayloadFormat::Json || broker == Broker::Kafka, "encoded payloads are published to Kafka only");
-    let mut pair = Pair::new_in(format, broker, db).await;
+    core_of(Pair::new_in(format, broker, db).await).await
+}
+
+async fn core_of(mut pair: Pair) {
     let n = pair.len();
     pair.src.publish(&pair.s, 0..n).await;
     let setup = pair.setup(None);
@@ -564,8 +610,8 @@ pub(crate) async fn core_in(format: PayloadFormat, broker: Broker, db: Db) {
 /// worker gets that batch again and skips it as `redelivered`; where the positions are stored with each batch
 /// nothing comes back. The next two are SIGKILLed at random moments while they apply; a last worker finishes:
 /// every operation applied once.
-async fn crash_loop(broker: Broker, db: Db) {
-    let mut pair = Pair::new(broker, db).await;
+async fn crash_loop(broker: Broker, db: Db, effect: Effect) {
+    let mut pair = Pair::new(broker, db, effect).await;
     let n = pair.len();
     let setup = pair.setup(None);
     pair.src.publish(&pair.s, 0..n / 3).await;
@@ -616,8 +662,8 @@ async fn crash_loop(broker: Broker, db: Db) {
 /// (c): the store unreachable for 8 s mid-stream (every connection to it cut, new ones refused): the worker waits
 /// and retries (counted in `idemflow_db_retries_total`); nothing is dead-lettered for it, nothing lost, nothing
 /// applied twice.
-async fn store_cut(broker: Broker, db: Db) {
-    let mut pair = Pair::new(broker, db).await;
+async fn store_cut(broker: Broker, db: Db, effect: Effect) {
+    let mut pair = Pair::new(broker, db, effect).await;
     let n = pair.len();
     let relay = Relay::start(pair.dst.addr());
     pair.src.publish(&pair.s, 0..n / 2).await;
@@ -648,8 +694,8 @@ async fn store_cut(broker: Broker, db: Db) {
 
 /// (e): a second worker joins the first mid-stream (the group, or the queue's consumers, rebalance) and receives
 /// records of its own, then the first leaves (SIGTERM): every operation applied once.
-async fn second_worker(broker: Broker, db: Db) {
-    let mut pair = Pair::new(broker, db).await;
+async fn second_worker(broker: Broker, db: Db, effect: Effect) {
+    let mut pair = Pair::new(broker, db, effect).await;
     let n = pair.len();
     pair.src.publish(&pair.s, 0..n / 2).await;
     let (one, two) = (pair.setup(None), pair.setup(None));
@@ -682,6 +728,7 @@ async fn second_worker(broker: Broker, db: Db) {
     stop(b, broker);
     // Two consumers of one queue take its messages in any order: a copy with another amount may come first.
     pair.dst.assert_once(&pair.s, if pair.src.positional() { Order::Kept } else { Order::Lost }, pair.src.positional()).await;
+    pair.assert_charged_once();
 }
 
 macro_rules! matrix {
@@ -689,10 +736,36 @@ macro_rules! matrix {
         $(
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn $name() {
-                $scenario(Broker::$broker, Db::$db).await;
+                $scenario(Broker::$broker, Db::$db, Effect::Sink).await;
             }
         )*
     };
+}
+
+/// The matrix's scenarios with the outbox beside the shipped example's effect (`[[sink.http]]` to the suite's payment
+/// provider), on the stores that keep an outbox: every operation also charged exactly once, through a rewind (a),
+/// a crash after `COMMIT` and SIGKILLs (b), the store cut (c), a second worker (e).
+macro_rules! matrix_outbox {
+    ($($name:ident: $scenario:ident($broker:ident, $db:ident);)*) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() {
+                $scenario(Broker::$broker, Db::$db, Effect::Outbox).await;
+            }
+        )*
+    };
+}
+
+matrix_outbox! {
+    outbox_core_kafka_postgres: core(Kafka, Postgres);
+    outbox_core_kafka_mariadb: core(Kafka, MariaDb);
+    outbox_crash_loop_kafka_postgres: crash_loop(Kafka, Postgres);
+    outbox_crash_loop_kafka_mariadb: crash_loop(Kafka, MariaDb);
+    outbox_store_cut_kafka_postgres: store_cut(Kafka, Postgres);
+    outbox_store_cut_kafka_mariadb: store_cut(Kafka, MariaDb);
+    outbox_second_worker_kafka_postgres: second_worker(Kafka, Postgres);
+    outbox_second_worker_kafka_mariadb: second_worker(Kafka, MariaDb);
+    outbox_crash_loop_rabbitmq_postgres: crash_loop(RabbitMq, Postgres);
 }
 
 matrix! {
