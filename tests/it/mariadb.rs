@@ -382,7 +382,7 @@ async fn migrate_explain_dead_letters_replay_and_purge_on_mariadb() {
     // A fresh database without idemflow's tables: `check` says to migrate, `migrate` creates them.
     let base = crate::support::mariadb::server_url();
     let db = MyDb::new("CREATE TABLE orders (id VARCHAR(64) PRIMARY KEY, amount DECIMAL(12, 2) NOT NULL) ENGINE = InnoDB;").await;
-    db.exec("DROP TABLE idemflow_dedup, idemflow_dead_letters, idemflow_offsets, idemflow_processed, idemflow_attempts, idemflow_retention_sweeps, _sqlx_migrations").await;
+    db.exec("DROP TABLE idemflow_dedup, idemflow_dead_letters, idemflow_offsets, idemflow_processed, idemflow_attempts, idemflow_retention_sweeps, idemflow_outbox, _sqlx_migrations").await;
     let kafka = Kafka::new();
     kafka.create_topic("orders", 1);
     let pipeline = "topics = [\"orders\"]\n[key]\nfield = \"/id\"\n[sink]\ntable = \"orders\"\n[sink.columns]\nid = \"/id\"\namount = \"/amount\"\n\
@@ -396,7 +396,7 @@ async fn migrate_explain_dead_letters_replay_and_purge_on_mariadb() {
     let (status, _, err) = run(&["check"]);
     assert!(!status.success() && err.contains("idemflow migrate"), "{err}");
     let (status, out, err) = run(&["migrate"]);
-    assert!(status.success() && out.contains("version 5"), "{out}{err}");
+    assert!(status.success() && out.contains("version 6"), "{out}{err}");
     let (status, out, err) = run(&["check"]);
     assert!(status.success(), "{out}{err}");
     kafka.produce("orders", &[Out::json(0, r#"{"id":"o-1","amount":"12.50"}"#), Out::json(0, r#"{"id":"o-2","amount":"abc"}"#)]);
