@@ -130,6 +130,39 @@ impl RetryCause {
     }
 }
 
+/// How an attempt at an outbox request ended ([`crate::outbox::deliver`]): label `result` of
+/// `idemflow_outbox_attempts_total`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttemptResult {
+    /// A `success` status.
+    Confirmed,
+    /// A `retry` status.
+    RetryStatus,
+    /// Another status.
+    Rejected,
+    /// No connection, or the connection was lost before the answer.
+    Connection,
+    /// No answer within `timeout`.
+    Timeout,
+}
+
+impl AttemptResult {
+    /// Every result, for pre-initialising series.
+    pub const ALL: [AttemptResult; 5] =
+        [AttemptResult::Confirmed, AttemptResult::RetryStatus, AttemptResult::Rejected, AttemptResult::Connection, AttemptResult::Timeout];
+
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AttemptResult::Confirmed => "confirmed",
+            AttemptResult::RetryStatus => "retry_status",
+            AttemptResult::Rejected => "rejected",
+            AttemptResult::Connection => "connection",
+            AttemptResult::Timeout => "timeout",
+        }
+    }
+}
+
 /// Result of an offset commit. Label `result` of `idemflow_offset_commits_total`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum CommitResult {
@@ -711,7 +744,7 @@ impl OutboxMetrics {
     /// Initialises the series of one target.
     pub fn target(&self, target: &str) {
         let p = self.pipeline.as_str();
-        for result in crate::outbox::deliver::AttemptResult::ALL {
+        for result in AttemptResult::ALL {
             self.metrics.outbox_attempts.with_label_values(&[p, target, result.as_str()]);
         }
         for outcome in ["confirmed", "dead_lettered"] {
@@ -732,7 +765,7 @@ impl OutboxMetrics {
     }
 
     /// Counts one attempt.
-    pub fn attempt(&self, target: &str, result: crate::outbox::deliver::AttemptResult) {
+    pub fn attempt(&self, target: &str, result: AttemptResult) {
         self.metrics.outbox_attempts.with_label_values(&[&self.pipeline, target, result.as_str()]).inc();
     }
 

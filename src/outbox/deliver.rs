@@ -2,6 +2,7 @@
 //! the target's `Retry-After` when it gave one), or never going to succeed.
 
 use super::spec::{HttpTarget, MAX_RETRY_AFTER};
+pub use crate::metrics::AttemptResult;
 use crate::store::rows::OutboxRequest;
 use crate::schema_registry::describe;
 use std::time::Duration;
@@ -28,38 +29,6 @@ pub enum Outcome {
         /// The status and the head of the answer.
         error: String,
     },
-}
-
-/// How an attempt ended: label `result` of `idemflow_outbox_attempts_total`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum AttemptResult {
-    /// A `success` status.
-    Confirmed,
-    /// A `retry` status.
-    RetryStatus,
-    /// Another status.
-    Rejected,
-    /// No connection, or the connection was lost before the answer.
-    Connection,
-    /// No answer within `timeout`.
-    Timeout,
-}
-
-impl AttemptResult {
-    /// Every result, for pre-initialising series.
-    pub const ALL: [AttemptResult; 5] =
-        [AttemptResult::Confirmed, AttemptResult::RetryStatus, AttemptResult::Rejected, AttemptResult::Connection, AttemptResult::Timeout];
-
-    /// The label value.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            AttemptResult::Confirmed => "confirmed",
-            AttemptResult::RetryStatus => "retry_status",
-            AttemptResult::Rejected => "rejected",
-            AttemptResult::Connection => "connection",
-            AttemptResult::Timeout => "timeout",
-        }
-    }
 }
 
 impl Outcome {

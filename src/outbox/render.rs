@@ -55,15 +55,10 @@ fn render_record<'v>(
         Some(template) => text(template, lookup, &str::to_owned).map_err(|e| format!("sink.kafka {} key: {e}", t.name))?,
         None => key.text.clone(),
     };
+    let what = format!("sink.kafka {}", t.name);
     let mut headers = vec![(t.idempotency_header.clone(), idempotency_key(pipeline, key, several.then_some(t.name.as_str())))];
-    // Headers without placeholders are the target's, added when sent (a rotated credential reaches waiting rows).
-    for (name, template) in t.headers.iter().filter(|(_, a)| a.literal().is_none()) {
-        headers.push((name.clone(), text(template, lookup, &str::to_owned).map_err(|e| format!("sink.kafka {} header {name}: {e}", t.name))?));
-    }
-    let value = match &t.value {
-        Body::Payload => payload.to_vec(),
-        Body::Json(template) => json(template, lookup).map_err(|e| format!("sink.kafka {} value: {e}", t.name))?.to_string().into_bytes(),
-    };
+    headers.extend(templated_headers(&t.headers, lookup, &what)?);
+    let value = body(&t.value, payload, lookup, &format!("{what} value"))?;
     Ok(OutboxRequest { target: t.name.clone(), method: crate::store::rows::PRODUCE.to_owned(), url: topic, headers, body: value, key: Some(record_key.into_bytes()) })
 }
 
@@ -87,20 +82,33 @@ fn render_one<'v>(
     }
     headers.push((t.idempotency_header.clone(), idempotency));
     headers.push(("Content-Type".to_owned(), t.content_type.clone()));
-    // Headers without placeholders (a credential) are the target's, added when sent: a rotated credential reaches the
-    // rows already waiting, and no row or dead letter keeps it.
-    for (name, template) in t.headers.iter().filter(|(_, a)| a.literal().is_none()) {
-        let value = text(template, lookup, &str::to_owned).map_err(|e| format!("sink.http {} header {name}: {e}", t.name))?;
-        if !header_value(&value) {
-            return Err(format!("sink.http {} header {name}: the value holds a control character (a line break, NUL)", t.name));
-        }
-        headers.push((name.clone(), value));
-    }
-    let body = match &t.body {
-        Body::Payload => payload.to_vec(),
-        Body::Json(template) => json(template, lookup).map_err(|e| format!("sink.http {} body: {e}", t.name))?.to_string().into_bytes(),
-    };
+    let what = format!("sink.http {}", t.name);
+    headers.extend(templated_headers(&t.headers, lookup, &what)?);
+    let body = body(&t.body, payload, lookup, &format!("{what} body"))?;
     Ok(OutboxRequest { target: t.name.clone(), method: t.method.clone(), url, headers, body, key: None })
+}
+
+/// The headers of `headers` with placeholders, rendered; those without (a credential) are the target's, added when
+/// sent: a rotated credential reaches the rows already waiting, and no row or dead letter keeps it. `what` names the
+/// target in errors.
+fn templated_headers<'v>(headers: &[(String, Arg)], lookup: &dyn Fn(&str) -> Option<&'v Option<String>>, what: &str) -> Result<Vec<(String, String)>, String> {
+    let mut out = Vec::new();
+    for (name, template) in headers.iter().filter(|(_, a)| a.literal().is_none()) {
+        let value = text(template, lookup, &str::to_owned).map_err(|e| format!("{what} header {name}: {e}"))?;
+        if !header_value(&value) {
+            return Err(format!("{what} header {name}: the value holds a control character (a line break, NUL)"));
+        }
+        out.push((name.clone(), value));
+    }
+    Ok(out)
+}
+
+/// A body (a Kafka record's value): the record's payload, or the JSON template rendered.
+fn body<'v>(body: &Body, payload: &[u8], lookup: &dyn Fn(&str) -> Option<&'v Option<String>>, what: &str) -> Result<Vec<u8>, String> {
+    Ok(match body {
+        Body::Payload => payload.to_vec(),
+        Body::Json(template) => json(template, lookup).map_err(|e| format!("{what}: {e}"))?.to_string().into_bytes(),
+    })
 }
 
 /// A value as text: a JSON string's contents, any other JSON as written.

@@ -2,14 +2,20 @@
 
 use crate::support::*;
 
-#[test]
-fn demo_summary_checks_exactly_once() {
+/// `idemflow demo <args>` from the project's root, its metrics on a free port, on the suite's PostgreSQL server
+/// unless `DATABASE_URL` names another.
+fn demo(args: &[&str]) -> std::process::Output {
     let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_idemflow"));
-    cmd.args(["demo", "--records", "6000", "--metrics-listen", "127.0.0.1:0"]).current_dir(project_root());
+    cmd.arg("demo").args(args).args(["--metrics-listen", "127.0.0.1:0"]).current_dir(project_root());
     if std::env::var("DATABASE_URL").is_err() {
         cmd.env("DATABASE_URL", postgres::server_url());
     }
-    let out = cmd.output().unwrap();
+    cmd.output().unwrap()
+}
+
+#[test]
+fn demo_summary_checks_exactly_once() {
+    let out = demo(&["--records", "6000"]);
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stdout}\n{stderr}");
@@ -37,12 +43,7 @@ fn demo_summary_checks_exactly_once() {
 /// charging, the relay sends those again, and the provider recognises them: charges made == distinct operations.
 #[test]
 fn demo_with_the_http_effect_charges_each_operation_once() {
-    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_idemflow"));
-    cmd.args(["demo", "--records", "4000", "--metrics-listen", "127.0.0.1:0", "--effect", "http"]).current_dir(project_root());
-    if std::env::var("DATABASE_URL").is_err() {
-        cmd.env("DATABASE_URL", postgres::server_url());
-    }
-    let out = cmd.output().unwrap();
+    let out = demo(&["--records", "4000", "--effect", "http"]);
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stdout}\n{stderr}");

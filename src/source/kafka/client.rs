@@ -60,6 +60,19 @@ pub(crate) fn consumer_config(kafka: &KafkaSettings, pipeline: &KafkaContext) ->
     config
 }
 
+/// A producer's configuration with the worker's Kafka settings: `acks=all`, idempotent, `client.id` as given (the
+/// dead-letter topic's, the outbox's). Consumer-only properties in `[kafka.properties]` make librdkafka warn, not
+/// fail.
+pub fn producer_config(kafka: &KafkaSettings, client_id: String) -> ClientConfig {
+    let mut config = ClientConfig::new();
+    config.set("bootstrap.servers", &kafka.bootstrap_servers);
+    for (k, v) in &kafka.properties {
+        config.set(k, v.to_string());
+    }
+    config.set("acks", "all").set("enable.idempotence", "true").set("client.id", client_id);
+    config
+}
+
 /// `message.max.bytes` as set in `[kafka.properties]` (librdkafka's default, 1,000,000, otherwise).
 pub(super) fn max_message_bytes(kafka: &KafkaSettings) -> usize {
     kafka.properties.get("message.max.bytes").and_then(|v| v.to_string().parse().ok()).unwrap_or(1_000_000)

@@ -8,7 +8,6 @@
 use super::spec::KafkaSettings;
 use crate::record::Record;
 use crate::dead_letter::DeadLettered;
-use rdkafka::config::ClientConfig;
 use rdkafka::error::KafkaError;
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
@@ -24,16 +23,7 @@ pub struct DeadLetterTopic {
 impl DeadLetterTopic {
     /// A producer with the worker's Kafka settings (`acks=all`, idempotent).
     pub fn new(kafka: &KafkaSettings, pipeline: &str, topic: &str) -> Result<Self, KafkaError> {
-        let mut config = ClientConfig::new();
-        config.set("bootstrap.servers", &kafka.bootstrap_servers);
-        for (k, v) in &kafka.properties {
-            config.set(k, v.to_string());
-        }
-        config
-            .set("acks", "all")
-            .set("enable.idempotence", "true")
-            .set("client.id", format!("idemflow-{pipeline}-dead-letters"));
-        // Consumer-only properties in [kafka.properties] make librdkafka warn, not fail.
+        let config = super::client::producer_config(kafka, format!("idemflow-{pipeline}-dead-letters"));
         Ok(DeadLetterTopic { producer: config.create().map_err(super::client::hide_config_value)?, topic: topic.to_owned(), pipeline: pipeline.to_owned() })
     }
 

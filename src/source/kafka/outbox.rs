@@ -4,7 +4,6 @@
 //! its message.
 
 use super::spec::KafkaSettings;
-use rdkafka::config::ClientConfig;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
@@ -31,16 +30,8 @@ impl OutboxProducer {
     ///
     /// Errors: librdkafka refuses a property (its value hidden: it may be a secret).
     pub fn new(kafka: &KafkaSettings, pipeline: &str, target: &str, timeout: Duration) -> Result<OutboxProducer, KafkaError> {
-        let mut config = ClientConfig::new();
-        config.set("bootstrap.servers", &kafka.bootstrap_servers);
-        for (k, v) in &kafka.properties {
-            config.set(k, v.to_string());
-        }
-        config
-            .set("acks", "all")
-            .set("enable.idempotence", "true")
-            .set("message.timeout.ms", timeout.as_millis().clamp(1, i32::MAX as u128).to_string())
-            .set("client.id", format!("idemflow-{pipeline}-outbox-{target}"));
+        let mut config = super::client::producer_config(kafka, format!("idemflow-{pipeline}-outbox-{target}"));
+        config.set("message.timeout.ms", timeout.as_millis().clamp(1, i32::MAX as u128).to_string());
         Ok(OutboxProducer { producer: config.create().map_err(super::client::hide_config_value)? })
     }
 

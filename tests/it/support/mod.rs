@@ -40,6 +40,24 @@ pub fn free_port() -> u16 {
     idemflow::demo::host::free_port().expect("a free loopback port")
 }
 
+/// Starts one of the suite's own servers, `python3 <root>/<script> --port PORT <args>` on a free port, and waits for
+/// its "listening" line (the schema registry, the payment provider); `what` names it in the failure.
+pub fn start_python_server(script: &str, args: &[&str], what: &str) -> (Child, u16) {
+    let port = free_port();
+    let mut child = Command::new("python3")
+        .arg(project_root().join(script))
+        .args(["--port", &port.to_string()])
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("python3 (scripts/preflight.sh puts the test environment's first on PATH)");
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(child.stdout.take().unwrap()), &mut line).unwrap();
+    assert!(line.starts_with("listening"), "{what} did not start: {line:?}");
+    (child, port)
+}
+
 /// A name no other test in any process uses.
 pub fn unique() -> String {
     static N: AtomicU64 = AtomicU64::new(0);

@@ -2,9 +2,9 @@
 //! header as draft-ietf-httpapi-idempotency-key-header describes, with injected faults and a record of every
 //! charge), run with the test environment's python3.
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::time::Duration;
 
 /// A running payment provider on a free port, stopped on drop.
@@ -17,18 +17,7 @@ pub struct Provider {
 impl Provider {
     /// Starts it (with more arguments: `--header NAME` for another key header) and waits until it listens.
     pub fn start(args: &[&str]) -> Provider {
-        let port = super::free_port();
-        let mut child = Command::new("python3")
-            .arg(super::project_root().join("tests/payment-provider/server.py"))
-            .args(["--port", &port.to_string()])
-            .args(args)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("python3 (scripts/preflight.sh puts the test environment's first on PATH)");
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
-        assert!(line.starts_with("listening"), "the payment provider did not start: {line:?}");
+        let (child, port) = super::start_python_server("tests/payment-provider/server.py", args, "the payment provider");
         Provider { child, port }
     }
 

@@ -2,7 +2,7 @@
 //! Schema Registry), and payloads encoded by confluent-kafka's own serializers (tests/schema-registry/serialize.py),
 //! both run with the test virtual environment's python3 (scripts/preflight.sh installs confluent-kafka there).
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -20,18 +20,7 @@ pub struct Registry {
 impl Registry {
     /// Starts it (with more arguments: `--user u:p`, `--bearer t`) and waits until it listens.
     pub fn start(args: &[&str]) -> Registry {
-        let port = super::free_port();
-        let mut child = Command::new("python3")
-            .arg(super::project_root().join("tests/schema-registry/server.py"))
-            .args(["--port", &port.to_string()])
-            .args(args)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("python3 (scripts/preflight.sh puts the test environment's first on PATH)");
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
-        assert!(line.starts_with("listening"), "the registry did not start: {line:?}");
+        let (child, port) = super::start_python_server("tests/schema-registry/server.py", args, "the registry");
         let user = args.iter().position(|a| *a == "--user").map(|i| args[i + 1].to_owned());
         Registry { child, port, user }
     }
