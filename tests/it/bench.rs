@@ -32,19 +32,20 @@ async fn bench_runs_every_baseline_and_writes_markdown_and_json() {
     let ids: Vec<&str> = runs.iter().map(|r| r["id"].as_str().unwrap()).collect();
     assert_eq!(
         ids,
-        ["(1)", "(2)", "(3)", "(4)", "(5)", "(6)", "(7)", "(8)", "(9)", "(10)", "(11)", "(12)", "(13)", "(14)", "(15)", "(16)", "(17)", "(18)", "(19)"]
+        ["(1)", "(2)", "(3)", "(4)", "(5)", "(6)", "(7)", "(8)", "(9)", "(10)", "(11)", "(12)", "(13)", "(14)", "(15)", "(16)", "(17)", "(18)", "(19)", "(20)"]
     );
     for r in runs {
         assert!(r["records_per_second"].as_f64().unwrap() > 0.0, "{r}");
         assert!(r["records"].as_u64().unwrap() > 0, "{r}");
     }
-    for worker_run in [0, 1, 3, 5, 6, 7, 11, 12, 13, 14, 15, 16] {
+    for worker_run in [0, 1, 3, 5, 6, 7, 11, 12, 13, 14, 15, 16, 19] {
         let r = &runs[worker_run];
         assert!(r["cpu_us_per_record"].as_f64().unwrap() > 0.0, "{r}");
         assert!(r["peak_rss_mib"].as_f64().unwrap() > 1.0, "{r}");
         assert!(r["batch_p50_ms"].as_f64().is_some(), "{r}");
     }
     assert!(runs[3]["note"].as_str().unwrap().starts_with("20000 preloaded keys"), "{}", runs[3]);
+    assert!(runs[19]["note"].as_str().unwrap().contains("requests confirmed by the provider, commit to confirmation p50"), "{}", runs[19]);
     let ratios: Vec<&str> = report["ratios"].as_array().unwrap().iter().map(|r| r["name"].as_str().unwrap()).collect();
     assert_eq!(
         ratios,
@@ -72,6 +73,7 @@ async fn bench_runs_every_baseline_and_writes_markdown_and_json() {
             "(17) / (1), Protobuf payloads against JSON",
             "(18) / (5), consume-only: Avro decode against JSON",
             "(19) / (5), consume-only: Protobuf decode against JSON",
+            "(20) / (1), an HTTP request per new key through the outbox against the table form alone",
             "worker CPU µs per record, (16) - (1): Avro's decode against JSON's (a figure)",
             "worker CPU µs per record, (17) - (1): Protobuf's decode against JSON's (a figure)",
         ]
@@ -96,7 +98,7 @@ async fn bench_runs_every_baseline_and_writes_markdown_and_json() {
         assert!(runs[hand_written]["cpu_us_per_record"].as_f64().unwrap() > 0.0, "{}", runs[hand_written]);
     }
     // The PostgreSQL cluster's CPU over each run on it: every worker run but Redis's, and the hand-written (10).
-    for on_postgres in [0, 1, 3, 5, 7, 9, 11, 12, 13, 14] {
+    for on_postgres in [0, 1, 3, 5, 7, 9, 11, 12, 13, 14, 19] {
         assert!(runs[on_postgres]["db_cpu_us_per_record"].as_f64().unwrap() > 0.0, "{}", runs[on_postgres]);
         // Every record's dedup row, at least its key, goes through the WAL.
         assert!(runs[on_postgres]["wal_bytes_per_record"].as_f64().unwrap() > 10.0, "{}", runs[on_postgres]);
