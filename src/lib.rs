@@ -295,8 +295,8 @@
 //! - A row is deleted only after its target answered a `success` status; a lost answer is a retry. A status that
 //!   can never succeed, or the last of `max_attempts`, moves it to the dead letters in the same transaction as its
 //!   deletion, its request kept whole; `dead-letters replay` moves it back, in one transaction too. Nothing retries
-//!   silently forever: attempts are counted at each lease, so even a request that crashes its worker every time
-//!   runs out of them.
+//!   silently forever: attempts are counted at each lease, and a row leased more than `max_attempts` times without an
+//!   answer recorded (its worker stopped or crashed during each) is dead-lettered without being sent again.
 //! - Back-pressure pauses consumption (the batch in hand held, nothing committed) while the outbox is over its
 //!   bounds; it bounds the outbox's growth, never what is applied.
 //!

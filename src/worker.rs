@@ -87,9 +87,9 @@ impl Ready {
             unavailable: e.unavailable,
         })?;
         if p.outbox.is_some() {
-            store.outbox_ready().await.map_err(|message| Unprepared {
-                problems: vec![PipelineError { file: p.file.display().to_string(), pipeline: p.name.clone(), field: "sink".into(), message }],
-                unavailable: false,
+            store.outbox_ready().await.map_err(|e| Unprepared {
+                unavailable: e.is_unavailable(),
+                problems: vec![PipelineError { file: p.file.display().to_string(), pipeline: p.name.clone(), field: "sink".into(), message: e.to_string() }],
             })?;
         }
         Ok(Ready {

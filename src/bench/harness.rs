@@ -166,9 +166,11 @@ pub(super) async fn worker_run_on(run: WorkerRun<'_>, broker: &str, store: &str,
     let outbox = match delivered {
         Some(_) => {
             let q = |p| ms(histogram_quantile(&last_scrape, "idemflow_outbox_delivery_seconds", p)).map_or("-".to_owned(), |v| format!("{v:.1}"));
+            let dead = sample(&last_scrape, "idemflow_outbox_deliveries_total") - confirmed_deliveries(&last_scrape);
+            anyhow::ensure!(dead == 0.0, "{id}: {dead} outbox requests were dead-lettered");
             format!(
                 "; {} requests confirmed by the provider, commit to confirmation p50 {} ms, p99 {} ms",
-                sample(&last_scrape, "idemflow_outbox_deliveries_total"),
+                confirmed_deliveries(&last_scrape),
                 q(0.5),
                 q(0.99)
             )
@@ -195,6 +197,15 @@ pub(super) async fn worker_run_on(run: WorkerRun<'_>, broker: &str, store: &str,
             sample(&last_scrape, "idemflow_records_applied_total")
         ),
     })
+}
+
+/// The outbox requests its targets confirmed, in a scrape (`idemflow_outbox_deliveries_total{outcome="confirmed"}`).
+fn confirmed_deliveries(scrape: &str) -> f64 {
+    scrape
+        .lines()
+        .filter(|l| l.starts_with("idemflow_outbox_deliveries_total{") && l.contains("outcome=\"confirmed\""))
+        .filter_map(|l| l.rsplit_once(' ').and_then(|(_, v)| v.parse::<f64>().ok()))
+        .sum()
 }
 
 /// What the scrapes of a worker run saw.
@@ -253,7 +264,7 @@ async fn watch(
         let left = (target as f64 - n).max(0.0) / rate.max(1.0);
         pause = if first.is_some() && left > 1.0 { Duration::from_millis(250) } else { Duration::from_millis(25) };
         before = (now, n);
-        let confirmed = |m: &str| sample(m, "idemflow_outbox_deliveries_total");
+        let confirmed = |m: &str| confirmed_deliveries(m);
         if n >= target as f64 && drain.is_none_or(|want| applied(&m) >= want as f64) && delivered.is_none_or(|want| confirmed(&m) >= want as f64) {
             break m;
         }

@@ -602,7 +602,7 @@ async fn drive(
         // With --effect http, until every payment is charged and every answer the provider lost was sent again.
         let charged = provider.is_none_or(|p| {
             let c = p.counts();
-            c.charges == s.distinct && c.replays >= c.lost_answers
+            c.charges >= s.distinct && c.replays >= c.lost_answers
         });
         if left && done == (s.distinct as i64, s.poison as i64) && consumed >= total - dropped && charged {
             break;

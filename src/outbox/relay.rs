@@ -84,7 +84,7 @@ pub struct Relay {
     confirmed: AtomicU64,
     /// Outcomes whose record failed: recorded again with the next round's, and a row among them confirmed by its
     /// target is not sent again meanwhile, even if this relay leases it again.
-    unrecorded: Mutex<Vec<Settled>>,
+    unrecorded: Mutex<Vec<Pending>>,
 }
 
 impl Relay {
@@ -157,33 +157,43 @@ impl Relay {
                     continue;
                 }
             };
-            let mut settled = std::mem::take(&mut *self.unrecorded.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
-            if leased.is_empty() && settled.is_empty() {
+            let mut pending = std::mem::take(&mut *self.unrecorded.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
+            if leased.is_empty() && pending.is_empty() {
                 self.wait(&mut shutdown, settings.poll_interval).await;
                 continue;
             }
             let started = Instant::now();
-            let confirmed_before: Vec<i64> = settled.iter().filter_map(|s| if let Settled::Confirmed(id) = s { Some(*id) } else { None }).collect();
+            let confirmed_before: Vec<i64> =
+                pending.iter().filter_map(|p| if let Settled::Confirmed(id) = p.settled { Some(id) } else { None }).collect();
             let to_send: Vec<&Leased> = leased.iter().filter(|r| !confirmed_before.contains(&r.id)).collect();
             let outcomes = futures_util::future::join_all(to_send.iter().map(|row| self.deliver(row))).await;
-            let round: Vec<(&Leased, Settled)> = to_send.iter().zip(outcomes).map(|(row, outcome)| (*row, self.settle(row, outcome))).collect();
+            let round: Vec<Pending> = to_send
+                .iter()
+                .zip(outcomes)
+                .map(|(row, outcome)| Pending { target: row.request.target.clone(), attempts: row.attempts, settled: self.settle(row, outcome) })
+                .collect();
             if started.elapsed() >= self.lease {
                 tracing::warn!(pipeline = %self.pipeline, took = ?started.elapsed(), lease = ?self.lease,
                     "an outbox round outlasted its lease: another relay may have sent its rows again (with the same idempotency keys)");
             }
             // An earlier outcome of a row sent again now is stale.
-            settled.retain(|s| !round.iter().any(|(row, _)| row.id == s.id()));
-            settled.extend(round.iter().map(|(_, s)| s.clone()));
-            if self.record(&settled).await {
-                for (row, s) in &round {
-                    if let Settled::Failed { error, .. } = s {
-                        tracing::warn!(pipeline = %self.pipeline, row = row.id, target = %row.request.target, attempts = row.attempts, error = %error,
-                            "outbox request dead-lettered (delivery_failed)");
-                        self.metrics.dead_lettered(&row.request.target);
-                    }
-                }
+            pending.retain(|p| !round.iter().any(|r| r.settled.id() == p.settled.id()));
+            pending.extend(round);
+            if self.record(&pending).await {
+                self.recorded(&pending);
             } else {
-                *self.unrecorded.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = settled;
+                *self.unrecorded.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = pending;
+            }
+        }
+    }
+
+    /// Says what a recorded round dead-lettered (an outcome carried from an earlier round's failed record included).
+    fn recorded(&self, pending: &[Pending]) {
+        for p in pending {
+            if let Settled::Failed { id, error } = &p.settled {
+                tracing::warn!(pipeline = %self.pipeline, row = id, target = %p.target, attempts = p.attempts, error = %error,
+                    "outbox request dead-lettered (delivery_failed)");
+                self.metrics.dead_lettered(&p.target);
             }
         }
     }
@@ -199,8 +209,18 @@ impl Relay {
         }
     }
 
-    /// Gives up this worker's leases (the relay stopped): another relay sends those rows at once.
+    /// Gives up this worker's leases (the relay stopped): another relay sends those rows at once. Outcomes whose
+    /// record failed are recorded first (once, bounded), so that a row its target confirmed is not sent again.
     pub async fn release(&self) {
+        let pending = std::mem::take(&mut *self.unrecorded.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
+        if !pending.is_empty() {
+            let settled: Vec<Settled> = pending.iter().map(|p| p.settled.clone()).collect();
+            match tokio::time::timeout(Duration::from_secs(5), self.store.outbox_settle(&self.pipeline, &self.owner, &settled)).await {
+                Ok(Ok(())) => self.recorded(&pending),
+                _ => tracing::warn!(pipeline = %self.pipeline, rows = pending.len(),
+                    "cannot record the outbox's last outcomes: those rows are sent again (with the same idempotency keys)"),
+            }
+        }
         match tokio::time::timeout(Duration::from_secs(5), self.store.outbox_release(&self.pipeline, &self.owner)).await {
             Ok(Ok(n)) if n > 0 => tracing::info!(pipeline = %self.pipeline, rows = n, "outbox leases given up"),
             Ok(Ok(_)) => {}
@@ -267,6 +287,13 @@ impl Relay {
     }
 
     async fn deliver(&self, row: &Leased) -> Outcome {
+        // Past its attempts without an outcome recorded (a worker that stopped or crashed mid-request each time):
+        // never sent again, whatever made those attempts end.
+        if row.attempts as u32 > self.target(&row.request.target).map_or(u32::MAX, |t| t.max_attempts()) {
+            return Outcome::Rejected {
+                error: format!("{} attempts leased and none recorded an answer (the worker stopped during each): not sent again", row.attempts - 1),
+            };
+        }
         let Some(target) = self.target(&row.request.target) else {
             return Outcome::Rejected {
                 error: format!(
@@ -319,9 +346,10 @@ impl Relay {
     /// Records a round's outcomes, trying three times; whether they were recorded. Not recorded, the caller keeps
     /// them for the next round (a confirmed row is then not sent again by this relay; another relay may, after the
     /// lease, with the same idempotency key).
-    async fn record(&self, settled: &[Settled]) -> bool {
+    async fn record(&self, pending: &[Pending]) -> bool {
+        let settled: Vec<Settled> = pending.iter().map(|p| p.settled.clone()).collect();
         for attempt in 0..3u32 {
-            match self.store.outbox_settle(&self.pipeline, &self.owner, settled).await {
+            match self.store.outbox_settle(&self.pipeline, &self.owner, &settled).await {
                 Ok(()) => return true,
                 Err(e) if attempt == 2 => {
                     tracing::error!(pipeline = %self.pipeline, error = %e, rows = settled.len(),
@@ -335,6 +363,13 @@ impl Relay {
         }
         false
     }
+}
+
+/// One row's outcome, with what its log line and metrics need.
+struct Pending {
+    target: String,
+    attempts: i32,
+    settled: Settled,
 }
 
 /// One target of the relay, with what sends to it.

@@ -345,6 +345,11 @@ pub fn parse(http: Vec<RawHttp>, kafka: Vec<RawKafka>, params: &[Binding], raw: 
             }).collect();
             // Shown without its user, password and query: they may hold a credential.
             match url::Url::parse(&sample) {
+                // Credentials in the URL would be kept in every row and dead letter: a header is added when sent.
+                Ok(u) if !u.username().is_empty() || u.password().is_some() => push(
+                    "url",
+                    "holds a user or password: put credentials in headers (Authorization = \"Basic ...\"), which are added when a request is sent and kept nowhere".to_owned(),
+                ),
                 Ok(u) if matches!(u.scheme(), "http" | "https") && u.host_str().is_some_and(|h| !h.is_empty()) => {}
                 Ok(u) => push("url", format!("{:?}: the scheme must be http or https with a host (found {:?})", shown_template(&h.url), u.scheme())),
                 Err(why) => push("url", format!("is not a URL: {why}")),
@@ -359,14 +364,25 @@ pub fn parse(http: Vec<RawHttp>, kafka: Vec<RawKafka>, params: &[Binding], raw: 
             push("idempotency_header", format!("{idempotency_header:?} is not a header name"));
         }
         let mut headers = Vec::new();
+        let mut seen: Vec<String> = Vec::new();
         for (name, value) in &h.headers {
+            let lower = name.to_ascii_lowercase();
             if !token(name) {
                 push(&format!("headers.{name}"), format!("{name:?} is not a header name"));
+            } else if seen.contains(&lower) {
+                push(&format!("headers.{name}"), "is set twice (header names are the same whatever their case)".to_owned());
+            } else if lower == "content-type" {
+                push(&format!("headers.{name}"), "is set by content_type (default application/json)".to_owned());
+            } else if ["content-length", "host", "transfer-encoding", "connection"].contains(&lower.as_str()) {
+                push(&format!("headers.{name}"), "is set by the HTTP client for each request".to_owned());
+            } else if parse_arg(value).ok().and_then(|a| a.literal()).is_some_and(|v| reqwest::header::HeaderValue::from_str(&v).is_err()) {
+                push(&format!("headers.{name}"), "is not a header value (a control character)".to_owned());
             } else if name.eq_ignore_ascii_case(&idempotency_header) {
                 push(&format!("headers.{name}"), format!("is the idempotency key's header, which idemflow sets (to <pipeline>:<business key>); set idempotency_header to use another"));
             } else if let Some(arg) = check(&format!("headers.{name}"), value, &mut push) {
                 headers.push((name.clone(), arg));
             }
+            seen.push(lower);
         }
         let body = match h.body {
             None => Some(Body::Payload),
@@ -505,8 +521,9 @@ fn parse_kafka(kafka: Vec<RawKafka>, known: &dyn Fn(&str) -> bool, ok: &mut bool
             Some(v) => json_template(v, &mut |m| push("value", m), known).map(Body::Json),
         };
         let timeout = k.timeout.unwrap_or(Duration::from_secs(30));
-        if timeout < Duration::from_millis(1) {
-            push("timeout", "must be 1ms or more".to_owned());
+        // librdkafka refuses a message.timeout.ms not above linger.ms (5 ms by default).
+        if timeout < Duration::from_secs(1) {
+            push("timeout", "must be 1s or more (message.timeout.ms must outlast the producer's linger.ms)".to_owned());
         }
         let max_attempts = k.max_attempts.unwrap_or(10);
         if max_attempts == 0 {
@@ -685,6 +702,30 @@ mod tests {
             http: RawHttpList,
         }
         toml::from_str::<Doc>(text).unwrap().http.into_vec()
+    }
+
+    /// Headers the client sets, the same name twice, and credentials in the URL are refused; a Kafka timeout under
+    /// a second too.
+    #[test]
+    fn colliding_headers_credentials_in_urls_and_short_kafka_timeouts_are_refused() {
+        let mut e = Collect(Vec::new());
+        let http = raw("[http]\nurl = \"https://user:pw@pay.example/c\"\nheaders = { Content-Type = \"text/plain\", X-A = \"1\", x-a = \"2\", Host = \"h\" }\n");
+        #[derive(Deserialize)]
+        struct Doc {
+            kafka: RawKafkaList,
+        }
+        let kafka = toml::from_str::<Doc>("[kafka]\ntopic = \"t\"\ntimeout = \"5ms\"\n").unwrap().kafka.into_vec();
+        assert!(parse(http, kafka, &[], RawOutbox::default(), &mut e).is_none());
+        let text = e.0.join("\n");
+        for expected in [
+            "sink.http.url: holds a user or password",
+            "sink.http.headers.Content-Type: is set by content_type",
+            "sink.http.headers.x-a: is set twice",
+            "sink.http.headers.Host: is set by the HTTP client",
+            "sink.kafka.timeout: must be 1s or more",
+        ] {
+            assert!(text.contains(expected), "{expected:?} missing from:\n{text}");
+        }
     }
 
     #[test]

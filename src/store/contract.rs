@@ -243,9 +243,10 @@ pub trait Connector: Send + Sync {
     /// Whether this store can keep an outbox: `Err` says why not (a store without one, a server without `FOR UPDATE
     /// SKIP LOCKED`). Default: it cannot.
     ///
-    /// Errors: the reason, for the pipeline's `[[sink.http]]`; the server could not be asked.
-    async fn outbox_ready(&self) -> Result<(), String> {
-        Err(NO_OUTBOX.to_owned())
+    /// Errors: [`NotReady::Refused`] with the reason, for the pipeline's `[[sink.http]]`; [`NotReady::Unavailable`]
+    /// when the server could not be asked.
+    async fn outbox_ready(&self) -> Result<(), NotReady> {
+        Err(NotReady::Refused(NO_OUTBOX.to_owned()))
     }
 
     /// Leases up to `limit` outbox rows of `pipeline` that are due, for `lease`, to `owner` ([`crate::outbox`]): rows

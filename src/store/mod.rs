@@ -256,7 +256,7 @@ impl Store {
     /// Whether this store can keep an outbox ([`Connector::outbox_ready`]).
     ///
     /// Errors: why not.
-    pub async fn outbox_ready(&self) -> Result<(), String> {
+    pub async fn outbox_ready(&self) -> Result<(), contract::NotReady> {
         each_store!(self, |s| Connector::outbox_ready(s).await)
     }
 

@@ -468,7 +468,7 @@ impl Pair {
             let progress = self.dst.progress().await;
             let received: f64 = workers.iter().map(|w| received(&w.scrape())).sum();
             // With the outbox, also until the provider has charged every operation (the relay runs in the workers).
-            let charged = self.provider.as_ref().is_none_or(|p| p.state()["distinct_keys"] == self.s.distinct);
+            let charged = self.provider.as_ref().is_none_or(|p| p.state()["distinct_keys"].as_u64().unwrap_or(0) >= self.s.distinct as u64);
             if progress == Some((self.s.distinct as i64, self.s.poison as i64)) && received >= at_least && charged {
                 return;
             }

@@ -4,14 +4,17 @@
 //! its message.
 
 use super::spec::KafkaSettings;
+use rdkafka::config::ClientConfig;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 use std::time::Duration;
 
-/// One target's producer.
+/// One target's producer. One that hit a fatal error (an idempotent producer cannot go on after one: a missing
+/// `IDEMPOTENT_WRITE` ACL, a broken sequence) is made again for the next record.
 pub struct OutboxProducer {
-    producer: FutureProducer,
+    producer: std::sync::Mutex<FutureProducer>,
+    config: ClientConfig,
 }
 
 /// Why a record was not acknowledged.
@@ -32,7 +35,12 @@ impl OutboxProducer {
     pub fn new(kafka: &KafkaSettings, pipeline: &str, target: &str, timeout: Duration) -> Result<OutboxProducer, KafkaError> {
         let mut config = super::client::producer_config(kafka, format!("idemflow-{pipeline}-outbox-{target}"));
         config.set("message.timeout.ms", timeout.as_millis().clamp(1, i32::MAX as u128).to_string());
-        Ok(OutboxProducer { producer: config.create().map_err(super::client::hide_config_value)? })
+        let producer = config.create().map_err(super::client::hide_config_value)?;
+        Ok(OutboxProducer { producer: std::sync::Mutex::new(producer), config })
+    }
+
+    fn current(&self) -> FutureProducer {
+        self.producer.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
     }
 
     /// Produces one record and waits for the brokers' acknowledgement (at most the producer's timeout, plus a second
@@ -48,9 +56,19 @@ impl OutboxProducer {
         if let Some(k) = key {
             record = record.key(k);
         }
-        match self.producer.send(record, Duration::from_secs(1)).await {
+        let producer = self.current();
+        match producer.send(record, Duration::from_secs(1)).await {
             Ok(_) => Ok(()),
-            Err((e, _)) => Err(classify(&e)),
+            Err((e, _)) => {
+                if producer.client().fatal_error().is_some() {
+                    tracing::warn!(error = %e, "the outbox's Kafka producer hit a fatal error; making a new one for the next record");
+                    if let Ok(fresh) = self.config.create::<FutureProducer>() {
+                        *self.producer.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = fresh;
+                    }
+                    return Err(ProduceError::Retry(format!("{e} (fatal for that producer: a new one sends the next attempt)")));
+                }
+                Err(classify(&e))
+            }
         }
     }
 
@@ -58,7 +76,7 @@ impl OutboxProducer {
     ///
     /// Errors: the brokers could not be asked.
     pub fn topic_exists(&self, topic: &str, within: Duration) -> Result<bool, String> {
-        let metadata = self.producer.client().fetch_metadata(Some(topic), within).map_err(|e| e.to_string())?;
+        let metadata = self.current().client().fetch_metadata(Some(topic), within).map_err(|e| e.to_string())?;
         Ok(metadata.topics().iter().any(|t| t.name() == topic && t.error().is_none() && !t.partitions().is_empty()))
     }
 }

@@ -81,9 +81,13 @@ impl Connector for MySqlStore {
         Ok(dead_letter::get(&mut *self.pool.acquire().await?, id).await?)
     }
 
-    async fn outbox_ready(&self) -> Result<(), String> {
-        let version: String = sqlx::query_scalar("SELECT VERSION()").fetch_one(&self.pool).await.map_err(|e| format!("cannot read the server's version: {e}"))?;
-        outbox::supported(&version)
+    async fn outbox_ready(&self) -> Result<(), crate::store::contract::NotReady> {
+        use crate::store::contract::NotReady;
+        let version: String = sqlx::query_scalar("SELECT VERSION()")
+            .fetch_one(&self.pool)
+            .await
+            .map_err(|e| NotReady::after(super::error::classify_error(&e), format!("cannot read the server's version: {e}")))?;
+        outbox::supported(&version).map_err(NotReady::Refused)
     }
 
     async fn outbox_lease(&self, pipeline: &str, owner: &str, limit: i64, lease: Duration) -> Result<Vec<Leased>, StoreError> {

@@ -87,7 +87,7 @@ impl Connector for PgPool {
         Ok(dead_letter::get(&mut *self.begin().await?, id).await?)
     }
 
-    async fn outbox_ready(&self) -> Result<(), String> {
+    async fn outbox_ready(&self) -> Result<(), crate::store::contract::NotReady> {
         Ok(())
     }
 
