@@ -261,8 +261,8 @@ struct RawSink {
     allow_procedures: Option<bool>,
     time_zone: Option<String>,
     naive_timestamps: Option<NaiveTimestamps>,
-    http: Option<crate::outbox::spec::RawHttpList>,
-    kafka: Option<crate::outbox::spec::RawKafkaList>,
+    http: Option<crate::outbox::spec::OneOrMany<crate::outbox::spec::RawHttp>>,
+    kafka: Option<crate::outbox::spec::OneOrMany<crate::outbox::spec::RawKafka>>,
 }
 
 #[derive(Deserialize)]
@@ -704,8 +704,8 @@ fn validate_key(raw: &RawKey, e: &mut Errors<'_>) -> Option<KeySpec> {
 /// `[sink]` (and `[outbox]`, for `[[sink.http]]`): the side effect in its store, and the outbox's requests beside it
 /// or instead of it.
 fn validate_sink(mut raw: RawSink, outbox: RawOutbox, dialect: Dialect, e: &mut Errors<'_>) -> Option<(SinkSpec, Option<OutboxSpec>)> {
-    let kafka = raw.kafka.take().map(crate::outbox::spec::RawKafkaList::into_vec);
-    let http = match (raw.http.take().map(crate::outbox::spec::RawHttpList::into_vec), &kafka) {
+    let kafka = raw.kafka.take().map(crate::outbox::spec::OneOrMany::into_vec);
+    let http = match (raw.http.take().map(crate::outbox::spec::OneOrMany::into_vec), &kafka) {
         (None, None) => None,
         (http, _) => Some(http.unwrap_or_default()),
     };

@@ -155,13 +155,13 @@ fn header_value(value: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::outbox::spec::{parse, RawHttpList, RawOutbox};
+    use crate::outbox::spec::{parse, OneOrMany, RawHttp, RawOutbox};
     use crate::store::spec::{Binding, ValueSource};
 
     fn spec(toml_text: &str, names: &[&str]) -> OutboxSpec {
         #[derive(serde::Deserialize)]
         struct Doc {
-            http: RawHttpList,
+            http: OneOrMany<RawHttp>,
         }
         struct Panic;
         impl crate::validate::Problems for Panic {

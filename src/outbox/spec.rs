@@ -181,22 +181,22 @@ pub struct RawHttp {
     max_attempts: Option<u32>,
 }
 
-/// `[sink] http`: one request (`[sink.http]`) or several (`[[sink.http]]`).
+/// `[sink] http` or `[sink] kafka`: one table (`[sink.http]`) or an array of them (`[[sink.http]]`).
 #[derive(Deserialize)]
 #[serde(untagged)]
-pub enum RawHttpList {
+pub enum OneOrMany<T> {
     /// `[sink.http]`.
-    One(Box<RawHttp>),
+    One(Box<T>),
     /// `[[sink.http]]`.
-    Many(Vec<RawHttp>),
+    Many(Vec<T>),
 }
 
-impl RawHttpList {
-    /// The requests, in order.
-    pub fn into_vec(self) -> Vec<RawHttp> {
+impl<T> OneOrMany<T> {
+    /// The entries, in order.
+    pub fn into_vec(self) -> Vec<T> {
         match self {
-            RawHttpList::One(r) => vec![*r],
-            RawHttpList::Many(v) => v,
+            OneOrMany::One(r) => vec![*r],
+            OneOrMany::Many(v) => v,
         }
     }
 }
@@ -215,26 +215,6 @@ pub struct RawKafka {
     #[serde(default, with = "humantime_serde")]
     timeout: Option<Duration>,
     max_attempts: Option<u32>,
-}
-
-/// `[sink] kafka`: one record (`[sink.kafka]`) or several (`[[sink.kafka]]`).
-#[derive(Deserialize)]
-#[serde(untagged)]
-pub enum RawKafkaList {
-    /// `[sink.kafka]`.
-    One(Box<RawKafka>),
-    /// `[[sink.kafka]]`.
-    Many(Vec<RawKafka>),
-}
-
-impl RawKafkaList {
-    /// The records, in order.
-    pub fn into_vec(self) -> Vec<RawKafka> {
-        match self {
-            RawKafkaList::One(r) => vec![*r],
-            RawKafkaList::Many(v) => v,
-        }
-    }
 }
 
 /// `[outbox]` as written.
@@ -318,25 +298,11 @@ pub fn parse(http: Vec<RawHttp>, kafka: Vec<RawKafka>, params: &[Binding], raw: 
     let many = http.len() > 1;
     for (i, h) in http.into_iter().enumerate() {
         let field = if many { format!("sink.http[{i}]") } else { "sink.http".to_owned() };
-        let check = |what: &str, text: &str, e: &mut dyn FnMut(&str, String)| -> Option<Arg> {
-            match parse_arg(text) {
-                Ok(arg) => {
-                    for p in arg.params().filter(|p| !known(p)) {
-                        e(what, format!("{{{p}}} is used but has no entry in [sink.params]"));
-                    }
-                    Some(arg)
-                }
-                Err(why) => {
-                    e(what, why);
-                    None
-                }
-            }
-        };
         let mut push = |f: &str, m: String| {
             ok = false;
             e.push(&format!("{field}.{f}"), m);
         };
-        let url = check("url", &h.url, &mut push);
+        let url = template(&h.url, &known, &mut |m| push("url", m));
         if let Some(url) = &url {
             // With every placeholder a plain word, the URL must parse, as http or https, with a host.
             let sample: String = url.0.iter().map(|p| match p {
@@ -379,7 +345,7 @@ pub fn parse(http: Vec<RawHttp>, kafka: Vec<RawKafka>, params: &[Binding], raw: 
                 push(&format!("headers.{name}"), "is not a header value (a control character)".to_owned());
             } else if name.eq_ignore_ascii_case(&idempotency_header) {
                 push(&format!("headers.{name}"), format!("is the idempotency key's header, which idemflow sets (to <pipeline>:<business key>); set idempotency_header to use another"));
-            } else if let Some(arg) = check(&format!("headers.{name}"), value, &mut push) {
+            } else if let Some(arg) = template(value, &known, &mut |m| push(&format!("headers.{name}"), m)) {
                 headers.push((name.clone(), arg));
             }
             seen.push(lower);
@@ -483,27 +449,13 @@ fn parse_kafka(kafka: Vec<RawKafka>, known: &dyn Fn(&str) -> bool, ok: &mut bool
             *ok = false;
             e.push(&format!("{field}.{f}"), m);
         };
-        let template = |what: &str, text: &str, push: &mut dyn FnMut(&str, String)| -> Option<Arg> {
-            match parse_arg(text) {
-                Ok(arg) => {
-                    for p in arg.params().filter(|p| !known(p)) {
-                        push(what, format!("{{{p}}} is used but has no entry in [sink.params]"));
-                    }
-                    Some(arg)
-                }
-                Err(why) => {
-                    push(what, why);
-                    None
-                }
-            }
-        };
-        let topic = template("topic", &k.topic, &mut push);
+        let topic = template(&k.topic, known, &mut |m| push("topic", m));
         if let Some(literal) = topic.as_ref().and_then(Arg::literal) {
             if !kafka_topic(&literal) {
                 push("topic", format!("{literal:?} is not a Kafka topic name (1 to 249 of a-z A-Z 0-9 . _ -)"));
             }
         }
-        let key = k.key.as_deref().map(|t| template("key", t, &mut push));
+        let key = k.key.as_deref().map(|t| template(t, known, &mut |m| push("key", m)));
         let idempotency_header = k.idempotency_header.unwrap_or_else(|| "Idempotency-Key".to_owned());
         if idempotency_header.is_empty() {
             push("idempotency_header", "must name a header".to_owned());
@@ -512,7 +464,7 @@ fn parse_kafka(kafka: Vec<RawKafka>, known: &dyn Fn(&str) -> bool, ok: &mut bool
         for (name, value) in &k.headers {
             if name == &idempotency_header {
                 push(&format!("headers.{name}"), "is the idempotency key's header, which idemflow sets (to <pipeline>:<business key>); set idempotency_header to use another".to_owned());
-            } else if let Some(arg) = template(&format!("headers.{name}"), value, &mut push) {
+            } else if let Some(arg) = template(value, known, &mut |m| push(&format!("headers.{name}"), m)) {
                 headers.push((name.clone(), arg));
             }
         }
@@ -627,19 +579,27 @@ impl JsonTemplate {
     }
 }
 
+/// `text` as a template whose placeholders must each name a `[sink.params]` entry (`known`); each problem to
+/// `problem`. `None` when it does not parse (a placeholder unknown is reported, the template kept).
+fn template(text: &str, known: &dyn Fn(&str) -> bool, problem: &mut dyn FnMut(String)) -> Option<Arg> {
+    match parse_arg(text) {
+        Ok(arg) => {
+            for p in arg.params().filter(|p| !known(p)) {
+                problem(format!("{{{p}}} is used but has no entry in [sink.params]"));
+            }
+            Some(arg)
+        }
+        Err(why) => {
+            problem(why);
+            None
+        }
+    }
+}
+
 fn json_template(v: toml::Value, e: &mut dyn FnMut(String), known: &dyn Fn(&str) -> bool) -> Option<JsonTemplate> {
     Some(match v {
         toml::Value::String(s) => {
-            let arg = match parse_arg(&s) {
-                Ok(a) => a,
-                Err(why) => {
-                    e(why);
-                    return None;
-                }
-            };
-            for p in arg.params().filter(|p| !known(p)) {
-                e(format!("{{{p}}} is used but has no entry in [sink.params]"));
-            }
+            let arg = template(&s, known, e)?;
             match (arg.literal(), arg.0.as_slice()) {
                 (Some(text), _) => JsonTemplate::Literal(serde_json::Value::String(text)),
                 (None, [crate::store::redis_command::Piece::Param(name)]) => JsonTemplate::Value(name.clone()),
@@ -699,7 +659,7 @@ mod tests {
     fn raw(text: &str) -> Vec<RawHttp> {
         #[derive(Deserialize)]
         struct Doc {
-            http: RawHttpList,
+            http: OneOrMany<RawHttp>,
         }
         toml::from_str::<Doc>(text).unwrap().http.into_vec()
     }
@@ -712,7 +672,7 @@ mod tests {
         let http = raw("[http]\nurl = \"https://user:pw@pay.example/c\"\nheaders = { Content-Type = \"text/plain\", X-A = \"1\", x-a = \"2\", Host = \"h\" }\n");
         #[derive(Deserialize)]
         struct Doc {
-            kafka: RawKafkaList,
+            kafka: OneOrMany<RawKafka>,
         }
         let kafka = toml::from_str::<Doc>("[kafka]\ntopic = \"t\"\ntimeout = \"5ms\"\n").unwrap().kafka.into_vec();
         assert!(parse(http, kafka, &[], RawOutbox::default(), &mut e).is_none());
