@@ -32,7 +32,8 @@ struct HealthInner {
     /// The lanes, as (pipeline, lane), whose last batch attempt failed against their store and is being retried:
     /// one lane's commit does not make another's failing store look reachable.
     failing: Mutex<BTreeSet<(String, Arc<str>)>>,
-    fatal_pipelines: AtomicUsize,
+    /// The pipelines stopped on a fatal error, with why (the first line of their error).
+    fatal_pipelines: Mutex<std::collections::BTreeMap<String, String>>,
     /// The pipelines not consuming because their outbox is over its bounds, with why.
     outbox_paused: Mutex<std::collections::BTreeMap<String, String>>,
 }
@@ -65,16 +66,20 @@ impl Health {
         };
     }
 
-    /// Records that a pipeline stopped on a fatal error.
-    pub fn pipeline_fatal(&self) {
-        self.inner.fatal_pipelines.fetch_add(1, Ordering::Relaxed);
+    /// Records that `pipeline` stopped on a fatal error, and why (a panic's message included): `/readyz` says so.
+    pub fn pipeline_fatal(&self, pipeline: &str, why: &str) {
+        let mut fatal = self.inner.fatal_pipelines.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        fatal.insert(pipeline.to_owned(), why.lines().next().unwrap_or_default().to_owned());
     }
 
     /// `Ok` when ready, otherwise why not.
     pub fn ready(&self) -> Result<(), String> {
-        let fatal = self.inner.fatal_pipelines.load(Ordering::Relaxed);
-        if fatal > 0 {
-            return Err(format!("{fatal} pipeline(s) stopped on a fatal error"));
+        {
+            let fatal = self.inner.fatal_pipelines.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            if let Some((pipeline, why)) = fatal.iter().next() {
+                let more = if fatal.len() > 1 { format!(" (and {} more)", fatal.len() - 1) } else { String::new() };
+                return Err(format!("pipeline {pipeline:?} stopped on a fatal error: {why}{more}"));
+            }
         }
         if self.inner.database_down.load(Ordering::Relaxed) {
             return Err("the database is unreachable; batches are being retried".to_owned());

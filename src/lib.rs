@@ -299,6 +299,13 @@
 //!   answer recorded (its worker stopped or crashed during each) is dead-lettered without being sent again.
 //! - Back-pressure pauses consumption (the batch in hand held, nothing committed) while the outbox is over its
 //!   bounds; it bounds the outbox's growth, never what is applied.
+//! - A row is sent only where it was written for, with the credentials configured now ([`outbox::deliver::outgoing`],
+//!   [`outbox::guard`]): a row of another origin (the target moved since it was written), a host from a record no
+//!   longer in `allow_hosts`, or a topic no longer in `allow_topics` is rejected before any byte is sent (a
+//!   `delivery_failed` dead letter saying why; its replay re-homes it to the target's origin now, in the same
+//!   transaction that moves it back); a secret that cannot be read now (a file not mounted yet) is a retry with
+//!   nothing sent. Neither sends a request twice nor loses one: the row is kept, or moved whole, with its key.
+//!   (`outbox_security::a_row_written_for_another_origin_is_re_homed_by_a_replay_never_sent_with_todays_credentials`.)
 //!
 //! The dedup row and the effect are in the same transaction, so "marked as seen" and "applied" are one fact: there
 //! is no window in which a key is claimed but its effect is lost. No cache in memory ever claims a key.

@@ -288,28 +288,34 @@ fn counter(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> IntC
 }
 
 fn histogram(registry: &Registry, name: &str, help: &str, buckets: Vec<f64>) -> HistogramVec {
-    let h = HistogramVec::new(HistogramOpts::new(name, help).buckets(buckets), &["pipeline"]).expect("valid metric");
+    histogram_by(registry, name, help, buckets, &["pipeline"])
+}
+
+fn histogram_by(registry: &Registry, name: &str, help: &str, buckets: Vec<f64>, labels: &[&str]) -> HistogramVec {
+    let h = HistogramVec::new(HistogramOpts::new(name, help).buckets(buckets), labels).expect("valid metric");
     registry.register(Box::new(h.clone())).expect("registered once");
     h
+}
+
+fn gauge(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> IntGaugeVec {
+    let g = IntGaugeVec::new(Opts::new(name, help), labels).expect("valid metric");
+    registry.register(Box::new(g.clone())).expect("registered once");
+    g
+}
+
+fn float_gauge(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> GaugeVec {
+    let g = GaugeVec::new(Opts::new(name, help), labels).expect("valid metric");
+    registry.register(Box::new(g.clone())).expect("registered once");
+    g
 }
 
 impl Metrics {
     /// Creates every metric family and `idemflow_build_info`.
     pub fn new() -> Self {
         let r = Registry::new();
-        let build_info = IntGaugeVec::new(
-            Opts::new("idemflow_build_info", "Always 1; the version label says which idemflow is running."),
-            &["version"],
-        )
-        .expect("valid metric");
-        r.register(Box::new(build_info.clone())).expect("registered once");
+        let build_info = gauge(&r, "idemflow_build_info", "Always 1; the version label says which idemflow is running.", &["version"]);
         build_info.with_label_values(&[env!("CARGO_PKG_VERSION")]).set(1);
-        let pipeline_up = IntGaugeVec::new(
-            Opts::new("idemflow_pipeline_up", "1 while the pipeline runs, 0 once it stopped on a fatal error."),
-            &["pipeline"],
-        )
-        .expect("valid metric");
-        r.register(Box::new(pipeline_up.clone())).expect("registered once");
+        let pipeline_up = gauge(&r, "idemflow_pipeline_up", "1 while the pipeline runs, 0 once it stopped on a fatal error.", &["pipeline"]);
         Metrics {
             records_received: counter(&r, "idemflow_records_received_total", "Records consumed and processed by a committed batch.", &["pipeline"]),
             records_applied: counter(&r, "idemflow_records_applied_total", "Records whose business key was new and whose side effect committed.", &["pipeline"]),
@@ -324,91 +330,27 @@ impl Metrics {
                 vec![0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0]),
             redis_script: histogram(&r, "idemflow_redis_script_duration_seconds", "Round trip of a Redis pipeline's batch script (EVALSHA): the time Redis ran the batch plus the network.",
                 vec![0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0]),
-            consumer_lag: {
-                let g = IntGaugeVec::new(
-                    Opts::new("idemflow_consumer_lag_records", "Records between the partition's durable position and its high watermark, for every partition assigned to this worker (from the moment it is assigned); for a RabbitMQ queue (partition -1), this worker's share of its ready messages plus the deliveries it holds unacknowledged (summed over workers: the queue's depth)."),
-                    &["pipeline", "topic", "partition"],
-                )
-                .expect("valid metric");
-                r.register(Box::new(g.clone())).expect("registered once");
-                g
-            },
-            assigned_partitions: {
-                let g = IntGaugeVec::new(
-                    Opts::new("idemflow_assigned_partitions", "Partitions currently assigned to this worker's consumer of the pipeline (RabbitMQ: queues being consumed)."),
-                    &["pipeline"],
-                )
-                .expect("valid metric");
-                r.register(Box::new(g.clone())).expect("registered once");
-                g
-            },
+            consumer_lag: gauge(&r, "idemflow_consumer_lag_records", "Records between the partition's durable position and its high watermark, for every partition assigned to this worker (from the moment it is assigned); for a RabbitMQ queue (partition -1), this worker's share of its ready messages plus the deliveries it holds unacknowledged (summed over workers: the queue's depth).", &["pipeline", "topic", "partition"]),
+            assigned_partitions: gauge(&r, "idemflow_assigned_partitions", "Partitions currently assigned to this worker's consumer of the pipeline (RabbitMQ: queues being consumed).", &["pipeline"]),
             dedup_rows_purged: counter(&r, "idemflow_dedup_rows_purged_total", "Dedup rows deleted by retention.", &["pipeline"]),
             retention_rows_examined: counter(&r, "idemflow_retention_rows_examined_total", "Dedup rows the retention sweep looked at (on PostgreSQL, of every pipeline sharing the table).", &["pipeline"]),
             retention_passes: counter(&r, "idemflow_retention_passes_total", "Full passes of the retention sweep over the dedup table.", &["pipeline"]),
-            retention_pass_seconds: {
-                let g = GaugeVec::new(
-                    Opts::new("idemflow_retention_pass_seconds", "Seconds the last full pass of the retention sweep took, first slice to last: a dedup row lives at most its retention plus this and purge_interval (one pass more if an update moved it behind the sweep while its pass ran)."),
-                    &["pipeline"],
-                )
-                .expect("valid metric");
-                r.register(Box::new(g.clone())).expect("registered once");
-                g
-            },
+            retention_pass_seconds: float_gauge(&r, "idemflow_retention_pass_seconds", "Seconds the last full pass of the retention sweep took, first slice to last: a dedup row lives at most its retention plus this and purge_interval (one pass more if an update moved it behind the sweep while its pass ran).", &["pipeline"]),
             db_retries: counter(&r, "idemflow_db_retries_total", "Batch attempts that failed with a retryable database error, by cause.", &["pipeline", "cause"]),
             schema_registry_retries: counter(&r, "idemflow_schema_registry_retries_total", "Fetches of schemas from the schema registry that failed (unreachable, timed out, 5xx, credentials refused) and were retried with consumption paused.", &["pipeline"]),
             prepared_ahead: counter(&r, "idemflow_records_prepared_ahead_total", "Records prepared (decoded, keyed, their values taken) while the batch before theirs was in its transaction, by result: used for their batch, or dropped unused (their partition revoked, fenced or resynced, or their channel lost, before it; the statements rebuilt).", &["pipeline", "result"]),
             offset_commits: counter(&r, "idemflow_offset_commits_total", "Kafka offset commits and RabbitMQ acknowledgements after a batch's COMMIT, by result.", &["pipeline", "result"]),
             rebalances: counter(&r, "idemflow_rebalances_total", "Consumer group rebalance events (RabbitMQ: consumers started, assign, and lost with their connection, revoke), by event.", &["pipeline", "event"]),
             pipeline_up,
-            partition_stalled: {
-                let g = IntGaugeVec::new(
-                    Opts::new("idemflow_partition_stalled_seconds", "For every partition (RabbitMQ: queue) assigned to this worker: seconds since its durable position last advanced while records wait on it (its consumer lag above 0); 0 while nothing waits. A partition over [metrics] stall_after is stalled: logged, and /readyz answers 503."),
-                    &["pipeline", "topic", "partition"],
-                )
-                .expect("valid metric");
-                r.register(Box::new(g.clone())).expect("registered once");
-                g
-            },
+            partition_stalled: gauge(&r, "idemflow_partition_stalled_seconds", "For every partition (RabbitMQ: queue) assigned to this worker: seconds since its durable position last advanced while records wait on it (its consumer lag above 0); 0 while nothing waits. A partition over [metrics] stall_after is stalled: logged, and /readyz answers 503.", &["pipeline", "topic", "partition"]),
             stalls: Arc::new(Stalls { after_secs: AtomicU64::new(DEFAULT_STALL_AFTER.as_secs()), partitions: Mutex::default() }),
-            outbox_rows: {
-                let g = IntGaugeVec::new(
-                    Opts::new("idemflow_outbox_rows", "Outbox rows of the pipeline waiting for delivery (every worker's: the outbox is shared), counted up to twice [outbox] max_rows."),
-                    &["pipeline"],
-                )
-                .expect("valid metric");
-                r.register(Box::new(g.clone())).expect("registered once");
-                g
-            },
-            outbox_oldest: {
-                let g = GaugeVec::new(
-                    Opts::new("idemflow_outbox_oldest_seconds", "Seconds since the oldest outbox row of the pipeline still waiting was written; 0 when none waits."),
-                    &["pipeline"],
-                )
-                .expect("valid metric");
-                r.register(Box::new(g.clone())).expect("registered once");
-                g
-            },
-            outbox_paused: {
-                let g = IntGaugeVec::new(
-                    Opts::new("idemflow_outbox_paused", "1 while the pipeline does not consume because its outbox is over [outbox] max_rows or max_age (back-pressure), else 0."),
-                    &["pipeline"],
-                )
-                .expect("valid metric");
-                r.register(Box::new(g.clone())).expect("registered once");
-                g
-            },
+            outbox_rows: gauge(&r, "idemflow_outbox_rows", "Outbox rows of the pipeline waiting for delivery (every worker's: the outbox is shared), counted up to twice [outbox] max_rows.", &["pipeline"]),
+            outbox_oldest: float_gauge(&r, "idemflow_outbox_oldest_seconds", "Seconds since the oldest outbox row of the pipeline still waiting was written; 0 when none waits.", &["pipeline"]),
+            outbox_paused: gauge(&r, "idemflow_outbox_paused", "1 while the pipeline does not consume because its outbox is over [outbox] max_rows or max_age (back-pressure), else 0.", &["pipeline"]),
             outbox_attempts: counter(&r, "idemflow_outbox_attempts_total", "Attempts at delivering outbox requests, by target and result: confirmed, retry_status, rejected, connection, timeout.", &["pipeline", "target", "result"]),
             outbox_deliveries: counter(&r, "idemflow_outbox_deliveries_total", "Outbox requests done with, by target and outcome: confirmed by the target, or dead_lettered (delivery_failed).", &["pipeline", "target", "outcome"]),
-            outbox_delivery_seconds: {
-                let h = HistogramVec::new(
-                    HistogramOpts::new("idemflow_outbox_delivery_seconds", "Time from an outbox row's write (its batch's commit) to its target's confirmation, retries included.")
-                        .buckets(vec![0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0]),
-                    &["pipeline", "target"],
-                )
-                .expect("valid metric");
-                r.register(Box::new(h.clone())).expect("registered once");
-                h
-            },
+            outbox_delivery_seconds: histogram_by(&r, "idemflow_outbox_delivery_seconds", "Time from an outbox row's write (its batch's commit) to its target's confirmation, retries included.",
+                vec![0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0], &["pipeline", "target"]),
             batch_counts: Default::default(),
             registry: r,
         }

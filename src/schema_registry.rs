@@ -5,7 +5,8 @@
 //! and [`SchemaRegistry::version`] a referenced schema. Ids never change meaning, so callers cache what they get by
 //! id ([`crate::decode::schemas::Schemas`]); this module keeps nothing.
 //!
-//! Every request is bounded by `[schema_registry] timeout` (the whole exchange) and `connect_timeout`. A registry
+//! Every request is bounded by `[schema_registry] timeout` (the whole exchange) and `connect_timeout`; it follows
+//! redirects only within the registry's origin, at most [`MAX_REDIRECTS`], and reads at most 16 MiB of an answer. A registry
 //! that cannot be reached, answers 5xx, 408 or 429, or with a body that is not its JSON is [`RegistryError::Unavailable`]:
 //! the caller pauses and retries. 401 and 403 are [`RegistryError::Refused`]: retried too (an outage of credentials
 //! is fixed outside the worker), each warned. A 404 whose `error_code` is 40403 (schema not found), 40401 (subject
@@ -230,6 +231,7 @@ impl SchemaRegistry {
         let mut builder = reqwest::Client::builder()
             .timeout(settings.timeout)
             .connect_timeout(settings.connect_timeout)
+            .redirect(same_origin_redirects())
             .no_proxy()
             .user_agent(concat!("idemflow/", env!("CARGO_PKG_VERSION")));
         if let Some(path) = &settings.ca_file {
@@ -314,9 +316,30 @@ impl SchemaRegistry {
                 // A 404 without the registry's error code: a wrong URL (a proxy's page), not an answer.
                 _ => Err(unavailable(format!("GET {path}: 404 without a registry error code (is url the registry's?)"))),
             },
+            code @ 300..=399 => Err(unavailable(format!(
+                "GET {path}: HTTP {code}: a redirect to another origin (or a fourth one) is not followed; set url to the registry's own"
+            ))),
             code => Err(unavailable(format!("GET {path}: HTTP {code}"))),
         }
     }
+}
+
+/// The most redirects one request follows.
+pub const MAX_REDIRECTS: usize = 3;
+
+/// Redirects followed only within the registry's origin (the same scheme, host and port: a load balancer's path
+/// rewrite), at most [`MAX_REDIRECTS`]: a registry that is compromised or spoofed cannot send the worker's requests,
+/// and its credentials, elsewhere (https to http included). Any other redirect is the answer, and the registry is
+/// unavailable until `url` is corrected.
+fn same_origin_redirects() -> reqwest::redirect::Policy {
+    reqwest::redirect::Policy::custom(|attempt| {
+        let first = attempt.previous().first().map(reqwest::Url::origin);
+        if attempt.previous().len() > MAX_REDIRECTS || first.is_none_or(|o| o != attempt.url().origin()) {
+            attempt.stop()
+        } else {
+            attempt.follow()
+        }
+    })
 }
 
 /// A reqwest error without its URL (which may carry credentials), with its causes (the outbox's deliveries say

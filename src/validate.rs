@@ -6,4 +6,6 @@
 pub trait Problems {
     /// Records that `field` is wrong, and why.
     fn push(&mut self, field: &str, message: impl Into<String>);
+    /// How many problems were recorded so far (a rule that only applies to an otherwise valid file asks it).
+    fn count(&self) -> usize;
 }

@@ -75,6 +75,23 @@ pub fn protobuf(data: &[u8]) {
     assert_eq!(first.is_ok(), idemflow::decode::protobuf::decode(&message, body).is_ok());
 }
 
+/// A schema's text as a registry serves it: the first byte picks Avro's JSON (even) or a `.proto` file (odd), the
+/// rest is the text. The parsers' own panics are caught and make the schema unusable in the worker, but under
+/// libFuzzer (which aborts on a panic) a panic is still a finding to fix; a schema whose names follow Java's Avro
+/// rule (Unicode letters) parses as the registry's Java code parses it.
+pub fn schema_text(data: &[u8]) {
+    let Some((pick, text)) = data.split_first() else { return };
+    let Ok(text) = std::str::from_utf8(text) else { return };
+    if pick % 2 == 0 {
+        let parsed = idemflow::decode::avro::AvroSchema::parse(text, &[]);
+        if text.contains("\"Überweisung\"") && text.contains("\"type\": \"record\"") {
+            assert!(parsed.is_ok(), "{parsed:?}");
+        }
+    } else {
+        let _ = idemflow::decode::protobuf::ProtoFile::compile("fuzzed.proto", text, &[]);
+    }
+}
+
 /// A pipeline file's text: validated for both SQL dialects, never a panic.
 pub fn pipeline(data: &[u8]) {
     let Ok(text) = std::str::from_utf8(data) else { return };

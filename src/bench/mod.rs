@@ -116,7 +116,7 @@ async fn run_kafka(o: &BenchOptions, admin_url: &str) -> anyhow::Result<Report> 
     let total = s.records.len() as u64;
     // The same orders as Avro and Protobuf, for runs (16) to (19), with their schema files.
     let schemas = tempfile::Builder::new().prefix("idemflow-bench-schemas-").tempdir()?;
-    let formats = [(crate::demo::formats::DemoFormat::Avro, "bench-avro", "orders.avsc", ORDER_AVSC), (crate::demo::formats::DemoFormat::Protobuf, "bench-protobuf", "orders.proto", ORDER_PROTO)];
+    let formats = FORMATS;
     if (16..=19).any(|n| o.only.is_empty() || o.only.contains(&n)) {
         for (format, topic, file, text) in formats {
             std::fs::write(schemas.path().join(file), text)?;
@@ -132,7 +132,6 @@ async fn run_kafka(o: &BenchOptions, admin_url: &str) -> anyhow::Result<Report> 
 
     // On MySQL/MariaDB, runs (3) and (4) are PostgreSQL's (a COPY ceiling, a preload with generate_series).
     let want = |n: u8| (o.only.is_empty() || o.only.contains(&n)) && !(mysql && matches!(n, 3 | 4 | 8..=20));
-    let perf = o.perf;
     if mysql {
         eprintln!("MySQL/MariaDB: runs (1), (2), (5) and (6); (3), (4) and (8) to (15) are PostgreSQL's");
     }
@@ -141,138 +140,13 @@ async fn run_kafka(o: &BenchOptions, admin_url: &str) -> anyhow::Result<Report> 
     for repetition in 1..=o.repeat.max(1) {
         // Each repetition's consumer groups are new, so each reads the topic from its start.
         let tag = if repetition == 1 { String::new() } else { format!("-r{repetition}") };
-        let group = |n: u8| format!("bench-{n}{tag}");
         let first = runs.len();
         for n in 1..=20u8 {
             if !want(n) {
                 continue;
             }
-            let r = if n == 20 {
-                let provider = crate::demo::provider::Provider::start(None).await?;
-                let url = fresh_database(admin_url, "bench_20").await?;
-                let name = "idemflow, default batching (table form) and an HTTP request per new key through the outbox, to a local provider";
-                let pipeline = http_table_pipeline(&provider.url());
-                let run = WorkerRun { id: "(20)", name, pipeline, group: &group(20), target: total, applied: distinct, delivered: distinct };
-                worker_run(run, &kafka_settings(&kafka), &url, perf).await?
-            } else if (16..=19).contains(&n) {
-                let (format, topic, file, _) = formats[usize::from(n % 2 == 1)];
-                let pipeline = format_table_pipeline(topic, format, &schemas.path().join(file));
-                let url = fresh_database(admin_url, &format!("bench_{n}")).await?;
-                match n {
-                    16 | 17 => {
-                        let (id, name) = if n == 16 {
-                            ("(16)", "idemflow, default batching (table form), Avro payloads")
-                        } else {
-                            ("(17)", "idemflow, default batching (table form), Protobuf payloads")
-                        };
-                        let run = WorkerRun { id, name, pipeline, group: &group(n), target: total, applied: distinct, delivered: None };
-                        worker_run(run, &kafka_settings(&kafka), &url, perf).await?
-                    }
-                    _ => {
-                        let (id, name) = if n == 18 {
-                            ("(18)", "ceiling: consume-only pass, Avro payloads (decode and key extraction, no database)")
-                        } else {
-                            ("(19)", "ceiling: consume-only pass, Protobuf payloads (decode and key extraction, no database)")
-                        };
-                        RunResult { id: id.to_owned(), ..consume_only_of(&kafka, &url, s.records.len(), &group(n), (topic, &pipeline, name)).await? }
-                    }
-                }
-            } else if (8..=15).contains(&n) {
-                match n {
-                    14 | 15 => {
-                        let lanes = if n == 14 { 2 } else { 4 };
-                        let url = fresh_database(admin_url, &format!("bench_{n}")).await?;
-                        let (id, name) = if n == 14 {
-                            ("(14)", "idemflow, default batching (table form), batch.concurrency = 2")
-                        } else {
-                            ("(15)", "idemflow, default batching (table form), batch.concurrency = 4")
-                        };
-                        let group = group(n);
-                        let run = WorkerRun { id, name, pipeline: concurrent_table_pipeline(lanes), group: &group, target: total, applied: distinct, delivered: None };
-                        // The lanes' consumers join the new group together, as on a real broker, whose new groups wait
-                        // 3 s for more members before the first assignment; with the mock's 0 they would join one after
-                        // another, each join a rebalance that the mock holds for session.timeout.ms - 1 s while the
-                        // offset commits of the members already consuming are refused.
-                        kafka.set_initial_rebalance_delay(Duration::from_secs(3));
-                        let r = worker_run(run, &kafka_settings(&kafka), &url, perf).await;
-                        kafka.set_initial_rebalance_delay(Duration::ZERO);
-                        r?
-                    }
-                    13 => {
-                        let url = payments_database(admin_url, "bench_13").await?;
-                        let name = "idemflow, the shipped example in the per-record SQL form, examples/per-record-sql/payments.toml";
-                        let run = WorkerRun { id: "(13)", name, pipeline: per_record_payments_pipeline(), group: &group(13), target: total, applied: None, delivered: None };
-                        worker_run(run, &kafka_settings(&kafka), &url, perf).await?
-                    }
-                    12 => {
-                        let url = payments_database(admin_url, "bench_12").await?;
-                        let name = "idemflow, the per-record SQL form with one round trip per statement and record (its INSERT given RETURNING)";
-                        let per_record = per_record_payments_pipeline();
-                        let pipeline = per_record.replace(":paid_at, :details)", ":paid_at, :details) RETURNING order_id");
-                        anyhow::ensure!(pipeline != per_record, "examples/per-record-sql/payments.toml's INSERT ends with `:paid_at, :details)`");
-                        let single = o.single_records.min(o.records) as u64;
-                        let run = WorkerRun { id: "(12)", name, pipeline, group: &group(12), target: single, applied: None, delivered: None };
-                        worker_run(run, &kafka_settings(&kafka), &url, perf).await?
-                    }
-                    8 => {
-                        let url = payments_database(admin_url, "bench_8").await?;
-                        let name = "idemflow, the shipped example pipelines/payments.toml (batch SQL form: INSERT payments + UPDATE accounts per batch)";
-                        let run = WorkerRun { id: "(8)", name, pipeline: payments_pipeline(), group: &group(8), target: total, applied: None, delivered: None };
-                        worker_run(run, &kafka_settings(&kafka), &url, perf).await?
-                    }
-                    9 => minimal_copy_ceiling(&minimal_database(admin_url, "bench_9").await?, &s, s.records.len()).await?,
-                    10 => hand_written_batched(&kafka, &minimal_database(admin_url, "bench_10").await?, s.records.len(), &group(10)).await?,
-                    _ => {
-                        let single = o.single_records.min(o.records);
-                        per_message(&kafka, &minimal_database(admin_url, "bench_11").await?, single, &group(11)).await?
-                    }
-                }
-            } else if n == 7 {
-                if mysql {
-                    continue;
-                }
-                let redis = match crate::demo::redis::Throwaway::start() {
-                    Ok(r) => r,
-                    Err(e) => {
-                        eprintln!("(7) skipped: {e}");
-                        continue;
-                    }
-                };
-                eprintln!("redis: {} (throwaway server, appendonly yes, appendfsync everysec)", redis.version());
-                let run = WorkerRun { id: "(7)", name: "idemflow, Redis sink (one script per batch)", pipeline: redis_pipeline(), group: &group(7), target: total, applied: distinct, delivered: None };
-                let store = format!("[redis]\nurl = \"{}\"\n", redis.url());
-                worker_run_on(run, &kafka_settings(&kafka), &store, perf, &Probe::default()).await?
-            } else {
-                let url = fresh_database(admin_url, &format!("bench_{n}")).await?;
-                let run_group = group(n);
-                let worker = |id, name, pipeline, target| WorkerRun { id, name, pipeline, group: &run_group, target, applied: None, delivered: None };
-                match n {
-                    1 => {
-                        let run = WorkerRun { applied: distinct, ..worker("(1)", "idemflow, default batching (table form)", table_pipeline(None), total) };
-                        worker_run(run, &kafka_settings(&kafka), &url, perf).await?
-                    }
-                    2 => {
-                        let single = o.single_records.min(o.records) as u64;
-                        let name = "idemflow, one record per transaction (max_records = 1)";
-                        worker_run(worker("(2)", name, table_pipeline(Some(1)), single), &kafka_settings(&kafka), &url, perf).await?
-                    }
-                    3 => copy_ceiling(&url, &s, s.records.len()).await?,
-                    4 => {
-                        let preload_secs = preload(&url, o.preload).await?;
-                        let name = "idemflow, default batching, dedup store preloaded";
-                        let run = WorkerRun { applied: distinct, ..worker("(4)", name, table_pipeline(None), total) };
-                        let mut r = worker_run(run, &kafka_settings(&kafka), &url, perf).await?;
-                        r.note = format!("{} preloaded keys (in {preload_secs:.1} s); {}", o.preload, r.note);
-                        r
-                    }
-                    5 => consume_only(&kafka, &url, s.records.len(), &group(5)).await?,
-                    _ => {
-                        let sql = o.sql_records.min(o.records) as u64;
-                        let name = "idemflow, default batching, per-record SQL form";
-                        worker_run(worker("(6)", name, sql_pipeline(), sql), &kafka_settings(&kafka), &url, perf).await?
-                    }
-                }
-            };
+            let runs_of = Runs { o, admin_url, kafka: &kafka, s: &s, total, distinct, schemas: schemas.path(), tag: &tag };
+            let Some(r) = runs_of.one(n).await? else { continue };
             let r = RunResult { repetition, ..r };
             report_run(&r);
             runs.push(r);
@@ -282,6 +156,163 @@ async fn run_kafka(o: &BenchOptions, admin_url: &str) -> anyhow::Result<Report> 
     let report = Report { environment: env, runs, ratios: combine(&repetitions) };
     write_outputs(&report, &o.markdown, &o.json)?;
     Ok(report)
+}
+
+/// The alternating formats of runs (16) to (19): the format, its topic, its schema file's name and text.
+const FORMATS: [(crate::demo::formats::DemoFormat, &str, &str, &str); 2] = [
+    (crate::demo::formats::DemoFormat::Avro, "bench-avro", "orders.avsc", ORDER_AVSC),
+    (crate::demo::formats::DemoFormat::Protobuf, "bench-protobuf", "orders.proto", ORDER_PROTO),
+];
+
+/// What every run on the embedded Kafka's stream shares, in one repetition.
+struct Runs<'a> {
+    o: &'a BenchOptions,
+    admin_url: &'a str,
+    kafka: &'a EmbeddedKafka,
+    s: &'a Stream,
+    /// Records in the stream.
+    total: u64,
+    /// Distinct keys in the stream (the runs that wait until each was applied).
+    distinct: Option<u64>,
+    /// Where the schema files of runs (16) and (17) are.
+    schemas: &'a std::path::Path,
+    /// The repetition's suffix of consumer group names ("" for the first).
+    tag: &'a str,
+}
+
+impl Runs<'_> {
+    /// Run (`n`), or `None` when it does not apply here (Redis not installed, MySQL).
+    async fn one(&self, n: u8) -> anyhow::Result<Option<RunResult>> {
+        let Runs { o, admin_url, kafka, s, total, distinct, schemas, tag } = *self;
+        let group = |n: u8| format!("bench-{n}{tag}");
+        let (perf, mysql, formats) = (o.perf, is_mysql(admin_url), FORMATS);
+        Ok(Some(if n == 20 {
+            let provider = crate::demo::provider::Provider::start(None).await?;
+            let url = fresh_database(admin_url, "bench_20").await?;
+            let name = "idemflow, default batching (table form) and an HTTP request per new key through the outbox, to a local provider";
+            let pipeline = http_table_pipeline(&provider.url());
+            let run = WorkerRun { id: "(20)", name, pipeline, group: &group(20), target: total, applied: distinct, delivered: distinct };
+            worker_run(run, &kafka_settings(&kafka), &url, perf).await?
+        } else if (16..=19).contains(&n) {
+            let (format, topic, file, _) = formats[usize::from(n % 2 == 1)];
+            let pipeline = format_table_pipeline(topic, format, &schemas.join(file));
+            let url = fresh_database(admin_url, &format!("bench_{n}")).await?;
+            match n {
+                16 | 17 => {
+                    let (id, name) = if n == 16 {
+                        ("(16)", "idemflow, default batching (table form), Avro payloads")
+                    } else {
+                        ("(17)", "idemflow, default batching (table form), Protobuf payloads")
+                    };
+                    let run = WorkerRun { id, name, pipeline, group: &group(n), target: total, applied: distinct, delivered: None };
+                    worker_run(run, &kafka_settings(&kafka), &url, perf).await?
+                }
+                _ => {
+                    let (id, name) = if n == 18 {
+                        ("(18)", "ceiling: consume-only pass, Avro payloads (decode and key extraction, no database)")
+                    } else {
+                        ("(19)", "ceiling: consume-only pass, Protobuf payloads (decode and key extraction, no database)")
+                    };
+                    RunResult { id: id.to_owned(), ..consume_only_of(&kafka, &url, s.records.len(), &group(n), (topic, &pipeline, name)).await? }
+                }
+            }
+        } else if (8..=15).contains(&n) {
+            match n {
+                14 | 15 => {
+                    let lanes = if n == 14 { 2 } else { 4 };
+                    let url = fresh_database(admin_url, &format!("bench_{n}")).await?;
+                    let (id, name) = if n == 14 {
+                        ("(14)", "idemflow, default batching (table form), batch.concurrency = 2")
+                    } else {
+                        ("(15)", "idemflow, default batching (table form), batch.concurrency = 4")
+                    };
+                    let group = group(n);
+                    let run = WorkerRun { id, name, pipeline: concurrent_table_pipeline(lanes), group: &group, target: total, applied: distinct, delivered: None };
+                    // The lanes' consumers join the new group together, as on a real broker, whose new groups wait
+                    // 3 s for more members before the first assignment; with the mock's 0 they would join one after
+                    // another, each join a rebalance that the mock holds for session.timeout.ms - 1 s while the
+                    // offset commits of the members already consuming are refused.
+                    kafka.set_initial_rebalance_delay(Duration::from_secs(3));
+                    let r = worker_run(run, &kafka_settings(&kafka), &url, perf).await;
+                    kafka.set_initial_rebalance_delay(Duration::ZERO);
+                    r?
+                }
+                13 => {
+                    let url = payments_database(admin_url, "bench_13").await?;
+                    let name = "idemflow, the shipped example in the per-record SQL form, examples/per-record-sql/payments.toml";
+                    let run = WorkerRun { id: "(13)", name, pipeline: per_record_payments_pipeline(), group: &group(13), target: total, applied: None, delivered: None };
+                    worker_run(run, &kafka_settings(&kafka), &url, perf).await?
+                }
+                12 => {
+                    let url = payments_database(admin_url, "bench_12").await?;
+                    let name = "idemflow, the per-record SQL form with one round trip per statement and record (its INSERT given RETURNING)";
+                    let per_record = per_record_payments_pipeline();
+                    let pipeline = per_record.replace(":paid_at, :details)", ":paid_at, :details) RETURNING order_id");
+                    anyhow::ensure!(pipeline != per_record, "examples/per-record-sql/payments.toml's INSERT ends with `:paid_at, :details)`");
+                    let single = o.single_records.min(o.records) as u64;
+                    let run = WorkerRun { id: "(12)", name, pipeline, group: &group(12), target: single, applied: None, delivered: None };
+                    worker_run(run, &kafka_settings(&kafka), &url, perf).await?
+                }
+                8 => {
+                    let url = payments_database(admin_url, "bench_8").await?;
+                    let name = "idemflow, the shipped example pipelines/payments.toml (batch SQL form: INSERT payments + UPDATE accounts per batch)";
+                    let run = WorkerRun { id: "(8)", name, pipeline: payments_pipeline(), group: &group(8), target: total, applied: None, delivered: None };
+                    worker_run(run, &kafka_settings(&kafka), &url, perf).await?
+                }
+                9 => minimal_copy_ceiling(&minimal_database(admin_url, "bench_9").await?, &s, s.records.len()).await?,
+                10 => hand_written_batched(&kafka, &minimal_database(admin_url, "bench_10").await?, s.records.len(), &group(10)).await?,
+                _ => {
+                    let single = o.single_records.min(o.records);
+                    per_message(&kafka, &minimal_database(admin_url, "bench_11").await?, single, &group(11)).await?
+                }
+            }
+        } else if n == 7 {
+            if mysql {
+                return Ok(None);
+            }
+            let redis = match crate::demo::redis::Throwaway::start() {
+                Ok(r) => r,
+                Err(e) => {
+                    eprintln!("(7) skipped: {e}");
+                    return Ok(None);
+                }
+            };
+            eprintln!("redis: {} (throwaway server, appendonly yes, appendfsync everysec)", redis.version());
+            let run = WorkerRun { id: "(7)", name: "idemflow, Redis sink (one script per batch)", pipeline: redis_pipeline(), group: &group(7), target: total, applied: distinct, delivered: None };
+            let store = format!("[redis]\nurl = \"{}\"\n", redis.url());
+            worker_run_on(run, &kafka_settings(&kafka), &store, perf, &Probe::default()).await?
+        } else {
+            let url = fresh_database(admin_url, &format!("bench_{n}")).await?;
+            let run_group = group(n);
+            let worker = |id, name, pipeline, target| WorkerRun { id, name, pipeline, group: &run_group, target, applied: None, delivered: None };
+            match n {
+                1 => {
+                    let run = WorkerRun { applied: distinct, ..worker("(1)", "idemflow, default batching (table form)", table_pipeline(None), total) };
+                    worker_run(run, &kafka_settings(&kafka), &url, perf).await?
+                }
+                2 => {
+                    let single = o.single_records.min(o.records) as u64;
+                    let name = "idemflow, one record per transaction (max_records = 1)";
+                    worker_run(worker("(2)", name, table_pipeline(Some(1)), single), &kafka_settings(&kafka), &url, perf).await?
+                }
+                3 => copy_ceiling(&url, &s, s.records.len()).await?,
+                4 => {
+                    let preload_secs = preload(&url, o.preload).await?;
+                    let name = "idemflow, default batching, dedup store preloaded";
+                    let run = WorkerRun { applied: distinct, ..worker("(4)", name, table_pipeline(None), total) };
+                    let mut r = worker_run(run, &kafka_settings(&kafka), &url, perf).await?;
+                    r.note = format!("{} preloaded keys (in {preload_secs:.1} s); {}", o.preload, r.note);
+                    r
+                }
+                5 => consume_only(&kafka, &url, s.records.len(), &group(5)).await?,
+                _ => {
+                    let sql = o.sql_records.min(o.records) as u64;
+                    let name = "idemflow, default batching, per-record SQL form";
+                    worker_run(worker("(6)", name, sql_pipeline(), sql), &kafka_settings(&kafka), &url, perf).await?
+                }
+            }
+        }))
+    }
 }
 
 #[cfg(test)]

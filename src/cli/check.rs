@@ -236,10 +236,28 @@ async fn find(a: &CheckArgs) -> Findings {
 async fn outbox_targets(p: &config::Pipeline, kafka: &idemflow::source::kafka::KafkaSettings, findings: &mut Findings) {
     use idemflow::outbox::deliver::{reachable, Unreachable};
     let Some(outbox) = &p.outbox else { return };
+    // Secrets are named, never shown: whether each can be read now.
+    for (field, secret) in outbox.secrets() {
+        match secret.resolve() {
+            Ok(_) => findings.line(format!("pipeline {:?}: {field}: the secret of {} is readable", p.name, secret.describe())),
+            Err(why) => findings.problems.push(pipeline_problem(p, &field, why)),
+        }
+    }
+    for (field, warning) in outbox.warnings() {
+        findings.line(format!("warning: pipeline {:?}: {field}: {warning}", p.name));
+    }
     for t in &outbox.http {
         match reachable(t, std::time::Duration::from_secs(5)).await {
             Ok(Some(what)) => findings.line(format!("pipeline {:?}: sink.http {}: {what}", p.name, t.name)),
-            Ok(None) => findings.line(format!("pipeline {:?}: sink.http {}: its host comes from the record's values; not checked", p.name, t.name)),
+            Ok(None) if t.secret_url.is_some() => {
+                findings.line(format!("pipeline {:?}: sink.http {}: its URL is a secret, read when each request is sent", p.name, t.name))
+            }
+            Ok(None) => findings.line(format!(
+                "pipeline {:?}: sink.http {}: its host comes from the record's values, checked against allow_hosts{} when each request is prepared and sent",
+                p.name,
+                t.name,
+                if t.private_addresses { "" } else { " and resolved to public addresses only" }
+            )),
             Err(Unreachable::Refused(why)) => findings.line(format!(
                 "warning: pipeline {:?}: sink.http {}: does not accept connections now ({why}); the relay retries, and consumption pauses at the outbox's bounds",
                 p.name, t.name
@@ -250,7 +268,7 @@ async fn outbox_targets(p: &config::Pipeline, kafka: &idemflow::source::kafka::K
     #[cfg(feature = "kafka")]
     for t in &outbox.kafka {
         let Some(topic) = t.topic.literal() else {
-            findings.line(format!("pipeline {:?}: sink.kafka {}: its topic comes from the record's values; not checked", p.name, t.name));
+            findings.line(format!("pipeline {:?}: sink.kafka {}: its topic comes from the record's values, checked against allow_topics", p.name, t.name));
             continue;
         };
         let exists = idemflow::source::kafka::outbox::OutboxProducer::new(kafka, &p.name, &t.name, t.timeout)

@@ -106,7 +106,8 @@ pub async fn run(a: ConfigArg) -> anyhow::Result<()> {
     }
     let faults = worker::Faults::from_env().map_err(anyhow::Error::msg)?;
     if faults != worker::Faults::default() {
-        tracing::warn!(?faults, "FAULT INJECTION ON ({} or {}): this worker will fail on purpose; for tests only", worker::CRASH_AFTER_COMMITS_VAR, worker::LOSE_COMMIT_ANSWER_VAR);
+        tracing::warn!(?faults, "FAULT INJECTION ON ({}, {}, {} or {}): this worker will fail on purpose; for tests only",
+            worker::CRASH_AFTER_COMMITS_VAR, worker::LOSE_COMMIT_ANSWER_VAR, idemflow::outbox::relay::CRASH_AFTER_DELIVERIES_VAR, worker::PANIC_ON_PAYLOAD_VAR);
     }
     let failures = worker::run_with_faults(&settings, ready, &metrics, &health, stop.clone(), faults).await;
     if !failures.is_empty() && !stop.is_triggered() {

@@ -6,6 +6,7 @@
 //! `IDEMFLOW_PORT` for a service named idemflow) is reported as a warning and ignored, never a failure.
 
 pub mod pipeline;
+mod sink;
 pub mod schema;
 
 pub use pipeline::{DedupSettings, Pipeline, PipelineError, TombstonePolicy};

@@ -39,6 +39,15 @@ impl AvroSchema {
     ///
     /// Errors: the schema or a reference does not parse, or a named type is used but defined nowhere.
     pub fn parse(text: &str, references: &[String]) -> Result<AvroSchema, String> {
+        // Names as Java's Avro (and so the registry) accepts them; and the parser's bugs on a text the registry
+        // accepted (fuzzed: fuzz/fuzz_targets/schema_text.rs) make the schema unusable, its records dead letters,
+        // never a panic that stops the pipeline.
+        super::avro_names::install();
+        std::panic::catch_unwind(|| Self::parse_unguarded(text, references))
+            .unwrap_or_else(|payload| Err(format!("the Avro schema parser failed on it ({})", super::panic_text(payload.as_ref()))))
+    }
+
+    fn parse_unguarded(text: &str, references: &[String]) -> Result<AvroSchema, String> {
         let text = fixed_logical_types(text)?;
         let references = references.iter().map(|r| fixed_logical_types(r)).collect::<Result<Vec<_>, _>>()?;
         let (root, refs) = if references.is_empty() {
@@ -238,6 +247,36 @@ impl Reader<'_> {
         Ok(())
     }
 
+    /// An array's blocks of `items` values, until the empty block.
+    fn array(&mut self, items: &Schema, ns: &Namespace, depth: usize) -> Result<Value, String> {
+        let mut values = Vec::new();
+        loop {
+            let n = self.block()?;
+            if n == 0 {
+                return Ok(Value::Array(values));
+            }
+            for _ in 0..n {
+                values.push(self.value(items, ns, depth + 1)?);
+            }
+        }
+    }
+
+    /// A map's blocks of string keys and `types` values, until the empty block.
+    fn map(&mut self, types: &Schema, ns: &Namespace, depth: usize) -> Result<Value, String> {
+        let mut entries = Map::new();
+        loop {
+            let n = self.block()?;
+            if n == 0 {
+                return Ok(Value::Object(entries));
+            }
+            for _ in 0..n {
+                let key = self.text()?;
+                let v = self.value(types, ns, depth + 1)?;
+                entries.insert(key, v);
+            }
+        }
+    }
+
     fn value(&mut self, schema: &Schema, ns: &Namespace, depth: usize) -> Result<Value, String> {
         if depth > MAX_DEPTH {
             return Err(format!("nests deeper than {MAX_DEPTH} levels"));
@@ -279,34 +318,8 @@ impl Reader<'_> {
                 let branch = branch.ok_or_else(|| format!("union branch {i} of {}", u.variants().len()))?;
                 self.value(branch, ns, depth + 1)?
             }
-            Schema::Array(a) => {
-                let mut items = Vec::new();
-                loop {
-                    let n = self.block()?;
-                    if n == 0 {
-                        break;
-                    }
-                    for _ in 0..n {
-                        items.push(self.value(&a.items, ns, depth + 1)?);
-                    }
-                }
-                Value::Array(items)
-            }
-            Schema::Map(m) => {
-                let mut entries = Map::new();
-                loop {
-                    let n = self.block()?;
-                    if n == 0 {
-                        break;
-                    }
-                    for _ in 0..n {
-                        let key = self.text()?;
-                        let v = self.value(&m.types, ns, depth + 1)?;
-                        entries.insert(key, v);
-                    }
-                }
-                Value::Object(entries)
-            }
+            Schema::Array(a) => self.array(&a.items, ns, depth)?,
+            Schema::Map(m) => self.map(&m.types, ns, depth)?,
             Schema::Record(r) => {
                 let inner = r.name.fully_qualified_name(ns).namespace;
                 let mut fields = Map::new();

@@ -19,6 +19,7 @@
 //! before decoding ([`schemas::Schemas::fetch_all`]), so decoding never waits on the network.
 
 pub mod avro;
+pub mod avro_names;
 mod json;
 pub mod paths;
 pub mod protobuf;
@@ -357,6 +358,13 @@ impl Decoder {
             (format, None) => Err(DecodeError::Schema(format!("format {} has no schema: set schema_file or [schema_registry]", format.name()))),
         }
     }
+}
+
+/// A panic's message, for a schema the parsers could not read ([`avro::AvroSchema::parse`],
+/// [`protobuf::ProtoFile::compile`]): its `&str` or `String` payload.
+fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
+    let text = payload.downcast_ref::<&str>().map(|s| (*s).to_owned()).or_else(|| payload.downcast_ref::<String>().cloned());
+    format!("a panic: {}", text.unwrap_or_else(|| "no message".to_owned()))
 }
 
 #[cfg(test)]

@@ -33,6 +33,13 @@ impl ProtoFile {
     ///
     /// Errors: a file that does not parse, an import that is neither given nor well-known, a type defined nowhere.
     pub fn compile(name: &str, text: &str, imports: &[(String, String)]) -> Result<ProtoFile, String> {
+        // The compiler's bugs on a text the registry accepted (fuzzed: fuzz/fuzz_targets/schema_text.rs) make the
+        // schema unusable, its records dead letters; never a panic that stops the pipeline.
+        std::panic::catch_unwind(|| Self::compile_unguarded(name, text, imports))
+            .unwrap_or_else(|payload| Err(format!("the Protobuf compiler failed on it ({})", super::panic_text(payload.as_ref()))))
+    }
+
+    fn compile_unguarded(name: &str, text: &str, imports: &[(String, String)]) -> Result<ProtoFile, String> {
         let serialized = std::panic::catch_unwind(|| serialized(name, text, imports)).map_err(|_| "the serialized descriptor is not usable".to_owned())?;
         if let Some(file) = serialized? {
             return Ok(ProtoFile { file });

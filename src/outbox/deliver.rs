@@ -48,7 +48,13 @@ impl Outcome {
 /// Errors: the client cannot be built (no TLS provider).
 pub fn client(target: &HttpTarget) -> Result<reqwest::Client, String> {
     crate::install_tls_provider();
-    reqwest::Client::builder()
+    let mut builder = reqwest::Client::builder();
+    // A host from a record's values is connected to at public addresses only (unless the target allows private
+    // ones): the name is resolved, then checked.
+    if target.hosts.is_some() && !target.private_addresses {
+        builder = builder.dns_resolver(super::guard::PublicOnly);
+    }
+    builder
         .timeout(target.timeout)
         .connect_timeout(target.timeout.min(Duration::from_secs(10)))
         .redirect(reqwest::redirect::Policy::none())
@@ -58,18 +64,78 @@ pub fn client(target: &HttpTarget) -> Result<reqwest::Client, String> {
         .map_err(|e| format!("cannot build the HTTP client of {}: {e}", target.name))
 }
 
+/// What goes out for one row now: its URL (a secret URL read), the target's headers as configured now (literal
+/// ones and secrets read) then the row's, and its body with its secrets read.
+pub struct Outgoing {
+    /// Where the request goes.
+    pub url: String,
+    /// Every header, the target's first.
+    pub headers: Vec<(String, String)>,
+    /// The body.
+    pub body: Vec<u8>,
+}
+
+/// The request of `row` for `target` as configured now, checked before anything is sent: the row's origin is the
+/// target's (a row written for another origin, under an older configuration, never gets today's headers), a host
+/// from a record's values is still one of `allow_hosts`, a secret URL is the secret the row was written for.
+///
+/// Errors: the outcome instead of an attempt: rejected (a dead letter saying why, replay re-homes it) for a row that
+/// may not go there; retried for a secret that cannot be read now (nothing sent).
+pub fn outgoing(target: &HttpTarget, row: &OutboxRequest) -> Result<Outgoing, Outcome> {
+    let rejected = |why: String| Outcome::Rejected { error: format!("{} {}: {why}", row.method, shown_url(&row.url)) };
+    let unreadable = |error: String| Outcome::Retry { after: None, error, result: AttemptResult::Connection };
+    let url = match (&target.secret_url, &target.origin, &target.hosts) {
+        (Some(secret), ..) => {
+            let marker = target.url.literal().unwrap_or_default();
+            if row.url != marker {
+                return Err(rejected(format!(
+                    "written for another URL than the target's now ({}): not sent with its headers; `idemflow dead-letters replay` re-homes it",
+                    secret.describe()
+                )));
+            }
+            secret.resolve().map_err(unreadable)?
+        }
+        (None, Some(origin), _) => {
+            let at = super::guard::Origin::of(&row.url);
+            if at.as_ref() != Some(origin) {
+                let was = at.map_or_else(|| "no origin".to_owned(), |o| o.0);
+                return Err(rejected(format!(
+                    "written for {was}, and the target now sends to {}: not sent with today's headers; `idemflow dead-letters replay` re-homes it",
+                    origin.0
+                )));
+            }
+            row.url.clone()
+        }
+        (None, None, Some(hosts)) => {
+            let parsed = url::Url::parse(&row.url).map_err(|e| rejected(format!("not a URL: {e}")))?;
+            super::render::check_host(&parsed, hosts, target.private_addresses).map_err(rejected)?;
+            row.url.clone()
+        }
+        (None, None, None) => row.url.clone(),
+    };
+    let mut headers: Vec<(String, String)> = target.headers.iter().filter_map(|(n, a)| a.literal().map(|v| (n.clone(), v))).collect();
+    for (name, secret) in &target.secret_headers {
+        headers.push((name.clone(), secret.resolve().map_err(|why| unreadable(format!("header {name}: {why}")))?));
+    }
+    headers.extend(row.headers.iter().cloned());
+    let body = super::render::with_secrets(&target.body, &row.body).map_err(unreadable)?;
+    Ok(Outgoing { url, headers, body })
+}
+
 /// Sends `request` once and classifies the answer by `target`'s `success` and `retry` statuses.
 pub async fn send(client: &reqwest::Client, target: &HttpTarget, request: &OutboxRequest) -> Outcome {
-    let shown = shown_url(&request.url);
+    // A secret URL is shown as its row keeps it (naming the secret), never as read.
+    let shown = if target.secret_url.is_some() { request.url.clone() } else { shown_url(&request.url) };
     let method = match reqwest::Method::from_bytes(request.method.as_bytes()) {
         Ok(m) => m,
         Err(_) => return Outcome::Rejected { error: format!("{} is not an HTTP method", request.method) },
     };
-    let mut builder = client.request(method, &request.url).body(request.body.clone());
-    for (name, value) in target.headers.iter().filter_map(|(n, a)| a.literal().map(|v| (n, v))) {
-        builder = builder.header(name, value);
-    }
-    for (name, value) in &request.headers {
+    let out = match outgoing(target, request) {
+        Ok(out) => out,
+        Err(outcome) => return outcome,
+    };
+    let mut builder = client.request(method, &out.url).body(out.body);
+    for (name, value) in &out.headers {
         builder = builder.header(name, value);
     }
     let response = match builder.send().await {

@@ -5,12 +5,16 @@
 //! after any crash is recognised by the target. docs/outbox.md tells users how; `src/lib.rs`, "The outbox", argues
 //! the crash points.
 //!
-//! - [`spec`]: `[[sink.http]]` and `[outbox]`, checked.
+//! - [`spec`]: `[[sink.http]]` and `[outbox]`, checked; [`body`]: a body's JSON template; [`secret`]: values
+//!   named instead of written; [`guard`]: what a record may steer (hosts, paths, topics, origins).
 //! - [`render`]: one record's requests, when it is prepared.
 //! - [`deliver`]: one attempt over HTTP, and what its answer means.
 //! - [`relay`]: leases, deliveries, outcomes recorded, back-pressure.
 
+pub mod body;
 pub mod deliver;
+pub mod guard;
 pub mod relay;
 pub mod render;
+pub mod secret;
 pub mod spec;

@@ -105,6 +105,15 @@ impl Relay {
         health: crate::http::Health,
         crash_after: Option<u64>,
     ) -> Result<Relay, String> {
+        // A secret that cannot be read now could never be (an environment variable), or not yet (a file being
+        // mounted): the pipeline does not start without it.
+        let unreadable = spec.unreadable_secrets();
+        if !unreadable.is_empty() {
+            return Err(format!("the outbox's secrets cannot be read: {}", unreadable.join("; ")));
+        }
+        for (field, warning) in spec.warnings() {
+            tracing::warn!(pipeline = %pipeline, field, "{warning}");
+        }
         let clients = spec.http.iter().map(deliver::client).collect::<Result<Vec<_>, _>>()?;
         if !spec.kafka.is_empty() && kafka.bootstrap_servers.trim().is_empty() {
             return Err("[[sink.kafka]] produces to the brokers of [kafka]: set [kafka] bootstrap_servers".to_owned());
@@ -404,10 +413,24 @@ impl Target<'_> {
             #[cfg(feature = "kafka")]
             Target::Kafka(t, producer) => {
                 use crate::source::kafka::outbox::ProduceError;
-                // The target's headers without placeholders, as configured now, then the row's.
+                // A topic from a record's values is still one of allow_topics (a row of an older configuration).
+                if t.topics.as_ref().is_some_and(|rule| !rule.allows(&request.url)) {
+                    return Outcome::Rejected { error: format!("producing to {}: not one of allow_topics", request.url) };
+                }
+                // The target's headers without placeholders and its secrets, as configured now, then the row's.
                 let mut headers: Vec<(String, String)> = t.headers.iter().filter_map(|(n, a)| a.literal().map(|v| (n.clone(), v))).collect();
+                for (name, secret) in &t.secret_headers {
+                    match secret.resolve() {
+                        Ok(v) => headers.push((name.clone(), v)),
+                        Err(why) => return Outcome::Retry { after: None, error: format!("header {name}: {why}"), result: AttemptResult::Connection },
+                    }
+                }
                 headers.extend(request.headers.iter().cloned());
-                match producer.produce(&request.url, request.key.as_deref(), &headers, &request.body).await {
+                let value = match super::render::with_secrets(&t.value, &request.body) {
+                    Ok(v) => v,
+                    Err(error) => return Outcome::Retry { after: None, error, result: AttemptResult::Connection },
+                };
+                match producer.produce(&request.url, request.key.as_deref(), &headers, &value).await {
                     Ok(()) => Outcome::Confirmed,
                     Err(ProduceError::Rejected(error)) => Outcome::Rejected { error: format!("producing to {}: {error}", request.url) },
                     Err(ProduceError::Retry(error)) => {

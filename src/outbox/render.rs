@@ -2,7 +2,8 @@
 //! where its template puts it (a null in a URL, a line break in a header) makes the record a `param_invalid` dead
 //! letter before any transaction, as a value its column refuses does.
 
-use super::spec::{Body, HttpTarget, JsonTemplate, KafkaTarget, OutboxSpec};
+use super::guard::{check_literal, dot_segment};
+use super::spec::{Body, HttpTarget, JsonTemplate, KafkaTarget, OutboxSpec, SecretRef};
 use crate::key::BusinessKey;
 use crate::store::redis_command::{Arg, Piece};
 use crate::store::rows::OutboxRequest;
@@ -18,11 +19,27 @@ const URL_VALUE: &AsciiSet = &NON_ALPHANUMERIC.remove(b'-').remove(b'.').remove(
 /// service must not share a key: the second would be answered from the first's record). The same on every attempt and
 /// in every worker (IETF httpapi draft "The Idempotency-Key HTTP Header Field", section 2: a unique key per
 /// operation, chosen by the client).
+///
+/// The business key goes in as [`key_in_header`] writes it, so that two keys are two idempotency keys whatever a
+/// header does to its value on the way.
 pub fn idempotency_key(pipeline: &str, key: &BusinessKey, target: Option<&str>) -> String {
+    let key = key_in_header(&key.text);
     match target {
-        Some(t) => format!("{pipeline}:{}:{t}", key.text),
-        None => format!("{pipeline}:{}", key.text),
+        Some(t) => format!("{pipeline}:{key}:{t}"),
+        None => format!("{pipeline}:{key}"),
     }
+}
+
+/// What is percent-encoded of a business key in an idempotency key: every byte outside visible ASCII, and `%`.
+const KEY_IN_HEADER: &AsciiSet = &percent_encoding::CONTROLS.add(b' ').add(b'%').add(0x7f);
+
+/// A business key as an idempotency key carries it: space, tab, control characters, non-ASCII letters (UTF-8) and
+/// `%` percent-encoded, every other character as it is (a key of visible ASCII without `%` is unchanged). HTTP
+/// servers strip blanks at a field value's edges (RFC 9110, section 5.5) and may refuse or mangle bytes outside
+/// ASCII: written verbatim, `A-1` and `A-1 ` reached a target as one key, and the second charge was answered from the
+/// first's record. Encoded, every key reaches the target as itself, and no key is refused for its characters.
+pub fn key_in_header(key: &str) -> std::borrow::Cow<'_, str> {
+    utf8_percent_encode(key, KEY_IN_HEADER).into()
 }
 
 impl OutboxSpec {
@@ -51,6 +68,9 @@ fn render_record<'v>(
     if !super::spec::kafka_topic(&topic) {
         return Err(format!("sink.kafka {} topic: {topic:?} is not a Kafka topic name", t.name));
     }
+    if t.topics.as_ref().is_some_and(|rule| !rule.allows(&topic)) {
+        return Err(format!("sink.kafka {} topic: {topic:?} is not one of allow_topics", t.name));
+    }
     let record_key = match &t.key {
         Some(template) => text(template, lookup, &str::to_owned).map_err(|e| format!("sink.kafka {} key: {e}", t.name))?,
         None => key.text.clone(),
@@ -59,6 +79,7 @@ fn render_record<'v>(
     let mut headers = vec![(t.idempotency_header.clone(), idempotency_key(pipeline, key, several.then_some(t.name.as_str())))];
     headers.extend(templated_headers(&t.headers, lookup, &what)?);
     let value = body(&t.value, payload, lookup, &format!("{what} value"))?;
+    check_secret_markers(&t.value, &value, &what)?;
     Ok(OutboxRequest { target: t.name.clone(), method: crate::store::rows::PRODUCE.to_owned(), url: topic, headers, body: value, key: Some(record_key.into_bytes()) })
 }
 
@@ -70,8 +91,7 @@ fn render_one<'v>(
     payload: &[u8],
     lookup: &dyn Fn(&str) -> Option<&'v Option<String>>,
 ) -> Result<OutboxRequest, String> {
-    let url = text(&t.url, lookup, &|v| utf8_percent_encode(v, URL_VALUE).to_string()).map_err(|e| format!("sink.http {} url: {e}", t.name))?;
-    url::Url::parse(&url).map_err(|e| format!("sink.http {} url: the values make it no URL: {e}", t.name))?;
+    let url = rendered_url(t, lookup).map_err(|e| format!("sink.http {} url: {e}", t.name))?;
     let mut headers = Vec::with_capacity(t.headers.len() + 2);
     let idempotency = idempotency_key(pipeline, key, several.then_some(t.name.as_str()));
     if !header_value(&idempotency) {
@@ -85,7 +105,89 @@ fn render_one<'v>(
     let what = format!("sink.http {}", t.name);
     headers.extend(templated_headers(&t.headers, lookup, &what)?);
     let body = body(&t.body, payload, lookup, &format!("{what} body"))?;
+    check_secret_markers(&t.body, &body, &what)?;
     Ok(OutboxRequest { target: t.name.clone(), method: t.method.clone(), url, headers, body, key: None })
+}
+
+/// The URL of `t` with a record's values, checked: a value that is a whole path segment is one segment (not empty,
+/// not a dot segment), the path keeps the template's segments, and a host from the values is one of `allow_hosts`
+/// (and, as an IP literal, public unless `allow_private_addresses`). A secret URL renders as its marker.
+///
+/// Errors: what the values would change, without them.
+fn rendered_url<'v>(t: &HttpTarget, lookup: &dyn Fn(&str) -> Option<&'v Option<String>>) -> Result<String, String> {
+    let dot = std::cell::Cell::new(false);
+    let url = text(&t.url, lookup, &|v| {
+        let encoded = utf8_percent_encode(v, URL_VALUE).to_string();
+        if dot_segment(&encoded) {
+            dot.set(true);
+        }
+        encoded
+    })?;
+    if t.secret_url.is_some() {
+        return Ok(url);
+    }
+    let parsed = url::Url::parse(&url).map_err(|e| format!("the values make it no URL: {e}"))?;
+    if let Some(shape) = &t.path {
+        shape.check(&parsed).map_err(|e| if dot.get() { format!("{e}; a value is empty, '.' or '..'") } else { e })?;
+    }
+    if let Some(hosts) = &t.hosts {
+        check_host(&parsed, hosts, t.private_addresses)?;
+    }
+    Ok(url)
+}
+
+/// A host a record's values chose: one of `hosts`, and an IP literal public unless `private_ok`.
+///
+/// Errors: why it is refused.
+pub fn check_host(url: &url::Url, hosts: &super::guard::HostRule, private_ok: bool) -> Result<(), String> {
+    let host = url.host().ok_or("the values leave the URL without a host")?;
+    let name = url.host_str().unwrap_or_default();
+    if !hosts.allows(name) {
+        return Err(format!("the host {name:?} is not one of allow_hosts"));
+    }
+    check_literal(&host, private_ok)
+}
+
+/// The text that stands in a stored body for its `n`th secret ([`JsonTemplate::Secret`]), put back with the value
+/// when the request is sent ([`with_secrets`]).
+fn secret_marker(n: usize) -> String {
+    format!("\u{0}idemflow-secret-{n}\u{0}")
+}
+
+/// A rendered body holds each of its template's secret markers once, and no other: a record's value that holds a
+/// marker's text (it would be replaced by the secret when sent) is refused.
+fn check_secret_markers(template: &Body, rendered: &[u8], what: &str) -> Result<(), String> {
+    let Body::Json(t) = template else { return Ok(()) };
+    let wanted = t.secrets().len();
+    let prefix = b"\\u0000idemflow-secret-";
+    let found = rendered.windows(prefix.len()).filter(|w| *w == prefix).count();
+    if found != wanted {
+        return Err(format!("{what}: a value holds the text idemflow marks a secret's place with (a NUL, then idemflow-secret-)"));
+    }
+    Ok(())
+}
+
+/// A stored body (a Kafka record's value) with its secrets' markers replaced by their values, read now
+/// (`template` is the target's body as configured now).
+///
+/// Errors: a secret cannot be read (named, never a value), or the body was written for a template with other
+/// secrets (an older configuration).
+pub fn with_secrets(template: &Body, stored: &[u8]) -> Result<Vec<u8>, String> {
+    let Body::Json(t) = template else { return Ok(stored.to_vec()) };
+    let secrets: Vec<&SecretRef> = t.secrets();
+    if secrets.is_empty() {
+        return Ok(stored.to_vec());
+    }
+    let mut text = String::from_utf8(stored.to_vec()).map_err(|_| "the stored body is not UTF-8 (written for another configuration)".to_owned())?;
+    for (n, secret) in secrets.iter().enumerate() {
+        let marker = serde_json::to_string(&secret_marker(n)).expect("a string serializes");
+        if !text.contains(&marker) {
+            return Err(format!("the stored body has no place for the secret of {} (written under another configuration)", secret.describe()));
+        }
+        let value = serde_json::to_string(&secret.resolve()?).expect("a string serializes");
+        text = text.replacen(&marker, &value, 1);
+    }
+    Ok(text.into_bytes())
 }
 
 /// The headers of `headers` with placeholders, rendered; those without (a credential) are the target's, added when
@@ -134,16 +236,35 @@ fn text<'v>(arg: &Arg, lookup: &dyn Fn(&str) -> Option<&'v Option<String>>, enco
 }
 
 fn json<'v>(t: &JsonTemplate, lookup: &dyn Fn(&str) -> Option<&'v Option<String>>) -> Result<Value, String> {
+    let mut secrets = 0;
+    json_numbered(t, lookup, &mut secrets)
+}
+
+/// [`json`], numbering the secrets' markers in order from `*secrets`.
+fn json_numbered<'v>(t: &JsonTemplate, lookup: &dyn Fn(&str) -> Option<&'v Option<String>>, secrets: &mut usize) -> Result<Value, String> {
     Ok(match t {
         JsonTemplate::Literal(v) => v.clone(),
+        JsonTemplate::Typed(name, ty) => {
+            let value = match lookup(name) {
+                Some(Some(v)) => serde_json::from_str(v).unwrap_or_else(|_| Value::String(v.clone())),
+                _ => Value::Null,
+            };
+            ty.convert(value).map_err(|why| format!("{{{name}:{}}} {why}", ty.name()))?
+        }
+        JsonTemplate::Secret(_) => {
+            *secrets += 1;
+            Value::String(secret_marker(*secrets - 1))
+        }
         JsonTemplate::Value(name) => match lookup(name) {
             // A value not written as JSON (a default, meta text) goes as a string.
             Some(Some(v)) => serde_json::from_str(v).unwrap_or_else(|_| Value::String(v.clone())),
             _ => Value::Null,
         },
         JsonTemplate::Text(arg) => Value::String(text(arg, lookup, &str::to_owned)?),
-        JsonTemplate::Array(items) => Value::Array(items.iter().map(|i| json(i, lookup)).collect::<Result<_, _>>()?),
-        JsonTemplate::Object(members) => Value::Object(members.iter().map(|(k, v)| json(v, lookup).map(|v| (k.clone(), v))).collect::<Result<_, _>>()?),
+        JsonTemplate::Array(items) => Value::Array(items.iter().map(|i| json_numbered(i, lookup, secrets)).collect::<Result<_, _>>()?),
+        JsonTemplate::Object(members) => {
+            Value::Object(members.iter().map(|(k, v)| json_numbered(v, lookup, secrets).map(|v| (k.clone(), v))).collect::<Result<_, _>>()?)
+        }
     })
 }
 
@@ -155,6 +276,21 @@ fn header_value(value: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Keys that differ only in blanks at their edges, or in letters outside ASCII, stay distinct idempotency keys,
+    /// each a valid header value; plain keys are unchanged.
+    #[test]
+    fn idempotency_keys_survive_a_header_verbatim() {
+        assert_eq!(key_in_header("ORD-1_a.b:c"), "ORD-1_a.b:c");
+        assert_eq!(key_in_header("A-1 "), "A-1%20");
+        assert_eq!(key_in_header(" A-1"), "%20A-1");
+        assert_eq!(key_in_header("A%20-1"), "A%2520-1");
+        assert_eq!(key_in_header("张三"), "%E5%BC%A0%E4%B8%89");
+        assert_eq!(key_in_header("a\tb\nc"), "a%09b%0Ac");
+        for k in ["A-1", "A-1 ", " A-1", "A-1\t", "张三"] {
+            assert!(reqwest::header::HeaderValue::from_str(&key_in_header(k)).is_ok(), "{k:?}");
+        }
+    }
     use crate::outbox::spec::{parse, OneOrMany, RawHttp, RawOutbox};
     use crate::store::spec::{Binding, ValueSource};
 
@@ -167,6 +303,9 @@ mod tests {
         impl crate::validate::Problems for Panic {
             fn push(&mut self, field: &str, message: impl Into<String>) {
                 panic!("{field}: {}", message.into());
+            }
+            fn count(&self) -> usize {
+                0
             }
         }
         let params: Vec<Binding> = names

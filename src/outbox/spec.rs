@@ -5,7 +5,11 @@
 //! Templates are the Redis form's (`{name}` placeholders naming `[sink.params]` entries, `{{` and `}}` for braces;
 //! [`crate::store::redis_command::parse_arg`]).
 
-use crate::store::redis_command::{parse_arg, Arg};
+pub use super::body::{Body, JsonTemplate, JsonType};
+use super::body::json_template;
+use super::guard::{HostRule, Origin, PathShape, TopicRule, MARK};
+pub use super::secret::{RawValue, SecretRef};
+use crate::store::redis_command::{parse_arg, Arg, Piece};
 use crate::store::spec::Binding;
 use crate::validate::Problems;
 use serde::Deserialize;
@@ -34,10 +38,27 @@ pub struct HttpTarget {
     pub name: String,
     /// `method` (default `POST`), upper case.
     pub method: String,
-    /// `url`: an `http://` or `https://` URL; each placeholder's value is percent-encoded.
+    /// `url`: an `http://` or `https://` URL; each placeholder's value is percent-encoded. With a secret URL
+    /// ([`HttpTarget::secret_url`]), a literal marker naming the secret: what rows store.
     pub url: Arg,
-    /// `[sink.http.headers]`: name and value template, in name order.
+    /// `url = { env = ... }` or `{ file = ... }`: the whole URL is a secret (an incoming webhook's), read when a
+    /// request is sent; rows keep [`HttpTarget::url`]'s marker instead.
+    pub secret_url: Option<SecretRef>,
+    /// `allow_hosts`: where a URL whose host comes from a record's values may go; `None` when the URL's scheme and
+    /// authority are written in full (they are then the operator's, [`HttpTarget::origin`]).
+    pub hosts: Option<HostRule>,
+    /// `allow_private_addresses` (default false): a host from a record may resolve to loopback, private and other
+    /// internal addresses (tests, internal services).
+    pub private_addresses: bool,
+    /// The origin of a URL whose scheme and authority are written in full: a row written for another origin (an
+    /// older configuration's) is not sent with this target's headers.
+    pub origin: Option<Origin>,
+    /// The template's path: a record's values never change its segments.
+    pub path: Option<PathShape>,
+    /// `[sink.http.headers]` with text values: name and value template, in name order.
     pub headers: Vec<(String, Arg)>,
+    /// `[sink.http.headers]` that are secret references: added when a request is sent, never stored.
+    pub secret_headers: Vec<(String, SecretRef)>,
     /// `body`: a JSON template, or the record's payload as it is.
     pub body: Body,
     /// `content_type` (default `application/json`).
@@ -65,10 +86,14 @@ pub struct KafkaTarget {
     pub name: String,
     /// `topic`: the topic, a template.
     pub topic: Arg,
+    /// `allow_topics`: the topics a templated `topic` may render (required then); `None` for a fixed topic.
+    pub topics: Option<TopicRule>,
     /// `key`: the record key, a template; default the business key.
     pub key: Option<Arg>,
-    /// `[sink.kafka.headers]`: name and value template, in name order.
+    /// `[sink.kafka.headers]` with text values: name and value template, in name order.
     pub headers: Vec<(String, Arg)>,
+    /// `[sink.kafka.headers]` that are secret references: added when a record is produced, never stored.
+    pub secret_headers: Vec<(String, SecretRef)>,
     /// `value`: a JSON template, or the record's payload as it is.
     pub value: Body,
     /// `idempotency_header` (default `Idempotency-Key`): the header carrying `<pipeline>:<business key>`, the same on
@@ -79,31 +104,6 @@ pub struct KafkaTarget {
     pub timeout: Duration,
     /// `max_attempts` (default 10): after as many, a record still failing becomes a dead letter.
     pub max_attempts: u32,
-}
-
-/// A JSON body template: the TOML value of `body`, where a string that is one placeholder alone (`"{amount}"`)
-/// becomes that value as JSON (a number stays a number), and other strings are text with the values' text in them.
-#[derive(Clone, Debug)]
-pub enum Body {
-    /// No `body`: the record's payload, byte for byte.
-    Payload,
-    /// `body = { ... }`.
-    Json(JsonTemplate),
-}
-
-/// One node of a JSON body template.
-#[derive(Clone, Debug)]
-pub enum JsonTemplate {
-    /// A number, boolean or string without placeholders.
-    Literal(serde_json::Value),
-    /// `"{name}"`: the value itself.
-    Value(String),
-    /// Text with placeholders.
-    Text(Arg),
-    /// An array.
-    Array(Vec<JsonTemplate>),
-    /// An object, its keys in order.
-    Object(Vec<(String, JsonTemplate)>),
 }
 
 /// Statuses in `success` or `retry`: one (`404`) or a class (`"4xx"`).
@@ -168,10 +168,12 @@ impl Default for OutboxSettings {
 pub struct RawHttp {
     name: Option<String>,
     method: Option<String>,
-    url: String,
+    url: RawValue,
     #[serde(default)]
-    headers: BTreeMap<String, String>,
+    headers: BTreeMap<String, RawValue>,
     body: Option<toml::Value>,
+    allow_hosts: Option<Vec<String>>,
+    allow_private_addresses: Option<bool>,
     content_type: Option<String>,
     idempotency_header: Option<String>,
     #[serde(default, with = "humantime_serde")]
@@ -207,9 +209,10 @@ impl<T> OneOrMany<T> {
 pub struct RawKafka {
     name: Option<String>,
     topic: String,
+    allow_topics: Option<Vec<String>>,
     key: Option<String>,
     #[serde(default)]
-    headers: BTreeMap<String, String>,
+    headers: BTreeMap<String, RawValue>,
     value: Option<toml::Value>,
     idempotency_header: Option<String>,
     #[serde(default, with = "humantime_serde")]
@@ -254,8 +257,8 @@ pub fn used_params(http: &[RawHttp], kafka: &[RawKafka]) -> Vec<String> {
     let mut names = Vec::new();
     let mut texts: Vec<&str> = Vec::new();
     for h in http {
-        texts.push(&h.url);
-        texts.extend(h.headers.values().map(String::as_str));
+        texts.extend(h.url.text());
+        texts.extend(h.headers.values().filter_map(RawValue::text));
         if let Some(body) = &h.body {
             strings(body, &mut texts);
         }
@@ -263,16 +266,16 @@ pub fn used_params(http: &[RawHttp], kafka: &[RawKafka]) -> Vec<String> {
     for k in kafka {
         texts.push(&k.topic);
         texts.extend(k.key.as_deref());
-        texts.extend(k.headers.values().map(String::as_str));
+        texts.extend(k.headers.values().filter_map(RawValue::text));
         if let Some(value) = &k.value {
             strings(value, &mut texts);
         }
     }
-    {
-        for t in texts {
-            if let Ok(arg) = parse_arg(t) {
-                names.extend(arg.params().map(str::to_owned));
-            }
+    for t in texts {
+        if let Some((name, _)) = super::body::typed_placeholder(t) {
+            names.push(name.to_owned());
+        } else if let Ok(arg) = parse_arg(t) {
+            names.extend(arg.params().map(str::to_owned));
         }
     }
     names.sort();
@@ -284,7 +287,7 @@ fn strings<'a>(v: &'a toml::Value, out: &mut Vec<&'a str>) {
     match v {
         toml::Value::String(s) => out.push(s),
         toml::Value::Array(a) => a.iter().for_each(|v| strings(v, out)),
-        toml::Value::Table(t) => t.values().for_each(|v| strings(v, out)),
+        toml::Value::Table(t) if !super::secret::is_reference(t) => t.values().for_each(|v| strings(v, out)),
         _ => {}
     }
 }
@@ -293,109 +296,8 @@ fn strings<'a>(v: &'a toml::Value, out: &mut Vec<&'a str>) {
 /// `[outbox]` read. `None` after reporting problems to `e`.
 pub fn parse(http: Vec<RawHttp>, kafka: Vec<RawKafka>, params: &[Binding], raw: RawOutbox, e: &mut impl Problems) -> Option<OutboxSpec> {
     let known = |name: &str| params.iter().any(|b| b.name == name);
-    let mut targets = Vec::new();
     let mut ok = true;
-    let many = http.len() > 1;
-    for (i, h) in http.into_iter().enumerate() {
-        let field = if many { format!("sink.http[{i}]") } else { "sink.http".to_owned() };
-        let mut push = |f: &str, m: String| {
-            ok = false;
-            e.push(&format!("{field}.{f}"), m);
-        };
-        let url = template(&h.url, &known, &mut |m| push("url", m));
-        if let Some(url) = &url {
-            // With every placeholder a plain word, the URL must parse, as http or https, with a host.
-            let sample: String = url.0.iter().map(|p| match p {
-                crate::store::redis_command::Piece::Text(t) => t.clone(),
-                crate::store::redis_command::Piece::Param(_) => "x".to_owned(),
-            }).collect();
-            // Shown without its user, password and query: they may hold a credential.
-            match url::Url::parse(&sample) {
-                // Credentials in the URL would be kept in every row and dead letter: a header is added when sent.
-                Ok(u) if !u.username().is_empty() || u.password().is_some() => push(
-                    "url",
-                    "holds a user or password: put credentials in headers (Authorization = \"Basic ...\"), which are added when a request is sent and kept nowhere".to_owned(),
-                ),
-                Ok(u) if matches!(u.scheme(), "http" | "https") && u.host_str().is_some_and(|h| !h.is_empty()) => {}
-                Ok(u) => push("url", format!("{:?}: the scheme must be http or https with a host (found {:?})", shown_template(&h.url), u.scheme())),
-                Err(why) => push("url", format!("is not a URL: {why}")),
-            }
-        }
-        let method = h.method.unwrap_or_else(|| "POST".to_owned()).to_ascii_uppercase();
-        if method.is_empty() || method.len() > 16 || !method.bytes().all(|b| b.is_ascii_alphabetic()) {
-            push("method", format!("{method:?} is not an HTTP method (GET, POST, PUT, PATCH, DELETE)"));
-        }
-        let idempotency_header = h.idempotency_header.unwrap_or_else(|| "Idempotency-Key".to_owned());
-        if !token(&idempotency_header) {
-            push("idempotency_header", format!("{idempotency_header:?} is not a header name"));
-        }
-        let mut headers = Vec::new();
-        let mut seen: Vec<String> = Vec::new();
-        for (name, value) in &h.headers {
-            let lower = name.to_ascii_lowercase();
-            if !token(name) {
-                push(&format!("headers.{name}"), format!("{name:?} is not a header name"));
-            } else if seen.contains(&lower) {
-                push(&format!("headers.{name}"), "is set twice (header names are the same whatever their case)".to_owned());
-            } else if lower == "content-type" {
-                push(&format!("headers.{name}"), "is set by content_type (default application/json)".to_owned());
-            } else if ["content-length", "host", "transfer-encoding", "connection"].contains(&lower.as_str()) {
-                push(&format!("headers.{name}"), "is set by the HTTP client for each request".to_owned());
-            } else if parse_arg(value).ok().and_then(|a| a.literal()).is_some_and(|v| reqwest::header::HeaderValue::from_str(&v).is_err()) {
-                push(&format!("headers.{name}"), "is not a header value (a control character)".to_owned());
-            } else if name.eq_ignore_ascii_case(&idempotency_header) {
-                push(&format!("headers.{name}"), format!("is the idempotency key's header, which idemflow sets (to <pipeline>:<business key>); set idempotency_header to use another"));
-            } else if let Some(arg) = template(value, &known, &mut |m| push(&format!("headers.{name}"), m)) {
-                headers.push((name.clone(), arg));
-            }
-            seen.push(lower);
-        }
-        let body = match h.body {
-            None => Some(Body::Payload),
-            Some(v) => json_template(v, &mut |m| push("body", m), &known).map(Body::Json),
-        };
-        let statuses = |list: Option<Vec<toml::Value>>, default: &[Statuses], f: &str, push: &mut dyn FnMut(&str, String)| -> Vec<Statuses> {
-            let Some(list) = list else { return default.to_vec() };
-            list.iter()
-                .filter_map(|v| {
-                    let s = status(v);
-                    if s.is_none() {
-                        push(f, format!("{v} is not a status (a number from 100 to 599, or a class such as \"5xx\")"));
-                    }
-                    s
-                })
-                .collect()
-        };
-        let success = statuses(h.success, &[Statuses { from: 200, to: 299 }], "success", &mut push);
-        let retry = statuses(h.retry, &DEFAULT_RETRY, "retry", &mut push);
-        let timeout = h.timeout.unwrap_or(Duration::from_secs(10));
-        if timeout.is_zero() {
-            push("timeout", "must be more than 0s".to_owned());
-        }
-        let max_attempts = h.max_attempts.unwrap_or(10);
-        if max_attempts == 0 {
-            push("max_attempts", "must be at least 1".to_owned());
-        }
-        let name = h.name.unwrap_or_else(|| if i == 0 { "http".to_owned() } else { format!("http-{}", i + 1) });
-        if !target_name(&name) {
-            push("name", format!("{name:?}: 1 to 64 letters, digits, _, - and . only"));
-        }
-        if let (Some(url), Some(body)) = (url, body) {
-            targets.push(HttpTarget {
-                name,
-                method,
-                url,
-                headers,
-                body,
-                content_type: h.content_type.unwrap_or_else(|| "application/json".to_owned()),
-                idempotency_header,
-                timeout,
-                success,
-                retry,
-                max_attempts,
-            });
-        }
-    }
+    let targets = parse_http(http, &known, &mut ok, e);
     let records = parse_kafka(kafka, &known, &mut ok, e);
     let names: std::collections::HashSet<&str> = targets.iter().map(|t| t.name.as_str()).chain(records.iter().map(|t| t.name.as_str())).collect();
     if names.len() != targets.len() + records.len() {
@@ -439,6 +341,216 @@ pub fn parse(http: Vec<RawHttp>, kafka: Vec<RawKafka>, params: &[Binding], raw: 
     ok.then_some(OutboxSpec { http: targets, kafka: records, params, settings })
 }
 
+/// `[[sink.http]]`, checked; problems to `e`, `ok` cleared with the first.
+fn parse_http(http: Vec<RawHttp>, known: &dyn Fn(&str) -> bool, ok: &mut bool, e: &mut impl Problems) -> Vec<HttpTarget> {
+    let many = http.len() > 1;
+    let mut targets = Vec::new();
+    for (i, h) in http.into_iter().enumerate() {
+        let field = if many { format!("sink.http[{i}]") } else { "sink.http".to_owned() };
+        let mut push = |f: &str, m: String| {
+            *ok = false;
+            e.push(&format!("{field}.{f}"), m);
+        };
+        targets.extend(http_target(i, h, known, &mut push));
+    }
+    targets
+}
+
+/// One `[[sink.http]]` (the `i`th), checked: problems to `push` (a field under the target's own, and the message).
+fn http_target(i: usize, h: RawHttp, known: &dyn Fn(&str) -> bool, push: &mut dyn FnMut(&str, String)) -> Option<HttpTarget> {
+    let where_to = http_url(&h, known, push);
+    let method = h.method.unwrap_or_else(|| "POST".to_owned()).to_ascii_uppercase();
+    if method.is_empty() || method.len() > 16 || !method.bytes().all(|b| b.is_ascii_alphabetic()) {
+        push("method", format!("{method:?} is not an HTTP method (GET, POST, PUT, PATCH, DELETE)"));
+    }
+    let idempotency_header = h.idempotency_header.clone().unwrap_or_else(|| "Idempotency-Key".to_owned());
+    if !token(&idempotency_header) {
+        push("idempotency_header", format!("{idempotency_header:?} is not a header name"));
+    }
+    let (headers, secret_headers) = http_headers(&h.headers, &idempotency_header, known, push);
+    let body = match h.body {
+        None => Some(Body::Payload),
+        Some(v) => json_template(v, &mut |m| push("body", m), known).map(Body::Json),
+    };
+    let statuses = |list: Option<Vec<toml::Value>>, default: &[Statuses], f: &str, push: &mut dyn FnMut(&str, String)| -> Vec<Statuses> {
+        let Some(list) = list else { return default.to_vec() };
+        list.iter()
+            .filter_map(|v| {
+                let s = status(v);
+                if s.is_none() {
+                    push(f, format!("{v} is not a status (a number from 100 to 599, or a class such as \"5xx\")"));
+                }
+                s
+            })
+            .collect()
+    };
+    let success = statuses(h.success, &[Statuses { from: 200, to: 299 }], "success", push);
+    let retry = statuses(h.retry, &DEFAULT_RETRY, "retry", push);
+    let timeout = h.timeout.unwrap_or(Duration::from_secs(10));
+    if timeout.is_zero() {
+        push("timeout", "must be more than 0s".to_owned());
+    }
+    let max_attempts = h.max_attempts.unwrap_or(10);
+    if max_attempts == 0 {
+        push("max_attempts", "must be at least 1".to_owned());
+    }
+    let name = h.name.unwrap_or_else(|| if i == 0 { "http".to_owned() } else { format!("http-{}", i + 1) });
+    if !target_name(&name) {
+        push("name", format!("{name:?}: 1 to 64 letters, digits, _, - and . only"));
+    }
+    let (Where { url, secret_url, hosts, origin, path }, body) = (where_to?, body?);
+    Some(HttpTarget {
+        name,
+        method,
+        url,
+        secret_url,
+        hosts,
+        private_addresses: h.allow_private_addresses.unwrap_or(false),
+        origin,
+        path,
+        headers,
+        secret_headers,
+        body,
+        content_type: h.content_type.unwrap_or_else(|| "application/json".to_owned()),
+        idempotency_header,
+        timeout,
+        success,
+        retry,
+    max_attempts,
+    })
+}
+
+/// `headers` of one `[[sink.http]]`, checked: each a header name the client does not set itself, set once whatever
+/// its case, not the idempotency key's, with a value template or a secret reference. Returns the templates and the
+/// secrets.
+fn http_headers(
+    raw: &BTreeMap<String, RawValue>,
+    idempotency_header: &str,
+    known: &dyn Fn(&str) -> bool,
+    push: &mut dyn FnMut(&str, String),
+) -> (Vec<(String, Arg)>, Vec<(String, SecretRef)>) {
+    let (mut headers, mut secrets) = (Vec::new(), Vec::new());
+    let mut seen: Vec<String> = Vec::new();
+    for (name, value) in raw {
+        let lower = name.to_ascii_lowercase();
+        let field = format!("headers.{name}");
+        if !token(name) {
+            push(&field, format!("{name:?} is not a header name"));
+        } else if seen.contains(&lower) {
+            push(&field, "is set twice (header names are the same whatever their case)".to_owned());
+        } else if lower == "content-type" {
+            push(&field, "is set by content_type (default application/json)".to_owned());
+        } else if ["content-length", "host", "transfer-encoding", "connection"].contains(&lower.as_str()) {
+            push(&field, "is set by the HTTP client for each request".to_owned());
+        } else if name.eq_ignore_ascii_case(idempotency_header) {
+            push(&field, "is the idempotency key's header, which idemflow sets (to <pipeline>:<business key>); set idempotency_header to use another".to_owned());
+        } else {
+            match value {
+                RawValue::Secret(raw) => match SecretRef::parse(raw) {
+                    Ok(secret) => secrets.push((name.clone(), secret)),
+                    Err(why) => push(&field, why),
+                },
+                RawValue::Text(text) if parse_arg(text).ok().and_then(|a| a.literal()).is_some_and(|v| reqwest::header::HeaderValue::from_str(&v).is_err()) => {
+                    push(&field, "is not a header value (a control character)".to_owned());
+                }
+                RawValue::Text(text) => headers.extend(template(text, known, &mut |m| push(&field, m)).map(|arg| (name.clone(), arg))),
+            }
+        }
+        seen.push(lower);
+    }
+    (headers, secrets)
+}
+
+/// Where one `[[sink.http]]` sends its requests, checked.
+struct Where {
+    url: Arg,
+    secret_url: Option<SecretRef>,
+    hosts: Option<HostRule>,
+    origin: Option<Origin>,
+    path: Option<PathShape>,
+}
+
+/// `url`, `allow_hosts` and `allow_private_addresses` of one `[[sink.http]]`: a template whose scheme and authority
+/// are written in full, or one with a placeholder there and `allow_hosts`, or a secret reference (the whole URL).
+fn http_url(h: &RawHttp, known: &dyn Fn(&str) -> bool, push: &mut dyn FnMut(&str, String)) -> Option<Where> {
+    let hosts = match h.allow_hosts.as_deref().map(HostRule::parse) {
+        Some(Ok(rule)) if rule.is_empty() => {
+            push("allow_hosts", "names no host: list the hosts (api.example.com) or .suffixes a record's values may send to".to_owned());
+            None
+        }
+        Some(Ok(rule)) => Some(rule),
+        Some(Err(why)) => {
+            push("allow_hosts", why);
+            None
+        }
+        None => None,
+    };
+    let text = match &h.url {
+        RawValue::Secret(raw) => {
+            if h.allow_hosts.is_some() {
+                push("allow_hosts", "is for a url whose host comes from a record's values; this url is a secret of the operator's".to_owned());
+            }
+            let secret = SecretRef::parse(raw).map_err(|why| push("url", why)).ok()?;
+            // What rows keep: a marker naming the secret, never its value.
+            let marker = Arg(vec![Piece::Text(format!("{SECRET_URL}{}", secret.describe()))]);
+            return Some(Where { url: marker, secret_url: Some(secret), hosts: None, origin: None, path: None });
+        }
+        RawValue::Text(text) => text,
+    };
+    let url = template(text, known, &mut |m| push("url", m))?;
+    let sample: String = url.0.iter().map(|p| match p {
+        Piece::Text(t) => t.as_str(),
+        Piece::Param(_) => MARK,
+    }).collect();
+    check_url(&sample, text, push);
+    let fixed = authority_fixed(&url);
+    match (fixed, &h.allow_hosts) {
+        (false, None) => push(
+            "url",
+            "its scheme or host comes from a record's values (a placeholder before the path): set allow_hosts to the hosts (or .suffixes) a record may send to, \
+             or write the host in full"
+                .to_owned(),
+        ),
+        (true, Some(_)) => push("allow_hosts", "is for a url whose host comes from a record's values; this url's host is written in full".to_owned()),
+        _ => {}
+    }
+    if h.allow_private_addresses.is_some() && fixed {
+        push("allow_private_addresses", "is for a url whose host comes from a record's values; a host written in full is the operator's".to_owned());
+    }
+    let origin = if fixed { Origin::of(&sample) } else { None };
+    Some(Where { path: PathShape::of(&sample), url, secret_url: None, hosts: if fixed { None } else { hosts }, origin })
+}
+
+/// What a row of a target whose URL is a secret keeps as its URL: this, then where the secret comes from.
+pub const SECRET_URL: &str = "idemflow-secret-url:";
+
+/// Whether a URL template's scheme and authority are written in full: its text before the first placeholder holds
+/// `://` and the authority's end after it (a `/`, `?` or `#`), or it has no placeholder at all.
+fn authority_fixed(url: &Arg) -> bool {
+    match url.0.iter().position(|p| matches!(p, Piece::Param(_))) {
+        None => true,
+        Some(first) => {
+            let before: String = url.0[..first].iter().map(|p| if let Piece::Text(t) = p { t.as_str() } else { "" }).collect();
+            before.split_once("://").is_some_and(|(_, rest)| rest.contains(['/', '?', '#']))
+        }
+    }
+}
+
+/// A URL template's shape: with every placeholder a marker (`sample`), it must parse as http or https with a host,
+/// and hold no user or password. `written` is the template as written (shown without its user, password and query).
+fn check_url(sample: &str, written: &str, push: &mut dyn FnMut(&str, String)) {
+    match url::Url::parse(sample) {
+        // Credentials in the URL would be kept in every row and dead letter: a header is added when sent.
+        Ok(u) if !u.username().is_empty() || u.password().is_some() => push(
+            "url",
+            "holds a user or password: put credentials in headers (Authorization = { env = \"NAME\", prefix = \"Basic \" }), which are added when a request is sent and kept nowhere".to_owned(),
+        ),
+        Ok(u) if matches!(u.scheme(), "http" | "https") && u.host_str().is_some_and(|h| !h.is_empty()) => {}
+        Ok(u) => push("url", format!("{:?}: the scheme must be http or https with a host (found {:?})", shown_template(written), u.scheme())),
+        Err(why) => push("url", format!("is not a URL: {why}")),
+    }
+}
+
 /// `[[sink.kafka]]`, checked; problems to `e`, `ok` cleared with the first.
 fn parse_kafka(kafka: Vec<RawKafka>, known: &dyn Fn(&str) -> bool, ok: &mut bool, e: &mut impl Problems) -> Vec<KafkaTarget> {
     let many = kafka.len() > 1;
@@ -455,17 +567,25 @@ fn parse_kafka(kafka: Vec<RawKafka>, known: &dyn Fn(&str) -> bool, ok: &mut bool
                 push("topic", format!("{literal:?} is not a Kafka topic name (1 to 249 of a-z A-Z 0-9 . _ -)"));
             }
         }
+        let topics = kafka_topics(topic.as_ref(), k.allow_topics.as_deref(), &mut push);
         let key = k.key.as_deref().map(|t| template(t, known, &mut |m| push("key", m)));
         let idempotency_header = k.idempotency_header.unwrap_or_else(|| "Idempotency-Key".to_owned());
         if idempotency_header.is_empty() {
             push("idempotency_header", "must name a header".to_owned());
         }
-        let mut headers = Vec::new();
+        let (mut headers, mut secret_headers) = (Vec::new(), Vec::new());
         for (name, value) in &k.headers {
+            let field = format!("headers.{name}");
             if name == &idempotency_header {
-                push(&format!("headers.{name}"), "is the idempotency key's header, which idemflow sets (to <pipeline>:<business key>); set idempotency_header to use another".to_owned());
-            } else if let Some(arg) = template(value, known, &mut |m| push(&format!("headers.{name}"), m)) {
-                headers.push((name.clone(), arg));
+                push(&field, "is the idempotency key's header, which idemflow sets (to <pipeline>:<business key>); set idempotency_header to use another".to_owned());
+                continue;
+            }
+            match value {
+                RawValue::Secret(raw) => match SecretRef::parse(raw) {
+                    Ok(secret) => secret_headers.push((name.clone(), secret)),
+                    Err(why) => push(&field, why),
+                },
+                RawValue::Text(text) => headers.extend(template(text, known, &mut |m| push(&field, m)).map(|arg| (name.clone(), arg))),
             }
         }
         let value = match k.value {
@@ -487,10 +607,36 @@ fn parse_kafka(kafka: Vec<RawKafka>, known: &dyn Fn(&str) -> bool, ok: &mut bool
         }
         let key_ok = !matches!(key, Some(None));
         if let (Some(topic), true, Some(value)) = (topic, key_ok, value) {
-            records.push(KafkaTarget { name, topic, key: key.flatten(), headers, value, idempotency_header, timeout, max_attempts });
+            records.push(KafkaTarget { name, topic, topics, key: key.flatten(), headers, secret_headers, value, idempotency_header, timeout, max_attempts });
         }
     }
     records
+}
+
+/// `allow_topics` of a `[[sink.kafka]]` whose `topic` is `topic`: required when the topic comes from a record's
+/// values, refused when it is written in full.
+fn kafka_topics(topic: Option<&Arg>, allow: Option<&[String]>, push: &mut dyn FnMut(&str, String)) -> Option<TopicRule> {
+    let templated = topic.is_some_and(|t| t.literal().is_none());
+    match (templated, allow.map(TopicRule::parse)) {
+        (true, None) => {
+            push("topic", "comes from a record's values: set allow_topics to the topics (or prefixes ending in *) a record may produce to".to_owned());
+            None
+        }
+        (false, Some(_)) => {
+            push("allow_topics", "is for a topic that comes from a record's values; this topic is written in full".to_owned());
+            None
+        }
+        (_, Some(Ok(rule))) if rule.is_empty() => {
+            push("allow_topics", "names no topic".to_owned());
+            None
+        }
+        (_, Some(Ok(rule))) => Some(rule),
+        (_, Some(Err(why))) => {
+            push("allow_topics", why);
+            None
+        }
+        (false, None) => None,
+    }
 }
 
 /// A URL template as errors show it: without a user and password, and its query as `?...` (either may hold a
@@ -542,17 +688,43 @@ impl HttpTarget {
         self.url.params().chain(self.headers.iter().flat_map(|(_, a)| a.params())).chain(body)
     }
 
-    /// The URL's host and port when no placeholder is in them (what `check` tries to connect to).
+    /// The URL's host and port when no placeholder is in them (what `check` tries to connect to; a secret URL is
+    /// read for it).
     pub fn fixed_host(&self) -> Option<(String, u16)> {
-        const MARK: &str = "idemflowplaceholder";
-        let sample: String = self.url.0.iter().map(|p| match p {
-            crate::store::redis_command::Piece::Text(t) => t.as_str(),
-            crate::store::redis_command::Piece::Param(_) => MARK,
-        }).collect();
+        let sample: String = match &self.secret_url {
+            Some(secret) => secret.resolve().ok()?,
+            None => self.url.0.iter().map(|p| match p {
+                Piece::Text(t) => t.as_str(),
+                Piece::Param(_) => MARK,
+            }).collect(),
+        };
         // A placeholder in the port does not parse; one in the host shows in it.
         let u = url::Url::parse(&sample).ok()?;
         let host = u.host_str().filter(|h| !h.contains(MARK))?;
         Some((host.to_owned(), u.port_or_known_default()?))
+    }
+
+    /// What looks like a credential written in clear in it ([`super::secret::warnings`]), as `(field, warning)`
+    /// with the field under the target's own.
+    pub fn warnings(&self) -> Vec<(String, String)> {
+        let url = self.url.literal().filter(|_| self.secret_url.is_none());
+        let headers: Vec<(&str, bool)> = self.headers.iter().map(|(n, a)| (n.as_str(), a.literal().is_some())).collect();
+        let body = match &self.body {
+            Body::Json(t) => t.literal_credentials(""),
+            Body::Payload => Vec::new(),
+        };
+        super::secret::warnings(url.as_deref(), &headers, &body)
+    }
+
+    /// The secrets it reads when a request is sent (the URL, headers, body values), each with where it is used.
+    pub fn secrets(&self) -> Vec<(String, &SecretRef)> {
+        let url = self.secret_url.iter().map(|s| ("url".to_owned(), s));
+        let headers = self.secret_headers.iter().map(|(n, s)| (format!("headers.{n}"), s));
+        let body: Vec<&SecretRef> = match &self.body {
+            Body::Json(t) => t.secrets(),
+            Body::Payload => Vec::new(),
+        };
+        url.chain(headers).chain(body.into_iter().map(|s| ("body".to_owned(), s))).collect()
     }
 }
 
@@ -565,23 +737,54 @@ impl KafkaTarget {
         };
         self.topic.params().chain(self.key.iter().flat_map(Arg::params)).chain(self.headers.iter().flat_map(|(_, a)| a.params())).chain(value)
     }
+
+    /// The secrets it reads when a record is produced (headers, value), each with where it is used.
+    pub fn secrets(&self) -> Vec<(String, &SecretRef)> {
+        let headers = self.secret_headers.iter().map(|(n, s)| (format!("headers.{n}"), s));
+        let value: Vec<&SecretRef> = match &self.value {
+            Body::Json(t) => t.secrets(),
+            Body::Payload => Vec::new(),
+        };
+        headers.chain(value.into_iter().map(|s| ("value".to_owned(), s))).collect()
+    }
 }
 
-impl JsonTemplate {
-    fn params(&self) -> Vec<&str> {
-        match self {
-            JsonTemplate::Literal(_) => Vec::new(),
-            JsonTemplate::Value(n) => vec![n.as_str()],
-            JsonTemplate::Text(a) => a.params().collect(),
-            JsonTemplate::Array(items) => items.iter().flat_map(JsonTemplate::params).collect(),
-            JsonTemplate::Object(members) => members.iter().flat_map(|(_, t)| t.params()).collect(),
-        }
+impl OutboxSpec {
+    /// Every secret its targets read, as `(field, secret)` with the field in the pipeline file's words
+    /// (`sink.http.headers.Authorization`): checked at start ([`OutboxSpec::unreadable_secrets`]) and by `check`.
+    pub fn secrets(&self) -> Vec<(String, &SecretRef)> {
+        let http = self.http.iter().enumerate().flat_map(|(i, t)| {
+            let at = if self.http.len() > 1 { format!("sink.http[{i}]") } else { "sink.http".to_owned() };
+            t.secrets().into_iter().map(move |(f, s)| (format!("{at}.{f}"), s))
+        });
+        let kafka = self.kafka.iter().enumerate().flat_map(|(i, t)| {
+            let at = if self.kafka.len() > 1 { format!("sink.kafka[{i}]") } else { "sink.kafka".to_owned() };
+            t.secrets().into_iter().map(move |(f, s)| (format!("{at}.{f}"), s))
+        });
+        http.chain(kafka).collect()
+    }
+
+    /// The secrets that cannot be read now, each as `field: why` (never a value).
+    pub fn unreadable_secrets(&self) -> Vec<String> {
+        self.secrets().into_iter().filter_map(|(field, s)| s.resolve().err().map(|why| format!("{field}: {why}"))).collect()
+    }
+
+    /// What looks like a credential written in clear in its targets, as `(field, warning)`.
+    pub fn warnings(&self) -> Vec<(String, String)> {
+        self.http
+            .iter()
+            .enumerate()
+            .flat_map(|(i, t)| {
+                let at = if self.http.len() > 1 { format!("sink.http[{i}]") } else { "sink.http".to_owned() };
+                t.warnings().into_iter().map(move |(f, w)| (format!("{at}.{f}"), w))
+            })
+            .collect()
     }
 }
 
 /// `text` as a template whose placeholders must each name a `[sink.params]` entry (`known`); each problem to
-/// `problem`. `None` when it does not parse (a placeholder unknown is reported, the template kept).
-fn template(text: &str, known: &dyn Fn(&str) -> bool, problem: &mut dyn FnMut(String)) -> Option<Arg> {
+/// `problem`, never quoting the text. `None` when it does not parse (a placeholder unknown is reported, the template kept).
+pub(super) fn template(text: &str, known: &dyn Fn(&str) -> bool, problem: &mut dyn FnMut(String)) -> Option<Arg> {
     match parse_arg(text) {
         Ok(arg) => {
             for p in arg.params().filter(|p| !known(p)) {
@@ -589,30 +792,19 @@ fn template(text: &str, known: &dyn Fn(&str) -> bool, problem: &mut dyn FnMut(St
             }
             Some(arg)
         }
+        // The parser's words quote the text, which may hold a credential: said again without it.
         Err(why) => {
-            problem(why);
+            let what = if why.contains("without its '}'") {
+                "a '{' without its '}'"
+            } else if why.contains("without its '{'") {
+                "a '}' without its '{'"
+            } else {
+                "a {...} that is not a placeholder (a [sink.params] name: letters, digits, _)"
+            };
+            problem(format!("does not read as a template: {what}; write {{{{ and }}}} for literal braces (the value is not shown: it may hold a credential)"));
             None
         }
     }
-}
-
-fn json_template(v: toml::Value, e: &mut dyn FnMut(String), known: &dyn Fn(&str) -> bool) -> Option<JsonTemplate> {
-    Some(match v {
-        toml::Value::String(s) => {
-            let arg = template(&s, known, e)?;
-            match (arg.literal(), arg.0.as_slice()) {
-                (Some(text), _) => JsonTemplate::Literal(serde_json::Value::String(text)),
-                (None, [crate::store::redis_command::Piece::Param(name)]) => JsonTemplate::Value(name.clone()),
-                _ => JsonTemplate::Text(arg),
-            }
-        }
-        toml::Value::Integer(i) => JsonTemplate::Literal(i.into()),
-        toml::Value::Float(f) => JsonTemplate::Literal(serde_json::Number::from_f64(f).map_or(serde_json::Value::Null, Into::into)),
-        toml::Value::Boolean(b) => JsonTemplate::Literal(b.into()),
-        toml::Value::Datetime(d) => JsonTemplate::Literal(d.to_string().into()),
-        toml::Value::Array(items) => JsonTemplate::Array(items.into_iter().map(|v| json_template(v, e, known)).collect::<Option<_>>()?),
-        toml::Value::Table(t) => JsonTemplate::Object(t.into_iter().map(|(k, v)| json_template(v, e, known).map(|t| (k, t))).collect::<Option<_>>()?),
-    })
 }
 
 fn status(v: &toml::Value) -> Option<Statuses> {
@@ -639,6 +831,9 @@ mod tests {
     impl Problems for Collect {
         fn push(&mut self, field: &str, message: impl Into<String>) {
             self.0.push(format!("{field}: {}", message.into()));
+        }
+        fn count(&self) -> usize {
+            self.0.len()
         }
     }
 

@@ -179,50 +179,7 @@ impl Sink {
         // since was autocommitted, so nothing after this point may be written, and the batch must not be taken for
         // applied.
         let mut tx = still_open(tx).await?;
-        let mut per_key: DigestMap<(&BusinessKey, i64)> = DigestMap::default();
-        for (p, fate) in prepared.iter().zip(&fates) {
-            if let (Prepared::Apply(a), Fate::Duplicate(_)) = (p, fate) {
-                per_key.entry(a.key.digest).or_insert((&a.key, 0)).1 += 1;
-            }
-        }
-        let per_key: Vec<(&BusinessKey, i64)> = per_key.into_values().collect();
-        // The outbox's requests of the records applied (their keys were new), in the batch's order: a duplicate
-        // writes none, so a request exists once per business key, committed or rolled back with its dedup row.
-        let outgoing: Vec<(&Record, &Apply)> = records
-            .iter()
-            .zip(prepared)
-            .zip(&fates)
-            .filter_map(|((r, p), fate)| match (p, fate) {
-                (Prepared::Apply(a), Fate::Applied) if !a.requests.is_empty() => Some((r, a)),
-                _ => None,
-            })
-            .collect();
-        tx.write_outbox(&self.pipeline, &outgoing)
-            .await
-            .map_err(|e| SinkError::new("writing the outbox", e))?;
-        tx.count_duplicates(&self.pipeline, &per_key)
-            .await
-            .map_err(|e| SinkError::new("counting duplicates", e))?;
-        let mut counts = BatchCounts { received: records.len() as u64, ..BatchCounts::default() };
-        let mut dead_letters = Vec::new();
-        for (index, (record, fate)) in records.iter().zip(fates).enumerate() {
-            match fate {
-                Fate::Applied => counts.applied += 1,
-                Fate::Duplicate(reason) => counts.duplicate(reason),
-                Fate::Tombstone => counts.tombstones += 1,
-                Fate::DeadLetter(reason, error) => {
-                    let new = tx.write_dead_letter(&self.pipeline, record, reason, &error)
-                        .await
-                        .map_err(|e| SinkError::new("writing a dead letter", e))?;
-                    self.tally_dead_letter(&mut counts, &mut dead_letters, index, reason, error, new);
-                }
-            }
-        }
-        if replaying.is_empty() {
-            tx.raise_processed(&self.pipeline, batch.next_offsets())
-                .await
-                .map_err(|e| SinkError::new("raising the processed positions", e))?;
-        }
+        let (counts, dead_letters) = self.record_fates(&mut tx, batch, fates, replaying).await?;
         if let Err(refused) = guard(&counts) {
             // The guard's message gives counts; the cause is in the dead letters it refused to write.
             if let Some(d) = dead_letters.iter().find(|d| d.new) {
@@ -247,6 +204,64 @@ impl Sink {
         self.committed(records);
         self.log_dead_letters(records, &outcome.dead_letters);
         Ok(outcome)
+    }
+
+    /// What the fates of a batch's records write beside the effect, in its transaction: the outbox's requests of
+    /// the records applied, the duplicates' counts per key, the dead letters, and (unless `replaying` dead letters)
+    /// the processed positions. Returns the batch's counts and its dead letters.
+    async fn record_fates(
+        &self,
+        tx: &mut Tx<'_>,
+        batch: &PreparedBatch,
+        fates: Vec<Fate>,
+        replaying: &[i64],
+    ) -> Result<(BatchCounts, Vec<crate::dead_letter::DeadLettered>), SinkError> {
+        let mut per_key: DigestMap<(&BusinessKey, i64)> = DigestMap::default();
+        for (p, fate) in batch.prepared().iter().zip(&fates) {
+            if let (Prepared::Apply(a), Fate::Duplicate(_)) = (p, fate) {
+                per_key.entry(a.key.digest).or_insert((&a.key, 0)).1 += 1;
+            }
+        }
+        let per_key: Vec<(&BusinessKey, i64)> = per_key.into_values().collect();
+        // The outbox's requests of the records applied (their keys were new), in the batch's order: a duplicate
+        // writes none, so a request exists once per business key, committed or rolled back with its dedup row.
+        let outgoing: Vec<(&Record, &Apply)> = batch
+            .records()
+            .iter()
+            .zip(batch.prepared())
+            .zip(&fates)
+            .filter_map(|((r, p), fate)| match (p, fate) {
+                (Prepared::Apply(a), Fate::Applied) if !a.requests.is_empty() => Some((r, a)),
+                _ => None,
+            })
+            .collect();
+        tx.write_outbox(&self.pipeline, &outgoing)
+            .await
+            .map_err(|e| SinkError::new("writing the outbox", e))?;
+        tx.count_duplicates(&self.pipeline, &per_key)
+            .await
+            .map_err(|e| SinkError::new("counting duplicates", e))?;
+        let mut counts = BatchCounts { received: batch.records().len() as u64, ..BatchCounts::default() };
+        let mut dead_letters = Vec::new();
+        for (index, (record, fate)) in batch.records().iter().zip(fates).enumerate() {
+            match fate {
+                Fate::Applied => counts.applied += 1,
+                Fate::Duplicate(reason) => counts.duplicate(reason),
+                Fate::Tombstone => counts.tombstones += 1,
+                Fate::DeadLetter(reason, error) => {
+                    let new = tx.write_dead_letter(&self.pipeline, record, reason, &error)
+                        .await
+                        .map_err(|e| SinkError::new("writing a dead letter", e))?;
+                    self.tally_dead_letter(&mut counts, &mut dead_letters, index, reason, error, new);
+                }
+            }
+        }
+        if replaying.is_empty() {
+            tx.raise_processed(&self.pipeline, batch.next_offsets())
+                .await
+                .map_err(|e| SinkError::new("raising the processed positions", e))?;
+        }
+        Ok((counts, dead_letters))
     }
 
     /// Opens a batch transaction and starts the side effect in it ([`Tx::begin_side_effect`]).

@@ -291,11 +291,12 @@ impl Store {
         each_store!(self, |s| Connector::outbox_release(s, pipeline, owner).await)
     }
 
-    /// Puts a `delivery_failed` dead letter's request back in the outbox ([`Connector::outbox_requeue`]).
+    /// Puts a `delivery_failed` dead letter's request back in the outbox, re-homed by `rehome`
+    /// ([`Connector::outbox_requeue`]).
     ///
     /// Errors: the store's; [`StoreError::Refused`] where there is no outbox.
-    pub async fn outbox_requeue(&self, id: i64) -> Result<Option<i64>, StoreError> {
-        each_store!(self, |s| Connector::outbox_requeue(s, id).await)
+    pub async fn outbox_requeue(&self, id: i64, rehome: &str) -> Result<Option<i64>, StoreError> {
+        each_store!(self, |s| Connector::outbox_requeue(s, id, rehome).await)
     }
 }
 

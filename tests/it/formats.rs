@@ -565,3 +565,171 @@ async fn with_no_wait_an_unknown_id_is_dead_lettered_at_once_and_asked_once() {
     let asked = registry.requests("/schemas/ids/77");
     assert!((1..=3).contains(&asked), "asked {asked} times");
 }
+
+/// An Avro datum of the record `Überweisung` below: zigzag varints and length-prefixed strings, in the wire format
+/// (magic byte, schema id), as a Java producer's serializer writes it.
+fn ueberweisung(id: u32, reference: &str, amount: i64, recipient: &str) -> Vec<u8> {
+    fn varint(mut n: u64, out: &mut Vec<u8>) {
+        while n >= 0x80 {
+            out.push((n as u8 & 0x7f) | 0x80);
+            n >>= 7;
+        }
+        out.push(n as u8);
+    }
+    let long = |n: i64, out: &mut Vec<u8>| varint(((n << 1) ^ (n >> 63)) as u64, out);
+    let mut out = vec![0];
+    out.extend(id.to_be_bytes());
+    long(reference.len() as i64, &mut out);
+    out.extend(reference.as_bytes());
+    long(amount, &mut out);
+    long(recipient.len() as i64, &mut out);
+    out.extend(recipient.as_bytes());
+    out
+}
+
+/// A schema whose names Java's Avro accepts and the Avro specification's ASCII rule does not (the record
+/// `Überweisung` in namespace `de.bank.überweisungen`, a field `Empfänger`), registered as Confluent's registry
+/// registers it: the binary applies its records, and a JSON pipeline of the same worker goes on. apache-avro's own
+/// name check panicked on it, and the panic took the whole worker down (exit 101) at every restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_avro_schema_with_non_ascii_names_is_read_and_the_other_pipelines_go_on() {
+    let registry = Registry::start(&[]);
+    let db = TestDb::new(
+        "CREATE TABLE transfers (ref text PRIMARY KEY, amount bigint NOT NULL, recipient text NOT NULL);
+         CREATE TABLE orders (id text PRIMARY KEY);",
+    )
+    .await;
+    let kafka = Kafka::new();
+    kafka.create_topic("transfers", 1);
+    kafka.create_topic("orders", 1);
+    let schema = r#"{"type": "record", "name": "Überweisung", "namespace": "de.bank.überweisungen", "fields": [
+        {"name": "Referenz", "type": "string"}, {"name": "Betrag", "type": "long"}, {"name": "Empfänger", "type": "string"}]}"#;
+    let id = registry.register("transfers-value", schema);
+    let transfers = [("T-1", 1250, "Müller"), ("T-2", -7, "Ørsted"), ("T-1", 1250, "Müller")];
+    let records: Vec<Out> =
+        transfers.iter().map(|(r, a, who)| Out { value: Some(ueberweisung(id, r, *a, who)), ..Out::default() }).collect();
+    kafka.produce("transfers", &records);
+    kafka.produce("orders", &[Out::json(0, r#"{"id":"o-1"}"#), Out::json(0, r#"{"id":"o-2"}"#)]);
+    let transfers_pipeline = r#"topics = ["transfers"]
+format = "avro"
+[key]
+field = "/Referenz"
+[sink]
+table = "transfers"
+[sink.columns]
+ref = "/Referenz"
+amount = "/Betrag"
+recipient = "/Empfänger"
+"#;
+    let orders_pipeline = "topics = [\"orders\"]\n[key]\nfield = \"/id\"\n[sink]\ntable = \"orders\"\n[sink.columns]\nid = \"/id\"\n";
+    let setup = Setup::with(
+        &db,
+        &kafka,
+        &[("transfers.toml", transfers_pipeline), ("orders.toml", orders_pipeline)],
+        "",
+        &registry_section(&registry, ""),
+    );
+    let mut w = BinWorker::start(&setup);
+    wait_until(Duration::from_secs(60), "both pipelines applied their records", || async {
+        db.scalar::<i64>("SELECT count(*) FROM transfers").await == 2 && db.scalar::<i64>("SELECT count(*) FROM orders").await == 2
+    })
+    .await;
+    assert!(db.scalar::<bool>("SELECT amount = 1250 AND recipient = 'Müller' FROM transfers WHERE ref = 'T-1'").await);
+    assert!(db.scalar::<bool>("SELECT amount = -7 AND recipient = 'Ørsted' FROM transfers WHERE ref = 'T-2'").await);
+    let scraped = w.scrape();
+    assert_eq!(metric(&scraped, "idemflow_pipeline_up", &[("pipeline", "transfers")]), 1.0, "{scraped}");
+    assert_eq!(metric(&scraped, "idemflow_dead_letters_total", &[("pipeline", "transfers"), ("reason", "decode_failed")]), 0.0);
+    kafka.produce("orders", &[Out::json(0, r#"{"id":"o-3"}"#)]);
+    wait_until(Duration::from_secs(30), "the JSON pipeline still applies", || async {
+        db.scalar::<i64>("SELECT count(*) FROM orders").await == 3
+    })
+    .await;
+    assert!(!w.log_text().contains("panicked"), "{}", w.log_text());
+    assert!(w.sigterm().success());
+}
+
+/// The registry's client follows a redirect only within the registry's origin: a registry that answers 307 to
+/// another host (a second registry here, which holds the same schema under the same id) is not followed, the
+/// pipeline pauses on an unavailable registry (retries counted, nothing dead-lettered) and the other host hears
+/// nothing; the registry answering again, the record is applied. The client used to follow up to 10 redirects
+/// anywhere, https to http included.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_registry_client_follows_no_redirect_to_another_origin() {
+    let Fixture { registry, db, kafka, avsc, _tmp } = fixture(&[]).await;
+    let values = registry.serialize("avro", "payments", &avsc, &[payment("ORD-1", "1.5")]);
+    let elsewhere = Registry::start(&[]);
+    assert_eq!(elsewhere.register("payments-value", PAYMENT_AVSC), 1);
+    registry.redirect_to(&elsewhere.url());
+    kafka.produce("payments", &[Out { value: Some(values[0].clone()), ..Out::default() }]);
+    let setup = Setup::with(&db, &kafka, &[("payments.toml", &pipeline("payments", "format = \"avro\""))], "", &registry_section(&registry, ""));
+    let w = InProc::start(&setup).await;
+    let p = [("pipeline", "payments")];
+    wait_until(Duration::from_secs(30), "the fetch retried while the registry redirects", || async {
+        w.metric("idemflow_schema_registry_retries_total", &p) >= 2.0
+    })
+    .await;
+    assert_eq!(elsewhere.requests("/schemas/ids/1"), 0, "the redirect was followed");
+    assert_eq!(w.metric("idemflow_records_applied_total", &p), 0.0);
+    assert_eq!(w.metric("idemflow_dead_letters_total", &[("pipeline", "payments"), ("reason", "decode_failed")]), 0.0);
+    registry.redirect_to("");
+    w.wait_received("payments", 1).await;
+    assert_eq!(w.metric("idemflow_records_applied_total", &p), 1.0);
+    assert!(w.stop().await.is_empty());
+}
+
+/// Schema ids the registry does not know, one batch after another (a topic whose payloads name random ids): the
+/// burst is waited on once, not once per batch: six records, one a batch, each naming its own unknown id, are all
+/// dead-lettered within about one `missing_schema_wait` (15 s) instead of six (90 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_of_unknown_schema_ids_is_waited_on_once() {
+    let Fixture { registry, db, kafka, avsc, _tmp } = fixture(&[]).await;
+    let values = registry.serialize("avro", "payments", &avsc, &[payment("ORD-1", "1.5")]);
+    let records: Vec<Out> = (0..6u32)
+        .map(|i| {
+            let mut v = values[0].clone();
+            v[1..5].copy_from_slice(&(1000 + i * 7919).to_be_bytes());
+            Out { value: Some(v), ..Out::default() }
+        })
+        .collect();
+    kafka.produce("payments", &records);
+    let section = format!("[schema_registry]\nurl = \"{}\"\ntimeout = \"2s\"\nmissing_schema_wait = \"15s\"\n", registry.url());
+    let pipeline = with_max_records(&pipeline("payments", "format = \"avro\""), 1);
+    let setup = Setup::with(&db, &kafka, &[("payments.toml", &pipeline)], "", &section);
+    let w = InProc::start(&setup).await;
+    wait_until(Duration::from_secs(50), "six unknown ids dead-lettered after one wait", || async {
+        w.metric("idemflow_dead_letters_total", &[("pipeline", "payments"), ("reason", "decode_failed")]) == 6.0
+    })
+    .await;
+    assert!(w.stop().await.is_empty());
+}
+
+/// A record is dead-lettered for a missing schema only on a fresh "no such schema": an id that was missing past
+/// `missing_schema_wait` (its first record dead-lettered) and that the registry learns afterwards is asked for
+/// again by the next record naming it more than a few seconds later, which is applied. It used to be asked again
+/// only once per `missing_schema_wait` (8 s here), so the next record was dead-lettered on a stale answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_schema_registered_after_its_wait_is_read_by_the_next_record() {
+    let Fixture { registry, db, kafka, avsc, _tmp } = fixture(&[]).await;
+    let values = registry.serialize("avro", "payments", &avsc, &[payment("ORD-1", "1.5"), payment("ORD-2", "2.5")]);
+    // Id 2 is not registered yet: the schema registered below gets it.
+    let as_id_2 = |v: &Vec<u8>| {
+        let mut v = v.clone();
+        v[1..5].copy_from_slice(&2u32.to_be_bytes());
+        Out { value: Some(v), ..Out::default() }
+    };
+    kafka.produce("payments", &[as_id_2(&values[0])]);
+    let section = format!("[schema_registry]\nurl = \"{}\"\ntimeout = \"2s\"\nmissing_schema_wait = \"8s\"\n", registry.url());
+    let setup = Setup::with(&db, &kafka, &[("payments.toml", &pipeline("payments", "format = \"avro\""))], "", &section);
+    let w = InProc::start(&setup).await;
+    let dead = || w.metric("idemflow_dead_letters_total", &[("pipeline", "payments"), ("reason", "decode_failed")]);
+    wait_until(Duration::from_secs(40), "the first record dead-lettered after the wait", || async { dead() == 1.0 }).await;
+    // The same schema text with a doc: another schema, id 2, whose datums read as the first's.
+    let second = PAYMENT_AVSC.replacen("\"type\": \"record\",", "\"type\": \"record\", \"doc\": \"v2\",", 1);
+    assert_eq!(registry.register("payments-value", &second), 2);
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    kafka.produce("payments", &[as_id_2(&values[1])]);
+    w.wait_received("payments", 2).await;
+    assert_eq!(dead(), 1.0, "the second record was dead-lettered on a stale answer");
+    assert_eq!(w.metric("idemflow_records_applied_total", &[("pipeline", "payments")]), 1.0);
+    assert!(w.stop().await.is_empty());
+}

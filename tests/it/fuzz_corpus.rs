@@ -26,4 +26,5 @@ fn the_fuzz_corpus_replays_without_a_failure() {
     replay("redis", targets::redis);
     replay("avro", targets::avro);
     replay("protobuf", targets::protobuf);
+    replay("schema_text", targets::schema_text);
 }

@@ -503,3 +503,37 @@ async fn a_commit_whose_answer_was_lost_is_recognised_by_the_retry() {
     assert_eq!(db.scalar::<i64>("SELECT count(*) FROM idemflow.dead_letters").await, 1);
     assert_eq!(db.scalar::<i64>("SELECT coalesce(sum(duplicates), 0)::int8 FROM idemflow.dedup_duplicates").await, 0);
 }
+
+/// A panic in one pipeline (injected with `IDEMFLOW_FAULT_PANIC_ON_PAYLOAD`, as a dependency's bug on a record a
+/// peer system accepted would panic) stops that pipeline with the panic's message: its `idemflow_pipeline_up` is 0,
+/// `/readyz` names it and says why, and the process's other pipeline goes on applying its records. A panic used to
+/// cross the pipeline's task and end the whole process (exit 101), every pipeline with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panic_in_one_pipeline_stops_that_pipeline_and_no_other() {
+    let db = TestDb::new("CREATE TABLE poisoned (id text PRIMARY KEY); CREATE TABLE healthy (id text PRIMARY KEY);").await;
+    let kafka = Kafka::new();
+    kafka.create_topic("poisoned", 1);
+    kafka.create_topic("healthy", 1);
+    let pipeline = |t: &str| format!("topics = [\"{t}\"]\n[key]\nfield = \"/id\"\n[sink]\ntable = \"{t}\"\n[sink.columns]\nid = \"/id\"\n");
+    let setup = Setup::new(&db, &kafka, &[("poisoned.toml", &pipeline("poisoned")), ("healthy.toml", &pipeline("healthy"))]);
+    kafka.produce("poisoned", &[Out::json(0, r#"{"id":"p-1","note":"BOOM-6c1f"}"#)]);
+    kafka.produce("healthy", &[Out::json(0, r#"{"id":"h-1"}"#)]);
+    let mut w = BinWorker::start_with_env(&setup, &[("IDEMFLOW_FAULT_PANIC_ON_PAYLOAD", "BOOM-6c1f")]);
+    wait_until(Duration::from_secs(60), "the poisoned pipeline stopped and the healthy one applied its record", || async {
+        metric(&w.scrape(), "idemflow_pipeline_up", &[("pipeline", "poisoned")]) == 0.0
+            && db.scalar::<i64>("SELECT count(*) FROM healthy").await == 1
+    })
+    .await;
+    let (status, body) = http_get(w.metrics, "/readyz").unwrap();
+    assert_eq!(status, 503, "{body}");
+    assert!(body.contains("poisoned") && body.contains("panic"), "/readyz names the pipeline and the panic: {body}");
+    assert!(w.log_text().contains("injected panic"), "{}", w.log_text());
+    kafka.produce("healthy", &[Out::json(0, r#"{"id":"h-2"}"#), Out::json(0, r#"{"id":"h-3"}"#)]);
+    wait_until(Duration::from_secs(30), "the healthy pipeline goes on", || async {
+        db.scalar::<i64>("SELECT count(*) FROM healthy").await == 3
+    })
+    .await;
+    assert_eq!(metric(&w.scrape(), "idemflow_pipeline_up", &[("pipeline", "healthy")]), 1.0);
+    assert_eq!(db.scalar::<i64>("SELECT count(*) FROM poisoned").await, 0, "nothing of the panicking batch was committed");
+    w.sigterm();
+}

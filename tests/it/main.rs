@@ -23,6 +23,7 @@ mod deploy;
 mod docs;
 mod offsets;
 mod outbox;
+mod outbox_security;
 mod operator;
 mod pgbouncer;
 mod rabbitmq;

@@ -33,7 +33,9 @@ Also, for the tests:
   GET    /_test/state           {"requests", "charges", "distinct_keys", "replays", "conflicts", "mismatches",
                                  "keys": {KEY: {"charges", "replays", "requests", "path", "headers", "body"}}}
                                 (path, lowercased headers and body of the request that charged; of the latest
-                                request while the key has no charge)
+                                request while the key has no charge), and "log": every request outside /_test/, in
+                                order: {"method", "path", "headers"} (the request line's target and every header,
+                                lowercased), so a test sees where each request went and what it carried
   POST   /_test/reset           forget everything: keys, counters, charge ids, faults
 Speaks HTTP/1.1 with keep-alive. Prints "listening on PORT" once it accepts connections.
 """
@@ -58,7 +60,7 @@ FAULTS = []  # the queued rules: {"status" | "delay" | "reset", "count", "retry_
 def forget():
     """Resets everything (the caller holds LOCK, or nothing else runs yet)."""
     STATE.clear()
-    STATE.update(requests=0, charges=0, replays=0, conflicts=0, mismatches=0, next_charge=1)
+    STATE.update(requests=0, charges=0, replays=0, conflicts=0, mismatches=0, next_charge=1, log=[])
     KEYS.clear()
     del FAULTS[:]
 
@@ -187,6 +189,8 @@ class Handler(BaseHTTPRequestHandler):
             name = name.lower()
             headers[name] = headers[name] + ", " + value if name in headers else value
         request = {"path": self.path, "headers": headers, "body": decode(body)}
+        with LOCK:
+            STATE["log"].append({"method": self.command, "path": self.path, "headers": headers})
         fingerprint = hashlib.sha256(self.command.encode() + b" " + self.path.encode() + b"\n" + body).hexdigest()
         with LOCK:
             STATE["requests"] += 1
@@ -273,6 +277,7 @@ class Handler(BaseHTTPRequestHandler):
                 state = {f: STATE[f] for f in ("requests", "charges", "replays", "conflicts", "mismatches")}
                 state["distinct_keys"] = sum(1 for e in KEYS.values() if e["charges"] > 0)
                 state["keys"] = keys
+                state["log"] = STATE["log"]
                 return self.answer(200, state)
         self.answer_problem(*problem(404, "Not found", "No test endpoint %s %s." % (self.command, path)))
 

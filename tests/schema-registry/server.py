@@ -18,6 +18,8 @@ Also, for the tests:
   --tls CERT KEY         HTTPS with this certificate and key
   POST /_test/fail {"status": 503, "count": 5}    the next 5 requests answer 503 ("count" -1: until cleared)
   POST /_test/fail {"status": 0}                  answer normally again
+  POST /_test/redirect {"location": "http://..."}  every other request answers 307 to that base URL plus its path
+  POST /_test/redirect {"location": ""}            answer normally again
   GET  /_test/requests                             how many requests each path had
 Prints "listening on PORT" once it accepts connections.
 """
@@ -34,6 +36,7 @@ LOCK = threading.Lock()
 SCHEMAS = []  # index + 1 is the id: {"schema", "schemaType", "references"}
 SUBJECTS = {}  # subject -> [id of version 1, id of version 2, ...]
 FAIL = {"status": 0, "count": 0}
+REDIRECT = {"location": ""}
 REQUESTS = {}
 
 
@@ -159,6 +162,12 @@ class Handler(BaseHTTPRequestHandler):
                     FAIL["status"] = 0
                 self.error(status, status * 100 + 1 if status < 1000 else status, "injected failure")
                 return False
+            if REDIRECT["location"]:
+                self.send_response(307)
+                self.send_header("Location", REDIRECT["location"].rstrip("/") + self.path)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return False
         if self.auth is not None and self.headers.get("Authorization") != self.auth:
             self.error(401, 401, "Unauthorized")
             return False
@@ -213,6 +222,9 @@ class Handler(BaseHTTPRequestHandler):
                 FAIL["status"] = int(body.get("status", 0))
                 FAIL["count"] = int(body.get("count", -1))
                 return self.answer(200, FAIL)
+            if path == "/_test/redirect":
+                REDIRECT["location"] = body.get("location", "")
+                return self.answer(200, REDIRECT)
             m = re.fullmatch(r"/subjects/([^/]+)(/versions)?", path)
             if not m:
                 return self.error(404, 404, "HTTP 404 Not Found")

@@ -106,8 +106,8 @@ impl Connector for MySqlStore {
         Ok(outbox::release(&self.pool, pipeline, owner).await?)
     }
 
-    async fn outbox_requeue(&self, id: i64) -> Result<Option<i64>, StoreError> {
-        Ok(outbox::requeue(&self.pool, id).await?)
+    async fn outbox_requeue(&self, id: i64, rehome: &str) -> Result<Option<i64>, StoreError> {
+        Ok(outbox::requeue(&self.pool, id, rehome).await?)
     }
 }
 

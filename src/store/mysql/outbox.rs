@@ -225,8 +225,8 @@ pub async fn release(pool: &MySqlPool, pipeline: &str, owner: &str) -> Result<u6
     Ok(done.rows_affected())
 }
 
-/// Puts dead letter `id`'s request back in the outbox ([`crate::store::Connector::outbox_requeue`]).
-pub async fn requeue(pool: &MySqlPool, id: i64) -> Result<Option<i64>, sqlx::Error> {
+/// Puts dead letter `id`'s request back in the outbox, re-homed by `rehome` ([`crate::store::Connector::outbox_requeue`]).
+pub async fn requeue(pool: &MySqlPool, id: i64, rehome: &str) -> Result<Option<i64>, sqlx::Error> {
     let mut tx = pool.begin().await?;
     let found: Option<i64> = sqlx::query_scalar(
         "SELECT id FROM idemflow_dead_letters WHERE id = ? AND reason = 'delivery_failed' AND request IS NOT NULL FOR UPDATE",
@@ -241,10 +241,15 @@ pub async fn requeue(pool: &MySqlPool, id: i64) -> Result<Option<i64>, sqlx::Err
     let done = sqlx::query(
         "INSERT INTO idemflow_outbox (pipeline, key_digest, target, method, url, header_names, header_values, body, record_key, topic, `partition`, `offset`)
          SELECT pipeline, UNHEX(JSON_UNQUOTE(JSON_EXTRACT(request, '$.key_digest'))), JSON_UNQUOTE(JSON_EXTRACT(request, '$.target')),
-                JSON_UNQUOTE(JSON_EXTRACT(request, '$.method')), JSON_UNQUOTE(JSON_EXTRACT(request, '$.url')),
+                JSON_UNQUOTE(JSON_EXTRACT(request, '$.method')),
+                CASE WHEN home IS NULL THEN JSON_UNQUOTE(JSON_EXTRACT(request, '$.url'))
+                     WHEN home LIKE 'idemflow-secret-url:%' THEN home
+                     ELSE REGEXP_REPLACE(JSON_UNQUOTE(JSON_EXTRACT(request, '$.url')), '^[A-Za-z][A-Za-z0-9+.-]*://[^/?#]*', home) END,
                 header_names, header_values, COALESCE(payload, ''), record_key, topic, `partition`, `offset`
-         FROM idemflow_dead_letters WHERE id = ?",
+         FROM (SELECT d.*, JSON_UNQUOTE(JSON_EXTRACT(?, CONCAT('$.\"', JSON_UNQUOTE(JSON_EXTRACT(d.request, '$.target')), '\"'))) AS home
+               FROM idemflow_dead_letters d WHERE d.id = ?) r",
     )
+    .bind(rehome)
     .bind(id)
     .execute(&mut *tx)
     .await?;

@@ -107,8 +107,8 @@ impl Connector for PgPool {
         Ok(outbox::release(self, pipeline, owner).await?)
     }
 
-    async fn outbox_requeue(&self, id: i64) -> Result<Option<i64>, StoreError> {
-        Ok(outbox::requeue(self, id).await?)
+    async fn outbox_requeue(&self, id: i64, rehome: &str) -> Result<Option<i64>, StoreError> {
+        Ok(outbox::requeue(self, id, rehome).await?)
     }
 }
 

@@ -215,20 +215,25 @@ pub async fn release(pool: &PgPool, pipeline: &str, owner: &str) -> Result<u64, 
     Ok(done.rows_affected())
 }
 
-/// Puts dead letter `id`'s request back in the outbox ([`crate::store::Connector::outbox_requeue`]).
-pub async fn requeue(pool: &PgPool, id: i64) -> Result<Option<i64>, sqlx::Error> {
+/// Puts dead letter `id`'s request back in the outbox, re-homed by `rehome` ([`crate::store::Connector::outbox_requeue`]).
+pub async fn requeue(pool: &PgPool, id: i64, rehome: &str) -> Result<Option<i64>, sqlx::Error> {
     let mut tx = pool.begin().await?;
     let new: Option<i64> = sqlx::query_scalar(
         r#"WITH d AS (
-               DELETE FROM idemflow.dead_letters WHERE id = $1 AND reason = 'delivery_failed' AND request IS NOT NULL RETURNING *)
+               DELETE FROM idemflow.dead_letters WHERE id = $1 AND reason = 'delivery_failed' AND request IS NOT NULL RETURNING *),
+           r AS (SELECT d.*, $2::jsonb ->> (d.request->>'target') AS home FROM d)
            INSERT INTO idemflow.outbox (pipeline, key_digest, target, method, url, header_names, header_values, body, record_key, topic, partition, "offset")
-           SELECT d.pipeline, decode(d.request->>'key_digest', 'hex'), d.request->>'target', d.request->>'method', d.request->>'url',
-                  d.header_names, ARRAY(SELECT convert_from(v, 'UTF8') FROM unnest(d.header_values) v), coalesce(d.payload, ''::bytea),
-                  d.record_key, d.topic, d.partition, d."offset"
-           FROM d
+           SELECT r.pipeline, decode(r.request->>'key_digest', 'hex'), r.request->>'target', r.request->>'method',
+                  CASE WHEN r.home IS NULL THEN r.request->>'url'
+                       WHEN r.home LIKE 'idemflow-secret-url:%' THEN r.home
+                       ELSE regexp_replace(r.request->>'url', '^[A-Za-z][A-Za-z0-9+.-]*://[^/?#]*', r.home) END,
+                  r.header_names, ARRAY(SELECT convert_from(v, 'UTF8') FROM unnest(r.header_values) v), coalesce(r.payload, ''::bytea),
+                  r.record_key, r.topic, r.partition, r."offset"
+           FROM r
            RETURNING id"#,
     )
     .bind(id)
+    .bind(rehome)
     .persistent(super::persistent())
     .fetch_optional(&mut *tx)
     .await?;

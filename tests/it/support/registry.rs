@@ -73,6 +73,20 @@ impl Registry {
         assert!(out.status.success(), "curl: {}", String::from_utf8_lossy(&out.stderr));
     }
 
+    /// Registers `schema` (Avro JSON) under `subject` as a producer's serializer would (a registry started without
+    /// `--user`), and returns its id.
+    pub fn register(&self, subject: &str, schema: &str) -> u32 {
+        let body = serde_json::json!({ "schema": schema }).to_string();
+        let answer = self.post(&format!("/subjects/{subject}/versions"), &body);
+        let v: serde_json::Value = serde_json::from_str(&answer).unwrap_or_else(|e| panic!("{e}: {answer}"));
+        v["id"].as_u64().unwrap_or_else(|| panic!("no id in {answer}")) as u32
+    }
+
+    /// Every request after this answers 307 to `location` (a base URL) with its own path; `""` stops it.
+    pub fn redirect_to(&self, location: &str) {
+        self.post("/_test/redirect", &serde_json::json!({ "location": location }).to_string());
+    }
+
     /// The next `count` requests (-1: all until cleared) answer `status` (0 clears).
     pub fn fail(&self, status: u16, count: i64) {
         self.post("/_test/fail", &format!(r#"{{"status":{status},"count":{count}}}"#));
@@ -85,13 +99,15 @@ impl Registry {
         v.get(path).and_then(serde_json::Value::as_u64).unwrap_or(0)
     }
 
-    fn post(&self, path: &str, body: &str) {
+    /// POSTs `body` (to a registry started without `--user`) and returns the answer's body, asserted 200.
+    fn post(&self, path: &str, body: &str) -> String {
         let mut s = TcpStream::connect(("127.0.0.1", self.port)).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
         write!(s, "POST {path} HTTP/1.0\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}", body.len()).unwrap();
         let mut text = String::new();
         let _ = s.read_to_string(&mut text);
         assert!(text.starts_with("HTTP/1.0 200") || text.starts_with("HTTP/1.1 200"), "{text}");
+        text.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default()
     }
 }
 

@@ -1,484 +1,24 @@
-//! Runs every pipeline: source -> prepare (decode, key, values) -> sink transaction -> offset commit, batch after
-//! batch, until shutdown.
+//! One batch of a lane: its schemas fetched, its records prepared, its transaction attempted and retried (a
+//! back-off, fenced or lost partitions, statements rebuilt), then its metrics, published dead letters and the
+//! dead-letter guard's verdict.
 
-use crate::config::{Pipeline, PipelineError, Settings};
+use super::Ready;
 use crate::dead_letter::DeadLetterSettings;
-use crate::metrics::BatchCounts;
 use crate::http::Health;
-use crate::metrics::{Metrics, PipelineMetrics};
-use crate::prepare::{Ahead, PreparedBatch, Preparer};
+use crate::metrics::{BatchCounts, PipelineMetrics};
+use crate::prepare::{Ahead, PreparedBatch};
 use crate::batch::Records;
 use crate::record::Record;
+use crate::retry::backoff;
 use crate::shutdown::Shutdown;
-use crate::sink::{Attempt, Earlier, Sink, SinkError};
-use crate::store::disposition::Disposition;
-use crate::source::contract::StoredStart;
+use crate::sink::{Attempt, Earlier, SinkError};
 use crate::source::dead_letter_out::DeadLetterOut;
 use crate::source::Source;
-use crate::offsets::OffsetStore;
-use crate::retry::backoff;
-use crate::sweeper::Sweeper;
+use crate::store::disposition::Disposition;
 use crate::store::Store;
 use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, Instant};
 use tracing::Instrument;
-
-/// A pipeline checked against the database, ready to run.
-#[derive(Clone, Debug)]
-pub struct Ready {
-    /// The pipeline.
-    pub pipeline: Pipeline,
-    /// Its record preparation.
-    pub preparer: Preparer,
-    /// Its sink.
-    pub sink: Sink,
-    /// The store (for retention and stored positions).
-    pub store: Store,
-    /// What `check` says about the store's limits for this pipeline ([`crate::store::SideEffect::notes`]).
-    pub notes: Vec<String>,
-}
-
-/// Why pipelines could not be prepared: every problem found, and whether the store could not be asked for one of
-/// them (worth waiting for: [`crate::store::PrepareError::unavailable`]).
-#[derive(Debug)]
-pub struct Unprepared {
-    /// Every problem, each naming its file, pipeline and field.
-    pub problems: Vec<PipelineError>,
-    /// The store could not be asked (a connection, the pool) for at least one pipeline.
-    pub unavailable: bool,
-}
-
-impl std::fmt::Display for Unprepared {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let lines: Vec<String> = self.problems.iter().map(ToString::to_string).collect();
-        f.write_str(&lines.join("\n"))
-    }
-}
-
-/// Checks every pipeline's side effect against the database (tables, columns, statements and their parameter
-/// types) and builds what runs it. Returns all problems at once, of every pipeline, one per line.
-pub async fn prepare(store: &Store, pipelines: &[Pipeline]) -> Result<Vec<Ready>, Unprepared> {
-    let mut ready = Vec::new();
-    let mut errors = Unprepared { problems: Vec::new(), unavailable: false };
-    for p in pipelines {
-        match Ready::prepare(store, p).await {
-            Ok(r) => ready.push(r),
-            Err(e) => {
-                errors.unavailable |= e.unavailable;
-                errors.problems.extend(e.problems.into_iter().flat_map(PipelineError::split));
-            }
-        }
-    }
-    if errors.problems.is_empty() {
-        Ok(ready)
-    } else {
-        Err(errors)
-    }
-}
-
-impl Ready {
-    /// Checks one pipeline's side effect against the database and builds what runs it.
-    ///
-    /// Errors: the problem, naming the pipeline's file and field (`database` when it cannot connect, and then
-    /// [`Unprepared::unavailable`]).
-    pub async fn prepare(store: &Store, p: &Pipeline) -> Result<Ready, Unprepared> {
-        let (side_effect, bindings) = store.prepare_side_effect(&p.sink, &p.time).await.map_err(|e| Unprepared {
-            problems: vec![PipelineError { file: p.file.display().to_string(), pipeline: p.name.clone(), field: e.field, message: e.message }],
-            unavailable: e.unavailable,
-        })?;
-        if p.outbox.is_some() {
-            store.outbox_ready().await.map_err(|e| Unprepared {
-                unavailable: e.is_unavailable(),
-                problems: vec![PipelineError { file: p.file.display().to_string(), pipeline: p.name.clone(), field: "sink".into(), message: e.to_string() }],
-            })?;
-        }
-        Ok(Ready {
-            pipeline: p.clone(),
-            preparer: Preparer::new(p, bindings).with_max_record_bytes(side_effect.max_record_bytes()),
-            notes: side_effect.notes(),
-            sink: Sink::new(p.name.clone(), side_effect, p.dedup.retention),
-            store: store.clone(),
-        })
-    }
-}
-
-/// Why a pipeline stopped before shutdown.
-#[derive(Debug, thiserror::Error)]
-pub enum PipelineFailure {
-    /// The source could not be created (a bad librdkafka property, a missing broker section).
-    #[error("pipeline {pipeline:?}: {message}")]
-    Source {
-        /// Pipeline name.
-        pipeline: String,
-        /// What went wrong.
-        message: String,
-    },
-    /// A fatal database error (for example SQLSTATE class 42: the configured SQL or table is wrong).
-    #[error("pipeline {pipeline:?} stopped: {source}")]
-    Fatal {
-        /// Pipeline name.
-        pipeline: String,
-        /// The error.
-        source: SinkError,
-    },
-}
-
-/// Fault injection, for the demo and for tests: what a crash would do, at a chosen moment.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Faults {
-    /// End each pipeline abruptly right after its Nth batch committed in the database and before that batch's offsets
-    /// are committed to Kafka, as a crash at that point would: the consumer is closed without committing them, so
-    /// the batch is redelivered to whoever owns its partitions next.
-    pub crash_after_commits: Option<u64>,
-    /// With `crash_after_commits`: end the whole process there with `abort()` (nothing closed, flushed, committed
-    /// or acknowledged), as a SIGKILL at that moment would, instead of ending the pipeline alone.
-    pub abort: bool,
-    /// The answer of the Nth batch's `COMMIT` is lost: the commit goes through in the store, and the attempt fails
-    /// as if the connection had broken before the answer came (SQL stores). The batch is retried; the next attempt
-    /// must find out from the store that it committed.
-    pub lose_commit_answer: Option<u64>,
-    /// End the whole process with `abort()` right after the Nth outbox request its target confirmed, before the
-    /// outbox records it ([`crate::outbox::relay::CRASH_AFTER_DELIVERIES_VAR`]).
-    pub crash_after_deliveries: Option<u64>,
-}
-
-/// The variable that injects [`Faults`] into `idemflow run`: `IDEMFLOW_FAULT_CRASH_AFTER_COMMITS=N` aborts the
-/// process right after the Nth batch's `COMMIT`, before its offset commit or acknowledgement. For tests (the
-/// guarantee matrix kills the binary at exactly that point); a worker started with it says so loudly.
-pub const CRASH_AFTER_COMMITS_VAR: &str = "IDEMFLOW_FAULT_CRASH_AFTER_COMMITS";
-
-/// The variable that makes the answer of the Nth batch's `COMMIT` lost in `idemflow run` ([`Faults::lose_commit_answer`]):
-/// `IDEMFLOW_FAULT_LOSE_COMMIT_ANSWER=N`. For tests; a worker started with it says so loudly.
-pub const LOSE_COMMIT_ANSWER_VAR: &str = "IDEMFLOW_FAULT_LOSE_COMMIT_ANSWER";
-
-impl Faults {
-    /// The faults `idemflow run` is asked for through [`CRASH_AFTER_COMMITS_VAR`], [`LOSE_COMMIT_ANSWER_VAR`] and
-    /// [`crate::outbox::relay::CRASH_AFTER_DELIVERIES_VAR`]; none when they are unset.
-    ///
-    /// Errors: a variable is set but is not a positive whole number.
-    pub fn from_env() -> Result<Faults, String> {
-        let batch = |var: &str| -> Result<Option<u64>, String> {
-            let Ok(text) = std::env::var(var) else { return Ok(None) };
-            match text.trim().parse::<u64>() {
-                Ok(n) if n > 0 => Ok(Some(n)),
-                _ => Err(format!("{var} = {text:?}: expected a number of batches, 1 or more")),
-            }
-        };
-        let crash_after_commits = batch(CRASH_AFTER_COMMITS_VAR)?;
-        Ok(Faults {
-            crash_after_commits,
-            abort: crash_after_commits.is_some(),
-            lose_commit_answer: batch(LOSE_COMMIT_ANSWER_VAR)?,
-            crash_after_deliveries: batch(crate::outbox::relay::CRASH_AFTER_DELIVERIES_VAR)?,
-        })
-    }
-}
-
-/// Runs all pipelines until `shutdown`, each in its own task. A pipeline that fails fatally stops alone (its
-/// `idemflow_pipeline_up` goes to 0 and `/readyz` fails); the others go on. Returns the failures, if any.
-pub async fn run(
-    settings: &Settings,
-    ready: Vec<Ready>,
-    metrics: &Metrics,
-    health: &Health,
-    shutdown: Shutdown,
-) -> Vec<PipelineFailure> {
-    run_with_faults(settings, ready, metrics, health, shutdown, Faults::default()).await
-}
-
-/// [`run`], with injected faults.
-pub async fn run_with_faults(
-    settings: &Settings,
-    ready: Vec<Ready>,
-    metrics: &Metrics,
-    health: &Health,
-    shutdown: Shutdown,
-    faults: Faults,
-) -> Vec<PipelineFailure> {
-    if let Some(db) = &settings.database {
-        let transactions: usize = ready.iter().map(|r| r.pipeline.batch.concurrency).sum();
-        if transactions + 1 > db.max_connections as usize {
-            tracing::warn!(
-                max_connections = db.max_connections, transactions,
-                "database.max_connections is below the pipelines' batch transactions at once (the sum of their \
-                 batch.concurrency) plus one for retention: transactions will wait for a connection"
-            );
-        }
-    }
-    let mut tasks = tokio::task::JoinSet::new();
-    for r in ready {
-        let settings = settings.clone();
-        let pm = metrics.pipeline(&r.pipeline.name);
-        let pm_root = metrics.clone();
-        let health = health.clone();
-        let shutdown = shutdown.clone();
-        tasks.spawn(async move {
-            let name = r.pipeline.name.clone();
-            // Retention runs beside the pipeline and ends with it, and starts no slice once shutdown is asked for;
-            // a pass left there is handed over, where it stopped, once the pipeline has stopped.
-            let sweeps = !r.pipeline.sink.store().expires_dedup_keys();
-            // The sweep's owner carries the process's nonce, as the lanes' attempt rows do: two replicas with the same
-            // host name and pid (containers) do not take each other's lease for their own.
-            let sweeper = sweeps.then(|| Sweeper::new(r.store.clone(), name.clone(), Attempt::lane(&owner()).to_string(), r.pipeline.dedup));
-            let stopping = shutdown.clone();
-            // The outbox's relay runs beside the pipeline in a task of its own, and ends its round when the pipeline
-            // ends (bounded by its lease), then gives up what it still holds.
-            let outbox = match r.pipeline.outbox.clone().map(|spec| {
-                let signals = crate::outbox::relay::Signals::default();
-                // Each relay its own owner, even two in one process (tests run several workers in one).
-                static RELAYS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-                let owner = format!("{}/relay{}", Attempt::lane(&owner()), RELAYS.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
-                let relay = crate::outbox::relay::Relay::new(
-                    r.store.clone(), name.clone(), owner, spec, &settings.brokers().kafka, signals.clone(), pm_root.outbox(&name), health.clone(), faults.crash_after_deliveries,
-                );
-                relay.map(|relay| (signals, std::sync::Arc::new(relay)))
-            }) {
-                Some(Err(message)) => return Err(PipelineFailure::Source { pipeline: name.clone(), message }),
-                Some(Ok(pair)) => Some(pair),
-                None => None,
-            };
-            let (relay_stop, relay_shutdown) = crate::shutdown::channel();
-            let relay_task = outbox.as_ref().map(|(_, relay)| {
-                let relay = relay.clone();
-                tokio::spawn(async move { relay.run(relay_shutdown).await }.in_current_span())
-            });
-            let signals = outbox.as_ref().map(|(s, _)| s.clone());
-            let result = tokio::select! {
-                result = run_pipeline(&settings, r, pm.clone(), health.clone(), shutdown.clone(), faults, signals) => result,
-                never = Sweeper::run_if_any(sweeper.as_ref(), pm.clone(), shutdown) => match never {},
-                never = stall_watch(pm.clone()) => match never {},
-            };
-            if let (Some(sweeper), true) = (&sweeper, stopping.is_triggered()) {
-                sweeper.release().await;
-            }
-            if let (Some(task), Some((_, relay))) = (relay_task, &outbox) {
-                relay_stop.trigger();
-                let abort = task.abort_handle();
-                if tokio::time::timeout(relay.round_bound(), task).await.is_err() {
-                    abort.abort();
-                }
-                relay.release().await;
-            }
-            if let Err(e) = &result {
-                pm.set_fatal();
-                health.pipeline_fatal();
-                tracing::error!(pipeline = %name, error = %e, "pipeline stopped; the other pipelines go on");
-            }
-            result
-        });
-    }
-    let mut failures = Vec::new();
-    while let Some(joined) = tasks.join_next().await {
-        match joined {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => failures.push(e),
-            Err(e) => std::panic::resume_unwind(e.into_panic()),
-        }
-    }
-    failures
-}
-
-/// Looks at the stall signal every few seconds ([`crate::metrics::Metrics::stalls`]), so that a stalled partition
-/// is logged even when nothing scrapes `/metrics` or asks `/readyz`. Dropped when its pipeline ends.
-async fn stall_watch(metrics: PipelineMetrics) -> std::convert::Infallible {
-    loop {
-        tokio::time::sleep(Duration::from_secs(5)).await;
-        metrics.stalls();
-    }
-}
-
-/// Runs one pipeline: one lane, or with `batch.concurrency = N` N lanes at once, each its own consumer in the
-/// pipeline's consumer group and its own batch transactions. Kafka's group assignment gives each partition to one
-/// lane, so partitions are disjoint, each keeps its order, and its offsets are committed by its lane after that
-/// lane's batch commits; a rebalance among the lanes is one among any consumers of the group. A lane that fails
-/// stops the others: the pipeline stops as one.
-async fn run_pipeline(
-    settings: &Settings,
-    r: Ready,
-    metrics: PipelineMetrics,
-    health: Health,
-    shutdown: Shutdown,
-    faults: Faults,
-    outbox: Option<crate::outbox::relay::Signals>,
-) -> Result<(), PipelineFailure> {
-    let lanes = r.pipeline.batch.concurrency;
-    if lanes <= 1 {
-        return run_lane(settings, r, metrics, health, shutdown, faults, None, outbox).await;
-    }
-    let (stop, lane_shutdown) = crate::shutdown::channel();
-    let stop = std::sync::Arc::new(stop);
-    let forward = {
-        let (stop, mut shutdown) = (stop.clone(), shutdown);
-        tokio::spawn(async move {
-            shutdown.wait().await;
-            stop.trigger();
-        })
-    };
-    /// Stops the other lanes when its lane ends, however it ends (an error, a panic, an injected crash).
-    struct StopOthers(std::sync::Arc<crate::shutdown::Trigger>);
-    impl Drop for StopOthers {
-        fn drop(&mut self) {
-            self.0.trigger();
-        }
-    }
-    let mut set = tokio::task::JoinSet::new();
-    for lane in 0..lanes {
-        let (settings, r, metrics, health) = (lane_settings(settings, lane), r.clone(), metrics.lane(lane), health.clone());
-        let (shutdown, stop) = (lane_shutdown.clone(), StopOthers(stop.clone()));
-        let span = tracing::info_span!("lane", lane);
-        let outbox = outbox.clone();
-        set.spawn(
-            async move {
-                let _stop = stop;
-                run_lane(&settings, r, metrics, health, shutdown, faults, Some(lane), outbox).await
-            }
-            .instrument(span),
-        );
-    }
-    let mut outcome = Ok(());
-    let mut panicked = None;
-    // Every lane ends (the first to end stops the others) before the pipeline does, a panic included.
-    while let Some(joined) = set.join_next().await {
-        match joined {
-            Ok(Err(e)) if outcome.is_ok() => outcome = Err(e),
-            Ok(_) => {}
-            Err(e) if e.is_panic() && panicked.is_none() => panicked = Some(e.into_panic()),
-            Err(_) => {}
-        }
-    }
-    forward.abort();
-    if let Some(payload) = panicked {
-        std::panic::resume_unwind(payload);
-    }
-    outcome
-}
-
-/// The settings of lane `lane`: a static group membership (`group.instance.id` in `[kafka.properties]`) gets the
-/// lane's number after it, since Kafka lets one member at a time hold a static id.
-fn lane_settings(settings: &Settings, lane: usize) -> Settings {
-    let mut settings = settings.clone();
-    if let Some(id) = settings.kafka.properties.get_mut("group.instance.id") {
-        *id = crate::source::kafka::PropertyValue::Text(format!("{id}-{lane}"));
-    }
-    settings
-}
-
-/// One lane of a pipeline (all of it unless `batch.concurrency` > 1; `lane` is then its number): source ->
-/// prepare -> sink transaction -> offset commit, batch after batch, until shutdown.
-async fn run_lane(
-    settings: &Settings,
-    r: Ready,
-    metrics: PipelineMetrics,
-    health: Health,
-    mut shutdown: Shutdown,
-    faults: Faults,
-    lane: Option<usize>,
-    outbox: Option<crate::outbox::relay::Signals>,
-) -> Result<(), PipelineFailure> {
-    let name = r.pipeline.name.clone();
-    let mut commits = 0u64;
-    let source_error = |message| PipelineFailure::Source { pipeline: name.clone(), message };
-    let owner = lane.map_or_else(owner, |lane| format!("{}/{lane}", owner()));
-    let stored = (r.pipeline.offsets == OffsetStore::Database).then(|| StoredStart {
-        store: crate::store::PositionStore::new(r.store.clone()),
-        owner: owner.clone(),
-        runtime: tokio::runtime::Handle::current(),
-        shutdown: shutdown.clone(),
-    });
-    let (brokers, context) = (settings.brokers(), r.pipeline.source_context());
-    let mut source = Source::new(&brokers, &context, metrics.clone(), stored).map_err(source_error)?;
-    let dead_letter_out = DeadLetterOut::new(&brokers.kafka, brokers.rabbitmq.as_ref(), &context).map_err(source_error)?;
-    tracing::info!(pipeline = %name, source = r.pipeline.source.kind(), streams = ?r.pipeline.source.streams(), "pipeline started");
-    let attempts_lane = Attempt::lane(&owner);
-    let mut step = Step {
-        ready: r.clone(),
-        metrics: &metrics,
-        health: &health,
-        window: DeadLetterWindow::new(r.pipeline.dead_letters.clone()),
-        dead_letter_out: dead_letter_out.as_ref(),
-        owner,
-        batch_timeout: settings.database.as_ref().map(|d| d.batch_timeout).filter(|d| !d.is_zero()),
-        ahead: Ahead::new(r.pipeline.batch.max_records),
-        lose_commit_answer: false,
-        attempts_lane,
-        floors: Vec::new(),
-    };
-    let mut outcome = Ok(());
-    let mut batches = 0u64;
-    let mut checked = Instant::now();
-    while let Some(mut batch) = source.next_batch(r.pipeline.batch, &mut shutdown).await {
-        // Once a second (between batches, or idle), a store that can lose acknowledged writes (Redis, after a crash
-        // or a failover) is asked whether it still holds the positions this worker stored: a quiet partition must
-        // not wait for its next record to have its lost effects applied again.
-        if batch.is_empty() || checked.elapsed() >= LOST_POSITIONS_EVERY {
-            checked = Instant::now();
-            if let Err(e) = step.resync_lost(&mut source, &mut batch).await {
-                outcome = Err(PipelineFailure::Fatal { pipeline: name.clone(), source: e });
-                break;
-            }
-        }
-        if batch.is_empty() {
-            continue;
-        }
-        // Back-pressure: while the outbox is over its bounds the batch is held, consumption paused, until the relay
-        // catches up (the relay logs the pause and its end, and /readyz says why).
-        if let Some(signals) = &outbox {
-            let mut stopped = false;
-            while signals.paused().is_some() {
-                if !source.pause_for(OUTBOX_PAUSE_STEP, &mut batch, &mut shutdown).await {
-                    stopped = true;
-                    break;
-                }
-            }
-            if stopped {
-                break;
-            }
-            if batch.is_empty() {
-                continue;
-            }
-        }
-        let span = tracing::info_span!(
-            "batch", pipeline = %name, records = batch.len(),
-            first = %batch[0].position, last = %batch[batch.len() - 1].position
-        );
-        batches += 1;
-        step.lose_commit_answer = faults.lose_commit_answer == Some(batches);
-        let done = step.process(&mut source, batch, &mut shutdown).instrument(span).await;
-        match done {
-            Ok(Some(batch)) => {
-                commits += 1;
-                if let Some(signals) = &outbox {
-                    signals.wake();
-                }
-                if faults.crash_after_commits == Some(commits) {
-                    if faults.abort {
-                        eprintln!("injected crash ({CRASH_AFTER_COMMITS_VAR}): pipeline {name} aborts the process after the database commit, before the offset commit");
-                        std::process::abort();
-                    }
-                    tracing::warn!(pipeline = %name, "injected crash: stopping after the database commit, before the offset commit");
-                    source.abandon().await; // closes the consumer without committing or acknowledging this batch
-                    return Ok(());
-                }
-                source.commit(&batch).await;
-                // A group that started over below what was processed moves on past it (once committed, above).
-                source.skip_to_floors(&std::mem::take(&mut step.floors));
-            }
-            Ok(None) => break, // shutdown while retrying: nothing of this batch is committed; it will be redelivered
-            Err(e) => {
-                outcome = Err(PipelineFailure::Fatal { pipeline: name.clone(), source: e });
-                break;
-            }
-        }
-    }
-    if let (Ok(()), Some(why)) = (&outcome, source.fatal()) {
-        outcome = Err(PipelineFailure::Source { pipeline: name.clone(), message: why });
-    }
-    source.close().await;
-    outcome
-}
-
-/// How long a lane holds its batch, consumption paused, before it looks at the outbox's back-pressure again.
-const OUTBOX_PAUSE_STEP: Duration = Duration::from_millis(500);
 
 /// The dead letters of the most recent records, for the `[dead_letters] max_ratio` guard. Whole batches are
 /// kept while they fit in `window` records (the newest batch always counts).
@@ -538,7 +78,7 @@ impl DeadLetterWindow {
 }
 
 /// What one pipeline needs to process a batch.
-struct Step<'a> {
+pub(super) struct Step<'a> {
     /// The pipeline, rebuilt when its side effect's schema changes.
     ready: Ready,
     metrics: &'a PipelineMetrics,
@@ -552,15 +92,39 @@ struct Step<'a> {
     /// The records received while a batch is in its transaction, prepared for the next one then.
     ahead: Ahead,
     /// Fault injection: the answer of the next batch's first `COMMIT` is lost ([`Faults::lose_commit_answer`]).
-    lose_commit_answer: bool,
+    pub(super) lose_commit_answer: bool,
     /// This lane's row in the store's attempts table ([`Attempt::lane`]).
     attempts_lane: std::sync::Arc<str>,
     /// The processed floors the last committed batch ended below ([`crate::sink::BatchOutcome::floors`]), for the
     /// source to move on to once the batch is committed to the broker.
-    floors: Vec<crate::offsets::PassedFloor>,
+    pub(super) floors: Vec<crate::offsets::PassedFloor>,
 }
 
-impl Step<'_> {
+impl<'a> Step<'a> {
+    /// The step of a lane whose attempts are recorded as `owner`'s; `batch_timeout` is `[database] batch_timeout`.
+    pub(super) fn new(
+        ready: Ready,
+        metrics: &'a PipelineMetrics,
+        health: &'a Health,
+        dead_letter_out: Option<&'a DeadLetterOut>,
+        owner: String,
+        batch_timeout: Option<Duration>,
+    ) -> Self {
+        Step {
+            window: DeadLetterWindow::new(ready.pipeline.dead_letters.clone()),
+            ahead: Ahead::new(ready.pipeline.batch.max_records),
+            attempts_lane: Attempt::lane(&owner),
+            ready,
+            metrics,
+            health,
+            dead_letter_out,
+            owner,
+            batch_timeout,
+            lose_commit_answer: false,
+            floors: Vec::new(),
+        }
+    }
+
     /// Takes the pipeline rebuilt after a schema change. What was prepared ahead was prepared through the statements
     /// as they were: dropped with them (the only place `ready` changes).
     fn rebuilt(&mut self, ready: Ready) {
@@ -573,7 +137,7 @@ impl Step<'_> {
     /// check.
     ///
     /// Errors: the store holds no position at all for a partition, or the source could not be moved.
-    async fn resync_lost(&mut self, source: &mut Source, batch: &mut Vec<Record>) -> Result<(), SinkError> {
+    pub(super) async fn resync_lost(&mut self, source: &mut Source, batch: &mut Vec<Record>) -> Result<(), SinkError> {
         let lost = match self.ready.store.lost_positions(&self.ready.pipeline.name, &source.owned()).await {
             Ok(lost) => lost,
             Err(e) => {
@@ -591,7 +155,7 @@ impl Step<'_> {
     /// Prepares and applies one batch, retrying retryable failures with exponential backoff and jitter while
     /// consumption is paused. Returns the batch as committed (records of revoked partitions dropped on the way),
     /// or `None` when shutdown came while waiting to retry (nothing of the batch is committed to the broker then).
-    async fn process(
+    pub(super) async fn process(
         &mut self,
         source: &mut Source,
         records: Vec<Record>,
@@ -909,17 +473,10 @@ async fn resync(
     }
 }
 
-/// Who claims partitions, as recorded in `idemflow.offsets.owner`: `$HOSTNAME/pid` (the container name under
-/// Docker and Kubernetes), and `/lane` after it for a pipeline with `batch.concurrency` > 1.
-fn owner() -> String {
-    let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "unknown-host".to_owned());
-    format!("{host}/{}", std::process::id())
-}
-
 const MAX_RETRY_DELAY: Duration = Duration::from_secs(30);
 
 /// How often the worker asks its store whether it lost the positions this worker stored ([`Store::lost_positions`]).
-const LOST_POSITIONS_EVERY: Duration = Duration::from_secs(1);
+pub(super) const LOST_POSITIONS_EVERY: Duration = Duration::from_secs(1);
 
 fn retry_backoff() -> impl Iterator<Item = Duration> {
     backoff(Duration::from_millis(100), MAX_RETRY_DELAY)
