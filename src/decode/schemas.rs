@@ -183,9 +183,11 @@ impl Schemas {
             }
             Answer::Missing(why) => {
                 let now = Instant::now();
+                // Every "missing" answer keeps the burst going; a new id's wait starts with it.
+                let burst = self.burst_started(now);
                 let first = match by_id.get(&id) {
                     Some(Entry::Missing { first, .. }) => *first,
-                    _ => self.burst_started(now),
+                    _ => burst,
                 };
                 if by_id.len() >= MAX_MISSING {
                     let stale = self.inner.wait.saturating_mul(10);
@@ -224,8 +226,9 @@ impl Schemas {
         waiting.map_or(Ok(()), Err)
     }
 
-    /// When the wait of an id first missing `now` starts: `now`, or the start of the burst of missing ids under
-    /// way (an id has been missing, with no pause of `missing_schema_wait` since the burst began).
+    /// A "missing" answer came `now`: returns when the wait of an id first missing now starts: `now`, or the start
+    /// of the burst of missing ids under way (every answer since it began came within `missing_schema_wait` of the
+    /// one before).
     fn burst_started(&self, now: Instant) -> Instant {
         let mut since = self.inner.missing_since.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let start = match *since {

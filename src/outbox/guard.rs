@@ -35,7 +35,7 @@ impl HostRule {
             let lower = entry.trim().to_ascii_lowercase();
             let name = lower.strip_prefix('.').unwrap_or(&lower);
             let plain = !name.is_empty() && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '.' || !c.is_ascii());
-            if !plain || name.starts_with('.') || name.ends_with('.') {
+            if !plain || name.starts_with('.') || name.ends_with('.') || name.contains("..") {
                 return Err(format!(
                     "{entry:?} is not a host name or a .suffix (write api.example.com, or .example.com for its subdomains; no scheme, port or path)"
                 ));

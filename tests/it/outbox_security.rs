@@ -11,9 +11,10 @@ use std::time::Duration;
 
 const PAYMENTS: &str = "CREATE TABLE payments (id text PRIMARY KEY)";
 
-/// The settings of every pipeline here: the table, then `[sink.params]` and the target (`http`, TOML lines of a
-/// `[[sink.http]]`), a quick relay.
-fn pipeline(topic: &str, http: &str) -> String {
+/// The settings of every pipeline here: the table, then `[sink.params]` (`order` and each of `params`, a field of
+/// the same name with a default) and the target (`http`, TOML lines of a `[[sink.http]]`), a quick relay.
+fn pipeline(topic: &str, params: &[(&str, &str)], http: &str) -> String {
+    let params: String = params.iter().map(|(name, default)| format!("{name} = {{ field = \"/{name}\", default = \"{default}\" }}\n")).collect();
     format!(
         r#"topics = ["{topic}"]
 [key]
@@ -24,10 +25,7 @@ table = "payments"
 id = "/id"
 [sink.params]
 order = "/id"
-host = {{ field = "/host", default = "127.0.0.1" }}
-account = {{ field = "/account", default = "acct-1" }}
-amount = {{ field = "/amount", default = "1" }}
-[[sink.http]]
+{params}[[sink.http]]
 name = "provider"
 timeout = "2s"
 max_attempts = 2
@@ -40,6 +38,9 @@ lease = "8s"
 "#
     )
 }
+
+/// The parameters of a URL whose host and account come from a record.
+const HOST_PARAMS: &[(&str, &str)] = &[("host", "127.0.0.1"), ("account", "acct-1")];
 
 /// The provider's log: every request's method, path and headers.
 fn log(provider: &Provider) -> Vec<Value> {
@@ -72,11 +73,11 @@ async fn a_record_never_moves_a_request_to_another_host_or_path() {
     let port = provider.port;
     let target = format!(
         "url = \"http://{{host}}:{port}/v1/accounts/{{account}}/charges\"\nallow_hosts = [\"127.0.0.1\"]\nallow_private_addresses = true\n\
-         headers = {{ Authorization = {{ env = \"IDEMFLOW_TEST_PAY_TOKEN\", prefix = \"Bearer \" }} }}\nbody = {{ order = \"{{order}}\" }}"
+         headers = {{ Authorization = {{ env = \"OUTBOX_TEST_PAY_TOKEN\", prefix = \"Bearer \" }} }}\nbody = {{ order = \"{{order}}\" }}"
     );
     // Refused without allow_hosts, naming the field.
     let unguarded = target.replace("allow_hosts = [\"127.0.0.1\"]\nallow_private_addresses = true\n", "");
-    let refused = Setup::new(&db, &kafka, &[("orders.toml", &pipeline(&topic, &unguarded))]);
+    let refused = Setup::new(&db, &kafka, &[("orders.toml", &pipeline(&topic, HOST_PARAMS, &unguarded))]);
     let (status, out, err) = idemflow(&["check", "--config", refused.config.to_str().unwrap()], refused.dir.path());
     assert!(!status.success(), "{out}\n{err}");
     assert!(format!("{out}{err}").contains("sink.http.url: its scheme or host comes from a record's values"), "{out}\n{err}");
@@ -92,8 +93,8 @@ async fn a_record_never_moves_a_request_to_another_host_or_path() {
         r#"{"id":"bad-empty","account":""}"#,
     ];
     kafka.produce(&topic, &records.iter().map(|r| Out::json(0, *r)).collect::<Vec<_>>());
-    let setup = Setup::new(&db, &kafka, &[("orders.toml", &pipeline(&topic, &target))]);
-    let mut w = BinWorker::start_with_env(&setup, &[("IDEMFLOW_TEST_PAY_TOKEN", "tok-123")]);
+    let setup = Setup::new(&db, &kafka, &[("orders.toml", &pipeline(&topic, HOST_PARAMS, &target))]);
+    let mut w = BinWorker::start_with_env(&setup, &[("OUTBOX_TEST_PAY_TOKEN", "tok-123")]);
     wait_until(Duration::from_secs(60), "two charges and seven param_invalid dead letters", || async {
         provider.state()["charges"] == 2 && dead_letters(&db, "param_invalid").await.len() == 7
     })
@@ -116,8 +117,8 @@ async fn a_record_never_moves_a_request_to_another_host_or_path() {
     kafka.create_topic(&topic2, 1);
     kafka.produce(&topic2, &[Out::json(0, r#"{"id":"private-1"}"#)]);
     let db2 = TestDb::new(PAYMENTS).await;
-    let setup = Setup::new(&db2, &kafka, &[("orders.toml", &pipeline(&topic2, &strict))]);
-    let mut w = BinWorker::start_with_env(&setup, &[("IDEMFLOW_TEST_PAY_TOKEN", "tok-123")]);
+    let setup = Setup::new(&db2, &kafka, &[("orders.toml", &pipeline(&topic2, HOST_PARAMS, &strict))]);
+    let mut w = BinWorker::start_with_env(&setup, &[("OUTBOX_TEST_PAY_TOKEN", "tok-123")]);
     wait_until(Duration::from_secs(60), "the loopback address refused", || async {
         dead_letters(&db2, "param_invalid").await.iter().any(|(_, e)| e.contains("not a public address"))
     })
@@ -142,12 +143,12 @@ async fn secrets_are_named_and_never_stored_shown_or_logged() {
     std::fs::write(&token, "file-s3cr3t\n").unwrap();
     let hook = format!("{}/hooks/T0/B0/path-s3cr3t", provider.url());
     let target = format!(
-        "url = {{ env = \"IDEMFLOW_TEST_HOOK_URL\" }}\nheaders = {{ Authorization = {{ file = \"{}\", prefix = \"Bearer \" }} }}\n\
-         body = {{ order = \"{{order}}\", amount = \"{{amount:number}}\", api_key = {{ env = \"IDEMFLOW_TEST_BODY_KEY\" }} }}",
+        "url = {{ env = \"OUTBOX_TEST_HOOK_URL\" }}\nheaders = {{ Authorization = {{ file = \"{}\", prefix = \"Bearer \" }} }}\n\
+         body = {{ order = \"{{order}}\", amount = \"{{amount:number}}\", api_key = {{ env = \"OUTBOX_TEST_BODY_KEY\" }} }}",
         token.display()
     );
-    let setup = Setup::new(&db, &kafka, &[("orders.toml", &pipeline(&topic, &target))]);
-    let env = [("IDEMFLOW_TEST_HOOK_URL", hook.as_str()), ("IDEMFLOW_TEST_BODY_KEY", "body-s3cr3t")];
+    let setup = Setup::new(&db, &kafka, &[("orders.toml", &pipeline(&topic, &[("amount", "1")], &target))]);
+    let env = [("OUTBOX_TEST_HOOK_URL", hook.as_str()), ("OUTBOX_TEST_BODY_KEY", "body-s3cr3t")];
     // One charge goes through; the next answers 422 and is dead-lettered; one record's amount is not a number.
     kafka.produce(&topic, &[Out::json(0, r#"{"id":"o-1","amount":"12.50"}"#)]);
     let mut w = BinWorker::start_with_env(&setup, &env);
@@ -181,10 +182,10 @@ async fn secrets_are_named_and_never_stored_shown_or_logged() {
             assert!(!text.contains(secret), "{secret} is in {what}: {text}");
         }
     }
-    assert!(shown.contains("idemflow-secret-url:env IDEMFLOW_TEST_HOOK_URL"), "the row names its secret: {shown}");
+    assert!(shown.contains("idemflow-secret-url:env OUTBOX_TEST_HOOK_URL"), "the row names its secret: {shown}");
     let (status, out, err) = idemflow(&["check", "--config", setup.config.to_str().unwrap()], setup.dir.path());
     assert!(!status.success(), "the secrets are not set in check's environment: {out}\n{err}");
-    assert!(format!("{out}{err}").contains("the secret of env IDEMFLOW_TEST_HOOK_URL is not set"), "{out}\n{err}");
+    assert!(format!("{out}{err}").contains("the secret of env OUTBOX_TEST_HOOK_URL is not set"), "{out}\n{err}");
 }
 
 /// A row written for another origin (the pipeline's target moved to a new host while requests waited) is not sent
@@ -200,7 +201,7 @@ async fn a_row_written_for_another_origin_is_re_homed_by_a_replay_never_sent_wit
     kafka.create_topic(&topic, 1);
     let target = |base: &str| format!("url = \"{base}/v1/charges\"\nheaders = {{ Authorization = \"Bearer new-credential\" }}\nbody = {{ order = \"{{order}}\" }}");
     old.fault(serde_json::json!({"status": 503, "count": -1}));
-    let setup = Setup::new(&db, &kafka, &[("orders.toml", &pipeline(&topic, &target(&old.url()).replace("max_attempts = 2", "max_attempts = 50")))]);
+    let setup = Setup::new(&db, &kafka, &[("orders.toml", &pipeline(&topic, &[], &target(&old.url())).replace("max_attempts = 2", "max_attempts = 50"))]);
     kafka.produce(&topic, &[Out::json(0, r#"{"id":"o-1"}"#)]);
     let mut w = BinWorker::start(&setup);
     wait_until(Duration::from_secs(60), "the request waiting in the outbox", || async {
@@ -208,7 +209,7 @@ async fn a_row_written_for_another_origin_is_re_homed_by_a_replay_never_sent_wit
     })
     .await;
     w.sigterm();
-    std::fs::write(setup.dir.path().join("pipelines/orders.toml"), pipeline(&topic, &target(&new.url()))).unwrap();
+    std::fs::write(setup.dir.path().join("pipelines/orders.toml"), pipeline(&topic, &[], &target(&new.url()))).unwrap();
     let mut w = BinWorker::start(&setup);
     wait_until(Duration::from_secs(60), "the old origin's row dead-lettered", || async {
         dead_letters(&db, "delivery_failed").await.len() == 1
