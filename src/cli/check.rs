@@ -236,22 +236,25 @@ async fn find(a: &CheckArgs) -> Findings {
 async fn outbox_targets(p: &config::Pipeline, kafka: &idemflow::source::kafka::KafkaSettings, findings: &mut Findings) {
     use idemflow::outbox::deliver::{reachable, Unreachable};
     let Some(outbox) = &p.outbox else { return };
-    // Secrets are named, never shown: whether each can be read now.
+    // Secrets are named, never shown: whether each can be read now, and go where it is used.
+    let unusable = outbox.unreadable_secrets();
     for (field, secret) in outbox.secrets() {
-        match secret.resolve() {
-            Ok(_) => findings.line(format!("pipeline {:?}: {field}: the secret of {} is readable", p.name, secret.describe())),
-            Err(why) => findings.problems.push(pipeline_problem(p, &field, why)),
+        match unusable.iter().find(|(f, _)| *f == field) {
+            None => findings.line(format!("pipeline {:?}: {field}: the secret of {} is readable", p.name, secret.describe())),
+            Some((_, why)) => findings.problems.push(pipeline_problem(p, &field, why.clone())),
         }
     }
     for (field, warning) in outbox.warnings() {
         findings.line(format!("warning: pipeline {:?}: {field}: {warning}", p.name));
     }
     for t in &outbox.http {
+        // A secret URL's host is not shown (its whole URL is the secret).
+        if t.secret_url.is_some() {
+            findings.line(format!("pipeline {:?}: sink.http {}: its URL is a secret, read when each request is sent (not shown)", p.name, t.name));
+            continue;
+        }
         match reachable(t, std::time::Duration::from_secs(5)).await {
             Ok(Some(what)) => findings.line(format!("pipeline {:?}: sink.http {}: {what}", p.name, t.name)),
-            Ok(None) if t.secret_url.is_some() => {
-                findings.line(format!("pipeline {:?}: sink.http {}: its URL is a secret, read when each request is sent", p.name, t.name))
-            }
             Ok(None) => findings.line(format!(
                 "pipeline {:?}: sink.http {}: its host comes from the record's values, checked against allow_hosts{} when each request is prepared and sent",
                 p.name,

@@ -208,16 +208,14 @@ async fn requeue(settings: &Settings, store: &Store, d: &idemflow::dead_letter::
             settings.pipelines.display()
         );
     };
-    let rehome = serde_json::Value::Object(
-        outbox
-            .http
-            .iter()
-            .filter_map(|t| {
-                let home = t.url.literal().filter(|_| t.secret_url.is_some()).or_else(|| t.origin.as_ref().map(|o| o.0.clone()));
-                home.map(|h| (t.name.clone(), serde_json::Value::String(h)))
-            })
-            .collect(),
-    );
+    // An origin replaces a URL's scheme and authority; `=` and a text replaces it whole (a secret URL's marker, a
+    // fixed Kafka topic).
+    let http = outbox.http.iter().filter_map(|t| {
+        let whole = t.url.literal().filter(|_| t.secret_url.is_some()).map(|marker| format!("={marker}"));
+        whole.or_else(|| t.origin.as_ref().map(|o| o.0.clone())).map(|home| (t.name.clone(), home))
+    });
+    let kafka = outbox.kafka.iter().filter_map(|t| t.topic.literal().map(|topic| (t.name.clone(), format!("={topic}"))));
+    let rehome = serde_json::Value::Object(http.chain(kafka).map(|(name, home)| (name, serde_json::Value::String(home))).collect());
     let Some(row) = store.outbox_requeue(id, &rehome.to_string()).await? else {
         bail!("dead letter {id} keeps no request to send again (written before migration 13, or replayed meanwhile)");
     };

@@ -11,8 +11,9 @@
 //! asked again with the retries' back-off; after that its records go to the dead letters (`decode_failed`). A
 //! record is dead-lettered for a missing schema only on an answer at most [`FRESH_ANSWER`] old: an id the registry
 //! learns later is read from then on. The wait is one per burst: an id first missing while others have been missing
-//! for the whole wait already (a stream of payloads naming random ids) is not waited on again, so a burst of
-//! unknown ids costs one wait, not one per batch. A schema that cannot be read (it does not parse, it is of a type
+//! for the whole wait already (a stream of payloads naming random ids, each new) is not waited on again, so a burst of
+//! unknown ids costs one wait, not one per batch; a burst ends when an id is found, or when no new id has been
+//! missing for `missing_schema_wait` (an old id asked again does not keep it going). A schema that cannot be read (it does not parse, it is of a type
 //! idemflow does not read, it and its references are over [`MAX_SCHEMA_BYTES`]) is kept as such: its records are
 //! dead letters at once.
 
@@ -177,17 +178,23 @@ impl Schemas {
         match answer {
             Answer::Found(known, bytes) => {
                 tracing::info!(schema_id = id, kind = known.kind(), registry = self.inner.registry.url(), "schema fetched");
+                // The registry knows what it was asked: a burst of unknown ids is over.
+                *self.inner.missing_since.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = None;
                 self.evict(&mut by_id, bytes);
                 by_id.insert(id, Entry::Ready(Arc::new(known), bytes, AtomicU64::new(self.now_ms())));
                 Ok(())
             }
             Answer::Missing(why) => {
                 let now = Instant::now();
-                // Every "missing" answer keeps the burst going; a new id's wait starts with it.
-                let burst = self.burst_started(now);
+                // A new id's miss, or a miss of an id still waited on, keeps the burst going (a new id's wait starts
+                // with it); asking again for an id past its wait (its verdict refreshed) does not.
                 let first = match by_id.get(&id) {
-                    Some(Entry::Missing { first, .. }) => *first,
-                    _ => burst,
+                    Some(Entry::Missing { first, .. }) if first.elapsed() >= self.inner.wait => *first,
+                    Some(Entry::Missing { first, .. }) => {
+                        self.burst_started(now);
+                        *first
+                    }
+                    _ => self.burst_started(now),
                 };
                 if by_id.len() >= MAX_MISSING {
                     let stale = self.inner.wait.saturating_mul(10);
@@ -226,9 +233,9 @@ impl Schemas {
         waiting.map_or(Ok(()), Err)
     }
 
-    /// A "missing" answer came `now`: returns when the wait of an id first missing now starts: `now`, or the start
-    /// of the burst of missing ids under way (every answer since it began came within `missing_schema_wait` of the
-    /// one before).
+    /// A "missing" answer of a new id, or of one still waited on, came `now`: returns when the wait of an id first
+    /// missing now starts: `now`, or the start of the burst of missing ids under way (every such answer since it began
+    /// came within `missing_schema_wait` of the one before, and no id was found since).
     fn burst_started(&self, now: Instant) -> Instant {
         let mut since = self.inner.missing_since.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let start = match *since {
@@ -271,7 +278,13 @@ impl Schemas {
     /// Whether `id`'s schema is fetched (not missing, not unknown): a record naming it may be prepared ahead of its
     /// batch, its schema never to change.
     pub fn is_ready(&self, id: u32) -> bool {
-        matches!(self.inner.by_id.read().unwrap_or_else(std::sync::PoisonError::into_inner).get(&id), Some(Entry::Ready(..)))
+        match self.inner.by_id.read().unwrap_or_else(std::sync::PoisonError::into_inner).get(&id) {
+            Some(Entry::Ready(_, _, used)) => {
+                used.store(self.now_ms(), Ordering::Relaxed);
+                true
+            }
+            _ => false,
+        }
     }
 
     /// Asks the registry for `id` and the schemas it references, and reads what it answers.

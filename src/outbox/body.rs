@@ -172,7 +172,7 @@ pub fn json_template(v: toml::Value, e: &mut dyn FnMut(String), known: &dyn Fn(&
                 }
                 return Some(JsonTemplate::Typed(name.to_owned(), ty));
             }
-            let arg = super::spec::template(&s, known, e)?;
+            let arg = super::placeholders::template(&s, known, e)?;
             match (arg.literal(), arg.0.as_slice()) {
                 (Some(text), _) => JsonTemplate::Literal(serde_json::Value::String(text)),
                 (None, [Piece::Param(name)]) => JsonTemplate::Value(name.clone()),

@@ -118,6 +118,7 @@ pub fn outgoing(target: &HttpTarget, row: &OutboxRequest) -> Result<Outgoing, Ou
         headers.push((name.clone(), secret.resolve().map_err(|why| unreadable(format!("header {name}: {why}")))?));
     }
     headers.extend(row.headers.iter().cloned());
+    super::render::fits(&target.body, &row.body).map_err(rejected)?;
     let body = super::render::with_secrets(&target.body, &row.body).map_err(unreadable)?;
     Ok(Outgoing { url, headers, body })
 }

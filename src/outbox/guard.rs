@@ -40,10 +40,16 @@ impl HostRule {
                     "{entry:?} is not a host name or a .suffix (write api.example.com, or .example.com for its subdomains; no scheme, port or path)"
                 ));
             }
+            // As the URL parser writes a host (IDNA: `bücher.example` is `xn--bcher-kva.example`).
+            let ascii = match url::Host::parse(name) {
+                Ok(url::Host::Domain(d)) => d,
+                Ok(other) => other.to_string(),
+                Err(_) => return Err(format!("{entry:?} is not a host name or a .suffix")),
+            };
             if lower.starts_with('.') {
-                rule.suffixes.push(lower);
+                rule.suffixes.push(format!(".{ascii}"));
             } else {
-                rule.exact.push(lower);
+                rule.exact.push(ascii);
             }
         }
         Ok(rule)
@@ -133,6 +139,11 @@ fn public_v6(ip: Ipv6Addr) -> bool {
     }
     if s[0] == 0x64 && s[1] == 0xff9b && s[2..6] == [0; 4] {
         return public_v4(embedded(s[6], s[7]));
+    }
+    // The local-use NAT64 prefix (RFC 8215, 64:ff9b:1::/48): its IPv4 address sits where the network chose; none of
+    // it is public.
+    if s[0] == 0x64 && s[1] == 0xff9b && s[2] == 1 {
+        return false;
     }
     if s[0] == 0x2002 {
         return public_v4(embedded(s[1], s[2]));
@@ -262,6 +273,8 @@ mod tests {
         for refused in ["hooks.example.org", "evilhooks.example.org", "api.example.com.evil.com", "example.com", "127.0.0.1"] {
             assert!(!rule.allows(refused), "{refused}");
         }
+        let idna = HostRule::parse(&["bücher.example".into()]).unwrap();
+        assert!(idna.allows("xn--bcher-kva.example"), "entries are compared as the URL parser writes hosts");
         for bad in ["", ".", "https://x.com", "x.com:443", "x.com/a", "{host}.x.com", "x..com"] {
             assert!(HostRule::parse(&[bad.into()]).is_err(), "{bad}");
         }
@@ -280,7 +293,7 @@ mod tests {
         for private in [
             "127.0.0.1", "10.1.2.3", "172.16.0.1", "192.168.1.1", "169.254.169.254", "100.64.0.1", "0.0.0.0", "224.0.0.1",
             "255.255.255.255", "::1", "::", "fc00::1", "fd12::1", "fe80::1", "::ffff:127.0.0.1", "::ffff:169.254.169.254",
-            "64:ff9b::a9fe:a9fe", "2002:7f00:1::", "::7f00:1", "ff02::1",
+            "64:ff9b::a9fe:a9fe", "64:ff9b:1::a9fe:a9fe", "2002:7f00:1::", "::7f00:1", "ff02::1",
         ] {
             assert!(!public(private.parse().unwrap()), "{private}");
         }

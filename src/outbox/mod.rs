@@ -6,7 +6,8 @@
 //! the crash points.
 //!
 //! - [`spec`]: `[[sink.http]]` and `[outbox]`, checked; [`body`]: a body's JSON template; [`secret`]: values
-//!   named instead of written; [`guard`]: what a record may steer (hosts, paths, topics, origins).
+//!   named instead of written; [`guard`]: what a record may steer (hosts, paths, topics, origins); [`placeholders`]:
+//!   `{name}` in a target's text.
 //! - [`render`]: one record's requests, when it is prepared.
 //! - [`deliver`]: one attempt over HTTP, and what its answer means.
 //! - [`relay`]: leases, deliveries, outcomes recorded, back-pressure.
@@ -14,6 +15,7 @@
 pub mod body;
 pub mod deliver;
 pub mod guard;
+pub mod placeholders;
 pub mod relay;
 pub mod render;
 pub mod secret;

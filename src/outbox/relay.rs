@@ -109,7 +109,8 @@ impl Relay {
         // mounted): the pipeline does not start without it.
         let unreadable = spec.unreadable_secrets();
         if !unreadable.is_empty() {
-            return Err(format!("the outbox's secrets cannot be read: {}", unreadable.join("; ")));
+            let said: Vec<String> = unreadable.iter().map(|(field, why)| format!("{field}: {why}")).collect();
+            return Err(format!("the outbox's secrets cannot be used: {}", said.join("; ")));
         }
         for (field, warning) in spec.warnings() {
             tracing::warn!(pipeline = %pipeline, field, "{warning}");
@@ -413,9 +414,21 @@ impl Target<'_> {
             #[cfg(feature = "kafka")]
             Target::Kafka(t, producer) => {
                 use crate::source::kafka::outbox::ProduceError;
-                // A topic from a record's values is still one of allow_topics (a row of an older configuration).
+                // A topic from a record's values is still one of allow_topics, a fixed topic still the row's (a row of
+                // an older configuration goes nowhere with today's headers; a replay re-homes it).
                 if t.topics.as_ref().is_some_and(|rule| !rule.allows(&request.url)) {
                     return Outcome::Rejected { error: format!("producing to {}: not one of allow_topics", request.url) };
+                }
+                if let Some(topic) = t.topic.literal().filter(|topic| *topic != request.url) {
+                    return Outcome::Rejected {
+                        error: format!(
+                            "producing to {}: written for that topic, and the target now produces to {topic}: not sent with today's headers; `idemflow dead-letters replay` re-homes it",
+                            request.url
+                        ),
+                    };
+                }
+                if let Err(error) = super::render::fits(&t.value, &request.body) {
+                    return Outcome::Rejected { error: format!("producing to {}: {error}", request.url) };
                 }
                 // The target's headers without placeholders and its secrets, as configured now, then the row's.
                 let mut headers: Vec<(String, String)> = t.headers.iter().filter_map(|(n, a)| a.literal().map(|v| (n.clone(), v))).collect();

@@ -115,25 +115,44 @@ fn render_one<'v>(
 ///
 /// Errors: what the values would change, without them.
 fn rendered_url<'v>(t: &HttpTarget, lookup: &dyn Fn(&str) -> Option<&'v Option<String>>) -> Result<String, String> {
-    let dot = std::cell::Cell::new(false);
-    let url = text(&t.url, lookup, &|v| {
-        let encoded = utf8_percent_encode(v, URL_VALUE).to_string();
-        if dot_segment(&encoded) {
-            dot.set(true);
+    let mut url = String::new();
+    let mut in_path = true;
+    for piece in &t.url.0 {
+        match piece {
+            Piece::Text(text) => {
+                url.push_str(text);
+                in_path &= !text.contains(['?', '#']);
+            }
+            Piece::Param(name) => {
+                let Some(Some(v)) = lookup(name) else { return Err(format!("{{{name}}} is null, and text cannot hold a null")) };
+                let value = as_text(v);
+                // A value in the path never names a dot segment, not even one a server finds after decoding %2F or
+                // a backslash (`../../admin` is one segment to the URL parser, three to such a server).
+                if in_path && dotty(&value) {
+                    return Err(format!("{{{name}}} is not one path segment: it is '.' or '..', or holds one between slashes"));
+                }
+                url.push_str(&utf8_percent_encode(&value, URL_VALUE).to_string());
+            }
         }
-        encoded
-    })?;
+    }
     if t.secret_url.is_some() {
         return Ok(url);
     }
     let parsed = url::Url::parse(&url).map_err(|e| format!("the values make it no URL: {e}"))?;
     if let Some(shape) = &t.path {
-        shape.check(&parsed).map_err(|e| if dot.get() { format!("{e}; a value is empty, '.' or '..'") } else { e })?;
+        shape.check(&parsed)?;
     }
     if let Some(hosts) = &t.hosts {
         check_host(&parsed, hosts, t.private_addresses)?;
     }
     Ok(url)
+}
+
+/// Whether a value in a URL's path is, or holds between slashes or backslashes, a dot segment (`.`, `..`, or their
+/// percent-encoded forms: [`dot_segment`]). An empty value is left to the path's shape ([`super::guard::PathShape`]):
+/// glued to text it is harmless.
+fn dotty(value: &str) -> bool {
+    value.split(['/', '\\']).any(|piece| !piece.is_empty() && dot_segment(piece))
 }
 
 /// A host a record's values chose: one of `hosts`, and an IP literal public unless `private_ok`.
@@ -154,24 +173,49 @@ fn secret_marker(n: usize) -> String {
     format!("\u{0}idemflow-secret-{n}\u{0}")
 }
 
-/// A rendered body holds each of its template's secret markers once, and no other: a record's value that holds a
-/// marker's text (it would be replaced by the secret when sent) is refused.
+/// A rendered body (or a payload) holds each of its template's secret markers once, and no other: a record's value
+/// that holds a marker's text (it would be replaced by a secret when sent, under this template or a later one) is
+/// refused, whether JSON-escaped or raw.
 fn check_secret_markers(template: &Body, rendered: &[u8], what: &str) -> Result<(), String> {
-    let Body::Json(t) = template else { return Ok(()) };
-    let wanted = t.secrets().len();
-    let prefix = b"\\u0000idemflow-secret-";
-    let found = rendered.windows(prefix.len()).filter(|w| *w == prefix).count();
-    if found != wanted {
+    let wanted = match template {
+        Body::Json(t) => t.secrets().len(),
+        Body::Payload => 0,
+    };
+    if markers(rendered) != wanted {
         return Err(format!("{what}: a value holds the text idemflow marks a secret's place with (a NUL, then idemflow-secret-)"));
     }
     Ok(())
 }
 
-/// A stored body (a Kafka record's value) with its secrets' markers replaced by their values, read now
-/// (`template` is the target's body as configured now).
+/// How many secret markers `body` holds, JSON-escaped or raw.
+fn markers(body: &[u8]) -> usize {
+    let count = |needle: &[u8]| body.windows(needle.len()).filter(|w| *w == needle).count();
+    count(b"\\u0000idemflow-secret-") + count(b"\0idemflow-secret-")
+}
+
+/// Whether a stored body (a Kafka record's value) fits the target's body as configured now: it holds exactly the
+/// secret markers the template has (none for a template without secrets). A body written under another template is
+/// rejected, never filled with today's secrets.
 ///
-/// Errors: a secret cannot be read (named, never a value), or the body was written for a template with other
-/// secrets (an older configuration).
+/// Errors: why it does not fit (permanent: the row is dead-lettered).
+pub fn fits(template: &Body, stored: &[u8]) -> Result<(), String> {
+    let wanted = match template {
+        Body::Json(t) => t.secrets().len(),
+        Body::Payload => 0,
+    };
+    let found = markers(stored);
+    if found != wanted {
+        return Err(format!(
+            "its body was written for another configuration ({found} secret place(s), the target's body has {wanted}): not sent with today's secrets"
+        ));
+    }
+    Ok(())
+}
+
+/// A stored body (a Kafka record's value) with its secrets' markers replaced by their values, read now
+/// (`template` is the target's body as configured now; [`fits`] first).
+///
+/// Errors: a secret cannot be read (named, never a value), or a marker is missing.
 pub fn with_secrets(template: &Body, stored: &[u8]) -> Result<Vec<u8>, String> {
     let Body::Json(t) = template else { return Ok(stored.to_vec()) };
     let secrets: Vec<&SecretRef> = t.secrets();

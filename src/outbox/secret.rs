@@ -82,7 +82,10 @@ impl SecretRef {
     /// names the reference, never a value.
     pub fn resolve(&self) -> Result<String, String> {
         let value = match &self.source {
-            SecretSource::Env(name) => std::env::var(name).map_err(|_| format!("the secret of env {name} is not set in the worker's environment"))?,
+            SecretSource::Env(name) => std::env::var(name)
+                .map_err(|_| format!("the secret of env {name} is not set in the worker's environment"))?
+                .trim_end_matches(['\n', '\r'])
+                .to_owned(),
             SecretSource::File(path) => std::fs::read_to_string(path)
                 .map_err(|e| format!("the secret of file {} cannot be read: {}", path.display(), e.kind()))?
                 .trim_end_matches(['\n', '\r'])

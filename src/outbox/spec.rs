@@ -7,6 +7,7 @@
 
 pub use super::body::{Body, JsonTemplate, JsonType};
 use super::body::json_template;
+use super::placeholders::template;
 use super::guard::{HostRule, Origin, PathShape, TopicRule, MARK};
 pub use super::secret::{RawValue, SecretRef};
 use crate::store::redis_command::{parse_arg, Arg, Piece};
@@ -498,14 +499,21 @@ fn http_url(h: &RawHttp, known: &dyn Fn(&str) -> bool, push: &mut dyn FnMut(&str
         RawValue::Text(text) => text,
     };
     let url = template(text, known, &mut |m| push("url", m))?;
-    let sample: String = url.0.iter().map(|p| match p {
-        Piece::Text(t) => t.as_str(),
-        Piece::Param(_) => MARK,
-    }).collect();
+    let sample_with = |mark: &str| -> String {
+        url.0.iter().map(|p| match p {
+            Piece::Text(t) => t.as_str(),
+            Piece::Param(_) => mark,
+        }).collect()
+    };
+    let sample = sample_with(MARK);
     check_url(&sample, text, push);
-    let fixed = authority_fixed(&url);
+    // The scheme and authority are written in full when two different values give the same origin, and the values
+    // are not in it (`https:///{host}/x` parses with its placeholder as the host).
+    let origin = Origin::of(&sample);
+    let parses = origin.is_some();
+    let fixed = parses && origin == Origin::of(&sample_with("idemflowanotherplaceholder")) && !origin.as_ref().is_some_and(|o| o.0.contains(MARK));
     match (fixed, &h.allow_hosts) {
-        (false, None) => push(
+        (false, None) if parses => push(
             "url",
             "its scheme or host comes from a record's values (a placeholder before the path): set allow_hosts to the hosts (or .suffixes) a record may send to, \
              or write the host in full"
@@ -517,24 +525,12 @@ fn http_url(h: &RawHttp, known: &dyn Fn(&str) -> bool, push: &mut dyn FnMut(&str
     if h.allow_private_addresses.is_some() && fixed {
         push("allow_private_addresses", "is for a url whose host comes from a record's values; a host written in full is the operator's".to_owned());
     }
-    let origin = if fixed { Origin::of(&sample) } else { None };
+    let origin = if fixed { origin } else { None };
     Some(Where { path: PathShape::of(&sample), url, secret_url: None, hosts: if fixed { None } else { hosts }, origin })
 }
 
 /// What a row of a target whose URL is a secret keeps as its URL: this, then where the secret comes from.
 pub const SECRET_URL: &str = "idemflow-secret-url:";
-
-/// Whether a URL template's scheme and authority are written in full: its text before the first placeholder holds
-/// `://` and the authority's end after it (a `/`, `?` or `#`), or it has no placeholder at all.
-fn authority_fixed(url: &Arg) -> bool {
-    match url.0.iter().position(|p| matches!(p, Piece::Param(_))) {
-        None => true,
-        Some(first) => {
-            let before: String = url.0[..first].iter().map(|p| if let Piece::Text(t) = p { t.as_str() } else { "" }).collect();
-            before.split_once("://").is_some_and(|(_, rest)| rest.contains(['/', '?', '#']))
-        }
-    }
-}
 
 /// A URL template's shape: with every placeholder a marker (`sample`), it must parse as http or https with a host,
 /// and hold no user or password. `written` is the template as written (shown without its user, password and query).
@@ -764,9 +760,29 @@ impl OutboxSpec {
         http.chain(kafka).collect()
     }
 
-    /// The secrets that cannot be read now, each as `field: why` (never a value).
-    pub fn unreadable_secrets(&self) -> Vec<String> {
-        self.secrets().into_iter().filter_map(|(field, s)| s.resolve().err().map(|why| format!("{field}: {why}"))).collect()
+    /// The secrets that cannot be read now, or cannot go where they are used (a header value with a control
+    /// character, a URL that is not http or https), each as `(field, why)` (never a value).
+    pub fn unreadable_secrets(&self) -> Vec<(String, String)> {
+        let usable = |field: &str, value: &str| {
+            if field.contains(".headers.") && reqwest::header::HeaderValue::from_str(value).is_err() {
+                return Err("is not a header value (a control character)");
+            }
+            let url_ok = || url::Url::parse(value).is_ok_and(|u| matches!(u.scheme(), "http" | "https") && u.host_str().is_some());
+            if field.ends_with(".url") && !url_ok() {
+                return Err("is not an http or https URL with a host");
+            }
+            Ok(())
+        };
+        self.secrets()
+            .into_iter()
+            .filter_map(|(field, s)| {
+                let why = match s.resolve() {
+                    Err(why) => why,
+                    Ok(value) => format!("the secret of {} {}", s.describe(), usable(&field, &value).err()?),
+                };
+                Some((field, why))
+            })
+            .collect()
     }
 
     /// What looks like a credential written in clear in its targets, as `(field, warning)`.
@@ -779,31 +795,6 @@ impl OutboxSpec {
                 t.warnings().into_iter().map(move |(f, w)| (format!("{at}.{f}"), w))
             })
             .collect()
-    }
-}
-
-/// `text` as a template whose placeholders must each name a `[sink.params]` entry (`known`); each problem to
-/// `problem`, never quoting the text. `None` when it does not parse (a placeholder unknown is reported, the template kept).
-pub(super) fn template(text: &str, known: &dyn Fn(&str) -> bool, problem: &mut dyn FnMut(String)) -> Option<Arg> {
-    match parse_arg(text) {
-        Ok(arg) => {
-            for p in arg.params().filter(|p| !known(p)) {
-                problem(format!("{{{p}}} is used but has no entry in [sink.params]"));
-            }
-            Some(arg)
-        }
-        // The parser's words quote the text, which may hold a credential: said again without it.
-        Err(why) => {
-            let what = if why.contains("without its '}'") {
-                "a '{' without its '}'"
-            } else if why.contains("without its '{'") {
-                "a '}' without its '{'"
-            } else {
-                "a {...} that is not a placeholder (a [sink.params] name: letters, digits, _)"
-            };
-            problem(format!("does not read as a template: {what}; write {{{{ and }}}} for literal braces (the value is not shown: it may hold a credential)"));
-            None
-        }
     }
 }
 

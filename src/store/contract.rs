@@ -286,9 +286,9 @@ pub trait Connector: Send + Sync {
 
     /// Puts the request of dead letter `id` (reason `delivery_failed`) back in its pipeline's outbox and deletes the
     /// dead letter, in one transaction; returns the new outbox row's id, `None` when `id` is no such dead letter.
-    /// `rehome` (a JSON object, target name to where its requests go now: an origin `scheme://host:port`, or a
-    /// secret URL's marker) moves a request of a target named there to it: its URL's scheme and authority replaced
-    /// by the origin (path and query kept), or the whole URL by the marker. Default: this store keeps no outbox.
+    /// `rehome` (a JSON object, target name to where its requests go now: an origin `scheme://host:port`, or `=`
+    /// and a whole URL, a secret URL's marker or a Kafka topic) moves a request of a target named there to it: its
+    /// URL's scheme and authority replaced by the origin (path and query kept), or the whole URL by what follows `=`. Default: this store keeps no outbox.
     ///
     /// Errors: the store's; [`StoreError::Refused`] where there is no outbox.
     async fn outbox_requeue(&self, _id: i64, _rehome: &str) -> Result<Option<i64>, StoreError> {

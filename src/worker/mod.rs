@@ -236,22 +236,12 @@ pub async fn run_with_faults(
             let stopping = shutdown.clone();
             // The outbox's relay runs beside the pipeline in a task of its own, and ends its round when the pipeline
             // ends (bounded by its lease), then gives up what it still holds.
-            let outbox = match r.pipeline.outbox.clone().map(|spec| {
-                let signals = crate::outbox::relay::Signals::default();
-                // Each relay its own owner, even two in one process (tests run several workers in one).
-                static RELAYS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-                let owner = format!("{}/relay{}", Attempt::lane(&owner()), RELAYS.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
-                let relay = crate::outbox::relay::Relay::new(
-                    r.store.clone(), name.clone(), owner, spec, &settings.brokers().kafka, signals.clone(), pm_root.outbox(&name), health.clone(), faults.crash_after_deliveries,
-                );
-                relay.map(|relay| (signals, std::sync::Arc::new(relay)))
-            }) {
-                Some(Err(message)) => return Err(PipelineFailure::Source { pipeline: name.clone(), message }),
-                Some(Ok(pair)) => Some(pair),
-                None => None,
+            let outbox = match new_relay(&r, &settings, &pm_root, &health, faults) {
+                Err(message) => return Err(PipelineFailure::Source { pipeline: name.clone(), message }),
+                Ok(relay) => relay,
             };
             let (relay_stop, relay_shutdown) = crate::shutdown::channel();
-            let relay_task = outbox.as_ref().map(|(_, relay)| {
+            let mut relay_task = outbox.as_ref().map(|(_, relay)| {
                 let relay = relay.clone();
                 tokio::spawn(async move { relay.run(relay_shutdown).await }.in_current_span())
             });
@@ -263,17 +253,23 @@ pub async fn run_with_faults(
                 result = futures_util::FutureExt::catch_unwind(running) => result.unwrap_or_else(|payload| {
                     Err(PipelineFailure::Panicked { pipeline: name.clone(), message: panic_message(payload.as_ref()) })
                 }),
+                // The relay supervised: a panic of it stops the pipeline with its message, never a frozen outbox.
+                message = relay_panicked(&mut relay_task) => {
+                    Err(PipelineFailure::Panicked { pipeline: name.clone(), message: format!("its outbox relay panicked: {message}") })
+                }
                 never = Sweeper::run_if_any(sweeper.as_ref(), pm.clone(), shutdown) => match never {},
                 never = stall_watch(pm.clone()) => match never {},
             };
             if let (Some(sweeper), true) = (&sweeper, stopping.is_triggered()) {
                 sweeper.release().await;
             }
-            if let (Some(task), Some((_, relay))) = (relay_task, &outbox) {
+            if let Some((_, relay)) = &outbox {
                 relay_stop.trigger();
-                let abort = task.abort_handle();
-                if tokio::time::timeout(relay.round_bound(), task).await.is_err() {
-                    abort.abort();
+                if let Some(task) = relay_task {
+                    let abort = task.abort_handle();
+                    if tokio::time::timeout(relay.round_bound(), task).await.is_err() {
+                        abort.abort();
+                    }
                 }
                 relay.release().await;
             }
@@ -299,6 +295,43 @@ pub async fn run_with_faults(
         }
     }
     failures
+}
+
+/// The relay of `r`'s outbox, if it has one, with the signals it shares with the pipeline's lanes.
+///
+/// Errors: a target's client or producer cannot be built, or a secret cannot be used ([`crate::outbox::relay::Relay::new`]).
+fn new_relay(
+    r: &Ready,
+    settings: &Settings,
+    metrics: &Metrics,
+    health: &Health,
+    faults: Faults,
+) -> Result<Option<(crate::outbox::relay::Signals, std::sync::Arc<crate::outbox::relay::Relay>)>, String> {
+    let Some(spec) = r.pipeline.outbox.clone() else { return Ok(None) };
+    let name = &r.pipeline.name;
+    let signals = crate::outbox::relay::Signals::default();
+    // Each relay its own owner, even two in one process (tests run several workers in one).
+    static RELAYS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let owner = format!("{}/relay{}", Attempt::lane(&owner()), RELAYS.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
+    let relay = crate::outbox::relay::Relay::new(
+        r.store.clone(), name.clone(), owner, spec, &settings.brokers().kafka, signals.clone(), metrics.outbox(name), health.clone(), faults.crash_after_deliveries,
+    )?;
+    Ok(Some((signals, std::sync::Arc::new(relay))))
+}
+
+/// Waits for the relay's task (none: forever) and returns its panic's message; `task` is `None` once it ended. A
+/// relay that returns (only at shutdown, which ends the pipeline first) is waited on no more.
+async fn relay_panicked(task: &mut Option<tokio::task::JoinHandle<()>>) -> String {
+    if let Some(handle) = task.as_mut() {
+        let ended = handle.await;
+        *task = None;
+        if let Err(e) = ended {
+            if e.is_panic() {
+                return panic_message(e.into_panic().as_ref());
+            }
+        }
+    }
+    std::future::pending().await
 }
 
 /// A panic's message: its `&str` or `String` payload, or a word that it had none.

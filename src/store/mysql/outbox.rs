@@ -243,7 +243,7 @@ pub async fn requeue(pool: &MySqlPool, id: i64, rehome: &str) -> Result<Option<i
          SELECT pipeline, UNHEX(JSON_UNQUOTE(JSON_EXTRACT(request, '$.key_digest'))), JSON_UNQUOTE(JSON_EXTRACT(request, '$.target')),
                 JSON_UNQUOTE(JSON_EXTRACT(request, '$.method')),
                 CASE WHEN home IS NULL THEN JSON_UNQUOTE(JSON_EXTRACT(request, '$.url'))
-                     WHEN home LIKE 'idemflow-secret-url:%' THEN home
+                     WHEN home LIKE '=%' THEN SUBSTRING(home, 2)
                      ELSE REGEXP_REPLACE(JSON_UNQUOTE(JSON_EXTRACT(request, '$.url')), '^[A-Za-z][A-Za-z0-9+.-]*://[^/?#]*', home) END,
                 header_names, header_values, COALESCE(payload, ''), record_key, topic, `partition`, `offset`
          FROM (SELECT d.*, JSON_UNQUOTE(JSON_EXTRACT(?, CONCAT('$.\"', JSON_UNQUOTE(JSON_EXTRACT(d.request, '$.target')), '\"'))) AS home

@@ -225,7 +225,7 @@ pub async fn requeue(pool: &PgPool, id: i64, rehome: &str) -> Result<Option<i64>
            INSERT INTO idemflow.outbox (pipeline, key_digest, target, method, url, header_names, header_values, body, record_key, topic, partition, "offset")
            SELECT r.pipeline, decode(r.request->>'key_digest', 'hex'), r.request->>'target', r.request->>'method',
                   CASE WHEN r.home IS NULL THEN r.request->>'url'
-                       WHEN r.home LIKE 'idemflow-secret-url:%' THEN r.home
+                       WHEN r.home LIKE '=%' THEN substr(r.home, 2)
                        ELSE regexp_replace(r.request->>'url', '^[A-Za-z][A-Za-z0-9+.-]*://[^/?#]*', r.home) END,
                   r.header_names, ARRAY(SELECT convert_from(v, 'UTF8') FROM unnest(r.header_values) v), coalesce(r.payload, ''::bytea),
                   r.record_key, r.topic, r.partition, r."offset"
