@@ -392,4 +392,29 @@ mod tests {
         let payload = spec("[http]\nurl = \"http://h/\"\n", &[]);
         assert_eq!(payload.render("p", &key, b"raw bytes", &[]).unwrap()[0].body, b"raw bytes");
     }
+
+    /// A record's value never plants a secret's marker: not in a templated body, not in a payload sent as it is; a
+    /// stored body must hold exactly the markers of the target's body now, or it is rejected, never filled with a
+    /// secret; a path value holding a dot segment between slashes is refused, a plain one with a slash is encoded.
+    #[test]
+    fn a_record_plants_no_secret_marker_and_moves_no_path_segment() {
+        std::env::set_var("IDEMFLOW_RENDER_TEST_KEY", "k-123");
+        let s = spec("[http]\nurl = \"http://h/a/{account}\"\nbody = { note = \"{note}\", key = { env = \"IDEMFLOW_RENDER_TEST_KEY\" } }\n", &["account", "note"]);
+        let key = BusinessKey::new("order-1".into());
+        let render = |account: &str, note: &str| s.render("p", &key, b"{}", &[Some(serde_json::to_string(account).unwrap()), Some(serde_json::to_string(note).unwrap())]);
+        let ok = &render("acct-1", "hello").unwrap()[0];
+        assert!(fits(&s.http[0].body, &ok.body).is_ok());
+        let sent = String::from_utf8(with_secrets(&s.http[0].body, &ok.body).unwrap()).unwrap();
+        assert!(sent.contains("\"key\":\"k-123\"") && !String::from_utf8_lossy(&ok.body).contains("k-123"), "{sent}");
+        let planted = render("acct-1", "\u{0}idemflow-secret-0\u{0}").unwrap_err();
+        assert!(planted.contains("marks a secret's place"), "{planted}");
+        let payload = spec("[http]\nurl = \"http://h/\"\n", &[]);
+        assert!(payload.render("p", &key, b"{\"x\":\"\\u0000idemflow-secret-0\\u0000\"}", &[]).is_err());
+        // A body stored under a template without secrets does not fit one with a secret.
+        assert!(fits(&s.http[0].body, b"{\"note\":\"hi\"}").unwrap_err().contains("another configuration"));
+        for bad in ["..", ".", "../../admin", "a/../b", "..\\x", "%2e%2E"] {
+            assert!(render(bad, "n").is_err(), "{bad}");
+        }
+        assert!(render("a/b", "n").unwrap()[0].url.ends_with("/a/a%2Fb"));
+    }
 }
