@@ -294,7 +294,9 @@
 //!   there, as docs/outbox.md says (`outbox::kafka_records_are_produced_for_new_keys_with_their_idempotency_header`).
 //! - A row is deleted only after its target answered a `success` status; a lost answer is a retry. A status that
 //!   can never succeed, or the last of `max_attempts`, moves it to the dead letters in the same transaction as its
-//!   deletion, its request kept whole; `dead-letters replay` moves it back, in one transaction too. Nothing retries
+//!   deletion, its request kept whole, only while its relay still holds it (PostgreSQL in one statement; MySQL and
+//!   MariaDB lock the row first, so a row another relay leased meanwhile is never both delivered and dead-lettered),
+//!   and only the rows moved are counted and logged as dead letters; `dead-letters replay` moves it back, in one transaction too. Nothing retries
 //!   silently forever: attempts are counted at each lease, and a row leased more than `max_attempts` times without an
 //!   answer recorded (its worker stopped or crashed during each) is dead-lettered without being sent again.
 //! - Back-pressure pauses consumption (the batch in hand held, nothing committed) while the outbox is over its

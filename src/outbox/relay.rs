@@ -189,18 +189,24 @@ impl Relay {
             // An earlier outcome of a row sent again now is stale.
             pending.retain(|p| !round.iter().any(|r| r.settled.id() == p.settled.id()));
             pending.extend(round);
-            if self.record(&pending).await {
-                self.recorded(&pending);
+            if let Some(moved) = self.record(&pending).await {
+                self.recorded(&pending, &moved);
             } else {
                 *self.unrecorded.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = pending;
             }
         }
     }
 
-    /// Says what a recorded round dead-lettered (an outcome carried from an earlier round's failed record included).
-    fn recorded(&self, pending: &[Pending]) {
+    /// Says what a recorded round dead-lettered (an outcome carried from an earlier round's failed record included):
+    /// only the rows the store moved (`moved`); a failed row another relay held by then is left to it, not counted.
+    fn recorded(&self, pending: &[Pending], moved: &[i64]) {
         for p in pending {
             if let Settled::Failed { id, error } = &p.settled {
+                if !moved.contains(id) {
+                    tracing::info!(pipeline = %self.pipeline, row = id, target = %p.target,
+                        "outbox request not dead-lettered: another relay holds it now (its lease ran out), and it goes on there");
+                    continue;
+                }
                 tracing::warn!(pipeline = %self.pipeline, row = id, target = %p.target, attempts = p.attempts, error = %error,
                     "outbox request dead-lettered (delivery_failed)");
                 self.metrics.dead_lettered(&p.target);
@@ -226,7 +232,7 @@ impl Relay {
         if !pending.is_empty() {
             let settled: Vec<Settled> = pending.iter().map(|p| p.settled.clone()).collect();
             match tokio::time::timeout(Duration::from_secs(5), self.store.outbox_settle(&self.pipeline, &self.owner, &settled)).await {
-                Ok(Ok(())) => self.recorded(&pending),
+                Ok(Ok(moved)) => self.recorded(&pending, &moved),
                 _ => tracing::warn!(pipeline = %self.pipeline, rows = pending.len(),
                     "cannot record the outbox's last outcomes: those rows are sent again (with the same idempotency keys)"),
             }
@@ -353,14 +359,14 @@ impl Relay {
         }
     }
 
-    /// Records a round's outcomes, trying three times; whether they were recorded. Not recorded, the caller keeps
-    /// them for the next round (a confirmed row is then not sent again by this relay; another relay may, after the
-    /// lease, with the same idempotency key).
-    async fn record(&self, pending: &[Pending]) -> bool {
+    /// Records a round's outcomes, trying three times; the failed rows moved to the dead letters once they were
+    /// recorded, `None` when they were not. Not recorded, the caller keeps them for the next round (a confirmed row
+    /// is then not sent again by this relay; another relay may, after the lease, with the same idempotency key).
+    async fn record(&self, pending: &[Pending]) -> Option<Vec<i64>> {
         let settled: Vec<Settled> = pending.iter().map(|p| p.settled.clone()).collect();
         for attempt in 0..3u32 {
             match self.store.outbox_settle(&self.pipeline, &self.owner, &settled).await {
-                Ok(()) => return true,
+                Ok(moved) => return Some(moved),
                 Err(e) if attempt == 2 => {
                     tracing::error!(pipeline = %self.pipeline, error = %e, rows = settled.len(),
                         "cannot record the outbox's outcomes; kept to record with the next round (confirmed rows are not sent again by this worker)");
@@ -371,7 +377,7 @@ impl Relay {
                 }
             }
         }
-        false
+        None
     }
 }
 

@@ -260,12 +260,14 @@ pub trait Connector: Send + Sync {
     }
 
     /// Records what became of leased rows, in one transaction: confirmed rows deleted, rows to retry given a next
-    /// attempt and their lease given up (only where `owner` still holds it), failed rows moved to the dead letters.
+    /// attempt and their lease given up (only where `owner` still holds it), failed rows moved to the dead letters
+    /// (only where `owner` still holds them, each in one locked step: a row another relay leased meanwhile is never
+    /// both delivered and dead-lettered). Returns the failed rows moved, the only ones to count as dead letters.
     /// Default: this store keeps no outbox.
     ///
     /// Errors: the store's (nothing is recorded; the leases run out and the rows are sent again with the same
     /// idempotency key).
-    async fn outbox_settle(&self, _pipeline: &str, _owner: &str, _settled: &[Settled]) -> Result<(), StoreError> {
+    async fn outbox_settle(&self, _pipeline: &str, _owner: &str, _settled: &[Settled]) -> Result<Vec<i64>, StoreError> {
         Err(StoreError::Refused(NO_OUTBOX.to_owned()))
     }
 

@@ -267,12 +267,13 @@ impl Store {
         each_store!(self, |s| Connector::outbox_lease(s, pipeline, owner, limit, lease).await)
     }
 
-    /// Records what became of leased outbox rows, in one transaction ([`Connector::outbox_settle`]).
+    /// Records what became of leased outbox rows, in one transaction; returns the failed rows moved to the dead
+    /// letters ([`Connector::outbox_settle`]).
     ///
     /// Errors: the store's.
-    pub async fn outbox_settle(&self, pipeline: &str, owner: &str, settled: &[rows::Settled]) -> Result<(), StoreError> {
+    pub async fn outbox_settle(&self, pipeline: &str, owner: &str, settled: &[rows::Settled]) -> Result<Vec<i64>, StoreError> {
         if settled.is_empty() {
-            return Ok(());
+            return Ok(Vec::new());
         }
         each_store!(self, |s| Connector::outbox_settle(s, pipeline, owner, settled).await)
     }

@@ -94,7 +94,7 @@ impl Connector for MySqlStore {
         Ok(outbox::lease(&self.pool, pipeline, owner, limit, lease).await?)
     }
 
-    async fn outbox_settle(&self, pipeline: &str, owner: &str, settled: &[Settled]) -> Result<(), StoreError> {
+    async fn outbox_settle(&self, pipeline: &str, owner: &str, settled: &[Settled]) -> Result<Vec<i64>, StoreError> {
         Ok(outbox::settle(&self.pool, pipeline, owner, settled).await?)
     }
 

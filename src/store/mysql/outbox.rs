@@ -145,7 +145,8 @@ pub async fn lease(pool: &MySqlPool, pipeline: &str, owner: &str, limit: i64, le
 }
 
 /// Records what became of leased rows, in one transaction ([`crate::store::Connector::outbox_settle`]).
-pub async fn settle(pool: &MySqlPool, pipeline: &str, owner: &str, settled: &[Settled]) -> Result<(), sqlx::Error> {
+pub async fn settle(pool: &MySqlPool, pipeline: &str, owner: &str, settled: &[Settled]) -> Result<Vec<i64>, sqlx::Error> {
+    let mut moved = Vec::new();
     let mut tx = pool.begin().await?;
     let confirmed: Vec<i64> = settled.iter().filter_map(|s| if let Settled::Confirmed(id) = s { Some(*id) } else { None }).collect();
     if !confirmed.is_empty() {
@@ -173,6 +174,17 @@ pub async fn settle(pool: &MySqlPool, pipeline: &str, owner: &str, settled: &[Se
                 .await?;
             }
             Settled::Failed { id, error } => {
+                // One locked step: the row is locked while this relay holds it, then copied and deleted; a row another
+                // relay leased meanwhile is left to it (never both delivered and dead-lettered).
+                let held: Option<i64> = sqlx::query_scalar("SELECT id FROM idemflow_outbox WHERE pipeline = ? AND id = ? AND lease_owner = ? FOR UPDATE")
+                    .bind(pipeline)
+                    .bind(id)
+                    .bind(owner)
+                    .fetch_optional(&mut *tx)
+                    .await?;
+                if held.is_none() {
+                    continue;
+                }
                 // The request moves whole; the digest makes each failed row a dead letter of its own.
                 sqlx::query(
                     "INSERT INTO idemflow_dead_letters
@@ -196,10 +208,12 @@ pub async fn settle(pool: &MySqlPool, pipeline: &str, owner: &str, settled: &[Se
                     .bind(owner)
                     .execute(&mut *tx)
                     .await?;
+                moved.push(*id);
             }
         }
     }
-    tx.commit().await
+    tx.commit().await?;
+    Ok(moved)
 }
 
 /// Rows of `pipeline` waiting (up to `up_to`) and the age of the oldest ([`crate::store::Connector::outbox_depth`]).

@@ -95,7 +95,7 @@ impl Connector for PgPool {
         Ok(outbox::lease(self, pipeline, owner, limit, lease).await?)
     }
 
-    async fn outbox_settle(&self, pipeline: &str, owner: &str, settled: &[Settled]) -> Result<(), StoreError> {
+    async fn outbox_settle(&self, pipeline: &str, owner: &str, settled: &[Settled]) -> Result<Vec<i64>, StoreError> {
         Ok(outbox::settle(self, pipeline, owner, settled).await?)
     }
 

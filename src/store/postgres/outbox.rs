@@ -113,7 +113,7 @@ pub async fn lease(pool: &PgPool, pipeline: &str, owner: &str, limit: i64, lease
 }
 
 /// Records what became of leased rows, in one transaction ([`crate::store::Connector::outbox_settle`]).
-pub async fn settle(pool: &PgPool, pipeline: &str, owner: &str, settled: &[Settled]) -> Result<(), sqlx::Error> {
+pub async fn settle(pool: &PgPool, pipeline: &str, owner: &str, settled: &[Settled]) -> Result<Vec<i64>, sqlx::Error> {
     let mut confirmed = Vec::new();
     let (mut retry_ids, mut retry_after, mut retry_errors) = (Vec::new(), Vec::new(), Vec::new());
     let (mut failed_ids, mut failed_errors) = (Vec::new(), Vec::new());
@@ -156,15 +156,17 @@ pub async fn settle(pool: &PgPool, pipeline: &str, owner: &str, settled: &[Settl
         .execute(&mut *tx)
         .await?;
     }
+    let mut moved = Vec::new();
     if !failed_ids.is_empty() {
         // The request moves whole: its headers and body, and what `dead-letters replay` needs to send it again. The
-        // digest makes each failed row a dead letter of its own (two targets of one record fail apart).
-        sqlx::query(
+        // digest makes each failed row a dead letter of its own (two targets of one record fail apart). One
+        // statement: a row is deleted and written as a dead letter together, only while this relay holds it.
+        moved = sqlx::query_scalar(
             r#"WITH gone AS (
                    DELETE FROM idemflow.outbox o USING unnest($3::int8[], $4::text[]) AS f(id, error)
                    WHERE o.pipeline = $1 AND o.id = f.id AND o.lease_owner = $2
-                   RETURNING o.*, f.error)
-               INSERT INTO idemflow.dead_letters
+                   RETURNING o.*, f.error),
+               moved AS (INSERT INTO idemflow.dead_letters
                    (pipeline, topic, partition, "offset", record_key, header_names, header_values, payload, reason, error,
                     property_names, property_values, payload_digest, request)
                SELECT g.pipeline, g.topic, g.partition,
@@ -173,17 +175,20 @@ pub async fn settle(pool: &PgPool, pipeline: &str, owner: &str, settled: &[Settl
                       'delivery_failed', g.error, '{}', '{}', sha256(convert_to('outbox:' || g.id, 'UTF8')),
                       jsonb_build_object('target', g.target, 'method', g.method, 'url', g.url, 'key_digest', encode(g.key_digest, 'hex'))
                FROM gone g
-               ON CONFLICT (pipeline, topic, partition, "offset", payload_digest) DO NOTHING"#,
+               ON CONFLICT (pipeline, topic, partition, "offset", payload_digest) DO NOTHING
+               RETURNING 0)
+           SELECT id FROM gone"#,
         )
         .bind(pipeline)
         .bind(owner)
         .bind(&failed_ids)
         .bind(&failed_errors)
         .persistent(super::persistent())
-        .execute(&mut *tx)
+        .fetch_all(&mut *tx)
         .await?;
     }
-    tx.commit().await
+    tx.commit().await?;
+    Ok(moved)
 }
 
 /// Rows of `pipeline` waiting (up to `up_to`) and the age of the oldest ([`crate::store::Connector::outbox_depth`]).
