@@ -200,7 +200,10 @@
 //! - A worker that vanishes mid-batch (no FIN, no RST) holds nothing for long: its transaction is ended by the
 //!   server once idle past [`store::spec::IDLE_IN_TRANSACTION_TIMEOUT`], or once TCP keepalives find the peer gone
 //!   while a statement runs; a rollback like any crash. A live worker whose session the server ended that way
-//!   (FATAL 25P03, 25P04) retries the batch as after a lost connection.
+//!   (FATAL 25P03, 25P04) retries the batch as after a lost connection. The outbox relay's transactions on
+//!   PostgreSQL (a lease, a round's outcomes) are bounded the same way: rows a vanished relay had locked go back to
+//!   the other relays' `SKIP LOCKED` within that timeout, not the server's TCP timeout (the lease's own time bounds
+//!   the rest).
 //! - Each record is applied with its own values: a batch is one value ([`batch::Batch`]) whose records and prepared
 //!   forms change only together (records dropped during a back-off, a fenced or lost partition's records taken out,
 //!   everything prepared again after the statements were rebuilt), and whose positions are computed from the

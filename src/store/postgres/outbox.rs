@@ -82,11 +82,21 @@ fn leased((id, target, method, url, names, values, body, key, attempts, age_seco
     Leased { id, request: OutboxRequest { target, method, url, headers: names.into_iter().zip(values).collect(), body, key }, attempts, age_seconds }
 }
 
+/// A relay's transaction, bounded as a batch's is against a relay that vanishes without closing its connection
+/// (`idle_in_transaction_session_timeout` and TCP keepalives, [`super::side_effect::vanished_client_bounds`]): its
+/// locks and leases are not held until the server's TCP timeout.
+async fn begin(pool: &PgPool) -> Result<sqlx::Transaction<'static, sqlx::Postgres>, sqlx::Error> {
+    let mut tx = pool.begin().await?;
+    let bounds = format!("DO $idemflow$ BEGIN {}END $idemflow$", super::side_effect::vanished_client_bounds());
+    sqlx::Executor::execute(&mut *tx, sqlx::raw_sql(&bounds)).await?;
+    Ok(tx)
+}
+
 /// Leases up to `limit` due rows of `pipeline` to `owner` ([`crate::store::Connector::outbox_lease`]): one
 /// statement, its own transaction. A row is due when its next attempt has come, no lease on it holds, and no older
 /// row of its business key is left (leased, waiting for a retry, or due: a key's rows go in order).
 pub async fn lease(pool: &PgPool, pipeline: &str, owner: &str, limit: i64, lease: Duration) -> Result<Vec<Leased>, sqlx::Error> {
-    let mut tx = pool.begin().await?;
+    let mut tx = begin(pool).await?;
     let rows: Vec<LeasedRow> = sqlx::query_as(
         r#"WITH due AS (
                SELECT o.id FROM idemflow.outbox o
@@ -131,7 +141,7 @@ pub async fn settle(pool: &PgPool, pipeline: &str, owner: &str, settled: &[Settl
             }
         }
     }
-    let mut tx = pool.begin().await?;
+    let mut tx = begin(pool).await?;
     if !confirmed.is_empty() {
         // Whoever holds the lease now: the target confirmed the request, another send would only be recognised.
         sqlx::query("DELETE FROM idemflow.outbox WHERE pipeline = $1 AND id = ANY($2)")

@@ -151,15 +151,6 @@ async fn probe(conn: &mut PgConnection, sql: &str) -> Result<String, sqlx::Error
 /// ([`TCP_KEEPALIVE_IDLE_SECS`] and after), each for the batch only and only where the server's own is longer or
 /// off.
 fn settings_sql(time: &TimeSettings) -> String {
-    let idle_ms = IDLE_IN_TRANSACTION_TIMEOUT.as_millis();
-    // Sets `name` to `to` for the transaction where it is 0 ("off" for the timeout, "the system's default" for the
-    // keepalives: both longer than ours) or longer; `cast` is how its current value compares (`interval`, `int`).
-    let lower = |name: &str, to: String, cast: &str| {
-        format!(
-            "IF current_setting('{name}')::{cast} = '0'::{cast} OR current_setting('{name}')::{cast} > '{to}'::{cast} THEN \
-             PERFORM set_config('{name}', '{to}', true); END IF; "
-        )
-    };
     format!(
         "SET CONSTRAINTS ALL IMMEDIATE; SET LOCAL TIME ZONE {}; \
          DO $idemflow$ BEGIN IF current_setting('server_version_num')::int >= 140000 THEN \
@@ -169,13 +160,33 @@ fn settings_sql(time: &TimeSettings) -> String {
                  OR current_setting('lock_timeout')::interval >= current_setting('statement_timeout')::interval) THEN \
          PERFORM set_config('lock_timeout', \
              greatest(1, floor(extract(epoch FROM current_setting('statement_timeout')::interval) * 900))::bigint::text || 'ms', true); \
-         END IF; {}{}{}{}END $idemflow$; ",
+         END IF; {}END $idemflow$; ",
         quote_literal(&time.zone),
-        lower("idle_in_transaction_session_timeout", format!("{idle_ms}ms"), "interval"),
+        vanished_client_bounds(),
+    )
+}
+
+/// PL/pgSQL statements that bound, for the transaction, how long a client that vanished without closing its
+/// connection holds it: `idle_in_transaction_session_timeout` ([`IDLE_IN_TRANSACTION_TIMEOUT`]) and the TCP
+/// keepalives, each only where the server's own is longer or off. The batch's transactions run them
+/// ([`settings_sql`]), and so do the outbox relay's ([`crate::store::postgres::outbox`]), whose leased rows a
+/// vanished relay would otherwise hold until the server's TCP timeout.
+pub(super) fn vanished_client_bounds() -> String {
+    // Sets `name` to `to` for the transaction where it is 0 ("off" for the timeout, "the system's default" for the
+    // keepalives: both longer than ours) or longer; `cast` is how its current value compares (`interval`, `int`).
+    let lower = |name: &str, to: String, cast: &str| {
+        format!(
+            "IF current_setting('{name}')::{cast} = '0'::{cast} OR current_setting('{name}')::{cast} > '{to}'::{cast} THEN \
+             PERFORM set_config('{name}', '{to}', true); END IF; "
+        )
+    };
+    [
+        lower("idle_in_transaction_session_timeout", format!("{}ms", IDLE_IN_TRANSACTION_TIMEOUT.as_millis()), "interval"),
         lower("tcp_keepalives_idle", format!("{TCP_KEEPALIVE_IDLE_SECS}s"), "interval"),
         lower("tcp_keepalives_interval", format!("{TCP_KEEPALIVE_INTERVAL_SECS}s"), "interval"),
         lower("tcp_keepalives_count", TCP_KEEPALIVE_COUNT.to_string(), "int"),
-    )
+    ]
+    .concat()
 }
 
 /// No limit of its own on a record's values, nothing to say in `check`.
