@@ -68,6 +68,11 @@ pub struct DedupSettings {
     /// Rows the worker's sweep examines per second at most, its pace (default 5000: a pass over 10 million rows in
     /// about 35 minutes).
     pub purge_rate: u32,
+    /// `new_history` (default false): start this pipeline's history even though its topics hold records another
+    /// pipeline of the store (one not configured here) has processed. Without it a pipeline with no history of its
+    /// own is refused there: a renamed pipeline file would apply every record still in the topics again
+    /// ([`crate::worker::prepare`]).
+    pub new_history: bool,
 }
 
 impl Default for DedupSettings {
@@ -77,6 +82,7 @@ impl Default for DedupSettings {
             purge_interval: Duration::from_secs(60),
             purge_batch: 5000,
             purge_rate: 5000,
+            new_history: false,
         }
     }
 }
@@ -207,6 +213,7 @@ struct RawDedup {
     purge_interval: Option<Duration>,
     purge_batch: Option<u32>,
     purge_rate: Option<u32>,
+    new_history: Option<bool>,
 }
 
 #[derive(Deserialize, Default)]
@@ -610,6 +617,7 @@ fn validate_dedup(raw: &RawDedup, e: &mut Errors<'_>) -> DedupSettings {
         purge_interval: raw.purge_interval.unwrap_or(dd.purge_interval),
         purge_batch: raw.purge_batch.unwrap_or(dd.purge_batch),
         purge_rate: raw.purge_rate.unwrap_or(dd.purge_rate),
+        new_history: raw.new_history.unwrap_or(false),
     };
     if dedup.retention.is_zero() {
         e.push("dedup.retention", "must be longer than 0");

@@ -286,6 +286,14 @@ pub trait Connector: Send + Sync {
         Ok(0)
     }
 
+    /// Which pipelines have processed records of `topics` (queues, streams), and how far: one line per pipeline and
+    /// topic, from the processed marks. Default: this store cannot tell (none).
+    ///
+    /// Errors: the store's.
+    async fn histories(&self, _topics: &[String]) -> Result<Vec<crate::store::rows::History>, StoreError> {
+        Ok(Vec::new())
+    }
+
     /// Puts the request of dead letter `id` (reason `delivery_failed`) back in its pipeline's outbox and deletes the
     /// dead letter, in one transaction; returns the new outbox row's id, `None` when `id` is no such dead letter.
     /// `rehome` (a JSON object, target name to where its requests go now: an origin `scheme://host:port`, or `=`

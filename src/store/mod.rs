@@ -292,6 +292,13 @@ impl Store {
         each_store!(self, |s| Connector::outbox_release(s, pipeline, owner).await)
     }
 
+    /// Which pipelines have processed records of `topics` ([`Connector::histories`]).
+    ///
+    /// Errors: the store's.
+    pub async fn histories(&self, topics: &[String]) -> Result<Vec<rows::History>, StoreError> {
+        each_store!(self, |s| Connector::histories(s, topics).await)
+    }
+
     /// Puts a `delivery_failed` dead letter's request back in the outbox, re-homed by `rehome`
     /// ([`Connector::outbox_requeue`]).
     ///

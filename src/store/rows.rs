@@ -255,6 +255,21 @@ impl Settled {
     }
 }
 
+/// One pipeline's history on one topic ([`crate::store::Store::histories`]): what its processed marks say.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct History {
+    /// The pipeline.
+    pub pipeline: String,
+    /// The topic (queue, stream).
+    pub topic: String,
+    /// Partitions with a mark.
+    pub partitions: i64,
+    /// The sum of the marks (the records processed, if the partitions started at 0).
+    pub processed: i64,
+    /// When a mark was last raised, as the store writes a time.
+    pub last: String,
+}
+
 /// How an outbox stands ([`crate::store::Store::outbox_depth`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct OutboxDepth {

@@ -51,10 +51,22 @@ impl std::fmt::Display for Unprepared {
 }
 
 /// Checks every pipeline's side effect against the database (tables, columns, statements and their parameter
-/// types) and builds what runs it. Returns all problems at once, of every pipeline, one per line.
+/// types) and builds what runs it, and refuses a pipeline that would start a new history on topics another
+/// pipeline has processed ([`history_problem`]). Returns all problems at once, of every pipeline, one per line.
 pub async fn prepare(store: &Store, pipelines: &[Pipeline]) -> Result<Vec<Ready>, Unprepared> {
     let mut ready = Vec::new();
     let mut errors = Unprepared { problems: Vec::new(), unavailable: false };
+    let configured: Vec<&str> = pipelines.iter().map(|p| p.name.as_str()).collect();
+    for p in pipelines.iter().filter(|p| !p.dedup.new_history) {
+        match store.histories(p.source.streams()).await {
+            Ok(histories) => errors.problems.extend(history_problem(p, &histories, &configured)),
+            Err(e) => {
+                errors.unavailable = true;
+                let message = format!("cannot read which pipelines processed its topics: {e}");
+                errors.problems.push(PipelineError { file: p.file.display().to_string(), pipeline: p.name.clone(), field: "database".into(), message });
+            }
+        }
+    }
     for p in pipelines {
         match Ready::prepare(store, p).await {
             Ok(r) => ready.push(r),
@@ -69,6 +81,33 @@ pub async fn prepare(store: &Store, pipelines: &[Pipeline]) -> Result<Vec<Ready>
     } else {
         Err(errors)
     }
+}
+
+/// A pipeline's identity is its name: its dedup rows, processed marks, default consumer group and idempotency keys
+/// are all under it. A pipeline with no history of its own (no processed mark) on topics another pipeline of the
+/// store has processed, one not configured beside it, is most likely that pipeline renamed (its file renamed, its
+/// `name` changed): started, it would read the topics from their start under a new group and apply every record
+/// again (charge every refund again). It is refused, naming the other pipeline, its marks, and the remedies: the old
+/// `name` in the file, or `[dedup] new_history = true` to start a new history on purpose.
+fn history_problem(p: &Pipeline, histories: &[crate::store::rows::History], configured: &[&str]) -> Option<PipelineError> {
+    if histories.iter().any(|h| h.pipeline == p.name) {
+        return None;
+    }
+    let others: Vec<&crate::store::rows::History> = histories.iter().filter(|h| !configured.contains(&h.pipeline.as_str())).collect();
+    let first = others.first()?;
+    let said: Vec<String> = others
+        .iter()
+        .map(|h| format!("pipeline {:?} processed {} record(s) of {:?} on {} partition(s), last at {}", h.pipeline, h.processed, h.topic, h.partitions, h.last))
+        .collect();
+    let message = format!(
+        "has no history of its own, and {}: renamed from {:?}? Started, it would apply every record still in the topics again \
+         (its dedup rows, marks and idempotency keys are under its name). Keep the history: set name = {:?} in this file. \
+         Start a new one on purpose: set [dedup] new_history = true (docs/operations.md, \"Renaming a pipeline\")",
+        said.join("; "),
+        first.pipeline,
+        first.pipeline
+    );
+    Some(PipelineError { file: p.file.display().to_string(), pipeline: p.name.clone(), field: "name".into(), message })
 }
 
 impl Ready {

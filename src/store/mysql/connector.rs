@@ -106,6 +106,23 @@ impl Connector for MySqlStore {
         Ok(outbox::release(&self.pool, pipeline, owner).await?)
     }
 
+    async fn histories(&self, topics: &[String]) -> Result<Vec<crate::store::rows::History>, StoreError> {
+        if topics.is_empty() {
+            return Ok(Vec::new());
+        }
+        let sql = format!(
+            "SELECT pipeline, topic, COUNT(*), CAST(SUM(next_offset) AS SIGNED), CAST(MAX(updated_at) AS CHAR) FROM idemflow_processed
+             WHERE topic IN ({}) GROUP BY pipeline, topic ORDER BY pipeline, topic",
+            vec!["?"; topics.len()].join(", ")
+        );
+        let mut query = sqlx::query_as::<_, (String, String, i64, i64, String)>(&sql);
+        for t in topics {
+            query = query.bind(t);
+        }
+        let rows = query.fetch_all(&self.pool).await?;
+        Ok(rows.into_iter().map(|(pipeline, topic, partitions, processed, last)| crate::store::rows::History { pipeline, topic, partitions, processed, last }).collect())
+    }
+
     async fn outbox_requeue(&self, id: i64, rehome: &str) -> Result<Option<i64>, StoreError> {
         Ok(outbox::requeue(&self.pool, id, rehome).await?)
     }

@@ -107,6 +107,17 @@ impl Connector for PgPool {
         Ok(outbox::release(self, pipeline, owner).await?)
     }
 
+    async fn histories(&self, topics: &[String]) -> Result<Vec<crate::store::rows::History>, StoreError> {
+        let rows: Vec<(String, String, i64, i64, String)> = sqlx::query_as(
+            "SELECT pipeline, topic, count(*), sum(next_offset)::int8, max(updated_at)::text FROM idemflow.processed
+             WHERE topic = ANY($1) GROUP BY pipeline, topic ORDER BY pipeline, topic",
+        )
+        .bind(topics)
+        .fetch_all(self)
+        .await?;
+        Ok(rows.into_iter().map(|(pipeline, topic, partitions, processed, last)| crate::store::rows::History { pipeline, topic, partitions, processed, last }).collect())
+    }
+
     async fn outbox_requeue(&self, id: i64, rehome: &str) -> Result<Option<i64>, StoreError> {
         Ok(outbox::requeue(self, id, rehome).await?)
     }
