@@ -537,3 +537,57 @@ async fn a_panic_in_one_pipeline_stops_that_pipeline_and_no_other() {
     assert_eq!(db.scalar::<i64>("SELECT count(*) FROM poisoned").await, 0, "nothing of the panicking batch was committed");
     w.sigterm();
 }
+
+/// A pipeline's identity is its name (its dedup rows, processed marks, default consumer group and idempotency keys).
+/// Its file renamed (so its name, by default the file's stem), it would read the topic again under a new group and
+/// apply every record a second time: `check` and `run` refuse it, naming the pipeline that processed the topic and
+/// the remedies. With its old `name` written in the renamed file it goes on where it was (each record once); another
+/// pipeline over the same topic, alone in its worker, starts with `[dedup] new_history = true`, on purpose. It used to
+/// double every row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_renamed_pipeline_is_refused_until_it_keeps_its_name_or_starts_a_new_history_on_purpose() {
+    let db = TestDb::new("CREATE TABLE ledger (id text NOT NULL); CREATE TABLE audit (id text NOT NULL);").await;
+    let kafka = Kafka::new();
+    kafka.create_topic("refunds", 2);
+    let pipeline = |table: &str, extra: &str| {
+        format!("{extra}topics = [\"refunds\"]\n[key]\nfield = \"/id\"\n[sink]\nsql = \"INSERT INTO {table} (id) VALUES (:id)\"\n[sink.params]\nid = \"/id\"\n")
+    };
+    let refunds = |range: std::ops::Range<usize>| range.map(|i| Out::json((i % 2) as i32, format!(r#"{{"id":"r-{i}"}}"#))).collect::<Vec<_>>();
+    kafka.produce("refunds", &refunds(0..20));
+    let setup = Setup::new(&db, &kafka, &[("refunds.toml", &pipeline("ledger", ""))]);
+    let mut w = BinWorker::start(&setup);
+    wait_until(Duration::from_secs(60), "20 refunds applied", || async { db.scalar::<i64>("SELECT count(*) FROM ledger").await == 20 }).await;
+    w.sigterm();
+    // The file renamed: refused by check and by run.
+    let dir = setup.dir.path().join("pipelines");
+    std::fs::remove_file(dir.join("refunds.toml")).unwrap();
+    std::fs::write(dir.join("refunds-v2.toml"), pipeline("ledger", "")).unwrap();
+    let (status, out, err) = idemflow(&["check", "--config", setup.config.to_str().unwrap()], setup.dir.path());
+    let said = format!("{out}{err}");
+    assert!(!status.success(), "{said}");
+    assert!(said.contains("pipeline \"refunds\" processed 20 record(s) of \"refunds\"") && said.contains("set name = \"refunds\""), "{said}");
+    let mut w = BinWorker::start(&setup);
+    assert!(!w.wait_exit(Duration::from_secs(60)).success(), "run refuses it too");
+    assert!(w.log_text().contains("renamed from \"refunds\"?"), "{}", w.log_text());
+    assert_eq!(db.scalar::<i64>("SELECT count(*) FROM ledger").await, 20, "nothing applied again");
+    // Its old name kept in the renamed file: it goes on where it was.
+    std::fs::write(dir.join("refunds-v2.toml"), pipeline("ledger", "name = \"refunds\"\n")).unwrap();
+    kafka.produce("refunds", &refunds(20..25));
+    let mut w = BinWorker::start(&setup);
+    wait_until(Duration::from_secs(60), "the 5 new refunds applied", || async { db.scalar::<i64>("SELECT count(*) FROM ledger").await == 25 }).await;
+    w.sigterm();
+    assert_eq!(db.scalar::<i64>("SELECT count(DISTINCT id) FROM ledger").await, 25, "each refund once");
+    // Another pipeline over the same topic, alone in its worker: refused, then started on purpose.
+    std::fs::remove_file(dir.join("refunds-v2.toml")).unwrap();
+    std::fs::write(dir.join("audit.toml"), pipeline("audit", "")).unwrap();
+    let (status, out, err) = idemflow(&["check", "--config", setup.config.to_str().unwrap()], setup.dir.path());
+    assert!(!status.success() && format!("{out}{err}").contains("new_history = true"), "{out}\n{err}");
+    std::fs::write(dir.join("audit.toml"), pipeline("audit", "") + "[dedup]\nnew_history = true\n").unwrap();
+    let mut w = BinWorker::start(&setup);
+    wait_until(Duration::from_secs(60), "the audit pipeline read the topic from its start", || async {
+        db.scalar::<i64>("SELECT count(*) FROM audit").await == 25
+    })
+    .await;
+    w.sigterm();
+    assert_eq!(db.scalar::<i64>("SELECT count(*) FROM ledger").await, 25);
+}

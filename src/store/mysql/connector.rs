@@ -111,7 +111,8 @@ impl Connector for MySqlStore {
             return Ok(Vec::new());
         }
         let sql = format!(
-            "SELECT pipeline, topic, COUNT(*), CAST(SUM(next_offset) AS SIGNED), CAST(MAX(updated_at) AS CHAR) FROM idemflow_processed
+            "SELECT CONVERT(pipeline USING utf8mb4), CONVERT(topic USING utf8mb4), COUNT(*), CAST(SUM(next_offset) AS SIGNED),
+                    CONVERT(CAST(MAX(updated_at) AS CHAR) USING utf8mb4) FROM idemflow_processed
              WHERE topic IN ({}) GROUP BY pipeline, topic ORDER BY pipeline, topic",
             vec!["?"; topics.len()].join(", ")
         );
