@@ -109,6 +109,13 @@
 //! guarantees (a rolled-back transaction, an insert waiting for another's uncommitted duplicate key). Only after the commit are
 //! the Kafka offsets committed, and an offset is only ever committed for records whose outcome is durable.
 //!
+//! All of it is under the pipeline's name, which is its identity: its dedup rows, processed marks, duplicate counts,
+//! attempts, default consumer group and the prefix of its outbox's idempotency keys. A new name is a new history,
+//! under which every record still in the topics is new; so a pipeline with no history of its own on topics another
+//! pipeline of the store has processed (one not configured beside it: a renamed file, most likely) is refused by
+//! `run` and `check` ([`worker::prepare`]) until its file keeps the old `name`, or `[dedup] new_history = true` says
+//! a new history is meant (`hardening::a_renamed_pipeline_is_refused_until_it_keeps_its_name_or_starts_a_new_history_on_purpose`).
+//!
 //! - Crash before or inside the transaction: Postgres rolls it back; nothing was applied and no offset was
 //!   committed, so the records are delivered again and applied then.
 //! - Crash between the database commit and the offset commit: the records come back, their dedup rows exist, the

@@ -113,6 +113,7 @@ impl Connector for PgPool {
              WHERE topic = ANY($1) GROUP BY pipeline, topic ORDER BY pipeline, topic",
         )
         .bind(topics)
+        .persistent(super::persistent())
         .fetch_all(self)
         .await?;
         Ok(rows.into_iter().map(|(pipeline, topic, partitions, processed, last)| crate::store::rows::History { pipeline, topic, partitions, processed, last }).collect())
