@@ -38,7 +38,8 @@
 //! - [`sweeper`]: the worker's side of it: a pass after another beside each pipeline, and the pass handed over
 //!   when the worker stops.
 //! - [`metrics`]: every Prometheus metric; [`http`]: `/metrics`, `/healthz`, `/readyz`.
-//! - [`worker`]: runs every pipeline until shutdown; [`shutdown`]: the signal that stops it.
+//! - [`worker`]: runs every pipeline until shutdown; [`shutdown`]: the signal that stops it; [`panics`]: a caught
+//!   panic's message (a pipeline stopped by one, a schema a parser panicked on).
 //! - [`store`]: the database that holds the business data and idemflow's tables, one module per database behind
 //!   one enum: [`store::postgres`], [`store::mysql`] (MySQL and MariaDB) and [`store::redis`] (a store whose
 //!   side effect is Redis commands, a batch one script). [`telemetry`]: logging.
@@ -367,6 +368,7 @@ pub mod record;
 pub mod retention;
 pub mod retry;
 pub mod rounding;
+pub mod panics;
 pub mod secret;
 pub mod shutdown;
 pub mod sink;

@@ -363,8 +363,7 @@ impl Decoder {
 /// A panic's message, for a schema the parsers could not read ([`avro::AvroSchema::parse`],
 /// [`protobuf::ProtoFile::compile`]): its `&str` or `String` payload.
 fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
-    let text = payload.downcast_ref::<&str>().map(|s| (*s).to_owned()).or_else(|| payload.downcast_ref::<String>().cloned());
-    format!("a panic: {}", text.unwrap_or_else(|| "no message".to_owned()))
+    format!("a panic: {}", crate::panics::message(payload).unwrap_or_else(|| "no message".to_owned()))
 }
 
 #[cfg(test)]

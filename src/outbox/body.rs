@@ -82,15 +82,7 @@ impl JsonType {
     /// Errors: the value is of another type (or null), said without the value.
     pub fn convert(self, value: serde_json::Value) -> Result<serde_json::Value, String> {
         use serde_json::Value;
-        let found = |v: &Value| match v {
-            Value::Null => "null",
-            Value::Bool(_) => "a boolean",
-            Value::Number(_) => "a number",
-            Value::String(_) => "a string",
-            Value::Array(_) => "an array",
-            Value::Object(_) => "an object",
-        };
-        let refused = |v: &Value| format!("is {}, not {} {}", found(v), if self == JsonType::Integer || self == JsonType::Array || self == JsonType::Object { "an" } else { "a" }, self.name());
+        let refused = |v: &Value| format!("is {}, not {} {}", crate::field::kind(v), if self == JsonType::Integer || self == JsonType::Array || self == JsonType::Object { "an" } else { "a" }, self.name());
         let number = |text: &str| serde_json::from_str::<serde_json::Number>(text.trim()).ok();
         match (self, value) {
             (JsonType::Number, Value::Number(n)) => Ok(Value::Number(n)),

@@ -375,11 +375,7 @@ async fn relay_panicked(task: &mut Option<tokio::task::JoinHandle<()>>) -> Strin
 
 /// A panic's message: its `&str` or `String` payload, or a word that it had none.
 fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
-    payload
-        .downcast_ref::<&str>()
-        .map(|s| (*s).to_owned())
-        .or_else(|| payload.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "a panic without a message".to_owned())
+    crate::panics::message(payload).unwrap_or_else(|| "a panic without a message".to_owned())
 }
 
 /// Looks at the stall signal every few seconds ([`crate::metrics::Metrics::stalls`]), so that a stalled partition
