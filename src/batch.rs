@@ -1,7 +1,7 @@
 //! Batches: how a pipeline's records are grouped into batch transactions (`[batch]`), and one batch as one value
 //! ([`Batch`]). A leaf the worker, the sink, the sources and the configuration share.
 
-use crate::offsets::NextOffsets;
+use crate::offsets::{Logs, NextOffsets};
 use crate::record::{Receipt, Record};
 use std::time::Duration;
 
@@ -43,6 +43,8 @@ pub struct Batch<P> {
     prepared: Vec<P>,
     next: NextOffsets,
     first: NextOffsets,
+    /// What the source said of its partitions' logs when the batch was attempted ([`Batch::observe_logs`]).
+    logs: Logs,
 }
 
 impl<P> Batch<P> {
@@ -50,14 +52,14 @@ impl<P> Batch<P> {
     pub fn new(records: Vec<Record>, prepare: impl FnMut(&Record) -> P) -> Self {
         let prepared = records.iter().map(prepare).collect();
         let (next, first) = (NextOffsets::after(&records), NextOffsets::first_of(&records));
-        Batch { records, prepared, next, first }
+        Batch { records, prepared, next, first, logs: Logs::default() }
     }
 
     /// A batch of one record and its prepared form (a dead letter replayed alone).
     pub fn single(record: Record, prepared: P) -> Self {
         let records = vec![record];
         let (next, first) = (NextOffsets::after(&records), NextOffsets::first_of(&records));
-        Batch { records, prepared: vec![prepared], next, first }
+        Batch { records, prepared: vec![prepared], next, first, logs: Logs::default() }
     }
 
     /// The records, in the order received.
@@ -94,6 +96,18 @@ impl<P> Batch<P> {
     /// Where the batch starts on each partition ([`NextOffsets::first_of`]).
     pub fn first_offsets(&self) -> &NextOffsets {
         &self.first
+    }
+
+    /// What the source said of the logs of the batch's partitions (their identity, where they end) when the batch
+    /// was last attempted; empty where it says nothing ([`crate::source::contract::Connector::logs`]).
+    pub fn logs(&self) -> &Logs {
+        &self.logs
+    }
+
+    /// Keeps what the source says of the logs of the batch's partitions now, for the attempt about to start: the
+    /// batch transaction judges its processed marks on it ([`crate::offsets::Processed::renewals`]).
+    pub fn observe_logs(&mut self, logs: Logs) {
+        self.logs = logs;
     }
 
     /// The receipts of its records, in order: which records an attempt was made for.

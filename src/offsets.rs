@@ -99,6 +99,9 @@ pub struct Claimed {
     /// A record below the position produced after this time is not one the pipeline processed there: the topic was
     /// deleted and created again, and the position is the old topic's (see the Kafka source's start).
     pub stored_at_ms: Option<i64>,
+    /// The identity of the log the partition's processed mark was last raised on ([`Mark::log`]), where the store
+    /// keeps one: another identity from the broker now says the stored position is an old topic's.
+    pub log: Option<String>,
 }
 
 /// The positions a batch stores, with the epoch its worker holds for each partition.
@@ -132,25 +135,46 @@ mod tests {
         }
     }
 
-    /// A record below the floor is processed when it was produced before the mark was last raised, a record of a
-    /// topic created again when after; at or above the floor, or where the store keeps no floor, it is new.
+    /// A record below the floor is processed, whatever its timestamp says; at or above the floor, or where the store
+    /// keeps no floor, it is new.
     #[test]
-    fn a_record_below_the_floor_was_processed_unless_it_is_newer_than_the_mark() {
+    fn a_record_below_the_floor_was_processed_whatever_its_timestamp() {
         let at = |offset: i64, ts: Option<i64>| Record { timestamp_ms: ts, ..rec("t", 0, offset) };
-        let mark = Mark { next: 100, floor: Some(80), raised_at_ms: Some(5_000) };
+        let mark = Mark { next: 100, floor: Some(80), raised_at_ms: Some(5_000), log: None };
         let mut processed = Processed([(("t".into(), 0), mark)].into_iter().collect());
         assert_eq!(processed.replay(&at(79, Some(4_000))), Replay::Processed);
         assert_eq!(processed.replay(&at(79, None)), Replay::Processed, "no timestamp: processed");
-        assert_eq!(processed.replay(&at(0, Some(5_000))), Replay::Processed, "produced as the mark was raised");
-        assert_eq!(processed.replay(&at(0, Some(5_001))), Replay::Recreated);
+        assert_eq!(processed.replay(&at(0, Some(5_001))), Replay::Processed, "stamped ahead: processed all the same");
         assert_eq!(processed.replay(&at(80, Some(1))), Replay::New, "at the floor: a rewind's replay");
         assert_eq!(processed.replay(&at(95, Some(1))), Replay::New);
         assert!(processed.before(&at(95, None).position), "still a redelivery by its position");
         assert_eq!(processed.replay(&rec("t", 1, 0)), Replay::New, "another partition: no mark");
-        processed.0.insert(("t".into(), 1), Mark { next: 10, floor: None, raised_at_ms: None });
+        processed.0.insert(("t".into(), 1), Mark { next: 10, floor: None, raised_at_ms: None, log: None });
         assert_eq!(processed.replay(&rec("t", 1, 0)), Replay::New, "no floor kept (Redis)");
-        processed.forget(&[("t".into(), 0)]);
-        assert_eq!(processed.replay(&at(0, Some(1))), Replay::New);
+    }
+
+    /// A partition's marks are renewed on evidence about its log only: another identity (at the batch's first
+    /// offset), a log ending below the mark without an identity to compare (the same), or with the same identity
+    /// (truncated: at the log's end); never for the same identity and a log reaching the mark.
+    #[test]
+    fn marks_are_renewed_only_on_evidence_about_the_log() {
+        let id = |s: &str| Some(Arc::<str>::from(s));
+        let mark = |log: Option<Arc<str>>| Mark { next: 100, floor: Some(100), raised_at_ms: Some(5_000), log };
+        let first = NextOffsets([(("t".into(), 0), 0)].into_iter().collect());
+        let judge = |m: Mark, log: Log| {
+            let processed = Processed([(("t".into(), 0), m)].into_iter().collect());
+            processed.renewals(&first, &Logs([(("t".into(), 0), log)].into_iter().collect())).into_iter().map(|r| (r.next, r.change)).collect::<Vec<_>>()
+        };
+        let log = |i: Option<Arc<str>>, end: Option<i64>| Log { id: i, end };
+        assert_eq!(judge(mark(id("A")), log(id("A"), Some(500))), vec![], "the same log");
+        assert_eq!(judge(mark(id("A")), log(id("B"), Some(500))), vec![(0, LogChange::Another { was: "A".into(), now: "B".into() })]);
+        assert_eq!(judge(mark(id("A")), log(id("A"), Some(40))), vec![(40, LogChange::Truncated { end: 40 })]);
+        assert_eq!(judge(mark(None), log(id("A"), Some(40))), vec![(0, LogChange::Shorter { end: 40 })], "no identity stored yet");
+        assert_eq!(judge(mark(id("A")), log(None, Some(40))), vec![(0, LogChange::Shorter { end: 40 })], "the broker gives none");
+        assert_eq!(judge(mark(None), log(None, Some(500))), vec![], "nothing says the log changed");
+        assert_eq!(judge(mark(None), log(None, None)), vec![], "the broker says nothing");
+        let redis = Mark { floor: None, ..mark(id("A")) };
+        assert_eq!(judge(redis, log(id("B"), Some(1))), vec![], "no floor kept: nothing to renew");
     }
 
     #[test]
@@ -166,7 +190,7 @@ mod tests {
 pub struct Processed(pub std::collections::HashMap<(Arc<str>, i32), Mark>);
 
 /// What a pipeline had processed of one partition before a batch.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Mark {
     /// One past the highest offset whose batch committed. A record below it was processed before: it is a
     /// redelivery (counted `redelivered`), whatever its dedup row says.
@@ -179,8 +203,70 @@ pub struct Mark {
     /// the consumer starts).
     pub floor: Option<i64>,
     /// When a batch last raised the mark, in milliseconds since the Unix epoch on the store's clock; `None` where
-    /// the store does not say.
+    /// the store does not say. Only said in the log: a record's timestamp (the producer's clock, or a business
+    /// time) never decides whether it was processed.
     pub raised_at_ms: Option<i64>,
+    /// The identity of the log the mark was raised on, as its source named it ([`Log::id`]: a Kafka topic id, a
+    /// JetStream stream's creation time); `None` where the source does not say, or for a mark from before
+    /// PostgreSQL migration 14 / MySQL migration 7 until a batch raises it.
+    pub log: Option<Arc<str>>,
+}
+
+/// What a broker says of one partition's log beside a batch ([`crate::source::contract::Connector::logs`]): the
+/// evidence, about the log itself, that decides whether a partition's processed marks belong to it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Log {
+    /// The log's identity, which a log deleted and created again under the same name does not keep: a JetStream
+    /// stream's creation time. `None` where the source does not say (Kafka: its topic ids are not asked yet, see
+    /// `KafkaSource::logs`; RocketMQ).
+    pub id: Option<Arc<str>>,
+    /// One past the log's last offset as the broker last said (Kafka's high watermark, from the fetch responses).
+    /// A log of the same identity never ends below what was processed of it, unless it was truncated.
+    pub end: Option<i64>,
+}
+
+/// [`Log`] per `(topic, partition)` of a batch; a partition the source says nothing of is missing.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Logs(pub std::collections::HashMap<(Arc<str>, i32), Log>);
+
+/// Why a partition's processed marks are not the log's any more ([`Processed::renewals`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum LogChange {
+    /// The broker names another log than the one the marks were raised on: the topic was deleted and created again.
+    Another {
+        /// The identity the marks were raised on.
+        was: Arc<str>,
+        /// The identity the broker names now.
+        now: Arc<str>,
+    },
+    /// The log ends below the mark, and the broker gives no identity to compare: the topic was deleted and created
+    /// again (or truncated: nothing tells them apart here).
+    Shorter {
+        /// Where the log ends now ([`Log::end`]).
+        end: i64,
+    },
+    /// The same log (its identity unchanged) ends below the mark: it was truncated (an unclean leader election);
+    /// what lay below its end now is what was processed there, what comes at or above it is new.
+    Truncated {
+        /// Where the log ends now.
+        end: i64,
+    },
+}
+
+/// A partition whose marks are set afresh in the batch's transaction ([`Processed::renewals`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Renewal {
+    /// Topic.
+    pub topic: Arc<str>,
+    /// Partition.
+    pub partition: i32,
+    /// The new mark and floor: the batch's first offset of the partition (a log created again: every record of it is
+    /// new), or the log's end (a log truncated).
+    pub next: i64,
+    /// The identity the marks are raised on from now ([`Log::id`]).
+    pub log: Option<Arc<str>>,
+    /// Why.
+    pub change: LogChange,
 }
 
 /// What a record's position says about it, against its partition's [`Mark`] ([`Processed::replay`]).
@@ -188,13 +274,9 @@ pub struct Mark {
 pub enum Replay {
     /// At or above the floor (or no mark): claimed and applied if its key is new.
     New,
-    /// Below the floor and produced before the mark was last raised: processed before; skipped as `redelivered`,
-    /// neither claimed nor applied.
+    /// Below the floor: processed before; skipped as `redelivered`, neither claimed nor applied. (A partition whose
+    /// log is not the one its marks were raised on had its marks renewed first: [`Processed::renewals`].)
     Processed,
-    /// Below the floor but produced after the mark was last raised (its timestamp is later): not the record this
-    /// pipeline processed at that position. The topic was deleted and created again (or its log truncated and
-    /// refilled), so the partition's mark is from before: it is dropped and the record processed as new.
-    Recreated,
 }
 
 impl Processed {
@@ -203,24 +285,48 @@ impl Processed {
         self.0.get(&(position.topic.clone(), position.partition)).is_some_and(|m| position.offset < m.next)
     }
 
-    /// Where `record` stands against its partition's mark (see [`Replay`]). A record without a timestamp, or a mark
-    /// without its time, below the floor counts as processed.
+    /// Where `record` stands against its partition's mark (see [`Replay`]).
     pub fn replay(&self, record: &Record) -> Replay {
         let p = &record.position;
         let Some(mark) = self.0.get(&(p.topic.clone(), p.partition)) else { return Replay::New };
         match mark.floor {
-            Some(floor) if p.offset < floor => match (record.timestamp_ms, mark.raised_at_ms) {
-                (Some(produced), Some(raised)) if produced > raised => Replay::Recreated,
-                _ => Replay::Processed,
-            },
+            Some(floor) if p.offset < floor => Replay::Processed,
             _ => Replay::New,
         }
     }
 
-    /// Drops the marks of `partitions` (their topic was created again: see [`Replay::Recreated`]).
-    pub fn forget(&mut self, partitions: &[(Arc<str>, i32)]) {
-        for p in partitions {
-            self.0.remove(p);
+    /// The partitions whose marks were raised on another log than the one the batch comes from, judged on evidence
+    /// about the log itself (`logs`), never on the records' timestamps: the broker names another identity than the
+    /// mark's ([`LogChange::Another`]: renewed at the batch's first offset, `first`); or the log ends below the
+    /// mark ([`LogChange::Shorter`] where an identity is missing on either side, renewed at the batch's first
+    /// offset; [`LogChange::Truncated`] where it is the same, renewed at the log's end). Only partitions with a
+    /// floor (PostgreSQL, MySQL/MariaDB) and with a first offset in `first` are judged.
+    pub fn renewals(&self, first: &NextOffsets, logs: &Logs) -> Vec<Renewal> {
+        let mut out = Vec::new();
+        for ((topic, partition), at) in &first.0 {
+            let key = (topic.clone(), *partition);
+            let (Some(mark), Some(log)) = (self.0.get(&key), logs.0.get(&key)) else { continue };
+            if mark.floor.is_none() {
+                continue;
+            }
+            let shorter = log.end.filter(|end| *end < mark.next);
+            let (next, change) = match (&mark.log, &log.id, shorter) {
+                (Some(was), Some(now), _) if was != now => (*at, LogChange::Another { was: was.clone(), now: now.clone() }),
+                (Some(_), Some(_), Some(end)) => (end, LogChange::Truncated { end }),
+                (_, _, Some(end)) if mark.log.is_none() || log.id.is_none() => (*at, LogChange::Shorter { end }),
+                _ => continue,
+            };
+            out.push(Renewal { topic: topic.clone(), partition: *partition, next, log: log.id.clone(), change });
+        }
+        out
+    }
+
+    /// Sets the marks of `renewed` afresh (as [`crate::store::Tx::renew_processed`] stores them).
+    pub fn renew(&mut self, renewed: &[Renewal]) {
+        for r in renewed {
+            if let Some(mark) = self.0.get_mut(&(r.topic.clone(), r.partition)) {
+                *mark = Mark { next: r.next, floor: Some(r.next), raised_at_ms: None, log: r.log.clone() };
+            }
         }
     }
 }

@@ -31,7 +31,7 @@ use super::error::SinkError;
 use crate::store::disposition::Disposition;
 use crate::store::error::{classify, describe};
 use crate::metrics::{BatchCounts, DeadLetterReason, DuplicateReason};
-use crate::offsets::{Positions, Processed, Replay};
+use crate::offsets::{LogChange, Logs, Positions, Processed, Replay};
 use crate::prepare::{Prepared, PreparedBatch};
 use crate::store::rows::Apply;
 use crate::key::BusinessKey;
@@ -98,22 +98,32 @@ impl Sink {
         let mut processed = tx.processed(&self.pipeline, first)
             .await
             .map_err(|e| SinkError::new("reading the processed positions", e))?;
-        let recreated = recreated(records, &processed);
-        if !recreated.is_empty() {
-            let renew: Vec<(&str, i32, i64)> =
-                recreated.iter().filter_map(|(t, p)| first.0.get(&(t.clone(), *p)).map(|n| (&**t, *p, *n))).collect();
-            tx.renew_processed(&self.pipeline, &renew)
+        let renewals = processed.renewals(first, batch.logs());
+        if !renewals.is_empty() {
+            tx.renew_processed(&self.pipeline, &renewals)
                 .await
-                .map_err(|e| SinkError::new("renewing the processed positions of a topic created again", e))?;
-            for (topic, partition) in &recreated {
-                let mark = processed.0.get(&(topic.clone(), *partition));
-                tracing::warn!(pipeline = %self.pipeline, topic = %topic, partition, mark = ?mark.map(|m| m.next),
-                    "records below this pipeline's processed mark were produced after the mark was last raised: the topic \
-                     was deleted and created again (or its log truncated); the marks from before are dropped and its \
-                     records processed as new");
+                .map_err(|e| SinkError::new("renewing the processed positions of a log created again", e))?;
+            for r in &renewals {
+                let mark = processed.0.get(&(r.topic.clone(), r.partition)).map(|m| m.next);
+                let (topic, partition, next) = (&*r.topic, r.partition, r.next);
+                match &r.change {
+                    LogChange::Another { was, now } => tracing::warn!(pipeline = %self.pipeline, topic, partition, mark, was = %was,
+                        now = %now, "the broker names another log than the one this pipeline's processed marks were raised on (another \
+                         identity): the topic was deleted and created again; the marks from before are dropped and its records \
+                         processed as new"),
+                    LogChange::Shorter { end } => tracing::warn!(pipeline = %self.pipeline, topic, partition, mark, end,
+                        "the partition's log ends below this pipeline's processed mark (and the broker gives no identity to \
+                         compare): the topic was deleted and created again (or its log truncated); the marks from before are \
+                         dropped and its records processed as new"),
+                    LogChange::Truncated { end } => tracing::warn!(pipeline = %self.pipeline, topic, partition, mark, end, next,
+                        "the partition's log (the same identity) ends below this pipeline's processed mark: it was truncated \
+                         (an unclean leader election lost records); the mark is lowered to the log's end, records from there \
+                         on are new"),
+                }
             }
-            processed.forget(&recreated);
+            processed.renew(&renewals);
         }
+        self.note_stamped_ahead(records, &processed, batch.logs());
         Ok(Begun::Open(tx, processed))
     }
 
@@ -257,7 +267,7 @@ impl Sink {
             }
         }
         if replaying.is_empty() {
-            tx.raise_processed(&self.pipeline, batch.next_offsets())
+            tx.raise_processed(&self.pipeline, batch.next_offsets(), batch.logs())
                 .await
                 .map_err(|e| SinkError::new("raising the processed positions", e))?;
         }
@@ -480,33 +490,41 @@ fn below_floor(records: &[Record], processed: &Processed) -> Vec<bool> {
     if !starts_below_a_floor(records, processed) {
         return Vec::new();
     }
-    // A record newer than its mark in a partition that was not found created again counts as processed too.
     let below: Vec<bool> = records.iter().map(|r| processed.replay(r) != Replay::New).collect();
     if below.contains(&true) { below } else { Vec::new() }
 }
 
-/// The partitions of `records` whose topic was created again since their marks were raised: every record of the
-/// partition below its floor was produced after the mark last rose ([`Replay::Recreated`]). One that was not (a
-/// single record stamped ahead, a producer's clock running fast, among the old records a group that starts over
-/// consumes again) leaves the marks as they are, and the records below the floor are skipped.
-fn recreated(records: &[Record], processed: &Processed) -> Vec<(std::sync::Arc<str>, i32)> {
-    let mut out: Vec<(std::sync::Arc<str>, i32)> = Vec::new();
-    let mut mixed: Vec<(std::sync::Arc<str>, i32)> = Vec::new();
-    if !starts_below_a_floor(records, processed) {
-        return out;
-    }
-    for r in records {
-        let tp = (r.position.topic.clone(), r.position.partition);
-        match processed.replay(r) {
-            Replay::Recreated if !mixed.contains(&tp) && !out.contains(&tp) => out.push(tp),
-            Replay::Processed if !mixed.contains(&tp) => {
-                out.retain(|p| *p != tp);
-                mixed.push(tp);
+impl Sink {
+    /// Says in the log where records below a floor, skipped as processed, were stamped after the mark was last raised
+    /// (producers whose clocks run ahead, a future business time): once per partition and batch, a warning where
+    /// the broker gives no identity to tell the log is the same (a topic created again that already holds more records
+    /// than were processed of the old one looks the same, and its first records are skipped: `idemflow rewind`
+    /// applies them), a debug line where the id says it is.
+    fn note_stamped_ahead(&self, records: &[Record], processed: &Processed, logs: &Logs) {
+        if !starts_below_a_floor(records, processed) {
+            return;
+        }
+        for run in records.chunk_by(|a, b| a.position.same_partition(&b.position)) {
+            let p = &run[0].position;
+            let tp = (p.topic.clone(), p.partition);
+            let Some(mark) = processed.0.get(&tp) else { continue };
+            let (Some(floor), Some(raised)) = (mark.floor, mark.raised_at_ms) else { continue };
+            let Some(ahead) = run.iter().filter(|r| r.position.offset < floor).filter_map(|r| r.timestamp_ms).filter(|t| *t > raised).max() else {
+                continue;
+            };
+            let id = logs.0.get(&tp).and_then(|l| l.id.clone());
+            let (topic, partition) = (&*p.topic, p.partition);
+            if id.is_some() && id == mark.log {
+                tracing::debug!(pipeline = %self.pipeline, topic, partition, floor, stamped_ms = ahead, mark_raised_ms = raised,
+                    "records below the processed floor are stamped after the mark was raised; the log's identity is the marks': skipped as processed");
+            } else {
+                tracing::warn!(pipeline = %self.pipeline, topic, partition, floor, stamped_ms = ahead, mark_raised_ms = raised,
+                    "records below the processed floor are stamped after the mark was raised, and the broker gives no identity \
+                     to tell whether the topic is the one processed: skipped as processed (timestamps never decide). If the \
+                     topic was deleted and created again, `idemflow rewind` applies its records");
             }
-            _ => {}
         }
     }
-    out
 }
 
 /// What a record below its floor ([`below_floor`]) becomes: its dead letter again, where it was dead-lettered when it
@@ -594,18 +612,14 @@ mod tests {
         }
     }
 
-    /// A partition is taken for created again only when every record of the batch below its floor is newer than
-    /// its mark; one older record among them (a group starting over, a record stamped ahead) leaves the marks, and
-    /// every record below the floor, the newer ones too, is skipped.
+    /// Every record below a floor is skipped, whatever its timestamp (a topic created again is found by the evidence
+    /// about its log, before: [`Processed::renewals`]); nothing is allocated when no record lies below.
     #[test]
-    fn a_topic_is_created_again_only_when_every_record_below_the_floor_is_newer() {
-        let mark = Mark { next: 100, floor: Some(100), raised_at_ms: Some(1_000) };
-        let processed = Processed([(("t".into(), 0), mark), (("t".into(), 1), mark)].into_iter().collect());
-        let batch = [at(0, 0, 2_000), at(0, 1, 2_001), at(1, 0, 500), at(1, 1, 9_000), at(1, 100, 9_001)];
-        assert_eq!(recreated(&batch, &processed), vec![("t".into(), 0)]);
-        assert_eq!(below_floor(&batch[2..], &processed), vec![true, true, false], "the newer record below the floor is skipped too");
-        let later_old = [at(0, 0, 2_000), at(0, 1, 900)];
-        assert!(recreated(&later_old, &processed).is_empty(), "an older record after a newer one");
+    fn every_record_below_the_floor_is_skipped_whatever_its_timestamp() {
+        let mark = Mark { next: 100, floor: Some(100), raised_at_ms: Some(1_000), log: None };
+        let processed = Processed([(("t".into(), 0), mark.clone()), (("t".into(), 1), mark)].into_iter().collect());
+        let batch = [at(1, 0, 500), at(1, 1, 9_000), at(1, 100, 9_001)];
+        assert_eq!(below_floor(&batch, &processed), vec![true, true, false], "the newer record below the floor is skipped too");
         assert!(below_floor(&[at(0, 100, 1)], &processed).is_empty(), "nothing below: no allocation");
     }
 }

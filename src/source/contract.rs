@@ -321,6 +321,14 @@ pub trait Connector: Sized + Send {
         None
     }
 
+    /// What the broker says of the logs of the partitions of `next` (a batch's): their identity and where they end
+    /// ([`crate::offsets::Log`]), the evidence that decides whether the pipeline's processed marks belong to them
+    /// ([`crate::offsets::Processed::renewals`]). Called before each attempt of a batch; it may ask the broker, briefly.
+    /// Default: nothing is said, and records below a processed floor are always skipped as processed.
+    fn logs(&self, _next: &NextOffsets) -> crate::offsets::Logs {
+        crate::offsets::Logs::default()
+    }
+
     /// After a batch committed to the broker that ended below processed floors: moves those partitions on to their
     /// floors. Default: the records below them are fetched and skipped.
     fn skip_to_floors(&mut self, _floors: &[PassedFloor]) {}

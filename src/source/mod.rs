@@ -127,6 +127,11 @@ impl Source {
         each_source!(self, |c| c.positions(batch.next_offsets()))
     }
 
+    /// What the broker says of the logs of `batch`'s partitions ([`Connector::logs`]).
+    pub fn logs<P>(&self, batch: &Batch<P>) -> crate::offsets::Logs {
+        each_source!(self, |c| c.logs(batch.next_offsets()))
+    }
+
     /// Runs `work` (spawned: a claim, a rebuild of the statements) to its end while the source keeps serving its
     /// broker.
     pub async fn poll_while<T: Send>(&mut self, work: tokio::task::JoinHandle<T>) -> T {

@@ -236,10 +236,11 @@ impl<'a> Step<'a> {
     async fn attempt(
         &mut self,
         source: &mut Source,
-        batch: PreparedBatch,
+        mut batch: PreparedBatch,
         retrying: &mut Retrying,
     ) -> (PreparedBatch, Result<crate::sink::BatchOutcome, SinkError>) {
         retrying.positions = source.positions(&batch);
+        batch.observe_logs(source.logs(&batch));
         let (sink, window, limit, presented) =
             (self.ready.sink.clone(), self.window.clone(), retrying.attempt_limit, retrying.positions.clone());
         let this = Attempt {

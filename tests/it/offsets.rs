@@ -532,28 +532,96 @@ async fn processed_on_a_topic_since_deleted(db: &TestDb, pipeline: &str) {
     assert!(worker.stop().await.is_empty());
 }
 
-/// A topic deleted and created again under the same name (here: another broker's topic of that name, its offsets
-/// from 0 again) reuses the positions below the pipeline's processed marks. Its records were produced after the
-/// marks were last raised, so they are not what the pipeline processed there: the marks are dropped, said in the
-/// log, and the new topic's records are applied, none skipped for a position of the old one. Issue 42, items 1
-/// and 4.
+/// A topic deleted and created again under the same name (here: another cluster's topic of that name, its offsets
+/// from 0 again, with another topic id) reuses the positions below the pipeline's processed marks, and holds more
+/// records (80) than the old one had (50), so only its identity tells it apart: the broker names another topic id
+/// than the one the marks were raised on, so the marks are renewed, said in the log, and every record of the new
+/// topic applied, none skipped for a position of the old one. Issue 42, items 1 and 4; issue 59, item 2.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_topic_created_again_is_processed_from_its_start() {
     let db = TestDb::new("CREATE TABLE paid (id text PRIMARY KEY);").await;
     let pipeline = "topics = [\"pay\"]\n[key]\nfield = \"/id\"\n[sink]\ntable = \"paid\"\n[sink.columns]\nid = \"/id\"\n[batch]\nmax_wait = \"200ms\"\n";
     processed_on_a_topic_since_deleted(&db, pipeline).await;
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    let old_id = db.scalar::<Option<String>>("SELECT log_id FROM idemflow.processed WHERE pipeline = 'pay'").await.unwrap_or_default();
+    assert_eq!(old_id.len(), 22, "the topic id the marks were raised on, in base64: {old_id:?}");
     let new = Kafka::new();
     new.create_topic("pay", 1);
-    new.produce("pay", &(0..20).map(|i| Out::json(0, format!(r#"{{"id":"new-{i}"}}"#))).collect::<Vec<_>>());
+    new.produce("pay", &(0..80).map(|i| Out::json(0, format!(r#"{{"id":"new-{i}"}}"#))).collect::<Vec<_>>());
     let setup = Setup::new(&db, &new, &[("pay.toml", pipeline)]);
+    let mut w = BinWorker::start(&setup);
+    wait_until(Duration::from_secs(60), "the new topic's records applied", || async {
+        db.scalar::<i64>("SELECT count(*) FROM paid WHERE id LIKE 'new-%'").await == 80
+    })
+    .await;
+    let m = w.scrape();
+    assert!(w.sigterm().success(), "{}", w.log_text());
+    assert_eq!(metric(&m, "idemflow_records_applied_total", &[("pipeline", "pay")]), 80.0, "every record of the new topic applied");
+    assert!(w.log_text().contains("the broker names another log than the one this pipeline's processed marks"), "{}", w.log_text());
+    assert_eq!(db.scalar::<i64>("SELECT next_offset FROM idemflow.processed WHERE pipeline = 'pay'").await, 80, "the marks renewed");
+    let new_id = db.scalar::<String>("SELECT log_id FROM idemflow.processed WHERE pipeline = 'pay'").await;
+    assert!(new_id != old_id && new_id.len() == 22, "the new topic's id kept: {new_id}");
+}
+
+/// A broker that gives no topic id (noida-db answers the all-zero id, as brokers before Kafka 2.8 do) and a topic
+/// created again there whose log ends (30 records) below the processed mark (50): the log's end is the evidence, so
+/// the marks are renewed and its records applied. Issue 59, item 2.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_topic_created_again_that_ends_below_the_mark_is_processed_without_topic_ids() {
+    let db = TestDb::new("CREATE TABLE paid (id text PRIMARY KEY);").await;
+    let pipeline = "topics = [\"pay\"]\n[key]\nfield = \"/id\"\n[sink]\ntable = \"paid\"\n[sink.columns]\nid = \"/id\"\n[batch]\nmax_wait = \"200ms\"\n";
+    processed_on_a_topic_since_deleted(&db, pipeline).await;
+    let new = noida::Noida::start();
+    new.create_topic("pay", 1).await;
+    new.produce("pay", 1, &(0..30).map(|i| format!(r#"{{"id":"new-{i}"}}"#)).collect::<Vec<_>>());
+    let setup = Setup::with_bootstrap(&db, new.bootstrap(), &[("pay.toml", pipeline)], "", "");
+    let mut w = BinWorker::start(&setup);
+    wait_until(Duration::from_secs(60), "the new topic's records applied", || async {
+        db.scalar::<i64>("SELECT count(*) FROM paid WHERE id LIKE 'new-%'").await == 30
+    })
+    .await;
+    assert!(w.sigterm().success(), "{}", w.log_text());
+    assert!(w.log_text().contains("the partition's log ends below this pipeline's processed mark"), "{}", w.log_text());
+    assert_eq!(db.scalar::<i64>("SELECT next_offset FROM idemflow.processed WHERE pipeline = 'pay'").await, 30);
+}
+
+/// Records stamped an hour ahead (producers whose clocks run fast, or a scheduled payment's business time), every
+/// one of them: applied, their dedup rows aged past retention and purged, then a consumer group that starts over
+/// from the log start. Their timestamps are later than the processed mark, yet the log reaches the mark: nothing
+/// about the log says the topic was created again, so nothing is applied twice. (Before, the timestamps alone renewed the marks: 400 rows for 200 records.) Issue 59, item 2.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn records_stamped_ahead_are_not_applied_again_after_their_dedup_rows_are_purged() {
+    let db = TestDb::new("CREATE TABLE paid (id text PRIMARY KEY);").await;
+    let kafka = Kafka::new();
+    kafka.create_topic("pay", 1);
+    let ahead = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as i64 + 3_600_000;
+    let records: Vec<Out> =
+        (0..200).map(|i| Out { timestamp_ms: Some(ahead + i), ..Out::json(0, format!(r#"{{"id":"p{i}"}}"#)) }).collect();
+    kafka.produce("pay", &records);
+    let pipeline = |group: &str| {
+        format!(
+            "topics = [\"pay\"]\ngroup_id = \"{group}\"\n[key]\nfield = \"/id\"\n[sink]\ntable = \"paid\"\n[sink.columns]\nid = \"/id\"\n\
+             [batch]\nmax_records = 50\nmax_wait = \"100ms\"\n"
+        )
+    };
+    let setup = Setup::new(&db, &kafka, &[("pay.toml", &pipeline("pay-v1"))]);
     let worker = InProc::start(&setup).await;
-    worker.wait_received("pay", 20).await;
-    let applied = worker.metric("idemflow_records_applied_total", &[("pipeline", "pay")]);
+    worker.wait_received("pay", 200).await;
     assert!(worker.stop().await.is_empty());
-    assert_eq!(applied, 20.0, "every record of the new topic applied");
-    assert_eq!(db.scalar::<i64>("SELECT count(*) FROM paid WHERE id LIKE 'new-%'").await, 20);
-    assert_eq!(db.scalar::<i64>("SELECT next_offset FROM idemflow.processed WHERE pipeline = 'pay'").await, 20, "the marks renewed");
+    assert_eq!(db.scalar::<i64>("SELECT count(*) FROM paid").await, 200);
+    sqlx::query("UPDATE idemflow.dedup SET applied_at = now() - interval '8 days'").execute(&db.pool).await.unwrap();
+    let (status, out, err) = idemflow(&["purge", "--config", setup.config.to_str().unwrap()], setup.dir.path());
+    assert!(status.success() && out.contains("purged 200 dedup rows"), "{out}{err}");
+    let setup = Setup::new(&db, &kafka, &[("pay.toml", &pipeline("pay-v2"))]);
+    let mut w = BinWorker::start(&setup);
+    wait_until(Duration::from_secs(60), "the new group at the end", || async { kafka.committed("pay-v2", "pay", 1) == [200] }).await;
+    let m = w.scrape();
+    assert!(w.sigterm().success(), "{}", w.log_text());
+    assert_eq!(metric(&m, "idemflow_records_applied_total", &[("pipeline", "pay")]), 0.0, "nothing applied twice\n{}", w.log_text());
+    let skipped = metric(&m, "idemflow_duplicates_skipped_total", &[("pipeline", "pay"), ("reason", "redelivered")]);
+    assert!((1.0..=200.0).contains(&skipped), "the records below the floor fetched were skipped as redelivered ({skipped})\n{m}");
+    assert!(!w.log_text().contains("created again"), "{}", w.log_text());
+    assert_eq!(db.scalar::<i64>("SELECT count(*) FROM paid").await, 200);
+    assert_eq!(db.scalar::<i64>("SELECT count(*) FROM idemflow.dedup").await, 0, "nothing claimed below the floor");
 }
 
 /// A group that starts over (here a new `group_id`) far below where the pipeline had processed fetches one batch
@@ -599,29 +667,53 @@ async fn a_group_that_starts_over_moves_on_to_the_processed_floor() {
 
 /// `[offsets] store = "database"` and a topic deleted and created again: the stored position (50, the old topic's)
 /// lies inside the new topic (80 records). Started there, the worker would skip the new topic's first 50 records,
-/// lost. The broker's first record produced after the position was stored is below it, so the partition starts at
-/// its log start, said in the log, and the processed marks (from before too) let every new record through. The new
-/// topic is on noida-db, whose ListOffsets answers by timestamp (the mock cluster's does not). Issue 42, item 4.
+/// lost. The topic's id is not the one the partition's processed mark was raised on, so the partition starts at its
+/// log start, said in the log, and the processed marks (renewed on the same evidence) let every new record through.
+/// Issue 42, item 4; issue 59, item 2 (the topic's identity, not the records' timestamps).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_topic_created_again_is_not_started_at_the_old_topics_stored_position() {
     let db = TestDb::new("CREATE TABLE paid (id text PRIMARY KEY);").await;
-    let pipeline = "topics = [\"pay\"]\n[key]\nfield = \"/id\"\n[sink]\ntable = \"paid\"\n[sink.columns]\nid = \"/id\"\n\
-                    [batch]\nmax_wait = \"200ms\"\n[offsets]\nstore = \"database\"\n";
-    processed_on_a_topic_since_deleted(&db, pipeline).await;
+    processed_on_a_topic_since_deleted(&db, STORED).await;
     assert_eq!(db.scalar::<i64>("SELECT next_offset FROM idemflow.offsets WHERE pipeline = 'pay'").await, 50);
-    tokio::time::sleep(Duration::from_millis(50)).await;
-    let new = noida::Noida::start();
-    new.create_topic("pay", 1).await;
-    new.produce("pay", 1, &(0..80).map(|i| format!(r#"{{"id":"new-{i}"}}"#)).collect::<Vec<_>>());
-    let setup = Setup::with_bootstrap(&db, new.bootstrap(), &[("pay.toml", pipeline)], "", "");
+    let new = Kafka::new();
+    new.create_topic("pay", 1);
+    new.produce("pay", &(0..80).map(|i| Out::json(0, format!(r#"{{"id":"new-{i}"}}"#))).collect::<Vec<_>>());
+    let setup = Setup::new(&db, &new, &[("pay.toml", STORED)]);
     let mut w = BinWorker::start(&setup);
     wait_until(Duration::from_secs(60), "the new topic's records applied", || async {
         db.scalar::<i64>("SELECT count(*) FROM paid WHERE id LIKE 'new-%'").await == 80
     })
     .await;
     assert!(w.sigterm().success(), "{}", w.log_text());
-    assert!(w.log_text().contains("the topic was deleted and created again"), "{}", w.log_text());
+    assert!(w.log_text().contains("the topic's id is not the one its processed marks were raised on"), "{}", w.log_text());
     assert_eq!(db.scalar::<i64>("SELECT next_offset FROM idemflow.offsets WHERE pipeline = 'pay'").await, 80);
+}
+
+/// A pipeline with `[offsets] store = "database"`.
+const STORED: &str = "topics = [\"pay\"]\n[key]\nfield = \"/id\"\n[sink]\ntable = \"paid\"\n[sink.columns]\nid = \"/id\"\n\
+                      [batch]\nmax_wait = \"200ms\"\n[offsets]\nstore = \"database\"\n";
+
+/// The same on a broker without topic ids (noida-db), its new topic shorter (30 records) than the stored position:
+/// the broker's first record produced after the position was stored is below it, so the partition starts at its log
+/// start; its log ends below the processed mark, so the marks are renewed and every new record applied. noida-db's
+/// ListOffsets answers by timestamp (the mock cluster's does not). Issue 42, item 4; issue 59, item 2.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_topic_created_again_is_not_started_at_the_old_topics_stored_position_without_topic_ids() {
+    let db = TestDb::new("CREATE TABLE paid (id text PRIMARY KEY);").await;
+    processed_on_a_topic_since_deleted(&db, STORED).await;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let new = noida::Noida::start();
+    new.create_topic("pay", 1).await;
+    new.produce("pay", 1, &(0..30).map(|i| format!(r#"{{"id":"new-{i}"}}"#)).collect::<Vec<_>>());
+    let setup = Setup::with_bootstrap(&db, new.bootstrap(), &[("pay.toml", STORED)], "", "");
+    let mut w = BinWorker::start(&setup);
+    wait_until(Duration::from_secs(60), "the new topic's records applied", || async {
+        db.scalar::<i64>("SELECT count(*) FROM paid WHERE id LIKE 'new-%'").await == 30
+    })
+    .await;
+    assert!(w.sigterm().success(), "{}", w.log_text());
+    assert!(w.log_text().contains("the topic was deleted and created again"), "{}", w.log_text());
+    assert_eq!(db.scalar::<i64>("SELECT next_offset FROM idemflow.offsets WHERE pipeline = 'pay'").await, 30);
 }
 
 /// Producers whose clocks run ahead of the store's, or records stamped with a later event time: records below a

@@ -115,7 +115,7 @@ async fn dead_letters_list_show_and_replay() {
         "payments",
         &[
             Out { partition: 0, key: Some(b"k-1".to_vec()), headers: vec![("trace".into(), b"t-1".to_vec())],
-                  value: Some(br#"{"order":{"id":"o-1","account":"ACC-2","amount":"10.00"}}"#.to_vec()) },
+                  value: Some(br#"{"order":{"id":"o-1","account":"ACC-2","amount":"10.00"}}"#.to_vec()), ..Out::default() },
             Out::json(0, "{not json"),
             Out::json(0, r#"{"order":{"id":"o-3","account":"ACC-1","amount":"1.00"}}"#),
         ],

@@ -195,6 +195,7 @@ body = { field = "/body" }
         key: Some(key.as_bytes().to_vec()),
         headers: vec![("message-id".into(), mid.as_bytes().to_vec())],
         value: Some(format!(r#"{{"body":"{body}"}}"#).into_bytes()),
+        timestamp_ms: None,
     };
     // Same record key twice with different message ids, and one message id reused under another key.
     let records = vec![rec("k1", "m1", "a"), rec("k1", "m2", "a"), rec("k2", "m1", "b"), rec("k3", "m3", "c")];

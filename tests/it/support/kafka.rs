@@ -24,6 +24,9 @@ pub struct Out {
     pub headers: Vec<(String, Vec<u8>)>,
     /// Value; `None` is a tombstone.
     pub value: Option<Vec<u8>>,
+    /// The record's timestamp (CreateTime, milliseconds since the Unix epoch: a producer's clock, or a business
+    /// time); `None`: the producer's clock now.
+    pub timestamp_ms: Option<i64>,
 }
 
 impl Out {
@@ -73,6 +76,9 @@ impl Kafka {
             }
             if let Some(v) = &r.value {
                 rec = rec.payload(v);
+            }
+            if let Some(at) = r.timestamp_ms {
+                rec = rec.timestamp(at);
             }
             self.inner.send(rec).expect("producing");
         }
