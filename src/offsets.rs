@@ -216,9 +216,9 @@ pub struct Mark {
 /// evidence, about the log itself, that decides whether a partition's processed marks belong to it.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Log {
-    /// The log's identity, which a log deleted and created again under the same name does not keep: a JetStream
-    /// stream's creation time. `None` where the source does not say (Kafka: its topic ids are not asked yet, see
-    /// `KafkaSource::logs`; RocketMQ).
+    /// The log's identity, which a log deleted and created again under the same name does not keep: Kafka's topic id
+    /// (KIP-516, brokers from 2.8; base64 as Kafka's tools print it), a JetStream stream's creation time. `None`
+    /// where the broker does not say (Kafka before 2.8, RocketMQ).
     pub id: Option<Arc<str>>,
     /// One past the log's last offset as the broker last said (Kafka's high watermark, from the fetch responses).
     /// A log of the same identity never ends below what was processed of it, unless it was truncated.
