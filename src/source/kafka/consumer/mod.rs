@@ -134,8 +134,6 @@ pub struct KafkaSource {
     /// its session timeout (the coordinator's answer to its heartbeat, or librdkafka's own session timer), so after
     /// that a partition still assigned here is this worker's, and a fence was a claim that came late.
     fenced_for: Duration,
-    /// The topics' ids, asked of the cluster at most every [`super::topic_ids::FRESH_FOR`] ([`KafkaSource::logs`]).
-    topic_ids: super::topic_ids::TopicIds,
 }
 
 impl Connector for KafkaSource {
@@ -309,21 +307,10 @@ impl Connector for KafkaSource {
         Some(Positions::new(next, |t, p| st.epochs.get(&(t.clone(), p)).copied()))
     }
 
-    /// Each partition's log as the cluster says: the topic's id ([`super::topic_ids`], asked at most every few
-    /// seconds) and where the log ends (the high watermark of the last fetch response, no request).
+    /// Each partition's log as the cluster last said: where it ends (the high watermark of the last fetch response,
+    /// no request).
     fn logs(&self, next: &NextOffsets) -> offsets::Logs {
-        let mut topics: Vec<&str> = next.0.keys().map(|(t, _)| &**t).collect();
-        topics.dedup();
-        let ids = self.topic_ids.of(self.consumer.client(), &topics);
-        offsets::Logs(
-            next.0
-                .keys()
-                .map(|(t, p)| {
-                    let log = offsets::Log { id: ids.get(&**t).cloned().flatten(), end: self.cached_high_watermark(t, *p) };
-                    ((t.clone(), *p), log)
-                })
-                .collect(),
-        )
+        offsets::Logs(next.0.keys().map(|(t, p)| ((t.clone(), *p), offsets::Log { end: self.cached_high_watermark(t, *p) })).collect())
     }
 
     /// Runs `work` (a spawned batch transaction) to its end while the consumer keeps polling: rebalance callbacks
@@ -519,7 +506,6 @@ impl KafkaSource {
             revoked_in_flight: HashSet::new(),
             reset_to_earliest,
             fenced_for,
-            topic_ids: Default::default(),
         })
     }
 
