@@ -347,7 +347,7 @@ impl Relay {
                 failed(format!("{error} (the last of {} attempts)", row.attempts))
             }
             Outcome::Retry { after, error, result } => {
-                let after = after.unwrap_or_else(|| backoff(self.spec.settings.backoff, self.spec.settings.max_backoff, row.attempts));
+                let after = wait_before_retry(backoff(self.spec.settings.backoff, self.spec.settings.max_backoff, row.attempts), after);
                 let level_warn = result != AttemptResult::RetryStatus || row.attempts > 1;
                 if level_warn {
                     tracing::warn!(pipeline = %self.pipeline, row = row.id, attempts = row.attempts, error = %error, retry_in = ?after, "outbox request failed; retrying");
@@ -466,6 +466,14 @@ impl Target<'_> {
     }
 }
 
+/// The wait before the next attempt: the schedule's ([`backoff`]), lengthened by the target's `Retry-After`
+/// (`retry_after`, already bounded by [`super::spec::MAX_RETRY_AFTER`]) but never shortened by it. A provider that
+/// answers `Retry-After: 2` through a long outage would otherwise spend a row's `max_attempts` in seconds and
+/// dead-letter it minutes into the outage; the doubling schedule is what bounds the attempts in time.
+pub fn wait_before_retry(schedule: Duration, retry_after: Option<Duration>) -> Duration {
+    retry_after.map_or(schedule, |asked| asked.max(schedule))
+}
+
 /// The wait before attempt `attempts + 1`: `first` doubled for each attempt after the first, at most `max`.
 pub fn backoff(first: Duration, max: Duration, attempts: i32) -> Duration {
     let doublings = attempts.saturating_sub(1).clamp(0, 30) as u32;
@@ -475,6 +483,17 @@ pub fn backoff(first: Duration, max: Duration, attempts: i32) -> Duration {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `Retry-After` lengthens the schedule's wait, never shortens it.
+    #[test]
+    fn retry_after_lengthens_the_wait_but_never_shortens_it() {
+        let schedule = backoff(Duration::from_secs(1), Duration::from_secs(300), 6);
+        assert_eq!(schedule, Duration::from_secs(32));
+        assert_eq!(wait_before_retry(schedule, Some(Duration::from_secs(2))), schedule, "a short Retry-After through an outage");
+        assert_eq!(wait_before_retry(schedule, Some(Duration::from_secs(600))), Duration::from_secs(600));
+        assert_eq!(wait_before_retry(schedule, None), schedule);
+        assert_eq!(wait_before_retry(Duration::from_secs(1), Some(Duration::ZERO)), Duration::from_secs(1), "a date in the past");
+    }
 
     #[test]
     fn backoff_doubles_up_to_its_bound() {

@@ -134,8 +134,8 @@ pub struct OutboxSettings {
     pub concurrency: usize,
     /// `backoff` (default 1 s): the wait before a request's second attempt, doubled for each one after.
     pub backoff: Duration,
-    /// `max_backoff` (default 5 minutes): the longest wait between two attempts (a `Retry-After` is honoured up to
-    /// [`MAX_RETRY_AFTER`]).
+    /// `max_backoff` (default 5 minutes): the longest wait between two attempts of the schedule (a longer
+    /// `Retry-After` is honoured up to [`MAX_RETRY_AFTER`]; a shorter one does not shorten the schedule's wait).
     pub max_backoff: Duration,
     /// `poll_interval` (default 1 s): how often the relay looks for rows written by other workers, or due again
     /// (rows this worker commits are sent at once).
