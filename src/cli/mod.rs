@@ -104,6 +104,19 @@ pub enum SchemaFile {
     Pipeline,
 }
 
+impl Command {
+    /// Whether the command serves (the worker) or drives servers and child processes (the tools), rather than
+    /// printing an answer and ending: those keep SIGPIPE ignored, so a peer or a child that goes away never ends them.
+    pub fn serves(&self) -> bool {
+        match self {
+            Command::Run(_) => true,
+            #[cfg(feature = "tools")]
+            Command::Demo(_) | Command::Bench(_) | Command::Soak(_) => true,
+            _ => false,
+        }
+    }
+}
+
 /// Runs `command`.
 ///
 /// Errors: the command's, with the settings file or pipeline it is about.

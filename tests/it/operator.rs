@@ -130,6 +130,20 @@ async fn dead_letters_list_show_and_replay() {
     assert!(status.success(), "{out}{err}");
     assert!(out.contains("payments/0@0") && out.contains("side_effect_rejected") && out.contains("decode_failed"), "{out}");
     assert!(out.contains("2 dead letter(s)"), "{out}");
+    // `dead-letters list | head`: what reads the output goes away before the command writes; it ends quietly, by
+    // SIGPIPE as Unix tools do, never with a panic and a backtrace (issue 61, item 5).
+    let mut listing = std::process::Command::new(env!("CARGO_BIN_EXE_idemflow"))
+        .args(["dead-letters", "list", "--config", cfg])
+        .current_dir(cwd)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(listing.stdout.take());
+    let ended = listing.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&ended.stderr);
+    use std::os::unix::process::ExitStatusExt;
+    assert!(!err.contains("panicked") && (ended.status.signal() == Some(libc::SIGPIPE) || ended.status.success()), "{:?}: {err}", ended.status);
     let fk_id: i64 = db.scalar("SELECT id FROM idemflow.dead_letters WHERE \"offset\" = 0").await;
     let bad_id: i64 = db.scalar("SELECT id FROM idemflow.dead_letters WHERE \"offset\" = 1").await;
 
