@@ -632,13 +632,18 @@ async fn postgres_upgrade_stops_with_nothing_changed_when_a_key_text_is_not_what
     drop(conn);
     // Edited by hand: no longer the text its digest was made of.
     sqlx::query("UPDATE idemflow.dedup SET business_key = 'o-edited' WHERE business_key = 'o-2'").execute(&db.pool).await.unwrap();
-    let e = idemflow::store::postgres::MIGRATOR.run(&db.pool).await.unwrap_err().to_string();
+    // Both runs on one session, as `idemflow migrate` runs (a process of its own): sqlx's migrator takes a
+    // session-level advisory lock and does not release it when a migration fails, so a second run from another
+    // pooled connection would wait for it for ever (this test hung once so, waiting in pg_advisory_lock).
+    let mut session = db.pool.acquire().await.unwrap();
+    let e = idemflow::store::postgres::MIGRATOR.run(&mut *session).await.unwrap_err().to_string();
     assert!(e.contains("1 dedup rows hold a key text that is not what their digest was made of (for example 'o-edited'"), "{e}");
     assert_eq!(db.scalar::<i64>("SELECT max(version) FROM _sqlx_migrations").await, 6);
     assert_eq!(db.scalar::<i64>("SELECT count(*) FROM idemflow.dedup WHERE key_digest = sha256('o-1'::bytea)").await, 1);
     // Given up (as docs/operations.md says), the rest migrates.
     sqlx::query("DELETE FROM idemflow.dedup WHERE key_digest <> sha256(convert_to(business_key, 'UTF8'))").execute(&db.pool).await.unwrap();
-    idemflow::store::postgres::MIGRATOR.run(&db.pool).await.unwrap();
+    idemflow::store::postgres::MIGRATOR.run(&mut *session).await.unwrap();
+    drop(session);
     assert_eq!(db.scalar::<Vec<u8>>("SELECT key_id FROM idemflow.dedup").await, b"o-1");
 }
 
@@ -649,13 +654,17 @@ async fn mariadb_upgrade_stops_with_nothing_changed_when_a_key_text_is_not_what_
     previous_mysql_claim(&mut conn, &["o-1".to_owned(), "o-2".to_owned()], 0).await.unwrap();
     drop(conn);
     db.exec("UPDATE idemflow_dedup SET business_key = 'o-edited' WHERE business_key = 'o-2'").await;
-    let e = idemflow::store::mysql::MIGRATOR.run(&db.pool).await.unwrap_err().to_string();
+    // One session for both runs, as in the PostgreSQL test above (sqlx keeps its migration lock, GET_LOCK, after a
+    // failed migration).
+    let mut session = db.pool.acquire().await.unwrap();
+    let e = idemflow::store::mysql::MIGRATOR.run(&mut *session).await.unwrap_err().to_string();
     assert!(e.contains("every_key_text_is_what_its_digest_was_made_of"), "{e}");
     // Not recorded, not even as partially applied: `idemflow migrate` can simply run again.
     assert_eq!(db.scalar::<i64>("SELECT COUNT(*) FROM _sqlx_migrations WHERE version = 2").await, 0);
     assert_eq!(db.scalar::<i64>("SELECT COUNT(*) FROM idemflow_dedup WHERE key_digest = UNHEX(SHA2('o-1', 256))").await, 1);
     db.exec("DELETE FROM idemflow_dedup WHERE key_digest <> UNHEX(SHA2(business_key, 256))").await;
-    idemflow::store::mysql::MIGRATOR.run(&db.pool).await.unwrap();
+    idemflow::store::mysql::MIGRATOR.run(&mut *session).await.unwrap();
+    drop(session);
     assert_eq!(db.scalar::<Vec<u8>>("SELECT key_id FROM idemflow_dedup").await, b"o-1");
     idemflow::store::mysql::check_schema(&db.pool).await.unwrap();
 }
