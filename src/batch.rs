@@ -98,7 +98,7 @@ impl<P> Batch<P> {
         &self.first
     }
 
-    /// What the source said of the logs of the batch's partitions (where they end) when the batch
+    /// What the source said of the logs of the batch's partitions (their identity, where they end) when the batch
     /// was last attempted; empty where it says nothing ([`crate::source::contract::Connector::logs`]).
     pub fn logs(&self) -> &Logs {
         &self.logs

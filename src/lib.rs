@@ -254,15 +254,20 @@
 //!   records it did not apply): a record below the floor was processed by a committed batch, so it is neither claimed nor applied
 //!   again, whatever its dedup row says (counted `redelivered`); only `idemflow rewind` lowers the floor (the
 //!   operator's replay, applied where no dedup row covers it). A floor is undone only by evidence about the log
-//!   itself, never by the records' timestamps (a producer's clock, a business time): before each attempt the source
-//!   says where each partition's log ends ([`source::contract::Connector::logs`]: Kafka's high watermark), and a log
-//!   that ends below the mark is not the one the mark was raised on (the topic was deleted and created again, or
-//!   truncated): the partition's marks are renewed in the same transaction at the batch, whose records are applied
-//!   as new ([`offsets::Processed::renewals`]; the dedup rows still tell what was applied before). A topic created
-//!   again that already reaches the old mark cannot be told from a replay: its records below the mark are skipped,
-//!   with a warning where they are stamped after it (`idemflow rewind` applies them). Tested with records stamped an
-//!   hour ahead, purged and replayed by a new group (nothing applied twice), a topic created again shorter than the
-//!   old mark (the mock cluster and noida-db), a purge and a new group, and a rewind (`tests/it/offsets.rs`). A committed batch that ended below
+//!   itself, never by the records' timestamps (a producer's clock, a business time): each mark remembers the
+//!   identity of the log it was raised on ([`offsets::Log`]: Kafka's topic id, a JetStream stream's creation time),
+//!   and before each attempt the source says the log's identity and end ([`source::contract::Connector::logs`]);
+//!   another identity (the topic was deleted and created again), or a log that ends below the mark (created again,
+//!   or truncated), renews the partition's marks at the batch's first offset in the same transaction, and its
+//!   records are claimed as new, their dedup rows deciding ([`offsets::Processed::renewals`]; a truncated log's last
+//!   records were processed recently, so their rows are kept). Kafka's topic ids are asked off the batch path, by a
+//!   thread of the source's own every 10 s (a topic's first batch waits at most 5 s for its first answer): a batch
+//!   is judged on an id at most that old, so a topic created again in those seconds and filled past the old mark
+//!   before its first batch is skipped below the mark like one without ids. A broker that gives no identity and a
+//!   topic created again that already reaches the old mark cannot be told from a replay: its records below the mark
+//!   are skipped, with a warning where they are stamped after it (`idemflow rewind` applies them). Tested with records stamped an hour ahead, purged and replayed by a new group
+//!   (nothing applied twice), a Kafka topic created again longer than the old mark (another topic id) and shorter
+//!   (noida-db, no topic ids), a JetStream stream created again (`nats::a_new_poison_message_at_the_sequence_of_an_old_one_...`), a purge and a new group, and a rewind (`tests/it/offsets.rs`). A committed batch that ended below
 //!   a floor moves the Kafka consumer on to it (seek and offset commit after the batch's: [`sink::BatchOutcome::floors`]):
 //!   everything below a floor was processed by a committed batch, so nothing is skipped that was not, and a crash
 //!   before that commit only fetches the batch below the floor again. Not where a record below the floor is newer
@@ -347,9 +352,10 @@
 //! the claim and again after it); a partition fenced by a claim that landed late is claimed again after a delay
 //! while it is still assigned here, and then sought to its stored position, so it is never left paused. A stored
 //! position is the one place a worker starts without looking at the records below it, so it is not trusted across a
-//! topic created again: when the partition holds nothing produced before the position was stored and records below
-//! it ([`offsets::Claimed::stored_at_ms`]: starting earlier costs fetching, never an effect), the partition starts at
-//! its log start instead, and the processed marks above decide, on evidence about the log, what was processed
+//! topic created again: when the topic's id is not the one its processed mark was raised on ([`offsets::Claimed::log`]),
+//! or the partition holds nothing produced before the position was stored and records below it
+//! ([`offsets::Claimed::stored_at_ms`]: starting earlier costs fetching, never an effect), the partition starts at its
+//! log start instead, and the processed marks above decide, on evidence about the log, what was processed
 //! (`tests/it/offsets.rs`).
 // The worker's futures (a batch polled beside the Kafka consumer's select) nest deeper than the default 128.
 #![recursion_limit = "256"]

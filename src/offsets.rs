@@ -99,6 +99,9 @@ pub struct Claimed {
     /// A record below the position produced after this time is not one the pipeline processed there: the topic was
     /// deleted and created again, and the position is the old topic's (see the Kafka source's start).
     pub stored_at_ms: Option<i64>,
+    /// The identity of the log the partition's processed mark was last raised on ([`Mark::log`]), where the store
+    /// keeps one: another identity from the broker now says the stored position is an old topic's.
+    pub log: Option<String>,
 }
 
 /// The positions a batch stores, with the epoch its worker holds for each partition.
@@ -137,7 +140,7 @@ mod tests {
     #[test]
     fn a_record_below_the_floor_was_processed_whatever_its_timestamp() {
         let at = |offset: i64, ts: Option<i64>| Record { timestamp_ms: ts, ..rec("t", 0, offset) };
-        let mark = Mark { next: 100, floor: Some(80), raised_at_ms: Some(5_000) };
+        let mark = Mark { next: 100, floor: Some(80), raised_at_ms: Some(5_000), log: None };
         let mut processed = Processed([(("t".into(), 0), mark)].into_iter().collect());
         assert_eq!(processed.replay(&at(79, Some(4_000))), Replay::Processed);
         assert_eq!(processed.replay(&at(79, None)), Replay::Processed, "no timestamp: processed");
@@ -146,26 +149,32 @@ mod tests {
         assert_eq!(processed.replay(&at(95, Some(1))), Replay::New);
         assert!(processed.before(&at(95, None).position), "still a redelivery by its position");
         assert_eq!(processed.replay(&rec("t", 1, 0)), Replay::New, "another partition: no mark");
-        processed.0.insert(("t".into(), 1), Mark { next: 10, floor: None, raised_at_ms: None });
+        processed.0.insert(("t".into(), 1), Mark { next: 10, floor: None, raised_at_ms: None, log: None });
         assert_eq!(processed.replay(&rec("t", 1, 0)), Replay::New, "no floor kept (Redis)");
     }
 
-    /// A partition's marks are renewed only where its log ends below the mark, at the batch's first offset; never
-    /// for a log that reaches the mark, one the broker says nothing of, or where the store keeps no floor.
+    /// A partition's marks are renewed (at the batch's first offset) on evidence about its log only: another
+    /// identity, or a log ending below the mark whatever the identities say; never for the same identity and a log
+    /// reaching the mark.
     #[test]
-    fn marks_are_renewed_only_where_the_log_ends_below_them() {
-        let mark = Mark { next: 100, floor: Some(100), raised_at_ms: Some(5_000) };
+    fn marks_are_renewed_only_on_evidence_about_the_log() {
+        let id = |s: &str| Some(Arc::<str>::from(s));
+        let mark = |log: Option<Arc<str>>| Mark { next: 100, floor: Some(100), raised_at_ms: Some(5_000), log };
         let first = NextOffsets([(("t".into(), 0), 0)].into_iter().collect());
-        let judge = |m: Mark, end: Option<i64>| {
+        let judge = |m: Mark, log: Log| {
             let processed = Processed([(("t".into(), 0), m)].into_iter().collect());
-            let logs = Logs([(("t".into(), 0), Log { end })].into_iter().collect());
-            processed.renewals(&first, &logs).into_iter().map(|r| (r.next, r.end)).collect::<Vec<_>>()
+            processed.renewals(&first, &Logs([(("t".into(), 0), log)].into_iter().collect())).into_iter().map(|r| (r.next, r.change)).collect::<Vec<_>>()
         };
-        assert_eq!(judge(mark, Some(40)), vec![(0, 40)], "the log ends below the mark: renewed at the batch");
-        assert_eq!(judge(mark, Some(100)), vec![], "the log reaches the mark");
-        assert_eq!(judge(mark, Some(500)), vec![], "a log longer than the mark");
-        assert_eq!(judge(mark, None), vec![], "the broker says nothing");
-        assert_eq!(judge(Mark { floor: None, ..mark }, Some(1)), vec![], "no floor kept (Redis): nothing to renew");
+        let log = |i: Option<Arc<str>>, end: Option<i64>| Log { id: i, end };
+        assert_eq!(judge(mark(id("A")), log(id("A"), Some(500))), vec![], "the same log");
+        assert_eq!(judge(mark(id("A")), log(id("B"), Some(500))), vec![(0, LogChange::Another { was: "A".into(), now: "B".into() })]);
+        assert_eq!(judge(mark(id("A")), log(id("A"), Some(40))), vec![(0, LogChange::Shorter { end: 40 })], "truncated");
+        assert_eq!(judge(mark(None), log(id("A"), Some(40))), vec![(0, LogChange::Shorter { end: 40 })], "no identity stored yet");
+        assert_eq!(judge(mark(id("A")), log(None, Some(40))), vec![(0, LogChange::Shorter { end: 40 })], "the broker gives none");
+        assert_eq!(judge(mark(None), log(None, Some(500))), vec![], "nothing says the log changed");
+        assert_eq!(judge(mark(None), log(None, None)), vec![], "the broker says nothing");
+        let redis = Mark { floor: None, ..mark(id("A")) };
+        assert_eq!(judge(redis, log(id("B"), Some(1))), vec![], "no floor kept: nothing to renew");
     }
 
     #[test]
@@ -181,7 +190,7 @@ mod tests {
 pub struct Processed(pub std::collections::HashMap<(Arc<str>, i32), Mark>);
 
 /// What a pipeline had processed of one partition before a batch.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Mark {
     /// One past the highest offset whose batch committed. A record below it was processed before: it is a
     /// redelivery (counted `redelivered`), whatever its dedup row says.
@@ -197,15 +206,22 @@ pub struct Mark {
     /// the store does not say. Only said in the log: a record's timestamp (the producer's clock, or a business
     /// time) never decides whether it was processed.
     pub raised_at_ms: Option<i64>,
+    /// The identity of the log the mark was raised on, as its source named it ([`Log::id`]: a Kafka topic id, a
+    /// JetStream stream's creation time); `None` where the source does not say, or for a mark from before
+    /// PostgreSQL migration 14 / MySQL migration 7 until a batch raises it.
+    pub log: Option<Arc<str>>,
 }
 
 /// What a broker says of one partition's log beside a batch ([`crate::source::contract::Connector::logs`]): the
 /// evidence, about the log itself, that decides whether a partition's processed marks belong to it.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Log {
+    /// The log's identity, which a log deleted and created again under the same name does not keep: Kafka's topic id
+    /// (KIP-516, brokers from 2.8; base64 as Kafka's tools print it), a JetStream stream's creation time. `None`
+    /// where the broker does not say (Kafka before 2.8, RocketMQ).
+    pub id: Option<Arc<str>>,
     /// One past the log's last offset as the broker last said (Kafka's high watermark, from the fetch responses).
-    /// The log the marks were raised on never ends below what was processed of it (unless truncated by an unclean
-    /// leader election); one that does was deleted and created again. `None` where the broker does not say.
+    /// A log of the same identity never ends below what was processed of it, unless it was truncated.
     pub end: Option<i64>,
 }
 
@@ -213,18 +229,41 @@ pub struct Log {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Logs(pub std::collections::HashMap<(Arc<str>, i32), Log>);
 
-/// A partition whose marks are set afresh in the batch's transaction ([`Processed::renewals`]): its log ends below
-/// its mark, so the marks were raised on another log (the topic was deleted and created again).
+/// Why a partition's processed marks are not the log's any more ([`Processed::renewals`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum LogChange {
+    /// The broker names another log than the one the marks were raised on: the topic was deleted and created again.
+    Another {
+        /// The identity the marks were raised on.
+        was: Arc<str>,
+        /// The identity the broker names now.
+        now: Arc<str>,
+    },
+    /// The log ends below the mark: the topic was deleted and created again, or its log truncated (an unclean
+    /// leader election lost its last records). Both are renewed at the batch's first offset: its records are
+    /// claimed as new, and their dedup rows decide (a truncated log's last records were processed recently, so
+    /// their rows are still kept); a stale identity (the broker's answer a few seconds old) cannot make a topic
+    /// created again look truncated and skip its records.
+    Shorter {
+        /// Where the log ends now ([`Log::end`]).
+        end: i64,
+    },
+}
+
+/// A partition whose marks are set afresh in the batch's transaction ([`Processed::renewals`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Renewal {
     /// Topic.
     pub topic: Arc<str>,
     /// Partition.
     pub partition: i32,
-    /// The new mark and floor: the batch's first offset of the partition (from there on, every record is new).
+    /// The new mark and floor: the batch's first offset of the partition (every record of it from there is claimed
+    /// as new).
     pub next: i64,
-    /// Where the log ends ([`Log::end`]), below the old mark.
-    pub end: i64,
+    /// The identity the marks are raised on from now ([`Log::id`]).
+    pub log: Option<Arc<str>>,
+    /// Why.
+    pub change: LogChange,
 }
 
 /// What a record's position says about it, against its partition's [`Mark`] ([`Processed::replay`]).
@@ -254,18 +293,25 @@ impl Processed {
     }
 
     /// The partitions whose marks were raised on another log than the one the batch comes from, judged on evidence
-    /// about the log itself (`logs`), never on the records' timestamps: the log ends below the mark, so what was
-    /// processed there is not in it (the topic was deleted and created again, or truncated). They are renewed at
-    /// the batch's first offset (`first`). Only partitions with a floor (PostgreSQL, MySQL/MariaDB) and with a first
-    /// offset in `first` are judged.
+    /// about the log itself (`logs`), never on the records' timestamps: the broker names another identity than the
+    /// mark's ([`LogChange::Another`]), or the log ends below the mark ([`LogChange::Shorter`]); either is renewed
+    /// at the batch's first offset of the partition (`first`). Only partitions with a floor (PostgreSQL,
+    /// MySQL/MariaDB) and with a first offset in `first` are judged.
     pub fn renewals(&self, first: &NextOffsets, logs: &Logs) -> Vec<Renewal> {
         let mut out = Vec::new();
         for ((topic, partition), at) in &first.0 {
             let key = (topic.clone(), *partition);
             let (Some(mark), Some(log)) = (self.0.get(&key), logs.0.get(&key)) else { continue };
-            if let (Some(_), Some(end)) = (mark.floor, log.end.filter(|end| *end < mark.next)) {
-                out.push(Renewal { topic: topic.clone(), partition: *partition, next: *at, end });
+            if mark.floor.is_none() {
+                continue;
             }
+            let shorter = log.end.filter(|end| *end < mark.next);
+            let change = match (&mark.log, &log.id, shorter) {
+                (Some(was), Some(now), _) if was != now => LogChange::Another { was: was.clone(), now: now.clone() },
+                (_, _, Some(end)) => LogChange::Shorter { end },
+                _ => continue,
+            };
+            out.push(Renewal { topic: topic.clone(), partition: *partition, next: *at, log: log.id.clone(), change });
         }
         out
     }
@@ -274,7 +320,7 @@ impl Processed {
     pub fn renew(&mut self, renewed: &[Renewal]) {
         for r in renewed {
             if let Some(mark) = self.0.get_mut(&(r.topic.clone(), r.partition)) {
-                *mark = Mark { next: r.next, floor: Some(r.next), raised_at_ms: None };
+                *mark = Mark { next: r.next, floor: Some(r.next), raised_at_ms: None, log: r.log.clone() };
             }
         }
     }

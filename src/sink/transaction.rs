@@ -31,7 +31,7 @@ use super::error::SinkError;
 use crate::store::disposition::Disposition;
 use crate::store::error::{classify, describe};
 use crate::metrics::{BatchCounts, DeadLetterReason, DuplicateReason};
-use crate::offsets::{Positions, Processed, Replay};
+use crate::offsets::{LogChange, Logs, Positions, Processed, Replay};
 use crate::prepare::{Prepared, PreparedBatch};
 use crate::store::rows::Apply;
 use crate::key::BusinessKey;
@@ -100,19 +100,26 @@ impl Sink {
             .map_err(|e| SinkError::new("reading the processed positions", e))?;
         let renewals = processed.renewals(first, batch.logs());
         if !renewals.is_empty() {
-            let renew: Vec<(&str, i32, i64)> = renewals.iter().map(|r| (&*r.topic, r.partition, r.next)).collect();
-            tx.renew_processed(&self.pipeline, &renew)
+            tx.renew_processed(&self.pipeline, &renewals)
                 .await
                 .map_err(|e| SinkError::new("renewing the processed positions of a log created again", e))?;
             for r in &renewals {
                 let mark = processed.0.get(&(r.topic.clone(), r.partition)).map(|m| m.next);
-                tracing::warn!(pipeline = %self.pipeline, topic = %r.topic, partition = r.partition, mark, end = r.end,
-                    "the partition's log ends below this pipeline's processed mark: the topic was deleted and created \
-                     again (or its log truncated); the marks from before are dropped and its records processed as new");
+                let (topic, partition, next) = (&*r.topic, r.partition, r.next);
+                match &r.change {
+                    LogChange::Another { was, now } => tracing::warn!(pipeline = %self.pipeline, topic, partition, mark, was = %was,
+                        now = %now, "the broker names another log than the one this pipeline's processed marks were raised on (another \
+                         identity): the topic was deleted and created again; the marks from before are dropped and its records \
+                         processed as new"),
+                    LogChange::Shorter { end } => tracing::warn!(pipeline = %self.pipeline, topic, partition, mark, end, next,
+                        "the partition's log ends below this pipeline's processed mark: the topic was deleted and created \
+                         again (or its log truncated); the marks from before are dropped and its records claimed as new, \
+                         their dedup rows deciding"),
+                }
             }
             processed.renew(&renewals);
         }
-        self.note_stamped_ahead(records, &processed);
+        self.note_stamped_ahead(records, &processed, batch.logs());
         Ok(Begun::Open(tx, processed))
     }
 
@@ -256,7 +263,7 @@ impl Sink {
             }
         }
         if replaying.is_empty() {
-            tx.raise_processed(&self.pipeline, batch.next_offsets())
+            tx.raise_processed(&self.pipeline, batch.next_offsets(), batch.logs())
                 .await
                 .map_err(|e| SinkError::new("raising the processed positions", e))?;
         }
@@ -484,25 +491,34 @@ fn below_floor(records: &[Record], processed: &Processed) -> Vec<bool> {
 }
 
 impl Sink {
-    /// Says in the log, once per partition and batch, where records below a floor, skipped as processed, were
-    /// stamped after the mark was last raised (producers whose clocks run ahead, a future business time; or a topic
-    /// created again that already holds more records than were processed of the old one, which nothing about the log
-    /// tells apart: `idemflow rewind` then applies its records).
-    fn note_stamped_ahead(&self, records: &[Record], processed: &Processed) {
+    /// Says in the log where records below a floor, skipped as processed, were stamped after the mark was last raised
+    /// (producers whose clocks run ahead, a future business time): once per partition and batch, a warning where
+    /// the broker gives no identity to tell the log is the same (a topic created again that already holds more records
+    /// than were processed of the old one looks the same, and its first records are skipped: `idemflow rewind`
+    /// applies them), a debug line where the id says it is.
+    fn note_stamped_ahead(&self, records: &[Record], processed: &Processed, logs: &Logs) {
         if !starts_below_a_floor(records, processed) {
             return;
         }
         for run in records.chunk_by(|a, b| a.position.same_partition(&b.position)) {
             let p = &run[0].position;
-            let Some(mark) = processed.0.get(&(p.topic.clone(), p.partition)) else { continue };
+            let tp = (p.topic.clone(), p.partition);
+            let Some(mark) = processed.0.get(&tp) else { continue };
             let (Some(floor), Some(raised)) = (mark.floor, mark.raised_at_ms) else { continue };
-            let below = run.iter().filter(|r| r.position.offset < floor);
-            let Some(ahead) = below.filter_map(|r| r.timestamp_ms).filter(|t| *t > raised).max() else { continue };
-            tracing::warn!(pipeline = %self.pipeline, topic = %p.topic, partition = p.partition, floor, stamped_ms = ahead,
-                mark_raised_ms = raised,
-                "records below the processed floor are stamped after the mark was raised: skipped as processed (their \
-                 timestamps never decide, and the log reaches the mark). If the topic was deleted and created again, \
-                 `idemflow rewind` applies its records");
+            let Some(ahead) = run.iter().filter(|r| r.position.offset < floor).filter_map(|r| r.timestamp_ms).filter(|t| *t > raised).max() else {
+                continue;
+            };
+            let id = logs.0.get(&tp).and_then(|l| l.id.clone());
+            let (topic, partition) = (&*p.topic, p.partition);
+            if id.is_some() && id == mark.log {
+                tracing::debug!(pipeline = %self.pipeline, topic, partition, floor, stamped_ms = ahead, mark_raised_ms = raised,
+                    "records below the processed floor are stamped after the mark was raised; the log's identity is the marks': skipped as processed");
+            } else {
+                tracing::warn!(pipeline = %self.pipeline, topic, partition, floor, stamped_ms = ahead, mark_raised_ms = raised,
+                    "records below the processed floor are stamped after the mark was raised, and the broker gives no identity \
+                     to tell whether the topic is the one processed: skipped as processed (timestamps never decide). If the \
+                     topic was deleted and created again, `idemflow rewind` applies its records");
+            }
         }
     }
 }
@@ -596,8 +612,8 @@ mod tests {
     /// about its log, before: [`Processed::renewals`]); nothing is allocated when no record lies below.
     #[test]
     fn every_record_below_the_floor_is_skipped_whatever_its_timestamp() {
-        let mark = Mark { next: 100, floor: Some(100), raised_at_ms: Some(1_000) };
-        let processed = Processed([(("t".into(), 0), mark), (("t".into(), 1), mark)].into_iter().collect());
+        let mark = Mark { next: 100, floor: Some(100), raised_at_ms: Some(1_000), log: None };
+        let processed = Processed([(("t".into(), 0), mark.clone()), (("t".into(), 1), mark)].into_iter().collect());
         let batch = [at(1, 0, 500), at(1, 1, 9_000), at(1, 100, 9_001)];
         assert_eq!(below_floor(&batch, &processed), vec![true, true, false], "the newer record below the floor is skipped too");
         assert!(below_floor(&[at(0, 100, 1)], &processed).is_empty(), "nothing below: no allocation");

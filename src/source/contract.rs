@@ -321,7 +321,7 @@ pub trait Connector: Sized + Send {
         None
     }
 
-    /// What the broker says of the logs of the partitions of `next` (a batch's): where they end
+    /// What the broker says of the logs of the partitions of `next` (a batch's): their identity and where they end
     /// ([`crate::offsets::Log`]), the evidence that decides whether the pipeline's processed marks belong to them
     /// ([`crate::offsets::Processed::renewals`]). Called before each attempt of a batch; it may ask the broker, briefly.
     /// Default: nothing is said, and records below a processed floor are always skipped as processed.

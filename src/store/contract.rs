@@ -14,7 +14,7 @@
 use crate::dead_letter::Stored;
 use crate::key::BusinessKey;
 use crate::metrics::DeadLetterReason;
-use crate::offsets::{Claimed, NextOffsets, Positions, Processed};
+use crate::offsets::{Claimed, Logs, NextOffsets, Positions, Processed, Renewal};
 use crate::record::{Position, Record};
 use crate::retention::{Slice, Sweep, SweepState};
 use crate::store::rows::{Apply, Claim, Digests, Existing, Explained, Forget, Forgotten, Leased, OutboxDepth, Settled};
@@ -360,12 +360,12 @@ pub trait BatchTx: Send {
     async fn advance_offsets(&mut self, pipeline: &str, positions: &Positions) -> Result<Vec<(String, i32)>, sqlx::Error>;
     /// Locks and reads the processed marks of the batch's partitions.
     async fn processed(&mut self, pipeline: &str, first: &NextOffsets) -> Result<Processed, sqlx::Error>;
-    /// Raises the processed marks and floors to `next`, last before `COMMIT`.
-    async fn raise_processed(&mut self, pipeline: &str, next: &NextOffsets) -> Result<(), sqlx::Error>;
+    /// Raises the processed marks and floors to `next`, last before `COMMIT`, with the logs' identities.
+    async fn raise_processed(&mut self, pipeline: &str, next: &NextOffsets, logs: &Logs) -> Result<(), sqlx::Error>;
     /// Records `attempt` as the lane's latest; the one recorded before it, and the server session.
     async fn mark_attempt(&mut self, pipeline: &str, owner: &str, attempt: i64) -> Result<(Option<i64>, Session), sqlx::Error>;
-    /// Sets the processed marks and floors of `partitions` afresh (a topic created again).
-    async fn renew_processed(&mut self, pipeline: &str, partitions: &[(&str, i32, i64)]) -> Result<(), sqlx::Error>;
+    /// Sets the processed marks and floors of `renewed` afresh (a topic created again, a log truncated).
+    async fn renew_processed(&mut self, pipeline: &str, renewed: &[Renewal]) -> Result<(), sqlx::Error>;
 }
 
 /// [`BatchTx::claim_and_apply`] in two steps: the claim, then [`BatchTx::apply_all`] of the rows whose keys it

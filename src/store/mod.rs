@@ -37,7 +37,7 @@ pub mod redis;
 use crate::store::spec::{Binding, SinkSpec, TimeSettings};
 use crate::field::Render;
 use crate::key::BusinessKey;
-use crate::offsets::{Claimed, NextOffsets, Positions, Processed};
+use crate::offsets::{Claimed, Logs, NextOffsets, Positions, Processed, Renewal};
 use crate::store::rows::Apply;
 use crate::record::Record;
 use crate::retention::{PurgeOutcome, Slice, Sweep, SweepState};
@@ -518,9 +518,9 @@ impl Tx<'_> {
     }
 
     /// Raises the processed marks and floors of the batch's partitions to `next` (never lowers them), last before
-    /// `COMMIT`.
-    pub async fn raise_processed(&mut self, pipeline: &str, next: &NextOffsets) -> Result<(), sqlx::Error> {
-        each_tx!(self, |t| t.raise_processed(pipeline, next).await)
+    /// `COMMIT`, and records the identity of each partition's log where `logs` gives one ([`crate::offsets::Log::id`]).
+    pub async fn raise_processed(&mut self, pipeline: &str, next: &NextOffsets, logs: &Logs) -> Result<(), sqlx::Error> {
+        each_tx!(self, |t| t.raise_processed(pipeline, next, logs).await)
     }
 
     /// Records `attempt` as lane `owner`'s latest batch attempt of `pipeline` (first in the batch transaction) and
@@ -533,10 +533,10 @@ impl Tx<'_> {
         each_tx!(self, |t| t.mark_attempt(pipeline, owner, attempt).await)
     }
 
-    /// Sets the processed marks and floors of `partitions` (`(topic, partition, next offset)`) afresh: their topic
-    /// was created again since the marks were raised ([`crate::offsets::Replay::Recreated`]).
-    pub async fn renew_processed(&mut self, pipeline: &str, partitions: &[(&str, i32, i64)]) -> Result<(), sqlx::Error> {
-        each_tx!(self, |t| t.renew_processed(pipeline, partitions).await)
+    /// Sets the processed marks and floors of `renewed` afresh, with their logs' identities: the log is not the one
+    /// the marks were raised on ([`crate::offsets::Processed::renewals`]).
+    pub async fn renew_processed(&mut self, pipeline: &str, renewed: &[Renewal]) -> Result<(), sqlx::Error> {
+        each_tx!(self, |t| t.renew_processed(pipeline, renewed).await)
     }
 }
 

@@ -396,7 +396,7 @@ async fn migrate_explain_dead_letters_replay_and_purge_on_mariadb() {
     let (status, _, err) = run(&["check"]);
     assert!(!status.success() && err.contains("idemflow migrate"), "{err}");
     let (status, out, err) = run(&["migrate"]);
-    assert!(status.success() && out.contains("version 6"), "{out}{err}");
+    assert!(status.success() && out.contains("version 7"), "{out}{err}");
     let (status, out, err) = run(&["check"]);
     assert!(status.success(), "{out}{err}");
     kafka.produce("orders", &[Out::json(0, r#"{"id":"o-1","amount":"12.50"}"#), Out::json(0, r#"{"id":"o-2","amount":"abc"}"#)]);

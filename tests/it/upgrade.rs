@@ -65,13 +65,14 @@ async fn postgres_migration_11_drops_the_retention_index_and_the_rollback_builds
     };
     let o = store.sweep_pass(&sweep, |_| {}).await.unwrap();
     assert_eq!((o.purged, o.examined), (2, 5), "{o:?}");
+    roll_back(&db, "postgres-0014.sql").await;
     roll_back(&db, "postgres-0013.sql").await;
     roll_back(&db, "postgres-0012.sql").await;
     roll_back(&db, "postgres-0011.sql").await;
     assert_eq!(db.scalar::<i64>(index).await, 1);
     assert_eq!(db.scalar::<Option<String>>("SELECT to_regclass('idemflow.retention_sweeps')::text").await, None);
     let err = idemflow::store::postgres::check_schema(&db.pool).await.unwrap_err();
-    assert!(err.to_string().contains("at version 10, this binary needs 13"), "{err}");
+    assert!(err.to_string().contains("at version 10, this binary needs 14"), "{err}");
 }
 
 /// Migration 10 (dead letters unique by position and payload digest): a dead letter of the previous version gets the
@@ -112,6 +113,7 @@ async fn postgres_migration_10_makes_dead_letters_unique_by_position_and_payload
     .execute(&db.pool)
     .await
     .unwrap();
+    roll_back(&db, "postgres-0014.sql").await;
     roll_back(&db, "postgres-0013.sql").await;
     roll_back(&db, "postgres-0012.sql").await;
     roll_back(&db, "postgres-0011.sql").await;
@@ -123,7 +125,7 @@ async fn postgres_migration_10_makes_dead_letters_unique_by_position_and_payload
     sqlx::query("DELETE FROM idemflow.dead_letters WHERE payload = '{worse'").execute(&db.pool).await.unwrap();
     roll_back(&db, "postgres-0010.sql").await;
     let (status, out, err) = idemflow(&["check", "--config", &config], setup.dir.path());
-    assert!(!status.success() && err.contains("at version 9, this binary needs 13"), "{out}{err}");
+    assert!(!status.success() && err.contains("at version 9, this binary needs 14"), "{out}{err}");
 }
 
 /// Keys on both sides of the 64-byte limit, one cut inside a two-byte character, a number, and long ones that
@@ -240,7 +242,7 @@ async fn postgres_upgrade_keeps_every_stored_key_a_duplicate_and_fences_the_prev
 
     // This version refuses the old schema.
     let (status, out, err) = idemflow(&["check", "--config", &config], setup.dir.path());
-    assert!(!status.success() && err.contains("this binary needs 13"), "{out}{err}");
+    assert!(!status.success() && err.contains("this binary needs 14"), "{out}{err}");
 
     // A batch of the previous version is under way (its claim made, not committed) when the migration starts.
     let mut held = db.pool.begin().await.unwrap();
@@ -283,7 +285,7 @@ async fn postgres_upgrade_keeps_every_stored_key_a_duplicate_and_fences_the_prev
 
     // Going back (docs/operations.md): the rollback scripts, the last migration's first, then the previous version's
     // claim works again and finds every key applied before and after the upgrade; this version refuses the schema.
-    for script in ["postgres-0013.sql", "postgres-0012.sql", "postgres-0011.sql", "postgres-0010.sql", "postgres-0009.sql", "postgres-0008.sql", "postgres-0007.sql"] {
+    for script in ["postgres-0014.sql", "postgres-0013.sql", "postgres-0012.sql", "postgres-0011.sql", "postgres-0010.sql", "postgres-0009.sql", "postgres-0008.sql", "postgres-0007.sql"] {
         roll_back(&db, script).await;
     }
     let mut conn = db.pool.acquire().await.unwrap();
@@ -291,7 +293,7 @@ async fn postgres_upgrade_keeps_every_stored_key_a_duplicate_and_fences_the_prev
     assert_eq!(previous_postgres_claim(&mut conn, &again, 300).await.unwrap(), 1, "only o-rolled-back is new");
     drop(conn);
     let (status, out, err) = idemflow(&["check", "--config", &config], setup.dir.path());
-    assert!(!status.success() && err.contains("this binary needs 13"), "{out}{err}");
+    assert!(!status.success() && err.contains("this binary needs 14"), "{out}{err}");
 }
 
 /// The claim of the versions from migration 0007 to 0011, as it shipped (key ids, `src/key.rs`; the key text in every
@@ -338,7 +340,7 @@ async fn postgres_migration_8_compares_pipelines_bytewise_and_keeps_every_key() 
     assert_eq!(v7_postgres_claim(&mut conn, &keys, 0).await.unwrap(), keys.len());
     drop(conn);
     let (status, out, err) = idemflow(&["check", "--config", &config], setup.dir.path());
-    assert!(!status.success() && err.contains("at version 7, this binary needs 13"), "{out}{err}");
+    assert!(!status.success() && err.contains("at version 7, this binary needs 14"), "{out}{err}");
 
     let mut held = db.pool.begin().await.unwrap();
     let held_key = vec!["o-held".to_owned()];
@@ -376,6 +378,7 @@ async fn postgres_migration_8_compares_pipelines_bytewise_and_keeps_every_key() 
     assert!(worker.stop().await.is_empty());
     assert_eq!(db.scalar::<String>("SELECT string_agg(order_id, ',') FROM payments").await, "o-new");
 
+    roll_back(&db, "postgres-0014.sql").await;
     roll_back(&db, "postgres-0013.sql").await;
 
     roll_back(&db, "postgres-0012.sql").await;
@@ -388,7 +391,7 @@ async fn postgres_migration_8_compares_pipelines_bytewise_and_keeps_every_key() 
     assert_eq!(v7_postgres_claim(&mut conn, &["o-new".to_owned(), "o-rolled-back".to_owned()], 300).await.unwrap(), 1);
     drop(conn);
     let (status, out, err) = idemflow(&["check", "--config", &config], setup.dir.path());
-    assert!(!status.success() && err.contains("at version 7, this binary needs 13"), "{out}{err}");
+    assert!(!status.success() && err.contains("at version 7, this binary needs 14"), "{out}{err}");
 }
 
 /// Migration 12 (the narrower dedup row): a database written by the previous version (every key's text, 32-byte
@@ -407,7 +410,7 @@ async fn postgres_migration_12_narrows_the_dedup_row_keeps_every_key_and_fences_
     drop(conn);
     sqlx::query("UPDATE idemflow.dedup SET duplicates = 2, last_duplicate_at = now() WHERE business_key = 'o-1'").execute(&db.pool).await.unwrap();
     let (status, out, err) = idemflow(&["check", "--config", &config], setup.dir.path());
-    assert!(!status.success() && err.contains("at version 11, this binary needs 13"), "{out}{err}");
+    assert!(!status.success() && err.contains("at version 11, this binary needs 14"), "{out}{err}");
 
     let mut held = db.pool.begin().await.unwrap();
     let held_key = vec!["o-held".to_owned()];
@@ -452,6 +455,7 @@ async fn postgres_migration_12_narrows_the_dedup_row_keeps_every_key_and_fences_
     assert!(status.success() && out.contains("duplicates skipped 1 since"), "{out}{err}");
 
     // Going back: the previous shape with every key's text and count; its claim finds every key and claims a new one.
+    roll_back(&db, "postgres-0014.sql").await;
     roll_back(&db, "postgres-0013.sql").await;
     roll_back(&db, "postgres-0012.sql").await;
     let rows: Vec<(String, Vec<u8>)> = sqlx::query_as("SELECT business_key, key_id FROM idemflow.dedup").fetch_all(&db.pool).await.unwrap();
@@ -463,7 +467,7 @@ async fn postgres_migration_12_narrows_the_dedup_row_keeps_every_key_and_fences_
     assert_eq!(v7_postgres_claim(&mut conn, &again, 300).await.unwrap(), 1, "only o-rolled-back is new");
     drop(conn);
     let (status, out, err) = idemflow(&["check", "--config", &config], setup.dir.path());
-    assert!(!status.success() && err.contains("at version 11, this binary needs 13"), "{out}{err}");
+    assert!(!status.success() && err.contains("at version 11, this binary needs 14"), "{out}{err}");
 }
 
 /// Migration 12 in a database whose encoding is not UTF8 (LATIN1): every key keeps its text, before and after the
@@ -522,6 +526,7 @@ async fn postgres_migration_12_in_a_latin1_database_keeps_every_key_text_and_the
     let (status, out, err) = idemflow(&["explain", "--config", &config, "--pipeline", "payments", "--key", "café"], setup.dir.path());
     assert!(status.success() && out.contains("duplicates skipped 1 since"), "{out}{err}");
 
+    roll_back(&db, "postgres-0014.sql").await;
     roll_back(&db, "postgres-0013.sql").await;
 
     roll_back(&db, "postgres-0012.sql").await;
@@ -560,7 +565,7 @@ async fn mariadb_upgrade_keeps_every_stored_key_a_duplicate_and_fences_the_previ
     assert_eq!(previous_mysql_claim(&mut conn, &keys, 0).await.unwrap(), keys.len());
     drop(conn);
     let err = idemflow::store::mysql::check_schema(&db.pool).await.unwrap_err();
-    assert!(matches!(&err, idemflow::store::contract::NotReady::Refused(m) if m.contains("this binary needs 6")), "{err}");
+    assert!(matches!(&err, idemflow::store::contract::NotReady::Refused(m) if m.contains("this binary needs 7")), "{err}");
 
     // A batch of the previous version under way when the migration starts: the migration waits for it.
     let mut held = db.pool.begin().await.unwrap();
@@ -607,13 +612,13 @@ async fn mariadb_upgrade_keeps_every_stored_key_a_duplicate_and_fences_the_previ
     tx.rollback().await.unwrap();
 
     // A migration recorded as incomplete (it stopped between its statements) keeps this version's workers out.
-    db.exec("UPDATE _sqlx_migrations SET success = FALSE WHERE version = 6").await;
+    db.exec("UPDATE _sqlx_migrations SET success = FALSE WHERE version = 7").await;
     let err = idemflow::store::mysql::check_schema(&db.pool).await.unwrap_err();
-    assert!(matches!(&err, idemflow::store::contract::NotReady::Refused(m) if m.contains("this binary needs 6")), "{err}");
+    assert!(matches!(&err, idemflow::store::contract::NotReady::Refused(m) if m.contains("this binary needs 7")), "{err}");
 
     // Going back (docs/operations.md): the rollback script, then the previous version's claim finds every key
     // again (o-new was only claimed in a transaction rolled back above).
-    for script in ["mysql-0006.sql", "mysql-0005.sql", "mysql-0004.sql", "mysql-0003.sql", "mysql-0002.sql"] {
+    for script in ["mysql-0007.sql", "mysql-0006.sql", "mysql-0005.sql", "mysql-0004.sql", "mysql-0003.sql", "mysql-0002.sql"] {
         db.exec(&std::fs::read_to_string(project_root().join("migrations/rollback").join(script)).unwrap()).await;
         if script == "mysql-0005.sql" {
             assert_eq!(db.scalar::<i64>(retention_index).await, 1, "the rollback builds the index again");

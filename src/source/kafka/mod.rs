@@ -24,6 +24,8 @@ mod ownership;
 #[cfg(feature = "kafka")]
 mod record;
 #[cfg(feature = "kafka")]
+mod topic_ids;
+#[cfg(feature = "kafka")]
 pub use record::to_record;
 #[cfg(feature = "kafka")]
 pub mod dead_letters;

@@ -417,7 +417,7 @@ mod tests {
     use crate::offsets::Claimed;
 
     fn claimed(partition: i32, next_offset: Option<i64>, epoch: i64) -> Claimed {
-        Claimed { topic: "t".into(), partition, next_offset, epoch, stored_at_ms: None }
+        Claimed { topic: "t".into(), partition, next_offset, epoch, stored_at_ms: None, log: None }
     }
 
     /// Owns `partitions` under epoch 1, then is fenced on them until `until` (as [`super::KafkaSource::lose`] does).

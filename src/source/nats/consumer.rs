@@ -133,6 +133,9 @@ pub struct NatsSource {
     bound: bool,
     /// Set when the pipeline must stop (see [`NatsSource::fatal`]).
     fatal: Option<String>,
+    /// The stream's identity, its creation time ([`crate::offsets::Log::id`]), read when the worker binds to its
+    /// consumer: a stream deleted and created again deletes its consumers with it, so one bound to is of this stream.
+    log_id: Option<Arc<str>>,
 }
 
 impl Connector for NatsSource {
@@ -299,6 +302,13 @@ impl Connector for NatsSource {
     fn fatal(&self) -> Option<String> {
         self.fatal.clone()
     }
+
+    /// The stream's creation time as its log's identity (a stream deleted and created again has another); where it
+    /// ends is not said.
+    fn logs(&self, next: &crate::offsets::NextOffsets) -> crate::offsets::Logs {
+        let log = crate::offsets::Log { id: self.log_id.clone(), end: None };
+        crate::offsets::Logs(next.0.keys().map(|tp| (tp.clone(), log.clone())).collect())
+    }
 }
 
 /// What a JetStream pipeline is told without `[nats]` in the settings.
@@ -330,6 +340,7 @@ impl NatsSource {
             reconnect: Box::new(reconnect_backoff()),
             bound: false,
             fatal: None,
+            log_id: None,
         })
     }
 
@@ -348,6 +359,7 @@ impl NatsSource {
         let version = client.server_info().version;
         let js = context(&self.settings, client);
         let mut stream = js.get_stream(&self.spec.stream).await.map_err(|e| stream_error(&self.spec.stream, &e, str::to_owned))?;
+        self.log_id = Some(Arc::from(format!("stream-created:{}", stream.cached_info().created.unix_timestamp_nanos())));
         let info = match stream.consumer_info(&self.spec.consumer).await {
             Ok(info) => info,
             Err(e) if self.bound && not_found(&e) => {

@@ -5,7 +5,7 @@ use super::{dead_letter, dedup, offsets, outbox, retention, side_effect};
 use crate::dead_letter::Stored;
 use crate::key::BusinessKey;
 use crate::metrics::DeadLetterReason;
-use crate::offsets::{Claimed, NextOffsets, Positions, Processed};
+use crate::offsets::{Claimed, Logs, NextOffsets, Positions, Processed, Renewal};
 use crate::record::{Position, Record};
 use crate::retention::{Slice, Sweep, SweepState};
 use crate::store::contract::{BatchTx, Connector, Session, StoreError};
@@ -205,15 +205,15 @@ impl BatchTx for MyTx<'_> {
         offsets::processed(&mut self.tx, pipeline, first).await
     }
 
-    async fn raise_processed(&mut self, pipeline: &str, next: &NextOffsets) -> Result<(), sqlx::Error> {
-        offsets::raise_processed(&mut self.tx, pipeline, next).await
+    async fn raise_processed(&mut self, pipeline: &str, next: &NextOffsets, logs: &Logs) -> Result<(), sqlx::Error> {
+        offsets::raise_processed(&mut self.tx, pipeline, next, logs).await
     }
 
     async fn mark_attempt(&mut self, pipeline: &str, owner: &str, attempt: i64) -> Result<(Option<i64>, Session), sqlx::Error> {
         offsets::mark_attempt(&mut self.tx, pipeline, owner, attempt).await
     }
 
-    async fn renew_processed(&mut self, pipeline: &str, partitions: &[(&str, i32, i64)]) -> Result<(), sqlx::Error> {
-        offsets::renew_processed(&mut self.tx, pipeline, partitions).await
+    async fn renew_processed(&mut self, pipeline: &str, renewed: &[Renewal]) -> Result<(), sqlx::Error> {
+        offsets::renew_processed(&mut self.tx, pipeline, renewed).await
     }
 }

@@ -4,7 +4,7 @@
 //! the end of the batch transaction (InnoDB locking reads, MySQL Reference Manual "Locking Reads").
 
 use super::{marks, rows};
-use crate::offsets::{Claimed, Mark, NextOffsets, Positions, Processed};
+use crate::offsets::{Claimed, Logs, Mark, NextOffsets, Positions, Processed, Renewal};
 use sqlx::{MySqlConnection, MySqlPool};
 use std::collections::HashMap;
 
@@ -44,11 +44,13 @@ async fn claim_on(conn: &mut MySqlConnection, pipeline: &str, owner: &str, parti
     }
     q.execute(&mut *tx).await?;
     let sql = format!(
-        "SELECT CAST(topic AS CHAR), `partition`, next_offset, owner_epoch, CAST(ROUND(UNIX_TIMESTAMP(updated_at) * 1000) AS SIGNED) \
-         FROM idemflow_offsets WHERE pipeline = ? AND {}",
+        "SELECT CAST(topic AS CHAR), `partition`, next_offset, owner_epoch, CAST(ROUND(UNIX_TIMESTAMP(updated_at) * 1000) AS SIGNED), \
+         (SELECT CAST(p.log_id AS CHAR) FROM idemflow_processed p WHERE p.pipeline = o.pipeline AND p.topic = o.topic \
+          AND p.`partition` = o.`partition`) \
+         FROM idemflow_offsets o WHERE pipeline = ? AND {}",
         partitions_in(partitions.len())
     );
-    let mut q = sqlx::query_as::<_, (String, i32, Option<i64>, i64, Option<i64>)>(&sql).bind(pipeline);
+    let mut q = sqlx::query_as::<_, (String, i32, Option<i64>, i64, Option<i64>, Option<String>)>(&sql).bind(pipeline);
     for (t, p) in partitions {
         q = q.bind(t).bind(p);
     }
@@ -56,7 +58,7 @@ async fn claim_on(conn: &mut MySqlConnection, pipeline: &str, owner: &str, parti
     tx.commit().await?;
     Ok(rows
         .into_iter()
-        .map(|(topic, partition, next_offset, epoch, stored_at_ms)| Claimed { topic, partition, next_offset, epoch, stored_at_ms })
+        .map(|(topic, partition, next_offset, epoch, stored_at_ms, log)| Claimed { topic, partition, next_offset, epoch, stored_at_ms, log })
         .collect())
 }
 
@@ -151,18 +153,19 @@ pub async fn processed(conn: &mut MySqlConnection, pipeline: &str, first: &NextO
     q.execute(&mut *conn).await?;
     let sql = format!(
         "SELECT CAST(topic AS CHAR), `partition`, next_offset, COALESCE(resume_from, next_offset), \
-         CAST(ROUND(UNIX_TIMESTAMP(updated_at) * 1000) AS SIGNED) FROM idemflow_processed WHERE pipeline = ? AND {}",
+         CAST(ROUND(UNIX_TIMESTAMP(updated_at) * 1000) AS SIGNED), CAST(log_id AS CHAR) FROM idemflow_processed \
+         WHERE pipeline = ? AND {}",
         partitions_in(first.0.len())
     );
-    let mut q = sqlx::query_as::<_, (String, i32, i64, i64, i64)>(&sql).bind(pipeline);
+    let mut q = sqlx::query_as::<_, (String, i32, i64, i64, i64, Option<String>)>(&sql).bind(pipeline);
     for (t, p) in first.0.keys() {
         q = q.bind(&**t).bind(p);
     }
     let read = q.fetch_all(&mut *conn).await?;
     let mut marks = HashMap::new();
-    for (topic, partition, next_offset, floor, raised_at_ms) in read {
+    for (topic, partition, next_offset, floor, raised_at_ms, log) in read {
         if let Some(((t, _), _)) = first.0.iter().find(|((t, p), _)| **t == *topic && *p == partition) {
-            let mark = Mark { next: next_offset, floor: Some(floor), raised_at_ms: Some(raised_at_ms) };
+            let mark = Mark { next: next_offset, floor: Some(floor), raised_at_ms: Some(raised_at_ms), log: log.map(Into::into) };
             marks.insert((t.clone(), partition), mark);
         }
     }
@@ -171,43 +174,46 @@ pub async fn processed(conn: &mut MySqlConnection, pipeline: &str, first: &NextO
 
 /// Raises the processed marks and floors of the batch's partitions to `next` (never lowers them), last before
 /// `COMMIT`; `updated_at` moves only when the mark rises. (Assignments run left to right, each seeing the columns as
-/// the ones before it left them: the floor and the time are computed from the mark before it is raised.)
+/// the ones before it left them: the floor and the time are computed from the mark before it is raised.) The log's
+/// identity from `logs` is kept where the source gives none.
 ///
 /// Errors: the database's.
-pub async fn raise_processed(conn: &mut MySqlConnection, pipeline: &str, next: &NextOffsets) -> sqlx::Result<()> {
+pub async fn raise_processed(conn: &mut MySqlConnection, pipeline: &str, next: &NextOffsets, logs: &Logs) -> sqlx::Result<()> {
     if next.0.is_empty() {
         return Ok(());
     }
     let sql = format!(
-        "INSERT INTO idemflow_processed (pipeline, topic, `partition`, next_offset, resume_from) VALUES {} \
+        "INSERT INTO idemflow_processed (pipeline, topic, `partition`, next_offset, resume_from, log_id) VALUES {} \
          ON DUPLICATE KEY UPDATE resume_from = GREATEST(COALESCE(resume_from, next_offset), VALUES(next_offset)), \
          updated_at = IF(VALUES(next_offset) > next_offset, GREATEST(updated_at, CURRENT_TIMESTAMP(6)), updated_at), \
-         next_offset = GREATEST(next_offset, VALUES(next_offset))",
-        rows(&format!("({})", marks(5)), next.0.len())
+         next_offset = GREATEST(next_offset, VALUES(next_offset)), log_id = COALESCE(VALUES(log_id), log_id)",
+        rows(&format!("({})", marks(6)), next.0.len())
     );
     let mut q = sqlx::query(&sql);
     for ((t, p), o) in &next.0 {
-        q = q.bind(pipeline).bind(&**t).bind(p).bind(o).bind(o);
+        let id = logs.0.get(&(t.clone(), *p)).and_then(|l| l.id.as_deref());
+        q = q.bind(pipeline).bind(&**t).bind(p).bind(o).bind(o).bind(id);
     }
     q.execute(&mut *conn).await?;
     Ok(())
 }
 
-/// Sets the processed marks and floors of `partitions` to `next` (their topic was created again: see
-/// [`crate::offsets::Replay::Recreated`]), inside the batch transaction.
+/// Sets the processed marks and floors of `renewed` afresh, with their logs' identities (the marks were of another
+/// log: see [`crate::offsets::Processed::renewals`]), inside the batch transaction.
 ///
 /// Errors: the database's.
-pub async fn renew_processed(conn: &mut MySqlConnection, pipeline: &str, partitions: &[(&str, i32, i64)]) -> sqlx::Result<()> {
-    for (topic, partition, next) in partitions {
+pub async fn renew_processed(conn: &mut MySqlConnection, pipeline: &str, renewed: &[Renewal]) -> sqlx::Result<()> {
+    for r in renewed {
         sqlx::query(
-            "UPDATE idemflow_processed SET next_offset = ?, resume_from = ?, updated_at = CURRENT_TIMESTAMP(6) \
+            "UPDATE idemflow_processed SET next_offset = ?, resume_from = ?, updated_at = CURRENT_TIMESTAMP(6), log_id = ? \
              WHERE pipeline = ? AND topic = ? AND `partition` = ?",
         )
-        .bind(next)
-        .bind(next)
+        .bind(r.next)
+        .bind(r.next)
+        .bind(r.log.as_deref())
         .bind(pipeline)
-        .bind(topic)
-        .bind(partition)
+        .bind(&*r.topic)
+        .bind(r.partition)
         .execute(&mut *conn)
         .await?;
     }

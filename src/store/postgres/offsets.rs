@@ -1,7 +1,7 @@
 //! The Postgres positions: `idemflow.offsets` (stored positions, fenced by an owner epoch) and `idemflow.processed`
 //! (the processed marks). What they mean is in [`crate::offsets`].
 
-use crate::offsets::{Claimed, Mark, NextOffsets, Positions, Processed};
+use crate::offsets::{Claimed, Logs, Mark, NextOffsets, Positions, Processed, Renewal};
 use sqlx::{PgConnection, PgPool};
 
 /// Takes ownership of `partitions` for `pipeline` in one statement: increments each one's epoch (creating the
@@ -14,15 +14,17 @@ pub async fn claim(pool: &PgPool, pipeline: &str, owner: &str, partitions: &[(St
     // A previous owner frozen inside a batch would hold the row lock for as long as it is frozen: fail after a
     // while (the caller retries) rather than wait without end.
     sqlx::query("SET LOCAL lock_timeout = '5s'").persistent(super::persistent()).execute(&mut *tx).await?;
-    // (topic, partition, next offset, epoch, when the position was stored in ms since the Unix epoch)
-    type Row = (String, i32, Option<i64>, i64, Option<i64>);
+    // (topic, partition, next offset, epoch, when the position was stored in ms since the Unix epoch, the identity
+    // of the log the processed mark was raised on)
+    type Row = (String, i32, Option<i64>, i64, Option<i64>, Option<String>);
     let rows: Vec<Row> = sqlx::query_as(
         r#"
 INSERT INTO idemflow.offsets AS o (pipeline, topic, partition, owner_epoch, owner, claimed_at)
 SELECT $1, u.topic, u.partition, 1, $2, now() FROM unnest($3::text[], $4::int4[]) AS u(topic, partition)
 ON CONFLICT (pipeline, topic, partition)
 DO UPDATE SET owner_epoch = o.owner_epoch + 1, owner = excluded.owner, claimed_at = excluded.claimed_at
-RETURNING topic, partition, next_offset, owner_epoch, (extract(epoch FROM updated_at) * 1000)::int8"#,
+RETURNING topic, partition, next_offset, owner_epoch, (extract(epoch FROM updated_at) * 1000)::int8,
+    (SELECT p.log_id FROM idemflow.processed p WHERE p.pipeline = o.pipeline AND p.topic = o.topic AND p.partition = o.partition)"#,
     )
     .bind(pipeline)
     .bind(owner)
@@ -34,7 +36,7 @@ RETURNING topic, partition, next_offset, owner_epoch, (extract(epoch FROM update
     tx.commit().await?;
     Ok(rows
         .into_iter()
-        .map(|(topic, partition, next_offset, epoch, stored_at_ms)| Claimed { topic, partition, next_offset, epoch, stored_at_ms })
+        .map(|(topic, partition, next_offset, epoch, stored_at_ms, log)| Claimed { topic, partition, next_offset, epoch, stored_at_ms, log })
         .collect())
 }
 
@@ -129,19 +131,21 @@ INSERT INTO idemflow.processed AS p (pipeline, topic, partition, next_offset, re
 SELECT $1, topic, partition, first_offset, first_offset
 FROM unnest($2::text[], $3::int4[], $4::int8[]) AS u(topic, partition, first_offset) ORDER BY topic, partition
 ON CONFLICT (pipeline, topic, partition) DO UPDATE SET next_offset = p.next_offset
-RETURNING topic, partition, next_offset, coalesce(resume_from, next_offset), (extract(epoch FROM updated_at) * 1000)::int8"#;
+RETURNING topic, partition, next_offset, coalesce(resume_from, next_offset), (extract(epoch FROM updated_at) * 1000)::int8, log_id"#;
 
 /// Raises the processed marks and floors of the batch's partitions to `next` (never lowers them), last before
 /// `COMMIT`: a side effect that ended the transaction itself (a procedure's `COMMIT`) never leaves records it did not
-/// apply below a committed floor. `updated_at` moves only when the mark rises (it dates the records processed).
+/// apply below a committed floor. `updated_at` moves only when the mark rises (it dates the records processed). The
+/// log's identity is kept where the source gives none.
 const RAISE_PROCESSED: &str = r#"
-INSERT INTO idemflow.processed AS p (pipeline, topic, partition, next_offset, resume_from)
-SELECT $1, topic, partition, next_offset, next_offset
-FROM unnest($2::text[], $3::int4[], $4::int8[]) AS u(topic, partition, next_offset) ORDER BY topic, partition
+INSERT INTO idemflow.processed AS p (pipeline, topic, partition, next_offset, resume_from, log_id)
+SELECT $1, topic, partition, next_offset, next_offset, log_id
+FROM unnest($2::text[], $3::int4[], $4::int8[], $5::text[]) AS u(topic, partition, next_offset, log_id) ORDER BY topic, partition
 ON CONFLICT (pipeline, topic, partition) DO UPDATE
 SET next_offset = greatest(p.next_offset, EXCLUDED.next_offset),
     resume_from = greatest(coalesce(p.resume_from, p.next_offset), EXCLUDED.next_offset),
-    updated_at = CASE WHEN EXCLUDED.next_offset > p.next_offset THEN greatest(p.updated_at, now()) ELSE p.updated_at END"#;
+    updated_at = CASE WHEN EXCLUDED.next_offset > p.next_offset THEN greatest(p.updated_at, now()) ELSE p.updated_at END,
+    log_id = coalesce(EXCLUDED.log_id, p.log_id)"#;
 
 fn columns(offsets: &NextOffsets) -> (Vec<&str>, Vec<i32>, Vec<i64>) {
     let mut topics = Vec::with_capacity(offsets.0.len());
@@ -164,7 +168,7 @@ pub async fn processed(conn: &mut PgConnection, pipeline: &str, first: &NextOffs
         return Ok(Processed::default());
     }
     let (topics, partitions, offsets) = columns(first);
-    let rows: Vec<(String, i32, i64, i64, i64)> = sqlx::query_as(PROCESSED)
+    let rows: Vec<(String, i32, i64, i64, i64, Option<String>)> = sqlx::query_as(PROCESSED)
         .bind(pipeline)
         .bind(&topics)
         .bind(&partitions)
@@ -173,48 +177,52 @@ pub async fn processed(conn: &mut PgConnection, pipeline: &str, first: &NextOffs
         .fetch_all(&mut *conn)
         .await?;
     let mut marks = std::collections::HashMap::new();
-    for (topic, partition, next_offset, floor, raised_at_ms) in rows {
+    for (topic, partition, next_offset, floor, raised_at_ms, log) in rows {
         if let Some(((t, _), _)) = first.0.iter().find(|((t, p), _)| **t == *topic && *p == partition) {
-            let mark = Mark { next: next_offset, floor: Some(floor), raised_at_ms: Some(raised_at_ms) };
+            let mark = Mark { next: next_offset, floor: Some(floor), raised_at_ms: Some(raised_at_ms), log: log.map(Into::into) };
             marks.insert((t.clone(), partition), mark);
         }
     }
     Ok(Processed(marks))
 }
 
-/// Raises the processed marks of the batch's partitions to `next`, last before `COMMIT` ([`RAISE_PROCESSED`]).
+/// Raises the processed marks of the batch's partitions to `next`, last before `COMMIT` ([`RAISE_PROCESSED`]), with
+/// the identities of their logs from `logs`.
 ///
 /// Errors: the database's.
-pub async fn raise_processed(conn: &mut PgConnection, pipeline: &str, next: &NextOffsets) -> sqlx::Result<()> {
+pub async fn raise_processed(conn: &mut PgConnection, pipeline: &str, next: &NextOffsets, logs: &Logs) -> sqlx::Result<()> {
     if next.0.is_empty() {
         return Ok(());
     }
     let (topics, partitions, offsets) = columns(next);
+    let ids: Vec<Option<&str>> = next.0.keys().map(|tp| logs.0.get(tp).and_then(|l| l.id.as_deref())).collect();
     sqlx::query(RAISE_PROCESSED)
         .bind(pipeline)
         .bind(&topics)
         .bind(&partitions)
         .bind(&offsets)
+        .bind(&ids)
         .persistent(super::persistent())
         .execute(&mut *conn)
         .await?;
     Ok(())
 }
 
-/// Sets the processed marks and floors of `partitions` to `next` (their topic was created again: the marks were of
-/// the topic before it, see [`crate::offsets::Replay::Recreated`]), inside the batch transaction.
+/// Sets the processed marks and floors of `renewed` afresh, with their logs' identities (the marks were of another
+/// log: see [`crate::offsets::Processed::renewals`]), inside the batch transaction.
 ///
 /// Errors: the database's.
-pub async fn renew_processed(conn: &mut PgConnection, pipeline: &str, partitions: &[(&str, i32, i64)]) -> sqlx::Result<()> {
-    for (topic, partition, next) in partitions {
+pub async fn renew_processed(conn: &mut PgConnection, pipeline: &str, renewed: &[Renewal]) -> sqlx::Result<()> {
+    for r in renewed {
         sqlx::query(
-            "UPDATE idemflow.processed SET next_offset = $4, resume_from = $4, updated_at = now() \
+            "UPDATE idemflow.processed SET next_offset = $4, resume_from = $4, updated_at = now(), log_id = $5 \
              WHERE pipeline = $1 AND topic = $2 AND partition = $3",
         )
         .bind(pipeline)
-        .bind(topic)
-        .bind(partition)
-        .bind(next)
+        .bind(&*r.topic)
+        .bind(r.partition)
+        .bind(r.next)
+        .bind(r.log.as_deref())
         .persistent(super::persistent())
         .execute(&mut *conn)
         .await?;

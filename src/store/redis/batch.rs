@@ -262,7 +262,7 @@ impl RedisStore {
                 .filter_map(|((field, _), mark)| {
                     let (t, p) = parse_field(field)?;
                     let next = mark?;
-                    Some(((t.as_str().into(), p), crate::offsets::Mark { next, floor: None, raised_at_ms: None }))
+                    Some(((t.as_str().into(), p), crate::offsets::Mark { next, floor: None, raised_at_ms: None, log: None }))
                 })
                 .collect(),
         );

@@ -73,7 +73,7 @@ impl RedisStore {
         for ((topic, partition), v) in partitions.iter().zip(&values) {
             let (epoch, next_offset) = parse(v).ok_or_else(|| invalid(v))?;
             // Redis keeps no time with a position.
-            claimed.push(Claimed { topic: topic.clone(), partition: *partition, next_offset, epoch, stored_at_ms: None });
+            claimed.push(Claimed { topic: topic.clone(), partition: *partition, next_offset, epoch, stored_at_ms: None, log: None });
         }
         self.claimed(pipeline, fields.into_iter().zip(&claimed).map(|(f, c)| (f, c.epoch, c.next_offset)));
         Ok(claimed)

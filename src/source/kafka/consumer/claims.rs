@@ -341,8 +341,10 @@ impl KafkaSource {
         }
     }
 
-    /// Where each claimed partition with a stored position starts, in `claimed`'s order (`None` without one): at the
-    /// stored position, unless everything the partition holds was produced after the position was stored
+    /// Where each claimed partition with a stored position starts, in `claimed`'s order (`None` without one): at its
+    /// log start where the topic's id ([`super::super::topic_ids`]) is not the one the partition's processed mark was
+    /// raised on ([`offsets::Claimed::log`]: the topic was deleted and created again); else at the stored position,
+    /// unless everything the partition holds was produced after the position was stored
     /// ([`offsets::Claimed::stored_at_ms`]: its first record at or after that time is its log start) and lies
     /// partly below it. A partition holding nothing from before its stored position was written is not the one the
     /// position was stored for: the topic was deleted and created again (or its log truncated and refilled), and
@@ -364,10 +366,22 @@ impl KafkaSource {
             let log_start: Vec<(&str, i32, i64)> = dated.iter().map(|(t, p, _)| (*t, *p, 0)).collect();
             (self.first_at_or_after(&dated), self.first_at_or_after(&log_start))
         };
+        let mut topics: Vec<&str> = claimed.iter().filter(|c| c.log.is_some() && c.next_offset.is_some()).map(|c| c.topic.as_str()).collect();
+        topics.sort_unstable();
+        topics.dedup();
+        // As the source's thread last learnt them; a topic's first claim waits for its first lookup.
+        let ids = self.topic_ids.ids(&topics);
         claimed
             .iter()
             .map(|c| {
                 let next = c.next_offset?;
+                let now = ids.get(&c.topic).cloned().flatten();
+                if let Some((was, now)) = c.log.as_deref().zip(now.as_deref()).filter(|(was, now)| was != now) {
+                    tracing::warn!(pipeline = %self.pipeline, topic = %c.topic, partition = c.partition, stored = next, was = %was,
+                        now = %now, "the topic's id is not the one its processed marks were raised on: the topic was deleted and \
+                         created again, and the stored position is the old topic's; consuming it from its start");
+                    return Some(Offset::Beginning);
+                }
                 let tp = tp_of(&c.topic, c.partition);
                 let first_later = later.as_ref().and_then(|m| m.get(&tp).copied().flatten());
                 let log_start = start.as_ref().and_then(|m| m.get(&tp).copied().flatten());

@@ -134,6 +134,9 @@ pub struct KafkaSource {
     /// its session timeout (the coordinator's answer to its heartbeat, or librdkafka's own session timer), so after
     /// that a partition still assigned here is this worker's, and a fence was a claim that came late.
     fenced_for: Duration,
+    /// The topics' ids, asked of the cluster every [`super::topic_ids::FRESH_FOR`] by a thread of their own
+    /// ([`KafkaSource::logs`]).
+    topic_ids: super::topic_ids::TopicIds,
 }
 
 impl Connector for KafkaSource {
@@ -307,10 +310,24 @@ impl Connector for KafkaSource {
         Some(Positions::new(next, |t, p| st.epochs.get(&(t.clone(), p)).copied()))
     }
 
-    /// Each partition's log as the cluster last said: where it ends (the high watermark of the last fetch response,
-    /// no request).
+    /// Each partition's log as the cluster says: the topic's id ([`super::topic_ids`]: as last learnt by the
+    /// source's own thread, at most [`super::topic_ids::FRESH_FOR`] old; a topic's first batch waits for its first
+    /// lookup, at most [`super::topic_ids::FIRST_WAIT`]) and where the log ends (the high watermark of the last fetch
+    /// response, no request).
     fn logs(&self, next: &NextOffsets) -> offsets::Logs {
-        offsets::Logs(next.0.keys().map(|(t, p)| ((t.clone(), *p), offsets::Log { end: self.cached_high_watermark(t, *p) })).collect())
+        let mut topics: Vec<&str> = next.0.keys().map(|(t, _)| &**t).collect();
+        topics.sort_unstable();
+        topics.dedup();
+        let ids = self.topic_ids.ids(&topics);
+        offsets::Logs(
+            next.0
+                .keys()
+                .map(|(t, p)| {
+                    let log = offsets::Log { id: ids.get(&**t).cloned().flatten(), end: self.cached_high_watermark(t, *p) };
+                    ((t.clone(), *p), log)
+                })
+                .collect(),
+        )
     }
 
     /// Runs `work` (a spawned batch transaction) to its end while the consumer keeps polling: rebalance callbacks
@@ -466,6 +483,7 @@ impl KafkaSource {
         stored: Option<StoredStart>,
     ) -> KafkaResult<Self> {
         let config = consumer_config(kafka, pipeline);
+        let topic_ids = super::topic_ids::TopicIds::start(config.clone(), &pipeline.name, &spec(pipeline).topics);
         let state = Arc::new(Mutex::new(Ownership::default()));
         let context =
             GroupContext {
@@ -506,6 +524,7 @@ impl KafkaSource {
             revoked_in_flight: HashSet::new(),
             reset_to_earliest,
             fenced_for,
+            topic_ids,
         })
     }
 
