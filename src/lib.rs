@@ -116,6 +116,12 @@
 //! pipeline of the store has processed (one not configured beside it: a renamed file, most likely) is refused by
 //! `run` and `check` ([`worker::prepare`]) until its file keeps the old `name`, or `[dedup] new_history = true` says
 //! a new history is meant (`hardening::a_renamed_pipeline_is_refused_until_it_keeps_its_name_or_starts_a_new_history_on_purpose`).
+//! `idemflow pipeline rename` moves a history to a new name: every table's rows of the old name in one transaction
+//! (all or nothing: a crash leaves the history whole under one name or the other), refused where the new name has a
+//! history of its own or a worker of the old one ran a batch in the last minute; outbox rows keep the idempotency
+//! keys they were written with (`[outbox] key_prefix` keeps the old prefix for new ones), and a consumer group new
+//! under the new name moves on to the moved processed floors
+//! (`outbox::a_pipeline_renamed_on_purpose_keeps_its_history_on_postgres`).
 //!
 //! - Crash before or inside the transaction: Postgres rolls it back; nothing was applied and no offset was
 //!   committed, so the records are delivered again and applied then.

@@ -272,6 +272,7 @@ pub struct Metrics {
     stalls: Arc<Stalls>,
     outbox_rows: IntGaugeVec,
     outbox_oldest: GaugeVec,
+    outbox_due_wait: GaugeVec,
     outbox_paused: IntGaugeVec,
     outbox_attempts: IntCounterVec,
     outbox_deliveries: IntCounterVec,
@@ -346,6 +347,7 @@ impl Metrics {
             stalls: Arc::new(Stalls { after_secs: AtomicU64::new(DEFAULT_STALL_AFTER.as_secs()), partitions: Mutex::default() }),
             outbox_rows: gauge(&r, "idemflow_outbox_rows", "Outbox rows of the pipeline waiting for delivery (every worker's: the outbox is shared), counted up to twice [outbox] max_rows.", &["pipeline"]),
             outbox_oldest: float_gauge(&r, "idemflow_outbox_oldest_seconds", "Seconds since the oldest outbox row of the pipeline still waiting was written; 0 when none waits.", &["pipeline"]),
+            outbox_due_wait: float_gauge(&r, "idemflow_outbox_due_wait_seconds", "The longest an outbox row the relay could send now (due, first of its business key) has waited since it was due, in seconds; what [outbox] max_age bounds. 0 when none waits.", &["pipeline"]),
             outbox_paused: gauge(&r, "idemflow_outbox_paused", "1 while the pipeline does not consume because its outbox is over [outbox] max_rows or max_age (back-pressure), else 0.", &["pipeline"]),
             outbox_attempts: counter(&r, "idemflow_outbox_attempts_total", "Attempts at delivering outbox requests, by target and result: confirmed, retry_status, rejected, connection, timeout.", &["pipeline", "target", "result"]),
             outbox_deliveries: counter(&r, "idemflow_outbox_deliveries_total", "Outbox requests done with, by target and outcome: confirmed by the target, or dead_lettered (delivery_failed).", &["pipeline", "target", "outcome"]),
@@ -441,6 +443,7 @@ impl Metrics {
     pub fn outbox(&self, pipeline: &str) -> OutboxMetrics {
         self.outbox_rows.with_label_values(&[pipeline]).set(0);
         self.outbox_oldest.with_label_values(&[pipeline]).set(0.0);
+        self.outbox_due_wait.with_label_values(&[pipeline]).set(0.0);
         self.outbox_paused.with_label_values(&[pipeline]).set(0);
         OutboxMetrics { pipeline: pipeline.to_owned(), metrics: self.clone() }
     }
@@ -695,10 +698,11 @@ impl OutboxMetrics {
         self.metrics.outbox_delivery_seconds.with_label_values(&[p, target]);
     }
 
-    /// Sets the rows waiting and the oldest one's age.
-    pub fn depth(&self, rows: i64, oldest_seconds: f64) {
-        self.metrics.outbox_rows.with_label_values(&[&self.pipeline]).set(rows);
-        self.metrics.outbox_oldest.with_label_values(&[&self.pipeline]).set(oldest_seconds);
+    /// Sets the rows waiting, the oldest one's age and the longest wait of a row due ([`crate::store::rows::OutboxDepth`]).
+    pub fn depth(&self, depth: &crate::store::rows::OutboxDepth) {
+        self.metrics.outbox_rows.with_label_values(&[&self.pipeline]).set(depth.rows);
+        self.metrics.outbox_oldest.with_label_values(&[&self.pipeline]).set(depth.oldest_seconds);
+        self.metrics.outbox_due_wait.with_label_values(&[&self.pipeline]).set(depth.due_seconds);
     }
 
     /// Sets whether consumption is paused for the outbox.

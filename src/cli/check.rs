@@ -2,7 +2,7 @@
 //! side effect prepared against its store; every problem reported at once, as text for people or as one JSON
 //! object for a CI job (`--format json`).
 
-use super::workspace::{durability, lifetimes, load, open_stores, prepare_all};
+use super::workspace::{durability, lifetimes, load, open_stores, prepare_all, unsent};
 use idemflow::config;
 use idemflow::source;
 use idemflow::telemetry;
@@ -191,6 +191,7 @@ async fn find(a: &CheckArgs) -> Findings {
     };
     durability(&stores, &pipelines).await.into_iter().for_each(|l| findings.line(l));
     lifetimes(&stores, &pipelines).await.into_iter().for_each(|l| findings.line(l));
+    unsent(&stores, &pipelines).await.into_iter().for_each(|l| findings.line(l));
     let ready = match prepare_all(&stores, &pipelines).await {
         Ok(ready) => ready,
         Err(e) => {

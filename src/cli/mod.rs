@@ -6,6 +6,7 @@ mod dead_letters;
 mod dedup;
 mod explain;
 mod migrate;
+mod pipeline;
 mod purge;
 mod rewind;
 mod run;
@@ -55,6 +56,10 @@ pub enum Command {
     /// RocketMQ (a RabbitMQ queue has no position to go back to, a JetStream consumer keeps its own on the server);
     /// the dedup store skips every record already applied.
     Rewind(rewind::RewindArgs),
+    /// Operate on a pipeline's history: `rename` it to a new name, with its dedup rows, processed marks, stored
+    /// positions, dead letters and outbox requests, in one transaction (PostgreSQL, MySQL/MariaDB).
+    #[command(subcommand)]
+    Pipeline(pipeline::PipelineCommand),
     /// Run one retention pass by hand: delete each pipeline's dedup rows older than its [dedup] retention
     /// (PostgreSQL, MySQL/MariaDB; Redis expires its dedup keys by themselves).
     Purge(purge::PurgeArgs),
@@ -130,6 +135,7 @@ pub async fn dispatch(command: Command) -> anyhow::Result<()> {
         Command::Dedup(cmd) => dedup::run(cmd).await,
         Command::Rewind(a) => rewind::run(a).await,
         Command::Purge(a) => purge::run(a).await,
+        Command::Pipeline(cmd) => pipeline::run(cmd).await,
         Command::Completions { shell } => {
             use clap::CommandFactory;
             clap_complete::generate(shell, &mut Cli::command(), "idemflow", &mut std::io::stdout());

@@ -1,7 +1,7 @@
 //! `idemflow run`: the worker, every pipeline, until SIGTERM or SIGINT; `/metrics`, `/healthz` and `/readyz`
 //! served from the start.
 
-use super::workspace::{durability, load, open_stores, prepare_all, report, ConfigArg};
+use super::workspace::{durability, load, open_stores, prepare_all, report, unsent, ConfigArg};
 use anyhow::{bail, Context as _};
 use idemflow::store::contract::NotReady;
 use idemflow::store::spec::StoreKind;
@@ -38,7 +38,7 @@ async fn start(
         let why = tokio::select! {
             attempt = attempt => match attempt {
                 Ok((stores, ready)) => {
-                    for line in durability(&stores, pipelines).await {
+                    for line in durability(&stores, pipelines).await.into_iter().chain(unsent(&stores, pipelines).await) {
                         log_line(&line);
                     }
                     return Ok(Some((stores, ready)));

@@ -95,6 +95,48 @@ pub(super) async fn lifetimes(stores: &[(StoreKind, Store)], pipelines: &[config
     lines
 }
 
+/// Outbox requests no relay sends, one warning line per pipeline and target: rows waiting, or `delivery_failed` dead
+/// letters, of a pipeline that is not configured (renamed, removed) or of a target it no longer has (renamed,
+/// removed), each with its counts, its oldest row's age and the remedy.
+pub(super) async fn unsent(stores: &[(StoreKind, Store)], pipelines: &[config::Pipeline]) -> Vec<String> {
+    let mut lines = Vec::new();
+    for (kind, store) in stores {
+        let rows = match store.unsent().await {
+            Ok(rows) => rows,
+            Err(e) => {
+                lines.push(format!("warning: could not read which outbox requests wait: {e}"));
+                continue;
+            }
+        };
+        for u in rows {
+            let p = pipelines.iter().find(|p| p.name == u.pipeline && p.sink.store() == *kind);
+            let targets = p.and_then(|p| p.outbox.as_ref()).map(|o| o.http.iter().map(|t| t.name.as_str()).chain(o.kafka.iter().map(|t| t.name.as_str())).collect::<Vec<_>>());
+            let why = match (p, targets) {
+                (None, _) => format!(
+                    "no pipeline {:?} is configured: renamed? `idemflow pipeline rename {} <new name>` moves them with its history \
+                     (docs/operations.md, \"Renaming a pipeline\")",
+                    u.pipeline, u.pipeline
+                ),
+                (Some(_), targets) if !targets.as_ref().is_some_and(|t| t.contains(&u.target.as_str())) => format!(
+                    "pipeline {:?} has no target {:?} now: give the renamed target its old name back (name = {:?}), or configure \
+                     it again until they are sent (docs/outbox.md, \"Adding a target to a running pipeline\")",
+                    u.pipeline, u.target, u.target
+                ),
+                _ => continue,
+            };
+            let waiting = if u.waiting > 0 {
+                format!("{} request(s) waiting in the outbox (the oldest for {})", u.waiting, idemflow::terminal::duration(std::time::Duration::from_secs_f64(u.oldest_seconds)))
+            } else {
+                String::new()
+            };
+            let failed = if u.dead_letters > 0 { format!("{} delivery_failed dead letter(s)", u.dead_letters) } else { String::new() };
+            let what: Vec<String> = [waiting, failed].into_iter().filter(|s| !s.is_empty()).collect();
+            lines.push(format!("warning: target {:?} of pipeline {:?}: {}, which no relay sends: {why}", u.target, u.pipeline, what.join(" and ")));
+        }
+    }
+    lines
+}
+
 /// Checks every pipeline against its store, all problems at once.
 pub(super) async fn prepare_all(stores: &[(StoreKind, Store)], pipelines: &[config::Pipeline]) -> Result<Vec<worker::Ready>, worker::Unprepared> {
     let mut ready = Vec::new();

@@ -370,7 +370,9 @@ fn key_path_at(table: &dyn toml_edit::TableLike, offset: usize) -> Vec<String> {
     Vec::new()
 }
 
-fn valid_name(name: &str) -> bool {
+/// Whether `name` can name a pipeline: 1 to 63 characters of `a-z`, `0-9`, `_` and `-` (it goes into consumer group
+/// names, metric labels and idempotency keys).
+pub fn valid_name(name: &str) -> bool {
     (1..=63).contains(&name.len())
         && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'-')
 }

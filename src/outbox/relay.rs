@@ -268,13 +268,13 @@ impl Relay {
                 return;
             }
         };
-        self.metrics.depth(depth.rows, depth.oldest_seconds);
+        self.metrics.depth(&depth);
         let over = if depth.rows as u64 > s.max_rows {
             Some(format!("the outbox holds {}{} rows, over [outbox] max_rows = {}", depth.rows, if depth.rows as u64 > 2 * s.max_rows { " or more" } else { "" }, s.max_rows))
-        } else if depth.oldest_seconds > s.max_age.as_secs_f64() {
+        } else if depth.due_seconds > s.max_age.as_secs_f64() {
             Some(format!(
-                "the outbox's oldest row waits for {:.0} s, over [outbox] max_age = {}",
-                depth.oldest_seconds,
+                "a row of the outbox due for sending has waited {:.0} s, over [outbox] max_age = {}",
+                depth.due_seconds,
                 humantime::format_duration(s.max_age)
             ))
         } else {

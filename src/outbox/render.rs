@@ -14,19 +14,20 @@ use serde_json::Value;
 /// percent-encoded, so a value is one path segment or query value whatever it holds.
 const URL_VALUE: &AsciiSet = &NON_ALPHANUMERIC.remove(b'-').remove(b'.').remove(b'_').remove(b'~');
 
-/// The idempotency key of a business key's request to `target`: `<pipeline>:<business key>`, or
-/// `<pipeline>:<business key>:<target>` in a pipeline with several targets (two requests of one operation to the same
+/// The idempotency key of a business key's request to `target`: `<prefix>:<business key>`, or
+/// `<prefix>:<business key>:<target>` in a pipeline with several targets (`prefix`: `[outbox] key_prefix`, by
+/// default the pipeline's name) (two requests of one operation to the same
 /// service must not share a key: the second would be answered from the first's record). The same on every attempt and
 /// in every worker (IETF httpapi draft "The Idempotency-Key HTTP Header Field", section 2: a unique key per
 /// operation, chosen by the client).
 ///
 /// The business key goes in as [`key_in_header`] writes it, so that two keys are two idempotency keys whatever a
 /// header does to its value on the way.
-pub fn idempotency_key(pipeline: &str, key: &BusinessKey, target: Option<&str>) -> String {
+pub fn idempotency_key(prefix: &str, key: &BusinessKey, target: Option<&str>) -> String {
     let key = key_in_header(&key.text);
     match target {
-        Some(t) => format!("{pipeline}:{key}:{t}"),
-        None => format!("{pipeline}:{key}"),
+        Some(t) => format!("{prefix}:{key}:{t}"),
+        None => format!("{prefix}:{key}"),
     }
 }
 
@@ -50,15 +51,16 @@ impl OutboxSpec {
     pub fn render(&self, pipeline: &str, key: &BusinessKey, payload: &[u8], values: &[Option<String>]) -> Result<Vec<OutboxRequest>, String> {
         let lookup = |name: &str| -> Option<&Option<String>> { self.params.iter().position(|b| b.name == name).and_then(|i| values.get(i)) };
         let several = self.http.len() + self.kafka.len() > 1;
-        let requests = self.http.iter().map(|t| render_one(t, pipeline, key, several, payload, &lookup));
-        requests.chain(self.kafka.iter().map(|t| render_record(t, pipeline, key, several, payload, &lookup))).collect()
+        let prefix = self.key_prefix.as_deref().unwrap_or(pipeline);
+        let requests = self.http.iter().map(|t| render_one(t, prefix, key, several, payload, &lookup));
+        requests.chain(self.kafka.iter().map(|t| render_record(t, prefix, key, several, payload, &lookup))).collect()
     }
 }
 
 /// A Kafka record of `[[sink.kafka]]`: method [`crate::store::rows::PRODUCE`], the topic as its URL.
 fn render_record<'v>(
     t: &KafkaTarget,
-    pipeline: &str,
+    prefix: &str,
     key: &BusinessKey,
     several: bool,
     payload: &[u8],
@@ -76,7 +78,7 @@ fn render_record<'v>(
         None => key.text.clone(),
     };
     let what = format!("sink.kafka {}", t.name);
-    let mut headers = vec![(t.idempotency_header.clone(), idempotency_key(pipeline, key, several.then_some(t.name.as_str())))];
+    let mut headers = vec![(t.idempotency_header.clone(), idempotency_key(prefix, key, several.then_some(t.name.as_str())))];
     headers.extend(templated_headers(&t.headers, lookup, &what)?);
     let value = body(&t.value, payload, lookup, &format!("{what} value"))?;
     check_secret_markers(&t.value, &value, &what)?;
@@ -85,7 +87,7 @@ fn render_record<'v>(
 
 fn render_one<'v>(
     t: &HttpTarget,
-    pipeline: &str,
+    prefix: &str,
     key: &BusinessKey,
     several: bool,
     payload: &[u8],
@@ -93,7 +95,7 @@ fn render_one<'v>(
 ) -> Result<OutboxRequest, String> {
     let url = rendered_url(t, lookup).map_err(|e| format!("sink.http {} url: {e}", t.name))?;
     let mut headers = Vec::with_capacity(t.headers.len() + 2);
-    let idempotency = idempotency_key(pipeline, key, several.then_some(t.name.as_str()));
+    let idempotency = idempotency_key(prefix, key, several.then_some(t.name.as_str()));
     if !header_value(&idempotency) {
         return Err(format!(
             "the business key cannot be sent as the {} header: it holds a control character (a line break, NUL)",
@@ -391,6 +393,9 @@ mod tests {
         assert!(e.contains("header X-Note") && e.contains("control character"), "{e}");
         let payload = spec("[http]\nurl = \"http://h/\"\n", &[]);
         assert_eq!(payload.render("p", &key, b"raw bytes", &[]).unwrap()[0].body, b"raw bytes");
+        // `[outbox] key_prefix` takes the pipeline's place in the key.
+        let kept = OutboxSpec { key_prefix: Some("refunds".into()), ..payload };
+        assert_eq!(kept.render("refunds-v2", &key, b"{}", &[]).unwrap()[0].headers[0].1, "refunds:order-1");
     }
 
     /// A record's value never plants a secret's marker: not in a templated body, not in a payload sent as it is; a

@@ -30,6 +30,10 @@ pub struct OutboxSpec {
     pub params: Vec<Binding>,
     /// `[outbox]`.
     pub settings: OutboxSettings,
+    /// `[outbox] key_prefix`: what each idempotency key starts with ([`super::render::idempotency_key`]); `None`:
+    /// the pipeline's name. Set it to keep a pipeline's keys through a rename ([docs/operations.md], "Renaming a
+    /// pipeline"): a provider recognises a request sent again after the rename as the one it answered.
+    pub key_prefix: Option<String>,
 }
 
 /// `[[sink.http]]`: one HTTP request per record whose business key was new.
@@ -128,7 +132,9 @@ impl Statuses {
 pub struct OutboxSettings {
     /// `max_rows` (default 10000): with more rows waiting, the pipeline stops consuming until the relay catches up.
     pub max_rows: u64,
-    /// `max_age` (default 5 minutes): with an older row waiting, the same.
+    /// `max_age` (default 5 minutes): with a row the relay could send (due, the first of its business key) waiting
+    /// for longer since it was due, the same. Rows waiting out a back-off (a key answered 429, a host down) and the
+    /// rows behind them never count: one key or host never pauses the pipeline.
     pub max_age: Duration,
     /// `concurrency` (default 16): requests in flight at once in this worker.
     pub concurrency: usize,
@@ -237,6 +243,7 @@ pub struct RawOutbox {
     poll_interval: Option<Duration>,
     #[serde(default, with = "humantime_serde")]
     lease: Option<Duration>,
+    key_prefix: Option<String>,
 }
 
 impl RawOutbox {
@@ -249,6 +256,7 @@ impl RawOutbox {
             || self.max_backoff.is_some()
             || self.poll_interval.is_some()
             || self.lease.is_some()
+            || self.key_prefix.is_some()
     }
 }
 
@@ -339,7 +347,11 @@ pub fn parse(http: Vec<RawHttp>, kafka: Vec<RawKafka>, params: &[Binding], raw: 
     }
     let used = targets.iter().flat_map(HttpTarget::params).chain(records.iter().flat_map(KafkaTarget::params)).collect::<std::collections::HashSet<_>>();
     let params = params.iter().filter(|b| used.contains(b.name.as_str())).cloned().collect();
-    ok.then_some(OutboxSpec { http: targets, kafka: records, params, settings })
+    if raw.key_prefix.as_deref().is_some_and(|p| !(1..=200).contains(&p.len()) || !p.bytes().all(|b| b.is_ascii_graphic())) {
+        ok = false;
+        e.push("outbox.key_prefix", "must be 1 to 200 visible ASCII characters (no blank, no control character)");
+    }
+    ok.then_some(OutboxSpec { http: targets, kafka: records, params, settings, key_prefix: raw.key_prefix })
 }
 
 /// `[[sink.http]]`, checked; problems to `e`, `ok` cleared with the first.

@@ -17,7 +17,7 @@ use crate::metrics::DeadLetterReason;
 use crate::offsets::{Claimed, Logs, NextOffsets, Positions, Processed, Renewal};
 use crate::record::{Position, Record};
 use crate::retention::{Slice, Sweep, SweepState};
-use crate::store::rows::{Apply, Claim, Digests, Existing, Explained, Forget, Forgotten, Leased, OutboxDepth, Settled};
+use crate::store::rows::{Apply, Claim, Digests, Existing, Explained, Forget, Forgotten, Leased, OutboxDepth, Renamed, Settled, Unsent};
 use std::time::Duration;
 
 /// `idemflow dedup forget` is refused while a lane of the pipeline recorded a batch attempt this recently.
@@ -195,6 +195,17 @@ pub trait Connector: Send + Sync {
     /// Errors: the store's; [`StoreError::Refused`] where keys cannot be forgotten this way.
     async fn forget(&self, pipeline: &str, what: &Forget, dry_run: bool) -> Result<Forgotten, StoreError>;
 
+    /// Moves every row of pipeline `old`'s history (dedup rows, counts, processed marks, stored positions, attempts,
+    /// dead letters, outbox requests, the retention sweep's cursor) under `new`, in one transaction; only counts them
+    /// with `dry_run`. Refused, with nothing changed, where `new` already has rows. Default: this store cannot.
+    ///
+    /// Errors: the store's; [`StoreError::Refused`] where `new` has a history or the store cannot rename.
+    async fn rename_pipeline(&self, _old: &str, _new: &str, _dry_run: bool) -> Result<Renamed, StoreError> {
+        Err(StoreError::Refused(
+            "this store cannot rename a pipeline: keep the old name in the file (name = \"...\"), see docs/operations.md, \"Renaming a pipeline\"".into(),
+        ))
+    }
+
     /// Lowers the floors of `pipeline`'s processed marks to `positions`. Returns how many marks changed. Default:
     /// no floors kept, nothing to do.
     async fn lower_floors(&self, _pipeline: &str, _positions: &[(String, i32, i64)]) -> Result<u64, StoreError> {
@@ -276,6 +287,14 @@ pub trait Connector: Send + Sync {
     /// Errors: the store's.
     async fn outbox_depth(&self, _pipeline: &str, _up_to: i64) -> Result<OutboxDepth, StoreError> {
         Ok(OutboxDepth::default())
+    }
+
+    /// Every pipeline's and target's requests not yet delivered: rows waiting in the outbox and `delivery_failed`
+    /// dead letters, by pipeline and target name. Default: no outbox here.
+    ///
+    /// Errors: the store's.
+    async fn unsent(&self) -> Result<Vec<Unsent>, StoreError> {
+        Ok(Vec::new())
     }
 
     /// Gives up `owner`'s leases on `pipeline`'s outbox rows (a relay that stops with deliveries in flight): another

@@ -206,6 +206,30 @@ impl Store {
         Ok(forgotten)
     }
 
+    /// `idemflow pipeline rename`: moves every row of pipeline `old`'s history under `new` in one transaction
+    /// ([`Connector::rename_pipeline`]; only counts them with `dry_run`). Refused while a worker of `old` recorded a
+    /// batch attempt within [`FORGET_REFUSED_WITHIN`], and where `new` has a history.
+    ///
+    /// Errors: the database's; [`StoreError::Refused`] as above, and for a store that cannot rename (Redis).
+    pub async fn rename_pipeline(&self, old: &str, new: &str, dry_run: bool) -> Result<rows::Renamed, StoreError> {
+        // A store that keeps no attempts (Redis) says so by refusing; its own answer to the rename is the one given.
+        let running = match each_store!(self, |s| Connector::recent_attempts(s, old, FORGET_REFUSED_WITHIN).await) {
+            Err(StoreError::Refused(_)) => Vec::new(),
+            other => other?,
+        };
+        if !running.is_empty() && !dry_run {
+            let lanes: Vec<String> = running.iter().map(|(lane, at)| format!("{lane} at {at}")).collect();
+            return Err(StoreError::Refused(format!(
+                "a worker of pipeline {old:?} ran a batch within the last {}s ({}): stop every worker of the pipeline, wait \
+                 {}s, and run this again (a batch in flight would go on writing under the old name)",
+                FORGET_REFUSED_WITHIN.as_secs(),
+                lanes.join(", "),
+                FORGET_REFUSED_WITHIN.as_secs()
+            )));
+        }
+        each_store!(self, |s| Connector::rename_pipeline(s, old, new, dry_run).await)
+    }
+
     /// Lowers the floors of `pipeline`'s processed marks to where `idemflow rewind` moves its consumer group
     /// (`(topic, partition, offset)`; see [`crate::offsets::Mark::floor`]), so the replay is consumed and applied
     /// where no dedup row covers it any more. Returns how many marks changed. Redis keeps no floor: nothing to do.
@@ -283,6 +307,12 @@ impl Store {
     /// Errors: the store's.
     pub async fn outbox_depth(&self, pipeline: &str, up_to: i64) -> Result<rows::OutboxDepth, StoreError> {
         each_store!(self, |s| Connector::outbox_depth(s, pipeline, up_to).await)
+    }
+
+    /// Every pipeline's and target's requests not yet delivered ([`Connector::unsent`]): `check` and the worker's
+    /// start name those of a pipeline or target that is not configured, which no relay sends.
+    pub async fn unsent(&self) -> Result<Vec<rows::Unsent>, StoreError> {
+        each_store!(self, |s| Connector::unsent(s).await)
     }
 
     /// Gives up `owner`'s leases on `pipeline`'s outbox rows ([`Connector::outbox_release`]).

@@ -270,6 +270,29 @@ pub struct History {
     pub last: String,
 }
 
+/// Outbox requests of one pipeline's target not yet delivered ([`crate::store::Store::unsent`]): waiting in the outbox,
+/// or `delivery_failed` dead letters.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Unsent {
+    /// The pipeline the rows were written under.
+    pub pipeline: String,
+    /// The target's name (`[[sink.http]]` or `[[sink.kafka]]` `name`).
+    pub target: String,
+    /// Rows waiting in the outbox.
+    pub waiting: i64,
+    /// Seconds since the oldest of them was written; 0 without any.
+    pub oldest_seconds: f64,
+    /// Its `delivery_failed` dead letters.
+    pub dead_letters: i64,
+}
+
+/// What `idemflow pipeline rename` moved ([`crate::store::Store::rename_pipeline`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Renamed {
+    /// Each table that keeps a pipeline's history, with how many of its rows were moved (or would be, in a dry run).
+    pub tables: Vec<(&'static str, u64)>,
+}
+
 /// How an outbox stands ([`crate::store::Store::outbox_depth`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct OutboxDepth {
@@ -277,4 +300,8 @@ pub struct OutboxDepth {
     pub rows: i64,
     /// Seconds since the oldest of them was written; 0 when there are none.
     pub oldest_seconds: f64,
+    /// The longest a row the relay could send now has waited since it was due, in seconds: rows due (not waiting out
+    /// a back-off) and first of their business key (a key's later rows wait for its first); 0 when there are none.
+    /// A key or a host in back-off never adds to it.
+    pub due_seconds: f64,
 }

@@ -176,6 +176,7 @@ fn command_lines(pages: &[(PathBuf, String)]) -> Vec<(PathBuf, String, Vec<Strin
             let nested: &[&str] = match sub.as_str() {
                 "dead-letters" => &["list", "show", "replay"],
                 "dedup" => &["forget"],
+                "pipeline" => &["rename"],
                 _ => &[],
             };
             if let Some(next) = words.get(1).filter(|w| nested.contains(w)) {

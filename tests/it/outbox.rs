@@ -261,6 +261,126 @@ async fn a_target_down_pauses_consumption_until_the_outbox_drains() {
     charged_once(&provider, n, "orders");
 }
 
+/// One merchant's account answers every charge with 429 and `Retry-After: 600` (issue 64's slow key): its requests
+/// wait out their back-off, and `max_age` (here 2 s) counts only rows the relay could send, so the pipeline is
+/// never paused by them and every other account's payments are charged as they come. Before, the oldest row's age
+/// (the merchant's) paused the pipeline and no healthy payment produced after it was charged.
+async fn a_key_in_back_off_never_pauses_the_pipeline(db: Store) {
+    let provider = Provider::start(&[]);
+    provider.fault(serde_json::json!({"status": 429, "count": -1, "retry_after": 600, "path": "/v1/accounts/acct-0/"}));
+    let topic = format!("orders_{}", unique());
+    let kafka = Kafka::new();
+    kafka.create_topic(&topic, 2);
+    let text = pipeline(&topic, &provider.url(), "", "max_age = \"2s\"\n[batch]\nmax_wait = \"50ms\"");
+    let setup = Setup::new(db.db(), &kafka, &[("orders.toml", &text)]);
+    let mut w = BinWorker::start(&setup);
+    let healthy = |n: usize| (0..n).filter(|i| i % 3 != 0).count();
+    kafka.produce(&topic, &payments(30, 0));
+    wait_until(Duration::from_secs(60), "the healthy accounts' payments charged", || async { provider.state()["distinct_keys"] == healthy(30) }).await;
+    // Past max_age with the merchant's rows waiting: then a second wave, charged all the same.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let wave: Vec<Out> = payments(90, 0).into_iter().skip(30).collect();
+    kafka.produce(&topic, &wave);
+    wait_until(Duration::from_secs(60), "the second wave's healthy payments charged", || async { provider.state()["distinct_keys"] == healthy(90) }).await;
+    let m = w.scrape();
+    assert!(w.sigterm().success(), "{}", w.log_text());
+    assert!(!w.log_text().contains("consumption paused"), "{}", w.log_text());
+    assert_eq!(metric(&m, "idemflow_outbox_paused", &[("pipeline", "orders")]), 0.0);
+    assert_eq!(metric(&m, "idemflow_records_received_total", &[("pipeline", "orders")]), 90.0);
+    assert!(metric(&m, "idemflow_outbox_due_wait_seconds", &[("pipeline", "orders")]) < 2.0, "{m}");
+    assert!(metric(&m, "idemflow_outbox_oldest_seconds", &[("pipeline", "orders")]) > 2.0, "the merchant's rows still wait: {m}");
+    assert_eq!(outbox_rows(&db).await, 30, "the merchant's 30 requests wait out their back-off");
+    assert_eq!(business_rows(&db).await, 90);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_in_back_off_never_pauses_the_pipeline_on_postgres() {
+    a_key_in_back_off_never_pauses_the_pipeline(Store::Pg(TestDb::new(PAYMENTS).await)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_in_back_off_never_pauses_the_pipeline_on_mariadb() {
+    a_key_in_back_off_never_pauses_the_pipeline(Store::My(MyDb::new(PAYMENTS).await)).await;
+}
+
+/// A pipeline renamed on purpose with `idemflow pipeline rename` (issue 59, item 1; issue 64, item 3): 13 refunds
+/// charged and 7 waiting in the outbox (one merchant answering 503) under "refunds", the workers stopped, the history
+/// moved to "refunds-v2" and the file renamed. Started under the new name and a new consumer group, the pipeline goes
+/// on where the old one stopped: nothing applied or charged again (before, the new name applied and charged all 20
+/// again under new idempotency keys), the 7 waiting requests sent with the keys they were written with, and the new
+/// records under the new name. A rename while a worker runs is refused.
+async fn a_pipeline_renamed_on_purpose_keeps_its_history(db: Store) {
+    let provider = Provider::start(&[]);
+    provider.fault(serde_json::json!({"status": 503, "count": -1, "path": "/v1/accounts/acct-0/"}));
+    let topic = format!("orders_{}", unique());
+    let kafka = Kafka::new();
+    kafka.create_topic(&topic, 2);
+    let text = pipeline(&topic, &provider.url(), "", "[batch]\nmax_wait = \"50ms\"").replace("max_attempts = 10", "max_attempts = 1000");
+    let setup = Setup::new(db.db(), &kafka, &[("refunds.toml", &text)]);
+    let config = setup.config.to_str().unwrap().to_owned();
+    kafka.produce(&topic, &payments(20, 0));
+    let mut w = BinWorker::start(&setup);
+    wait_until(Duration::from_secs(60), "13 refunds charged, 7 waiting", || async {
+        provider.state()["distinct_keys"] == 13 && business_rows(&db).await == 20 && outbox_rows(&db).await == 7
+    })
+    .await;
+    assert!(w.sigterm().success(), "{}", w.log_text());
+    // The workers stopped a while ago: their last batch attempts are over a minute old.
+    match &db {
+        Store::Pg(db) => sqlx::query("UPDATE idemflow.attempts SET updated_at = now() - interval '2 minutes'").execute(&db.pool).await.map(drop),
+        Store::My(db) => sqlx::query("UPDATE idemflow_attempts SET updated_at = NOW(6) - INTERVAL 2 MINUTE").execute(&db.pool).await.map(drop),
+    }
+    .unwrap();
+    let rename = |args: &[&str]| crate::support::idemflow(&[&["pipeline", "rename", "--config", &config], args].concat(), setup.dir.path());
+    let (status, out, err) = rename(&["refunds", "refunds-v2", "--dry-run"]);
+    assert!(status.success() && out.contains("would move") && out.contains("outbox: 7"), "{out}\n{err}");
+    let (status, out, err) = rename(&["refunds", "refunds-v2"]);
+    assert!(status.success(), "{out}\n{err}");
+    assert!(out.contains("moved") && out.contains("processed: 2") && out.contains("is still configured"), "{out}");
+    let (status, _, err) = rename(&["refunds", "refunds-v2"]);
+    assert!(!status.success() && err.contains("already has a history"), "a second time: {err}");
+    // The file not renamed yet: check refuses the old name's new history and names the requests no relay sends.
+    let (status, out, err) = crate::support::idemflow(&["check", "--config", &config], setup.dir.path());
+    let said = format!("{out}{err}");
+    assert!(!status.success() && said.contains("renamed from \"refunds-v2\"?"), "{said}");
+    assert!(said.contains("target \"provider\" of pipeline \"refunds-v2\": 7 request(s) waiting in the outbox") && said.contains("which no relay sends"), "{said}");
+    let dir = setup.dir.path().join("pipelines");
+    std::fs::remove_file(dir.join("refunds.toml")).unwrap();
+    std::fs::write(dir.join("refunds-v2.toml"), &text).unwrap();
+    let (status, out, err) = crate::support::idemflow(&["check", "--config", &config], setup.dir.path());
+    assert!(status.success(), "check accepts the renamed pipeline: {out}\n{err}");
+    provider.clear_faults();
+    let mut w = BinWorker::start(&setup);
+    let more: Vec<Out> = payments(25, 0).into_iter().skip(20).collect();
+    kafka.produce(&topic, &more);
+    wait_until(Duration::from_secs(60), "every refund charged", || async {
+        provider.state()["distinct_keys"] == 25 && outbox_rows(&db).await == 0
+    })
+    .await;
+    let (status, _, err) = rename(&["refunds-v2", "refunds-v3"]);
+    assert!(!status.success() && err.contains("ran a batch within the last"), "refused while a worker runs: {err}");
+    let m = w.scrape();
+    assert!(w.sigterm().success(), "{}", w.log_text());
+    let state = provider.state();
+    assert_eq!(state["charges"], 25, "each refund charged once: {state:#}");
+    for i in 0..25 {
+        let prefix = if i < 20 { "refunds" } else { "refunds-v2" };
+        assert_eq!(state["keys"][format!("{prefix}:o-{i}")]["charges"], 1, "o-{i} under {prefix}: {state:#}");
+    }
+    assert_eq!(business_rows(&db).await, 25, "nothing applied again");
+    assert_eq!(metric(&m, "idemflow_records_applied_total", &[("pipeline", "refunds-v2")]), 5.0, "{m}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pipeline_renamed_on_purpose_keeps_its_history_on_postgres() {
+    a_pipeline_renamed_on_purpose_keeps_its_history(Store::Pg(TestDb::new(PAYMENTS).await)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pipeline_renamed_on_purpose_keeps_its_history_on_mariadb() {
+    a_pipeline_renamed_on_purpose_keeps_its_history(Store::My(MyDb::new(PAYMENTS).await)).await;
+}
+
 /// `check` says whether each target accepts connections, without sending it a request, and refuses a host that
 /// does not resolve.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -28,6 +28,9 @@ Also, for the tests:
            {"reset": true, "count": 1}                     close the connection with a TCP reset, no answer, the
                                                            request not processed ("after_charge": true: processed
                                                            first, so the client never learns the charge succeeded)
+                                Any rule may have "path": a prefix of the request's path (its query left out); it
+                                then applies only to requests under it (one merchant's account, one tenant's host),
+                                and the others pass it by
   GET    /_test/faults          the rules still queued
   DELETE /_test/faults          clear every rule
   GET    /_test/state           {"requests", "charges", "distinct_keys", "replays", "conflicts", "mismatches",
@@ -76,6 +79,10 @@ def parse_rule(rule):
     if not isinstance(count, int) or count < -1 or count == 0:
         raise ValueError('"count" is a positive integer or -1')
     out = {"count": count}
+    if "path" in rule:
+        if not isinstance(rule["path"], str) or not rule["path"].startswith("/"):
+            raise ValueError('"path" is a path prefix, starting with /')
+        out["path"] = rule["path"]
     if "status" in rule:
         status = rule["status"]
         if not isinstance(status, int) or not 100 <= status <= 599:
@@ -96,16 +103,19 @@ def parse_rule(rule):
     return out
 
 
-def next_fault():
-    """The rule that applies to this request, counted (the caller holds LOCK); None when none is queued."""
-    if not FAULTS:
-        return None
-    rule = FAULTS[0]
-    if rule["count"] > 0:
-        rule["count"] -= 1
-        if rule["count"] == 0:
-            FAULTS.pop(0)
-    return dict(rule)
+def next_fault(path):
+    """The first queued rule that applies to a request for `path` (no "path" of its own, or a prefix of it),
+    counted (the caller holds LOCK); None when none does."""
+    path = path.split("?")[0]
+    for i, rule in enumerate(FAULTS):
+        if not path.startswith(rule.get("path", "")):
+            continue
+        if rule["count"] > 0:
+            rule["count"] -= 1
+            if rule["count"] == 0:
+                FAULTS.pop(i)
+        return dict(rule)
+    return None
 
 
 def decode(body):
@@ -202,7 +212,7 @@ class Handler(BaseHTTPRequestHandler):
                 entry["requests"] += 1
                 if entry["charges"] == 0:
                     entry.update(request)
-                rule = next_fault() or {}
+                rule = next_fault(self.path) or {}
                 delay = rule.get("delay", 0.0)
                 reset = rule.get("reset", False)
                 if "status" in rule or (reset and not rule["after_charge"]):

@@ -74,7 +74,7 @@ impl TopicIds {
         let shared = Arc::new(Shared::default());
         shared.lock().watched.extend(topics.iter().filter(|t| !t.starts_with('^')).cloned());
         config.remove("group.id");
-        let client: BaseConsumer = match config.create() {
+        let client: BaseConsumer = match config.create().map_err(super::client::hide_config_value) {
             Ok(client) => client,
             Err(e) => {
                 tracing::warn!(pipeline, error = %e, "no client to ask the cluster for topic ids; a topic deleted and created \

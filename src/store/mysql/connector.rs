@@ -9,7 +9,7 @@ use crate::offsets::{Claimed, Logs, NextOffsets, Positions, Processed, Renewal};
 use crate::record::{Position, Record};
 use crate::retention::{Slice, Sweep, SweepState};
 use crate::store::contract::{BatchTx, Connector, Session, StoreError};
-use crate::store::rows::{Apply, Claim, Digests, Existing, Explained, Forget, Forgotten, Leased, OutboxDepth, Settled};
+use crate::store::rows::{Apply, Claim, Digests, Existing, Explained, Forget, Forgotten, Leased, OutboxDepth, Renamed, Settled};
 use crate::store::contract::ATTEMPT_ROWS_KEPT;
 use super::{ClaimForm, MySqlStore};
 use std::time::Duration;
@@ -47,6 +47,18 @@ impl Connector for MySqlStore {
 
     async fn forget(&self, pipeline: &str, what: &Forget, dry_run: bool) -> Result<Forgotten, StoreError> {
         Ok(dedup::forget(&self.pool, pipeline, what, dry_run).await?)
+    }
+
+    async fn unsent(&self) -> Result<Vec<crate::store::rows::Unsent>, StoreError> {
+        Ok(outbox::unsent(&self.pool).await?)
+    }
+
+    async fn rename_pipeline(&self, old: &str, new: &str, dry_run: bool) -> Result<Renamed, StoreError> {
+        super::rename::rename(&self.pool, old, new, dry_run).await?.map_err(|table| {
+            StoreError::Refused(format!(
+                "pipeline {new:?} already has a history (rows in {table}): a rename never merges two histories; pick another name"
+            ))
+        })
     }
 
     async fn lower_floors(&self, pipeline: &str, positions: &[(String, i32, i64)]) -> Result<u64, StoreError> {

@@ -23,6 +23,7 @@ pub mod dedup;
 pub mod error;
 pub use error::savepoint_gone;
 pub mod offsets;
+pub mod rename;
 pub mod outbox;
 pub mod retention;
 pub mod side_effect;

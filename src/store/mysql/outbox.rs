@@ -216,17 +216,23 @@ pub async fn settle(pool: &MySqlPool, pipeline: &str, owner: &str, settled: &[Se
     Ok(moved)
 }
 
-/// Rows of `pipeline` waiting (up to `up_to`) and the age of the oldest ([`crate::store::Connector::outbox_depth`]).
+/// Rows of `pipeline` waiting (up to `up_to`), the age of the oldest, and the longest a row the relay could send
+/// (due, and first of its key) has waited since it was due ([`crate::store::Connector::outbox_depth`]).
 pub async fn depth(pool: &MySqlPool, pipeline: &str, up_to: i64) -> Result<OutboxDepth, sqlx::Error> {
-    let (rows, oldest_us): (i64, Option<i64>) = sqlx::query_as(
-        "SELECT COUNT(*), TIMESTAMPDIFF(MICROSECOND, MIN(created_at), NOW(6))
-         FROM (SELECT created_at FROM idemflow_outbox WHERE pipeline = ? ORDER BY id LIMIT ?) s",
+    let (rows, oldest_us, due_us): (i64, Option<i64>, Option<i64>) = sqlx::query_as(
+        "SELECT COUNT(*), TIMESTAMPDIFF(MICROSECOND, MIN(created_at), NOW(6)), TIMESTAMPDIFF(MICROSECOND, MIN(due_since), NOW(6))
+         FROM (SELECT o.created_at,
+                      CASE WHEN o.next_attempt_at <= NOW(6) AND NOT EXISTS (SELECT 1 FROM idemflow_outbox e
+                                WHERE e.pipeline = o.pipeline AND e.key_digest = o.key_digest AND e.id < o.id)
+                           THEN GREATEST(o.created_at, o.next_attempt_at) END AS due_since
+               FROM idemflow_outbox o WHERE o.pipeline = ? ORDER BY o.id LIMIT ?) s",
     )
     .bind(pipeline)
     .bind(up_to)
     .fetch_one(pool)
     .await?;
-    Ok(OutboxDepth { rows, oldest_seconds: oldest_us.unwrap_or(0).max(0) as f64 / 1e6 })
+    let seconds = |us: Option<i64>| us.unwrap_or(0).max(0) as f64 / 1e6;
+    Ok(OutboxDepth { rows, oldest_seconds: seconds(oldest_us), due_seconds: seconds(due_us) })
 }
 
 /// Gives up `owner`'s leases ([`crate::store::Connector::outbox_release`]).
@@ -270,4 +276,30 @@ pub async fn requeue(pool: &MySqlPool, id: i64, rehome: &str) -> Result<Option<i
     sqlx::query("DELETE FROM idemflow_dead_letters WHERE id = ?").bind(id).execute(&mut *tx).await?;
     tx.commit().await?;
     Ok(Some(done.last_insert_id() as i64))
+}
+
+/// Every pipeline's and target's rows waiting and `delivery_failed` dead letters ([`crate::store::Connector::unsent`]).
+pub async fn unsent(pool: &MySqlPool) -> Result<Vec<crate::store::rows::Unsent>, sqlx::Error> {
+    let rows: Vec<(String, String, i64, Option<i64>, i64)> = sqlx::query_as(
+        "SELECT CONVERT(pipeline USING utf8mb4), CONVERT(target USING utf8mb4), CAST(SUM(waiting) AS SIGNED), MAX(oldest_us),
+                CAST(SUM(failed) AS SIGNED) FROM (
+             SELECT pipeline, target, COUNT(*) AS waiting, TIMESTAMPDIFF(MICROSECOND, MIN(created_at), NOW(6)) AS oldest_us, 0 AS failed
+             FROM idemflow_outbox GROUP BY pipeline, target
+             UNION ALL
+             SELECT pipeline, JSON_UNQUOTE(JSON_EXTRACT(request, '$.target')), 0, 0, COUNT(*)
+             FROM idemflow_dead_letters WHERE reason = 'delivery_failed' AND request IS NOT NULL GROUP BY 1, 2
+         ) u GROUP BY pipeline, target ORDER BY pipeline, target",
+    )
+    .fetch_all(pool)
+    .await?;
+    Ok(rows
+        .into_iter()
+        .map(|(pipeline, target, waiting, oldest_us, dead_letters)| crate::store::rows::Unsent {
+            pipeline,
+            target,
+            waiting,
+            oldest_seconds: oldest_us.unwrap_or(0).max(0) as f64 / 1e6,
+            dead_letters,
+        })
+        .collect())
 }

@@ -9,7 +9,7 @@ use crate::offsets::{Claimed, Logs, NextOffsets, Positions, Processed, Renewal};
 use crate::record::{Position, Record};
 use crate::retention::{Slice, Sweep, SweepState};
 use crate::store::contract::{BatchTx, Connector, Session, StoreError};
-use crate::store::rows::{Apply, Claim, Digests, Existing, Explained, Forget, Forgotten, Leased, OutboxDepth, Settled};
+use crate::store::rows::{Apply, Claim, Digests, Existing, Explained, Forget, Forgotten, Leased, OutboxDepth, Renamed, Settled};
 use crate::store::contract::ATTEMPT_ROWS_KEPT;
 use sqlx::PgPool;
 use std::time::Duration;
@@ -51,6 +51,18 @@ impl Connector for PgPool {
 
     async fn forget(&self, pipeline: &str, what: &Forget, dry_run: bool) -> Result<Forgotten, StoreError> {
         Ok(dedup::forget(self, pipeline, what, dry_run).await?)
+    }
+
+    async fn unsent(&self) -> Result<Vec<crate::store::rows::Unsent>, StoreError> {
+        Ok(outbox::unsent(self).await?)
+    }
+
+    async fn rename_pipeline(&self, old: &str, new: &str, dry_run: bool) -> Result<Renamed, StoreError> {
+        super::rename::rename(self, old, new, dry_run).await?.map_err(|table| {
+            StoreError::Refused(format!(
+                "pipeline {new:?} already has a history (rows in {table}): a rename never merges two histories; pick another name"
+            ))
+        })
     }
 
     async fn lower_floors(&self, pipeline: &str, positions: &[(String, i32, i64)]) -> Result<u64, StoreError> {
@@ -108,14 +120,19 @@ impl Connector for PgPool {
     }
 
     async fn histories(&self, topics: &[String]) -> Result<Vec<crate::store::rows::History>, StoreError> {
+        // In a transaction, as every statement of this store: behind PgBouncer in transaction mode, an unnamed
+        // statement's parse and its execution outside one can reach two server connections ("unnamed prepared
+        // statement does not exist", seen in pgbouncer::behind_pgbouncer_in_transaction_mode).
+        let mut tx = self.begin().await?;
         let rows: Vec<(String, String, i64, i64, String)> = sqlx::query_as(
             "SELECT pipeline, topic, count(*), sum(next_offset)::int8, max(updated_at)::text FROM idemflow.processed
              WHERE topic = ANY($1) GROUP BY pipeline, topic ORDER BY pipeline, topic",
         )
         .bind(topics)
         .persistent(super::persistent())
-        .fetch_all(self)
+        .fetch_all(&mut *tx)
         .await?;
+        tx.commit().await?;
         Ok(rows.into_iter().map(|(pipeline, topic, partitions, processed, last)| crate::store::rows::History { pipeline, topic, partitions, processed, last }).collect())
     }
 

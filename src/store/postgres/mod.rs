@@ -13,6 +13,7 @@ pub mod dead_letter;
 pub mod dedup;
 pub mod error;
 pub mod offsets;
+pub mod rename;
 pub mod outbox;
 pub mod retention;
 pub mod side_effect;

@@ -201,12 +201,18 @@ pub async fn settle(pool: &PgPool, pipeline: &str, owner: &str, settled: &[Settl
     Ok(moved)
 }
 
-/// Rows of `pipeline` waiting (up to `up_to`) and the age of the oldest ([`crate::store::Connector::outbox_depth`]).
+/// Rows of `pipeline` waiting (up to `up_to`), the age of the oldest, and the longest a row the relay could send
+/// (due, and first of its key) has waited since it was due ([`crate::store::Connector::outbox_depth`]).
 pub async fn depth(pool: &PgPool, pipeline: &str, up_to: i64) -> Result<OutboxDepth, sqlx::Error> {
     let mut tx = pool.begin().await?;
-    let (rows, oldest_seconds): (i64, f64) = sqlx::query_as(
-        "SELECT count(*), coalesce(extract(epoch FROM now() - min(created_at)), 0)::float8
-         FROM (SELECT created_at FROM idemflow.outbox WHERE pipeline = $1 ORDER BY id LIMIT $2) s",
+    let (rows, oldest_seconds, due_seconds): (i64, f64, f64) = sqlx::query_as(
+        "SELECT count(*), coalesce(extract(epoch FROM now() - min(created_at)), 0)::float8,
+                coalesce(extract(epoch FROM now() - min(due_since)), 0)::float8
+         FROM (SELECT o.created_at,
+                      CASE WHEN o.next_attempt_at <= now() AND NOT EXISTS (SELECT 1 FROM idemflow.outbox e
+                                WHERE e.pipeline = o.pipeline AND e.key_digest = o.key_digest AND e.id < o.id)
+                           THEN greatest(o.created_at, o.next_attempt_at) END AS due_since
+               FROM idemflow.outbox o WHERE o.pipeline = $1 ORDER BY o.id LIMIT $2) s",
     )
     .bind(pipeline)
     .bind(up_to)
@@ -214,7 +220,7 @@ pub async fn depth(pool: &PgPool, pipeline: &str, up_to: i64) -> Result<OutboxDe
     .fetch_one(&mut *tx)
     .await?;
     tx.commit().await?;
-    Ok(OutboxDepth { rows, oldest_seconds: oldest_seconds.max(0.0) })
+    Ok(OutboxDepth { rows, oldest_seconds: oldest_seconds.max(0.0), due_seconds: due_seconds.max(0.0) })
 }
 
 /// Gives up `owner`'s leases ([`crate::store::Connector::outbox_release`]).
@@ -254,4 +260,26 @@ pub async fn requeue(pool: &PgPool, id: i64, rehome: &str) -> Result<Option<i64>
     .await?;
     tx.commit().await?;
     Ok(new)
+}
+
+/// Every pipeline's and target's rows waiting and `delivery_failed` dead letters ([`crate::store::Connector::unsent`]).
+pub async fn unsent(pool: &PgPool) -> Result<Vec<crate::store::rows::Unsent>, sqlx::Error> {
+    let mut tx = pool.begin().await?;
+    let rows: Vec<(String, String, i64, f64, i64)> = sqlx::query_as(
+        "SELECT pipeline, target, sum(waiting)::int8, max(oldest)::float8, sum(failed)::int8 FROM (
+             SELECT pipeline, target, count(*) AS waiting, extract(epoch FROM now() - min(created_at))::float8 AS oldest, 0::int8 AS failed
+             FROM idemflow.outbox GROUP BY pipeline, target
+             UNION ALL
+             SELECT pipeline, request->>'target', 0::int8, 0::float8, count(*)
+             FROM idemflow.dead_letters WHERE reason = 'delivery_failed' AND request IS NOT NULL GROUP BY 1, 2
+         ) u GROUP BY pipeline, target ORDER BY pipeline, target",
+    )
+    .persistent(super::persistent())
+    .fetch_all(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    Ok(rows
+        .into_iter()
+        .map(|(pipeline, target, waiting, oldest, dead_letters)| crate::store::rows::Unsent { pipeline, target, waiting, oldest_seconds: oldest.max(0.0), dead_letters })
+        .collect())
 }

@@ -483,7 +483,6 @@ impl KafkaSource {
         stored: Option<StoredStart>,
     ) -> KafkaResult<Self> {
         let config = consumer_config(kafka, pipeline);
-        let topic_ids = super::topic_ids::TopicIds::start(config.clone(), &pipeline.name, &spec(pipeline).topics);
         let state = Arc::new(Mutex::new(Ownership::default()));
         let context =
             GroupContext {
@@ -502,6 +501,8 @@ impl KafkaSource {
         let session_ms = config.get("session.timeout.ms").and_then(|v| v.trim().parse::<u64>().ok()).unwrap_or(45_000);
         let fenced_for = Duration::from_millis(session_ms).max(FENCED_FOR_MIN);
         let consumer: StreamConsumer<GroupContext> = config.create_with_context(context).map_err(hide_config_value)?;
+        // After the consumer: a configuration librdkafka refuses has been reported by then, with its value hidden.
+        let topic_ids = super::topic_ids::TopicIds::start(config.clone(), &pipeline.name, &spec(pipeline).topics);
         let topics: Vec<&str> = spec(pipeline).topics.iter().map(String::as_str).collect();
         consumer.subscribe(&topics)?;
         Ok(KafkaSource {
