@@ -17,29 +17,22 @@ pub const TABLES: [&str; 8] = ["dedup", "dedup_duplicates", "processed", "offset
 pub async fn rename(pool: &PgPool, old: &str, new: &str, dry_run: bool) -> Result<Result<Renamed, &'static str>, sqlx::Error> {
     let mut tx = pool.begin().await?;
     sqlx::query("SET LOCAL lock_timeout = '5s'").execute(&mut *tx).await?;
-    for table in TABLES {
-        let taken: bool = sqlx::query_scalar(&format!("SELECT EXISTS (SELECT 1 FROM idemflow.{table} WHERE pipeline = $1)"))
-            .bind(new)
-            .fetch_one(&mut *tx)
-            .await?;
-        if taken {
-            return Ok(Err(table));
-        }
+    // The first table where the new name has rows, in one statement.
+    let taken: Vec<String> = TABLES.iter().map(|t| format!("SELECT '{t}' WHERE EXISTS (SELECT 1 FROM idemflow.{t} WHERE pipeline = $1)")).collect();
+    let taken: Option<String> = sqlx::query_scalar(&format!("{} LIMIT 1", taken.join(" UNION ALL "))).bind(new).fetch_optional(&mut *tx).await?;
+    if let Some(table) = taken {
+        return Ok(Err(TABLES.iter().find(|t| **t == table).copied().unwrap_or("dedup")));
     }
-    let mut moved = Vec::with_capacity(TABLES.len());
-    for table in TABLES {
-        let rows = if dry_run {
-            let n: i64 = sqlx::query_scalar(&format!("SELECT count(*) FROM idemflow.{table} WHERE pipeline = $1")).bind(old).fetch_one(&mut *tx).await?;
-            n as u64
-        } else {
-            sqlx::query(&format!("UPDATE idemflow.{table} SET pipeline = $2 WHERE pipeline = $1")).bind(old).bind(new).execute(&mut *tx).await?.rows_affected()
-        };
-        moved.push((table, rows));
-    }
-    if dry_run {
-        tx.rollback().await?;
+    // Every table's rows moved (or counted) in one statement: `moved_<table>` each.
+    let each: Vec<String> = if dry_run {
+        TABLES.iter().map(|t| format!("m_{t} AS (SELECT 1 FROM idemflow.{t} WHERE pipeline = $1)")).collect()
     } else {
-        tx.commit().await?;
-    }
-    Ok(Ok(Renamed { tables: moved }))
+        TABLES.iter().map(|t| format!("m_{t} AS (UPDATE idemflow.{t} SET pipeline = $2 WHERE pipeline = $1 RETURNING 1)")).collect()
+    };
+    let counts: Vec<String> = TABLES.iter().map(|t| format!("(SELECT count(*) FROM m_{t})")).collect();
+    let statement = format!("WITH {} SELECT ARRAY[{}]::int8[]", each.join(", "), counts.join(", "));
+    let query = sqlx::query_scalar(&statement).bind(old);
+    let moved: Vec<i64> = if dry_run { query } else { query.bind(new) }.fetch_one(&mut *tx).await?;
+    tx.commit().await?;
+    Ok(Ok(Renamed { tables: TABLES.iter().copied().zip(moved.into_iter().map(|n| n.max(0) as u64)).collect() }))
 }
