@@ -15,7 +15,8 @@ use crate::shutdown::Shutdown;
 use crate::store::rows::{Leased, Settled};
 use crate::store::Store;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 /// How much longer than the longest request `timeout` a lease holds by default (`[outbox] lease`): time to record
@@ -85,7 +86,14 @@ pub struct Relay {
     /// Outcomes whose record failed: recorded again with the next round's, and a row among them confirmed by its
     /// target is not sent again meanwhile, even if this relay leases it again.
     unrecorded: Mutex<Vec<Pending>>,
+    /// How each row that failed here last failed ([`Relay::failure_changed`]): a failure is logged once per row and
+    /// change of kind, every other attempt at debug level.
+    failing: Mutex<HashMap<i64, AttemptResult>>,
 }
+
+/// The most rows [`Relay::failing`] remembers; past it, it starts over (rows sent meanwhile by another worker are
+/// never settled here, so their entries would otherwise stay).
+const FAILING_REMEMBERED: usize = 100_000;
 
 impl Relay {
     /// The relay of `pipeline`'s outbox in `store`, leasing as `owner`; its Kafka records go to the brokers of
@@ -145,6 +153,7 @@ impl Relay {
             crash_after,
             confirmed: AtomicU64::new(0),
             unrecorded: Mutex::new(Vec::new()),
+            failing: Mutex::new(HashMap::new()),
         })
     }
 
@@ -340,23 +349,38 @@ impl Relay {
     fn settle(&self, row: &Leased, outcome: Outcome) -> Settled {
         let max_attempts = self.target(&row.request.target).map_or(1, |t| t.max_attempts());
         let failed = |error: String| Settled::Failed { id: row.id, error };
-        match outcome {
-            Outcome::Confirmed => Settled::Confirmed(row.id),
-            Outcome::Rejected { error } => failed(error),
-            Outcome::Retry { error, .. } if row.attempts as u32 >= max_attempts => {
-                failed(format!("{error} (the last of {} attempts)", row.attempts))
+        let retry = match outcome {
+            Outcome::Retry { after, error, result } if (row.attempts as u32) < max_attempts => (after, error, result),
+            outcome => {
+                self.failing.lock().unwrap_or_else(PoisonError::into_inner).remove(&row.id);
+                return match outcome {
+                    Outcome::Confirmed => Settled::Confirmed(row.id),
+                    Outcome::Rejected { error } => failed(error),
+                    Outcome::Retry { error, .. } => failed(format!("{error} (the last of {} attempts)", row.attempts)),
+                };
             }
-            Outcome::Retry { after, error, result } => {
-                let after = wait_before_retry(backoff(self.spec.settings.backoff, self.spec.settings.max_backoff, row.attempts), after);
-                let level_warn = result != AttemptResult::RetryStatus || row.attempts > 1;
-                if level_warn {
-                    tracing::warn!(pipeline = %self.pipeline, row = row.id, attempts = row.attempts, error = %error, retry_in = ?after, "outbox request failed; retrying");
-                } else {
-                    tracing::info!(pipeline = %self.pipeline, row = row.id, attempts = row.attempts, error = %error, retry_in = ?after, "outbox request answered a retry status; retrying");
-                }
-                Settled::Retry { id: row.id, after, error }
-            }
+        };
+        let (after, error, result) = retry;
+        let after = wait_before_retry(backoff(self.spec.settings.backoff, self.spec.settings.max_backoff, row.attempts), after);
+        let (id, attempts) = (row.id, row.attempts);
+        if !self.failure_changed(row.id, result) {
+            tracing::debug!(pipeline = %self.pipeline, row = id, attempts, error = %error, retry_in = ?after, "outbox request failed again the same way; retrying");
+        } else if result == AttemptResult::RetryStatus && row.attempts == 1 {
+            tracing::info!(pipeline = %self.pipeline, row = id, attempts, error = %error, retry_in = ?after, "outbox request answered a retry status; retrying");
+        } else {
+            tracing::warn!(pipeline = %self.pipeline, row = id, attempts, error = %error, retry_in = ?after,
+                "outbox request failed; retrying (said again when its failure changes; each attempt at debug level)");
         }
+        Settled::Retry { id: row.id, after, error }
+    }
+
+    /// Whether row `id`'s failure is of another kind than its last one here (or its first): what is logged.
+    fn failure_changed(&self, id: i64, result: AttemptResult) -> bool {
+        let mut failing = self.failing.lock().unwrap_or_else(PoisonError::into_inner);
+        if failing.len() >= FAILING_REMEMBERED {
+            failing.clear();
+        }
+        failing.insert(id, result) != Some(result)
     }
 
     /// Records a round's outcomes, trying three times; the failed rows moved to the dead letters once they were

@@ -250,6 +250,15 @@ async fn a_target_down_pauses_consumption_until_the_outbox_drains() {
     let rows = db.scalar::<i64>("SELECT count(*) FROM idemflow.outbox").await;
     assert!(rows > 5 && (rows as f64) <= later, "the outbox stopped growing past its bound: {rows} rows");
     assert!(w.log_text().contains("consumption paused: the outbox holds"), "{}", w.log_text());
+    // A request failing the same way again and again is said once (issue 64: thousands of warning lines an outage).
+    let log = w.log_text();
+    let said: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("outbox request failed; retrying") || l.contains("outbox request answered a retry status"))
+        .filter_map(|l| l.split(" row=").nth(1).and_then(|r| r.split(' ').next()))
+        .collect();
+    let rows: std::collections::HashSet<&str> = said.iter().copied().collect();
+    assert!(!said.is_empty() && said.len() == rows.len(), "each failing row said once, not once per attempt: {said:?}\n{log}");
     provider.clear_faults();
     wait_until(Duration::from_secs(90), "every payment charged and the outbox empty", || async {
         provider.state()["distinct_keys"] == n && db.scalar::<i64>("SELECT count(*) FROM idemflow.outbox").await == 0
