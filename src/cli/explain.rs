@@ -34,7 +34,9 @@ pub async fn run(a: ExplainArgs) -> anyhow::Result<()> {
     } else {
         println!("pipeline {:?}, business key {:?} (looked up as {canonical:?}: a composite key's parts are texts)", p.name, a.key);
     }
-    match store.explain(&p.name, &key).await? {
+    let explained = store.explain(&p.name, &key).await?;
+    let applied = explained.is_some();
+    match explained {
         Some(e) => {
             println!("  applied at         {}", e.applied_at);
             let position = idemflow::record::Position { topic: e.topic.as_str().into(), partition: e.partition, offset: e.offset };
@@ -55,5 +57,38 @@ pub async fn run(a: ExplainArgs) -> anyhow::Result<()> {
             idemflow::terminal::duration(p.dedup.retention)
         ),
     }
+    if let Some(outbox) = &p.outbox {
+        let requests = store.key_requests(&p.name, &key.digest).await?;
+        let targets = outbox.http.iter().map(|t| t.name.as_str()).chain(outbox.kafka.iter().map(|t| t.name.as_str()));
+        for line in request_lines(&requests, targets, applied) {
+            println!("{line}");
+        }
+    }
     Ok(())
+}
+
+/// Where each of a key's outbox requests is: waiting (and why), a dead letter (and its id), or confirmed (no row is
+/// left of a request of an applied key). `targets`: the pipeline's targets now.
+fn request_lines<'t>(requests: &[idemflow::store::rows::KeyRequest], targets: impl Iterator<Item = &'t str>, applied: bool) -> Vec<String> {
+    let mut lines = Vec::new();
+    let mut named: Vec<&str> = Vec::new();
+    for r in requests {
+        named.push(&r.target);
+        let line = match (r.dead_letter, &r.error) {
+            (Some(id), error) => format!(
+                "dead letter {id} (delivery_failed: {}); `idemflow dead-letters replay {id}` sends it again with the same idempotency key",
+                error.as_deref().unwrap_or("")
+            ),
+            (None, _) if r.leased => format!("being sent now (attempt {})", r.attempts),
+            (None, Some(error)) => format!("waiting: {} attempt(s) failed, the last with {error}; next attempt at {}", r.attempts, r.next_attempt),
+            (None, None) => format!("waiting to be sent (due at {})", r.next_attempt),
+        };
+        lines.push(format!("  request to {:<8} {line}", r.target));
+    }
+    if applied {
+        for t in targets.filter(|t| !named.contains(t)) {
+            lines.push(format!("  request to {t:<8} confirmed by its target (no row of it is left), or never written (the key applied before the target was configured)"));
+        }
+    }
+    lines
 }

@@ -17,7 +17,7 @@ use crate::metrics::DeadLetterReason;
 use crate::offsets::{Claimed, Logs, NextOffsets, Positions, Processed, Renewal};
 use crate::record::{Position, Record};
 use crate::retention::{Slice, Sweep, SweepState};
-use crate::store::rows::{Apply, Claim, Digests, Existing, Explained, Forget, Forgotten, Leased, OutboxDepth, Renamed, Settled, Unsent};
+use crate::store::rows::{Apply, Claim, Digests, Existing, Explained, Forget, Forgotten, Leased, KeyRequest, OutboxDepth, Renamed, Settled, Unsent};
 use std::time::Duration;
 
 /// `idemflow dedup forget` is refused while a lane of the pipeline recorded a batch attempt this recently.
@@ -287,6 +287,14 @@ pub trait Connector: Send + Sync {
     /// Errors: the store's.
     async fn outbox_depth(&self, _pipeline: &str, _up_to: i64) -> Result<OutboxDepth, StoreError> {
         Ok(OutboxDepth::default())
+    }
+
+    /// The outbox requests of `pipeline`'s business key whose digest is `digest` ([`crate::key::BusinessKey::digest`])
+    /// not yet confirmed: waiting in the outbox, or `delivery_failed` dead letters. Default: no outbox here.
+    ///
+    /// Errors: the store's.
+    async fn key_requests(&self, _pipeline: &str, _digest: &[u8]) -> Result<Vec<KeyRequest>, StoreError> {
+        Ok(Vec::new())
     }
 
     /// Every pipeline's and target's requests not yet delivered: rows waiting in the outbox and `delivery_failed`

@@ -309,6 +309,11 @@ impl Store {
         each_store!(self, |s| Connector::outbox_depth(s, pipeline, up_to).await)
     }
 
+    /// The outbox requests of a business key not yet confirmed ([`Connector::key_requests`]; `idemflow explain`).
+    pub async fn key_requests(&self, pipeline: &str, digest: &[u8]) -> Result<Vec<rows::KeyRequest>, StoreError> {
+        each_store!(self, |s| Connector::key_requests(s, pipeline, digest).await)
+    }
+
     /// Every pipeline's and target's requests not yet delivered ([`Connector::unsent`]): `check` and the worker's
     /// start name those of a pipeline or target that is not configured, which no relay sends.
     pub async fn unsent(&self) -> Result<Vec<rows::Unsent>, StoreError> {

@@ -270,6 +270,23 @@ pub struct History {
     pub last: String,
 }
 
+/// One outbox request of a business key not yet confirmed ([`crate::store::Store::key_requests`], `idemflow explain`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KeyRequest {
+    /// Its target's name.
+    pub target: String,
+    /// `Some(id)`: a `delivery_failed` dead letter; `None`: waiting in the outbox.
+    pub dead_letter: Option<i64>,
+    /// Attempts made so far (waiting rows).
+    pub attempts: i64,
+    /// When it is due again, on the store's clock (waiting rows).
+    pub next_attempt: String,
+    /// Whether a relay holds it now (being sent).
+    pub leased: bool,
+    /// The last failure (waiting rows), or the dead letter's error.
+    pub error: Option<String>,
+}
+
 /// Outbox requests of one pipeline's target not yet delivered ([`crate::store::Store::unsent`]): waiting in the outbox,
 /// or `delivery_failed` dead letters.
 #[derive(Clone, Debug, Default, PartialEq)]

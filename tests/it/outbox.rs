@@ -174,6 +174,13 @@ async fn failures_are_retried_and_a_refused_request_is_dead_lettered_then_replay
         sqlx::query_as("SELECT id, error, request FROM idemflow.dead_letters WHERE reason = 'delivery_failed'").fetch_one(&db.pool).await.unwrap();
     assert!(error.contains("HTTP 422") && error.contains("/v1/accounts/"), "{error}");
     assert_eq!(request["target"], "provider", "{request}");
+    // `explain` says where each key's request is: the refused one a dead letter, the others confirmed.
+    let explain = |key: &str| crate::support::idemflow(&["explain", "--config", setup.config.to_str().unwrap(), "--pipeline", "orders", "--key", key], setup.dir.path());
+    let refused = (0..10).find(|i| state["keys"].get(format!("orders:o-{i}")).is_none_or(|k| k["charges"] != 1)).expect("the refused key");
+    let (status, out, err) = explain(&format!("o-{refused}"));
+    assert!(status.success() && out.contains(&format!("dead letter {id} (delivery_failed: ")) && out.contains("HTTP 422"), "{out}\n{err}");
+    let (status, out, err) = explain(&format!("o-{}", (refused + 1) % 10));
+    assert!(status.success() && out.contains("request to provider") && out.contains("confirmed by its target"), "{out}\n{err}");
     let (status, out, err) = crate::support::idemflow(&["dead-letters", "replay", "--config", setup.config.to_str().unwrap(), &id.to_string()], setup.dir.path());
     assert!(status.success(), "{out}\n{err}");
     assert!(out.contains("back in the outbox"), "{out}");
@@ -299,6 +306,9 @@ async fn a_key_in_back_off_never_pauses_the_pipeline(db: Store) {
     assert!(metric(&m, "idemflow_outbox_due_wait_seconds", &[("pipeline", "orders")]) < 2.0, "{m}");
     assert!(metric(&m, "idemflow_outbox_oldest_seconds", &[("pipeline", "orders")]) > 2.0, "the merchant's rows still wait: {m}");
     assert_eq!(outbox_rows(&db).await, 30, "the merchant's 30 requests wait out their back-off");
+    let (status, out, err) =
+        crate::support::idemflow(&["explain", "--config", setup.config.to_str().unwrap(), "--pipeline", "orders", "--key", "o-3"], setup.dir.path());
+    assert!(status.success() && out.contains("waiting: 1 attempt(s) failed, the last with POST") && out.contains("HTTP 429") && out.contains("next attempt at"), "{out}\n{err}");
     assert_eq!(business_rows(&db).await, 90);
 }
 

@@ -49,6 +49,10 @@ impl Connector for MySqlStore {
         Ok(dedup::forget(&self.pool, pipeline, what, dry_run).await?)
     }
 
+    async fn key_requests(&self, pipeline: &str, digest: &[u8]) -> Result<Vec<crate::store::rows::KeyRequest>, StoreError> {
+        Ok(outbox::key_requests(&self.pool, pipeline, digest).await?)
+    }
+
     async fn unsent(&self) -> Result<Vec<crate::store::rows::Unsent>, StoreError> {
         Ok(outbox::unsent(&self.pool).await?)
     }

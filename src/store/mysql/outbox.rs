@@ -303,3 +303,33 @@ pub async fn unsent(pool: &MySqlPool) -> Result<Vec<crate::store::rows::Unsent>,
         })
         .collect())
 }
+
+/// A business key's requests not yet confirmed ([`crate::store::Connector::key_requests`]).
+pub async fn key_requests(pool: &MySqlPool, pipeline: &str, digest: &[u8]) -> Result<Vec<crate::store::rows::KeyRequest>, sqlx::Error> {
+    let rows: Vec<(String, Option<i64>, i64, String, i64, Option<String>)> = sqlx::query_as(
+        "SELECT CONVERT(target USING utf8mb4), CAST(NULL AS SIGNED), CAST(attempts AS SIGNED), CAST(next_attempt_at AS CHAR),
+                CAST(COALESCE(leased_until > NOW(6), 0) AS SIGNED), CONVERT(last_error USING utf8mb4)
+         FROM idemflow_outbox WHERE pipeline = ? AND key_digest = ?
+         UNION ALL
+         SELECT CONVERT(JSON_UNQUOTE(JSON_EXTRACT(request, '$.target')) USING utf8mb4), id, 0, '', 0, CONVERT(error USING utf8mb4)
+         FROM idemflow_dead_letters WHERE pipeline = ? AND reason = 'delivery_failed'
+              AND JSON_UNQUOTE(JSON_EXTRACT(request, '$.key_digest')) = LOWER(HEX(?))",
+    )
+    .bind(pipeline)
+    .bind(digest)
+    .bind(pipeline)
+    .bind(digest)
+    .fetch_all(pool)
+    .await?;
+    Ok(rows
+        .into_iter()
+        .map(|(target, dead_letter, attempts, next_attempt, leased, error)| crate::store::rows::KeyRequest {
+            target,
+            dead_letter,
+            attempts,
+            next_attempt,
+            leased: leased != 0,
+            error,
+        })
+        .collect())
+}

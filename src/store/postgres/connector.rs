@@ -53,6 +53,10 @@ impl Connector for PgPool {
         Ok(dedup::forget(self, pipeline, what, dry_run).await?)
     }
 
+    async fn key_requests(&self, pipeline: &str, digest: &[u8]) -> Result<Vec<crate::store::rows::KeyRequest>, StoreError> {
+        Ok(outbox::key_requests(self, pipeline, digest).await?)
+    }
+
     async fn unsent(&self) -> Result<Vec<crate::store::rows::Unsent>, StoreError> {
         Ok(outbox::unsent(self).await?)
     }

@@ -283,3 +283,26 @@ pub async fn unsent(pool: &PgPool) -> Result<Vec<crate::store::rows::Unsent>, sq
         .map(|(pipeline, target, waiting, oldest, dead_letters)| crate::store::rows::Unsent { pipeline, target, waiting, oldest_seconds: oldest.max(0.0), dead_letters })
         .collect())
 }
+
+/// A business key's requests not yet confirmed ([`crate::store::Connector::key_requests`]).
+pub async fn key_requests(pool: &PgPool, pipeline: &str, digest: &[u8]) -> Result<Vec<crate::store::rows::KeyRequest>, sqlx::Error> {
+    let mut tx = pool.begin().await?;
+    let rows: Vec<(String, Option<i64>, i64, String, bool, Option<String>)> = sqlx::query_as(
+        "SELECT target, NULL::int8, attempts::int8, next_attempt_at::text, coalesce(leased_until > now(), false), last_error
+         FROM idemflow.outbox WHERE pipeline = $1 AND key_digest = $2
+         UNION ALL
+         SELECT request->>'target', id, 0::int8, '', false, error
+         FROM idemflow.dead_letters WHERE pipeline = $1 AND reason = 'delivery_failed' AND request->>'key_digest' = encode($2, 'hex')
+         ORDER BY 1, 2 NULLS FIRST",
+    )
+    .bind(pipeline)
+    .bind(digest)
+    .persistent(super::persistent())
+    .fetch_all(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    Ok(rows
+        .into_iter()
+        .map(|(target, dead_letter, attempts, next_attempt, leased, error)| crate::store::rows::KeyRequest { target, dead_letter, attempts, next_attempt, leased, error })
+        .collect())
+}
