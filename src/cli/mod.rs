@@ -6,6 +6,7 @@ mod dead_letters;
 mod dedup;
 mod explain;
 mod migrate;
+mod outbox;
 mod pipeline;
 mod purge;
 mod rewind;
@@ -56,6 +57,10 @@ pub enum Command {
     /// RocketMQ (a RabbitMQ queue has no position to go back to, a JetStream consumer keeps its own on the server);
     /// the dedup store skips every record already applied.
     Rewind(rewind::RewindArgs),
+    /// What waits in the outbox per pipeline and target (`list`), and requests in back-off sent at once
+    /// (`retry-now`) (PostgreSQL, MySQL/MariaDB).
+    #[command(subcommand)]
+    Outbox(outbox::OutboxCommand),
     /// Operate on a pipeline's history: `rename` it to a new name, with its dedup rows, processed marks, stored
     /// positions, dead letters and outbox requests, in one transaction (PostgreSQL, MySQL/MariaDB).
     #[command(subcommand)]
@@ -136,6 +141,7 @@ pub async fn dispatch(command: Command) -> anyhow::Result<()> {
         Command::Rewind(a) => rewind::run(a).await,
         Command::Purge(a) => purge::run(a).await,
         Command::Pipeline(cmd) => pipeline::run(cmd).await,
+        Command::Outbox(cmd) => outbox::run(cmd).await,
         Command::Completions { shell } => {
             use clap::CommandFactory;
             clap_complete::generate(shell, &mut Cli::command(), "idemflow", &mut std::io::stdout());

@@ -297,6 +297,15 @@ pub trait Connector: Send + Sync {
         Ok(Vec::new())
     }
 
+    /// Moves the next attempt of `pipeline`'s rows waiting out a back-off (only `target`'s, only the business key
+    /// whose digest is `digest`, where given) to now, so the relay sends them at its next look; rows a relay holds
+    /// are left alone. Returns how many (`idemflow outbox retry-now`). Default: no outbox here.
+    ///
+    /// Errors: the store's.
+    async fn outbox_retry_now(&self, _pipeline: &str, _target: Option<&str>, _digest: Option<&[u8]>) -> Result<u64, StoreError> {
+        Ok(0)
+    }
+
     /// Every pipeline's and target's requests not yet delivered: rows waiting in the outbox and `delivery_failed`
     /// dead letters, by pipeline and target name. Default: no outbox here.
     ///

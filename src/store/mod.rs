@@ -314,6 +314,11 @@ impl Store {
         each_store!(self, |s| Connector::key_requests(s, pipeline, digest).await)
     }
 
+    /// `idemflow outbox retry-now` ([`Connector::outbox_retry_now`]).
+    pub async fn outbox_retry_now(&self, pipeline: &str, target: Option<&str>, digest: Option<&[u8]>) -> Result<u64, StoreError> {
+        each_store!(self, |s| Connector::outbox_retry_now(s, pipeline, target, digest).await)
+    }
+
     /// Every pipeline's and target's requests not yet delivered ([`Connector::unsent`]): `check` and the worker's
     /// start name those of a pipeline or target that is not configured, which no relay sends.
     pub async fn unsent(&self) -> Result<Vec<rows::Unsent>, StoreError> {

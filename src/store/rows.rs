@@ -301,6 +301,16 @@ pub struct Unsent {
     pub oldest_seconds: f64,
     /// Its `delivery_failed` dead letters.
     pub dead_letters: i64,
+    /// Of the rows waiting: due now (and not held by a relay).
+    pub due: i64,
+    /// Of the rows waiting: waiting out a back-off (and not held by a relay).
+    pub backing_off: i64,
+    /// Of the rows waiting: held by a relay now (being sent).
+    pub leased: i64,
+    /// The earliest next attempt of a row in back-off, on the store's clock.
+    pub next_attempt: Option<String>,
+    /// The last failure recorded of its rows (the newest row's that has one).
+    pub last_error: Option<String>,
 }
 
 /// What `idemflow pipeline rename` moved ([`crate::store::Store::rename_pipeline`]).

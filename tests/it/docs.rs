@@ -177,6 +177,7 @@ fn command_lines(pages: &[(PathBuf, String)]) -> Vec<(PathBuf, String, Vec<Strin
                 "dead-letters" => &["list", "show", "replay"],
                 "dedup" => &["forget"],
                 "pipeline" => &["rename"],
+                "outbox" => &["list", "retry-now"],
                 _ => &[],
             };
             if let Some(next) = words.get(1).filter(|w| nested.contains(w)) {

@@ -299,16 +299,30 @@ async fn a_key_in_back_off_never_pauses_the_pipeline(db: Store) {
     kafka.produce(&topic, &wave);
     wait_until(Duration::from_secs(60), "the second wave's healthy payments charged", || async { provider.state()["distinct_keys"] == healthy(90) }).await;
     let m = w.scrape();
-    assert!(w.sigterm().success(), "{}", w.log_text());
     assert!(!w.log_text().contains("consumption paused"), "{}", w.log_text());
     assert_eq!(metric(&m, "idemflow_outbox_paused", &[("pipeline", "orders")]), 0.0);
     assert_eq!(metric(&m, "idemflow_records_received_total", &[("pipeline", "orders")]), 90.0);
     assert!(metric(&m, "idemflow_outbox_due_wait_seconds", &[("pipeline", "orders")]) < 2.0, "{m}");
     assert!(metric(&m, "idemflow_outbox_oldest_seconds", &[("pipeline", "orders")]) > 2.0, "the merchant's rows still wait: {m}");
-    assert_eq!(outbox_rows(&db).await, 30, "the merchant's 30 requests wait out their back-off");
+    // The healthy requests' confirmations recorded (a moment after the provider's answers): the merchant's 30 wait.
+    wait_until(Duration::from_secs(30), "only the merchant's 30 requests waiting", || async { outbox_rows(&db).await == 30 }).await;
     let (status, out, err) =
         crate::support::idemflow(&["explain", "--config", setup.config.to_str().unwrap(), "--pipeline", "orders", "--key", "o-3"], setup.dir.path());
     assert!(status.success() && out.contains("waiting: 1 attempt(s) failed, the last with POST") && out.contains("HTTP 429") && out.contains("next attempt at"), "{out}\n{err}");
+    // The operator's view, and the merchant back: one key sent at once, then the rest.
+    let outbox = |args: &[&str]| crate::support::idemflow(&[&["outbox"], args, &["--config", setup.config.to_str().unwrap()]].concat(), setup.dir.path());
+    let (status, out, err) = outbox(&["list", "--pipeline", "orders"]);
+    assert!(status.success() && out.contains("target \"provider\": 30 waiting (0 due, 30 in back-off, 0 being sent)") && out.contains("last error:"), "{out}\n{err}");
+    provider.clear_faults();
+    let (status, out, err) = outbox(&["retry-now", "--pipeline", "orders", "--key", "o-3"]);
+    assert!(status.success() && out.contains("1 request(s) in back-off due now"), "{out}\n{err}");
+    wait_until(Duration::from_secs(30), "o-3 charged", || async { provider.state()["keys"]["orders:o-3"]["charges"] == 1 }).await;
+    assert_eq!(outbox_rows(&db).await, 29, "the others still wait out their back-off");
+    let (status, out, err) = outbox(&["retry-now", "--pipeline", "orders", "--target", "provider"]);
+    assert!(status.success() && out.contains("29 request(s)"), "{out}\n{err}");
+    wait_until(Duration::from_secs(30), "every payment charged", || async { provider.state()["distinct_keys"] == 90 && outbox_rows(&db).await == 0 }).await;
+    assert!(w.sigterm().success(), "{}", w.log_text());
+    charged_once(&provider, 90, "orders");
     assert_eq!(business_rows(&db).await, 90);
 }
 

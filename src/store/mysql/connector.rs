@@ -53,6 +53,10 @@ impl Connector for MySqlStore {
         Ok(outbox::key_requests(&self.pool, pipeline, digest).await?)
     }
 
+    async fn outbox_retry_now(&self, pipeline: &str, target: Option<&str>, digest: Option<&[u8]>) -> Result<u64, StoreError> {
+        Ok(outbox::retry_now(&self.pool, pipeline, target, digest).await?)
+    }
+
     async fn unsent(&self) -> Result<Vec<crate::store::rows::Unsent>, StoreError> {
         Ok(outbox::unsent(&self.pool).await?)
     }

@@ -278,15 +278,24 @@ pub async fn requeue(pool: &MySqlPool, id: i64, rehome: &str) -> Result<Option<i
     Ok(Some(done.last_insert_id() as i64))
 }
 
-/// Every pipeline's and target's rows waiting and `delivery_failed` dead letters ([`crate::store::Connector::unsent`]).
+/// Every pipeline's and target's rows waiting (due, in back-off, leased) and `delivery_failed` dead letters
+/// ([`crate::store::Connector::unsent`]).
 pub async fn unsent(pool: &MySqlPool) -> Result<Vec<crate::store::rows::Unsent>, sqlx::Error> {
-    let rows: Vec<(String, String, i64, Option<i64>, i64)> = sqlx::query_as(
+    type Row = (String, String, i64, Option<i64>, i64, i64, i64, i64, Option<String>, Option<String>);
+    let rows: Vec<Row> = sqlx::query_as(
         "SELECT CONVERT(pipeline USING utf8mb4), CONVERT(target USING utf8mb4), CAST(SUM(waiting) AS SIGNED), MAX(oldest_us),
-                CAST(SUM(failed) AS SIGNED) FROM (
-             SELECT pipeline, target, COUNT(*) AS waiting, TIMESTAMPDIFF(MICROSECOND, MIN(created_at), NOW(6)) AS oldest_us, 0 AS failed
-             FROM idemflow_outbox GROUP BY pipeline, target
+                CAST(SUM(failed) AS SIGNED), CAST(SUM(due) AS SIGNED), CAST(SUM(backing) AS SIGNED), CAST(SUM(leased) AS SIGNED),
+                CAST(MIN(next_at) AS CHAR), CONVERT(MAX(last_error) USING utf8mb4) FROM (
+             SELECT o.pipeline, o.target, COUNT(*) AS waiting, TIMESTAMPDIFF(MICROSECOND, MIN(o.created_at), NOW(6)) AS oldest_us, 0 AS failed,
+                    SUM(o.next_attempt_at <= NOW(6) AND (o.leased_until IS NULL OR o.leased_until < NOW(6))) AS due,
+                    SUM(o.next_attempt_at > NOW(6) AND (o.leased_until IS NULL OR o.leased_until < NOW(6))) AS backing,
+                    SUM(COALESCE(o.leased_until >= NOW(6), 0)) AS leased,
+                    MIN(CASE WHEN o.next_attempt_at > NOW(6) THEN o.next_attempt_at END) AS next_at,
+                    (SELECT l.last_error FROM idemflow_outbox l WHERE l.pipeline = o.pipeline AND l.target = o.target
+                       AND l.last_error IS NOT NULL ORDER BY l.id DESC LIMIT 1) AS last_error
+             FROM idemflow_outbox o GROUP BY o.pipeline, o.target
              UNION ALL
-             SELECT pipeline, JSON_UNQUOTE(JSON_EXTRACT(request, '$.target')), 0, 0, COUNT(*)
+             SELECT pipeline, JSON_UNQUOTE(JSON_EXTRACT(request, '$.target')), 0, 0, COUNT(*), 0, 0, 0, NULL, NULL
              FROM idemflow_dead_letters WHERE reason = 'delivery_failed' AND request IS NOT NULL GROUP BY 1, 2
          ) u GROUP BY pipeline, target ORDER BY pipeline, target",
     )
@@ -294,14 +303,37 @@ pub async fn unsent(pool: &MySqlPool) -> Result<Vec<crate::store::rows::Unsent>,
     .await?;
     Ok(rows
         .into_iter()
-        .map(|(pipeline, target, waiting, oldest_us, dead_letters)| crate::store::rows::Unsent {
+        .map(|(pipeline, target, waiting, oldest_us, dead_letters, due, backing_off, leased, next_attempt, last_error)| crate::store::rows::Unsent {
             pipeline,
             target,
             waiting,
             oldest_seconds: oldest_us.unwrap_or(0).max(0) as f64 / 1e6,
             dead_letters,
+            due,
+            backing_off,
+            leased,
+            next_attempt,
+            last_error,
         })
         .collect())
+}
+
+/// Moves the next attempt of `pipeline`'s rows in back-off (of `target`, of the key whose digest is `digest`, where
+/// given) to now; rows a relay holds are left. Returns how many ([`crate::store::Connector::outbox_retry_now`]).
+pub async fn retry_now(pool: &MySqlPool, pipeline: &str, target: Option<&str>, digest: Option<&[u8]>) -> Result<u64, sqlx::Error> {
+    let done = sqlx::query(
+        "UPDATE idemflow_outbox SET next_attempt_at = NOW(6)
+         WHERE pipeline = ? AND (? IS NULL OR target = ?) AND (? IS NULL OR key_digest = ?)
+           AND next_attempt_at > NOW(6) AND (leased_until IS NULL OR leased_until < NOW(6))",
+    )
+    .bind(pipeline)
+    .bind(target)
+    .bind(target)
+    .bind(digest)
+    .bind(digest)
+    .execute(pool)
+    .await?;
+    Ok(done.rows_affected())
 }
 
 /// A business key's requests not yet confirmed ([`crate::store::Connector::key_requests`]).

@@ -57,6 +57,10 @@ impl Connector for PgPool {
         Ok(outbox::key_requests(self, pipeline, digest).await?)
     }
 
+    async fn outbox_retry_now(&self, pipeline: &str, target: Option<&str>, digest: Option<&[u8]>) -> Result<u64, StoreError> {
+        Ok(outbox::retry_now(self, pipeline, target, digest).await?)
+    }
+
     async fn unsent(&self) -> Result<Vec<crate::store::rows::Unsent>, StoreError> {
         Ok(outbox::unsent(self).await?)
     }

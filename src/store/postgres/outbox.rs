@@ -262,15 +262,23 @@ pub async fn requeue(pool: &PgPool, id: i64, rehome: &str) -> Result<Option<i64>
     Ok(new)
 }
 
-/// Every pipeline's and target's rows waiting and `delivery_failed` dead letters ([`crate::store::Connector::unsent`]).
+/// Every pipeline's and target's rows waiting (due, in back-off, leased) and `delivery_failed` dead letters
+/// ([`crate::store::Connector::unsent`]).
 pub async fn unsent(pool: &PgPool) -> Result<Vec<crate::store::rows::Unsent>, sqlx::Error> {
+    type Row = (String, String, i64, f64, i64, i64, i64, i64, Option<String>, Option<String>);
     let mut tx = pool.begin().await?;
-    let rows: Vec<(String, String, i64, f64, i64)> = sqlx::query_as(
-        "SELECT pipeline, target, sum(waiting)::int8, max(oldest)::float8, sum(failed)::int8 FROM (
-             SELECT pipeline, target, count(*) AS waiting, extract(epoch FROM now() - min(created_at))::float8 AS oldest, 0::int8 AS failed
+    let rows: Vec<Row> = sqlx::query_as(
+        "SELECT pipeline, target, sum(waiting)::int8, max(oldest)::float8, sum(failed)::int8, sum(due)::int8, sum(backing)::int8,
+                sum(leased)::int8, min(next_at), max(last_error) FROM (
+             SELECT pipeline, target, count(*) AS waiting, extract(epoch FROM now() - min(created_at))::float8 AS oldest, 0::int8 AS failed,
+                    count(*) FILTER (WHERE next_attempt_at <= now() AND (leased_until IS NULL OR leased_until < now())) AS due,
+                    count(*) FILTER (WHERE next_attempt_at > now() AND (leased_until IS NULL OR leased_until < now())) AS backing,
+                    count(*) FILTER (WHERE leased_until >= now()) AS leased,
+                    min(next_attempt_at) FILTER (WHERE next_attempt_at > now())::text AS next_at,
+                    (array_agg(last_error ORDER BY id DESC) FILTER (WHERE last_error IS NOT NULL))[1] AS last_error
              FROM idemflow.outbox GROUP BY pipeline, target
              UNION ALL
-             SELECT pipeline, request->>'target', 0::int8, 0::float8, count(*)
+             SELECT pipeline, request->>'target', 0::int8, 0::float8, count(*), 0::int8, 0::int8, 0::int8, NULL, NULL
              FROM idemflow.dead_letters WHERE reason = 'delivery_failed' AND request IS NOT NULL GROUP BY 1, 2
          ) u GROUP BY pipeline, target ORDER BY pipeline, target",
     )
@@ -280,8 +288,38 @@ pub async fn unsent(pool: &PgPool) -> Result<Vec<crate::store::rows::Unsent>, sq
     tx.commit().await?;
     Ok(rows
         .into_iter()
-        .map(|(pipeline, target, waiting, oldest, dead_letters)| crate::store::rows::Unsent { pipeline, target, waiting, oldest_seconds: oldest.max(0.0), dead_letters })
+        .map(|(pipeline, target, waiting, oldest, dead_letters, due, backing_off, leased, next_attempt, last_error)| crate::store::rows::Unsent {
+            pipeline,
+            target,
+            waiting,
+            oldest_seconds: oldest.max(0.0),
+            dead_letters,
+            due,
+            backing_off,
+            leased,
+            next_attempt,
+            last_error,
+        })
         .collect())
+}
+
+/// Moves the next attempt of `pipeline`'s rows in back-off (of `target`, of the key whose digest is `digest`, where
+/// given) to now; rows a relay holds are left. Returns how many ([`crate::store::Connector::outbox_retry_now`]).
+pub async fn retry_now(pool: &PgPool, pipeline: &str, target: Option<&str>, digest: Option<&[u8]>) -> Result<u64, sqlx::Error> {
+    let mut tx = pool.begin().await?;
+    let done = sqlx::query(
+        "UPDATE idemflow.outbox SET next_attempt_at = now()
+         WHERE pipeline = $1 AND ($2::text IS NULL OR target = $2) AND ($3::bytea IS NULL OR key_digest = $3)
+           AND next_attempt_at > now() AND (leased_until IS NULL OR leased_until < now())",
+    )
+    .bind(pipeline)
+    .bind(target)
+    .bind(digest)
+    .persistent(super::persistent())
+    .execute(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    Ok(done.rows_affected())
 }
 
 /// A business key's requests not yet confirmed ([`crate::store::Connector::key_requests`]).
