@@ -85,9 +85,11 @@ fn next_steps(old: &str, new: &str, old_configured: bool, outbox: bool) -> Vec<S
         ));
     }
     lines.push(format!(
-        "a consumer group named after the pipeline (Kafka's and RocketMQ's default group_id, idemflow-<name>) changes with \
-         it: the new group starts at the topics' start and moves on to the processed floors without applying anything \
-         again (only fetching); to keep the old group's offsets, set group_id = \"idemflow-{old}\" in the file"
+        "a consumer group or durable consumer named after the pipeline (the default group_id of Kafka and RocketMQ, the \
+         default JetStream consumer: idemflow-<name>) changes with it: keep it by setting group_id = \"idemflow-{old}\" \
+         (consumer = \"idemflow-{old}\" for JetStream) in the file. A new group starts where auto.offset.reset says: at \
+         the topics' start (the default) it moves on to the processed floors without applying anything again; at their \
+         end, records produced while the workers were stopped are never read"
     ));
     if outbox {
         lines.push(format!(

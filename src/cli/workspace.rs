@@ -113,13 +113,15 @@ pub(super) async fn unsent(stores: &[(StoreKind, Store)], pipelines: &[config::P
             let targets = p.and_then(|p| p.outbox.as_ref()).map(|o| o.http.iter().map(|t| t.name.as_str()).chain(o.kafka.iter().map(|t| t.name.as_str())).collect::<Vec<_>>());
             let why = match (p, targets) {
                 (None, _) => format!(
-                    "no pipeline {:?} is configured: renamed? `idemflow pipeline rename {} <new name>` moves them with its history \
-                     (docs/operations.md, \"Renaming a pipeline\")",
+                    "no pipeline {:?} is configured here. Run by another deployment sharing this database? Then nothing is \
+                     wrong. Renamed? With every worker of it stopped, `idemflow pipeline rename {} <new name>` moves them with \
+                     its history (docs/operations.md, \"Renaming a pipeline\")",
                     u.pipeline, u.pipeline
                 ),
                 (Some(_), targets) if !targets.as_ref().is_some_and(|t| t.contains(&u.target.as_str())) => format!(
-                    "pipeline {:?} has no target {:?} now: give the renamed target its old name back (name = {:?}), or configure \
-                     it again until they are sent (docs/outbox.md, \"Adding a target to a running pipeline\")",
+                    "pipeline {:?} has no target {:?} now: give the renamed target its old name back (name = {:?}), or \
+                     configure it again; then waiting rows are sent, and dead letters with `idemflow dead-letters replay` \
+                     (docs/outbox.md, \"Adding a target to a running pipeline\")",
                     u.pipeline, u.target, u.target
                 ),
                 _ => continue,

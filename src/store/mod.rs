@@ -24,6 +24,7 @@ pub mod disposition;
 pub mod error;
 pub mod open;
 pub mod redis_command;
+pub mod rename;
 pub mod rows;
 pub mod spec;
 pub mod template;
@@ -208,25 +209,11 @@ impl Store {
 
     /// `idemflow pipeline rename`: moves every row of pipeline `old`'s history under `new` in one transaction
     /// ([`Connector::rename_pipeline`]; only counts them with `dry_run`). Refused while a worker of `old` recorded a
-    /// batch attempt within [`FORGET_REFUSED_WITHIN`], and where `new` has a history.
+    /// batch attempt within [`rename::RUNNING_WITHIN`] (checked in the rename's transaction, after waiting for a
+    /// batch in flight), and where `new` has a history.
     ///
     /// Errors: the database's; [`StoreError::Refused`] as above, and for a store that cannot rename (Redis).
     pub async fn rename_pipeline(&self, old: &str, new: &str, dry_run: bool) -> Result<rows::Renamed, StoreError> {
-        // A store that keeps no attempts (Redis) says so by refusing; its own answer to the rename is the one given.
-        let running = match each_store!(self, |s| Connector::recent_attempts(s, old, FORGET_REFUSED_WITHIN).await) {
-            Err(StoreError::Refused(_)) => Vec::new(),
-            other => other?,
-        };
-        if !running.is_empty() && !dry_run {
-            let lanes: Vec<String> = running.iter().map(|(lane, at)| format!("{lane} at {at}")).collect();
-            return Err(StoreError::Refused(format!(
-                "a worker of pipeline {old:?} ran a batch within the last {}s ({}): stop every worker of the pipeline, wait \
-                 {}s, and run this again (a batch in flight would go on writing under the old name)",
-                FORGET_REFUSED_WITHIN.as_secs(),
-                lanes.join(", "),
-                FORGET_REFUSED_WITHIN.as_secs()
-            )));
-        }
         each_store!(self, |s| Connector::rename_pipeline(s, old, new, dry_run).await)
     }
 

@@ -149,6 +149,25 @@ pub async fn settle(pool: &MySqlPool, pipeline: &str, owner: &str, settled: &[Se
     let mut moved = Vec::new();
     let mut tx = pool.begin().await?;
     let confirmed: Vec<i64> = settled.iter().filter_map(|s| if let Settled::Confirmed(id) = s { Some(*id) } else { None }).collect();
+    let done: Vec<i64> = settled.iter().filter_map(|s| match s {
+        Settled::Confirmed(id) | Settled::Failed { id, .. } => Some(*id),
+        Settled::Retry { .. } => None,
+    }).collect();
+    if !done.is_empty() {
+        // A key's next request waited behind this one: due from now, so back-pressure's `max_age` counts its wait
+        // from here, not from when it was written.
+        let sql = format!(
+            "UPDATE idemflow_outbox n JOIN idemflow_outbox d ON n.pipeline = d.pipeline AND n.key_digest = d.key_digest AND n.id > d.id
+             SET n.next_attempt_at = NOW(6)
+             WHERE d.pipeline = ? AND d.id IN ({}) AND n.attempts = 0 AND n.next_attempt_at < NOW(6)",
+            placeholders(done.len())
+        );
+        let mut bump = sqlx::query(&sql).bind(pipeline);
+        for id in &done {
+            bump = bump.bind(id);
+        }
+        bump.execute(&mut *tx).await?;
+    }
     if !confirmed.is_empty() {
         let sql = format!("DELETE FROM idemflow_outbox WHERE pipeline = ? AND id IN ({})", placeholders(confirmed.len()));
         let mut delete = sqlx::query(&sql).bind(pipeline);

@@ -1,6 +1,7 @@
 //! `idemflow pipeline rename` on MySQL and MariaDB: every row of a pipeline's history moved under its new name in one
 //! transaction.
 
+use crate::store::rename::{self, running, RUNNING_WITHIN};
 use crate::store::rows::Renamed;
 use sqlx::MySqlPool;
 
@@ -10,21 +11,36 @@ use sqlx::MySqlPool;
 pub const TABLES: [&str; 7] = ["dedup", "processed", "offsets", "attempts", "dead_letters", "outbox", "retention_sweeps"];
 
 /// Moves every row of `old` under `new` in one transaction (counts per table; with `dry_run`, only counted). Waits
-/// at most 5 s for a row another transaction holds (an in-flight batch: error 1205, `innodb_lock_wait_timeout`). Returns
-/// `Err(table)` without changing anything where `new` already has rows in one of [`TABLES`].
+/// at most 5 s for a row another transaction holds (an in-flight batch: error 1205, `innodb_lock_wait_timeout`).
+/// Returns
+/// the refusal, without changing anything, where `new` already has rows in one of [`TABLES`] or a lane of `old`
+/// recorded a batch attempt within [`RUNNING_WITHIN`] (outside a dry run).
 ///
 /// Errors: the database's.
-pub async fn rename(pool: &MySqlPool, old: &str, new: &str, dry_run: bool) -> Result<Result<Renamed, &'static str>, sqlx::Error> {
+pub async fn rename(pool: &MySqlPool, old: &str, new: &str, dry_run: bool) -> Result<Result<Renamed, String>, sqlx::Error> {
     let mut conn = pool.acquire().await?;
     sqlx::query("SET SESSION innodb_lock_wait_timeout = 5").execute(&mut *conn).await?;
     let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+    // Each lane's attempts row, locked: a batch in flight holds its own until it ends, so this waits for it (then
+    // sees its attempt, a locking read reading the newest rows).
+    let recent: Vec<String> = sqlx::query_scalar(
+        "SELECT CONVERT(CONCAT(owner, ' at ', CAST(updated_at AS CHAR)) USING utf8mb4) FROM idemflow_attempts
+         WHERE pipeline = ? AND updated_at > NOW(6) - INTERVAL ? MICROSECOND FOR UPDATE",
+    )
+    .bind(old)
+    .bind(RUNNING_WITHIN.as_micros() as i64)
+    .fetch_all(&mut *tx)
+    .await?;
+    if !recent.is_empty() && !dry_run {
+        return Ok(Err(running(old, &recent)));
+    }
     for table in TABLES {
         let taken: i64 = sqlx::query_scalar(&format!("SELECT EXISTS (SELECT 1 FROM idemflow_{table} WHERE pipeline = ?)"))
             .bind(new)
             .fetch_one(&mut *tx)
             .await?;
         if taken != 0 {
-            return Ok(Err(table));
+            return Ok(Err(rename::taken(new, table)));
         }
     }
     let mut moved = Vec::with_capacity(TABLES.len());

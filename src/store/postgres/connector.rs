@@ -66,11 +66,7 @@ impl Connector for PgPool {
     }
 
     async fn rename_pipeline(&self, old: &str, new: &str, dry_run: bool) -> Result<Renamed, StoreError> {
-        super::rename::rename(self, old, new, dry_run).await?.map_err(|table| {
-            StoreError::Refused(format!(
-                "pipeline {new:?} already has a history (rows in {table}): a rename never merges two histories; pick another name"
-            ))
-        })
+        super::rename::rename(self, old, new, dry_run).await?.map_err(StoreError::Refused)
     }
 
     async fn lower_floors(&self, pipeline: &str, positions: &[(String, i32, i64)]) -> Result<u64, StoreError> {

@@ -142,6 +142,22 @@ pub async fn settle(pool: &PgPool, pipeline: &str, owner: &str, settled: &[Settl
         }
     }
     let mut tx = begin(pool).await?;
+    let done: Vec<i64> = confirmed.iter().chain(&failed_ids).copied().collect();
+    if !done.is_empty() {
+        // A key's next request waited behind this one: due from now, so back-pressure's `max_age` counts its wait
+        // from here, not from when it was written (a key that waited out an hour's back-off never pauses the
+        // pipeline while it drains).
+        sqlx::query(
+            "UPDATE idemflow.outbox n SET next_attempt_at = now() FROM idemflow.outbox d
+             WHERE d.pipeline = $1 AND d.id = ANY($2) AND n.pipeline = d.pipeline AND n.key_digest = d.key_digest AND n.id > d.id
+               AND n.attempts = 0 AND n.next_attempt_at < now()",
+        )
+        .bind(pipeline)
+        .bind(&done)
+        .persistent(super::persistent())
+        .execute(&mut *tx)
+        .await?;
+    }
     if !confirmed.is_empty() {
         // Whoever holds the lease now: the target confirmed the request, another send would only be recognised.
         sqlx::query("DELETE FROM idemflow.outbox WHERE pipeline = $1 AND id = ANY($2)")
