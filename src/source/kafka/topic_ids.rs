@@ -8,7 +8,7 @@
 //! last learnt. The request goes to the broker that answers a metadata request for the topics (librdkafka would send
 //! it to the controller, which some clusters do not name to clients: its mock cluster). Each answer waits at most
 //! [`DESCRIBE_TIMEOUT`]; after a lookup that failed the ids known are kept and the cluster is asked again after
-//! [`RETRY_AFTER`]. A broker that gives no id (before 2.8: the all-zero UUID) gives `None`, and the marks are then
+//! [`RETRY_AFTER`], and [`KNOWN_FOR`] after the last answer none is known any more. A broker that gives no id (before 2.8: the all-zero UUID) gives `None`, and the marks are then
 //! judged on where the log ends ([`crate::offsets::Processed::renewals`]).
 //!
 //! So an id is at most [`FRESH_FOR`] (plus a lookup) old when a batch is judged on it. The one wait on the batch
@@ -30,6 +30,9 @@ pub const DESCRIBE_TIMEOUT: Duration = Duration::from_secs(2);
 pub const RETRY_AFTER: Duration = Duration::from_secs(30);
 /// The longest a batch waits for the first lookup of its topic (both answers, and a margin).
 pub const FIRST_WAIT: Duration = Duration::from_secs(5);
+/// How long ids are used after the last lookup that answered: past it (the cluster has not answered for this long),
+/// none is known, and the marks are judged on where the log ends alone, never on an id that may be stale.
+pub const KNOWN_FOR: Duration = Duration::from_secs(60);
 /// Kafka's all-zero topic id (`Uuid.ZERO_UUID`), which brokers without topic ids answer, in base64.
 const ZERO: &str = "AAAAAAAAAAAAAAAAAAAAAA";
 
@@ -54,6 +57,8 @@ struct State {
     known: HashMap<String, Option<Arc<str>>>,
     /// The topics a lookup has covered, answered or not: a batch of them does not wait.
     asked: HashSet<String>,
+    /// When a lookup last answered.
+    answered_at: Option<Instant>,
     /// A lookup is wanted now (a topic not asked yet).
     wanted: bool,
     /// The source is gone: the thread ends.
@@ -121,7 +126,8 @@ impl Drop for TopicIds {
 }
 
 fn pick(state: &State, topics: &[&str]) -> HashMap<String, Option<Arc<str>>> {
-    topics.iter().map(|t| (t.to_string(), state.known.get(*t).cloned().flatten())).collect()
+    let fresh = state.answered_at.is_some_and(|at| at.elapsed() < KNOWN_FOR);
+    topics.iter().map(|t| (t.to_string(), state.known.get(*t).cloned().flatten().filter(|_| fresh))).collect()
 }
 
 /// Runs `f` where it may block: through `block_in_place` on a multi-threaded tokio runtime, as it is elsewhere.
@@ -179,6 +185,7 @@ fn keep_fresh(shared: &Shared, client: &BaseConsumer, pipeline: &str) {
                     state.known.insert(topic.clone(), id);
                 }
                 failing = false;
+                state.answered_at = Some(Instant::now());
             }
             Err(e) => {
                 if !failing {
