@@ -268,7 +268,7 @@
 //!   records are claimed as new, their dedup rows deciding ([`offsets::Processed::renewals`]; a truncated log's last
 //!   records were processed recently, so their rows are kept). Kafka's topic ids are asked off the batch path, by a
 //!   thread of the source's own every 10 s (a topic's first batch waits at most 5 s for its first answer): a batch
-//!   is judged on an id at most that old, so a topic created again in those seconds and filled past the old mark
+//!   is judged on an id at most that old (and on none 60 s after the cluster last answered), so a topic created again in those seconds and filled past the old mark
 //!   before its first batch is skipped below the mark like one without ids. A broker that gives no identity and a
 //!   topic created again that already reaches the old mark cannot be told from a replay: its records below the mark
 //!   are skipped, with a warning where they are stamped after it (`idemflow rewind` applies them). Tested with records stamped an hour ahead, purged and replayed by a new group
