@@ -19,6 +19,8 @@ rabbitmq_throwaway_start() {
   local port
   port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])' 2>/dev/null || echo 45672)
   RABBITMQ_NODE="idem$port@localhost"
+  # The Erlang distribution port: one the kernel found free too (the AMQP port + 20000 was never checked).
+  dist_port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])' 2>/dev/null || echo 45673)
   local run=() management=() management_port=""
   if [ "${RABBITMQ_THROWAWAY_MANAGEMENT:-}" = 1 ]; then
     management_port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
@@ -31,7 +33,7 @@ rabbitmq_throwaway_start() {
     run=(runuser -u rabbitmq --)
   fi
   "${run[@]}" env "${management[@]}" HOME="$RABBITMQ_THROWAWAY_DIR" RABBITMQ_NODENAME="$RABBITMQ_NODE" RABBITMQ_NODE_PORT="$port" \
-    RABBITMQ_NODE_IP_ADDRESS=127.0.0.1 RABBITMQ_DIST_PORT=$((port + 20000 > 65000 ? port - 20000 : port + 20000)) \
+    RABBITMQ_NODE_IP_ADDRESS=127.0.0.1 RABBITMQ_DIST_PORT="$dist_port" \
     RABBITMQ_MNESIA_BASE="$RABBITMQ_THROWAWAY_DIR/mnesia" RABBITMQ_LOG_BASE="$RABBITMQ_THROWAWAY_DIR/log" \
     RABBITMQ_ENABLED_PLUGINS_FILE="$RABBITMQ_THROWAWAY_DIR/enabled_plugins" \
     /usr/lib/rabbitmq/bin/rabbitmq-server >"$RABBITMQ_THROWAWAY_DIR/server.out" 2>&1 &

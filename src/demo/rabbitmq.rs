@@ -15,6 +15,10 @@ const BIN: &str = "/usr/lib/rabbitmq/bin";
 pub struct Throwaway {
     dir: tempfile::TempDir,
     port: u16,
+    /// The Erlang distribution port, drawn like the AMQP one ([`super::host::free_port`]: below the kernel's
+    /// ephemeral range). It was the AMQP port + 20000, inside that range, and an outgoing connection holding it made
+    /// the node fail to boot (`dist_port_already_used`; `rabbitmq::broker_restart_and_closed_connections` once).
+    dist: u16,
     child: Option<Child>,
 }
 
@@ -47,7 +51,7 @@ impl Throwaway {
         }
         let port = super::host::free_port()?;
         std::fs::write(dir.path().join("rabbitmq.conf"), conf)?;
-        let mut node = Throwaway { dir, port, child: None };
+        let mut node = Throwaway { dir, port, dist: super::host::free_port()?, child: None };
         node.start_again()?;
         Ok(node)
     }
@@ -65,8 +69,7 @@ impl Throwaway {
         } else {
             Command::new("env")
         };
-        // The Erlang distribution port: away from the AMQP one, inside the port range.
-        let dist = if self.port > 40000 { self.port - 20000 } else { self.port + 20000 };
+        let dist = self.dist;
         c.arg(format!("HOME={}", d.display()))
             .arg(format!("RABBITMQ_NODENAME={}", self.name()))
             .arg(format!("RABBITMQ_NODE_PORT={}", self.port))
@@ -84,14 +87,29 @@ impl Throwaway {
     ///
     /// Errors: it did not listen within 60 s (its output is included).
     pub fn start_again(&mut self) -> anyhow::Result<()> {
+        // A distribution port taken between its draw and the node's bind: drawn again (the node's name, and so its
+        // data, stay the same).
+        for _ in 0..2 {
+            match self.start_once() {
+                Err(e) if e.to_string().contains("dist_port_already_used") => self.dist = super::host::free_port()?,
+                other => return other,
+            }
+        }
+        self.start_once()
+    }
+
+    fn start_once(&mut self) -> anyhow::Result<()> {
         let out = self.dir.path().join("server.out");
         let log = std::fs::OpenOptions::new().create(true).append(true).open(&out)?;
+        // Only this start's output is said on a failure (the file keeps every start's).
+        let from = usize::try_from(log.metadata()?.len()).unwrap_or(0);
         let child = self.command("rabbitmq-server").stdout(log.try_clone()?).stderr(log).process_group(0).spawn()?;
         self.child = Some(child);
         let deadline = Instant::now() + Duration::from_secs(60);
         while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
             if Instant::now() > deadline || self.child.as_mut().is_some_and(|c| c.try_wait().ok().flatten().is_some()) {
-                bail!("RabbitMQ did not start; its output:\n{}", std::fs::read_to_string(&out).unwrap_or_default());
+                let text = std::fs::read(&out).unwrap_or_default();
+                bail!("RabbitMQ did not start; its output:\n{}", String::from_utf8_lossy(text.get(from..).unwrap_or_default()));
             }
             std::thread::sleep(Duration::from_millis(100));
         }
