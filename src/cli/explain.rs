@@ -59,8 +59,7 @@ pub async fn run(a: ExplainArgs) -> anyhow::Result<()> {
     }
     if let Some(outbox) = &p.outbox {
         let requests = store.key_requests(&p.name, &key.digest).await?;
-        let targets = outbox.http.iter().map(|t| t.name.as_str()).chain(outbox.kafka.iter().map(|t| t.name.as_str()));
-        for line in request_lines(&requests, targets, applied) {
+        for line in request_lines(&requests, outbox.target_names(), applied) {
             println!("{line}");
         }
     }

@@ -1,7 +1,7 @@
 //! `idemflow outbox`: what waits in the outbox, per pipeline and target (`list`), and a backed-off request sent at
 //! once (`retry-now`). PostgreSQL, MySQL/MariaDB.
 
-use super::workspace::{load, named, open_store, open_stores, report};
+use super::workspace::{load, named, open_store, open_stores, report, unsent_because};
 use idemflow::config;
 use std::path::PathBuf;
 
@@ -59,12 +59,10 @@ async fn list(a: ListArgs) -> anyhow::Result<()> {
     }
     let stores = open_stores(&settings, &pipelines).await.map_err(|e| anyhow::anyhow!("{}: {e}", a.config.display()))?;
     let mut any = false;
-    for (_, store) in &stores {
+    for (kind, store) in &stores {
         for u in store.unsent().await?.into_iter().filter(|u| a.pipeline.as_ref().is_none_or(|p| *p == u.pipeline)) {
             any = true;
-            let configured = pipelines.iter().find(|p| p.name == u.pipeline).and_then(|p| p.outbox.as_ref()).is_some_and(|o| {
-                o.http.iter().map(|t| t.name.as_str()).chain(o.kafka.iter().map(|t| t.name.as_str())).any(|t| t == u.target)
-            });
+            let configured = unsent_because(&pipelines, *kind, &u).is_none();
             let oldest = idemflow::terminal::duration(std::time::Duration::from_secs_f64(u.oldest_seconds.floor()));
             println!(
                 "pipeline {:?} target {:?}{}: {} waiting ({} due, {} in back-off, {} being sent), the oldest for {oldest}; {} delivery_failed dead letter(s)",

@@ -109,23 +109,7 @@ pub(super) async fn unsent(stores: &[(StoreKind, Store)], pipelines: &[config::P
             }
         };
         for u in rows {
-            let p = pipelines.iter().find(|p| p.name == u.pipeline && p.sink.store() == *kind);
-            let targets = p.and_then(|p| p.outbox.as_ref()).map(|o| o.http.iter().map(|t| t.name.as_str()).chain(o.kafka.iter().map(|t| t.name.as_str())).collect::<Vec<_>>());
-            let why = match (p, targets) {
-                (None, _) => format!(
-                    "no pipeline {:?} is configured here. Run by another deployment sharing this database? Then nothing is \
-                     wrong. Renamed? With every worker of it stopped, `idemflow pipeline rename {} <new name>` moves them with \
-                     its history (docs/operations.md, \"Renaming a pipeline\")",
-                    u.pipeline, u.pipeline
-                ),
-                (Some(_), targets) if !targets.as_ref().is_some_and(|t| t.contains(&u.target.as_str())) => format!(
-                    "pipeline {:?} has no target {:?} now: give the renamed target its old name back (name = {:?}), or \
-                     configure it again; then waiting rows are sent, and dead letters with `idemflow dead-letters replay` \
-                     (docs/outbox.md, \"Adding a target to a running pipeline\")",
-                    u.pipeline, u.target, u.target
-                ),
-                _ => continue,
-            };
+            let Some(why) = unsent_because(pipelines, *kind, &u) else { continue };
             let waiting = if u.waiting > 0 {
                 format!("{} request(s) waiting in the outbox (the oldest for {})", u.waiting, idemflow::terminal::duration(std::time::Duration::from_secs_f64(u.oldest_seconds)))
             } else {
@@ -137,6 +121,28 @@ pub(super) async fn unsent(stores: &[(StoreKind, Store)], pipelines: &[config::P
         }
     }
     lines
+}
+
+/// Why no relay sends the rows of `u` (in the store of `kind`), with the remedy: its pipeline is not configured with
+/// that store, or has no such target now. `None` where a relay of a configured pipeline sends them.
+pub(super) fn unsent_because(pipelines: &[config::Pipeline], kind: StoreKind, u: &idemflow::store::rows::Unsent) -> Option<String> {
+    let Some(p) = pipelines.iter().find(|p| p.name == u.pipeline && p.sink.store() == kind) else {
+        return Some(format!(
+            "no pipeline {:?} is configured here. Run by another deployment sharing this database? Then nothing is \
+             wrong. Renamed? With every worker of it stopped, `idemflow pipeline rename {} <new name>` moves them with \
+             its history (docs/operations.md, \"Renaming a pipeline\")",
+            u.pipeline, u.pipeline
+        ));
+    };
+    if p.outbox.as_ref().is_some_and(|o| o.target_names().any(|t| t == u.target)) {
+        return None;
+    }
+    Some(format!(
+        "pipeline {:?} has no target {:?} now: give the renamed target its old name back (name = {:?}), or configure it \
+         again; then waiting rows are sent, and dead letters with `idemflow dead-letters replay` (docs/outbox.md, \
+         \"Adding a target to a running pipeline\")",
+        u.pipeline, u.target, u.target
+    ))
 }
 
 /// Checks every pipeline against its store, all problems at once.

@@ -36,6 +36,13 @@ pub struct OutboxSpec {
     pub key_prefix: Option<String>,
 }
 
+impl OutboxSpec {
+    /// The names of its targets, `[[sink.http]]`'s then `[[sink.kafka]]`'s: the `target` of the rows it writes.
+    pub fn target_names(&self) -> impl Iterator<Item = &str> {
+        self.http.iter().map(|t| t.name.as_str()).chain(self.kafka.iter().map(|t| t.name.as_str()))
+    }
+}
+
 /// `[[sink.http]]`: one HTTP request per record whose business key was new.
 #[derive(Clone, Debug)]
 pub struct HttpTarget {

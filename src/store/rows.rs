@@ -313,6 +313,16 @@ pub struct Unsent {
     pub last_error: Option<String>,
 }
 
+/// [`Unsent`] as the stores read it: pipeline, target, waiting, the oldest's age in seconds, dead letters, due, in
+/// back-off, leased, the next attempt, the last error.
+pub type UnsentRow = (String, String, i64, f64, i64, i64, i64, i64, Option<String>, Option<String>);
+
+impl From<UnsentRow> for Unsent {
+    fn from((pipeline, target, waiting, oldest, dead_letters, due, backing_off, leased, next_attempt, last_error): UnsentRow) -> Self {
+        Unsent { pipeline, target, waiting, oldest_seconds: oldest.max(0.0), dead_letters, due, backing_off, leased, next_attempt, last_error }
+    }
+}
+
 /// What `idemflow pipeline rename` moved ([`crate::store::Store::rename_pipeline`]).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Renamed {

@@ -300,9 +300,8 @@ pub async fn requeue(pool: &MySqlPool, id: i64, rehome: &str) -> Result<Option<i
 /// Every pipeline's and target's rows waiting (due, in back-off, leased) and `delivery_failed` dead letters
 /// ([`crate::store::Connector::unsent`]).
 pub async fn unsent(pool: &MySqlPool) -> Result<Vec<crate::store::rows::Unsent>, sqlx::Error> {
-    type Row = (String, String, i64, Option<i64>, i64, i64, i64, i64, Option<String>, Option<String>);
-    let rows: Vec<Row> = sqlx::query_as(
-        "SELECT CONVERT(pipeline USING utf8mb4), CONVERT(target USING utf8mb4), CAST(SUM(waiting) AS SIGNED), MAX(oldest_us),
+    let rows: Vec<crate::store::rows::UnsentRow> = sqlx::query_as(
+        "SELECT CONVERT(pipeline USING utf8mb4), CONVERT(target USING utf8mb4), CAST(SUM(waiting) AS SIGNED), COALESCE(MAX(oldest_us), 0) / 1e6,
                 CAST(SUM(failed) AS SIGNED), CAST(SUM(due) AS SIGNED), CAST(SUM(backing) AS SIGNED), CAST(SUM(leased) AS SIGNED),
                 CAST(MIN(next_at) AS CHAR), CONVERT(MAX(last_error) USING utf8mb4) FROM (
              SELECT o.pipeline, o.target, COUNT(*) AS waiting, TIMESTAMPDIFF(MICROSECOND, MIN(o.created_at), NOW(6)) AS oldest_us, 0 AS failed,
@@ -320,21 +319,7 @@ pub async fn unsent(pool: &MySqlPool) -> Result<Vec<crate::store::rows::Unsent>,
     )
     .fetch_all(pool)
     .await?;
-    Ok(rows
-        .into_iter()
-        .map(|(pipeline, target, waiting, oldest_us, dead_letters, due, backing_off, leased, next_attempt, last_error)| crate::store::rows::Unsent {
-            pipeline,
-            target,
-            waiting,
-            oldest_seconds: oldest_us.unwrap_or(0).max(0) as f64 / 1e6,
-            dead_letters,
-            due,
-            backing_off,
-            leased,
-            next_attempt,
-            last_error,
-        })
-        .collect())
+    Ok(rows.into_iter().map(crate::store::rows::Unsent::from).collect())
 }
 
 /// Moves the next attempt of `pipeline`'s rows in back-off (of `target`, of the key whose digest is `digest`, where

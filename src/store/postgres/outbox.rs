@@ -142,25 +142,14 @@ pub async fn settle(pool: &PgPool, pipeline: &str, owner: &str, settled: &[Settl
         }
     }
     let mut tx = begin(pool).await?;
-    let done: Vec<i64> = confirmed.iter().chain(&failed_ids).copied().collect();
-    if !done.is_empty() {
-        // A key's next request waited behind this one: due from now, so back-pressure's `max_age` counts its wait
-        // from here, not from when it was written (a key that waited out an hour's back-off never pauses the
-        // pipeline while it drains).
-        sqlx::query(
-            "UPDATE idemflow.outbox n SET next_attempt_at = now() FROM idemflow.outbox d
-             WHERE d.pipeline = $1 AND d.id = ANY($2) AND n.pipeline = d.pipeline AND n.key_digest = d.key_digest AND n.id > d.id
-               AND n.attempts = 0 AND n.next_attempt_at < now()",
-        )
-        .bind(pipeline)
-        .bind(&done)
-        .persistent(super::persistent())
-        .execute(&mut *tx)
-        .await?;
-    }
+    // A key's next request waited behind the one settled here: it is due from now, so back-pressure's `max_age`
+    // counts its wait from here, not from when it was written (a key that waited out an hour's back-off never pauses
+    // the pipeline while it drains). In the statement that deletes the row, with what it returns.
+    const BUMP: &str = "UPDATE idemflow.outbox n SET next_attempt_at = now() FROM gone g
+                        WHERE n.pipeline = $1 AND n.key_digest = g.key_digest AND n.id > g.id AND n.attempts = 0 AND n.next_attempt_at < now()";
     if !confirmed.is_empty() {
         // Whoever holds the lease now: the target confirmed the request, another send would only be recognised.
-        sqlx::query("DELETE FROM idemflow.outbox WHERE pipeline = $1 AND id = ANY($2)")
+        sqlx::query(&format!("WITH gone AS (DELETE FROM idemflow.outbox WHERE pipeline = $1 AND id = ANY($2) RETURNING id, key_digest) {BUMP}"))
             .bind(pipeline)
             .bind(&confirmed)
             .persistent(super::persistent())
@@ -187,7 +176,7 @@ pub async fn settle(pool: &PgPool, pipeline: &str, owner: &str, settled: &[Settl
         // The request moves whole: its headers and body, and what `dead-letters replay` needs to send it again. The
         // digest makes each failed row a dead letter of its own (two targets of one record fail apart). One
         // statement: a row is deleted and written as a dead letter together, only while this relay holds it.
-        moved = sqlx::query_scalar(
+        moved = sqlx::query_scalar(&format!(
             r#"WITH gone AS (
                    DELETE FROM idemflow.outbox o USING unnest($3::int8[], $4::text[]) AS f(id, error)
                    WHERE o.pipeline = $1 AND o.id = f.id AND o.lease_owner = $2
@@ -198,13 +187,14 @@ pub async fn settle(pool: &PgPool, pipeline: &str, owner: &str, settled: &[Settl
                SELECT g.pipeline, g.topic, g.partition,
                       CASE WHEN g.partition < 0 THEN nextval('idemflow.queue_dead_letter_seq') ELSE g."offset" END,
                       g.record_key, g.header_names, ARRAY(SELECT convert_to(v, 'UTF8') FROM unnest(g.header_values) v), g.body,
-                      'delivery_failed', g.error, '{}', '{}', sha256(convert_to('outbox:' || g.id, 'UTF8')),
+                      'delivery_failed', g.error, '{{}}', '{{}}', sha256(convert_to('outbox:' || g.id, 'UTF8')),
                       jsonb_build_object('target', g.target, 'method', g.method, 'url', g.url, 'key_digest', encode(g.key_digest, 'hex'))
                FROM gone g
                ON CONFLICT (pipeline, topic, partition, "offset", payload_digest) DO NOTHING
-               RETURNING 0)
+               RETURNING 0),
+               bumped AS ({BUMP} RETURNING 0)
            SELECT id FROM gone"#,
-        )
+        ))
         .bind(pipeline)
         .bind(owner)
         .bind(&failed_ids)
@@ -281,9 +271,8 @@ pub async fn requeue(pool: &PgPool, id: i64, rehome: &str) -> Result<Option<i64>
 /// Every pipeline's and target's rows waiting (due, in back-off, leased) and `delivery_failed` dead letters
 /// ([`crate::store::Connector::unsent`]).
 pub async fn unsent(pool: &PgPool) -> Result<Vec<crate::store::rows::Unsent>, sqlx::Error> {
-    type Row = (String, String, i64, f64, i64, i64, i64, i64, Option<String>, Option<String>);
     let mut tx = pool.begin().await?;
-    let rows: Vec<Row> = sqlx::query_as(
+    let rows: Vec<crate::store::rows::UnsentRow> = sqlx::query_as(
         "SELECT pipeline, target, sum(waiting)::int8, max(oldest)::float8, sum(failed)::int8, sum(due)::int8, sum(backing)::int8,
                 sum(leased)::int8, min(next_at), max(last_error) FROM (
              SELECT pipeline, target, count(*) AS waiting, extract(epoch FROM now() - min(created_at))::float8 AS oldest, 0::int8 AS failed,
@@ -302,21 +291,7 @@ pub async fn unsent(pool: &PgPool) -> Result<Vec<crate::store::rows::Unsent>, sq
     .fetch_all(&mut *tx)
     .await?;
     tx.commit().await?;
-    Ok(rows
-        .into_iter()
-        .map(|(pipeline, target, waiting, oldest, dead_letters, due, backing_off, leased, next_attempt, last_error)| crate::store::rows::Unsent {
-            pipeline,
-            target,
-            waiting,
-            oldest_seconds: oldest.max(0.0),
-            dead_letters,
-            due,
-            backing_off,
-            leased,
-            next_attempt,
-            last_error,
-        })
-        .collect())
+    Ok(rows.into_iter().map(crate::store::rows::Unsent::from).collect())
 }
 
 /// Moves the next attempt of `pipeline`'s rows in back-off (of `target`, of the key whose digest is `digest`, where
