@@ -698,11 +698,11 @@ impl OutboxMetrics {
         self.metrics.outbox_delivery_seconds.with_label_values(&[p, target]);
     }
 
-    /// Sets the rows waiting, the oldest one's age and the longest wait of a row due ([`crate::store::rows::OutboxDepth`]).
-    pub fn depth(&self, depth: &crate::store::rows::OutboxDepth) {
-        self.metrics.outbox_rows.with_label_values(&[&self.pipeline]).set(depth.rows);
-        self.metrics.outbox_oldest.with_label_values(&[&self.pipeline]).set(depth.oldest_seconds);
-        self.metrics.outbox_due_wait.with_label_values(&[&self.pipeline]).set(depth.due_seconds);
+    /// Sets the rows waiting, the oldest one's age and the longest a row due has waited since it was due (seconds).
+    pub fn depth(&self, rows: i64, oldest_seconds: f64, due_seconds: f64) {
+        self.metrics.outbox_rows.with_label_values(&[&self.pipeline]).set(rows);
+        self.metrics.outbox_oldest.with_label_values(&[&self.pipeline]).set(oldest_seconds);
+        self.metrics.outbox_due_wait.with_label_values(&[&self.pipeline]).set(due_seconds);
     }
 
     /// Sets whether consumption is paused for the outbox.

@@ -277,7 +277,7 @@ impl Relay {
                 return;
             }
         };
-        self.metrics.depth(&depth);
+        self.metrics.depth(depth.rows, depth.oldest_seconds, depth.due_seconds);
         let over = if depth.rows as u64 > s.max_rows {
             Some(format!("the outbox holds {}{} rows, over [outbox] max_rows = {}", depth.rows, if depth.rows as u64 > 2 * s.max_rows { " or more" } else { "" }, s.max_rows))
         } else if depth.due_seconds > s.max_age.as_secs_f64() {
